@@ -1,0 +1,145 @@
+/*
+ * moed_dtype — sizes, names and the float32 conversions of the element types.
+ *
+ * f16 is converted bit by bit rather than through _Float16 so the code builds on any C11 compiler
+ * and rounds the same everywhere; these loops run over whole rows, so their cost is per element.
+ */
+#include "moed_dtype.h"
+
+#include <strings.h>
+
+size_t moed_dtype_size(int dtype)
+{
+    switch (dtype) {
+    case MOED_F32:
+    case MOED_I32:
+        return 4;
+    case MOED_F16:
+    case MOED_BF16:
+        return 2;
+    }
+    return 0;
+}
+
+const char *moed_dtype_name(int dtype)
+{
+    switch (dtype) {
+    case MOED_F32:
+        return "f32";
+    case MOED_F16:
+        return "f16";
+    case MOED_BF16:
+        return "bf16";
+    case MOED_I32:
+        return "i32";
+    }
+    return "unknown";
+}
+
+moed_dtype moed_dtype_parse(const char *name)
+{
+    static const struct {
+        const char *name;
+        moed_dtype dtype;
+    } names[] = {
+        { "f32", MOED_F32 },   { "float32", MOED_F32 },   { "f16", MOED_F16 },
+        { "float16", MOED_F16 }, { "bf16", MOED_BF16 }, { "bfloat16", MOED_BF16 },
+        { "i32", MOED_I32 },   { "int32", MOED_I32 },
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!strcasecmp(name, names[i].name)) return names[i].dtype;
+    return MOED_DTYPE_NONE;
+}
+
+int moed_dtype_is_float(int dtype)
+{
+    return dtype == MOED_F32 || dtype == MOED_F16 || dtype == MOED_BF16;
+}
+
+float moed_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    uint32_t u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13); /* inf or NaN */
+    } else if (exp != 0) {
+        u = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        u = sign;
+    } else { /* subnormal: normalise */
+        int e = -1;
+        do {
+            man <<= 1;
+            e++;
+        } while (!(man & 0x400u));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+uint16_t moed_f32_to_f16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t abs = u & 0x7fffffffu;
+    if (abs > 0x7f800000u) return sign | 0x7e00u;        /* NaN */
+    if (abs >= 0x477ff000u) return sign | 0x7c00u;       /* rounds to inf (>= 65520) */
+    if (abs >= 0x38800000u) {                            /* normal in f16 */
+        uint32_t r = abs - 0x38000000u;                  /* rebias exponent 127 -> 15 */
+        r += 0xfffu + ((r >> 13) & 1u);                  /* round to nearest even */
+        return sign | (uint16_t)(r >> 13);
+    }
+    if (abs < 0x33000000u) return sign;                  /* below half the smallest subnormal */
+    /* subnormal in f16: shift the implicit-1 mantissa into place, rounding to nearest even */
+    uint32_t e = abs >> 23;
+    uint32_t man = (abs & 0x7fffffu) | 0x800000u;
+    uint32_t shift = 126u - e; /* 14..24 */
+    uint32_t q = man >> shift;
+    uint32_t rem = man & ((1u << shift) - 1u);
+    uint32_t half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (q & 1u))) q++;
+    return sign | (uint16_t)q;
+}
+
+void moed_to_f32(int dtype, const void *src, float *dst, size_t n)
+{
+    switch (dtype) {
+    case MOED_F32:
+        memcpy(dst, src, n * 4);
+        break;
+    case MOED_BF16: {
+        const uint16_t *s = src;
+        for (size_t i = 0; i < n; i++) dst[i] = moed_bf16_to_f32(s[i]);
+        break;
+    }
+    case MOED_F16: {
+        const uint16_t *s = src;
+        for (size_t i = 0; i < n; i++) dst[i] = moed_f16_to_f32(s[i]);
+        break;
+    }
+    }
+}
+
+void moed_from_f32(int dtype, const float *src, void *dst, size_t n)
+{
+    switch (dtype) {
+    case MOED_F32:
+        memcpy(dst, src, n * 4);
+        break;
+    case MOED_BF16: {
+        uint16_t *d = dst;
+        for (size_t i = 0; i < n; i++) d[i] = moed_f32_to_bf16(src[i]);
+        break;
+    }
+    case MOED_F16: {
+        uint16_t *d = dst;
+        for (size_t i = 0; i < n; i++) d[i] = moed_f32_to_f16(src[i]);
+        break;
+    }
+    }
+}

@@ -1,0 +1,73 @@
+/*
+ * moed_model — what one resident MoE layer is: its sizes and rules (moed_layer_info) and where its
+ * weights are in host memory (moed_layer).
+ *
+ * Weights keep the Hugging Face nn.Linear layout, [out, in] row-major: W1 (gate_proj) and W3
+ * (up_proj) are [d_ff, d_model], W2 (down_proj) is [d_model, d_ff], the router is
+ * [n_experts, d_model]. The pointers may point into a memory-mapped checkpoint or into buffers the
+ * synthetic generator filled; whoever built the moed_layer owns that memory and keeps it alive as
+ * long as a backend that loaded the layer exists.
+ */
+#ifndef MOED_MODEL_H
+#define MOED_MODEL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+/* Values match moed.v1.Activation. */
+typedef enum moed_act {
+    MOED_ACT_NONE = 0,
+    MOED_ACT_SWIGLU = 1, /* W2 (silu(W1 x) * W3 x) */
+    MOED_ACT_GELU = 2,   /* W2 gelu(W1 x), exact erf form */
+    MOED_ACT_RELU = 3,   /* W2 max(W1 x, 0) */
+} moed_act;
+
+/* Values match moed.v1.RouterRule. */
+typedef enum moed_router_rule {
+    MOED_RULE_NONE = 0,
+    MOED_RULE_SOFTMAX_TOPK = 1, /* Mixtral, Qwen-MoE, OLMoE */
+    MOED_RULE_DEEPSEEK_V3 = 2,  /* sigmoid + bias, group-limited top-k, scaled */
+} moed_router_rule;
+
+typedef struct moed_layer_info {
+    int index;         /* the layer's number in the checkpoint; what clients name */
+    int d_model;
+    int d_ff;          /* per routed expert */
+    int n_experts;
+    int top_k;         /* num_experts_per_tok */
+    moed_act act;
+    int wdtype;        /* moed_dtype of every weight matrix */
+    bool has_router;   /* router weights present: the server can compute logits */
+    bool norm_topk;    /* renormalise top-k weights (norm_topk_prob) */
+    moed_router_rule rule;
+    int n_group;       /* DeepSeek-V3 group-limited routing; 1 when not grouped */
+    int topk_group;
+    float routed_scale; /* routed_scaling_factor; 1 when absent */
+    int n_shared;      /* shared experts, applied to every token with weight 1 */
+    int shared_d_ff;   /* their total width: n_shared * moe_intermediate_size */
+} moed_layer_info;
+
+/* One expert's three matrices (w3 is NULL unless the activation is SwiGLU). */
+typedef struct moed_expert_w {
+    const void *w1; /* [d_ff, d_model] */
+    const void *w3; /* [d_ff, d_model] or NULL */
+    const void *w2; /* [d_model, d_ff] */
+} moed_expert_w;
+
+typedef struct moed_layer {
+    moed_layer_info info;
+    moed_expert_w *experts;     /* n_experts of them */
+    const void *router;         /* [n_experts, d_model] in wdtype, or NULL */
+    const float *router_bias;   /* [n_experts] float32 (DeepSeek e_score_correction_bias), or NULL */
+    moed_expert_w shared;       /* the shared experts fused along d_ff: [shared_d_ff, d_model] etc. */
+} moed_layer;
+
+/* Bytes of one routed expert's weights, and of the layer's resident weights in all. */
+uint64_t moed_layer_expert_bytes(const moed_layer_info *li);
+uint64_t moed_layer_bytes(const moed_layer_info *li);
+
+/* Name of an activation ("swiglu", "gelu", "relu") and the reverse (MOED_ACT_NONE if unknown). */
+const char *moed_act_name(moed_act act);
+moed_act moed_act_parse(const char *name);
+
+#endif

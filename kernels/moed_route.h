@@ -1,0 +1,81 @@
+/*
+ * moed_route — which experts compute each token, with what weight, and the gating strategies that
+ * turn router logits into such a route.
+ *
+ * A route is CSR over tokens: the pairs of token t are off[t] .. off[t+1]-1, each an (expert, weight).
+ * The number of pairs per token varies (sigmoid and sparsemax gating; padding in client routes), and
+ * the order of a token's pairs is the order in which its terms are summed: backends must keep it, so
+ * a token's result depends on its own row and route alone.
+ *
+ * Every strategy here is deterministic and defined to the bit on the host: ties go to the lower expert
+ * index, top-k lists experts by decreasing score. The numpy reference in the Python client implements
+ * the same definitions; see proto/moed/v1/moed.proto for the user-facing statement.
+ */
+#ifndef MOED_ROUTE_H
+#define MOED_ROUTE_H
+
+#include "moed_err.h"
+#include "moed_model.h"
+
+#include <stdint.h>
+
+typedef struct moed_route {
+    int64_t T;       /* tokens */
+    int64_t *off;    /* T + 1 offsets into expert/weight; off[0] = 0 */
+    int32_t *expert; /* off[T] expert ids, each in [0, n_experts) */
+    float *weight;   /* off[T] weights, finite and >= 0 */
+    int64_t cap;     /* pairs allocated */
+} moed_route;
+
+/* Values match moed.v1.Strategy; MOED_GATE_MODEL is the layer's own rule (moed_layer_info.rule). */
+typedef enum moed_gate_strategy {
+    MOED_GATE_MODEL = 0,
+    MOED_GATE_TOPK = 1,
+    MOED_GATE_SIGMOID = 2,
+    MOED_GATE_SPARSEMAX = 3,
+    MOED_GATE_QUADRATIC = 4,
+    MOED_GATE_PIONEER = 5,
+} moed_gate_strategy;
+
+/* Values match moed.v1.Renormalize. */
+enum { MOED_RENORM_DEFAULT = 0, MOED_RENORM_ON = 1, MOED_RENORM_OFF = 2 };
+
+typedef struct moed_gate_params {
+    int strategy;    /* moed_gate_strategy */
+    int top_k;       /* 0: the layer's top_k */
+    int renormalize; /* MOED_RENORM_* */
+    float threshold; /* SIGMOID, in (0, 1); 0: 0.5 */
+} moed_gate_params;
+
+/* Allocates a route for T tokens and up to cap pairs (off zeroed). */
+int moed_route_init(moed_route *r, int64_t T, int64_t cap);
+void moed_route_free(moed_route *r);
+
+/* Builds a route from client choices: ids [T, k] int32 and weights [T, k] float32. A pair with id -1
+ * and weight 0 is padding and is left out. Ids outside [0, n_experts), other negative ids, NaN, Inf
+ * or negative weights fail with MOED_EINVAL and a message naming the first bad row and column. */
+int moed_route_from_choice(moed_route *r, const int32_t *ids, const float *w, int64_t T, int k,
+                           int n_experts, moed_error *err);
+
+/* Checks a gating request against a layer and fills in its defaults (top_k, renormalize,
+ * threshold) so that the result names exactly what will run; MOED_EINVAL with a message if
+ * the strategy is unknown, top_k is out of [1, n_experts] or the threshold out of (0, 1). */
+int moed_gate_resolve(moed_gate_params *p, const moed_layer_info *li, moed_error *err);
+
+/* Applies a resolved strategy to logits [T, E] (float32, E = li->n_experts). MOED_GATE_MODEL
+ * follows li->rule, using router_bias (DeepSeek e_score_correction_bias, may be NULL). Logits that
+ * are NaN or Inf fail with MOED_EINVAL. */
+int moed_gate(const moed_gate_params *p, const moed_layer_info *li, const float *router_bias,
+              const float *logits, int64_t T, moed_route *out, moed_error *err);
+
+/* Batch-level dynamic gating over a merged batch of T tokens: s_e = sum_t l[t, e]; S = the k_batch
+ * experts of highest s_e (ties to the lower index) in decreasing order, written to set; every
+ * token's route is S in that order with weights softmax(l_t restricted to S). */
+int moed_gate_batch(const float *logits, int64_t T, int E, int k_batch, int32_t *set,
+                    moed_route *out, moed_error *err);
+
+/* Appends route b's pairs after route a's tokens into out (which must have room); used to merge
+ * requests into one launch. */
+int moed_route_concat(moed_route *out, const moed_route *const *parts, int nparts);
+
+#endif

@@ -1,0 +1,38 @@
+/*
+ * moed_weights — the model a daemon serves: every MoE layer's weights in host memory, from a
+ * Hugging Face safetensors checkpoint (memory-mapped) or from the seeded synthetic generator.
+ *
+ * A loaded moed_model stays valid until moed_weights_release; backends may keep pointers into it
+ * (the CPU backend computes straight from the mapping), so the daemon releases it only after the
+ * backend is destroyed.
+ */
+#ifndef MOED_WEIGHTS_H
+#define MOED_WEIGHTS_H
+
+#include "moed_err.h"
+#include "moed_model.h"
+
+typedef struct moed_model {
+    char source[512];   /* the checkpoint folder, or the canonical synthetic spec */
+    char arch[64];      /* "synthetic", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3" */
+    int n_layers;       /* MoE layers held */
+    moed_layer *layers; /* by increasing info.index */
+    void *priv;         /* mappings and allocations */
+} moed_model;
+
+/* --synthetic SPEC (moed_synth.h gives the syntax and the generator). */
+int moed_weights_synthetic(const char *spec, moed_model *m, moed_error *err);
+
+/* --model DIR: config.json plus model.safetensors or model.safetensors.index.json and its shards.
+ * only_layers, if not NULL, is a list like "0-3,7" of checkpoint layer numbers to hold (the others
+ * are not mapped). Every problem (missing file, missing or misshapen tensor, unsupported dtype or
+ * architecture) fails with one message naming the file and tensor and what was expected. */
+int moed_weights_checkpoint(const char *dir, const char *only_layers, moed_model *m,
+                            moed_error *err);
+
+void moed_weights_release(moed_model *m);
+
+/* The layer with checkpoint number index, or NULL. */
+const moed_layer *moed_model_layer(const moed_model *m, int index, int *slot);
+
+#endif
