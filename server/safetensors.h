@@ -1,0 +1,80 @@
+/*
+ * moed_st — safetensors files, memory-mapped and validated, and the checkpoint folders that hold
+ * them.
+ *
+ * A safetensors file is an 8-byte little-endian header length N, N bytes of JSON
+ * ({"name": {"dtype": "BF16", "shape": [..], "data_offsets": [begin, end]}, "__metadata__": {..}})
+ * and the tensors' bytes. A file is accepted only if the reference implementation (the
+ * `safetensors` package) would accept it: known dtype strings, data_offsets that match shape times
+ * element size, and a data region covered exactly, with no overlap, no hole and nothing after the
+ * last tensor.
+ *
+ * Files are mapped read-only (MAP_PRIVATE) and never read whole: a tensor's data pointer points
+ * into the mapping, which stays valid until the file (or the folder) is closed.
+ *
+ * A folder is model.safetensors.index.json and the shards its weight_map names, else
+ * model.safetensors, else every *.safetensors in it. With an index, a shard is opened only when one
+ * of its tensors is first looked up, so a daemon that holds a few layers maps only their shards.
+ */
+#ifndef MOED_SAFETENSORS_H
+#define MOED_SAFETENSORS_H
+
+#include "moed_err.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define MOED_ST_MAX_DIMS 8
+
+typedef struct moed_st_tensor {
+    const char *name;
+    const char *dtype; /* as the header spells it: "BF16", "F8_E4M3", ... */
+    int mdtype;        /* the moed_dtype for F32, F16 and BF16; MOED_DTYPE_NONE for the others */
+    int ndim;
+    uint64_t shape[MOED_ST_MAX_DIMS];
+    const void *data; /* in the mapping */
+    uint64_t nbytes;
+    uint64_t offset;  /* data's byte offset in the file */
+    const char *file; /* the file's name (no folder), for messages */
+} moed_st_tensor;
+
+typedef struct moed_st_file {
+    char *path;
+    const char *name; /* the last component of path */
+    void *map;
+    size_t size;
+    moed_st_tensor *tensors; /* sorted by name */
+    int n_tensors;
+    char *names; /* the tensors' names */
+} moed_st_file;
+
+/* Maps and validates one file. Errors: MOED_ENOTFOUND, MOED_EIO, MOED_EFORMAT, MOED_ENOMEM. */
+int moed_st_file_open(const char *path, moed_st_file *f, moed_error *err);
+const moed_st_tensor *moed_st_file_find(const moed_st_file *f, const char *name);
+void moed_st_file_close(moed_st_file *f);
+
+typedef struct moed_st_dir moed_st_dir;
+
+/* Opens a checkpoint folder as described above (with an index, only the index is read now). */
+int moed_st_dir_open(const char *dir, moed_st_dir **out, moed_error *err);
+
+/* Looks a tensor up: 0 with *t set, or 0 with *t NULL if the folder has no such tensor, or a
+ * negative code if the shard that holds it fails to open or lacks the tensor its index promised. */
+int moed_st_find(moed_st_dir *d, const char *name, const moed_st_tensor **t, moed_error *err);
+
+/* How the folder is laid out ("model.safetensors.index.json", "model.safetensors" or "3 files"),
+ * and how many of its files are mapped now. */
+const char *moed_st_dir_layout(const moed_st_dir *d);
+int moed_st_dir_mapped(const moed_st_dir *d);
+
+void moed_st_dir_close(moed_st_dir *d);
+
+/* A shape as "[4, 128]" into buf. */
+const char *moed_st_shape_str(const moed_st_tensor *t, char *buf, size_t n);
+
+struct cJSON;
+/* Reads and parses a small JSON file (config.json, the index) whose top level must be an object.
+ * Errors: MOED_ENOTFOUND (no such file), MOED_EIO, MOED_EFORMAT (not JSON, or over 64 MiB). */
+int moed_json_load(const char *path, struct cJSON **root, moed_error *err);
+
+#endif

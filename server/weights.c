@@ -1,0 +1,411 @@
+/*
+ * moed_weights — builds the moed_model the daemon serves, from the synthetic generator or from a
+ * Hugging Face checkpoint (see weights.h).
+ *
+ * A checkpoint's expert matrices are used where they lie in the mapping: copying them would double
+ * the memory of a model that may fill the host. Only the router (when its dtype differs from the
+ * experts', since moed_layer holds it in the weight dtype) and the DeepSeek router bias (when not
+ * float32) are converted into buffers this module owns.
+ *
+ * Missing tensors are collected over every held layer and reported together, because a user who
+ * fixes one missing name at a time would otherwise restart the daemon once per name; any other
+ * problem (a wrong shape or dtype) stops the load at the first tensor that shows it.
+ */
+#include "weights.h"
+
+#include "hf.h"
+#include "moed_dtype.h"
+#include "moed_synth.h"
+#include "safetensors.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct weights_priv {
+    bool synthetic;  /* layers came from moed_synth_layer, which owns their memory */
+    moed_st_dir *st; /* the mappings the layers point into */
+    void **owned;    /* converted routers and biases */
+    int n_owned;
+} weights_priv;
+
+void moed_weights_release(moed_model *m)
+{
+    weights_priv *p = m->priv;
+    for (int i = 0; i < m->n_layers; i++) {
+        if (p && p->synthetic)
+            moed_synth_free_layer(&m->layers[i]);
+        else
+            free(m->layers[i].experts);
+    }
+    free(m->layers);
+    if (p) {
+        for (int i = 0; i < p->n_owned; i++) free(p->owned[i]);
+        free(p->owned);
+        moed_st_dir_close(p->st);
+        free(p);
+    }
+    memset(m, 0, sizeof *m);
+}
+
+const moed_layer *moed_model_layer(const moed_model *m, int index, int *slot)
+{
+    int lo = 0, hi = m->n_layers - 1;
+    while (lo <= hi) {
+        int mid = lo + (hi - lo) / 2, at = m->layers[mid].info.index;
+        if (at == index) {
+            if (slot) *slot = mid;
+            return &m->layers[mid];
+        }
+        if (at < index)
+            lo = mid + 1;
+        else
+            hi = mid - 1;
+    }
+    return NULL;
+}
+
+int moed_weights_synthetic(const char *spec, moed_model *m, moed_error *err)
+{
+    memset(m, 0, sizeof *m);
+    moed_synth_spec s;
+    int rc = moed_synth_parse(spec, &s, err);
+    if (rc) return rc;
+    weights_priv *p = calloc(1, sizeof *p);
+    m->priv = p;
+    m->layers = calloc((size_t)s.layers + 1, sizeof *m->layers);
+    if (!p || !m->layers) {
+        rc = moed_fail(err, MOED_ENOMEM, "no memory for %d synthetic layers", s.layers);
+        goto err;
+    }
+    p->synthetic = true;
+    for (int i = 0; i < s.layers; i++) {
+        rc = moed_synth_layer(&s, i, &m->layers[i], err);
+        if (rc) goto err;
+        m->n_layers++;
+    }
+    moed_synth_format(&s, m->source, sizeof m->source);
+    snprintf(m->arch, sizeof m->arch, "synthetic");
+    return 0;
+err:
+    moed_weights_release(m);
+    return rc;
+}
+
+/* ---- checkpoints ---- */
+
+/* Layers as "0-3,7" into buf. */
+static const char *format_layers(const unsigned char *flags, int n, char *buf, size_t size)
+{
+    size_t at = 0;
+    buf[0] = 0;
+    for (int l = 0; l < n && at < size; l++) {
+        if (!flags[l] || (l > 0 && flags[l - 1])) continue;
+        int end = l;
+        while (end + 1 < n && flags[end + 1]) end++;
+        at += (size_t)(end > l ? snprintf(buf + at, size - at, "%s%d-%d", at ? "," : "", l, end)
+                               : snprintf(buf + at, size - at, "%s%d", at ? "," : "", l));
+    }
+    return buf;
+}
+
+/* only_layers ("0-3,7") into hold; NULL holds every MoE layer. */
+static int select_layers(const char *only, const moed_hf_config *c, unsigned char *hold,
+                         moed_error *err)
+{
+    char moe[128];
+    if (!only) {
+        memcpy(hold, c->is_moe, (size_t)c->n_layers);
+        return 0;
+    }
+    memset(hold, 0, (size_t)c->n_layers);
+    format_layers(c->is_moe, c->n_layers, moe, sizeof moe);
+    const char *p = only;
+    for (;;) {
+        char *end;
+        long a = strtol(p, &end, 10), b = a;
+        if (end != p && *end == '-') {
+            p = end + 1;
+            b = strtol(p, &end, 10);
+        }
+        if (end == p || a < 0 || b < a || (*end && *end != ','))
+            return moed_fail(err, MOED_EINVAL,
+                             "layer list \"%s\" is not like \"0-3,7\" (layer numbers and ranges "
+                             "separated by commas)",
+                             only);
+        if (b >= c->n_layers)
+            return moed_fail(err, MOED_EINVAL,
+                             "layer list \"%s\" names layer %ld, but the checkpoint has %d layers; "
+                             "its MoE layers are %s",
+                             only, b, c->n_layers, moe);
+        for (long l = a; l <= b; l++) {
+            if (!c->is_moe[l])
+                return moed_fail(err, MOED_EINVAL,
+                                 "layer list \"%s\" names layer %ld, which is a dense MLP layer, "
+                                 "not MoE; the MoE layers are %s",
+                                 only, l, moe);
+            hold[l] = 1;
+        }
+        if (!*end) return 0;
+        p = end + 1;
+    }
+}
+
+/* One checkpoint load in progress. */
+typedef struct loader {
+    const char *dir;
+    const moed_hf_config *cfg;
+    moed_st_dir *st;
+    weights_priv *priv;
+    moed_error *err;
+    const moed_st_tensor *first; /* the layer's first expert matrix: its dtype is the layer's */
+    int n_missing;
+    char missing[320]; /* the first few missing names */
+} loader;
+
+enum { SLOT_ROUTER, SLOT_BIAS, SLOT_SHARED, SLOT_EXPERTS = SLOT_SHARED + 3 };
+#define MISSING_LISTED 4
+
+/* Looks up tensor id of layer L; a missing one is recorded for the report and leaves *t NULL. */
+static int need(loader *ld, int layer, int tensor, int expert, const moed_st_tensor **t)
+{
+    char name[256];
+    moed_hf_tensor_name(ld->cfg, layer, tensor, expert, name, sizeof name);
+    int rc = moed_st_find(ld->st, name, t, ld->err);
+    if (rc || *t) return rc;
+    if (ld->n_missing++ < MISSING_LISTED) {
+        size_t at = strlen(ld->missing);
+        snprintf(ld->missing + at, sizeof ld->missing - at, "%s%s", at ? ", " : "", name);
+    }
+    return 0;
+}
+
+/* A weight dtype moed computes with, no quantization scales beside it, the expected shape, and
+ * data aligned for its element type (the safetensors writers pad the header to 8 bytes). */
+static int check_tensor(loader *ld, const moed_st_tensor *t, int ndim, const uint64_t *want,
+                        const char *dims)
+{
+    char have[160], name[300];
+    const moed_st_tensor *scale;
+    int rc;
+    if (!t->mdtype) {
+        bool quantized = !strncmp(t->dtype, "F8", 2) || !strncmp(t->dtype, "F6", 2) ||
+                         !strncmp(t->dtype, "F4", 2);
+        return moed_fail(ld->err, MOED_EUNSUPPORTED,
+                         "%s: tensor %s is %s: %s; moed loads BF16, F16 or F32 weights%s", t->file,
+                         t->name, t->dtype,
+                         quantized ? "FP8 and other quantized checkpoints are not supported"
+                                   : "not a weight dtype",
+                         quantized ? ", so dequantize the checkpoint (e.g. to bf16) first" : "");
+    }
+    static const char *const suffixes[] = { "_scale_inv", "_scale" };
+    for (int i = 0; i < 2; i++) {
+        snprintf(name, sizeof name, "%s%s", t->name, suffixes[i]);
+        if ((rc = moed_st_find(ld->st, name, &scale, ld->err))) return rc;
+        if (scale)
+            return moed_fail(ld->err, MOED_EUNSUPPORTED,
+                             "%s: tensor %s comes with a quantization scale %s: quantized (FP8) "
+                             "checkpoints are not supported; moed loads plain BF16, F16 or F32 "
+                             "weights, so dequantize it first",
+                             t->file, t->name, name);
+    }
+    bool same = t->ndim == ndim;
+    for (int i = 0; same && i < ndim; i++) same = t->shape[i] == want[i];
+    if (!same) {
+        moed_st_tensor w = { .ndim = ndim };
+        memcpy(w.shape, want, sizeof *want * (size_t)ndim);
+        char exp[160];
+        return moed_fail(ld->err, MOED_EFORMAT,
+                         "%s: tensor %s has shape %s, expected %s = %s from config.json", t->file,
+                         t->name, moed_st_shape_str(t, have, sizeof have),
+                         moed_st_shape_str(&w, exp, sizeof exp), dims);
+    }
+    if (t->offset % moed_dtype_size(t->mdtype))
+        return moed_fail(ld->err, MOED_EFORMAT,
+                         "%s: tensor %s starts at byte %llu, not a multiple of its %zu-byte "
+                         "elements; rewrite the file with the safetensors package, which aligns "
+                         "tensors",
+                         t->file, t->name, (unsigned long long)t->offset,
+                         moed_dtype_size(t->mdtype));
+    return 0;
+}
+
+/* An expert matrix: as check_tensor, and in the same dtype as the layer's other matrices. */
+static int check_matrix(loader *ld, const moed_st_tensor *t, int rows, int cols, const char *dims)
+{
+    uint64_t want[2] = { (uint64_t)rows, (uint64_t)cols };
+    int rc = check_tensor(ld, t, 2, want, dims);
+    if (rc) return rc;
+    if (!ld->first) ld->first = t;
+    if (t->mdtype != ld->first->mdtype)
+        return moed_fail(ld->err, MOED_EUNSUPPORTED,
+                         "tensor %s (%s) is %s but %s (%s) is %s: every expert matrix of a layer "
+                         "must have one dtype; convert the checkpoint to one dtype",
+                         t->name, t->file, t->dtype, ld->first->name, ld->first->file,
+                         ld->first->dtype);
+    return 0;
+}
+
+/* t's data in dtype: the mapping itself, or a converted copy the model owns. */
+static int as_dtype(loader *ld, const moed_st_tensor *t, int dtype, const void **out)
+{
+    uint64_t n = t->nbytes / moed_dtype_size(t->mdtype);
+    if (t->mdtype == dtype) {
+        *out = t->data;
+        return 0;
+    }
+    void **owned = realloc(ld->priv->owned, sizeof *owned * (size_t)(ld->priv->n_owned + 1));
+    float *f32 = malloc(n * sizeof *f32);
+    void *buf = malloc(n * moed_dtype_size(dtype));
+    if (owned) ld->priv->owned = owned;
+    if (!owned || !f32 || !buf) {
+        free(f32);
+        free(buf);
+        return moed_fail(ld->err, MOED_ENOMEM, "no memory to convert %s", t->name);
+    }
+    moed_to_f32(t->mdtype, t->data, f32, n);
+    moed_from_f32(dtype, f32, buf, n);
+    free(f32);
+    owned[ld->priv->n_owned++] = buf;
+    *out = buf;
+    return 0;
+}
+
+/* Looks up every tensor of layer L; returns 0 with *complete false if some are missing. */
+static int find_layer(loader *ld, int L, const moed_st_tensor **t, bool *complete)
+{
+    const moed_layer_info *li = &ld->cfg->layer;
+    int before = ld->n_missing, rc;
+    const moed_st_tensor *gate;
+    char name[256];
+    if (moed_hf_tensor_name(ld->cfg, L, MOED_HF_SHARED_GATE, 0, name, sizeof name)) {
+        if ((rc = moed_st_find(ld->st, name, &gate, ld->err))) return rc;
+        if (gate)
+            return moed_fail(ld->err, MOED_EUNSUPPORTED,
+                             "%s: tensor %s: Qwen2-MoE's sigmoid gate on the shared expert is not "
+                             "supported (moed adds shared experts with weight 1), so this model "
+                             "cannot be served exactly",
+                             gate->file, gate->name);
+    }
+    if ((rc = need(ld, L, MOED_SYNTH_ROUTER, 0, &t[SLOT_ROUTER]))) return rc;
+    if (li->rule == MOED_RULE_DEEPSEEK_V3 && (rc = need(ld, L, MOED_SYNTH_BIAS, 0, &t[SLOT_BIAS])))
+        return rc;
+    for (int k = 0; li->n_shared && k < 3; k++)
+        if ((rc = need(ld, L, MOED_SYNTH_SHARED_W1 + k, 0, &t[SLOT_SHARED + k]))) return rc;
+    for (int e = 0; e < li->n_experts; e++)
+        for (int k = 0; k < 3; k++)
+            if ((rc = need(ld, L, MOED_SYNTH_W1 + k, e, &t[SLOT_EXPERTS + 3 * e + k]))) return rc;
+    *complete = ld->n_missing == before;
+    return 0;
+}
+
+/* Checks the tensors of layer L that find_layer found and points out's weights at them. */
+static int build_layer(loader *ld, int L, const moed_st_tensor **t, moed_layer *out)
+{
+    const moed_layer_info *li = &ld->cfg->layer;
+    int d = li->d_model, ff = li->d_ff, sff = li->shared_d_ff, E = li->n_experts, rc;
+    ld->first = NULL;
+    for (int e = 0; e < E; e++) {
+        const moed_st_tensor **m = &t[SLOT_EXPERTS + 3 * e];
+        if ((rc = check_matrix(ld, m[0], ff, d, "[expert width, hidden_size]")) ||
+            (rc = check_matrix(ld, m[1], ff, d, "[expert width, hidden_size]")) ||
+            (rc = check_matrix(ld, m[2], d, ff, "[hidden_size, expert width]")))
+            return rc;
+    }
+    for (int k = 0; li->n_shared && k < 3; k++) {
+        const char *dims =
+            k < 2 ? "[shared experts' width, hidden_size]" : "[hidden_size, shared experts' width]";
+        if ((rc = check_matrix(ld, t[SLOT_SHARED + k], k < 2 ? sff : d, k < 2 ? d : sff, dims)))
+            return rc;
+    }
+    uint64_t router_shape[2] = { (uint64_t)E, (uint64_t)d }, bias_shape[1] = { (uint64_t)E };
+    if ((rc = check_tensor(ld, t[SLOT_ROUTER], 2, router_shape, "[experts, hidden_size]")))
+        return rc;
+    if (t[SLOT_BIAS] && (rc = check_tensor(ld, t[SLOT_BIAS], 1, bias_shape, "[experts]")))
+        return rc;
+
+    *out = (moed_layer){ .info = *li };
+    out->info.index = L;
+    out->info.wdtype = ld->first->mdtype;
+    if ((rc = as_dtype(ld, t[SLOT_ROUTER], out->info.wdtype, &out->router))) return rc;
+    if (t[SLOT_BIAS]) {
+        const void *bias;
+        if ((rc = as_dtype(ld, t[SLOT_BIAS], MOED_F32, &bias))) return rc;
+        out->router_bias = bias;
+    }
+    if (li->n_shared)
+        out->shared = (moed_expert_w){ t[SLOT_SHARED]->data, t[SLOT_SHARED + 1]->data,
+                                       t[SLOT_SHARED + 2]->data };
+    out->experts = calloc((size_t)E, sizeof *out->experts);
+    if (!out->experts) return moed_fail(ld->err, MOED_ENOMEM, "no memory for layer %d", L);
+    for (int e = 0; e < E; e++) {
+        const moed_st_tensor **m = &t[SLOT_EXPERTS + 3 * e];
+        out->experts[e] = (moed_expert_w){ m[0]->data, m[1]->data, m[2]->data };
+    }
+    return 0;
+}
+
+/* Every held layer into m->layers; missing tensors are reported once, after all were looked up. */
+static int load_layers(loader *ld, const unsigned char *hold, moed_model *m)
+{
+    int rc = 0;
+    size_t n = SLOT_EXPERTS + 3 * (size_t)ld->cfg->layer.n_experts;
+    const moed_st_tensor **t = malloc(n * sizeof *t);
+    if (!t) return moed_fail(ld->err, MOED_ENOMEM, "no memory for the tensor list");
+    for (int L = 0; L < ld->cfg->n_layers && !rc; L++) {
+        bool complete = false;
+        if (!hold[L]) continue;
+        memset(t, 0, n * sizeof *t);
+        rc = find_layer(ld, L, t, &complete);
+        if (!rc && complete) {
+            rc = build_layer(ld, L, t, &m->layers[m->n_layers]);
+            if (!rc) m->n_layers++;
+        }
+    }
+    free(t);
+    if (!rc && ld->n_missing) {
+        char held[128];
+        format_layers(hold, ld->cfg->n_layers, held, sizeof held);
+        char more[32] = "";
+        if (ld->n_missing > MISSING_LISTED)
+            snprintf(more, sizeof more, " and %d more", ld->n_missing - MISSING_LISTED);
+        rc = moed_fail(ld->err, MOED_ENOTFOUND,
+                       "%s (%s) lacks %d tensor(s) that its config.json (%s, holding MoE layers "
+                       "%s) needs: %s%s",
+                       ld->dir, moed_st_dir_layout(ld->st), ld->n_missing, ld->cfg->arch_name, held,
+                       ld->missing, more);
+    }
+    return rc;
+}
+
+int moed_weights_checkpoint(const char *dir, const char *only_layers, moed_model *m,
+                            moed_error *err)
+{
+    memset(m, 0, sizeof *m);
+    moed_hf_config cfg;
+    unsigned char *hold = NULL;
+    int rc = moed_hf_config_load(dir, &cfg, err);
+    if (rc) return rc;
+    weights_priv *p = calloc(1, sizeof *p);
+    m->priv = p;
+    hold = malloc((size_t)cfg.n_layers);
+    m->layers = calloc((size_t)cfg.n_layers, sizeof *m->layers);
+    if (!p || !hold || !m->layers) {
+        rc = moed_fail(err, MOED_ENOMEM, "no memory to load %s", dir);
+        goto err;
+    }
+    if ((rc = select_layers(only_layers, &cfg, hold, err))) goto err;
+    if ((rc = moed_st_dir_open(dir, &p->st, err))) goto err;
+    loader ld = { .dir = dir, .cfg = &cfg, .st = p->st, .priv = p, .err = err };
+    if ((rc = load_layers(&ld, hold, m))) goto err;
+    snprintf(m->source, sizeof m->source, "%s", dir);
+    snprintf(m->arch, sizeof m->arch, "%s", cfg.arch_name);
+    free(hold);
+    moed_hf_config_free(&cfg);
+    return 0;
+err:
+    free(hold);
+    moed_hf_config_free(&cfg);
+    moed_weights_release(m);
+    return rc;
+}

@@ -1,0 +1,610 @@
+/*
+ * test_weights — moed_weights on checkpoints this test writes (st_write.h) in every supported
+ * Hugging Face layout: Mixtral, Qwen2/3-MoE and OLMoE, DeepSeek-V3 (shared experts, router bias,
+ * dense first layers, groups), one file or shards with an index, BF16/F16/F32. Each loaded layer's
+ * info is compared field by field with what the config says, and each weight pointer with the
+ * values written (a pattern keyed by the tensor's name, so a pointer to the wrong tensor shows).
+ * Then the ways a checkpoint can be wrong: each must fail with the right code and a message naming
+ * the tensor, the key or the layer. And the synthetic model's wiring.
+ */
+#include "check.h"
+#include "moed_dtype.h"
+#include "moed_synth.h"
+#include "st_write.h"
+#include "weights.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+
+/* A checkpoint to write. The names are spelled out here, apart from server/hf.c. */
+typedef struct ck {
+    const char *arch; /* model_type */
+    int layers, d, ff, E, top_k;
+    unsigned moe;                     /* bit L: layer L is MoE; the others get dense-MLP tensors */
+    const char *dtype;                /* the experts' */
+    const char *router_dtype;         /* NULL: dtype */
+    const char *bias_dtype;           /* NULL: F32 (DeepSeek only) */
+    int shared_ff;                    /* the shared experts' fused width; 0: none */
+    int shards;                       /* > 1: an index, layer L in shard L % shards */
+    const char *config;               /* more config.json members: ",\"norm_topk_prob\":true" */
+    const char *raw_config;           /* the whole config.json instead */
+    const char *omit;                 /* tensors whose names contain this are left out */
+    const char *odd_name, *odd_dtype; /* this tensor in another dtype, */
+    int odd_rows;                     /* or with this many rows */
+    const char *extra;                /* one more (1-element F32) tensor */
+    struct {
+        bool norm;
+        int rule, n_group, topk_group, n_shared;
+        float scale;
+    } want;
+} ck;
+
+static bool is_mixtral(const ck *c)
+{
+    return !strcmp(c->arch, "mixtral");
+}
+
+static bool is_deepseek(const ck *c)
+{
+    return !strcmp(c->arch, "deepseek_v3");
+}
+
+/* Matrix k (0 gate/w1, 1 up/w3, 2 down/w2) of expert e of layer L. */
+static char *expert_name(const ck *c, int L, int e, int k, char *buf)
+{
+    static const char *const mix[] = { "w1", "w3", "w2" }, *const hf[] = { "gate_proj", "up_proj",
+                                                                           "down_proj" };
+    if (is_mixtral(c))
+        sprintf(buf, "model.layers.%d.block_sparse_moe.experts.%d.%s.weight", L, e, mix[k]);
+    else
+        sprintf(buf, "model.layers.%d.mlp.experts.%d.%s.weight", L, e, hf[k]);
+    return buf;
+}
+
+static char *router_name(const ck *c, int L, char *buf)
+{
+    sprintf(buf, "model.layers.%d.%s.gate.weight", L, is_mixtral(c) ? "block_sparse_moe" : "mlp");
+    return buf;
+}
+
+static char *bias_name(int L, char *buf)
+{
+    sprintf(buf, "model.layers.%d.mlp.gate.e_score_correction_bias", L);
+    return buf;
+}
+
+static char *shared_name(const ck *c, int L, int k, char *buf)
+{
+    static const char *const hf[] = { "gate_proj", "up_proj", "down_proj" };
+    sprintf(buf, "model.layers.%d.mlp.%s.%s.weight", L,
+            is_deepseek(c) ? "shared_experts" : "shared_expert", hf[k]);
+    return buf;
+}
+
+/* The value written at flat index i of tensor `name`: multiples of 1/4 in [-7.5, 7.5], exact in
+ * every weight dtype. */
+static float pattern(const char *name, uint64_t i)
+{
+    uint32_t h = 2166136261u;
+    for (const char *p = name; *p; p++) h = (h ^ (uint8_t)*p) * 16777619u;
+    return (float)((int)((h + i * 7) % 61) - 30) * 0.25f;
+}
+
+static int dtype_of(const char *s)
+{
+    return !strcmp(s, "F32") ? MOED_F32 : !strcmp(s, "F16") ? MOED_F16 : MOED_BF16;
+}
+
+static size_t st_size(const char *s)
+{
+    return !strcmp(s, "F32") || !strcmp(s, "I32") ? 4 : !strncmp(s, "F8", 2) ? 1 : 2;
+}
+
+/* ---- the writer ---- */
+
+typedef struct wt {
+    char name[128];
+    const char *dtype;
+    int ndim, shard;
+    uint64_t shape[2];
+} wt;
+
+typedef struct wlist {
+    wt *t;
+    int n;
+} wlist;
+
+static void add(const ck *c, wlist *w, const char *name, const char *dtype, int L, uint64_t rows,
+                uint64_t cols)
+{
+    if (c->omit && strstr(name, c->omit)) return;
+    wt *t = &w->t[w->n++];
+    snprintf(t->name, sizeof t->name, "%s", name);
+    t->dtype = dtype;
+    t->shard = c->shards > 1 && L >= 0 ? L % c->shards : 0;
+    t->ndim = cols ? 2 : 1;
+    t->shape[0] = rows;
+    t->shape[1] = cols;
+    if (c->odd_name && !strcmp(name, c->odd_name)) {
+        if (c->odd_dtype) t->dtype = c->odd_dtype;
+        if (c->odd_rows) t->shape[0] = (uint64_t)c->odd_rows;
+    }
+}
+
+static void list_tensors(const ck *c, wlist *w)
+{
+    char n[128];
+    add(c, w, "model.embed_tokens.weight", c->dtype, -1, 4, (uint64_t)c->d);
+    for (int L = 0; L < c->layers; L++) {
+        sprintf(n, "model.layers.%d.input_layernorm.weight", L);
+        add(c, w, n, c->dtype, L, (uint64_t)c->d, 0);
+        if (!(c->moe >> L & 1)) {
+            static const char *const dense[] = { "gate_proj", "up_proj", "down_proj" };
+            for (int k = 0; k < 3; k++) {
+                sprintf(n, "model.layers.%d.mlp.%s.weight", L, dense[k]);
+                add(c, w, n, c->dtype, L, (uint64_t)(k < 2 ? 3 * c->ff : c->d),
+                    (uint64_t)(k < 2 ? c->d : 3 * c->ff));
+            }
+            continue;
+        }
+        add(c, w, router_name(c, L, n), c->router_dtype ? c->router_dtype : c->dtype, L,
+            (uint64_t)c->E, (uint64_t)c->d);
+        if (is_deepseek(c))
+            add(c, w, bias_name(L, n), c->bias_dtype ? c->bias_dtype : "F32", L, (uint64_t)c->E, 0);
+        for (int k = 0; c->shared_ff && k < 3; k++)
+            add(c, w, shared_name(c, L, k, n), c->dtype, L, (uint64_t)(k < 2 ? c->shared_ff : c->d),
+                (uint64_t)(k < 2 ? c->d : c->shared_ff));
+        for (int e = 0; e < c->E; e++)
+            for (int k = 0; k < 3; k++)
+                add(c, w, expert_name(c, L, e, k, n), c->dtype, L, (uint64_t)(k < 2 ? c->ff : c->d),
+                    (uint64_t)(k < 2 ? c->d : c->ff));
+    }
+    if (c->extra) add(c, w, c->extra, "F32", -1, 1, 0);
+}
+
+static void write_config(const ck *c, const char *dir)
+{
+    char path[512], text[2048];
+    stw_path(path, sizeof path, dir, "config.json");
+    if (c->raw_config) {
+        CHECK(!stw_text(path, c->raw_config));
+        return;
+    }
+    const char *experts = is_mixtral(c)    ? "num_local_experts"
+                          : is_deepseek(c) ? "n_routed_experts"
+                                           : "num_experts";
+    /* Qwen and DeepSeek name the experts' width moe_intermediate_size; intermediate_size is then
+     * the dense layers' (here 3 ff, so a loader that reads the wrong key fails the shape checks) */
+    bool moe_width = strcmp(c->arch, "olmoe") && !is_mixtral(c);
+    char width[64] = "";
+    if (moe_width) snprintf(width, sizeof width, ",\"moe_intermediate_size\":%d", c->ff);
+    snprintf(text, sizeof text,
+             "{\"model_type\":\"%s\",\"num_hidden_layers\":%d,\"hidden_size\":%d,"
+             "\"num_experts_per_tok\":%d,\"%s\":%d,\"intermediate_size\":%d%s,"
+             "\"hidden_act\":\"silu\",\"torch_dtype\":\"bfloat16\"%s}",
+             c->arch, c->layers, c->d, c->top_k, experts, c->E, moe_width ? 3 * c->ff : c->ff,
+             width, c->config ? c->config : "");
+    CHECK(!stw_text(path, text));
+}
+
+static void write_ck(const ck *c, const char *dir)
+{
+    int cap = 8 + c->layers * (3 * c->E + 12);
+    wlist w = { calloc((size_t)cap, sizeof(wt)), 0 };
+    list_tensors(c, &w);
+    write_config(c, dir);
+    int shards = c->shards > 1 ? c->shards : 1;
+    char index[1 << 16];
+    size_t at = (size_t)snprintf(index, sizeof index, "{\"metadata\":{},\"weight_map\":{");
+    for (int s = 0; s < shards; s++) {
+        char file[64], path[512];
+        if (shards > 1)
+            sprintf(file, "model-%05d-of-%05d.safetensors", s + 1, shards);
+        else
+            sprintf(file, "model.safetensors");
+        stw_tensor *st = calloc((size_t)w.n, sizeof *st);
+        int n = 0;
+        for (int i = 0; i < w.n; i++) {
+            wt *t = &w.t[i];
+            if (t->shard != s) continue;
+            uint64_t count = t->shape[0] * (t->ndim == 2 ? t->shape[1] : 1);
+            size_t es = st_size(t->dtype);
+            unsigned char *data = malloc(count * es);
+            for (uint64_t j = 0; j < count; j++) {
+                float v = pattern(t->name, j);
+                if (!strcmp(t->dtype, "I32"))
+                    ((int32_t *)data)[j] = (int32_t)v;
+                else if (es == 1)
+                    data[j] = (unsigned char)j;
+                else
+                    moed_from_f32(dtype_of(t->dtype), &v, data + j * es, 1);
+            }
+            st[n++] = (stw_tensor){ t->name, t->dtype,  t->ndim, { t->shape[0], t->shape[1] },
+                                    data,    count * es };
+            at += (size_t)snprintf(index + at, sizeof index - at, "%s\"%s\":\"%s\"",
+                                   at > 30 ? "," : "", t->name, file);
+        }
+        CHECK(!stw_file(stw_path(path, sizeof path, dir, file), st, n));
+        for (int i = 0; i < n; i++) free((void *)st[i].data);
+        free(st);
+    }
+    snprintf(index + at, sizeof index - at, "}}");
+    if (shards > 1) {
+        char path[512];
+        CHECK(!stw_text(stw_path(path, sizeof path, dir, "model.safetensors.index.json"), index));
+    }
+    free(w.t);
+}
+
+/* ---- the checks ---- */
+
+static void check_values(const void *p, int dtype, const char *name, uint64_t n)
+{
+    CHECK_MSG(p, "%s: no pointer", name);
+    if (!p) return;
+    float *f = malloc(n * sizeof *f);
+    moed_to_f32(dtype, p, f, n);
+    uint64_t bad = 0;
+    for (uint64_t i = 0; i < n; i++) bad += f[i] != pattern(name, i);
+    CHECK_MSG(!bad, "%s: %llu of %llu values differ", name, (unsigned long long)bad,
+              (unsigned long long)n);
+    free(f);
+}
+
+static void check_layer(const ck *c, const moed_layer *l, int L)
+{
+    const moed_layer_info *li = &l->info;
+    int wd = dtype_of(c->dtype);
+    char n[128];
+    CHECK_EQ_INT(li->index, L);
+    CHECK_EQ_INT(li->d_model, c->d);
+    CHECK_EQ_INT(li->d_ff, c->ff);
+    CHECK_EQ_INT(li->n_experts, c->E);
+    CHECK_EQ_INT(li->top_k, c->top_k);
+    CHECK_EQ_INT(li->act, MOED_ACT_SWIGLU);
+    CHECK_EQ_INT(li->wdtype, wd);
+    CHECK(li->has_router);
+    CHECK_EQ_INT(li->norm_topk, c->want.norm);
+    CHECK_EQ_INT(li->rule, c->want.rule);
+    CHECK_EQ_INT(li->n_group, c->want.n_group);
+    CHECK_EQ_INT(li->topk_group, c->want.topk_group);
+    CHECK_NEAR(li->routed_scale, c->want.scale, 0);
+    CHECK_EQ_INT(li->n_shared, c->want.n_shared);
+    CHECK_EQ_INT(li->shared_d_ff, c->shared_ff);
+    uint64_t mat = (uint64_t)c->d * (uint64_t)c->ff;
+    for (int e = 0; e < c->E; e++) {
+        check_values(l->experts[e].w1, wd, expert_name(c, L, e, 0, n), mat);
+        check_values(l->experts[e].w3, wd, expert_name(c, L, e, 1, n), mat);
+        check_values(l->experts[e].w2, wd, expert_name(c, L, e, 2, n), mat);
+    }
+    check_values(l->router, wd, router_name(c, L, n), (uint64_t)c->E * (uint64_t)c->d);
+    if (is_deepseek(c))
+        check_values(l->router_bias, MOED_F32, bias_name(L, n), (uint64_t)c->E);
+    else
+        CHECK(!l->router_bias);
+    uint64_t smat = (uint64_t)c->d * (uint64_t)c->shared_ff;
+    if (c->shared_ff) {
+        check_values(l->shared.w1, wd, shared_name(c, L, 0, n), smat);
+        check_values(l->shared.w3, wd, shared_name(c, L, 1, n), smat);
+        check_values(l->shared.w2, wd, shared_name(c, L, 2, n), smat);
+    } else {
+        CHECK(!l->shared.w1 && !l->shared.w3 && !l->shared.w2);
+    }
+}
+
+/* Writes c, loads it (holding only), checks every held layer; `held` lists their numbers. */
+static void expect_load(const ck *c, const char *only, const int *held, int n_held)
+{
+    char dir[256];
+    CHECK(stw_tmpdir(dir, sizeof dir));
+    write_ck(c, dir);
+    moed_model m;
+    moed_error err = { 0 };
+    int rc = moed_weights_checkpoint(dir, only, &m, &err);
+    CHECK_MSG(rc == 0, "%s: %s", c->arch, err.msg);
+    if (!rc) {
+        CHECK_EQ_INT(m.n_layers, n_held);
+        CHECK(!strcmp(m.arch, c->arch));
+        CHECK(!strcmp(m.source, dir));
+        for (int i = 0; i < m.n_layers && i < n_held; i++) {
+            int slot = -1;
+            const moed_layer *l = moed_model_layer(&m, held[i], &slot);
+            CHECK_MSG(l == &m.layers[i] && slot == i, "layer %d: slot %d", held[i], slot);
+            if (l) check_layer(c, l, held[i]);
+        }
+        CHECK(!moed_model_layer(&m, c->layers, NULL));
+        moed_weights_release(&m);
+        CHECK(!m.layers && !m.priv && !m.n_layers);
+    }
+    stw_rmdir(dir);
+}
+
+/* Writes c, loads it, and expects code with a message holding needle and needle2 (if not NULL). */
+static void expect_fail(const ck *c, const char *only, int code, const char *needle,
+                        const char *needle2)
+{
+    char dir[256];
+    CHECK(stw_tmpdir(dir, sizeof dir));
+    write_ck(c, dir);
+    moed_model m;
+    moed_error err = { 0 };
+    int rc = moed_weights_checkpoint(dir, only, &m, &err);
+    CHECK_MSG(rc == code, "%s (%s): rc %d, want %d: %s", c->arch, needle, rc, code, err.msg);
+    CHECK_MSG(strstr(err.msg, needle) && (!needle2 || strstr(err.msg, needle2)),
+              "message \"%s\" lacks \"%s\" or \"%s\"", err.msg, needle, needle2 ? needle2 : "");
+    CHECK(!m.layers && !m.priv);
+    if (!rc) moed_weights_release(&m);
+    stw_rmdir(dir);
+}
+
+#define SOFTMAX(norm)                                                                              \
+    {                                                                                              \
+        norm, MOED_RULE_SOFTMAX_TOPK, 1, 1, 0, 1.0f                                                \
+    }
+
+static const ck mixtral = { .arch = "mixtral",
+                            .layers = 2,
+                            .d = 8,
+                            .ff = 16,
+                            .E = 4,
+                            .top_k = 2,
+                            .moe = 3,
+                            .dtype = "BF16",
+                            .want = SOFTMAX(true),
+                            .config = ",\"norm_topk_prob\":false,\"num_attention_heads\":2" };
+
+static const ck deepseek = { .arch = "deepseek_v3",
+                             .layers = 3,
+                             .d = 8,
+                             .ff = 4,
+                             .E = 8,
+                             .top_k = 2,
+                             .moe = 6,
+                             .dtype = "BF16",
+                             .shared_ff = 8,
+                             .config = ",\"n_shared_experts\":2,\"first_k_dense_replace\":1,"
+                                       "\"n_group\":4,\"topk_group\":2,"
+                                       "\"routed_scaling_factor\":1.5,\"norm_topk_prob\":true,"
+                                       "\"scoring_func\":\"sigmoid\",\"topk_method\":\"noaux_tc\"",
+                             .want = { true, MOED_RULE_DEEPSEEK_V3, 4, 2, 2, 1.5f } };
+
+static void test_layouts(void)
+{
+    expect_load(&mixtral, NULL, (int[]){ 0, 1 }, 2);
+
+    ck c = mixtral; /* an F32 model whose router is BF16: converted to the experts' dtype */
+    c.dtype = "F32";
+    c.router_dtype = "BF16";
+    expect_load(&c, NULL, (int[]){ 0, 1 }, 2);
+
+    /* Qwen3-MoE in F16 over 3 shards; layer 2 is dense by mlp_only_layers */
+    c = (ck){ .arch = "qwen3_moe",
+              .layers = 4,
+              .d = 8,
+              .ff = 12,
+              .E = 6,
+              .top_k = 3,
+              .moe = 11,
+              .dtype = "F16",
+              .shards = 3,
+              .want = SOFTMAX(true),
+              .config =
+                  ",\"decoder_sparse_step\":1,\"mlp_only_layers\":[2],\"norm_topk_prob\":true" };
+    expect_load(&c, NULL, (int[]){ 0, 1, 3 }, 3);
+    expect_load(&c, "3,0", (int[]){ 0, 3 }, 2);
+
+    /* Qwen2-MoE: every second layer sparse, a shared expert without the (unsupported) gate */
+    c = (ck){ .arch = "qwen2_moe",
+              .layers = 4,
+              .d = 8,
+              .ff = 4,
+              .E = 4,
+              .top_k = 2,
+              .moe = 10,
+              .dtype = "BF16",
+              .shared_ff = 12,
+              .shards = 2,
+              .want = { false, 1, 1, 1, 1, 1.0f },
+              .config = ",\"decoder_sparse_step\":2,\"mlp_only_layers\":null,"
+                        "\"shared_expert_intermediate_size\":12" };
+    expect_load(&c, NULL, (int[]){ 1, 3 }, 2);
+
+    c = (ck){ .arch = "olmoe",
+              .layers = 2,
+              .d = 16,
+              .ff = 8,
+              .E = 4,
+              .top_k = 1,
+              .moe = 3,
+              .dtype = "F32",
+              .want = SOFTMAX(false) };
+    expect_load(&c, NULL, (int[]){ 0, 1 }, 2);
+
+    expect_load(&deepseek, NULL, (int[]){ 1, 2 }, 2);
+    c = deepseek; /* a BF16 bias is converted to float32 */
+    c.bias_dtype = "BF16";
+    c.shards = 2;
+    expect_load(&c, "2", (int[]){ 2 }, 1);
+
+    /* DeepSeek keys left out take transformers' defaults */
+    c = (ck){ .arch = "deepseek_v3",
+              .layers = 4,
+              .d = 8,
+              .ff = 4,
+              .E = 16,
+              .top_k = 4,
+              .moe = 8,
+              .dtype = "BF16",
+              .shared_ff = 4,
+              .want = { true, 2, 8, 4, 1, 2.5f } };
+    expect_load(&c, NULL, (int[]){ 3 }, 1);
+}
+
+/* With an index, only the shards of the held layers are opened: a broken shard of another layer
+ * does not stop the load. */
+static void test_lazy_shards(void)
+{
+    ck c = mixtral;
+    c.layers = 4;
+    c.moe = 15;
+    c.shards = 2;
+    char dir[256], path[512];
+    CHECK(stw_tmpdir(dir, sizeof dir));
+    write_ck(&c, dir);
+    CHECK(!truncate(stw_path(path, sizeof path, dir, "model-00001-of-00002.safetensors"), 100));
+    moed_model m;
+    moed_error err = { 0 };
+    int rc = moed_weights_checkpoint(dir, "1,3", &m, &err);
+    CHECK_MSG(rc == 0, "%s", err.msg);
+    if (!rc) {
+        CHECK_EQ_INT(m.n_layers, 2);
+        if (m.n_layers == 2) check_layer(&c, &m.layers[1], 3);
+        moed_weights_release(&m);
+    }
+    CHECK_EQ_INT(moed_weights_checkpoint(dir, NULL, &m, &err), MOED_EFORMAT);
+    CHECK(strstr(err.msg, "model-00001-of-00002.safetensors"));
+    stw_rmdir(dir);
+}
+
+static void test_errors(void)
+{
+    ck c = mixtral;
+    c.odd_name = "model.layers.1.block_sparse_moe.experts.2.w2.weight";
+    c.odd_rows = 9;
+    expect_fail(&c, NULL, MOED_EFORMAT, c.odd_name, "shape [9, 16], expected [8, 16]");
+    c.odd_rows = 0;
+    c.odd_dtype = "I32";
+    expect_fail(&c, NULL, MOED_EUNSUPPORTED, c.odd_name, "I32");
+    c.odd_dtype = "F32"; /* mixed dtypes in one layer */
+    expect_fail(&c, NULL, MOED_EUNSUPPORTED, c.odd_name,
+                "model.layers.1.block_sparse_moe.experts.0");
+    c.odd_dtype = "F8_E4M3";
+    expect_fail(&c, NULL, MOED_EUNSUPPORTED, c.odd_name, "F8_E4M3: FP8");
+    c.odd_name = "model.layers.0.block_sparse_moe.gate.weight";
+    c.odd_dtype = NULL;
+    c.odd_rows = 5;
+    expect_fail(&c, NULL, MOED_EFORMAT, c.odd_name, "expected [4, 8]");
+
+    c = mixtral;
+    c.omit = "layers.1.block_sparse_moe.experts.3.w3";
+    expect_fail(&c, NULL, MOED_ENOTFOUND, "model.layers.1.block_sparse_moe.experts.3.w3.weight",
+                "1 tensor(s)");
+    c.omit = "w3"; /* one per expert and layer: listed in part, counted in full */
+    expect_fail(&c, NULL, MOED_ENOTFOUND, "8 tensor(s)",
+                "model.layers.0.block_sparse_moe.experts.0.w3.weight, "
+                "model.layers.0.block_sparse_moe.experts.1.w3.weight");
+    expect_fail(&c, NULL, MOED_ENOTFOUND, "experts.3.w3.weight and 4 more",
+                "holding MoE layers 0-1");
+    expect_fail(&c, "1", MOED_ENOTFOUND, "4 tensor(s)",
+                "model.layers.1.block_sparse_moe.experts.0.w3.weight");
+
+    c = deepseek;
+    c.omit = "e_score_correction_bias";
+    expect_fail(&c, NULL, MOED_ENOTFOUND, "model.layers.1.mlp.gate.e_score_correction_bias", NULL);
+    c = deepseek;
+    c.omit = "shared_experts.down_proj";
+    expect_fail(&c, "2", MOED_ENOTFOUND, "model.layers.2.mlp.shared_experts.down_proj.weight",
+                NULL);
+
+    c = mixtral; /* FP8 weights stored as BF16 next to their scales */
+    c.extra = "model.layers.0.block_sparse_moe.experts.0.w1.weight_scale_inv";
+    expect_fail(&c, NULL, MOED_EUNSUPPORTED, c.extra, "FP8");
+    c = mixtral;
+    c.config = ",\"quantization_config\":{\"quant_method\":\"fp8\",\"fmt\":\"e4m3\"}";
+    expect_fail(&c, NULL, MOED_EUNSUPPORTED, "quantization_config", "\"fp8\"");
+
+    c = (ck){ .arch = "qwen2_moe",
+              .layers = 2,
+              .d = 8,
+              .ff = 4,
+              .E = 4,
+              .top_k = 2,
+              .moe = 3,
+              .dtype = "BF16",
+              .shared_ff = 8,
+              .extra = "model.layers.1.mlp.shared_expert_gate.weight",
+              .config = ",\"shared_expert_intermediate_size\":8" };
+    expect_fail(&c, NULL, MOED_EUNSUPPORTED, "model.layers.1.mlp.shared_expert_gate.weight", NULL);
+
+    c = mixtral;
+    c.arch = "llama";
+    expect_fail(&c, NULL, MOED_EUNSUPPORTED, "\"llama\"", "mixtral, qwen2_moe");
+    c = mixtral;
+    c.top_k = 5;
+    expect_fail(&c, NULL, MOED_EFORMAT, "num_experts_per_tok 5", NULL);
+    c = mixtral;
+    c.raw_config = "{\"model_type\":\"mixtral\",\"num_hidden_layers\":2,\"num_local_experts\":4,"
+                   "\"num_experts_per_tok\":2,\"intermediate_size\":16}";
+    expect_fail(&c, NULL, MOED_EFORMAT, "config.json has no \"hidden_size\"", NULL);
+    c.raw_config = "{\"architectures\":[\"MixtralForCausalLM\"],\"num_hidden_layers\":2,"
+                   "\"num_local_experts\":4,\"num_experts_per_tok\":2,\"intermediate_size\":16,"
+                   "\"hidden_size\":8,\"hidden_act\":\"gelu\"}";
+    expect_fail(&c, NULL, MOED_EUNSUPPORTED, "hidden_act \"gelu\"", NULL);
+    c.raw_config = "{\"model_type\":\"mixtral\",\"num_hidden_layers\":2,\"hidden_size\":\"8\"}";
+    expect_fail(&c, NULL, MOED_EFORMAT, "config.json: \"hidden_size\" must be an integer", NULL);
+    c.raw_config = "{\"model_type\": mixtral}";
+    expect_fail(&c, NULL, MOED_EFORMAT, "config.json is not valid JSON", NULL);
+
+    c = deepseek;
+    c.config = ",\"n_group\":3";
+    expect_fail(&c, NULL, MOED_EFORMAT, "n_group 3", NULL);
+    c.config = ",\"scoring_func\":\"softmax\",\"n_group\":1,\"topk_group\":1";
+    expect_fail(&c, NULL, MOED_EUNSUPPORTED, "scoring_func \"softmax\"", NULL);
+
+    expect_fail(&deepseek, "0", MOED_EINVAL, "layer 0, which is a dense MLP layer", "are 1-2");
+    expect_fail(&deepseek, "1-2,7", MOED_EINVAL, "layer 7", "3 layers");
+    expect_fail(&deepseek, "1-x", MOED_EINVAL, "\"1-x\" is not like", NULL);
+    expect_fail(&deepseek, "2-1", MOED_EINVAL, "\"2-1\"", NULL);
+    expect_fail(&deepseek, "", MOED_EINVAL, "\"\"", NULL);
+
+    char dir[256], path[512];
+    CHECK(stw_tmpdir(dir, sizeof dir));
+    write_ck(&mixtral, dir);
+    unlink(stw_path(path, sizeof path, dir, "config.json"));
+    moed_model m;
+    moed_error err = { 0 };
+    CHECK_EQ_INT(moed_weights_checkpoint(dir, NULL, &m, &err), MOED_ENOTFOUND);
+    CHECK(strstr(err.msg, "has no config.json"));
+    stw_rmdir(dir);
+    CHECK_EQ_INT(moed_weights_checkpoint(dir, NULL, &m, &err), MOED_ENOTFOUND);
+    CHECK(strstr(err.msg, dir) && strstr(err.msg, "No such file"));
+}
+
+static void test_synthetic(void)
+{
+    moed_model m;
+    moed_error err = { 0 };
+    int rc =
+        moed_weights_synthetic("layers=3,d=16,ff=8,experts=4,topk=2,dtype=f32,seed=5", &m, &err);
+    CHECK_MSG(rc == 0, "%s", err.msg);
+    if (!rc) {
+        CHECK_EQ_INT(m.n_layers, 3);
+        CHECK(!strcmp(m.arch, "synthetic"));
+        CHECK(strstr(m.source, "layers=3,d=16,ff=8,experts=4,topk=2") &&
+              strstr(m.source, "seed=5"));
+        for (int i = 0; i < m.n_layers; i++) {
+            int slot = -1;
+            CHECK(moed_model_layer(&m, i, &slot) == &m.layers[i] && slot == i);
+            CHECK_EQ_INT(m.layers[i].info.d_model, 16);
+        }
+        CHECK(!moed_model_layer(&m, 3, NULL) && !moed_model_layer(&m, -1, NULL));
+        float want[16 * 8];
+        moed_synth_fill(5, 1, MOED_SYNTH_W2, 2, 8, MOED_F32, 0, 16 * 8, want);
+        CHECK(!memcmp(m.layers[1].experts[2].w2, want, sizeof want));
+        moed_weights_release(&m);
+        CHECK(!m.layers && !m.priv && !m.n_layers);
+    }
+    CHECK_EQ_INT(moed_weights_synthetic("layers=2,bogus=1", &m, &err), MOED_EINVAL);
+    CHECK(strstr(err.msg, "bogus"));
+    CHECK(!m.layers && !m.priv);
+}
+
+int main(void)
+{
+    test_layouts();
+    test_lazy_shards();
+    test_errors();
+    test_synthetic();
+    return check_status("test_weights");
+}
