@@ -1,0 +1,354 @@
+/*
+ * moedc_codec — encoding the client's requests and decoding the server's replies.
+ *
+ * protobuf-c packs everything except the hidden tensor's bytes: packing them would copy the
+ * largest buffer of the request once more on its way to the socket. Their field header is written
+ * by hand instead (a Tensor's dtype, packed shape and the data's length prefix: a few varints), so
+ * the caller's buffer itself becomes the message body. Replies are decoded with protobuf-c and
+ * checked against what was asked, so a caller never reads past a buffer a confused server sized.
+ */
+#include "moedc_codec.h"
+
+#include <grpc/health/v1/health.pb-c.h>
+#include <moed/v1/moed.pb-c.h>
+
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "libmoedclient sends tensors as they lie in memory, which the wire defines as little-endian"
+#endif
+
+/* The largest tensor this client will describe: far above any server limit, far below overflow. */
+#define MOEDC_MAX_TENSOR_BYTES ((uint64_t)1 << 46)
+
+static size_t varint_len(uint64_t v)
+{
+    size_t n = 1;
+    for (; v >= 0x80; v >>= 7) n++;
+    return n;
+}
+
+static uint8_t *put_varint(uint8_t *p, uint64_t v)
+{
+    for (; v >= 0x80; v >>= 7) *p++ = (uint8_t)(v | 0x80);
+    *p++ = (uint8_t)v;
+    return p;
+}
+
+static int pack(const ProtobufCMessage *m, uint8_t **buf, size_t *n, moed_error *err)
+{
+    size_t len = protobuf_c_message_get_packed_size(m);
+    uint8_t *b = malloc(len ? len : 1);
+    if (!b) return moed_fail(err, MOED_ENOMEM, "out of memory packing a %zu-byte message", len);
+    protobuf_c_message_pack(m, b);
+    *buf = b;
+    *n = len;
+    return 0;
+}
+
+/* Checks that a [rows, cols] matrix of elem-byte elements can be described and is there. */
+static int check_matrix(const char *name, const void *p, int64_t rows, int64_t cols, size_t elem,
+                        moed_error *err)
+{
+    if (rows < 0 || cols < 0)
+        return moed_fail(err, MOED_EINVAL, "%s has shape [%lld, %lld]: sizes cannot be negative",
+                         name, (long long)rows, (long long)cols);
+    if (cols && (uint64_t)rows > MOEDC_MAX_TENSOR_BYTES / elem / (uint64_t)cols)
+        return moed_fail(err, MOED_ETOOBIG, "%s of shape [%lld, %lld] is too large to send", name,
+                         (long long)rows, (long long)cols);
+    if (!p && rows && cols)
+        return moed_fail(err, MOED_EINVAL, "%s is NULL but its shape is [%lld, %lld]", name,
+                         (long long)rows, (long long)cols);
+    return 0;
+}
+
+static int check_request(const moedc_request *req, moed_error *err)
+{
+    if (!moed_dtype_is_float(req->dtype))
+        return moed_fail(
+            err, MOED_EINVAL,
+            "request dtype %d (%s) is not one moed computes in: use MOED_F32, MOED_F16 "
+            "or MOED_BF16",
+            req->dtype, moed_dtype_name(req->dtype));
+    int rc = check_matrix("hidden", req->hidden, req->tokens, req->d_model,
+                          moed_dtype_size(req->dtype), err);
+    if (rc) return rc;
+    switch (req->routing) {
+    case MOEDC_ROUTE_EXPERTS:
+        rc = check_matrix("expert_ids", req->expert_ids, req->tokens, req->k, 4, err);
+        return rc ? rc
+                  : check_matrix("expert_weights", req->expert_weights, req->tokens, req->k, 4,
+                                 err);
+    case MOEDC_ROUTE_LOGITS:
+        return check_matrix("logits", req->logits, req->tokens, req->n_experts, 4, err);
+    case MOEDC_ROUTE_SERVER:
+        return 0;
+    }
+    return moed_fail(err, MOED_EINVAL,
+                     "request routing %d is not MOEDC_ROUTE_EXPERTS, MOEDC_ROUTE_LOGITS or "
+                     "MOEDC_ROUTE_SERVER",
+                     req->routing);
+}
+
+/* A protobuf-c Tensor over caller memory (packing only reads it). */
+static void tensor_over(Moed__V1__Tensor *t, int64_t shape[2], int dtype, int64_t rows,
+                        int64_t cols, const void *data, size_t elem)
+{
+    moed__v1__tensor__init(t);
+    shape[0] = rows;
+    shape[1] = cols;
+    t->dtype = (Moed__V1__DType)dtype;
+    t->n_shape = 2;
+    t->shape = shape;
+    t->data.len = (size_t)(rows * cols) * elem;
+    t->data.data = (uint8_t *)data;
+}
+
+/* request_id, layer, then the hidden Tensor up to its data bytes. */
+static int encode_head(const moedc_request *req, uint64_t body_len, moedc_wire *w, moed_error *err)
+{
+    Moed__V1__ForwardRequest m = MOED__V1__FORWARD_REQUEST__INIT;
+    m.request_id = (char *)(req->request_id ? req->request_id : "");
+    m.layer = req->layer;
+    size_t fields_len = protobuf_c_message_get_packed_size(&m.base);
+    uint64_t T = (uint64_t)req->tokens, d = (uint64_t)req->d_model;
+    size_t shape_len = varint_len(T) + varint_len(d);
+    size_t inner_len = 1 + varint_len((uint64_t)req->dtype) + 1 + varint_len(shape_len) +
+                       shape_len + 1 + varint_len(body_len);
+    uint64_t tensor_len = inner_len + body_len;
+    w->head_len = fields_len + 1 + varint_len(tensor_len) + inner_len;
+    w->head = malloc(w->head_len);
+    if (!w->head) return moed_fail(err, MOED_ENOMEM, "out of memory encoding a request");
+    uint8_t *p = w->head + protobuf_c_message_pack(&m.base, w->head);
+    *p++ = 3 << 3 | 2; /* ForwardRequest.hidden, length-delimited */
+    p = put_varint(p, tensor_len);
+    *p++ = 1 << 3 | 0; /* Tensor.dtype, varint */
+    p = put_varint(p, (uint64_t)req->dtype);
+    *p++ = 2 << 3 | 2; /* Tensor.shape, packed */
+    p = put_varint(p, shape_len);
+    p = put_varint(p, T);
+    p = put_varint(p, d);
+    *p++ = 3 << 3 | 2; /* Tensor.data */
+    put_varint(p, body_len);
+    return 0;
+}
+
+/* The routing oneof and batch_gating: a ForwardRequest holding only those fields. */
+static int encode_tail(const moedc_request *req, moedc_wire *w, moed_error *err)
+{
+    Moed__V1__ForwardRequest m = MOED__V1__FORWARD_REQUEST__INIT;
+    Moed__V1__ExpertChoice experts = MOED__V1__EXPERT_CHOICE__INIT;
+    Moed__V1__RouterLogits logits = MOED__V1__ROUTER_LOGITS__INIT;
+    Moed__V1__ServerRouter server = MOED__V1__SERVER_ROUTER__INIT;
+    Moed__V1__Gating gating = MOED__V1__GATING__INIT;
+    Moed__V1__BatchGating batch = MOED__V1__BATCH_GATING__INIT;
+    Moed__V1__Tensor t1, t2;
+    int64_t s1[2], s2[2];
+
+    gating.strategy = (Moed__V1__Strategy)req->gating.strategy;
+    gating.top_k = (uint32_t)req->gating.top_k;
+    gating.renormalize = (Moed__V1__Renormalize)req->gating.renormalize;
+    gating.threshold = req->gating.threshold;
+    switch (req->routing) {
+    case MOEDC_ROUTE_EXPERTS:
+        tensor_over(&t1, s1, MOED_I32, req->tokens, req->k, req->expert_ids, 4);
+        tensor_over(&t2, s2, MOED_F32, req->tokens, req->k, req->expert_weights, 4);
+        experts.expert_ids = &t1;
+        experts.expert_weights = &t2;
+        m.routing_case = MOED__V1__FORWARD_REQUEST__ROUTING_EXPERTS;
+        m.experts = &experts;
+        break;
+    case MOEDC_ROUTE_LOGITS:
+        tensor_over(&t1, s1, MOED_F32, req->tokens, req->n_experts, req->logits, 4);
+        logits.logits = &t1;
+        logits.gating = &gating;
+        m.routing_case = MOED__V1__FORWARD_REQUEST__ROUTING_LOGITS;
+        m.logits = &logits;
+        break;
+    default:
+        server.gating = &gating;
+        m.routing_case = MOED__V1__FORWARD_REQUEST__ROUTING_SERVER_ROUTER;
+        m.server_router = &server;
+    }
+    if (req->batch_gating) {
+        batch.k_batch = req->k_batch;
+        m.batch_gating = &batch;
+    }
+    return pack(&m.base, &w->tail, &w->tail_len, err);
+}
+
+int moedc_encode_forward(const moedc_request *req, moedc_wire *out, moed_error *err)
+{
+    memset(out, 0, sizeof *out);
+    if (!req) return moed_fail(err, MOED_EINVAL, "no request given");
+    int rc = check_request(req, err);
+    if (rc) return rc;
+    out->body = req->hidden;
+    out->body_len = (size_t)(req->tokens * req->d_model) * moed_dtype_size(req->dtype);
+    rc = encode_head(req, out->body_len, out, err);
+    if (!rc) rc = encode_tail(req, out, err);
+    if (rc) moedc_wire_free(out);
+    return rc;
+}
+
+void moedc_wire_free(moedc_wire *w)
+{
+    free(w->head);
+    free(w->tail);
+    memset(w, 0, sizeof *w);
+}
+
+static int check_output(const Moed__V1__ForwardResponse *r, int dtype, int64_t tokens,
+                        int64_t d_model, moed_error *err)
+{
+    const Moed__V1__Tensor *t = r->output;
+    if (!t) return moed_fail(err, MOED_EFORMAT, "the server's reply has no output tensor");
+    if ((int)t->dtype != dtype)
+        return moed_fail(err, MOED_EFORMAT, "the server replied in %s to a %s request",
+                         moed_dtype_name(t->dtype), moed_dtype_name(dtype));
+    if (t->n_shape != 2 || t->shape[0] != tokens || t->shape[1] != d_model)
+        return moed_fail(err, MOED_EFORMAT,
+                         "the server's output has %zu dims (first [%lld, %lld]) for a request of "
+                         "shape [%lld, %lld]",
+                         t->n_shape, t->n_shape > 0 ? (long long)t->shape[0] : -1LL,
+                         t->n_shape > 1 ? (long long)t->shape[1] : -1LL, (long long)tokens,
+                         (long long)d_model);
+    size_t want = (size_t)(tokens * d_model) * moed_dtype_size(dtype);
+    if (t->data.len != want)
+        return moed_fail(
+            err, MOED_EFORMAT,
+            "the server's output holds %zu bytes, its shape [%lld, %lld] of %s needs %zu",
+            t->data.len, (long long)tokens, (long long)d_model, moed_dtype_name(dtype), want);
+    return 0;
+}
+
+int moedc_decode_forward(const uint8_t *buf, size_t n, int dtype, int64_t tokens, int64_t d_model,
+                         moedc_result *res, moed_error *err)
+{
+    memset(res, 0, sizeof *res);
+    Moed__V1__ForwardResponse *r = moed__v1__forward_response__unpack(NULL, n, buf);
+    if (!r) return moed_fail(err, MOED_EFORMAT, "the server's reply (%zu bytes) does not parse", n);
+    int rc = check_output(r, dtype, tokens, d_model, err);
+    if (rc) {
+        moed__v1__forward_response__free_unpacked(r, NULL);
+        return rc;
+    }
+    res->dtype = dtype;
+    res->tokens = tokens;
+    res->d_model = d_model;
+    res->output = r->output->data.data;
+    res->output_bytes = r->output->data.len;
+    res->expert_set = r->expert_set;
+    res->n_expert_set = r->n_expert_set;
+    if (r->timings) {
+        res->timings.queue_us = r->timings->queue_us;
+        res->timings.compute_us = r->timings->compute_us;
+        res->timings.total_us = r->timings->total_us;
+        res->timings.batch_tokens = r->timings->batch_tokens;
+        res->timings.batch_requests = r->timings->batch_requests;
+    }
+    res->request_id = r->request_id ? r->request_id : "";
+    res->priv = r;
+    return 0;
+}
+
+void moedc_result_free(moedc_result *res)
+{
+    if (!res) return;
+    if (res->priv) moed__v1__forward_response__free_unpacked(res->priv, NULL);
+    memset(res, 0, sizeof *res);
+}
+
+int moedc_encode_get_model(uint8_t **buf, size_t *n, moed_error *err)
+{
+    Moed__V1__GetModelRequest m = MOED__V1__GET_MODEL_REQUEST__INIT;
+    return pack(&m.base, buf, n, err);
+}
+
+int moedc_encode_health(const char *service, uint8_t **buf, size_t *n, moed_error *err)
+{
+    Grpc__Health__V1__HealthCheckRequest m = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    m.service = (char *)(service ? service : "");
+    return pack(&m.base, buf, n, err);
+}
+
+static void layer_info_from(const Moed__V1__LayerInfo *l, moed_layer_info *li)
+{
+    memset(li, 0, sizeof *li);
+    li->index = (int)l->index;
+    li->d_model = (int)l->d_model;
+    li->d_ff = (int)l->d_ff;
+    li->n_experts = (int)l->num_experts;
+    li->top_k = (int)l->top_k;
+    li->act = (moed_act)l->activation;
+    li->wdtype = (int)l->weight_dtype;
+    li->has_router = l->has_router;
+    li->norm_topk = l->norm_topk_prob;
+    li->rule = (moed_router_rule)l->router_rule;
+    li->n_group = (int)l->n_group;
+    li->topk_group = (int)l->topk_group;
+    li->routed_scale = l->routed_scaling_factor;
+    li->n_shared = (int)l->num_shared_experts;
+    li->shared_d_ff = (int)l->shared_d_ff;
+}
+
+static char *dup_or_empty(const char *s)
+{
+    return strdup(s ? s : "");
+}
+
+int moedc_decode_model_info(const uint8_t *buf, size_t n, moedc_model_info *out, moed_error *err)
+{
+    memset(out, 0, sizeof *out);
+    Moed__V1__ModelInfo *m = moed__v1__model_info__unpack(NULL, n, buf);
+    if (!m)
+        return moed_fail(err, MOED_EFORMAT, "the server's ModelInfo (%zu bytes) does not parse", n);
+    out->model = dup_or_empty(m->model);
+    out->backend = dup_or_empty(m->backend);
+    out->version = dup_or_empty(m->version);
+    out->layers = calloc(m->n_layers ? m->n_layers : 1, sizeof *out->layers);
+    out->devices = calloc(m->n_devices ? m->n_devices : 1, sizeof *out->devices);
+    if (!out->model || !out->backend || !out->version || !out->layers || !out->devices) goto err;
+    for (size_t i = 0; i < m->n_layers; i++) layer_info_from(m->layers[i], &out->layers[i]);
+    out->n_layers = (int)m->n_layers;
+    for (size_t i = 0; i < m->n_devices; i++) {
+        out->devices[i].name = dup_or_empty(m->devices[i]->name);
+        if (!out->devices[i].name) goto err;
+        out->devices[i].memory_total = m->devices[i]->memory_total;
+        out->devices[i].memory_used = m->devices[i]->memory_used;
+        out->n_devices = (int)i + 1;
+    }
+    out->max_message_bytes = m->max_message_bytes;
+    out->max_batch_tokens = m->max_batch_tokens;
+    moed__v1__model_info__free_unpacked(m, NULL);
+    return 0;
+err:
+    moed__v1__model_info__free_unpacked(m, NULL);
+    moedc_model_info_free(out);
+    return moed_fail(err, MOED_ENOMEM, "out of memory decoding the server's ModelInfo");
+}
+
+void moedc_model_info_free(moedc_model_info *m)
+{
+    if (!m) return;
+    free(m->model);
+    free(m->backend);
+    free(m->version);
+    free(m->layers);
+    for (int i = 0; i < m->n_devices; i++) free(m->devices[i].name);
+    free(m->devices);
+    memset(m, 0, sizeof *m);
+}
+
+int moedc_decode_health(const uint8_t *buf, size_t n, int *status, moed_error *err)
+{
+    Grpc__Health__V1__HealthCheckResponse *r =
+        grpc__health__v1__health_check_response__unpack(NULL, n, buf);
+    if (!r)
+        return moed_fail(err, MOED_EFORMAT,
+                         "the server's HealthCheckResponse (%zu bytes) does not parse", n);
+    *status = (int)r->status;
+    grpc__health__v1__health_check_response__free_unpacked(r, NULL);
+    return 0;
+}

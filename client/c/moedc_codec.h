@@ -1,0 +1,44 @@
+/*
+ * moedc_codec — the client's messages to and from bytes, with no gRPC in sight (so it can be tested
+ * and fuzzed alone). Internal to libmoedclient.
+ *
+ * A ForwardRequest is encoded as three pieces whose concatenation is the message, in field order:
+ * head (request_id, layer and the hidden Tensor up to its data's length prefix), body (the caller's
+ * hidden bytes, untouched: gRPC sends them from where they are) and tail (the routing oneof and
+ * batch_gating, packed by protobuf-c).
+ */
+#ifndef MOEDC_CODEC_H
+#define MOEDC_CODEC_H
+
+#include "moedclient.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct moedc_wire {
+    uint8_t *head; /* malloc'd */
+    size_t head_len;
+    const void *body; /* req->hidden */
+    size_t body_len;
+    uint8_t *tail; /* malloc'd */
+    size_t tail_len;
+} moedc_wire;
+
+/* Checks req (what the client must know to encode it; the server checks the rest) and encodes it.
+ * Release with moedc_wire_free. */
+int moedc_encode_forward(const moedc_request *req, moedc_wire *out, moed_error *err);
+void moedc_wire_free(moedc_wire *w);
+
+/* Decodes a ForwardResponse to a request of dtype [tokens, d_model] into res, checking the output
+ * is exactly that. */
+int moedc_decode_forward(const uint8_t *buf, size_t n, int dtype, int64_t tokens, int64_t d_model,
+                         moedc_result *res, moed_error *err);
+
+/* GetModelRequest / grpc.health.v1.HealthCheckRequest into malloc'd bytes. */
+int moedc_encode_get_model(uint8_t **buf, size_t *n, moed_error *err);
+int moedc_encode_health(const char *service, uint8_t **buf, size_t *n, moed_error *err);
+
+int moedc_decode_model_info(const uint8_t *buf, size_t n, moedc_model_info *out, moed_error *err);
+int moedc_decode_health(const uint8_t *buf, size_t n, int *status, moed_error *err);
+
+#endif

@@ -1,0 +1,437 @@
+/*
+ * moedclient — libmoedclient's calls over gRPC C core (moedclient.h states the contract).
+ *
+ * Every RPC moed has is unary, so a call is one batch of all six ops (send metadata, message and
+ * close; receive metadata, message and status) and finishes with exactly one completion on its
+ * queue: the asynchronous API is that completion, and the blocking one waits for it on a queue of
+ * its own. Nothing is shared between calls but the channel, which gRPC makes thread-safe, so no
+ * lock is needed anywhere but in lending the hidden buffer.
+ *
+ * The hidden bytes go into the message as a slice over the caller's memory. gRPC may hold that
+ * slice a little after the call completes (a reply that came before the whole request was written),
+ * so the slice's release callback tells the call, and finishing a call waits for it: that is what
+ * lets the contract say "valid until finish returns" rather than "until some later time".
+ */
+#include "moedclient.h"
+#include "moedc_codec.h"
+
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <grpc/support/time.h>
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct moedc {
+    grpc_channel *channel;
+    void *m_forward, *m_get_model, *m_health; /* registered methods */
+    double timeout_s;
+    char *auth; /* "Bearer TOKEN" or NULL */
+};
+
+struct moedc_queue {
+    grpc_completion_queue *cq;
+};
+
+struct moedc_call {
+    grpc_call *call;
+    void *user;
+    grpc_metadata auth_md;
+    grpc_metadata_array initial_md, trailing_md;
+    grpc_byte_buffer *send, *recv;
+    grpc_status_code status;
+    grpc_slice details;
+    int batch_ok;
+    /* what the reply must hold: the request's dtype and shape */
+    int dtype;
+    int64_t tokens, d_model;
+    /* the hidden buffer lent to gRPC, until its slice is released */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int lent;
+};
+
+static const char *const grpc_status_names[] = {
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+};
+
+const char *moedc_grpc_status_name(int grpc_status)
+{
+    if (grpc_status < 0 || grpc_status > 16) return "UNKNOWN";
+    return grpc_status_names[grpc_status];
+}
+
+int moedc_code_from_grpc(int grpc_status)
+{
+    /* The inverse of moed_err.h's table where it is one-to-one; the closest code elsewhere. */
+    static const int codes[] = {
+        MOED_OK,        MOED_ECANCELLED, MOED_EINTERNAL,    MOED_EINVAL,    MOED_EDEADLINE,
+        MOED_ENOTFOUND, MOED_EINVAL,     MOED_EUNAUTH,      MOED_ETOOBIG,   MOED_ENODEV,
+        MOED_EUNAVAIL,  MOED_EINVAL,     MOED_EUNSUPPORTED, MOED_EINTERNAL, MOED_EUNAVAIL,
+        MOED_EIO,       MOED_EUNAUTH,
+    };
+    if (grpc_status < 0 || grpc_status > 16) return MOED_EINTERNAL;
+    return codes[grpc_status];
+}
+
+const char *moedc_health_name(int status)
+{
+    switch (status) {
+    case MOEDC_HEALTH_SERVING:
+        return "SERVING";
+    case MOEDC_HEALTH_NOT_SERVING:
+        return "NOT_SERVING";
+    case MOEDC_HEALTH_SERVICE_UNKNOWN:
+        return "SERVICE_UNKNOWN";
+    }
+    return "UNKNOWN";
+}
+
+/* ---- channel ---- */
+
+int moedc_connect(const char *target, const moedc_opts *opts, moedc **out, moed_error *err)
+{
+    *out = NULL;
+    if (!target || !*target)
+        return moed_fail(err, MOED_EINVAL, "no server address given (e.g. 127.0.0.1:50051)");
+    moedc *c = calloc(1, sizeof *c);
+    if (!c) return moed_fail(err, MOED_ENOMEM, "out of memory opening a connection");
+    grpc_init();
+    if (opts) {
+        c->timeout_s = opts->timeout_s;
+        if (opts->bearer_token) {
+            size_t n = strlen(opts->bearer_token) + sizeof "Bearer ";
+            c->auth = malloc(n);
+            if (!c->auth) goto nomem;
+            snprintf(c->auth, n, "Bearer %s", opts->bearer_token);
+        }
+    }
+    /* Unlimited message sizes: the server enforces its own limit, with a status that says so.
+     * A local subchannel pool: this channel's connection is its own, not shared with others. */
+    grpc_arg args[3] = {
+        { GRPC_ARG_INTEGER, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, { .integer = -1 } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, { .integer = -1 } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, { .integer = 1 } },
+    };
+    grpc_channel_args chargs = { 3, args };
+    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+    c->channel = grpc_channel_create(target, creds, &chargs);
+    grpc_channel_credentials_release(creds);
+    if (!c->channel) goto nomem;
+    c->m_forward = grpc_channel_register_call(c->channel, "/moed.v1.Moed/Forward", NULL, NULL);
+    c->m_get_model = grpc_channel_register_call(c->channel, "/moed.v1.Moed/GetModel", NULL, NULL);
+    c->m_health =
+        grpc_channel_register_call(c->channel, "/grpc.health.v1.Health/Check", NULL, NULL);
+    *out = c;
+    return 0;
+nomem:
+    moedc_close(c);
+    return moed_fail(err, MOED_ENOMEM, "out of memory opening a connection to %s", target);
+}
+
+void moedc_close(moedc *c)
+{
+    if (!c) return;
+    if (c->channel) grpc_channel_destroy(c->channel);
+    free(c->auth);
+    free(c);
+    grpc_shutdown();
+}
+
+/* ---- queues ---- */
+
+int moedc_queue_create(moedc_queue **out, moed_error *err)
+{
+    *out = NULL;
+    moedc_queue *q = calloc(1, sizeof *q);
+    if (!q) return moed_fail(err, MOED_ENOMEM, "out of memory creating a completion queue");
+    grpc_init();
+    q->cq = grpc_completion_queue_create_for_next(NULL);
+    *out = q;
+    return 0;
+}
+
+void moedc_queue_destroy(moedc_queue *q)
+{
+    if (!q) return;
+    grpc_completion_queue_shutdown(q->cq);
+    while (grpc_completion_queue_next(q->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN) {
+    }
+    grpc_completion_queue_destroy(q->cq);
+    free(q);
+    grpc_shutdown();
+}
+
+static gpr_timespec after(double seconds)
+{
+    if (seconds < 0) return gpr_inf_future(GPR_CLOCK_MONOTONIC);
+    return gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                        gpr_time_from_micros((int64_t)(seconds * 1e6), GPR_TIMESPAN));
+}
+
+int moedc_queue_next(moedc_queue *q, double timeout_s, moedc_call **out)
+{
+    *out = NULL;
+    grpc_event ev = grpc_completion_queue_next(q->cq, after(timeout_s), NULL);
+    if (ev.type != GRPC_OP_COMPLETE) return 0; /* timeout (shutdown only comes in destroy) */
+    *out = ev.tag;
+    (*out)->batch_ok = ev.success;
+    return 1;
+}
+
+/* ---- calls ---- */
+
+static void body_released(void *arg)
+{
+    moedc_call *call = arg;
+    pthread_mutex_lock(&call->mu);
+    call->lent = 0;
+    pthread_cond_signal(&call->cv);
+    pthread_mutex_unlock(&call->mu);
+}
+
+static moedc_call *call_new(void *user)
+{
+    moedc_call *call = calloc(1, sizeof *call);
+    if (!call) return NULL;
+    call->user = user;
+    pthread_mutex_init(&call->mu, NULL);
+    pthread_cond_init(&call->cv, NULL);
+    grpc_metadata_array_init(&call->initial_md);
+    grpc_metadata_array_init(&call->trailing_md);
+    call->details = grpc_empty_slice();
+    return call;
+}
+
+/* Releases everything a call holds, once gRPC has given the hidden buffer back. */
+static void call_free(moedc_call *call)
+{
+    if (!call) return;
+    if (call->call) grpc_call_unref(call->call);
+    if (call->send) grpc_byte_buffer_destroy(call->send);
+    if (call->recv) grpc_byte_buffer_destroy(call->recv);
+    grpc_metadata_array_destroy(&call->initial_md);
+    grpc_metadata_array_destroy(&call->trailing_md);
+    grpc_slice_unref(call->details);
+    pthread_mutex_lock(&call->mu);
+    while (call->lent) pthread_cond_wait(&call->cv, &call->mu);
+    pthread_mutex_unlock(&call->mu);
+    pthread_mutex_destroy(&call->mu);
+    pthread_cond_destroy(&call->cv);
+    free(call);
+}
+
+/* Starts the one batch of a unary call carrying the message in slices (gRPC takes its own refs). */
+static int call_start(moedc *c, void *method, moedc_queue *q, double timeout_s, grpc_slice *slices,
+                      size_t n, moedc_call *call, moed_error *err)
+{
+    double t = timeout_s == 0 ? c->timeout_s : timeout_s;
+    call->call = grpc_channel_create_registered_call(c->channel, NULL, GRPC_PROPAGATE_DEFAULTS,
+                                                     q->cq, method, after(t > 0 ? t : -1), NULL);
+    call->send = grpc_raw_byte_buffer_create(slices, n);
+    if (!call->call || !call->send)
+        return moed_fail(err, MOED_ENOMEM, "out of memory starting a call");
+    if (c->auth) {
+        call->auth_md.key = grpc_slice_from_static_string("authorization");
+        call->auth_md.value = grpc_slice_from_static_string(c->auth);
+    }
+    grpc_op ops[6];
+    memset(ops, 0, sizeof ops);
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[0].data.send_initial_metadata.count = c->auth ? 1 : 0;
+    ops[0].data.send_initial_metadata.metadata = &call->auth_md;
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = call->send;
+    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = &call->initial_md;
+    ops[4].op = GRPC_OP_RECV_MESSAGE;
+    ops[4].data.recv_message.recv_message = &call->recv;
+    ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    ops[5].data.recv_status_on_client.trailing_metadata = &call->trailing_md;
+    ops[5].data.recv_status_on_client.status = &call->status;
+    ops[5].data.recv_status_on_client.status_details = &call->details;
+    grpc_call_error e = grpc_call_start_batch(call->call, ops, 6, call, NULL);
+    if (e != GRPC_CALL_OK)
+        return moed_fail(err, MOED_EINTERNAL, "gRPC refused to start the call: %s",
+                         grpc_call_error_to_string(e));
+    return 0;
+}
+
+/* The error of a refused call: the server's message, as the contract in moedclient.h says. */
+static int status_error(const moedc_call *call, moed_error *err)
+{
+    int code = moedc_code_from_grpc(call->status);
+    const char *name = moedc_grpc_status_name(call->status);
+    int len = (int)GRPC_SLICE_LENGTH(call->details);
+    const char *msg = (const char *)GRPC_SLICE_START_PTR(call->details);
+    if (!len) return moed_fail(err, code, "%s (the server sent no message)", name);
+    if (moed_err_grpc_status(code) != (int)call->status)
+        return moed_fail(err, code, "%s: %.*s", name, len, msg);
+    return moed_fail(err, code, "%.*s", len, msg);
+}
+
+/* The reply of a finished call as one contiguous slice, or the call's error. */
+static int call_reply(moedc_call *call, grpc_slice *out, moed_error *err)
+{
+    if (call->status != GRPC_STATUS_OK) return status_error(call, err);
+    if (!call->batch_ok)
+        return moed_fail(err, MOED_EINTERNAL, "the call failed in gRPC without a status");
+    if (!call->recv)
+        return moed_fail(err, MOED_EFORMAT, "the server ended the call without a reply");
+    grpc_byte_buffer_reader r;
+    if (!grpc_byte_buffer_reader_init(&r, call->recv))
+        return moed_fail(err, MOED_EFORMAT, "the server's reply could not be read (compression?)");
+    *out = grpc_byte_buffer_reader_readall(&r);
+    grpc_byte_buffer_reader_destroy(&r);
+    return 0;
+}
+
+int moedc_forward_start(moedc *c, const moedc_request *req, moedc_queue *q, void *user,
+                        moedc_call **out, moed_error *err)
+{
+    *out = NULL;
+    moedc_wire w;
+    int rc = moedc_encode_forward(req, &w, err);
+    if (rc) return rc;
+    moedc_call *call = call_new(user);
+    if (!call) {
+        moedc_wire_free(&w);
+        return moed_fail(err, MOED_ENOMEM, "out of memory starting a call");
+    }
+    call->dtype = req->dtype;
+    call->tokens = req->tokens;
+    call->d_model = req->d_model;
+    /* head and tail become slices that own them; the body a slice lent from the caller */
+    grpc_slice s[3];
+    size_t n = 0;
+    s[n++] = grpc_slice_new(w.head, w.head_len, free);
+    if (w.body_len) {
+        call->lent = 1;
+        s[n++] = grpc_slice_new_with_user_data((void *)w.body, w.body_len, body_released, call);
+    }
+    s[n++] = grpc_slice_new(w.tail, w.tail_len, free);
+    rc = call_start(c, c->m_forward, q, req->timeout_s, s, n, call, err);
+    for (size_t i = 0; i < n; i++) grpc_slice_unref(s[i]);
+    if (rc) {
+        call_free(call);
+        return rc;
+    }
+    *out = call;
+    return 0;
+}
+
+void *moedc_call_user(const moedc_call *call)
+{
+    return call->user;
+}
+
+void moedc_call_cancel(moedc_call *call)
+{
+    grpc_call_cancel(call->call, NULL);
+}
+
+int moedc_call_finish(moedc_call *call, moedc_result *res, moed_error *err)
+{
+    memset(res, 0, sizeof *res);
+    grpc_slice reply;
+    int rc = call_reply(call, &reply, err);
+    if (!rc) {
+        rc = moedc_decode_forward(GRPC_SLICE_START_PTR(reply), GRPC_SLICE_LENGTH(reply),
+                                  call->dtype, call->tokens, call->d_model, res, err);
+        grpc_slice_unref(reply);
+    }
+    call_free(call);
+    return rc;
+}
+
+int moedc_forward(moedc *c, const moedc_request *req, moedc_result *res, moed_error *err)
+{
+    memset(res, 0, sizeof *res);
+    moedc_queue *q;
+    moedc_call *call;
+    int rc = moedc_queue_create(&q, err);
+    if (rc) return rc;
+    rc = moedc_forward_start(c, req, q, NULL, &call, err);
+    if (!rc) {
+        moedc_queue_next(q, -1, &call);
+        rc = moedc_call_finish(call, res, err);
+    }
+    moedc_queue_destroy(q);
+    return rc;
+}
+
+/* A small blocking call (GetModel, health): msg is freed; *reply holds the answer on success. */
+static int unary(moedc *c, void *method, uint8_t *msg, size_t n, grpc_slice *reply, moed_error *err)
+{
+    moedc_queue *q;
+    int rc = moedc_queue_create(&q, err);
+    if (rc) {
+        free(msg);
+        return rc;
+    }
+    moedc_call *call = call_new(NULL);
+    grpc_slice s = grpc_slice_new(msg, n, free);
+    if (!call) {
+        rc = moed_fail(err, MOED_ENOMEM, "out of memory starting a call");
+    } else {
+        rc = call_start(c, method, q, 0, &s, 1, call, err);
+        if (!rc) {
+            moedc_call *done;
+            moedc_queue_next(q, -1, &done);
+            rc = call_reply(done, reply, err);
+        }
+    }
+    grpc_slice_unref(s);
+    call_free(call);
+    moedc_queue_destroy(q);
+    return rc;
+}
+
+int moedc_info(moedc *c, moedc_model_info *out, moed_error *err)
+{
+    memset(out, 0, sizeof *out);
+    uint8_t *msg;
+    size_t n;
+    grpc_slice reply;
+    int rc = moedc_encode_get_model(&msg, &n, err);
+    if (!rc) rc = unary(c, c->m_get_model, msg, n, &reply, err);
+    if (rc) return rc;
+    rc = moedc_decode_model_info(GRPC_SLICE_START_PTR(reply), GRPC_SLICE_LENGTH(reply), out, err);
+    grpc_slice_unref(reply);
+    return rc;
+}
+
+int moedc_health(moedc *c, const char *service, int *status, moed_error *err)
+{
+    *status = MOEDC_HEALTH_UNKNOWN;
+    uint8_t *msg;
+    size_t n;
+    grpc_slice reply;
+    int rc = moedc_encode_health(service, &msg, &n, err);
+    if (!rc) rc = unary(c, c->m_health, msg, n, &reply, err);
+    if (rc) return rc;
+    rc = moedc_decode_health(GRPC_SLICE_START_PTR(reply), GRPC_SLICE_LENGTH(reply), status, err);
+    grpc_slice_unref(reply);
+    return rc;
+}

@@ -1,0 +1,113 @@
+"""python -m moed: a small command line over MoEClient, for poking at a server by hand.
+
+    python -m moed [--target ADDR] [--timeout S] health | info | forward [--layer N] [--tokens T]
+                   [--dtype f32|f16|bf16] [--strategy S] [--top-k K] [--seed N] [--verify]
+
+forward sends random hidden states and random router logits, prints a summary of the reply, and
+with --verify (synthetic models only) compares it with moed.reference. Exit codes: 0 ok, 1 a failed
+call (or a failed verification), 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import ml_dtypes
+import numpy as np
+
+from . import MoEClient, MoEError
+
+_NP_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
+
+
+def _info(c: MoEClient) -> int:
+    m = c.info()
+    print(f"model    {m.model}\nbackend  {m.backend}   version {m.version}")
+    print(f"limits   {m.max_message_bytes} bytes per message, {m.max_batch_tokens} tokens per request")
+    for d in m.devices:
+        print(f"device   {d.name}: {d.memory_used / 2**20:.0f} / {d.memory_total / 2**20:.0f} MiB used")
+    print(f"{'layer':>5} {'d_model':>7} {'d_ff':>6} {'experts':>7} {'top_k':>5} {'act':>6} {'dtype':>5} "
+          f"{'router':>6} {'norm':>4} {'rule':>12} {'shared':>6} {'groups':>6} {'scale':>5}")
+    for l in m.layers:
+        print(f"{l.index:>5} {l.d_model:>7} {l.d_ff:>6} {l.num_experts:>7} {l.top_k:>5} {l.activation:>6} "
+              f"{l.weight_dtype:>5} {'yes' if l.has_router else 'no':>6} {int(l.norm_topk_prob):>4} "
+              f"{l.router_rule:>12} {l.num_shared_experts}x{l.shared_d_ff:<4} "
+              f"{l.n_group}/{l.topk_group:<4} {l.routed_scaling_factor:>5g}")
+    return 0
+
+
+def _verify(c: MoEClient, args, x, logits, y) -> int:
+    from . import reference
+
+    m = c.info()
+    try:
+        weights = reference.synthetic_weights(m.model, args.layer)
+    except ValueError as e:
+        print(f"verify: the model {m.model!r} is not a synthetic spec ({e}); nothing to compare with")
+        return 1
+    served, rebuilt = m.layer(args.layer), weights.info
+    keys = ("d_model", "d_ff", "num_experts", "activation", "weight_dtype", "router_rule")
+    if any(getattr(served, k) != getattr(rebuilt, k) for k in keys):
+        print(f"verify: the server's layer {args.layer} is not what its spec {m.model!r} describes: "
+              f"{[(k, getattr(served, k), getattr(rebuilt, k)) for k in keys]}")
+        return 1
+    route = reference.gate(logits, args.strategy, args.top_k, info=weights.info, bias=weights.bias)
+    ref = reference.forward(x, weights, route)
+    err = np.abs(y.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30)
+    tol = {"f32": 1e-4, "f16": 2e-3, "bf16": 1.6e-2}[args.dtype]
+    print(f"verify: max |y - reference| / max |reference| = {err:.3g} (tolerance {tol:g} for {args.dtype})")
+    return 0 if err <= tol else 1
+
+
+def _forward(c: MoEClient, args) -> int:
+    layer = c.info().layer(args.layer)
+    rng = np.random.default_rng(args.seed)
+    x = rng.standard_normal((args.tokens, layer.d_model)).astype(_NP_DTYPES[args.dtype])
+    logits = rng.standard_normal((args.tokens, layer.num_experts)).astype(np.float32)
+    r = c.forward(args.layer, x, router_logits=logits, strategy=args.strategy, top_k=args.top_k,
+                  return_info=True)
+    y, t = r.output, r.timings
+    y64 = y.astype(np.float64)
+    print(f"output   {list(y.shape)} {y.dtype}: mean {y64.mean():.4g} std {y64.std():.4g} "
+          f"min {y64.min():.4g} max {y64.max():.4g}")
+    print(f"timings  queue {t.queue_us} us, compute {t.compute_us} us, total {t.total_us} us, "
+          f"batch of {t.batch_tokens} tokens / {t.batch_requests} requests")
+    return _verify(c, args, x, logits, y) if args.verify else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moed", description="Call a moed server.")
+    p.add_argument("--target", default="127.0.0.1:50051", help="server address (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=None, help="deadline of each call, seconds")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("health", help="print the health status")
+    sub.add_parser("info", help="print the layers, backend, devices and limits")
+    f = sub.add_parser("forward", help="send random data, print a summary of the reply")
+    f.add_argument("--layer", type=int, default=0)
+    f.add_argument("--tokens", type=int, default=8)
+    f.add_argument("--dtype", choices=sorted(_NP_DTYPES), default="f32")
+    f.add_argument("--strategy", default="model",
+                   help="model|topk|sigmoid|sparsemax|quadratic|pioneer (default %(default)s)")
+    f.add_argument("--top-k", type=int, default=0, help="0: the layer's top_k")
+    f.add_argument("--seed", type=int, default=0, help="random data seed")
+    f.add_argument("--verify", action="store_true", help="compare with moed.reference (synthetic models)")
+    args = p.parse_args(argv)
+    try:
+        with MoEClient(args.target, timeout=args.timeout) as c:
+            if args.cmd == "health":
+                print(c.health())
+                return 0
+            if args.cmd == "info":
+                return _info(c)
+            return _forward(c, args)
+    except MoEError as e:
+        print(f"moed: {e.code_name}: {e.message}", file=sys.stderr)
+        return 1
+    except (KeyError, ValueError) as e:
+        print(f"moed: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

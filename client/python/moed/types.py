@@ -1,0 +1,139 @@
+"""The client's plain data types and the names it shares with the server.
+
+These are plain dataclasses, not protobuf messages, so that code using moed (and the numpy reference
+in moed.reference, which must work without a server) never depends on the generated stubs. Enum
+values are given by lower-case names ("swiglu", "bf16", "deepseek_v3"); the tables below map the
+names to the wire values of proto/moed/v1/moed.proto in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+import numpy as np
+
+# moed.v1.DType
+DTYPES = {"f32": 1, "f16": 2, "bf16": 3, "i32": 4}
+DTYPE_ALIASES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int32": "i32"}
+# moed.v1.Activation
+ACTIVATIONS = {"swiglu": 1, "gelu": 2, "relu": 3}
+# moed.v1.Strategy ("model" is STRATEGY_UNSPECIFIED: the layer's own rule)
+STRATEGIES = {"model": 0, "topk": 1, "sigmoid": 2, "sparsemax": 3, "quadratic": 4, "pioneer": 5}
+# moed.v1.RouterRule
+ROUTER_RULES = {"softmax_topk": 1, "deepseek_v3": 2}
+
+
+def name_of(table: dict, value: int, default: str = "unspecified") -> str:
+    """The name of a wire value in one of the tables above."""
+    for k, v in table.items():
+        if v == value:
+            return k
+    return default
+
+
+def dtype_name(name: str) -> str:
+    """Canonical dtype name ("f32", "f16", "bf16", "i32") for a name or alias; ValueError if unknown."""
+    key = str(name).lower()
+    key = DTYPE_ALIASES.get(key, key)
+    if key not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: use one of f32, f16, bf16 (or float32, float16, bfloat16)")
+    return key
+
+
+def strategy_value(strategy) -> int:
+    """The moed.v1.Strategy value of a strategy name ("topk", ...), None/"model" -> 0."""
+    if strategy is None:
+        return 0
+    if isinstance(strategy, (int, np.integer)) and int(strategy) in STRATEGIES.values():
+        return int(strategy)
+    key = str(strategy).lower()
+    if key not in STRATEGIES:
+        raise ValueError(f"unknown gating strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
+    return STRATEGIES[key]
+
+
+@dataclass
+class LayerInfo:
+    """One resident MoE layer (moed.v1.LayerInfo); also what moed.reference gates and computes with."""
+
+    index: int = 0
+    d_model: int = 0
+    d_ff: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+    activation: str = "swiglu"
+    weight_dtype: str = "bf16"
+    has_router: bool = False
+    norm_topk_prob: bool = True
+    router_rule: str = "softmax_topk"
+    num_shared_experts: int = 0
+    shared_d_ff: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+
+@dataclass
+class Device:
+    """A device the server computes on (moed.v1.Device); memory in bytes."""
+
+    name: str
+    memory_total: int
+    memory_used: int
+
+
+@dataclass
+class ModelInfo:
+    """What the server holds (moed.v1.ModelInfo)."""
+
+    model: str
+    layers: List[LayerInfo]
+    backend: str
+    devices: List[Device]
+    version: str
+    max_message_bytes: int
+    max_batch_tokens: int
+
+    def layer(self, index: int) -> LayerInfo:
+        """The LayerInfo whose index (checkpoint layer number) is `index`; KeyError if not resident."""
+        for li in self.layers:
+            if li.index == index:
+                return li
+        raise KeyError(f"layer {index} is not resident; resident layers: {[li.index for li in self.layers]}")
+
+
+@dataclass
+class Timings:
+    """Server-side timings of one Forward (moed.v1.Timings), microseconds."""
+
+    queue_us: int = 0
+    compute_us: int = 0
+    total_us: int = 0
+    batch_tokens: int = 0
+    batch_requests: int = 0
+
+
+@dataclass
+class ForwardResult:
+    """What forward(..., return_info=True) returns.
+
+    output: [T, d_model] in the input's dtype; expert_set: the batch-gating set S (int32 array,
+    empty without batch gating); timings: Timings; request_id: echoed by the server.
+    """
+
+    output: np.ndarray
+    expert_set: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    timings: Timings = field(default_factory=Timings)
+    request_id: str = ""
+
+
+class MoEError(Exception):
+    """A failed call: .code is the grpc.StatusCode, .code_name its name ("INVALID_ARGUMENT"),
+    .message the server's status message (written for a person)."""
+
+    def __init__(self, code_name: str, message: str, code=None):
+        super().__init__(f"{code_name}: {message}")
+        self.code_name = code_name
+        self.message = message
+        self.code = code

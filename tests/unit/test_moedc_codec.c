@@ -1,0 +1,319 @@
+/*
+ * test_moedc_codec — libmoedclient's messages without a server: every request it encodes is
+ * decoded back by protobuf-c (an independent parser of the same proto) and compared field by field,
+ * replies that do not match the request are refused, and gRPC statuses map to moed codes and back.
+ */
+#include "check.h"
+#include "moedc_codec.h"
+
+#include <grpc/health/v1/health.pb-c.h>
+#include <moed/v1/moed.pb-c.h>
+
+#include <stdlib.h>
+#include <string.h>
+
+/* head + body + tail as one buffer, as gRPC puts them on the wire. */
+static uint8_t *join(const moedc_wire *w, size_t *n)
+{
+    *n = w->head_len + w->body_len + w->tail_len;
+    uint8_t *b = malloc(*n);
+    memcpy(b, w->head, w->head_len);
+    memcpy(b + w->head_len, w->body, w->body_len);
+    memcpy(b + w->head_len + w->body_len, w->tail, w->tail_len);
+    return b;
+}
+
+static Moed__V1__ForwardRequest *encode_decode(const moedc_request *req)
+{
+    moedc_wire w;
+    moed_error err;
+    int rc = moedc_encode_forward(req, &w, &err);
+    CHECK_MSG(rc == 0, "encode: %s", err.msg);
+    if (rc) return NULL;
+    CHECK(w.body == req->hidden); /* hidden is sent from where it is */
+    size_t n;
+    uint8_t *b = join(&w, &n);
+    Moed__V1__ForwardRequest *m = moed__v1__forward_request__unpack(NULL, n, b);
+    CHECK(m != NULL);
+    free(b);
+    moedc_wire_free(&w);
+    return m;
+}
+
+static void check_tensor(const Moed__V1__Tensor *t, int dtype, int64_t r, int64_t c,
+                         const void *data, size_t bytes)
+{
+    CHECK(t != NULL);
+    if (!t) return;
+    CHECK_EQ_INT(t->dtype, dtype);
+    CHECK_EQ_INT(t->n_shape, 2);
+    if (t->n_shape == 2) {
+        CHECK_EQ_INT(t->shape[0], r);
+        CHECK_EQ_INT(t->shape[1], c);
+    }
+    CHECK_EQ_INT(t->data.len, bytes);
+    CHECK(t->data.len == bytes && !memcmp(t->data.data, data, bytes));
+}
+
+static void test_requests(void)
+{
+    enum { T = 3, D = 200 }; /* 1200-byte f16 hidden: multi-byte varint lengths */
+    static uint16_t hidden[T * D];
+    for (int i = 0; i < T * D; i++) hidden[i] = (uint16_t)(i * 7919);
+    int32_t ids[T * 2] = { 0, 1, 2, -1, 7, 7 };
+    float w[T * 2] = { 0.5f, 0.5f, 1, 0, 0.25f, 0.75f };
+    float logits[T * 4] = { 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12 };
+
+    moedc_request req = { .request_id = "req-1",
+                          .layer = 300,
+                          .dtype = MOED_F16,
+                          .tokens = T,
+                          .d_model = D,
+                          .hidden = hidden,
+                          .routing = MOEDC_ROUTE_EXPERTS,
+                          .k = 2,
+                          .expert_ids = ids,
+                          .expert_weights = w };
+    Moed__V1__ForwardRequest *m = encode_decode(&req);
+    if (m) {
+        CHECK(!strcmp(m->request_id, "req-1"));
+        CHECK_EQ_INT(m->layer, 300);
+        check_tensor(m->hidden, MOED_F16, T, D, hidden, sizeof hidden);
+        CHECK_EQ_INT(m->routing_case, MOED__V1__FORWARD_REQUEST__ROUTING_EXPERTS);
+        check_tensor(m->experts->expert_ids, MOED_I32, T, 2, ids, sizeof ids);
+        check_tensor(m->experts->expert_weights, MOED_F32, T, 2, w, sizeof w);
+        CHECK(m->batch_gating == NULL);
+        moed__v1__forward_request__free_unpacked(m, NULL);
+    }
+
+    req = (moedc_request){ .layer = 0,
+                           .dtype = MOED_BF16,
+                           .tokens = T,
+                           .d_model = D,
+                           .hidden = hidden,
+                           .routing = MOEDC_ROUTE_LOGITS,
+                           .n_experts = 4,
+                           .logits = logits,
+                           .gating = { MOED_GATE_SIGMOID, 3, MOED_RENORM_OFF, 0.25f },
+                           .batch_gating = true,
+                           .k_batch = 2 };
+    m = encode_decode(&req);
+    if (m) {
+        CHECK(!strcmp(m->request_id, ""));
+        check_tensor(m->hidden, MOED_BF16, T, D, hidden, sizeof hidden);
+        CHECK_EQ_INT(m->routing_case, MOED__V1__FORWARD_REQUEST__ROUTING_LOGITS);
+        check_tensor(m->logits->logits, MOED_F32, T, 4, logits, sizeof logits);
+        CHECK(m->logits->gating != NULL);
+        if (m->logits->gating) {
+            CHECK_EQ_INT(m->logits->gating->strategy, MOED__V1__STRATEGY__SIGMOID);
+            CHECK_EQ_INT(m->logits->gating->top_k, 3);
+            CHECK_EQ_INT(m->logits->gating->renormalize, MOED__V1__RENORMALIZE__RENORMALIZE_OFF);
+            CHECK(m->logits->gating->threshold == 0.25f);
+        }
+        CHECK(m->batch_gating && m->batch_gating->k_batch == 2);
+        moed__v1__forward_request__free_unpacked(m, NULL);
+    }
+
+    req = (moedc_request){ .layer = 1,
+                           .dtype = MOED_F32,
+                           .tokens = 1,
+                           .d_model = 2,
+                           .hidden = logits,
+                           .routing = MOEDC_ROUTE_SERVER,
+                           .batch_gating = true };
+    m = encode_decode(&req);
+    if (m) {
+        CHECK_EQ_INT(m->routing_case, MOED__V1__FORWARD_REQUEST__ROUTING_SERVER_ROUTER);
+        CHECK(m->server_router->gating && m->server_router->gating->strategy == 0);
+        CHECK(m->batch_gating && m->batch_gating->k_batch == 0); /* present, default size */
+        moed__v1__forward_request__free_unpacked(m, NULL);
+    }
+}
+
+static void test_bad_requests(void)
+{
+    moedc_wire w;
+    moed_error err;
+    float x[4] = { 0 };
+    moedc_request req = {
+        .dtype = MOED_I32, .tokens = 1, .d_model = 4, .hidden = x, .routing = MOEDC_ROUTE_SERVER
+    };
+    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOED_EINVAL);
+    CHECK(strstr(err.msg, "i32") != NULL);
+    req.dtype = MOED_F32;
+    req.hidden = NULL;
+    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOED_EINVAL);
+    CHECK(strstr(err.msg, "hidden is NULL") != NULL);
+    req.hidden = x;
+    req.routing = 9;
+    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOED_EINVAL);
+    CHECK(strstr(err.msg, "routing 9") != NULL);
+    req.routing = MOEDC_ROUTE_EXPERTS;
+    req.k = 2;
+    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOED_EINVAL);
+    CHECK(strstr(err.msg, "expert_ids is NULL") != NULL);
+    req.routing = MOEDC_ROUTE_SERVER;
+    req.d_model = -4;
+    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOED_EINVAL);
+    req.d_model = (int64_t)1 << 40;
+    req.tokens = (int64_t)1 << 40;
+    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOED_ETOOBIG);
+}
+
+/* Packs a ForwardResponse with an output of the given dtype and shape. */
+static uint8_t *reply(int dtype, int64_t r, int64_t c, size_t bytes, size_t *n)
+{
+    static uint8_t data[64];
+    int64_t shape[2] = { r, c };
+    int32_t set[2] = { 5, 2 };
+    Moed__V1__Tensor t = MOED__V1__TENSOR__INIT;
+    t.dtype = dtype;
+    t.n_shape = 2;
+    t.shape = shape;
+    t.data.len = bytes;
+    t.data.data = data;
+    for (size_t i = 0; i < sizeof data; i++) data[i] = (uint8_t)i;
+    Moed__V1__Timings tm = MOED__V1__TIMINGS__INIT;
+    tm.queue_us = 11;
+    tm.compute_us = 22;
+    tm.total_us = 40;
+    tm.batch_tokens = 9;
+    tm.batch_requests = 3;
+    Moed__V1__ForwardResponse m = MOED__V1__FORWARD_RESPONSE__INIT;
+    m.request_id = "abc";
+    m.output = &t;
+    m.n_expert_set = 2;
+    m.expert_set = set;
+    m.timings = &tm;
+    *n = moed__v1__forward_response__get_packed_size(&m);
+    uint8_t *b = malloc(*n);
+    moed__v1__forward_response__pack(&m, b);
+    return b;
+}
+
+static void test_replies(void)
+{
+    moedc_result res;
+    moed_error err;
+    size_t n;
+    uint8_t *b = reply(MOED_BF16, 2, 8, 32, &n);
+    CHECK_EQ_INT(moedc_decode_forward(b, n, MOED_BF16, 2, 8, &res, &err), 0);
+    CHECK_EQ_INT(res.output_bytes, 32);
+    CHECK(res.output && ((const uint8_t *)res.output)[31] == 31);
+    CHECK(res.n_expert_set == 2 && res.expert_set[0] == 5 && res.expert_set[1] == 2);
+    CHECK(res.timings.queue_us == 11 && res.timings.compute_us == 22 && res.timings.total_us == 40);
+    CHECK(res.timings.batch_tokens == 9 && res.timings.batch_requests == 3);
+    CHECK(!strcmp(res.request_id, "abc"));
+    moedc_result_free(&res);
+    moedc_result_free(&res); /* twice is safe */
+    CHECK_EQ_INT(moedc_decode_forward(b, n, MOED_F16, 2, 8, &res, &err), MOED_EFORMAT);
+    CHECK(strstr(err.msg, "bf16") != NULL);
+    CHECK_EQ_INT(moedc_decode_forward(b, n, MOED_BF16, 4, 4, &res, &err), MOED_EFORMAT);
+    CHECK(res.priv == NULL);
+    CHECK_EQ_INT(moedc_decode_forward(b, n - 3, MOED_BF16, 2, 8, &res, &err), MOED_EFORMAT);
+    free(b);
+    b = reply(MOED_BF16, 2, 8, 30, &n); /* shape and bytes disagree */
+    CHECK_EQ_INT(moedc_decode_forward(b, n, MOED_BF16, 2, 8, &res, &err), MOED_EFORMAT);
+    CHECK(strstr(err.msg, "30 bytes") != NULL);
+    free(b);
+    uint8_t junk[5] = { 0xff, 0xff, 0xff, 0xff, 0xff };
+    CHECK_EQ_INT(moedc_decode_forward(junk, 5, MOED_F32, 1, 1, &res, &err), MOED_EFORMAT);
+}
+
+static void test_model_info_and_health(void)
+{
+    Moed__V1__LayerInfo l0 = MOED__V1__LAYER_INFO__INIT, l1 = MOED__V1__LAYER_INFO__INIT;
+    l0.index = 3;
+    l0.d_model = 256;
+    l0.d_ff = 512;
+    l0.num_experts = 8;
+    l0.top_k = 2;
+    l0.activation = MOED__V1__ACTIVATION__GELU;
+    l0.weight_dtype = MOED__V1__DTYPE__BF16;
+    l0.has_router = 1;
+    l0.norm_topk_prob = 1;
+    l0.router_rule = MOED__V1__ROUTER_RULE__DEEPSEEK_V3;
+    l0.num_shared_experts = 2;
+    l0.shared_d_ff = 64;
+    l0.n_group = 4;
+    l0.topk_group = 2;
+    l0.routed_scaling_factor = 2.5f;
+    l1.index = 4;
+    Moed__V1__LayerInfo *layers[2] = { &l0, &l1 };
+    Moed__V1__Device dev = MOED__V1__DEVICE__INIT;
+    dev.name = "cpu";
+    dev.memory_total = 1000;
+    dev.memory_used = 10;
+    Moed__V1__Device *devs[1] = { &dev };
+    Moed__V1__ModelInfo m = MOED__V1__MODEL_INFO__INIT;
+    m.model = "layers=2";
+    m.backend = "cpu";
+    m.version = "0.1.0";
+    m.n_layers = 2;
+    m.layers = layers;
+    m.n_devices = 1;
+    m.devices = devs;
+    m.max_message_bytes = 1 << 20;
+    m.max_batch_tokens = 4096;
+    size_t n = moed__v1__model_info__get_packed_size(&m);
+    uint8_t *b = malloc(n);
+    moed__v1__model_info__pack(&m, b);
+    moedc_model_info info;
+    moed_error err;
+    CHECK_EQ_INT(moedc_decode_model_info(b, n, &info, &err), 0);
+    CHECK(!strcmp(info.model, "layers=2") && !strcmp(info.backend, "cpu"));
+    CHECK(!strcmp(info.version, "0.1.0"));
+    CHECK(info.max_message_bytes == 1 << 20 && info.max_batch_tokens == 4096);
+    CHECK(info.n_devices == 1 && !strcmp(info.devices[0].name, "cpu"));
+    CHECK(info.devices[0].memory_total == 1000 && info.devices[0].memory_used == 10);
+    CHECK_EQ_INT(info.n_layers, 2);
+    const moed_layer_info *li = &info.layers[0];
+    CHECK(li->index == 3 && li->d_model == 256 && li->d_ff == 512 && li->n_experts == 8);
+    CHECK(li->top_k == 2 && li->act == MOED_ACT_GELU && li->wdtype == MOED_BF16);
+    CHECK(li->has_router && li->norm_topk && li->rule == MOED_RULE_DEEPSEEK_V3);
+    CHECK(li->n_shared == 2 && li->shared_d_ff == 64 && li->n_group == 4 && li->topk_group == 2);
+    CHECK(li->routed_scale == 2.5f);
+    CHECK(info.layers[1].index == 4 && !info.layers[1].has_router);
+    moedc_model_info_free(&info);
+    free(b);
+
+    uint8_t *q;
+    CHECK_EQ_INT(moedc_encode_health("moed.v1.Moed", &q, &n, &err), 0);
+    Grpc__Health__V1__HealthCheckRequest *hr =
+        grpc__health__v1__health_check_request__unpack(NULL, n, q);
+    CHECK(hr && !strcmp(hr->service, "moed.v1.Moed"));
+    if (hr) grpc__health__v1__health_check_request__free_unpacked(hr, NULL);
+    free(q);
+    Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+    resp.status = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING;
+    uint8_t rb[16];
+    n = grpc__health__v1__health_check_response__pack(&resp, rb);
+    int status = -1;
+    CHECK_EQ_INT(moedc_decode_health(rb, n, &status, &err), 0);
+    CHECK_EQ_INT(status, MOEDC_HEALTH_NOT_SERVING);
+    CHECK(!strcmp(moedc_health_name(status), "NOT_SERVING"));
+}
+
+static void test_status_codes(void)
+{
+    /* Every status moed sends (moed.proto) comes back as a code that maps to the same status. */
+    static const int sent[] = { 1, 3, 4, 5, 8, 9, 12, 13, 14, 16 };
+    for (size_t i = 0; i < sizeof sent / sizeof sent[0]; i++)
+        CHECK_EQ_INT(moed_err_grpc_status(moedc_code_from_grpc(sent[i])), sent[i]);
+    CHECK_EQ_INT(moedc_code_from_grpc(0), MOED_OK);
+    CHECK_EQ_INT(moedc_code_from_grpc(3), MOED_EINVAL);
+    CHECK_EQ_INT(moedc_code_from_grpc(14), MOED_EUNAVAIL);
+    CHECK_EQ_INT(moedc_code_from_grpc(99), MOED_EINTERNAL);
+    CHECK(!strcmp(moedc_grpc_status_name(8), "RESOURCE_EXHAUSTED"));
+    CHECK(!strcmp(moedc_grpc_status_name(16), "UNAUTHENTICATED"));
+}
+
+int main(void)
+{
+    test_requests();
+    test_bad_requests();
+    test_replies();
+    test_model_info_and_health();
+    test_status_codes();
+    return check_status("test_moedc_codec");
+}
