@@ -10,6 +10,10 @@
  * Every strategy here is deterministic and defined to the bit on the host: ties go to the lower expert
  * index, top-k lists experts by decreasing score. The numpy reference in the Python client implements
  * the same definitions; see proto/moed/v1/moed.proto for the user-facing statement.
+ *
+ * Ownership: moed_route_from_choice, moed_gate and moed_gate_batch initialise their output route
+ * themselves (whatever it held is overwritten, not freed); the caller releases it with
+ * moed_route_free, which is also safe after a failure (the route is then left empty).
  */
 #ifndef MOED_ROUTE_H
 #define MOED_ROUTE_H
@@ -75,7 +79,8 @@ int moed_gate_batch(const float *logits, int64_t T, int E, int k_batch, int32_t 
                     moed_route *out, moed_error *err);
 
 /* Appends route b's pairs after route a's tokens into out (which must have room); used to merge
- * requests into one launch. */
+ * requests into one launch. out comes from moed_route_init with T >= the parts' tokens and
+ * cap >= their pairs (MOED_EINVAL otherwise); out->T is set to the parts' tokens. */
 int moed_route_concat(moed_route *out, const moed_route *const *parts, int nparts);
 
 #endif

@@ -17,9 +17,10 @@
  * tensor is MOED_SYNTH_W1 .. MOED_SYNTH_BIAS below, i the row-major flat index in the [out, in]
  * matrix, fan_in its number of columns (d_model for W1, W3 and the router; d_ff for W2); for the
  * shared experts, expert is 0 and the matrix has shared_d_ff rows (or columns, for W2). The router
- * bias (DeepSeek rule only) is float32 with fan_in = 1 scaled by 0.1. Layers are numbered 0 .. n-1.
- * sqrt(3 / fan_in) is computed in float64 and the product rounded once, to float32 and then to the
- * weight dtype (double rounding through float32 is part of the definition).
+ * is stored in the weight dtype like the experts. The router bias (rule=deepseek only) is float32,
+ * value (2u - 1) * 0.1 with expert 0 and i the expert number. Layers are numbered 0 .. n-1.
+ * value is computed in float64, rounded to float32, then (for f16/bf16 weights) rounded again to
+ * the weight dtype: the double rounding through float32 is part of the definition.
  */
 #ifndef MOED_SYNTH_H
 #define MOED_SYNTH_H

@@ -1,0 +1,559 @@
+/*
+ * test_route — routes from client choices, every gating strategy, batch gating and concat.
+ *
+ * Each strategy is checked on small cases worked out by hand, then against a second, deliberately
+ * plain implementation in this file (full stable sorts, float64) on random logits, including
+ * logits drawn from a few values so that ties are common.
+ */
+#include "check.h"
+#include "moed_route.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static moed_layer_info layer(int E, int k, int norm)
+{
+    return (moed_layer_info){ .index = 3,
+                              .d_model = 16,
+                              .d_ff = 32,
+                              .n_experts = E,
+                              .top_k = k,
+                              .act = MOED_ACT_SWIGLU,
+                              .wdtype = 3,
+                              .norm_topk = norm,
+                              .rule = MOED_RULE_SOFTMAX_TOPK,
+                              .n_group = 1,
+                              .topk_group = 1,
+                              .routed_scale = 1.0f };
+}
+
+/* Gates one token's logits; returns the pair count (-code on error) with experts and weights. */
+static int gate1(moed_gate_params p, const moed_layer_info *li, const float *bias, const float *l,
+                 int32_t *e, float *w)
+{
+    moed_route r;
+    moed_error err = { 0 };
+    int rc = moed_gate(&p, li, bias, l, 1, &r, &err);
+    if (rc) return rc;
+    int n = (int)r.off[1];
+    memcpy(e, r.expert, (size_t)n * sizeof *e);
+    memcpy(w, r.weight, (size_t)n * sizeof *w);
+    moed_route_free(&r);
+    return n;
+}
+
+/* ---- the plain reference ------------------------------------------------------------------ */
+
+/* idx = 0..n-1 ordered by decreasing key, ties to the lower index (stable insertion sort). */
+static void ref_order(const double *key, int n, int *idx)
+{
+    for (int i = 0; i < n; i++) {
+        int j = i;
+        while (j > 0 && key[i] > key[idx[j - 1]]) {
+            idx[j] = idx[j - 1];
+            j--;
+        }
+        idx[j] = i;
+    }
+}
+
+/* The strategy of p on one token; returns the count, experts in e, weights in w. */
+static int ref_gate(const moed_gate_params *p, const moed_layer_info *li, const float *bias,
+                    const float *l, int *e, double *w)
+{
+    int E = li->n_experts, k = p->top_k, renorm = p->renormalize == MOED_RENORM_ON;
+    double key[512], prob[512];
+    int idx[512];
+    int strategy = p->strategy;
+    if (strategy == MOED_GATE_MODEL && li->rule == MOED_RULE_SOFTMAX_TOPK)
+        strategy = MOED_GATE_TOPK;
+    if (strategy == MOED_GATE_TOPK || strategy == MOED_GATE_QUADRATIC ||
+        strategy == MOED_GATE_PIONEER) {
+        double s[512], m = -INFINITY, sum = 0;
+        for (int i = 0; i < E; i++) {
+            double x = l[i];
+            s[i] = strategy == MOED_GATE_TOPK        ? x
+                   : strategy == MOED_GATE_QUADRATIC ? x * x
+                                                     : pow(cos(x), 2);
+            m = fmax(m, s[i]);
+        }
+        for (int i = 0; i < E; i++) sum += exp(s[i] - m);
+        for (int i = 0; i < E; i++) prob[i] = exp(s[i] - m) / sum;
+        ref_order(prob, E, idx);
+        double norm = 0;
+        for (int j = 0; j < k; j++) norm += prob[idx[j]];
+        for (int j = 0; j < k; j++) {
+            e[j] = idx[j];
+            w[j] = renorm ? prob[idx[j]] / norm : prob[idx[j]];
+        }
+        return k;
+    }
+    if (strategy == MOED_GATE_SIGMOID || strategy == MOED_GATE_SPARSEMAX) {
+        if (strategy == MOED_GATE_SIGMOID) {
+            for (int i = 0; i < E; i++) prob[i] = 1 / (1 + exp(-(double)l[i]));
+        } else {
+            for (int i = 0; i < E; i++) key[i] = l[i];
+            ref_order(key, E, idx);
+            double cum = 0, cstar = 0;
+            int kstar = 0;
+            for (int j = 1; j <= E; j++) {
+                cum += key[idx[j - 1]];
+                if (1 + j * key[idx[j - 1]] > cum) kstar = j, cstar = cum;
+            }
+            double tau = (cstar - 1) / kstar;
+            for (int i = 0; i < E; i++) prob[i] = fmax(key[i] - tau, 0.0);
+        }
+        double thr = strategy == MOED_GATE_SIGMOID ? p->threshold : 0.0;
+        ref_order(prob, E, idx);
+        int n = 0;
+        while (n < E && prob[idx[n]] > thr) {
+            e[n] = idx[n];
+            w[n] = prob[idx[n]];
+            n++;
+        }
+        return n;
+    }
+    /* DeepSeek-V3 */
+    int G = li->n_group, gs = E / G;
+    double s[512], gscore[512];
+    for (int i = 0; i < E; i++) {
+        s[i] = 1 / (1 + exp(-(double)l[i]));
+        key[i] = s[i] + (bias ? bias[i] : 0);
+    }
+    if (G > 1) {
+        for (int g = 0; g < G; g++) {
+            int gi[512];
+            ref_order(key + g * gs, gs, gi);
+            gscore[g] = key[g * gs + gi[0]] + (gs > 1 ? key[g * gs + gi[1]] : 0);
+        }
+        int gorder[512];
+        ref_order(gscore, G, gorder);
+        for (int g = 0; g < G; g++) {
+            int kept = 0;
+            for (int j = 0; j < li->topk_group; j++) kept |= gorder[j] == g;
+            if (!kept)
+                for (int i = g * gs; i < (g + 1) * gs; i++) key[i] = -INFINITY;
+        }
+    }
+    ref_order(key, E, idx);
+    double sum = 0;
+    for (int j = 0; j < k; j++) sum += s[idx[j]];
+    for (int j = 0; j < k; j++) {
+        e[j] = idx[j];
+        w[j] = (renorm ? s[idx[j]] / (sum + 1e-20) : s[idx[j]]) * li->routed_scale;
+    }
+    return k;
+}
+
+/* ---- hand-worked cases -------------------------------------------------------------------- */
+
+static void test_topk_by_hand(void)
+{
+    moed_layer_info li = layer(4, 2, 1);
+    float l[4] = { 1, 3, 2, 0 };
+    int32_t e[8];
+    float w[8];
+    moed_gate_params p = { .strategy = MOED_GATE_TOPK };
+    CHECK_EQ_INT(gate1(p, &li, NULL, l, e, w), 2);
+    CHECK_EQ_INT(e[0], 1);
+    CHECK_EQ_INT(e[1], 2);
+    double a = exp(3.0), b = exp(2.0), all = exp(1.0) + a + b + 1;
+    CHECK_NEAR(w[0], a / (a + b), 1e-7);
+    CHECK_NEAR(w[1], b / (a + b), 1e-7);
+    p.renormalize = MOED_RENORM_OFF;
+    CHECK_EQ_INT(gate1(p, &li, NULL, l, e, w), 2);
+    CHECK_NEAR(w[0], a / all, 1e-7);
+    CHECK_NEAR(w[1], b / all, 1e-7);
+    /* MODEL with the softmax rule is the same as TOPK with the layer's defaults */
+    p = (moed_gate_params){ .strategy = MOED_GATE_MODEL };
+    CHECK_EQ_INT(gate1(p, &li, NULL, l, e, w), 2);
+    CHECK(e[0] == 1 && e[1] == 2);
+    CHECK_NEAR(w[0], a / (a + b), 1e-7);
+
+    /* ties go to the lower index, in order */
+    float tie[4] = { 2, 2, 1, 2 };
+    p = (moed_gate_params){ .strategy = MOED_GATE_TOPK, .top_k = 3 };
+    CHECK_EQ_INT(gate1(p, &li, NULL, tie, e, w), 3);
+    CHECK(e[0] == 0 && e[1] == 1 && e[2] == 3);
+    CHECK(w[0] == w[1] && w[1] == w[2]);
+}
+
+static void test_quadratic_pioneer_by_hand(void)
+{
+    moed_layer_info li = layer(4, 2, 0);
+    int32_t e[8];
+    float w[8];
+    float q[4] = { -3, 1, 2, 0 }; /* squares 9 1 4 0 */
+    moed_gate_params p = { .strategy = MOED_GATE_QUADRATIC };
+    CHECK_EQ_INT(gate1(p, &li, NULL, q, e, w), 2);
+    CHECK(e[0] == 0 && e[1] == 2);
+    double s = exp(9.0) + exp(1.0) + exp(4.0) + 1;
+    CHECK_NEAR(w[0], exp(9.0) / s, 1e-7);
+    CHECK_NEAR(w[1], exp(4.0) / s, 1e-7);
+    float c[4] = { 0, 1, 0.5f, 2 }; /* cos^2: 1, .292, .770, .173 */
+    p.strategy = MOED_GATE_PIONEER;
+    CHECK_EQ_INT(gate1(p, &li, NULL, c, e, w), 2);
+    CHECK(e[0] == 0 && e[1] == 2);
+    double c2[4];
+    for (int i = 0; i < 4; i++) c2[i] = exp(cos(c[i]) * cos(c[i]));
+    CHECK_NEAR(w[0], c2[0] / (c2[0] + c2[1] + c2[2] + c2[3]), 1e-7);
+}
+
+static void test_sigmoid_by_hand(void)
+{
+    moed_layer_info li = layer(4, 2, 1);
+    int32_t e[8];
+    float w[8];
+    float l[4] = { 0.5f, -1, 2, 0 }; /* sigmoid .622 .269 .881 .5 */
+    moed_gate_params p = { .strategy = MOED_GATE_SIGMOID };
+    CHECK_EQ_INT(gate1(p, &li, NULL, l, e, w), 2); /* exactly 0.5 is not > 0.5 */
+    CHECK(e[0] == 2 && e[1] == 0);
+    CHECK_NEAR(w[0], 1 / (1 + exp(-2.0)), 1e-7);
+    CHECK_NEAR(w[1], 1 / (1 + exp(-0.5)), 1e-7);
+    p.threshold = 0.7f;
+    CHECK_EQ_INT(gate1(p, &li, NULL, l, e, w), 1);
+    CHECK_EQ_INT(e[0], 2);
+    float neg[4] = { -1, -2, -3, -4 };
+    CHECK_EQ_INT(gate1(p, &li, NULL, neg, e, w), 0); /* a token may get no expert */
+    float hi[4] = { 50, 40, 60, 0 };                 /* all saturate to 1: ties by index */
+    p.threshold = 0.5f;
+    CHECK_EQ_INT(gate1(p, &li, NULL, hi, e, w), 3);
+    CHECK(e[0] == 0 && e[1] == 1 && e[2] == 2);
+}
+
+static void test_sparsemax_by_hand(void)
+{
+    moed_layer_info li = layer(4, 2, 1);
+    int32_t e[8];
+    float w[8];
+    /* sorted 1, .9, .5, -1: k* = 3, tau = (2.4 - 1) / 3 */
+    float l[4] = { 1, 0.5f, -1, 0.9f };
+    moed_gate_params p = { .strategy = MOED_GATE_SPARSEMAX };
+    CHECK_EQ_INT(gate1(p, &li, NULL, l, e, w), 3);
+    CHECK(e[0] == 0 && e[1] == 3 && e[2] == 1);
+    double tau = ((double)1 + (double)0.9f + (double)0.5f - 1) / 3;
+    CHECK_NEAR(w[0], 1 - tau, 1e-7);
+    CHECK_NEAR(w[1], (double)0.9f - tau, 1e-7);
+    CHECK_NEAR(w[2], (double)0.5f - tau, 1e-7);
+    CHECK_NEAR(w[0] + w[1] + w[2], 1, 1e-6);
+    float one[4] = { 5, 0, 1, 3 }; /* far ahead: all mass on one expert */
+    CHECK_EQ_INT(gate1(p, &li, NULL, one, e, w), 1);
+    CHECK(e[0] == 0 && w[0] == 1.0f);
+}
+
+static void test_deepseek_by_hand(void)
+{
+    moed_layer_info li = layer(8, 2, 1);
+    li.rule = MOED_RULE_DEEPSEEK_V3;
+    li.n_group = 4;
+    li.topk_group = 2;
+    li.routed_scale = 2.5f;
+    int32_t e[8];
+    float w[8];
+    /* groups {0,1} {2,3} {4,5} {6,7}; expert 3 has the largest single score but its group's pair
+     * sum loses to groups {4,5} and {6,7} */
+    float l[8] = { -2, -2, -3, 3, 1, 1, 1.5f, 0.5f };
+    float bias[8] = { 0 };
+    moed_gate_params p = { .strategy = MOED_GATE_MODEL };
+    CHECK_EQ_INT(gate1(p, &li, bias, l, e, w), 2);
+    CHECK(e[0] == 6 && e[1] == 4); /* 4 and 5 tie: the lower index */
+    double s6 = 1 / (1 + exp(-1.5)), s4 = 1 / (1 + exp(-1.0));
+    CHECK_NEAR(w[0], s6 / (s6 + s4 + 1e-20) * 2.5, 1e-6);
+    CHECK_NEAR(w[1], s4 / (s6 + s4 + 1e-20) * 2.5, 1e-6);
+    /* the bias chooses, the unbiased score weighs */
+    bias[5] = 0.5f;
+    CHECK_EQ_INT(gate1(p, &li, bias, l, e, w), 2);
+    CHECK(e[0] == 5 && e[1] == 6);
+    CHECK_NEAR(w[0], s4 / (s6 + s4 + 1e-20) * 2.5, 1e-6);
+    p.renormalize = MOED_RENORM_OFF;
+    CHECK_EQ_INT(gate1(p, &li, bias, l, e, w), 2);
+    CHECK_NEAR(w[0], s4 * 2.5, 1e-6);
+    /* without groups expert 3 wins */
+    li.n_group = 1;
+    li.topk_group = 1;
+    bias[5] = 0;
+    p.renormalize = 0;
+    CHECK_EQ_INT(gate1(p, &li, NULL, l, e, w), 2);
+    CHECK(e[0] == 3 && e[1] == 6);
+}
+
+/* ---- random logits against the reference -------------------------------------------------- */
+
+static uint64_t rng = 88172645463325252ull;
+static double urand(void)
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (double)(rng >> 11) / 9007199254740992.0;
+}
+
+static void compare_random(moed_gate_params p, moed_layer_info li, int64_t T, int ties,
+                           const char *what)
+{
+    int E = li.n_experts;
+    float *l = malloc((size_t)(T * E) * sizeof *l), bias[512];
+    for (int64_t i = 0; i < T * E; i++)
+        l[i] = ties ? (float)(int)(urand() * 4) - 1.5f : (float)(urand() * 8 - 4);
+    for (int i = 0; i < E; i++) bias[i] = (float)(urand() * 0.2 - 0.1);
+    moed_route r;
+    moed_error err = { 0 };
+    int rc = moed_gate(&p, &li, bias, l, T, &r, &err);
+    CHECK_MSG(rc == 0, "%s: %s", what, err.msg);
+    moed_gate_params q = p;
+    CHECK_EQ_INT(moed_gate_resolve(&q, &li, &err), 0);
+    int bad = 0;
+    for (int64_t t = 0; t < T && !rc && !bad; t++) {
+        int e[512];
+        double w[512];
+        int n = ref_gate(&q, &li, bias, l + t * E, e, w);
+        int got = (int)(r.off[t + 1] - r.off[t]);
+        if (got != n) {
+            CHECK_MSG(0, "%s: token %lld has %d pairs, reference %d", what, (long long)t, got, n);
+            bad = 1;
+            break;
+        }
+        for (int j = 0; j < n; j++) {
+            float wj = r.weight[r.off[t] + j];
+            if (r.expert[r.off[t] + j] != e[j] || fabs(wj - w[j]) > 2e-7 * fmax(1, fabs(w[j]))) {
+                CHECK_MSG(0, "%s: token %lld pair %d: expert %d weight %.9g, reference %d %.9g",
+                          what, (long long)t, j, r.expert[r.off[t] + j], wj, e[j], w[j]);
+                bad = 1;
+                break;
+            }
+        }
+    }
+    moed_route_free(&r);
+    free(l);
+}
+
+static void test_random(void)
+{
+    static const int Es[] = { 1, 3, 8, 64, 256 };
+    for (size_t i = 0; i < sizeof Es / sizeof Es[0]; i++) {
+        int E = Es[i];
+        int ks[] = { 1, E < 2 ? 1 : 2, E < 8 ? E : 8, E < 40 ? E : 40, E };
+        for (int ki = 0; ki < 5; ki++) {
+            for (int ties = 0; ties < 2; ties++) {
+                moed_layer_info li = layer(E, ks[ki], ki & 1);
+                for (int s = MOED_GATE_MODEL; s <= MOED_GATE_PIONEER; s++) {
+                    char what[96];
+                    snprintf(what, sizeof what, "strategy %d E %d k %d ties %d", s, E, ks[ki],
+                             ties);
+                    moed_gate_params p = { .strategy = s, .top_k = ks[ki] };
+                    p.threshold = s == MOED_GATE_SIGMOID && ki == 2 ? 0.3f : 0;
+                    compare_random(p, li, 40, ties, what);
+                }
+                /* the DeepSeek rule, ungrouped and grouped */
+                li.rule = MOED_RULE_DEEPSEEK_V3;
+                li.routed_scale = 1.5f;
+                moed_gate_params p = { .strategy = MOED_GATE_MODEL, .top_k = ks[ki] };
+                compare_random(p, li, 40, ties, "deepseek ungrouped");
+                if (E % 4 == 0 && ks[ki] <= E / 2) {
+                    li.n_group = 4;
+                    li.topk_group = 2;
+                    compare_random(p, li, 40, ties, "deepseek grouped");
+                }
+            }
+        }
+    }
+    /* large enough to be gated on several threads: the parts must join into the same route */
+    for (int st = MOED_GATE_TOPK; st <= MOED_GATE_SPARSEMAX; st++)
+        compare_random((moed_gate_params){ .strategy = st, .top_k = 8 }, layer(256, 8, 1), 1500, 0,
+                       "many tokens");
+}
+
+/* ---- batch gating ------------------------------------------------------------------------- */
+
+static void test_batch(void)
+{
+    /* column sums: 3, 5, 5, -1 -> S = {1, 2} (tie to the lower index), then 0 */
+    float l[8] = { 1, 2, 3, 0, 2, 3, 2, -1 };
+    int32_t set[4];
+    moed_route r;
+    moed_error err = { 0 };
+    CHECK_EQ_INT(moed_gate_batch(l, 2, 4, 3, set, &r, &err), 0);
+    CHECK(set[0] == 1 && set[1] == 2 && set[2] == 0);
+    CHECK_EQ_INT(r.off[1], 3);
+    CHECK_EQ_INT(r.off[2], 6);
+    for (int t = 0; t < 2; t++) {
+        double s = exp(l[t * 4 + 1]) + exp(l[t * 4 + 2]) + exp(l[t * 4 + 0]);
+        for (int j = 0; j < 3; j++) {
+            CHECK_EQ_INT(r.expert[t * 3 + j], set[j]);
+            CHECK_NEAR(r.weight[t * 3 + j], exp(l[t * 4 + set[j]]) / s, 1e-7);
+        }
+    }
+    moed_route_free(&r);
+    CHECK_EQ_INT(moed_gate_batch(l, 2, 4, 5, set, &r, &err), MOED_EINVAL);
+    CHECK(strstr(err.msg, "k_batch = 5") != NULL);
+    CHECK_EQ_INT(moed_gate_batch(l, 2, 4, 0, set, &r, &err), MOED_EINVAL);
+
+    /* random, against the reference: sums in float64, token order */
+    int T = 37, E = 64, K = 9;
+    float *x = malloc((size_t)T * E * sizeof *x);
+    for (int i = 0; i < T * E; i++) x[i] = (float)(urand() * 6 - 3);
+    int32_t S[64];
+    CHECK_EQ_INT(moed_gate_batch(x, T, E, K, S, &r, &err), 0);
+    double sum[64] = { 0 };
+    int order[64];
+    for (int t = 0; t < T; t++)
+        for (int e = 0; e < E; e++) sum[e] += x[t * E + e];
+    ref_order(sum, E, order);
+    for (int j = 0; j < K; j++) CHECK_EQ_INT(S[j], order[j]);
+    for (int t = 0; t < T; t++) {
+        double z = 0;
+        for (int j = 0; j < K; j++) z += exp(x[t * E + order[j]]);
+        for (int j = 0; j < K; j++)
+            CHECK_NEAR(r.weight[t * K + j], exp(x[t * E + order[j]]) / z, 2e-7);
+    }
+    moed_route_free(&r);
+    free(x);
+}
+
+/* ---- client choices and validation --------------------------------------------------------- */
+
+static int choice(const int32_t *ids, const float *w, int64_t T, int k, moed_route *r,
+                  moed_error *err)
+{
+    int rc = moed_route_from_choice(r, ids, w, T, k, 8, err);
+    return rc;
+}
+
+static void test_choice(void)
+{
+    moed_route r;
+    moed_error err = { 0 };
+    int32_t ids[6] = { 3, -1, 7, 7, -1, -1 }; /* row 1 repeats 7; row 2 is all padding */
+    float w[6] = { 0.5f, 0, 0.25f, 0.75f, 0, 0 };
+    CHECK_EQ_INT(choice(ids, w, 3, 2, &r, &err), 0);
+    CHECK_EQ_INT(r.T, 3);
+    CHECK(r.off[0] == 0 && r.off[1] == 1 && r.off[2] == 3 && r.off[3] == 3);
+    CHECK(r.expert[0] == 3 && r.expert[1] == 7 && r.expert[2] == 7);
+    CHECK(r.weight[0] == 0.5f && r.weight[1] == 0.25f && r.weight[2] == 0.75f);
+    moed_route_free(&r);
+
+    struct {
+        int32_t id;
+        float w;
+        const char *msg;
+    } bad[] = {
+        { 8, 1, "expert_ids[1][0] = 8 is out of range" },
+        { -2, 0, "expert_ids[1][0] = -2 is out of range" },
+        { -1, 0.5f, "expert_ids[1][0] = -1 marks padding" },
+        { 2, NAN, "expert_weights[1][0] = nan" },
+        { 2, INFINITY, "expert_weights[1][0] = inf" },
+        { 2, -0.25f, "expert_weights[1][0] = -0.25" },
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int32_t bi[4] = { 1, 2, bad[i].id, 9 }; /* the 9 after it is never reached */
+        float bw[4] = { 1, 1, bad[i].w, 1 };
+        memset(&err, 0, sizeof err);
+        CHECK_EQ_INT(choice(bi, bw, 2, 2, &r, &err), MOED_EINVAL);
+        CHECK_EQ_INT(err.code, MOED_EINVAL);
+        CHECK_MSG(strstr(err.msg, bad[i].msg) != NULL, "got '%s', want '%s'", err.msg, bad[i].msg);
+        CHECK(r.off == NULL);
+        moed_route_free(&r); /* safe after a failure */
+    }
+}
+
+static void test_resolve(void)
+{
+    moed_layer_info li = layer(8, 2, 0);
+    moed_error err = { 0 };
+    moed_gate_params p = { 0 };
+    CHECK_EQ_INT(moed_gate_resolve(&p, &li, &err), 0);
+    CHECK_EQ_INT(p.top_k, 2);
+    CHECK_EQ_INT(p.renormalize, MOED_RENORM_OFF);
+    CHECK(p.threshold == 0.5f);
+    li.norm_topk = 1;
+    p = (moed_gate_params){ .strategy = MOED_GATE_SIGMOID, .top_k = 5, .threshold = 0.25f };
+    CHECK_EQ_INT(moed_gate_resolve(&p, &li, &err), 0);
+    CHECK(p.top_k == 5 && p.renormalize == MOED_RENORM_ON && p.threshold == 0.25f);
+
+    struct {
+        moed_gate_params p;
+        const char *msg;
+    } bad[] = {
+        { { .strategy = 9 }, "unknown gating strategy 9" },
+        { { .strategy = -1 }, "unknown gating strategy -1" },
+        { { .strategy = 1, .top_k = 9 }, "top_k = 9 is out of range" },
+        { { .strategy = 1, .top_k = -1 }, "top_k = -1 is out of range" },
+        { { .strategy = 2, .threshold = 1.5f }, "threshold = 1.5" },
+        { { .strategy = 2, .threshold = -0.5f }, "threshold = -0.5" },
+        { { .strategy = 2, .threshold = NAN }, "threshold = nan" },
+        { { .strategy = 1, .renormalize = 7 }, "renormalize = 7" },
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        memset(&err, 0, sizeof err);
+        CHECK_EQ_INT(moed_gate_resolve(&bad[i].p, &li, &err), MOED_EINVAL);
+        CHECK_MSG(strstr(err.msg, bad[i].msg) != NULL, "got '%s', want '%s'", err.msg, bad[i].msg);
+    }
+    li.rule = MOED_RULE_NONE;
+    p = (moed_gate_params){ 0 };
+    CHECK_EQ_INT(moed_gate_resolve(&p, &li, &err), MOED_EINVAL);
+    CHECK(strstr(err.msg, "no router rule") != NULL);
+    li.rule = MOED_RULE_DEEPSEEK_V3;
+    li.n_group = 3;
+    li.topk_group = 1;
+    p = (moed_gate_params){ 0 };
+    CHECK_EQ_INT(moed_gate_resolve(&p, &li, &err), MOED_EINVAL);
+    CHECK(strstr(err.msg, "n_group = 3") != NULL);
+    li.n_group = 4;
+    p = (moed_gate_params){ .top_k = 3 }; /* one group of 2 cannot give 3 */
+    CHECK_EQ_INT(moed_gate_resolve(&p, &li, &err), MOED_EINVAL);
+    CHECK(strstr(err.msg, "top_k = 3") != NULL);
+
+    /* NaN and Inf logits name their place */
+    li = layer(4, 2, 1);
+    float l[8] = { 0, 1, 2, 3, 4, 5, INFINITY, 7 };
+    moed_route r;
+    p = (moed_gate_params){ .strategy = MOED_GATE_TOPK };
+    CHECK_EQ_INT(moed_gate(&p, &li, NULL, l, 2, &r, &err), MOED_EINVAL);
+    CHECK_MSG(strstr(err.msg, "logits[1][2] = inf") != NULL, "%s", err.msg);
+    l[6] = NAN;
+    CHECK_EQ_INT(moed_gate_batch(l, 2, 4, 2, (int32_t[2]){ 0 }, &r, &err), MOED_EINVAL);
+    CHECK_MSG(strstr(err.msg, "logits[1][2] = nan") != NULL, "%s", err.msg);
+}
+
+static void test_concat(void)
+{
+    moed_route a, b, out;
+    moed_error err;
+    int32_t ia[4] = { 1, 2, 3, -1 };
+    float wa[4] = { 0.1f, 0.2f, 0.3f, 0 };
+    int32_t ib[3] = { 5, 6, 7 };
+    float wb[3] = { 0.5f, 0.6f, 0.7f };
+    CHECK_EQ_INT(moed_route_from_choice(&a, ia, wa, 2, 2, 8, &err), 0);
+    CHECK_EQ_INT(moed_route_from_choice(&b, ib, wb, 3, 1, 8, &err), 0);
+    const moed_route *parts[2] = { &a, &b };
+    CHECK_EQ_INT(moed_route_init(&out, 6, 8), 0);
+    CHECK_EQ_INT(moed_route_concat(&out, parts, 2), 0);
+    CHECK_EQ_INT(out.T, 5);
+    int64_t off[6] = { 0, 2, 3, 4, 5, 6 };
+    int32_t ex[6] = { 1, 2, 3, 5, 6, 7 };
+    float we[6] = { 0.1f, 0.2f, 0.3f, 0.5f, 0.6f, 0.7f };
+    for (int i = 0; i < 6; i++) CHECK_EQ_INT(out.off[i], off[i]);
+    for (int i = 0; i < 6; i++) CHECK(out.expert[i] == ex[i] && out.weight[i] == we[i]);
+    moed_route_free(&out);
+    CHECK_EQ_INT(moed_route_init(&out, 5, 5), 0); /* one pair short */
+    CHECK_EQ_INT(moed_route_concat(&out, parts, 2), MOED_EINVAL);
+    moed_route_free(&out);
+    moed_route_free(&a);
+    moed_route_free(&b);
+}
+
+int main(void)
+{
+    test_topk_by_hand();
+    test_quadratic_pioneer_by_hand();
+    test_sigmoid_by_hand();
+    test_sparsemax_by_hand();
+    test_deepseek_by_hand();
+    test_random();
+    test_batch();
+    test_choice();
+    test_resolve();
+    test_concat();
+    return check_status("test_route");
+}
