@@ -1,5 +1,311 @@
-/* PLACEHOLDER (being written by the server helper): the daemon's main. */
-int main(void)
+/*
+ * moed — the daemon: configuration, log, backend, weights, scheduler, gRPC, then a libuv loop for
+ * signals and timers until SIGTERM/SIGINT drains it.
+ *
+ * main() reads as the steps it takes; each step logs what it did or why it failed. Exit status:
+ * 0 after a clean drain, 1 when start-up fails (weights, backend, binding), 2 on bad usage. The
+ * heavy threads (completion queues, scheduler workers, backend threads) are started by the steps;
+ * the main thread only waits in the loop, woken by signals, the stats timer, and the gRPC side
+ * (uv_async_send) when the drain has finished every call. Nothing is printed on stdout except
+ * --help and --version.
+ */
+#include "config.h"
+#include "log.h"
+#include "moed_backend.h"
+#include "moed_dtype.h"
+#include "request.h"
+#include "rpc.h"
+#include "scheduler.h"
+#include "weights.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <uv.h>
+
+#define STATS_PERIOD_MS 10000
+
+typedef struct moed_daemon {
+    moed_config cfg;
+    moed_backend *backend;
+    moed_model model;
+    bool have_model;
+    const moed_layer **resident; /* by backend slot */
+    moed_served served;
+    moed_sched *sched;
+    moed_rpc *rpc;
+    uv_loop_t loop;
+    uv_signal_t sigterm, sigint, sighup;
+    uv_async_t drained;
+    uv_timer_t stats;
+    bool draining;
+} moed_daemon;
+
+static int fail(const char *step, const moed_error *err)
 {
+    moed_log_error("start failed", "step=%s code=%d reason=\"%s\"", step, err->code, err->msg);
     return 1;
+}
+
+/* ---- start-up steps -------------------------------------------------------------------------- */
+
+static int open_log(const moed_config *cfg)
+{
+    if (!moed_log_init((moed_log_level)cfg->log_level, cfg->log_file)) return 0;
+    fprintf(stderr,
+            "moed: cannot open --log-file '%s' for appending; check the folder and its "
+            "permissions\n",
+            cfg->log_file);
+    return 1;
+}
+
+static int open_backend(moed_daemon *d)
+{
+    moed_error err = { 0 };
+    moed_backend_config bc = { .threads = d->cfg.threads,
+                               .streams = d->cfg.streams,
+                               .devices = d->cfg.n_devices ? d->cfg.devices : NULL,
+                               .n_devices = d->cfg.n_devices,
+                               .max_tokens = d->cfg.max_batch_tokens };
+    if (moed_backend_open(d->cfg.backend, &bc, &d->backend, &err)) return fail("backend", &err);
+    moed_log_info("backend opened", "asked=%s backend=%s", d->cfg.backend, d->backend->ops->name);
+    return 0;
+}
+
+static int load_weights(moed_daemon *d)
+{
+    moed_error err = { 0 };
+    int rc;
+    if (d->cfg.model) {
+        moed_log_info("loading checkpoint", "dir=\"%s\" layers=%s", d->cfg.model,
+                      d->cfg.layers ? d->cfg.layers : "all");
+        rc = moed_weights_checkpoint(d->cfg.model, d->cfg.layers, &d->model, &err);
+    } else {
+        if (!d->cfg.synthetic)
+            moed_log_info("no --model or --synthetic given: serving the default synthetic model",
+                          NULL);
+        rc = moed_weights_synthetic(d->cfg.synthetic ? d->cfg.synthetic : "", &d->model, &err);
+    }
+    if (rc) return fail("weights", &err);
+    d->have_model = true;
+    moed_log_info("weights loaded", "model=\"%s\" arch=%s moe_layers=%d", d->model.source,
+                  d->model.arch, d->model.n_layers);
+    return 0;
+}
+
+/* Every --layers entry must exist in the model: serving fewer layers than asked is a mistake. */
+static int check_layer_list(moed_daemon *d)
+{
+    for (int i = 0; i < d->cfg.n_layer_list; i++)
+        if (!moed_model_layer(&d->model, d->cfg.layer_list[i], NULL)) {
+            moed_error err;
+            moed_fail(&err, MOED_ENOTFOUND,
+                      "--layers names layer %d, which is not a MoE layer of %s (it has %d MoE "
+                      "layers, from %d to %d)",
+                      d->cfg.layer_list[i], d->model.source, d->model.n_layers,
+                      d->model.n_layers ? d->model.layers[0].info.index : -1,
+                      d->model.n_layers ? d->model.layers[d->model.n_layers - 1].info.index : -1);
+            return fail("layers", &err);
+        }
+    return 0;
+}
+
+/* Loads the chosen layers into the backend (slots in increasing layer order) and starts it. */
+static int load_layers(moed_daemon *d)
+{
+    moed_error err = { 0 };
+    if (check_layer_list(d)) return 1;
+    d->resident = calloc((size_t)d->model.n_layers + 1, sizeof *d->resident);
+    if (!d->resident) {
+        moed_fail(&err, MOED_ENOMEM, "no memory for the layer table");
+        return fail("layers", &err);
+    }
+    int n = 0;
+    uint64_t bytes = 0;
+    for (int i = 0; i < d->model.n_layers; i++) {
+        const moed_layer *l = &d->model.layers[i];
+        if (!moed_config_wants_layer(&d->cfg, l->info.index)) continue;
+        if (d->backend->ops->load_layer(d->backend, n, l, &err)) {
+            moed_error_prefix(&err, "layer %d", l->info.index);
+            return fail("load layers", &err);
+        }
+        d->resident[n++] = l;
+        bytes += moed_layer_bytes(&l->info);
+    }
+    if (!n) {
+        moed_fail(&err, MOED_ENOTFOUND, "no MoE layer to serve in %s", d->model.source);
+        return fail("load layers", &err);
+    }
+    if (d->backend->ops->start(d->backend, &err)) return fail("backend start", &err);
+    d->served = (moed_served){ .layers = d->resident,
+                               .n_layers = n,
+                               .max_batch_tokens = d->cfg.max_batch_tokens,
+                               .max_message_bytes = d->cfg.max_message_bytes };
+    char list[256];
+    moed_served_layer_list(&d->served, list, sizeof list);
+    moed_log_info("layers resident", "layers=%s count=%d weight_bytes=%llu exec_slots=%d", list, n,
+                  (unsigned long long)bytes, d->backend->n_exec);
+    return 0;
+}
+
+static int start_scheduler(moed_daemon *d)
+{
+    moed_error err = { 0 };
+    moed_sched_config sc = { .backend = d->backend,
+                             .served = &d->served,
+                             .max_batch_tokens = d->cfg.max_batch_tokens,
+                             .max_delay_us = d->cfg.max_delay_us,
+                             .max_queue_requests = d->cfg.max_queue_requests };
+    if (moed_sched_create(&sc, &d->sched, &err)) return fail("scheduler", &err);
+    return 0;
+}
+
+static int start_rpc(moed_daemon *d)
+{
+    moed_error err = { 0 };
+    moed_rpc_config rc = { .listen = d->cfg.listen,
+                           .cq_threads = d->cfg.cq_threads,
+                           .max_message_bytes = d->cfg.max_message_bytes,
+                           .sched = d->sched,
+                           .served = &d->served,
+                           .backend = d->backend,
+                           .model = d->model.source };
+    if (moed_rpc_start(&rc, &d->rpc, &err)) return fail("grpc", &err);
+    return 0;
+}
+
+static void ready(moed_daemon *d)
+{
+    char list[256];
+    moed_served_layer_list(&d->served, list, sizeof list);
+    moed_rpc_set_serving(d->rpc, true);
+    moed_log_info("ready", "addr=%s backend=%s layers=%s model=\"%s\" version=%s",
+                  moed_rpc_address(d->rpc), d->backend->ops->name, list, d->model.source,
+                  MOED_VERSION);
+}
+
+/* ---- the loop -------------------------------------------------------------------------------- */
+
+/* On a completion-queue thread: every call has finished. */
+static void on_rpc_drained(void *arg)
+{
+    moed_daemon *d = arg;
+    uv_async_send(&d->drained);
+}
+
+static void on_stop_signal(uv_signal_t *h, int signum)
+{
+    moed_daemon *d = h->data;
+    if (d->draining) {
+        moed_log_warn("drain already in progress: cancelling the calls still open", "signal=%s",
+                      signum == SIGINT ? "SIGINT" : "SIGTERM");
+        moed_rpc_cancel_all(d->rpc);
+        return;
+    }
+    d->draining = true;
+    moed_log_info("draining", "signal=%s", signum == SIGINT ? "SIGINT" : "SIGTERM");
+    moed_rpc_drain(d->rpc, on_rpc_drained, d);
+}
+
+static void on_hup(uv_signal_t *h, int signum)
+{
+    if (moed_log_reopen())
+        moed_log_error("cannot reopen the log file", NULL);
+    else
+        moed_log_info("log reopened", NULL);
+}
+
+static void on_stats(uv_timer_t *t)
+{
+    moed_daemon *d = t->data;
+    moed_sched_stats s;
+    moed_rpc_stats r;
+    moed_sched_get_stats(d->sched, &s);
+    moed_rpc_get_stats(d->rpc, &r);
+    moed_log_debug("stats",
+                   "active_calls=%llu forwards=%llu ok=%llu queued=%llu submitted=%llu "
+                   "completed=%llu rejected=%llu cancelled=%llu expired=%llu failed=%llu "
+                   "batches=%llu batch_tokens=%llu compute_us=%llu",
+                   (unsigned long long)r.active_calls, (unsigned long long)r.forwards,
+                   (unsigned long long)r.by_status[0], (unsigned long long)s.queued,
+                   (unsigned long long)s.submitted, (unsigned long long)s.completed,
+                   (unsigned long long)s.rejected, (unsigned long long)s.cancelled,
+                   (unsigned long long)s.expired, (unsigned long long)s.failed,
+                   (unsigned long long)s.batches, (unsigned long long)s.batch_tokens,
+                   (unsigned long long)s.compute_us);
+}
+
+static void close_handle(uv_handle_t *h, void *arg)
+{
+    if (!uv_is_closing(h)) uv_close(h, NULL);
+}
+
+static void on_drained(uv_async_t *h)
+{
+    moed_daemon *d = h->data;
+    moed_log_info("every call answered", NULL);
+    uv_walk(&d->loop, close_handle, NULL); /* the loop ends once they are closed */
+}
+
+static int run_loop(moed_daemon *d)
+{
+    uv_loop_init(&d->loop);
+    uv_signal_t *sigs[3] = { &d->sigterm, &d->sigint, &d->sighup };
+    int nums[3] = { SIGTERM, SIGINT, SIGHUP };
+    for (int i = 0; i < 3; i++) {
+        uv_signal_init(&d->loop, sigs[i]);
+        sigs[i]->data = d;
+        uv_signal_start(sigs[i], nums[i] == SIGHUP ? on_hup : on_stop_signal, nums[i]);
+    }
+    uv_async_init(&d->loop, &d->drained, on_drained);
+    d->drained.data = d;
+    if (moed_log_enabled(MOED_LOG_DEBUG)) {
+        uv_timer_init(&d->loop, &d->stats);
+        d->stats.data = d;
+        uv_timer_start(&d->stats, on_stats, STATS_PERIOD_MS, STATS_PERIOD_MS);
+    }
+    uv_run(&d->loop, UV_RUN_DEFAULT);
+    return uv_loop_close(&d->loop);
+}
+
+/* ---- teardown, in the reverse order of start-up ---------------------------------------------- */
+
+static void teardown(moed_daemon *d)
+{
+    if (d->sched) moed_sched_drain(d->sched); /* nothing is left once every call is answered */
+    moed_rpc_destroy(d->rpc);
+    moed_sched_destroy(d->sched);
+    moed_backend_destroy(d->backend); /* before the weights: it may compute from them in place */
+    if (d->have_model) moed_weights_release(&d->model);
+    free(d->resident);
+    moed_config_free(&d->cfg);
+}
+
+int main(int argc, char **argv)
+{
+    static moed_daemon d;
+    moed_error err = { 0 };
+    int rc = moed_config_load(&d.cfg, argc, argv, stdout, &err);
+    if (rc != MOED_CONFIG_RUN) {
+        if (rc < 0) fprintf(stderr, "moed: %s\n", err.msg);
+        moed_config_free(&d.cfg);
+        return rc < 0 ? 2 : 0;
+    }
+    if (open_log(&d.cfg)) {
+        moed_config_free(&d.cfg);
+        return 1;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    moed_log_info("starting", "version=%s pid=%d", MOED_VERSION, (int)getpid());
+    int status = open_backend(&d) || load_weights(&d) || load_layers(&d) || start_scheduler(&d) ||
+                 start_rpc(&d);
+    if (!status) {
+        ready(&d);
+        if (run_loop(&d)) moed_log_warn("the event loop closed with handles open", NULL);
+    }
+    teardown(&d);
+    moed_log_info(status ? "exiting after a failed start" : "stopped", "exit=%d", status);
+    moed_log_close();
+    return status;
 }

@@ -1,0 +1,450 @@
+/*
+ * moed_config — flags and the config file, driven by one option table.
+ *
+ * Why a table: every option is parsed the same way from the command line and from the file, and
+ * --help is generated from it, so the three never drift apart. Precedence is defaults < file <
+ * command line: the command line is scanned once for --config/--help/--version, the file applied,
+ * then the command line applied over it.
+ */
+#include "config.h"
+
+#include "log.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <limits.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+typedef enum opt_kind {
+    OPT_STRING,  /* char * */
+    OPT_CHOICE,  /* char *, one of choices */
+    OPT_INT,     /* int in [min, max] */
+    OPT_I64,     /* int64_t in [min, max] */
+    OPT_BYTES,   /* int64_t in [min, max], with an optional KiB/MiB/GiB suffix */
+    OPT_LEVEL,   /* int, a log level name */
+    OPT_LAYERS,  /* char * plus layer_list */
+    OPT_DEVICES, /* devices[] */
+    OPT_CONFIG,  /* --config: the file (command line only) */
+    OPT_HELP,    /* --help (command line only) */
+    OPT_VERSION, /* --version (command line only) */
+} opt_kind;
+
+typedef struct opt {
+    const char *name;
+    opt_kind kind;
+    size_t off;
+    int64_t min, max;
+    const char *arg;  /* the value's placeholder in --help */
+    const char *help; /* one line; the default is appended from cfg */
+} opt;
+
+#define OFF(f) offsetof(moed_config, f)
+#define MIB    (1024 * 1024)
+
+static const opt opts[] = {
+    { "listen", OPT_STRING, OFF(listen), 0, 0, "ADDR", "address to serve gRPC on (host:port)" },
+    { "model", OPT_STRING, OFF(model), 0, 0, "DIR", "Hugging Face safetensors checkpoint folder" },
+    { "synthetic", OPT_STRING, OFF(synthetic), 0, 0, "SPEC",
+      "seeded synthetic model, e.g. layers=2,d=256,ff=512,experts=8,topk=2,act=swiglu,"
+      "dtype=bf16,seed=1 (the default when neither --model nor --synthetic is given)" },
+    { "layers", OPT_LAYERS, OFF(layers), 0, 0, "LIST", "serve only these MoE layers, e.g. 0-3,7" },
+    { "backend", OPT_CHOICE, OFF(backend), 0, 0, "cpu|cuda|auto", "compute backend" },
+    { "threads", OPT_INT, OFF(threads), 0, 4096, "N", "CPU backend threads, 0 = one per core" },
+    { "streams", OPT_INT, OFF(streams), 0, 256, "N", "CUDA streams per device, 0 = default" },
+    { "devices", OPT_DEVICES, OFF(devices), 0, 0, "LIST", "CUDA device ordinals, e.g. 0,1" },
+    { "cq-threads", OPT_INT, OFF(cq_threads), 1, 256, "N",
+      "gRPC completion queues, one thread each" },
+    { "max-message-bytes", OPT_BYTES, OFF(max_message_bytes), 4096, INT_MAX, "BYTES",
+      "largest request accepted (suffixes KiB, MiB, GiB)" },
+    { "max-batch-tokens", OPT_I64, OFF(max_batch_tokens), 1, 1 << 24, "N",
+      "most tokens in one launch and in one request" },
+    { "max-delay-us", OPT_I64, OFF(max_delay_us), 0, 60 * 1000 * 1000, "US",
+      "merge window in microseconds; 0 = merge only what is already queued" },
+    { "max-queue-requests", OPT_I64, OFF(max_queue_requests), 1, 1 << 24, "N",
+      "requests queued at most; past it calls get UNAVAILABLE" },
+    { "log-level", OPT_LEVEL, OFF(log_level), 0, 0, "debug|info|warn|error", "log threshold" },
+    { "log-file", OPT_STRING, OFF(log_file), 0, 0, "PATH",
+      "log to this file (reopened on SIGHUP); default stderr" },
+    { "config", OPT_CONFIG, OFF(config_file), 0, 0, "FILE",
+      "read `key = value` lines (long flag names); the command line wins" },
+    { "help", OPT_HELP, 0, 0, 0, NULL, "print this help and exit" },
+    { "version", OPT_VERSION, 0, 0, 0, NULL, "print the version and exit" },
+};
+
+#define N_OPTS (sizeof opts / sizeof opts[0])
+
+static const char *const backend_choices[] = { "cpu", "cuda", "auto" };
+
+static int set_defaults(moed_config *cfg)
+{
+    memset(cfg, 0, sizeof *cfg);
+    cfg->listen = strdup("127.0.0.1:50051");
+    cfg->backend = strdup("auto");
+    cfg->cq_threads = 4;
+    cfg->max_message_bytes = 256 * MIB;
+    cfg->max_batch_tokens = 8192;
+    cfg->max_delay_us = 0;
+    cfg->max_queue_requests = 1024;
+    cfg->log_level = MOED_LOG_INFO;
+    return cfg->listen && cfg->backend ? 0 : MOED_ENOMEM;
+}
+
+void moed_config_free(moed_config *cfg)
+{
+    for (size_t i = 0; i < N_OPTS; i++) {
+        if (opts[i].kind == OPT_STRING || opts[i].kind == OPT_CHOICE ||
+            opts[i].kind == OPT_LAYERS || opts[i].kind == OPT_CONFIG) {
+            char **p = (char **)((char *)cfg + opts[i].off);
+            free(*p);
+            *p = NULL;
+        }
+    }
+    free(cfg->layer_list);
+    cfg->layer_list = NULL;
+    cfg->n_layer_list = 0;
+}
+
+static const opt *find_opt(const char *name, size_t len)
+{
+    for (size_t i = 0; i < N_OPTS; i++)
+        if (strlen(opts[i].name) == len && !strncmp(opts[i].name, name, len)) return &opts[i];
+    return NULL;
+}
+
+/* A decimal integer, all of s, into *v; the suffix (for byte sizes) is left in *end. */
+static int parse_i64(const char *s, int64_t *v, char **end)
+{
+    errno = 0;
+    long long x = strtoll(s, end, 10);
+    if (*end == s || errno == ERANGE || !isdigit((unsigned char)s[s[0] == '-' || s[0] == '+']))
+        return -1;
+    *v = x;
+    return 0;
+}
+
+static int parse_bytes(const char *s, int64_t *v)
+{
+    static const struct {
+        const char *suffix;
+        int64_t mult;
+    } units[] = { { "", 1 },
+                  { "k", 1024 },
+                  { "kib", 1024 },
+                  { "m", 1 << 20 },
+                  { "mib", 1 << 20 },
+                  { "g", (int64_t)1 << 30 },
+                  { "gib", (int64_t)1 << 30 } };
+    char *end;
+    if (parse_i64(s, v, &end)) return -1;
+    while (*end == ' ') end++;
+    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++) {
+        if (strcasecmp(end, units[i].suffix)) continue;
+        if (*v < 0 || *v > INT64_MAX / units[i].mult) return -1;
+        *v *= units[i].mult;
+        return 0;
+    }
+    return -1;
+}
+
+int moed_config_parse_layers(const char *list, int **out, int *n, moed_error *err)
+{
+    *out = NULL;
+    *n = 0;
+    int cap = 0, count = 0, *v = NULL;
+    const char *p = list;
+    do {
+        char *end;
+        int64_t a, b;
+        if (parse_i64(p, &a, &end) || a < 0 || a > 1000000) goto bad;
+        b = a;
+        if (*end == '-') {
+            if (parse_i64(end + 1, &b, &end) || b < a || b > 1000000) goto bad;
+        }
+        if ((*end != ',' && *end != 0) || (*end == ',' && !end[1])) goto bad;
+        for (int64_t x = a; x <= b; x++) {
+            if (count == cap) {
+                cap = cap ? 2 * cap : 16;
+                int *nv = realloc(v, (size_t)cap * sizeof *v);
+                if (!nv) {
+                    free(v);
+                    return moed_fail(err, MOED_ENOMEM, "out of memory expanding layers '%s'", list);
+                }
+                v = nv;
+            }
+            v[count++] = (int)x;
+        }
+        p = *end ? end + 1 : end;
+        continue;
+    bad:
+        free(v);
+        return moed_fail(err, MOED_EINVAL,
+                         "bad layer list '%s' at '%s': expected comma-separated layer numbers or "
+                         "ranges like 0-3,7",
+                         list, p);
+    } while (*p);
+    /* Sort and drop repeats: the result answers "is layer i wanted" by a scan in order. */
+    for (int i = 1; i < count; i++)
+        for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
+            int t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+    int m = 0;
+    for (int i = 0; i < count; i++)
+        if (!m || v[m - 1] != v[i]) v[m++] = v[i];
+    *out = v;
+    *n = m;
+    return 0;
+}
+
+static int parse_devices(moed_config *cfg, const char *list, moed_error *err)
+{
+    int *v, n;
+    int rc = moed_config_parse_layers(list, &v, &n, err);
+    if (rc == MOED_EINVAL)
+        return moed_fail(err, MOED_EINVAL,
+                         "bad device list '%s': expected CUDA device ordinals like 0,1 or 0-3",
+                         list);
+    if (rc) return rc;
+    if (n > MOED_CONFIG_MAX_DEVICES) {
+        free(v);
+        return moed_fail(err, MOED_EINVAL, "--devices '%s' names %d devices; at most %d", list, n,
+                         MOED_CONFIG_MAX_DEVICES);
+    }
+    memcpy(cfg->devices, v, (size_t)n * sizeof *v);
+    cfg->n_devices = n;
+    free(v);
+    return 0;
+}
+
+static int replace_string(char **slot, const char *value)
+{
+    char *s = strdup(value);
+    if (!s) return MOED_ENOMEM;
+    free(*slot);
+    *slot = s;
+    return 0;
+}
+
+/* Applies one option's value; the message names where it came from (`--flag` or `file:line`). */
+static int apply(moed_config *cfg, const opt *o, const char *value, const char *where,
+                 moed_error *err)
+{
+    void *field = (char *)cfg + o->off;
+    int64_t v;
+    char *end;
+    switch (o->kind) {
+    case OPT_STRING:
+    case OPT_CONFIG:
+        if (!*value)
+            return moed_fail(err, MOED_EINVAL, "%s: empty value; give a %s", where, o->arg);
+        return replace_string(field, value);
+    case OPT_CHOICE:
+        for (size_t i = 0; i < sizeof backend_choices / sizeof backend_choices[0]; i++)
+            if (!strcmp(value, backend_choices[i])) return replace_string(field, value);
+        return moed_fail(err, MOED_EINVAL, "%s: '%s' is not a backend; use one of %s", where, value,
+                         o->arg);
+    case OPT_LEVEL:
+        if ((v = moed_log_parse_level(value)) < 0)
+            return moed_fail(err, MOED_EINVAL, "%s: '%s' is not a log level; use one of %s", where,
+                             value, o->arg);
+        *(int *)field = (int)v;
+        return 0;
+    case OPT_INT:
+    case OPT_I64:
+    case OPT_BYTES:
+        if (o->kind == OPT_BYTES ? parse_bytes(value, &v)
+                                 : (parse_i64(value, &v, &end) || *end != 0))
+            return moed_fail(err, MOED_EINVAL,
+                             "%s: '%s' is not %s; give an integer in [%lld, %lld]", where, value,
+                             o->kind == OPT_BYTES ? "a byte count (like 268435456 or 256MiB)"
+                                                  : "an integer",
+                             (long long)o->min, (long long)o->max);
+        if (v < o->min || v > o->max)
+            return moed_fail(err, MOED_EINVAL,
+                             "%s: %lld is out of range; give a value in [%lld, %lld]", where,
+                             (long long)v, (long long)o->min, (long long)o->max);
+        if (o->kind == OPT_INT)
+            *(int *)field = (int)v;
+        else
+            *(int64_t *)field = v;
+        return 0;
+    case OPT_LAYERS: {
+        int *list, n, rc = moed_config_parse_layers(value, &list, &n, err);
+        if (rc) {
+            moed_error_prefix(err, "%s", where);
+            return rc;
+        }
+        if ((rc = replace_string(field, value))) {
+            free(list);
+            return rc;
+        }
+        free(cfg->layer_list);
+        cfg->layer_list = list;
+        cfg->n_layer_list = n;
+        return 0;
+    }
+    case OPT_DEVICES: {
+        int rc = parse_devices(cfg, value, err);
+        if (rc) moed_error_prefix(err, "%s", where);
+        return rc;
+    }
+    case OPT_HELP:
+    case OPT_VERSION:
+        break;
+    }
+    return moed_fail(err, MOED_EINVAL, "%s: not allowed here", where);
+}
+
+static void trim(char **s, char **e)
+{
+    while (*s < *e && isspace((unsigned char)**s)) (*s)++;
+    while (*e > *s && isspace((unsigned char)(*e)[-1])) (*e)--;
+}
+
+/* Applies one `key = value` line (already stripped of its comment). */
+static int apply_line(moed_config *cfg, char *line, const char *where, moed_error *err)
+{
+    char *end = line + strlen(line);
+    trim(&line, &end);
+    if (line == end) return 0;
+    char *eq = memchr(line, '=', (size_t)(end - line));
+    if (!eq)
+        return moed_fail(err, MOED_EINVAL, "%s: expected `key = value`, got '%.*s'", where,
+                         (int)(end - line), line);
+    char *key = line, *key_end = eq, *val = eq + 1;
+    trim(&key, &key_end);
+    trim(&val, &end);
+    if (end - val >= 2 && *val == '"' && end[-1] == '"') val++, end--;
+    *end = 0;
+    const opt *o = find_opt(key, (size_t)(key_end - key));
+    if (!o || o->kind == OPT_CONFIG || o->kind == OPT_HELP || o->kind == OPT_VERSION)
+        return moed_fail(err, MOED_EINVAL,
+                         "%s: unknown key '%.*s'; keys are the long flags' names (see moed --help)",
+                         where, (int)(key_end - key), key);
+    return apply(cfg, o, val, where, err);
+}
+
+static int load_file(moed_config *cfg, const char *path, moed_error *err)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return moed_fail(err, MOED_EINVAL, "--config: cannot open '%s': %s", path, strerror(errno));
+    char line[4096], where[600];
+    int rc = 0;
+    for (int no = 1; !rc && fgets(line, sizeof line, f); no++) {
+        snprintf(where, sizeof where, "%s:%d", path, no);
+        size_t n = strlen(line);
+        if (n == sizeof line - 1 && line[n - 1] != '\n') {
+            rc = moed_fail(err, MOED_EINVAL, "%s: line longer than %zu bytes", where,
+                           sizeof line - 2);
+            break;
+        }
+        char *hash = strchr(line, '#');
+        if (hash) *hash = 0;
+        rc = apply_line(cfg, line, where, err);
+    }
+    fclose(f);
+    return rc;
+}
+
+/* Splits argv[*i] into its option and value (from `--name=value` or the next argument). */
+static int next_flag(int argc, char **argv, int *i, const opt **o, const char **value,
+                     moed_error *err)
+{
+    const char *a = argv[*i];
+    if (!strcmp(a, "-h")) a = "--help";
+    if (!strcmp(a, "-V")) a = "--version";
+    if (strncmp(a, "--", 2))
+        return moed_fail(err, MOED_EINVAL,
+                         "unexpected argument '%s'; flags start with -- "
+                         "(see moed --help)",
+                         a);
+    const char *name = a + 2, *eq = strchr(name, '=');
+    size_t len = eq ? (size_t)(eq - name) : strlen(name);
+    *o = find_opt(name, len);
+    if (!*o)
+        return moed_fail(err, MOED_EINVAL, "unknown flag '--%.*s' (see moed --help)", (int)len,
+                         name);
+    *value = NULL;
+    if ((*o)->kind == OPT_HELP || (*o)->kind == OPT_VERSION) {
+        if (eq) return moed_fail(err, MOED_EINVAL, "--%s takes no value", (*o)->name);
+        return 0;
+    }
+    if (eq)
+        *value = eq + 1;
+    else if (*i + 1 < argc)
+        *value = argv[++*i];
+    else
+        return moed_fail(err, MOED_EINVAL, "--%s needs a value: %s", (*o)->name, (*o)->arg);
+    return 0;
+}
+
+static void print_help(FILE *out, const moed_config *d)
+{
+    fprintf(out, "usage: moed [flags]\n\n"
+                 "Serves Mixture-of-Experts layers over gRPC (moed.v1.Moed, grpc.health.v1).\n\n");
+    for (size_t i = 0; i < N_OPTS; i++) {
+        const opt *o = &opts[i];
+        char left[64], def[64] = "";
+        snprintf(left, sizeof left, "--%s%s%s", o->name, o->arg ? " " : "", o->arg ? o->arg : "");
+        const void *f = (const char *)d + o->off;
+        if (o->kind == OPT_STRING || o->kind == OPT_CHOICE) {
+            if (*(char *const *)f) snprintf(def, sizeof def, " (default %s)", *(char *const *)f);
+        } else if (o->kind == OPT_INT) {
+            snprintf(def, sizeof def, " (default %d)", *(const int *)f);
+        } else if (o->kind == OPT_I64 || o->kind == OPT_BYTES) {
+            snprintf(def, sizeof def, " (default %lld)", (long long)*(const int64_t *)f);
+        } else if (o->kind == OPT_LEVEL) {
+            snprintf(def, sizeof def, " (default info)");
+        }
+        fprintf(out, "  %-34s %s%s\n", left, o->help, def);
+    }
+    fprintf(out, "\nExit status: 0 after a clean drain (SIGTERM/SIGINT), 1 when start-up fails, "
+                 "2 on bad usage.\n");
+}
+
+int moed_config_load(moed_config *cfg, int argc, char **argv, FILE *out, moed_error *err)
+{
+    int rc = set_defaults(cfg);
+    if (rc) return moed_fail(err, rc, "out of memory");
+    const opt *o;
+    const char *value;
+    /* Pass 1: --help/--version answer at once; --config is read before the other flags. */
+    for (int i = 1; i < argc; i++) {
+        if ((rc = next_flag(argc, argv, &i, &o, &value, err))) return rc;
+        if (o->kind == OPT_HELP) {
+            print_help(out, cfg);
+            return MOED_CONFIG_EXIT;
+        }
+        if (o->kind == OPT_VERSION) {
+            fprintf(out, "moed %s\n", MOED_VERSION);
+            return MOED_CONFIG_EXIT;
+        }
+        if (o->kind == OPT_CONFIG && (rc = apply(cfg, o, value, "--config", err))) return rc;
+    }
+    if (cfg->config_file && (rc = load_file(cfg, cfg->config_file, err))) return rc;
+    for (int i = 1; i < argc; i++) {
+        next_flag(argc, argv, &i, &o, &value, err);
+        if (o->kind == OPT_CONFIG) continue;
+        char where[80];
+        snprintf(where, sizeof where, "--%s", o->name);
+        if ((rc = apply(cfg, o, value, where, err))) return rc;
+    }
+    if (cfg->model && cfg->synthetic)
+        return moed_fail(err, MOED_EINVAL,
+                         "--model '%s' and --synthetic '%s' both given; serve one or the other",
+                         cfg->model, cfg->synthetic);
+    return MOED_CONFIG_RUN;
+}
+
+int moed_config_wants_layer(const moed_config *cfg, int index)
+{
+    if (!cfg->layers) return 1;
+    for (int i = 0; i < cfg->n_layer_list; i++)
+        if (cfg->layer_list[i] == index) return 1;
+    return 0;
+}

@@ -1,0 +1,58 @@
+/*
+ * moed_config — the daemon's settings: defaults, then a config file (--config FILE, lines of
+ * `key = value` with the long flags' names), then the command line, which wins.
+ *
+ * One table describes every option (name, kind, range, help), so parsing, the file, --help and the
+ * error messages can never disagree. A bad value fails with MOED_EINVAL and a message naming the
+ * flag (or file and line), the value and what is accepted; the daemon exits 2 on it.
+ */
+#ifndef MOED_CONFIG_H
+#define MOED_CONFIG_H
+
+#include "moed_err.h"
+
+#include <stdint.h>
+#include <stdio.h>
+
+#define MOED_CONFIG_MAX_DEVICES 64
+
+typedef struct moed_config {
+    char *listen;    /* --listen ADDR */
+    char *model;     /* --model DIR, or NULL */
+    char *synthetic; /* --synthetic SPEC, or NULL (with no --model: the generator's defaults) */
+    char *layers;    /* --layers LIST as given ("0-3,7"), or NULL: every MoE layer */
+    int *layer_list; /* the LIST expanded, increasing, without repeats */
+    int n_layer_list;
+    char *backend;                        /* cpu | cuda | auto */
+    int threads;                          /* CPU worker threads, 0 = one per core */
+    int streams;                          /* CUDA streams per device, 0 = the backend's default */
+    int devices[MOED_CONFIG_MAX_DEVICES]; /* --devices LIST (CUDA ordinals) */
+    int n_devices;                        /* 0: every device */
+    int cq_threads;                       /* gRPC completion queues, one thread each */
+    int64_t max_message_bytes;
+    int64_t max_batch_tokens; /* the most tokens in one launch and in one request */
+    int64_t max_delay_us;     /* merge window; 0 = merge only what is already queued */
+    int64_t max_queue_requests;
+    int log_level;     /* moed_log_level */
+    char *log_file;    /* NULL: stderr */
+    char *config_file; /* --config FILE, or NULL */
+} moed_config;
+
+/* What moed_config_load found on the command line. */
+enum { MOED_CONFIG_RUN = 0, MOED_CONFIG_EXIT = 1 };
+
+/* Fills cfg from defaults, the config file and argv. Returns MOED_CONFIG_RUN, MOED_CONFIG_EXIT
+ * after printing --help or --version to out, or MOED_EINVAL with err naming the bad flag or line.
+ * cfg must be released with moed_config_free whatever the result. */
+int moed_config_load(moed_config *cfg, int argc, char **argv, FILE *out, moed_error *err);
+void moed_config_free(moed_config *cfg);
+
+/* True when checkpoint layer `index` is to be served (always, without --layers). */
+int moed_config_wants_layer(const moed_config *cfg, int index);
+
+/* Parses a layer list such as "0-3,7" into an increasing array without repeats (malloc'd,
+ * freed by the caller); MOED_EINVAL names the bad element. Shared with the weights loader's
+ * syntax so `--layers` means the same for checkpoints and synthetic models. */
+int moed_config_parse_layers(const char *list, int **out, int *n, moed_error *err);
+
+#endif

@@ -1,0 +1,420 @@
+/*
+ * forward — the Forward (unary) and ForwardStream (bidirectional) methods.
+ *
+ * Both do the same per request: open the payload's slices, decode (wire.c), validate (request.c),
+ * queue (scheduler.c); the scheduler's worker calls back with the request's output rows, which
+ * are copied once into a fresh slice that becomes the reply's data (wire.c's three-slice reply).
+ *
+ * The stream keeps reading while earlier requests compute (they may even run in different
+ * launches and finish out of order) and replies strictly in request order: replies wait in a
+ * FIFO, and the head goes out as soon as it is ready and no send is in flight (gRPC allows one
+ * at a time). A bounded number of requests per stream may be open, so a fast sender is slowed by
+ * HTTP/2 flow control instead of filling memory. The first error ends the stream with its status,
+ * after the replies to every earlier request.
+ */
+#include "rpc_call.h"
+
+#include "log.h"
+#include "moed_dtype.h"
+#include "request.h"
+#include "scheduler.h"
+#include "wire.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Requests one stream may have decoded but not yet answered. */
+#define STREAM_WINDOW 16
+
+/* Decodes and validates a payload into item; errors name what is wrong. */
+static int prepare(moed_rpc *r, grpc_byte_buffer *payload, moed_wire_msg *msg,
+                   moed_sched_item *item, moed_error *err)
+{
+    moed_wire_request q;
+    int rc = moed_wire_msg_open(msg, payload, err);
+    if (!rc) rc = moed_wire_decode_request(msg->slices, msg->n_slices, &q, err);
+    if (!rc) rc = moed_request_validate(r->cfg.served, &q, &item->work, err);
+    return rc;
+}
+
+/* The reply message for a finished request: its rows copied into the output slice. */
+static grpc_byte_buffer *encode_reply(const moed_sched_item *it, const moed_sched_result *res)
+{
+    const moed_work *w = &it->work;
+    grpc_slice out = grpc_slice_malloc(res->y_bytes);
+    memcpy(GRPC_SLICE_START_PTR(out), res->y, res->y_bytes);
+    moed_wire_response resp = { .request_id = w->request_id,
+                                .request_id_len = w->request_id_len,
+                                .dtype = w->dtype,
+                                .rows = w->T,
+                                .cols = w->layer->info.d_model,
+                                .expert_set = res->expert_set,
+                                .n_expert_set = res->n_expert_set,
+                                .timings = res->timings };
+    return moed_wire_encode_response(&resp, out);
+}
+
+static void log_failure(const moed_work *w, const moed_error *err)
+{
+    if (moed_log_enabled(MOED_LOG_DEBUG))
+        moed_log_debug("forward failed", "request_id=\"%.*s\" code=%d status=%d reason=\"%s\"",
+                       (int)w->request_id_len, w->request_id, err->code,
+                       moed_err_grpc_status(err->code), err->msg);
+}
+
+/* ---- Forward --------------------------------------------------------------------------------- */
+
+typedef struct fwd_call {
+    rpc_call base;
+    moed_wire_msg msg;
+    moed_sched_item item;
+} fwd_call;
+
+static void fwd_release_request(fwd_call *f)
+{
+    moed_work_free(&f->item.work);
+    moed_wire_msg_close(&f->msg);
+    if (f->base.payload) grpc_byte_buffer_destroy(f->base.payload);
+    f->base.payload = NULL;
+}
+
+/* On a worker thread (or, for a cancelled request, the thread that cancelled it). */
+static void fwd_done(moed_sched_item *it, const moed_sched_result *res)
+{
+    fwd_call *f = it->user;
+    moed_rpc *r = f->base.rpc;
+    if (!res->status) {
+        grpc_byte_buffer *bb = encode_reply(it, res);
+        if (bb) {
+            rpc_count_status(r, GRPC_STATUS_OK);
+            rpc_reply(&f->base, bb, GRPC_STATUS_OK, NULL);
+        } else {
+            rpc_count_status(r, GRPC_STATUS_RESOURCE_EXHAUSTED);
+            rpc_reply(&f->base, NULL, GRPC_STATUS_RESOURCE_EXHAUSTED,
+                      "out of memory for the reply");
+        }
+    } else if (res->status != MOED_ECANCELLED) { /* a cancelled call has no one to answer */
+        log_failure(&it->work, res->err);
+        rpc_count_status(r, moed_err_grpc_status(res->status));
+        rpc_reply_error(&f->base, res->err);
+    }
+    fwd_release_request(f);
+    rpc_call_unref(&f->base); /* the scheduler's reference */
+}
+
+static void fwd_closed(rpc_call *c)
+{
+    fwd_call *f = (fwd_call *)c;
+    if (c->cancelled) moed_sched_cancel(c->rpc->cfg.sched, &f->item);
+}
+
+static void fwd_start(rpc_call *c)
+{
+    fwd_call *f = (fwd_call *)c;
+    moed_rpc *r = c->rpc;
+    moed_error err = { 0 };
+    rpc_post_close(c, fwd_closed);
+    int rc = prepare(r, c->payload, &f->msg, &f->item, &err);
+    if (!rc) {
+        f->item.done = fwd_done;
+        f->item.user = f;
+        f->item.t_received_ns = c->t_received_ns;
+        f->item.deadline_ns = rpc_deadline_ns(c);
+        rpc_call_ref(c); /* held by the scheduler until fwd_done */
+        if ((rc = moed_sched_submit(r->cfg.sched, &f->item, &err))) rpc_call_unref(c);
+    }
+    if (rc) {
+        log_failure(&f->item.work, &err);
+        rpc_count_status(r, moed_err_grpc_status(rc));
+        rpc_reply_error(c, &err);
+        fwd_release_request(f);
+    }
+}
+
+static void fwd_destroy(rpc_call *c)
+{
+    fwd_release_request((fwd_call *)c);
+}
+
+const rpc_method moed_forward_method = { .path = "/moed.v1.Moed/Forward",
+                                         .size = sizeof(fwd_call),
+                                         .read_payload = true,
+                                         .start = fwd_start,
+                                         .destroy = fwd_destroy };
+
+/* ---- ForwardStream --------------------------------------------------------------------------- */
+
+enum { E_WAITING, E_READY, E_FAILED };
+
+typedef struct stream_call stream_call;
+
+typedef struct entry {
+    struct entry *next;
+    stream_call *s;
+    int state;
+    grpc_byte_buffer *payload;
+    moed_wire_msg msg;
+    moed_sched_item item;
+    grpc_byte_buffer *reply; /* E_READY */
+    moed_error err;          /* E_FAILED */
+} entry;
+
+struct stream_call {
+    rpc_call base;
+    pthread_mutex_t lock;
+    rpc_tag on_recv, on_send;
+    grpc_byte_buffer *recv_bb;
+    entry *head, *tail; /* in request order */
+    int open;           /* entries not yet sent */
+    bool reading;       /* a RECV_MESSAGE is posted */
+    bool paused;        /* reading stopped at STREAM_WINDOW; resumes as replies go */
+    bool half_closed;   /* the client sent its last request */
+    bool stop_reading;  /* an error is queued: no request after it is read */
+    bool md_sent, sending, status_sent, draining, cancelled;
+    grpc_byte_buffer *in_flight; /* the reply being sent */
+    grpc_slice details;
+};
+
+static void entry_free(entry *e)
+{
+    moed_work_free(&e->item.work);
+    moed_wire_msg_close(&e->msg);
+    if (e->payload) grpc_byte_buffer_destroy(e->payload);
+    if (e->reply) grpc_byte_buffer_destroy(e->reply);
+    free(e);
+}
+
+static void stream_post_recv(stream_call *s)
+{
+    grpc_op op = { .op = GRPC_OP_RECV_MESSAGE };
+    op.data.recv_message.recv_message = &s->recv_bb;
+    s->reading = true;
+    s->paused = false;
+    rpc_start_batch(&s->base, &op, 1, &s->on_recv);
+}
+
+/* Starts the next send the stream's state allows (under s->lock): the head's reply when it is
+ * ready, or the status that ends the stream. The initial metadata goes with the first send. */
+static void stream_pump(stream_call *s)
+{
+    if (s->sending || s->status_sent || s->cancelled) return;
+    entry *e = s->head;
+    int status = GRPC_STATUS_OK;
+    const char *text = "";
+    if (e && e->state == E_FAILED) {
+        status = moed_err_grpc_status(e->err.code);
+        text = e->err.msg;
+    } else if (!e && s->draining && !s->half_closed) {
+        status = GRPC_STATUS_UNAVAILABLE;
+        text = "the server is draining (shutting down); open a new stream to another server";
+    } else if (!(e && e->state == E_READY) && !(!e && s->half_closed)) {
+        return; /* the head is still computing, or the client may send more */
+    }
+    grpc_op ops[2];
+    size_t n = 0;
+    memset(ops, 0, sizeof ops);
+    if (!s->md_sent) {
+        ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
+        s->md_sent = true;
+    }
+    if (e && e->state == E_READY) {
+        s->head = e->next;
+        if (!s->head) s->tail = NULL;
+        s->open--;
+        s->in_flight = e->reply;
+        e->reply = NULL;
+        entry_free(e);
+        ops[n].op = GRPC_OP_SEND_MESSAGE;
+        ops[n++].data.send_message.send_message = s->in_flight;
+    } else {
+        s->details = grpc_slice_from_copied_string(text);
+        ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+        ops[n].data.send_status_from_server.status = (grpc_status_code)status;
+        ops[n++].data.send_status_from_server.status_details = &s->details;
+        s->status_sent = true;
+    }
+    s->sending = true;
+    rpc_start_batch(&s->base, ops, n, &s->on_send);
+}
+
+static void stream_on_send(rpc_tag *t, bool ok)
+{
+    stream_call *s = RPC_CONTAINER(t, stream_call, on_send);
+    pthread_mutex_lock(&s->lock);
+    s->sending = false;
+    if (s->in_flight) grpc_byte_buffer_destroy(s->in_flight);
+    s->in_flight = NULL;
+    if (!ok) s->cancelled = true; /* the stream broke: nothing more can be sent */
+    if (s->paused && s->open < STREAM_WINDOW && !s->cancelled && !s->status_sent)
+        stream_post_recv(s);
+    stream_pump(s);
+    pthread_mutex_unlock(&s->lock);
+    rpc_call_unref(&s->base);
+}
+
+static void stream_done(moed_sched_item *it, const moed_sched_result *res)
+{
+    entry *e = it->user;
+    stream_call *s = e->s;
+    moed_rpc *r = s->base.rpc;
+    grpc_byte_buffer *bb = res->status ? NULL : encode_reply(it, res);
+    pthread_mutex_lock(&s->lock);
+    if (bb) {
+        e->state = E_READY;
+        e->reply = bb;
+    } else {
+        e->state = E_FAILED;
+        if (res->status)
+            e->err = *res->err;
+        else
+            moed_fail(&e->err, MOED_ENOMEM, "out of memory for the reply");
+    }
+    if (res->status != MOED_ECANCELLED) {
+        if (res->status) log_failure(&it->work, &e->err);
+        rpc_count_status(r, res->status ? moed_err_grpc_status(e->err.code) : GRPC_STATUS_OK);
+    }
+    /* The request's memory is no longer needed; only its reply waits for its turn. */
+    moed_work_free(&e->item.work);
+    moed_wire_msg_close(&e->msg);
+    grpc_byte_buffer_destroy(e->payload);
+    e->payload = NULL;
+    stream_pump(s);
+    pthread_mutex_unlock(&s->lock);
+    rpc_call_unref(&s->base); /* the scheduler's reference */
+}
+
+/* A request arrived on the stream (under s->lock): queue it, or queue its error. */
+static void stream_accept(stream_call *s, grpc_byte_buffer *payload)
+{
+    moed_rpc *r = s->base.rpc;
+    entry *e = calloc(1, sizeof *e);
+    if (!e) {
+        grpc_byte_buffer_destroy(payload);
+        s->stop_reading = true;
+        grpc_call_cancel_with_status(s->base.call, GRPC_STATUS_RESOURCE_EXHAUSTED,
+                                     "out of memory for a stream request", NULL);
+        return;
+    }
+    e->s = s;
+    e->payload = payload;
+    e->state = E_WAITING;
+    int rc;
+    if (s->draining)
+        rc = moed_fail(&e->err, MOED_EDRAINING,
+                       "the server is draining (shutting down); open a new stream to another "
+                       "server");
+    else
+        rc = prepare(r, payload, &e->msg, &e->item, &e->err);
+    if (!rc) {
+        e->item.done = stream_done;
+        e->item.user = e;
+        e->item.t_received_ns = moed_now_ns();
+        e->item.deadline_ns = rpc_deadline_ns(&s->base);
+        rpc_call_ref(&s->base);
+        if ((rc = moed_sched_submit(r->cfg.sched, &e->item, &e->err))) rpc_call_unref(&s->base);
+    }
+    if (rc) {
+        log_failure(&e->item.work, &e->err);
+        rpc_count_status(r, moed_err_grpc_status(rc));
+        e->state = E_FAILED;
+        s->stop_reading = true;
+    }
+    if (s->tail)
+        s->tail->next = e;
+    else
+        s->head = e;
+    s->tail = e;
+    s->open++;
+}
+
+static void stream_on_recv(rpc_tag *t, bool ok)
+{
+    stream_call *s = RPC_CONTAINER(t, stream_call, on_recv);
+    pthread_mutex_lock(&s->lock);
+    s->reading = false;
+    grpc_byte_buffer *bb = s->recv_bb;
+    s->recv_bb = NULL;
+    if (!ok || !bb) {
+        s->half_closed = true; /* end of the client's requests (or of the call) */
+        if (bb) grpc_byte_buffer_destroy(bb);
+    } else if (s->cancelled || s->status_sent) {
+        grpc_byte_buffer_destroy(bb);
+    } else {
+        stream_accept(s, bb);
+    }
+    if (!s->half_closed && !s->stop_reading && !s->cancelled && !s->status_sent) {
+        if (s->open < STREAM_WINDOW)
+            stream_post_recv(s);
+        else
+            s->paused = true;
+    }
+    stream_pump(s);
+    pthread_mutex_unlock(&s->lock);
+    rpc_call_unref(&s->base);
+}
+
+static void stream_closed(rpc_call *c)
+{
+    stream_call *s = (stream_call *)c;
+    if (!c->cancelled) return;
+    /* Take the queued requests out of the scheduler. Entries are not freed while cancelled (see
+     * stream_pump), so the items stay valid after the lock is let go; cancel may call
+     * stream_done, which takes the lock. */
+    pthread_mutex_lock(&s->lock);
+    s->cancelled = true;
+    int n = 0;
+    for (entry *e = s->head; e; e = e->next) n += e->state == E_WAITING;
+    moed_sched_item **items = n ? malloc((size_t)n * sizeof *items) : NULL;
+    int k = 0;
+    for (entry *e = s->head; e && items; e = e->next)
+        if (e->state == E_WAITING) items[k++] = &e->item;
+    pthread_mutex_unlock(&s->lock);
+    for (int i = 0; i < k; i++) moed_sched_cancel(c->rpc->cfg.sched, items[i]);
+    free(items);
+}
+
+static void stream_start(rpc_call *c)
+{
+    stream_call *s = (stream_call *)c;
+    pthread_mutex_init(&s->lock, NULL);
+    s->details = grpc_empty_slice();
+    s->on_recv.fn = stream_on_recv;
+    s->on_send.fn = stream_on_send;
+    rpc_live_add(c);
+    rpc_post_close(c, stream_closed);
+    pthread_mutex_lock(&s->lock);
+    s->draining = atomic_load(&c->rpc->draining);
+    if (!s->draining) stream_post_recv(s);
+    stream_pump(s);
+    pthread_mutex_unlock(&s->lock);
+}
+
+static void stream_drain(rpc_call *c)
+{
+    stream_call *s = (stream_call *)c;
+    pthread_mutex_lock(&s->lock);
+    s->draining = true;
+    stream_pump(s);
+    pthread_mutex_unlock(&s->lock);
+}
+
+static void stream_destroy(rpc_call *c)
+{
+    stream_call *s = (stream_call *)c;
+    while (s->head) {
+        entry *e = s->head;
+        s->head = e->next;
+        entry_free(e);
+    }
+    if (s->recv_bb) grpc_byte_buffer_destroy(s->recv_bb);
+    if (s->in_flight) grpc_byte_buffer_destroy(s->in_flight);
+    grpc_slice_unref(s->details);
+    pthread_mutex_destroy(&s->lock);
+}
+
+const rpc_method moed_stream_method = { .path = "/moed.v1.Moed/ForwardStream",
+                                        .size = sizeof(stream_call),
+                                        .read_payload = false,
+                                        .start = stream_start,
+                                        .drain = stream_drain,
+                                        .destroy = stream_destroy };

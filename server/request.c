@@ -1,0 +1,312 @@
+/*
+ * moed_request — ForwardRequest validation: sizes, layer, tensors, routing, gating.
+ *
+ * Order matters for the person reading the status: the whole-message limit first (nothing else is
+ * worth reading past it), then identity (request_id, layer), then hidden (which fixes T), then the
+ * routing tensors, whose shapes are stated relative to T and the layer. Small tensors (ids,
+ * weights, logits) are copied out of the slices into aligned memory here; hidden stays a span
+ * until the worker copies it into staging memory.
+ */
+#include "request.h"
+
+#include "moed_dtype.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+void moed_served_layer_list(const moed_served *s, char *buf, size_t n)
+{
+    size_t at = 0;
+    buf[0] = 0;
+    for (int i = 0; i < s->n_layers && at + 1 < n; i++) {
+        int a = s->layers[i]->info.index, b = a;
+        /* Layers are held in increasing index order, so a run of consecutive ones is a range. */
+        while (i + 1 < s->n_layers && s->layers[i + 1]->info.index == b + 1)
+            b = s->layers[++i]->info.index;
+        int w = a == b ? snprintf(buf + at, n - at, "%s%d", at ? "," : "", a)
+                       : snprintf(buf + at, n - at, "%s%d-%d", at ? "," : "", a, b);
+        if (w < 0) break;
+        at += (size_t)w;
+    }
+}
+
+/* proto3 strings must be UTF-8; a client library would refuse to build such a response. */
+static int utf8_valid(const uint8_t *p, size_t n)
+{
+    for (size_t i = 0; i < n;) {
+        uint8_t c = p[i];
+        size_t len = c < 0x80             ? 1
+                     : (c & 0xe0) == 0xc0 ? 2
+                     : (c & 0xf0) == 0xe0 ? 3
+                     : (c & 0xf8) == 0xf0 ? 4
+                                          : 0;
+        if (!len || i + len > n || (len == 2 && c < 0xc2) || (len == 4 && c > 0xf4)) return 0;
+        for (size_t j = 1; j < len; j++)
+            if ((p[i + j] & 0xc0) != 0x80) return 0;
+        if (len == 3) {
+            uint32_t cp = (uint32_t)(c & 0x0f) << 12 | (uint32_t)(p[i + 1] & 0x3f) << 6;
+            if (cp < 0x800 || (cp >= 0xd800 && cp <= 0xdfff)) return 0; /* overlong, surrogate */
+        }
+        if (len == 4) {
+            uint32_t cp = (uint32_t)(c & 0x07) << 18 | (uint32_t)(p[i + 1] & 0x3f) << 12;
+            if (cp < 0x10000 || cp > 0x10ffff) return 0;
+        }
+        i += len;
+    }
+    return 1;
+}
+
+static int check_request_id(const moed_wire_request *q, moed_work *w, moed_error *err)
+{
+    if (q->request_id.len > MOED_REQUEST_ID_MAX)
+        return moed_fail(err, MOED_EINVAL, "request_id is %zu bytes; at most %d are allowed",
+                         q->request_id.len, MOED_REQUEST_ID_MAX);
+    moed_span_copy(&q->request_id, w->request_id);
+    w->request_id_len = q->request_id.len;
+    w->request_id[w->request_id_len] = 0;
+    if (!utf8_valid((const uint8_t *)w->request_id, w->request_id_len))
+        return moed_fail(err, MOED_EINVAL,
+                         "request_id is not valid UTF-8 (proto3 strings must be)");
+    return 0;
+}
+
+static int find_layer(const moed_served *s, uint32_t index, moed_work *w, moed_error *err)
+{
+    for (int i = 0; i < s->n_layers; i++)
+        if ((uint32_t)s->layers[i]->info.index == index) {
+            w->slot = i;
+            w->layer = s->layers[i];
+            return 0;
+        }
+    char list[256];
+    moed_served_layer_list(s, list, sizeof list);
+    return moed_fail(
+        err, MOED_ENOTFOUND,
+        "layer %u is not served here; the resident layers are %s (GetModel lists them)", index,
+        list);
+}
+
+/* "[5, 12]" for messages; "[]" with no dims, "..." past the dims the decoder kept. */
+static void shape_str(const moed_wire_tensor *t, char *buf, size_t n)
+{
+    size_t at = (size_t)snprintf(buf, n, "[");
+    for (int i = 0; i < t->n_shape && i < MOED_WIRE_MAX_DIMS && at < n; i++)
+        at += (size_t)snprintf(buf + at, n - at, "%s%lld", i ? ", " : "", (long long)t->shape[i]);
+    if (at < n) snprintf(buf + at, n - at, "%s]", t->n_shape > MOED_WIRE_MAX_DIMS ? ", ..." : "");
+}
+
+/* A 2-d tensor of the given dtype whose data is exactly rows x cols elements. want_rows and
+ * want_cols of -1 accept any (>= 1) value; `hint` says what the tensor should be. */
+static int check_matrix(const moed_wire_tensor *t, const char *name, int dtype, int64_t want_rows,
+                        int64_t want_cols, const char *hint, moed_error *err)
+{
+    char shape[160];
+    if (!t->present) return moed_fail(err, MOED_EINVAL, "%s is missing: send %s", name, hint);
+    shape_str(t, shape, sizeof shape);
+    if (t->dtype != dtype)
+        return moed_fail(err, MOED_EINVAL, "%s has dtype %s (%d); it must be %s: send %s", name,
+                         moed_dtype_name(t->dtype), (int)t->dtype, moed_dtype_name(dtype), hint);
+    if (t->n_shape != 2 || t->shape[0] < 0 || t->shape[1] < 0)
+        return moed_fail(err, MOED_EINVAL, "%s has shape %s; it must be %s", name, shape, hint);
+    if (t->shape[1] == 0 || (want_rows >= 0 && t->shape[0] != want_rows) ||
+        (want_cols >= 0 && t->shape[1] != want_cols))
+        return moed_fail(err, MOED_EINVAL, "%s has shape %s; it must be %s", name, shape, hint);
+    uint64_t need;
+    if (__builtin_mul_overflow((uint64_t)t->shape[0], (uint64_t)t->shape[1], &need) ||
+        __builtin_mul_overflow(need, (uint64_t)moed_dtype_size(dtype), &need))
+        need = UINT64_MAX;
+    if (need != t->data.len)
+        return moed_fail(err, MOED_EINVAL,
+                         "%s has %zu data bytes, but shape %s of %s needs exactly %llu", name,
+                         t->data.len, shape, moed_dtype_name(dtype), (unsigned long long)need);
+    return 0;
+}
+
+static int check_hidden(const moed_served *s, const moed_wire_request *q, moed_work *w,
+                        moed_error *err)
+{
+    const moed_wire_tensor *h = &q->hidden;
+    const moed_layer_info *li = &w->layer->info;
+    char shape[160];
+    if (!h->present)
+        return moed_fail(err, MOED_EINVAL,
+                         "hidden is missing: send [T, %d] F32, F16 or BF16 for layer %d",
+                         li->d_model, li->index);
+    shape_str(h, shape, sizeof shape);
+    if (!moed_dtype_is_float(h->dtype))
+        return moed_fail(err, MOED_EINVAL, "hidden has dtype %s (%d); it must be F32, F16 or BF16",
+                         moed_dtype_name(h->dtype), (int)h->dtype);
+    if (h->n_shape != 2 || h->shape[1] != li->d_model || h->shape[0] < 0)
+        return moed_fail(err, MOED_EINVAL,
+                         "hidden has shape %s; layer %d needs [T, %d] (T tokens of d_model %d)",
+                         shape, li->index, li->d_model, li->d_model);
+    if (h->shape[0] == 0)
+        return moed_fail(err, MOED_EINVAL, "hidden has T = 0 tokens; send at least one");
+    if (h->shape[0] > s->max_batch_tokens)
+        return moed_fail(err, MOED_ETOOBIG,
+                         "hidden has T = %lld tokens, over this server's --max-batch-tokens = "
+                         "%lld: split the request or raise the flag",
+                         (long long)h->shape[0], (long long)s->max_batch_tokens);
+    w->dtype = h->dtype;
+    w->T = h->shape[0];
+    uint64_t need = (uint64_t)w->T * (uint64_t)li->d_model * moed_dtype_size(w->dtype);
+    if (h->data.len != need)
+        return moed_fail(err, MOED_EINVAL,
+                         "hidden has %zu data bytes, but shape %s of %s needs exactly %llu",
+                         h->data.len, shape, moed_dtype_name(w->dtype), (unsigned long long)need);
+    w->hidden = h->data;
+    return 0;
+}
+
+/* The span's bytes in freshly allocated memory, aligned for any element type. */
+static void *copy_out(const moed_span *s, moed_error *err)
+{
+    void *p = malloc(s->len ? s->len : 1);
+    if (!p) {
+        moed_fail(err, MOED_ENOMEM, "no memory to copy %zu bytes of the request", s->len);
+        return NULL;
+    }
+    moed_span_copy(s, p);
+    return p;
+}
+
+static int route_from_choice(const moed_wire_request *q, moed_work *w, moed_error *err)
+{
+    const moed_layer_info *li = &w->layer->info;
+    char hint[160];
+    snprintf(hint, sizeof hint, "[T = %lld, k] I32 expert ids, k >= 1", (long long)w->T);
+    int rc = check_matrix(&q->expert_ids, "experts.expert_ids", MOED_I32, w->T, -1, hint, err);
+    if (rc) return rc;
+    int64_t k = q->expert_ids.shape[1];
+    snprintf(hint, sizeof hint, "[T = %lld, k = %lld] F32 weights, like expert_ids",
+             (long long)w->T, (long long)k);
+    if ((rc = check_matrix(&q->expert_weights, "experts.expert_weights", MOED_F32, w->T, k, hint,
+                           err)))
+        return rc;
+    int32_t *ids = copy_out(&q->expert_ids.data, err);
+    float *wt = ids ? copy_out(&q->expert_weights.data, err) : NULL;
+    rc = ids && wt ? moed_route_from_choice(&w->route, ids, wt, w->T, (int)k, li->n_experts, err)
+                   : MOED_ENOMEM;
+    free(ids);
+    free(wt);
+    return rc;
+}
+
+static int resolve_gating(const moed_wire_gating *g, moed_work *w, moed_error *err)
+{
+    w->gate = (moed_gate_params){
+        .strategy = g->strategy,
+        .top_k = g->top_k > INT32_MAX ? INT32_MAX : (int)g->top_k,
+        .renormalize = g->renormalize,
+        .threshold = g->threshold,
+    };
+    if (g->renormalize < MOED_RENORM_DEFAULT || g->renormalize > MOED_RENORM_OFF)
+        return moed_fail(err, MOED_EINVAL,
+                         "gating.renormalize = %d is unknown: use 0 (the layer's default), 1 (on) "
+                         "or 2 (off)",
+                         (int)g->renormalize);
+    int rc = moed_gate_resolve(&w->gate, &w->layer->info, err);
+    if (rc) moed_error_prefix(err, "gating");
+    return rc;
+}
+
+static int resolve_k_batch(const moed_wire_request *q, moed_work *w, moed_error *err)
+{
+    const moed_layer_info *li = &w->layer->info;
+    int64_t k = q->k_batch ? (int64_t)q->k_batch : li->top_k;
+    if (k < 1 || k > li->n_experts)
+        return moed_fail(err, MOED_EINVAL,
+                         "batch_gating.k_batch = %u is out of range: layer %d has %d experts, so "
+                         "give 1..%d (0 means its top_k, %d)",
+                         q->k_batch, li->index, li->n_experts, li->n_experts, li->top_k);
+    w->k_batch = (int)k;
+    return 0;
+}
+
+static int check_finite_rows(const float *l, int64_t T, int E, moed_error *err)
+{
+    for (int64_t i = 0; i < T * E; i++)
+        if (!isfinite(l[i]))
+            return moed_fail(err, MOED_EINVAL,
+                             "logits[%lld][%lld] = %g: router logits must be finite",
+                             (long long)(i / E), (long long)(i % E), (double)l[i]);
+    return 0;
+}
+
+static int route_from_logits(const moed_wire_request *q, moed_work *w, moed_error *err)
+{
+    const moed_layer_info *li = &w->layer->info;
+    char hint[160];
+    snprintf(hint, sizeof hint, "[T = %lld, num_experts = %d] F32 router logits", (long long)w->T,
+             li->n_experts);
+    int rc = check_matrix(&q->logits, "logits.logits", MOED_F32, w->T, li->n_experts, hint, err);
+    if (rc) return rc;
+    float *l = copy_out(&q->logits.data, err);
+    if (!l) return MOED_ENOMEM;
+    if (q->batch_gating) {
+        /* Checked now: one caller's NaN must not poison the scores of a merged batch. */
+        if ((rc = check_finite_rows(l, w->T, li->n_experts, err))) goto out;
+        w->logits = l;
+        return 0;
+    }
+    if (!(rc = resolve_gating(&q->gating, w, err)))
+        rc = moed_gate(&w->gate, li, w->layer->router_bias, l, w->T, &w->route, err);
+out:
+    free(l);
+    return rc;
+}
+
+static int check_routing(const moed_wire_request *q, moed_work *w, moed_error *err)
+{
+    const moed_layer_info *li = &w->layer->info;
+    if (q->batch_gating) {
+        int rc = resolve_k_batch(q, w, err);
+        if (rc) return rc;
+    }
+    switch (q->routing) {
+    case MOED_ROUTING_EXPERTS:
+        if (q->batch_gating)
+            return moed_fail(err, MOED_EINVAL,
+                             "batch_gating needs router logits (logits or server_router); it "
+                             "cannot be combined with experts, which already fix the route");
+        return route_from_choice(q, w, err);
+    case MOED_ROUTING_LOGITS:
+        return route_from_logits(q, w, err);
+    case MOED_ROUTING_SERVER:
+        if (!li->has_router || !w->layer->router)
+            return moed_fail(err, MOED_EINVAL,
+                             "server_router: layer %d has no router weights loaded (has_router is "
+                             "false in GetModel); send experts or logits instead",
+                             li->index);
+        w->server_logits = true;
+        return q->batch_gating ? 0 : resolve_gating(&q->gating, w, err);
+    }
+    return moed_fail(err, MOED_EINVAL,
+                     "no routing: set experts (expert_ids and expert_weights), logits (router "
+                     "logits and a gating strategy) or server_router");
+}
+
+int moed_request_validate(const moed_served *s, const moed_wire_request *q, moed_work *w,
+                          moed_error *err)
+{
+    memset(w, 0, sizeof *w);
+    if ((int64_t)q->bytes > s->max_message_bytes)
+        return moed_fail(err, MOED_ETOOBIG,
+                         "the request is %zu bytes, over this server's limit of %lld "
+                         "(--max-message-bytes): send fewer tokens per call or raise the flag",
+                         q->bytes, (long long)s->max_message_bytes);
+    int rc;
+    if ((rc = check_request_id(q, w, err)) || (rc = find_layer(s, q->layer, w, err)) ||
+        (rc = check_hidden(s, q, w, err)) || (rc = check_routing(q, w, err)))
+        return rc;
+    return 0;
+}
+
+void moed_work_free(moed_work *w)
+{
+    moed_route_free(&w->route);
+    free(w->logits);
+    w->logits = NULL;
+}

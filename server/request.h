@@ -1,0 +1,58 @@
+/*
+ * moed_request — checks a decoded ForwardRequest against what this server holds and turns it into
+ * a work item the scheduler can run without further questions.
+ *
+ * Everything a caller can get wrong is found here, on the completion-queue thread, before the
+ * request takes a place in a queue: a bad request is answered at once and never reaches a batch it
+ * could spoil. Client routing (expert ids and weights, or logits with a per-token strategy) is
+ * turned into a route here too; only what needs the merged batch or the backend (server-router
+ * logits, batch-level gating) is left to the scheduler's worker.
+ */
+#ifndef MOED_REQUEST_H
+#define MOED_REQUEST_H
+
+#include "moed_err.h"
+#include "moed_model.h"
+#include "moed_route.h"
+#include "wire.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#define MOED_REQUEST_ID_MAX 128
+
+/* What this server serves: the resident layers by backend slot, and the request limits. */
+typedef struct moed_served {
+    const moed_layer *const *layers; /* [n_layers], the backend slot is the position */
+    int n_layers;
+    int64_t max_batch_tokens;  /* --max-batch-tokens */
+    int64_t max_message_bytes; /* --max-message-bytes */
+} moed_served;
+
+/* A validated request: what to compute and how it is routed. */
+typedef struct moed_work {
+    char request_id[MOED_REQUEST_ID_MAX + 1];
+    size_t request_id_len;
+    int slot; /* backend slot of the layer */
+    const moed_layer *layer;
+    int dtype; /* of hidden and of the output */
+    int64_t T;
+    moed_span hidden;      /* [T, d_model] bytes in the request's slices */
+    moed_route route;      /* per-token route, when decided here (route.off != NULL) */
+    bool server_logits;    /* the worker computes logits with the layer's router */
+    moed_gate_params gate; /* resolved; applied by the worker to server logits */
+    int k_batch;           /* > 0: batch-level gating over the merged batch with this k */
+    float *logits;         /* batch gating with client logits: [T, n_experts], owned */
+} moed_work;
+
+/* Validates q against s and fills w (which moed_work_free releases, also after a failure).
+ * Errors carry the status code (moed_err.h) and a message naming the field, the values and
+ * the fix. */
+int moed_request_validate(const moed_served *s, const moed_wire_request *q, moed_work *w,
+                          moed_error *err);
+void moed_work_free(moed_work *w);
+
+/* "0-3,7" for the layers served, for messages and logs. */
+void moed_served_layer_list(const moed_served *s, char *buf, size_t n);
+
+#endif

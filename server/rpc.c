@@ -1,0 +1,550 @@
+/*
+ * moed_rpc — the gRPC server's life cycle, its completion-queue threads, the calls' shared
+ * plumbing (requesting, reference counting, replying), GetModel, and the drain.
+ *
+ * Why C core and not the C++ API: the daemon is C, and core's byte buffers let the Forward path
+ * read tensors straight from the received slices and reply from a slice the output was written
+ * into. Why several completion queues: one queue thread tops out near one core of HTTP/2 work;
+ * the transport floor in DESIGN §7 was measured with eight.
+ */
+#include "rpc_call.h"
+
+#include "log.h"
+#include "moed_dtype.h"
+#include "wire.h"
+
+#include "moed/v1/moed.pb-c.h"
+
+#include <grpc/grpc_security.h>
+#include <grpc/support/log.h>
+#include <grpc/support/time.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Calls requested in advance per method and queue: enough for a burst of callers to be taken
+ * without waiting for a re-arm. */
+static const int prepost[M_COUNT] = { [M_FORWARD] = 32, [M_STREAM] = 8, [M_GETMODEL] = 2,
+                                      [M_CHECK] = 4,    [M_WATCH] = 2,  [M_UNKNOWN] = 2 };
+
+static const rpc_method getmodel_method, unknown_method;
+
+static const rpc_method *const methods[M_COUNT] = {
+    [M_FORWARD] = &moed_forward_method, [M_STREAM] = &moed_stream_method,
+    [M_GETMODEL] = &getmodel_method,    [M_CHECK] = &moed_check_method,
+    [M_WATCH] = &moed_watch_method,     [M_UNKNOWN] = &unknown_method,
+};
+
+/* ---- calls ----------------------------------------------------------------------------------- */
+
+void rpc_call_ref(rpc_call *c)
+{
+    atomic_fetch_add(&c->refs, 1);
+}
+
+void rpc_call_unref(rpc_call *c)
+{
+    if (atomic_fetch_sub(&c->refs, 1) != 1) return;
+    moed_rpc *r = c->rpc;
+    if (c->live) {
+        pthread_mutex_lock(&r->live_lock);
+        if (c->live_prev)
+            c->live_prev->live_next = c->live_next;
+        else
+            r->live = c->live_next;
+        if (c->live_next) c->live_next->live_prev = c->live_prev;
+        pthread_mutex_unlock(&r->live_lock);
+    }
+    if (c->started && c->method->destroy) c->method->destroy(c);
+    if (c->started) atomic_fetch_sub(&r->active, 1);
+    if (c->call) grpc_call_unref(c->call);
+    grpc_metadata_array_destroy(&c->md);
+    grpc_call_details_destroy(&c->call_details);
+    if (c->payload) grpc_byte_buffer_destroy(c->payload);
+    if (c->reply) grpc_byte_buffer_destroy(c->reply);
+    grpc_slice_unref(c->details);
+    free(c);
+}
+
+/* Takes a reference unless the call is already on its way out (refs at 0). */
+static bool ref_if_alive(rpc_call *c)
+{
+    int n = atomic_load(&c->refs);
+    while (n > 0)
+        if (atomic_compare_exchange_weak(&c->refs, &n, n + 1)) return true;
+    return false;
+}
+
+void rpc_start_batch(rpc_call *c, const grpc_op *ops, size_t n, rpc_tag *tag)
+{
+    rpc_call_ref(c);
+    grpc_call_error e = grpc_call_start_batch(c->call, ops, n, tag, NULL);
+    if (e == GRPC_CALL_OK) return;
+    /* Only a bug in this file's op sequencing gets here; never leave the caller hanging. */
+    moed_log_error("grpc batch refused", "method=%s error=\"%s\"", c->method->path,
+                   grpc_call_error_to_string(e));
+    grpc_call_cancel_with_status(c->call, GRPC_STATUS_INTERNAL, "moed: internal error", NULL);
+    rpc_call_unref(c);
+}
+
+static void on_close(rpc_tag *t, bool ok)
+{
+    rpc_call *c = RPC_CONTAINER(t, rpc_call, on_close);
+    if (c->close_fn) c->close_fn(c);
+    rpc_call_unref(c);
+}
+
+void rpc_post_close(rpc_call *c, void (*close_fn)(rpc_call *c))
+{
+    grpc_op op = { .op = GRPC_OP_RECV_CLOSE_ON_SERVER };
+    op.data.recv_close_on_server.cancelled = &c->cancelled;
+    c->close_fn = close_fn;
+    c->close_posted = true;
+    c->on_close.fn = on_close;
+    rpc_start_batch(c, &op, 1, &c->on_close);
+}
+
+static void on_reply(rpc_tag *t, bool ok)
+{
+    rpc_call_unref(RPC_CONTAINER(t, rpc_call, on_reply));
+}
+
+void rpc_reply(rpc_call *c, grpc_byte_buffer *msg, int grpc_status, const char *details)
+{
+    grpc_op ops[4];
+    size_t n = 0;
+    memset(ops, 0, sizeof ops);
+    ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
+    if (msg) {
+        c->reply = msg;
+        ops[n].op = GRPC_OP_SEND_MESSAGE;
+        ops[n++].data.send_message.send_message = msg;
+    }
+    c->details = details && *details ? grpc_slice_from_copied_string(details) : grpc_empty_slice();
+    ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+    ops[n].data.send_status_from_server.status = (grpc_status_code)grpc_status;
+    ops[n++].data.send_status_from_server.status_details = &c->details;
+    if (!c->close_posted) {
+        c->close_posted = true;
+        ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+        ops[n++].data.recv_close_on_server.cancelled = &c->cancelled;
+    }
+    c->on_reply.fn = on_reply;
+    rpc_start_batch(c, ops, n, &c->on_reply);
+}
+
+void rpc_reply_error(rpc_call *c, const moed_error *err)
+{
+    rpc_reply(c, NULL, moed_err_grpc_status(err->code), err->msg);
+}
+
+void rpc_live_add(rpc_call *c)
+{
+    moed_rpc *r = c->rpc;
+    pthread_mutex_lock(&r->live_lock);
+    c->live = true;
+    c->live_prev = NULL;
+    c->live_next = r->live;
+    if (r->live) r->live->live_prev = c;
+    r->live = c;
+    pthread_mutex_unlock(&r->live_lock);
+}
+
+void rpc_count_status(moed_rpc *r, int grpc_status)
+{
+    atomic_fetch_add(&r->forwards, 1);
+    if (grpc_status >= 0 && grpc_status < 17) atomic_fetch_add(&r->by_status[grpc_status], 1);
+}
+
+uint64_t rpc_deadline_ns(const rpc_call *c)
+{
+    gpr_timespec d = gpr_convert_clock_type(c->deadline, GPR_CLOCK_MONOTONIC);
+    if (gpr_time_cmp(d, gpr_inf_future(GPR_CLOCK_MONOTONIC)) == 0) return 0;
+    gpr_timespec left = gpr_time_sub(d, gpr_now(GPR_CLOCK_MONOTONIC));
+    int64_t ns = left.tv_sec * 1000000000 + left.tv_nsec;
+    uint64_t now = moed_now_ns();
+    return ns <= 0 ? now : now + (uint64_t)ns; /* already past: expires at the first check */
+}
+
+int rpc_health_status(moed_rpc *r)
+{
+    pthread_mutex_lock(&r->live_lock);
+    int s = r->serving;
+    pthread_mutex_unlock(&r->live_lock);
+    return s;
+}
+
+/* ---- requesting calls ------------------------------------------------------------------------ */
+
+static void request_call(rpc_cq *q, int m);
+
+static void on_new(rpc_tag *t, bool ok)
+{
+    rpc_call *c = RPC_CONTAINER(t, rpc_call, on_new);
+    moed_rpc *r = c->rpc;
+    if (!ok) { /* the server is shutting down: requests still posted come back unfilled */
+        rpc_call_unref(c);
+        return;
+    }
+    if (!atomic_load(&r->draining)) request_call(c->cq, c->method_id);
+    c->t_received_ns = moed_now_ns();
+    atomic_fetch_add(&r->calls[c->method_id], 1);
+    atomic_fetch_add(&r->active, 1);
+    c->started = true;
+    c->method->start(c);
+    rpc_call_unref(c); /* the handler's reference; the ops it posted hold their own */
+}
+
+static void request_call(rpc_cq *q, int m)
+{
+    moed_rpc *r = q->rpc;
+    rpc_call *c = calloc(1, methods[m]->size);
+    if (!c) {
+        moed_log_error("out of memory", "what=\"a call slot for %s\"", methods[m]->path);
+        return;
+    }
+    c->rpc = r;
+    c->cq = q;
+    c->method = methods[m];
+    c->method_id = m;
+    c->refs = 1;
+    c->details = grpc_empty_slice();
+    c->on_new.fn = on_new;
+    grpc_metadata_array_init(&c->md);
+    grpc_call_details_init(&c->call_details);
+    grpc_call_error e =
+        methods[m]->generic
+            ? grpc_server_request_call(r->server, &c->call, &c->call_details, &c->md, q->cq, q->cq,
+                                       &c->on_new)
+            : grpc_server_request_registered_call(
+                  r->server, r->methods[m], &c->call, &c->deadline, &c->md,
+                  methods[m]->read_payload ? &c->payload : NULL, q->cq, q->cq, &c->on_new);
+    if (e != GRPC_CALL_OK) {
+        moed_log_error("grpc request_call refused", "method=%s error=\"%s\"", methods[m]->path,
+                       grpc_call_error_to_string(e));
+        grpc_metadata_array_destroy(&c->md);
+        grpc_call_details_destroy(&c->call_details);
+        free(c);
+    }
+}
+
+static void *cq_main(void *arg)
+{
+    rpc_cq *q = arg;
+    for (;;) {
+        grpc_event ev = grpc_completion_queue_next(q->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+        if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
+        if (ev.type == GRPC_OP_COMPLETE) ((rpc_tag *)ev.tag)->fn(ev.tag, ev.success != 0);
+    }
+    return NULL;
+}
+
+/* ---- GetModel -------------------------------------------------------------------------------- */
+
+static grpc_byte_buffer *model_info(moed_rpc *r)
+{
+    const moed_served *s = r->cfg.served;
+    moed_backend *b = r->cfg.backend;
+    grpc_byte_buffer *bb = NULL;
+    int nd = b->n_devices;
+    Moed__V1__ModelInfo mi = MOED__V1__MODEL_INFO__INIT;
+    Moed__V1__LayerInfo *li = calloc((size_t)s->n_layers + 1, sizeof *li);
+    Moed__V1__LayerInfo **lp = calloc((size_t)s->n_layers + 1, sizeof *lp);
+    Moed__V1__Device *dv = calloc((size_t)nd + 1, sizeof *dv);
+    Moed__V1__Device **dp = calloc((size_t)nd + 1, sizeof *dp);
+    moed_device_info *di = calloc((size_t)nd + 1, sizeof *di);
+    if (!li || !lp || !dv || !dp || !di) goto out;
+    for (int i = 0; i < s->n_layers; i++) {
+        const moed_layer_info *x = &s->layers[i]->info;
+        moed__v1__layer_info__init(&li[i]);
+        li[i].index = (uint32_t)x->index;
+        li[i].d_model = (uint32_t)x->d_model;
+        li[i].d_ff = (uint32_t)x->d_ff;
+        li[i].num_experts = (uint32_t)x->n_experts;
+        li[i].top_k = (uint32_t)x->top_k;
+        li[i].activation = (Moed__V1__Activation)x->act;
+        li[i].weight_dtype = (Moed__V1__DType)x->wdtype;
+        li[i].has_router = x->has_router && s->layers[i]->router;
+        li[i].norm_topk_prob = x->norm_topk;
+        li[i].router_rule = (Moed__V1__RouterRule)x->rule;
+        li[i].num_shared_experts = (uint32_t)x->n_shared;
+        li[i].shared_d_ff = (uint32_t)x->shared_d_ff;
+        li[i].n_group = (uint32_t)x->n_group;
+        li[i].topk_group = (uint32_t)x->topk_group;
+        li[i].routed_scaling_factor = x->routed_scale;
+        lp[i] = &li[i];
+    }
+    int n = 0;
+    for (int i = 0; i < nd; i++) {
+        if (b->ops->device_info(b, i, &di[n])) continue;
+        moed__v1__device__init(&dv[n]);
+        di[n].name[sizeof di[n].name - 1] = 0;
+        dv[n].name = di[n].name;
+        dv[n].memory_total = di[n].memory_total;
+        dv[n].memory_used = di[n].memory_used;
+        dp[n] = &dv[n];
+        n++;
+    }
+    mi.model = (char *)r->cfg.model;
+    mi.n_layers = (size_t)s->n_layers;
+    mi.layers = lp;
+    mi.backend = (char *)b->ops->name;
+    mi.n_devices = (size_t)n;
+    mi.devices = dp;
+    mi.version = MOED_VERSION;
+    mi.max_message_bytes = (uint64_t)r->cfg.max_message_bytes;
+    mi.max_batch_tokens = (uint32_t)s->max_batch_tokens;
+    bb = moed_wire_pack(&mi.base);
+out:
+    free(li);
+    free(lp);
+    free(dv);
+    free(dp);
+    free(di);
+    return bb;
+}
+
+static void getmodel_start(rpc_call *c)
+{
+    grpc_byte_buffer *bb = model_info(c->rpc);
+    if (bb)
+        rpc_reply(c, bb, GRPC_STATUS_OK, NULL);
+    else
+        rpc_reply(c, NULL, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory building ModelInfo");
+}
+
+static const rpc_method getmodel_method = { .path = "/moed.v1.Moed/GetModel",
+                                            .size = sizeof(rpc_call),
+                                            .read_payload = true,
+                                            .start = getmodel_start };
+
+/* ---- any other method ---------------------------------------------------------------------- */
+
+/* Without this, gRPC core holds calls to unknown methods until their deadline. */
+static void unknown_start(rpc_call *c)
+{
+    char msg[400];
+    grpc_slice m = c->call_details.method;
+    snprintf(msg, sizeof msg,
+             "unknown method %.*s: moed serves /moed.v1.Moed/Forward, ForwardStream and GetModel, "
+             "and /grpc.health.v1.Health/Check and Watch",
+             (int)(GRPC_SLICE_LENGTH(m) < 200 ? GRPC_SLICE_LENGTH(m) : 200),
+             (const char *)GRPC_SLICE_START_PTR(m));
+    rpc_reply(c, NULL, GRPC_STATUS_UNIMPLEMENTED, msg);
+}
+
+static const rpc_method unknown_method = {
+    .path = "(unknown)", .size = sizeof(rpc_call), .generic = true, .start = unknown_start
+};
+
+/* ---- the server ------------------------------------------------------------------------------ */
+
+/* gRPC core's own log lines, as structured lines in ours (a bind failure's reason comes this way).
+ */
+static void grpc_log_hook(gpr_log_func_args *a)
+{
+    char msg[768];
+    size_t n = 0;
+    for (const char *p = a->message; *p && n + 1 < sizeof msg; p++)
+        msg[n++] = *p == '"' ? '\'' : (*p == '\n' ? ' ' : *p);
+    msg[n] = 0;
+    moed_log_level lv = a->severity == GPR_LOG_SEVERITY_ERROR  ? MOED_LOG_ERROR
+                        : a->severity == GPR_LOG_SEVERITY_INFO ? MOED_LOG_INFO
+                                                               : MOED_LOG_DEBUG;
+    moed_log(lv, "grpc", "detail=\"%s\" at=%s:%d", msg, a->file, a->line);
+}
+
+/* The bound address: the configured one with the port the kernel gave. */
+static void set_address(moed_rpc *r, int port)
+{
+    const char *a = r->cfg.listen, *colon = strrchr(a, ':');
+    int host = colon ? (int)(colon - a) : (int)strlen(a);
+    snprintf(r->address, sizeof r->address, "%.*s:%d", host, a, port);
+}
+
+static grpc_server *create_server(const moed_rpc_config *cfg)
+{
+    int64_t recv_limit = 2 * cfg->max_message_bytes;
+    grpc_arg args[] = {
+        /* Above ours, so a request over --max-message-bytes gets our message naming the flag. */
+        { GRPC_ARG_INTEGER,
+          GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
+          { .integer = recv_limit > INT_MAX ? INT_MAX : (int)recv_limit } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, { .integer = -1 } },
+        /* Large tensors: let flow-control windows grow, and read ahead more per stream. */
+        { GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_BDP_PROBE, { .integer = 1 } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, { .integer = 8 << 20 } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_MAX_FRAME_SIZE, { .integer = 1 << 20 } },
+        /* A second daemon on a busy port must fail to bind, not share it silently. */
+        { GRPC_ARG_INTEGER, GRPC_ARG_ALLOW_REUSEPORT, { .integer = 0 } },
+        /* Attention workers hold connections open between bursts and may keep them alive. */
+        { GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, { .integer = 1 } },
+        { GRPC_ARG_INTEGER,
+          GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+          { .integer = 10000 } },
+    };
+    grpc_channel_args ca = { sizeof args / sizeof args[0], args };
+    return grpc_server_create(&ca, NULL);
+}
+
+int moed_rpc_start(const moed_rpc_config *cfg, moed_rpc **out, moed_error *err)
+{
+    *out = NULL;
+    gpr_set_log_function(grpc_log_hook);
+    grpc_init();
+    moed_rpc *r = calloc(1, sizeof *r);
+    if (!r) {
+        grpc_shutdown();
+        return moed_fail(err, MOED_ENOMEM, "no memory for the gRPC front end");
+    }
+    int rc = 0;
+    r->cfg = *cfg;
+    r->serving = HEALTH_NOT_SERVING;
+    pthread_mutex_init(&r->live_lock, NULL);
+    if (!(r->server = create_server(cfg)) ||
+        !(r->cqs = calloc((size_t)cfg->cq_threads, sizeof *r->cqs))) {
+        rc = moed_fail(err, MOED_ENOMEM, "no memory for the gRPC server");
+        goto err;
+    }
+    for (int m = 0; m < M_COUNT; m++)
+        if (!methods[m]->generic)
+            r->methods[m] = grpc_server_register_method(
+                r->server, methods[m]->path, NULL,
+                methods[m]->read_payload ? GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER
+                                         : GRPC_SRM_PAYLOAD_NONE,
+                0);
+    /* Threads before the port: until grpc_server_start a failure can simply destroy the server. */
+    for (r->n_cqs = 0; r->n_cqs < cfg->cq_threads; r->n_cqs++) {
+        rpc_cq *q = &r->cqs[r->n_cqs];
+        q->rpc = r;
+        q->cq = grpc_completion_queue_create_for_next(NULL);
+        grpc_server_register_completion_queue(r->server, q->cq, NULL);
+        if (pthread_create(&q->thread, NULL, cq_main, q)) {
+            r->n_cqs++;
+            rc = moed_fail(err, MOED_EINTERNAL, "could not start completion-queue thread %d",
+                           r->n_cqs - 1);
+            goto err;
+        }
+        q->started = true;
+    }
+    grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+    int port = grpc_server_add_http2_port(r->server, cfg->listen, creds);
+    grpc_server_credentials_release(creds);
+    if (!port) {
+        rc = moed_fail(err, MOED_EIO,
+                       "cannot listen on %s: gRPC could not bind it (in use, or not a local "
+                       "host:port; its reason is logged just above); choose another --listen",
+                       cfg->listen);
+        goto err;
+    }
+    set_address(r, port);
+    grpc_server_start(r->server);
+    r->started = true;
+    for (int i = 0; i < r->n_cqs; i++)
+        for (int m = 0; m < M_COUNT; m++)
+            for (int k = 0; k < prepost[m]; k++) request_call(&r->cqs[i], m);
+    *out = r;
+    return 0;
+err:
+    moed_rpc_destroy(r);
+    return rc;
+}
+
+const char *moed_rpc_address(const moed_rpc *r)
+{
+    return r->address;
+}
+
+/* Runs fn on every live streaming call, each held by a reference outside live_lock (fn takes the
+ * call's own lock, and a last unref takes live_lock). */
+static void for_each_live(moed_rpc *r, void (*fn)(rpc_call *c, int arg), int arg)
+{
+    pthread_mutex_lock(&r->live_lock);
+    size_t n = 0;
+    for (rpc_call *c = r->live; c; c = c->live_next) n++;
+    rpc_call **held = malloc((n ? n : 1) * sizeof *held);
+    size_t k = 0;
+    for (rpc_call *c = r->live; c && held; c = c->live_next)
+        if (ref_if_alive(c)) held[k++] = c;
+    pthread_mutex_unlock(&r->live_lock);
+    if (!held) {
+        moed_log_error("out of memory", "what=\"telling %zu streams of a change\"", n);
+        return;
+    }
+    for (size_t i = 0; i < k; i++) {
+        fn(held[i], arg);
+        rpc_call_unref(held[i]);
+    }
+    free(held);
+}
+
+static void tell_health(rpc_call *c, int status)
+{
+    if (c->method->health) c->method->health(c, status);
+}
+
+static void tell_drain(rpc_call *c, int unused)
+{
+    if (c->method->drain) c->method->drain(c);
+}
+
+void moed_rpc_set_serving(moed_rpc *r, bool serving)
+{
+    int s = serving ? HEALTH_SERVING : HEALTH_NOT_SERVING;
+    pthread_mutex_lock(&r->live_lock);
+    bool changed = r->serving != s;
+    r->serving = s;
+    pthread_mutex_unlock(&r->live_lock);
+    if (changed) for_each_live(r, tell_health, s);
+}
+
+static void on_shutdown(rpc_tag *t, bool ok)
+{
+    moed_rpc *r = RPC_CONTAINER(t, moed_rpc, shutdown_tag);
+    if (r->on_drained) r->on_drained(r->drained_arg);
+}
+
+void moed_rpc_drain(moed_rpc *r, void (*on_drained)(void *arg), void *arg)
+{
+    if (atomic_exchange(&r->draining, true)) return;
+    moed_rpc_set_serving(r, false);
+    r->on_drained = on_drained;
+    r->drained_arg = arg;
+    r->shutdown_tag.fn = on_shutdown;
+    grpc_server_shutdown_and_notify(r->server, r->cqs[0].cq, &r->shutdown_tag);
+    for_each_live(r, tell_drain, 0);
+}
+
+void moed_rpc_cancel_all(moed_rpc *r)
+{
+    if (atomic_load(&r->draining)) grpc_server_cancel_all_calls(r->server);
+}
+
+void moed_rpc_destroy(moed_rpc *r)
+{
+    if (!r) return;
+    /* Started servers come here after the shutdown tag; unstarted ones have no calls. Then each
+     * queue hands back its last events (unfilled requests) before its thread ends. */
+    if (r->server) grpc_server_destroy(r->server);
+    for (int i = 0; i < r->n_cqs; i++) grpc_completion_queue_shutdown(r->cqs[i].cq);
+    for (int i = 0; i < r->n_cqs; i++) {
+        if (r->cqs[i].started)
+            pthread_join(r->cqs[i].thread, NULL);
+        else
+            cq_main(&r->cqs[i]);
+        grpc_completion_queue_destroy(r->cqs[i].cq);
+    }
+    free(r->cqs);
+    pthread_mutex_destroy(&r->live_lock);
+    free(r);
+    grpc_shutdown();
+}
+
+void moed_rpc_get_stats(moed_rpc *r, moed_rpc_stats *out)
+{
+    for (int m = 0; m < M_COUNT; m++) out->calls[m] = atomic_load(&r->calls[m]);
+    out->forwards = atomic_load(&r->forwards);
+    for (int i = 0; i < 17; i++) out->by_status[i] = atomic_load(&r->by_status[i]);
+    out->active_calls = atomic_load(&r->active);
+}

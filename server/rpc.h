@@ -1,0 +1,67 @@
+/*
+ * moed_rpc — the gRPC front end: moed.v1.Moed (Forward, ForwardStream, GetModel) and
+ * grpc.health.v1.Health (Check, Watch) on gRPC C core.
+ *
+ * Threads: --cq-threads completion queues, each drained by its own thread; every call is bound
+ * to the queue that accepted it, so one call's events run in order on one thread. Several calls
+ * per method and queue are requested in advance (re-armed as each arrives) so concurrent calls
+ * are taken at once. Forward payloads are decoded on the queue thread and queued in the
+ * scheduler; replies are sent from the scheduler's worker threads.
+ *
+ * Life cycle: moed_rpc_start (bound and serving, health NOT_SERVING) → moed_rpc_set_serving(true)
+ * → moed_rpc_drain (SIGTERM: NOT_SERVING, no new calls, open streams and watches ended once their
+ * requests are answered; on_drained fires when every call is finished) → the scheduler drains →
+ * moed_rpc_destroy.
+ */
+#ifndef MOED_RPC_H
+#define MOED_RPC_H
+
+#include "moed_backend.h"
+#include "moed_err.h"
+#include "request.h"
+#include "scheduler.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+typedef struct moed_rpc moed_rpc;
+
+typedef struct moed_rpc_config {
+    const char *listen; /* host:port; port 0 picks a free one (see moed_rpc_address) */
+    int cq_threads;
+    int64_t max_message_bytes; /* our limit; gRPC's own is set above it so ours answers */
+    moed_sched *sched;
+    const moed_served *served;
+    moed_backend *backend; /* GetModel: name and devices */
+    const char *model;     /* GetModel: the checkpoint folder or the synthetic spec */
+} moed_rpc_config;
+
+typedef struct moed_rpc_stats {
+    uint64_t calls[6];      /* by method: Forward, ForwardStream, GetModel, Check, Watch, unknown */
+    uint64_t forwards;      /* Forward requests answered (unary, and each stream message) */
+    uint64_t by_status[17]; /* Forward answers by gRPC status code */
+    uint64_t active_calls;
+} moed_rpc_stats;
+
+/* Creates the server, binds cfg->listen (MOED_EIO naming the address when it cannot) and starts
+ * the completion-queue threads. The configuration's pointers must outlive the server. */
+int moed_rpc_start(const moed_rpc_config *cfg, moed_rpc **out, moed_error *err);
+
+/* The address actually bound ("127.0.0.1:50051"; with port 0, the port chosen). */
+const char *moed_rpc_address(const moed_rpc *r);
+
+/* Health status of "" and "moed.v1.Moed": SERVING or NOT_SERVING; Watch streams are told. */
+void moed_rpc_set_serving(moed_rpc *r, bool serving);
+
+/* Begins the drain; on_drained(arg) runs (on a queue thread) once every call has finished. */
+void moed_rpc_drain(moed_rpc *r, void (*on_drained)(void *arg), void *arg);
+
+/* Cuts short a drain: cancels the calls still open. */
+void moed_rpc_cancel_all(moed_rpc *r);
+
+/* After on_drained and after the scheduler has drained: stops the threads, frees everything. */
+void moed_rpc_destroy(moed_rpc *r);
+
+void moed_rpc_get_stats(moed_rpc *r, moed_rpc_stats *out);
+
+#endif

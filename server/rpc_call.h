@@ -1,0 +1,130 @@
+/*
+ * rpc_call — what the front end's files (rpc.c, forward.c, health.c) share: the server object,
+ * the per-call state every method starts from, and the helpers that post and finish calls.
+ *
+ * Every completion-queue tag is an rpc_tag inside a call's state; the queue thread calls its fn.
+ * A call's state is reference counted: one reference per operation batch in flight, one per
+ * request in the scheduler, one for the handler running now. It is freed (and the grpc_call
+ * released) only when the last one goes, so no tag ever points into freed memory.
+ */
+#ifndef MOED_RPC_CALL_H
+#define MOED_RPC_CALL_H
+
+#include "rpc.h"
+
+#include <grpc/grpc.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+
+typedef struct rpc_tag {
+    void (*fn)(struct rpc_tag *t, bool ok);
+} rpc_tag;
+
+#define RPC_CONTAINER(ptr, type, member) ((type *)((char *)(ptr)-offsetof(type, member)))
+
+enum { M_FORWARD, M_STREAM, M_GETMODEL, M_CHECK, M_WATCH, M_UNKNOWN, M_COUNT };
+
+/* Health statuses, as grpc.health.v1.HealthCheckResponse.ServingStatus numbers them. */
+enum { HEALTH_SERVING = 1, HEALTH_NOT_SERVING = 2, HEALTH_SERVICE_UNKNOWN = 3 };
+
+typedef struct rpc_cq {
+    moed_rpc *rpc;
+    grpc_completion_queue *cq;
+    pthread_t thread;
+    bool started;
+} rpc_cq;
+
+typedef struct rpc_call rpc_call;
+
+struct moed_rpc {
+    moed_rpc_config cfg;
+    grpc_server *server;
+    void *methods[M_COUNT];
+    rpc_cq *cqs;
+    int n_cqs;
+    char address[256];
+    bool started; /* grpc_server_start ran: destroy only after the shutdown tag */
+    _Atomic bool draining;
+    rpc_tag shutdown_tag;
+    void (*on_drained)(void *arg);
+    void *drained_arg;
+    pthread_mutex_t live_lock; /* the streaming calls (streams, watches), for drain and health */
+    rpc_call *live;
+    int serving; /* HEALTH_SERVING or HEALTH_NOT_SERVING, under live_lock */
+    _Atomic uint64_t calls[M_COUNT], forwards, by_status[17], active;
+};
+
+/* What a method does with its call: start when it arrives; for streaming methods, end when the
+ * server drains and hear of health changes. */
+typedef struct rpc_method {
+    const char *path;
+    size_t size; /* of the method's call state, which begins with rpc_call */
+    bool read_payload;
+    bool generic; /* not registered: takes the calls to every other method */
+    void (*start)(rpc_call *c);
+    void (*drain)(rpc_call *c);
+    void (*health)(rpc_call *c, int status);
+    void (*destroy)(rpc_call *c);
+} rpc_method;
+
+struct rpc_call {
+    moed_rpc *rpc;
+    rpc_cq *cq;
+    const rpc_method *method;
+    int method_id;
+    grpc_call *call;
+    gpr_timespec deadline;
+    grpc_metadata_array md;
+    grpc_call_details call_details; /* the generic method's: which method was called */
+    grpc_byte_buffer *payload;      /* unary requests: read with the call */
+    _Atomic int refs;
+    uint64_t t_received_ns;
+    bool started; /* the method's start ran: its destroy must run too */
+    rpc_tag on_new;
+    /* RECV_CLOSE_ON_SERVER */
+    rpc_tag on_close;
+    void (*close_fn)(rpc_call *c);
+    int cancelled;
+    bool close_posted;
+    /* a unary reply: metadata, optional message, status */
+    rpc_tag on_reply;
+    grpc_byte_buffer *reply;
+    grpc_slice details;
+    /* on rpc->live while it streams */
+    rpc_call *live_prev, *live_next;
+    bool live;
+};
+
+extern const rpc_method moed_forward_method, moed_stream_method, moed_check_method,
+    moed_watch_method;
+
+void rpc_call_ref(rpc_call *c);
+void rpc_call_unref(rpc_call *c);
+
+/* Posts RECV_CLOSE_ON_SERVER; close_fn (may be NULL) runs when it completes, cancelled or not. */
+void rpc_post_close(rpc_call *c, void (*close_fn)(rpc_call *c));
+
+/* Answers a unary call: initial metadata, msg (owned; NULL for none) and status. Adds
+ * RECV_CLOSE_ON_SERVER if the call has not posted it. */
+void rpc_reply(rpc_call *c, grpc_byte_buffer *msg, int grpc_status, const char *details);
+
+/* Answers with a moed error: its gRPC status and message. */
+void rpc_reply_error(rpc_call *c, const moed_error *err);
+
+/* Starts a batch of ops on the call with `tag`, taking a reference for it; a refusal (a bug) is
+ * logged and answered by cancelling the call. */
+void rpc_start_batch(rpc_call *c, const grpc_op *ops, size_t n, rpc_tag *tag);
+
+/* Streaming calls: registered on rpc->live while open, so drain and health reach them. */
+void rpc_live_add(rpc_call *c);
+
+/* Counts a Forward answer by its gRPC status. */
+void rpc_count_status(moed_rpc *r, int grpc_status);
+
+/* The call's deadline on moed_now_ns()'s clock, 0 for none. */
+uint64_t rpc_deadline_ns(const rpc_call *c);
+
+int rpc_health_status(moed_rpc *r);
+
+#endif

@@ -1,0 +1,100 @@
+/*
+ * moed_sched — the scheduler: merges queued requests into launches and runs them on the backend's
+ * execution slots, one worker thread per slot.
+ *
+ * Requests queue by merge key (layer slot, dtype, batch-gating k): only requests with the same key
+ * can share a launch. A free worker takes the ready queue whose oldest request has waited longest;
+ * a queue is ready when its requests fill --max-batch-tokens or its oldest has waited
+ * --max-delay-us (0: at once, merging only what is already queued). A launch takes requests in
+ * arrival order while they fit, never splitting one. The worker copies each request's hidden span
+ * into its staging buffer (the one copy from the socket), computes server-router logits and gates
+ * where asked, concatenates the routes, runs the backend, and hands each request its rows.
+ *
+ * Threads: submit and cancel come from the gRPC completion-queue threads; `done` is called on a
+ * worker thread (or on the thread that cancelled) exactly once for every item that submit accepted.
+ * After done returns, the scheduler no longer touches the item.
+ */
+#ifndef MOED_SCHEDULER_H
+#define MOED_SCHEDULER_H
+
+#include "moed_backend.h"
+#include "request.h"
+#include "wire.h"
+
+#include <stdint.h>
+#include <time.h>
+
+typedef struct moed_sched moed_sched;
+typedef struct moed_sched_item moed_sched_item;
+
+/* What a request came to: status 0 with its output rows, or an error. */
+typedef struct moed_sched_result {
+    int status;            /* 0 or a MOED_E* code */
+    const moed_error *err; /* the reason, when status != 0 */
+    const void *y;         /* [T, d_model] output in the request's dtype, when status == 0 */
+    size_t y_bytes;
+    const int32_t *expert_set; /* batch gating: S in decreasing score order */
+    int n_expert_set;
+    moed_wire_timings timings;
+} moed_sched_result;
+
+typedef void (*moed_sched_done_fn)(moed_sched_item *it, const moed_sched_result *res);
+
+struct moed_sched_item {
+    /* Set by the submitter. */
+    moed_work work;
+    moed_sched_done_fn done;
+    void *user;
+    uint64_t t_received_ns; /* moed_now_ns() when the call arrived: total_us counts from it */
+    uint64_t deadline_ns;   /* moed_now_ns() clock; 0: none */
+    /* The scheduler's own. */
+    moed_sched_item *prev, *next;
+    void *queue;
+    int state;
+    uint64_t t_enqueued_ns;
+};
+
+typedef struct moed_sched_config {
+    moed_backend *backend;     /* started; its n_exec workers are created */
+    const moed_served *served; /* layers and limits; outlives the scheduler */
+    int64_t max_batch_tokens;
+    int64_t max_delay_us;
+    int64_t max_queue_requests;
+} moed_sched_config;
+
+typedef struct moed_sched_stats {
+    uint64_t submitted, rejected, cancelled, expired, failed, completed;
+    uint64_t batches, batch_tokens;
+    uint64_t queued;     /* now */
+    uint64_t compute_us; /* summed over launches */
+} moed_sched_stats;
+
+static inline uint64_t moed_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Allocates each worker's staging (backend host_alloc: max_batch_tokens x the largest d_model x 4
+ * bytes, in and out) and starts the workers. MOED_ENOMEM names the bytes. */
+int moed_sched_create(const moed_sched_config *cfg, moed_sched **out, moed_error *err);
+
+/* Queues it; 0, or MOED_EFULL (queue bound) / MOED_EDRAINING with err filled, in which case done
+ * is not called and the caller answers. */
+int moed_sched_submit(moed_sched *s, moed_sched_item *it, moed_error *err);
+
+/* The call went away: a queued item leaves its queue and done is called with MOED_ECANCELLED on
+ * this thread; an item already launched runs to completion (its result is then discarded). */
+void moed_sched_cancel(moed_sched *s, moed_sched_item *it);
+
+/* Stops accepting, runs everything queued (without waiting for merge windows), then stops and
+ * joins the workers. */
+void moed_sched_drain(moed_sched *s);
+
+/* Drains if needed and frees staging and the scheduler. */
+void moed_sched_destroy(moed_sched *s);
+
+void moed_sched_get_stats(moed_sched *s, moed_sched_stats *out);
+
+#endif

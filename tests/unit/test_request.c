@@ -1,0 +1,322 @@
+/*
+ * test_request — ForwardRequest validation: requests built with protobuf-c (as clients build
+ * them), decoded by wire.c, validated against two resident layers. Each mistake gets its status
+ * code and a message naming the field and values; good requests give the work the scheduler
+ * needs (route, server-logits flag, resolved gating, batch k, copied logits).
+ */
+#include "check.h"
+#include "moed_dtype.h"
+#include "request.h"
+#include "wire.h"
+
+#include "moed/v1/moed.pb-c.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static moed_layer layers[2];
+static const moed_layer *ptrs[2] = { &layers[0], &layers[1] };
+static const moed_served served = { ptrs, 2, 64, 1 << 20 };
+static float router[1];
+
+/* A request under construction: hidden [T, d] F32 for layer, then the routing the test sets. */
+typedef struct build {
+    Moed__V1__ForwardRequest req;
+    Moed__V1__Tensor hidden, ids, w, logits;
+    Moed__V1__ExpertChoice ec;
+    Moed__V1__RouterLogits rl;
+    Moed__V1__ServerRouter sr;
+    Moed__V1__Gating g;
+    Moed__V1__BatchGating bg;
+    int64_t hshape[2], kshape[2], lshape[2];
+    float x[70 * 8], wt[70 * 2], lg[70 * 8];
+    int32_t id[70 * 2];
+} build;
+
+static void init_build(build *b, uint32_t layer, int64_t T, int64_t d)
+{
+    memset(b, 0, sizeof *b);
+    moed__v1__forward_request__init(&b->req);
+    moed__v1__tensor__init(&b->hidden);
+    moed__v1__tensor__init(&b->ids);
+    moed__v1__tensor__init(&b->w);
+    moed__v1__tensor__init(&b->logits);
+    moed__v1__expert_choice__init(&b->ec);
+    moed__v1__router_logits__init(&b->rl);
+    moed__v1__server_router__init(&b->sr);
+    moed__v1__gating__init(&b->g);
+    moed__v1__batch_gating__init(&b->bg);
+    b->req.layer = layer;
+    b->req.request_id = "id-1";
+    for (int i = 0; i < 70 * 8; i++) b->x[i] = (float)(i % 13) * 0.125f - 0.5f;
+    for (int i = 0; i < 70 * 8; i++) b->lg[i] = (float)((i * 7) % 11) * 0.3f;
+    b->hshape[0] = T;
+    b->hshape[1] = d;
+    b->hidden.dtype = MOED__V1__DTYPE__F32;
+    b->hidden.n_shape = 2;
+    b->hidden.shape = b->hshape;
+    b->hidden.data = (ProtobufCBinaryData){ (size_t)(T * d) * 4, (uint8_t *)b->x };
+    b->req.hidden = &b->hidden;
+}
+
+static void set_choice(build *b, int64_t T, int64_t k)
+{
+    for (int i = 0; i < T * k; i++) b->id[i] = i % 8, b->wt[i] = 0.5f;
+    b->kshape[0] = T;
+    b->kshape[1] = k;
+    b->ids.dtype = MOED__V1__DTYPE__I32;
+    b->ids.n_shape = b->w.n_shape = 2;
+    b->ids.shape = b->w.shape = b->kshape;
+    b->ids.data = (ProtobufCBinaryData){ (size_t)(T * k) * 4, (uint8_t *)b->id };
+    b->w.dtype = MOED__V1__DTYPE__F32;
+    b->w.data = (ProtobufCBinaryData){ (size_t)(T * k) * 4, (uint8_t *)b->wt };
+    b->ec.expert_ids = &b->ids;
+    b->ec.expert_weights = &b->w;
+    b->req.routing_case = MOED__V1__FORWARD_REQUEST__ROUTING_EXPERTS;
+    b->req.experts = &b->ec;
+}
+
+static void set_logits(build *b, int64_t T, int64_t E)
+{
+    b->lshape[0] = T;
+    b->lshape[1] = E;
+    b->logits.dtype = MOED__V1__DTYPE__F32;
+    b->logits.n_shape = 2;
+    b->logits.shape = b->lshape;
+    b->logits.data = (ProtobufCBinaryData){ (size_t)(T * E) * 4, (uint8_t *)b->lg };
+    b->rl.logits = &b->logits;
+    b->rl.gating = &b->g;
+    b->req.routing_case = MOED__V1__FORWARD_REQUEST__ROUTING_LOGITS;
+    b->req.logits = &b->rl;
+}
+
+/* Packs, decodes (over 7-byte slices) and validates; returns the code, fills w and err. */
+static int validate(build *b, moed_work *w, moed_error *err)
+{
+    static uint8_t buf[1 << 16];
+    size_t n = moed__v1__forward_request__pack(&b->req, buf);
+    grpc_slice sl[1 << 14];
+    size_t k = 0;
+    for (size_t off = 0; off < n; off += 7)
+        sl[k++] = grpc_slice_from_copied_buffer((const char *)buf + off, n - off < 7 ? n - off : 7);
+    moed_wire_request q;
+    int rc = moed_wire_decode_request(sl, k, &q, err);
+    CHECK_EQ_INT(rc, 0);
+    memset(err, 0, sizeof *err);
+    rc = moed_request_validate(&served, &q, w, err);
+    if (!rc) {
+        /* hidden's span must still read the right bytes: copy it while the slices live. */
+        float x[70 * 8];
+        moed_span_copy(&w->hidden, x);
+        CHECK(!memcmp(x, b->x, w->hidden.len));
+    }
+    for (size_t i = 0; i < k; i++) grpc_slice_unref(sl[i]);
+    CHECK_MSG(rc == err->code || (!rc && !err->code), "code %d but err.code %d", rc, err->code);
+    return rc;
+}
+
+static void expect(build *b, int code, const char *n1, const char *n2, const char *what)
+{
+    moed_work w;
+    moed_error err;
+    int rc = validate(b, &w, &err);
+    CHECK_MSG(rc == code, "%s: code %d, wanted %d (%s)", what, rc, code, err.msg);
+    CHECK_MSG(strstr(err.msg, n1) && strstr(err.msg, n2), "%s: '%s' lacks '%s' or '%s'", what,
+              err.msg, n1, n2);
+    moed_work_free(&w);
+}
+
+static void test_good(void)
+{
+    build b;
+    moed_work w;
+    moed_error err;
+
+    init_build(&b, 7, 5, 8);
+    set_choice(&b, 5, 2);
+    b.id[3] = -1;
+    b.wt[3] = 0; /* padding */
+    CHECK_EQ_INT(validate(&b, &w, &err), 0);
+    CHECK(w.slot == 1 && w.layer == &layers[1] && w.T == 5 && w.dtype == MOED_F32);
+    CHECK(!strcmp(w.request_id, "id-1") && w.request_id_len == 4);
+    CHECK(w.route.off && w.route.T == 5 && w.route.off[5] == 9 && !w.server_logits && !w.k_batch);
+    moed_work_free(&w);
+
+    /* Client logits, top-2 softmax: the route is what moed_gate gives for them. */
+    init_build(&b, 3, 4, 8);
+    set_logits(&b, 4, 8);
+    b.g.strategy = MOED__V1__STRATEGY__TOPK;
+    b.g.top_k = 2;
+    CHECK_EQ_INT(validate(&b, &w, &err), 0);
+    moed_gate_params p = { MOED_GATE_TOPK, 2, MOED_RENORM_DEFAULT, 0 };
+    moed_route want;
+    CHECK_EQ_INT(moed_gate(&p, &layers[0].info, NULL, b.lg, 4, &want, &err), 0);
+    CHECK(w.route.off && w.route.off[4] == want.off[4]);
+    CHECK(!memcmp(w.route.expert, want.expert, (size_t)want.off[4] * 4));
+    CHECK(!memcmp(w.route.weight, want.weight, (size_t)want.off[4] * 4));
+    moed_route_free(&want);
+    moed_work_free(&w);
+
+    /* Batch gating with client logits: k resolved (0 = top_k), logits copied for the worker. */
+    init_build(&b, 3, 4, 8);
+    set_logits(&b, 4, 8);
+    b.req.batch_gating = &b.bg;
+    CHECK_EQ_INT(validate(&b, &w, &err), 0);
+    CHECK(w.k_batch == 2 && w.logits && !memcmp(w.logits, b.lg, 4 * 8 * 4) && !w.route.off);
+    moed_work_free(&w);
+
+    /* The server router: gating resolved to the layer's defaults. */
+    init_build(&b, 3, 2, 8);
+    b.req.routing_case = MOED__V1__FORWARD_REQUEST__ROUTING_SERVER_ROUTER;
+    b.req.server_router = &b.sr;
+    CHECK_EQ_INT(validate(&b, &w, &err), 0);
+    CHECK(w.server_logits && w.gate.top_k == 2 && w.gate.renormalize == MOED_RENORM_ON);
+    moed_work_free(&w);
+}
+
+static void test_errors(void)
+{
+    build b;
+    init_build(&b, 5, 2, 8);
+    set_choice(&b, 2, 2);
+    expect(&b, MOED_ENOTFOUND, "layer 5", "3,7", "unknown layer");
+
+    init_build(&b, 3, 0, 8);
+    set_choice(&b, 0, 2);
+    expect(&b, MOED_EINVAL, "T = 0", "at least one", "no tokens");
+
+    init_build(&b, 3, 65, 8);
+    set_choice(&b, 65, 2);
+    expect(&b, MOED_ETOOBIG, "T = 65", "--max-batch-tokens = 64", "too many tokens");
+
+    init_build(&b, 3, 2, 6);
+    set_choice(&b, 2, 2);
+    expect(&b, MOED_EINVAL, "[2, 6]", "[T, 8]", "wrong d_model");
+
+    init_build(&b, 3, 2, 8);
+    b.hidden.dtype = MOED__V1__DTYPE__I32;
+    set_choice(&b, 2, 2);
+    expect(&b, MOED_EINVAL, "dtype i32", "F32, F16 or BF16", "int hidden");
+
+    init_build(&b, 3, 2, 8);
+    b.hidden.data.len -= 2;
+    set_choice(&b, 2, 2);
+    expect(&b, MOED_EINVAL, "62 data bytes", "exactly 64", "short hidden");
+
+    init_build(&b, 3, 2, 8);
+    b.req.hidden = NULL;
+    set_choice(&b, 2, 2);
+    expect(&b, MOED_EINVAL, "hidden is missing", "[T, 8]", "no hidden");
+
+    init_build(&b, 3, 2, 8);
+    expect(&b, MOED_EINVAL, "no routing", "server_router", "no routing");
+
+    init_build(&b, 3, 2, 8);
+    set_choice(&b, 3, 2);
+    expect(&b, MOED_EINVAL, "expert_ids has shape [3, 2]", "T = 2", "ids rows");
+
+    init_build(&b, 3, 2, 8);
+    set_choice(&b, 2, 2);
+    b.ids.dtype = MOED__V1__DTYPE__F32;
+    expect(&b, MOED_EINVAL, "expert_ids has dtype f32", "i32", "ids dtype");
+
+    init_build(&b, 3, 2, 8);
+    set_choice(&b, 2, 2);
+    b.w.data.len = 12;
+    expect(&b, MOED_EINVAL, "expert_weights has 12 data bytes", "16", "weights size");
+
+    init_build(&b, 3, 2, 8);
+    set_choice(&b, 2, 2);
+    b.id[1] = 8;
+    expect(&b, MOED_EINVAL, "expert_ids[0][1] = 8", "[0, 8)", "id out of range");
+
+    init_build(&b, 3, 2, 8);
+    set_choice(&b, 2, 2);
+    b.wt[2] = NAN;
+    expect(&b, MOED_EINVAL, "expert_weights[1][0]", "finite", "NaN weight");
+
+    init_build(&b, 3, 2, 8);
+    set_choice(&b, 2, 2);
+    b.req.batch_gating = &b.bg;
+    expect(&b, MOED_EINVAL, "batch_gating", "experts", "batch gating with experts");
+
+    init_build(&b, 3, 2, 8);
+    set_logits(&b, 2, 7);
+    expect(&b, MOED_EINVAL, "logits.logits has shape [2, 7]", "num_experts = 8", "logits shape");
+
+    init_build(&b, 3, 2, 8);
+    set_logits(&b, 2, 8);
+    b.g.strategy = 9;
+    expect(&b, MOED_EINVAL, "gating", "strategy 9", "unknown strategy");
+
+    init_build(&b, 3, 2, 8);
+    set_logits(&b, 2, 8);
+    b.g.renormalize = 5;
+    expect(&b, MOED_EINVAL, "renormalize = 5", "2 (off)", "unknown renormalize");
+
+    init_build(&b, 3, 2, 8);
+    set_logits(&b, 2, 8);
+    b.g.top_k = 9;
+    expect(&b, MOED_EINVAL, "top_k", "9", "top_k over E");
+
+    init_build(&b, 3, 2, 8);
+    set_logits(&b, 2, 8);
+    b.lg[3] = INFINITY;
+    b.req.batch_gating = &b.bg;
+    expect(&b, MOED_EINVAL, "logits[0][3]", "finite", "Inf logits for batch gating");
+
+    init_build(&b, 3, 2, 8);
+    set_logits(&b, 2, 8);
+    b.bg.k_batch = 9;
+    b.req.batch_gating = &b.bg;
+    expect(&b, MOED_EINVAL, "k_batch = 9", "1..8", "k_batch over E");
+
+    init_build(&b, 7, 2, 8);
+    b.req.routing_case = MOED__V1__FORWARD_REQUEST__ROUTING_SERVER_ROUTER;
+    b.req.server_router = &b.sr;
+    expect(&b, MOED_EINVAL, "layer 7 has no router", "has_router", "no router weights");
+
+    char long_id[200];
+    memset(long_id, 'a', sizeof long_id - 1);
+    long_id[199] = 0;
+    init_build(&b, 3, 2, 8);
+    set_choice(&b, 2, 2);
+    b.req.request_id = long_id;
+    expect(&b, MOED_EINVAL, "199 bytes", "128", "long request id");
+
+    init_build(&b, 3, 2, 8);
+    set_choice(&b, 2, 2);
+    b.req.request_id = "bad\xff\xfeutf8";
+    expect(&b, MOED_EINVAL, "request_id", "UTF-8", "bad UTF-8");
+
+    /* Over the message limit: checked before anything else. */
+    moed_wire_request q = { .bytes = (1 << 20) + 1 };
+    moed_work w;
+    moed_error err;
+    CHECK_EQ_INT(moed_request_validate(&served, &q, &w, &err), MOED_ETOOBIG);
+    CHECK(strstr(err.msg, "1048577") && strstr(err.msg, "--max-message-bytes"));
+    moed_work_free(&w);
+}
+
+int main(void)
+{
+    for (int i = 0; i < 2; i++)
+        layers[i].info = (moed_layer_info){ .index = i ? 7 : 3,
+                                            .d_model = 8,
+                                            .d_ff = 16,
+                                            .n_experts = 8,
+                                            .top_k = 2,
+                                            .act = MOED_ACT_SWIGLU,
+                                            .wdtype = MOED_BF16,
+                                            .has_router = i == 0,
+                                            .norm_topk = true,
+                                            .rule = MOED_RULE_SOFTMAX_TOPK,
+                                            .n_group = 1,
+                                            .topk_group = 1,
+                                            .routed_scale = 1 };
+    layers[0].router = router;
+    test_good();
+    test_errors();
+    return check_status("test_request");
+}

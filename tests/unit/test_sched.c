@@ -1,0 +1,637 @@
+/*
+ * test_sched — the scheduler against a fake backend whose forward can be held, so the test decides
+ * what is queued when a worker becomes free: merging, the token bound, the merge window, the queue
+ * bound, cancellation, deadlines, ordering across queues, merge keys, server-side routing with a
+ * request that fails alone, batch-level gating, and drain.
+ *
+ * The fake computes y[t][j] = sum over the token's pairs of w * ((e + 1) * x[t][j] + e), so every
+ * output names the experts and weights its token was routed to; the test computes the same from
+ * the request alone and compares bit for bit.
+ */
+#include "check.h"
+#include "moed_dtype.h"
+#include "scheduler.h"
+
+#include <grpc/slice.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- the fake backend ------------------------------------------------------------------------ */
+
+#define MAX_JOBS 64
+
+static struct {
+    pthread_mutex_t m;
+    pthread_cond_t c;
+    int hold;       /* forward blocks while set */
+    int in_forward; /* forwards running now */
+    int n_jobs;
+    int64_t job_T[MAX_JOBS];
+    int job_slot[MAX_JOBS];
+    int fail_forward; /* the next forward fails */
+} fk = { .m = PTHREAD_MUTEX_INITIALIZER, .c = PTHREAD_COND_INITIALIZER };
+
+static int fake_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err)
+{
+    pthread_mutex_lock(&fk.m);
+    if (fk.n_jobs < MAX_JOBS) {
+        fk.job_T[fk.n_jobs] = job->T;
+        fk.job_slot[fk.n_jobs] = job->slot;
+    }
+    fk.n_jobs++;
+    fk.in_forward++;
+    pthread_cond_broadcast(&fk.c);
+    while (fk.hold) pthread_cond_wait(&fk.c, &fk.m);
+    fk.in_forward--;
+    int fail = fk.fail_forward;
+    fk.fail_forward = 0;
+    pthread_mutex_unlock(&fk.m);
+    if (fail) return moed_fail(err, MOED_EDEVICE, "fake device fell over");
+    int d = 4; /* every test layer has d_model 4 */
+    const float *x = job->x;
+    float *y = job->y;
+    const moed_route *r = job->route;
+    CHECK_EQ_INT(r->T, job->T);
+    for (int64_t t = 0; t < job->T; t++)
+        for (int j = 0; j < d; j++) {
+            float acc = 0;
+            for (int64_t p = r->off[t]; p < r->off[t + 1]; p++)
+                acc +=
+                    r->weight[p] * ((float)(r->expert[p] + 1) * x[t * d + j] + (float)r->expert[p]);
+            y[t * d + j] = acc;
+        }
+    return 0;
+}
+
+/* logits[t][e] = x[t][0] * (e + 1) - x[t][1] * e: finite for finite rows, NaN for NaN rows. */
+static int fake_router(moed_backend *b, int exec, int slot, int dtype, int64_t T, const void *xv,
+                       float *logits, moed_error *err)
+{
+    const float *x = xv;
+    int E = 8;
+    for (int64_t t = 0; t < T; t++)
+        for (int e = 0; e < E; e++)
+            logits[t * E + e] = x[t * 4] * (float)(e + 1) - x[t * 4 + 1] * (float)e;
+    return 0;
+}
+
+static void *fake_alloc(moed_backend *b, size_t n)
+{
+    return malloc(n);
+}
+
+static void fake_free(moed_backend *b, void *p)
+{
+    free(p);
+}
+
+static const moed_backend_ops fake_ops = { .name = "fake",
+                                           .forward = fake_forward,
+                                           .router_logits = fake_router,
+                                           .host_alloc = fake_alloc,
+                                           .host_free = fake_free };
+
+static void hold(int on)
+{
+    pthread_mutex_lock(&fk.m);
+    fk.hold = on;
+    pthread_cond_broadcast(&fk.c);
+    pthread_mutex_unlock(&fk.m);
+}
+
+/* Waits until `n` forwards are blocked in the fake (the workers are busy). */
+static void wait_in_forward(int n)
+{
+    pthread_mutex_lock(&fk.m);
+    while (fk.in_forward < n) pthread_cond_wait(&fk.c, &fk.m);
+    pthread_mutex_unlock(&fk.m);
+}
+
+/* ---- requests -------------------------------------------------------------------------------- */
+
+typedef struct req {
+    moed_sched_item it;
+    float x[16 * 4];
+    grpc_slice slice;
+    int32_t ids[16 * 2];
+    float w[16 * 2];
+    /* the result */
+    int done, status;
+    float y[16 * 4];
+    moed_wire_timings tm;
+    int32_t set[8];
+    int n_set;
+    char msg[480];
+} req;
+
+static pthread_mutex_t done_m = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t done_c = PTHREAD_COND_INITIALIZER;
+static int n_done;
+
+static void on_done(moed_sched_item *it, const moed_sched_result *r)
+{
+    req *q = it->user;
+    pthread_mutex_lock(&done_m);
+    CHECK_MSG(!q->done, "done called twice");
+    q->status = r->status;
+    if (!r->status) {
+        CHECK_EQ_INT(r->y_bytes, q->it.work.T * 4 * sizeof(float));
+        memcpy(q->y, r->y, r->y_bytes);
+        q->tm = r->timings;
+        q->n_set = r->n_expert_set;
+        if (r->n_expert_set) memcpy(q->set, r->expert_set, (size_t)r->n_expert_set * 4);
+    } else {
+        snprintf(q->msg, sizeof q->msg, "%s", r->err ? r->err->msg : "");
+    }
+    q->done = 1;
+    n_done++;
+    pthread_cond_broadcast(&done_c);
+    pthread_mutex_unlock(&done_m);
+}
+
+static int wait_done(int n)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += 10;
+    pthread_mutex_lock(&done_m);
+    while (n_done < n)
+        if (pthread_cond_timedwait(&done_c, &done_m, &ts)) break;
+    int got = n_done;
+    pthread_mutex_unlock(&done_m);
+    CHECK_MSG(got >= n, "waited for %d completions, saw %d", n, got);
+    return got >= n;
+}
+
+static moed_layer layers[2];
+static const moed_layer *layer_ptrs[2] = { &layers[0], &layers[1] };
+static moed_served served = { layer_ptrs, 2, 16, 1 << 20 };
+static float router_w[1]; /* has_router needs a non-NULL router; the fake never reads it */
+
+static void init_layers(void)
+{
+    for (int i = 0; i < 2; i++) {
+        layers[i].info = (moed_layer_info){ .index = i,
+                                            .d_model = 4,
+                                            .d_ff = 8,
+                                            .n_experts = 8,
+                                            .top_k = 2,
+                                            .act = MOED_ACT_SWIGLU,
+                                            .wdtype = MOED_F32,
+                                            .has_router = true,
+                                            .norm_topk = true,
+                                            .rule = MOED_RULE_SOFTMAX_TOPK,
+                                            .n_group = 1,
+                                            .topk_group = 1,
+                                            .routed_scale = 1 };
+        layers[i].router = router_w;
+    }
+}
+
+/* A request for layer `slot` with T tokens, routed by client choice (two experts per token). */
+static req *make_req(int slot, int64_t T, int seed)
+{
+    req *q = calloc(1, sizeof *q);
+    for (int i = 0; i < T * 4; i++) q->x[i] = (float)((seed * 7 + i * 3) % 11) - 5.0f;
+    for (int t = 0; t < T; t++) {
+        q->ids[2 * t] = (seed + t) % 8;
+        q->ids[2 * t + 1] = (seed + 3 * t + 1) % 8;
+        q->w[2 * t] = 0.25f * (float)(1 + (seed + t) % 3);
+        q->w[2 * t + 1] = 0.5f;
+    }
+    q->slice = grpc_slice_from_copied_buffer((const char *)q->x, (size_t)T * 16);
+    moed_work *w = &q->it.work;
+    w->slot = slot;
+    w->layer = &layers[slot];
+    w->dtype = MOED_F32;
+    w->T = T;
+    w->hidden = (moed_span){ &q->slice, 0, (size_t)T * 16 };
+    moed_error err;
+    CHECK_EQ_INT(moed_route_from_choice(&w->route, q->ids, q->w, T, 2, 8, &err), 0);
+    q->it.done = on_done;
+    q->it.user = q;
+    q->it.t_received_ns = moed_now_ns();
+    return q;
+}
+
+/* The same request routed by the server's router (per-token top-2) or by batch gating. */
+static req *make_server_req(int slot, int64_t T, int seed, int k_batch)
+{
+    req *q = make_req(slot, T, seed);
+    moed_route_free(&q->it.work.route);
+    q->it.work.server_logits = true;
+    q->it.work.k_batch = k_batch;
+    q->it.work.gate =
+        (moed_gate_params){ .strategy = MOED_GATE_TOPK, .top_k = 2, .renormalize = MOED_RENORM_ON };
+    return q;
+}
+
+static void free_req(req *q)
+{
+    moed_work_free(&q->it.work);
+    grpc_slice_unref(q->slice);
+    free(q);
+}
+
+/* What the fake computes for this request alone, from a route. */
+static void expect_route(const req *q, const moed_route *r)
+{
+    for (int64_t t = 0; t < q->it.work.T; t++)
+        for (int j = 0; j < 4; j++) {
+            float acc = 0;
+            for (int64_t p = r->off[t]; p < r->off[t + 1]; p++)
+                acc += r->weight[p] *
+                       ((float)(r->expert[p] + 1) * q->x[t * 4 + j] + (float)r->expert[p]);
+            CHECK_MSG(acc == q->y[t * 4 + j], "token %lld col %d: %g != %g", (long long)t, j,
+                      (double)q->y[t * 4 + j], (double)acc);
+        }
+}
+
+static void expect_ok(const req *q)
+{
+    CHECK_MSG(q->done && q->status == 0, "status %d: %s", q->status, q->msg);
+    if (q->done && !q->status) expect_route(q, &q->it.work.route);
+}
+
+static moed_sched *start(int n_exec, int64_t max_tokens, int64_t delay_us, int64_t max_queue)
+{
+    static moed_backend be;
+    be = (moed_backend){ .ops = &fake_ops, .n_exec = n_exec };
+    served.max_batch_tokens = max_tokens;
+    moed_sched_config cfg = { &be, &served, max_tokens, delay_us, max_queue };
+    moed_sched *s;
+    moed_error err;
+    CHECK_EQ_INT(moed_sched_create(&cfg, &s, &err), 0);
+    pthread_mutex_lock(&fk.m);
+    fk.n_jobs = 0;
+    pthread_mutex_unlock(&fk.m);
+    pthread_mutex_lock(&done_m);
+    n_done = 0;
+    pthread_mutex_unlock(&done_m);
+    return s;
+}
+
+static void submit_ok(moed_sched *s, req *q)
+{
+    moed_error err;
+    int rc = moed_sched_submit(s, &q->it, &err);
+    CHECK_MSG(rc == 0, "submit: %d %s", rc, err.msg);
+}
+
+/* ---- the tests ------------------------------------------------------------------------------- */
+
+/* While one launch runs, what queues behind it goes as one launch; results as if alone. */
+static void test_merge(void)
+{
+    moed_sched *s = start(1, 16, 0, 64);
+    hold(1);
+    req *a = make_req(0, 3, 1);
+    submit_ok(s, a);
+    wait_in_forward(1);
+    req *q[4];
+    for (int i = 0; i < 4; i++) submit_ok(s, q[i] = make_req(0, 2 + i % 2, 10 + i));
+    hold(0);
+    wait_done(5);
+    CHECK_EQ_INT(fk.n_jobs, 2);
+    CHECK_EQ_INT(fk.job_T[0], 3);
+    CHECK_EQ_INT(fk.job_T[1], 2 + 3 + 2 + 3);
+    expect_ok(a);
+    CHECK_EQ_INT(a->tm.batch_requests, 1);
+    for (int i = 0; i < 4; i++) {
+        expect_ok(q[i]);
+        CHECK_EQ_INT(q[i]->tm.batch_requests, 4);
+        CHECK_EQ_INT(q[i]->tm.batch_tokens, 10);
+        CHECK(q[i]->tm.total_us >= q[i]->tm.queue_us);
+        free_req(q[i]);
+    }
+    free_req(a);
+    moed_sched_destroy(s);
+}
+
+/* Never more than max_batch_tokens in a launch; requests are never split; order kept. */
+static void test_max_tokens(void)
+{
+    moed_sched *s = start(1, 10, 0, 64);
+    hold(1);
+    req *a = make_req(0, 1, 1), *q[5];
+    submit_ok(s, a);
+    wait_in_forward(1);
+    int64_t T[5] = { 4, 4, 4, 10, 1 };
+    for (int i = 0; i < 5; i++) submit_ok(s, q[i] = make_req(0, T[i], 20 + i));
+    hold(0);
+    wait_done(6);
+    /* [1] [4 4] [4] [10] [1]: the third 4 does not fit beside 4 + 4, nor 10 beside 4. */
+    CHECK_EQ_INT(fk.n_jobs, 5);
+    int64_t want[5] = { 1, 8, 4, 10, 1 };
+    for (int i = 0; i < 5 && i < fk.n_jobs; i++) CHECK_EQ_INT(fk.job_T[i], want[i]);
+    for (int i = 0; i < 5; i++) {
+        expect_ok(q[i]);
+        free_req(q[i]);
+    }
+    free_req(a);
+    moed_sched_destroy(s);
+}
+
+/* A merge window gathers requests that arrive within it; a full batch does not wait for it. */
+static void test_window(void)
+{
+    moed_sched *s = start(1, 8, 200 * 1000, 64);
+    req *a = make_req(0, 1, 1), *b = make_req(0, 2, 2);
+    uint64_t t0 = moed_now_ns();
+    submit_ok(s, a);
+    struct timespec ts = { 0, 20 * 1000 * 1000 };
+    nanosleep(&ts, NULL);
+    submit_ok(s, b);
+    wait_done(2);
+    uint64_t waited = moed_now_ns() - t0;
+    CHECK_EQ_INT(fk.n_jobs, 1);
+    CHECK_EQ_INT(a->tm.batch_requests, 2);
+    CHECK_MSG(waited >= 190u * 1000 * 1000, "the window closed after %llu ns",
+              (unsigned long long)waited);
+    CHECK(a->tm.queue_us >= 190000 && a->tm.queue_us > b->tm.queue_us);
+    expect_ok(a);
+    expect_ok(b);
+    free_req(a);
+    free_req(b);
+    moed_sched_destroy(s);
+
+    /* With a 10 s window, 8 tokens (the bound) go at once. */
+    s = start(1, 8, 10 * 1000 * 1000, 64);
+    req *c = make_req(0, 5, 3), *d = make_req(0, 3, 4);
+    t0 = moed_now_ns();
+    submit_ok(s, c);
+    submit_ok(s, d);
+    wait_done(2);
+    CHECK((moed_now_ns() - t0) < 5ull * 1000 * 1000 * 1000);
+    CHECK_EQ_INT(c->tm.batch_tokens, 8);
+    expect_ok(c);
+    expect_ok(d);
+    free_req(c);
+    free_req(d);
+    moed_sched_destroy(s);
+}
+
+/* The queue bound answers EFULL without calling done; cancellation; deadlines at dispatch. */
+static void test_bound_cancel_deadline(void)
+{
+    moed_sched *s = start(1, 16, 0, 3);
+    hold(1);
+    req *a = make_req(0, 1, 1);
+    submit_ok(s, a);
+    wait_in_forward(1);
+    req *b = make_req(0, 1, 2), *c = make_req(0, 1, 3), *d = make_req(0, 1, 4),
+        *e = make_req(0, 1, 5);
+    d->it.deadline_ns = moed_now_ns() + 1000; /* passes while a holds the worker */
+    submit_ok(s, b);
+    submit_ok(s, c);
+    submit_ok(s, d);
+    moed_error err;
+    CHECK_EQ_INT(moed_sched_submit(s, &e->it, &err), MOED_EFULL);
+    CHECK(strstr(err.msg, "--max-queue-requests") != NULL);
+    moed_sched_cancel(s, &c->it); /* queued: answered here and now */
+    CHECK(c->done && c->status == MOED_ECANCELLED);
+    moed_sched_cancel(s, &a->it); /* running: no effect */
+    CHECK(!a->done);
+    /* With c gone there is room again. */
+    submit_ok(s, e);
+    struct timespec ts = { 0, 2 * 1000 * 1000 };
+    nanosleep(&ts, NULL);
+    hold(0);
+    wait_done(5);
+    expect_ok(a);
+    expect_ok(b);
+    expect_ok(e);
+    CHECK_EQ_INT(d->status, MOED_EDEADLINE);
+    CHECK(strstr(d->msg, "deadline") != NULL);
+    CHECK_EQ_INT(fk.n_jobs, 2); /* a, then b + e; c and d never launched */
+    CHECK_EQ_INT(b->tm.batch_requests, 2);
+    moed_sched_cancel(s, &b->it); /* done already: no effect, no second done */
+    moed_sched_stats st;
+    moed_sched_get_stats(s, &st);
+    CHECK_EQ_INT(st.rejected, 1);
+    CHECK_EQ_INT(st.cancelled, 1);
+    CHECK_EQ_INT(st.expired, 1);
+    CHECK_EQ_INT(st.completed, 3);
+    CHECK_EQ_INT(st.batches, 2);
+    req *all[5] = { a, b, c, d, e };
+    for (int i = 0; i < 5; i++) free_req(all[i]);
+    moed_sched_destroy(s);
+}
+
+/* Across queues the oldest request goes first; layers and dtypes never share a launch; a backend
+ * failure fails that launch alone. */
+static void test_order_and_keys(void)
+{
+    moed_sched *s = start(1, 16, 0, 64);
+    hold(1);
+    req *a = make_req(0, 1, 1);
+    submit_ok(s, a);
+    wait_in_forward(1);
+    req *l1a = make_req(1, 2, 2), *l0 = make_req(0, 3, 3), *l1b = make_req(1, 1, 4);
+    req *k2 = make_server_req(1, 1, 5, 2), *k3 = make_server_req(1, 1, 6, 3);
+    submit_ok(s, l1a);
+    submit_ok(s, l0);
+    submit_ok(s, l1b);
+    submit_ok(s, k2);
+    submit_ok(s, k3);
+    pthread_mutex_lock(&fk.m);
+    fk.fail_forward = 0;
+    pthread_mutex_unlock(&fk.m);
+    hold(0);
+    wait_done(6);
+    CHECK_EQ_INT(fk.n_jobs, 5);
+    int want_slot[5] = { 0, 1, 0, 1, 1 };
+    int64_t want_T[5] = { 1, 3, 3, 1, 1 };
+    for (int i = 0; i < 5 && i < fk.n_jobs; i++) {
+        CHECK_EQ_INT(fk.job_slot[i], want_slot[i]);
+        CHECK_EQ_INT(fk.job_T[i], want_T[i]);
+    }
+    expect_ok(l1a);
+    expect_ok(l1b);
+    expect_ok(l0);
+    CHECK(k2->status == 0 && k2->n_set == 2 && k3->status == 0 && k3->n_set == 3);
+    req *all[6] = { a, l1a, l0, l1b, k2, k3 };
+    for (int i = 0; i < 6; i++) free_req(all[i]);
+
+    /* The device fails: the launch's requests get its error, the next launch runs. */
+    hold(1);
+    a = make_req(0, 1, 1);
+    submit_ok(s, a);
+    wait_in_forward(1);
+    pthread_mutex_lock(&fk.m);
+    fk.fail_forward = 1;
+    pthread_mutex_unlock(&fk.m);
+    req *b = make_req(0, 1, 2);
+    hold(0);
+    wait_done(7);
+    submit_ok(s, b);
+    wait_done(8);
+    CHECK_EQ_INT(a->status, MOED_EDEVICE);
+    CHECK(strstr(a->msg, "fake device") != NULL);
+    expect_ok(b);
+    free_req(a);
+    free_req(b);
+    moed_sched_destroy(s);
+}
+
+/* The server router: logits from the backend, gated per request; a request whose hidden holds a
+ * NaN fails alone and its rows leave the launch. */
+static void test_server_router(void)
+{
+    moed_sched *s = start(1, 16, 0, 64);
+    hold(1);
+    req *a = make_req(0, 1, 1);
+    submit_ok(s, a);
+    wait_in_forward(1);
+    req *p = make_server_req(0, 2, 7, 0), *bad = make_server_req(0, 3, 8, 0),
+        *c = make_req(0, 2, 9), *r = make_server_req(0, 1, 10, 0);
+    bad->x[5] = NAN;
+    grpc_slice_unref(bad->slice);
+    bad->slice = grpc_slice_from_copied_buffer((const char *)bad->x, 3 * 16);
+    submit_ok(s, p);
+    submit_ok(s, bad);
+    submit_ok(s, c);
+    submit_ok(s, r);
+    hold(0);
+    wait_done(5);
+    CHECK_EQ_INT(bad->status, MOED_EINVAL);
+    CHECK(strstr(bad->msg, "finite") != NULL);
+    CHECK_EQ_INT(fk.n_jobs, 2);
+    CHECK_EQ_INT(fk.job_T[1], 2 + 2 + 1);
+    expect_ok(c);
+    /* p and r: the route the server must have used is top-2 of the fake logits of their rows. */
+    req *srv[2] = { p, r };
+    for (int i = 0; i < 2; i++) {
+        req *q = srv[i];
+        CHECK_EQ_INT(q->status, 0);
+        float l[16 * 8];
+        moed_error err;
+        fake_router(NULL, 0, 0, MOED_F32, q->it.work.T, q->x, l, &err);
+        moed_route want;
+        CHECK_EQ_INT(
+            moed_gate(&q->it.work.gate, &layers[0].info, NULL, l, q->it.work.T, &want, &err), 0);
+        expect_route(q, &want);
+        CHECK_EQ_INT(q->tm.batch_requests, 3);
+        moed_route_free(&want);
+    }
+    req *all[5] = { a, p, bad, c, r };
+    for (int i = 0; i < 5; i++) free_req(all[i]);
+    moed_sched_destroy(s);
+}
+
+/* Batch gating merges requests asking the same k (client logits and server logits alike) and
+ * gates over the merged logits: every request gets the same set, and the route gate_batch gives
+ * for the merged rows. */
+static void test_batch_gating(void)
+{
+    moed_sched *s = start(1, 16, 0, 64);
+    hold(1);
+    req *a = make_req(0, 1, 1);
+    submit_ok(s, a);
+    wait_in_forward(1);
+    req *p = make_server_req(0, 2, 11, 3), *q = make_server_req(0, 3, 12, 3);
+    /* q brings its own logits (RouterLogits + BatchGating): not the fake router's. */
+    q->it.work.server_logits = false;
+    q->it.work.logits = malloc(3 * 8 * sizeof(float));
+    for (int i = 0; i < 24; i++) q->it.work.logits[i] = (float)((i * 5) % 9) * 0.5f;
+    submit_ok(s, p);
+    submit_ok(s, q);
+    hold(0);
+    wait_done(3);
+    CHECK_EQ_INT(fk.n_jobs, 2);
+    float l[5 * 8];
+    moed_error err;
+    fake_router(NULL, 0, 0, MOED_F32, 2, p->x, l, &err);
+    memcpy(l + 16, q->it.work.logits, 24 * sizeof(float));
+    int32_t set[3];
+    moed_route merged;
+    CHECK_EQ_INT(moed_gate_batch(l, 5, 8, 3, set, &merged, &err), 0);
+    CHECK(p->status == 0 && q->status == 0);
+    CHECK(p->n_set == 3 && q->n_set == 3);
+    for (int j = 0; j < 3; j++) CHECK(p->set[j] == set[j] && q->set[j] == set[j]);
+    /* Split the merged route back into the two requests' parts and compare. */
+    moed_route rp = merged, rq = merged;
+    rp.T = 2;
+    expect_route(p, &rp);
+    int64_t off_q[4];
+    for (int t = 0; t <= 3; t++) off_q[t] = merged.off[2 + t] - merged.off[2];
+    rq.T = 3;
+    rq.off = off_q;
+    rq.expert = merged.expert + merged.off[2];
+    rq.weight = merged.weight + merged.off[2];
+    expect_route(q, &rq);
+    moed_route_free(&merged);
+    free_req(a);
+    free_req(p);
+    free_req(q);
+    moed_sched_destroy(s);
+}
+
+/* Drain runs everything queued (even inside a long merge window), then refuses new work. */
+static void test_drain(void)
+{
+    moed_sched *s = start(2, 16, 60 * 1000 * 1000, 64);
+    req *q[6];
+    for (int i = 0; i < 6; i++) submit_ok(s, q[i] = make_req(i % 2, 1 + i % 3, 30 + i));
+    moed_sched_drain(s);
+    CHECK_EQ_INT(n_done, 6);
+    for (int i = 0; i < 6; i++) expect_ok(q[i]);
+    req *late = make_req(0, 1, 40);
+    moed_error err;
+    CHECK_EQ_INT(moed_sched_submit(s, &late->it, &err), MOED_EDRAINING);
+    CHECK(!late->done);
+    for (int i = 0; i < 6; i++) free_req(q[i]);
+    free_req(late);
+    moed_sched_destroy(s);
+}
+
+/* The worker's merged route is reused: a launch smaller than an earlier one, then one in between,
+ * must still fit in it. */
+static void test_route_reuse(void)
+{
+    moed_sched *s = start(1, 16, 0, 64);
+    int64_t T[4] = { 12, 2, 7, 16 };
+    for (int i = 0; i < 4; i++) {
+        req *q = make_req(i % 2, T[i], 50 + i);
+        submit_ok(s, q);
+        wait_done(i + 1);
+        expect_ok(q);
+        free_req(q);
+    }
+    moed_sched_destroy(s);
+}
+
+/* Two execution slots run two launches at once. */
+static void test_two_slots(void)
+{
+    moed_sched *s = start(2, 16, 0, 64);
+    hold(1);
+    req *a = make_req(0, 1, 1), *b = make_req(1, 1, 2);
+    submit_ok(s, a);
+    submit_ok(s, b);
+    wait_in_forward(2);
+    hold(0);
+    wait_done(2);
+    expect_ok(a);
+    expect_ok(b);
+    free_req(a);
+    free_req(b);
+    moed_sched_destroy(s);
+}
+
+int main(void)
+{
+    init_layers();
+    test_merge();
+    test_max_tokens();
+    test_window();
+    test_bound_cancel_deadline();
+    test_order_and_keys();
+    test_server_router();
+    test_batch_gating();
+    test_drain();
+    test_route_reuse();
+    test_two_slots();
+    return check_status("test_sched");
+}
