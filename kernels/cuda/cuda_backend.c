@@ -1,0 +1,606 @@
+/*
+ * cuda_backend — the CUDA implementation of moed_backend (host code, C): devices, resident weights,
+ * the stream pool, and the per-batch pipeline of moe_cuda.h.
+ *
+ * Weights are converted once at load into the layout the kernels want: the compute type (bf16, or
+ * f16 for f16 checkpoints), d and d_ff padded to MOE_PAD with zeros, and for SwiGLU W1|W3 fused into
+ * one interleaved matrix (moe_cuda.h says why). Layers are placed round-robin over the devices.
+ *
+ * The pool: `streams` execution slots per device, each with its own stream, pinned staging for the
+ * route, and a device workspace sized at start for max_tokens tokens and max_pairs pairs; forward
+ * never allocates. A batch with more pairs than the workspace holds (sigmoid gating can give a token
+ * every expert) runs in token chunks, which changes nothing in the result since tokens are
+ * independent. Everything a batch does is queued on its slot's stream with no device-to-host
+ * synchronisation until the output copy; slots run concurrently, so one batch's copies overlap
+ * another's kernels.
+ */
+#include "moed_backend.h"
+
+#include "moe_cuda.h"
+#include "moed_dtype.h"
+
+#include <cuda_runtime_api.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_DEVICES 16
+
+typedef struct cuda_layer {
+    moed_layer_info info;
+    int device;
+    moe_layer_dev k;     /* what the kernels see */
+    void *w13, *w2;      /* the allocations behind k (k's pointers are const) */
+    void *s13, *s2;
+    int e_pad;
+    void *router;        /* [e_pad][d_pad], NULL if none */
+} cuda_layer;
+
+typedef struct cuda_exec {
+    int device;
+    cudaStream_t stream;
+    int32_t *h_route;            /* pinned: the packed input route */
+    void *x_in, *out;
+    moe_work_dev w;
+    float *logits;
+    int32_t *route;              /* device: the packed input route, then route prep's arrays */
+    moe_route_dev r;
+} cuda_exec;
+
+typedef struct cuda_ctx {
+    moed_backend_config cfg;
+    int n_dev, dev[MAX_DEVICES], sm[MAX_DEVICES];
+    struct cudaDeviceProp prop[MAX_DEVICES];
+    cuda_layer *layers;
+    int n_layers;
+    cuda_exec *execs;
+    int n_exec;
+    int64_t max_tokens, max_pairs;
+    int max_e, max_d_pad, max_ff_pad, max_sff_pad, max_e_pad, max_d;
+    int force_kernel;
+} cuda_ctx;
+
+static int cuda_fail(moed_error *err, cudaError_t e, const char *what)
+{
+    return moed_fail(err, MOED_EDEVICE, "CUDA error during %s: %s (%s)", what, cudaGetErrorName(e),
+                     cudaGetErrorString(e));
+}
+
+#define CU(call, what)                                                                        \
+    do {                                                                                      \
+        cudaError_t cu_e_ = (call);                                                           \
+        if (cu_e_ != cudaSuccess) {                                                           \
+            rc = cuda_fail(err, cu_e_, what);                                                 \
+            goto err;                                                                         \
+        }                                                                                     \
+    } while (0)
+
+static int pad_to(int v)
+{
+    return (v + MOE_PAD - 1) / MOE_PAD * MOE_PAD;
+}
+
+int moed_backend_cuda_available(void)
+{
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    for (int i = 0; i < n; i++) {
+        int major = 0;
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, i) == cudaSuccess && major >= 8)
+            return 1;
+    }
+    return 0;
+}
+
+/* ---- weights ------------------------------------------------------------------------------- */
+
+/* Copies rows [r0, r0+n) of a [rows, cols] matrix of dtype src into dst (ld dst_ld, compute type),
+ * converting; the caller zeroed the padding. */
+static void put_rows(void *dst, int dst_ld, int cdtype, const void *src, int sdtype, int cols, int64_t r0,
+                     int64_t n, float *tmp)
+{
+    const size_t ss = moed_dtype_size(sdtype);
+    for (int64_t i = 0; i < n; i++) {
+        const char *s = (const char *)src + (size_t)(r0 + i) * cols * ss;
+        char *d = (char *)dst + (size_t)i * dst_ld * 2;
+        if (sdtype == cdtype) {
+            memcpy(d, s, (size_t)cols * ss);
+        } else {
+            moed_to_f32(sdtype, s, tmp, (size_t)cols);
+            moed_from_f32(cdtype, tmp, d, (size_t)cols);
+        }
+    }
+}
+
+/* One expert's up matrix as the kernels read it: W13 interleaved in MOE_GLU_BLOCK row blocks (gate
+ * block j, then up block j) for SwiGLU, else W1; [n_up, d_pad] in the compute type. */
+static void pack_up(void *dst, const cuda_layer *L, const void *w1, const void *w3, int ff, int n_up,
+                    float *tmp)
+{
+    const int d = L->info.d_model, wd = L->info.wdtype;
+    memset(dst, 0, (size_t)n_up * L->k.d_pad * 2);
+    if (!w3) {
+        put_rows(dst, L->k.d_pad, L->k.cdtype, w1, wd, d, 0, ff, tmp);
+        return;
+    }
+    for (int r0 = 0; r0 < ff; r0 += MOE_GLU_BLOCK) {
+        const int n = ff - r0 < MOE_GLU_BLOCK ? ff - r0 : MOE_GLU_BLOCK;
+        char *blk = (char *)dst + (size_t)(2 * r0) * L->k.d_pad * 2;
+        put_rows(blk, L->k.d_pad, L->k.cdtype, w1, wd, d, r0, n, tmp);
+        put_rows(blk + (size_t)MOE_GLU_BLOCK * L->k.d_pad * 2, L->k.d_pad, L->k.cdtype, w3, wd, d, r0, n, tmp);
+    }
+}
+
+/* W2 [d, ff] → [d_pad, ff_pad] in the compute type. */
+static void pack_down(void *dst, const cuda_layer *L, const void *w2, int ff, int ff_pad, float *tmp)
+{
+    memset(dst, 0, (size_t)L->k.d_pad * ff_pad * 2);
+    put_rows(dst, ff_pad, L->k.cdtype, w2, L->info.wdtype, ff, 0, L->info.d_model, tmp);
+}
+
+static int upload(void *dev, const void *host, size_t bytes, moed_error *err)
+{
+    cudaError_t e = cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice);
+    return e == cudaSuccess ? 0 : cuda_fail(err, e, "weight upload");
+}
+
+/* Device bytes a layer needs once resident. */
+static uint64_t layer_device_bytes(const cuda_layer *L)
+{
+    const moed_layer_info *li = &L->info;
+    uint64_t b = (uint64_t)li->n_experts * ((uint64_t)L->k.n_up * L->k.d_pad + (uint64_t)L->k.d_pad * L->k.ff_pad);
+    b += (uint64_t)L->k.sn_up * L->k.d_pad + (uint64_t)L->k.d_pad * L->k.sff_pad;
+    if (li->has_router) b += (uint64_t)L->e_pad * L->k.d_pad;
+    return b * 2;
+}
+
+static int check_free(int device, uint64_t need, const char *what, moed_error *err)
+{
+    size_t free_b = 0, total_b = 0;
+    cudaSetDevice(device);
+    cudaError_t e = cudaMemGetInfo(&free_b, &total_b);
+    if (e != cudaSuccess) return cuda_fail(err, e, "cudaMemGetInfo");
+    if (need > free_b)
+        return moed_fail(err, MOED_ENOMEM,
+                         "%s needs %.2f GiB on GPU %d, but only %.2f GiB of %.2f GiB are free; serve fewer "
+                         "layers (--layers), lower --max-batch-tokens or --streams, or add GPUs",
+                         what, need / 1073741824.0, device, free_b / 1073741824.0, total_b / 1073741824.0);
+    return 0;
+}
+
+static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_error *err)
+{
+    cuda_ctx *c = b->ctx;
+    const moed_layer_info *li = &l->info;
+    int rc = 0;
+    float *tmp = NULL;
+    void *stage = NULL;
+    if (slot != c->n_layers) return moed_fail(err, MOED_EINVAL, "layers must be loaded in slot order");
+    cuda_layer *grown = realloc(c->layers, sizeof *grown * (size_t)(slot + 1));
+    if (!grown) return moed_fail(err, MOED_ENOMEM, "out of host memory");
+    c->layers = grown;
+    cuda_layer *L = &c->layers[slot];
+    memset(L, 0, sizeof *L);
+    L->info = *li;
+    L->device = c->dev[slot % c->n_dev];
+    L->k.cdtype = li->wdtype == MOED_F16 ? MOED_F16 : MOED_BF16;
+    L->k.act = li->act;
+    L->k.d = li->d_model;
+    L->k.E = li->n_experts;
+    L->k.d_pad = pad_to(li->d_model);
+    L->k.ff_pad = pad_to(li->d_ff);
+    const int glu = li->act == MOED_ACT_SWIGLU;
+    L->k.n_up = glu ? 2 * L->k.ff_pad : L->k.ff_pad;
+    L->k.sff_pad = li->shared_d_ff ? pad_to(li->shared_d_ff) : 0;
+    L->k.sn_up = glu ? 2 * L->k.sff_pad : L->k.sff_pad;
+    L->e_pad = pad_to(li->n_experts);
+    if (li->n_experts > 4096)
+        return moed_fail(err, MOED_EUNSUPPORTED, "layer %d has %d experts; the CUDA backend handles up to 4096",
+                         li->index, li->n_experts);
+
+    char what[64];
+    snprintf(what, sizeof what, "layer %d's weights", li->index);
+    if ((rc = check_free(L->device, layer_device_bytes(L), what, err))) return rc;
+
+    const size_t up_b = (size_t)L->k.n_up * L->k.d_pad * 2, dn_b = (size_t)L->k.d_pad * L->k.ff_pad * 2;
+    size_t stage_b = up_b > dn_b ? up_b : dn_b;
+    const size_t s_up = (size_t)L->k.sn_up * L->k.d_pad * 2, s_dn = (size_t)L->k.d_pad * L->k.sff_pad * 2;
+    if (s_up > stage_b) stage_b = s_up;
+    if (s_dn > stage_b) stage_b = s_dn;
+    int widest = li->d_model > li->d_ff ? li->d_model : li->d_ff; /* put_rows converts rows of d or ff */
+    if (li->shared_d_ff > widest) widest = li->shared_d_ff;
+    tmp = malloc(sizeof(float) * (size_t)widest);
+    CU(cudaSetDevice(L->device), "cudaSetDevice");
+    CU(cudaMallocHost(&stage, stage_b), "pinned staging for weights");
+    if (!tmp) {
+        rc = moed_fail(err, MOED_ENOMEM, "out of host memory");
+        goto err;
+    }
+    CU(cudaMalloc(&L->w13, up_b * li->n_experts), "weight allocation");
+    CU(cudaMalloc(&L->w2, dn_b * li->n_experts), "weight allocation");
+    for (int e = 0; e < li->n_experts; e++) {
+        const moed_expert_w *x = &l->experts[e];
+        pack_up(stage, L, x->w1, glu ? x->w3 : NULL, li->d_ff, L->k.n_up, tmp);
+        if ((rc = upload((char *)L->w13 + up_b * e, stage, up_b, err))) goto err;
+        pack_down(stage, L, x->w2, li->d_ff, L->k.ff_pad, tmp);
+        if ((rc = upload((char *)L->w2 + dn_b * e, stage, dn_b, err))) goto err;
+    }
+    if (L->k.sff_pad) {
+        CU(cudaMalloc(&L->s13, s_up), "weight allocation");
+        CU(cudaMalloc(&L->s2, s_dn), "weight allocation");
+        pack_up(stage, L, l->shared.w1, glu ? l->shared.w3 : NULL, li->shared_d_ff, L->k.sn_up, tmp);
+        if ((rc = upload(L->s13, stage, s_up, err))) goto err;
+        pack_down(stage, L, l->shared.w2, li->shared_d_ff, L->k.sff_pad, tmp);
+        if ((rc = upload(L->s2, stage, s_dn, err))) goto err;
+    }
+    if (li->has_router && l->router) {
+        const size_t rb = (size_t)L->e_pad * L->k.d_pad * 2;
+        CU(cudaMalloc(&L->router, rb), "router allocation");
+        memset(stage, 0, rb <= stage_b ? rb : stage_b);
+        if (rb > stage_b) {
+            rc = moed_fail(err, MOED_EINTERNAL, "router staging too small");
+            goto err;
+        }
+        put_rows(stage, L->k.d_pad, L->k.cdtype, l->router, li->wdtype, li->d_model, 0, li->n_experts, tmp);
+        if ((rc = upload(L->router, stage, rb, err))) goto err;
+    }
+    L->k.w13 = L->w13;
+    L->k.w2 = L->w2;
+    L->k.s13 = L->s13;
+    L->k.s2 = L->s2;
+    c->n_layers++;
+    cudaFreeHost(stage);
+    free(tmp);
+    return 0;
+err:
+    cudaFree(L->w13);
+    cudaFree(L->w2);
+    cudaFree(L->s13);
+    cudaFree(L->s2);
+    cudaFree(L->router);
+    if (stage) cudaFreeHost(stage);
+    free(tmp);
+    return rc;
+}
+
+/* ---- the pool ------------------------------------------------------------------------------ */
+
+static int exec_init(cuda_ctx *c, cuda_exec *x, int device, moed_error *err)
+{
+    int rc = 0;
+    const int64_t T = c->max_tokens, P = c->max_pairs;
+    const int32_t max_tiles = moe_route_max_tiles((int32_t)P, c->max_e, 16);
+    memset(x, 0, sizeof *x);
+    x->device = device;
+    CU(cudaSetDevice(device), "cudaSetDevice");
+    CU(cudaStreamCreateWithFlags(&x->stream, cudaStreamNonBlocking), "stream creation");
+    const size_t in_b = (size_t)T * c->max_d * 4;
+    CU(cudaMallocHost((void **)&x->h_route, moe_route_in_words(T, P) * 4), "pinned route staging");
+    CU(cudaMalloc(&x->x_in, in_b), "workspace");
+    CU(cudaMalloc(&x->out, in_b), "workspace");
+    CU(cudaMalloc(&x->w.xc, (size_t)T * c->max_d_pad * 2), "workspace");
+    CU(cudaMalloc(&x->w.h, (size_t)P * c->max_ff_pad * 2), "workspace");
+    CU(cudaMalloc(&x->w.y, (size_t)P * c->max_d_pad * 2), "workspace");
+    if (c->max_sff_pad) {
+        CU(cudaMalloc(&x->w.hs, (size_t)T * c->max_sff_pad * 2), "workspace");
+        CU(cudaMalloc(&x->w.ys, (size_t)T * c->max_d_pad * 2), "workspace");
+    }
+    if (c->max_e_pad) CU(cudaMalloc((void **)&x->logits, (size_t)T * c->max_e_pad * 4), "workspace");
+    CU(cudaMalloc((void **)&x->route, moe_route_words(T, P, c->max_e, max_tiles) * 4), "workspace");
+    return 0;
+err:
+    return rc;
+}
+
+static void exec_free(cuda_exec *x)
+{
+    if (!x->stream) return;
+    cudaSetDevice(x->device);
+    cudaStreamSynchronize(x->stream);
+    cudaFreeHost(x->h_route);
+    cudaFree(x->x_in);
+    cudaFree(x->out);
+    cudaFree(x->w.xc);
+    cudaFree(x->w.h);
+    cudaFree(x->w.y);
+    cudaFree(x->w.hs);
+    cudaFree(x->w.ys);
+    cudaFree(x->logits);
+    cudaFree(x->route);
+    cudaStreamDestroy(x->stream);
+}
+
+/* Workspace bytes of one slot, for the admission message. */
+static uint64_t exec_bytes(const cuda_ctx *c)
+{
+    const int64_t T = c->max_tokens, P = c->max_pairs;
+    uint64_t b = 2 * (uint64_t)T * c->max_d * 4 + (uint64_t)T * c->max_d_pad * 2;
+    b += (uint64_t)P * (c->max_ff_pad + c->max_d_pad) * 2;
+    b += (uint64_t)T * (c->max_sff_pad + c->max_d_pad * (c->max_sff_pad > 0)) * 2;
+    b += (uint64_t)T * c->max_e_pad * 4;
+    b += moe_route_words(T, P, c->max_e, moe_route_max_tiles((int32_t)P, c->max_e, 16)) * 4;
+    return b;
+}
+
+static int cuda_start(moed_backend *b, moed_error *err)
+{
+    cuda_ctx *c = b->ctx;
+    int max_k = 1;
+    for (int i = 0; i < c->n_layers; i++) {
+        const cuda_layer *L = &c->layers[i];
+        if (L->info.n_experts > c->max_e) c->max_e = L->info.n_experts;
+        if (L->info.top_k > max_k) max_k = L->info.top_k;
+        if (L->info.d_model > c->max_d) c->max_d = L->info.d_model;
+        if (L->k.d_pad > c->max_d_pad) c->max_d_pad = L->k.d_pad;
+        if (L->k.ff_pad > c->max_ff_pad) c->max_ff_pad = L->k.ff_pad;
+        if (L->k.sff_pad > c->max_sff_pad) c->max_sff_pad = L->k.sff_pad;
+        if (L->router && L->e_pad > c->max_e_pad) c->max_e_pad = L->e_pad;
+    }
+    if (!c->n_layers) return moed_fail(err, MOED_EINVAL, "no layers loaded");
+    /* Room for every token's top-k, and at least one token routed to every expert; batches with
+     * more pairs run in token chunks. The halving of the x and h buffers' share keeps one slot
+     * within a few GB on the largest shapes. */
+    c->max_pairs = c->max_tokens * max_k;
+    if (c->max_pairs < c->max_e) c->max_pairs = c->max_e;
+    const int per_dev = c->cfg.streams > 0 ? c->cfg.streams : 2;
+    c->n_exec = per_dev * c->n_dev;
+    c->execs = calloc((size_t)c->n_exec, sizeof *c->execs);
+    if (!c->execs) return moed_fail(err, MOED_ENOMEM, "out of host memory");
+    int rc = 0;
+    for (int d = 0; d < c->n_dev; d++) {
+        char what[96];
+        snprintf(what, sizeof what, "the stream pool (%d slots for %lld tokens)", per_dev, (long long)c->max_tokens);
+        if ((rc = check_free(c->dev[d], exec_bytes(c) * per_dev, what, err))) return rc;
+        for (int s = 0; s < per_dev; s++)
+            if ((rc = exec_init(c, &c->execs[d * per_dev + s], c->dev[d], err))) return rc;
+    }
+    b->n_exec = c->n_exec;
+    return 0;
+}
+
+/* ---- one batch ----------------------------------------------------------------------------- */
+
+static int dev_index(const cuda_ctx *c, int device)
+{
+    for (int i = 0; i < c->n_dev; i++)
+        if (c->dev[i] == device) return i;
+    return 0;
+}
+
+/* Packs tokens [t0, t1) of the route into the slot's pinned staging, uploads it, and lays route
+ * prep's arrays out behind it for m-tiles of bm rows. */
+static void stage_route(cuda_exec *x, const moed_route *rt, int64_t t0, int64_t t1, int E, int bm)
+{
+    const int64_t T = t1 - t0, P = rt->off[t1] - rt->off[t0];
+    moe_route_pack(x->h_route, rt->off, rt->expert, rt->weight, t0, t1);
+    cudaMemcpyAsync(x->route, x->h_route, moe_route_in_words(T, P) * 4, cudaMemcpyHostToDevice, x->stream);
+    moe_route_layout(&x->r, x->route, T, P, E, bm);
+}
+
+/* Count of experts with pairs in tokens [t0, t1), for choosing the tile before staging. */
+static int active_experts(const moed_route *rt, int64_t t0, int64_t t1, int E)
+{
+    static _Thread_local uint8_t seen[4096];
+    int n = 0;
+    memset(seen, 0, (size_t)E);
+    for (int64_t j = rt->off[t0]; j < rt->off[t1]; j++)
+        if (!seen[rt->expert[j]]) {
+            seen[rt->expert[j]] = 1;
+            n++;
+        }
+    return n;
+}
+
+/* Queues the whole pipeline for tokens [t0, t1) of the job on the slot's stream. */
+static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_job *job, int64_t t0, int64_t t1)
+{
+    const moed_route *rt = job->route;
+    const int d = L->info.d_model, E = L->info.n_experts;
+    const int64_t T = t1 - t0, P = rt->off[t1] - rt->off[t0];
+    const size_t es = moed_dtype_size(job->dtype);
+    const int n_act = active_experts(rt, t0, t1, E);
+    stage_route(x, rt, t0, t1, E, moe_tile_bm(P, n_act, c->force_kernel));
+    cudaMemcpyAsync(x->x_in, (const char *)job->x + (size_t)t0 * d * es, (size_t)T * d * es,
+                    cudaMemcpyHostToDevice, x->stream);
+    int rc = moe_pipeline(&L->k, &x->r, &x->w, x->x_in, job->dtype, x->out, c->sm[dev_index(c, x->device)],
+                          n_act, c->force_kernel, x->stream, NULL);
+    cudaMemcpyAsync((char *)job->y + (size_t)t0 * d * es, x->out, (size_t)T * d * es, cudaMemcpyDeviceToHost,
+                    x->stream);
+    return rc;
+}
+
+static int finish(cuda_exec *x, int rc, const char *what, moed_error *err)
+{
+    cudaError_t e = cudaStreamSynchronize(x->stream);
+    if (e == cudaSuccess) e = cudaGetLastError();
+    if (e != cudaSuccess) return cuda_fail(err, e, what);
+    if (rc) return moed_fail(err, rc, "%s: a kernel launch was refused (%s)", what, moed_strerror(rc));
+    return 0;
+}
+
+static int cuda_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err)
+{
+    cuda_ctx *c = b->ctx;
+    if (exec < 0 || exec >= c->n_exec || job->slot < 0 || job->slot >= c->n_layers)
+        return moed_fail(err, MOED_EINVAL, "no execution slot %d or layer slot %d", exec, job->slot);
+    cuda_exec *x = &c->execs[exec];
+    const cuda_layer *L = &c->layers[job->slot];
+    if (L->device != x->device)
+        return moed_fail(err, MOED_EINVAL, "layer slot %d lives on GPU %d, not on slot %d's GPU %d", job->slot,
+                         L->device, exec, x->device);
+    if (job->T > c->max_tokens)
+        return moed_fail(err, MOED_ETOOBIG, "%lld tokens is over the %lld the workspace was sized for",
+                         (long long)job->T, (long long)c->max_tokens);
+    cudaSetDevice(x->device);
+    const moed_route *rt = job->route;
+    int rc = 0;
+    for (int64_t t0 = 0; t0 < job->T && !rc;) {
+        int64_t t1 = t0 + 1;
+        while (t1 < job->T && rt->off[t1 + 1] - rt->off[t0] <= c->max_pairs) t1++;
+        if (rt->off[t1] - rt->off[t0] > c->max_pairs)
+            return moed_fail(err, MOED_ETOOBIG, "token %lld has %lld pairs, over the workspace's %lld",
+                             (long long)t0, (long long)(rt->off[t1] - rt->off[t0]), (long long)c->max_pairs);
+        rc = run_chunk(c, x, L, job, t0, t1);
+        t0 = t1;
+        /* the next chunk repacks the pinned route staging the last copy may still be reading */
+        if (t0 < job->T) cudaStreamSynchronize(x->stream);
+    }
+    return finish(x, rc, "forward", err);
+}
+
+static int cuda_router_logits(moed_backend *b, int exec, int slot, int dtype, int64_t T, const void *xin,
+                              float *logits, moed_error *err)
+{
+    cuda_ctx *c = b->ctx;
+    if (exec < 0 || exec >= c->n_exec || slot < 0 || slot >= c->n_layers)
+        return moed_fail(err, MOED_EINVAL, "no execution slot %d or layer slot %d", exec, slot);
+    cuda_exec *x = &c->execs[exec];
+    const cuda_layer *L = &c->layers[slot];
+    if (!L->router) return moed_fail(err, MOED_EINVAL, "layer %d has no router weights", L->info.index);
+    if (T > c->max_tokens)
+        return moed_fail(err, MOED_ETOOBIG, "%lld tokens is over the %lld the workspace was sized for",
+                         (long long)T, (long long)c->max_tokens);
+    const int d = L->info.d_model, E = L->info.n_experts;
+    const size_t es = moed_dtype_size(dtype);
+    cudaSetDevice(x->device);
+    cudaMemcpyAsync(x->x_in, xin, (size_t)T * d * es, cudaMemcpyHostToDevice, x->stream);
+    int rc = moe_convert_in(x->x_in, dtype, T, d, x->w.xc, L->k.cdtype, L->k.d_pad, x->stream);
+    if (!rc) {
+        moe_gemm g;
+        memset(&g, 0, sizeof g);
+        g.cdtype = L->k.cdtype;
+        g.a = x->w.xc;
+        g.lda = L->k.d_pad;
+        g.a_rows_total = T;
+        g.b = L->router;
+        g.b_experts = 1;
+        g.n = L->e_pad;
+        g.k = L->k.d_pad;
+        g.b_estride = (int64_t)L->e_pad * L->k.d_pad;
+        g.c = x->logits;
+        g.ldc = L->e_pad;
+        g.epi = MOE_EPI_STORE_F32;
+        g.identity_rows = (int32_t)T;
+        g.bm = moe_tile_bm(T, 1, c->force_kernel == MOE_KERNEL_SM90 ? 0 : c->force_kernel);
+        g.max_tiles = (int32_t)((T + g.bm - 1) / g.bm);
+        moe_tile_cfg cfg = { MOE_KERNEL_SM80, g.bm, 128 }; /* fp32 stores: the portable epilogue */
+        rc = moe_gemm_run(&g, &cfg, x->stream);
+    }
+    if (!rc)
+        cudaMemcpy2DAsync(logits, (size_t)E * 4, x->logits, (size_t)L->e_pad * 4, (size_t)E * 4, (size_t)T,
+                          cudaMemcpyDeviceToHost, x->stream);
+    return finish(x, rc, "router logits", err);
+}
+
+static void *cuda_host_alloc(moed_backend *b, size_t bytes)
+{
+    void *p = NULL;
+    (void)b;
+    return cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocPortable) == cudaSuccess ? p : NULL;
+}
+
+static void cuda_host_free(moed_backend *b, void *p)
+{
+    (void)b;
+    if (p) cudaFreeHost(p);
+}
+
+static int cuda_device_info(moed_backend *b, int i, moed_device_info *out)
+{
+    cuda_ctx *c = b->ctx;
+    if (i < 0 || i >= c->n_dev) return MOED_EINVAL;
+    size_t free_b = 0, total_b = 0;
+    cudaSetDevice(c->dev[i]);
+    cudaMemGetInfo(&free_b, &total_b);
+    snprintf(out->name, sizeof out->name, "%.64s (GPU %d, sm_%d)", c->prop[i].name, c->dev[i], c->sm[i]);
+    out->memory_total = total_b;
+    out->memory_used = total_b - free_b;
+    return 0;
+}
+
+static void cuda_destroy(moed_backend *b)
+{
+    cuda_ctx *c = b->ctx;
+    for (int i = 0; i < c->n_exec; i++) exec_free(&c->execs[i]);
+    for (int i = 0; i < c->n_layers; i++) {
+        cuda_layer *L = &c->layers[i];
+        cudaSetDevice(L->device);
+        cudaFree(L->w13);
+        cudaFree(L->w2);
+        cudaFree(L->s13);
+        cudaFree(L->s2);
+        cudaFree(L->router);
+    }
+    free(c->execs);
+    free(c->layers);
+    free(c);
+    free(b);
+}
+
+static const moed_backend_ops cuda_ops = {
+    .name = "cuda",
+    .load_layer = cuda_load_layer,
+    .start = cuda_start,
+    .forward = cuda_forward,
+    .router_logits = cuda_router_logits,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
+    .device_info = cuda_device_info,
+    .destroy = cuda_destroy,
+};
+
+int moed_backend_cuda_open(const moed_backend_config *cfg, moed_backend **out, moed_error *err)
+{
+    int n = 0, rc = 0;
+    cuda_ctx *c = NULL;
+    moed_backend *b = NULL;
+    *out = NULL;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0) {
+        cudaGetLastError();
+        return moed_fail(err, MOED_ENODEV, "no CUDA device answers (%s); use --backend cpu",
+                         e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+    }
+    c = calloc(1, sizeof *c);
+    b = calloc(1, sizeof *b);
+    if (!c || !b) {
+        rc = moed_fail(err, MOED_ENOMEM, "out of host memory");
+        goto err;
+    }
+    c->cfg = *cfg;
+    c->max_tokens = cfg->max_tokens > 0 ? cfg->max_tokens : 8192;
+    const char *force = getenv("MOED_CUDA_KERNEL");
+    if (force && !strcmp(force, "sm80")) c->force_kernel = MOE_KERNEL_SM80;
+    if (force && !strcmp(force, "sm90")) c->force_kernel = MOE_KERNEL_SM90;
+    const int listed = cfg->devices && cfg->n_devices > 0;
+    const int want = listed ? cfg->n_devices : n;
+    for (int i = 0; i < want && c->n_dev < MAX_DEVICES; i++) {
+        const int id = listed ? cfg->devices[i] : i;
+        struct cudaDeviceProp *pr = &c->prop[c->n_dev];
+        if (id < 0 || id >= n) {
+            rc = moed_fail(err, MOED_EINVAL, "--devices names GPU %d, but only GPUs 0..%d exist", id, n - 1);
+            goto err;
+        }
+        CU(cudaGetDeviceProperties(pr, id), "cudaGetDeviceProperties");
+        const int sm = pr->major * 10 + pr->minor;
+        if (sm < 80) {
+            rc = moed_fail(err, MOED_ENODEV, "GPU %d (%.64s) is sm_%d; the CUDA backend needs sm_80 or newer", id,
+                           pr->name, sm);
+            goto err;
+        }
+        c->sm[c->n_dev] = sm;
+        c->dev[c->n_dev++] = id;
+    }
+    b->ops = &cuda_ops;
+    b->ctx = c;
+    b->n_devices = c->n_dev;
+    *out = b;
+    return 0;
+err:
+    free(c);
+    free(b);
+    return rc;
+}

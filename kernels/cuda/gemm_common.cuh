@@ -1,0 +1,126 @@
+/*
+ * gemm_common — what both grouped-GEMM kernel families share: the walk from a CTA's index to its
+ * (expert, m-tile, n-tile), the epilogue arithmetic, and the few PTX instructions both use.
+ *
+ * Tile order: CTAs are numbered over (m-tile, n-tile) in bands of MOE_GROUP_M m-tiles, m fastest
+ * within a band, so the CTAs resident at one time share a few A row blocks and a few weight
+ * column blocks and both stay in L2 (without it every m-tile re-reads a whole expert from HBM).
+ */
+#ifndef MOE_GEMM_COMMON_CUH
+#define MOE_GEMM_COMMON_CUH
+
+#include "moe_cuda.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define MOE_GROUP_M 8
+
+struct moe_tile {
+    int e;       /* expert */
+    int row0;    /* first sorted row of the tile */
+    int row_end; /* one past the last row of the expert's segment */
+    int nt;      /* n-tile */
+};
+
+/* Maps CTA `id` to its tile; false when the tile is past the m-tiles in use (the CTA exits). */
+__device__ __forceinline__ bool moe_tile_of(const moe_gemm &g, int num_n, int id, moe_tile &t)
+{
+    const int band = MOE_GROUP_M * num_n;
+    const int first_m = (id / band) * MOE_GROUP_M;
+    const int rows_in_band = min(g.max_tiles - first_m, MOE_GROUP_M);
+    const int within = id % band;
+    const int mt = first_m + within % rows_in_band;
+    t.nt = within / rows_in_band;
+    if (g.tile_exp) {
+        if (mt >= *g.n_tiles) return false;
+        t.e = g.tile_exp[mt];
+        t.row0 = g.tile_row[mt];
+        t.row_end = g.exp_off[t.e + 1];
+    } else {
+        t.row0 = mt * g.bm;
+        if (t.row0 >= g.identity_rows) return false;
+        t.e = 0;
+        t.row_end = g.identity_rows;
+    }
+    return true;
+}
+
+/* Same functions, same constants as the CPU backend (kernels/cpu): expf, erff. */
+__device__ __forceinline__ float moe_silu(float a)
+{
+    return a / (1.0f + expf(-a));
+}
+
+__device__ __forceinline__ float moe_act(int epi, float a)
+{
+    if (epi == MOE_EPI_GELU) return 0.5f * a * (1.0f + erff(a * 0.70710678118654752f));
+    if (epi == MOE_EPI_RELU) return fmaxf(a, 0.0f);
+    return a;
+}
+
+/* Stores two adjacent columns of one row. */
+template <typename T> __device__ __forceinline__ void moe_store2(T *p, float v0, float v1);
+template <> __device__ __forceinline__ void moe_store2<__nv_bfloat16>(__nv_bfloat16 *p, float v0, float v1)
+{
+    *reinterpret_cast<__nv_bfloat162 *>(p) = __floats2bfloat162_rn(v0, v1);
+}
+template <> __device__ __forceinline__ void moe_store2<__half>(__half *p, float v0, float v1)
+{
+    *reinterpret_cast<__half2 *>(p) = __floats2half2_rn(v0, v1);
+}
+
+/*
+ * The epilogue of one accumulator pair: columns n, n+1 (global, even) of tile row `row`, with
+ * (u0, u1) the same row's columns n + MOE_GLU_BLOCK for SwiGLU (the matching up projection: W13
+ * interleaves gate and up blocks of MOE_GLU_BLOCK rows). Callers pass only gate columns for SwiGLU.
+ */
+template <typename T>
+__device__ __forceinline__ void moe_epilogue2(const moe_gemm &g, int64_t row, int n, float v0,
+                                              float v1, float u0, float u1)
+{
+    if (g.epi == MOE_EPI_STORE_F32) {
+        *reinterpret_cast<float2 *>(static_cast<float *>(g.c) + row * g.ldc + n) = make_float2(v0, v1);
+        return;
+    }
+    T *c = static_cast<T *>(g.c) + row * g.ldc;
+    if (g.epi == MOE_EPI_SWIGLU) {
+        const int hcol = (n / (2 * MOE_GLU_BLOCK)) * MOE_GLU_BLOCK + n % (2 * MOE_GLU_BLOCK);
+        moe_store2<T>(c + hcol, moe_silu(v0) * u0, moe_silu(v1) * u1);
+        return;
+    }
+    moe_store2<T>(c + n, moe_act(g.epi, v0), moe_act(g.epi, v1));
+}
+
+__device__ __forceinline__ uint32_t moe_smem_addr(const void *p)
+{
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+/* 16-byte global→shared copy; src_bytes 0 fills the 16 bytes with zeros (rows past the end). */
+__device__ __forceinline__ void moe_cp_async16(uint32_t dst, const void *src, int src_bytes)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void moe_cp_async_commit()
+{
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int N> __device__ __forceinline__ void moe_cp_async_wait()
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+/* 128-byte shared rows of 8 16-byte chunks, chunk index XOR (row mod 8): the layout both ldmatrix
+ * (conflict-free) and wgmma's 128-byte swizzle mode expect. */
+__device__ __forceinline__ uint32_t moe_swz128(int row, int chunk)
+{
+    return static_cast<uint32_t>(row * 128 + ((chunk ^ (row & 7)) << 4));
+}
+
+#endif

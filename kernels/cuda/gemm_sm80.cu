@@ -1,0 +1,210 @@
+/*
+ * gemm_sm80 — the portable grouped GEMM (sm_80 and newer): mma.sync m16n8k16 on Tensor Cores with
+ * fp32 accumulation, a cp.async pipeline of STAGES shared-memory stages, ldmatrix fragment loads.
+ *
+ * One CTA computes one (expert, m-tile, n-tile). A's rows are gathered in the load itself: each
+ * 16-byte chunk is fetched from X[token(row)] (or from H[row] when there is no gather), so no
+ * permuted copy of the activations is ever written. Rows past the expert's segment are
+ * zero-filled and never stored. Every output element is one fixed-order sum over K computed by one
+ * thread's mma sequence, so a row's result does not depend on the other rows of its tile.
+ *
+ * The tile shapes are compile-time (one instantiation per shape the heuristic table can pick):
+ *   bm 128: 8 warps as 4 x 2, warp tile 32 x 64 (large batches, compute-bound)
+ *   bm  64: 4 warps as 2 x 2, warp tile 32 x 64
+ *   bm  16: 2 warps as 1 x 2, warp tile 16 x 64, 6 stages (few rows per expert: the kernel streams
+ *           weights, and the deep pipeline keeps enough bytes in flight to run at HBM speed)
+ * Every warp tile is 64 columns wide, aligned to 64: the SwiGLU epilogue finds each gate column's
+ * up column (32 further, see MOE_GLU_BLOCK) in the same thread's registers.
+ */
+#include "gemm_common.cuh"
+
+#include "moed_dtype.h"
+#include "moed_err.h"
+
+#include <cuda_runtime.h>
+
+namespace {
+
+constexpr int BK = 64; /* 128-byte shared rows */
+
+template <typename T> __device__ __forceinline__ void mma16816(float d[4], const uint32_t a[4], const uint32_t b[2]);
+template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float d[4], const uint32_t a[4], const uint32_t b[2])
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <> __device__ __forceinline__ void mma16816<__half>(float d[4], const uint32_t a[4], const uint32_t b[2])
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+template <typename T, int BM, int BN, int WM, int WN, int STAGES>
+__global__ void __launch_bounds__(WM *WN * 32)
+    gemm_sm80_kernel(const moe_gemm g, int num_n)
+{
+    constexpr int THREADS = WM * WN * 32;
+    constexpr int WTM = BM / WM, WTN = BN / WN;
+    constexpr int MI = WTM / 16, NI = WTN / 8;
+    constexpr int A_CHUNKS = BM * 8 / THREADS, B_CHUNKS = BN * 8 / THREADS;
+    constexpr int A_STAGE = BM * 128, STAGE = (BM + BN) * 128;
+    static_assert(WTN == 64, "the SwiGLU epilogue needs 64-column warp tiles");
+    static_assert(A_CHUNKS >= 1 && BM * 8 % THREADS == 0 && BN * 8 % THREADS == 0, "load split");
+
+    moe_tile t;
+    if (!moe_tile_of(g, num_n, blockIdx.x, t)) return;
+
+    extern __shared__ __align__(1024) uint8_t smem[];
+    const uint32_t sbase = moe_smem_addr(smem);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp / WN, wn = warp % WN;
+
+    /* Each thread's chunks: fixed shared offsets, and global sources that advance by BK per k-tile. */
+    const T *a_src[A_CHUNKS];
+    uint32_t a_dst[A_CHUNKS];
+    int a_bytes[A_CHUNKS];
+#pragma unroll
+    for (int i = 0; i < A_CHUNKS; i++) {
+        const int c = tid + i * THREADS, row = c >> 3, kc = c & 7;
+        const int r = t.row0 + row;
+        const bool ok = r < t.row_end;
+        int64_t src = ok ? (g.a_rows ? g.a_rows[r] : r) : 0;
+        if (src >= g.a_rows_total) src = 0; /* defensive: never read outside A */
+        a_src[i] = static_cast<const T *>(g.a) + src * g.lda + kc * 8;
+        a_dst[i] = moe_swz128(row, kc);
+        a_bytes[i] = ok ? 16 : 0;
+    }
+    const T *b_base = static_cast<const T *>(g.b) + t.e * g.b_estride + (int64_t)t.nt * BN * g.k;
+    const int ktiles = g.k / BK;
+
+    auto load_stage = [&](int stage, int kt) {
+        const uint32_t sa = sbase + stage * STAGE, sb = sa + A_STAGE;
+#pragma unroll
+        for (int i = 0; i < A_CHUNKS; i++) moe_cp_async16(sa + a_dst[i], a_src[i] + kt * BK, a_bytes[i]);
+#pragma unroll
+        for (int i = 0; i < B_CHUNKS; i++) {
+            const int c = tid + i * THREADS, row = c >> 3, kc = c & 7;
+            moe_cp_async16(sb + moe_swz128(row, kc), b_base + (int64_t)row * g.k + kt * BK + kc * 8, 16);
+        }
+    };
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+        for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) acc[mi][ni][j] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < ktiles) load_stage(s, s);
+        moe_cp_async_commit();
+    }
+
+    for (int kt = 0; kt < ktiles; kt++) {
+        moe_cp_async_wait<STAGES - 2>();
+        __syncthreads(); /* stage kt landed for everyone; stage kt-1 is free to refill */
+        const int nk = kt + STAGES - 1;
+        if (nk < ktiles) load_stage(nk % STAGES, nk);
+        moe_cp_async_commit();
+
+        const uint32_t sa = sbase + (kt % STAGES) * STAGE, sb = sa + A_STAGE;
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; kk++) {
+            uint32_t af[MI][4], bf[NI][2];
+#pragma unroll
+            for (int mi = 0; mi < MI; mi++) {
+                const int row = wm * WTM + mi * 16 + (lane & 15);
+                ldmatrix_x4(af[mi], sa + moe_swz128(row, kk * 2 + (lane >> 4)));
+            }
+#pragma unroll
+            for (int nj = 0; nj < NI / 2; nj++) {
+                const int row = wn * WTN + nj * 16 + (lane & 7) + ((lane >> 4) << 3);
+                uint32_t r[4];
+                ldmatrix_x4(r, sb + moe_swz128(row, kk * 2 + ((lane >> 3) & 1)));
+                bf[2 * nj][0] = r[0];
+                bf[2 * nj][1] = r[1];
+                bf[2 * nj + 1][0] = r[2];
+                bf[2 * nj + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+                for (int ni = 0; ni < NI; ni++) mma16816<T>(acc[mi][ni], af[mi], bf[ni]);
+        }
+    }
+    moe_cp_async_wait<0>();
+
+    /* Accumulator (mi, ni, j): row wm*WTM + mi*16 + lane/4 (+8 for j >= 2), column
+     * wn*64 + ni*8 + 2*(lane%4) (+1 for odd j). Gate columns are ni < 4, their up columns ni + 4. */
+    constexpr int NOUT = NI / 2;
+#pragma unroll
+    for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = t.row0 + wm * WTM + mi * 16 + (lane >> 2) + h * 8;
+            if (r >= t.row_end) continue;
+#pragma unroll
+            for (int ni = 0; ni < NI; ni++) {
+                const int n = t.nt * BN + wn * WTN + ni * 8 + 2 * (lane & 3);
+                const float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
+                if (g.epi == MOE_EPI_SWIGLU) {
+                    if (ni < NOUT)
+                        moe_epilogue2<T>(g, r, n, v0, v1, acc[mi][ni + NOUT][2 * h],
+                                         acc[mi][ni + NOUT][2 * h + 1]);
+                } else {
+                    moe_epilogue2<T>(g, r, n, v0, v1, 0.0f, 0.0f);
+                }
+            }
+        }
+}
+
+template <typename T, int BM, int BN, int WM, int WN, int STAGES>
+int launch(const moe_gemm *g, moe_stream s)
+{
+    constexpr int smem = STAGES * (BM + BN) * 128;
+    auto kern = gemm_sm80_kernel<T, BM, BN, WM, WN, STAGES>;
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+        return MOED_EDEVICE;
+    const int num_n = g->n / BN;
+    const int64_t ctas = (int64_t)num_n * g->max_tiles;
+    if (ctas <= 0) return 0;
+    if (ctas > 0x7fffffff) return MOED_EINVAL;
+    kern<<<(unsigned)ctas, WM * WN * 32, smem, (cudaStream_t)s>>>(*g, num_n);
+    return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;
+}
+
+template <typename T> int dispatch(const moe_gemm *g, moe_stream s)
+{
+    switch (g->bm) {
+    case 128:
+        return launch<T, 128, 128, 4, 2, 4>(g, s);
+    case 64:
+        return launch<T, 64, 128, 2, 2, 4>(g, s);
+    case 16:
+        return launch<T, 16, 128, 1, 2, 6>(g, s);
+    }
+    return MOED_EINVAL;
+}
+
+} // namespace
+
+extern "C" int moe_gemm_sm80(const moe_gemm *g, int bn, moe_stream s)
+{
+    if (bn != 128 || g->n % 128 || g->k % BK) return MOED_EINVAL;
+    if (g->cdtype == MOED_BF16) return dispatch<__nv_bfloat16>(g, s);
+    if (g->cdtype == MOED_F16) return dispatch<__half>(g, s);
+    return MOED_EINVAL;
+}

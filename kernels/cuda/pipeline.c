@@ -1,0 +1,143 @@
+/*
+ * pipeline — the sequence of launches for one batch, in one place, so the backend and the kernel
+ * benchmark run exactly the same thing: convert → route prep → up GEMM → down GEMM → shared experts
+ * → combine, all queued on one stream, nothing synchronised.
+ */
+#include "moe_cuda.h"
+
+#include "moed_dtype.h"
+#include "moed_err.h"
+#include "moed_model.h"
+
+#include <cuda_runtime_api.h>
+#include <string.h>
+
+size_t moe_route_in_words(int64_t T, int64_t P)
+{
+    return (size_t)(T + 1) + 3 * (size_t)P;
+}
+
+size_t moe_route_words(int64_t T, int64_t P, int E, int32_t max_tiles)
+{
+    return moe_route_in_words(T, P) + 2 * (size_t)E + 1 /* exp_off, cursor */
+           + 2 * (size_t)P                              /* slot_tok, pair_slot */
+           + 2 * (size_t)max_tiles + 1;                 /* tile_exp, tile_row, n_tiles */
+}
+
+void moe_route_pack(int32_t *dst, const int64_t *off, const int32_t *expert, const float *weight, int64_t t0,
+                    int64_t t1)
+{
+    const int64_t T = t1 - t0, p0 = off[t0], P = off[t1] - p0;
+    int32_t *pair_tok = dst + T + 1, *pair_exp = pair_tok + P;
+    float *pair_w = (float *)(pair_exp + P);
+    for (int64_t t = 0; t <= T; t++) dst[t] = (int32_t)(off[t0 + t] - p0);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = off[t0 + t]; j < off[t0 + t + 1]; j++) pair_tok[j - p0] = (int32_t)t;
+    memcpy(pair_exp, expert + p0, sizeof(int32_t) * (size_t)P);
+    memcpy(pair_w, weight + p0, sizeof(float) * (size_t)P);
+}
+
+void moe_route_layout(moe_route_dev *r, int32_t *dev, int64_t T, int64_t P, int E, int bm)
+{
+    r->T = (int32_t)T;
+    r->P = (int32_t)P;
+    r->E = E;
+    r->tok_off = dev;
+    r->pair_tok = dev + T + 1;
+    r->pair_exp = r->pair_tok + P;
+    r->pair_w = (const float *)(r->pair_exp + P);
+    r->exp_off = dev + moe_route_in_words(T, P);
+    r->cursor = r->exp_off + E + 1;
+    r->slot_tok = r->cursor + E;
+    r->pair_slot = r->slot_tok + P;
+    r->bm = bm;
+    r->max_tiles = moe_route_max_tiles((int32_t)P, E, bm);
+    r->tile_exp = r->pair_slot + P;
+    r->tile_row = r->tile_exp + r->max_tiles;
+    r->n_tiles = r->tile_row + r->max_tiles;
+}
+
+static void mark(void *const *ev, int i, moe_stream s)
+{
+    if (ev) cudaEventRecord((cudaEvent_t)ev[i], (cudaStream_t)s);
+}
+
+/* Up then down projection of T tokens over the route's m-tiles or, with r NULL, over all T rows in
+ * order as one expert (the shared experts). P is the rows H and Y hold. ev, if not NULL, is
+ * recorded between the two. */
+static int expert_gemms(const moe_layer_dev *L, const moe_route_dev *r, const void *xc, const void *w13,
+                        const void *w2, int E, int ff_pad, int n_up, void *h, void *y, int64_t T, int64_t P,
+                        int n_active, int sm, int force_kernel, moe_stream s, void *const *ev)
+{
+    moe_gemm g;
+    memset(&g, 0, sizeof g);
+    g.cdtype = L->cdtype;
+    g.b_experts = E;
+    if (r) {
+        g.tile_exp = r->tile_exp;
+        g.tile_row = r->tile_row;
+        g.n_tiles = r->n_tiles;
+        g.exp_off = r->exp_off;
+        g.max_tiles = r->max_tiles;
+        g.bm = r->bm;
+    } else {
+        g.identity_rows = (int32_t)T;
+        g.bm = moe_tile_bm(T, 1, force_kernel);
+        g.max_tiles = (int32_t)((T + g.bm - 1) / g.bm);
+    }
+    /* up: A = X rows gathered by token, B = W13 (or W1), SwiGLU/GELU/ReLU epilogue into H */
+    g.a = xc;
+    g.lda = L->d_pad;
+    g.a_rows = r ? r->slot_tok : NULL;
+    g.a_rows_total = T;
+    g.b = w13;
+    g.n = n_up;
+    g.k = L->d_pad;
+    g.b_estride = (int64_t)n_up * L->d_pad;
+    g.c = h;
+    g.ldc = ff_pad;
+    g.epi = L->act == MOED_ACT_SWIGLU ? MOE_EPI_SWIGLU : L->act == MOED_ACT_GELU ? MOE_EPI_GELU : MOE_EPI_RELU;
+    moe_tile_cfg cfg = moe_tile_choose(sm, P, n_active, g.n, g.k, force_kernel);
+    int rc = moe_gemm_run(&g, &cfg, s);
+    mark(ev, 0, s);
+    if (rc) return rc;
+    /* down: A = H rows in order, B = W2, plain store into Y */
+    g.a = h;
+    g.lda = ff_pad;
+    g.a_rows = NULL;
+    g.a_rows_total = P;
+    g.b = w2;
+    g.n = L->d_pad;
+    g.k = ff_pad;
+    g.b_estride = (int64_t)L->d_pad * ff_pad;
+    g.c = y;
+    g.ldc = L->d_pad;
+    g.epi = MOE_EPI_STORE;
+    cfg = moe_tile_choose(sm, P, n_active, g.n, g.k, force_kernel);
+    return moe_gemm_run(&g, &cfg, s);
+}
+
+int moe_pipeline(const moe_layer_dev *L, moe_route_dev *r, const moe_work_dev *w, const void *x, int dtype,
+                 void *out, int sm, int n_active, int force_kernel, moe_stream s, void *const *ev)
+{
+    /* Input already in the compute type and unpadded: the GEMMs read it where it is. */
+    const int direct = dtype == L->cdtype && L->d == L->d_pad;
+    const void *xc = direct ? x : w->xc;
+    int rc = direct ? 0 : moe_convert_in(x, dtype, r->T, L->d, w->xc, L->cdtype, L->d_pad, s);
+    mark(ev, 0, s);
+    if (!rc && r->P > 0) rc = moe_route_prep(r, s);
+    mark(ev, 1, s);
+    if (!rc && r->P > 0)
+        rc = expert_gemms(L, r, xc, L->w13, L->w2, L->E, L->ff_pad, L->n_up, w->h, w->y, r->T, r->P, n_active,
+                          sm, force_kernel, s, ev ? ev + 2 : NULL);
+    else
+        mark(ev, 2, s);
+    mark(ev, 3, s);
+    if (!rc && L->s13)
+        rc = expert_gemms(L, NULL, xc, L->s13, L->s2, 1, L->sff_pad, L->sn_up, w->hs, w->ys, r->T, r->T, 1, sm,
+                          force_kernel, s, NULL);
+    mark(ev, 4, s);
+    if (!rc) rc = moe_combine(r, w->y, L->s13 ? w->ys : NULL, L->cdtype, L->d, L->d_pad, out, dtype, s);
+    mark(ev, 5, s);
+    return rc;
+}

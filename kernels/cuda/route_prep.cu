@@ -1,0 +1,92 @@
+/*
+ * route_prep — turns a batch's (token, expert, weight) pairs into what the grouped GEMMs walk, on
+ * the GPU and with no host round trip: per-expert counts, their exclusive scan (each expert's
+ * segment of sorted rows), the slot of every pair in that order, and the list of m-tiles
+ * (expert, first row) for a tile height of bm rows. Three launches: count, scan, scatter.
+ *
+ * Slots within an expert's segment are taken with atomics, so their order varies from run to run;
+ * that is harmless because each sorted row is computed independently of the rows around it and the
+ * combine reads the pairs back in route order.
+ */
+#include "moe_cuda.h"
+
+#include "moed_err.h"
+
+#include <cub/block/block_scan.cuh>
+#include <cuda_runtime.h>
+
+namespace {
+
+constexpr int SCAN_THREADS = 1024, SCAN_ITEMS = 4; /* up to 4096 experts */
+
+__global__ void count_kernel(const int32_t *pair_exp, int P, int E, int32_t *cnt)
+{
+    extern __shared__ int32_t hist[];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
+    __syncthreads();
+    for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < P; p += gridDim.x * blockDim.x)
+        atomicAdd(&hist[pair_exp[p]], 1);
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        if (hist[e]) atomicAdd(&cnt[e], hist[e]);
+}
+
+__global__ void __launch_bounds__(SCAN_THREADS) scan_kernel(moe_route_dev r)
+{
+    typedef cub::BlockScan<int32_t, SCAN_THREADS> scan_t;
+    __shared__ typename scan_t::TempStorage tmp;
+    int32_t cnt[SCAN_ITEMS], tiles[SCAN_ITEMS], row_off[SCAN_ITEMS], tile_off[SCAN_ITEMS];
+#pragma unroll
+    for (int i = 0; i < SCAN_ITEMS; i++) {
+        const int e = threadIdx.x * SCAN_ITEMS + i;
+        cnt[i] = e < r.E ? r.cursor[e] : 0;
+        tiles[i] = (cnt[i] + r.bm - 1) / r.bm;
+    }
+    int32_t total_rows, total_tiles;
+    scan_t(tmp).ExclusiveSum(cnt, row_off, total_rows);
+    __syncthreads();
+    scan_t(tmp).ExclusiveSum(tiles, tile_off, total_tiles);
+#pragma unroll
+    for (int i = 0; i < SCAN_ITEMS; i++) {
+        const int e = threadIdx.x * SCAN_ITEMS + i;
+        if (e >= r.E) continue;
+        r.exp_off[e] = row_off[i];
+        r.cursor[e] = row_off[i];
+        for (int j = 0; j < tiles[i]; j++) {
+            r.tile_exp[tile_off[i] + j] = e;
+            r.tile_row[tile_off[i] + j] = row_off[i] + j * r.bm;
+        }
+    }
+    if (threadIdx.x == 0) {
+        r.exp_off[r.E] = total_rows;
+        *r.n_tiles = total_tiles;
+    }
+}
+
+__global__ void scatter_kernel(moe_route_dev r)
+{
+    for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < r.P; p += gridDim.x * blockDim.x) {
+        const int slot = atomicAdd(&r.cursor[r.pair_exp[p]], 1);
+        r.slot_tok[slot] = r.pair_tok[p];
+        r.pair_slot[p] = slot;
+    }
+}
+
+} // namespace
+
+extern "C" int moe_route_prep(const moe_route_dev *r, moe_stream s)
+{
+    cudaStream_t st = (cudaStream_t)s;
+    if (r->E < 1 || r->E > SCAN_THREADS * SCAN_ITEMS || r->bm < 1) return MOED_EINVAL;
+    if (r->P == 0) {
+        cudaMemsetAsync(r->n_tiles, 0, sizeof(int32_t), st);
+        cudaMemsetAsync(r->exp_off, 0, sizeof(int32_t) * (r->E + 1), st);
+        return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;
+    }
+    const int blocks = (int)((r->P + 255) / 256 < 1024 ? (r->P + 255) / 256 : 1024);
+    cudaMemsetAsync(r->cursor, 0, sizeof(int32_t) * r->E, st);
+    count_kernel<<<blocks, 256, sizeof(int32_t) * r->E, st>>>(r->pair_exp, r->P, r->E, r->cursor);
+    scan_kernel<<<1, SCAN_THREADS, 0, st>>>(*r);
+    scatter_kernel<<<blocks, 256, 0, st>>>(*r);
+    return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;
+}

@@ -1,0 +1,52 @@
+/*
+ * tile_config — the one heuristic table that picks kernel family and tile shape per batch, and the
+ * dispatch to it. The figure that decides is the expected rows per active expert (P / n_active):
+ *
+ *   rows/expert   kernel   bm    bn    why
+ *   >= 96         sm90     128   256   (Hopper) compute-bound: wgmma, TMA, warp-specialised
+ *   >= 96         sm80     128   128   (other GPUs) compute-bound on mma.sync
+ *   >= 24         sm80      64   128   mid-size: half the padding waste of bm 128
+ *   <  24         sm80      16   128   few rows: weight streaming; deep pipeline, 2 CTAs per SM
+ *
+ * bn 128 for sm90 when N is not a multiple of 256. Both GEMMs of a batch share bm (route prep lays
+ * the tiles out once).
+ */
+#include "moe_cuda.h"
+
+#include "moed_err.h"
+
+static int rows_per_expert_at_least(int64_t P, int n_active, int64_t rows)
+{
+    if (n_active < 1) n_active = 1;
+    return P >= rows * n_active;
+}
+
+int moe_tile_bm(int64_t P, int n_active, int force_kernel)
+{
+    if (force_kernel == MOE_KERNEL_SM90 || rows_per_expert_at_least(P, n_active, 96)) return 128;
+    if (rows_per_expert_at_least(P, n_active, 24)) return 64;
+    return 16;
+}
+
+moe_tile_cfg moe_tile_choose(int sm, int64_t P, int n_active, int n, int k, int force_kernel)
+{
+    moe_tile_cfg c;
+    (void)k;
+    c.bm = moe_tile_bm(P, n_active, force_kernel);
+    const int hopper = force_kernel ? force_kernel == MOE_KERNEL_SM90 : sm == 90;
+    if (hopper && c.bm == 128) {
+        c.kernel = MOE_KERNEL_SM90;
+        c.bn = n % 256 == 0 ? 256 : 128;
+    } else {
+        c.kernel = MOE_KERNEL_SM80;
+        c.bn = 128;
+    }
+    return c;
+}
+
+int moe_gemm_run(const moe_gemm *g, const moe_tile_cfg *cfg, moe_stream s)
+{
+    if (cfg->bm != g->bm) return MOED_EINVAL;
+    if (cfg->kernel == MOE_KERNEL_SM90) return moe_gemm_sm90(g, cfg->bn, s);
+    return moe_gemm_sm80(g, cfg->bn, s);
+}
