@@ -1,0 +1,118 @@
+"""Fixtures for the end-to-end tests: real moed processes on loopback.
+
+`daemon` starts one (or several) moed with the given flags on a free port, waits until the standard
+health check says SERVING, and at teardown stops each with SIGTERM and asserts a clean exit (0), so
+every test also checks that the daemon survived what the test did to it. The build folder is
+$MOED_BUILD_DIR (default: build/ at the top of the tree); $MOED_BIN overrides the daemon's path.
+"""
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import time
+
+import grpc
+import pytest
+
+from moed import MoEClient
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BUILD = pathlib.Path(os.environ.get("MOED_BUILD_DIR", ROOT / "build"))
+MOED_BIN = pathlib.Path(os.environ.get("MOED_BIN", BUILD / "server" / "moed"))
+DEFAULT_SPEC = "layers=2,d=64,ff=96,experts=8,topk=2,act=swiglu,dtype=bf16,seed=1"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    """One moed process. `args` are its flags after --listen; its stderr goes to `log_path`."""
+
+    def __init__(self, args, log_path, env=None, port=None, wait=True, timeout=60.0):
+        assert MOED_BIN.exists(), f"{MOED_BIN} does not exist: build first (or set MOED_BUILD_DIR)"
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.argv = [str(MOED_BIN), "--listen", self.address, *args]
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self._log,
+                                     env={**os.environ, **(env or {})})
+        self.returncode = None
+        if wait:
+            self.wait_serving(timeout)
+
+    def log(self):
+        self._log.flush()
+        return pathlib.Path(self.log_path).read_text(errors="replace")
+
+    def wait_serving(self, timeout=60.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"moed exited with {self.proc.returncode} before serving:\n{self.log()}")
+            try:
+                with MoEClient(self.address, timeout=1.0) as c:
+                    if c.health() == "SERVING":
+                        return
+            except Exception:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"moed not SERVING after {timeout}s:\n{self.log()}")
+
+    def client(self, **kw):
+        return MoEClient(self.address, **kw)
+
+    def channel(self):
+        return grpc.insecure_channel(self.address, options=[("grpc.max_send_message_length", -1),
+                                                            ("grpc.max_receive_message_length", -1)])
+
+    def signal(self, sig):
+        self.proc.send_signal(sig)
+
+    def stop(self, sig=signal.SIGTERM, timeout=60.0):
+        """Sends sig and waits; returns the exit code (the process is killed if it hangs)."""
+        if self.returncode is not None:
+            return self.returncode
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            self.returncode = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"moed did not exit {timeout}s after signal {sig}:\n{self.log()}")
+        finally:
+            self._log.close()
+        return self.returncode
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    """Factory: daemon(*flags, env=None, wait=True) -> Daemon. Every daemon started is stopped at
+    teardown with SIGTERM and must exit 0 (a test that stops one itself checks its own code)."""
+    started = []
+
+    def start(*args, env=None, wait=True, timeout=60.0):
+        d = Daemon(list(args), tmp_path / f"moed-{len(started)}.log", env=env, wait=wait, timeout=timeout)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        if d.returncode is None:
+            code = d.stop()
+            assert code == 0, f"moed exited {code} at teardown:\n{d.log()}"
+
+
+@pytest.fixture(scope="module")
+def shared_daemon(tmp_path_factory):
+    """One daemon with the small default synthetic model, shared by a test module."""
+    d = Daemon(["--synthetic", DEFAULT_SPEC, "--threads", "2"],
+               tmp_path_factory.mktemp("moed") / "moed.log")
+    yield d
+    code = d.stop()
+    assert code == 0, f"moed exited {code}:\n{d.log()}"
