@@ -70,7 +70,7 @@ class Daemon:
         return grpc.insecure_channel(self.address, options=[("grpc.max_send_message_length", -1),
                                                             ("grpc.max_receive_message_length", -1)])
 
-    def signal(self, sig):
+    def send_signal(self, sig):
         self.proc.send_signal(sig)
 
     def stop(self, sig=signal.SIGTERM, timeout=60.0):
