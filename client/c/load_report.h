@@ -1,0 +1,86 @@
+/*
+ * load_report — what moed-load counts for one load level (load_stats), and the report of a run in
+ * text (stdout), JSON and CSV.
+ *
+ * Counting rules, so a test can check exact numbers:
+ * - requests (sent) counts the calls started in the measured window (after the warm-up);
+ * - every such call ends as exactly one of: ok; an expected error (a deliberately bad request
+ *   answered INVALID_ARGUMENT); an unexpected error, counted by kind: the gRPC status name the
+ *   server or transport gave, MALFORMED_REPLY (a reply that does not match the request), CLIENT
+ *   (the call could not be started), BAD_ACCEPTED (a bad request answered OK);
+ *   so sent == ok + expected_errors + errors.
+ * - latency, tokens, bytes received and the server's timings are over the ok replies; bytes sent
+ *   over every measured request.
+ * - verify mismatches are replies that came back OK but differ from the local reference; they are
+ *   counted apart from (and in addition to) the above and fail the run as errors do.
+ */
+#ifndef LOAD_REPORT_H
+#define LOAD_REPORT_H
+
+#include "load_hist.h"
+#include "moed_err.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+enum {
+    LOAD_ERR_MALFORMED = 17, /* 0 .. 16: gRPC status codes */
+    LOAD_ERR_CLIENT = 18,
+    LOAD_ERR_BAD_ACCEPTED = 19,
+    LOAD_ERR_KINDS = 20,
+};
+
+typedef struct load_stats {
+    uint64_t sent, ok, bad_sent, expected_errors;
+    uint64_t errors[LOAD_ERR_KINDS];
+    char first_error[LOAD_ERR_KINDS][200]; /* the first message of each kind */
+    uint64_t tokens;                       /* in ok replies */
+    uint64_t bytes_sent, bytes_received;   /* tensor payloads: of requests, of ok replies */
+    uint64_t batch_tokens, batch_requests; /* sums over ok replies of the launch they were in */
+    uint64_t verified, mismatches;
+    double worst_verify_err; /* the largest relative error seen by --verify */
+    char first_mismatch[300];
+    int64_t t_last_ns; /* the last measured completion, CLOCK_MONOTONIC */
+    load_hist latency, queue, compute;
+} load_stats;
+
+void load_stats_init(load_stats *s);
+void load_stats_merge(load_stats *dst, const load_stats *src);
+/* Records one unexpected error of kind with its message (kept if it is the first). */
+void load_stats_error(load_stats *s, int kind, const char *msg);
+uint64_t load_stats_errors(const load_stats *s);
+/* "INVALID_ARGUMENT", ..., "MALFORMED_REPLY", "CLIENT", "BAD_ACCEPTED". */
+const char *load_err_kind_name(int kind);
+
+/* One level of a run: what was asked and what happened. */
+typedef struct load_level {
+    int concurrency;  /* closed loop: calls in flight; 0 for open loop */
+    double rate;      /* open loop: asked requests per second; 0 for closed loop */
+    double elapsed_s; /* from the end of the warm-up to the last measured reply */
+    load_stats st;
+    /* moed-load's own cost: CPU seconds of the whole process (gRPC's threads and --verify's
+     * included) over the level, warm-up included, and the calls it finished in that time */
+    double cpu_s, wall_s;
+    uint64_t calls;
+} load_level;
+
+/* The run's fixed settings, as the report states them. */
+typedef struct load_setup {
+    const char *target, *model, *backend;
+    const char *dtype, *tokens, *routing, *arrival, *layers;
+    int connections, threads;
+    double warmup_s, duration_s, deadline_ms, bad_fraction;
+    uint64_t requests; /* --requests, or 0 with --duration */
+    uint64_t verify;   /* --verify N, or 0 */
+    double verify_bound;
+} load_setup;
+
+void load_report_text(FILE *f, const load_setup *s, const load_level *l);
+/* A JSON document with the setup and one object per level; 0 or a negative MOED_E* code. */
+int load_report_json(const char *path, const load_setup *s, const load_level *levels, int n,
+                     moed_error *err);
+/* A header row naming the columns, then one row per level. */
+int load_report_csv(const char *path, const load_level *levels, int n, moed_error *err);
+
+#endif

@@ -1,0 +1,278 @@
+"""moed-load against a real moed on loopback: exact counts of good and deliberately bad requests,
+every sampled reply checked against the CPU reference (--verify), the JSON and CSV reports, open-loop
+rates, sweeps, usage errors; and, against a fake server that lies, that the checks do fail.
+"""
+
+import concurrent.futures
+import csv
+import json
+import math
+import subprocess
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import BUILD, DEFAULT_SPEC, free_port
+from moed._proto.grpc.health.v1 import health_pb2, health_pb2_grpc
+from moed._proto.moed.v1 import moed_pb2, moed_pb2_grpc
+
+LOAD = BUILD / "client" / "c" / "moed-load"
+QUANTILES = ("min", "p50", "p90", "p95", "p99", "p999", "max")
+
+
+def load(target, *args, timeout=120, text=True):
+    """Runs moed-load; returns the CompletedProcess."""
+    assert LOAD.exists(), f"{LOAD} does not exist: build the moed-load target first"
+    return subprocess.run([str(LOAD), "--target", target, "--no-progress", *map(str, args)],
+                          capture_output=True, text=text, timeout=timeout)
+
+
+def load_json(tmp_path, target, *args):
+    out = tmp_path / "report.json"
+    p = load(target, *args, "--json", out)
+    report = json.loads(out.read_text()) if out.exists() else None
+    return p, report
+
+
+def check_level(lv):
+    """What must hold for every level whatever the load: the counts add up, percentiles are
+    ordered, the histogram holds every ok reply."""
+    assert lv["requests"] == lv["ok"] + lv["expected_errors"] + lv["errors_total"]
+    assert lv["errors_total"] == sum(lv["errors"].values())
+    lat = lv["latency_ms"]
+    values = [lat[q] for q in QUANTILES]
+    assert values == sorted(values), lat
+    if lv["ok"]:
+        assert 0 < lat["min"] <= lat["mean"] <= lat["max"]
+    assert sum(b["count"] for b in lv["histogram"]) == lv["ok"]
+
+
+# ---- against moed ------------------------------------------------------------------------------
+
+def test_mixed_requests_exact_counts_and_verified(shared_daemon, tmp_path):
+    """2000 requests over both layers, 10% deliberately bad: exactly 200 fail INVALID_ARGUMENT, the
+    other 1800 come back OK, and a sample checked against the CPU reference all match."""
+    p, r = load_json(tmp_path, shared_daemon.address, "--requests", 2000, "--concurrency", 8,
+                     "--warmup", 0.2, "--layers", "0,1", "--tokens", "1:24",
+                     "--bad-fraction", 0.1, "--verify", 200)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert r["pass"] is True and len(r["levels"]) == 1
+    lv = r["levels"][0]
+    check_level(lv)
+    assert lv["requests"] == 2000
+    assert lv["bad_requests"] == math.floor(2000 * 0.1) == 200
+    assert lv["expected_errors"] == 200
+    assert lv["ok"] == 1800 and lv["errors_total"] == 0 and lv["errors"] == {}
+    assert lv["verify"]["mismatches"] == 0
+    assert 100 <= lv["verify"]["checked"] <= 200
+    assert lv["server"]["batch_requests_mean"] >= 1
+    assert lv["tokens_per_s"] > 0 and lv["mb_per_s_sent"] > 0 and lv["mb_per_s_received"] > 0
+    assert "1800 ok, 200 expected errors" in p.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ("--routing", "zipf:1.5", "--dtype", "f32"),
+    ("--routing", "one", "--dtype", "f16"),
+    ("--routing", "logits", "--strategy", "topk", "--top-k", "3"),
+    ("--routing", "logits", "--strategy", "sigmoid"),
+    ("--routing", "server"),
+    ("--routing", "logits", "--batch-gating", "3"),
+    ("--routing", "server", "--batch-gating", "0", "--layers", "1,0,0"),
+], ids=lambda a: " ".join(a))
+def test_routing_modes_verified(shared_daemon, tmp_path, args):
+    p, r = load_json(tmp_path, shared_daemon.address, "--requests", 300, "--concurrency", 4,
+                     "--warmup", 0, "--tokens", "1:16", "--verify", 60, *args)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lv = r["levels"][0]
+    check_level(lv)
+    assert lv["ok"] == 300 and lv["errors_total"] == 0
+    assert lv["verify"]["checked"] >= 30 and lv["verify"]["mismatches"] == 0
+
+
+@pytest.mark.parametrize("arrival,tolerance", [("constant", 0.05), ("poisson", 0.15)])
+def test_open_loop_rate(shared_daemon, tmp_path, arrival, tolerance):
+    p, r = load_json(tmp_path, shared_daemon.address, "--rate", 300, "--arrival", arrival,
+                     "--duration", 3, "--warmup", 0.5, "--bad-fraction", 0.25)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert r["mode"] == "open" and r["arrival"] == arrival
+    lv = r["levels"][0]
+    check_level(lv)
+    assert lv["rate_asked"] == 300
+    assert abs(lv["rps"] - 300) <= tolerance * 300, lv["rps"]
+    assert 2.9 <= lv["elapsed_s"] <= 3.5
+    assert lv["bad_requests"] == math.floor(lv["requests"] * 0.25) == lv["expected_errors"]
+
+
+def test_sweep_one_csv_row_per_level(shared_daemon, tmp_path):
+    out = tmp_path / "sweep.csv"
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("# request sizes\n1\n8\n\n32\n")
+    p = load(shared_daemon.address, "--concurrency", "1:5:2", "--requests", 150, "--warmup", 0,
+             "--tokens-file", tokens, "--csv", out)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = list(csv.DictReader(out.open()))
+    assert [int(row["concurrency"]) for row in rows] == [1, 3, 5]
+    for row in rows:
+        assert int(row["requests"]) == int(row["ok"]) == 150 and int(row["errors"]) == 0
+        lat = [float(row[f"latency_{q}_ms"]) for q in QUANTILES]
+        assert lat == sorted(lat) and lat[0] > 0
+    assert p.stdout.count("level      closed loop") == 3
+
+
+def test_progress_line(shared_daemon):
+    p = load(shared_daemon.address, "--progress", "--concurrency", 2, "--duration", 1.2,
+             "--warmup", 0, text=False)  # bytes: text mode would turn the \r into newlines
+    assert p.returncode == 0, p.stderr
+    lines = p.stderr.split(b"\r")
+    assert len(lines) >= 3 and b"req/s" in lines[1] and b"p99" in lines[-2]
+    assert lines[-1] == b"\x1b[K"  # the line is cleared at the end
+
+
+def test_deadline_errors_are_counted_by_status(daemon, tmp_path):
+    """A merge window far longer than the deadline: every call ends DEADLINE_EXCEEDED, counted
+    under that name, and the run fails (exit 1)."""
+    d = daemon("--synthetic", DEFAULT_SPEC, "--threads", "1", "--max-delay-us", "300000")
+    p, r = load_json(tmp_path, d.address, "--requests", 20, "--concurrency", 4, "--warmup", 0,
+                     "--deadline", 50)
+    assert p.returncode == 1, p.stdout + p.stderr
+    lv = r["levels"][0]
+    check_level(lv)
+    assert r["pass"] is False
+    assert lv["errors"] == {"DEADLINE_EXCEEDED": 20} and lv["ok"] == 0
+    assert "DEADLINE_EXCEEDED x20" in p.stdout
+
+
+# ---- usage and reachability ----------------------------------------------------------------------
+
+OTHER_SPEC = DEFAULT_SPEC.replace("seed=1", "seed=2")
+
+
+@pytest.mark.parametrize("args,words", [
+    (("--concurrency", "0"), "--concurrency"),
+    (("--concurrency", "1:8"), "a:b:step"),
+    (("--rate", "10", "--concurrency", "2"), "not both"),
+    (("--arrival", "poisson"), "needs --rate"),
+    (("--tokens", "0"), "--tokens"),
+    (("--tokens", "8", "--tokens-file", "x"), "not both"),
+    (("--tokens-file", "/nonexistent/tokens"), "cannot open"),
+    (("--routing", "bogus"), "--routing bogus"),
+    (("--batch-gating", "2"), "needs logits"),
+    (("--duration", "1", "--requests", "5"), "not both"),
+    (("--bad-fraction", "1.5"), "[0, 1]"),
+    (("--bogus",), "unknown option"),
+    (("--layer", "7"), "layer 7 is not served"),
+    (("--layer", "0,1"), "--layers"),
+    (("--tokens", "100000"), "limit"),
+    (("--dtype", "i32"), "--dtype"),
+    (("--verify", "5", "--synthetic", OTHER_SPEC), "seed=2"),
+    (("--synthetic", DEFAULT_SPEC), "--verify"),
+])
+def test_usage_errors_exit_2(shared_daemon, args, words):
+    p = load(shared_daemon.address, "--requests", 5, *args)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert words in p.stderr and p.stdout == ""
+
+
+def test_help():
+    p = subprocess.run([str(LOAD), "--help"], capture_output=True, text=True)
+    assert p.returncode == 0 and "--bad-fraction" in p.stdout and "exit codes" in p.stdout
+
+
+def test_unreachable_server_exit_1():
+    p = load(f"127.0.0.1:{free_port()}", "--requests", 5)
+    assert p.returncode == 1 and "health check failed" in p.stderr
+
+
+# ---- against a server that lies ------------------------------------------------------------------
+
+class Liar(moed_pb2_grpc.MoedServicer):
+    """Answers GetModel as the real daemon does and Forward through it, then spoils the reply as
+    `mode` says: 'row' perturbs one row of every output, 'shape' drops a row, 'accept' answers
+    the requests the daemon refuses with zeros, as if they were fine."""
+
+    def __init__(self, real, mode):
+        self.stub = moed_pb2_grpc.MoedStub(real)
+        self.mode = mode
+
+    def GetModel(self, request, context):
+        return self.stub.GetModel(request)
+
+    def Forward(self, request, context):
+        try:
+            reply = self.stub.Forward(request)
+        except grpc.RpcError as e:
+            if self.mode != "accept":
+                context.abort(e.code(), e.details())
+            h = request.hidden
+            return moed_pb2.ForwardResponse(output=moed_pb2.Tensor(dtype=h.dtype, shape=h.shape,
+                                                                   data=bytes(len(h.data))))
+        out = reply.output
+        T, d = out.shape
+        if self.mode == "shape" and T > 1:
+            row = len(out.data) // T
+            out.data = out.data[:-row]
+            out.shape[0] = T - 1
+        elif self.mode == "row":
+            y = np.frombuffer(out.data, dtype=np.uint16).copy()  # bf16 bits
+            t = T // 2
+            y[t * d:(t + 1) * d] ^= 0x0040  # a wrong mantissa bit in every element of one row
+            out.data = y.tobytes()
+        return reply
+
+
+class Healthy(health_pb2_grpc.HealthServicer):
+    def Check(self, request, context):
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+@pytest.fixture
+def liar(shared_daemon):
+    servers, channels = [], []
+
+    def start(mode):
+        channel = shared_daemon.channel()
+        server = grpc.server(concurrent.futures.ThreadPoolExecutor(8))
+        moed_pb2_grpc.add_MoedServicer_to_server(Liar(channel, mode), server)
+        health_pb2_grpc.add_HealthServicer_to_server(Healthy(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        channels.append(channel)
+        return f"127.0.0.1:{port}"
+
+    yield start
+    for s in servers:
+        s.stop(0)
+    for c in channels:
+        c.close()
+
+
+def test_verify_catches_one_wrong_row(liar, tmp_path):
+    p, r = load_json(tmp_path, liar("row"), "--requests", 40, "--concurrency", 2, "--warmup", 0,
+                     "--tokens", "2:64", "--verify", 40, "--dtype", "bf16")
+    assert p.returncode == 1, p.stdout + p.stderr
+    lv = r["levels"][0]
+    assert lv["ok"] == 40 and lv["errors_total"] == 0
+    assert lv["verify"]["checked"] >= 10
+    assert lv["verify"]["mismatches"] == lv["verify"]["checked"]
+    assert "differs from the reference" in lv["verify"]["first_mismatch"]
+
+
+def test_malformed_replies_are_errors(liar, tmp_path):
+    p, r = load_json(tmp_path, liar("shape"), "--requests", 30, "--concurrency", 2, "--warmup", 0,
+                     "--tokens", 4)
+    assert p.returncode == 1
+    lv = r["levels"][0]
+    check_level(lv)
+    assert lv["errors"] == {"MALFORMED_REPLY": 30}
+
+
+def test_bad_requests_accepted_are_errors(liar, tmp_path):
+    p, r = load_json(tmp_path, liar("accept"), "--requests", 50, "--concurrency", 2, "--warmup", 0,
+                     "--bad-fraction", 0.2)
+    assert p.returncode == 1
+    lv = r["levels"][0]
+    check_level(lv)
+    assert lv["bad_requests"] == 10 and lv["expected_errors"] == 0
+    assert lv["errors"] == {"BAD_ACCEPTED": 10} and lv["ok"] == 40
