@@ -34,20 +34,35 @@ template <typename Tc> __device__ __forceinline__ void fma8(float acc[8], const 
     for (int i = 0; i < 8; i++) acc[i] += w * to_f32<Tc>(v[i]);
 }
 
+constexpr int MAX_STAGED = 256; /* pairs of one token staged in shared memory; more take the slow loop */
+
 template <typename Tc, typename Tout, bool VEC8>
 __global__ void combine_kernel(moe_route_dev r, const Tc *y, const Tc *ys, int d, int d_pad, Tout *out)
 {
+    __shared__ int32_t slot[MAX_STAGED];
+    __shared__ float wt[MAX_STAGED];
     const int t = blockIdx.x;
-    const int j0 = r.tok_off[t], j1 = r.tok_off[t + 1];
+    const int j0 = r.tok_off[t], n = r.tok_off[t + 1] - j0;
+    /* The token's slots and weights first, all at once: the row loads below are then independent
+     * of each other instead of each waiting on its own index load. */
+    const bool staged = n <= MAX_STAGED;
+    if (staged)
+        for (int j = threadIdx.x; j < n; j += blockDim.x) {
+            slot[j] = r.pair_slot[j0 + j];
+            wt[j] = r.pair_w[j0 + j];
+        }
+    __syncthreads();
     Tout *o = out + (int64_t)t * d;
     constexpr int W = VEC8 ? 8 : 1;
     for (int c = threadIdx.x * W; c < d; c += blockDim.x * W) {
         float acc[W];
 #pragma unroll
         for (int i = 0; i < W; i++) acc[i] = 0.0f;
-        for (int j = j0; j < j1; j++) {
-            const Tc *row = y + (int64_t)r.pair_slot[j] * d_pad + c;
-            const float w = r.pair_w[j];
+#pragma unroll 4
+        for (int j = 0; j < n; j++) {
+            const int s = staged ? slot[j] : r.pair_slot[j0 + j];
+            const float w = staged ? wt[j] : r.pair_w[j0 + j];
+            const Tc *row = y + (int64_t)s * d_pad + c;
             if constexpr (VEC8) fma8<Tc>(acc, row, w);
             else acc[0] += w * to_f32<Tc>(row[0]);
         }

@@ -36,6 +36,23 @@ typedef struct cuda_layer {
     void *router;        /* [e_pad][d_pad], NULL if none */
 } cuda_layer;
 
+/* Small batches replay a captured graph of the pipeline instead of launching its kernels one by
+ * one: at a few tokens the launch gaps are a large share of the time. A graph's launches depend
+ * only on this key (the buffers are the slot's own and the route lives in device memory). */
+#define GRAPH_MAX_PAIRS 512
+#define GRAPH_CACHE 16
+
+typedef struct graph_key {
+    int slot, dtype, n_active;
+    int64_t T, P;
+} graph_key;
+
+typedef struct graph_entry {
+    graph_key key;
+    cudaGraphExec_t exec;
+    uint64_t used; /* for least-recently-used eviction */
+} graph_entry;
+
 typedef struct cuda_exec {
     int device;
     cudaStream_t stream;
@@ -45,6 +62,8 @@ typedef struct cuda_exec {
     float *logits;
     int32_t *route;              /* device: the packed input route, then route prep's arrays */
     moe_route_dev r;
+    graph_entry graphs[GRAPH_CACHE];
+    uint64_t graph_clock;
 } cuda_exec;
 
 typedef struct cuda_ctx {
@@ -300,6 +319,8 @@ static void exec_free(cuda_exec *x)
     if (!x->stream) return;
     cudaSetDevice(x->device);
     cudaStreamSynchronize(x->stream);
+    for (int i = 0; i < GRAPH_CACHE; i++)
+        if (x->graphs[i].exec) cudaGraphExecDestroy(x->graphs[i].exec);
     cudaFreeHost(x->h_route);
     cudaFree(x->x_in);
     cudaFree(x->out);
@@ -395,6 +416,38 @@ static int active_experts(const moed_route *rt, int64_t t0, int64_t t1, int E)
 }
 
 /* Queues the whole pipeline for tokens [t0, t1) of the job on the slot's stream. */
+/* The slot's graph for this key, captured on first use (evicting the least recently used); NULL if
+ * capture fails, and the caller launches directly. */
+static cudaGraphExec_t graph_for(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const graph_key *k)
+{
+    graph_entry *victim = &x->graphs[0];
+    for (int i = 0; i < GRAPH_CACHE; i++) {
+        graph_entry *g = &x->graphs[i];
+        if (g->exec && !memcmp(&g->key, k, sizeof *k)) {
+            g->used = ++x->graph_clock;
+            return g->exec;
+        }
+        if (g->used < victim->used) victim = g;
+    }
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    if (cudaStreamBeginCapture(x->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) goto fail;
+    const int rc = moe_pipeline(&L->k, &x->r, &x->w, x->x_in, k->dtype, x->out, c->sm[dev_index(c, x->device)],
+                                k->n_active, c->force_kernel, x->stream, NULL);
+    if (cudaStreamEndCapture(x->stream, &graph) != cudaSuccess || rc) goto fail;
+    if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) goto fail;
+    cudaGraphDestroy(graph);
+    if (victim->exec) cudaGraphExecDestroy(victim->exec);
+    victim->key = *k;
+    victim->exec = exec;
+    victim->used = ++x->graph_clock;
+    return exec;
+fail:
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError(); /* capture errors are not sticky: clear them and launch directly */
+    return NULL;
+}
+
 static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_job *job, int64_t t0, int64_t t1)
 {
     const moed_route *rt = job->route;
@@ -405,8 +458,23 @@ static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_
     stage_route(x, rt, t0, t1, E, moe_tile_bm(P, n_act, c->force_kernel));
     cudaMemcpyAsync(x->x_in, (const char *)job->x + (size_t)t0 * d * es, (size_t)T * d * es,
                     cudaMemcpyHostToDevice, x->stream);
-    int rc = moe_pipeline(&L->k, &x->r, &x->w, x->x_in, job->dtype, x->out, c->sm[dev_index(c, x->device)],
-                          n_act, c->force_kernel, x->stream, NULL);
+    int rc = 0;
+    cudaGraphExec_t graph = NULL;
+    if (P <= GRAPH_MAX_PAIRS) {
+        graph_key k;
+        memset(&k, 0, sizeof k); /* compared with memcmp: no stray padding bytes */
+        k.slot = job->slot;
+        k.dtype = job->dtype;
+        k.n_active = n_act;
+        k.T = T;
+        k.P = P;
+        graph = graph_for(c, x, L, &k);
+    }
+    if (graph)
+        rc = cudaGraphLaunch(graph, x->stream) == cudaSuccess ? 0 : MOED_EDEVICE;
+    else
+        rc = moe_pipeline(&L->k, &x->r, &x->w, x->x_in, job->dtype, x->out, c->sm[dev_index(c, x->device)], n_act,
+                          c->force_kernel, x->stream, NULL);
     cudaMemcpyAsync((char *)job->y + (size_t)t0 * d * es, x->out, (size_t)T * d * es, cudaMemcpyDeviceToHost,
                     x->stream);
     return rc;
@@ -484,9 +552,9 @@ static int cuda_router_logits(moed_backend *b, int exec, int slot, int dtype, in
         g.ldc = L->e_pad;
         g.epi = MOE_EPI_STORE_F32;
         g.identity_rows = (int32_t)T;
-        g.bm = moe_tile_bm(T, 1, c->force_kernel == MOE_KERNEL_SM90 ? 0 : c->force_kernel);
+        g.bm = moe_tile_bm(T, 1, c->force_kernel == MOE_KERNEL_SM80 ? MOE_KERNEL_SM80 : 0);
         g.max_tiles = (int32_t)((T + g.bm - 1) / g.bm);
-        moe_tile_cfg cfg = { MOE_KERNEL_SM80, g.bm, 128 }; /* fp32 stores: the portable epilogue */
+        moe_tile_cfg cfg = { MOE_KERNEL_SM80, g.bm, 128, 1 }; /* fp32 stores: the portable epilogue */
         rc = moe_gemm_run(&g, &cfg, x->stream);
     }
     if (!rc)
@@ -572,9 +640,7 @@ int moed_backend_cuda_open(const moed_backend_config *cfg, moed_backend **out, m
     }
     c->cfg = *cfg;
     c->max_tokens = cfg->max_tokens > 0 ? cfg->max_tokens : 8192;
-    const char *force = getenv("MOED_CUDA_KERNEL");
-    if (force && !strcmp(force, "sm80")) c->force_kernel = MOE_KERNEL_SM80;
-    if (force && !strcmp(force, "sm90")) c->force_kernel = MOE_KERNEL_SM90;
+    c->force_kernel = moe_kernel_parse(getenv("MOED_CUDA_KERNEL"));
     const int listed = cfg->devices && cfg->n_devices > 0;
     const int want = listed ? cfg->n_devices : n;
     for (int i = 0; i < want && c->n_dev < MAX_DEVICES; i++) {

@@ -47,10 +47,12 @@ __device__ __forceinline__ bool moe_tile_of(const moe_gemm &g, int num_n, int id
     return true;
 }
 
-/* Same functions, same constants as the CPU backend (kernels/cpu): expf, erff. */
+/* silu through the fast intrinsics: the result is rounded to bf16/f16 right after, far coarser than
+ * their few-ulp error, and the unrolled epilogue stays small enough for the instruction cache. For a
+ * very negative a the divisor overflows and __fdividef returns 0, which is silu's limit. */
 __device__ __forceinline__ float moe_silu(float a)
 {
-    return a / (1.0f + expf(-a));
+    return __fdividef(a, 1.0f + __expf(-a));
 }
 
 __device__ __forceinline__ float moe_act(int epi, float a)
@@ -75,22 +77,48 @@ template <> __device__ __forceinline__ void moe_store2<__half>(__half *p, float 
  * The epilogue of one accumulator pair: columns n, n+1 (global, even) of tile row `row`, with
  * (u0, u1) the same row's columns n + MOE_GLU_BLOCK for SwiGLU (the matching up projection: W13
  * interleaves gate and up blocks of MOE_GLU_BLOCK rows). Callers pass only gate columns for SwiGLU.
+ * EPI is a template parameter: each kernel carries only its own epilogue (a runtime switch in a
+ * fully unrolled epilogue made the Hopper kernels too large for the instruction cache).
  */
-template <typename T>
-__device__ __forceinline__ void moe_epilogue2(const moe_gemm &g, int64_t row, int n, float v0,
-                                              float v1, float u0, float u1)
+template <typename T, int EPI>
+__device__ __forceinline__ void moe_epilogue2(const moe_gemm &g, int64_t row, int n, float v0, float v1,
+                                              float u0, float u1)
 {
-    if (g.epi == MOE_EPI_STORE_F32) {
+    if constexpr (EPI == MOE_EPI_STORE_F32) {
         *reinterpret_cast<float2 *>(static_cast<float *>(g.c) + row * g.ldc + n) = make_float2(v0, v1);
-        return;
-    }
-    T *c = static_cast<T *>(g.c) + row * g.ldc;
-    if (g.epi == MOE_EPI_SWIGLU) {
+    } else if constexpr (EPI == MOE_EPI_SWIGLU) {
         const int hcol = (n / (2 * MOE_GLU_BLOCK)) * MOE_GLU_BLOCK + n % (2 * MOE_GLU_BLOCK);
-        moe_store2<T>(c + hcol, moe_silu(v0) * u0, moe_silu(v1) * u1);
-        return;
+        moe_store2<T>(static_cast<T *>(g.c) + row * g.ldc + hcol, moe_silu(v0) * u0, moe_silu(v1) * u1);
+    } else {
+        moe_store2<T>(static_cast<T *>(g.c) + row * g.ldc + n, moe_act(EPI, v0), moe_act(EPI, v1));
     }
-    moe_store2<T>(c + n, moe_act(g.epi, v0), moe_act(g.epi, v1));
+}
+
+/* Calls f.template operator()<EPI>() for the runtime epilogue kind: the one place the kinds are
+ * listed for the launchers. */
+template <typename F> __host__ __forceinline__ int moe_epi_dispatch(int epi, F &&f)
+{
+    switch (epi) {
+    case MOE_EPI_SWIGLU:
+        return f.template operator()<MOE_EPI_SWIGLU>();
+    case MOE_EPI_GELU:
+        return f.template operator()<MOE_EPI_GELU>();
+    case MOE_EPI_RELU:
+        return f.template operator()<MOE_EPI_RELU>();
+    case MOE_EPI_STORE:
+        return f.template operator()<MOE_EPI_STORE>();
+    case MOE_EPI_STORE_F32:
+        return f.template operator()<MOE_EPI_STORE_F32>();
+    }
+    return -1;
+}
+
+/* The first tile in use at or after id (stepping by the grid); false when none is left. */
+__device__ __forceinline__ bool moe_next_tile(const moe_gemm &g, int num_n, int total, int &id, moe_tile &t)
+{
+    for (; id < total; id += gridDim.x)
+        if (moe_tile_of(g, num_n, id, t)) return true;
+    return false;
 }
 
 __device__ __forceinline__ uint32_t moe_smem_addr(const void *p)

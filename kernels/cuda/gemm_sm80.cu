@@ -12,7 +12,8 @@
  *   bm 128: 8 warps as 4 x 2, warp tile 32 x 64 (large batches, compute-bound)
  *   bm  64: 4 warps as 2 x 2, warp tile 32 x 64
  *   bm  16: 2 warps as 1 x 2, warp tile 16 x 64, 6 stages (few rows per expert: the kernel streams
- *           weights, and the deep pipeline keeps enough bytes in flight to run at HBM speed)
+ *           weights, and the deep pipeline keeps enough bytes in flight to run at HBM speed); 4
+ *           stages when K <= 1024, where CTAs are short-lived and three per SM hide each other's start
  * Every warp tile is 64 columns wide, aligned to 64: the SwiGLU epilogue finds each gate column's
  * up column (32 further, see MOE_GLU_BLOCK) in the same thread's registers.
  */
@@ -50,7 +51,7 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr)
                  : "r"(addr));
 }
 
-template <typename T, int BM, int BN, int WM, int WN, int STAGES>
+template <typename T, int BM, int BN, int WM, int WN, int STAGES, int EPI>
 __global__ void __launch_bounds__(WM *WN * 32)
     gemm_sm80_kernel(const moe_gemm g, int num_n)
 {
@@ -160,22 +161,22 @@ __global__ void __launch_bounds__(WM *WN * 32)
             for (int ni = 0; ni < NI; ni++) {
                 const int n = t.nt * BN + wn * WTN + ni * 8 + 2 * (lane & 3);
                 const float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
-                if (g.epi == MOE_EPI_SWIGLU) {
+                if constexpr (EPI == MOE_EPI_SWIGLU) {
                     if (ni < NOUT)
-                        moe_epilogue2<T>(g, r, n, v0, v1, acc[mi][ni + NOUT][2 * h],
-                                         acc[mi][ni + NOUT][2 * h + 1]);
+                        moe_epilogue2<T, EPI>(g, r, n, v0, v1, acc[mi][ni + NOUT][2 * h],
+                                              acc[mi][ni + NOUT][2 * h + 1]);
                 } else {
-                    moe_epilogue2<T>(g, r, n, v0, v1, 0.0f, 0.0f);
+                    moe_epilogue2<T, EPI>(g, r, n, v0, v1, 0.0f, 0.0f);
                 }
             }
         }
 }
 
-template <typename T, int BM, int BN, int WM, int WN, int STAGES>
-int launch(const moe_gemm *g, moe_stream s)
+template <typename T, int BM, int BN, int WM, int WN, int STAGES, int EPI>
+int launch_epi(const moe_gemm *g, moe_stream s)
 {
     constexpr int smem = STAGES * (BM + BN) * 128;
-    auto kern = gemm_sm80_kernel<T, BM, BN, WM, WN, STAGES>;
+    auto kern = gemm_sm80_kernel<T, BM, BN, WM, WN, STAGES, EPI>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
         return MOED_EDEVICE;
     const int num_n = g->n / BN;
@@ -186,6 +187,12 @@ int launch(const moe_gemm *g, moe_stream s)
     return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;
 }
 
+template <typename T, int BM, int BN, int WM, int WN, int STAGES>
+int launch(const moe_gemm *g, moe_stream s)
+{
+    return moe_epi_dispatch(g->epi, [&]<int EPI>() { return launch_epi<T, BM, BN, WM, WN, STAGES, EPI>(g, s); });
+}
+
 template <typename T> int dispatch(const moe_gemm *g, moe_stream s)
 {
     switch (g->bm) {
@@ -193,8 +200,8 @@ template <typename T> int dispatch(const moe_gemm *g, moe_stream s)
         return launch<T, 128, 128, 4, 2, 4>(g, s);
     case 64:
         return launch<T, 64, 128, 2, 2, 4>(g, s);
-    case 16:
-        return launch<T, 16, 128, 1, 2, 6>(g, s);
+    case 16: /* short K: a few CTAs more per SM beat a deeper pipeline */
+        return g->k <= 1024 ? launch<T, 16, 128, 1, 2, 4>(g, s) : launch<T, 16, 128, 1, 2, 6>(g, s);
     }
     return MOED_EINVAL;
 }

@@ -2,7 +2,8 @@
  * gemm_sm90 — the Hopper grouped GEMM (sm_90a): wgmma with both operands in shared memory, weight
  * tiles brought by the tensor memory accelerator (TMA), warp-specialised.
  *
- * A CTA of three warpgroups computes one 128 x BN tile (BN = 128 or 256) of one expert:
+ * Persistent: one CTA per SM walks the 128 x BN tiles (BN = 128 or 256), each of one expert, with
+ * three warpgroups:
  *   warpgroup 0, the producer, fills STAGES shared-memory stages: one thread issues the TMA copy of
  *   the weight tile, and (for the up projection) all 128 threads gather the token rows of A with
  *   16-byte cp.async straight from X[token(row)] — Hopper's TMA cannot gather rows, and a permuted
@@ -103,17 +104,14 @@ template <int N> __device__ __forceinline__ void fence_acc(float (&acc)[N])
 
 #endif
 
-template <typename T, int BN, bool GATHER>
+template <typename T, int BN, bool GATHER, int EPI>
 __global__ void __launch_bounds__(384, 1)
     gemm_sm90_kernel(const __grid_constant__ CUtensorMap tm_b, const __grid_constant__ CUtensorMap tm_a,
-                     const moe_gemm g, int num_n)
+                     const moe_gemm g, int num_n, int total)
 {
 #ifdef MOE_SM90_ENABLED
     constexpr int B_STAGE = BN * BK * 2;
     constexpr int NACC = BN / 2;
-
-    moe_tile t;
-    if (!moe_tile_of(g, num_n, blockIdx.x, t)) return;
 
     extern __shared__ uint8_t smem_raw[];
     uint32_t base = moe_smem_addr(smem_raw);
@@ -133,94 +131,121 @@ __global__ void __launch_bounds__(384, 1)
     }
     __syncthreads();
 
+    /* Persistent: every CTA walks tiles id = blockIdx.x, + gridDim.x, ...; producer and consumers
+     * walk the same sequence, each resolving its next tile (dependent loads of the tile tables)
+     * during the current tile's first k-step so the latency hides behind it; `it` counts k-steps
+     * across tiles so stage and phase carry over, and the producer fills the next tile's first
+     * stages while the consumers run this tile's epilogue. */
+    int it = 0, id = blockIdx.x;
+    moe_tile cur, nxt;
+    bool have = moe_next_tile(g, num_n, total, id, cur);
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
         if (!GATHER && tid != 0) return; /* TMA alone: one thread issues everything */
         const int kc = tid & 7;
-        int src[GATHER ? 8 : 1];
-        if constexpr (GATHER) {
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                const int r = t.row0 + (tid >> 3) + 16 * i;
-                int s = -1;
-                if (r < t.row_end) s = g.a_rows ? g.a_rows[r] : r;
-                src[i] = (s >= 0 && s < g.a_rows_total) ? s : -1;
-            }
-        }
-        const int b_row = t.e * g.n + t.nt * BN;
-        for (int kt = 0; kt < ktiles; kt++) {
-            const int s = kt % STAGES;
-            mbar_wait(empty + 8 * s, ((kt / STAGES) & 1) ^ 1);
-            if (tid == 0) {
-                mbar_arrive_expect_tx(full + 8 * s, B_STAGE + (GATHER ? 0 : A_STAGE));
-                tma_load_2d(sB + s * B_STAGE, &tm_b, full + 8 * s, kt * BK, b_row);
-                if constexpr (!GATHER) tma_load_2d(sA + s * A_STAGE, &tm_a, full + 8 * s, kt * BK, t.row0);
-            }
+        while (have) {
+            int src[GATHER ? 8 : 1];
             if constexpr (GATHER) {
-                const T *a = static_cast<const T *>(g.a) + kt * BK + kc * 8;
 #pragma unroll
                 for (int i = 0; i < 8; i++) {
-                    const int row = (tid >> 3) + 16 * i;
-                    moe_cp_async16(sA + s * A_STAGE + moe_swz128(row, kc),
-                                   a + (int64_t)(src[i] < 0 ? 0 : src[i]) * g.lda, src[i] < 0 ? 0 : 16);
-                }
-                moe_cp_async_commit();
-                if (kt >= LAG) {
-                    moe_cp_async_wait<LAG>();
-                    fence_proxy_async();
-                    mbar_arrive(full + 8 * ((kt - LAG) % STAGES));
+                    const int r = cur.row0 + (tid >> 3) + 16 * i;
+                    int s = -1;
+                    if (r < cur.row_end) s = g.a_rows ? g.a_rows[r] : r;
+                    src[i] = (s >= 0 && s < g.a_rows_total) ? s : -1;
                 }
             }
-        }
-        if constexpr (GATHER) {
-            moe_cp_async_wait<0>();
-            fence_proxy_async();
-            for (int kt = ktiles > LAG ? ktiles - LAG : 0; kt < ktiles; kt++) mbar_arrive(full + 8 * (kt % STAGES));
+            const int b_row = cur.e * g.n + cur.nt * BN;
+            bool have_next = false;
+            for (int kt = 0; kt < ktiles; kt++, it++) {
+                const int s = it % STAGES;
+                mbar_wait(empty + 8 * s, ((it / STAGES) & 1) ^ 1);
+                if (tid == 0) {
+                    mbar_arrive_expect_tx(full + 8 * s, B_STAGE + (GATHER ? 0 : A_STAGE));
+                    tma_load_2d(sB + s * B_STAGE, &tm_b, full + 8 * s, kt * BK, b_row);
+                    if constexpr (!GATHER) tma_load_2d(sA + s * A_STAGE, &tm_a, full + 8 * s, kt * BK, cur.row0);
+                }
+                if constexpr (GATHER) {
+                    const T *a = static_cast<const T *>(g.a) + kt * BK + kc * 8;
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        const int row = (tid >> 3) + 16 * i;
+                        moe_cp_async16(sA + s * A_STAGE + moe_swz128(row, kc),
+                                       a + (int64_t)(src[i] < 0 ? 0 : src[i]) * g.lda, src[i] < 0 ? 0 : 16);
+                    }
+                    moe_cp_async_commit();
+                    if (kt >= LAG) {
+                        moe_cp_async_wait<LAG>();
+                        fence_proxy_async();
+                        mbar_arrive(full + 8 * ((it - LAG) % STAGES));
+                    }
+                }
+                if (kt == 0) {
+                    id += gridDim.x;
+                    have_next = moe_next_tile(g, num_n, total, id, nxt);
+                }
+            }
+            if constexpr (GATHER) { /* signal the tile's last stages before moving on */
+                moe_cp_async_wait<0>();
+                fence_proxy_async();
+                for (int j = it - (ktiles < LAG ? ktiles : LAG); j < it; j++) mbar_arrive(full + 8 * (j % STAGES));
+            }
+            cur = nxt;
+            have = have_next;
         }
         return;
     }
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
-    const int cw = wg - 1; /* this consumer's 64 rows of the tile */
-    float acc[NACC];
+    const int cw = wg - 1; /* this consumer's 64 rows of each tile */
+    while (have) {
+        float acc[NACC];
 #pragma unroll
-    for (int i = 0; i < NACC; i++) acc[i] = 0.0f;
-
-    for (int kt = 0; kt < ktiles; kt++) {
-        const int s = kt % STAGES;
-        mbar_wait(full + 8 * s, (kt / STAGES) & 1);
+        for (int i = 0; i < NACC; i++) acc[i] = 0.0f;
+        bool have_next = false;
+        for (int kt = 0; kt < ktiles; kt++, it++) {
+            const int s = it % STAGES;
+            mbar_wait(full + 8 * s, (it / STAGES) & 1);
+            fence_acc(acc);
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; kk++)
+                wgmma<T, BN>(acc, wgmma_desc(sA + s * A_STAGE + cw * 64 * 128 + kk * 32),
+                             wgmma_desc(sB + s * B_STAGE + kk * 32));
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            if (kt == 0) {
+                id += gridDim.x;
+                have_next = moe_next_tile(g, num_n, total, id, nxt);
+            }
+            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+            fence_acc(acc);
+            if (kt > 0 && lane == 0) mbar_arrive(empty + 8 * ((it - 1) % STAGES));
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         fence_acc(acc);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; kk++)
-            wgmma<T, BN>(acc, wgmma_desc(sA + s * A_STAGE + cw * 64 * 128 + kk * 32),
-                         wgmma_desc(sB + s * B_STAGE + kk * 32));
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-        fence_acc(acc);
-        if (kt > 0 && lane == 0) mbar_arrive(empty + 8 * ((kt - 1) % STAGES));
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    fence_acc(acc);
+        if (lane == 0) mbar_arrive(empty + 8 * ((it - 1) % STAGES)); /* the producer may refill it now */
 
-    /* Accumulator 4*c8 + 2*h + j: row 16*(warp%4) + lane/4 + 8h of this consumer's 64, column
-     * 8*c8 + 2*(lane%4) + j. Gate blocks of 32 columns are followed by their up blocks. */
-    const int rbase = t.row0 + cw * 64 + ((tid >> 5) & 3) * 16 + (lane >> 2);
+        /* Accumulator 4*c8 + 2*h + j: row 16*(warp%4) + lane/4 + 8h of this consumer's 64, column
+         * 8*c8 + 2*(lane%4) + j. Gate blocks of 32 columns are followed by their up blocks. */
+        const int rbase = cur.row0 + cw * 64 + ((tid >> 5) & 3) * 16 + (lane >> 2);
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int r = rbase + 8 * h;
-        if (r >= t.row_end) continue;
+        for (int h = 0; h < 2; h++) {
+            const int r = rbase + 8 * h;
+            if (r >= cur.row_end) continue;
 #pragma unroll
-        for (int c8 = 0; c8 < BN / 8; c8++) {
-            const int n = t.nt * BN + c8 * 8 + 2 * (lane & 3);
-            const float v0 = acc[4 * c8 + 2 * h], v1 = acc[4 * c8 + 2 * h + 1];
-            if (g.epi == MOE_EPI_SWIGLU) {
-                if ((c8 & 7) < 4)
-                    moe_epilogue2<T>(g, r, n, v0, v1, acc[4 * (c8 + 4) + 2 * h], acc[4 * (c8 + 4) + 2 * h + 1]);
-            } else {
-                moe_epilogue2<T>(g, r, n, v0, v1, 0.0f, 0.0f);
+            for (int c8 = 0; c8 < BN / 8; c8++) {
+                const int n = cur.nt * BN + c8 * 8 + 2 * (lane & 3);
+                const float v0 = acc[4 * c8 + 2 * h], v1 = acc[4 * c8 + 2 * h + 1];
+                if constexpr (EPI == MOE_EPI_SWIGLU) {
+                    if ((c8 & 7) < 4)
+                        moe_epilogue2<T, EPI>(g, r, n, v0, v1, acc[4 * (c8 + 4) + 2 * h],
+                                              acc[4 * (c8 + 4) + 2 * h + 1]);
+                } else {
+                    moe_epilogue2<T, EPI>(g, r, n, v0, v1, 0.0f, 0.0f);
+                }
             }
         }
+        cur = nxt;
+        have = have_next;
     }
 #endif
 }
@@ -262,7 +287,7 @@ int tensor_map(CUtensorMap *m, int cdtype, const void *p, int64_t rows, int64_t 
     return r == CUDA_SUCCESS ? 0 : MOED_EDEVICE;
 }
 
-template <typename T, int BN, bool GATHER> int launch(const moe_gemm *g, moe_stream s)
+template <typename T, int BN, bool GATHER, int EPI> int launch(const moe_gemm *g, moe_stream s)
 {
     CUtensorMap tm_b, tm_a;
     int rc = tensor_map(&tm_b, g->cdtype, g->b, (int64_t)g->b_experts * g->n, g->k, g->k, BN);
@@ -271,22 +296,36 @@ template <typename T, int BN, bool GATHER> int launch(const moe_gemm *g, moe_str
     else if ((rc = tensor_map(&tm_a, g->cdtype, g->a, g->a_rows_total, g->k, g->lda, BM))) return rc;
 
     constexpr int smem = 1024 + STAGES * (A_STAGE + BN * BK * 2) + 16 * STAGES;
-    auto kern = gemm_sm90_kernel<T, BN, GATHER>;
+    auto kern = gemm_sm90_kernel<T, BN, GATHER, EPI>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
         return MOED_EDEVICE;
     const int num_n = g->n / BN;
-    const int64_t ctas = (int64_t)num_n * g->max_tiles;
-    if (ctas <= 0) return 0;
-    if (ctas > 0x7fffffff) return MOED_EINVAL;
-    kern<<<(unsigned)ctas, 384, smem, (cudaStream_t)s>>>(tm_b, tm_a, *g, num_n);
+    const int64_t tiles = (int64_t)num_n * g->max_tiles;
+    if (tiles <= 0) return 0;
+    if (tiles > 0x7fffffff) return MOED_EINVAL;
+    int dev = 0, sms = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    const int grid = (int)(tiles < sms ? tiles : sms); /* one resident CTA per SM walks the tiles */
+    kern<<<grid, 384, smem, (cudaStream_t)s>>>(tm_b, tm_a, *g, num_n, (int)tiles);
     return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;
+}
+
+/* The instantiations: gathered A only for the up projection's epilogues; fp32 output (router
+ * logits) is the portable kernel's. */
+template <typename T, int BN> int dispatch_bn(const moe_gemm *g, moe_stream s)
+{
+    const bool gather = g->a_rows != nullptr;
+    return moe_epi_dispatch(g->epi, [&]<int EPI>() -> int {
+        if constexpr (EPI == MOE_EPI_STORE_F32) return MOED_EINVAL;
+        else if constexpr (EPI == MOE_EPI_STORE) return gather ? MOED_EINVAL : launch<T, BN, false, EPI>(g, s);
+        else return gather ? launch<T, BN, true, EPI>(g, s) : launch<T, BN, false, EPI>(g, s);
+    });
 }
 
 template <typename T> int dispatch(const moe_gemm *g, int bn, moe_stream s)
 {
-    const bool gather = g->a_rows != nullptr;
-    if (bn == 256) return gather ? launch<T, 256, true>(g, s) : launch<T, 256, false>(g, s);
-    return gather ? launch<T, 128, true>(g, s) : launch<T, 128, false>(g, s);
+    return bn == 256 ? dispatch_bn<T, 256>(g, s) : dispatch_bn<T, 128>(g, s);
 }
 
 } // namespace

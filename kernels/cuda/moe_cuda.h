@@ -101,8 +101,13 @@ typedef struct moe_gemm {
 typedef struct moe_tile_cfg {
     int kernel; /* MOE_KERNEL_SM80 (mma.sync) or MOE_KERNEL_SM90 (wgmma + TMA) */
     int bm, bn;
+    int gather; /* up projection: gather token rows in the A load (1) or pre-permute them (0) */
 } moe_tile_cfg;
 enum { MOE_KERNEL_SM80 = 80, MOE_KERNEL_SM90 = 90 };
+/* force_kernel values: 0 (the table decides), MOE_KERNEL_SM80, MOE_KERNEL_SM90 (gather in the A
+ * load), MOE_KERNEL_SM90P (Hopper with pre-permuted rows). MOED_CUDA_KERNEL=sm80|sm90|sm90p sets it. */
+enum { MOE_KERNEL_SM90P = 91 };
+int moe_kernel_parse(const char *name);
 
 /* The table: the tile for a batch of P pairs over n_active experts that have rows, on a device of
  * compute capability sm (80, 90, ...), for an N x K GEMM. force_kernel (0 = choose) pins the
@@ -128,6 +133,9 @@ void moe_route_pack(int32_t *dst, const int64_t *off, const int32_t *expert, con
 /* Points r's arrays into a device buffer laid out as moe_route_words says, for m-tiles of bm rows. */
 void moe_route_layout(moe_route_dev *r, int32_t *dev, int64_t T, int64_t P, int E, int bm);
 
+/* xp[s] = xc[slot_tok[s]] for s < P, rows of d_pad elements of 2 bytes. */
+int moe_gather_rows(void *xp, const void *xc, const int32_t *slot_tok, int P, int d_pad, moe_stream s);
+
 /* A layer resident on one device, in the kernels' layout (padded, W1|W3 interleaved). */
 typedef struct moe_layer_dev {
     int cdtype;            /* MOED_BF16 or MOED_F16 */
@@ -142,7 +150,7 @@ typedef struct moe_layer_dev {
 /* Device buffers of one batch (one execution slot's workspace). */
 typedef struct moe_work_dev {
     void *xc;      /* [T, d_pad] compute type */
-    void *h, *y;   /* [P, ff_pad], [P, d_pad] */
+    void *h, *y;   /* [P, ff_pad], [P, d_pad]; y also holds the pre-permuted rows until the down GEMM */
     void *hs, *ys; /* [T, sff_pad], [T, d_pad] (shared experts) */
 } moe_work_dev;
 

@@ -98,7 +98,14 @@ static int expert_gemms(const moe_layer_dev *L, const moe_route_dev *r, const vo
     g.ldc = ff_pad;
     g.epi = L->act == MOED_ACT_SWIGLU ? MOE_EPI_SWIGLU : L->act == MOED_ACT_GELU ? MOE_EPI_GELU : MOE_EPI_RELU;
     moe_tile_cfg cfg = moe_tile_choose(sm, P, n_active, g.n, g.k, force_kernel);
-    int rc = moe_gemm_run(&g, &cfg, s);
+    int rc = 0;
+    if (r && !cfg.gather) { /* rows pre-permuted into y (free until the down GEMM), A by TMA */
+        rc = moe_gather_rows(y, xc, r->slot_tok, r->P, L->d_pad, s);
+        g.a = y;
+        g.a_rows = NULL;
+        g.a_rows_total = P;
+    }
+    if (!rc) rc = moe_gemm_run(&g, &cfg, s);
     mark(ev, 0, s);
     if (rc) return rc;
     /* down: A = H rows in order, B = W2, plain store into Y */

@@ -2,7 +2,8 @@
  * route_prep — turns a batch's (token, expert, weight) pairs into what the grouped GEMMs walk, on
  * the GPU and with no host round trip: per-expert counts, their exclusive scan (each expert's
  * segment of sorted rows), the slot of every pair in that order, and the list of m-tiles
- * (expert, first row) for a tile height of bm rows. Three launches: count, scan, scatter.
+ * (expert, first row) for a tile height of bm rows. Three launches (count, scan, scatter), or one
+ * for small batches.
  *
  * Slots within an expert's segment are taken with atomics, so their order varies from run to run;
  * that is harmless because each sorted row is computed independently of the rows around it and the
@@ -18,6 +19,7 @@
 namespace {
 
 constexpr int SCAN_THREADS = 1024, SCAN_ITEMS = 4; /* up to 4096 experts */
+constexpr int SMALL_P = 16384;                      /* one launch up to this many pairs */
 
 __global__ void count_kernel(const int32_t *pair_exp, int P, int E, int32_t *cnt)
 {
@@ -31,7 +33,9 @@ __global__ void count_kernel(const int32_t *pair_exp, int P, int E, int32_t *cnt
         if (hist[e]) atomicAdd(&cnt[e], hist[e]);
 }
 
-__global__ void __launch_bounds__(SCAN_THREADS) scan_kernel(moe_route_dev r)
+/* Exclusive scans of the per-expert counts (rows, then m-tiles), written as exp_off, the tile
+ * lists, n_tiles, and each expert's first row into cursor (where scatter starts). One block. */
+__device__ __forceinline__ void scan_counts(const moe_route_dev &r, const int32_t *counts, int32_t *cursor)
 {
     typedef cub::BlockScan<int32_t, SCAN_THREADS> scan_t;
     __shared__ typename scan_t::TempStorage tmp;
@@ -39,19 +43,20 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_kernel(moe_route_dev r)
 #pragma unroll
     for (int i = 0; i < SCAN_ITEMS; i++) {
         const int e = threadIdx.x * SCAN_ITEMS + i;
-        cnt[i] = e < r.E ? r.cursor[e] : 0;
+        cnt[i] = e < r.E ? counts[e] : 0;
         tiles[i] = (cnt[i] + r.bm - 1) / r.bm;
     }
     int32_t total_rows, total_tiles;
     scan_t(tmp).ExclusiveSum(cnt, row_off, total_rows);
     __syncthreads();
     scan_t(tmp).ExclusiveSum(tiles, tile_off, total_tiles);
+    __syncthreads(); /* every thread has read counts before cursor (which may alias it) is written */
 #pragma unroll
     for (int i = 0; i < SCAN_ITEMS; i++) {
         const int e = threadIdx.x * SCAN_ITEMS + i;
         if (e >= r.E) continue;
         r.exp_off[e] = row_off[i];
-        r.cursor[e] = row_off[i];
+        cursor[e] = row_off[i];
         for (int j = 0; j < tiles[i]; j++) {
             r.tile_exp[tile_off[i] + j] = e;
             r.tile_row[tile_off[i] + j] = row_off[i] + j * r.bm;
@@ -60,6 +65,29 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_kernel(moe_route_dev r)
     if (threadIdx.x == 0) {
         r.exp_off[r.E] = total_rows;
         *r.n_tiles = total_tiles;
+    }
+}
+
+__global__ void __launch_bounds__(SCAN_THREADS) scan_kernel(moe_route_dev r)
+{
+    scan_counts(r, r.cursor, r.cursor);
+}
+
+/* Small batches: count, scan and scatter in one block and one launch, with the counts and cursors
+ * in shared memory — at a few dozen pairs the three launches cost more than the work. */
+__global__ void __launch_bounds__(SCAN_THREADS) small_kernel(moe_route_dev r)
+{
+    __shared__ int32_t cnt[SCAN_THREADS * SCAN_ITEMS];
+    for (int e = threadIdx.x; e < r.E; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < r.P; p += blockDim.x) atomicAdd(&cnt[r.pair_exp[p]], 1);
+    __syncthreads();
+    scan_counts(r, cnt, cnt);
+    __syncthreads();
+    for (int p = threadIdx.x; p < r.P; p += blockDim.x) {
+        const int slot = atomicAdd(&cnt[r.pair_exp[p]], 1);
+        r.slot_tok[slot] = r.pair_tok[p];
+        r.pair_slot[p] = slot;
     }
 }
 
@@ -81,6 +109,10 @@ extern "C" int moe_route_prep(const moe_route_dev *r, moe_stream s)
     if (r->P == 0) {
         cudaMemsetAsync(r->n_tiles, 0, sizeof(int32_t), st);
         cudaMemsetAsync(r->exp_off, 0, sizeof(int32_t) * (r->E + 1), st);
+        return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;
+    }
+    if (r->P <= SMALL_P) {
+        small_kernel<<<1, SCAN_THREADS, 0, st>>>(*r);
         return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;
     }
     const int blocks = (int)((r->P + 255) / 256 < 1024 ? (r->P + 255) / 256 : 1024);

@@ -3,6 +3,11 @@
  * dispatch to it. The figure that decides is the expected rows per active expert (P / n_active):
  *
  *   rows/expert   kernel   bm    bn    why
+ *   >= 512 and    sm90p    128   256   (Hopper) long rows (d >= 4096): pre-permuting the rows once
+ *   d >= 4096                          and letting TMA stream A beats gathering them in the load
+ *                                      (H200: deepseek-v3 T=16384 22.6 vs 26.0 ms, mixtral T=16384
+ *                                      18.1 vs 20.4 ms; qwen3 (d 2048) and deepseek T=4096 (128
+ *                                      rows/expert) lose 4-5% with it)
  *   >= 96         sm90     128   256   (Hopper) compute-bound: wgmma, TMA, warp-specialised
  *   >= 96         sm80     128   128   (other GPUs) compute-bound on mma.sync
  *   >= 24         sm80      64   128   mid-size: half the padding waste of bm 128
@@ -15,15 +20,28 @@
 
 #include "moed_err.h"
 
+#include <string.h>
+
 static int rows_per_expert_at_least(int64_t P, int n_active, int64_t rows)
 {
     if (n_active < 1) n_active = 1;
     return P >= rows * n_active;
 }
 
+int moe_kernel_parse(const char *name)
+{
+    if (!name) return 0;
+    if (!strcmp(name, "sm80")) return MOE_KERNEL_SM80;
+    if (!strcmp(name, "sm90")) return MOE_KERNEL_SM90;
+    if (!strcmp(name, "sm90p")) return MOE_KERNEL_SM90P;
+    return 0;
+}
+
 int moe_tile_bm(int64_t P, int n_active, int force_kernel)
 {
-    if (force_kernel == MOE_KERNEL_SM90 || rows_per_expert_at_least(P, n_active, 96)) return 128;
+    if (force_kernel == MOE_KERNEL_SM90 || force_kernel == MOE_KERNEL_SM90P ||
+        rows_per_expert_at_least(P, n_active, 96))
+        return 128;
     if (rows_per_expert_at_least(P, n_active, 24)) return 64;
     return 16;
 }
@@ -31,12 +49,14 @@ int moe_tile_bm(int64_t P, int n_active, int force_kernel)
 moe_tile_cfg moe_tile_choose(int sm, int64_t P, int n_active, int n, int k, int force_kernel)
 {
     moe_tile_cfg c;
-    (void)k;
     c.bm = moe_tile_bm(P, n_active, force_kernel);
-    const int hopper = force_kernel ? force_kernel == MOE_KERNEL_SM90 : sm == 90;
+    const int hopper = force_kernel ? force_kernel != MOE_KERNEL_SM80 : sm == 90;
+    c.gather = 1;
     if (hopper && c.bm == 128) {
         c.kernel = MOE_KERNEL_SM90;
         c.bn = n % 256 == 0 ? 256 : 128;
+        c.gather = force_kernel ? force_kernel == MOE_KERNEL_SM90
+                                : !(k >= 4096 && rows_per_expert_at_least(P, n_active, 512));
     } else {
         c.kernel = MOE_KERNEL_SM80;
         c.bn = 128;

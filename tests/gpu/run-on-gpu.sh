@@ -5,7 +5,8 @@
 #   sanitize  compute-sanitizer memcheck and racecheck on the quick cases
 #   bench     the kernel benchmark (moe-bench) and the torch._grouped_mm reference, same run, and the
 #             merged table (kernels/cuda/bench/report.py)
-#   e2e       the daemon benchmark on loopback (tests/gpu/bench_daemon.py)
+#   e2e       the daemon benchmark on loopback (tests/gpu/bench_daemon.py), transport suite
+#   merge     the same, merging suite (merging off / on / batch gating at T=8)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export LD_LIBRARY_PATH=$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}
@@ -13,7 +14,8 @@ export PYTHONPATH=$PWD/.gpu/py
 export PYTHONUNBUFFERED=1
 export PATH=$PATH:/usr/local/cuda/bin
 OUT=${OUT:-/tmp/moed-out}
-mkdir -p "$OUT"
+RAW=$OUT/raw # JSON and long logs; packed into raw.tgz at the end (the device tool returns 8 files)
+mkdir -p "$RAW"
 B=.gpu/bin
 stage() { echo "== $1 ($(date +%T))"; }
 
@@ -33,26 +35,35 @@ for what in "${stages[@]}"; do
         stage sanitize
         for tool in memcheck racecheck; do
             MOED_GPU_TEST_QUICK=1 timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 \
-                $B/test_cuda_backend >"$OUT/sanitize-$tool.log" 2>&1
+                $B/test_cuda_backend >"$RAW/sanitize-$tool.log" 2>&1
             echo "compute-sanitizer $tool exit $?"
-            tail -4 "$OUT/sanitize-$tool.log"
+            tail -4 "$RAW/sanitize-$tool.log"
         done
         ;;
     bench)
         stage bench
-        $B/moe-bench --tokens 8,64,512,4096,16384 --json "$OUT/moe.json" | tee "$OUT/moe.txt"
-        $B/moe-bench --tokens 64,4096 --routing zipf,hot,empty --json "$OUT/moe-skew.json" | tee -a "$OUT/moe.txt"
-        $B/moe-bench --tokens 4096,16384 --kernel sm80 --json "$OUT/moe-sm80.json" | tee -a "$OUT/moe.txt"
-        python3 kernels/cuda/bench/torch_ref.py --tokens 8,64,512,4096,16384 --json "$OUT/torch.json"
-        python3 kernels/cuda/bench/torch_ref.py --tokens 64,4096 --routing zipf,hot,empty --json "$OUT/torch-skew.json"
-        python3 kernels/cuda/bench/report.py "$OUT/moe.json" "$OUT/torch.json" --out "$OUT/report.md"
-        python3 kernels/cuda/bench/report.py "$OUT/moe-skew.json" "$OUT/torch-skew.json" --out "$OUT/report-skew.md"
+        $B/moe-bench --tokens 8,64,512,4096,16384 --json "$RAW/moe.json" | tee "$OUT/moe.txt"
+        $B/moe-bench --tokens 8,64 --graph --json "$RAW/moe-graph.json" | tee -a "$OUT/moe.txt"
+        $B/moe-bench --tokens 64,4096 --routing zipf,hot,empty --json "$RAW/moe-skew.json" | tee -a "$OUT/moe.txt"
+        $B/moe-bench --tokens 4096,16384 --kernel sm80,sm90,sm90p --cublas --json "$RAW/moe-kernels.json" | tee -a "$OUT/moe.txt"
+        python3 kernels/cuda/bench/torch_ref.py --tokens 8,64,512,4096,16384 --json "$RAW/torch.json"
+        python3 kernels/cuda/bench/torch_ref.py --tokens 64,4096 --routing zipf,hot,empty --json "$RAW/torch-skew.json"
+        python3 kernels/cuda/bench/report.py "$RAW/torch.json" "$RAW/moe.json" "$RAW/moe-graph.json" \
+            --out "$OUT/report.md"
+        python3 kernels/cuda/bench/report.py "$RAW/torch-skew.json" "$RAW/moe-skew.json" --out "$OUT/report-skew.md"
         ;;
     e2e)
         stage e2e
-        python3 tests/gpu/bench_daemon.py --json "$OUT/daemon.json" 2>&1 | tee "$OUT/daemon.txt"
+        python3 tests/gpu/bench_daemon.py --bin $B --suite transport --json "$RAW/daemon.json" --logs "$RAW" \
+            2>&1 | tee -a "$OUT/daemon.txt"
+        ;;
+    merge)
+        stage merge
+        python3 tests/gpu/bench_daemon.py --bin $B --suite merging --json "$RAW/merge.json" --logs "$RAW" \
+            2>&1 | tee -a "$OUT/daemon.txt"
         ;;
     *) echo "unknown stage $what" ;;
     esac
 done
+tar czf "$OUT/raw.tgz" -C "$OUT" raw && rm -rf "$RAW"
 stage done

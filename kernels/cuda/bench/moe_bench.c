@@ -7,9 +7,12 @@
  * bytes = the weights of every expert that received a token + activations in and out.
  *
  * usage: moe-bench [--shapes mixtral,qwen3-30b-a3b,deepseek-v3] [--tokens 8,64,512,4096,16384]
- *                  [--routing uniform,zipf,hot,empty] [--kernel auto,sm80,sm90] [--min-ms 200]
- *                  [--json FILE]
- * Prints one table row per run; --json writes every figure, the stage times included.
+ *                  [--routing uniform,zipf,hot,empty] [--kernel auto,sm80,sm90,sm90p] [--min-ms 200]
+ *                  [--cublas] [--graph] [--json FILE]
+ * Prints one table row per run; --json writes every figure, the stage times included. --cublas adds
+ * the headroom line: the same per-expert GEMMs through cuBLAS on pre-permuted rows, no epilogues.
+ * --graph times the pipeline captured as a CUDA graph and replayed (what the backend does for small
+ * batches).
  */
 #include "bench.h"
 #include "moe_cuda.h"
@@ -96,13 +99,15 @@ static void choose(const char *routing, int E, int k, int32_t *out)
 }
 
 typedef struct run {
-    char shape[32], routing[16], kernel[8];
+    char shape[32], routing[16], kernel[12];
     int64_t T, P;
     int active, bm;
     double ms, stage_ms[6], tflops, gbs;
+    double cublas_ms; /* the same per-expert GEMMs through cuBLAS, pre-permuted rows, no epilogues */
 } run;
 
 static double g_matmul_tflops, g_copy_gbs;
+static cublasHandle_t g_cublas;
 
 static void ceilings(void)
 {
@@ -153,16 +158,52 @@ static void ceilings(void)
     cudaFree(b);
 }
 
-static int parse_force(const char *k)
+/* The headroom line: for each expert with rows, cuBLAS up (cnt x 2ff x d) then down (cnt x d x ff)
+ * on contiguous rows — the dense GEMM time of the same work, with no gather, SwiGLU or combine. */
+static double bench_cublas(const shape *s, const moe_layer_dev *L, const int64_t *counts, int64_t P, void *xp,
+                           void *h, void *y)
 {
-    return !strcmp(k, "sm80") ? MOE_KERNEL_SM80 : !strcmp(k, "sm90") ? MOE_KERNEL_SM90 : 0;
+    const float alpha = 1, beta = 0;
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    double t[64];
+    int n = 0;
+    for (int it = 0; it < 23; it++) {
+        cudaEventRecord(e0, 0);
+        int64_t row = 0;
+        for (int e = 0; e < s->E; e++) {
+            const int m = (int)counts[e];
+            if (!m) continue;
+            const char *w13 = (const char *)L->w13 + (size_t)e * L->n_up * s->d * 2;
+            const char *w2 = (const char *)L->w2 + (size_t)e * s->d * s->ff * 2;
+            cublasGemmEx(g_cublas, CUBLAS_OP_T, CUBLAS_OP_N, L->n_up, m, s->d, &alpha, w13, CUDA_R_16BF, s->d,
+                         (const char *)xp + (size_t)row * s->d * 2, CUDA_R_16BF, s->d, &beta,
+                         (char *)h + (size_t)row * L->n_up * 2, CUDA_R_16BF, L->n_up, CUBLAS_COMPUTE_32F,
+                         CUBLAS_GEMM_DEFAULT);
+            cublasGemmEx(g_cublas, CUBLAS_OP_T, CUBLAS_OP_N, s->d, m, s->ff, &alpha, w2, CUDA_R_16BF, s->ff,
+                         (const char *)h + (size_t)row * L->n_up * 2, CUDA_R_16BF, L->n_up, &beta,
+                         (char *)y + (size_t)row * s->d * 2, CUDA_R_16BF, s->d, CUBLAS_COMPUTE_32F,
+                         CUBLAS_GEMM_DEFAULT);
+            row += m;
+        }
+        cudaEventRecord(e1, 0);
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        cudaEventElapsedTime(&ms, e0, e1);
+        if (it >= 3) t[n++] = ms;
+    }
+    (void)P;
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    return median(t, n);
 }
 
 /* Times the pipeline for one shape (weights resident in L) at T tokens with one routing rule. */
 static void bench_one(const shape *s, const moe_layer_dev *L, int sm, int64_t T, const char *routing,
-                      const char *kernel, double min_ms, run *out)
+                      const char *kernel, double min_ms, int with_cublas, int graph, run *out)
 {
-    const int E = s->E, k = s->k, force = parse_force(kernel);
+    const int E = s->E, k = s->k, force = moe_kernel_parse(kernel);
     const int64_t P = T * k;
     int64_t *off = malloc(sizeof(int64_t) * (size_t)(T + 1));
     int32_t *ex = malloc(sizeof(int32_t) * (size_t)P);
@@ -206,12 +247,33 @@ static void bench_one(const shape *s, const moe_layer_dev *L, int sm, int64_t T,
     CK(cudaStreamCreate(&st));
     cudaEvent_t ev[7];
     for (int i = 0; i < 7; i++) cudaEventCreate(&ev[i]);
+    /* --graph: the pipeline captured once and replayed, as the backend runs small batches (the
+     * stage events cannot live inside the graph, so only the total is timed). */
+    cudaGraphExec_t gexec = NULL;
+    if (graph) {
+        cudaGraph_t gr;
+        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        int rc = moe_pipeline(L, &r, &wk, x, MOED_BF16, y, sm, active, force, (moe_stream)st, NULL);
+        CK(cudaStreamEndCapture(st, &gr));
+        if (rc) {
+            fprintf(stderr, "moe-bench: capture refused (%d)\n", rc);
+            exit(1);
+        }
+        CK(cudaGraphInstantiate(&gexec, gr, 0));
+        cudaGraphDestroy(gr);
+    }
     double tot[512], stage[6][512];
     int n = 0;
     double spent = 0;
     for (int it = 0; n < 512 && (it < 3 || spent < min_ms || n < 10); it++) {
         cudaEventRecord(ev[6], st);
-        int rc = moe_pipeline(L, &r, &wk, x, MOED_BF16, y, sm, active, force, (moe_stream)st, (void *const *)ev);
+        int rc = 0;
+        if (gexec) {
+            CK(cudaGraphLaunch(gexec, st));
+            for (int i = 0; i < 6; i++) cudaEventRecord(ev[i], st);
+        } else {
+            rc = moe_pipeline(L, &r, &wk, x, MOED_BF16, y, sm, active, force, (moe_stream)st, (void *const *)ev);
+        }
         if (rc) {
             fprintf(stderr, "moe-bench: pipeline refused (%d) for %s T=%lld\n", rc, s->name, (long long)T);
             exit(1);
@@ -233,7 +295,7 @@ static void bench_one(const shape *s, const moe_layer_dev *L, int sm, int64_t T,
     memset(out, 0, sizeof *out);
     snprintf(out->shape, sizeof out->shape, "%s", s->name);
     snprintf(out->routing, sizeof out->routing, "%s", routing);
-    snprintf(out->kernel, sizeof out->kernel, "%s", kernel);
+    snprintf(out->kernel, sizeof out->kernel, "%s%s", kernel, graph ? "+g" : "");
     out->T = T;
     out->P = P;
     out->active = active;
@@ -244,7 +306,19 @@ static void bench_one(const shape *s, const moe_layer_dev *L, int sm, int64_t T,
     const double bytes = (double)active * 3.0 * s->ff * s->d * 2 + 2.0 * T * s->d * 2;
     out->tflops = flops / (out->ms * 1e-3) / 1e12;
     out->gbs = bytes / (out->ms * 1e-3) / 1e9;
+    if (with_cublas) {
+        int64_t *counts = calloc((size_t)E, sizeof *counts);
+        for (int64_t p = 0; p < P; p++) counts[ex[p]]++;
+        void *hh, *yy; /* cuBLAS writes both halves of the up output, then [P, d] */
+        CK(cudaMalloc(&hh, (size_t)P * L->n_up * 2));
+        CK(cudaMalloc(&yy, (size_t)P * s->d * 2));
+        out->cublas_ms = bench_cublas(s, L, counts, P, wk.y, hh, yy);
+        cudaFree(hh);
+        cudaFree(yy);
+        free(counts);
+    }
 
+    if (gexec) cudaGraphExecDestroy(gexec);
     for (int i = 0; i < 7; i++) cudaEventDestroy(ev[i]);
     cudaStreamDestroy(st);
     cudaFree(x);
@@ -274,6 +348,7 @@ int main(int argc, char **argv)
     char routing_arg[128] = "uniform", kernel_arg[64] = "auto";
     const char *json = NULL;
     double min_ms = 200;
+    int with_cublas = 0, graph = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--shapes") && v) snprintf(shapes_arg, sizeof shapes_arg, "%s", argv[++i]);
@@ -282,9 +357,11 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--kernel") && v) snprintf(kernel_arg, sizeof kernel_arg, "%s", argv[++i]);
         else if (!strcmp(a, "--min-ms") && v) min_ms = atof(argv[++i]);
         else if (!strcmp(a, "--json") && v) json = argv[++i];
+        else if (!strcmp(a, "--cublas")) with_cublas = 1;
+        else if (!strcmp(a, "--graph")) graph = 1;
         else {
             fprintf(stderr, "usage: moe-bench [--shapes LIST] [--tokens LIST] [--routing uniform,zipf,hot,empty] "
-                            "[--kernel auto,sm80,sm90] [--min-ms MS] [--json FILE]\n");
+                            "[--kernel auto,sm80,sm90,sm90p] [--min-ms MS] [--cublas] [--graph] [--json FILE]\n");
             return 2;
         }
     }
@@ -297,9 +374,10 @@ int main(int argc, char **argv)
     const int sm = prop.major * 10 + prop.minor;
     fprintf(stderr, "moe-bench: %s (sm_%d, %d SMs); measuring ceilings\n", prop.name, sm, prop.multiProcessorCount);
     ceilings();
+    cublasCreate(&g_cublas);
     printf("device %s: ceilings %.0f TFLOP/s (cuBLAS bf16 8192^3), %.0f GB/s (D2D copy, read+write)\n", prop.name,
            g_matmul_tflops, g_copy_gbs);
-    printf("%-14s %6s %-8s %-5s %4s %9s %8s %8s %6s %6s  %s\n", "shape", "T", "routing", "kern", "bm", "ms",
+    printf("%-14s %6s %-8s %-7s %4s %9s %8s %8s %6s %6s  %s\n", "shape", "T", "routing", "kern", "bm", "ms",
            "TFLOP/s", "GB/s", "%mm", "%copy", "stages ms: convert route up down shared combine");
 
     char *sh[8], *tk[16], *rt[8], *kn[4];
@@ -334,12 +412,16 @@ int main(int argc, char **argv)
             for (int b = 0; b < nrt; b++)
                 for (int c = 0; c < nkn && nruns < 512; c++) {
                     run *r = &runs[nruns++];
-                    bench_one(s, &L, sm, atoll(tk[a]), rt[b], kn[c], min_ms, r);
-                    printf("%-14s %6lld %-8s %-5s %4d %9.3f %8.1f %8.0f %5.1f%% %5.1f%%  %.3f %.3f %.3f %.3f %.3f "
+                    bench_one(s, &L, sm, atoll(tk[a]), rt[b], kn[c], min_ms, with_cublas, graph, r);
+                    printf("%-14s %6lld %-8s %-7s %4d %9.3f %8.1f %8.0f %5.1f%% %5.1f%%  %.3f %.3f %.3f %.3f %.3f "
                            "%.3f\n",
                            r->shape, (long long)r->T, r->routing, r->kernel, r->bm, r->ms, r->tflops, r->gbs,
                            100 * r->tflops / g_matmul_tflops, 100 * r->gbs / g_copy_gbs, r->stage_ms[0],
                            r->stage_ms[1], r->stage_ms[2], r->stage_ms[3], r->stage_ms[4], r->stage_ms[5]);
+                    if (r->cublas_ms > 0)
+                        printf("%-14s %6lld %-8s cublas per-expert GEMMs alone: %.3f ms (%.1f TFLOP/s)\n", r->shape,
+                               (long long)r->T, r->routing, r->cublas_ms,
+                               2.0 * r->P * s->d * 3.0 * s->ff / (r->cublas_ms * 1e-3) / 1e12);
                     fflush(stdout);
                 }
         cudaFree(w13);
@@ -359,10 +441,10 @@ int main(int argc, char **argv)
                     "  {\"shape\": \"%s\", \"T\": %lld, \"routing\": \"%s\", \"kernel\": \"%s\", \"pairs\": %lld, "
                     "\"active_experts\": %d, \"bm\": %d, \"ms\": %.4f, \"tflops\": %.2f, \"gbs\": %.1f, "
                     "\"stages_ms\": {\"convert\": %.4f, \"route\": %.4f, \"up\": %.4f, \"down\": %.4f, "
-                    "\"shared\": %.4f, \"combine\": %.4f}}%s\n",
+                    "\"shared\": %.4f, \"combine\": %.4f}, \"cublas_ms\": %.4f}%s\n",
                     r->shape, (long long)r->T, r->routing, r->kernel, (long long)r->P, r->active, r->bm, r->ms,
                     r->tflops, r->gbs, r->stage_ms[0], r->stage_ms[1], r->stage_ms[2], r->stage_ms[3],
-                    r->stage_ms[4], r->stage_ms[5], i + 1 < nruns ? "," : "");
+                    r->stage_ms[4], r->stage_ms[5], r->cublas_ms, i + 1 < nruns ? "," : "");
         }
         fprintf(f, "]}\n");
         fclose(f);
