@@ -46,7 +46,8 @@ class Daemon:
             self.wait_serving(timeout)
 
     def log(self):
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return pathlib.Path(self.log_path).read_text(errors="replace")
 
     def wait_serving(self, timeout=60.0):

@@ -1,0 +1,266 @@
+"""The command lines: moed's flags, usage errors and exit codes, its config file; moectl's health,
+info and forward over .npy files (outputs compared with the numpy model) and its exit codes; and
+that the README's flag list is `moed --help` word for word.
+"""
+
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import oracle as O
+from conftest import BUILD, DEFAULT_SPEC, MOED_BIN, ROOT, free_port
+
+MOECTL = BUILD / "client" / "c" / "moectl"
+SPEC = O.Spec.parse(DEFAULT_SPEC)
+FLAGS = ("listen", "model", "synthetic", "layers", "backend", "threads", "streams", "devices",
+         "cq-threads", "max-message-bytes", "max-batch-tokens", "max-delay-us", "max-queue-requests",
+         "log-level", "log-file", "config", "help", "version")
+
+
+def moed(*args, timeout=30):
+    return subprocess.run([str(MOED_BIN), *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def moectl(d, *args, timeout=60):
+    target = ["--target", d.address] if d is not None else []
+    return subprocess.run([str(MOECTL), *target, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# ---- moed -------------------------------------------------------------------------------------
+
+def test_help_lists_every_flag():
+    p = moed("--help")
+    assert p.returncode == 0 and p.stderr == ""
+    for flag in FLAGS:
+        assert f"--{flag}" in p.stdout, f"--help does not mention --{flag}"
+    assert "127.0.0.1:50051" in p.stdout, "the default address is shown"
+
+
+def test_version():
+    p = moed("--version")
+    assert p.returncode == 0
+    assert re.fullmatch(r"moed \d+\.\d+\.\d+\n", p.stdout), p.stdout
+
+
+def test_readme_flags_are_moed_help():
+    """README.md carries `moed --help` verbatim; `make readme-flags` rewrites it."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from readme_flags import flags_block
+
+    block = flags_block((ROOT / "README.md").read_text())
+    assert block is not None, "README.md lacks the marked `moed --help` block"
+    assert block == moed("--help").stdout, "README.md's flags differ from `moed --help`: run make readme-flags"
+
+
+BAD_VALUES = [
+    (["--threads", "abc"], ["--threads", "'abc'", "integer"]),
+    (["--threads", "-1"], ["--threads", "-1"]),
+    (["--max-message-bytes", "1"], ["--max-message-bytes", "4096"]),
+    (["--max-message-bytes", "12XB"], ["--max-message-bytes", "12XB"]),
+    (["--max-batch-tokens", "0"], ["--max-batch-tokens", "0"]),
+    (["--backend", "tpu"], ["--backend", "tpu", "cpu|cuda|auto"]),
+    (["--log-level", "loud"], ["--log-level", "loud"]),
+    (["--layers", "3-1"], ["--layers", "3-1"]),
+    (["--cq-threads", "0"], ["--cq-threads", "0"]),
+    (["--config", "/nonexistent/moed.conf"], ["--config", "/nonexistent/moed.conf"]),
+    (["--bogus"], ["--bogus"]),
+    (["--threads"], ["--threads", "value"]),
+    (["stray"], ["stray"]),
+]
+
+
+@pytest.mark.parametrize("args,words", BAD_VALUES, ids=[" ".join(a) for a, _ in BAD_VALUES])
+def test_bad_usage_exits_2_naming_the_flag(args, words):
+    p = moed(*args)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    for w in words:
+        assert w in p.stderr, f"{p.stderr!r} does not say {w!r}"
+    assert p.stdout == ""
+
+
+def test_bad_synthetic_spec_fails_naming_the_key():
+    p = moed("--listen", "127.0.0.1:0", "--synthetic", "layers=1,bogus=3")
+    assert p.returncode != 0
+    assert "bogus" in p.stderr
+    p = moed("--listen", "127.0.0.1:0", "--synthetic", "layers=1,experts=2,topk=3")
+    assert p.returncode != 0
+    assert "topk=3" in p.stderr and "experts=2" in p.stderr
+
+
+@pytest.mark.xfail(strict=True, reason="bug: a malformed --synthetic SPEC is found only when the weights "
+                                       "are generated, so moed exits 1 (start failed) with a log line, "
+                                       "not 2 with a usage message naming --synthetic like other bad "
+                                       "flag values")
+def test_bad_synthetic_spec_is_a_usage_error():
+    p = moed("--listen", "127.0.0.1:0", "--synthetic", "layers=1,bogus=3")
+    assert p.returncode == 2 and "--synthetic" in p.stderr
+
+
+def test_config_file_and_command_line_precedence(daemon, tmp_path):
+    conf = tmp_path / "moed.conf"
+    conf.write_text(f"# a comment\nsynthetic = {DEFAULT_SPEC}\nmax-batch-tokens = 99\n"
+                    "max-message-bytes = 64KiB\nthreads = 1\n")
+    d = daemon("--config", conf, "--max-batch-tokens", "123")
+    with d.client(timeout=10) as c:
+        m = c.info()
+    assert m.max_batch_tokens == 123, "the command line wins over the file"
+    assert m.max_message_bytes == 64 << 10, "the file's value is used"
+    assert [l.index for l in m.layers] == [0, 1]
+
+
+def test_config_file_error_names_file_and_line(tmp_path):
+    conf = tmp_path / "bad.conf"
+    conf.write_text("threads = 2\n\nmax-delay-us = soon\n")
+    p = moed("--config", conf)
+    assert p.returncode == 2
+    assert f"{conf}:3" in p.stderr and "soon" in p.stderr
+    conf.write_text("no-such-key = 1\n")
+    p = moed("--config", conf)
+    assert p.returncode == 2 and "no-such-key" in p.stderr and f"{conf}:1" in p.stderr
+
+
+def test_busy_port_exits_1(daemon):
+    d = daemon("--synthetic", "layers=1,d=16,ff=16,experts=2,topk=1", "--threads", "1")
+    p = moed("--listen", d.address, "--synthetic", "layers=1,d=16,ff=16,experts=2,topk=1")
+    assert p.returncode == 1
+    assert d.address in p.stderr and "--listen" in p.stderr
+
+
+def test_missing_model_dir_exits_1(tmp_path):
+    p = moed("--listen", "127.0.0.1:0", "--model", tmp_path / "nothing-here")
+    assert p.returncode == 1
+    assert "nothing-here" in p.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU may be present")
+def test_cuda_backend_without_gpu_exits_1():
+    p = moed("--listen", "127.0.0.1:0", "--synthetic", "layers=1,d=16,ff=16,experts=2,topk=1",
+             "--backend", "cuda")
+    assert p.returncode == 1
+    assert "cuda" in p.stderr.lower() and "--backend cpu" in p.stderr
+
+
+def test_log_lines_are_structured(shared_daemon):
+    lines = [l for l in shared_daemon.log().splitlines() if l.strip()]
+    assert lines
+    for l in lines:
+        assert re.match(r'ts=\S+ level=(debug|info|warn|error) msg="', l), l
+    assert any('msg="ready"' in l and shared_daemon.address in l for l in lines)
+
+
+# ---- moectl -----------------------------------------------------------------------------------
+
+def test_moectl_health_and_info(shared_daemon):
+    p = moectl(shared_daemon, "health")
+    assert p.returncode == 0 and p.stdout.strip() == "SERVING", p
+    p = moectl(shared_daemon, "info")
+    assert p.returncode == 0, p.stderr
+    assert "backend   cpu" in p.stdout
+    rows = [l.split() for l in p.stdout.splitlines() if re.match(r"\s+\d+\s+64\s+96\s+8\s+2\s", l)]
+    assert [r[0] for r in rows] == ["0", "1"], p.stdout
+
+
+def test_moectl_health_without_server_exits_1():
+    p = subprocess.run([str(MOECTL), "--target", f"127.0.0.1:{free_port()}", "--timeout", "2", "health"],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 1
+    assert "UNAVAILABLE" in p.stderr
+
+
+def forward_case(tmp_path, rng, dtype, T=6):
+    x, x64 = O.hidden(rng, T, SPEC.d, dtype)
+    path = tmp_path / f"x-{dtype}.npy"
+    np.save(path, x)  # bf16 from ml_dtypes saves as '<V2'; bf16u16 as '<u2'
+    return path, x64
+
+
+def load_output(path):
+    y = np.load(path)
+    return O.from_bf16_bits(y).astype(np.float64) if y.dtype == np.uint16 else y.astype(np.float64)
+
+
+@pytest.mark.parametrize("dtype", ("f32", "f16", "bf16", "bf16u16"))
+def test_moectl_forward_with_client_routing(shared_daemon, tmp_path, dtype):
+    rng = np.random.default_rng(70)
+    xp, x64 = forward_case(tmp_path, rng, dtype)
+    ids = np.array([[0, 3], [7, -1], [2, 2], [5, 1], [-1, -1], [4, 6]], np.int64)  # int64 is accepted
+    gw = np.array([[.5, .5], [1, 0], [.25, .5], [.9, .1], [0, 0], [.3, .7]], np.float32)
+    np.save(tmp_path / "ids.npy", ids)
+    np.save(tmp_path / "w.npy", gw)
+    out = tmp_path / "y.npy"
+    extra = ["--dtype", "bf16"] if dtype == "bf16u16" else []
+    p = moectl(shared_daemon, "forward", "--layer", "1", "--hidden", xp, "--ids", tmp_path / "ids.npy",
+               "--weights", tmp_path / "w.npy", "--out", out, "--request-id", "cli-1", *extra)
+    assert p.returncode == 0, p.stderr
+    assert f"wrote {out}: [6, 64]" in p.stdout
+    y = np.load(out)
+    assert y.dtype == {"f32": np.float32, "f16": np.float16}.get(dtype, np.uint16)
+    ref = O.forward(x64, SPEC.layer(1), O.choice_route(ids, gw), SPEC.act)
+    assert O.rel_err(load_output(out), ref) <= O.TOL["bf16" if dtype.startswith("bf16") else dtype]
+
+
+@pytest.mark.parametrize("args,strategy,kw", [
+    (["--strategy", "sigmoid", "--threshold", "0.3"], "sigmoid", {"threshold": 0.3}),
+    (["--strategy", "pioneer", "--top-k", "3", "--renormalize", "off"], "pioneer", {"top_k": 3, "renorm": False}),
+    ([], "model", {}),
+])
+def test_moectl_forward_with_logits(shared_daemon, tmp_path, args, strategy, kw):
+    rng = np.random.default_rng(71)
+    xp, x64 = forward_case(tmp_path, rng, "f32", T=5)
+    logits = (2 * rng.standard_normal((5, 8))).astype(np.float32)
+    np.save(tmp_path / "l.npy", logits)
+    p = moectl(shared_daemon, "forward", "--layer", "0", "--hidden", xp, "--logits", tmp_path / "l.npy",
+               *args, "--out", tmp_path / "y.npy")
+    assert p.returncode == 0, p.stderr
+    ref = O.forward(x64, SPEC.layer(0), O.gate(logits, strategy, SPEC, **kw), SPEC.act)
+    assert O.rel_err(load_output(tmp_path / "y.npy"), ref) <= O.TOL["f32"]
+
+
+def test_moectl_forward_server_router_and_batch_gating(shared_daemon, tmp_path):
+    rng = np.random.default_rng(72)
+    xp, x64 = forward_case(tmp_path, rng, "f32", T=4)
+    w = SPEC.layer(0)
+    p = moectl(shared_daemon, "forward", "--layer", "0", "--hidden", xp, "--server-router",
+               "--strategy", "topk", "--top-k", "3", "--out", tmp_path / "y.npy")
+    assert p.returncode == 0, p.stderr
+    ref = O.forward(x64, w, O.gate(O.router_logits(x64, w), "topk", SPEC, top_k=3), SPEC.act)
+    assert O.rel_err(load_output(tmp_path / "y.npy"), ref) <= O.TOL["f32"]
+
+    logits = (2 * rng.standard_normal((4, 8))).astype(np.float32)
+    np.save(tmp_path / "l.npy", logits)
+    p = moectl(shared_daemon, "forward", "--layer", "0", "--hidden", xp, "--logits", tmp_path / "l.npy",
+               "--batch-gating", "3", "--out", tmp_path / "y.npy")
+    assert p.returncode == 0, p.stderr
+    S, route = O.batch_gate(logits, 3)
+    assert f"expert set: {' '.join(map(str, S))}" in p.stdout
+    assert O.rel_err(load_output(tmp_path / "y.npy"), O.forward(x64, w, route, SPEC.act)) <= O.TOL["f32"]
+
+
+def test_moectl_exit_codes(shared_daemon, tmp_path):
+    xp, _ = forward_case(tmp_path, np.random.default_rng(73), "f32", T=2)
+    np.save(tmp_path / "l.npy", np.zeros((2, 8), np.float32))
+    np.save(tmp_path / "l7.npy", np.zeros((2, 7), np.float32))
+    fwd = ["forward", "--hidden", xp, "--out", tmp_path / "y.npy"]
+    # the call fails: 1, with the status and the server's message
+    p = moectl(shared_daemon, *fwd, "--layer", "9", "--logits", tmp_path / "l.npy")
+    assert p.returncode == 1 and "NOT_FOUND" in p.stderr and "layer 9" in p.stderr, p
+    p = moectl(shared_daemon, *fwd, "--layer", "0", "--logits", tmp_path / "l7.npy")
+    assert p.returncode == 1 and "INVALID_ARGUMENT" in p.stderr and "[2, 7]" in p.stderr, p
+    # bad usage or input: 2
+    for args, word in ((["--layer", "0"], "routing"),
+                       (["--layer", "0", "--logits", tmp_path / "missing.npy"], "missing.npy"),
+                       (["--layer", "x", "--logits", tmp_path / "l.npy"], "--layer"),
+                       (["--layer", "0", "--logits", tmp_path / "l.npy", "--strategy", "best"], "best"),
+                       (["--layer", "0", "--ids", tmp_path / "l.npy"], "--weights")):
+        p = moectl(shared_daemon, *fwd, *args)
+        assert p.returncode == 2 and word in p.stderr, (args, p)
+    p = moectl(None, "frobnicate")
+    assert p.returncode == 2 and "frobnicate" in p.stderr
+    for args in (["--help"], ["forward", "--help"]):
+        p = moectl(None, *args)
+        assert p.returncode == 0 and "usage: moectl" in p.stdout

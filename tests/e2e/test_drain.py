@@ -1,0 +1,191 @@
+"""SIGTERM / SIGINT with calls in flight: every call is answered (correctly), health goes
+NOT_SERVING for watchers, and the daemon exits 0.
+
+The model is large enough, and the daemon has one worker thread, so that a queue of calls takes a
+few hundred milliseconds: the signal arrives while most of them are still queued or computing, and
+the test checks that it did (calls finishing after the signal), or it would prove nothing.
+"""
+
+import signal
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+import oracle as O
+from daemons import log_of, wait_exit
+from moed import MoEError
+from moed._proto.grpc.health.v1 import health_pb2, health_pb2_grpc
+
+SPEC = O.Spec(layers=1, d=256, ff=512, experts=8, topk=2, dtype="bf16", seed=51)
+CALLS = 16
+T = 192
+
+
+def case(i):
+    rng = np.random.default_rng(900 + i)
+    x, x64 = O.hidden(rng, T, SPEC.d, "bf16")
+    ids = np.stack([rng.permutation(SPEC.experts)[:2] for _ in range(T)]).astype(np.int32)
+    gw = rng.uniform(0, 1, (T, 2)).astype(np.float32)
+    return x, ids, gw, x64
+
+
+class Watcher(threading.Thread):
+    """Follows grpc.health.v1 Watch and records every status until the stream ends."""
+
+    def __init__(self, d):
+        super().__init__(daemon=True)
+        self.channel = d.channel()
+        self.statuses, self.end = [], None
+        self.first = threading.Event()
+
+    def run(self):
+        try:
+            for r in health_pb2_grpc.HealthStub(self.channel).Watch(health_pb2.HealthCheckRequest(), timeout=60):
+                self.statuses.append(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
+                self.first.set()
+            self.end = "OK"
+        except grpc.RpcError as e:
+            self.end = e.code().name
+        self.first.set()
+
+
+@pytest.mark.parametrize("sig", (signal.SIGTERM, signal.SIGINT), ids=("SIGTERM", "SIGINT"))
+def test_signal_drains_every_call_in_flight(daemon, sig):
+    d = daemon("--synthetic", str(SPEC), "--threads", "1")
+    watcher = Watcher(d)
+    watcher.start()
+    assert watcher.first.wait(10) and watcher.statuses == ["SERVING"]
+
+    cases = [case(i) for i in range(CALLS)]
+    done, errors = {}, []
+    started = threading.Barrier(CALLS + 1)
+
+    def call(i):
+        x, ids, gw, _ = cases[i]
+        with d.client(timeout=60) as c:
+            c.health()
+            started.wait(30)
+            try:
+                done[i] = (c.forward(0, x, expert_ids=ids, expert_weights=gw), time.monotonic())
+            except Exception as e:
+                errors.append((i, repr(e)))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(CALLS)]
+    for t in threads:
+        t.start()
+    started.wait(30)
+    time.sleep(0.05)  # let the calls reach the server
+    signalled = time.monotonic()
+    d.send_signal(sig)
+    for t in threads:
+        t.join(120)
+    code = wait_exit(d)
+
+    assert not errors, f"calls in flight were not answered: {errors}"
+    assert len(done) == CALLS
+    late = sum(1 for _, at in done.values() if at > signalled)
+    assert late >= 1, "every call finished before the signal: the test did not test the drain"
+    w = SPEC.layer(0)
+    for i, (y, _) in done.items():
+        x, ids, gw, x64 = cases[i]
+        O.check(y, O.forward(x64, w, O.choice_route(ids, gw), SPEC.act), "bf16", f"call {i}")
+    assert code == 0, f"moed exited {code}:\n{log_of(d)}"
+    watcher.join(10)
+    assert watcher.statuses[:2] == ["SERVING", "NOT_SERVING"], watcher.statuses
+    assert watcher.end is not None, "the Watch stream did not end with the server"
+    log = log_of(d)
+    assert "draining" in log and ("SIGTERM" if sig == signal.SIGTERM else "SIGINT") in log
+    watcher.channel.close()
+
+
+def test_idle_daemon_exits_zero_at_once(daemon):
+    d = daemon("--synthetic", str(SPEC), "--threads", "1")
+    t0 = time.monotonic()
+    assert d.stop() == 0
+    assert time.monotonic() - t0 < 5
+
+
+class Draining:
+    """A daemon draining with calls still in flight: the calls are sent, SIGTERM follows, and the
+    body runs once a Watch has seen NOT_SERVING. At the end every call must have been answered
+    correctly and the daemon must have exited 0."""
+
+    def __init__(self, d, calls=8):
+        self.d, self.cases = d, [case(i) for i in range(calls)]
+        self.results, self.threads = [], []
+
+    def call(self, i):
+        x, ids, gw, x64 = self.cases[i]
+        with self.d.client(timeout=60) as c:
+            try:
+                y = c.forward(0, x, expert_ids=ids, expert_weights=gw)
+                O.check(y, O.forward(x64, SPEC.layer(0), O.choice_route(ids, gw), SPEC.act), "bf16")
+                self.results.append("OK")
+            except Exception as e:
+                self.results.append(repr(e))
+
+    def __enter__(self):
+        watcher = Watcher(self.d)
+        watcher.start()
+        assert watcher.first.wait(10)
+        self.threads = [threading.Thread(target=self.call, args=(i,)) for i in range(len(self.cases))]
+        for t in self.threads:
+            t.start()
+        time.sleep(0.05)
+        self.d.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while "NOT_SERVING" not in watcher.statuses and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert "NOT_SERVING" in watcher.statuses
+        assert len(self.results) < len(self.cases), "the calls finished before the drain began"
+        return self
+
+    def __exit__(self, *exc):
+        for t in self.threads:
+            t.join(60)
+        code = wait_exit(self.d)
+        if exc[0] is None:
+            assert self.results == ["OK"] * len(self.cases), self.results
+            assert code == 0, f"moed exited {code}:\n{log_of(self.d)}"
+
+
+def test_new_connection_during_drain_is_refused(daemon):
+    d = daemon("--synthetic", str(SPEC), "--threads", "1")
+    with Draining(d):
+        time.sleep(0.02)
+        with d.client(timeout=10) as c:
+            with pytest.raises(MoEError) as e:
+                c.health()
+    assert e.value.code_name == "UNAVAILABLE", e.value
+
+
+@pytest.mark.xfail(strict=True, reason="bug: during the drain a new call on an already open connection "
+                                       "gets CANCELLED with the message 'CANCELLED' (gRPC core's answer "
+                                       "after grpc_server_shutdown_and_notify), not UNAVAILABLE with a "
+                                       "message saying the server is draining, as moed.proto promises")
+def test_new_call_on_open_connection_during_drain_is_unavailable(daemon):
+    d = daemon("--synthetic", str(SPEC), "--threads", "1")
+    x, ids, gw, _ = case(99)
+    with d.client(timeout=10) as c:
+        assert c.health() == "SERVING"  # the connection is open before the drain
+        with Draining(d):
+            with pytest.raises(MoEError) as e:
+                c.forward(0, x[:2], expert_ids=ids[:2], expert_weights=gw[:2])
+    assert e.value.code_name == "UNAVAILABLE" and "drain" in e.value.message, e.value
+
+
+@pytest.mark.xfail(strict=True, reason="bug: a SIGTERM that arrives after the drain finished but before "
+                                       "moed exits (the main loop's signal handlers are gone) kills it "
+                                       "with the default action: status -15 instead of 0, no 'stopped' line")
+def test_repeated_sigterm_still_exits_zero(daemon):
+    """Supervisors and impatient people signal more than once; each later SIGTERM may only hurry
+    the drain along, never turn a clean stop into a crash."""
+    d = daemon("--synthetic", str(SPEC), "--threads", "1")
+    while d.proc.poll() is None:
+        d.send_signal(signal.SIGTERM)
+        time.sleep(0.0005)
+    code = wait_exit(d)
+    assert code == 0, f"moed exited {code}:\n{log_of(d)}"

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# The whole test suite, as `make test` and CI run it: install what is missing, build, unit tests
+# (ctest: the C units, and the GPU tests where CUDA is built, which report themselves skipped
+# without a GPU), then the end-to-end tests against real moed processes and the Python client's
+# own tests.
+#
+#   tests/run-all.sh               every stage in order
+#   tests/run-all.sh unit e2e      only the named stages (the build must exist)
+#
+# Each stage is one function, stage_NAME, listed in STAGES; add a stage by writing its function and
+# naming it there. Setup stages (deps, build, client) stop the run when they fail, since nothing
+# after them can run; a failing test stage is recorded and the others still run, so one run shows
+# every failure. The exit status is 0 only when every stage passed.
+#
+# Environment: BUILD_DIR (default build), JOBS (default: the number of cores), CMAKE_ARGS (extra
+# arguments for the configure step, e.g. -DMOED_WITH_CUDA=OFF), PYTEST_ARGS (extra pytest
+# arguments, e.g. "-x -k forward").
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+
+BUILD_DIR=${BUILD_DIR:-build}
+JOBS=${JOBS:-$(nproc)}
+PY=.venv/bin/python
+STAGES=(deps build client unit e2e python)
+SETUP_STAGES=" deps build client "
+
+stage_deps() {
+    bash deploy/install-deps.sh
+}
+
+stage_build() {
+    # shellcheck disable=SC2086  # CMAKE_ARGS is a list of arguments
+    cmake -S . -B "$BUILD_DIR" ${CMAKE_ARGS:-} >/dev/null &&
+        cmake --build "$BUILD_DIR" -j"$JOBS"
+}
+
+# Under `make test` the build's own make would inherit make's flags and print "Entering directory"
+# around every step; the build is not part of the outer make's job server anyway.
+unset MAKEFLAGS MFLAGS MAKELEVEL
+
+stage_client() {
+    # Reinstalled every run, so the tests never use stubs generated from an older proto.
+    .venv/bin/pip install -q --no-build-isolation --force-reinstall --no-deps ./client/python
+}
+
+stage_unit() {
+    if ! ctest --test-dir "$BUILD_DIR" -N | grep test_cuda_backend >/dev/null; then  # not -q: SIGPIPE
+        echo "note: no GPU tests: this build has no CUDA backend (no nvcc at configure time, or -DMOED_WITH_CUDA=OFF)"
+    fi
+    # ctest lists a test that exits 77 (no GPU) as "Skipped", and again under "did not run".
+    ctest --test-dir "$BUILD_DIR" --output-on-failure -j"$JOBS"
+}
+
+stage_e2e() {
+    # shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
+    MOED_BUILD_DIR="$PWD/$BUILD_DIR" $PY -m pytest -q -rsxX -p no:cacheprovider tests/e2e ${PYTEST_ARGS:-}
+}
+
+stage_python() {
+    # shellcheck disable=SC2086
+    $PY -m pytest -q -rsxX -p no:cacheprovider client/python/tests ${PYTEST_ARGS:-}
+}
+
+run_stage() {
+    local name=$1 start=$SECONDS rc
+    echo
+    echo "=== $name"
+    "stage_$name"
+    rc=$?
+    results+=("$(printf '%-8s %-6s %4ds' "$name" "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $((SECONDS - start)))")
+    return $rc
+}
+
+main() {
+    local stages=("$@") failed=0 s
+    [ ${#stages[@]} -gt 0 ] || stages=("${STAGES[@]}")
+    for s in "${stages[@]}"; do
+        if ! declare -F "stage_$s" >/dev/null; then
+            echo "run-all: unknown stage '$s'; the stages are: ${STAGES[*]}" >&2
+            return 2
+        fi
+    done
+    results=()
+    for s in "${stages[@]}"; do
+        if ! run_stage "$s"; then
+            failed=1
+            if [[ $SETUP_STAGES == *" $s "* ]]; then
+                echo "run-all: stage '$s' failed; the stages after it cannot run" >&2
+                break
+            fi
+        fi
+    done
+    echo
+    echo "=== summary"
+    printf '%s\n' "${results[@]}"
+    [ $failed -eq 0 ] && echo "all stages passed" || echo "some stages FAILED"
+    return $failed
+}
+
+main "$@"
