@@ -126,13 +126,19 @@ int moedc_connect(const char *target, const moedc_opts *opts, moedc **out, moed_
         }
     }
     /* Unlimited message sizes: the server enforces its own limit, with a status that says so.
-     * A local subchannel pool: this channel's connection is its own, not shared with others. */
-    grpc_arg args[3] = {
+     * A local subchannel pool: this channel's connection is its own, not shared with others.
+     * HTTP/2 sized for tensors, as the server's: the frame size we accept is what the server sends
+     * us (the 16 KiB default cuts a 16 MiB reply into a thousand frames, each costing CPU on both
+     * ends), and a large stream window keeps the server from stalling on our acknowledgements. */
+    grpc_arg args[6] = {
         { GRPC_ARG_INTEGER, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, { .integer = -1 } },
         { GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, { .integer = -1 } },
         { GRPC_ARG_INTEGER, GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, { .integer = 1 } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_MAX_FRAME_SIZE, { .integer = 1 << 20 } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, { .integer = 8 << 20 } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_BDP_PROBE, { .integer = 1 } },
     };
-    grpc_channel_args chargs = { 3, args };
+    grpc_channel_args chargs = { 6, args };
     grpc_channel_credentials *creds = grpc_insecure_credentials_create();
     c->channel = grpc_channel_create(target, creds, &chargs);
     grpc_channel_credentials_release(creds);

@@ -58,7 +58,7 @@ def load(bin_dir, addr, concurrency, tokens, duration, extra, json_path):
     conns = min(max(concurrency, 1), 8)
     cmd = [os.path.join(bin_dir, "moed-load"), "--target", addr, "--concurrency", str(concurrency),
            "--tokens", str(tokens), "--duration", str(duration), "--warmup", "1", "--dtype", "bf16",
-           "--connections", str(conns), "--threads", str(min(conns, 4)), "--no-progress", "--json", json_path,
+           "--connections", str(conns), "--threads", str(conns), "--no-progress", "--json", json_path,
            *extra]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -87,7 +87,8 @@ def transport(a, results):
     kms = kernel_ms(a.bin, [8, 128, 2048], os.path.join(a.logs, "kernel-only.json"), a.backend != "cuda")
     rows = []
     for T in (8, 128, 2048):
-        d = Moed(a.bin, [*a.daemon, "--max-batch-tokens", str(T)], os.path.join(a.logs, f"moed-transport-{T}.log"))
+        d = Moed(a.bin, [*a.daemon, "--max-batch-tokens", str(T)],
+                 os.path.join(a.logs, f"moed-transport-{T}.log"))
         try:
             for callers in (1, 8):
                 r = load(a.bin, d.addr, callers, T, a.duration, [],

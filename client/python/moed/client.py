@@ -78,7 +78,9 @@ class MoEClient:
 
     def __init__(self, target: str = "127.0.0.1:50051", timeout: Optional[float] = None,
                  credentials: Optional[grpc.ChannelCredentials] = None, token: Optional[str] = None):
-        options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+        # HTTP/2 sized for tensors (as the server is): large frames and stream window.
+        options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1),
+                   ("grpc.http2.max_frame_size", 1 << 20), ("grpc.http2.lookahead_bytes", 8 << 20)]
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=options)
         else:
