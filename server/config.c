@@ -65,6 +65,19 @@ static const opt opts[] = {
       "merge window in microseconds; 0 = merge only what is already queued" },
     { "max-queue-requests", OPT_I64, OFF(max_queue_requests), 1, 1 << 24, "N",
       "requests queued at most; past it calls get UNAVAILABLE" },
+    { "metrics-listen", OPT_STRING, OFF(metrics_listen), 0, 0, "ADDR",
+      "serve Prometheus /metrics and /healthz over HTTP here (e.g. 127.0.0.1:9400); off unless "
+      "given" },
+    { "drain-timeout", OPT_INT, OFF(drain_timeout_s), 0, 86400, "S",
+      "after SIGTERM, cancel the calls still open after S seconds (0: at once)" },
+    { "tls-cert", OPT_STRING, OFF(tls_cert), 0, 0, "FILE",
+      "serve gRPC over TLS with this PEM certificate chain (needs --tls-key)" },
+    { "tls-key", OPT_STRING, OFF(tls_key), 0, 0, "FILE", "the certificate's PEM private key" },
+    { "tls-client-ca", OPT_STRING, OFF(tls_client_ca), 0, 0, "FILE",
+      "mutual TLS: require client certificates signed by these PEM CA certificates" },
+    { "auth-token-file", OPT_STRING, OFF(auth_token_file), 0, 0, "FILE",
+      "require 'authorization: Bearer <token>' on every call but health (token: the file's "
+      "first line; or set $MOED_AUTH_TOKEN)" },
     { "log-level", OPT_LEVEL, OFF(log_level), 0, 0, "debug|info|warn|error", "log threshold" },
     { "log-file", OPT_STRING, OFF(log_file), 0, 0, "PATH",
       "log to this file (reopened on SIGHUP); default stderr" },
@@ -88,6 +101,7 @@ static int set_defaults(moed_config *cfg)
     cfg->max_batch_tokens = 8192;
     cfg->max_delay_us = 0;
     cfg->max_queue_requests = 1024;
+    cfg->drain_timeout_s = 30;
     cfg->log_level = MOED_LOG_INFO;
     return cfg->listen && cfg->backend ? 0 : MOED_ENOMEM;
 }
@@ -407,6 +421,22 @@ static void print_help(FILE *out, const moed_config *d)
                  "2 on bad usage.\n");
 }
 
+/* TLS flags come in pairs: a certificate needs its key, and client verification needs TLS. */
+static int check_tls(const moed_config *cfg, moed_error *err)
+{
+    if (!cfg->tls_cert != !cfg->tls_key)
+        return moed_fail(err, MOED_EINVAL, "--%s '%s' given without --%s: TLS needs both",
+                         cfg->tls_cert ? "tls-cert" : "tls-key",
+                         cfg->tls_cert ? cfg->tls_cert : cfg->tls_key,
+                         cfg->tls_cert ? "tls-key" : "tls-cert");
+    if (cfg->tls_client_ca && !cfg->tls_cert)
+        return moed_fail(err, MOED_EINVAL,
+                         "--tls-client-ca '%s' given without --tls-cert and --tls-key: client "
+                         "certificates are checked only over TLS",
+                         cfg->tls_client_ca);
+    return MOED_CONFIG_RUN;
+}
+
 int moed_config_load(moed_config *cfg, int argc, char **argv, FILE *out, moed_error *err)
 {
     int rc = set_defaults(cfg);
@@ -438,7 +468,7 @@ int moed_config_load(moed_config *cfg, int argc, char **argv, FILE *out, moed_er
         return moed_fail(err, MOED_EINVAL,
                          "--model '%s' and --synthetic '%s' both given; serve one or the other",
                          cfg->model, cfg->synthetic);
-    return MOED_CONFIG_RUN;
+    return check_tls(cfg, err);
 }
 
 int moed_config_wants_layer(const moed_config *cfg, int index)

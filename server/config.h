@@ -33,9 +33,16 @@ typedef struct moed_config {
     int64_t max_batch_tokens; /* the most tokens in one launch and in one request */
     int64_t max_delay_us;     /* merge window; 0 = merge only what is already queued */
     int64_t max_queue_requests;
-    int log_level;     /* moed_log_level */
-    char *log_file;    /* NULL: stderr */
-    char *config_file; /* --config FILE, or NULL */
+    char *metrics_listen; /* --metrics-listen ADDR: Prometheus /metrics and /healthz; NULL: off */
+    int drain_timeout_s;  /* --drain-timeout: calls still open this long after SIGTERM are cancelled
+                           */
+    char *tls_cert;       /* --tls-cert FILE (PEM chain), with tls_key; NULL: plaintext */
+    char *tls_key;        /* --tls-key FILE */
+    char *tls_client_ca;  /* --tls-client-ca FILE: require client certificates it signed */
+    char *auth_token_file; /* --auth-token-file FILE: calls need `authorization: Bearer <token>` */
+    int log_level;         /* moed_log_level */
+    char *log_file;        /* NULL: stderr */
+    char *config_file;     /* --config FILE, or NULL */
 } moed_config;
 
 /* What moed_config_load found on the command line. */

@@ -82,21 +82,18 @@ static void fwd_release_request(fwd_call *f)
 static void fwd_done(moed_sched_item *it, const moed_sched_result *res)
 {
     fwd_call *f = it->user;
-    moed_rpc *r = f->base.rpc;
     if (!res->status) {
         grpc_byte_buffer *bb = encode_reply(it, res);
-        if (bb) {
-            rpc_count_status(r, GRPC_STATUS_OK);
+        if (bb)
             rpc_reply(&f->base, bb, GRPC_STATUS_OK, NULL);
-        } else {
-            rpc_count_status(r, GRPC_STATUS_RESOURCE_EXHAUSTED);
+        else
             rpc_reply(&f->base, NULL, GRPC_STATUS_RESOURCE_EXHAUSTED,
                       "out of memory for the reply");
-        }
-    } else if (res->status != MOED_ECANCELLED) { /* a cancelled call has no one to answer */
+    } else if (res->status != MOED_ECANCELLED) {
         log_failure(&it->work, res->err);
-        rpc_count_status(r, moed_err_grpc_status(res->status));
         rpc_reply_error(&f->base, res->err);
+    } else { /* a cancelled call has no one to answer, but it counts */
+        rpc_count(&f->base, GRPC_STATUS_CANCELLED, f->base.t_received_ns, f->base.payload, NULL);
     }
     fwd_release_request(f);
     rpc_call_unref(&f->base); /* the scheduler's reference */
@@ -125,7 +122,6 @@ static void fwd_start(rpc_call *c)
     }
     if (rc) {
         log_failure(&f->item.work, &err);
-        rpc_count_status(r, moed_err_grpc_status(rc));
         rpc_reply_error(c, &err);
         fwd_release_request(f);
     }
@@ -256,7 +252,6 @@ static void stream_done(moed_sched_item *it, const moed_sched_result *res)
 {
     entry *e = it->user;
     stream_call *s = e->s;
-    moed_rpc *r = s->base.rpc;
     grpc_byte_buffer *bb = res->status ? NULL : encode_reply(it, res);
     pthread_mutex_lock(&s->lock);
     if (bb) {
@@ -269,10 +264,9 @@ static void stream_done(moed_sched_item *it, const moed_sched_result *res)
         else
             moed_fail(&e->err, MOED_ENOMEM, "out of memory for the reply");
     }
-    if (res->status != MOED_ECANCELLED) {
-        if (res->status) log_failure(&it->work, &e->err);
-        rpc_count_status(r, res->status ? moed_err_grpc_status(e->err.code) : GRPC_STATUS_OK);
-    }
+    if (res->status && res->status != MOED_ECANCELLED) log_failure(&it->work, &e->err);
+    rpc_count(&s->base, res->status ? moed_err_grpc_status(e->err.code) : GRPC_STATUS_OK,
+              it->t_received_ns, e->payload, bb);
     /* The request's memory is no longer needed; only its reply waits for its turn. */
     moed_work_free(&e->item.work);
     moed_wire_msg_close(&e->msg);
@@ -298,6 +292,7 @@ static void stream_accept(stream_call *s, grpc_byte_buffer *payload)
     e->s = s;
     e->payload = payload;
     e->state = E_WAITING;
+    e->item.t_received_ns = moed_now_ns();
     int rc;
     if (s->draining)
         rc = moed_fail(&e->err, MOED_EDRAINING,
@@ -308,14 +303,13 @@ static void stream_accept(stream_call *s, grpc_byte_buffer *payload)
     if (!rc) {
         e->item.done = stream_done;
         e->item.user = e;
-        e->item.t_received_ns = moed_now_ns();
         e->item.deadline_ns = rpc_deadline_ns(&s->base);
         rpc_call_ref(&s->base);
         if ((rc = moed_sched_submit(r->cfg.sched, &e->item, &e->err))) rpc_call_unref(&s->base);
     }
     if (rc) {
         log_failure(&e->item.work, &e->err);
-        rpc_count_status(r, moed_err_grpc_status(rc));
+        rpc_count(&s->base, moed_err_grpc_status(rc), e->item.t_received_ns, payload, NULL);
         e->state = E_FAILED;
         s->stop_reading = true;
     }

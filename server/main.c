@@ -1,27 +1,35 @@
 /*
- * moed — the daemon: configuration, log, backend, weights, scheduler, gRPC, then a libuv loop for
- * signals and timers until SIGTERM/SIGINT drains it.
+ * moed — the daemon: configuration, log, security, backend, weights, scheduler, gRPC, metrics,
+ * then a libuv loop for signals, timers and the metrics endpoint until SIGTERM/SIGINT drains it.
  *
  * main() reads as the steps it takes; each step logs what it did or why it failed. Exit status:
- * 0 after a clean drain, 1 when start-up fails (weights, backend, binding), 2 on bad usage. The
- * heavy threads (completion queues, scheduler workers, backend threads) are started by the steps;
- * the main thread only waits in the loop, woken by signals, the stats timer, and the gRPC side
- * (uv_async_send) when the drain has finished every call. Nothing is printed on stdout except
- * --help and --version.
+ * 0 after a drain (clean, or cut short by --drain-timeout), 1 when start-up fails (TLS files,
+ * weights, backend, binding), 2 on bad usage. The heavy threads (completion queues, scheduler
+ * workers, backend threads) are started by the steps; the main thread only waits in the loop,
+ * woken by signals, timers, metrics scrapes, and the gRPC side (uv_async_send) when the drain has
+ * finished every call. Under systemd (Type=notify) the service manager hears READY=1 once the
+ * daemon serves, STOPPING=1 when it drains, and STATUS= lines on the way. Nothing is printed on
+ * stdout except --help and --version.
  */
 #include "config.h"
+#include "http.h"
 #include "log.h"
+#include "metrics.h"
 #include "moed_backend.h"
 #include "moed_dtype.h"
+#include "notify.h"
 #include "request.h"
 #include "rpc.h"
 #include "scheduler.h"
+#include "security.h"
 #include "weights.h"
 
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 #include <uv.h>
 
 #define STATS_PERIOD_MS 10000
@@ -35,16 +43,21 @@ typedef struct moed_daemon {
     moed_served served;
     moed_sched *sched;
     moed_rpc *rpc;
+    moed_security security;
+    moed_metrics *metrics; /* NULL without --metrics-listen: nothing is recorded */
+    moed_http *http;
+    double start_time_s;
     uv_loop_t loop;
     uv_signal_t sigterm, sigint, sighup;
     uv_async_t drained;
-    uv_timer_t stats;
-    bool draining;
+    uv_timer_t stats, drain_timer;
+    bool serving, draining;
 } moed_daemon;
 
 static int fail(const char *step, const moed_error *err)
 {
     moed_log_error("start failed", "step=%s code=%d reason=\"%s\"", step, err->code, err->msg);
+    moed_notify("STATUS=start failed (%s): %s", step, err->msg);
     return 1;
 }
 
@@ -58,6 +71,22 @@ static int open_log(const moed_config *cfg)
             "permissions\n",
             cfg->log_file);
     return 1;
+}
+
+/* TLS files and the token, read and checked before anything slow starts. */
+static int load_security(moed_daemon *d)
+{
+    moed_error err = { 0 };
+    moed_security_config sc = { .tls_cert = d->cfg.tls_cert,
+                                .tls_key = d->cfg.tls_key,
+                                .tls_client_ca = d->cfg.tls_client_ca,
+                                .token_file = d->cfg.auth_token_file,
+                                .token_env = getenv("MOED_AUTH_TOKEN") };
+    if (moed_security_load(&sc, &d->security, &err)) return fail("security", &err);
+    moed_log_info("security", "tls=%s client_certs=%s token=%s",
+                  d->security.cert_pem ? "on" : "off", d->security.ca_pem ? "required" : "off",
+                  d->security.token ? d->security.token_source : "off");
+    return 0;
 }
 
 static int open_backend(moed_daemon *d)
@@ -152,11 +181,16 @@ static int load_layers(moed_daemon *d)
 static int start_scheduler(moed_daemon *d)
 {
     moed_error err = { 0 };
+    if (d->cfg.metrics_listen && !(d->metrics = moed_metrics_create())) {
+        moed_fail(&err, MOED_ENOMEM, "no memory for the metrics");
+        return fail("metrics", &err);
+    }
     moed_sched_config sc = { .backend = d->backend,
                              .served = &d->served,
                              .max_batch_tokens = d->cfg.max_batch_tokens,
                              .max_delay_us = d->cfg.max_delay_us,
-                             .max_queue_requests = d->cfg.max_queue_requests };
+                             .max_queue_requests = d->cfg.max_queue_requests,
+                             .metrics = d->metrics };
     if (moed_sched_create(&sc, &d->sched, &err)) return fail("scheduler", &err);
     return 0;
 }
@@ -170,8 +204,71 @@ static int start_rpc(moed_daemon *d)
                            .sched = d->sched,
                            .served = &d->served,
                            .backend = d->backend,
-                           .model = d->model.source };
+                           .model = d->model.source,
+                           .security = &d->security,
+                           .metrics = d->metrics };
     if (moed_rpc_start(&rc, &d->rpc, &err)) return fail("grpc", &err);
+    if (!moed_listen_is_loopback(d->cfg.listen) && !d->security.cert_pem && !d->security.token)
+        moed_log_warn("listening beyond this host without TLS or a token: anyone who can reach "
+                      "the port can call moed and read its traffic; set --tls-cert/--tls-key "
+                      "and --auth-token-file (or keep it behind a firewall)",
+                      "addr=%s", d->cfg.listen);
+    return 0;
+}
+
+/* ---- the metrics endpoint -------------------------------------------------------------------- */
+
+static void metrics_page(moed_daemon *d, moed_http_reply *out)
+{
+    moed_sched_stats ss;
+    moed_rpc_stats rs;
+    moed_device_info dev[MOED_CONFIG_MAX_DEVICES];
+    int n = 0;
+    moed_sched_get_stats(d->sched, &ss);
+    moed_rpc_get_stats(d->rpc, &rs);
+    for (int i = 0; i < d->backend->n_devices && n < MOED_CONFIG_MAX_DEVICES; i++)
+        if (!d->backend->ops->device_info(d->backend, i, &dev[n])) {
+            dev[n].name[sizeof dev[n].name - 1] = 0;
+            n++;
+        }
+    moed_metrics_gauges g = { .serving = d->serving && !d->draining,
+                              .queue_requests = ss.queued,
+                              .calls_active = rs.active_calls,
+                              .exec_busy = ss.running,
+                              .exec_size = (uint64_t)d->backend->n_exec,
+                              .devices = dev,
+                              .n_devices = n,
+                              .version = MOED_VERSION,
+                              .backend = d->backend->ops->name,
+                              .start_time_s = d->start_time_s };
+    out->body = moed_metrics_render(d->metrics, &g, &out->len);
+    out->status = out->body ? 200 : 500;
+    out->content_type = "text/plain; version=0.0.4; charset=utf-8";
+}
+
+/* On the loop's thread: /metrics and /healthz (200 while SERVING, 503 before and while draining,
+ * as Kubernetes' HTTP probes and load balancers expect). */
+static void on_http(void *arg, const char *path, moed_http_reply *out)
+{
+    moed_daemon *d = arg;
+    if (!strcmp(path, "/metrics")) {
+        metrics_page(d, out);
+    } else if (!strcmp(path, "/healthz")) {
+        bool up = d->serving && !d->draining;
+        out->status = up ? 200 : 503;
+        out->body = strdup(up ? "SERVING\n" : "NOT_SERVING\n");
+        out->len = out->body ? strlen(out->body) : 0;
+    }
+}
+
+static int start_metrics(moed_daemon *d)
+{
+    moed_error err = { 0 };
+    if (!d->cfg.metrics_listen) return 0;
+    if (moed_http_start(&d->loop, d->cfg.metrics_listen, on_http, d, &d->http, &err))
+        return fail("metrics", &err);
+    moed_log_info("metrics listening", "addr=%s paths=/metrics,/healthz",
+                  moed_http_address(d->http));
     return 0;
 }
 
@@ -180,9 +277,13 @@ static void ready(moed_daemon *d)
     char list[256];
     moed_served_layer_list(&d->served, list, sizeof list);
     moed_rpc_set_serving(d->rpc, true);
+    d->serving = true;
     moed_log_info("ready", "addr=%s backend=%s layers=%s model=\"%s\" version=%s",
                   moed_rpc_address(d->rpc), d->backend->ops->name, list, d->model.source,
                   MOED_VERSION);
+    moed_notify("READY=1\nSTATUS=serving on %s: layers %s of %s, %s backend\nMAINPID=%d",
+                moed_rpc_address(d->rpc), list, d->model.source, d->backend->ops->name,
+                (int)getpid());
 }
 
 /* ---- the loop -------------------------------------------------------------------------------- */
@@ -194,18 +295,50 @@ static void on_rpc_drained(void *arg)
     uv_async_send(&d->drained);
 }
 
+/* Cuts the drain short: the calls still open are cancelled (gRPC ends them with UNAVAILABLE; a
+ * launch computing runs to its end and its replies are dropped); the loop then ends as usual
+ * once every call is gone. */
+static void cancel_open_calls(moed_daemon *d, const char *why)
+{
+    moed_rpc_stats rs;
+    moed_sched_stats ss;
+    moed_rpc_get_stats(d->rpc, &rs);
+    moed_sched_get_stats(d->sched, &ss);
+    moed_log_warn("cancelling the calls still open",
+                  "why=\"%s\" calls=%llu queued=%llu running=%llu", why,
+                  (unsigned long long)rs.active_calls, (unsigned long long)ss.queued,
+                  (unsigned long long)ss.running);
+    moed_notify("STATUS=draining: %s, cancelled %llu calls", why,
+                (unsigned long long)rs.active_calls);
+    moed_rpc_cancel_all(d->rpc);
+}
+
+static void on_drain_timeout(uv_timer_t *t)
+{
+    moed_daemon *d = t->data;
+    char why[64];
+    snprintf(why, sizeof why, "--drain-timeout of %d s passed", d->cfg.drain_timeout_s);
+    cancel_open_calls(d, why);
+}
+
 static void on_stop_signal(uv_signal_t *h, int signum)
 {
     moed_daemon *d = h->data;
+    const char *sig = signum == SIGINT ? "SIGINT" : "SIGTERM";
     if (d->draining) {
-        moed_log_warn("drain already in progress: cancelling the calls still open", "signal=%s",
-                      signum == SIGINT ? "SIGINT" : "SIGTERM");
-        moed_rpc_cancel_all(d->rpc);
+        cancel_open_calls(d, signum == SIGINT ? "a second SIGINT" : "a second SIGTERM");
         return;
     }
     d->draining = true;
-    moed_log_info("draining", "signal=%s", signum == SIGINT ? "SIGINT" : "SIGTERM");
+    moed_rpc_stats rs;
+    moed_rpc_get_stats(d->rpc, &rs);
+    moed_log_info("draining", "signal=%s calls=%llu drain_timeout_s=%d", sig,
+                  (unsigned long long)rs.active_calls, d->cfg.drain_timeout_s);
+    moed_notify("STOPPING=1\nSTATUS=draining after %s: %llu calls open (cancelled if still open "
+                "in %d s)",
+                sig, (unsigned long long)rs.active_calls, d->cfg.drain_timeout_s);
     moed_rpc_drain(d->rpc, on_rpc_drained, d);
+    uv_timer_start(&d->drain_timer, on_drain_timeout, (uint64_t)d->cfg.drain_timeout_s * 1000u, 0);
 }
 
 static void on_hup(uv_signal_t *h, int signum)
@@ -245,12 +378,15 @@ static void on_drained(uv_async_t *h)
 {
     moed_daemon *d = h->data;
     moed_log_info("every call answered", NULL);
+    moed_http_close(d->http); /* frees its connections as they close */
+    d->http = NULL;
     uv_walk(&d->loop, close_handle, NULL); /* the loop ends once they are closed */
 }
 
 static int run_loop(moed_daemon *d)
 {
-    uv_loop_init(&d->loop);
+    uv_timer_init(&d->loop, &d->drain_timer);
+    d->drain_timer.data = d;
     uv_signal_t *sigs[3] = { &d->sigterm, &d->sigint, &d->sighup };
     int nums[3] = { SIGTERM, SIGINT, SIGHUP };
     for (int i = 0; i < 3; i++) {
@@ -266,7 +402,7 @@ static int run_loop(moed_daemon *d)
         uv_timer_start(&d->stats, on_stats, STATS_PERIOD_MS, STATS_PERIOD_MS);
     }
     uv_run(&d->loop, UV_RUN_DEFAULT);
-    return uv_loop_close(&d->loop);
+    return 0;
 }
 
 /* ---- teardown, in the reverse order of start-up ---------------------------------------------- */
@@ -279,6 +415,12 @@ static void teardown(moed_daemon *d)
     moed_backend_destroy(d->backend); /* before the weights: it may compute from them in place */
     if (d->have_model) moed_weights_release(&d->model);
     free(d->resident);
+    /* After a failed start the endpoint may be open; its handles close on one more turn. */
+    moed_http_close(d->http);
+    uv_run(&d->loop, UV_RUN_DEFAULT);
+    if (uv_loop_close(&d->loop)) moed_log_warn("the event loop closed with handles open", NULL);
+    moed_metrics_destroy(d->metrics);
+    moed_security_free(&d->security);
     moed_config_free(&d->cfg);
 }
 
@@ -297,12 +439,17 @@ int main(int argc, char **argv)
         return 1;
     }
     signal(SIGPIPE, SIG_IGN);
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    d.start_time_s = (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
+    uv_loop_init(&d.loop);
     moed_log_info("starting", "version=%s pid=%d", MOED_VERSION, (int)getpid());
-    int status = open_backend(&d) || load_weights(&d) || load_layers(&d) || start_scheduler(&d) ||
-                 start_rpc(&d);
+    moed_notify("STATUS=starting: loading weights");
+    int status = load_security(&d) || open_backend(&d) || load_weights(&d) || load_layers(&d) ||
+                 start_scheduler(&d) || start_metrics(&d) || start_rpc(&d);
     if (!status) {
         ready(&d);
-        if (run_loop(&d)) moed_log_warn("the event loop closed with handles open", NULL);
+        run_loop(&d);
     }
     teardown(&d);
     moed_log_info(status ? "exiting after a failed start" : "stopped", "exit=%d", status);

@@ -131,6 +131,7 @@ void rpc_reply(rpc_call *c, grpc_byte_buffer *msg, int grpc_status, const char *
         ops[n++].data.recv_close_on_server.cancelled = &c->cancelled;
     }
     c->on_reply.fn = on_reply;
+    rpc_count(c, grpc_status, c->t_received_ns, c->payload, msg);
     rpc_start_batch(c, ops, n, &c->on_reply);
 }
 
@@ -151,10 +152,18 @@ void rpc_live_add(rpc_call *c)
     pthread_mutex_unlock(&r->live_lock);
 }
 
-void rpc_count_status(moed_rpc *r, int grpc_status)
+void rpc_count(rpc_call *c, int grpc_status, uint64_t t_received_ns, grpc_byte_buffer *request,
+               grpc_byte_buffer *reply)
 {
+    moed_rpc *r = c->rpc;
+    moed_metrics_request(r->cfg.metrics, (moed_method)c->method_id, grpc_status);
+    if (c->method_id != M_FORWARD && c->method_id != M_STREAM) return;
     atomic_fetch_add(&r->forwards, 1);
     if (grpc_status >= 0 && grpc_status < 17) atomic_fetch_add(&r->by_status[grpc_status], 1);
+    if (r->cfg.metrics) /* skips the clock and the slice walks when nothing is recorded */
+        moed_metrics_forward(r->cfg.metrics, moed_now_ns() - t_received_ns,
+                             request ? grpc_byte_buffer_length(request) : 0,
+                             reply ? grpc_byte_buffer_length(reply) : 0);
 }
 
 uint64_t rpc_deadline_ns(const rpc_call *c)
@@ -179,6 +188,19 @@ int rpc_health_status(moed_rpc *r)
 
 static void request_call(rpc_cq *q, int m);
 
+/* With a bearer token configured, a call without it is answered UNAUTHENTICATED before its
+ * method sees it. Health stays open: probes and load balancers send no credentials. */
+static bool refuse_unauthenticated(rpc_call *c)
+{
+    moed_error err;
+    if (c->method_id == M_CHECK || c->method_id == M_WATCH ||
+        !moed_security_check_call(c->rpc->cfg.security, &c->md, &err))
+        return false;
+    moed_log_debug("call refused", "method=%s reason=\"%s\"", c->method->path, err.msg);
+    rpc_reply_error(c, &err);
+    return true;
+}
+
 static void on_new(rpc_tag *t, bool ok)
 {
     rpc_call *c = RPC_CONTAINER(t, rpc_call, on_new);
@@ -190,6 +212,10 @@ static void on_new(rpc_tag *t, bool ok)
     if (!atomic_load(&r->draining)) request_call(c->cq, c->method_id);
     c->t_received_ns = moed_now_ns();
     atomic_fetch_add(&r->calls[c->method_id], 1);
+    if (refuse_unauthenticated(c)) {
+        rpc_call_unref(c);
+        return;
+    }
     atomic_fetch_add(&r->active, 1);
     c->started = true;
     c->method->start(c);
@@ -428,14 +454,17 @@ int moed_rpc_start(const moed_rpc_config *cfg, moed_rpc **out, moed_error *err)
         }
         q->started = true;
     }
-    grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
-    int port = grpc_server_add_http2_port(r->server, cfg->listen, creds);
-    grpc_server_credentials_release(creds);
+    grpc_server_credentials *creds = moed_security_credentials(cfg->security);
+    int port = creds ? grpc_server_add_http2_port(r->server, cfg->listen, creds) : 0;
+    if (creds) grpc_server_credentials_release(creds);
     if (!port) {
         rc = moed_fail(err, MOED_EIO,
-                       "cannot listen on %s: gRPC could not bind it (in use, or not a local "
-                       "host:port; its reason is logged just above); choose another --listen",
-                       cfg->listen);
+                       "cannot listen on %s: gRPC could not %s (its reason is logged just "
+                       "above); choose another --listen%s",
+                       cfg->listen,
+                       creds ? "bind it (in use, or not a local host:port)"
+                             : "create its TLS credentials",
+                       cfg->security && cfg->security->cert_pem ? " or check the TLS files" : "");
         goto err;
     }
     set_address(r, port);

@@ -16,10 +16,12 @@
 #ifndef MOED_RPC_H
 #define MOED_RPC_H
 
+#include "metrics.h"
 #include "moed_backend.h"
 #include "moed_err.h"
 #include "request.h"
 #include "scheduler.h"
+#include "security.h"
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -32,14 +34,16 @@ typedef struct moed_rpc_config {
     int64_t max_message_bytes; /* our limit; gRPC's own is set above it so ours answers */
     moed_sched *sched;
     const moed_served *served;
-    moed_backend *backend; /* GetModel: name and devices */
-    const char *model;     /* GetModel: the checkpoint folder or the synthetic spec */
+    moed_backend *backend;         /* GetModel: name and devices */
+    const char *model;             /* GetModel: the checkpoint folder or the synthetic spec */
+    const moed_security *security; /* TLS and the bearer token; NULL: plaintext, no token */
+    moed_metrics *metrics;         /* requests, durations and bytes are recorded here; or NULL */
 } moed_rpc_config;
 
 typedef struct moed_rpc_stats {
     uint64_t calls[6];      /* by method: Forward, ForwardStream, GetModel, Check, Watch, unknown */
     uint64_t forwards;      /* Forward requests answered (unary, and each stream message) */
-    uint64_t by_status[17]; /* Forward answers by gRPC status code */
+    uint64_t by_status[17]; /* Forward answers by gRPC status code (CANCELLED: the caller left) */
     uint64_t active_calls;
 } moed_rpc_stats;
 

@@ -23,7 +23,16 @@ typedef struct rpc_tag {
 
 #define RPC_CONTAINER(ptr, type, member) ((type *)((char *)(ptr)-offsetof(type, member)))
 
-enum { M_FORWARD, M_STREAM, M_GETMODEL, M_CHECK, M_WATCH, M_UNKNOWN, M_COUNT };
+/* The methods, in the order the metrics' `method` label names them. */
+enum {
+    M_FORWARD = MOED_METHOD_FORWARD,
+    M_STREAM = MOED_METHOD_FORWARD_STREAM,
+    M_GETMODEL = MOED_METHOD_GET_MODEL,
+    M_CHECK = MOED_METHOD_HEALTH_CHECK,
+    M_WATCH = MOED_METHOD_HEALTH_WATCH,
+    M_UNKNOWN = MOED_METHOD_UNKNOWN,
+    M_COUNT = MOED_METHOD_COUNT
+};
 
 /* Health statuses, as grpc.health.v1.HealthCheckResponse.ServingStatus numbers them. */
 enum { HEALTH_SERVING = 1, HEALTH_NOT_SERVING = 2, HEALTH_SERVICE_UNKNOWN = 3 };
@@ -106,7 +115,7 @@ void rpc_call_unref(rpc_call *c);
 void rpc_post_close(rpc_call *c, void (*close_fn)(rpc_call *c));
 
 /* Answers a unary call: initial metadata, msg (owned; NULL for none) and status. Adds
- * RECV_CLOSE_ON_SERVER if the call has not posted it. */
+ * RECV_CLOSE_ON_SERVER if the call has not posted it. Counts the answer (rpc_count). */
 void rpc_reply(rpc_call *c, grpc_byte_buffer *msg, int grpc_status, const char *details);
 
 /* Answers with a moed error: its gRPC status and message. */
@@ -119,8 +128,11 @@ void rpc_start_batch(rpc_call *c, const grpc_op *ops, size_t n, rpc_tag *tag);
 /* Streaming calls: registered on rpc->live while open, so drain and health reach them. */
 void rpc_live_add(rpc_call *c);
 
-/* Counts a Forward answer by its gRPC status. */
-void rpc_count_status(moed_rpc *r, int grpc_status);
+/* Counts one answered request of c's method (a unary call, or one message of a stream) in the
+ * stats and the metrics; a Forward request also with its duration since t_received_ns and the
+ * sizes of its request and reply messages (either may be NULL). */
+void rpc_count(rpc_call *c, int grpc_status, uint64_t t_received_ns, grpc_byte_buffer *request,
+               grpc_byte_buffer *reply);
 
 /* The call's deadline on moed_now_ns()'s clock, 0 for none. */
 uint64_t rpc_deadline_ns(const rpc_call *c);

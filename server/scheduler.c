@@ -28,6 +28,7 @@ typedef struct queue {
     int slot, dtype, k_batch; /* the merge key */
     moed_sched_item *head, *tail;
     int64_t tokens; /* queued in this queue */
+    int in_flight;  /* launches of this queue running now */
     struct queue *next_active, *prev_active;
     bool active; /* non-empty, on the active list */
 } queue;
@@ -62,7 +63,7 @@ struct moed_sched {
     int max_experts;
     size_t staging_bytes, logits_bytes;
     _Atomic uint64_t submitted, rejected, cancelled, expired, failed, completed, batches,
-        batch_tokens, compute_us;
+        batch_tokens, compute_us, running;
 };
 
 /* ---- queues (all under s->lock) -------------------------------------------------------------- */
@@ -134,7 +135,12 @@ static void unlink_item(moed_sched *s, moed_sched_item *it)
 }
 
 /* The ready queue whose oldest request has waited longest, or NULL and the time the next merge
- * window closes (*wake_at, 0 if nothing is queued). */
+ * window closes (*wake_at, 0 if no window is open).
+ *
+ * A queue with a launch running is ready only when a full batch waits: while small batches are
+ * weight-bound, two concurrent launches of one layer each read every expert's weights and each runs
+ * at half speed, while waiting for the running one and merging everything that arrived meanwhile
+ * reads them once. The worker that finishes the running launch looks again at once. */
 static queue *pick_queue(moed_sched *s, uint64_t now, uint64_t *wake_at)
 {
     uint64_t delay = (uint64_t)s->cfg.max_delay_us * 1000u;
@@ -142,9 +148,10 @@ static queue *pick_queue(moed_sched *s, uint64_t now, uint64_t *wake_at)
     *wake_at = 0;
     for (queue *q = s->active; q; q = q->next_active) {
         uint64_t t0 = q->head->t_enqueued_ns;
-        bool ready = s->draining || q->tokens >= s->cfg.max_batch_tokens || now >= t0 + delay;
+        bool full = q->tokens >= s->cfg.max_batch_tokens;
+        bool ready = s->draining || full || (!q->in_flight && now >= t0 + delay);
         if (ready && (!best || t0 < best->head->t_enqueued_ns)) best = q;
-        if (!ready && (!*wake_at || t0 + delay < *wake_at)) *wake_at = t0 + delay;
+        if (!ready && !q->in_flight && (!*wake_at || t0 + delay < *wake_at)) *wake_at = t0 + delay;
     }
     return best;
 }
@@ -301,7 +308,17 @@ static int merge_routes(worker *w, int n, int64_t T, int E, int k_batch, moed_ro
     return 0;
 }
 
-static void run_batch(worker *w, int n, uint64_t t_launch)
+/* The queue's launch has left the device: another worker may start the queue's next launch while
+ * this one still copies out and sends the replies. */
+static void launch_done(moed_sched *s, queue *q)
+{
+    pthread_mutex_lock(&s->lock);
+    q->in_flight--;
+    if (s->queued) pthread_cond_signal(&s->wake);
+    pthread_mutex_unlock(&s->lock);
+}
+
+static void run_batch(worker *w, queue *q, int n, uint64_t t_launch)
 {
     moed_sched *s = w->s;
     moed_backend *b = s->cfg.backend;
@@ -328,21 +345,28 @@ static void run_batch(worker *w, int n, uint64_t t_launch)
         goto fail;
     if (server || k_batch) {
         route_requests(w, n, layer, k_batch);
-        if (!(n = compact(w, n, row_bytes, E, &T))) return;
+        if (!(n = compact(w, n, row_bytes, E, &T))) {
+            launch_done(s, q);
+            return;
+        }
     }
     if ((rc = merge_routes(w, n, T, E, k_batch, &batch, &route, &err))) goto fail;
     moed_job job = {
         .slot = first->slot, .dtype = first->dtype, .T = T, .x = w->x, .y = w->y, .route = route
     };
-    if ((rc = b->ops->forward(b, w->exec, &job, &err))) goto fail;
+    rc = b->ops->forward(b, w->exec, &job, &err);
+    launch_done(s, q);
+    if (rc) goto fail_released;
     moed_route_free(&batch);
 
     uint64_t t_done = moed_now_ns();
     atomic_fetch_add(&s->batches, 1);
     atomic_fetch_add(&s->batch_tokens, (uint64_t)T);
     atomic_fetch_add(&s->compute_us, (t_done - t_launch) / 1000u);
+    moed_metrics_launch(s->cfg.metrics, (uint64_t)T, (uint64_t)n, t_done - t_launch);
     for (int i = 0; i < n; i++) {
         moed_sched_item *it = w->items[i];
+        moed_metrics_queue_wait(s->cfg.metrics, t_launch - it->t_enqueued_ns);
         moed_sched_result r = {
             .y = (const char *)w->y + w->rows[i] * row_bytes,
             .y_bytes = (size_t)w->tokens[i] * row_bytes,
@@ -359,6 +383,8 @@ static void run_batch(worker *w, int n, uint64_t t_launch)
     }
     return;
 fail:
+    launch_done(s, q);
+fail_released:
     moed_route_free(&batch);
     if (!err.code) moed_fail(&err, rc, "the %s backend failed this launch", b->ops->name);
     for (int i = 0; i < n; i++)
@@ -376,10 +402,15 @@ static void *worker_main(void *arg)
         if (q) {
             moed_sched_item *expired = NULL;
             int n = take_batch(s, q, now, w->items, &expired);
+            if (n) q->in_flight++;
             if (s->queued) pthread_cond_signal(&s->wake); /* more may be ready for another worker */
             pthread_mutex_unlock(&s->lock);
             finish_expired(s, expired);
-            if (n) run_batch(w, n, now);
+            if (n) {
+                atomic_fetch_add(&s->running, 1);
+                run_batch(w, q, n, now); /* releases q's in-flight slot when the device is done */
+                atomic_fetch_sub(&s->running, 1);
+            }
             pthread_mutex_lock(&s->lock);
             continue;
         }
@@ -557,4 +588,5 @@ void moed_sched_get_stats(moed_sched *s, moed_sched_stats *out)
     out->batches = atomic_load(&s->batches);
     out->batch_tokens = atomic_load(&s->batch_tokens);
     out->compute_us = atomic_load(&s->compute_us);
+    out->running = atomic_load(&s->running);
 }

@@ -17,6 +17,7 @@
 #ifndef MOED_SCHEDULER_H
 #define MOED_SCHEDULER_H
 
+#include "metrics.h"
 #include "moed_backend.h"
 #include "request.h"
 #include "wire.h"
@@ -60,12 +61,14 @@ typedef struct moed_sched_config {
     int64_t max_batch_tokens;
     int64_t max_delay_us;
     int64_t max_queue_requests;
+    moed_metrics *metrics; /* launches and queue waits are recorded here; or NULL */
 } moed_sched_config;
 
 typedef struct moed_sched_stats {
     uint64_t submitted, rejected, cancelled, expired, failed, completed;
     uint64_t batches, batch_tokens;
     uint64_t queued;     /* now */
+    uint64_t running;    /* now: workers (execution slots) running a launch */
     uint64_t compute_us; /* summed over launches */
 } moed_sched_stats;
 

@@ -259,7 +259,11 @@ static moed_sched *start(int n_exec, int64_t max_tokens, int64_t delay_us, int64
     static moed_backend be;
     be = (moed_backend){ .ops = &fake_ops, .n_exec = n_exec };
     served.max_batch_tokens = max_tokens;
-    moed_sched_config cfg = { &be, &served, max_tokens, delay_us, max_queue };
+    moed_sched_config cfg = { .backend = &be,
+                              .served = &served,
+                              .max_batch_tokens = max_tokens,
+                              .max_delay_us = delay_us,
+                              .max_queue_requests = max_queue };
     moed_sched *s;
     moed_error err;
     CHECK_EQ_INT(moed_sched_create(&cfg, &s, &err), 0);

@@ -1,0 +1,387 @@
+/*
+ * moed_metrics — sharded counters and fixed-bucket histograms, and their exposition text.
+ *
+ * Why shards: every answered request touches a handful of counters from whichever completion-
+ * queue thread or scheduler worker finished it. One shared set of atomics would bounce its cache
+ * lines between those cores on every call; a shard per thread (threads are dealt shards round-
+ * robin on first use) keeps each add on a line the core already owns. Adds stay atomic because
+ * two threads may share a shard once there are more threads than shards. A scrape (every few
+ * seconds) sums the shards: a reader may see one request's counters half-updated, which the
+ * Prometheus model tolerates (every series is monotonic on its own).
+ *
+ * Histograms store each observation in its own bucket (not cumulative) so recording is one add
+ * per bucket hit plus one to the sum; rendering accumulates them into Prometheus' `le` form.
+ */
+#include "metrics.h"
+
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define SHARDS      16
+#define MAX_BUCKETS 20
+
+enum { H_REQUEST, H_QUEUE, H_COMPUTE, H_BATCH_TOKENS, H_BATCH_REQUESTS, H_COUNT };
+
+typedef struct hist_def {
+    const char *name, *help;
+    uint64_t bounds[MAX_BUCKETS]; /* in recorded units (ns or counts), increasing */
+    int n;
+    double scale; /* recorded unit in the exposed unit: 1e-9 for ns -> seconds, 0 for counts */
+} hist_def;
+
+#define DURATION_BOUNDS                                                                            \
+    {                                                                                              \
+        100000,   250000,    500000,    1000000,   2500000,    5000000,    10000000,   25000000,   \
+        50000000, 100000000, 250000000, 500000000, 1000000000, 2500000000, 5000000000, 10000000000 \
+    },                                                                                             \
+        16, 1e-9
+
+static const hist_def hists[H_COUNT] = {
+    [H_REQUEST] = { "moed_request_duration_seconds",
+                    "Forward requests: time from arrival to the reply, in seconds.",
+                    DURATION_BOUNDS },
+    [H_QUEUE] = { "moed_queue_duration_seconds",
+                  "Forward requests: time waiting in the scheduler's queue before a launch, in "
+                  "seconds.",
+                  DURATION_BOUNDS },
+    [H_COMPUTE] = { "moed_compute_duration_seconds",
+                    "Launches: time to compute one merged batch, in seconds.", DURATION_BOUNDS },
+    [H_BATCH_TOKENS] = { "moed_batch_tokens",
+                         "Launches: tokens in one merged batch.",
+                         { 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                           32768, 65536 },
+                         17,
+                         0 },
+    [H_BATCH_REQUESTS] = { "moed_batch_requests",
+                           "Launches: requests merged into one batch.",
+                           { 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024 },
+                           11,
+                           0 },
+};
+
+typedef struct hist {
+    _Atomic uint64_t bucket[MAX_BUCKETS + 1]; /* the last: above every bound (+Inf) */
+    _Atomic uint64_t sum;
+} hist;
+
+typedef struct shard {
+    _Alignas(64) _Atomic uint64_t requests[MOED_METHOD_COUNT][MOED_METRICS_CODES];
+    _Atomic uint64_t forwards, tokens, request_bytes, response_bytes;
+    hist h[H_COUNT];
+} shard;
+
+struct moed_metrics {
+    shard shards[SHARDS];
+};
+
+static const char *const method_names[MOED_METHOD_COUNT] = {
+    [MOED_METHOD_FORWARD] = "Forward",    [MOED_METHOD_FORWARD_STREAM] = "ForwardStream",
+    [MOED_METHOD_GET_MODEL] = "GetModel", [MOED_METHOD_HEALTH_CHECK] = "Check",
+    [MOED_METHOD_HEALTH_WATCH] = "Watch", [MOED_METHOD_UNKNOWN] = "unknown",
+};
+
+/* grpc_status_code names, as gRPC's own metrics spell them. */
+static const char *const code_names[MOED_METRICS_CODES] = {
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+};
+
+moed_metrics *moed_metrics_create(void)
+{
+    /* aligned_alloc: every shard starts on its own cache line (sizeof is a multiple of 64). */
+    moed_metrics *m = aligned_alloc(64, sizeof *m);
+    if (m) memset(m, 0, sizeof *m);
+    return m;
+}
+
+void moed_metrics_destroy(moed_metrics *m)
+{
+    free(m);
+}
+
+/* ---- recording ------------------------------------------------------------------------------- */
+
+static shard *my_shard(moed_metrics *m)
+{
+    static _Atomic unsigned next;
+    static _Thread_local int mine = -1;
+    if (mine < 0) mine = (int)(atomic_fetch_add_explicit(&next, 1, memory_order_relaxed) % SHARDS);
+    return &m->shards[mine];
+}
+
+static void add(_Atomic uint64_t *c, uint64_t v)
+{
+    atomic_fetch_add_explicit(c, v, memory_order_relaxed);
+}
+
+static void observe(shard *s, int which, uint64_t v)
+{
+    const hist_def *d = &hists[which];
+    int b = 0;
+    while (b < d->n && v > d->bounds[b]) b++;
+    add(&s->h[which].bucket[b], 1);
+    add(&s->h[which].sum, v);
+}
+
+void moed_metrics_request(moed_metrics *m, moed_method method, int grpc_status)
+{
+    if (!m || (unsigned)method >= MOED_METHOD_COUNT) return;
+    if (grpc_status < 0 || grpc_status >= MOED_METRICS_CODES) grpc_status = 2; /* UNKNOWN */
+    add(&my_shard(m)->requests[method][grpc_status], 1);
+}
+
+void moed_metrics_forward(moed_metrics *m, uint64_t duration_ns, uint64_t request_bytes,
+                          uint64_t response_bytes)
+{
+    if (!m) return;
+    shard *s = my_shard(m);
+    add(&s->forwards, 1);
+    add(&s->request_bytes, request_bytes);
+    add(&s->response_bytes, response_bytes);
+    observe(s, H_REQUEST, duration_ns);
+}
+
+void moed_metrics_queue_wait(moed_metrics *m, uint64_t queue_ns)
+{
+    if (m) observe(my_shard(m), H_QUEUE, queue_ns);
+}
+
+void moed_metrics_launch(moed_metrics *m, uint64_t tokens, uint64_t requests, uint64_t compute_ns)
+{
+    if (!m) return;
+    shard *s = my_shard(m);
+    add(&s->tokens, tokens);
+    observe(s, H_COMPUTE, compute_ns);
+    observe(s, H_BATCH_TOKENS, tokens);
+    observe(s, H_BATCH_REQUESTS, requests);
+}
+
+/* ---- reading --------------------------------------------------------------------------------- */
+
+/* A field summed over the shards; `field` is the field in shard 0, its place in the others the
+ * same distance on. */
+static uint64_t sum_of(const moed_metrics *m, const _Atomic uint64_t *field)
+{
+    size_t offset = (size_t)((const char *)field - (const char *)&m->shards[0]);
+    uint64_t v = 0;
+    for (int i = 0; i < SHARDS; i++)
+        v += atomic_load_explicit((_Atomic uint64_t *)((char *)&m->shards[i] + offset),
+                                  memory_order_relaxed);
+    return v;
+}
+
+#define SUM(m, field) sum_of(m, &(m)->shards[0].field)
+
+/* A histogram summed over the shards: per-bucket counts (not cumulative), count and sum. */
+typedef struct hist_total {
+    uint64_t bucket[MAX_BUCKETS + 1], count, sum;
+} hist_total;
+
+static void hist_sum(const moed_metrics *m, int which, hist_total *t)
+{
+    memset(t, 0, sizeof *t);
+    for (int b = 0; b <= hists[which].n; b++) {
+        t->bucket[b] = SUM(m, h[which].bucket[b]);
+        t->count += t->bucket[b];
+    }
+    t->sum = SUM(m, h[which].sum);
+}
+
+void moed_metrics_get_totals(const moed_metrics *m, moed_metrics_totals *out)
+{
+    memset(out, 0, sizeof *out);
+    for (int i = 0; i < MOED_METHOD_COUNT; i++)
+        for (int c = 0; c < MOED_METRICS_CODES; c++) out->requests[i][c] = SUM(m, requests[i][c]);
+    out->forwards = SUM(m, forwards);
+    out->tokens = SUM(m, tokens);
+    out->request_bytes = SUM(m, request_bytes);
+    out->response_bytes = SUM(m, response_bytes);
+    hist_total t;
+    hist_sum(m, H_COMPUTE, &t);
+    out->launches = t.count;
+    hist_sum(m, H_QUEUE, &t);
+    out->queue_waits = t.count;
+}
+
+/* ---- the exposition text --------------------------------------------------------------------- */
+
+typedef struct text {
+    char *p;
+    size_t len, cap;
+    bool oom;
+} text;
+
+static void put(text *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void put(text *t, const char *fmt, ...)
+{
+    for (int tries = 0; tries < 2 && !t->oom; tries++) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(t->p + t->len, t->cap - t->len, fmt, ap);
+        va_end(ap);
+        if (n < 0) {
+            t->oom = true;
+            return;
+        }
+        if ((size_t)n < t->cap - t->len) {
+            t->len += (size_t)n;
+            return;
+        }
+        size_t cap = 2 * t->cap + (size_t)n + 1;
+        char *p = realloc(t->p, cap);
+        if (!p) {
+            t->oom = true;
+            return;
+        }
+        t->p = p;
+        t->cap = cap;
+    }
+}
+
+/* A label value with \, " and newline escaped, as the format requires. */
+static void put_label(text *t, const char *name, const char *value, bool last)
+{
+    put(t, "%s=\"", name);
+    for (const char *c = value ? value : ""; *c; c++) {
+        if (*c == '\\' || *c == '"')
+            put(t, "\\%c", *c);
+        else if (*c == '\n')
+            put(t, "\\n");
+        else
+            put(t, "%c", *c);
+    }
+    put(t, "\"%s", last ? "" : ",");
+}
+
+static void family(text *t, const char *name, const char *type, const char *help)
+{
+    put(t, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+static void gauge(text *t, const char *name, const char *help, double v)
+{
+    family(t, name, "gauge", help);
+    put(t, "%s %.17g\n", name, v);
+}
+
+static void counter(text *t, const char *name, const char *help, uint64_t v)
+{
+    family(t, name, "counter", help);
+    put(t, "%s %llu\n", name, (unsigned long long)v);
+}
+
+static void histogram(text *t, const moed_metrics *m, int which)
+{
+    const hist_def *d = &hists[which];
+    hist_total h;
+    hist_sum(m, which, &h);
+    family(t, d->name, "histogram", d->help);
+    uint64_t cum = 0;
+    for (int b = 0; b < d->n; b++) {
+        cum += h.bucket[b];
+        double le = d->scale ? (double)d->bounds[b] * d->scale : (double)d->bounds[b];
+        put(t, "%s_bucket{le=\"%g\"} %llu\n", d->name, le, (unsigned long long)cum);
+    }
+    put(t, "%s_bucket{le=\"+Inf\"} %llu\n", d->name, (unsigned long long)h.count);
+    if (d->scale)
+        put(t, "%s_sum %.9f\n", d->name, (double)h.sum * d->scale);
+    else
+        put(t, "%s_sum %llu\n", d->name, (unsigned long long)h.sum);
+    put(t, "%s_count %llu\n", d->name, (unsigned long long)h.count);
+}
+
+static void requests(text *t, const moed_metrics *m)
+{
+    family(t, "moed_requests_total", "counter",
+           "Requests answered, by gRPC method and status code (each message of a stream counts "
+           "as one request; health Watch streams are not counted).");
+    for (int i = 0; i < MOED_METHOD_COUNT; i++)
+        for (int c = 0; c < MOED_METRICS_CODES; c++) {
+            uint64_t v = SUM(m, requests[i][c]);
+            /* Forward/OK always appears, so rate() has a series from the first scrape. */
+            if (!v && !(i == MOED_METHOD_FORWARD && c == 0)) continue;
+            put(t, "moed_requests_total{method=\"%s\",code=\"%s\"} %llu\n", method_names[i],
+                code_names[c], (unsigned long long)v);
+        }
+}
+
+static void devices(text *t, const moed_metrics_gauges *g)
+{
+    static const char *const names[2] = { "moed_device_memory_used_bytes",
+                                          "moed_device_memory_total_bytes" };
+    static const char *const helps[2] = {
+        "Memory in use on each compute device, in bytes (host memory for the cpu backend).",
+        "Memory on each compute device, in bytes (host memory for the cpu backend)."
+    };
+    for (int k = 0; k < 2; k++) {
+        family(t, names[k], "gauge", helps[k]);
+        for (int i = 0; i < g->n_devices; i++) {
+            const moed_device_info *d = &g->devices[i];
+            char ordinal[16];
+            snprintf(ordinal, sizeof ordinal, "%d", i);
+            put(t, "%s{", names[k]);
+            put_label(t, "device", ordinal, false);
+            put_label(t, "name", d->name, true);
+            put(t, "} %llu\n", (unsigned long long)(k ? d->memory_total : d->memory_used));
+        }
+    }
+}
+
+char *moed_metrics_render(const moed_metrics *m, const moed_metrics_gauges *g, size_t *len)
+{
+    text t = { .cap = 16384 };
+    if (!(t.p = malloc(t.cap))) return NULL;
+    t.p[0] = 0;
+    gauge(&t, "moed_up", "1 while the daemon runs (the scrape itself reached it).", 1);
+    family(&t, "moed_build_info", "gauge", "The daemon's version and backend; always 1.");
+    put(&t, "moed_build_info{");
+    put_label(&t, "version", g->version, false);
+    put_label(&t, "backend", g->backend, true);
+    put(&t, "} 1\n");
+    gauge(&t, "moed_start_time_seconds", "Unix time the daemon started, in seconds.",
+          g->start_time_s);
+    gauge(&t, "moed_serving", "1 while the health status is SERVING, 0 before and while draining.",
+          g->serving);
+    requests(&t, m);
+    counter(&t, "moed_tokens_total", "Tokens computed (rows of hidden, over every launch).",
+            SUM(m, tokens));
+    counter(&t, "moed_request_bytes_total", "Bytes of Forward request messages received.",
+            SUM(m, request_bytes));
+    counter(&t, "moed_response_bytes_total", "Bytes of Forward response messages sent.",
+            SUM(m, response_bytes));
+    for (int h = 0; h < H_COUNT; h++) histogram(&t, m, h);
+    gauge(&t, "moed_queue_requests", "Requests waiting in the scheduler's queues.",
+          (double)g->queue_requests);
+    gauge(&t, "moed_calls_active", "gRPC calls open (unary calls in progress and open streams).",
+          (double)g->calls_active);
+    gauge(&t, "moed_stream_pool_busy",
+          "Execution slots (CUDA streams; one for cpu) running a launch.", (double)g->exec_busy);
+    gauge(&t, "moed_stream_pool_size", "Execution slots (CUDA streams; one for cpu).",
+          (double)g->exec_size);
+    devices(&t, g);
+    if (t.oom) {
+        free(t.p);
+        return NULL;
+    }
+    *len = t.len;
+    return t.p;
+}

@@ -1,0 +1,82 @@
+/*
+ * moed_metrics — the daemon's Prometheus metrics: counters and histograms recorded on the hot
+ * path, rendered in the text exposition format (version 0.0.4) when /metrics is scraped.
+ *
+ * Recording is a few relaxed atomic adds into the calling thread's shard (one of a fixed set of
+ * cache-line-aligned copies), so completion-queue threads and scheduler workers never contend on
+ * one cache line; rendering sums the shards. Every recording function accepts m == NULL and then
+ * does nothing, so a module (or a unit test) without metrics passes NULL.
+ *
+ * Gauges (queue depth, busy execution slots, device memory, serving state) are not recorded: the
+ * caller samples them at scrape time and hands them to moed_metrics_render.
+ *
+ * Names and units follow the Prometheus conventions: counters end in _total, durations are
+ * histograms in seconds, sizes are plain counts.
+ */
+#ifndef MOED_METRICS_H
+#define MOED_METRICS_H
+
+#include "moed_backend.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct moed_metrics moed_metrics;
+
+/* The gRPC methods, as the `method` label names them. The front end's method table has this
+ * order (rpc_call.h). */
+typedef enum moed_method {
+    MOED_METHOD_FORWARD,
+    MOED_METHOD_FORWARD_STREAM,
+    MOED_METHOD_GET_MODEL,
+    MOED_METHOD_HEALTH_CHECK,
+    MOED_METHOD_HEALTH_WATCH,
+    MOED_METHOD_UNKNOWN,
+    MOED_METHOD_COUNT
+} moed_method;
+
+#define MOED_METRICS_CODES 17 /* gRPC status codes 0..16 */
+
+/* NULL when out of memory. */
+moed_metrics *moed_metrics_create(void);
+void moed_metrics_destroy(moed_metrics *m);
+
+/* One answered request (a unary call, or one message of a stream): moed_requests_total. */
+void moed_metrics_request(moed_metrics *m, moed_method method, int grpc_status);
+
+/* One answered Forward request: its duration from arrival to reply, and its message sizes. */
+void moed_metrics_forward(moed_metrics *m, uint64_t duration_ns, uint64_t request_bytes,
+                          uint64_t response_bytes);
+
+/* A request left its queue for a launch after waiting queue_ns. */
+void moed_metrics_queue_wait(moed_metrics *m, uint64_t queue_ns);
+
+/* A launch computed `tokens` tokens of `requests` merged requests in compute_ns. */
+void moed_metrics_launch(moed_metrics *m, uint64_t tokens, uint64_t requests, uint64_t compute_ns);
+
+/* What is sampled at scrape time. */
+typedef struct moed_metrics_gauges {
+    bool serving;            /* health SERVING */
+    uint64_t queue_requests; /* requests waiting in the scheduler's queues */
+    uint64_t calls_active;   /* gRPC calls open */
+    uint64_t exec_busy;      /* execution slots (stream pool) running a launch */
+    uint64_t exec_size;      /* execution slots in all */
+    const moed_device_info *devices;
+    int n_devices;
+    const char *version, *backend;
+    double start_time_s; /* Unix time the daemon started */
+} moed_metrics_gauges;
+
+/* The exposition text (malloc'd, *len bytes, NUL-terminated), or NULL when out of memory. */
+char *moed_metrics_render(const moed_metrics *m, const moed_metrics_gauges *g, size_t *len);
+
+/* Sums of the counters, for tests and the stats log. */
+typedef struct moed_metrics_totals {
+    uint64_t requests[MOED_METHOD_COUNT][MOED_METRICS_CODES];
+    uint64_t forwards, tokens, request_bytes, response_bytes, launches, queue_waits;
+} moed_metrics_totals;
+
+void moed_metrics_get_totals(const moed_metrics *m, moed_metrics_totals *out);
+
+#endif

@@ -1,0 +1,288 @@
+/*
+ * moed_security — loads the TLS material and the bearer token, checks them, and checks calls.
+ *
+ * Why check the PEM files with OpenSSL here when gRPC reads them too: gRPC core finds a bad key
+ * only when it builds its TLS context, and then says little more than that the handshaker could
+ * not be created. OpenSSL (already linked, through gRPC) tells which file is wrong and how, so
+ * the daemon can refuse to start with a sentence a person can act on.
+ *
+ * Why a bearer token and not just mutual TLS: many deployments terminate TLS in front of the
+ * daemon (a mesh sidecar) or cannot hand certificates to every caller; a shared token in call
+ * metadata works through all of them. The two combine.
+ */
+#include "security.h"
+
+#include "log.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <openssl/bio.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#define MAX_PEM_BYTES   (1 << 20)
+#define MAX_TOKEN_BYTES 4096
+
+/* ---- files ----------------------------------------------------------------------------------- */
+
+/* The whole file, NUL-terminated, in *out (malloc'd). */
+static int read_file(const char *flag, const char *path, size_t max, char **out, moed_error *err)
+{
+    *out = NULL;
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return moed_fail(err, MOED_EIO, "%s '%s': cannot open it: %s; give a file moed can read",
+                         flag, path, strerror(errno));
+    char *buf = malloc(max + 1);
+    size_t n = buf ? fread(buf, 1, max + 1, f) : 0;
+    int rc = 0;
+    if (!buf)
+        rc = moed_fail(err, MOED_ENOMEM, "%s '%s': no memory to read it", flag, path);
+    else if (ferror(f))
+        rc = moed_fail(err, MOED_EIO, "%s '%s': read error: %s", flag, path, strerror(errno));
+    else if (n > max)
+        rc =
+            moed_fail(err, MOED_EINVAL, "%s '%s': the file is over %zu bytes; is it the right one?",
+                      flag, path, max);
+    fclose(f);
+    if (rc) {
+        free(buf);
+        return rc;
+    }
+    buf[n] = 0;
+    *out = buf;
+    return 0;
+}
+
+/* OpenSSL's password callback: never prompt on a terminal; an encrypted key simply fails. */
+static int no_password(char *buf, int size, int rwflag, void *u)
+{
+    return 0;
+}
+
+static X509 *read_cert(const char *pem)
+{
+    BIO *bio = BIO_new_mem_buf(pem, -1);
+    X509 *x = bio ? PEM_read_bio_X509(bio, NULL, no_password, NULL) : NULL;
+    BIO_free(bio);
+    return x;
+}
+
+static int count_certs(const char *pem)
+{
+    BIO *bio = BIO_new_mem_buf(pem, -1);
+    int n = 0;
+    X509 *x;
+    while (bio && (x = PEM_read_bio_X509(bio, NULL, no_password, NULL))) {
+        X509_free(x);
+        n++;
+    }
+    BIO_free(bio);
+    ERR_clear_error(); /* the read that ends the loop leaves an error on the queue */
+    return n;
+}
+
+static EVP_PKEY *read_key(const char *pem)
+{
+    BIO *bio = BIO_new_mem_buf(pem, -1);
+    EVP_PKEY *k = bio ? PEM_read_bio_PrivateKey(bio, NULL, no_password, NULL) : NULL;
+    BIO_free(bio);
+    return k;
+}
+
+static void warn_validity(const char *path, X509 *cert)
+{
+    if (X509_cmp_current_time(X509_get0_notAfter(cert)) < 0)
+        moed_log_warn("the TLS certificate has expired: clients will refuse it", "file=\"%s\"",
+                      path);
+    else if (X509_cmp_current_time(X509_get0_notBefore(cert)) > 0)
+        moed_log_warn("the TLS certificate is not valid yet: clients will refuse it", "file=\"%s\"",
+                      path);
+}
+
+/* The certificate parses, the key parses (unencrypted) and the key belongs to the certificate. */
+static int check_pair(const moed_security_config *cfg, const moed_security *s, moed_error *err)
+{
+    X509 *cert = read_cert(s->cert_pem);
+    EVP_PKEY *key = cert ? read_key(s->key_pem) : NULL;
+    int rc = 0;
+    if (!cert)
+        rc = moed_fail(err, MOED_EINVAL,
+                       "--tls-cert '%s' holds no PEM certificate (-----BEGIN CERTIFICATE-----); "
+                       "give the server's certificate chain in PEM",
+                       cfg->tls_cert);
+    else if (!key && strstr(s->key_pem, "ENCRYPTED"))
+        rc = moed_fail(err, MOED_EINVAL,
+                       "--tls-key '%s' is encrypted with a passphrase, which moed cannot ask for; "
+                       "give an unencrypted key (openssl pkey -in KEY -out NEW) and protect the "
+                       "file with its permissions",
+                       cfg->tls_key);
+    else if (!key)
+        rc = moed_fail(err, MOED_EINVAL,
+                       "--tls-key '%s' holds no PEM private key (-----BEGIN PRIVATE KEY-----); "
+                       "give the key of the certificate in --tls-cert",
+                       cfg->tls_key);
+    else if (X509_check_private_key(cert, key) != 1)
+        rc = moed_fail(err, MOED_EINVAL,
+                       "--tls-key '%s' does not match the certificate in --tls-cert '%s' (their "
+                       "public keys differ); give the key the certificate was issued for",
+                       cfg->tls_key, cfg->tls_cert);
+    else
+        warn_validity(cfg->tls_cert, cert);
+    ERR_clear_error();
+    EVP_PKEY_free(key);
+    X509_free(cert);
+    return rc;
+}
+
+/* The token: the file's first line (or the variable), trimmed; printable ASCII without spaces,
+ * as an HTTP header value carries it unchanged. */
+static int set_token(moed_security *s, char *raw, const char *source, moed_error *err)
+{
+    char *p = raw, *e;
+    while (isspace((unsigned char)*p)) p++;
+    e = p + strcspn(p, "\r\n");
+    while (e > p && isspace((unsigned char)e[-1])) e--;
+    size_t n = (size_t)(e - p);
+    if (!n)
+        return moed_fail(err, MOED_EINVAL,
+                         "%s is empty: put the bearer token on its first line (e.g. from "
+                         "openssl rand -hex 32)",
+                         source);
+    if (n > MAX_TOKEN_BYTES)
+        return moed_fail(err, MOED_EINVAL, "%s: the token is %zu bytes; at most %d", source, n,
+                         MAX_TOKEN_BYTES);
+    for (size_t i = 0; i < n; i++)
+        if ((unsigned char)p[i] <= 0x20 || (unsigned char)p[i] >= 0x7f)
+            return moed_fail(err, MOED_EINVAL,
+                             "%s: the token has a space or a non-printable byte at offset %zu; "
+                             "use printable ASCII only (e.g. openssl rand -hex 32)",
+                             source, i);
+    if (!(s->token = malloc(n + 1))) return moed_fail(err, MOED_ENOMEM, "no memory for the token");
+    memcpy(s->token, p, n);
+    s->token[n] = 0;
+    s->token_len = n;
+    return 0;
+}
+
+static int load_token(const moed_security_config *cfg, moed_security *s, moed_error *err)
+{
+    if (cfg->token_file) {
+        char *raw, source[600];
+        int rc = read_file("--auth-token-file", cfg->token_file, MAX_TOKEN_BYTES * 2, &raw, err);
+        if (rc) return rc;
+        snprintf(source, sizeof source, "--auth-token-file '%s'", cfg->token_file);
+        rc = set_token(s, raw, source, err);
+        free(raw);
+        s->token_source = "--auth-token-file";
+        return rc;
+    }
+    if (!cfg->token_env) return 0;
+    char *raw = strdup(cfg->token_env);
+    if (!raw) return moed_fail(err, MOED_ENOMEM, "no memory for the token");
+    int rc = set_token(s, raw, "$MOED_AUTH_TOKEN", err);
+    free(raw);
+    s->token_source = "MOED_AUTH_TOKEN";
+    return rc;
+}
+
+int moed_security_load(const moed_security_config *cfg, moed_security *s, moed_error *err)
+{
+    memset(s, 0, sizeof *s);
+    int rc = 0;
+    if (cfg->tls_cert) {
+        if ((rc = read_file("--tls-cert", cfg->tls_cert, MAX_PEM_BYTES, &s->cert_pem, err)) ||
+            (rc = read_file("--tls-key", cfg->tls_key, MAX_PEM_BYTES, &s->key_pem, err)) ||
+            (rc = check_pair(cfg, s, err)))
+            return rc;
+    }
+    if (cfg->tls_client_ca) {
+        if ((rc = read_file("--tls-client-ca", cfg->tls_client_ca, MAX_PEM_BYTES, &s->ca_pem, err)))
+            return rc;
+        if (!count_certs(s->ca_pem))
+            return moed_fail(err, MOED_EINVAL,
+                             "--tls-client-ca '%s' holds no PEM certificate; give the CA "
+                             "certificate(s) that sign your clients' certificates",
+                             cfg->tls_client_ca);
+    }
+    return load_token(cfg, s, err);
+}
+
+void moed_security_free(moed_security *s)
+{
+    free(s->cert_pem);
+    free(s->key_pem);
+    free(s->ca_pem);
+    free(s->token);
+    memset(s, 0, sizeof *s);
+}
+
+grpc_server_credentials *moed_security_credentials(const moed_security *s)
+{
+    if (!s || !s->cert_pem) return grpc_insecure_server_credentials_create();
+    grpc_ssl_pem_key_cert_pair pair = { .private_key = s->key_pem, .cert_chain = s->cert_pem };
+    return grpc_ssl_server_credentials_create_ex(
+        s->ca_pem, &pair, 1,
+        s->ca_pem ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                  : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE,
+        NULL);
+}
+
+/* ---- calls ----------------------------------------------------------------------------------- */
+
+/* Compares all of got against want in time that depends only on got's length (which the caller
+ * chose), never on where the first difference is. */
+static bool same_token(const char *want, size_t wlen, const uint8_t *got, size_t glen)
+{
+    unsigned diff = wlen != glen;
+    for (size_t i = 0; i < glen; i++) diff |= (unsigned)(got[i] ^ (uint8_t)want[i % wlen]);
+    return diff == 0;
+}
+
+static bool slice_is(grpc_slice s, const char *str)
+{
+    size_t n = strlen(str);
+    return GRPC_SLICE_LENGTH(s) == n && !memcmp(GRPC_SLICE_START_PTR(s), str, n);
+}
+
+int moed_security_check_call(const moed_security *s, const grpc_metadata_array *md, moed_error *err)
+{
+    if (!s || !s->token) return 0;
+    bool seen = false;
+    for (size_t i = 0; i < md->count; i++) {
+        if (!slice_is(md->metadata[i].key, "authorization")) continue;
+        seen = true;
+        const uint8_t *v = GRPC_SLICE_START_PTR(md->metadata[i].value);
+        size_t n = GRPC_SLICE_LENGTH(md->metadata[i].value);
+        if (n < 7 || strncasecmp((const char *)v, "bearer ", 7)) continue;
+        size_t at = 7;
+        while (at < n && v[at] == ' ') at++;
+        if (same_token(s->token, s->token_len, v + at, n - at)) return 0;
+    }
+    if (!seen)
+        return moed_fail(err, MOED_EUNAUTH,
+                         "this server requires a bearer token: send the metadata "
+                         "'authorization: Bearer <token>' (moectl --token, MoEClient(token=...))");
+    return moed_fail(err, MOED_EUNAUTH,
+                     "the authorization metadata was not accepted: send 'authorization: Bearer "
+                     "<token>' with the token this server was given");
+}
+
+bool moed_listen_is_loopback(const char *listen)
+{
+    if (!strncmp(listen, "unix:", 5) || !strncmp(listen, "unix-abstract:", 14)) return true;
+    if (!strncmp(listen, "ipv4:", 5) || !strncmp(listen, "ipv6:", 5)) listen += 5;
+    const char *colon = strrchr(listen, ':');
+    size_t n = colon ? (size_t)(colon - listen) : strlen(listen);
+    char host[256];
+    if (n >= sizeof host) return false;
+    memcpy(host, listen, n);
+    host[n] = 0;
+    return !strcmp(host, "localhost") || !strncmp(host, "127.", 4) || !strcmp(host, "[::1]") ||
+           !strcmp(host, "::1");
+}

@@ -1,0 +1,266 @@
+"""Checks of deploy/ that need no container engine and no cluster (run by tests/deploy-check.sh).
+
+- deploy/moed.conf is a configuration the real daemon starts with (its keys and values parse, its
+  ports are the ones the other files use).
+- deploy/moed.service: systemd-analyze verify passes with no warning; Type=notify; the hardening
+  options are set; the stop timeout outlasts the drain timeout.
+- deploy/k8s/*.yaml parse; the objects have what the API server requires, and what moed needs: a
+  GPU limit, native gRPC readiness/liveness/startup probes on the gRPC port, a non-root security
+  context, a grace period longer than the drain, mounts that name volumes that exist, a Service
+  whose selector and target ports match the pods, and a ConfigMap equal to deploy/moed.conf.
+- deploy/Containerfile: the rules of a linter such as hadolint that matter here (pinned base
+  images, named stages, apt hygiene, a non-root USER, a HEALTHCHECK, exec-form ENTRYPOINT/CMD,
+  COPY sources that exist, pipefail where pipes are used), plus agreement with the config's ports.
+"""
+
+import configparser
+import os
+import pathlib
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+BUILD = pathlib.Path(os.environ.get("MOED_BUILD_DIR", ROOT / "build"))
+MOED = BUILD / "server" / "moed"
+
+
+def conf():
+    """deploy/moed.conf as a dict (the daemon's own syntax: `key = value`, # comments)."""
+    out = {}
+    for line in (DEPLOY / "moed.conf").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            k, v = (s.strip() for s in line.split("=", 1))
+            out[k] = v
+    return out
+
+
+def port_of(addr):
+    return int(addr.rsplit(":", 1)[1])
+
+
+GRPC_PORT = port_of(conf()["listen"])
+METRICS_PORT = port_of(conf()["metrics-listen"])
+DRAIN_S = int(conf()["drain-timeout"])
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- the configuration file ----------------------------------------------------------------------
+
+@pytest.mark.skipif(not MOED.exists(), reason=f"{MOED} not built")
+def test_config_starts_the_daemon(tmp_path):
+    """Every key of the shipped config is accepted; only the addresses (and the model, to keep the
+    check small) are overridden on the command line, which wins over the file."""
+    g, m = free_port(), free_port()
+    log = tmp_path / "moed.log"
+    p = subprocess.Popen([str(MOED), "--config", str(DEPLOY / "moed.conf"),
+                          "--listen", f"127.0.0.1:{g}", "--metrics-listen", f"127.0.0.1:{m}",
+                          "--synthetic", "layers=1,d=64,ff=96,experts=4,topk=2", "--threads", "1"],
+                         stderr=open(log, "wb"))
+    deadline = time.monotonic() + 60
+    while '"ready"' not in log.read_text() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert p.poll() is None, log.read_text()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(60) == 0, log.read_text()
+    assert "metrics listening" in log.read_text()
+
+
+# ---- systemd -------------------------------------------------------------------------------------
+
+def unit():
+    cp = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",))
+    cp.optionxform = str  # keys are case-sensitive
+    cp.read(DEPLOY / "moed.service")
+    return cp
+
+
+def seconds(value):
+    m = re.fullmatch(r"(\d+)(s|min)?", value)
+    return int(m.group(1)) * (60 if m.group(2) == "min" else 1)
+
+
+def test_unit_is_a_hardened_notify_service():
+    s = unit()["Service"]
+    assert s["Type"] == "notify"
+    argv = shlex.split(s["ExecStart"])
+    assert argv[0] == "/usr/local/bin/moed" and argv[1:] == ["--config", "/etc/moed/moed.conf"]
+    for key, want in {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "DynamicUser": "yes",
+                      "ProtectHome": "yes", "PrivateTmp": "yes", "DevicePolicy": "closed",
+                      "CapabilityBoundingSet": "", "KillSignal": "SIGTERM",
+                      "RestartPreventExitStatus": "2"}.items():
+        assert s.get(key) == want, f"{key}={s.get(key)}"
+    assert "PrivateDevices" not in s, "PrivateDevices would hide the GPUs"
+    assert "MemoryDenyWriteExecute" not in s, "the CUDA driver JIT needs W+X memory"
+    assert seconds(s["TimeoutStopSec"]) > DRAIN_S + 10
+    assert unit()["Install"]["WantedBy"] == "multi-user.target"
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
+def test_systemd_analyze_verify_is_clean(tmp_path):
+    """systemd-analyze verify, with ExecStart pointing at a binary that exists here; any warning
+    about the unit fails (verify itself exits 0 on unknown keys)."""
+    binary = MOED if MOED.exists() else pathlib.Path("/bin/true")
+    text = (DEPLOY / "moed.service").read_text().replace("/usr/local/bin/moed", str(binary))
+    u = tmp_path / "moed.service"
+    u.write_text(text)
+    p = subprocess.run(["systemd-analyze", "verify", str(u)], capture_output=True, text=True,
+                       timeout=60)
+    about_unit = [l for l in (p.stdout + p.stderr).splitlines() if "moed.service" in l]
+    assert p.returncode == 0 and not about_unit, p.stdout + p.stderr
+
+
+# ---- Kubernetes --------------------------------------------------------------------------------
+
+def manifests():
+    docs = {}
+    for f in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        for d in yaml.safe_load_all(f.read_text()):
+            if d.get("kind") == "Kustomization":
+                continue
+            for key in ("apiVersion", "kind", "metadata"):
+                assert key in d, f"{f.name}: {key} missing"
+            assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", d["metadata"]["name"]), f.name
+            docs[d["kind"]] = d
+    return docs
+
+
+def test_kustomization_lists_every_manifest():
+    k = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
+    files = {f.name for f in (DEPLOY / "k8s").glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(k["resources"]) == files
+
+
+def test_deployment():
+    docs = manifests()
+    dep = docs["Deployment"]
+    assert dep["apiVersion"] == "apps/v1"
+    spec, pod = dep["spec"], dep["spec"]["template"]["spec"]
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    (c,) = pod["containers"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}
+    assert int(c["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["port"] == GRPC_PORT, probe
+        assert set(c[probe]) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"grpc"}, probe
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert pod["terminationGracePeriodSeconds"] > DRAIN_S + 5  # + the preStop sleep
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for m in c["volumeMounts"]:
+        assert m["name"] in volumes, m
+    config_mount = next(m for m in c["volumeMounts"] if volumes[m["name"]].get("configMap"))
+    cfg_arg = c["args"][c["args"].index("--config") + 1]
+    assert cfg_arg == config_mount["mountPath"] + "/moed.conf"
+    assert volumes[config_mount["name"]]["configMap"]["name"] == docs["ConfigMap"]["metadata"]["name"]
+    env = {e["name"]: e for e in c.get("env", [])}
+    assert env["MOED_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True
+
+
+def test_service_matches_the_pods():
+    docs = manifests()
+    svc, dep = docs["Service"], docs["Deployment"]
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    names = {p["name"] for p in dep["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    for p in svc["spec"]["ports"]:
+        assert p["targetPort"] in names, p
+
+
+def test_configmap_is_the_config_file():
+    cm = manifests()["ConfigMap"]
+    assert cm["data"]["moed.conf"] == (DEPLOY / "moed.conf").read_text(), \
+        "deploy/k8s/configmap.yaml differs from deploy/moed.conf: copy it over"
+
+
+# ---- the container file ------------------------------------------------------------------------
+
+def instructions():
+    """(instruction, arguments) pairs, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", (DEPLOY / "Containerfile").read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def stages():
+    """[(stage name, [(instruction, args)...])] from FROM to FROM."""
+    out = []
+    for ins, args in instructions():
+        if ins == "FROM":
+            m = re.fullmatch(r"(\S+)(?:\s+AS\s+(\S+))?", args, re.I)
+            out.append((m.group(2), [(ins, m.group(1))]))
+        elif out:
+            out[-1][1].append((ins, args))
+    return out
+
+
+def test_containerfile_rules():
+    ins = instructions()
+    args = dict(re.match(r"(\w+)=(\S+)", a).groups() for i, a in ins if i == "ARG")
+    st = stages()
+    assert len(st) >= 2, "a multi-stage build: tools stay out of the runtime image"
+    names = []
+    for name, body in st:
+        image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], body[0][1])
+        assert ":" in image and not image.endswith(":latest"), f"pin the base image: {image}"
+        assert name, "name every stage"
+        names.append(name)
+        assert image.startswith("nvidia/cuda:13.0"), image
+    assert "-runtime-" in re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], st[-1][1][0][1])
+    for i, a in ins:
+        assert i != "ADD", "use COPY (ADD fetches URLs and unpacks archives)"
+        assert "sudo " not in a
+        if i == "RUN" and "apt-get install" in a:
+            assert "-y" in a.split() and "--no-install-recommends" in a, a
+            assert "rm -rf /var/lib/apt/lists" in a, "clean the apt lists in the same layer"
+            assert "apt-get update" in a, "update in the same RUN as install"
+        if i == "RUN" and "|" in a.replace("||", ""):
+            shells = [x for x, y in ins[:ins.index((i, a))] if x == "SHELL"]
+            assert shells, f"a pipe needs SHELL [..., \"-o\", \"pipefail\", ...]: {a[:60]}"
+        if i == "COPY":
+            m = re.match(r"--from=(\S+)\s", a)
+            if m:
+                assert m.group(1) in names[:-1] or m.group(1) in names, a
+            else:
+                for src in a.split()[:-1]:
+                    assert (ROOT / src).exists(), f"COPY source {src} is not in the repository"
+    final = dict((i, a) for i, a in st[-1][1])
+    user = final.get("USER", "root").split(":")[0]
+    assert user not in ("root", "0"), "the image must run as a non-root user"
+    for key in ("ENTRYPOINT", "CMD"):
+        assert final[key].startswith("["), f"{key} in exec (JSON) form"
+    hc = final["HEALTHCHECK"]
+    assert "CMD [" in hc and f"127.0.0.1:{GRPC_PORT}" in hc and "health" in hc
+    assert set(final["EXPOSE"].split()) == {str(GRPC_PORT), str(METRICS_PORT)}
+    assert "/etc/moed/moed.conf" in final["CMD"]
+    ignore = (DEPLOY / "Containerfile.dockerignore").read_text()
+    for _, body in st:
+        for i, a in body:
+            if i == "COPY" and not a.startswith("--from"):
+                for src in a.split()[:-1]:
+                    assert f"!{src.rstrip('/')}" in ignore.replace("/\n", "\n"), \
+                        f"{src} is copied but excluded by Containerfile.dockerignore"

@@ -1,0 +1,336 @@
+/*
+ * test_metrics — the Prometheus metrics and their HTTP endpoint.
+ *
+ * Metrics: events recorded from many threads at once sum exactly; histogram buckets are
+ * inclusive at their bound, cumulative in the text, and agree with _count and _sum; label values
+ * are escaped; every recording function takes NULL. The endpoint: a real server on a libuv loop,
+ * called over TCP by a client thread with good requests (GET, HEAD, query strings, bare LF, a
+ * request sent byte by byte) and bad ones (garbage, NUL bytes, a bad request line, a header
+ * without a colon, a body, an HTTP/2 preface, an over-long head, other methods), each answered
+ * with its status; then a burst over the connection limit, after which it still answers.
+ */
+#include "check.h"
+#include "http.h"
+#include "metrics.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+/* ---- metrics --------------------------------------------------------------------------------- */
+
+/* The value of the sample line that starts with `series ` in text, or -1. */
+static double sample(const char *text, const char *series)
+{
+    size_t n = strlen(series);
+    for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
+        if (!strncmp(p, series, n) && p[n] == ' ') return strtod(p + n + 1, NULL);
+    return -1;
+}
+
+#define THREADS 8
+#define EVENTS  5000
+
+static void *record(void *arg)
+{
+    moed_metrics *m = arg;
+    for (int i = 0; i < EVENTS; i++) {
+        moed_metrics_request(m, MOED_METHOD_FORWARD, i % 2 ? 0 : 3);
+        moed_metrics_forward(m, 1000000, 100, 10);
+        moed_metrics_launch(m, 4, 2, 2000000);
+        moed_metrics_queue_wait(m, 50000);
+    }
+    return NULL;
+}
+
+static char *render(moed_metrics *m)
+{
+    static const moed_device_info dev[2] = {
+        { .name = "gpu \"zero\"\\\n", .memory_used = 30, .memory_total = 100 },
+        { .name = "one", .memory_used = 5, .memory_total = 50 }
+    };
+    moed_metrics_gauges g = { .serving = true,
+                              .queue_requests = 7,
+                              .calls_active = 3,
+                              .exec_busy = 1,
+                              .exec_size = 4,
+                              .devices = dev,
+                              .n_devices = 2,
+                              .version = "9.9",
+                              .backend = "cpu" };
+    size_t len = 0;
+    char *t = moed_metrics_render(m, &g, &len);
+    CHECK(t && strlen(t) == len);
+    return t;
+}
+
+static void test_concurrent_counts(void)
+{
+    moed_metrics *m = moed_metrics_create();
+    pthread_t th[THREADS];
+    for (int i = 0; i < THREADS; i++) pthread_create(&th[i], NULL, record, m);
+    for (int i = 0; i < THREADS; i++) pthread_join(th[i], NULL);
+    moed_metrics_totals t;
+    moed_metrics_get_totals(m, &t);
+    const uint64_t n = (uint64_t)THREADS * EVENTS;
+    CHECK_EQ_INT(t.requests[MOED_METHOD_FORWARD][0], n / 2);
+    CHECK_EQ_INT(t.requests[MOED_METHOD_FORWARD][3], n / 2);
+    CHECK_EQ_INT(t.forwards, n);
+    CHECK_EQ_INT(t.tokens, 4 * n);
+    CHECK_EQ_INT(t.request_bytes, 100 * n);
+    CHECK_EQ_INT(t.response_bytes, 10 * n);
+    CHECK_EQ_INT(t.launches, n);
+    CHECK_EQ_INT(t.queue_waits, n);
+
+    char *text = render(m);
+    CHECK_NEAR(sample(text, "moed_requests_total{method=\"Forward\",code=\"OK\"}"), n / 2, 0);
+    CHECK_NEAR(sample(text, "moed_requests_total{method=\"Forward\",code=\"INVALID_ARGUMENT\"}"),
+               n / 2, 0);
+    CHECK_NEAR(sample(text, "moed_tokens_total"), 4.0 * n, 0);
+    CHECK_NEAR(sample(text, "moed_request_bytes_total"), 100.0 * n, 0);
+    CHECK_NEAR(sample(text, "moed_response_bytes_total"), 10.0 * n, 0);
+    /* 1 ms requests: below 0.001 nothing, from 0.001 on everything (the bound is inclusive). */
+    CHECK_NEAR(sample(text, "moed_request_duration_seconds_bucket{le=\"0.0005\"}"), 0, 0);
+    CHECK_NEAR(sample(text, "moed_request_duration_seconds_bucket{le=\"0.001\"}"), n, 0);
+    CHECK_NEAR(sample(text, "moed_request_duration_seconds_bucket{le=\"+Inf\"}"), n, 0);
+    CHECK_NEAR(sample(text, "moed_request_duration_seconds_count"), n, 0);
+    CHECK_NEAR(sample(text, "moed_request_duration_seconds_sum"), n * 0.001, 1e-6);
+    CHECK_NEAR(sample(text, "moed_compute_duration_seconds_bucket{le=\"0.001\"}"), 0, 0);
+    CHECK_NEAR(sample(text, "moed_compute_duration_seconds_bucket{le=\"0.0025\"}"), n, 0);
+    CHECK_NEAR(sample(text, "moed_queue_duration_seconds_bucket{le=\"0.0001\"}"), n, 0);
+    CHECK_NEAR(sample(text, "moed_batch_tokens_bucket{le=\"2\"}"), 0, 0);
+    CHECK_NEAR(sample(text, "moed_batch_tokens_bucket{le=\"4\"}"), n, 0);
+    CHECK_NEAR(sample(text, "moed_batch_tokens_sum"), 4.0 * n, 0);
+    CHECK_NEAR(sample(text, "moed_batch_requests_bucket{le=\"1\"}"), 0, 0);
+    CHECK_NEAR(sample(text, "moed_batch_requests_bucket{le=\"2\"}"), n, 0);
+    /* Gauges as sampled. */
+    CHECK_NEAR(sample(text, "moed_up"), 1, 0);
+    CHECK_NEAR(sample(text, "moed_serving"), 1, 0);
+    CHECK_NEAR(sample(text, "moed_queue_requests"), 7, 0);
+    CHECK_NEAR(sample(text, "moed_calls_active"), 3, 0);
+    CHECK_NEAR(sample(text, "moed_stream_pool_busy"), 1, 0);
+    CHECK_NEAR(sample(text, "moed_stream_pool_size"), 4, 0);
+    CHECK_NEAR(sample(text, "moed_build_info{version=\"9.9\",backend=\"cpu\"}"), 1, 0);
+    CHECK_NEAR(sample(text, "moed_device_memory_used_bytes{device=\"1\",name=\"one\"}"), 5, 0);
+    CHECK_NEAR(sample(text, "moed_device_memory_total_bytes{device=\"1\",name=\"one\"}"), 50, 0);
+    /* A device name with a quote, a backslash and a newline stays one well-formed line. */
+    CHECK_NEAR(sample(text, "moed_device_memory_used_bytes{device=\"0\",name=\"gpu "
+                            "\\\"zero\\\"\\\\\\n\"}"),
+               30, 0);
+    free(text);
+    moed_metrics_destroy(m);
+}
+
+/* Each observation lands in the first bucket whose bound is >= it; the text is cumulative. */
+static void test_buckets(void)
+{
+    moed_metrics *m = moed_metrics_create();
+    uint64_t tokens[] = { 1, 2, 3, 4, 5, 65536, 65537, 1000000 };
+    for (size_t i = 0; i < sizeof tokens / sizeof tokens[0]; i++)
+        moed_metrics_launch(m, tokens[i], 1, 0);
+    char *text = render(m);
+    CHECK_NEAR(sample(text, "moed_batch_tokens_bucket{le=\"1\"}"), 1, 0);
+    CHECK_NEAR(sample(text, "moed_batch_tokens_bucket{le=\"2\"}"), 2, 0);
+    CHECK_NEAR(sample(text, "moed_batch_tokens_bucket{le=\"4\"}"), 4, 0);
+    CHECK_NEAR(sample(text, "moed_batch_tokens_bucket{le=\"8\"}"), 5, 0);
+    CHECK_NEAR(sample(text, "moed_batch_tokens_bucket{le=\"65536\"}"), 6, 0);
+    CHECK_NEAR(sample(text, "moed_batch_tokens_bucket{le=\"+Inf\"}"), 8, 0);
+    CHECK_NEAR(sample(text, "moed_batch_tokens_count"), 8, 0);
+    CHECK_NEAR(sample(text, "moed_batch_tokens_sum"), 1 + 2 + 3 + 4 + 5 + 65536 + 65537 + 1000000,
+               0);
+    /* A zero-duration launch counts in the smallest duration bucket. */
+    CHECK_NEAR(sample(text, "moed_compute_duration_seconds_bucket{le=\"0.0001\"}"), 8, 0);
+    /* Only Forward/OK is shown at zero; other codes appear once seen. */
+    CHECK_NEAR(sample(text, "moed_requests_total{method=\"Forward\",code=\"OK\"}"), 0, 0);
+    CHECK(!strstr(text, "code=\"CANCELLED\""));
+    /* Every line is a comment or `name{...} value`; every family has HELP and TYPE. */
+    int helps = 0, types = 0;
+    for (char *line = text; *line; line = strchr(line, '\n') + 1) {
+        if (!strncmp(line, "# HELP ", 7)) helps++;
+        if (!strncmp(line, "# TYPE ", 7)) types++;
+        CHECK(line[0] == '#' || (line[0] >= 'a' && line[0] <= 'z'));
+    }
+    CHECK_EQ_INT(helps, 19);
+    CHECK_EQ_INT(types, 19);
+    free(text);
+    moed_metrics_destroy(m);
+}
+
+static void test_null(void)
+{
+    moed_metrics_request(NULL, MOED_METHOD_FORWARD, 0);
+    moed_metrics_forward(NULL, 1, 2, 3);
+    moed_metrics_queue_wait(NULL, 1);
+    moed_metrics_launch(NULL, 1, 1, 1);
+    moed_metrics *m = moed_metrics_create();
+    moed_metrics_request(m, MOED_METHOD_COUNT, 0);      /* out of range: ignored */
+    moed_metrics_request(m, MOED_METHOD_GET_MODEL, 99); /* not a code: counted as UNKNOWN */
+    moed_metrics_totals t;
+    moed_metrics_get_totals(m, &t);
+    CHECK_EQ_INT(t.requests[MOED_METHOD_GET_MODEL][2], 1);
+    moed_metrics_destroy(m);
+}
+
+/* ---- the endpoint ---------------------------------------------------------------------------- */
+
+typedef struct server {
+    uv_loop_t loop;
+    uv_async_t stop;
+    moed_http *http;
+    int port;
+} server;
+
+static void handler(void *arg, const char *path, moed_http_reply *out)
+{
+    if (strcmp(path, "/metrics")) return; /* 404 */
+    out->status = 200;
+    out->content_type = "text/plain; version=0.0.4";
+    out->body = strdup("moed_up 1\n");
+    out->len = 10;
+}
+
+static void on_stop(uv_async_t *a)
+{
+    server *s = a->data;
+    moed_http_close(s->http);
+    uv_close((uv_handle_t *)a, NULL);
+}
+
+/* Sends req (in pieces of `chunk` bytes, 0: at once) and reads the answer until the server
+ * closes; returns the status, -1 if none came. */
+static int call(int port, const char *req, size_t len, size_t chunk, char *resp, size_t cap)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port) };
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa)) {
+        close(fd);
+        return -1;
+    }
+    for (size_t at = 0; at < len;) {
+        size_t n = chunk && chunk < len - at ? chunk : len - at;
+        ssize_t w = send(fd, req + at, n, MSG_NOSIGNAL);
+        if (w <= 0) break;
+        at += (size_t)w;
+        if (chunk) usleep(1000);
+    }
+    size_t got = 0;
+    ssize_t r;
+    while (got + 1 < cap && (r = recv(fd, resp + got, cap - 1 - got, 0)) > 0) got += (size_t)r;
+    resp[got] = 0;
+    close(fd);
+    int status = -1;
+    if (sscanf(resp, "HTTP/1.1 %d ", &status) != 1) status = -1;
+    return status;
+}
+
+static int get(int port, const char *req, char *resp, size_t cap)
+{
+    return call(port, req, strlen(req), 0, resp, cap);
+}
+
+static void *client(void *arg)
+{
+    server *s = arg;
+    char r[8192];
+    int p = s->port;
+    CHECK_EQ_INT(get(p, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", r, sizeof r), 200);
+    CHECK(strstr(r, "\r\n\r\nmoed_up 1\n") && strstr(r, "Content-Length: 10\r\n"));
+    CHECK(strstr(r, "Content-Type: text/plain; version=0.0.4\r\n"));
+    CHECK_EQ_INT(get(p, "HEAD /metrics HTTP/1.0\r\n\r\n", r, sizeof r), 200);
+    CHECK(strstr(r, "Content-Length: 10\r\n") && !strstr(r, "moed_up"));
+    CHECK_EQ_INT(get(p, "GET /metrics?name[]=x HTTP/1.1\n\n", r, sizeof r), 200);
+    const char slow[] = "GET /metrics HTTP/1.1\r\nUser-Agent: Prometheus/2.53\r\n\r\n";
+    CHECK_EQ_INT(call(p, slow, sizeof slow - 1, 1, r, sizeof r), 200);
+    CHECK_EQ_INT(get(p, "GET /other HTTP/1.1\r\n\r\n", r, sizeof r), 404);
+    CHECK_EQ_INT(get(p, "POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n", r, sizeof r), 405);
+    CHECK(strstr(r, "Allow: GET, HEAD\r\n"));
+    const char *bad[] = {
+        "\x16\x03\x01\x02\xff\x01\x7f\x01\xfc\x03\x03\r\n\r\n", /* binary, ending in a blank line */
+        "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+        "GET /metrics\r\n\r\n",
+        "GET  /metrics HTTP/1.1\r\n\r\n",
+        "GET /metrics HTTP/1.1 extra\r\n\r\n",
+        "get /metrics HTTP/1.1\r\n\r\n",
+        "GET metrics HTTP/1.1\r\n\r\n",
+        "GET /met\x7frics HTTP/1.1\r\n\r\n",
+        "GET /metrics HTTP/3.0\r\n\r\n",
+        "GET /metrics HTTP/1.1\r\nNoColonHere\r\n\r\n",
+        "GET /metrics HTTP/1.1\r\n: empty name\r\n\r\n",
+        "GET /metrics HTTP/1.1\r\nX: a\x01b\r\n\r\n",
+        "GET /metrics HTTP/1.1\r\nX: a\r\n folded\r\n\r\n",
+        "GET /metrics HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello",
+        "GET /metrics HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        CHECK_MSG(get(p, bad[i], r, sizeof r) == 400, "request %zu answered %.40s", i, r);
+    const char nul[] = "GET /metrics HTTP/1.1\r\nX: a\0b\r\n\r\n";
+    CHECK_EQ_INT(call(p, nul, sizeof nul - 1, 0, r, sizeof r), 400);
+    /* A head that never ends: refused once 8 KiB have arrived. */
+    char *big = malloc(9000);
+    memcpy(big, "GET /metrics HTTP/1.1\r\nX: ", 26);
+    memset(big + 26, 'a', 9000 - 26);
+    CHECK_EQ_INT(call(p, big, 9000, 0, r, sizeof r), 431);
+    free(big);
+    /* Connections that say nothing and go, and a burst over the connection limit. */
+    int fds[80];
+    for (int i = 0; i < 80; i++) {
+        fds[i] = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in sa = { .sin_family = AF_INET, .sin_port = htons((uint16_t)p) };
+        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        connect(fds[i], (struct sockaddr *)&sa, sizeof sa);
+    }
+    for (int i = 0; i < 80; i++) close(fds[i]);
+    /* Until the loop has seen those closes a new connection may still be over the limit. */
+    int st = -1;
+    for (int i = 0; i < 100 && st != 200; i++, usleep(10000))
+        st = get(p, "GET /metrics HTTP/1.1\r\n\r\n", r, sizeof r);
+    CHECK_EQ_INT(st, 200);
+    uv_async_send(&s->stop);
+    return NULL;
+}
+
+static void test_endpoint(void)
+{
+    server s;
+    moed_error err;
+    uv_loop_init(&s.loop);
+    CHECK_EQ_INT(moed_http_start(&s.loop, "127.0.0.1:0", handler, NULL, &s.http, &err), 0);
+    const char *addr = moed_http_address(s.http);
+    s.port = atoi(strrchr(addr, ':') + 1);
+    CHECK(!strncmp(addr, "127.0.0.1:", 10) && s.port > 0);
+
+    /* The same port again cannot be bound; addresses that are not addresses are refused. */
+    moed_http *h2 = NULL;
+    char again[64];
+    snprintf(again, sizeof again, "127.0.0.1:%d", s.port);
+    CHECK_EQ_INT(moed_http_start(&s.loop, again, handler, NULL, &h2, &err), MOED_EIO);
+    CHECK(strstr(err.msg, again) != NULL);
+    const char *bad[] = { "9400",      "127.0.0.1", "127.0.0.1:",    "127.0.0.1:65536",
+                          "host:9400", "[::1:9400", "127.0.0.1:94x", "1.2.3.4.5:80" };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        CHECK_EQ_INT(moed_http_start(&s.loop, bad[i], handler, NULL, &h2, &err), MOED_EINVAL);
+        CHECK(strstr(err.msg, bad[i]) != NULL);
+    }
+
+    uv_async_init(&s.loop, &s.stop, on_stop);
+    s.stop.data = &s;
+    pthread_t th;
+    pthread_create(&th, NULL, client, &s);
+    uv_run(&s.loop, UV_RUN_DEFAULT);
+    pthread_join(th, NULL);
+    CHECK_EQ_INT(uv_loop_close(&s.loop), 0); /* every handle closed, every connection freed */
+}
+
+int main(void)
+{
+    test_concurrent_counts();
+    test_buckets();
+    test_null();
+    test_endpoint();
+    return check_status("test_metrics");
+}
