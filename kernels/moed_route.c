@@ -347,6 +347,9 @@ static int gate_sigmoid(const float *l, float threshold, gate_scratch *s, double
 
 /* Sparsemax. Only experts within 2 of the largest logit can be in the support (tau >= max - 1), so
  * only they are sorted; the margin keeps the result identical to sorting all E. */
+/* On z = l - max(l): sparsemax is shift-invariant, and without the shift a logit beyond 2^53 makes
+ * `max - 2` round to max, keeps no candidate and divides by zero (found by the request fuzzer).
+ * The difference of two floats within 2 of each other is exact in double. */
 static int gate_sparsemax(const float *l, gate_scratch *s, double *w)
 {
     int E = s->E;
@@ -355,7 +358,7 @@ static int gate_sparsemax(const float *l, gate_scratch *s, double *w)
         if ((double)l[e] > zmax) zmax = l[e];
     int n = 0;
     for (int e = 0; e < E; e++)
-        if ((double)l[e] > zmax - 2.0) s->kv[n++] = (keyed){ l[e], e };
+        if ((double)l[e] - zmax > -2.0) s->kv[n++] = (keyed){ (double)l[e] - zmax, e };
     keyed_sort(s->kv, n, s->tmp);
     double cum = 0.0, cum_star = 0.0;
     int kstar = 0;
@@ -369,7 +372,8 @@ static int gate_sparsemax(const float *l, gate_scratch *s, double *w)
     double tau = (cum_star - 1.0) / kstar;
     int m = 0;
     for (int e = 0; e < E; e++) {
-        s->prob[e] = (double)l[e] - tau > 0.0 ? (double)l[e] - tau : 0.0;
+        const double z = (double)l[e] - zmax;
+        s->prob[e] = z - tau > 0.0 ? z - tau : 0.0;
         if (s->prob[e] > 0.0) s->sel[m++] = e;
     }
     order_by_prob(s, m);

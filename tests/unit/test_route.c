@@ -240,6 +240,14 @@ static void test_sparsemax_by_hand(void)
     float one[4] = { 5, 0, 1, 3 }; /* far ahead: all mass on one expert */
     CHECK_EQ_INT(gate1(p, &li, NULL, one, e, w), 1);
     CHECK(e[0] == 0 && w[0] == 1.0f);
+    /* Logits beyond 2^53 (the request fuzzer's find): max - 2 rounds to max unless the logits are
+     * shifted first; the answer must still be one expert with weight 1, never Inf or NaN. */
+    float huge[4] = { 5.4e37f, 1, -3, 0.5f };
+    CHECK_EQ_INT(gate1(p, &li, NULL, huge, e, w), 1);
+    CHECK(e[0] == 0 && w[0] == 1.0f);
+    float ties[4] = { 3.0e38f, -3.0e38f, 3.0e38f, 0 }; /* two at the largest float: half each */
+    CHECK_EQ_INT(gate1(p, &li, NULL, ties, e, w), 2);
+    CHECK(e[0] == 0 && e[1] == 2 && w[0] == 0.5f && w[1] == 0.5f);
 }
 
 static void test_deepseek_by_hand(void)

@@ -195,6 +195,7 @@ def _sigmoid(v: np.ndarray) -> np.ndarray:
 def sparsemax(z: np.ndarray) -> np.ndarray:
     """sparsemax of one vector (Martins & Astudillo 2016): the Euclidean projection onto the simplex."""
     z = np.asarray(z, dtype=np.float64)
+    z = z - z.max()  # shift-invariant; without it a logit beyond 2^53 cancels the +1 below
     zs = np.sort(z)[::-1]
     cum = np.cumsum(zs)
     k = np.arange(1, z.size + 1)

@@ -252,3 +252,11 @@ def test_forward_matches_loops(act):
         np.testing.assert_allclose(out[t], want, rtol=1e-10, atol=1e-12)
     bits = x.view(np.uint16)  # bf16 given as uint16 bit patterns computes the same
     np.testing.assert_array_equal(ref.forward(bits, lw, route, dtype="bf16"), out)
+
+
+def test_sparsemax_huge_logits():
+    # Beyond 2^53 the textbook formula cancels the +1 and divides by zero; sparsemax is
+    # shift-invariant, so the reference (like the server) works on z - max(z).
+    p = ref.sparsemax(np.array([5.4e37, 1.0, -3.0, 0.5], dtype=np.float32))
+    assert np.all(np.isfinite(p))
+    np.testing.assert_array_equal(p, [1.0, 0.0, 0.0, 0.0])
