@@ -449,10 +449,11 @@ static int connect_all(run *r)
     moedc_opts o = { .bearer_token = r->a.token };
     r->conns = calloc((size_t)r->a.connections, sizeof *r->conns);
     if (!r->conns) return failure("out of memory");
-    for (; r->n_conns < r->a.connections; r->n_conns++) {
+    while (r->n_conns < r->a.connections) {
         moedc **c = &r->conns[r->n_conns];
         int status;
         if (moedc_connect(r->a.target, &o, c, &err)) return usage_error("%s", err.msg);
+        r->n_conns++; /* counted at once: the cleanup closes it even when the health check fails */
         /* a health check opens the connection now, so the first measured call does not pay it */
         if (moedc_health(*c, "", &status, &err)) {
             return failure("%s: health check failed: %s: %s", r->a.target,
