@@ -8,6 +8,8 @@
  */
 #include "config.h"
 
+#include "moed_synth.h"
+
 #include "log.h"
 
 #include <ctype.h>
@@ -468,6 +470,13 @@ int moed_config_load(moed_config *cfg, int argc, char **argv, FILE *out, moed_er
         return moed_fail(err, MOED_EINVAL,
                          "--model '%s' and --synthetic '%s' both given; serve one or the other",
                          cfg->model, cfg->synthetic);
+    if (cfg->synthetic) { /* a spec is usage like any flag value: check it now, not at load */
+        moed_synth_spec spec;
+        if ((rc = moed_synth_parse(cfg->synthetic, &spec, err))) {
+            moed_error_prefix(err, "--synthetic '%s'", cfg->synthetic);
+            return rc;
+        }
+    }
     return check_tls(cfg, err);
 }
 

@@ -369,8 +369,10 @@ static void on_stats(uv_timer_t *t)
                    (unsigned long long)s.compute_us);
 }
 
-static void close_handle(uv_handle_t *h, void *arg)
+/* uv_walk callback: closes a handle; with a non-NULL arg, every handle but the signal handles. */
+static void close_handle(uv_handle_t *h, void *keep_signals)
 {
+    if (keep_signals && h->type == UV_SIGNAL) return;
     if (!uv_is_closing(h)) uv_close(h, NULL);
 }
 
@@ -380,7 +382,11 @@ static void on_drained(uv_async_t *h)
     moed_log_info("every call answered", NULL);
     moed_http_close(d->http); /* frees its connections as they close */
     d->http = NULL;
-    uv_walk(&d->loop, close_handle, NULL); /* the loop ends once they are closed */
+    /* The signal handles stay registered through teardown: a further SIGTERM while moed winds
+     * down is caught (and, with the loop stopped, ignored) rather than killing it with the
+     * default action. */
+    uv_walk(&d->loop, close_handle, (void *)1);
+    uv_stop(&d->loop);
 }
 
 static int run_loop(moed_daemon *d)
@@ -417,7 +423,12 @@ static void teardown(moed_daemon *d)
     free(d->resident);
     /* After a failed start the endpoint may be open; its handles close on one more turn. */
     moed_http_close(d->http);
+    uv_walk(&d->loop, close_handle, NULL);
     uv_run(&d->loop, UV_RUN_DEFAULT);
+    /* Closing the signal handles gave SIGTERM and SIGINT their default action back; a moed about
+     * to exit 0 should not die of one now. */
+    signal(SIGTERM, SIG_IGN);
+    signal(SIGINT, SIG_IGN);
     if (uv_loop_close(&d->loop)) moed_log_warn("the event loop closed with handles open", NULL);
     moed_metrics_destroy(d->metrics);
     moed_security_free(&d->security);

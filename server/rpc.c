@@ -43,6 +43,8 @@ void rpc_call_ref(rpc_call *c)
     atomic_fetch_add(&c->refs, 1);
 }
 
+static void maybe_shutdown(moed_rpc *r);
+
 void rpc_call_unref(rpc_call *c)
 {
     if (atomic_fetch_sub(&c->refs, 1) != 1) return;
@@ -57,7 +59,7 @@ void rpc_call_unref(rpc_call *c)
         pthread_mutex_unlock(&r->live_lock);
     }
     if (c->started && c->method->destroy) c->method->destroy(c);
-    if (c->started) atomic_fetch_sub(&r->active, 1);
+    const bool was_active = c->started;
     if (c->call) grpc_call_unref(c->call);
     grpc_metadata_array_destroy(&c->md);
     grpc_call_details_destroy(&c->call_details);
@@ -65,6 +67,7 @@ void rpc_call_unref(rpc_call *c)
     if (c->reply) grpc_byte_buffer_destroy(c->reply);
     grpc_slice_unref(c->details);
     free(c);
+    if (was_active && atomic_fetch_sub(&r->active, 1) == 1 && atomic_load(&r->draining)) maybe_shutdown(r);
 }
 
 /* Takes a reference unless the call is already on its way out (refs at 0). */
@@ -201,6 +204,19 @@ static bool refuse_unauthenticated(rpc_call *c)
     return true;
 }
 
+/* While draining, a new Forward gets a clear UNAVAILABLE (the gRPC server keeps accepting until
+ * the calls in flight are done; see moed_rpc_drain). Health and GetModel still answer. */
+static bool refuse_draining(rpc_call *c)
+{
+    moed_error err;
+    if (!atomic_load(&c->rpc->draining) || (c->method_id != M_FORWARD && c->method_id != M_STREAM))
+        return false;
+    moed_fail(&err, MOED_EDRAINING,
+              "moed is draining (shutting down) and takes no new calls; retry on another server");
+    rpc_reply_error(c, &err);
+    return true;
+}
+
 static void on_new(rpc_tag *t, bool ok)
 {
     rpc_call *c = RPC_CONTAINER(t, rpc_call, on_new);
@@ -209,10 +225,10 @@ static void on_new(rpc_tag *t, bool ok)
         rpc_call_unref(c);
         return;
     }
-    if (!atomic_load(&r->draining)) request_call(c->cq, c->method_id);
+    if (!atomic_load(&r->shutting)) request_call(c->cq, c->method_id);
     c->t_received_ns = moed_now_ns();
     atomic_fetch_add(&r->calls[c->method_id], 1);
-    if (refuse_unauthenticated(c)) {
+    if (refuse_unauthenticated(c) || refuse_draining(c)) {
         rpc_call_unref(c);
         return;
     }
@@ -534,6 +550,23 @@ static void on_shutdown(rpc_tag *t, bool ok)
     if (r->on_drained) r->on_drained(r->drained_arg);
 }
 
+/* The second half of the drain, once (from the last call to finish, or from the drain itself when
+ * nothing is in flight): gRPC stops accepting and reports when every call is gone. */
+static void shutdown_now(moed_rpc *r)
+{
+    if (atomic_exchange(&r->shutting, true)) return;
+    grpc_server_shutdown_and_notify(r->server, r->cqs[0].cq, &r->shutdown_tag);
+}
+
+static void maybe_shutdown(moed_rpc *r)
+{
+    if (atomic_load(&r->active) == 0) shutdown_now(r);
+}
+
+/* Draining has two halves. First the server keeps accepting calls, so that a new Forward on an
+ * open connection is answered UNAVAILABLE with a message instead of being cancelled by gRPC core,
+ * while every call in flight finishes; streams and watches are told to end. When the last one is
+ * gone, the gRPC server shuts down (shutdown_now). */
 void moed_rpc_drain(moed_rpc *r, void (*on_drained)(void *arg), void *arg)
 {
     if (atomic_exchange(&r->draining, true)) return;
@@ -541,13 +574,15 @@ void moed_rpc_drain(moed_rpc *r, void (*on_drained)(void *arg), void *arg)
     r->on_drained = on_drained;
     r->drained_arg = arg;
     r->shutdown_tag.fn = on_shutdown;
-    grpc_server_shutdown_and_notify(r->server, r->cqs[0].cq, &r->shutdown_tag);
     for_each_live(r, tell_drain, 0);
+    maybe_shutdown(r);
 }
 
 void moed_rpc_cancel_all(moed_rpc *r)
 {
-    if (atomic_load(&r->draining)) grpc_server_cancel_all_calls(r->server);
+    if (!atomic_load(&r->draining)) return;
+    shutdown_now(r); /* cancelling needs the server shut down first */
+    grpc_server_cancel_all_calls(r->server);
 }
 
 void moed_rpc_destroy(moed_rpc *r)

@@ -92,10 +92,6 @@ def test_bad_synthetic_spec_fails_naming_the_key():
     assert "topk=3" in p.stderr and "experts=2" in p.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a malformed --synthetic SPEC is found only when the weights "
-                                       "are generated, so moed exits 1 (start failed) with a log line, "
-                                       "not 2 with a usage message naming --synthetic like other bad "
-                                       "flag values")
 def test_bad_synthetic_spec_is_a_usage_error():
     p = moed("--listen", "127.0.0.1:0", "--synthetic", "layers=1,bogus=3")
     assert p.returncode == 2 and "--synthetic" in p.stderr

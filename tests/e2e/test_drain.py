@@ -152,34 +152,81 @@ class Draining:
             assert code == 0, f"moed exited {code}:\n{log_of(self.d)}"
 
 
-def test_new_connection_during_drain_is_refused(daemon):
-    d = daemon("--synthetic", str(SPEC), "--threads", "1")
-    with Draining(d):
-        time.sleep(0.02)
+# The server keeps accepting only while calls are in flight; these two tests need that to last,
+# so they hold a few slow calls (about a second each on one thread) in flight through the drain.
+SLOW = O.Spec(layers=1, d=1024, ff=2048, experts=8, topk=2, dtype="bf16", seed=52)
+
+
+class SlowDrain:
+    """Four slow calls in flight, then SIGTERM; the body runs once a Watch has seen NOT_SERVING.
+    At the end the slow calls must all have succeeded and the daemon exited 0."""
+
+    def __init__(self, d):
+        self.d, self.results = d, []
+        rng = np.random.default_rng(7)
+        self.x = (rng.standard_normal((256, SLOW.d)) * 0.5).astype(np.float32)
+        self.ids = np.stack([rng.permutation(8)[:2] for _ in range(256)]).astype(np.int32)
+        self.gw = np.full((256, 2), 0.5, np.float32)
+
+    def call(self):
+        with self.d.client(timeout=120) as c:
+            try:
+                c.forward(0, self.x, expert_ids=self.ids, expert_weights=self.gw)
+                self.results.append("OK")
+            except Exception as e:
+                self.results.append(repr(e))
+
+    def __enter__(self):
+        watcher = Watcher(self.d)
+        watcher.start()
+        assert watcher.first.wait(10)
+        self.threads = [threading.Thread(target=self.call) for _ in range(4)]
+        for t in self.threads:
+            t.start()
+        time.sleep(0.2)
+        self.d.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while "NOT_SERVING" not in watcher.statuses and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert "NOT_SERVING" in watcher.statuses
+        assert len(self.results) < 4, "the slow calls finished before the drain began"
+        return self
+
+    def __exit__(self, *exc):
+        for t in self.threads:
+            t.join(120)
+        code = wait_exit(self.d)
+        if exc[0] is None:
+            assert self.results == ["OK"] * 4, self.results
+            assert code == 0, f"moed exited {code}:\n{log_of(self.d)}"
+
+
+def test_new_connection_during_drain_is_answered(daemon):
+    """While calls are still in flight the server keeps accepting, so a new connection is told
+    what is going on: health NOT_SERVING, and a Forward UNAVAILABLE naming the drain."""
+    d = daemon("--synthetic", str(SLOW), "--threads", "1")
+    _, ids, gw, _ = case(99)
+    with SlowDrain(d):
         with d.client(timeout=10) as c:
+            assert c.health() == "NOT_SERVING"
             with pytest.raises(MoEError) as e:
-                c.health()
-    assert e.value.code_name == "UNAVAILABLE", e.value
-
-
-@pytest.mark.xfail(strict=True, reason="bug: during the drain a new call on an already open connection "
-                                       "gets CANCELLED with the message 'CANCELLED' (gRPC core's answer "
-                                       "after grpc_server_shutdown_and_notify), not UNAVAILABLE with a "
-                                       "message saying the server is draining, as moed.proto promises")
-def test_new_call_on_open_connection_during_drain_is_unavailable(daemon):
-    d = daemon("--synthetic", str(SPEC), "--threads", "1")
-    x, ids, gw, _ = case(99)
-    with d.client(timeout=10) as c:
-        assert c.health() == "SERVING"  # the connection is open before the drain
-        with Draining(d):
-            with pytest.raises(MoEError) as e:
-                c.forward(0, x[:2], expert_ids=ids[:2], expert_weights=gw[:2])
+                c.forward(0, np.zeros((2, SLOW.d), np.float32), expert_ids=ids[:2], expert_weights=gw[:2])
     assert e.value.code_name == "UNAVAILABLE" and "drain" in e.value.message, e.value
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a SIGTERM that arrives after the drain finished but before "
-                                       "moed exits (the main loop's signal handlers are gone) kills it "
-                                       "with the default action: status -15 instead of 0, no 'stopped' line")
+def test_new_call_on_open_connection_during_drain_is_unavailable(daemon):
+    d = daemon("--synthetic", str(SLOW), "--threads", "1")
+    x = np.zeros((2, SLOW.d), np.float32)
+    ids = np.array([[0, 1], [2, 3]], np.int32)
+    gw = np.full((2, 2), 0.5, np.float32)
+    with d.client(timeout=10) as c:
+        assert c.health() == "SERVING"  # the connection is open before the drain
+        with SlowDrain(d):
+            with pytest.raises(MoEError) as e:
+                c.forward(0, x, expert_ids=ids, expert_weights=gw)
+    assert e.value.code_name == "UNAVAILABLE" and "drain" in e.value.message, e.value
+
+
 def test_repeated_sigterm_still_exits_zero(daemon):
     """Supervisors and impatient people signal more than once; each later SIGTERM may only hurry
     the drain along, never turn a clean stop into a crash."""
