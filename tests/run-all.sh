@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, as `make test` and CI run it: install what is missing, build, unit tests
 # (ctest: the C units, and the GPU tests where CUDA is built, which report themselves skipped
-# without a GPU), then the end-to-end tests against real moed processes and the Python client's
-# own tests.
+# without a GPU), the end-to-end tests against real moed processes, the Python client's own tests,
+# the deployment files' checks, a bounded fuzzing run over request decoding, and the end-to-end
+# suite again against an ASan/UBSan build.
 #
 #   tests/run-all.sh               every stage in order
 #   tests/run-all.sh unit e2e      only the named stages (the build must exist)
@@ -21,7 +22,7 @@ cd "$(dirname "$0")/.." || exit 2
 BUILD_DIR=${BUILD_DIR:-build}
 JOBS=${JOBS:-$(nproc)}
 PY=.venv/bin/python
-STAGES=(deps build client unit e2e python)
+STAGES=(deps build client unit e2e python deploy fuzz asan)
 SETUP_STAGES=" deps build client "
 
 stage_deps() {
@@ -59,6 +60,22 @@ stage_e2e() {
 stage_python() {
     # shellcheck disable=SC2086
     $PY -m pytest -q -rsxX -p no:cacheprovider client/python/tests ${PYTEST_ARGS:-}
+}
+
+stage_deploy() {
+    # systemd unit (systemd-analyze verify), container file rules, Kubernetes manifests, moed.conf.
+    BUILD_DIR="$BUILD_DIR" bash tests/deploy-check.sh
+}
+
+stage_fuzz() {
+    # libFuzzer over request decoding and validation, bounded (FUZZ_SECONDS, default 60).
+    bash tests/fuzz/run.sh "${FUZZ_SECONDS:-60}"
+}
+
+stage_asan() {
+    # The end-to-end suite against an ASan/UBSan build (build-asan); any sanitizer report fails.
+    # shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
+    JOBS="$JOBS" bash tests/asan-e2e.sh ${PYTEST_ARGS:-}
 }
 
 run_stage() {
