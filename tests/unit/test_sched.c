@@ -2,7 +2,7 @@
  * test_sched — the scheduler against a fake backend whose forward can be held, so the test decides
  * what is queued when a worker becomes free: merging, the token bound, the merge window, the queue
  * bound, cancellation, deadlines, ordering across queues, merge keys, server-side routing with a
- * request that fails alone, batch-level gating, and drain.
+ * request that fails alone, batch-level gating, drain, and one launch per queue at a time.
  *
  * The fake computes y[t][j] = sum over the token's pairs of w * ((e + 1) * x[t][j] + e), so every
  * output names the experts and weights its token was routed to; the test computes the same from
@@ -16,6 +16,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* ---- the fake backend ------------------------------------------------------------------------ */
 
@@ -624,6 +625,39 @@ static void test_two_slots(void)
     moed_sched_destroy(s);
 }
 
+/* Two slots, one queue: while a launch of the queue runs, the free slot does not start a second
+ * small launch of it (two weight-bound launches would each read every expert's weights); what
+ * arrives meanwhile waits to go as one launch. Once a full batch of tokens waits, the free slot
+ * does start, beside the running launch. */
+static void test_one_launch_per_queue(void)
+{
+    moed_sched *s = start(2, 16, 0, 64);
+    hold(1);
+    req *a = make_req(0, 2, 1), *b = make_req(0, 3, 2), *c = make_req(0, 3, 3);
+    submit_ok(s, a);
+    wait_in_forward(1);
+    submit_ok(s, b);
+    submit_ok(s, c);
+    usleep(50 * 1000); /* the free slot had every chance to take them */
+    pthread_mutex_lock(&fk.m);
+    CHECK_EQ_INT(fk.n_jobs, 1);
+    pthread_mutex_unlock(&fk.m);
+    req *full = make_req(0, 16, 4); /* the queue now holds 22 tokens, more than a launch takes */
+    submit_ok(s, full);
+    wait_in_forward(2);
+    hold(0);
+    wait_done(4);
+    CHECK_EQ_INT(fk.n_jobs, 3);
+    int64_t want[3] = { 2, 6, 16 }; /* b and c went together, beside a; then the full one */
+    for (int i = 0; i < 3 && i < fk.n_jobs; i++) CHECK_EQ_INT(fk.job_T[i], want[i]);
+    req *all[4] = { a, b, c, full };
+    for (int i = 0; i < 4; i++) {
+        expect_ok(all[i]);
+        free_req(all[i]);
+    }
+    moed_sched_destroy(s);
+}
+
 int main(void)
 {
     init_layers();
@@ -637,5 +671,6 @@ int main(void)
     test_drain();
     test_route_reuse();
     test_two_slots();
+    test_one_launch_per_queue();
     return check_status("test_sched");
 }
