@@ -65,6 +65,9 @@ static const opt opts[] = {
       "most tokens in one launch and in one request" },
     { "max-delay-us", OPT_I64, OFF(max_delay_us), 0, 60 * 1000 * 1000, "US",
       "merge window in microseconds; 0 = merge only what is already queued" },
+    { "min-batch-requests", OPT_I64, OFF(min_batch_requests), 1, 1 << 24, "N",
+      "a merge queue waits, up to --max-delay-us, until it holds N requests (deterministic "
+      "merges for tests and batching experiments)" },
     { "max-queue-requests", OPT_I64, OFF(max_queue_requests), 1, 1 << 24, "N",
       "requests queued at most; past it calls get UNAVAILABLE" },
     { "metrics-listen", OPT_STRING, OFF(metrics_listen), 0, 0, "ADDR",
@@ -101,6 +104,7 @@ static int set_defaults(moed_config *cfg)
     cfg->cq_threads = 4;
     cfg->max_message_bytes = 256 * MIB;
     cfg->max_batch_tokens = 8192;
+    cfg->min_batch_requests = 1;
     cfg->max_delay_us = 0;
     cfg->max_queue_requests = 1024;
     cfg->drain_timeout_s = 30;

@@ -32,6 +32,7 @@ typedef struct moed_config {
     int64_t max_message_bytes;
     int64_t max_batch_tokens; /* the most tokens in one launch and in one request */
     int64_t max_delay_us;     /* merge window; 0 = merge only what is already queued */
+    int64_t min_batch_requests; /* a queue waits (up to the window) for this many requests */
     int64_t max_queue_requests;
     char *metrics_listen; /* --metrics-listen ADDR: Prometheus /metrics and /healthz; NULL: off */
     int drain_timeout_s;  /* --drain-timeout: calls still open this long after SIGTERM are cancelled

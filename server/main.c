@@ -189,6 +189,7 @@ static int start_scheduler(moed_daemon *d)
                              .served = &d->served,
                              .max_batch_tokens = d->cfg.max_batch_tokens,
                              .max_delay_us = d->cfg.max_delay_us,
+                             .min_batch_requests = d->cfg.min_batch_requests,
                              .max_queue_requests = d->cfg.max_queue_requests,
                              .metrics = d->metrics };
     if (moed_sched_create(&sc, &d->sched, &err)) return fail("scheduler", &err);

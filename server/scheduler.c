@@ -28,6 +28,7 @@ typedef struct queue {
     int slot, dtype, k_batch; /* the merge key */
     moed_sched_item *head, *tail;
     int64_t tokens; /* queued in this queue */
+    int64_t n;      /* requests queued in this queue */
     int in_flight;  /* launches of this queue running now */
     struct queue *next_active, *prev_active;
     bool active; /* non-empty, on the active list */
@@ -101,6 +102,7 @@ static void push(moed_sched *s, queue *q, moed_sched_item *it)
         q->head = it;
     q->tail = it;
     q->tokens += it->work.T;
+    q->n++;
     s->queued++;
     if (!q->active) {
         q->active = true;
@@ -123,6 +125,7 @@ static void unlink_item(moed_sched *s, moed_sched_item *it)
     else
         q->tail = it->prev;
     q->tokens -= it->work.T;
+    q->n--;
     s->queued--;
     if (!q->head && q->active) {
         q->active = false;
@@ -137,7 +140,9 @@ static void unlink_item(moed_sched *s, moed_sched_item *it)
 /* The ready queue whose oldest request has waited longest, or NULL and the time the next merge
  * window closes (*wake_at, 0 if no window is open).
  *
- * A queue with a launch running is ready only when a full batch waits: while small batches are
+ * A queue is ready when its oldest request has waited the merge window, or earlier once it holds
+ * min_batch_requests requests or a full batch of tokens. A queue with a launch running is ready only
+ * when a full batch waits: while small batches are
  * weight-bound, two concurrent launches of one layer each read every expert's weights and each runs
  * at half speed, while waiting for the running one and merging everything that arrived meanwhile
  * reads them once. The worker that finishes the running launch looks again at once. */
@@ -149,7 +154,8 @@ static queue *pick_queue(moed_sched *s, uint64_t now, uint64_t *wake_at)
     for (queue *q = s->active; q; q = q->next_active) {
         uint64_t t0 = q->head->t_enqueued_ns;
         bool full = q->tokens >= s->cfg.max_batch_tokens;
-        bool ready = s->draining || full || (!q->in_flight && now >= t0 + delay);
+        bool enough = s->cfg.min_batch_requests > 1 && q->n >= s->cfg.min_batch_requests;
+        bool ready = s->draining || full || (!q->in_flight && (enough || now >= t0 + delay));
         if (ready && (!best || t0 < best->head->t_enqueued_ns)) best = q;
         if (!ready && !q->in_flight && (!*wake_at || t0 + delay < *wake_at)) *wake_at = t0 + delay;
     }

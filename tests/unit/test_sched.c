@@ -255,7 +255,8 @@ static void expect_ok(const req *q)
     if (q->done && !q->status) expect_route(q, &q->it.work.route);
 }
 
-static moed_sched *start(int n_exec, int64_t max_tokens, int64_t delay_us, int64_t max_queue)
+static moed_sched *start_min(int n_exec, int64_t max_tokens, int64_t delay_us, int64_t max_queue,
+                             int64_t min_requests)
 {
     static moed_backend be;
     be = (moed_backend){ .ops = &fake_ops, .n_exec = n_exec };
@@ -264,7 +265,8 @@ static moed_sched *start(int n_exec, int64_t max_tokens, int64_t delay_us, int64
                               .served = &served,
                               .max_batch_tokens = max_tokens,
                               .max_delay_us = delay_us,
-                              .max_queue_requests = max_queue };
+                              .max_queue_requests = max_queue,
+                              .min_batch_requests = min_requests };
     moed_sched *s;
     moed_error err;
     CHECK_EQ_INT(moed_sched_create(&cfg, &s, &err), 0);
@@ -275,6 +277,11 @@ static moed_sched *start(int n_exec, int64_t max_tokens, int64_t delay_us, int64
     n_done = 0;
     pthread_mutex_unlock(&done_m);
     return s;
+}
+
+static moed_sched *start(int n_exec, int64_t max_tokens, int64_t delay_us, int64_t max_queue)
+{
+    return start_min(n_exec, max_tokens, delay_us, max_queue, 1);
 }
 
 static void submit_ok(moed_sched *s, req *q)
@@ -658,6 +665,29 @@ static void test_one_launch_per_queue(void)
     moed_sched_destroy(s);
 }
 
+/* --min-batch-requests: within a long window, the launch goes as soon as N requests are queued —
+ * the deterministic merge the end-to-end tests of batch gating rely on. */
+static void test_min_requests(void)
+{
+    moed_sched *s = start_min(1, 16, 10 * 1000 * 1000, 64, 3);
+    req *q[3];
+    for (int i = 0; i < 2; i++) submit_ok(s, q[i] = make_req(0, 2, 40 + i));
+    usleep(50 * 1000);
+    pthread_mutex_lock(&fk.m);
+    CHECK_EQ_INT(fk.n_jobs, 0); /* two of three: the window (10 s) holds them */
+    pthread_mutex_unlock(&fk.m);
+    submit_ok(s, q[2] = make_req(0, 3, 42));
+    wait_done(3);
+    CHECK_EQ_INT(fk.n_jobs, 1);
+    CHECK_EQ_INT(fk.job_T[0], 7);
+    for (int i = 0; i < 3; i++) {
+        expect_ok(q[i]);
+        CHECK_EQ_INT(q[i]->tm.batch_requests, 3);
+        free_req(q[i]);
+    }
+    moed_sched_destroy(s);
+}
+
 int main(void)
 {
     init_layers();
@@ -672,5 +702,6 @@ int main(void)
     test_route_reuse();
     test_two_slots();
     test_one_launch_per_queue();
+    test_min_requests();
     return check_status("test_sched");
 }
