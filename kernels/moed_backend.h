@@ -65,6 +65,9 @@ typedef struct moed_backend_ops {
     void *(*host_alloc)(moed_backend *b, size_t bytes);
     void (*host_free)(moed_backend *b, void *p);
     int (*device_info)(moed_backend *b, int i, moed_device_info *out);
+    /* Whether execution slot `exec` can run layer `slot` (with several GPUs a layer is resident on
+     * one of them, and only that GPU's slots can run it). NULL: every slot runs every layer. */
+    int (*exec_accepts)(moed_backend *b, int exec, int slot);
     void (*destroy)(moed_backend *b);
 } moed_backend_ops;
 

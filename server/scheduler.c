@@ -5,7 +5,9 @@
  * instantiation) and, for batch-level gating, one k (the expert set is chosen over the merged
  * batch). So a queue per merge key; one mutex over all queues (operations under it are a few
  * pointer moves; the work — copies, gating, compute — happens outside it); one condition variable
- * that idle workers wait on, with a timeout when a merge window is open.
+ * that idle workers wait on, with a timeout when a merge window is open. Wake-ups are broadcasts:
+ * with several GPUs a worker runs only the layers resident on its own (backend exec_accepts), so
+ * waking one arbitrary worker could leave the right one asleep.
  *
  * A launch never splits a request and never lets one request's bad data spoil the others: a
  * request whose server-side gating fails (NaN logits from its own hidden rows) is answered with
@@ -146,12 +148,14 @@ static void unlink_item(moed_sched *s, moed_sched_item *it)
  * weight-bound, two concurrent launches of one layer each read every expert's weights and each runs
  * at half speed, while waiting for the running one and merging everything that arrived meanwhile
  * reads them once. The worker that finishes the running launch looks again at once. */
-static queue *pick_queue(moed_sched *s, uint64_t now, uint64_t *wake_at)
+static queue *pick_queue(moed_sched *s, int exec, uint64_t now, uint64_t *wake_at)
 {
     uint64_t delay = (uint64_t)s->cfg.max_delay_us * 1000u;
+    moed_backend *b = s->cfg.backend;
     queue *best = NULL;
     *wake_at = 0;
     for (queue *q = s->active; q; q = q->next_active) {
+        if (b->ops->exec_accepts && !b->ops->exec_accepts(b, exec, q->slot)) continue;
         uint64_t t0 = q->head->t_enqueued_ns;
         bool full = q->tokens >= s->cfg.max_batch_tokens;
         bool enough = s->cfg.min_batch_requests > 1 && q->n >= s->cfg.min_batch_requests;
@@ -320,7 +324,7 @@ static void launch_done(moed_sched *s, queue *q)
 {
     pthread_mutex_lock(&s->lock);
     q->in_flight--;
-    if (s->queued) pthread_cond_signal(&s->wake);
+    if (s->queued) pthread_cond_broadcast(&s->wake);
     pthread_mutex_unlock(&s->lock);
 }
 
@@ -404,12 +408,12 @@ static void *worker_main(void *arg)
     pthread_mutex_lock(&s->lock);
     for (;;) {
         uint64_t now = moed_now_ns(), wake_at;
-        queue *q = pick_queue(s, now, &wake_at);
+        queue *q = pick_queue(s, w->exec, now, &wake_at);
         if (q) {
             moed_sched_item *expired = NULL;
             int n = take_batch(s, q, now, w->items, &expired);
             if (n) q->in_flight++;
-            if (s->queued) pthread_cond_signal(&s->wake); /* more may be ready for another worker */
+            if (s->queued) pthread_cond_broadcast(&s->wake); /* more may be ready for another worker */
             pthread_mutex_unlock(&s->lock);
             finish_expired(s, expired);
             if (n) {
@@ -531,7 +535,7 @@ int moed_sched_submit(moed_sched *s, moed_sched_item *it, moed_error *err)
         it->t_enqueued_ns = moed_now_ns();
         it->state = ST_QUEUED;
         push(s, q, it);
-        pthread_cond_signal(&s->wake);
+        pthread_cond_broadcast(&s->wake);
     }
     pthread_mutex_unlock(&s->lock);
     atomic_fetch_add(rc ? &s->rejected : &s->submitted, 1);

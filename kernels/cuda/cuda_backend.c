@@ -563,6 +563,13 @@ static int cuda_router_logits(moed_backend *b, int exec, int slot, int dtype, in
     return finish(x, rc, "router logits", err);
 }
 
+static int cuda_exec_accepts(moed_backend *b, int exec, int slot)
+{
+    const cuda_ctx *c = b->ctx;
+    return exec >= 0 && exec < c->n_exec && slot >= 0 && slot < c->n_layers &&
+           c->execs[exec].device == c->layers[slot].device;
+}
+
 static void *cuda_host_alloc(moed_backend *b, size_t bytes)
 {
     void *p = NULL;
@@ -617,6 +624,7 @@ static const moed_backend_ops cuda_ops = {
     .host_alloc = cuda_host_alloc,
     .host_free = cuda_host_free,
     .device_info = cuda_device_info,
+    .exec_accepts = cuda_exec_accepts,
     .destroy = cuda_destroy,
 };
 

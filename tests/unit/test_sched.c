@@ -30,6 +30,8 @@ static struct {
     int n_jobs;
     int64_t job_T[MAX_JOBS];
     int job_slot[MAX_JOBS];
+    int job_exec[MAX_JOBS];
+    int pin; /* exec_accepts: slot s runs only on exec s (two GPUs, one layer each) */
     int fail_forward; /* the next forward fails */
 } fk = { .m = PTHREAD_MUTEX_INITIALIZER, .c = PTHREAD_COND_INITIALIZER };
 
@@ -39,6 +41,7 @@ static int fake_forward(moed_backend *b, int exec, const moed_job *job, moed_err
     if (fk.n_jobs < MAX_JOBS) {
         fk.job_T[fk.n_jobs] = job->T;
         fk.job_slot[fk.n_jobs] = job->slot;
+        fk.job_exec[fk.n_jobs] = exec;
     }
     fk.n_jobs++;
     fk.in_forward++;
@@ -77,6 +80,11 @@ static int fake_router(moed_backend *b, int exec, int slot, int dtype, int64_t T
     return 0;
 }
 
+static int fake_exec_accepts(moed_backend *b, int exec, int slot)
+{
+    return !fk.pin || exec == slot;
+}
+
 static void *fake_alloc(moed_backend *b, size_t n)
 {
     return malloc(n);
@@ -91,7 +99,8 @@ static const moed_backend_ops fake_ops = { .name = "fake",
                                            .forward = fake_forward,
                                            .router_logits = fake_router,
                                            .host_alloc = fake_alloc,
-                                           .host_free = fake_free };
+                                           .host_free = fake_free,
+                                           .exec_accepts = fake_exec_accepts };
 
 static void hold(int on)
 {
@@ -688,6 +697,26 @@ static void test_min_requests(void)
     moed_sched_destroy(s);
 }
 
+/* Layers pinned to devices (exec_accepts): every launch runs on a slot that holds its layer, also
+ * when the other slot is the free one. */
+static void test_exec_placement(void)
+{
+    fk.pin = 1;
+    moed_sched *s = start(2, 16, 0, 64);
+    req *q[8];
+    for (int i = 0; i < 8; i++) submit_ok(s, q[i] = make_req(i % 2, 2, 60 + i));
+    wait_done(8);
+    for (int j = 0; j < fk.n_jobs && j < MAX_JOBS; j++)
+        CHECK_MSG(fk.job_exec[j] == fk.job_slot[j], "launch %d of layer slot %d ran on exec %d", j,
+                  fk.job_slot[j], fk.job_exec[j]);
+    for (int i = 0; i < 8; i++) {
+        expect_ok(q[i]);
+        free_req(q[i]);
+    }
+    moed_sched_destroy(s);
+    fk.pin = 0;
+}
+
 int main(void)
 {
     init_layers();
@@ -703,5 +732,6 @@ int main(void)
     test_two_slots();
     test_one_launch_per_queue();
     test_min_requests();
+    test_exec_placement();
     return check_status("test_sched");
 }
