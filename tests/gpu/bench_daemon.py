@@ -61,6 +61,8 @@ def load(bin_dir, addr, concurrency, tokens, duration, extra, json_path):
            "--connections", str(conns), "--threads", str(conns), "--no-progress", "--json", json_path,
            *extra]
     r = subprocess.run(cmd, capture_output=True, text=True)
+    with open(json_path[:-5] + ".txt", "w") as f:  # moed-load's own report, kept beside its JSON
+        f.write(r.stdout)
     if r.returncode != 0:
         raise RuntimeError(f"moed-load failed ({r.returncode}): {r.stdout[-2000:]} {r.stderr[-2000:]}")
     rep = json.load(open(json_path))

@@ -7,6 +7,8 @@
 #             merged table (kernels/cuda/bench/report.py)
 #   e2e       the daemon benchmark on loopback (tests/gpu/bench_daemon.py), transport suite
 #   merge     the same, merging suite (merging off / on / batch gating at T=8)
+#   pytest    end-to-end tests through a CUDA daemon: merged requests bit-identical to the same
+#             requests alone, batch gating across merged callers against numpy
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export LD_LIBRARY_PATH=$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}
@@ -61,6 +63,11 @@ for what in "${stages[@]}"; do
         stage merge
         python3 tests/gpu/bench_daemon.py --bin $B --suite merging --json "$RAW/merge.json" --logs "$RAW" \
             2>&1 | tee -a "$OUT/daemon.txt"
+        ;;
+    pytest)
+        stage pytest
+        MOED_BIN=$PWD/$B/moed MOED_TEST_COMPUTE=bf16 python3 -m pytest -q -p no:cacheprovider \
+            tests/e2e/test_concurrency.py 2>&1 | tee "$OUT/pytest-gpu.log"
         ;;
     *) echo "unknown stage $what" ;;
     esac
