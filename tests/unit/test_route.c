@@ -123,7 +123,7 @@ static int ref_gate(const moed_gate_params *p, const moed_layer_info *li, const 
     }
     if (G > 1) {
         for (int g = 0; g < G; g++) {
-            int gi[512];
+            int gi[512] = { 0 }; /* filled by ref_order; zeroed for a group of no experts */
             ref_order(key + g * gs, gs, gi);
             gscore[g] = key[g * gs + gi[0]] + (gs > 1 ? key[g * gs + gi[1]] : 0);
         }
