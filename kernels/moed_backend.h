@@ -34,11 +34,11 @@ typedef struct moed_backend_config {
 } moed_backend_config;
 
 typedef struct moed_job {
-    int slot;               /* which resident layer: the slot given to load_layer */
-    int dtype;              /* of x and y: MOED_F32, MOED_F16 or MOED_BF16 */
-    int64_t T;              /* tokens, 1 .. max_tokens */
-    const void *x;          /* [T, d_model] host memory (from host_alloc for the fast path) */
-    void *y;                /* [T, d_model] host memory, fully written */
+    int slot;      /* which resident layer: the slot given to load_layer */
+    int dtype;     /* of x and y: MOED_F32, MOED_F16 or MOED_BF16 */
+    int64_t T;     /* tokens, 1 .. max_tokens */
+    const void *x; /* [T, d_model] host memory (from host_alloc for the fast path) */
+    void *y;       /* [T, d_model] host memory, fully written */
     const moed_route *route;
 } moed_job;
 
@@ -73,9 +73,9 @@ typedef struct moed_backend_ops {
 
 struct moed_backend {
     const moed_backend_ops *ops;
-    void *ctx;        /* the implementation's own state */
-    int n_exec;       /* execution slots (valid after start) */
-    int n_devices;    /* entries device_info answers for */
+    void *ctx;     /* the implementation's own state */
+    int n_exec;    /* execution slots (valid after start) */
+    int n_devices; /* entries device_info answers for */
 };
 
 /* Opens a backend by name: "cpu", "cuda", or "auto" (cuda where it was built and a device is

@@ -42,9 +42,9 @@ moed_dtype moed_dtype_parse(const char *name)
         const char *name;
         moed_dtype dtype;
     } names[] = {
-        { "f32", MOED_F32 },   { "float32", MOED_F32 },   { "f16", MOED_F16 },
-        { "float16", MOED_F16 }, { "bf16", MOED_BF16 }, { "bfloat16", MOED_BF16 },
-        { "i32", MOED_I32 },   { "int32", MOED_I32 },
+        { "f32", MOED_F32 },     { "float32", MOED_F32 }, { "f16", MOED_F16 },
+        { "float16", MOED_F16 }, { "bf16", MOED_BF16 },   { "bfloat16", MOED_BF16 },
+        { "i32", MOED_I32 },     { "int32", MOED_I32 },
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!strcasecmp(name, names[i].name)) return names[i].dtype;
@@ -87,14 +87,14 @@ uint16_t moed_f32_to_f16(float f)
     memcpy(&u, &f, 4);
     uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
     uint32_t abs = u & 0x7fffffffu;
-    if (abs > 0x7f800000u) return sign | 0x7e00u;        /* NaN */
-    if (abs >= 0x477ff000u) return sign | 0x7c00u;       /* rounds to inf (>= 65520) */
-    if (abs >= 0x38800000u) {                            /* normal in f16 */
-        uint32_t r = abs - 0x38000000u;                  /* rebias exponent 127 -> 15 */
-        r += 0xfffu + ((r >> 13) & 1u);                  /* round to nearest even */
+    if (abs > 0x7f800000u) return sign | 0x7e00u;  /* NaN */
+    if (abs >= 0x477ff000u) return sign | 0x7c00u; /* rounds to inf (>= 65520) */
+    if (abs >= 0x38800000u) {                      /* normal in f16 */
+        uint32_t r = abs - 0x38000000u;            /* rebias exponent 127 -> 15 */
+        r += 0xfffu + ((r >> 13) & 1u);            /* round to nearest even */
         return sign | (uint16_t)(r >> 13);
     }
-    if (abs < 0x33000000u) return sign;                  /* below half the smallest subnormal */
+    if (abs < 0x33000000u) return sign; /* below half the smallest subnormal */
     /* subnormal in f16: shift the implicit-1 mantissa into place, rounding to nearest even */
     uint32_t e = abs >> 23;
     uint32_t man = (abs & 0x7fffffu) | 0x800000u;

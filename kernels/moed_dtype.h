@@ -23,7 +23,8 @@ typedef enum moed_dtype {
 size_t moed_dtype_size(int dtype);
 /* "f32", "f16", "bf16", "i32", or "unknown". */
 const char *moed_dtype_name(int dtype);
-/* Parses a name as above (also "float32", "float16", "bfloat16", "int32"); MOED_DTYPE_NONE if not. */
+/* Parses a name as above (also "float32", "float16", "bfloat16", "int32"); MOED_DTYPE_NONE if not.
+ */
 moed_dtype moed_dtype_parse(const char *name);
 /* True for the activation and weight types (F32, F16, BF16). */
 int moed_dtype_is_float(int dtype);

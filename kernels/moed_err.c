@@ -10,8 +10,8 @@
 const char *moed_strerror(int code)
 {
     switch (code) {
-#define MOED_ERR_TEXT(name, value, grpc, text)                                                \
-    case value:                                                                               \
+#define MOED_ERR_TEXT(name, value, grpc, text)                                                     \
+    case value:                                                                                    \
         return text;
         MOED_ERR_TABLE(MOED_ERR_TEXT)
 #undef MOED_ERR_TEXT
@@ -22,8 +22,8 @@ const char *moed_strerror(int code)
 int moed_err_grpc_status(int code)
 {
     switch (code) {
-#define MOED_ERR_GRPC(name, value, grpc, text)                                                \
-    case value:                                                                               \
+#define MOED_ERR_GRPC(name, value, grpc, text)                                                     \
+    case value:                                                                                    \
         return grpc;
         MOED_ERR_TABLE(MOED_ERR_GRPC)
 #undef MOED_ERR_GRPC

@@ -4,7 +4,8 @@
  * Functions return 0 on success or a negative MOED_E* code. Where a person needs to know more than
  * the code (which tensor, which shape, which flag to raise), the function also fills a moed_error,
  * whose message is written for that person: the gRPC front end sends it as the status message and
- * the daemon logs it. The table maps each code to its gRPC status, so the mapping lives in one place.
+ * the daemon logs it. The table maps each code to its gRPC status, so the mapping lives in one
+ * place.
  */
 #ifndef MOED_ERR_H
 #define MOED_ERR_H
@@ -12,23 +13,23 @@
 #include <stddef.h>
 
 /* X(name, value, grpc status code, description) — grpc codes as in grpc/status.h. */
-#define MOED_ERR_TABLE(X)                                                                     \
-    X(MOED_OK, 0, 0, "success")                                                               \
-    X(MOED_EINVAL, -1, 3, "invalid argument")                                                 \
-    X(MOED_ENOTFOUND, -2, 5, "not found")                                                     \
-    X(MOED_ETOOBIG, -3, 8, "over the size limit")                                             \
-    X(MOED_EFULL, -4, 14, "queue full")                                                       \
-    X(MOED_EDRAINING, -5, 14, "server draining")                                              \
-    X(MOED_EDEADLINE, -6, 4, "deadline exceeded")                                             \
-    X(MOED_ECANCELLED, -7, 1, "cancelled")                                                    \
-    X(MOED_ENOMEM, -8, 8, "out of memory")                                                    \
-    X(MOED_EIO, -9, 13, "input/output error")                                                 \
-    X(MOED_EFORMAT, -10, 3, "malformed file or message")                                      \
-    X(MOED_EDEVICE, -11, 13, "device error")                                                  \
-    X(MOED_ENODEV, -12, 9, "no usable device")                                                \
-    X(MOED_EUNSUPPORTED, -13, 12, "not supported")                                            \
-    X(MOED_EUNAUTH, -14, 16, "unauthenticated")                                               \
-    X(MOED_EUNAVAIL, -15, 14, "unavailable")                                                  \
+#define MOED_ERR_TABLE(X)                                                                          \
+    X(MOED_OK, 0, 0, "success")                                                                    \
+    X(MOED_EINVAL, -1, 3, "invalid argument")                                                      \
+    X(MOED_ENOTFOUND, -2, 5, "not found")                                                          \
+    X(MOED_ETOOBIG, -3, 8, "over the size limit")                                                  \
+    X(MOED_EFULL, -4, 14, "queue full")                                                            \
+    X(MOED_EDRAINING, -5, 14, "server draining")                                                   \
+    X(MOED_EDEADLINE, -6, 4, "deadline exceeded")                                                  \
+    X(MOED_ECANCELLED, -7, 1, "cancelled")                                                         \
+    X(MOED_ENOMEM, -8, 8, "out of memory")                                                         \
+    X(MOED_EIO, -9, 13, "input/output error")                                                      \
+    X(MOED_EFORMAT, -10, 3, "malformed file or message")                                           \
+    X(MOED_EDEVICE, -11, 13, "device error")                                                       \
+    X(MOED_ENODEV, -12, 9, "no usable device")                                                     \
+    X(MOED_EUNSUPPORTED, -13, 12, "not supported")                                                 \
+    X(MOED_EUNAUTH, -14, 16, "unauthenticated")                                                    \
+    X(MOED_EUNAVAIL, -15, 14, "unavailable")                                                       \
     X(MOED_EINTERNAL, -16, 13, "internal error")
 
 enum {

@@ -23,8 +23,9 @@ uint64_t moed_layer_bytes(const moed_layer_info *li)
     return b;
 }
 
-static const char *const act_names[] = { [MOED_ACT_SWIGLU] = "swiglu", [MOED_ACT_GELU] = "gelu",
-                                         [MOED_ACT_RELU] = "relu" };
+static const char *const act_names[] = {
+    [MOED_ACT_SWIGLU] = "swiglu", [MOED_ACT_GELU] = "gelu", [MOED_ACT_RELU] = "relu"
+};
 
 const char *moed_act_name(moed_act act)
 {

@@ -30,21 +30,21 @@ typedef enum moed_router_rule {
 } moed_router_rule;
 
 typedef struct moed_layer_info {
-    int index;         /* the layer's number in the checkpoint; what clients name */
+    int index; /* the layer's number in the checkpoint; what clients name */
     int d_model;
-    int d_ff;          /* per routed expert */
+    int d_ff; /* per routed expert */
     int n_experts;
-    int top_k;         /* num_experts_per_tok */
+    int top_k; /* num_experts_per_tok */
     moed_act act;
-    int wdtype;        /* moed_dtype of every weight matrix */
-    bool has_router;   /* router weights present: the server can compute logits */
-    bool norm_topk;    /* renormalise top-k weights (norm_topk_prob) */
+    int wdtype;      /* moed_dtype of every weight matrix */
+    bool has_router; /* router weights present: the server can compute logits */
+    bool norm_topk;  /* renormalise top-k weights (norm_topk_prob) */
     moed_router_rule rule;
-    int n_group;       /* DeepSeek-V3 group-limited routing; 1 when not grouped */
+    int n_group; /* DeepSeek-V3 group-limited routing; 1 when not grouped */
     int topk_group;
     float routed_scale; /* routed_scaling_factor; 1 when absent */
-    int n_shared;      /* shared experts, applied to every token with weight 1 */
-    int shared_d_ff;   /* their total width: n_shared * moe_intermediate_size */
+    int n_shared;       /* shared experts, applied to every token with weight 1 */
+    int shared_d_ff;    /* their total width: n_shared * moe_intermediate_size */
 } moed_layer_info;
 
 /* One expert's three matrices (w3 is NULL unless the activation is SwiGLU). */
@@ -56,10 +56,10 @@ typedef struct moed_expert_w {
 
 typedef struct moed_layer {
     moed_layer_info info;
-    moed_expert_w *experts;     /* n_experts of them */
-    const void *router;         /* [n_experts, d_model] in wdtype, or NULL */
-    const float *router_bias;   /* [n_experts] float32 (DeepSeek e_score_correction_bias), or NULL */
-    moed_expert_w shared;       /* the shared experts fused along d_ff: [shared_d_ff, d_model] etc. */
+    moed_expert_w *experts;   /* n_experts of them */
+    const void *router;       /* [n_experts, d_model] in wdtype, or NULL */
+    const float *router_bias; /* [n_experts] float32 (DeepSeek e_score_correction_bias), or NULL */
+    moed_expert_w shared;     /* the shared experts fused along d_ff: [shared_d_ff, d_model] etc. */
 } moed_layer;
 
 /* Bytes of one routed expert's weights, and of the layer's resident weights in all. */

@@ -2,14 +2,14 @@
  * moed_route — which experts compute each token, with what weight, and the gating strategies that
  * turn router logits into such a route.
  *
- * A route is CSR over tokens: the pairs of token t are off[t] .. off[t+1]-1, each an (expert, weight).
- * The number of pairs per token varies (sigmoid and sparsemax gating; padding in client routes), and
- * the order of a token's pairs is the order in which its terms are summed: backends must keep it, so
- * a token's result depends on its own row and route alone.
+ * A route is CSR over tokens: the pairs of token t are off[t] .. off[t+1]-1, each an (expert,
+ * weight). The number of pairs per token varies (sigmoid and sparsemax gating; padding in client
+ * routes), and the order of a token's pairs is the order in which its terms are summed: backends
+ * must keep it, so a token's result depends on its own row and route alone.
  *
- * Every strategy here is deterministic and defined to the bit on the host: ties go to the lower expert
- * index, top-k lists experts by decreasing score. The numpy reference in the Python client implements
- * the same definitions; see proto/moed/v1/moed.proto for the user-facing statement.
+ * Every strategy here is deterministic and defined to the bit on the host: ties go to the lower
+ * expert index, top-k lists experts by decreasing score. The numpy reference in the Python client
+ * implements the same definitions; see proto/moed/v1/moed.proto for the user-facing statement.
  *
  * Ownership: moed_route_from_choice, moed_gate and moed_gate_batch initialise their output route
  * themselves (whatever it held is overwritten, not freed); the caller releases it with
@@ -55,9 +55,10 @@ typedef struct moed_gate_params {
 int moed_route_init(moed_route *r, int64_t T, int64_t cap);
 void moed_route_free(moed_route *r);
 
-/* Builds a route from client choices: ids [T, k] int32 and weights [T, k] float32. A pair with id -1
- * and weight 0 is padding and is left out. Ids outside [0, n_experts), other negative ids, NaN, Inf
- * or negative weights fail with MOED_EINVAL and a message naming the first bad row and column. */
+/* Builds a route from client choices: ids [T, k] int32 and weights [T, k] float32. A pair with id
+ * -1 and weight 0 is padding and is left out. Ids outside [0, n_experts), other negative ids, NaN,
+ * Inf or negative weights fail with MOED_EINVAL and a message naming the first bad row and column.
+ */
 int moed_route_from_choice(moed_route *r, const int32_t *ids, const float *w, int64_t T, int k,
                            int n_experts, moed_error *err);
 

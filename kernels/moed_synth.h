@@ -2,8 +2,9 @@
  * moed_synth — seeded synthetic weights, for demos, tests and benchmarks.
  *
  * The generator is documented so that any client can rebuild the same weights (the Python client's
- * moed.reference does, vectorised in numpy). It is counter-based: every element is a pure function of
- * (seed, layer, tensor, expert, flat index), so any slice can be generated alone and in parallel.
+ * moed.reference does, vectorised in numpy). It is counter-based: every element is a pure function
+ * of (seed, layer, tensor, expert, flat index), so any slice can be generated alone and in
+ * parallel.
  *
  *   splitmix64(x): z = x + 0x9E3779B97F4A7C15;
  *                  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9;
@@ -49,8 +50,9 @@ typedef struct moed_synth_spec {
 } moed_synth_spec;
 
 /* Parses "layers=2,d=256,ff=512,experts=8,topk=2,act=swiglu,dtype=bf16,seed=1" (any order, any
- * subset; the others keep the defaults shown, plus router=1 norm=1 shared=0 shared_ff=0 rule=softmax
- * groups=1 topk_groups=1 scale=1). Unknown keys and bad values fail with a message naming them. */
+ * subset; the others keep the defaults shown, plus router=1 norm=1 shared=0 shared_ff=0
+ * rule=softmax groups=1 topk_groups=1 scale=1). Unknown keys and bad values fail with a message
+ * naming them. */
 int moed_synth_parse(const char *spec, moed_synth_spec *out, moed_error *err);
 
 /* Formats a spec back into the canonical string (all keys), for logs and GetModel. */

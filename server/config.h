@@ -30,8 +30,8 @@ typedef struct moed_config {
     int n_devices;                        /* 0: every device */
     int cq_threads;                       /* gRPC completion queues, one thread each */
     int64_t max_message_bytes;
-    int64_t max_batch_tokens; /* the most tokens in one launch and in one request */
-    int64_t max_delay_us;     /* merge window; 0 = merge only what is already queued */
+    int64_t max_batch_tokens;   /* the most tokens in one launch and in one request */
+    int64_t max_delay_us;       /* merge window; 0 = merge only what is already queued */
     int64_t min_batch_requests; /* a queue waits (up to the window) for this many requests */
     int64_t max_queue_requests;
     char *metrics_listen; /* --metrics-listen ADDR: Prometheus /metrics and /healthz; NULL: off */

@@ -67,7 +67,8 @@ void rpc_call_unref(rpc_call *c)
     if (c->reply) grpc_byte_buffer_destroy(c->reply);
     grpc_slice_unref(c->details);
     free(c);
-    if (was_active && atomic_fetch_sub(&r->active, 1) == 1 && atomic_load(&r->draining)) maybe_shutdown(r);
+    if (was_active && atomic_fetch_sub(&r->active, 1) == 1 && atomic_load(&r->draining))
+        maybe_shutdown(r);
 }
 
 /* Takes a reference unless the call is already on its way out (refs at 0). */

@@ -53,9 +53,9 @@ struct moed_rpc {
     rpc_cq *cqs;
     int n_cqs;
     char address[256];
-    bool started; /* grpc_server_start ran: destroy only after the shutdown tag */
-    _Atomic bool draining;     /* new Forward calls are answered UNAVAILABLE */
-    _Atomic bool shutting;     /* grpc_server_shutdown_and_notify called: no new calls at all */
+    bool started;          /* grpc_server_start ran: destroy only after the shutdown tag */
+    _Atomic bool draining; /* new Forward calls are answered UNAVAILABLE */
+    _Atomic bool shutting; /* grpc_server_shutdown_and_notify called: no new calls at all */
     rpc_tag shutdown_tag;
     void (*on_drained)(void *arg);
     void *drained_arg;

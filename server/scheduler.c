@@ -143,11 +143,11 @@ static void unlink_item(moed_sched *s, moed_sched_item *it)
  * window closes (*wake_at, 0 if no window is open).
  *
  * A queue is ready when its oldest request has waited the merge window, or earlier once it holds
- * min_batch_requests requests or a full batch of tokens. A queue with a launch running is ready only
- * when a full batch waits: while small batches are
- * weight-bound, two concurrent launches of one layer each read every expert's weights and each runs
- * at half speed, while waiting for the running one and merging everything that arrived meanwhile
- * reads them once. The worker that finishes the running launch looks again at once. */
+ * min_batch_requests requests or a full batch of tokens. A queue with a launch running is ready
+ * only when a full batch waits: while small batches are weight-bound, two concurrent launches of
+ * one layer each read every expert's weights and each runs at half speed, while waiting for the
+ * running one and merging everything that arrived meanwhile reads them once. The worker that
+ * finishes the running launch looks again at once. */
 static queue *pick_queue(moed_sched *s, int exec, uint64_t now, uint64_t *wake_at)
 {
     uint64_t delay = (uint64_t)s->cfg.max_delay_us * 1000u;
@@ -413,7 +413,8 @@ static void *worker_main(void *arg)
             moed_sched_item *expired = NULL;
             int n = take_batch(s, q, now, w->items, &expired);
             if (n) q->in_flight++;
-            if (s->queued) pthread_cond_broadcast(&s->wake); /* more may be ready for another worker */
+            if (s->queued)
+                pthread_cond_broadcast(&s->wake); /* more may be ready for another worker */
             pthread_mutex_unlock(&s->lock);
             finish_expired(s, expired);
             if (n) {

@@ -60,7 +60,8 @@ typedef struct moed_sched_config {
     const moed_served *served; /* layers and limits; outlives the scheduler */
     int64_t max_batch_tokens;
     int64_t max_delay_us;
-    int64_t min_batch_requests; /* ready before the window closes once this many wait; 0 or 1: off */
+    int64_t
+        min_batch_requests; /* ready before the window closes once this many wait; 0 or 1: off */
     int64_t max_queue_requests;
     moed_metrics *metrics; /* launches and queue waits are recorded here; or NULL */
 } moed_sched_config;

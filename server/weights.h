@@ -13,9 +13,9 @@
 #include "moed_model.h"
 
 typedef struct moed_model {
-    char source[512];   /* the checkpoint folder, or the canonical synthetic spec */
-    char arch[64];      /* "synthetic", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3" */
-    int n_layers;       /* MoE layers held */
+    char source[512]; /* the checkpoint folder, or the canonical synthetic spec */
+    char arch[64];    /* "synthetic", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3" */
+    int n_layers;     /* MoE layers held */
     moed_layer *layers; /* by increasing info.index */
     void *priv;         /* mappings and allocations */
 } moed_model;

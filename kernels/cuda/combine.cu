@@ -2,8 +2,8 @@
  * combine — each token's output: the weighted sum of its experts' rows in the order its route lists
  * them, in fp32, plus the shared experts' row, converted once to the request's dtype. One block per
  * token and a fixed order per token make the result deterministic and independent of the batch
- * (never an atomic add across pairs). Eight columns per thread with 16-byte loads when the row width
- * allows, one otherwise.
+ * (never an atomic add across pairs). Eight columns per thread with 16-byte loads when the row
+ * width allows, one otherwise.
  */
 #include "moe_cuda.h"
 
@@ -14,16 +14,32 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-namespace {
+namespace
+{
 
 template <typename T> __device__ __forceinline__ float to_f32(T v);
-template <> __device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> __device__ __forceinline__ float to_f32<__half>(__half v)
+{
+    return __half2float(v);
+}
+template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v)
+{
+    return __bfloat162float(v);
+}
 
 template <typename T> __device__ __forceinline__ void store(T *p, float v);
-template <> __device__ __forceinline__ void store<float>(float *p, float v) { *p = v; }
-template <> __device__ __forceinline__ void store<__half>(__half *p, float v) { *p = __float2half_rn(v); }
-template <> __device__ __forceinline__ void store<__nv_bfloat16>(__nv_bfloat16 *p, float v) { *p = __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ void store<float>(float *p, float v)
+{
+    *p = v;
+}
+template <> __device__ __forceinline__ void store<__half>(__half *p, float v)
+{
+    *p = __float2half_rn(v);
+}
+template <> __device__ __forceinline__ void store<__nv_bfloat16>(__nv_bfloat16 *p, float v)
+{
+    *p = __float2bfloat16_rn(v);
+}
 
 /* Adds w times 8 consecutive elements at src to acc. */
 template <typename Tc> __device__ __forceinline__ void fma8(float acc[8], const Tc *src, float w)
@@ -34,10 +50,12 @@ template <typename Tc> __device__ __forceinline__ void fma8(float acc[8], const 
     for (int i = 0; i < 8; i++) acc[i] += w * to_f32<Tc>(v[i]);
 }
 
-constexpr int MAX_STAGED = 256; /* pairs of one token staged in shared memory; more take the slow loop */
+constexpr int MAX_STAGED =
+    256; /* pairs of one token staged in shared memory; more take the slow loop */
 
 template <typename Tc, typename Tout, bool VEC8>
-__global__ void combine_kernel(moe_route_dev r, const Tc *y, const Tc *ys, int d, int d_pad, Tout *out)
+__global__ void combine_kernel(moe_route_dev r, const Tc *y, const Tc *ys, int d, int d_pad,
+                               Tout *out)
 {
     __shared__ int32_t slot[MAX_STAGED];
     __shared__ float wt[MAX_STAGED];
@@ -63,13 +81,17 @@ __global__ void combine_kernel(moe_route_dev r, const Tc *y, const Tc *ys, int d
             const int s = staged ? slot[j] : r.pair_slot[j0 + j];
             const float w = staged ? wt[j] : r.pair_w[j0 + j];
             const Tc *row = y + (int64_t)s * d_pad + c;
-            if constexpr (VEC8) fma8<Tc>(acc, row, w);
-            else acc[0] += w * to_f32<Tc>(row[0]);
+            if constexpr (VEC8)
+                fma8<Tc>(acc, row, w);
+            else
+                acc[0] += w * to_f32<Tc>(row[0]);
         }
         if (ys) {
             const Tc *row = ys + (int64_t)t * d_pad + c;
-            if constexpr (VEC8) fma8<Tc>(acc, row, 1.0f);
-            else acc[0] += to_f32<Tc>(row[0]);
+            if constexpr (VEC8)
+                fma8<Tc>(acc, row, 1.0f);
+            else
+                acc[0] += to_f32<Tc>(row[0]);
         }
 #pragma unroll
         for (int i = 0; i < W; i++) store<Tout>(o + c + i, acc[i]);
@@ -77,18 +99,22 @@ __global__ void combine_kernel(moe_route_dev r, const Tc *y, const Tc *ys, int d
 }
 
 template <typename Tc, typename Tout>
-int launch(const moe_route_dev *r, const void *y, const void *ys, int d, int d_pad, void *out, cudaStream_t s)
+int launch(const moe_route_dev *r, const void *y, const void *ys, int d, int d_pad, void *out,
+           cudaStream_t s)
 {
     const int threads = d >= 1024 ? 128 : 64;
     if (d % 8 == 0)
-        combine_kernel<Tc, Tout, true><<<r->T, threads, 0, s>>>(*r, (const Tc *)y, (const Tc *)ys, d, d_pad, (Tout *)out);
+        combine_kernel<Tc, Tout, true>
+            <<<r->T, threads, 0, s>>>(*r, (const Tc *)y, (const Tc *)ys, d, d_pad, (Tout *)out);
     else
-        combine_kernel<Tc, Tout, false><<<r->T, threads, 0, s>>>(*r, (const Tc *)y, (const Tc *)ys, d, d_pad, (Tout *)out);
+        combine_kernel<Tc, Tout, false>
+            <<<r->T, threads, 0, s>>>(*r, (const Tc *)y, (const Tc *)ys, d, d_pad, (Tout *)out);
     return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;
 }
 
 template <typename Tc>
-int dispatch_out(const moe_route_dev *r, const void *y, const void *ys, int d, int d_pad, void *out, int dtype, cudaStream_t s)
+int dispatch_out(const moe_route_dev *r, const void *y, const void *ys, int d, int d_pad, void *out,
+                 int dtype, cudaStream_t s)
 {
     if (dtype == MOED_F32) return launch<Tc, float>(r, y, ys, d, d_pad, out, s);
     if (dtype == MOED_F16) return launch<Tc, __half>(r, y, ys, d, d_pad, out, s);
@@ -98,11 +124,13 @@ int dispatch_out(const moe_route_dev *r, const void *y, const void *ys, int d, i
 
 } // namespace
 
-extern "C" int moe_combine(const moe_route_dev *r, const void *y, const void *ys, int cdtype, int d, int d_pad,
-                           void *out, int dtype, moe_stream s)
+extern "C" int moe_combine(const moe_route_dev *r, const void *y, const void *ys, int cdtype, int d,
+                           int d_pad, void *out, int dtype, moe_stream s)
 {
     if (r->T <= 0) return 0;
-    if (cdtype == MOED_BF16) return dispatch_out<__nv_bfloat16>(r, y, ys, d, d_pad, out, dtype, (cudaStream_t)s);
-    if (cdtype == MOED_F16) return dispatch_out<__half>(r, y, ys, d, d_pad, out, dtype, (cudaStream_t)s);
+    if (cdtype == MOED_BF16)
+        return dispatch_out<__nv_bfloat16>(r, y, ys, d, d_pad, out, dtype, (cudaStream_t)s);
+    if (cdtype == MOED_F16)
+        return dispatch_out<__half>(r, y, ys, d, d_pad, out, dtype, (cudaStream_t)s);
     return MOED_EINVAL;
 }

@@ -13,45 +13,69 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-namespace {
+namespace
+{
 
 template <typename T> __device__ __forceinline__ float to_f32(T v);
-template <> __device__ __forceinline__ float to_f32<float>(float v) { return v; }
-template <> __device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> __device__ __forceinline__ float to_f32<float>(float v)
+{
+    return v;
+}
+template <> __device__ __forceinline__ float to_f32<__half>(__half v)
+{
+    return __half2float(v);
+}
+template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v)
+{
+    return __bfloat162float(v);
+}
 
 template <typename T> __device__ __forceinline__ T from_f32(float v);
-template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_f32<__half>(float v)
+{
+    return __float2half_rn(v);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v)
+{
+    return __float2bfloat16_rn(v);
+}
 
 template <typename Tin, typename Tout>
 __global__ void convert_kernel(const Tin *x, int64_t T, int d, Tout *xc, int d_pad)
 {
     const int64_t n = T * d_pad;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
         const int64_t t = i / d_pad;
         const int c = (int)(i - t * d_pad);
         xc[i] = from_f32<Tout>(c < d ? to_f32<Tin>(x[t * d + c]) : 0.0f);
     }
 }
 
-template <typename Tout> int launch(const void *x, int dtype, int64_t T, int d, Tout *xc, int d_pad, cudaStream_t s)
+template <typename Tout>
+int launch(const void *x, int dtype, int64_t T, int d, Tout *xc, int d_pad, cudaStream_t s)
 {
     const int64_t n = T * d_pad;
     const int blocks = (int)((n + 255) / 256 < 65536 ? (n + 255) / 256 : 65536);
-    if (dtype == MOED_F32) convert_kernel<<<blocks, 256, 0, s>>>((const float *)x, T, d, xc, d_pad);
-    else if (dtype == MOED_F16) convert_kernel<<<blocks, 256, 0, s>>>((const __half *)x, T, d, xc, d_pad);
-    else if (dtype == MOED_BF16) convert_kernel<<<blocks, 256, 0, s>>>((const __nv_bfloat16 *)x, T, d, xc, d_pad);
-    else return MOED_EINVAL;
+    if (dtype == MOED_F32)
+        convert_kernel<<<blocks, 256, 0, s>>>((const float *)x, T, d, xc, d_pad);
+    else if (dtype == MOED_F16)
+        convert_kernel<<<blocks, 256, 0, s>>>((const __half *)x, T, d, xc, d_pad);
+    else if (dtype == MOED_BF16)
+        convert_kernel<<<blocks, 256, 0, s>>>((const __nv_bfloat16 *)x, T, d, xc, d_pad);
+    else
+        return MOED_EINVAL;
     return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;
 }
 
 } // namespace
 
-extern "C" int moe_convert_in(const void *x, int dtype, int64_t T, int d, void *xc, int cdtype, int d_pad, moe_stream s)
+extern "C" int moe_convert_in(const void *x, int dtype, int64_t T, int d, void *xc, int cdtype,
+                              int d_pad, moe_stream s)
 {
     if (T <= 0) return 0;
-    if (cdtype == MOED_BF16) return launch(x, dtype, T, d, (__nv_bfloat16 *)xc, d_pad, (cudaStream_t)s);
+    if (cdtype == MOED_BF16)
+        return launch(x, dtype, T, d, (__nv_bfloat16 *)xc, d_pad, (cudaStream_t)s);
     if (cdtype == MOED_F16) return launch(x, dtype, T, d, (__half *)xc, d_pad, (cudaStream_t)s);
     return MOED_EINVAL;
 }

@@ -3,13 +3,14 @@
  * the stream pool, and the per-batch pipeline of moe_cuda.h.
  *
  * Weights are converted once at load into the layout the kernels want: the compute type (bf16, or
- * f16 for f16 checkpoints), d and d_ff padded to MOE_PAD with zeros, and for SwiGLU W1|W3 fused into
- * one interleaved matrix (moe_cuda.h says why). Layers are placed round-robin over the devices.
+ * f16 for f16 checkpoints), d and d_ff padded to MOE_PAD with zeros, and for SwiGLU W1|W3 fused
+ * into one interleaved matrix (moe_cuda.h says why). Layers are placed round-robin over the
+ * devices.
  *
  * The pool: `streams` execution slots per device, each with its own stream, pinned staging for the
  * route, and a device workspace sized at start for max_tokens tokens and max_pairs pairs; forward
- * never allocates. A batch with more pairs than the workspace holds (sigmoid gating can give a token
- * every expert) runs in token chunks, which changes nothing in the result since tokens are
+ * never allocates. A batch with more pairs than the workspace holds (sigmoid gating can give a
+ * token every expert) runs in token chunks, which changes nothing in the result since tokens are
  * independent. Everything a batch does is queued on its slot's stream with no device-to-host
  * synchronisation until the output copy; slots run concurrently, so one batch's copies overlap
  * another's kernels.
@@ -29,18 +30,18 @@
 typedef struct cuda_layer {
     moed_layer_info info;
     int device;
-    moe_layer_dev k;     /* what the kernels see */
-    void *w13, *w2;      /* the allocations behind k (k's pointers are const) */
+    moe_layer_dev k; /* what the kernels see */
+    void *w13, *w2;  /* the allocations behind k (k's pointers are const) */
     void *s13, *s2;
     int e_pad;
-    void *router;        /* [e_pad][d_pad], NULL if none */
+    void *router; /* [e_pad][d_pad], NULL if none */
 } cuda_layer;
 
 /* Small batches replay a captured graph of the pipeline instead of launching its kernels one by
  * one: at a few tokens the launch gaps are a large share of the time. A graph's launches depend
  * only on this key (the buffers are the slot's own and the route lives in device memory). */
 #define GRAPH_MAX_PAIRS 512
-#define GRAPH_CACHE 16
+#define GRAPH_CACHE     16
 
 typedef struct graph_key {
     int slot, dtype, n_active;
@@ -56,11 +57,11 @@ typedef struct graph_entry {
 typedef struct cuda_exec {
     int device;
     cudaStream_t stream;
-    int32_t *h_route;            /* pinned: the packed input route */
+    int32_t *h_route; /* pinned: the packed input route */
     void *x_in, *out;
     moe_work_dev w;
     float *logits;
-    int32_t *route;              /* device: the packed input route, then route prep's arrays */
+    int32_t *route; /* device: the packed input route, then route prep's arrays */
     moe_route_dev r;
     graph_entry graphs[GRAPH_CACHE];
     uint64_t graph_clock;
@@ -85,13 +86,13 @@ static int cuda_fail(moed_error *err, cudaError_t e, const char *what)
                      cudaGetErrorString(e));
 }
 
-#define CU(call, what)                                                                        \
-    do {                                                                                      \
-        cudaError_t cu_e_ = (call);                                                           \
-        if (cu_e_ != cudaSuccess) {                                                           \
-            rc = cuda_fail(err, cu_e_, what);                                                 \
-            goto err;                                                                         \
-        }                                                                                     \
+#define CU(call, what)                                                                             \
+    do {                                                                                           \
+        cudaError_t cu_e_ = (call);                                                                \
+        if (cu_e_ != cudaSuccess) {                                                                \
+            rc = cuda_fail(err, cu_e_, what);                                                      \
+            goto err;                                                                              \
+        }                                                                                          \
     } while (0)
 
 static int pad_to(int v)
@@ -108,7 +109,8 @@ int moed_backend_cuda_available(void)
     }
     for (int i = 0; i < n; i++) {
         int major = 0;
-        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, i) == cudaSuccess && major >= 8)
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, i) == cudaSuccess &&
+            major >= 8)
             return 1;
     }
     return 0;
@@ -118,8 +120,8 @@ int moed_backend_cuda_available(void)
 
 /* Copies rows [r0, r0+n) of a [rows, cols] matrix of dtype src into dst (ld dst_ld, compute type),
  * converting; the caller zeroed the padding. */
-static void put_rows(void *dst, int dst_ld, int cdtype, const void *src, int sdtype, int cols, int64_t r0,
-                     int64_t n, float *tmp)
+static void put_rows(void *dst, int dst_ld, int cdtype, const void *src, int sdtype, int cols,
+                     int64_t r0, int64_t n, float *tmp)
 {
     const size_t ss = moed_dtype_size(sdtype);
     for (int64_t i = 0; i < n; i++) {
@@ -136,8 +138,8 @@ static void put_rows(void *dst, int dst_ld, int cdtype, const void *src, int sdt
 
 /* One expert's up matrix as the kernels read it: W13 interleaved in MOE_GLU_BLOCK row blocks (gate
  * block j, then up block j) for SwiGLU, else W1; [n_up, d_pad] in the compute type. */
-static void pack_up(void *dst, const cuda_layer *L, const void *w1, const void *w3, int ff, int n_up,
-                    float *tmp)
+static void pack_up(void *dst, const cuda_layer *L, const void *w1, const void *w3, int ff,
+                    int n_up, float *tmp)
 {
     const int d = L->info.d_model, wd = L->info.wdtype;
     memset(dst, 0, (size_t)n_up * L->k.d_pad * 2);
@@ -149,12 +151,14 @@ static void pack_up(void *dst, const cuda_layer *L, const void *w1, const void *
         const int n = ff - r0 < MOE_GLU_BLOCK ? ff - r0 : MOE_GLU_BLOCK;
         char *blk = (char *)dst + (size_t)(2 * r0) * L->k.d_pad * 2;
         put_rows(blk, L->k.d_pad, L->k.cdtype, w1, wd, d, r0, n, tmp);
-        put_rows(blk + (size_t)MOE_GLU_BLOCK * L->k.d_pad * 2, L->k.d_pad, L->k.cdtype, w3, wd, d, r0, n, tmp);
+        put_rows(blk + (size_t)MOE_GLU_BLOCK * L->k.d_pad * 2, L->k.d_pad, L->k.cdtype, w3, wd, d,
+                 r0, n, tmp);
     }
 }
 
 /* W2 [d, ff] → [d_pad, ff_pad] in the compute type. */
-static void pack_down(void *dst, const cuda_layer *L, const void *w2, int ff, int ff_pad, float *tmp)
+static void pack_down(void *dst, const cuda_layer *L, const void *w2, int ff, int ff_pad,
+                      float *tmp)
 {
     memset(dst, 0, (size_t)L->k.d_pad * ff_pad * 2);
     put_rows(dst, ff_pad, L->k.cdtype, w2, L->info.wdtype, ff, 0, L->info.d_model, tmp);
@@ -170,7 +174,8 @@ static int upload(void *dev, const void *host, size_t bytes, moed_error *err)
 static uint64_t layer_device_bytes(const cuda_layer *L)
 {
     const moed_layer_info *li = &L->info;
-    uint64_t b = (uint64_t)li->n_experts * ((uint64_t)L->k.n_up * L->k.d_pad + (uint64_t)L->k.d_pad * L->k.ff_pad);
+    uint64_t b = (uint64_t)li->n_experts *
+                 ((uint64_t)L->k.n_up * L->k.d_pad + (uint64_t)L->k.d_pad * L->k.ff_pad);
     b += (uint64_t)L->k.sn_up * L->k.d_pad + (uint64_t)L->k.d_pad * L->k.sff_pad;
     if (li->has_router) b += (uint64_t)L->e_pad * L->k.d_pad;
     return b * 2;
@@ -183,10 +188,11 @@ static int check_free(int device, uint64_t need, const char *what, moed_error *e
     cudaError_t e = cudaMemGetInfo(&free_b, &total_b);
     if (e != cudaSuccess) return cuda_fail(err, e, "cudaMemGetInfo");
     if (need > free_b)
-        return moed_fail(err, MOED_ENOMEM,
-                         "%s needs %.2f GiB on GPU %d, but only %.2f GiB of %.2f GiB are free; serve fewer "
-                         "layers (--layers), lower --max-batch-tokens or --streams, or add GPUs",
-                         what, need / 1073741824.0, device, free_b / 1073741824.0, total_b / 1073741824.0);
+        return moed_fail(
+            err, MOED_ENOMEM,
+            "%s needs %.2f GiB on GPU %d, but only %.2f GiB of %.2f GiB are free; serve fewer "
+            "layers (--layers), lower --max-batch-tokens or --streams, or add GPUs",
+            what, need / 1073741824.0, device, free_b / 1073741824.0, total_b / 1073741824.0);
     return 0;
 }
 
@@ -197,7 +203,8 @@ static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_
     int rc = 0;
     float *tmp = NULL;
     void *stage = NULL;
-    if (slot != c->n_layers) return moed_fail(err, MOED_EINVAL, "layers must be loaded in slot order");
+    if (slot != c->n_layers)
+        return moed_fail(err, MOED_EINVAL, "layers must be loaded in slot order");
     cuda_layer *grown = realloc(c->layers, sizeof *grown * (size_t)(slot + 1));
     if (!grown) return moed_fail(err, MOED_ENOMEM, "out of host memory");
     c->layers = grown;
@@ -217,19 +224,23 @@ static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_
     L->k.sn_up = glu ? 2 * L->k.sff_pad : L->k.sff_pad;
     L->e_pad = pad_to(li->n_experts);
     if (li->n_experts > 4096)
-        return moed_fail(err, MOED_EUNSUPPORTED, "layer %d has %d experts; the CUDA backend handles up to 4096",
-                         li->index, li->n_experts);
+        return moed_fail(err, MOED_EUNSUPPORTED,
+                         "layer %d has %d experts; the CUDA backend handles up to 4096", li->index,
+                         li->n_experts);
 
     char what[64];
     snprintf(what, sizeof what, "layer %d's weights", li->index);
     if ((rc = check_free(L->device, layer_device_bytes(L), what, err))) return rc;
 
-    const size_t up_b = (size_t)L->k.n_up * L->k.d_pad * 2, dn_b = (size_t)L->k.d_pad * L->k.ff_pad * 2;
+    const size_t up_b = (size_t)L->k.n_up * L->k.d_pad * 2,
+                 dn_b = (size_t)L->k.d_pad * L->k.ff_pad * 2;
     size_t stage_b = up_b > dn_b ? up_b : dn_b;
-    const size_t s_up = (size_t)L->k.sn_up * L->k.d_pad * 2, s_dn = (size_t)L->k.d_pad * L->k.sff_pad * 2;
+    const size_t s_up = (size_t)L->k.sn_up * L->k.d_pad * 2,
+                 s_dn = (size_t)L->k.d_pad * L->k.sff_pad * 2;
     if (s_up > stage_b) stage_b = s_up;
     if (s_dn > stage_b) stage_b = s_dn;
-    int widest = li->d_model > li->d_ff ? li->d_model : li->d_ff; /* put_rows converts rows of d or ff */
+    int widest =
+        li->d_model > li->d_ff ? li->d_model : li->d_ff; /* put_rows converts rows of d or ff */
     if (li->shared_d_ff > widest) widest = li->shared_d_ff;
     tmp = malloc(sizeof(float) * (size_t)widest);
     CU(cudaSetDevice(L->device), "cudaSetDevice");
@@ -250,7 +261,8 @@ static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_
     if (L->k.sff_pad) {
         CU(cudaMalloc(&L->s13, s_up), "weight allocation");
         CU(cudaMalloc(&L->s2, s_dn), "weight allocation");
-        pack_up(stage, L, l->shared.w1, glu ? l->shared.w3 : NULL, li->shared_d_ff, L->k.sn_up, tmp);
+        pack_up(stage, L, l->shared.w1, glu ? l->shared.w3 : NULL, li->shared_d_ff, L->k.sn_up,
+                tmp);
         if ((rc = upload(L->s13, stage, s_up, err))) goto err;
         pack_down(stage, L, l->shared.w2, li->shared_d_ff, L->k.sff_pad, tmp);
         if ((rc = upload(L->s2, stage, s_dn, err))) goto err;
@@ -263,7 +275,8 @@ static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_
             rc = moed_fail(err, MOED_EINTERNAL, "router staging too small");
             goto err;
         }
-        put_rows(stage, L->k.d_pad, L->k.cdtype, l->router, li->wdtype, li->d_model, 0, li->n_experts, tmp);
+        put_rows(stage, L->k.d_pad, L->k.cdtype, l->router, li->wdtype, li->d_model, 0,
+                 li->n_experts, tmp);
         if ((rc = upload(L->router, stage, rb, err))) goto err;
     }
     L->k.w13 = L->w13;
@@ -307,7 +320,8 @@ static int exec_init(cuda_ctx *c, cuda_exec *x, int device, moed_error *err)
         CU(cudaMalloc(&x->w.hs, (size_t)T * c->max_sff_pad * 2), "workspace");
         CU(cudaMalloc(&x->w.ys, (size_t)T * c->max_d_pad * 2), "workspace");
     }
-    if (c->max_e_pad) CU(cudaMalloc((void **)&x->logits, (size_t)T * c->max_e_pad * 4), "workspace");
+    if (c->max_e_pad)
+        CU(cudaMalloc((void **)&x->logits, (size_t)T * c->max_e_pad * 4), "workspace");
     CU(cudaMalloc((void **)&x->route, moe_route_words(T, P, c->max_e, max_tiles) * 4), "workspace");
     return 0;
 err:
@@ -373,7 +387,8 @@ static int cuda_start(moed_backend *b, moed_error *err)
     int rc = 0;
     for (int d = 0; d < c->n_dev; d++) {
         char what[96];
-        snprintf(what, sizeof what, "the stream pool (%d slots for %lld tokens)", per_dev, (long long)c->max_tokens);
+        snprintf(what, sizeof what, "the stream pool (%d slots for %lld tokens)", per_dev,
+                 (long long)c->max_tokens);
         if ((rc = check_free(c->dev[d], exec_bytes(c) * per_dev, what, err))) return rc;
         for (int s = 0; s < per_dev; s++)
             if ((rc = exec_init(c, &c->execs[d * per_dev + s], c->dev[d], err))) return rc;
@@ -397,7 +412,8 @@ static void stage_route(cuda_exec *x, const moed_route *rt, int64_t t0, int64_t 
 {
     const int64_t T = t1 - t0, P = rt->off[t1] - rt->off[t0];
     moe_route_pack(x->h_route, rt->off, rt->expert, rt->weight, t0, t1);
-    cudaMemcpyAsync(x->route, x->h_route, moe_route_in_words(T, P) * 4, cudaMemcpyHostToDevice, x->stream);
+    cudaMemcpyAsync(x->route, x->h_route, moe_route_in_words(T, P) * 4, cudaMemcpyHostToDevice,
+                    x->stream);
     moe_route_layout(&x->r, x->route, T, P, E, bm);
 }
 
@@ -431,9 +447,11 @@ static cudaGraphExec_t graph_for(cuda_ctx *c, cuda_exec *x, const cuda_layer *L,
     }
     cudaGraph_t graph = NULL;
     cudaGraphExec_t exec = NULL;
-    if (cudaStreamBeginCapture(x->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) goto fail;
-    const int rc = moe_pipeline(&L->k, &x->r, &x->w, x->x_in, k->dtype, x->out, c->sm[dev_index(c, x->device)],
-                                k->n_active, c->force_kernel, x->stream, NULL);
+    if (cudaStreamBeginCapture(x->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
+        goto fail;
+    const int rc =
+        moe_pipeline(&L->k, &x->r, &x->w, x->x_in, k->dtype, x->out, c->sm[dev_index(c, x->device)],
+                     k->n_active, c->force_kernel, x->stream, NULL);
     if (cudaStreamEndCapture(x->stream, &graph) != cudaSuccess || rc) goto fail;
     if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) goto fail;
     cudaGraphDestroy(graph);
@@ -448,7 +466,8 @@ fail:
     return NULL;
 }
 
-static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_job *job, int64_t t0, int64_t t1)
+static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_job *job,
+                     int64_t t0, int64_t t1)
 {
     const moed_route *rt = job->route;
     const int d = L->info.d_model, E = L->info.n_experts;
@@ -473,10 +492,10 @@ static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_
     if (graph)
         rc = cudaGraphLaunch(graph, x->stream) == cudaSuccess ? 0 : MOED_EDEVICE;
     else
-        rc = moe_pipeline(&L->k, &x->r, &x->w, x->x_in, job->dtype, x->out, c->sm[dev_index(c, x->device)], n_act,
-                          c->force_kernel, x->stream, NULL);
-    cudaMemcpyAsync((char *)job->y + (size_t)t0 * d * es, x->out, (size_t)T * d * es, cudaMemcpyDeviceToHost,
-                    x->stream);
+        rc = moe_pipeline(&L->k, &x->r, &x->w, x->x_in, job->dtype, x->out,
+                          c->sm[dev_index(c, x->device)], n_act, c->force_kernel, x->stream, NULL);
+    cudaMemcpyAsync((char *)job->y + (size_t)t0 * d * es, x->out, (size_t)T * d * es,
+                    cudaMemcpyDeviceToHost, x->stream);
     return rc;
 }
 
@@ -485,7 +504,8 @@ static int finish(cuda_exec *x, int rc, const char *what, moed_error *err)
     cudaError_t e = cudaStreamSynchronize(x->stream);
     if (e == cudaSuccess) e = cudaGetLastError();
     if (e != cudaSuccess) return cuda_fail(err, e, what);
-    if (rc) return moed_fail(err, rc, "%s: a kernel launch was refused (%s)", what, moed_strerror(rc));
+    if (rc)
+        return moed_fail(err, rc, "%s: a kernel launch was refused (%s)", what, moed_strerror(rc));
     return 0;
 }
 
@@ -493,14 +513,16 @@ static int cuda_forward(moed_backend *b, int exec, const moed_job *job, moed_err
 {
     cuda_ctx *c = b->ctx;
     if (exec < 0 || exec >= c->n_exec || job->slot < 0 || job->slot >= c->n_layers)
-        return moed_fail(err, MOED_EINVAL, "no execution slot %d or layer slot %d", exec, job->slot);
+        return moed_fail(err, MOED_EINVAL, "no execution slot %d or layer slot %d", exec,
+                         job->slot);
     cuda_exec *x = &c->execs[exec];
     const cuda_layer *L = &c->layers[job->slot];
     if (L->device != x->device)
-        return moed_fail(err, MOED_EINVAL, "layer slot %d lives on GPU %d, not on slot %d's GPU %d", job->slot,
-                         L->device, exec, x->device);
+        return moed_fail(err, MOED_EINVAL, "layer slot %d lives on GPU %d, not on slot %d's GPU %d",
+                         job->slot, L->device, exec, x->device);
     if (job->T > c->max_tokens)
-        return moed_fail(err, MOED_ETOOBIG, "%lld tokens is over the %lld the workspace was sized for",
+        return moed_fail(err, MOED_ETOOBIG,
+                         "%lld tokens is over the %lld the workspace was sized for",
                          (long long)job->T, (long long)c->max_tokens);
     cudaSetDevice(x->device);
     const moed_route *rt = job->route;
@@ -509,8 +531,9 @@ static int cuda_forward(moed_backend *b, int exec, const moed_job *job, moed_err
         int64_t t1 = t0 + 1;
         while (t1 < job->T && rt->off[t1 + 1] - rt->off[t0] <= c->max_pairs) t1++;
         if (rt->off[t1] - rt->off[t0] > c->max_pairs)
-            return moed_fail(err, MOED_ETOOBIG, "token %lld has %lld pairs, over the workspace's %lld",
-                             (long long)t0, (long long)(rt->off[t1] - rt->off[t0]), (long long)c->max_pairs);
+            return moed_fail(err, MOED_ETOOBIG,
+                             "token %lld has %lld pairs, over the workspace's %lld", (long long)t0,
+                             (long long)(rt->off[t1] - rt->off[t0]), (long long)c->max_pairs);
         rc = run_chunk(c, x, L, job, t0, t1);
         t0 = t1;
         /* the next chunk repacks the pinned route staging the last copy may still be reading */
@@ -519,18 +542,20 @@ static int cuda_forward(moed_backend *b, int exec, const moed_job *job, moed_err
     return finish(x, rc, "forward", err);
 }
 
-static int cuda_router_logits(moed_backend *b, int exec, int slot, int dtype, int64_t T, const void *xin,
-                              float *logits, moed_error *err)
+static int cuda_router_logits(moed_backend *b, int exec, int slot, int dtype, int64_t T,
+                              const void *xin, float *logits, moed_error *err)
 {
     cuda_ctx *c = b->ctx;
     if (exec < 0 || exec >= c->n_exec || slot < 0 || slot >= c->n_layers)
         return moed_fail(err, MOED_EINVAL, "no execution slot %d or layer slot %d", exec, slot);
     cuda_exec *x = &c->execs[exec];
     const cuda_layer *L = &c->layers[slot];
-    if (!L->router) return moed_fail(err, MOED_EINVAL, "layer %d has no router weights", L->info.index);
+    if (!L->router)
+        return moed_fail(err, MOED_EINVAL, "layer %d has no router weights", L->info.index);
     if (T > c->max_tokens)
-        return moed_fail(err, MOED_ETOOBIG, "%lld tokens is over the %lld the workspace was sized for",
-                         (long long)T, (long long)c->max_tokens);
+        return moed_fail(err, MOED_ETOOBIG,
+                         "%lld tokens is over the %lld the workspace was sized for", (long long)T,
+                         (long long)c->max_tokens);
     const int d = L->info.d_model, E = L->info.n_experts;
     const size_t es = moed_dtype_size(dtype);
     cudaSetDevice(x->device);
@@ -554,12 +579,13 @@ static int cuda_router_logits(moed_backend *b, int exec, int slot, int dtype, in
         g.identity_rows = (int32_t)T;
         g.bm = moe_tile_bm(T, 1, c->force_kernel == MOE_KERNEL_SM80 ? MOE_KERNEL_SM80 : 0);
         g.max_tiles = (int32_t)((T + g.bm - 1) / g.bm);
-        moe_tile_cfg cfg = { MOE_KERNEL_SM80, g.bm, 128, 1 }; /* fp32 stores: the portable epilogue */
+        moe_tile_cfg cfg = { MOE_KERNEL_SM80, g.bm, 128,
+                             1 }; /* fp32 stores: the portable epilogue */
         rc = moe_gemm_run(&g, &cfg, x->stream);
     }
     if (!rc)
-        cudaMemcpy2DAsync(logits, (size_t)E * 4, x->logits, (size_t)L->e_pad * 4, (size_t)E * 4, (size_t)T,
-                          cudaMemcpyDeviceToHost, x->stream);
+        cudaMemcpy2DAsync(logits, (size_t)E * 4, x->logits, (size_t)L->e_pad * 4, (size_t)E * 4,
+                          (size_t)T, cudaMemcpyDeviceToHost, x->stream);
     return finish(x, rc, "router logits", err);
 }
 
@@ -590,7 +616,8 @@ static int cuda_device_info(moed_backend *b, int i, moed_device_info *out)
     size_t free_b = 0, total_b = 0;
     cudaSetDevice(c->dev[i]);
     cudaMemGetInfo(&free_b, &total_b);
-    snprintf(out->name, sizeof out->name, "%.64s (GPU %d, sm_%d)", c->prop[i].name, c->dev[i], c->sm[i]);
+    snprintf(out->name, sizeof out->name, "%.64s (GPU %d, sm_%d)", c->prop[i].name, c->dev[i],
+             c->sm[i]);
     out->memory_total = total_b;
     out->memory_used = total_b - free_b;
     return 0;
@@ -655,13 +682,15 @@ int moed_backend_cuda_open(const moed_backend_config *cfg, moed_backend **out, m
         const int id = listed ? cfg->devices[i] : i;
         struct cudaDeviceProp *pr = &c->prop[c->n_dev];
         if (id < 0 || id >= n) {
-            rc = moed_fail(err, MOED_EINVAL, "--devices names GPU %d, but only GPUs 0..%d exist", id, n - 1);
+            rc = moed_fail(err, MOED_EINVAL, "--devices names GPU %d, but only GPUs 0..%d exist",
+                           id, n - 1);
             goto err;
         }
         CU(cudaGetDeviceProperties(pr, id), "cudaGetDeviceProperties");
         const int sm = pr->major * 10 + pr->minor;
         if (sm < 80) {
-            rc = moed_fail(err, MOED_ENODEV, "GPU %d (%.64s) is sm_%d; the CUDA backend needs sm_80 or newer", id,
+            rc = moed_fail(err, MOED_ENODEV,
+                           "GPU %d (%.64s) is sm_%d; the CUDA backend needs sm_80 or newer", id,
                            pr->name, sm);
             goto err;
         }

@@ -10,7 +10,8 @@
 
 #include <cuda_runtime.h>
 
-namespace {
+namespace
+{
 
 __global__ void gather_kernel(uint4 *xp, const uint4 *xc, const int32_t *slot_tok, int P, int row16)
 {
@@ -23,11 +24,13 @@ __global__ void gather_kernel(uint4 *xp, const uint4 *xc, const int32_t *slot_to
 
 } // namespace
 
-extern "C" int moe_gather_rows(void *xp, const void *xc, const int32_t *slot_tok, int P, int d_pad, moe_stream s)
+extern "C" int moe_gather_rows(void *xp, const void *xc, const int32_t *slot_tok, int P, int d_pad,
+                               moe_stream s)
 {
     if (P <= 0) return 0;
     const int row16 = d_pad * 2 / 16;
-    gather_kernel<<<P < 65536 ? P : 65536, 128, 0, (cudaStream_t)s>>>((uint4 *)xp, (const uint4 *)xc, slot_tok, P,
-                                                                       row16);
+    const int grid = P < 65536 ? P : 65536; /* (clang-format misreads a `<` inside <<<...>>>) */
+    gather_kernel<<<grid, 128, 0, (cudaStream_t)s>>>((uint4 *)xp, (const uint4 *)xc, slot_tok, P,
+                                                     row16);
     return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;
 }

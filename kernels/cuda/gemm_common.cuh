@@ -48,8 +48,8 @@ __device__ __forceinline__ bool moe_tile_of(const moe_gemm &g, int num_n, int id
 }
 
 /* silu through the fast intrinsics: the result is rounded to bf16/f16 right after, far coarser than
- * their few-ulp error, and the unrolled epilogue stays small enough for the instruction cache. For a
- * very negative a the divisor overflows and __fdividef returns 0, which is silu's limit. */
+ * their few-ulp error, and the unrolled epilogue stays small enough for the instruction cache. For
+ * a very negative a the divisor overflows and __fdividef returns 0, which is silu's limit. */
 __device__ __forceinline__ float moe_silu(float a)
 {
     return __fdividef(a, 1.0f + __expf(-a));
@@ -64,7 +64,8 @@ __device__ __forceinline__ float moe_act(int epi, float a)
 
 /* Stores two adjacent columns of one row. */
 template <typename T> __device__ __forceinline__ void moe_store2(T *p, float v0, float v1);
-template <> __device__ __forceinline__ void moe_store2<__nv_bfloat16>(__nv_bfloat16 *p, float v0, float v1)
+template <>
+__device__ __forceinline__ void moe_store2<__nv_bfloat16>(__nv_bfloat16 *p, float v0, float v1)
 {
     *reinterpret_cast<__nv_bfloat162 *>(p) = __floats2bfloat162_rn(v0, v1);
 }
@@ -81,14 +82,16 @@ template <> __device__ __forceinline__ void moe_store2<__half>(__half *p, float 
  * fully unrolled epilogue made the Hopper kernels too large for the instruction cache).
  */
 template <typename T, int EPI>
-__device__ __forceinline__ void moe_epilogue2(const moe_gemm &g, int64_t row, int n, float v0, float v1,
-                                              float u0, float u1)
+__device__ __forceinline__ void moe_epilogue2(const moe_gemm &g, int64_t row, int n, float v0,
+                                              float v1, float u0, float u1)
 {
     if constexpr (EPI == MOE_EPI_STORE_F32) {
-        *reinterpret_cast<float2 *>(static_cast<float *>(g.c) + row * g.ldc + n) = make_float2(v0, v1);
+        *reinterpret_cast<float2 *>(static_cast<float *>(g.c) + row * g.ldc + n) =
+            make_float2(v0, v1);
     } else if constexpr (EPI == MOE_EPI_SWIGLU) {
         const int hcol = (n / (2 * MOE_GLU_BLOCK)) * MOE_GLU_BLOCK + n % (2 * MOE_GLU_BLOCK);
-        moe_store2<T>(static_cast<T *>(g.c) + row * g.ldc + hcol, moe_silu(v0) * u0, moe_silu(v1) * u1);
+        moe_store2<T>(static_cast<T *>(g.c) + row * g.ldc + hcol, moe_silu(v0) * u0,
+                      moe_silu(v1) * u1);
     } else {
         moe_store2<T>(static_cast<T *>(g.c) + row * g.ldc + n, moe_act(EPI, v0), moe_act(EPI, v1));
     }
@@ -114,7 +117,8 @@ template <typename F> __host__ __forceinline__ int moe_epi_dispatch(int epi, F &
 }
 
 /* The first tile in use at or after id (stepping by the grid); false when none is left. */
-__device__ __forceinline__ bool moe_next_tile(const moe_gemm &g, int num_n, int total, int &id, moe_tile &t)
+__device__ __forceinline__ bool moe_next_tile(const moe_gemm &g, int num_n, int total, int &id,
+                                              moe_tile &t)
 {
     for (; id < total; id += gridDim.x)
         if (moe_tile_of(g, num_n, id, t)) return true;

@@ -13,9 +13,9 @@
  *   bm  64: 4 warps as 2 x 2, warp tile 32 x 64
  *   bm  16: 2 warps as 1 x 2, warp tile 16 x 64, 6 stages (few rows per expert: the kernel streams
  *           weights, and the deep pipeline keeps enough bytes in flight to run at HBM speed); 4
- *           stages when K <= 1024, where CTAs are short-lived and three per SM hide each other's start
- * Every warp tile is 64 columns wide, aligned to 64: the SwiGLU epilogue finds each gate column's
- * up column (32 further, see MOE_GLU_BLOCK) in the same thread's registers.
+ *           stages when K <= 1024, where CTAs are short-lived and three per SM hide each other's
+ * start Every warp tile is 64 columns wide, aligned to 64: the SwiGLU epilogue finds each gate
+ * column's up column (32 further, see MOE_GLU_BLOCK) in the same thread's registers.
  */
 #include "gemm_common.cuh"
 
@@ -24,19 +24,25 @@
 
 #include <cuda_runtime.h>
 
-namespace {
+namespace
+{
 
 constexpr int BK = 64; /* 128-byte shared rows */
 
-template <typename T> __device__ __forceinline__ void mma16816(float d[4], const uint32_t a[4], const uint32_t b[2]);
-template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float d[4], const uint32_t a[4], const uint32_t b[2])
+template <typename T>
+__device__ __forceinline__ void mma16816(float d[4], const uint32_t a[4], const uint32_t b[2]);
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float d[4], const uint32_t a[4],
+                                                        const uint32_t b[2])
 {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
                  "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
-template <> __device__ __forceinline__ void mma16816<__half>(float d[4], const uint32_t a[4], const uint32_t b[2])
+template <>
+__device__ __forceinline__ void mma16816<__half>(float d[4], const uint32_t a[4],
+                                                 const uint32_t b[2])
 {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
                  "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
@@ -52,8 +58,7 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr)
 }
 
 template <typename T, int BM, int BN, int WM, int WN, int STAGES, int EPI>
-__global__ void __launch_bounds__(WM *WN * 32)
-    gemm_sm80_kernel(const moe_gemm g, int num_n)
+__global__ void __launch_bounds__(WM *WN * 32) gemm_sm80_kernel(const moe_gemm g, int num_n)
 {
     constexpr int THREADS = WM * WN * 32;
     constexpr int WTM = BM / WM, WTN = BN / WN;
@@ -71,7 +76,8 @@ __global__ void __launch_bounds__(WM *WN * 32)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp / WN, wn = warp % WN;
 
-    /* Each thread's chunks: fixed shared offsets, and global sources that advance by BK per k-tile. */
+    /* Each thread's chunks: fixed shared offsets, and global sources that advance by BK per k-tile.
+     */
     const T *a_src[A_CHUNKS];
     uint32_t a_dst[A_CHUNKS];
     int a_bytes[A_CHUNKS];
@@ -92,11 +98,13 @@ __global__ void __launch_bounds__(WM *WN * 32)
     auto load_stage = [&](int stage, int kt) {
         const uint32_t sa = sbase + stage * STAGE, sb = sa + A_STAGE;
 #pragma unroll
-        for (int i = 0; i < A_CHUNKS; i++) moe_cp_async16(sa + a_dst[i], a_src[i] + kt * BK, a_bytes[i]);
+        for (int i = 0; i < A_CHUNKS; i++)
+            moe_cp_async16(sa + a_dst[i], a_src[i] + kt * BK, a_bytes[i]);
 #pragma unroll
         for (int i = 0; i < B_CHUNKS; i++) {
             const int c = tid + i * THREADS, row = c >> 3, kc = c & 7;
-            moe_cp_async16(sb + moe_swz128(row, kc), b_base + (int64_t)row * g.k + kt * BK + kc * 8, 16);
+            moe_cp_async16(sb + moe_swz128(row, kc), b_base + (int64_t)row * g.k + kt * BK + kc * 8,
+                           16);
         }
     };
 
@@ -149,7 +157,8 @@ __global__ void __launch_bounds__(WM *WN * 32)
     moe_cp_async_wait<0>();
 
     /* Accumulator (mi, ni, j): row wm*WTM + mi*16 + lane/4 (+8 for j >= 2), column
-     * wn*64 + ni*8 + 2*(lane%4) (+1 for odd j). Gate columns are ni < 4, their up columns ni + 4. */
+     * wn*64 + ni*8 + 2*(lane%4) (+1 for odd j). Gate columns are ni < 4, their up columns ni + 4.
+     */
     constexpr int NOUT = NI / 2;
 #pragma unroll
     for (int mi = 0; mi < MI; mi++)
@@ -177,7 +186,8 @@ int launch_epi(const moe_gemm *g, moe_stream s)
 {
     constexpr int smem = STAGES * (BM + BN) * 128;
     auto kern = gemm_sm80_kernel<T, BM, BN, WM, WN, STAGES, EPI>;
-    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+        cudaSuccess)
         return MOED_EDEVICE;
     const int num_n = g->n / BN;
     const int64_t ctas = (int64_t)num_n * g->max_tiles;
@@ -190,7 +200,8 @@ int launch_epi(const moe_gemm *g, moe_stream s)
 template <typename T, int BM, int BN, int WM, int WN, int STAGES>
 int launch(const moe_gemm *g, moe_stream s)
 {
-    return moe_epi_dispatch(g->epi, [&]<int EPI>() { return launch_epi<T, BM, BN, WM, WN, STAGES, EPI>(g, s); });
+    return moe_epi_dispatch(
+        g->epi, [&]<int EPI>() { return launch_epi<T, BM, BN, WM, WN, STAGES, EPI>(g, s); });
 }
 
 template <typename T> int dispatch(const moe_gemm *g, moe_stream s)

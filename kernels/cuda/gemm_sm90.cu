@@ -7,16 +7,16 @@
  *   warpgroup 0, the producer, fills STAGES shared-memory stages: one thread issues the TMA copy of
  *   the weight tile, and (for the up projection) all 128 threads gather the token rows of A with
  *   16-byte cp.async straight from X[token(row)] — Hopper's TMA cannot gather rows, and a permuted
- *   copy of X would cost a full extra pass over the activations. cp.async writes through the generic
- *   proxy and wgmma reads through the async proxy, so each producer thread waits for its copies of a
- *   stage (LAG stages behind the newest), fences the proxies, and only then arrives on the stage's
- *   barrier. Without gather (the down projection reads H in order) A also comes by TMA.
- *   warpgroups 1 and 2, the consumers, each run m64nBNk16 wgmma over 64 of the tile's rows, keep one
- *   wgmma group in flight, release a stage once the group that read it has finished, and apply the
- *   epilogue from registers.
- * Shared rows are 128 bytes (BK = 64), 128-byte swizzled: the layout TMA writes with
- * CU_TENSOR_MAP_SWIZZLE_128B, the cp.async path writes with moe_swz128, and the wgmma descriptors
- * name. Each output element is one fixed-order sum over K, independent of the tile's other rows.
+ *   copy of X would cost a full extra pass over the activations. cp.async writes through the
+ * generic proxy and wgmma reads through the async proxy, so each producer thread waits for its
+ * copies of a stage (LAG stages behind the newest), fences the proxies, and only then arrives on
+ * the stage's barrier. Without gather (the down projection reads H in order) A also comes by TMA.
+ *   warpgroups 1 and 2, the consumers, each run m64nBNk16 wgmma over 64 of the tile's rows, keep
+ * one wgmma group in flight, release a stage once the group that read it has finished, and apply
+ * the epilogue from registers. Shared rows are 128 bytes (BK = 64), 128-byte swizzled: the layout
+ * TMA writes with CU_TENSOR_MAP_SWIZZLE_128B, the cp.async path writes with moe_swz128, and the
+ * wgmma descriptors name. Each output element is one fixed-order sum over K, independent of the
+ * tile's other rows.
  */
 #include "gemm_common.cuh"
 #include "wgmma_ops.cuh"
@@ -29,7 +29,8 @@
 
 #include <type_traits>
 
-namespace {
+namespace
+{
 
 constexpr int BM = 128, BK = 64, STAGES = 4;
 constexpr int A_STAGE = BM * BK * 2;
@@ -64,7 +65,8 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity)
                  : "memory");
 }
 
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int x, int y)
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, uint32_t bar,
+                                            int x, int y)
 {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
                  "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
@@ -85,14 +87,19 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr)
            ((uint64_t)1 << 62);
 }
 
-template <typename T, int BN> __device__ __forceinline__ void wgmma(float *d, uint64_t da, uint64_t db)
+template <typename T, int BN>
+__device__ __forceinline__ void wgmma(float *d, uint64_t da, uint64_t db)
 {
     if constexpr (BN == 256) {
-        if constexpr (std::is_same<T, __nv_bfloat16>::value) moe_wgmma_m64n256k16_bf16(d, da, db);
-        else moe_wgmma_m64n256k16_f16(d, da, db);
+        if constexpr (std::is_same<T, __nv_bfloat16>::value)
+            moe_wgmma_m64n256k16_bf16(d, da, db);
+        else
+            moe_wgmma_m64n256k16_f16(d, da, db);
     } else {
-        if constexpr (std::is_same<T, __nv_bfloat16>::value) moe_wgmma_m64n128k16_bf16(d, da, db);
-        else moe_wgmma_m64n128k16_f16(d, da, db);
+        if constexpr (std::is_same<T, __nv_bfloat16>::value)
+            moe_wgmma_m64n128k16_bf16(d, da, db);
+        else
+            moe_wgmma_m64n128k16_f16(d, da, db);
     }
 }
 
@@ -105,9 +112,9 @@ template <int N> __device__ __forceinline__ void fence_acc(float (&acc)[N])
 #endif
 
 template <typename T, int BN, bool GATHER, int EPI>
-__global__ void __launch_bounds__(384, 1)
-    gemm_sm90_kernel(const __grid_constant__ CUtensorMap tm_b, const __grid_constant__ CUtensorMap tm_a,
-                     const moe_gemm g, int num_n, int total)
+__global__ void __launch_bounds__(384, 1) gemm_sm90_kernel(const __grid_constant__ CUtensorMap tm_b,
+                                                           const __grid_constant__ CUtensorMap tm_a,
+                                                           const moe_gemm g, int num_n, int total)
 {
 #ifdef MOE_SM90_ENABLED
     constexpr int B_STAGE = BN * BK * 2;
@@ -162,7 +169,8 @@ __global__ void __launch_bounds__(384, 1)
                 if (tid == 0) {
                     mbar_arrive_expect_tx(full + 8 * s, B_STAGE + (GATHER ? 0 : A_STAGE));
                     tma_load_2d(sB + s * B_STAGE, &tm_b, full + 8 * s, kt * BK, b_row);
-                    if constexpr (!GATHER) tma_load_2d(sA + s * A_STAGE, &tm_a, full + 8 * s, kt * BK, cur.row0);
+                    if constexpr (!GATHER)
+                        tma_load_2d(sA + s * A_STAGE, &tm_a, full + 8 * s, kt * BK, cur.row0);
                 }
                 if constexpr (GATHER) {
                     const T *a = static_cast<const T *>(g.a) + kt * BK + kc * 8;
@@ -170,7 +178,8 @@ __global__ void __launch_bounds__(384, 1)
                     for (int i = 0; i < 8; i++) {
                         const int row = (tid >> 3) + 16 * i;
                         moe_cp_async16(sA + s * A_STAGE + moe_swz128(row, kc),
-                                       a + (int64_t)(src[i] < 0 ? 0 : src[i]) * g.lda, src[i] < 0 ? 0 : 16);
+                                       a + (int64_t)(src[i] < 0 ? 0 : src[i]) * g.lda,
+                                       src[i] < 0 ? 0 : 16);
                     }
                     moe_cp_async_commit();
                     if (kt >= LAG) {
@@ -187,7 +196,8 @@ __global__ void __launch_bounds__(384, 1)
             if constexpr (GATHER) { /* signal the tile's last stages before moving on */
                 moe_cp_async_wait<0>();
                 fence_proxy_async();
-                for (int j = it - (ktiles < LAG ? ktiles : LAG); j < it; j++) mbar_arrive(full + 8 * (j % STAGES));
+                for (int j = it - (ktiles < LAG ? ktiles : LAG); j < it; j++)
+                    mbar_arrive(full + 8 * (j % STAGES));
             }
             cur = nxt;
             have = have_next;
@@ -222,7 +232,8 @@ __global__ void __launch_bounds__(384, 1)
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         fence_acc(acc);
-        if (lane == 0) mbar_arrive(empty + 8 * ((it - 1) % STAGES)); /* the producer may refill it now */
+        if (lane == 0)
+            mbar_arrive(empty + 8 * ((it - 1) % STAGES)); /* the producer may refill it now */
 
         /* Accumulator 4*c8 + 2*h + j: row 16*(warp%4) + lane/4 + 8h of this consumer's 64, column
          * 8*c8 + 2*(lane%4) + j. Gate blocks of 32 columns are followed by their up blocks. */
@@ -250,10 +261,10 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-typedef CUresult (*encode_tiled_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
-                                    const cuuint64_t *, const cuuint32_t *, const cuuint32_t *,
-                                    CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
-                                    CUtensorMapFloatOOBfill);
+typedef CUresult (*encode_tiled_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
+                                    const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
+                                    const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                    CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
 /* The driver's tensor-map encoder, found at run time so moed needs no libcuda at link time (it must
  * start on machines without a GPU driver, where the CPU backend serves). */
@@ -263,8 +274,8 @@ encode_tiled_fn encoder()
     if (!fn) {
         void *p = nullptr;
         cudaDriverEntryPointQueryResult q;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) ==
-                cudaSuccess &&
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                             &q) == cudaSuccess &&
             q == cudaDriverEntryPointSuccess)
             fn = reinterpret_cast<encode_tiled_fn>(p);
     }
@@ -272,7 +283,8 @@ encode_tiled_fn encoder()
 }
 
 /* A row-major [rows, cols] matrix of 2-byte elements, read in boxes of box_rows x 64 columns. */
-int tensor_map(CUtensorMap *m, int cdtype, const void *p, int64_t rows, int64_t cols, int64_t ld, int box_rows)
+int tensor_map(CUtensorMap *m, int cdtype, const void *p, int64_t rows, int64_t cols, int64_t ld,
+               int box_rows)
 {
     encode_tiled_fn fn = encoder();
     if (!fn) return MOED_EDEVICE;
@@ -280,10 +292,11 @@ int tensor_map(CUtensorMap *m, int cdtype, const void *p, int64_t rows, int64_t 
     const cuuint64_t strides[1] = { (cuuint64_t)ld * 2 };
     const cuuint32_t box[2] = { (cuuint32_t)BK, (cuuint32_t)box_rows };
     const cuuint32_t estr[2] = { 1, 1 };
-    CUresult r = fn(m, cdtype == MOED_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
-                    const_cast<void *>(p), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                    CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    CUresult r = fn(
+        m, cdtype == MOED_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        2, const_cast<void *>(p), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     return r == CUDA_SUCCESS ? 0 : MOED_EDEVICE;
 }
 
@@ -292,12 +305,15 @@ template <typename T, int BN, bool GATHER, int EPI> int launch(const moe_gemm *g
     CUtensorMap tm_b, tm_a;
     int rc = tensor_map(&tm_b, g->cdtype, g->b, (int64_t)g->b_experts * g->n, g->k, g->k, BN);
     if (rc) return rc;
-    if (GATHER) tm_a = tm_b; /* unused */
-    else if ((rc = tensor_map(&tm_a, g->cdtype, g->a, g->a_rows_total, g->k, g->lda, BM))) return rc;
+    if (GATHER)
+        tm_a = tm_b; /* unused */
+    else if ((rc = tensor_map(&tm_a, g->cdtype, g->a, g->a_rows_total, g->k, g->lda, BM)))
+        return rc;
 
     constexpr int smem = 1024 + STAGES * (A_STAGE + BN * BK * 2) + 16 * STAGES;
     auto kern = gemm_sm90_kernel<T, BN, GATHER, EPI>;
-    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+        cudaSuccess)
         return MOED_EDEVICE;
     const int num_n = g->n / BN;
     const int64_t tiles = (int64_t)num_n * g->max_tiles;
@@ -317,9 +333,12 @@ template <typename T, int BN> int dispatch_bn(const moe_gemm *g, moe_stream s)
 {
     const bool gather = g->a_rows != nullptr;
     return moe_epi_dispatch(g->epi, [&]<int EPI>() -> int {
-        if constexpr (EPI == MOE_EPI_STORE_F32) return MOED_EINVAL;
-        else if constexpr (EPI == MOE_EPI_STORE) return gather ? MOED_EINVAL : launch<T, BN, false, EPI>(g, s);
-        else return gather ? launch<T, BN, true, EPI>(g, s) : launch<T, BN, false, EPI>(g, s);
+        if constexpr (EPI == MOE_EPI_STORE_F32)
+            return MOED_EINVAL;
+        else if constexpr (EPI == MOE_EPI_STORE)
+            return gather ? MOED_EINVAL : launch<T, BN, false, EPI>(g, s);
+        else
+            return gather ? launch<T, BN, true, EPI>(g, s) : launch<T, BN, false, EPI>(g, s);
     });
 }
 
@@ -332,7 +351,8 @@ template <typename T> int dispatch(const moe_gemm *g, int bn, moe_stream s)
 
 extern "C" int moe_gemm_sm90(const moe_gemm *g, int bn, moe_stream s)
 {
-    if (g->bm != BM || (bn != 128 && bn != 256) || g->n % bn || g->k % BK || g->lda % 8) return MOED_EINVAL;
+    if (g->bm != BM || (bn != 128 && bn != 256) || g->n % bn || g->k % BK || g->lda % 8)
+        return MOED_EINVAL;
     if (g->cdtype == MOED_BF16) return dispatch<__nv_bfloat16>(g, bn, s);
     if (g->cdtype == MOED_F16) return dispatch<__half>(g, bn, s);
     return MOED_EINVAL;

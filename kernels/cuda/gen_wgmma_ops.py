@@ -9,6 +9,7 @@ HEAD = """/*
  */
 #ifndef MOE_WGMMA_OPS_CUH
 #define MOE_WGMMA_OPS_CUH
+/* clang-format off: generated; the operand lists stay one line per instruction */
 
 #include <stdint.h>
 """

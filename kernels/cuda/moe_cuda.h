@@ -11,10 +11,10 @@
  *   up GEMM (gemm_*.cu):         H[s] = act(X[token(s)] · W13_e^T) — rows gathered in the A load,
  *                                SwiGLU/GELU/ReLU in the epilogue;
  *   down GEMM:                   Y[s] = H[s] · W2_e^T;
- *   combine (combine.cu):        out[t] = Σ_j w_j · Y[slot(t, j)] in route order (+ shared experts),
- *                                converted to the request's dtype.
- * Every sorted row s is computed alone: its result never depends on where it lands in a tile, so a
- * token's output never depends on the other tokens of the batch.
+ *   combine (combine.cu):        out[t] = Σ_j w_j · Y[slot(t, j)] in route order (+ shared
+ * experts), converted to the request's dtype. Every sorted row s is computed alone: its result
+ * never depends on where it lands in a tile, so a token's output never depends on the other tokens
+ * of the batch.
  *
  * Padding: d and d_ff are padded to multiples of MOE_PAD with zeros (weights and X), which adds
  * exact zeros, so the GEMMs have no K or N edge cases; only M (rows per expert) is ragged.
@@ -32,12 +32,18 @@
 extern "C" {
 #endif
 
-#define MOE_PAD 128
+#define MOE_PAD       128
 #define MOE_GLU_BLOCK 32
 
 typedef struct CUstream_st *moe_stream;
 
-enum { MOE_EPI_SWIGLU = 1, MOE_EPI_GELU = 2, MOE_EPI_RELU = 3, MOE_EPI_STORE = 4, MOE_EPI_STORE_F32 = 5 };
+enum {
+    MOE_EPI_SWIGLU = 1,
+    MOE_EPI_GELU = 2,
+    MOE_EPI_RELU = 3,
+    MOE_EPI_STORE = 4,
+    MOE_EPI_STORE_F32 = 5
+};
 
 /* Device arrays of one batch's route; the first four are inputs, the rest route prep writes. */
 typedef struct moe_route_dev {
@@ -77,18 +83,18 @@ int moe_combine(const moe_route_dev *r, const void *y, const void *ys, int cdtyp
 /* One grouped GEMM over the m-tiles of a route: for each tile (expert e, rows r0 .. r0+bm-1, cut
  * at row_end), C[r] = epilogue(A[row(r)] · B_e^T) for the tile's rows and every N column. */
 typedef struct moe_gemm {
-    int cdtype;              /* MOED_BF16 or MOED_F16: the element type of A, B and C */
-    const void *a;           /* A rows, lda elements apart */
+    int cdtype;    /* MOED_BF16 or MOED_F16: the element type of A, B and C */
+    const void *a; /* A rows, lda elements apart */
     int64_t lda;
-    const int32_t *a_rows;   /* gather: A row of sorted row r is a_rows[r]; NULL: r itself */
-    int64_t a_rows_total;    /* rows of A that exist (loads past it are zero-filled) */
-    const void *b;           /* expert e's [n, k] matrix starts at b + e·b_estride elements */
-    int64_t b_estride;       /* = n·k: the experts are contiguous (the TMA path maps them as one) */
+    const int32_t *a_rows; /* gather: A row of sorted row r is a_rows[r]; NULL: r itself */
+    int64_t a_rows_total;  /* rows of A that exist (loads past it are zero-filled) */
+    const void *b;         /* expert e's [n, k] matrix starts at b + e·b_estride elements */
+    int64_t b_estride;     /* = n·k: the experts are contiguous (the TMA path maps them as one) */
     int32_t b_experts;
-    int n, k;                /* multiples of MOE_PAD */
-    void *c;                 /* C rows, ldc elements apart; float for MOE_EPI_STORE_F32 */
+    int n, k; /* multiples of MOE_PAD */
+    void *c;  /* C rows, ldc elements apart; float for MOE_EPI_STORE_F32 */
     int64_t ldc;
-    int epi;                 /* MOE_EPI_*; SWIGLU writes n/2 columns */
+    int epi; /* MOE_EPI_*; SWIGLU writes n/2 columns */
     /* The m-tiles: from route prep (tile_exp, tile_row, n_tiles, exp_off) or, when tile_exp is
      * NULL, `identity_rows` rows of expert 0 in order (shared experts, router logits). */
     const int32_t *tile_exp, *tile_row, *n_tiles, *exp_off;
@@ -105,7 +111,8 @@ typedef struct moe_tile_cfg {
 } moe_tile_cfg;
 enum { MOE_KERNEL_SM80 = 80, MOE_KERNEL_SM90 = 90 };
 /* force_kernel values: 0 (the table decides), MOE_KERNEL_SM80, MOE_KERNEL_SM90 (gather in the A
- * load), MOE_KERNEL_SM90P (Hopper with pre-permuted rows). MOED_CUDA_KERNEL=sm80|sm90|sm90p sets it. */
+ * load), MOE_KERNEL_SM90P (Hopper with pre-permuted rows). MOED_CUDA_KERNEL=sm80|sm90|sm90p sets
+ * it. */
 enum { MOE_KERNEL_SM90P = 91 };
 int moe_kernel_parse(const char *name);
 
@@ -122,35 +129,39 @@ int moe_gemm_sm90(const moe_gemm *g, int bn, moe_stream s);
 int moe_gemm_run(const moe_gemm *g, const moe_tile_cfg *cfg, moe_stream s);
 
 /* Int32 words of one batch's route on the device: the packed inputs (tok_off, pair_tok, pair_exp,
- * pair_w) followed by route prep's arrays, for T tokens, P pairs, E experts and max_tiles m-tiles. */
+ * pair_w) followed by route prep's arrays, for T tokens, P pairs, E experts and max_tiles m-tiles.
+ */
 size_t moe_route_words(int64_t T, int64_t P, int E, int32_t max_tiles);
 /* The words of the packed inputs alone (what moves host to device). */
 size_t moe_route_in_words(int64_t T, int64_t P);
 /* Packs tokens [t0, t1) of a CSR route (off, expert, weight: moed_route's arrays) into dst, token
  * numbers and offsets rebased to t0. */
-void moe_route_pack(int32_t *dst, const int64_t *off, const int32_t *expert, const float *weight, int64_t t0,
-                    int64_t t1);
-/* Points r's arrays into a device buffer laid out as moe_route_words says, for m-tiles of bm rows. */
+void moe_route_pack(int32_t *dst, const int64_t *off, const int32_t *expert, const float *weight,
+                    int64_t t0, int64_t t1);
+/* Points r's arrays into a device buffer laid out as moe_route_words says, for m-tiles of bm rows.
+ */
 void moe_route_layout(moe_route_dev *r, int32_t *dev, int64_t T, int64_t P, int E, int bm);
 
 /* xp[s] = xc[slot_tok[s]] for s < P, rows of d_pad elements of 2 bytes. */
-int moe_gather_rows(void *xp, const void *xc, const int32_t *slot_tok, int P, int d_pad, moe_stream s);
+int moe_gather_rows(void *xp, const void *xc, const int32_t *slot_tok, int P, int d_pad,
+                    moe_stream s);
 
 /* A layer resident on one device, in the kernels' layout (padded, W1|W3 interleaved). */
 typedef struct moe_layer_dev {
-    int cdtype;            /* MOED_BF16 or MOED_F16 */
-    int act;               /* moed_act */
+    int cdtype; /* MOED_BF16 or MOED_F16 */
+    int act;    /* moed_act */
     int d, d_pad, E;
-    int ff_pad, n_up;      /* n_up = 2·ff_pad for SwiGLU, else ff_pad */
-    int sff_pad, sn_up;    /* shared experts; 0 if none */
-    const void *w13, *w2;  /* [E][n_up][d_pad], [E][d_pad][ff_pad] */
-    const void *s13, *s2;  /* [sn_up][d_pad], [d_pad][sff_pad] */
+    int ff_pad, n_up;     /* n_up = 2·ff_pad for SwiGLU, else ff_pad */
+    int sff_pad, sn_up;   /* shared experts; 0 if none */
+    const void *w13, *w2; /* [E][n_up][d_pad], [E][d_pad][ff_pad] */
+    const void *s13, *s2; /* [sn_up][d_pad], [d_pad][sff_pad] */
 } moe_layer_dev;
 
 /* Device buffers of one batch (one execution slot's workspace). */
 typedef struct moe_work_dev {
-    void *xc;      /* [T, d_pad] compute type */
-    void *h, *y;   /* [P, ff_pad], [P, d_pad]; y also holds the pre-permuted rows until the down GEMM */
+    void *xc; /* [T, d_pad] compute type */
+    void *h,
+        *y; /* [P, ff_pad], [P, d_pad]; y also holds the pre-permuted rows until the down GEMM */
     void *hs, *ys; /* [T, sff_pad], [T, d_pad] (shared experts) */
 } moe_work_dev;
 
@@ -159,8 +170,9 @@ typedef struct moe_work_dev {
  * up and down GEMMs, shared experts, combine into out [T, d] (dtype). r->bm must be
  * moe_tile_bm(P, n_active, force_kernel). If ev is not NULL its 6 events are recorded between the
  * stages (convert | route prep | up | down | shared | combine), for the benchmarks. */
-int moe_pipeline(const moe_layer_dev *L, moe_route_dev *r, const moe_work_dev *w, const void *x, int dtype,
-                 void *out, int sm, int n_active, int force_kernel, moe_stream s, void *const *ev);
+int moe_pipeline(const moe_layer_dev *L, moe_route_dev *r, const moe_work_dev *w, const void *x,
+                 int dtype, void *out, int sm, int n_active, int force_kernel, moe_stream s,
+                 void *const *ev);
 
 #ifdef __cplusplus
 }

@@ -24,8 +24,8 @@ size_t moe_route_words(int64_t T, int64_t P, int E, int32_t max_tiles)
            + 2 * (size_t)max_tiles + 1;                 /* tile_exp, tile_row, n_tiles */
 }
 
-void moe_route_pack(int32_t *dst, const int64_t *off, const int32_t *expert, const float *weight, int64_t t0,
-                    int64_t t1)
+void moe_route_pack(int32_t *dst, const int64_t *off, const int32_t *expert, const float *weight,
+                    int64_t t0, int64_t t1)
 {
     const int64_t T = t1 - t0, p0 = off[t0], P = off[t1] - p0;
     int32_t *pair_tok = dst + T + 1, *pair_exp = pair_tok + P;
@@ -65,9 +65,10 @@ static void mark(void *const *ev, int i, moe_stream s)
 /* Up then down projection of T tokens over the route's m-tiles or, with r NULL, over all T rows in
  * order as one expert (the shared experts). P is the rows H and Y hold. ev, if not NULL, is
  * recorded between the two. */
-static int expert_gemms(const moe_layer_dev *L, const moe_route_dev *r, const void *xc, const void *w13,
-                        const void *w2, int E, int ff_pad, int n_up, void *h, void *y, int64_t T, int64_t P,
-                        int n_active, int sm, int force_kernel, moe_stream s, void *const *ev)
+static int expert_gemms(const moe_layer_dev *L, const moe_route_dev *r, const void *xc,
+                        const void *w13, const void *w2, int E, int ff_pad, int n_up, void *h,
+                        void *y, int64_t T, int64_t P, int n_active, int sm, int force_kernel,
+                        moe_stream s, void *const *ev)
 {
     moe_gemm g;
     memset(&g, 0, sizeof g);
@@ -96,7 +97,9 @@ static int expert_gemms(const moe_layer_dev *L, const moe_route_dev *r, const vo
     g.b_estride = (int64_t)n_up * L->d_pad;
     g.c = h;
     g.ldc = ff_pad;
-    g.epi = L->act == MOED_ACT_SWIGLU ? MOE_EPI_SWIGLU : L->act == MOED_ACT_GELU ? MOE_EPI_GELU : MOE_EPI_RELU;
+    g.epi = L->act == MOED_ACT_SWIGLU ? MOE_EPI_SWIGLU
+            : L->act == MOED_ACT_GELU ? MOE_EPI_GELU
+                                      : MOE_EPI_RELU;
     moe_tile_cfg cfg = moe_tile_choose(sm, P, n_active, g.n, g.k, force_kernel);
     int rc = 0;
     if (r && !cfg.gather) { /* rows pre-permuted into y (free until the down GEMM), A by TMA */
@@ -124,8 +127,9 @@ static int expert_gemms(const moe_layer_dev *L, const moe_route_dev *r, const vo
     return moe_gemm_run(&g, &cfg, s);
 }
 
-int moe_pipeline(const moe_layer_dev *L, moe_route_dev *r, const moe_work_dev *w, const void *x, int dtype,
-                 void *out, int sm, int n_active, int force_kernel, moe_stream s, void *const *ev)
+int moe_pipeline(const moe_layer_dev *L, moe_route_dev *r, const moe_work_dev *w, const void *x,
+                 int dtype, void *out, int sm, int n_active, int force_kernel, moe_stream s,
+                 void *const *ev)
 {
     /* Input already in the compute type and unpadded: the GEMMs read it where it is. */
     const int direct = dtype == L->cdtype && L->d == L->d_pad;
@@ -135,16 +139,17 @@ int moe_pipeline(const moe_layer_dev *L, moe_route_dev *r, const moe_work_dev *w
     if (!rc && r->P > 0) rc = moe_route_prep(r, s);
     mark(ev, 1, s);
     if (!rc && r->P > 0)
-        rc = expert_gemms(L, r, xc, L->w13, L->w2, L->E, L->ff_pad, L->n_up, w->h, w->y, r->T, r->P, n_active,
-                          sm, force_kernel, s, ev ? ev + 2 : NULL);
+        rc = expert_gemms(L, r, xc, L->w13, L->w2, L->E, L->ff_pad, L->n_up, w->h, w->y, r->T, r->P,
+                          n_active, sm, force_kernel, s, ev ? ev + 2 : NULL);
     else
         mark(ev, 2, s);
     mark(ev, 3, s);
     if (!rc && L->s13)
-        rc = expert_gemms(L, NULL, xc, L->s13, L->s2, 1, L->sff_pad, L->sn_up, w->hs, w->ys, r->T, r->T, 1, sm,
-                          force_kernel, s, NULL);
+        rc = expert_gemms(L, NULL, xc, L->s13, L->s2, 1, L->sff_pad, L->sn_up, w->hs, w->ys, r->T,
+                          r->T, 1, sm, force_kernel, s, NULL);
     mark(ev, 4, s);
-    if (!rc) rc = moe_combine(r, w->y, L->s13 ? w->ys : NULL, L->cdtype, L->d, L->d_pad, out, dtype, s);
+    if (!rc)
+        rc = moe_combine(r, w->y, L->s13 ? w->ys : NULL, L->cdtype, L->d, L->d_pad, out, dtype, s);
     mark(ev, 5, s);
     return rc;
 }

@@ -16,10 +16,11 @@
 #include <cub/block/block_scan.cuh>
 #include <cuda_runtime.h>
 
-namespace {
+namespace
+{
 
 constexpr int SCAN_THREADS = 1024, SCAN_ITEMS = 4; /* up to 4096 experts */
-constexpr int SMALL_P = 16384;                      /* one launch up to this many pairs */
+constexpr int SMALL_P = 16384;                     /* one launch up to this many pairs */
 
 __global__ void count_kernel(const int32_t *pair_exp, int P, int E, int32_t *cnt)
 {
@@ -35,7 +36,8 @@ __global__ void count_kernel(const int32_t *pair_exp, int P, int E, int32_t *cnt
 
 /* Exclusive scans of the per-expert counts (rows, then m-tiles), written as exp_off, the tile
  * lists, n_tiles, and each expert's first row into cursor (where scatter starts). One block. */
-__device__ __forceinline__ void scan_counts(const moe_route_dev &r, const int32_t *counts, int32_t *cursor)
+__device__ __forceinline__ void scan_counts(const moe_route_dev &r, const int32_t *counts,
+                                            int32_t *cursor)
 {
     typedef cub::BlockScan<int32_t, SCAN_THREADS> scan_t;
     __shared__ typename scan_t::TempStorage tmp;
@@ -50,7 +52,8 @@ __device__ __forceinline__ void scan_counts(const moe_route_dev &r, const int32_
     scan_t(tmp).ExclusiveSum(cnt, row_off, total_rows);
     __syncthreads();
     scan_t(tmp).ExclusiveSum(tiles, tile_off, total_tiles);
-    __syncthreads(); /* every thread has read counts before cursor (which may alias it) is written */
+    __syncthreads(); /* every thread has read counts before cursor (which may alias it) is written
+                      */
 #pragma unroll
     for (int i = 0; i < SCAN_ITEMS; i++) {
         const int e = threadIdx.x * SCAN_ITEMS + i;

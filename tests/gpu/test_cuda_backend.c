@@ -1,14 +1,15 @@
 /*
- * test_cuda_backend — the CUDA backend against the CPU backend (the reference) over a table of cases:
- * the standard shapes scaled down, T = 1, 7, 128, 1000, 4096, k = 1, 2, 8, every token on one
- * expert, empty experts, variable k from sigmoid and sparsemax gating, padding, both activations,
- * every activation dtype, bf16 and f16 weights, shared experts, and each kernel family forced in
- * turn (sm80 mma.sync, sm90 with gathered rows, sm90p with pre-permuted rows); then the full-size standard shapes, checked on a random sample of rows; then the
- * determinism contract (a row computed alone is bit-identical to the same row inside a batch).
+ * test_cuda_backend — the CUDA backend against the CPU backend (the reference) over a table of
+ * cases: the standard shapes scaled down, T = 1, 7, 128, 1000, 4096, k = 1, 2, 8, every token on
+ * one expert, empty experts, variable k from sigmoid and sparsemax gating, padding, both
+ * activations, every activation dtype, bf16 and f16 weights, shared experts, and each kernel family
+ * forced in turn (sm80 mma.sync, sm90 with gathered rows, sm90p with pre-permuted rows); then the
+ * full-size standard shapes, checked on a random sample of rows; then the determinism contract (a
+ * row computed alone is bit-identical to the same row inside a batch).
  *
- * A case passes when ||gpu - cpu|| / ||cpu|| is within the bound for its compute type, no element is
- * NaN or Inf, and every output element was written (outputs are poisoned with NaN first).
- * Exits 77 (skipped) where no CUDA device answers: CI has no GPU, and a skip is not a pass.
+ * A case passes when ||gpu - cpu|| / ||cpu|| is within the bound for its compute type, no element
+ * is NaN or Inf, and every output element was written (outputs are poisoned with NaN first). Exits
+ * 77 (skipped) where no CUDA device answers: CI has no GPU, and a skip is not a pass.
  * MOED_GPU_TEST_QUICK=1 runs a few representative cases (for compute-sanitizer).
  */
 #include "check.h"
@@ -53,15 +54,17 @@ static double elapsed_s(struct timespec a)
 }
 
 /* A route of the wanted kind for T tokens over the layer's experts. */
-static int make_route(const moed_layer_info *li, const float *router_bias, int kind, int64_t T, moed_route *r)
+static int make_route(const moed_layer_info *li, const float *router_bias, int kind, int64_t T,
+                      moed_route *r)
 {
     const int E = li->n_experts, k = li->top_k;
     moed_error err;
     if (kind == R_SIGMOID || kind == R_SPARSEMAX || kind == R_TOPK) {
         float *logits = malloc(sizeof(float) * (size_t)T * E);
         for (int64_t i = 0; i < T * E; i++) logits[i] = (float)(4.0 * urand() - 2.0);
-        moed_gate_params p = { kind == R_SIGMOID ? MOED_GATE_SIGMOID : kind == R_SPARSEMAX ? MOED_GATE_SPARSEMAX
-                                                                                           : MOED_GATE_TOPK,
+        moed_gate_params p = { kind == R_SIGMOID     ? MOED_GATE_SIGMOID
+                               : kind == R_SPARSEMAX ? MOED_GATE_SPARSEMAX
+                                                     : MOED_GATE_TOPK,
                                0, MOED_RENORM_DEFAULT, kind == R_SIGMOID ? 0.7f : 0.0f };
         int rc = moed_gate_resolve(&p, li, &err);
         if (!rc) rc = moed_gate(&p, li, router_bias, logits, T, r, &err);
@@ -74,9 +77,12 @@ static int make_route(const moed_layer_info *li, const float *router_bias, int k
     for (int64_t t = 0; t < T; t++)
         for (int j = 0; j < k; j++) {
             int32_t e;
-            if (kind == R_ONE_EXPERT) e = 3 % E;
-            else if (kind == R_HALF_EXPERTS) e = (int32_t)(urand() * (E / 2)) * 2; /* odd experts stay empty */
-            else e = (int32_t)(urand() * E);
+            if (kind == R_ONE_EXPERT)
+                e = 3 % E;
+            else if (kind == R_HALF_EXPERTS)
+                e = (int32_t)(urand() * (E / 2)) * 2; /* odd experts stay empty */
+            else
+                e = (int32_t)(urand() * E);
             ids[t * k + j] = e;
             w[t * k + j] = (float)(0.05 + urand());
             if (kind == R_PADDED && j > 0 && urand() < 0.4) {
@@ -92,15 +98,18 @@ static int make_route(const moed_layer_info *li, const float *router_bias, int k
 }
 
 /* Backend with the one layer loaded and started. */
-static moed_backend *open_backend(const char *name, const char *kernel, const moed_layer *l, int64_t max_tokens)
+static moed_backend *open_backend(const char *name, const char *kernel, const moed_layer *l,
+                                  int64_t max_tokens)
 {
     moed_backend_config cfg = { 0 };
     cfg.max_tokens = max_tokens;
     cfg.streams = 1;
     moed_backend *b = NULL;
     moed_error err;
-    if (kernel) setenv("MOED_CUDA_KERNEL", kernel, 1);
-    else unsetenv("MOED_CUDA_KERNEL");
+    if (kernel)
+        setenv("MOED_CUDA_KERNEL", kernel, 1);
+    else
+        unsetenv("MOED_CUDA_KERNEL");
     int rc = moed_backend_open(name, &cfg, &b, &err);
     if (!rc) rc = b->ops->load_layer(b, 0, l, &err);
     if (!rc) rc = b->ops->start(b, &err);
@@ -131,7 +140,8 @@ static void sub_route(const moed_route *r, const int64_t *tok, int64_t len, moed
 static void gather_rows(const void *x, size_t row_bytes, const int64_t *tok, int64_t len, void *dst)
 {
     for (int64_t i = 0; i < len; i++)
-        memcpy((char *)dst + (size_t)i * row_bytes, (const char *)x + (size_t)tok[i] * row_bytes, row_bytes);
+        memcpy((char *)dst + (size_t)i * row_bytes, (const char *)x + (size_t)tok[i] * row_bytes,
+               row_bytes);
 }
 
 /* Relative Frobenius error of got against ref over n elements; -1 if got has NaN/Inf. */
@@ -178,7 +188,8 @@ static void run_case(const tcase *tc)
     const size_t es = moed_dtype_size(tc->xdtype), row = (size_t)d * es;
     const int64_t T = tc->T, n_ref = tc->sample ? tc->sample : T;
     void *x = malloc(row * (size_t)T), *y = malloc(row * (size_t)T);
-    void *xs = malloc(row * (size_t)n_ref), *ys = malloc(row * (size_t)n_ref), *yr = malloc(row * (size_t)n_ref);
+    void *xs = malloc(row * (size_t)n_ref), *ys = malloc(row * (size_t)n_ref),
+         *yr = malloc(row * (size_t)n_ref);
     int64_t *tok = malloc(sizeof(int64_t) * (size_t)n_ref);
     float *xf = malloc(sizeof(float) * (size_t)d);
     for (int64_t t = 0; t < T; t++) {
@@ -211,13 +222,14 @@ static void run_case(const tcase *tc)
         const int cdt_f16 = li->wdtype == MOED_F16;
         const double bound = cdt_f16 ? 5e-3 : 2e-2;
         const double e = rel_err(tc->xdtype, ys, yr, (size_t)n_ref * d);
-        CHECK_MSG(e >= 0 && e <= bound, "%s: relative error %.3g (bound %.0e; -1 means NaN/Inf or unwritten)",
-                  tc->name, e, bound);
-        fprintf(stderr, "  %-44s T=%-6lld pairs=%-7lld rel_err=%.2e  %.1fs\n", tc->name, (long long)T,
-                (long long)route.off[T], e, elapsed_s(t0));
+        CHECK_MSG(e >= 0 && e <= bound,
+                  "%s: relative error %.3g (bound %.0e; -1 means NaN/Inf or unwritten)", tc->name,
+                  e, bound);
+        fprintf(stderr, "  %-44s T=%-6lld pairs=%-7lld rel_err=%.2e  %.1fs\n", tc->name,
+                (long long)T, (long long)route.off[T], e, elapsed_s(t0));
 
-        /* The server router: logits of the sampled rows, CUDA against CPU (f32 out; inputs rounded to
-         * the compute type on the GPU, hence the bf16-sized bound). */
+        /* The server router: logits of the sampled rows, CUDA against CPU (f32 out; inputs rounded
+         * to the compute type on the GPU, hence the bf16-sized bound). */
         if (li->has_router) {
             float *lg = malloc(sizeof(float) * (size_t)n_ref * li->n_experts);
             float *lc = malloc(sizeof(float) * (size_t)n_ref * li->n_experts);
@@ -226,19 +238,22 @@ static void run_case(const tcase *tc)
             rc = cpu->ops->router_logits(cpu, 0, 0, tc->xdtype, n_ref, xs, lc, &err);
             CHECK_MSG(rc == 0, "%s: cpu router logits: %s", tc->name, err.msg);
             const double le = rel_err(MOED_F32, lg, lc, (size_t)n_ref * li->n_experts);
-            CHECK_MSG(le >= 0 && le <= bound, "%s: router logits relative error %.3g", tc->name, le);
+            CHECK_MSG(le >= 0 && le <= bound, "%s: router logits relative error %.3g", tc->name,
+                      le);
             free(lg);
             free(lc);
         }
 
-        /* Determinism: the first sampled token alone must reproduce its row of the batch bit for bit. */
+        /* Determinism: the first sampled token alone must reproduce its row of the batch bit for
+         * bit. */
         moed_route one = { 0 };
         sub_route(&route, tok, 1, &one);
         moed_job ojob = { 0, tc->xdtype, 1, xs, yr, &one };
         poison(tc->xdtype, yr, (size_t)d);
         rc = gpu->ops->forward(gpu, 0, &ojob, &err);
-        CHECK_MSG(rc == 0 && !memcmp(yr, ys, row), "%s: token %lld alone differs from the same token in the batch",
-                  tc->name, (long long)tok[0]);
+        CHECK_MSG(rc == 0 && !memcmp(yr, ys, row),
+                  "%s: token %lld alone differs from the same token in the batch", tc->name,
+                  (long long)tok[0]);
         moed_route_free(&one);
         moed_route_free(&sr);
     }
@@ -256,9 +271,11 @@ out:
     free(xf);
 }
 
-#define MIX_S "layers=1,d=512,ff=1792,experts=8,topk=2,act=swiglu,dtype=bf16,seed=3"
+#define MIX_S  "layers=1,d=512,ff=1792,experts=8,topk=2,act=swiglu,dtype=bf16,seed=3"
 #define QWEN_S "layers=1,d=256,ff=96,experts=128,topk=8,act=swiglu,dtype=bf16,seed=4"
-#define DSV3_S "layers=1,d=448,ff=256,experts=64,topk=8,act=swiglu,dtype=bf16,seed=5,shared=1,shared_ff=256,rule=deepseek,groups=8,topk_groups=4,scale=2.5"
+#define DSV3_S                                                                                     \
+    "layers=1,d=448,ff=256,experts=64,topk=8,act=swiglu,dtype=bf16,seed=5,shared=1,shared_ff=256," \
+    "rule=deepseek,groups=8,topk_groups=4,scale=2.5"
 
 static const tcase cases[] = {
     { "mixtral-s T=1", MIX_S, 1, R_TOPK, MOED_BF16, NULL, 0 },
@@ -273,8 +290,8 @@ static const tcase cases[] = {
     { "mixtral-s one expert T=1000 sm90", MIX_S, 1000, R_ONE_EXPERT, MOED_BF16, "sm90", 0 },
     { "mixtral-s one expert T=1000 sm80", MIX_S, 1000, R_ONE_EXPERT, MOED_BF16, "sm80", 0 },
     { "mixtral-s empty experts T=128", MIX_S, 128, R_HALF_EXPERTS, MOED_BF16, NULL, 0 },
-    { "k=1 T=1000", "layers=1,d=384,ff=640,experts=16,topk=1,act=swiglu,dtype=bf16,seed=6", 1000, R_TOPK,
-      MOED_BF16, NULL, 0 },
+    { "k=1 T=1000", "layers=1,d=384,ff=640,experts=16,topk=1,act=swiglu,dtype=bf16,seed=6", 1000,
+      R_TOPK, MOED_BF16, NULL, 0 },
     { "qwen3-s T=1", QWEN_S, 1, R_TOPK, MOED_BF16, NULL, 0 },
     { "qwen3-s T=7", QWEN_S, 7, R_TOPK, MOED_BF16, NULL, 0 },
     { "qwen3-s T=1000", QWEN_S, 1000, R_TOPK, MOED_BF16, NULL, 0 },
@@ -287,21 +304,25 @@ static const tcase cases[] = {
     { "deepseek-s shared T=1000", DSV3_S, 1000, R_TOPK, MOED_BF16, NULL, 0 },
     { "deepseek-s shared T=4096 sm90", DSV3_S, 4096, R_TOPK, MOED_BF16, "sm90", 0 },
     { "deepseek-s shared T=4096 sm90p", DSV3_S, 4096, R_TOPK, MOED_BF16, "sm90p", 0 },
-    { "gelu f16 weights T=1000", "layers=1,d=320,ff=200,experts=8,topk=2,act=gelu,dtype=f16,seed=7", 1000,
-      R_TOPK, MOED_F16, NULL, 0 },
-    { "relu f32 weights T=128", "layers=1,d=200,ff=130,experts=6,topk=2,act=relu,dtype=f32,seed=8", 128, R_TOPK,
-      MOED_F32, NULL, 0 },
-    { "odd sizes T=37", "layers=1,d=100,ff=70,experts=5,topk=3,act=swiglu,dtype=bf16,seed=9", 37, R_TOPK,
-      MOED_BF16, NULL, 0 },
-    { "f16 weights sm90 T=1000", "layers=1,d=512,ff=384,experts=8,topk=2,act=swiglu,dtype=f16,seed=10", 1000,
-      R_TOPK, MOED_F16, "sm90", 0 },
+    { "gelu f16 weights T=1000", "layers=1,d=320,ff=200,experts=8,topk=2,act=gelu,dtype=f16,seed=7",
+      1000, R_TOPK, MOED_F16, NULL, 0 },
+    { "relu f32 weights T=128", "layers=1,d=200,ff=130,experts=6,topk=2,act=relu,dtype=f32,seed=8",
+      128, R_TOPK, MOED_F32, NULL, 0 },
+    { "odd sizes T=37", "layers=1,d=100,ff=70,experts=5,topk=3,act=swiglu,dtype=bf16,seed=9", 37,
+      R_TOPK, MOED_BF16, NULL, 0 },
+    { "f16 weights sm90 T=1000",
+      "layers=1,d=512,ff=384,experts=8,topk=2,act=swiglu,dtype=f16,seed=10", 1000, R_TOPK, MOED_F16,
+      "sm90", 0 },
     /* full-size standard shapes, sampled rows */
-    { "mixtral full T=4096", "layers=1,d=4096,ff=14336,experts=8,topk=2,act=swiglu,dtype=bf16,seed=11", 4096,
-      R_TOPK, MOED_BF16, NULL, 24 },
-    { "qwen3-30b-a3b full T=4096", "layers=1,d=2048,ff=768,experts=128,topk=8,act=swiglu,dtype=bf16,seed=12", 4096,
-      R_TOPK, MOED_BF16, NULL, 24 },
+    { "mixtral full T=4096",
+      "layers=1,d=4096,ff=14336,experts=8,topk=2,act=swiglu,dtype=bf16,seed=11", 4096, R_TOPK,
+      MOED_BF16, NULL, 24 },
+    { "qwen3-30b-a3b full T=4096",
+      "layers=1,d=2048,ff=768,experts=128,topk=8,act=swiglu,dtype=bf16,seed=12", 4096, R_TOPK,
+      MOED_BF16, NULL, 24 },
     { "deepseek-v3 full T=1000",
-      "layers=1,d=7168,ff=2048,experts=256,topk=8,act=swiglu,dtype=bf16,seed=13,shared=1,shared_ff=2048,"
+      "layers=1,d=7168,ff=2048,experts=256,topk=8,act=swiglu,dtype=bf16,seed=13,shared=1,shared_ff="
+      "2048,"
       "rule=deepseek,groups=8,topk_groups=4,scale=2.5",
       1000, R_TOPK, MOED_BF16, NULL, 16 },
 };
@@ -311,7 +332,8 @@ static const int quick[] = { 1, 4, 5, 9, 17, 22, 27 };
 int main(void)
 {
     if (!moed_backend_cuda_available()) {
-        fprintf(stderr, "test_cuda_backend: no CUDA device (or moed built without CUDA): skipped\n");
+        fprintf(stderr,
+                "test_cuda_backend: no CUDA device (or moed built without CUDA): skipped\n");
         return CHECK_SKIP;
     }
     const int n = (int)(sizeof cases / sizeof cases[0]);

@@ -31,7 +31,7 @@ static struct {
     int64_t job_T[MAX_JOBS];
     int job_slot[MAX_JOBS];
     int job_exec[MAX_JOBS];
-    int pin; /* exec_accepts: slot s runs only on exec s (two GPUs, one layer each) */
+    int pin;          /* exec_accepts: slot s runs only on exec s (two GPUs, one layer each) */
     int fail_forward; /* the next forward fails */
 } fk = { .m = PTHREAD_MUTEX_INITIALIZER, .c = PTHREAD_COND_INITIALIZER };
 

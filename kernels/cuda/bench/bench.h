@@ -11,7 +11,8 @@
 extern "C" {
 #endif
 
-/* n elements of dtype (MOED_BF16/F16/F32) at device pointer p, uniform in [-scale, scale), never 0. */
+/* n elements of dtype (MOED_BF16/F16/F32) at device pointer p, uniform in [-scale, scale), never 0.
+ */
 int bench_fill(void *p, int dtype, size_t n, uint64_t seed, float scale);
 
 #ifdef __cplusplus

@@ -1,7 +1,7 @@
 /*
  * fill — random device data for the benchmarks: uniform in [-scale, scale), from a counter-based
- * hash so it is cheap to make many gigabytes of it on the device, and never zero (zeros hide unwritten
- * outputs and run faster than real data).
+ * hash so it is cheap to make many gigabytes of it on the device, and never zero (zeros hide
+ * unwritten outputs and run faster than real data).
  */
 #include "bench.h"
 
@@ -11,7 +11,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-namespace {
+namespace
+{
 
 __device__ __forceinline__ float hash_uniform(uint64_t seed, uint64_t i)
 {
@@ -23,13 +24,23 @@ __device__ __forceinline__ float hash_uniform(uint64_t seed, uint64_t i)
 }
 
 template <typename T> __device__ __forceinline__ T cvt(float v);
-template <> __device__ __forceinline__ __nv_bfloat16 cvt<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <> __device__ __forceinline__ __half cvt<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ float cvt<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 cvt<__nv_bfloat16>(float v)
+{
+    return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half cvt<__half>(float v)
+{
+    return __float2half_rn(v);
+}
+template <> __device__ __forceinline__ float cvt<float>(float v)
+{
+    return v;
+}
 
 template <typename T> __global__ void fill_kernel(T *p, size_t n, uint64_t seed, float scale)
 {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
         float v = hash_uniform(seed, i) * scale;
         if (v == 0.0f) v = scale * 1e-3f;
         p[i] = cvt<T>(v);
@@ -41,8 +52,11 @@ template <typename T> __global__ void fill_kernel(T *p, size_t n, uint64_t seed,
 extern "C" int bench_fill(void *p, int dtype, size_t n, uint64_t seed, float scale)
 {
     const int blocks = 4096;
-    if (dtype == MOED_BF16) fill_kernel<<<blocks, 256>>>((__nv_bfloat16 *)p, n, seed, scale);
-    else if (dtype == MOED_F16) fill_kernel<<<blocks, 256>>>((__half *)p, n, seed, scale);
-    else fill_kernel<<<blocks, 256>>>((float *)p, n, seed, scale);
+    if (dtype == MOED_BF16)
+        fill_kernel<<<blocks, 256>>>((__nv_bfloat16 *)p, n, seed, scale);
+    else if (dtype == MOED_F16)
+        fill_kernel<<<blocks, 256>>>((__half *)p, n, seed, scale);
+    else
+        fill_kernel<<<blocks, 256>>>((float *)p, n, seed, scale);
     return cudaDeviceSynchronize() == cudaSuccess ? 0 : -1;
 }

@@ -7,7 +7,8 @@
  * bytes = the weights of every expert that received a token + activations in and out.
  *
  * usage: moe-bench [--shapes mixtral,qwen3-30b-a3b,deepseek-v3] [--tokens 8,64,512,4096,16384]
- *                  [--routing uniform,zipf,hot,empty] [--kernel auto,sm80,sm90,sm90p] [--min-ms 200]
+ *                  [--routing uniform,zipf,hot,empty] [--kernel auto,sm80,sm90,sm90p] [--min-ms
+ * 200]
  *                  [--cublas] [--graph] [--json FILE]
  * Prints one table row per run; --json writes every figure, the stage times included. --cublas adds
  * the headroom line: the same per-expert GEMMs through cuBLAS on pre-permuted rows, no epilogues.
@@ -38,14 +39,14 @@ static const shape shapes[] = {
     { "deepseek-v3", 7168, 2048, 256, 8 },
 };
 
-#define CK(call)                                                                                    \
-    do {                                                                                            \
-        cudaError_t e_ = (call);                                                                    \
-        if (e_ != cudaSuccess) {                                                                    \
-            fprintf(stderr, "moe-bench: %s failed: %s (line %d)\n", #call, cudaGetErrorString(e_),   \
-                    __LINE__);                                                                      \
-            exit(1);                                                                                \
-        }                                                                                           \
+#define CK(call)                                                                                   \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "moe-bench: %s failed: %s (line %d)\n", #call, cudaGetErrorString(e_), \
+                    __LINE__);                                                                     \
+            exit(1);                                                                               \
+        }                                                                                          \
     } while (0)
 
 static uint64_t rng = 42;
@@ -87,7 +88,8 @@ static void choose(const char *routing, int E, int k, int32_t *out)
             } else if (!strcmp(routing, "hot") && j == 0) {
                 e = 0; /* every token sends one pair to expert 0 */
             } else if (!strcmp(routing, "empty")) {
-                e = (int32_t)(urand() * (E / 4 > k ? E / 4 : k)); /* three quarters of the experts idle */
+                e = (int32_t)(urand() *
+                              (E / 4 > k ? E / 4 : k)); /* three quarters of the experts idle */
             } else {
                 e = (int32_t)(urand() * E);
             }
@@ -103,7 +105,8 @@ typedef struct run {
     int64_t T, P;
     int active, bm;
     double ms, stage_ms[6], tflops, gbs;
-    double cublas_ms; /* the same per-expert GEMMs through cuBLAS, pre-permuted rows, no epilogues */
+    double
+        cublas_ms; /* the same per-expert GEMMs through cuBLAS, pre-permuted rows, no epilogues */
 } run;
 
 static double g_matmul_tflops, g_copy_gbs;
@@ -127,8 +130,9 @@ static void ceilings(void)
     double t[32];
     for (int i = 0; i < reps + 5; i++) {
         cudaEventRecord(e0, 0);
-        cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, a, CUDA_R_16BF, n, b, CUDA_R_16BF, n, &beta, c,
-                     CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, a, CUDA_R_16BF, n, b,
+                     CUDA_R_16BF, n, &beta, c, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                     CUBLAS_GEMM_DEFAULT);
         cudaEventRecord(e1, 0);
         CK(cudaEventSynchronize(e1));
         float ms;
@@ -160,8 +164,8 @@ static void ceilings(void)
 
 /* The headroom line: for each expert with rows, cuBLAS up (cnt x 2ff x d) then down (cnt x d x ff)
  * on contiguous rows — the dense GEMM time of the same work, with no gather, SwiGLU or combine. */
-static double bench_cublas(const shape *s, const moe_layer_dev *L, const int64_t *counts, int64_t P, void *xp,
-                           void *h, void *y)
+static double bench_cublas(const shape *s, const moe_layer_dev *L, const int64_t *counts, int64_t P,
+                           void *xp, void *h, void *y)
 {
     const float alpha = 1, beta = 0;
     cudaEvent_t e0, e1;
@@ -177,14 +181,14 @@ static double bench_cublas(const shape *s, const moe_layer_dev *L, const int64_t
             if (!m) continue;
             const char *w13 = (const char *)L->w13 + (size_t)e * L->n_up * s->d * 2;
             const char *w2 = (const char *)L->w2 + (size_t)e * s->d * s->ff * 2;
-            cublasGemmEx(g_cublas, CUBLAS_OP_T, CUBLAS_OP_N, L->n_up, m, s->d, &alpha, w13, CUDA_R_16BF, s->d,
-                         (const char *)xp + (size_t)row * s->d * 2, CUDA_R_16BF, s->d, &beta,
-                         (char *)h + (size_t)row * L->n_up * 2, CUDA_R_16BF, L->n_up, CUBLAS_COMPUTE_32F,
-                         CUBLAS_GEMM_DEFAULT);
-            cublasGemmEx(g_cublas, CUBLAS_OP_T, CUBLAS_OP_N, s->d, m, s->ff, &alpha, w2, CUDA_R_16BF, s->ff,
-                         (const char *)h + (size_t)row * L->n_up * 2, CUDA_R_16BF, L->n_up, &beta,
-                         (char *)y + (size_t)row * s->d * 2, CUDA_R_16BF, s->d, CUBLAS_COMPUTE_32F,
-                         CUBLAS_GEMM_DEFAULT);
+            cublasGemmEx(g_cublas, CUBLAS_OP_T, CUBLAS_OP_N, L->n_up, m, s->d, &alpha, w13,
+                         CUDA_R_16BF, s->d, (const char *)xp + (size_t)row * s->d * 2, CUDA_R_16BF,
+                         s->d, &beta, (char *)h + (size_t)row * L->n_up * 2, CUDA_R_16BF, L->n_up,
+                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+            cublasGemmEx(g_cublas, CUBLAS_OP_T, CUBLAS_OP_N, s->d, m, s->ff, &alpha, w2,
+                         CUDA_R_16BF, s->ff, (const char *)h + (size_t)row * L->n_up * 2,
+                         CUDA_R_16BF, L->n_up, &beta, (char *)y + (size_t)row * s->d * 2,
+                         CUDA_R_16BF, s->d, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
             row += m;
         }
         cudaEventRecord(e1, 0);
@@ -200,8 +204,9 @@ static double bench_cublas(const shape *s, const moe_layer_dev *L, const int64_t
 }
 
 /* Times the pipeline for one shape (weights resident in L) at T tokens with one routing rule. */
-static void bench_one(const shape *s, const moe_layer_dev *L, int sm, int64_t T, const char *routing,
-                      const char *kernel, double min_ms, int with_cublas, int graph, run *out)
+static void bench_one(const shape *s, const moe_layer_dev *L, int sm, int64_t T,
+                      const char *routing, const char *kernel, double min_ms, int with_cublas,
+                      int graph, run *out)
 {
     const int E = s->E, k = s->k, force = moe_kernel_parse(kernel);
     const int64_t P = T * k;
@@ -272,10 +277,12 @@ static void bench_one(const shape *s, const moe_layer_dev *L, int sm, int64_t T,
             CK(cudaGraphLaunch(gexec, st));
             for (int i = 0; i < 6; i++) cudaEventRecord(ev[i], st);
         } else {
-            rc = moe_pipeline(L, &r, &wk, x, MOED_BF16, y, sm, active, force, (moe_stream)st, (void *const *)ev);
+            rc = moe_pipeline(L, &r, &wk, x, MOED_BF16, y, sm, active, force, (moe_stream)st,
+                              (void *const *)ev);
         }
         if (rc) {
-            fprintf(stderr, "moe-bench: pipeline refused (%d) for %s T=%lld\n", rc, s->name, (long long)T);
+            fprintf(stderr, "moe-bench: pipeline refused (%d) for %s T=%lld\n", rc, s->name,
+                    (long long)T);
             exit(1);
         }
         CK(cudaEventSynchronize(ev[5]));
@@ -344,24 +351,35 @@ static int split(char *s, char **out, int max)
 
 int main(int argc, char **argv)
 {
-    char shapes_arg[256] = "mixtral,qwen3-30b-a3b,deepseek-v3", tokens_arg[256] = "8,64,512,4096,16384";
+    char shapes_arg[256] = "mixtral,qwen3-30b-a3b,deepseek-v3",
+         tokens_arg[256] = "8,64,512,4096,16384";
     char routing_arg[128] = "uniform", kernel_arg[64] = "auto";
     const char *json = NULL;
     double min_ms = 200;
     int with_cublas = 0, graph = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--shapes") && v) snprintf(shapes_arg, sizeof shapes_arg, "%s", argv[++i]);
-        else if (!strcmp(a, "--tokens") && v) snprintf(tokens_arg, sizeof tokens_arg, "%s", argv[++i]);
-        else if (!strcmp(a, "--routing") && v) snprintf(routing_arg, sizeof routing_arg, "%s", argv[++i]);
-        else if (!strcmp(a, "--kernel") && v) snprintf(kernel_arg, sizeof kernel_arg, "%s", argv[++i]);
-        else if (!strcmp(a, "--min-ms") && v) min_ms = atof(argv[++i]);
-        else if (!strcmp(a, "--json") && v) json = argv[++i];
-        else if (!strcmp(a, "--cublas")) with_cublas = 1;
-        else if (!strcmp(a, "--graph")) graph = 1;
+        if (!strcmp(a, "--shapes") && v)
+            snprintf(shapes_arg, sizeof shapes_arg, "%s", argv[++i]);
+        else if (!strcmp(a, "--tokens") && v)
+            snprintf(tokens_arg, sizeof tokens_arg, "%s", argv[++i]);
+        else if (!strcmp(a, "--routing") && v)
+            snprintf(routing_arg, sizeof routing_arg, "%s", argv[++i]);
+        else if (!strcmp(a, "--kernel") && v)
+            snprintf(kernel_arg, sizeof kernel_arg, "%s", argv[++i]);
+        else if (!strcmp(a, "--min-ms") && v)
+            min_ms = atof(argv[++i]);
+        else if (!strcmp(a, "--json") && v)
+            json = argv[++i];
+        else if (!strcmp(a, "--cublas"))
+            with_cublas = 1;
+        else if (!strcmp(a, "--graph"))
+            graph = 1;
         else {
-            fprintf(stderr, "usage: moe-bench [--shapes LIST] [--tokens LIST] [--routing uniform,zipf,hot,empty] "
-                            "[--kernel auto,sm80,sm90,sm90p] [--min-ms MS] [--cublas] [--graph] [--json FILE]\n");
+            fprintf(stderr, "usage: moe-bench [--shapes LIST] [--tokens LIST] [--routing "
+                            "uniform,zipf,hot,empty] "
+                            "[--kernel auto,sm80,sm90,sm90p] [--min-ms MS] [--cublas] [--graph] "
+                            "[--json FILE]\n");
             return 2;
         }
     }
@@ -372,17 +390,20 @@ int main(int argc, char **argv)
         return 1;
     }
     const int sm = prop.major * 10 + prop.minor;
-    fprintf(stderr, "moe-bench: %s (sm_%d, %d SMs); measuring ceilings\n", prop.name, sm, prop.multiProcessorCount);
+    fprintf(stderr, "moe-bench: %s (sm_%d, %d SMs); measuring ceilings\n", prop.name, sm,
+            prop.multiProcessorCount);
     ceilings();
     cublasCreate(&g_cublas);
-    printf("device %s: ceilings %.0f TFLOP/s (cuBLAS bf16 8192^3), %.0f GB/s (D2D copy, read+write)\n", prop.name,
-           g_matmul_tflops, g_copy_gbs);
-    printf("%-14s %6s %-8s %-7s %4s %9s %8s %8s %6s %6s  %s\n", "shape", "T", "routing", "kern", "bm", "ms",
-           "TFLOP/s", "GB/s", "%mm", "%copy", "stages ms: convert route up down shared combine");
+    printf(
+        "device %s: ceilings %.0f TFLOP/s (cuBLAS bf16 8192^3), %.0f GB/s (D2D copy, read+write)\n",
+        prop.name, g_matmul_tflops, g_copy_gbs);
+    printf("%-14s %6s %-8s %-7s %4s %9s %8s %8s %6s %6s  %s\n", "shape", "T", "routing", "kern",
+           "bm", "ms", "TFLOP/s", "GB/s", "%mm", "%copy",
+           "stages ms: convert route up down shared combine");
 
     char *sh[8], *tk[16], *rt[8], *kn[4];
-    const int nsh = split(shapes_arg, sh, 8), ntk = split(tokens_arg, tk, 16), nrt = split(routing_arg, rt, 8),
-              nkn = split(kernel_arg, kn, 4);
+    const int nsh = split(shapes_arg, sh, 8), ntk = split(tokens_arg, tk, 16),
+              nrt = split(routing_arg, rt, 8), nkn = split(kernel_arg, kn, 4);
     run *runs = calloc(512, sizeof *runs);
     int nruns = 0;
     for (int i = 0; i < nsh; i++) {
@@ -413,14 +434,17 @@ int main(int argc, char **argv)
                 for (int c = 0; c < nkn && nruns < 512; c++) {
                     run *r = &runs[nruns++];
                     bench_one(s, &L, sm, atoll(tk[a]), rt[b], kn[c], min_ms, with_cublas, graph, r);
-                    printf("%-14s %6lld %-8s %-7s %4d %9.3f %8.1f %8.0f %5.1f%% %5.1f%%  %.3f %.3f %.3f %.3f %.3f "
+                    printf("%-14s %6lld %-8s %-7s %4d %9.3f %8.1f %8.0f %5.1f%% %5.1f%%  %.3f %.3f "
+                           "%.3f %.3f %.3f "
                            "%.3f\n",
-                           r->shape, (long long)r->T, r->routing, r->kernel, r->bm, r->ms, r->tflops, r->gbs,
-                           100 * r->tflops / g_matmul_tflops, 100 * r->gbs / g_copy_gbs, r->stage_ms[0],
-                           r->stage_ms[1], r->stage_ms[2], r->stage_ms[3], r->stage_ms[4], r->stage_ms[5]);
+                           r->shape, (long long)r->T, r->routing, r->kernel, r->bm, r->ms,
+                           r->tflops, r->gbs, 100 * r->tflops / g_matmul_tflops,
+                           100 * r->gbs / g_copy_gbs, r->stage_ms[0], r->stage_ms[1],
+                           r->stage_ms[2], r->stage_ms[3], r->stage_ms[4], r->stage_ms[5]);
                     if (r->cublas_ms > 0)
-                        printf("%-14s %6lld %-8s cublas per-expert GEMMs alone: %.3f ms (%.1f TFLOP/s)\n", r->shape,
-                               (long long)r->T, r->routing, r->cublas_ms,
+                        printf("%-14s %6lld %-8s cublas per-expert GEMMs alone: %.3f ms (%.1f "
+                               "TFLOP/s)\n",
+                               r->shape, (long long)r->T, r->routing, r->cublas_ms,
                                2.0 * r->P * s->d * 3.0 * s->ff / (r->cublas_ms * 1e-3) / 1e12);
                     fflush(stdout);
                 }
@@ -433,18 +457,24 @@ int main(int argc, char **argv)
             perror(json);
             return 1;
         }
-        fprintf(f, "{\"device\": \"%s\", \"sm\": %d, \"matmul_tflops\": %.1f, \"copy_gbs\": %.1f, \"runs\": [\n",
+        fprintf(f,
+                "{\"device\": \"%s\", \"sm\": %d, \"matmul_tflops\": %.1f, \"copy_gbs\": %.1f, "
+                "\"runs\": [\n",
                 prop.name, sm, g_matmul_tflops, g_copy_gbs);
         for (int i = 0; i < nruns; i++) {
             const run *r = &runs[i];
-            fprintf(f,
-                    "  {\"shape\": \"%s\", \"T\": %lld, \"routing\": \"%s\", \"kernel\": \"%s\", \"pairs\": %lld, "
-                    "\"active_experts\": %d, \"bm\": %d, \"ms\": %.4f, \"tflops\": %.2f, \"gbs\": %.1f, "
-                    "\"stages_ms\": {\"convert\": %.4f, \"route\": %.4f, \"up\": %.4f, \"down\": %.4f, "
-                    "\"shared\": %.4f, \"combine\": %.4f}, \"cublas_ms\": %.4f}%s\n",
-                    r->shape, (long long)r->T, r->routing, r->kernel, (long long)r->P, r->active, r->bm, r->ms,
-                    r->tflops, r->gbs, r->stage_ms[0], r->stage_ms[1], r->stage_ms[2], r->stage_ms[3],
-                    r->stage_ms[4], r->stage_ms[5], r->cublas_ms, i + 1 < nruns ? "," : "");
+            fprintf(
+                f,
+                "  {\"shape\": \"%s\", \"T\": %lld, \"routing\": \"%s\", \"kernel\": \"%s\", "
+                "\"pairs\": %lld, "
+                "\"active_experts\": %d, \"bm\": %d, \"ms\": %.4f, \"tflops\": %.2f, \"gbs\": "
+                "%.1f, "
+                "\"stages_ms\": {\"convert\": %.4f, \"route\": %.4f, \"up\": %.4f, \"down\": %.4f, "
+                "\"shared\": %.4f, \"combine\": %.4f}, \"cublas_ms\": %.4f}%s\n",
+                r->shape, (long long)r->T, r->routing, r->kernel, (long long)r->P, r->active, r->bm,
+                r->ms, r->tflops, r->gbs, r->stage_ms[0], r->stage_ms[1], r->stage_ms[2],
+                r->stage_ms[3], r->stage_ms[4], r->stage_ms[5], r->cublas_ms,
+                i + 1 < nruns ? "," : "");
         }
         fprintf(f, "]}\n");
         fclose(f);
