@@ -22,11 +22,21 @@ cd "$(dirname "$0")/.." || exit 2
 BUILD_DIR=${BUILD_DIR:-build}
 JOBS=${JOBS:-$(nproc)}
 PY=.venv/bin/python
-STAGES=(deps build client unit e2e python deploy fuzz asan)
+STAGES=(deps format build client unit e2e python deploy fuzz asan)
 SETUP_STAGES=" deps build client "
 
 stage_deps() {
     bash deploy/install-deps.sh
+}
+
+stage_format() {
+    # Every C and CUDA source as the committed .clang-format has it (the style standard).
+    command -v clang-format >/dev/null || {
+        sudo=""
+        [ "$(id -u)" -eq 0 ] || sudo=sudo
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends clang-format
+    }
+    git ls-files '*.c' '*.h' '*.cu' '*.cuh' | xargs clang-format --dry-run --Werror
 }
 
 stage_build() {
