@@ -31,6 +31,31 @@ int moed_err_grpc_status(int code)
     return 2; /* UNKNOWN */
 }
 
+const char *moed_grpc_status_name(int grpc_status)
+{
+    static const char *const names[] = {
+        "OK",
+        "CANCELLED",
+        "UNKNOWN",
+        "INVALID_ARGUMENT",
+        "DEADLINE_EXCEEDED",
+        "NOT_FOUND",
+        "ALREADY_EXISTS",
+        "PERMISSION_DENIED",
+        "RESOURCE_EXHAUSTED",
+        "FAILED_PRECONDITION",
+        "ABORTED",
+        "OUT_OF_RANGE",
+        "UNIMPLEMENTED",
+        "INTERNAL",
+        "UNAVAILABLE",
+        "DATA_LOSS",
+        "UNAUTHENTICATED",
+    };
+    if (grpc_status < 0 || grpc_status >= (int)(sizeof names / sizeof names[0])) return "UNKNOWN";
+    return names[grpc_status];
+}
+
 int moed_fail(moed_error *err, int code, const char *fmt, ...)
 {
     if (err) {

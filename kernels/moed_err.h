@@ -50,6 +50,10 @@ const char *moed_strerror(int code);
 /* The gRPC status code (grpc_status_code's value) that a moed code is answered with. */
 int moed_err_grpc_status(int code);
 
+/* A gRPC status code's name as gRPC spells it ("OK", "INVALID_ARGUMENT", ...; "UNKNOWN" outside
+ * 0..16): for logs, metrics labels and client messages. */
+const char *moed_grpc_status_name(int grpc_status);
+
 /* Records code and a printf-style message in err (which may be NULL) and returns code, so a
  * failing check reads `return moed_fail(err, MOED_EINVAL, "hidden has %d dims", n);`. */
 int moed_fail(moed_error *err, int code, const char *fmt, ...)

@@ -34,6 +34,23 @@
 /* Logits (T x E) from which gating is worth spreading over threads. */
 #define ROUTE_PARALLEL_MIN (1 << 17)
 
+static const char *const strategy_names[] = { "model",     "topk",      "sigmoid",
+                                              "sparsemax", "quadratic", "pioneer" };
+
+int moed_gate_strategy_parse(const char *name)
+{
+    for (int i = 0; i < (int)(sizeof strategy_names / sizeof strategy_names[0]); i++)
+        if (!strcmp(name, strategy_names[i])) return i;
+    return -1;
+}
+
+const char *moed_gate_strategy_name(int strategy)
+{
+    if (strategy < 0 || strategy >= (int)(sizeof strategy_names / sizeof strategy_names[0]))
+        return "unknown";
+    return strategy_names[strategy];
+}
+
 int moed_route_init(moed_route *r, int64_t T, int64_t cap)
 {
     memset(r, 0, sizeof *r);

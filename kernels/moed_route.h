@@ -41,6 +41,10 @@ typedef enum moed_gate_strategy {
     MOED_GATE_PIONEER = 5,
 } moed_gate_strategy;
 
+/* "model", "topk", "sigmoid", "sparsemax", "quadratic", "pioneer" -> the strategy; -1 if unknown. */
+int moed_gate_strategy_parse(const char *name);
+const char *moed_gate_strategy_name(int strategy);
+
 /* Values match moed.v1.Renormalize. */
 enum { MOED_RENORM_DEFAULT = 0, MOED_RENORM_ON = 1, MOED_RENORM_OFF = 2 };
 

@@ -14,6 +14,8 @@
  */
 #include "metrics.h"
 
+#include "moed_err.h"
+
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -81,27 +83,6 @@ static const char *const method_names[MOED_METHOD_COUNT] = {
     [MOED_METHOD_FORWARD] = "Forward",    [MOED_METHOD_FORWARD_STREAM] = "ForwardStream",
     [MOED_METHOD_GET_MODEL] = "GetModel", [MOED_METHOD_HEALTH_CHECK] = "Check",
     [MOED_METHOD_HEALTH_WATCH] = "Watch", [MOED_METHOD_UNKNOWN] = "unknown",
-};
-
-/* grpc_status_code names, as gRPC's own metrics spell them. */
-static const char *const code_names[MOED_METRICS_CODES] = {
-    "OK",
-    "CANCELLED",
-    "UNKNOWN",
-    "INVALID_ARGUMENT",
-    "DEADLINE_EXCEEDED",
-    "NOT_FOUND",
-    "ALREADY_EXISTS",
-    "PERMISSION_DENIED",
-    "RESOURCE_EXHAUSTED",
-    "FAILED_PRECONDITION",
-    "ABORTED",
-    "OUT_OF_RANGE",
-    "UNIMPLEMENTED",
-    "INTERNAL",
-    "UNAVAILABLE",
-    "DATA_LOSS",
-    "UNAUTHENTICATED",
 };
 
 moed_metrics *moed_metrics_create(void)
@@ -320,7 +301,7 @@ static void requests(text *t, const moed_metrics *m)
             /* Forward/OK always appears, so rate() has a series from the first scrape. */
             if (!v && !(i == MOED_METHOD_FORWARD && c == 0)) continue;
             put(t, "moed_requests_total{method=\"%s\",code=\"%s\"} %llu\n", method_names[i],
-                code_names[c], (unsigned long long)v);
+                moed_grpc_status_name(c), (unsigned long long)v);
         }
 }
 

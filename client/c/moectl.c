@@ -6,6 +6,7 @@
  * could not be written), 2 the command line or an input file is wrong, with the reason on stderr.
  */
 #include "moedclient.h"
+#include "moed_route.h"
 #include "npy.h"
 
 #include <getopt.h>
@@ -114,18 +115,6 @@ static int parse_double(const char *s, double *out)
     return *s && !*end ? 0 : -1;
 }
 
-static int parse_strategy(const char *s, int *out)
-{
-    static const char *const names[] = { "model",     "topk",      "sigmoid",
-                                         "sparsemax", "quadratic", "pioneer" };
-    for (int i = 0; i < 6; i++)
-        if (!strcmp(s, names[i])) {
-            *out = i; /* the values of moed_gate_strategy */
-            return 0;
-        }
-    return -1;
-}
-
 /* Parses argv into a; returns 0, or an exit code after printing why. */
 static int parse_args(int argc, char **argv, args *a)
 {
@@ -226,7 +215,7 @@ static int parse_args(int argc, char **argv, args *a)
                 return usage_error("--layer %s: give a layer index >= 0", optarg);
             break;
         case O_STRATEGY:
-            if (parse_strategy(optarg, &a->gating.strategy))
+            if ((a->gating.strategy = moed_gate_strategy_parse(optarg)) < 0)
                 return usage_error(
                     "--strategy %s: use model, topk, sigmoid, sparsemax, quadratic or pioneer",
                     optarg);

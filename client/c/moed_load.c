@@ -18,6 +18,7 @@
 #include "moed_dtype.h"
 #include "moed_synth.h"
 #include "moedclient.h"
+#include "moed_route.h"
 
 #include <getopt.h>
 #include <math.h>
@@ -139,18 +140,6 @@ static int count(const char *s, long long lo, long long hi, long long *out)
     if (!*s || *end || v < lo || v > hi) return -1;
     *out = v;
     return 0;
-}
-
-static int parse_strategy(const char *s, int *out)
-{
-    static const char *const names[] = { "model",     "topk",      "sigmoid",
-                                         "sparsemax", "quadratic", "pioneer" };
-    for (int i = 0; i < 6; i++)
-        if (!strcmp(s, names[i])) {
-            *out = i; /* the values of moed_gate_strategy */
-            return 0;
-        }
-    return -1;
 }
 
 enum {
@@ -345,7 +334,7 @@ static int parse_args(int argc, char **argv, args *a)
             a->help = true;
             break;
         case O_STRATEGY:
-            if (parse_strategy(optarg, &a->gating.strategy))
+            if ((a->gating.strategy = moed_gate_strategy_parse(optarg)) < 0)
                 return usage_error("--strategy %s: use model, topk, sigmoid, sparsemax, quadratic "
                                    "or pioneer",
                                    optarg);

@@ -54,30 +54,9 @@ struct moedc_call {
     int lent;
 };
 
-static const char *const grpc_status_names[] = {
-    "OK",
-    "CANCELLED",
-    "UNKNOWN",
-    "INVALID_ARGUMENT",
-    "DEADLINE_EXCEEDED",
-    "NOT_FOUND",
-    "ALREADY_EXISTS",
-    "PERMISSION_DENIED",
-    "RESOURCE_EXHAUSTED",
-    "FAILED_PRECONDITION",
-    "ABORTED",
-    "OUT_OF_RANGE",
-    "UNIMPLEMENTED",
-    "INTERNAL",
-    "UNAVAILABLE",
-    "DATA_LOSS",
-    "UNAUTHENTICATED",
-};
-
 const char *moedc_grpc_status_name(int grpc_status)
 {
-    if (grpc_status < 0 || grpc_status > 16) return "UNKNOWN";
-    return grpc_status_names[grpc_status];
+    return moed_grpc_status_name(grpc_status);
 }
 
 int moedc_code_from_grpc(int grpc_status)

@@ -24,11 +24,17 @@ CALLS = 16
 T = 192
 
 
-def case(i):
+# The server keeps accepting only while calls are in flight; the tests of what a new caller sees
+# during the drain need that to last, so they hold a few slow calls (about a second each on one
+# thread) in flight through it.
+SLOW = O.Spec(layers=1, d=1024, ff=2048, experts=8, topk=2, dtype="bf16", seed=52)
+
+
+def case(i, spec=SPEC, tokens=T):
     rng = np.random.default_rng(900 + i)
-    x, x64 = O.hidden(rng, T, SPEC.d, "bf16")
-    ids = np.stack([rng.permutation(SPEC.experts)[:2] for _ in range(T)]).astype(np.int32)
-    gw = rng.uniform(0, 1, (T, 2)).astype(np.float32)
+    x, x64 = O.hidden(rng, tokens, spec.d, "bf16")
+    ids = np.stack([rng.permutation(spec.experts)[:2] for _ in range(tokens)]).astype(np.int32)
+    gw = rng.uniform(0, 1, (tokens, 2)).astype(np.float32)
     return x, ids, gw, x64
 
 
@@ -111,18 +117,21 @@ def test_idle_daemon_exits_zero_at_once(daemon):
 class Draining:
     """A daemon draining with calls still in flight: the calls are sent, SIGTERM follows, and the
     body runs once a Watch has seen NOT_SERVING. At the end every call must have been answered
-    correctly and the daemon must have exited 0."""
+    (correctly, against the oracle, when `check`) and the daemon must have exited 0."""
 
-    def __init__(self, d, calls=8):
-        self.d, self.cases = d, [case(i) for i in range(calls)]
+    def __init__(self, d, calls=8, spec=SPEC, tokens=T, check=True):
+        self.d, self.spec, self.check = d, spec, check
+        self.cases = [case(i, spec, tokens) for i in range(calls)]
         self.results, self.threads = [], []
 
     def call(self, i):
         x, ids, gw, x64 = self.cases[i]
-        with self.d.client(timeout=60) as c:
+        with self.d.client(timeout=120) as c:
             try:
                 y = c.forward(0, x, expert_ids=ids, expert_weights=gw)
-                O.check(y, O.forward(x64, SPEC.layer(0), O.choice_route(ids, gw), SPEC.act), "bf16")
+                if self.check:
+                    O.check(y, O.forward(x64, self.spec.layer(0), O.choice_route(ids, gw), self.spec.act),
+                            "bf16")
                 self.results.append("OK")
             except Exception as e:
                 self.results.append(repr(e))
@@ -145,59 +154,10 @@ class Draining:
 
     def __exit__(self, *exc):
         for t in self.threads:
-            t.join(60)
-        code = wait_exit(self.d)
-        if exc[0] is None:
-            assert self.results == ["OK"] * len(self.cases), self.results
-            assert code == 0, f"moed exited {code}:\n{log_of(self.d)}"
-
-
-# The server keeps accepting only while calls are in flight; these two tests need that to last,
-# so they hold a few slow calls (about a second each on one thread) in flight through the drain.
-SLOW = O.Spec(layers=1, d=1024, ff=2048, experts=8, topk=2, dtype="bf16", seed=52)
-
-
-class SlowDrain:
-    """Four slow calls in flight, then SIGTERM; the body runs once a Watch has seen NOT_SERVING.
-    At the end the slow calls must all have succeeded and the daemon exited 0."""
-
-    def __init__(self, d):
-        self.d, self.results = d, []
-        rng = np.random.default_rng(7)
-        self.x = (rng.standard_normal((256, SLOW.d)) * 0.5).astype(np.float32)
-        self.ids = np.stack([rng.permutation(8)[:2] for _ in range(256)]).astype(np.int32)
-        self.gw = np.full((256, 2), 0.5, np.float32)
-
-    def call(self):
-        with self.d.client(timeout=120) as c:
-            try:
-                c.forward(0, self.x, expert_ids=self.ids, expert_weights=self.gw)
-                self.results.append("OK")
-            except Exception as e:
-                self.results.append(repr(e))
-
-    def __enter__(self):
-        watcher = Watcher(self.d)
-        watcher.start()
-        assert watcher.first.wait(10)
-        self.threads = [threading.Thread(target=self.call) for _ in range(4)]
-        for t in self.threads:
-            t.start()
-        time.sleep(0.2)
-        self.d.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while "NOT_SERVING" not in watcher.statuses and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert "NOT_SERVING" in watcher.statuses
-        assert len(self.results) < 4, "the slow calls finished before the drain began"
-        return self
-
-    def __exit__(self, *exc):
-        for t in self.threads:
             t.join(120)
         code = wait_exit(self.d)
         if exc[0] is None:
-            assert self.results == ["OK"] * 4, self.results
+            assert self.results == ["OK"] * len(self.cases), self.results
             assert code == 0, f"moed exited {code}:\n{log_of(self.d)}"
 
 
@@ -206,7 +166,7 @@ def test_new_connection_during_drain_is_answered(daemon):
     what is going on: health NOT_SERVING, and a Forward UNAVAILABLE naming the drain."""
     d = daemon("--synthetic", str(SLOW), "--threads", "1")
     _, ids, gw, _ = case(99)
-    with SlowDrain(d):
+    with Draining(d, calls=4, spec=SLOW, tokens=256, check=False):
         with d.client(timeout=10) as c:
             assert c.health() == "NOT_SERVING"
             with pytest.raises(MoEError) as e:
@@ -221,7 +181,7 @@ def test_new_call_on_open_connection_during_drain_is_unavailable(daemon):
     gw = np.full((2, 2), 0.5, np.float32)
     with d.client(timeout=10) as c:
         assert c.health() == "SERVING"  # the connection is open before the drain
-        with SlowDrain(d):
+        with Draining(d, calls=4, spec=SLOW, tokens=256, check=False):
             with pytest.raises(MoEError) as e:
                 c.forward(0, x, expert_ids=ids, expert_weights=gw)
     assert e.value.code_name == "UNAVAILABLE" and "drain" in e.value.message, e.value
