@@ -41,7 +41,8 @@ typedef enum moed_gate_strategy {
     MOED_GATE_PIONEER = 5,
 } moed_gate_strategy;
 
-/* "model", "topk", "sigmoid", "sparsemax", "quadratic", "pioneer" -> the strategy; -1 if unknown. */
+/* "model", "topk", "sigmoid", "sparsemax", "quadratic", "pioneer" -> the strategy; -1 if unknown.
+ */
 int moed_gate_strategy_parse(const char *name);
 const char *moed_gate_strategy_name(int strategy);
 
