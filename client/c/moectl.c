@@ -7,10 +7,12 @@
  */
 #include "moedclient.h"
 #include "moed_route.h"
+#include "cli_num.h"
 #include "npy.h"
 
 #include <getopt.h>
 #include <stdarg.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -99,22 +101,6 @@ static int usage_error(const char *fmt, ...)
     return EXIT_USAGE;
 }
 
-static int parse_long(const char *s, long lo, long *out)
-{
-    char *end;
-    long v = strtol(s, &end, 10);
-    if (!*s || *end || v < lo) return -1;
-    *out = v;
-    return 0;
-}
-
-static int parse_double(const char *s, double *out)
-{
-    char *end;
-    *out = strtod(s, &end);
-    return *s && !*end ? 0 : -1;
-}
-
 /* Parses argv into a; returns 0, or an exit code after printing why. */
 static int parse_args(int argc, char **argv, args *a)
 {
@@ -164,7 +150,7 @@ static int parse_args(int argc, char **argv, args *a)
     memset(a, 0, sizeof *a);
     a->target = "127.0.0.1:50051";
     a->layer = -1;
-    long v;
+    long long v;
     int o;
     opterr = 0;
     while ((o = getopt_long(argc, argv, ":", opts, NULL)) != -1) {
@@ -207,12 +193,13 @@ static int parse_args(int argc, char **argv, args *a)
             a->help = 1;
             break;
         case O_TIMEOUT:
-            if (parse_double(optarg, &a->timeout_s) || a->timeout_s <= 0)
+            if (cli_double(optarg, 0, 1e9, &a->timeout_s) || a->timeout_s <= 0)
                 return usage_error("--timeout %s: give seconds > 0", optarg);
             break;
         case O_LAYER:
-            if (parse_long(optarg, 0, &a->layer))
+            if (cli_int(optarg, 0, 1 << 30, &v))
                 return usage_error("--layer %s: give a layer index >= 0", optarg);
+            a->layer = (long)v;
             break;
         case O_STRATEGY:
             if ((a->gating.strategy = moed_gate_strategy_parse(optarg)) < 0)
@@ -221,7 +208,7 @@ static int parse_args(int argc, char **argv, args *a)
                     optarg);
             break;
         case O_TOPK:
-            if (parse_long(optarg, 0, &v) || v > 65535)
+            if (cli_int(optarg, 0, 65535, &v))
                 return usage_error("--top-k %s: give a count >= 0", optarg);
             a->gating.top_k = (int)v;
             break;
@@ -232,14 +219,15 @@ static int parse_args(int argc, char **argv, args *a)
             break;
         case O_THRESHOLD: {
             double t;
-            if (parse_double(optarg, &t))
+            if (cli_double(optarg, -INFINITY, INFINITY, &t))
                 return usage_error("--threshold %s: give a number in (0, 1)", optarg);
             a->gating.threshold = (float)t;
             break;
         }
         case O_BATCH:
-            if (parse_long(optarg, 0, &a->k_batch) || a->k_batch > 65535)
+            if (cli_int(optarg, 0, 65535, &v))
                 return usage_error("--batch-gating %s: give a set size >= 0", optarg);
+            a->k_batch = (long)v;
             a->batch_gating = 1;
             break;
         case ':':

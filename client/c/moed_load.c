@@ -19,6 +19,7 @@
 #include "moed_synth.h"
 #include "moedclient.h"
 #include "moed_route.h"
+#include "cli_num.h"
 
 #include <getopt.h>
 #include <math.h>
@@ -124,24 +125,6 @@ static int failure(const char *fmt, ...)
     return EXIT_FAILED;
 }
 
-static int num(const char *s, double lo, double hi, double *out)
-{
-    char *end;
-    double v = strtod(s, &end);
-    if (!*s || *end || !isfinite(v) || v < lo || v > hi) return -1;
-    *out = v;
-    return 0;
-}
-
-static int count(const char *s, long long lo, long long hi, long long *out)
-{
-    char *end;
-    long long v = strtoll(s, &end, 10);
-    if (!*s || *end || v < lo || v > hi) return -1;
-    *out = v;
-    return 0;
-}
-
 enum {
     O_TARGET = 256,
     O_TOKEN,
@@ -215,49 +198,53 @@ static int parse_number(int o, const char *v, args *a)
     long long n;
     switch (o) {
     case O_DEADLINE:
-        return num(v, 1e-3, 1e9, &a->deadline_ms)
+        return cli_double(v, 1e-3, 1e9, &a->deadline_ms)
                    ? usage_error("--deadline %s: give milliseconds > 0", v)
                    : 0;
     case O_DURATION:
         a->duration_set = true;
-        return num(v, 1e-3, 1e7, &a->duration_s) ? usage_error("--duration %s: give seconds > 0", v)
-                                                 : 0;
+        return cli_double(v, 1e-3, 1e7, &a->duration_s)
+                   ? usage_error("--duration %s: give seconds > 0", v)
+                   : 0;
     case O_WARMUP:
-        return num(v, 0, 1e7, &a->warmup_s) ? usage_error("--warmup %s: give seconds >= 0", v) : 0;
+        return cli_double(v, 0, 1e7, &a->warmup_s)
+                   ? usage_error("--warmup %s: give seconds >= 0", v)
+                   : 0;
     case O_BAD:
-        return num(v, 0, 1, &a->bad_fraction)
+        return cli_double(v, 0, 1, &a->bad_fraction)
                    ? usage_error("--bad-fraction %s: give a share in [0, 1]", v)
                    : 0;
     case O_REQUESTS:
-        return count(v, 1, 1LL << 50, &a->requests)
+        return cli_int(v, 1, 1LL << 50, &a->requests)
                    ? usage_error("--requests %s: give a count >= 1", v)
                    : 0;
     case O_VERIFY:
-        return count(v, 1, 1LL << 50, &a->verify)
+        return cli_int(v, 1, 1LL << 50, &a->verify)
                    ? usage_error("--verify %s: give a count of replies >= 1", v)
                    : 0;
     case O_SEED:
-        return count(v, 0, 1LL << 62, &a->seed) ? usage_error("--seed %s: give an integer >= 0", v)
-                                                : 0;
+        return cli_int(v, 0, 1LL << 62, &a->seed)
+                   ? usage_error("--seed %s: give an integer >= 0", v)
+                   : 0;
     case O_CONNS:
-        if (count(v, 1, 1024, &n)) return usage_error("--connections %s: give 1 to 1024", v);
+        if (cli_int(v, 1, 1024, &n)) return usage_error("--connections %s: give 1 to 1024", v);
         a->connections = (long)n;
         return 0;
     case O_THREADS:
-        if (count(v, 1, 256, &n)) return usage_error("--threads %s: give 1 to 256", v);
+        if (cli_int(v, 1, 256, &n)) return usage_error("--threads %s: give 1 to 256", v);
         a->threads = (long)n;
         return 0;
     case O_MAXIF:
-        if (count(v, 1, 1 << 20, &n))
+        if (cli_int(v, 1, 1 << 20, &n))
             return usage_error("--max-inflight %s: give 1 to %d", v, 1 << 20);
         a->max_inflight = (long)n;
         return 0;
     case O_TOPK:
-        if (count(v, 0, 65535, &n)) return usage_error("--top-k %s: give a count >= 0", v);
+        if (cli_int(v, 0, 65535, &n)) return usage_error("--top-k %s: give a count >= 0", v);
         a->gating.top_k = (int)n;
         return 0;
     case O_BATCH:
-        if (count(v, 0, 65535, &n))
+        if (cli_int(v, 0, 65535, &n))
             return usage_error("--batch-gating %s: give a set size >= 0", v);
         a->k_batch = (long)n;
         a->batch_gating = true;
