@@ -1,7 +1,7 @@
 """The end-to-end tests' own float64 numpy model of what moed computes.
 
 Written here, from the written definitions (the comments of proto/moed/v1/moed.proto and the
-generator documented in kernels/moed_synth.h), and deliberately NOT from moed.reference or the C code:
+generator documented in kernels/core/moed_synth.h), and deliberately NOT from moed.reference or the C code:
 a test that compared the daemon with a reference sharing its author's reading of the definition
 would only check the code against itself. test_forward.py cross-checks this module against
 moed.reference, so a disagreement between the two readings shows up as a failure too.
@@ -19,7 +19,7 @@ import ml_dtypes
 
 import numpy as np
 
-# Tensor numbers of the generator (kernels/moed_synth.h).
+# Tensor numbers of the generator (kernels/core/moed_synth.h).
 T_W1, T_W3, T_W2, T_ROUTER, T_SW1, T_SW3, T_SW2, T_BIAS = range(8)
 
 # Largest error allowed, relative to the largest reference magnitude, for an output in each dtype:

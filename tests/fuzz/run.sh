@@ -31,9 +31,8 @@ mkdir -p "$build"
 san="-fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 # shellcheck disable=SC2046,SC2086
 clang -O1 -g $san -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter \
-    -Iserver -Ikernels tests/fuzz/fuzz_request.c server/wire.c server/request.c \
-    kernels/moed_err.c kernels/moed_dtype.c kernels/moed_model.c kernels/moed_route.c \
-    kernels/moed_synth.c kernels/moed_pool.c \
+    -Iserver -Ikernels/core -Ikernels tests/fuzz/fuzz_request.c server/wire.c server/request.c \
+    kernels/core/*.c \
     $(pkg-config --cflags --libs grpc libprotobuf-c) -lpthread -lm -o "$build/fuzz_request"
 
 seeds="$build/seeds"

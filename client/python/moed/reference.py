@@ -1,8 +1,8 @@
 """An independent float64 numpy reference for what a moed server computes.
 
-Written from the written definitions (proto/moed/v1/moed.proto, kernels/moed_synth.h and the shared
-semantics note), not from the C code, so that tests comparing the server with it check the C code
-against the definition rather than against itself. Three parts:
+Written from the written definitions (proto/moed/v1/moed.proto and kernels/core/moed_synth.h), not
+from the C code, so that tests comparing the server with it check the C code against the definition
+rather than against itself. Three parts:
 
 * synthetic_weights(spec, layer): the seeded generator of `moed --synthetic SPEC`, bit for bit,
   vectorised with uint64 numpy arithmetic. The arrays hold the stored values (after rounding to the
@@ -29,7 +29,7 @@ from .types import ACTIVATIONS, STRATEGIES, LayerInfo, dtype_name, strategy_valu
 
 Route = List[Tuple[np.ndarray, np.ndarray]]  # per token: (int32 expert ids, float64 weights)
 
-# Tensor ids of kernels/moed_synth.h.
+# Tensor ids of kernels/core/moed_synth.h.
 W1, W3, W2, ROUTER, SHARED_W1, SHARED_W3, SHARED_W2, BIAS = range(8)
 
 _M64 = (1 << 64) - 1

@@ -14,7 +14,7 @@ from moed.types import LayerInfo
 M64 = (1 << 64) - 1
 
 
-# --- a scalar, pure-Python transcription of kernels/moed_synth.h ------------------------------
+# --- a scalar, pure-Python transcription of kernels/core/moed_synth.h -------------------------
 
 def splitmix64_scalar(x):
     z = (x + 0x9E3779B97F4A7C15) & M64
