@@ -1,7 +1,8 @@
 /*
- * moed_backend — the one interface every compute backend implements (a vtable and an opaque
- * context, as ggml-backend does), so the daemon, the tests and the benchmarks drive the CPU and
- * CUDA backends through the same calls.
+ * moed_backend — the one interface every compute backend implements, so the daemon, the tests and
+ * the benchmarks drive the CPU and CUDA backends through the same calls. The handle is opaque: a
+ * caller uses only the functions below, which supply the default of any call an implementation
+ * leaves out (moed_backend_impl.h, the implementations' side, says which may be left out).
  *
  * Life cycle: moed_backend_open → load_layer for every layer → start → (forward | router_logits)*
  * → destroy. A backend offers n_exec execution slots (CUDA: one per stream of the pool, each with
@@ -48,51 +49,54 @@ typedef struct moed_device_info {
     uint64_t memory_used;  /* bytes */
 } moed_device_info;
 
-typedef struct moed_backend_ops {
-    const char *name; /* "cpu", "cuda" */
-    /* Makes layer l resident as `slot` (0, 1, ... in load order). l and the memory it points to
-     * stay valid until the backend is destroyed, so a backend may compute from it in place (the CPU
-     * backend does) or copy it to its device (CUDA). */
-    int (*load_layer)(moed_backend *b, int slot, const moed_layer *l, moed_error *err);
-    /* Sizes and allocates per-slot staging and workspaces once every layer is loaded; fails with
-     * MOED_ENOMEM naming bytes needed and free. */
-    int (*start)(moed_backend *b, moed_error *err);
-    int (*forward)(moed_backend *b, int exec, const moed_job *job, moed_error *err);
-    /* logits [T, n_experts] float32 = x [T, d_model] @ router^T, accumulated in float32. */
-    int (*router_logits)(moed_backend *b, int exec, int slot, int dtype, int64_t T, const void *x,
-                         float *logits, moed_error *err);
-    /* Host memory the backend moves fastest (pinned for CUDA); NULL when out of memory. */
-    void *(*host_alloc)(moed_backend *b, size_t bytes);
-    void (*host_free)(moed_backend *b, void *p);
-    int (*device_info)(moed_backend *b, int i, moed_device_info *out);
-    /* Whether execution slot `exec` can run layer `slot` (with several GPUs a layer is resident on
-     * one of them, and only that GPU's slots can run it). NULL: every slot runs every layer. */
-    int (*exec_accepts)(moed_backend *b, int exec, int slot);
-    void (*destroy)(moed_backend *b);
-} moed_backend_ops;
-
-struct moed_backend {
-    const moed_backend_ops *ops;
-    void *ctx;     /* the implementation's own state */
-    int n_exec;    /* execution slots (valid after start) */
-    int n_devices; /* entries device_info answers for */
-};
-
 /* Opens a backend by name: "cpu", "cuda", or "auto" (cuda where it was built and a device is
  * present, else cpu). MOED_ENODEV if "cuda" is asked for and cannot run, MOED_EUNSUPPORTED if
  * moed was built without CUDA. */
 int moed_backend_open(const char *name, const moed_backend_config *cfg, moed_backend **out,
                       moed_error *err);
 
-/* Each implementation's constructor (called by moed_backend_open). */
-int moed_backend_cpu_open(const moed_backend_config *cfg, moed_backend **out, moed_error *err);
-int moed_backend_cuda_open(const moed_backend_config *cfg, moed_backend **out, moed_error *err);
 /* True when the CUDA backend was compiled in and at least one device answers. */
 int moed_backend_cuda_available(void);
 
-static inline void moed_backend_destroy(moed_backend *b)
-{
-    if (b) b->ops->destroy(b);
-}
+/* "cpu", "cuda". */
+const char *moed_backend_name(const moed_backend *b);
+
+/* Makes layer l resident as `slot` (0, 1, ... in load order). l and the memory it points to stay
+ * valid until the backend is destroyed, so a backend may compute from it in place (the CPU backend
+ * does) or copy it to its device (CUDA). */
+int moed_backend_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_error *err);
+
+/* Sizes and allocates per-slot staging and workspaces once every layer is loaded; fails with
+ * MOED_ENOMEM naming bytes needed and free. */
+int moed_backend_start(moed_backend *b, moed_error *err);
+
+/* Execution slots, valid after start (0 before). */
+int moed_backend_n_exec(const moed_backend *b);
+
+/* Devices device_info answers for. */
+int moed_backend_n_devices(const moed_backend *b);
+
+/* Runs job on execution slot `exec`. */
+int moed_backend_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err);
+
+/* logits [T, n_experts] float32 = x [T, d_model] @ router^T of layer `slot`, accumulated in
+ * float32. */
+int moed_backend_router_logits(moed_backend *b, int exec, int slot, int dtype, int64_t T,
+                               const void *x, float *logits, moed_error *err);
+
+/* Host memory the backend moves fastest (pinned for CUDA), 64-byte aligned; NULL when out of
+ * memory. Freed with moed_backend_host_free (p may be NULL). */
+void *moed_backend_host_alloc(moed_backend *b, size_t bytes);
+void moed_backend_host_free(moed_backend *b, void *p);
+
+/* Device i's name and memory, 0 <= i < n_devices. */
+int moed_backend_device_info(moed_backend *b, int i, moed_device_info *out);
+
+/* Whether execution slot `exec` can run layer `slot`: with several GPUs a layer is resident on one
+ * of them, and only that GPU's slots can run it. */
+int moed_backend_exec_accepts(moed_backend *b, int exec, int slot);
+
+/* Frees everything; b may be NULL. */
+void moed_backend_destroy(moed_backend *b);
 
 #endif

@@ -98,7 +98,8 @@ static int open_backend(moed_daemon *d)
                                .n_devices = d->cfg.n_devices,
                                .max_tokens = d->cfg.max_batch_tokens };
     if (moed_backend_open(d->cfg.backend, &bc, &d->backend, &err)) return fail("backend", &err);
-    moed_log_info("backend opened", "asked=%s backend=%s", d->cfg.backend, d->backend->ops->name);
+    moed_log_info("backend opened", "asked=%s backend=%s", d->cfg.backend,
+                  moed_backend_name(d->backend));
     return 0;
 }
 
@@ -155,7 +156,7 @@ static int load_layers(moed_daemon *d)
     for (int i = 0; i < d->model.n_layers; i++) {
         const moed_layer *l = &d->model.layers[i];
         if (!moed_config_wants_layer(&d->cfg, l->info.index)) continue;
-        if (d->backend->ops->load_layer(d->backend, n, l, &err)) {
+        if (moed_backend_load_layer(d->backend, n, l, &err)) {
             moed_error_prefix(&err, "layer %d", l->info.index);
             return fail("load layers", &err);
         }
@@ -166,7 +167,7 @@ static int load_layers(moed_daemon *d)
         moed_fail(&err, MOED_ENOTFOUND, "no MoE layer to serve in %s", d->model.source);
         return fail("load layers", &err);
     }
-    if (d->backend->ops->start(d->backend, &err)) return fail("backend start", &err);
+    if (moed_backend_start(d->backend, &err)) return fail("backend start", &err);
     d->served = (moed_served){ .layers = d->resident,
                                .n_layers = n,
                                .max_batch_tokens = d->cfg.max_batch_tokens,
@@ -174,7 +175,7 @@ static int load_layers(moed_daemon *d)
     char list[256];
     moed_served_layer_list(&d->served, list, sizeof list);
     moed_log_info("layers resident", "layers=%s count=%d weight_bytes=%llu exec_slots=%d", list, n,
-                  (unsigned long long)bytes, d->backend->n_exec);
+                  (unsigned long long)bytes, moed_backend_n_exec(d->backend));
     return 0;
 }
 
@@ -227,8 +228,8 @@ static void metrics_page(moed_daemon *d, moed_http_reply *out)
     int n = 0;
     moed_sched_get_stats(d->sched, &ss);
     moed_rpc_get_stats(d->rpc, &rs);
-    for (int i = 0; i < d->backend->n_devices && n < MOED_CONFIG_MAX_DEVICES; i++)
-        if (!d->backend->ops->device_info(d->backend, i, &dev[n])) {
+    for (int i = 0; i < moed_backend_n_devices(d->backend) && n < MOED_CONFIG_MAX_DEVICES; i++)
+        if (!moed_backend_device_info(d->backend, i, &dev[n])) {
             dev[n].name[sizeof dev[n].name - 1] = 0;
             n++;
         }
@@ -236,11 +237,11 @@ static void metrics_page(moed_daemon *d, moed_http_reply *out)
                               .queue_requests = ss.queued,
                               .calls_active = rs.active_calls,
                               .exec_busy = ss.running,
-                              .exec_size = (uint64_t)d->backend->n_exec,
+                              .exec_size = (uint64_t)moed_backend_n_exec(d->backend),
                               .devices = dev,
                               .n_devices = n,
                               .version = MOED_VERSION,
-                              .backend = d->backend->ops->name,
+                              .backend = moed_backend_name(d->backend),
                               .start_time_s = d->start_time_s };
     out->body = moed_metrics_render(d->metrics, &g, &out->len);
     out->status = out->body ? 200 : 500;
@@ -280,10 +281,10 @@ static void ready(moed_daemon *d)
     moed_rpc_set_serving(d->rpc, true);
     d->serving = true;
     moed_log_info("ready", "addr=%s backend=%s layers=%s model=\"%s\" version=%s",
-                  moed_rpc_address(d->rpc), d->backend->ops->name, list, d->model.source,
+                  moed_rpc_address(d->rpc), moed_backend_name(d->backend), list, d->model.source,
                   MOED_VERSION);
     moed_notify("READY=1\nSTATUS=serving on %s: layers %s of %s, %s backend\nMAINPID=%d",
-                moed_rpc_address(d->rpc), list, d->model.source, d->backend->ops->name,
+                moed_rpc_address(d->rpc), list, d->model.source, moed_backend_name(d->backend),
                 (int)getpid());
 }
 

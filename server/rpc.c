@@ -290,7 +290,7 @@ static grpc_byte_buffer *model_info(moed_rpc *r)
     const moed_served *s = r->cfg.served;
     moed_backend *b = r->cfg.backend;
     grpc_byte_buffer *bb = NULL;
-    int nd = b->n_devices;
+    int nd = moed_backend_n_devices(b);
     Moed__V1__ModelInfo mi = MOED__V1__MODEL_INFO__INIT;
     Moed__V1__LayerInfo *li = calloc((size_t)s->n_layers + 1, sizeof *li);
     Moed__V1__LayerInfo **lp = calloc((size_t)s->n_layers + 1, sizeof *lp);
@@ -320,7 +320,7 @@ static grpc_byte_buffer *model_info(moed_rpc *r)
     }
     int n = 0;
     for (int i = 0; i < nd; i++) {
-        if (b->ops->device_info(b, i, &di[n])) continue;
+        if (moed_backend_device_info(b, i, &di[n])) continue;
         moed__v1__device__init(&dv[n]);
         di[n].name[sizeof di[n].name - 1] = 0;
         dv[n].name = di[n].name;
@@ -332,7 +332,7 @@ static grpc_byte_buffer *model_info(moed_rpc *r)
     mi.model = (char *)r->cfg.model;
     mi.n_layers = (size_t)s->n_layers;
     mi.layers = lp;
-    mi.backend = (char *)b->ops->name;
+    mi.backend = (char *)moed_backend_name(b);
     mi.n_devices = (size_t)n;
     mi.devices = dp;
     mi.version = MOED_VERSION;

@@ -155,7 +155,7 @@ static queue *pick_queue(moed_sched *s, int exec, uint64_t now, uint64_t *wake_a
     queue *best = NULL;
     *wake_at = 0;
     for (queue *q = s->active; q; q = q->next_active) {
-        if (b->ops->exec_accepts && !b->ops->exec_accepts(b, exec, q->slot)) continue;
+        if (!moed_backend_exec_accepts(b, exec, q->slot)) continue;
         uint64_t t0 = q->head->t_enqueued_ns;
         bool full = q->tokens >= s->cfg.max_batch_tokens;
         bool enough = s->cfg.min_batch_requests > 1 && q->n >= s->cfg.min_batch_requests;
@@ -350,8 +350,8 @@ static void run_batch(worker *w, queue *q, int n, uint64_t t_launch)
     moed_route batch = { 0 };
     const moed_route *route = NULL;
     int rc = 0;
-    if (server && (rc = b->ops->router_logits(b, w->exec, first->slot, first->dtype, T, w->x,
-                                              w->logits, &err)))
+    if (server && (rc = moed_backend_router_logits(b, w->exec, first->slot, first->dtype, T, w->x,
+                                                   w->logits, &err)))
         goto fail;
     if (server || k_batch) {
         route_requests(w, n, layer, k_batch);
@@ -364,7 +364,7 @@ static void run_batch(worker *w, queue *q, int n, uint64_t t_launch)
     moed_job job = {
         .slot = first->slot, .dtype = first->dtype, .T = T, .x = w->x, .y = w->y, .route = route
     };
-    rc = b->ops->forward(b, w->exec, &job, &err);
+    rc = moed_backend_forward(b, w->exec, &job, &err);
     launch_done(s, q);
     if (rc) goto fail_released;
     moed_route_free(&batch);
@@ -396,7 +396,7 @@ fail:
     launch_done(s, q);
 fail_released:
     moed_route_free(&batch);
-    if (!err.code) moed_fail(&err, rc, "the %s backend failed this launch", b->ops->name);
+    if (!err.code) moed_fail(&err, rc, "the %s backend failed this launch", moed_backend_name(b));
     for (int i = 0; i < n; i++)
         if (w->items[i]) finish_error(s, w->items[i], rc, &err);
 }
@@ -444,9 +444,9 @@ static int worker_init(moed_sched *s, worker *w, int exec, moed_error *err)
     moed_backend *b = s->cfg.backend;
     w->s = s;
     w->exec = exec;
-    w->x = b->ops->host_alloc(b, s->staging_bytes);
-    w->y = b->ops->host_alloc(b, s->staging_bytes);
-    w->logits = b->ops->host_alloc(b, s->logits_bytes);
+    w->x = moed_backend_host_alloc(b, s->staging_bytes);
+    w->y = moed_backend_host_alloc(b, s->staging_bytes);
+    w->logits = moed_backend_host_alloc(b, s->logits_bytes);
     w->set = malloc((size_t)s->max_experts * sizeof *w->set);
     w->items = calloc((size_t)s->max_items, sizeof *w->items);
     w->parts = calloc((size_t)s->max_items, sizeof *w->parts);
@@ -468,9 +468,9 @@ static int worker_init(moed_sched *s, worker *w, int exec, moed_error *err)
 static void worker_free(moed_sched *s, worker *w)
 {
     moed_backend *b = s->cfg.backend;
-    if (w->x) b->ops->host_free(b, w->x);
-    if (w->y) b->ops->host_free(b, w->y);
-    if (w->logits) b->ops->host_free(b, w->logits);
+    moed_backend_host_free(b, w->x);
+    moed_backend_host_free(b, w->y);
+    moed_backend_host_free(b, w->logits);
     moed_route_free(&w->route);
     free(w->set);
     free(w->items);
@@ -502,7 +502,7 @@ int moed_sched_create(const moed_sched_config *cfg, moed_sched **out, moed_error
     pthread_cond_init(&s->wake, &ca);
     pthread_condattr_destroy(&ca);
     pthread_mutex_init(&s->lock, NULL);
-    int rc = 0, n = cfg->backend->n_exec > 0 ? cfg->backend->n_exec : 1;
+    int rc = 0, n = moed_backend_n_exec(cfg->backend) > 0 ? moed_backend_n_exec(cfg->backend) : 1;
     if (!(s->workers = calloc((size_t)n, sizeof *s->workers))) {
         rc = moed_fail(err, MOED_ENOMEM, "no memory for %d scheduler workers", n);
         goto err;

@@ -112,7 +112,7 @@ static int reference_route(load_verify *v, int slot, const load_verify_item *it,
     }
     const float *logits = req->logits;
     if (req->routing == MOEDC_ROUTE_SERVER) {
-        if (v->cpu->ops->router_logits(v->cpu, 0, slot, req->dtype, req->tokens, req->hidden,
+        if (moed_backend_router_logits(v->cpu, 0, slot, req->dtype, req->tokens, req->hidden,
                                        v->logits, &err)) {
             snprintf(why, n, "the reference router failed: %.240s", err.msg);
             return -1;
@@ -183,7 +183,7 @@ static int check(load_verify *v, const load_verify_item *it, double *err_out, ch
     int rc = reference_route(v, slot, it, &route, why, n);
     if (!rc) {
         moed_job job = { slot, req->dtype, req->tokens, req->hidden, v->y, &route };
-        if (v->cpu->ops->forward(v->cpu, 0, &job, &err)) {
+        if (moed_backend_forward(v->cpu, 0, &job, &err)) {
             snprintf(why, n, "the reference forward failed: %.240s", err.msg);
             rc = -1;
         }
@@ -304,7 +304,7 @@ int load_verify_open(const moed_synth_spec *spec, const moed_layer_info *served,
     v->layers = calloc((size_t)n, sizeof *v->layers);
     if (!v->layers) goto nomem;
     moed_backend_config cfg = { .threads = 1, .max_tokens = max_tokens };
-    rc = moed_backend_cpu_open(&cfg, &v->cpu, err);
+    rc = moed_backend_open("cpu", &cfg, &v->cpu, err);
     if (rc) goto err;
     for (int i = 0; i < n; i++) {
         if (served[i].index < 0 || served[i].index >= spec->layers) {
@@ -317,12 +317,12 @@ int load_verify_open(const moed_synth_spec *spec, const moed_layer_info *served,
         if (rc) goto err;
         v->n_layers = i + 1;
         rc = same_layer(&served[i], &v->layers[i].info, err);
-        if (!rc) rc = v->cpu->ops->load_layer(v->cpu, i, &v->layers[i], err);
+        if (!rc) rc = moed_backend_load_layer(v->cpu, i, &v->layers[i], err);
         if (rc) goto err;
         if (served[i].d_model > max_d) max_d = served[i].d_model;
         if (served[i].n_experts > max_e) max_e = served[i].n_experts;
     }
-    rc = v->cpu->ops->start(v->cpu, err);
+    rc = moed_backend_start(v->cpu, err);
     if (rc) goto err;
     v->y = malloc((size_t)max_tokens * (size_t)max_d * sizeof(float));
     v->logits = malloc((size_t)max_tokens * (size_t)max_e * sizeof(float));

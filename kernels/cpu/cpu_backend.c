@@ -1,6 +1,7 @@
 /*
- * cpu_backend — the CPU backend's life cycle: open, load_layer, start (the workspace), memory and
- * device queries, destroy. The compute is in cpu_forward.c.
+ * cpu_backend — the CPU backend's life cycle: open, load_layer, start (the workspace), the device
+ * query, destroy. The compute is in cpu_forward.c; host memory is the interface's default (plain
+ * aligned memory is what a CPU moves fastest).
  *
  * It computes from the layer's weights where they lie (a checkpoint mapping or the synthetic
  * generator's buffers) and sizes every buffer it needs once, in start(), so a forward allocates
@@ -174,19 +175,6 @@ static int cpu_start(moed_backend *b, moed_error *err)
     return 0;
 }
 
-static void *cpu_host_alloc(moed_backend *b, size_t bytes)
-{
-    (void)b;
-    void *p = NULL;
-    return posix_memalign(&p, 64, bytes ? bytes : 1) ? NULL : p;
-}
-
-static void cpu_host_free(moed_backend *b, void *p)
-{
-    (void)b;
-    free(p);
-}
-
 static int cpu_device_info(moed_backend *b, int i, moed_device_info *out)
 {
     (void)b;
@@ -218,8 +206,6 @@ static const moed_backend_ops cpu_ops = {
     .start = cpu_start,
     .forward = moed_cpu_forward,
     .router_logits = moed_cpu_router_logits,
-    .host_alloc = cpu_host_alloc,
-    .host_free = cpu_host_free,
     .device_info = cpu_device_info,
     .destroy = cpu_destroy,
 };

@@ -6,7 +6,7 @@
 #define MOED_CPU_CTX_H
 
 #include "cpu_gemm.h"
-#include "moed_backend.h"
+#include "moed_backend_impl.h"
 #include "moed_pool.h"
 
 #include <stdint.h>

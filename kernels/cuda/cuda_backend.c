@@ -15,7 +15,7 @@
  * synchronisation until the output copy; slots run concurrently, so one batch's copies overlap
  * another's kernels.
  */
-#include "moed_backend.h"
+#include "moed_backend_impl.h"
 
 #include "moe_cuda.h"
 #include "moed_dtype.h"

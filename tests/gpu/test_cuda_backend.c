@@ -111,8 +111,8 @@ static moed_backend *open_backend(const char *name, const char *kernel, const mo
     else
         unsetenv("MOED_CUDA_KERNEL");
     int rc = moed_backend_open(name, &cfg, &b, &err);
-    if (!rc) rc = b->ops->load_layer(b, 0, l, &err);
-    if (!rc) rc = b->ops->start(b, &err);
+    if (!rc) rc = moed_backend_load_layer(b, 0, l, &err);
+    if (!rc) rc = moed_backend_start(b, &err);
     if (rc) {
         fprintf(stderr, "%s backend: %s\n", name, err.msg);
         moed_backend_destroy(b);
@@ -208,7 +208,7 @@ static void run_case(const tcase *tc)
     if (gpu && cpu) {
         poison(tc->xdtype, y, (size_t)T * d);
         moed_job job = { 0, tc->xdtype, T, x, y, &route };
-        int rc = gpu->ops->forward(gpu, 0, &job, &err);
+        int rc = moed_backend_forward(gpu, 0, &job, &err);
         CHECK_MSG(rc == 0, "%s: cuda forward: %s", tc->name, err.msg);
 
         moed_route sr = { 0 };
@@ -216,7 +216,7 @@ static void run_case(const tcase *tc)
         gather_rows(x, row, tok, n_ref, xs);
         gather_rows(y, row, tok, n_ref, ys);
         moed_job rjob = { 0, tc->xdtype, n_ref, xs, yr, &sr };
-        rc = cpu->ops->forward(cpu, 0, &rjob, &err);
+        rc = moed_backend_forward(cpu, 0, &rjob, &err);
         CHECK_MSG(rc == 0, "%s: cpu forward: %s", tc->name, err.msg);
 
         const int cdt_f16 = li->wdtype == MOED_F16;
@@ -233,9 +233,9 @@ static void run_case(const tcase *tc)
         if (li->has_router) {
             float *lg = malloc(sizeof(float) * (size_t)n_ref * li->n_experts);
             float *lc = malloc(sizeof(float) * (size_t)n_ref * li->n_experts);
-            rc = gpu->ops->router_logits(gpu, 0, 0, tc->xdtype, n_ref, xs, lg, &err);
+            rc = moed_backend_router_logits(gpu, 0, 0, tc->xdtype, n_ref, xs, lg, &err);
             CHECK_MSG(rc == 0, "%s: cuda router logits: %s", tc->name, err.msg);
-            rc = cpu->ops->router_logits(cpu, 0, 0, tc->xdtype, n_ref, xs, lc, &err);
+            rc = moed_backend_router_logits(cpu, 0, 0, tc->xdtype, n_ref, xs, lc, &err);
             CHECK_MSG(rc == 0, "%s: cpu router logits: %s", tc->name, err.msg);
             const double le = rel_err(MOED_F32, lg, lc, (size_t)n_ref * li->n_experts);
             CHECK_MSG(le >= 0 && le <= bound, "%s: router logits relative error %.3g", tc->name,
@@ -250,7 +250,7 @@ static void run_case(const tcase *tc)
         sub_route(&route, tok, 1, &one);
         moed_job ojob = { 0, tc->xdtype, 1, xs, yr, &one };
         poison(tc->xdtype, yr, (size_t)d);
-        rc = gpu->ops->forward(gpu, 0, &ojob, &err);
+        rc = moed_backend_forward(gpu, 0, &ojob, &err);
         CHECK_MSG(rc == 0 && !memcmp(yr, ys, row),
                   "%s: token %lld alone differs from the same token in the batch", tc->name,
                   (long long)tok[0]);

@@ -168,10 +168,10 @@ static moed_backend *open_cpu(int threads, int64_t max_tokens, const moed_layer 
         CHECK_MSG(0, "open: %s", err.msg);
         return NULL;
     }
-    int rc = b->ops->load_layer(b, 0, l, &err);
-    if (!rc) rc = b->ops->start(b, &err);
+    int rc = moed_backend_load_layer(b, 0, l, &err);
+    if (!rc) rc = moed_backend_start(b, &err);
     CHECK_MSG(rc == 0, "load/start: %s", err.msg);
-    CHECK_EQ_INT(b->n_exec, 1);
+    CHECK_EQ_INT(moed_backend_n_exec(b), 1);
     return b;
 }
 
@@ -190,7 +190,7 @@ static int forward(moed_backend *b, int dtype, const void *x, int64_t T, const m
 {
     moed_job job = { .slot = 0, .dtype = dtype, .T = T, .x = x, .y = y, .route = r };
     moed_error err = { 0 };
-    int rc = b->ops->forward(b, 0, &job, &err);
+    int rc = moed_backend_forward(b, 0, &job, &err);
     CHECK_MSG(rc == 0, "forward: %s", err.msg);
     return rc;
 }
@@ -341,7 +341,7 @@ static void test_router_logits(void)
     for (int dt = MOED_F32; dt <= MOED_BF16 && b; dt++) {
         void *x = random_x(dt, T * d);
         float lg[29 * 12], one[12];
-        CHECK_EQ_INT(b->ops->router_logits(b, 0, 0, dt, T, x, lg, &err), 0);
+        CHECK_EQ_INT(moed_backend_router_logits(b, 0, 0, dt, T, x, lg, &err), 0);
         int bad = 0, diff = 0;
         for (int t = 0; t < T; t++) {
             for (int e = 0; e < E; e++) {
@@ -354,8 +354,8 @@ static void test_router_logits(void)
                 }
                 bad += !(fabs(lg[t * E + e] - want) <= 1e-6 * mag);
             }
-            b->ops->router_logits(b, 0, 0, dt, 1,
-                                  (const char *)x + (size_t)t * d * moed_dtype_size(dt), one, &err);
+            moed_backend_router_logits(
+                b, 0, 0, dt, 1, (const char *)x + (size_t)t * d * moed_dtype_size(dt), one, &err);
             diff += memcmp(one, lg + t * E, sizeof one) != 0;
         }
         CHECK_MSG(bad == 0, "router logits (x %s): %d off", moed_dtype_name(dt), bad);
@@ -377,53 +377,55 @@ static void test_errors(void)
     moed_backend *b;
     moed_backend_config cfg = { .threads = 2, .max_tokens = 8 };
     CHECK_EQ_INT(moed_backend_open("cpu", &cfg, &b, &err), 0);
-    CHECK_EQ_INT(b->ops->start(b, &err), MOED_EINVAL); /* nothing loaded */
-    CHECK_EQ_INT(b->ops->load_layer(b, 1, &l, &err), MOED_EINVAL);
+    CHECK_EQ_INT(moed_backend_start(b, &err), MOED_EINVAL); /* nothing loaded */
+    CHECK_EQ_INT(moed_backend_load_layer(b, 1, &l, &err), MOED_EINVAL);
     CHECK(strstr(err.msg, "next slot is 0") != NULL);
-    CHECK_EQ_INT(b->ops->load_layer(b, 0, &l, &err), 0);
-    CHECK_EQ_INT(b->ops->start(b, &err), 0);
-    CHECK_EQ_INT(b->ops->load_layer(b, 1, &l, &err), MOED_EINVAL);
+    CHECK_EQ_INT(moed_backend_load_layer(b, 0, &l, &err), 0);
+    CHECK_EQ_INT(moed_backend_start(b, &err), 0);
+    CHECK_EQ_INT(moed_backend_load_layer(b, 1, &l, &err), MOED_EINVAL);
 
     float x[16 * 9] = { 0 }, y[16 * 9];
     moed_route r;
     make_route(R_TOPK, 9, 2, 4, &r);
     moed_job job = { .slot = 0, .dtype = MOED_F32, .T = 2, .x = x, .y = y, .route = &r };
-    CHECK_EQ_INT(b->ops->forward(b, 0, &job, &err), MOED_EINVAL); /* route has 9 tokens */
+    CHECK_EQ_INT(moed_backend_forward(b, 0, &job, &err), MOED_EINVAL); /* route has 9 tokens */
     job.T = 9;
-    CHECK_EQ_INT(b->ops->forward(b, 0, &job, &err), MOED_ETOOBIG); /* max_tokens 8 */
+    CHECK_EQ_INT(moed_backend_forward(b, 0, &job, &err), MOED_ETOOBIG); /* max_tokens 8 */
     CHECK(strstr(err.msg, "9 tokens") != NULL);
     moed_route_free(&r);
     make_route(R_TOPK, 2, 2, 4, &r);
     job.T = 2;
-    CHECK_EQ_INT(b->ops->forward(b, 1, &job, &err), MOED_EINVAL);
+    CHECK_EQ_INT(moed_backend_forward(b, 1, &job, &err), MOED_EINVAL);
     job.slot = 1;
-    CHECK_EQ_INT(b->ops->forward(b, 0, &job, &err), MOED_ENOTFOUND);
+    CHECK_EQ_INT(moed_backend_forward(b, 0, &job, &err), MOED_ENOTFOUND);
     job.slot = 0;
     job.dtype = MOED_I32;
-    CHECK_EQ_INT(b->ops->forward(b, 0, &job, &err), MOED_EINVAL);
+    CHECK_EQ_INT(moed_backend_forward(b, 0, &job, &err), MOED_EINVAL);
     job.dtype = MOED_F32;
     r.expert[1] = 4; /* out of range: must not be read */
-    CHECK_EQ_INT(b->ops->forward(b, 0, &job, &err), MOED_EINVAL);
+    CHECK_EQ_INT(moed_backend_forward(b, 0, &job, &err), MOED_EINVAL);
     CHECK(strstr(err.msg, "expert 4") != NULL);
     r.expert[1] = 3;
     r.weight[2] = NAN;
-    CHECK_EQ_INT(b->ops->forward(b, 0, &job, &err), MOED_EINVAL);
+    CHECK_EQ_INT(moed_backend_forward(b, 0, &job, &err), MOED_EINVAL);
     r.weight[2] = 1;
-    CHECK_EQ_INT(b->ops->forward(b, 0, &job, &err), 0);
-    CHECK_EQ_INT(b->ops->router_logits(b, 0, 0, MOED_F32, 2, x, y, &err), MOED_EINVAL);
+    CHECK_EQ_INT(moed_backend_forward(b, 0, &job, &err), 0);
+    CHECK_EQ_INT(moed_backend_router_logits(b, 0, 0, MOED_F32, 2, x, y, &err), MOED_EINVAL);
     CHECK(strstr(err.msg, "no router weights") != NULL);
 
     moed_device_info info;
-    CHECK_EQ_INT(b->n_devices, 1);
-    CHECK_EQ_INT(b->ops->device_info(b, 0, &info), 0);
+    CHECK_EQ_INT(moed_backend_n_devices(b), 1);
+    CHECK_EQ_INT(moed_backend_device_info(b, 0, &info), 0);
     CHECK(!strcmp(info.name, "cpu") && info.memory_total > 0);
     CHECK(info.memory_used <= info.memory_total);
-    CHECK(b->ops->device_info(b, 1, &info) != 0);
-    void *p = b->ops->host_alloc(b, 1000);
+    CHECK(moed_backend_device_info(b, 1, &info) != 0);
+    void *p = moed_backend_host_alloc(b, 1000);
     CHECK(p && ((uintptr_t)p & 63) == 0);
     memset(p, 1, 1000);
-    b->ops->host_free(b, p);
-    CHECK(!strcmp(b->ops->name, "cpu"));
+    moed_backend_host_free(b, p);
+    moed_backend_host_free(b, NULL);
+    CHECK(moed_backend_exec_accepts(b, 0, 0)); /* the default: one slot runs every layer */
+    CHECK(!strcmp(moed_backend_name(b), "cpu"));
     moed_route_free(&r);
     moed_backend_destroy(b);
     moed_synth_free_layer(&l);

@@ -9,6 +9,7 @@
  * the request alone and compares bit for bit.
  */
 #include "check.h"
+#include "moed_backend_impl.h" /* the fake is a backend: it fills the table the wrappers call */
 #include "moed_dtype.h"
 #include "scheduler.h"
 
@@ -85,21 +86,9 @@ static int fake_exec_accepts(moed_backend *b, int exec, int slot)
     return !fk.pin || exec == slot;
 }
 
-static void *fake_alloc(moed_backend *b, size_t n)
-{
-    return malloc(n);
-}
-
-static void fake_free(moed_backend *b, void *p)
-{
-    free(p);
-}
-
 static const moed_backend_ops fake_ops = { .name = "fake",
                                            .forward = fake_forward,
                                            .router_logits = fake_router,
-                                           .host_alloc = fake_alloc,
-                                           .host_free = fake_free,
                                            .exec_accepts = fake_exec_accepts };
 
 static void hold(int on)
