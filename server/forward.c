@@ -235,7 +235,7 @@ static void stream_pump(stream_call *s)
 
 static void stream_on_send(rpc_tag *t, bool ok)
 {
-    stream_call *s = RPC_CONTAINER(t, stream_call, on_send);
+    stream_call *s = moed_container_of(t, stream_call, on_send);
     pthread_mutex_lock(&s->lock);
     s->sending = false;
     if (s->in_flight) grpc_byte_buffer_destroy(s->in_flight);
@@ -323,7 +323,7 @@ static void stream_accept(stream_call *s, grpc_byte_buffer *payload)
 
 static void stream_on_recv(rpc_tag *t, bool ok)
 {
-    stream_call *s = RPC_CONTAINER(t, stream_call, on_recv);
+    stream_call *s = moed_container_of(t, stream_call, on_recv);
     pthread_mutex_lock(&s->lock);
     s->reading = false;
     grpc_byte_buffer *bb = s->recv_bb;

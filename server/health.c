@@ -112,7 +112,7 @@ static void watch_pump(watch_call *w)
 
 static void watch_on_send(rpc_tag *t, bool ok)
 {
-    watch_call *w = RPC_CONTAINER(t, watch_call, on_send);
+    watch_call *w = moed_container_of(t, watch_call, on_send);
     pthread_mutex_lock(&w->lock);
     w->sending = false;
     if (w->in_flight) grpc_byte_buffer_destroy(w->in_flight);

@@ -34,12 +34,13 @@ typedef struct hist_def {
     double scale; /* recorded unit in the exposed unit: 1e-9 for ns -> seconds, 0 for counts */
 } hist_def;
 
+/* A hist_def's bounds and their count, counted by the compiler. */
+#define BOUNDS(...) { __VA_ARGS__ }, (int)(sizeof((uint64_t[]){ __VA_ARGS__ }) / sizeof(uint64_t))
+
 #define DURATION_BOUNDS                                                                            \
-    {                                                                                              \
-        100000,   250000,    500000,    1000000,   2500000,    5000000,    10000000,   25000000,   \
-        50000000, 100000000, 250000000, 500000000, 1000000000, 2500000000, 5000000000, 10000000000 \
-    },                                                                                             \
-        16, 1e-9
+    BOUNDS(100000, 250000, 500000, 1000000, 2500000, 5000000, 10000000, 25000000, 50000000,        \
+           100000000, 250000000, 500000000, 1000000000, 2500000000, 5000000000, 10000000000),      \
+        1e-9
 
 static const hist_def hists[H_COUNT] = {
     [H_REQUEST] = { "moed_request_duration_seconds",
@@ -51,17 +52,12 @@ static const hist_def hists[H_COUNT] = {
                   DURATION_BOUNDS },
     [H_COMPUTE] = { "moed_compute_duration_seconds",
                     "Launches: time to compute one merged batch, in seconds.", DURATION_BOUNDS },
-    [H_BATCH_TOKENS] = { "moed_batch_tokens",
-                         "Launches: tokens in one merged batch.",
-                         { 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
-                           32768, 65536 },
-                         17,
+    [H_BATCH_TOKENS] = { "moed_batch_tokens", "Launches: tokens in one merged batch.",
+                         BOUNDS(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
+                                16384, 32768, 65536),
                          0 },
-    [H_BATCH_REQUESTS] = { "moed_batch_requests",
-                           "Launches: requests merged into one batch.",
-                           { 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024 },
-                           11,
-                           0 },
+    [H_BATCH_REQUESTS] = { "moed_batch_requests", "Launches: requests merged into one batch.",
+                           BOUNDS(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), 0 },
 };
 
 typedef struct hist {
@@ -70,7 +66,7 @@ typedef struct hist {
 } hist;
 
 typedef struct shard {
-    _Alignas(64) _Atomic uint64_t requests[MOED_METHOD_COUNT][MOED_METRICS_CODES];
+    _Alignas(64) _Atomic uint64_t requests[MOED_METHOD_COUNT][MOED_GRPC_STATUS_COUNT];
     _Atomic uint64_t forwards, tokens, request_bytes, response_bytes;
     hist h[H_COUNT];
 } shard;
@@ -125,7 +121,7 @@ static void observe(shard *s, int which, uint64_t v)
 void moed_metrics_request(moed_metrics *m, moed_method method, int grpc_status)
 {
     if (!m || (unsigned)method >= MOED_METHOD_COUNT) return;
-    if (grpc_status < 0 || grpc_status >= MOED_METRICS_CODES) grpc_status = 2; /* UNKNOWN */
+    if (grpc_status < 0 || grpc_status >= MOED_GRPC_STATUS_COUNT) grpc_status = 2; /* UNKNOWN */
     add(&my_shard(m)->requests[method][grpc_status], 1);
 }
 
@@ -190,7 +186,8 @@ void moed_metrics_get_totals(const moed_metrics *m, moed_metrics_totals *out)
 {
     memset(out, 0, sizeof *out);
     for (int i = 0; i < MOED_METHOD_COUNT; i++)
-        for (int c = 0; c < MOED_METRICS_CODES; c++) out->requests[i][c] = SUM(m, requests[i][c]);
+        for (int c = 0; c < MOED_GRPC_STATUS_COUNT; c++)
+            out->requests[i][c] = SUM(m, requests[i][c]);
     out->forwards = SUM(m, forwards);
     out->tokens = SUM(m, tokens);
     out->request_bytes = SUM(m, request_bytes);
@@ -296,7 +293,7 @@ static void requests(text *t, const moed_metrics *m)
            "Requests answered, by gRPC method and status code (each message of a stream counts "
            "as one request; health Watch streams are not counted).");
     for (int i = 0; i < MOED_METHOD_COUNT; i++)
-        for (int c = 0; c < MOED_METRICS_CODES; c++) {
+        for (int c = 0; c < MOED_GRPC_STATUS_COUNT; c++) {
             uint64_t v = SUM(m, requests[i][c]);
             /* Forward/OK always appears, so rate() has a series from the first scrape. */
             if (!v && !(i == MOED_METHOD_FORWARD && c == 0)) continue;

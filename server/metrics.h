@@ -17,6 +17,7 @@
 #define MOED_METRICS_H
 
 #include "moed_backend.h"
+#include "moed_err.h"
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -35,8 +36,6 @@ typedef enum moed_method {
     MOED_METHOD_UNKNOWN,
     MOED_METHOD_COUNT
 } moed_method;
-
-#define MOED_METRICS_CODES 17 /* gRPC status codes 0..16 */
 
 /* NULL when out of memory. */
 moed_metrics *moed_metrics_create(void);
@@ -73,7 +72,7 @@ char *moed_metrics_render(const moed_metrics *m, const moed_metrics_gauges *g, s
 
 /* Sums of the counters, for tests and the stats log. */
 typedef struct moed_metrics_totals {
-    uint64_t requests[MOED_METHOD_COUNT][MOED_METRICS_CODES];
+    uint64_t requests[MOED_METHOD_COUNT][MOED_GRPC_STATUS_COUNT];
     uint64_t forwards, tokens, request_bytes, response_bytes, launches, queue_waits;
 } moed_metrics_totals;
 

@@ -41,9 +41,10 @@ typedef struct moed_rpc_config {
 } moed_rpc_config;
 
 typedef struct moed_rpc_stats {
-    uint64_t calls[6];      /* by method: Forward, ForwardStream, GetModel, Check, Watch, unknown */
-    uint64_t forwards;      /* Forward requests answered (unary, and each stream message) */
-    uint64_t by_status[17]; /* Forward answers by gRPC status code (CANCELLED: the caller left) */
+    uint64_t calls[MOED_METHOD_COUNT]; /* by method (moed_method) */
+    uint64_t forwards; /* Forward requests answered (unary, and each stream message) */
+    /* Forward answers by gRPC status code (CANCELLED: the caller left) */
+    uint64_t by_status[MOED_GRPC_STATUS_COUNT];
     uint64_t active_calls;
 } moed_rpc_stats;
 

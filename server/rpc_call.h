@@ -10,6 +10,7 @@
 #ifndef MOED_RPC_CALL_H
 #define MOED_RPC_CALL_H
 
+#include "moed_list.h"
 #include "rpc.h"
 
 #include <grpc/grpc.h>
@@ -20,8 +21,6 @@
 typedef struct rpc_tag {
     void (*fn)(struct rpc_tag *t, bool ok);
 } rpc_tag;
-
-#define RPC_CONTAINER(ptr, type, member) ((type *)((char *)(ptr)-offsetof(type, member)))
 
 /* The methods, in the order the metrics' `method` label names them. */
 enum {
@@ -60,9 +59,9 @@ struct moed_rpc {
     void (*on_drained)(void *arg);
     void *drained_arg;
     pthread_mutex_t live_lock; /* the streaming calls (streams, watches), for drain and health */
-    rpc_call *live;
-    int serving; /* HEALTH_SERVING or HEALTH_NOT_SERVING, under live_lock */
-    _Atomic uint64_t calls[M_COUNT], forwards, by_status[17], active;
+    moed_list live;            /* of rpc_call.live_node */
+    int serving;               /* HEALTH_SERVING or HEALTH_NOT_SERVING, under live_lock */
+    _Atomic uint64_t calls[M_COUNT], forwards, by_status[MOED_GRPC_STATUS_COUNT], active;
 };
 
 /* What a method does with its call: start when it arrives; for streaming methods, end when the
@@ -102,7 +101,7 @@ struct rpc_call {
     grpc_byte_buffer *reply;
     grpc_slice details;
     /* on rpc->live while it streams */
-    rpc_call *live_prev, *live_next;
+    moed_list live_node;
     bool live;
 };
 

@@ -52,7 +52,9 @@ const char *moed_grpc_status_name(int grpc_status)
         "DATA_LOSS",
         "UNAUTHENTICATED",
     };
-    if (grpc_status < 0 || grpc_status >= (int)(sizeof names / sizeof names[0])) return "UNKNOWN";
+    _Static_assert(sizeof names / sizeof names[0] == MOED_GRPC_STATUS_COUNT,
+                   "one name per gRPC status code");
+    if (grpc_status < 0 || grpc_status >= MOED_GRPC_STATUS_COUNT) return "UNKNOWN";
     return names[grpc_status];
 }
 

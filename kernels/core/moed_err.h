@@ -12,6 +12,9 @@
 
 #include <stddef.h>
 
+/* gRPC status codes run 0 (OK) .. 16 (UNAUTHENTICATED): the size of every table indexed by one. */
+#define MOED_GRPC_STATUS_COUNT 17
+
 /* X(name, value, grpc status code, description) — grpc codes as in grpc/status.h. */
 #define MOED_ERR_TABLE(X)                                                                          \
     X(MOED_OK, 0, 0, "success")                                                                    \
@@ -51,7 +54,7 @@ const char *moed_strerror(int code);
 int moed_err_grpc_status(int code);
 
 /* A gRPC status code's name as gRPC spells it ("OK", "INVALID_ARGUMENT", ...; "UNKNOWN" outside
- * 0..16): for logs, metrics labels and client messages. */
+ * 0 .. MOED_GRPC_STATUS_COUNT - 1): for logs, metrics labels and client messages. */
 const char *moed_grpc_status_name(int grpc_status);
 
 /* Records code and a printf-style message in err (which may be NULL) and returns code, so a
