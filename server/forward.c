@@ -16,6 +16,7 @@
 
 #include "log.h"
 #include "moed_dtype.h"
+#include "moed_list.h"
 #include "request.h"
 #include "scheduler.h"
 #include "wire.h"
@@ -26,28 +27,28 @@
 /* Requests one stream may have decoded but not yet answered. */
 #define STREAM_WINDOW 16
 
-/* Decodes and validates a payload into item; errors name what is wrong. */
-static int prepare(moed_rpc *r, grpc_byte_buffer *payload, moed_wire_msg *msg,
-                   moed_sched_item *item, moed_error *err)
+/* Decodes and validates a payload into w; errors name what is wrong. */
+static int prepare(moed_rpc *r, grpc_byte_buffer *payload, moed_wire_msg *msg, moed_work *w,
+                   moed_error *err)
 {
     moed_wire_request q;
     int rc = moed_wire_msg_open(msg, payload, err);
     if (!rc) rc = moed_wire_decode_request(msg->slices, msg->n_slices, &q, err);
-    if (!rc) rc = moed_request_validate(r->cfg.served, &q, &item->work, err);
+    if (!rc) rc = moed_request_validate(r->cfg.served, &q, w, err);
     return rc;
 }
 
 /* The reply message for a finished request: its rows copied into the output slice. */
-static grpc_byte_buffer *encode_reply(const moed_sched_item *it, const moed_sched_result *res)
+static grpc_byte_buffer *encode_reply(const moed_work *w, const moed_sched_result *res)
 {
-    const moed_work *w = &it->work;
+    const moed_sched_item *it = &w->item;
     grpc_slice out = grpc_slice_malloc(res->y_bytes);
     memcpy(GRPC_SLICE_START_PTR(out), res->y, res->y_bytes);
     moed_wire_response resp = { .request_id = w->request_id,
                                 .request_id_len = w->request_id_len,
-                                .dtype = w->dtype,
-                                .rows = w->T,
-                                .cols = w->layer->info.d_model,
+                                .dtype = it->dtype,
+                                .rows = it->T,
+                                .cols = it->layer->info.d_model,
                                 .expert_set = res->expert_set,
                                 .n_expert_set = res->n_expert_set,
                                 .timings = res->timings };
@@ -67,12 +68,12 @@ static void log_failure(const moed_work *w, const moed_error *err)
 typedef struct fwd_call {
     rpc_call base;
     moed_wire_msg msg;
-    moed_sched_item item;
+    moed_work work;
 } fwd_call;
 
 static void fwd_release_request(fwd_call *f)
 {
-    moed_work_free(&f->item.work);
+    moed_work_free(&f->work);
     moed_wire_msg_close(&f->msg);
     if (f->base.payload) grpc_byte_buffer_destroy(f->base.payload);
     f->base.payload = NULL;
@@ -83,14 +84,14 @@ static void fwd_done(moed_sched_item *it, const moed_sched_result *res)
 {
     fwd_call *f = it->user;
     if (!res->status) {
-        grpc_byte_buffer *bb = encode_reply(it, res);
+        grpc_byte_buffer *bb = encode_reply(&f->work, res);
         if (bb)
             rpc_reply(&f->base, bb, GRPC_STATUS_OK, NULL);
         else
             rpc_reply(&f->base, NULL, GRPC_STATUS_RESOURCE_EXHAUSTED,
                       "out of memory for the reply");
     } else if (res->status != MOED_ECANCELLED) {
-        log_failure(&it->work, res->err);
+        log_failure(&f->work, res->err);
         rpc_reply_error(&f->base, res->err);
     } else { /* a cancelled call has no one to answer, but it counts */
         rpc_count(&f->base, GRPC_STATUS_CANCELLED, f->base.t_received_ns, f->base.payload, NULL);
@@ -102,7 +103,7 @@ static void fwd_done(moed_sched_item *it, const moed_sched_result *res)
 static void fwd_closed(rpc_call *c)
 {
     fwd_call *f = (fwd_call *)c;
-    if (c->cancelled) moed_sched_cancel(c->rpc->cfg.sched, &f->item);
+    if (c->cancelled) moed_sched_cancel(c->rpc->cfg.sched, &f->work.item);
 }
 
 static void fwd_start(rpc_call *c)
@@ -111,17 +112,18 @@ static void fwd_start(rpc_call *c)
     moed_rpc *r = c->rpc;
     moed_error err = { 0 };
     rpc_post_close(c, fwd_closed);
-    int rc = prepare(r, c->payload, &f->msg, &f->item, &err);
+    int rc = prepare(r, c->payload, &f->msg, &f->work, &err);
     if (!rc) {
-        f->item.done = fwd_done;
-        f->item.user = f;
-        f->item.t_received_ns = c->t_received_ns;
-        f->item.deadline_ns = rpc_deadline_ns(c);
+        moed_sched_item *it = &f->work.item;
+        it->done = fwd_done;
+        it->user = f;
+        it->t_received_ns = c->t_received_ns;
+        it->deadline_ns = rpc_deadline_ns(c);
         rpc_call_ref(c); /* held by the scheduler until fwd_done */
-        if ((rc = moed_sched_submit(r->cfg.sched, &f->item, &err))) rpc_call_unref(c);
+        if ((rc = moed_sched_submit(r->cfg.sched, it, &err))) rpc_call_unref(c);
     }
     if (rc) {
-        log_failure(&f->item.work, &err);
+        log_failure(&f->work, &err);
         rpc_reply_error(c, &err);
         fwd_release_request(f);
     }
@@ -140,40 +142,55 @@ const rpc_method moed_forward_method = { .path = "/moed.v1.Moed/Forward",
 
 /* ---- ForwardStream --------------------------------------------------------------------------- */
 
+/* A request of the stream: computing, answered (its reply waits for its turn), or failed. */
 enum { E_WAITING, E_READY, E_FAILED };
+
+/* The read side: whether the stream asks gRPC for the client's next request. */
+typedef enum stream_read {
+    READ_POSTED,  /* a RECV_MESSAGE is posted */
+    READ_PAUSED,  /* STREAM_WINDOW requests are open: the next read is posted as replies go */
+    READ_STOPPED, /* nothing more is read: an error is queued, or the stream is ending */
+    READ_EOF      /* the client sent its last request (or the call ended) */
+} stream_read;
+
+/* The send side: gRPC allows one send at a time. */
+typedef enum stream_send {
+    SEND_FIRST, /* nothing sent yet: the initial metadata goes with the first send */
+    SEND_IDLE,
+    SEND_BUSY, /* a reply is in flight */
+    SEND_ENDED /* the status is sent, or the call broke or was cancelled: nothing more goes */
+} stream_send;
 
 typedef struct stream_call stream_call;
 
 typedef struct entry {
-    struct entry *next;
+    moed_list node; /* on the stream's entries */
     stream_call *s;
     int state;
     grpc_byte_buffer *payload;
     moed_wire_msg msg;
-    moed_sched_item item;
+    moed_work work;
     grpc_byte_buffer *reply; /* E_READY */
     moed_error err;          /* E_FAILED */
 } entry;
 
 struct stream_call {
     rpc_call base;
-    pthread_mutex_t lock;
+    pthread_mutex_t lock; /* everything below, and the entries */
     rpc_tag on_recv, on_send;
     grpc_byte_buffer *recv_bb;
-    entry *head, *tail; /* in request order */
-    int open;           /* entries not yet sent */
-    bool reading;       /* a RECV_MESSAGE is posted */
-    bool paused;        /* reading stopped at STREAM_WINDOW; resumes as replies go */
-    bool half_closed;   /* the client sent its last request */
-    bool stop_reading;  /* an error is queued: no request after it is read */
-    bool md_sent, sending, status_sent, draining, cancelled;
+    moed_list entries; /* of entry.node, in request order */
+    int open;          /* entries not yet sent */
+    stream_read read;
+    stream_send send;
+    bool draining;               /* the server drains: no new request, end once idle */
     grpc_byte_buffer *in_flight; /* the reply being sent */
     grpc_slice details;
 };
 
 static void entry_free(entry *e)
 {
-    moed_work_free(&e->item.work);
+    moed_work_free(&e->work);
     moed_wire_msg_close(&e->msg);
     if (e->payload) grpc_byte_buffer_destroy(e->payload);
     if (e->reply) grpc_byte_buffer_destroy(e->reply);
@@ -184,64 +201,75 @@ static void stream_post_recv(stream_call *s)
 {
     grpc_op op = { .op = GRPC_OP_RECV_MESSAGE };
     op.data.recv_message.recv_message = &s->recv_bb;
-    s->reading = true;
-    s->paused = false;
+    s->read = READ_POSTED;
     rpc_start_batch(&s->base, &op, 1, &s->on_recv);
 }
 
-/* Starts the next send the stream's state allows (under s->lock): the head's reply when it is
- * ready, or the status that ends the stream. The initial metadata goes with the first send. */
-static void stream_pump(stream_call *s)
+/* Starts one send (under s->lock), with the initial metadata if none went yet. */
+static void stream_send_op(stream_call *s, const grpc_op *op)
 {
-    if (s->sending || s->status_sent || s->cancelled) return;
-    entry *e = s->head;
-    int status = GRPC_STATUS_OK;
-    const char *text = "";
-    if (e && e->state == E_FAILED) {
-        status = moed_err_grpc_status(e->err.code);
-        text = e->err.msg;
-    } else if (!e && s->draining && !s->half_closed) {
-        status = GRPC_STATUS_UNAVAILABLE;
-        text = "the server is draining (shutting down); open a new stream to another server";
-    } else if (!(e && e->state == E_READY) && !(!e && s->half_closed)) {
-        return; /* the head is still computing, or the client may send more */
-    }
     grpc_op ops[2];
     size_t n = 0;
     memset(ops, 0, sizeof ops);
-    if (!s->md_sent) {
-        ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
-        s->md_sent = true;
-    }
-    if (e && e->state == E_READY) {
-        s->head = e->next;
-        if (!s->head) s->tail = NULL;
-        s->open--;
-        s->in_flight = e->reply;
-        e->reply = NULL;
-        entry_free(e);
-        ops[n].op = GRPC_OP_SEND_MESSAGE;
-        ops[n++].data.send_message.send_message = s->in_flight;
-    } else {
-        s->details = grpc_slice_from_copied_string(text);
-        ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
-        ops[n].data.send_status_from_server.status = (grpc_status_code)status;
-        ops[n++].data.send_status_from_server.status_details = &s->details;
-        s->status_sent = true;
-    }
-    s->sending = true;
+    if (s->send == SEND_FIRST) ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[n++] = *op;
+    s->send = op->op == GRPC_OP_SEND_STATUS_FROM_SERVER ? SEND_ENDED : SEND_BUSY;
     rpc_start_batch(&s->base, ops, n, &s->on_send);
+}
+
+/* Sends the head's reply; the entry is done with. */
+static void stream_send_reply(stream_call *s, entry *e)
+{
+    moed_list_remove(&e->node);
+    s->open--;
+    s->in_flight = e->reply;
+    e->reply = NULL;
+    entry_free(e);
+    grpc_op op = { .op = GRPC_OP_SEND_MESSAGE };
+    op.data.send_message.send_message = s->in_flight;
+    stream_send_op(s, &op);
+}
+
+/* Ends the stream with a status. */
+static void stream_send_status(stream_call *s, int status, const char *text)
+{
+    s->details = grpc_slice_from_copied_string(text);
+    grpc_op op = { .op = GRPC_OP_SEND_STATUS_FROM_SERVER };
+    op.data.send_status_from_server.status = (grpc_status_code)status;
+    op.data.send_status_from_server.status_details = &s->details;
+    stream_send_op(s, &op);
+}
+
+/* Starts the next send the stream's state allows (under s->lock): the head's reply when it is
+ * ready, or the status that ends the stream — the head's error, OK once the client is done and
+ * every reply went, UNAVAILABLE when the server drains and nothing is open. */
+static void stream_pump(stream_call *s)
+{
+    if (s->send == SEND_BUSY || s->send == SEND_ENDED) return;
+    entry *e = moed_list_empty(&s->entries)
+                   ? NULL
+                   : moed_list_data(moed_list_head(&s->entries), entry, node);
+    if (e && e->state == E_READY)
+        stream_send_reply(s, e);
+    else if (e && e->state == E_FAILED)
+        stream_send_status(s, moed_err_grpc_status(e->err.code), e->err.msg);
+    else if (!e && s->read == READ_EOF)
+        stream_send_status(s, GRPC_STATUS_OK, "");
+    else if (!e && s->draining)
+        stream_send_status(s, GRPC_STATUS_UNAVAILABLE,
+                           "the server is draining (shutting down); open a new stream to another "
+                           "server");
+    /* else the head is still computing, or the client may send more */
 }
 
 static void stream_on_send(rpc_tag *t, bool ok)
 {
     stream_call *s = moed_container_of(t, stream_call, on_send);
     pthread_mutex_lock(&s->lock);
-    s->sending = false;
+    if (s->send == SEND_BUSY) s->send = ok ? SEND_IDLE : SEND_ENDED; /* !ok: the stream broke */
     if (s->in_flight) grpc_byte_buffer_destroy(s->in_flight);
     s->in_flight = NULL;
-    if (!ok) s->cancelled = true; /* the stream broke: nothing more can be sent */
-    if (s->paused && s->open < STREAM_WINDOW && !s->cancelled && !s->status_sent)
+    if (s->read == READ_PAUSED && s->open < STREAM_WINDOW && s->send != SEND_ENDED)
         stream_post_recv(s);
     stream_pump(s);
     pthread_mutex_unlock(&s->lock);
@@ -252,7 +280,7 @@ static void stream_done(moed_sched_item *it, const moed_sched_result *res)
 {
     entry *e = it->user;
     stream_call *s = e->s;
-    grpc_byte_buffer *bb = res->status ? NULL : encode_reply(it, res);
+    grpc_byte_buffer *bb = res->status ? NULL : encode_reply(&e->work, res);
     pthread_mutex_lock(&s->lock);
     if (bb) {
         e->state = E_READY;
@@ -264,11 +292,11 @@ static void stream_done(moed_sched_item *it, const moed_sched_result *res)
         else
             moed_fail(&e->err, MOED_ENOMEM, "out of memory for the reply");
     }
-    if (res->status && res->status != MOED_ECANCELLED) log_failure(&it->work, &e->err);
+    if (res->status && res->status != MOED_ECANCELLED) log_failure(&e->work, &e->err);
     rpc_count(&s->base, res->status ? moed_err_grpc_status(e->err.code) : GRPC_STATUS_OK,
               it->t_received_ns, e->payload, bb);
     /* The request's memory is no longer needed; only its reply waits for its turn. */
-    moed_work_free(&e->item.work);
+    moed_work_free(&e->work);
     moed_wire_msg_close(&e->msg);
     grpc_byte_buffer_destroy(e->payload);
     e->payload = NULL;
@@ -277,70 +305,66 @@ static void stream_done(moed_sched_item *it, const moed_sched_result *res)
     rpc_call_unref(&s->base); /* the scheduler's reference */
 }
 
-/* A request arrived on the stream (under s->lock): queue it, or queue its error. */
-static void stream_accept(stream_call *s, grpc_byte_buffer *payload)
+/* A request arrived on the stream (under s->lock): queue it, or queue its error. Returns whether
+ * the stream may read on (false once an error is queued). */
+static bool stream_accept(stream_call *s, grpc_byte_buffer *payload)
 {
     moed_rpc *r = s->base.rpc;
+    uint64_t t_received = moed_now_ns();
     entry *e = calloc(1, sizeof *e);
     if (!e) {
         grpc_byte_buffer_destroy(payload);
-        s->stop_reading = true;
         grpc_call_cancel_with_status(s->base.call, GRPC_STATUS_RESOURCE_EXHAUSTED,
                                      "out of memory for a stream request", NULL);
-        return;
+        return false;
     }
     e->s = s;
     e->payload = payload;
     e->state = E_WAITING;
-    e->item.t_received_ns = moed_now_ns();
     int rc;
     if (s->draining)
         rc = moed_fail(&e->err, MOED_EDRAINING,
                        "the server is draining (shutting down); open a new stream to another "
                        "server");
     else
-        rc = prepare(r, payload, &e->msg, &e->item, &e->err);
+        rc = prepare(r, payload, &e->msg, &e->work, &e->err);
+    moed_sched_item *it = &e->work.item;
+    it->t_received_ns = t_received; /* after prepare, which clears the item */
     if (!rc) {
-        e->item.done = stream_done;
-        e->item.user = e;
-        e->item.deadline_ns = rpc_deadline_ns(&s->base);
+        it->done = stream_done;
+        it->user = e;
+        it->deadline_ns = rpc_deadline_ns(&s->base);
         rpc_call_ref(&s->base);
-        if ((rc = moed_sched_submit(r->cfg.sched, &e->item, &e->err))) rpc_call_unref(&s->base);
+        if ((rc = moed_sched_submit(r->cfg.sched, it, &e->err))) rpc_call_unref(&s->base);
     }
     if (rc) {
-        log_failure(&e->item.work, &e->err);
-        rpc_count(&s->base, moed_err_grpc_status(rc), e->item.t_received_ns, payload, NULL);
+        log_failure(&e->work, &e->err);
+        rpc_count(&s->base, moed_err_grpc_status(rc), t_received, payload, NULL);
         e->state = E_FAILED;
-        s->stop_reading = true;
     }
-    if (s->tail)
-        s->tail->next = e;
-    else
-        s->head = e;
-    s->tail = e;
+    moed_list_insert_tail(&s->entries, &e->node);
     s->open++;
+    return !rc;
 }
 
 static void stream_on_recv(rpc_tag *t, bool ok)
 {
     stream_call *s = moed_container_of(t, stream_call, on_recv);
     pthread_mutex_lock(&s->lock);
-    s->reading = false;
     grpc_byte_buffer *bb = s->recv_bb;
     s->recv_bb = NULL;
     if (!ok || !bb) {
-        s->half_closed = true; /* end of the client's requests (or of the call) */
+        s->read = READ_EOF;
         if (bb) grpc_byte_buffer_destroy(bb);
-    } else if (s->cancelled || s->status_sent) {
+    } else if (s->send == SEND_ENDED) {
+        s->read = READ_STOPPED;
         grpc_byte_buffer_destroy(bb);
+    } else if (!stream_accept(s, bb)) {
+        s->read = READ_STOPPED; /* no request after an error is read */
+    } else if (s->open < STREAM_WINDOW) {
+        stream_post_recv(s);
     } else {
-        stream_accept(s, bb);
-    }
-    if (!s->half_closed && !s->stop_reading && !s->cancelled && !s->status_sent) {
-        if (s->open < STREAM_WINDOW)
-            stream_post_recv(s);
-        else
-            s->paused = true;
+        s->read = READ_PAUSED;
     }
     stream_pump(s);
     pthread_mutex_unlock(&s->lock);
@@ -351,17 +375,22 @@ static void stream_closed(rpc_call *c)
 {
     stream_call *s = (stream_call *)c;
     if (!c->cancelled) return;
-    /* Take the queued requests out of the scheduler. Entries are not freed while cancelled (see
-     * stream_pump), so the items stay valid after the lock is let go; cancel may call
+    /* Take the queued requests out of the scheduler. Entries are not freed once the send side has
+     * ended (see stream_pump), so the items stay valid after the lock is let go; cancel may call
      * stream_done, which takes the lock. */
     pthread_mutex_lock(&s->lock);
-    s->cancelled = true;
+    s->send = SEND_ENDED;
     int n = 0;
-    for (entry *e = s->head; e; e = e->next) n += e->state == E_WAITING;
+    moed_list *q;
+    moed_list_foreach (q, &s->entries) n += moed_list_data(q, entry, node)->state == E_WAITING;
     moed_sched_item **items = n ? malloc((size_t)n * sizeof *items) : NULL;
     int k = 0;
-    for (entry *e = s->head; e && items; e = e->next)
-        if (e->state == E_WAITING) items[k++] = &e->item;
+    if (items) {
+        moed_list_foreach (q, &s->entries) {
+            entry *e = moed_list_data(q, entry, node);
+            if (e->state == E_WAITING) items[k++] = &e->work.item;
+        }
+    }
     pthread_mutex_unlock(&s->lock);
     for (int i = 0; i < k; i++) moed_sched_cancel(c->rpc->cfg.sched, items[i]);
     free(items);
@@ -371,6 +400,7 @@ static void stream_start(rpc_call *c)
 {
     stream_call *s = (stream_call *)c;
     pthread_mutex_init(&s->lock, NULL);
+    moed_list_init(&s->entries);
     s->details = grpc_empty_slice();
     s->on_recv.fn = stream_on_recv;
     s->on_send.fn = stream_on_send;
@@ -378,7 +408,10 @@ static void stream_start(rpc_call *c)
     rpc_post_close(c, stream_closed);
     pthread_mutex_lock(&s->lock);
     s->draining = atomic_load(&c->rpc->draining);
-    if (!s->draining) stream_post_recv(s);
+    if (s->draining)
+        s->read = READ_STOPPED;
+    else
+        stream_post_recv(s);
     stream_pump(s);
     pthread_mutex_unlock(&s->lock);
 }
@@ -395,9 +428,9 @@ static void stream_drain(rpc_call *c)
 static void stream_destroy(rpc_call *c)
 {
     stream_call *s = (stream_call *)c;
-    while (s->head) {
-        entry *e = s->head;
-        s->head = e->next;
+    while (!moed_list_empty(&s->entries)) {
+        entry *e = moed_list_data(moed_list_head(&s->entries), entry, node);
+        moed_list_remove(&e->node);
         entry_free(e);
     }
     if (s->recv_bb) grpc_byte_buffer_destroy(s->recv_bb);

@@ -187,7 +187,8 @@ static int start_scheduler(moed_daemon *d)
         return fail("metrics", &err);
     }
     moed_sched_config sc = { .backend = d->backend,
-                             .served = &d->served,
+                             .layers = d->served.layers,
+                             .n_layers = d->served.n_layers,
                              .max_batch_tokens = d->cfg.max_batch_tokens,
                              .max_delay_us = d->cfg.max_delay_us,
                              .min_batch_requests = d->cfg.min_batch_requests,

@@ -72,12 +72,12 @@ static int check_request_id(const moed_wire_request *q, moed_work *w, moed_error
     return 0;
 }
 
-static int find_layer(const moed_served *s, uint32_t index, moed_work *w, moed_error *err)
+static int find_layer(const moed_served *s, uint32_t index, moed_sched_item *it, moed_error *err)
 {
     for (int i = 0; i < s->n_layers; i++)
         if ((uint32_t)s->layers[i]->info.index == index) {
-            w->slot = i;
-            w->layer = s->layers[i];
+            it->slot = i;
+            it->layer = s->layers[i];
             return 0;
         }
     char list[256];
@@ -128,7 +128,8 @@ static int check_hidden(const moed_served *s, const moed_wire_request *q, moed_w
                         moed_error *err)
 {
     const moed_wire_tensor *h = &q->hidden;
-    const moed_layer_info *li = &w->layer->info;
+    moed_sched_item *it = &w->item;
+    const moed_layer_info *li = &it->layer->info;
     char shape[160];
     if (!h->present)
         return moed_fail(err, MOED_EINVAL,
@@ -149,13 +150,13 @@ static int check_hidden(const moed_served *s, const moed_wire_request *q, moed_w
                          "hidden has T = %lld tokens, over this server's --max-batch-tokens = "
                          "%lld: split the request or raise the flag",
                          (long long)h->shape[0], (long long)s->max_batch_tokens);
-    w->dtype = h->dtype;
-    w->T = h->shape[0];
-    uint64_t need = (uint64_t)w->T * (uint64_t)li->d_model * moed_dtype_size(w->dtype);
+    it->dtype = h->dtype;
+    it->T = h->shape[0];
+    uint64_t need = (uint64_t)it->T * (uint64_t)li->d_model * moed_dtype_size(it->dtype);
     if (h->data.len != need)
         return moed_fail(err, MOED_EINVAL,
                          "hidden has %zu data bytes, but shape %s of %s needs exactly %llu",
-                         h->data.len, shape, moed_dtype_name(w->dtype), (unsigned long long)need);
+                         h->data.len, shape, moed_dtype_name(it->dtype), (unsigned long long)need);
     w->hidden = h->data;
     return 0;
 }
@@ -172,31 +173,31 @@ static void *copy_out(const moed_span *s, moed_error *err)
     return p;
 }
 
-static int route_from_choice(const moed_wire_request *q, moed_work *w, moed_error *err)
+static int route_from_choice(const moed_wire_request *q, moed_sched_item *it, moed_error *err)
 {
-    const moed_layer_info *li = &w->layer->info;
+    const moed_layer_info *li = &it->layer->info;
     char hint[160];
-    snprintf(hint, sizeof hint, "[T = %lld, k] I32 expert ids, k >= 1", (long long)w->T);
-    int rc = check_matrix(&q->expert_ids, "experts.expert_ids", MOED_I32, w->T, -1, hint, err);
+    snprintf(hint, sizeof hint, "[T = %lld, k] I32 expert ids, k >= 1", (long long)it->T);
+    int rc = check_matrix(&q->expert_ids, "experts.expert_ids", MOED_I32, it->T, -1, hint, err);
     if (rc) return rc;
     int64_t k = q->expert_ids.shape[1];
     snprintf(hint, sizeof hint, "[T = %lld, k = %lld] F32 weights, like expert_ids",
-             (long long)w->T, (long long)k);
-    if ((rc = check_matrix(&q->expert_weights, "experts.expert_weights", MOED_F32, w->T, k, hint,
+             (long long)it->T, (long long)k);
+    if ((rc = check_matrix(&q->expert_weights, "experts.expert_weights", MOED_F32, it->T, k, hint,
                            err)))
         return rc;
     int32_t *ids = copy_out(&q->expert_ids.data, err);
     float *wt = ids ? copy_out(&q->expert_weights.data, err) : NULL;
-    rc = ids && wt ? moed_route_from_choice(&w->route, ids, wt, w->T, (int)k, li->n_experts, err)
+    rc = ids && wt ? moed_route_from_choice(&it->route, ids, wt, it->T, (int)k, li->n_experts, err)
                    : MOED_ENOMEM;
     free(ids);
     free(wt);
     return rc;
 }
 
-static int resolve_gating(const moed_wire_gating *g, moed_work *w, moed_error *err)
+static int resolve_gating(const moed_wire_gating *g, moed_sched_item *it, moed_error *err)
 {
-    w->gate = (moed_gate_params){
+    it->gate = (moed_gate_params){
         .strategy = g->strategy,
         .top_k = g->top_k > INT32_MAX ? INT32_MAX : (int)g->top_k,
         .renormalize = g->renormalize,
@@ -207,21 +208,21 @@ static int resolve_gating(const moed_wire_gating *g, moed_work *w, moed_error *e
                          "gating.renormalize = %d is unknown: use 0 (the layer's default), 1 (on) "
                          "or 2 (off)",
                          (int)g->renormalize);
-    int rc = moed_gate_resolve(&w->gate, &w->layer->info, err);
+    int rc = moed_gate_resolve(&it->gate, &it->layer->info, err);
     if (rc) moed_error_prefix(err, "gating");
     return rc;
 }
 
-static int resolve_k_batch(const moed_wire_request *q, moed_work *w, moed_error *err)
+static int resolve_k_batch(const moed_wire_request *q, moed_sched_item *it, moed_error *err)
 {
-    const moed_layer_info *li = &w->layer->info;
+    const moed_layer_info *li = &it->layer->info;
     int64_t k = q->k_batch ? (int64_t)q->k_batch : li->top_k;
     if (k < 1 || k > li->n_experts)
         return moed_fail(err, MOED_EINVAL,
                          "batch_gating.k_batch = %u is out of range: layer %d has %d experts, so "
                          "give 1..%d (0 means its top_k, %d)",
                          q->k_batch, li->index, li->n_experts, li->n_experts, li->top_k);
-    w->k_batch = (int)k;
+    it->k_batch = (int)k;
     return 0;
 }
 
@@ -235,34 +236,34 @@ static int check_finite_rows(const float *l, int64_t T, int E, moed_error *err)
     return 0;
 }
 
-static int route_from_logits(const moed_wire_request *q, moed_work *w, moed_error *err)
+static int route_from_logits(const moed_wire_request *q, moed_sched_item *it, moed_error *err)
 {
-    const moed_layer_info *li = &w->layer->info;
+    const moed_layer_info *li = &it->layer->info;
     char hint[160];
-    snprintf(hint, sizeof hint, "[T = %lld, num_experts = %d] F32 router logits", (long long)w->T,
+    snprintf(hint, sizeof hint, "[T = %lld, num_experts = %d] F32 router logits", (long long)it->T,
              li->n_experts);
-    int rc = check_matrix(&q->logits, "logits.logits", MOED_F32, w->T, li->n_experts, hint, err);
+    int rc = check_matrix(&q->logits, "logits.logits", MOED_F32, it->T, li->n_experts, hint, err);
     if (rc) return rc;
     float *l = copy_out(&q->logits.data, err);
     if (!l) return MOED_ENOMEM;
     if (q->batch_gating) {
         /* Checked now: one caller's NaN must not poison the scores of a merged batch. */
-        if ((rc = check_finite_rows(l, w->T, li->n_experts, err))) goto out;
-        w->logits = l;
+        if ((rc = check_finite_rows(l, it->T, li->n_experts, err))) goto out;
+        it->logits = l;
         return 0;
     }
-    if (!(rc = resolve_gating(&q->gating, w, err)))
-        rc = moed_gate(&w->gate, li, w->layer->router_bias, l, w->T, &w->route, err);
+    if (!(rc = resolve_gating(&q->gating, it, err)))
+        rc = moed_gate(&it->gate, li, it->layer->router_bias, l, it->T, &it->route, err);
 out:
     free(l);
     return rc;
 }
 
-static int check_routing(const moed_wire_request *q, moed_work *w, moed_error *err)
+static int check_routing(const moed_wire_request *q, moed_sched_item *it, moed_error *err)
 {
-    const moed_layer_info *li = &w->layer->info;
+    const moed_layer_info *li = &it->layer->info;
     if (q->batch_gating) {
-        int rc = resolve_k_batch(q, w, err);
+        int rc = resolve_k_batch(q, it, err);
         if (rc) return rc;
     }
     switch (q->routing) {
@@ -271,21 +272,28 @@ static int check_routing(const moed_wire_request *q, moed_work *w, moed_error *e
             return moed_fail(err, MOED_EINVAL,
                              "batch_gating needs router logits (logits or server_router); it "
                              "cannot be combined with experts, which already fix the route");
-        return route_from_choice(q, w, err);
+        return route_from_choice(q, it, err);
     case MOED_ROUTING_LOGITS:
-        return route_from_logits(q, w, err);
+        return route_from_logits(q, it, err);
     case MOED_ROUTING_SERVER:
-        if (!li->has_router || !w->layer->router)
+        if (!li->has_router || !it->layer->router)
             return moed_fail(err, MOED_EINVAL,
                              "server_router: layer %d has no router weights loaded (has_router is "
                              "false in GetModel); send experts or logits instead",
                              li->index);
-        w->server_logits = true;
-        return q->batch_gating ? 0 : resolve_gating(&q->gating, w, err);
+        it->server_logits = true;
+        return q->batch_gating ? 0 : resolve_gating(&q->gating, it, err);
     }
     return moed_fail(err, MOED_EINVAL,
                      "no routing: set experts (expert_ids and expert_weights), logits (router "
                      "logits and a gating strategy) or server_router");
+}
+
+/* The item's copy_in: the one copy of hidden, from the message's slices into the staging. */
+static int copy_hidden(moed_sched_item *it, void *dst, moed_error *err)
+{
+    moed_span_copy(&moed_container_of(it, moed_work, item)->hidden, dst);
+    return 0;
 }
 
 int moed_request_validate(const moed_served *s, const moed_wire_request *q, moed_work *w,
@@ -298,15 +306,16 @@ int moed_request_validate(const moed_served *s, const moed_wire_request *q, moed
                          "(--max-message-bytes): send fewer tokens per call or raise the flag",
                          q->bytes, (long long)s->max_message_bytes);
     int rc;
-    if ((rc = check_request_id(q, w, err)) || (rc = find_layer(s, q->layer, w, err)) ||
-        (rc = check_hidden(s, q, w, err)) || (rc = check_routing(q, w, err)))
+    w->item.copy_in = copy_hidden;
+    if ((rc = check_request_id(q, w, err)) || (rc = find_layer(s, q->layer, &w->item, err)) ||
+        (rc = check_hidden(s, q, w, err)) || (rc = check_routing(q, &w->item, err)))
         return rc;
     return 0;
 }
 
 void moed_work_free(moed_work *w)
 {
-    moed_route_free(&w->route);
-    free(w->logits);
-    w->logits = NULL;
+    moed_route_free(&w->item.route);
+    free(w->item.logits);
+    w->item.logits = NULL;
 }

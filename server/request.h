@@ -13,10 +13,9 @@
 
 #include "moed_err.h"
 #include "moed_model.h"
-#include "moed_route.h"
+#include "scheduler.h"
 #include "wire.h"
 
-#include <stdbool.h>
 #include <stdint.h>
 
 #define MOED_REQUEST_ID_MAX 128
@@ -29,24 +28,19 @@ typedef struct moed_served {
     int64_t max_message_bytes; /* --max-message-bytes */
 } moed_served;
 
-/* A validated request: what to compute and how it is routed. */
+/* A validated request: who asked, where its hidden rows lie, and the scheduler item that says
+ * what to compute and how it is routed. */
 typedef struct moed_work {
     char request_id[MOED_REQUEST_ID_MAX + 1];
     size_t request_id_len;
-    int slot; /* backend slot of the layer */
-    const moed_layer *layer;
-    int dtype; /* of hidden and of the output */
-    int64_t T;
-    moed_span hidden;      /* [T, d_model] bytes in the request's slices */
-    moed_route route;      /* per-token route, when decided here (route.off != NULL) */
-    bool server_logits;    /* the worker computes logits with the layer's router */
-    moed_gate_params gate; /* resolved; applied by the worker to server logits */
-    int k_batch;           /* > 0: batch-level gating over the merged batch with this k */
-    float *logits;         /* batch gating with client logits: [T, n_experts], owned */
+    moed_span hidden; /* [T, d_model] bytes in the request's slices */
+    /* Ready to submit once the caller sets done, user and the times; its copy_in copies hidden. */
+    moed_sched_item item;
 } moed_work;
 
 /* Validates q against s and fills w (which moed_work_free releases, also after a failure).
- * Errors carry the status code (moed_err.h) and a message naming the field, the values and
+ * w->hidden points into the message's slices, as q's spans do: they stay open until done. Errors
+ * carry the status code (moed_err.h) and a message naming the field, the values and
  * the fix. */
 int moed_request_validate(const moed_served *s, const moed_wire_request *q, moed_work *w,
                           moed_error *err);

@@ -10,8 +10,8 @@
  * waking one arbitrary worker could leave the right one asleep.
  *
  * A launch never splits a request and never lets one request's bad data spoil the others: a
- * request whose server-side gating fails (NaN logits from its own hidden rows) is answered with
- * its error and its rows are squeezed out of the launch before the backend runs.
+ * request whose copy-in fails, or whose server-side gating fails (NaN logits from its own hidden
+ * rows), is answered with its error and its rows leave the launch before the backend runs.
  */
 #include "scheduler.h"
 
@@ -28,12 +28,11 @@ enum { ST_NEW = 0, ST_QUEUED, ST_RUNNING, ST_DONE };
 
 typedef struct queue {
     int slot, dtype, k_batch; /* the merge key */
-    moed_sched_item *head, *tail;
-    int64_t tokens; /* queued in this queue */
-    int64_t n;      /* requests queued in this queue */
-    int in_flight;  /* launches of this queue running now */
-    struct queue *next_active, *prev_active;
-    bool active; /* non-empty, on the active list */
+    moed_list items;          /* of moed_sched_item.node, in arrival order */
+    int64_t tokens;           /* queued in this queue */
+    int64_t n;                /* requests queued in this queue */
+    int in_flight;            /* launches of this queue running now */
+    moed_list active_node;    /* on s->active while items is not empty */
 } queue;
 
 typedef struct worker {
@@ -51,13 +50,25 @@ typedef struct worker {
     int64_t *rows, *tokens; /* per item of the launch: first row and T */
 } worker;
 
+/* One launch on a worker: what its requests share, and how many of them are still in it (a
+ * request that fails alone leaves; the others' rows close up behind it). */
+typedef struct launch {
+    const moed_layer *layer;
+    int slot, dtype, k_batch, E;
+    size_t row_bytes;
+    int n;                   /* requests: the worker's items[0 .. n) */
+    int64_t T;               /* their tokens */
+    moed_route batch;        /* batch gating's route */
+    const moed_route *route; /* what the backend runs */
+} launch;
+
 struct moed_sched {
     moed_sched_config cfg;
     pthread_mutex_t lock;
     pthread_cond_t wake;
     queue **queues;
     int n_queues, cap_queues;
-    queue *active; /* non-empty queues */
+    moed_list active; /* of queue.active_node: the non-empty queues */
     int64_t queued;
     bool draining;
     worker *workers;
@@ -71,11 +82,11 @@ struct moed_sched {
 
 /* ---- queues (all under s->lock) -------------------------------------------------------------- */
 
-static queue *find_queue(moed_sched *s, const moed_work *w)
+static queue *find_queue(moed_sched *s, const moed_sched_item *it)
 {
     for (int i = 0; i < s->n_queues; i++) {
         queue *q = s->queues[i];
-        if (q->slot == w->slot && q->dtype == w->dtype && q->k_batch == w->k_batch) return q;
+        if (q->slot == it->slot && q->dtype == it->dtype && q->k_batch == it->k_batch) return q;
     }
     if (s->n_queues == s->cap_queues) {
         int cap = s->cap_queues ? 2 * s->cap_queues : 16;
@@ -86,57 +97,37 @@ static queue *find_queue(moed_sched *s, const moed_work *w)
     }
     queue *q = calloc(1, sizeof *q);
     if (!q) return NULL;
-    q->slot = w->slot;
-    q->dtype = w->dtype;
-    q->k_batch = w->k_batch;
+    q->slot = it->slot;
+    q->dtype = it->dtype;
+    q->k_batch = it->k_batch;
+    moed_list_init(&q->items);
     s->queues[s->n_queues++] = q;
     return q;
 }
 
+static moed_sched_item *oldest(const queue *q)
+{
+    return moed_list_data(moed_list_head(&q->items), moed_sched_item, node);
+}
+
 static void push(moed_sched *s, queue *q, moed_sched_item *it)
 {
+    if (moed_list_empty(&q->items)) moed_list_insert_head(&s->active, &q->active_node);
     it->queue = q;
-    it->prev = q->tail;
-    it->next = NULL;
-    if (q->tail)
-        q->tail->next = it;
-    else
-        q->head = it;
-    q->tail = it;
-    q->tokens += it->work.T;
+    moed_list_insert_tail(&q->items, &it->node);
+    q->tokens += it->T;
     q->n++;
     s->queued++;
-    if (!q->active) {
-        q->active = true;
-        q->prev_active = NULL;
-        q->next_active = s->active;
-        if (s->active) s->active->prev_active = q;
-        s->active = q;
-    }
 }
 
 static void unlink_item(moed_sched *s, moed_sched_item *it)
 {
     queue *q = it->queue;
-    if (it->prev)
-        it->prev->next = it->next;
-    else
-        q->head = it->next;
-    if (it->next)
-        it->next->prev = it->prev;
-    else
-        q->tail = it->prev;
-    q->tokens -= it->work.T;
+    moed_list_remove(&it->node);
+    q->tokens -= it->T;
     q->n--;
     s->queued--;
-    if (!q->head && q->active) {
-        q->active = false;
-        if (q->prev_active)
-            q->prev_active->next_active = q->next_active;
-        else
-            s->active = q->next_active;
-        if (q->next_active) q->next_active->prev_active = q->prev_active;
-    }
+    if (moed_list_empty(&q->items)) moed_list_remove(&q->active_node);
 }
 
 /* The ready queue whose oldest request has waited longest, or NULL and the time the next merge
@@ -153,43 +144,44 @@ static queue *pick_queue(moed_sched *s, int exec, uint64_t now, uint64_t *wake_a
     uint64_t delay = (uint64_t)s->cfg.max_delay_us * 1000u;
     moed_backend *b = s->cfg.backend;
     queue *best = NULL;
+    moed_list *n;
     *wake_at = 0;
-    for (queue *q = s->active; q; q = q->next_active) {
+    moed_list_foreach (n, &s->active) {
+        queue *q = moed_list_data(n, queue, active_node);
         if (!moed_backend_exec_accepts(b, exec, q->slot)) continue;
-        uint64_t t0 = q->head->t_enqueued_ns;
+        uint64_t t0 = oldest(q)->t_enqueued_ns;
         bool full = q->tokens >= s->cfg.max_batch_tokens;
         bool enough = s->cfg.min_batch_requests > 1 && q->n >= s->cfg.min_batch_requests;
         bool ready = s->draining || full || (!q->in_flight && (enough || now >= t0 + delay));
-        if (ready && (!best || t0 < best->head->t_enqueued_ns)) best = q;
+        if (ready && (!best || t0 < oldest(best)->t_enqueued_ns)) best = q;
         if (!ready && !q->in_flight && (!*wake_at || t0 + delay < *wake_at)) *wake_at = t0 + delay;
     }
     return best;
 }
 
 /* Takes the queue's requests in order while they fit in one launch; those whose deadline has
- * passed are moved to *expired instead. Returns the number taken into items. */
+ * passed are moved to `expired` instead. Returns the number taken into items. */
 static int take_batch(moed_sched *s, queue *q, uint64_t now, moed_sched_item **items,
-                      moed_sched_item **expired)
+                      moed_list *expired)
 {
     int n = 0;
     int64_t tokens = 0;
-    moed_sched_item *it = q->head;
-    while (it && n < s->max_items) {
-        moed_sched_item *next = it->next;
+    moed_list *node = moed_list_head(&q->items);
+    while (node != &q->items && n < s->max_items) {
+        moed_sched_item *it = moed_list_data(node, moed_sched_item, node);
+        node = node->next; /* before it leaves the queue */
         if (it->deadline_ns && now >= it->deadline_ns) {
             unlink_item(s, it);
             it->state = ST_DONE;
-            it->next = *expired;
-            *expired = it;
-        } else if (tokens + it->work.T <= s->cfg.max_batch_tokens) {
+            moed_list_insert_tail(expired, &it->node);
+        } else if (tokens + it->T <= s->cfg.max_batch_tokens) {
             unlink_item(s, it);
             it->state = ST_RUNNING;
-            tokens += it->work.T;
+            tokens += it->T;
             items[n++] = it;
         } else {
             break;
         }
-        it = next;
     }
     return n;
 }
@@ -206,18 +198,18 @@ static void finish_error(moed_sched *s, moed_sched_item *it, int code, const moe
     it->done(it, &r);
 }
 
-static void finish_expired(moed_sched *s, moed_sched_item *list)
+static void finish_expired(moed_sched *s, moed_list *expired)
 {
-    while (list) {
-        moed_sched_item *next = list->next;
+    while (!moed_list_empty(expired)) {
+        moed_sched_item *it = moed_list_data(moed_list_head(expired), moed_sched_item, node);
+        moed_list_remove(&it->node); /* before done, after which the item may be gone */
         moed_error err;
-        uint64_t waited = (moed_now_ns() - list->t_received_ns) / 1000u;
+        uint64_t waited = (moed_now_ns() - it->t_received_ns) / 1000u;
         moed_fail(&err, MOED_EDEADLINE,
                   "the deadline passed after %llu us while the request waited in the queue; "
                   "allow more time or send to a less loaded server",
                   (unsigned long long)waited);
-        finish_error(s, list, MOED_EDEADLINE, &err);
-        list = next;
+        finish_error(s, it, MOED_EDEADLINE, &err);
     }
 }
 
@@ -236,53 +228,76 @@ static int ensure_route(worker *w, int64_t T, int64_t pairs)
     return 0;
 }
 
+/* Has each request copy its rows into the staging, end to end; a request whose copy fails is
+ * answered now, and the next one's rows take its place. */
+static void stage_in(worker *w, launch *l)
+{
+    int m = 0;
+    int64_t T = 0;
+    for (int i = 0; i < l->n; i++) {
+        moed_sched_item *it = w->items[i];
+        moed_error err = { 0 };
+        int rc = it->copy_in(it, (char *)w->x + T * l->row_bytes, &err);
+        if (rc) {
+            finish_error(w->s, it, rc, &err);
+            continue;
+        }
+        w->items[m] = it;
+        w->rows[m] = T;
+        w->tokens[m] = it->T;
+        T += it->T;
+        m++;
+    }
+    l->n = m;
+    l->T = T;
+}
+
 /* Routes every request that is routed on the worker: server-router logits gated per token, or the
  * logits rows of a batch-gated launch gathered. A request that fails is answered now and its
  * slot in items set to NULL. */
-static void route_requests(worker *w, int n, const moed_layer *layer, int k_batch)
+static void route_requests(worker *w, const launch *l)
 {
-    moed_sched *s = w->s;
-    int E = layer->info.n_experts;
-    for (int i = 0; i < n; i++) {
+    int E = l->E;
+    for (int i = 0; i < l->n; i++) {
         moed_sched_item *it = w->items[i];
-        moed_work *wk = &it->work;
-        float *l = w->logits + w->rows[i] * E;
+        float *lg = w->logits + w->rows[i] * E;
         moed_error err = { 0 };
         int rc = 0;
-        if (k_batch && !wk->server_logits) {
-            memcpy(l, wk->logits, (size_t)(wk->T * E) * sizeof *l);
-        } else if (k_batch) {
-            for (int64_t j = 0; j < wk->T * E && !rc; j++)
-                if (!isfinite(l[j]))
+        if (l->k_batch && !it->server_logits) {
+            memcpy(lg, it->logits, (size_t)(it->T * E) * sizeof *lg);
+        } else if (l->k_batch) {
+            for (int64_t j = 0; j < it->T * E && !rc; j++)
+                if (!isfinite(lg[j]))
                     rc = moed_fail(&err, MOED_EINVAL,
                                    "the server router's logits for token %lld, expert %lld are %g: "
                                    "check hidden for NaN or Inf",
-                                   (long long)(j / E), (long long)(j % E), (double)l[j]);
-        } else if (wk->server_logits) {
-            moed_route_free(&wk->route);
-            rc = moed_gate(&wk->gate, &layer->info, layer->router_bias, l, wk->T, &wk->route, &err);
+                                   (long long)(j / E), (long long)(j % E), (double)lg[j]);
+        } else if (it->server_logits) {
+            moed_route_free(&it->route);
+            rc = moed_gate(&it->gate, &l->layer->info, l->layer->router_bias, lg, it->T, &it->route,
+                           &err);
             if (rc) moed_error_prefix(&err, "gating the server router's logits");
         }
         if (rc) {
-            finish_error(s, it, rc, &err);
+            finish_error(w->s, it, rc, &err);
             w->items[i] = NULL;
         }
     }
 }
 
-/* Squeezes the rows of failed requests out of x and logits; returns the requests left (items,
- * rows and tokens compacted alike) and their total tokens in *T. */
-static int compact(worker *w, int n, size_t row_bytes, int E, int64_t *T)
+/* Squeezes the rows of failed requests out of x and logits: items, rows and tokens compacted
+ * alike, l->n and l->T what is left. */
+static void compact(worker *w, launch *l)
 {
     int m = 0;
     int64_t row = 0;
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < l->n; i++) {
         if (!w->items[i]) continue;
         if (w->rows[i] != row) {
-            memmove((char *)w->x + row * row_bytes, (char *)w->x + w->rows[i] * row_bytes,
-                    (size_t)w->tokens[i] * row_bytes);
-            memmove(w->logits + row * E, w->logits + w->rows[i] * E,
-                    (size_t)(w->tokens[i] * E) * sizeof(float));
+            memmove((char *)w->x + row * l->row_bytes, (char *)w->x + w->rows[i] * l->row_bytes,
+                    (size_t)w->tokens[i] * l->row_bytes);
+            memmove(w->logits + row * l->E, w->logits + w->rows[i] * l->E,
+                    (size_t)(w->tokens[i] * l->E) * sizeof(float));
         }
         w->items[m] = w->items[i];
         w->tokens[m] = w->tokens[i];
@@ -290,115 +305,117 @@ static int compact(worker *w, int n, size_t row_bytes, int E, int64_t *T)
         row += w->tokens[i];
         m++;
     }
-    *T = row;
-    return m;
+    l->n = m;
+    l->T = row;
 }
 
 /* The merged route: batch gating over the launch's logits, or the requests' routes end to end. */
-static int merge_routes(worker *w, int n, int64_t T, int E, int k_batch, moed_route *batch,
-                        const moed_route **route, moed_error *err)
+static int merge_routes(worker *w, launch *l, moed_error *err)
 {
-    if (k_batch) {
-        int rc = moed_gate_batch(w->logits, T, E, k_batch, w->set, batch, err);
-        *route = batch;
-        return rc;
+    if (l->k_batch) {
+        l->route = &l->batch;
+        return moed_gate_batch(w->logits, l->T, l->E, l->k_batch, w->set, &l->batch, err);
     }
     int64_t pairs = 0;
-    for (int i = 0; i < n; i++) {
-        w->parts[i] = &w->items[i]->work.route;
+    for (int i = 0; i < l->n; i++) {
+        w->parts[i] = &w->items[i]->route;
         pairs += w->parts[i]->off[w->parts[i]->T];
     }
-    if (ensure_route(w, T, pairs))
+    if (ensure_route(w, l->T, pairs))
         return moed_fail(err, MOED_ENOMEM, "no memory for a route of %lld pairs", (long long)pairs);
-    *route = &w->route;
+    l->route = &w->route;
     w->route.T = w->route_T; /* concat checks room against T, and leaves T at the launch's */
-    if (moed_route_concat(&w->route, w->parts, n))
-        return moed_fail(err, MOED_EINTERNAL, "merging %d routes of %lld tokens failed", n,
-                         (long long)T);
+    if (moed_route_concat(&w->route, w->parts, l->n))
+        return moed_fail(err, MOED_EINTERNAL, "merging %d routes of %lld tokens failed", l->n,
+                         (long long)l->T);
     return 0;
 }
 
-/* The queue's launch has left the device: another worker may start the queue's next launch while
- * this one still copies out and sends the replies. */
-static void launch_done(moed_sched *s, queue *q)
+/* Everything the launch does on the device: staging, server-router logits, gating, the backend.
+ * Requests that fail alone have been answered and left; a failure returned is the launch's. */
+static int compute(worker *w, launch *l, moed_error *err)
 {
-    pthread_mutex_lock(&s->lock);
-    q->in_flight--;
-    if (s->queued) pthread_cond_broadcast(&s->wake);
-    pthread_mutex_unlock(&s->lock);
+    moed_backend *b = w->s->cfg.backend;
+    bool server = false;
+    stage_in(w, l);
+    for (int i = 0; i < l->n; i++) server |= w->items[i]->server_logits;
+    int rc = server ? moed_backend_router_logits(b, w->exec, l->slot, l->dtype, l->T, w->x,
+                                                 w->logits, err)
+                    : 0;
+    if (rc) return rc;
+    if (server || l->k_batch) {
+        route_requests(w, l);
+        compact(w, l);
+    }
+    if (!l->n || (rc = merge_routes(w, l, err))) return rc;
+    moed_job job = {
+        .slot = l->slot, .dtype = l->dtype, .T = l->T, .x = w->x, .y = w->y, .route = l->route
+    };
+    return moed_backend_forward(b, w->exec, &job, err);
 }
 
-static void run_batch(worker *w, queue *q, int n, uint64_t t_launch)
+/* Hands each request of a computed launch its rows. */
+static void deliver(worker *w, const launch *l, uint64_t t_launch)
 {
     moed_sched *s = w->s;
-    moed_backend *b = s->cfg.backend;
-    const moed_work *first = &w->items[0]->work;
-    const moed_layer *layer = first->layer;
-    int E = layer->info.n_experts, k_batch = first->k_batch;
-    size_t row_bytes = (size_t)layer->info.d_model * moed_dtype_size(first->dtype);
-    int64_t T = 0;
-    bool server = false;
-    for (int i = 0; i < n; i++) {
-        moed_work *wk = &w->items[i]->work;
-        w->rows[i] = T;
-        w->tokens[i] = wk->T;
-        moed_span_copy(&wk->hidden, (char *)w->x + T * row_bytes);
-        T += wk->T;
-        server |= wk->server_logits;
-    }
-    moed_error err = { 0 };
-    moed_route batch = { 0 };
-    const moed_route *route = NULL;
-    int rc = 0;
-    if (server && (rc = moed_backend_router_logits(b, w->exec, first->slot, first->dtype, T, w->x,
-                                                   w->logits, &err)))
-        goto fail;
-    if (server || k_batch) {
-        route_requests(w, n, layer, k_batch);
-        if (!(n = compact(w, n, row_bytes, E, &T))) {
-            launch_done(s, q);
-            return;
-        }
-    }
-    if ((rc = merge_routes(w, n, T, E, k_batch, &batch, &route, &err))) goto fail;
-    moed_job job = {
-        .slot = first->slot, .dtype = first->dtype, .T = T, .x = w->x, .y = w->y, .route = route
-    };
-    rc = moed_backend_forward(b, w->exec, &job, &err);
-    launch_done(s, q);
-    if (rc) goto fail_released;
-    moed_route_free(&batch);
-
     uint64_t t_done = moed_now_ns();
     atomic_fetch_add(&s->batches, 1);
-    atomic_fetch_add(&s->batch_tokens, (uint64_t)T);
+    atomic_fetch_add(&s->batch_tokens, (uint64_t)l->T);
     atomic_fetch_add(&s->compute_us, (t_done - t_launch) / 1000u);
-    moed_metrics_launch(s->cfg.metrics, (uint64_t)T, (uint64_t)n, t_done - t_launch);
-    for (int i = 0; i < n; i++) {
+    moed_metrics_launch(s->cfg.metrics, (uint64_t)l->T, (uint64_t)l->n, t_done - t_launch);
+    for (int i = 0; i < l->n; i++) {
         moed_sched_item *it = w->items[i];
         moed_metrics_queue_wait(s->cfg.metrics, t_launch - it->t_enqueued_ns);
         moed_sched_result r = {
-            .y = (const char *)w->y + w->rows[i] * row_bytes,
-            .y_bytes = (size_t)w->tokens[i] * row_bytes,
-            .expert_set = k_batch ? w->set : NULL,
-            .n_expert_set = k_batch,
+            .y = (const char *)w->y + w->rows[i] * l->row_bytes,
+            .y_bytes = (size_t)w->tokens[i] * l->row_bytes,
+            .expert_set = l->k_batch ? w->set : NULL,
+            .n_expert_set = l->k_batch,
             .timings = { .queue_us = (t_launch - it->t_enqueued_ns) / 1000u,
                          .compute_us = (t_done - t_launch) / 1000u,
                          .total_us = (moed_now_ns() - it->t_received_ns) / 1000u,
-                         .batch_tokens = (uint32_t)T,
-                         .batch_requests = (uint32_t)n },
+                         .batch_tokens = (uint32_t)l->T,
+                         .batch_requests = (uint32_t)l->n },
         };
         atomic_fetch_add(&s->completed, 1);
         it->done(it, &r);
     }
-    return;
-fail:
-    launch_done(s, q);
-fail_released:
-    moed_route_free(&batch);
-    if (!err.code) moed_fail(&err, rc, "the %s backend failed this launch", moed_backend_name(b));
-    for (int i = 0; i < n; i++)
-        if (w->items[i]) finish_error(s, w->items[i], rc, &err);
+}
+
+/* The launch failed as a whole: every request still in it gets its error. */
+static void fail_launch(worker *w, const launch *l, int rc, moed_error *err)
+{
+    if (!err->code)
+        moed_fail(err, rc, "the %s backend failed this launch",
+                  moed_backend_name(w->s->cfg.backend));
+    for (int i = 0; i < l->n; i++)
+        if (w->items[i]) finish_error(w->s, w->items[i], rc, err);
+}
+
+/* Runs the n requests taken from q. The queue's in-flight slot is released as soon as the device
+ * is done, before the replies go: another worker may start q's next launch meanwhile. */
+static void run_batch(worker *w, queue *q, int n, uint64_t t_launch)
+{
+    moed_sched *s = w->s;
+    const moed_sched_item *first = w->items[0];
+    launch l = { .layer = first->layer,
+                 .slot = first->slot,
+                 .dtype = first->dtype,
+                 .k_batch = first->k_batch,
+                 .E = first->layer->info.n_experts,
+                 .row_bytes = (size_t)first->layer->info.d_model * moed_dtype_size(first->dtype),
+                 .n = n };
+    moed_error err = { 0 };
+    int rc = compute(w, &l, &err);
+    pthread_mutex_lock(&s->lock);
+    q->in_flight--;
+    if (s->queued) pthread_cond_broadcast(&s->wake);
+    pthread_mutex_unlock(&s->lock);
+    if (rc)
+        fail_launch(w, &l, rc, &err);
+    else if (l.n)
+        deliver(w, &l, t_launch);
+    moed_route_free(&l.batch);
 }
 
 static void *worker_main(void *arg)
@@ -410,13 +427,14 @@ static void *worker_main(void *arg)
         uint64_t now = moed_now_ns(), wake_at;
         queue *q = pick_queue(s, w->exec, now, &wake_at);
         if (q) {
-            moed_sched_item *expired = NULL;
+            moed_list expired;
+            moed_list_init(&expired);
             int n = take_batch(s, q, now, w->items, &expired);
             if (n) q->in_flight++;
             if (s->queued)
                 pthread_cond_broadcast(&s->wake); /* more may be ready for another worker */
             pthread_mutex_unlock(&s->lock);
-            finish_expired(s, expired);
+            finish_expired(s, &expired);
             if (n) {
                 atomic_fetch_add(&s->running, 1);
                 run_batch(w, q, n, now); /* releases q's in-flight slot when the device is done */
@@ -486,8 +504,8 @@ int moed_sched_create(const moed_sched_config *cfg, moed_sched **out, moed_error
     if (!s) return moed_fail(err, MOED_ENOMEM, "no memory for the scheduler");
     s->cfg = *cfg;
     int64_t max_d = 1, max_e = 1;
-    for (int i = 0; i < cfg->served->n_layers; i++) {
-        const moed_layer_info *li = &cfg->served->layers[i]->info;
+    for (int i = 0; i < cfg->n_layers; i++) {
+        const moed_layer_info *li = &cfg->layers[i]->info;
         if (li->d_model > max_d) max_d = li->d_model;
         if (li->n_experts > max_e) max_e = li->n_experts;
     }
@@ -502,7 +520,9 @@ int moed_sched_create(const moed_sched_config *cfg, moed_sched **out, moed_error
     pthread_cond_init(&s->wake, &ca);
     pthread_condattr_destroy(&ca);
     pthread_mutex_init(&s->lock, NULL);
-    int rc = 0, n = moed_backend_n_exec(cfg->backend) > 0 ? moed_backend_n_exec(cfg->backend) : 1;
+    moed_list_init(&s->active);
+    int rc = 0, n = moed_backend_n_exec(cfg->backend);
+    if (n < 1) n = 1;
     if (!(s->workers = calloc((size_t)n, sizeof *s->workers))) {
         rc = moed_fail(err, MOED_ENOMEM, "no memory for %d scheduler workers", n);
         goto err;
@@ -530,7 +550,7 @@ int moed_sched_submit(moed_sched *s, moed_sched_item *it, moed_error *err)
                        "the queue is full: %lld requests wait (--max-queue-requests); retry "
                        "later or elsewhere",
                        (long long)s->queued);
-    else if (!(q = find_queue(s, &it->work)))
+    else if (!(q = find_queue(s, it)))
         rc = moed_fail(err, MOED_ENOMEM, "no memory for a new queue");
     if (!rc) {
         it->t_enqueued_ns = moed_now_ns();

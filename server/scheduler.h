@@ -6,22 +6,30 @@
  * can share a launch. A free worker takes the ready queue whose oldest request has waited longest;
  * a queue is ready when its requests fill --max-batch-tokens or its oldest has waited
  * --max-delay-us (0: at once, merging only what is already queued). A launch takes requests in
- * arrival order while they fit, never splitting one. The worker copies each request's hidden span
- * into its staging buffer (the one copy from the socket), computes server-router logits and gates
- * where asked, concatenates the routes, runs the backend, and hands each request its rows.
+ * arrival order while they fit, never splitting one. The worker has each request copy its hidden
+ * rows into its staging buffer, computes server-router logits and gates where asked, concatenates
+ * the routes, runs the backend, and hands each request its rows.
  *
- * Threads: submit and cancel come from the gRPC completion-queue threads; `done` is called on a
- * worker thread (or on the thread that cancelled) exactly once for every item that submit accepted.
- * After done returns, the scheduler no longer touches the item.
+ * The queue never sees a request's payload (libuv's uv_queue_work shape): an item says what to
+ * compute, and brings two callbacks for its data, copy_in to fill its rows of the staging and done
+ * to take its output. So where hidden lives (in a message's slices, or elsewhere) and where the
+ * output goes is the submitter's business alone.
+ *
+ * Threads: submit and cancel come from the gRPC completion-queue threads; copy_in runs on a
+ * worker; `done` is called on a worker thread (or on the thread that cancelled) exactly once for
+ * every item that submit accepted. After done returns, the scheduler no longer touches the item.
  */
 #ifndef MOED_SCHEDULER_H
 #define MOED_SCHEDULER_H
 
 #include "metrics.h"
 #include "moed_backend.h"
-#include "request.h"
-#include "wire.h"
+#include "moed_list.h"
+#include "moed_model.h"
+#include "moed_route.h"
+#include "timings.h"
 
+#include <stdbool.h>
 #include <stdint.h>
 #include <time.h>
 
@@ -32,36 +40,57 @@ typedef struct moed_sched_item moed_sched_item;
 typedef struct moed_sched_result {
     int status;            /* 0 or a MOED_E* code */
     const moed_error *err; /* the reason, when status != 0 */
-    const void *y;         /* [T, d_model] output in the request's dtype, when status == 0 */
+    const void *y; /* [T, d_model] output in the request's dtype, when status == 0; valid during
+                      the done call only */
     size_t y_bytes;
     const int32_t *expert_set; /* batch gating: S in decreasing score order */
     int n_expert_set;
-    moed_wire_timings timings;
+    moed_timings timings;
 } moed_sched_result;
 
+/* Writes the item's hidden rows, T x d_model values of its dtype, to dst: host staging memory
+ * (the backend's host_alloc). 0, or a MOED_E* code with err filled: then the item alone fails,
+ * and its launch runs without it. */
+typedef int (*moed_sched_copy_fn)(moed_sched_item *it, void *dst, moed_error *err);
+
+/* Delivers the item's outcome (see moed_sched_result). */
 typedef void (*moed_sched_done_fn)(moed_sched_item *it, const moed_sched_result *res);
 
 struct moed_sched_item {
-    /* Set by the submitter. */
-    moed_work work;
+    /* What to compute, set by the submitter (request.c validates a request into these). */
+    int slot; /* backend slot of the layer */
+    const moed_layer *layer;
+    int dtype; /* of hidden and of the output */
+    int64_t T;
+    moed_route route;      /* per-token route, when decided before queueing (route.off != NULL) */
+    bool server_logits;    /* the worker computes logits with the layer's router */
+    moed_gate_params gate; /* resolved; applied by the worker to server logits */
+    int k_batch;           /* > 0: batch-level gating over the merged batch with this k */
+    float *logits;         /* batch gating with client logits: [T, n_experts] */
+    /* route and logits stay the submitter's to free, after done; the worker may replace route
+     * (gating server logits) with one the submitter then frees the same way. */
+
+    /* The payload's two ends, and when the call arrived and must be answered by. */
+    moed_sched_copy_fn copy_in;
     moed_sched_done_fn done;
     void *user;
     uint64_t t_received_ns; /* moed_now_ns() when the call arrived: total_us counts from it */
     uint64_t deadline_ns;   /* moed_now_ns() clock; 0: none */
+
     /* The scheduler's own. */
-    moed_sched_item *prev, *next;
+    moed_list node; /* on its queue while queued */
     void *queue;
     int state;
     uint64_t t_enqueued_ns;
 };
 
 typedef struct moed_sched_config {
-    moed_backend *backend;     /* started; its n_exec workers are created */
-    const moed_served *served; /* layers and limits; outlives the scheduler */
+    moed_backend *backend;           /* started; its n_exec workers are created */
+    const moed_layer *const *layers; /* the resident layers by backend slot: sizes the staging */
+    int n_layers;
     int64_t max_batch_tokens;
     int64_t max_delay_us;
-    int64_t
-        min_batch_requests; /* ready before the window closes once this many wait; 0 or 1: off */
+    int64_t min_batch_requests; /* ready before the window closes once this many wait; <= 1: off */
     int64_t max_queue_requests;
     moed_metrics *metrics; /* launches and queue waits are recorded here; or NULL */
 } moed_sched_config;

@@ -18,6 +18,7 @@
 #define MOED_WIRE_H
 
 #include "moed_err.h"
+#include "timings.h"
 
 #include <grpc/byte_buffer.h>
 #include <grpc/byte_buffer_reader.h>
@@ -92,11 +93,6 @@ typedef struct moed_wire_msg {
 int moed_wire_msg_open(moed_wire_msg *m, grpc_byte_buffer *bb, moed_error *err);
 void moed_wire_msg_close(moed_wire_msg *m);
 
-typedef struct moed_wire_timings {
-    uint64_t queue_us, compute_us, total_us;
-    uint32_t batch_tokens, batch_requests;
-} moed_wire_timings;
-
 typedef struct moed_wire_response {
     const char *request_id; /* request_id_len bytes, not NUL-terminated */
     size_t request_id_len;
@@ -104,7 +100,7 @@ typedef struct moed_wire_response {
     int64_t rows, cols;        /* output shape [T, d_model] */
     const int32_t *expert_set; /* batch gating's S, or NULL */
     int n_expert_set;
-    moed_wire_timings timings;
+    moed_timings timings;
 } moed_wire_response;
 
 /* A ForwardResponse whose output data is `data` (rows * cols * sizeof(dtype) bytes, filled by the

@@ -152,14 +152,15 @@ static void same_request(const moed_wire_request *a, const moed_wire_request *b)
 
 static void check_work(const moed_work *w)
 {
-    const moed_layer_info *li = &w->layer->info;
-    size_t need = (size_t)w->T * (size_t)li->d_model * moed_dtype_size(w->dtype);
-    if (w->T < 1 || w->T > served.max_batch_tokens || w->hidden.len != need)
+    const moed_sched_item *it = &w->item;
+    const moed_layer_info *li = &it->layer->info;
+    size_t need = (size_t)it->T * (size_t)li->d_model * moed_dtype_size(it->dtype);
+    if (it->T < 1 || it->T > served.max_batch_tokens || w->hidden.len != need)
         die("validated hidden does not hold T x d_model elements");
     free(span_bytes(&w->hidden)); /* every byte of hidden is readable */
-    if (w->route.off) {
-        const moed_route *r = &w->route;
-        if (r->T != w->T || r->off[0] != 0) die("route does not cover T tokens");
+    if (it->route.off) {
+        const moed_route *r = &it->route;
+        if (r->T != it->T || r->off[0] != 0) die("route does not cover T tokens");
         for (int64_t t = 0; t < r->T; t++)
             if (r->off[t + 1] < r->off[t]) die("route offsets decrease");
         for (int64_t i = 0; i < r->off[r->T]; i++) {
@@ -167,20 +168,20 @@ static void check_work(const moed_work *w)
             if (!isfinite(r->weight[i]) || r->weight[i] < 0) die("route weight not finite or < 0");
         }
     }
-    if (w->k_batch && w->logits) {
+    if (it->k_batch && it->logits) {
         int32_t set[64];
         moed_route out = { 0 };
         moed_error err;
-        if (moed_gate_batch(w->logits, w->T, li->n_experts, w->k_batch, set, &out, &err))
+        if (moed_gate_batch(it->logits, it->T, li->n_experts, it->k_batch, set, &out, &err))
             die("batch gating failed on validated logits");
-        for (int i = 0; i < w->k_batch; i++)
+        for (int i = 0; i < it->k_batch; i++)
             if (set[i] < 0 || set[i] >= li->n_experts) die("batch gating chose an unknown expert");
         for (int64_t i = 0; i < out.off[out.T]; i++)
             if (!isfinite(out.weight[i]) || out.weight[i] < 0)
                 die("batch gating weight not finite or < 0");
         moed_route_free(&out);
     }
-    if (!w->route.off && !w->server_logits && !w->logits) die("validated work has no route");
+    if (!it->route.off && !it->server_logits && !it->logits) die("validated work has no route");
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -212,7 +213,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             die("validations of the two decodes differ");
         if (!ra) {
             check_work(&wa);
-            if (wa.T != wb.T || wa.dtype != wb.dtype || wa.slot != wb.slot)
+            if (wa.item.T != wb.item.T || wa.item.dtype != wb.item.dtype ||
+                wa.item.slot != wb.item.slot)
                 die("validated work of the two decodes differs");
         } else if (ra != MOED_EINVAL && ra != MOED_ENOTFOUND && ra != MOED_ETOOBIG) {
             die("validation failed with a code that is not the caller's mistake");

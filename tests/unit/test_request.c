@@ -106,9 +106,9 @@ static int validate(build *b, moed_work *w, moed_error *err)
     memset(err, 0, sizeof *err);
     rc = moed_request_validate(&served, &q, w, err);
     if (!rc) {
-        /* hidden's span must still read the right bytes: copy it while the slices live. */
+        /* The item's copy_in must still read hidden's bytes: copy while the slices live. */
         float x[70 * 8];
-        moed_span_copy(&w->hidden, x);
+        CHECK_EQ_INT(w->item.copy_in(&w->item, x, err), 0);
         CHECK(!memcmp(x, b->x, w->hidden.len));
     }
     for (size_t i = 0; i < k; i++) grpc_slice_unref(sl[i]);
@@ -138,9 +138,11 @@ static void test_good(void)
     b.id[3] = -1;
     b.wt[3] = 0; /* padding */
     CHECK_EQ_INT(validate(&b, &w, &err), 0);
-    CHECK(w.slot == 1 && w.layer == &layers[1] && w.T == 5 && w.dtype == MOED_F32);
+    CHECK(w.item.slot == 1 && w.item.layer == &layers[1] && w.item.T == 5 &&
+          w.item.dtype == MOED_F32);
     CHECK(!strcmp(w.request_id, "id-1") && w.request_id_len == 4);
-    CHECK(w.route.off && w.route.T == 5 && w.route.off[5] == 9 && !w.server_logits && !w.k_batch);
+    CHECK(w.item.route.off && w.item.route.T == 5 && w.item.route.off[5] == 9 &&
+          !w.item.server_logits && !w.item.k_batch);
     moed_work_free(&w);
 
     /* Client logits, top-2 softmax: the route is what moed_gate gives for them. */
@@ -152,9 +154,9 @@ static void test_good(void)
     moed_gate_params p = { MOED_GATE_TOPK, 2, MOED_RENORM_DEFAULT, 0 };
     moed_route want;
     CHECK_EQ_INT(moed_gate(&p, &layers[0].info, NULL, b.lg, 4, &want, &err), 0);
-    CHECK(w.route.off && w.route.off[4] == want.off[4]);
-    CHECK(!memcmp(w.route.expert, want.expert, (size_t)want.off[4] * 4));
-    CHECK(!memcmp(w.route.weight, want.weight, (size_t)want.off[4] * 4));
+    CHECK(w.item.route.off && w.item.route.off[4] == want.off[4]);
+    CHECK(!memcmp(w.item.route.expert, want.expert, (size_t)want.off[4] * 4));
+    CHECK(!memcmp(w.item.route.weight, want.weight, (size_t)want.off[4] * 4));
     moed_route_free(&want);
     moed_work_free(&w);
 
@@ -163,7 +165,8 @@ static void test_good(void)
     set_logits(&b, 4, 8);
     b.req.batch_gating = &b.bg;
     CHECK_EQ_INT(validate(&b, &w, &err), 0);
-    CHECK(w.k_batch == 2 && w.logits && !memcmp(w.logits, b.lg, 4 * 8 * 4) && !w.route.off);
+    CHECK(w.item.k_batch == 2 && w.item.logits && !memcmp(w.item.logits, b.lg, 4 * 8 * 4) &&
+          !w.item.route.off);
     moed_work_free(&w);
 
     /* The server router: gating resolved to the layer's defaults. */
@@ -171,7 +174,8 @@ static void test_good(void)
     b.req.routing_case = MOED__V1__FORWARD_REQUEST__ROUTING_SERVER_ROUTER;
     b.req.server_router = &b.sr;
     CHECK_EQ_INT(validate(&b, &w, &err), 0);
-    CHECK(w.server_logits && w.gate.top_k == 2 && w.gate.renormalize == MOED_RENORM_ON);
+    CHECK(w.item.server_logits && w.item.gate.top_k == 2 &&
+          w.item.gate.renormalize == MOED_RENORM_ON);
     moed_work_free(&w);
 }
 

@@ -2,7 +2,8 @@
  * test_sched — the scheduler against a fake backend whose forward can be held, so the test decides
  * what is queued when a worker becomes free: merging, the token bound, the merge window, the queue
  * bound, cancellation, deadlines, ordering across queues, merge keys, server-side routing with a
- * request that fails alone, batch-level gating, drain, and one launch per queue at a time.
+ * request that fails alone, a request whose copy-in fails, batch-level gating, drain, and one
+ * launch per queue at a time.
  *
  * The fake computes y[t][j] = sum over the token's pairs of w * ((e + 1) * x[t][j] + e), so every
  * output names the experts and weights its token was routed to; the test computes the same from
@@ -13,7 +14,6 @@
 #include "moed_dtype.h"
 #include "scheduler.h"
 
-#include <grpc/slice.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -111,14 +111,14 @@ static void wait_in_forward(int n)
 
 typedef struct req {
     moed_sched_item it;
-    float x[16 * 4];
-    grpc_slice slice;
+    float x[16 * 4]; /* hidden, which copy_in copies */
+    int fail_copy;   /* copy_in fails */
     int32_t ids[16 * 2];
     float w[16 * 2];
     /* the result */
     int done, status;
     float y[16 * 4];
-    moed_wire_timings tm;
+    moed_timings tm;
     int32_t set[8];
     int n_set;
     char msg[480];
@@ -135,7 +135,7 @@ static void on_done(moed_sched_item *it, const moed_sched_result *r)
     CHECK_MSG(!q->done, "done called twice");
     q->status = r->status;
     if (!r->status) {
-        CHECK_EQ_INT(r->y_bytes, q->it.work.T * 4 * sizeof(float));
+        CHECK_EQ_INT(r->y_bytes, q->it.T * 4 * sizeof(float));
         memcpy(q->y, r->y, r->y_bytes);
         q->tm = r->timings;
         q->n_set = r->n_expert_set;
@@ -147,6 +147,15 @@ static void on_done(moed_sched_item *it, const moed_sched_result *r)
     n_done++;
     pthread_cond_broadcast(&done_c);
     pthread_mutex_unlock(&done_m);
+}
+
+/* The payload's copy: the request's own rows, or a failure when the test asks for one. */
+static int copy_in(moed_sched_item *it, void *dst, moed_error *err)
+{
+    req *q = it->user;
+    if (q->fail_copy) return moed_fail(err, MOED_EIO, "the fake region went away");
+    memcpy(dst, q->x, (size_t)it->T * 4 * sizeof(float));
+    return 0;
 }
 
 static int wait_done(int n)
@@ -165,7 +174,6 @@ static int wait_done(int n)
 
 static moed_layer layers[2];
 static const moed_layer *layer_ptrs[2] = { &layers[0], &layers[1] };
-static moed_served served = { layer_ptrs, 2, 16, 1 << 20 };
 static float router_w[1]; /* has_router needs a non-NULL router; the fake never reads it */
 
 static void init_layers(void)
@@ -199,15 +207,14 @@ static req *make_req(int slot, int64_t T, int seed)
         q->w[2 * t] = 0.25f * (float)(1 + (seed + t) % 3);
         q->w[2 * t + 1] = 0.5f;
     }
-    q->slice = grpc_slice_from_copied_buffer((const char *)q->x, (size_t)T * 16);
-    moed_work *w = &q->it.work;
-    w->slot = slot;
-    w->layer = &layers[slot];
-    w->dtype = MOED_F32;
-    w->T = T;
-    w->hidden = (moed_span){ &q->slice, 0, (size_t)T * 16 };
+    moed_sched_item *it = &q->it;
+    it->slot = slot;
+    it->layer = &layers[slot];
+    it->dtype = MOED_F32;
+    it->T = T;
     moed_error err;
-    CHECK_EQ_INT(moed_route_from_choice(&w->route, q->ids, q->w, T, 2, 8, &err), 0);
+    CHECK_EQ_INT(moed_route_from_choice(&it->route, q->ids, q->w, T, 2, 8, &err), 0);
+    q->it.copy_in = copy_in;
     q->it.done = on_done;
     q->it.user = q;
     q->it.t_received_ns = moed_now_ns();
@@ -218,25 +225,25 @@ static req *make_req(int slot, int64_t T, int seed)
 static req *make_server_req(int slot, int64_t T, int seed, int k_batch)
 {
     req *q = make_req(slot, T, seed);
-    moed_route_free(&q->it.work.route);
-    q->it.work.server_logits = true;
-    q->it.work.k_batch = k_batch;
-    q->it.work.gate =
+    moed_route_free(&q->it.route);
+    q->it.server_logits = true;
+    q->it.k_batch = k_batch;
+    q->it.gate =
         (moed_gate_params){ .strategy = MOED_GATE_TOPK, .top_k = 2, .renormalize = MOED_RENORM_ON };
     return q;
 }
 
 static void free_req(req *q)
 {
-    moed_work_free(&q->it.work);
-    grpc_slice_unref(q->slice);
+    moed_route_free(&q->it.route);
+    free(q->it.logits);
     free(q);
 }
 
 /* What the fake computes for this request alone, from a route. */
 static void expect_route(const req *q, const moed_route *r)
 {
-    for (int64_t t = 0; t < q->it.work.T; t++)
+    for (int64_t t = 0; t < q->it.T; t++)
         for (int j = 0; j < 4; j++) {
             float acc = 0;
             for (int64_t p = r->off[t]; p < r->off[t + 1]; p++)
@@ -250,7 +257,7 @@ static void expect_route(const req *q, const moed_route *r)
 static void expect_ok(const req *q)
 {
     CHECK_MSG(q->done && q->status == 0, "status %d: %s", q->status, q->msg);
-    if (q->done && !q->status) expect_route(q, &q->it.work.route);
+    if (q->done && !q->status) expect_route(q, &q->it.route);
 }
 
 static moed_sched *start_min(int n_exec, int64_t max_tokens, int64_t delay_us, int64_t max_queue,
@@ -258,9 +265,9 @@ static moed_sched *start_min(int n_exec, int64_t max_tokens, int64_t delay_us, i
 {
     static moed_backend be;
     be = (moed_backend){ .ops = &fake_ops, .n_exec = n_exec };
-    served.max_batch_tokens = max_tokens;
     moed_sched_config cfg = { .backend = &be,
-                              .served = &served,
+                              .layers = layer_ptrs,
+                              .n_layers = 2,
                               .max_batch_tokens = max_tokens,
                               .max_delay_us = delay_us,
                               .max_queue_requests = max_queue,
@@ -485,6 +492,21 @@ static void test_order_and_keys(void)
     moed_sched_destroy(s);
 }
 
+/* A server-routed request's result: the route the server must have used is top-2 of the fake
+ * logits of its own rows, and it went in a launch of `requests` requests. */
+static void expect_server_route(const req *q, int requests)
+{
+    CHECK_MSG(q->done && q->status == 0, "status %d: %s", q->status, q->msg);
+    float l[16 * 8];
+    moed_error err;
+    fake_router(NULL, 0, 0, MOED_F32, q->it.T, q->x, l, &err);
+    moed_route want;
+    CHECK_EQ_INT(moed_gate(&q->it.gate, &layers[0].info, NULL, l, q->it.T, &want, &err), 0);
+    expect_route(q, &want);
+    CHECK_EQ_INT(q->tm.batch_requests, requests);
+    moed_route_free(&want);
+}
+
 /* The server router: logits from the backend, gated per request; a request whose hidden holds a
  * NaN fails alone and its rows leave the launch. */
 static void test_server_router(void)
@@ -497,8 +519,6 @@ static void test_server_router(void)
     req *p = make_server_req(0, 2, 7, 0), *bad = make_server_req(0, 3, 8, 0),
         *c = make_req(0, 2, 9), *r = make_server_req(0, 1, 10, 0);
     bad->x[5] = NAN;
-    grpc_slice_unref(bad->slice);
-    bad->slice = grpc_slice_from_copied_buffer((const char *)bad->x, 3 * 16);
     submit_ok(s, p);
     submit_ok(s, bad);
     submit_ok(s, c);
@@ -510,23 +530,66 @@ static void test_server_router(void)
     CHECK_EQ_INT(fk.n_jobs, 2);
     CHECK_EQ_INT(fk.job_T[1], 2 + 2 + 1);
     expect_ok(c);
-    /* p and r: the route the server must have used is top-2 of the fake logits of their rows. */
-    req *srv[2] = { p, r };
-    for (int i = 0; i < 2; i++) {
-        req *q = srv[i];
-        CHECK_EQ_INT(q->status, 0);
-        float l[16 * 8];
-        moed_error err;
-        fake_router(NULL, 0, 0, MOED_F32, q->it.work.T, q->x, l, &err);
-        moed_route want;
-        CHECK_EQ_INT(
-            moed_gate(&q->it.work.gate, &layers[0].info, NULL, l, q->it.work.T, &want, &err), 0);
-        expect_route(q, &want);
-        CHECK_EQ_INT(q->tm.batch_requests, 3);
-        moed_route_free(&want);
-    }
+    expect_server_route(p, 3);
+    expect_server_route(r, 3);
     req *all[5] = { a, p, bad, c, r };
     for (int i = 0; i < 5; i++) free_req(all[i]);
+    moed_sched_destroy(s);
+}
+
+/* Submits `n` requests behind a held launch, so they go as one launch once it is let go. */
+static void submit_behind(moed_sched *s, req *held, req **q, int n, int done_before)
+{
+    hold(1);
+    submit_ok(s, held);
+    wait_in_forward(1);
+    for (int i = 0; i < n; i++) submit_ok(s, q[i]);
+    hold(0);
+    wait_done(done_before + 1 + n);
+}
+
+/* A request whose copy-in fails (its data went away) is answered with that error alone, and its
+ * launch runs without it: the others' rows close up, so the backend (and the server router) see
+ * each one's own rows. A launch whose every copy fails runs nothing. */
+static void test_copy_in_fails(void)
+{
+    moed_sched *s = start(1, 16, 0, 64);
+    req *a = make_req(0, 1, 1),
+        *q[3] = { make_req(0, 2, 13), make_req(0, 3, 14), make_req(0, 2, 15) };
+    q[1]->fail_copy = 1;
+    submit_behind(s, a, q, 3, 0);
+    CHECK_EQ_INT(q[1]->status, MOED_EIO);
+    CHECK(strstr(q[1]->msg, "went away") != NULL);
+    CHECK_EQ_INT(fk.n_jobs, 2);
+    CHECK_EQ_INT(fk.job_T[1], 2 + 2);
+    expect_ok(q[0]);
+    expect_ok(q[2]);
+    CHECK_EQ_INT(q[2]->tm.batch_requests, 2);
+
+    /* The same with server routing, whose logits come from the staged rows. */
+    req *b = make_req(0, 1, 2),
+        *r[3] = { make_server_req(0, 2, 16, 0), make_req(0, 3, 17), make_server_req(0, 1, 18, 0) };
+    r[1]->fail_copy = 1;
+    submit_behind(s, b, r, 3, 4);
+    CHECK_EQ_INT(r[1]->status, MOED_EIO);
+    CHECK_EQ_INT(fk.n_jobs, 4);
+    CHECK_EQ_INT(fk.job_T[3], 2 + 1);
+    expect_server_route(r[0], 2);
+    expect_server_route(r[2], 2);
+
+    req *gone = make_req(0, 2, 19);
+    gone->fail_copy = 1;
+    submit_ok(s, gone);
+    wait_done(9);
+    CHECK_EQ_INT(gone->status, MOED_EIO);
+    CHECK_EQ_INT(fk.n_jobs, 4);
+    moed_sched_stats st;
+    moed_sched_get_stats(s, &st);
+    CHECK_EQ_INT(st.failed, 3);
+    CHECK_EQ_INT(st.completed, 6);
+    CHECK_EQ_INT(st.batches, 4);
+    req *all[9] = { a, q[0], q[1], q[2], b, r[0], r[1], r[2], gone };
+    for (int i = 0; i < 9; i++) free_req(all[i]);
     moed_sched_destroy(s);
 }
 
@@ -542,9 +605,9 @@ static void test_batch_gating(void)
     wait_in_forward(1);
     req *p = make_server_req(0, 2, 11, 3), *q = make_server_req(0, 3, 12, 3);
     /* q brings its own logits (RouterLogits + BatchGating): not the fake router's. */
-    q->it.work.server_logits = false;
-    q->it.work.logits = malloc(3 * 8 * sizeof(float));
-    for (int i = 0; i < 24; i++) q->it.work.logits[i] = (float)((i * 5) % 9) * 0.5f;
+    q->it.server_logits = false;
+    q->it.logits = malloc(3 * 8 * sizeof(float));
+    for (int i = 0; i < 24; i++) q->it.logits[i] = (float)((i * 5) % 9) * 0.5f;
     submit_ok(s, p);
     submit_ok(s, q);
     hold(0);
@@ -553,7 +616,7 @@ static void test_batch_gating(void)
     float l[5 * 8];
     moed_error err;
     fake_router(NULL, 0, 0, MOED_F32, 2, p->x, l, &err);
-    memcpy(l + 16, q->it.work.logits, 24 * sizeof(float));
+    memcpy(l + 16, q->it.logits, 24 * sizeof(float));
     int32_t set[3];
     moed_route merged;
     CHECK_EQ_INT(moed_gate_batch(l, 5, 8, 3, set, &merged, &err), 0);
@@ -715,6 +778,7 @@ int main(void)
     test_bound_cancel_deadline();
     test_order_and_keys();
     test_server_router();
+    test_copy_in_fails();
     test_batch_gating();
     test_drain();
     test_route_reuse();
