@@ -388,8 +388,7 @@ static void fail_launch(worker *w, const launch *l, int rc, moed_error *err)
     if (!err->code)
         moed_fail(err, rc, "the %s backend failed this launch",
                   moed_backend_name(w->s->cfg.backend));
-    for (int i = 0; i < l->n; i++)
-        if (w->items[i]) finish_error(w->s, w->items[i], rc, err);
+    for (int i = 0; i < l->n; i++) finish_error(w->s, w->items[i], rc, err);
 }
 
 /* Runs the n requests taken from q. The queue's in-flight slot is released as soon as the device
