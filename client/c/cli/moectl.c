@@ -84,7 +84,7 @@ typedef struct args {
     long layer;
     int server_router, batch_gating, forward_opts;
     long k_batch;
-    moed_gate_params gating;
+    moedc_gating gating;
     int help;
 } args;
 
@@ -215,7 +215,7 @@ static int parse_args(int argc, char **argv, args *a)
         case O_RENORM:
             if (strcmp(optarg, "on") && strcmp(optarg, "off"))
                 return usage_error("--renormalize %s: use on or off", optarg);
-            a->gating.renormalize = !strcmp(optarg, "on") ? MOED_RENORM_ON : MOED_RENORM_OFF;
+            a->gating.renormalize = !strcmp(optarg, "on") ? MOEDC_RENORM_ON : MOEDC_RENORM_OFF;
             break;
         case O_THRESHOLD: {
             double t;
@@ -243,16 +243,16 @@ static int parse_args(int argc, char **argv, args *a)
 
 /* ---- health and info ---- */
 
-static int rpc_error(const char *what, const moed_error *err)
+static int rpc_error(const char *what, const moedc_error *err)
 {
     fprintf(stderr, "moectl: %s failed: %s: %s\n", what,
-            moedc_grpc_status_name(moed_err_grpc_status(err->code)), err->msg);
+            moedc_grpc_status_name(moedc_code_to_grpc(err->code)), err->msg);
     return EXIT_RPC;
 }
 
 static int cmd_health(moedc *c, const args *a)
 {
-    moed_error err;
+    moedc_error err;
     int status;
     if (moedc_health(c, a->service, &status, &err)) return rpc_error("health check", &err);
     printf("%s\n", moedc_health_name(status));
@@ -266,13 +266,13 @@ static void print_layers(const moedc_model_info *m)
            "experts", "top_k", "act", "dtype", "router", "norm", "rule", "shared", "groups",
            "scale");
     for (int i = 0; i < m->n_layers; i++) {
-        const moed_layer_info *l = &m->layers[i];
+        const moedc_layer_info *l = &m->layers[i];
         char shared[32], groups[32];
         snprintf(shared, sizeof shared, "%dx%d", l->n_shared, l->shared_d_ff);
         snprintf(groups, sizeof groups, "%d/%d", l->n_group, l->topk_group);
         printf("%5d %7d %6d %7d %5d %6s %5s %6s %4d %12s %9s %6s %5g\n", l->index, l->d_model,
-               l->d_ff, l->n_experts, l->top_k, moed_act_name(l->act), moed_dtype_name(l->wdtype),
-               l->has_router ? "yes" : "no", l->norm_topk,
+               l->d_ff, l->n_experts, l->top_k, moed_act_name((moed_act)l->act),
+               moed_dtype_name(l->wdtype), l->has_router ? "yes" : "no", l->norm_topk,
                l->rule >= 0 && l->rule <= 2 ? rules[l->rule] : "?", shared, groups,
                (double)l->routed_scale);
     }
@@ -280,7 +280,7 @@ static void print_layers(const moedc_model_info *m)
 
 static int cmd_info(moedc *c)
 {
-    moed_error err;
+    moedc_error err;
     moedc_model_info m;
     if (moedc_info(c, &m, &err)) return rpc_error("GetModel", &err);
     printf("model     %s\nbackend   %s\nversion   %s\n", m.model, m.backend, m.version);
@@ -403,7 +403,7 @@ static int cmd_forward(moedc *c, const args *a)
 {
     inputs in;
     memset(&in, 0, sizeof in);
-    moed_error err;
+    moedc_error err;
     moedc_result res;
     memset(&res, 0, sizeof res);
     int rc = check_forward_args(a);
@@ -433,8 +433,9 @@ static int cmd_forward(moedc *c, const args *a)
         goto out;
     }
     int64_t shape[2] = { res.tokens, res.d_model };
-    if (moed_npy_write(a->out, res.dtype, 2, shape, res.output, &err)) {
-        fprintf(stderr, "moectl: --out: %s\n", err.msg);
+    moed_error werr;
+    if (moed_npy_write(a->out, res.dtype, 2, shape, res.output, &werr)) {
+        fprintf(stderr, "moectl: --out: %s\n", werr.msg);
         rc = EXIT_RPC;
         goto out;
     }
@@ -468,7 +469,7 @@ int main(int argc, char **argv)
         return usage_error("forward's options were given to '%s'", a.command);
     if (a.service && strcmp(a.command, "health"))
         return usage_error("--service belongs to health, not '%s'", a.command);
-    moed_error err;
+    moedc_error err;
     moedc *c;
     moedc_opts opts = { .timeout_s = a.timeout_s, .bearer_token = a.token };
     if (moedc_connect(a.target, &opts, &c, &err)) {

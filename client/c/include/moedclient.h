@@ -2,6 +2,9 @@
  * moedclient — the C client library of moed (libmoedclient): connect to a daemon, run Forward,
  * GetModel and grpc.health.v1 Check.
  *
+ * This header is the whole public interface and stands alone: it includes only the C standard
+ * library, and everything it names starts with moedc_ / MOEDC_. Link -lmoedclient.
+ *
  * Contract:
  * - A moedc is one gRPC channel, and one TCP connection of its own (channels never share one, so a
  *   load generator opens N connections by opening N moedc). Any number of threads may call any
@@ -11,25 +14,25 @@
  *   hands back whichever call finished, and moedc_call_finish turns it into a result or an error.
  * - hidden is sent without being copied: it must stay valid and unchanged until moedc_forward or
  *   moedc_call_finish returns. Everything else in a request is copied by the start.
- * - Every function returns 0 or a negative MOED_E* code (kernels/moed_err.h) and fills err. For a
- *   call the server refused, err->code is moedc_code_from_grpc(status) and err->msg the server's
- *   status message verbatim, so moed_err_grpc_status(err->code) gives the status back (for the few
- *   statuses moed never sends, the message starts with the status name, e.g. "ABORTED: ...").
- *   Failures on this side (bad arguments, a malformed reply) are MOED_EINVAL / MOED_EFORMAT.
+ * - Every function returns 0 or a negative MOEDC_E* code and fills err. For a call the server
+ *   refused, err->code is moedc_code_from_grpc(status) and err->msg the server's status message
+ *   verbatim, so moedc_code_to_grpc(err->code) gives the status back (for the few statuses moed
+ *   never sends, the message starts with the status name, e.g. "ABORTED: ..."). Failures on this
+ *   side (bad arguments, a malformed reply) are MOEDC_EINVAL / MOEDC_EFORMAT.
  * - Tensors are row-major and little-endian, as on the wire; the library builds only for
  *   little-endian hosts.
  *
- * Example (link libmoedclient; moectl.c is a complete program):
+ * Example (README.md has a whole program; client/c/cli/moectl.c is a complete tool):
  *
  *   moedc *c;
- *   moed_error err;
+ *   moedc_error err;
  *   if (moedc_connect("127.0.0.1:50051", NULL, &c, &err)) die(err.msg);
- *   moedc_request req = { .layer = 0, .dtype = MOED_F32, .tokens = T, .d_model = d, .hidden = x,
+ *   moedc_request req = { .layer = 0, .dtype = MOEDC_F32, .tokens = T, .d_model = d, .hidden = x,
  *                         .routing = MOEDC_ROUTE_LOGITS, .n_experts = E, .logits = logits,
- *                         .gating = { .strategy = MOED_GATE_TOPK, .top_k = 2 } };
+ *                         .gating = { .strategy = MOEDC_GATE_TOPK, .top_k = 2 } };
  *   moedc_result res;
  *   if (moedc_forward(c, &req, &res, &err)) {
- *       int status = moed_err_grpc_status(err.code);
+ *       int status = moedc_code_to_grpc(err.code);
  *       fprintf(stderr, "%s: %s\n", moedc_grpc_status_name(status), err.msg);
  *   } else {
  *       use(res.output, res.output_bytes);
@@ -40,14 +43,106 @@
 #ifndef MOEDCLIENT_H
 #define MOEDCLIENT_H
 
-#include "moed_dtype.h"
-#include "moed_err.h"
-#include "moed_model.h"
-#include "moed_route.h"
-
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Marks the library's interface: the shared library is built with every other symbol hidden, so
+ * these are all it exports. On Windows, define MOEDC_BUILDING_SHARED when building the DLL and
+ * MOEDC_USING_SHARED when linking against it. */
+#if defined(_WIN32)
+#if defined(MOEDC_BUILDING_SHARED)
+#define MOEDC_EXTERN __declspec(dllexport)
+#elif defined(MOEDC_USING_SHARED)
+#define MOEDC_EXTERN __declspec(dllimport)
+#else
+#define MOEDC_EXTERN
+#endif
+#elif defined(__GNUC__) && __GNUC__ >= 4
+#define MOEDC_EXTERN __attribute__((visibility("default")))
+#else
+#define MOEDC_EXTERN
+#endif
+
+/* ---- errors ---- */
+
+/* XX(name, value, description): the codes functions return, the daemon's own table (the values
+ * are moed's, so a code means the same on both sides of the wire). */
+#define MOEDC_ERR_MAP(XX)                                                                          \
+    XX(OK, 0, "success")                                                                           \
+    XX(EINVAL, -1, "invalid argument")                                                             \
+    XX(ENOTFOUND, -2, "not found")                                                                 \
+    XX(ETOOBIG, -3, "over the size limit")                                                         \
+    XX(EFULL, -4, "queue full")                                                                    \
+    XX(EDRAINING, -5, "server draining")                                                           \
+    XX(EDEADLINE, -6, "deadline exceeded")                                                         \
+    XX(ECANCELLED, -7, "cancelled")                                                                \
+    XX(ENOMEM, -8, "out of memory")                                                                \
+    XX(EIO, -9, "input/output error")                                                              \
+    XX(EFORMAT, -10, "malformed file or message")                                                  \
+    XX(EDEVICE, -11, "device error")                                                               \
+    XX(ENODEV, -12, "no usable device")                                                            \
+    XX(EUNSUPPORTED, -13, "not supported")                                                         \
+    XX(EUNAUTH, -14, "unauthenticated")                                                            \
+    XX(EUNAVAIL, -15, "unavailable")                                                               \
+    XX(EINTERNAL, -16, "internal error")
+
+enum {
+#define MOEDC_ERR_ENUM(name, value, text) MOEDC_##name = value,
+    MOEDC_ERR_MAP(MOEDC_ERR_ENUM)
+#undef MOEDC_ERR_ENUM
+};
+
+/* A code and the sentence that explains it to a person. */
+typedef struct moedc_error {
+    int code;
+    char msg[480];
+} moedc_error;
+
+/* The table's description of a code ("unknown error" outside it). */
+MOEDC_EXTERN const char *moedc_strerror(int code);
+/* The gRPC status code (grpc_status_code's value) a code stands for, and the code a gRPC status
+ * is reported as (MOEDC_OK for 0). */
+MOEDC_EXTERN int moedc_code_to_grpc(int code);
+MOEDC_EXTERN int moedc_code_from_grpc(int grpc_status);
+/* "OK", "CANCELLED", ..., "UNAUTHENTICATED" (the gRPC names); "UNKNOWN" outside 0..16. */
+MOEDC_EXTERN const char *moedc_grpc_status_name(int grpc_status);
+
+/* ---- the protocol's enumerations (values as in proto/moed/v1/moed.proto) ---- */
+
+/* moed.v1.DType: the activation and weight types. */
+typedef enum moedc_dtype { MOEDC_F32 = 1, MOEDC_F16 = 2, MOEDC_BF16 = 3 } moedc_dtype;
+
+/* moed.v1.Strategy: how router logits become a route; MODEL is the layer's own rule. */
+enum {
+    MOEDC_GATE_MODEL = 0,
+    MOEDC_GATE_TOPK = 1,
+    MOEDC_GATE_SIGMOID = 2,
+    MOEDC_GATE_SPARSEMAX = 3,
+    MOEDC_GATE_QUADRATIC = 4,
+    MOEDC_GATE_PIONEER = 5,
+};
+
+/* moed.v1.Renormalize. */
+enum { MOEDC_RENORM_DEFAULT = 0, MOEDC_RENORM_ON = 1, MOEDC_RENORM_OFF = 2 };
+
+/* moed.v1.Activation and moed.v1.RouterRule. */
+enum { MOEDC_ACT_SWIGLU = 1, MOEDC_ACT_GELU = 2, MOEDC_ACT_RELU = 3 };
+enum { MOEDC_RULE_SOFTMAX_TOPK = 1, MOEDC_RULE_DEEPSEEK_V3 = 2 };
+
+/* moed.v1.Gating; all zero: the layer's own rule. */
+typedef struct moedc_gating {
+    int strategy;    /* MOEDC_GATE_* */
+    int top_k;       /* 0: the layer's top_k */
+    int renormalize; /* MOEDC_RENORM_* */
+    float threshold; /* SIGMOID, in (0, 1); 0: 0.5 */
+} moedc_gating;
+
+/* ---- channel ---- */
 
 typedef struct moedc moedc;
 
@@ -58,9 +153,12 @@ typedef struct moedc_opts {
 
 /* Opens a channel to target ("host:port", "unix:/path", any gRPC target; plaintext). gRPC connects
  * lazily: an unreachable server shows up as UNAVAILABLE on the first call. opts may be NULL. */
-int moedc_connect(const char *target, const moedc_opts *opts, moedc **out, moed_error *err);
+MOEDC_EXTERN int moedc_connect(const char *target, const moedc_opts *opts, moedc **out,
+                               moedc_error *err);
 /* Closes the channel. Every call started on it must have been finished. */
-void moedc_close(moedc *c);
+MOEDC_EXTERN void moedc_close(moedc *c);
+
+/* ---- Forward ---- */
 
 /* How a request routes its tokens (the oneof of moed.v1.ForwardRequest). */
 typedef enum moedc_routing {
@@ -72,7 +170,7 @@ typedef enum moedc_routing {
 typedef struct moedc_request {
     const char *request_id; /* echoed in the result; NULL or at most 128 bytes */
     uint32_t layer;         /* the layer's index, as moedc_info lists it */
-    int dtype;              /* MOED_F32, MOED_F16 or MOED_BF16: the output's dtype too */
+    int dtype;              /* MOEDC_F32, MOEDC_F16 or MOEDC_BF16: the output's dtype too */
     int64_t tokens;         /* T */
     int64_t d_model;
     const void *hidden; /* T x d_model elements of dtype; sent zero-copy (see the contract) */
@@ -82,7 +180,7 @@ typedef struct moedc_request {
     const float *expert_weights; /* EXPERTS */
     int n_experts;               /* LOGITS: columns of logits */
     const float *logits;         /* LOGITS */
-    moed_gate_params gating;     /* LOGITS and SERVER; all zero: the layer's own rule */
+    moedc_gating gating;         /* LOGITS and SERVER */
     bool batch_gating;           /* batch-level dynamic gating (needs LOGITS or SERVER) */
     uint32_t k_batch;            /* its set size; 0: the layer's top_k */
     double timeout_s;            /* 0: the moedc's default; < 0: no deadline */
@@ -106,35 +204,55 @@ typedef struct moedc_result {
 } moedc_result;
 
 /* One Forward, blocking. On success fills res (release it with moedc_result_free). */
-int moedc_forward(moedc *c, const moedc_request *req, moedc_result *res, moed_error *err);
+MOEDC_EXTERN int moedc_forward(moedc *c, const moedc_request *req, moedc_result *res,
+                               moedc_error *err);
 /* Releases what a result owns; safe on a zeroed or already released result. */
-void moedc_result_free(moedc_result *res);
+MOEDC_EXTERN void moedc_result_free(moedc_result *res);
 
 /* ---- asynchronous calls ---- */
 
 typedef struct moedc_queue moedc_queue; /* where finished calls are collected */
 typedef struct moedc_call moedc_call;   /* one Forward in flight */
 
-int moedc_queue_create(moedc_queue **out, moed_error *err);
+MOEDC_EXTERN int moedc_queue_create(moedc_queue **out, moedc_error *err);
 /* Every call started on q must have been collected by moedc_queue_next and finished first. */
-void moedc_queue_destroy(moedc_queue *q);
+MOEDC_EXTERN void moedc_queue_destroy(moedc_queue *q);
 
 /* Starts a Forward whose completion will be delivered on q; user is returned by moedc_call_user.
  * On failure nothing was started and *out is NULL. One queue may be used by several threads. */
-int moedc_forward_start(moedc *c, const moedc_request *req, moedc_queue *q, void *user,
-                        moedc_call **out, moed_error *err);
+MOEDC_EXTERN int moedc_forward_start(moedc *c, const moedc_request *req, moedc_queue *q, void *user,
+                                     moedc_call **out, moedc_error *err);
 /* Waits up to timeout_s (< 0: for ever) for a call started on q to finish. Returns 1 and sets *out
  * when one did, 0 on timeout. */
-int moedc_queue_next(moedc_queue *q, double timeout_s, moedc_call **out);
-void *moedc_call_user(const moedc_call *call);
+MOEDC_EXTERN int moedc_queue_next(moedc_queue *q, double timeout_s, moedc_call **out);
+MOEDC_EXTERN void *moedc_call_user(const moedc_call *call);
 /* Asks the server to drop the call; it still finishes through its queue (as CANCELLED, unless the
  * reply was already on its way). May run while another thread waits in moedc_queue_next, but not
  * after the call was finished. */
-void moedc_call_cancel(moedc_call *call);
+MOEDC_EXTERN void moedc_call_cancel(moedc_call *call);
 /* Turns a finished call (from moedc_queue_next) into a result or an error, and frees the call. */
-int moedc_call_finish(moedc_call *call, moedc_result *res, moed_error *err);
+MOEDC_EXTERN int moedc_call_finish(moedc_call *call, moedc_result *res, moedc_error *err);
 
 /* ---- model information and health ---- */
+
+/* moed.v1.LayerInfo: one resident layer. */
+typedef struct moedc_layer_info {
+    int index; /* what requests name */
+    int d_model;
+    int d_ff; /* per routed expert */
+    int n_experts;
+    int top_k;
+    int act;         /* MOEDC_ACT_* */
+    int wdtype;      /* moedc_dtype of the weights */
+    bool has_router; /* the server can compute logits (MOEDC_ROUTE_SERVER) */
+    bool norm_topk;  /* top-k weights renormalised */
+    int rule;        /* MOEDC_RULE_*: what MOEDC_GATE_MODEL does */
+    int n_group;     /* DeepSeek-V3 group-limited routing; 1 when not grouped */
+    int topk_group;
+    float routed_scale; /* routed_scaling_factor; 1 when absent */
+    int n_shared;       /* shared experts, applied to every token with weight 1 */
+    int shared_d_ff;    /* their total width */
+} moedc_layer_info;
 
 typedef struct moedc_device {
     char *name; /* "cpu" or the GPU's name */
@@ -146,7 +264,7 @@ typedef struct moedc_model_info {
     char *backend; /* "cpu" or "cuda" */
     char *version;
     int n_layers;
-    moed_layer_info *layers; /* index, sizes, act, wdtype, router, rule, shared experts, groups */
+    moedc_layer_info *layers;
     int n_devices;
     moedc_device *devices;
     uint64_t max_message_bytes;
@@ -154,8 +272,8 @@ typedef struct moedc_model_info {
 } moedc_model_info;
 
 /* GetModel. Release with moedc_model_info_free. */
-int moedc_info(moedc *c, moedc_model_info *out, moed_error *err);
-void moedc_model_info_free(moedc_model_info *m);
+MOEDC_EXTERN int moedc_info(moedc *c, moedc_model_info *out, moedc_error *err);
+MOEDC_EXTERN void moedc_model_info_free(moedc_model_info *m);
 
 /* Values of grpc.health.v1.HealthCheckResponse.ServingStatus. */
 enum {
@@ -166,15 +284,12 @@ enum {
 };
 
 /* grpc.health.v1.Health/Check of service ("" or NULL: the server as a whole) into *status. */
-int moedc_health(moedc *c, const char *service, int *status, moed_error *err);
+MOEDC_EXTERN int moedc_health(moedc *c, const char *service, int *status, moedc_error *err);
 /* "SERVING", "NOT_SERVING", "UNKNOWN", "SERVICE_UNKNOWN". */
-const char *moedc_health_name(int status);
+MOEDC_EXTERN const char *moedc_health_name(int status);
 
-/* ---- status codes ---- */
-
-/* The moed code a gRPC status code is reported as (MOED_OK for 0). */
-int moedc_code_from_grpc(int grpc_status);
-/* "OK", "CANCELLED", ..., "UNAUTHENTICATED" (the gRPC names); "UNKNOWN" outside 0..16. */
-const char *moedc_grpc_status_name(int grpc_status);
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -93,7 +93,7 @@ typedef struct args {
     long long requests, verify, seed;
     long connections, threads, max_inflight, k_batch;
     bool duration_set, batch_gating;
-    moed_gate_params gating;
+    moedc_gating gating;
     int progress; /* -1: when stderr is a terminal */
     bool help;
 } args;
@@ -421,7 +421,7 @@ static int parse_specs(run *r)
 /* Opens the connections, makes sure each reaches a serving server, and asks what it serves. */
 static int connect_all(run *r)
 {
-    moed_error err;
+    moedc_error err;
     moedc_opts o = { .bearer_token = r->a.token };
     r->conns = calloc((size_t)r->a.connections, sizeof *r->conns);
     if (!r->conns) return failure("out of memory");
@@ -433,7 +433,7 @@ static int connect_all(run *r)
         /* a health check opens the connection now, so the first measured call does not pay it */
         if (moedc_health(*c, "", &status, &err)) {
             return failure("%s: health check failed: %s: %s", r->a.target,
-                           moedc_grpc_status_name(moed_err_grpc_status(err.code)), err.msg);
+                           moedc_grpc_status_name(moedc_code_to_grpc(err.code)), err.msg);
         }
         if (status != MOEDC_HEALTH_SERVING) {
             return failure("%s is %s, not SERVING: wait for it, or check its log", r->a.target,
@@ -447,11 +447,33 @@ static int connect_all(run *r)
     return 0;
 }
 
-static const moed_layer_info *served_layer(const moedc_model_info *m, int index)
+static const moedc_layer_info *served_layer(const moedc_model_info *m, int index)
 {
     for (int i = 0; i < m->n_layers; i++)
         if (m->layers[i].index == index) return &m->layers[i];
     return NULL;
+}
+
+/* A served layer as the daemon's core describes it, for the request pools and the reference. */
+static moed_layer_info layer_info_of(const moedc_layer_info *l)
+{
+    return (moed_layer_info){
+        .index = l->index,
+        .d_model = l->d_model,
+        .d_ff = l->d_ff,
+        .n_experts = l->n_experts,
+        .top_k = l->top_k,
+        .act = (moed_act)l->act,
+        .wdtype = l->wdtype,
+        .has_router = l->has_router,
+        .norm_topk = l->norm_topk,
+        .rule = (moed_router_rule)l->rule,
+        .n_group = l->n_group,
+        .topk_group = l->topk_group,
+        .routed_scale = l->routed_scale,
+        .n_shared = l->n_shared,
+        .shared_d_ff = l->shared_d_ff,
+    };
 }
 
 /* The layers asked for, checked against the server: present, routable as asked, within limits. */
@@ -472,7 +494,7 @@ static int resolve_layers(run *r)
                                                      : MOED_BF16;
     const size_t es = moed_dtype_size(r->dtype);
     for (int i = 0; i < r->n_layer_list; i++) {
-        const moed_layer_info *li = served_layer(m, r->layer_list[i]);
+        const moedc_layer_info *li = served_layer(m, r->layer_list[i]);
         if (!li) {
             char list[256] = "";
             for (int j = 0; j < m->n_layers && strlen(list) < 200; j++)
@@ -497,7 +519,7 @@ static int resolve_layers(run *r)
                                "the server's limit of %llu: send fewer tokens",
                                r->tokens.hi, li->index, (unsigned long long)bytes,
                                (unsigned long long)m->max_message_bytes);
-        r->layers[i].info = *li;
+        r->layers[i].info = layer_info_of(li);
         r->layers[i].cols = load_routing_cols(&r->routing, li->top_k);
     }
     return 0;
