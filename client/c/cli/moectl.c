@@ -5,241 +5,124 @@
  * codes are for scripts: 0 success, 1 the call failed (or health is not SERVING, or the output
  * could not be written), 2 the command line or an input file is wrong, with the reason on stderr.
  */
+#include "cli_common.h"
+#include "cli_opt.h"
 #include "moedclient.h"
 #include "moed_route.h"
-#include "cli_num.h"
 #include "npy.h"
 
-#include <getopt.h>
-#include <stdarg.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum { EXIT_RPC = 1, EXIT_USAGE = 2 };
-
-static const char usage_main[] =
-    "usage: moectl [--target ADDR] [--timeout S] [--token T] COMMAND [options]\n"
-    "\n"
-    "Calls a moed daemon (default 127.0.0.1:50051).\n"
-    "\n"
-    "commands:\n"
-    "  health    print the server's health status (exit 0 only when SERVING)\n"
-    "  info      print the resident layers, backend, devices and limits\n"
-    "  forward   compute one MoE layer over a .npy batch (moectl forward --help)\n"
-    "\n"
-    "options:\n"
-    "  --target ADDR   server address (host:port, unix:/path)\n"
-    "  --timeout S     deadline of the call in seconds (default: none)\n"
-    "  --token T       bearer token sent as 'authorization: Bearer T'\n"
-    "  --help          this text; COMMAND --help for a command's\n"
-    "\n"
-    "exit codes: 0 ok, 1 the call failed (code and message printed), 2 bad usage or input\n";
-
-static const char usage_health[] =
-    "usage: moectl [global options] health [--service NAME]\n"
-    "\n"
-    "grpc.health.v1 Check. Prints SERVING, NOT_SERVING, UNKNOWN or SERVICE_UNKNOWN;\n"
-    "exits 0 only when SERVING, so `until moectl health; do sleep 1; done` waits for the server.\n"
-    "  --service NAME  the service to ask about (default \"\": the server as a whole)\n";
-
-static const char usage_info[] =
-    "usage: moectl [global options] info\n"
-    "\n"
-    "GetModel: the model, backend, version, limits, devices, and a table of the resident layers.\n";
-
-static const char usage_forward[] =
-    "usage: moectl [global options] forward --layer N --hidden x.npy ROUTING [options] --out "
-    "y.npy\n"
-    "\n"
-    "Sends hidden [T, d_model] (float32, float16 or bfloat16) and writes the layer's output, in "
-    "the\n"
-    "same dtype, to --out. bfloat16 is read from ml_dtypes' np.save ('<V2') or from uint16 bits "
-    "with\n"
-    "--dtype bf16, and written as uint16 bits ('<u2': np.load(f).view(ml_dtypes.bfloat16)).\n"
-    "\n"
-    "ROUTING, one of:\n"
-    "  --ids i.npy --weights w.npy   your routing: ids [T, k] int32/int64, weights [T, k] float\n"
-    "                                (id -1 with weight 0 pads a row)\n"
-    "  --logits l.npy                router logits [T, experts] float, gated by the server\n"
-    "  --server-router               the layer's own router on the server\n"
-    "gating (with --logits or --server-router):\n"
-    "  --strategy S          model (default: the layer's rule), topk, sigmoid, sparsemax,\n"
-    "                        quadratic, pioneer\n"
-    "  --top-k K             experts per token for topk/quadratic/pioneer (0: the layer's)\n"
-    "  --renormalize on|off  renormalise the top-k weights (default: the layer's)\n"
-    "  --threshold P         sigmoid threshold in (0, 1) (default 0.5)\n"
-    "  --batch-gating K      batch-level dynamic gating with a set of K experts (0: the layer's\n"
-    "                        top_k); prints the set S\n"
-    "options:\n"
-    "  --dtype bf16          take a uint16 --hidden as bf16 bit patterns\n"
-    "  --request-id ID       echoed by the server\n";
+enum { EXIT_RPC = 1, EXIT_USAGE = CLI_EXIT_USAGE };
 
 /* Everything the command line says. */
 typedef struct args {
-    const char *target, *token, *command, *service;
+    cli_conn conn;
     double timeout_s;
+    const char *service;
+    long long layer, top_k, k_batch;
     const char *hidden, *ids, *weights, *logits, *out, *dtype, *request_id;
-    long layer;
-    int server_router, batch_gating, forward_opts;
-    long k_batch;
-    moedc_gating gating;
-    int help;
+    int server_router, strategy, renormalize;
+    double threshold;
+    bool batch_gating; /* --batch-gating given */
 } args;
 
-static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+#define F(member) offsetof(args, member)
 
-static int usage_error(const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "moectl: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n(moectl --help, or moectl COMMAND --help)\n");
-    va_end(ap);
-    return EXIT_USAGE;
-}
+static const cli_opt options[] = {
+    CLI_SECTION_ROW("options:", NULL),
+    CLI_CONN_OPTS(args),
+    CLI_NUM_OPT("timeout", F(timeout_s), "S", 1e-6, 1e9, NULL, "give seconds > 0", NULL,
+                "deadline of the call in seconds (default: none)"),
+    CLI_HELP_OPT("this text; COMMAND --help for a command's"),
 
-/* Parses argv into a; returns 0, or an exit code after printing why. */
-static int parse_args(int argc, char **argv, args *a)
-{
-    enum {
-        O_TARGET = 256,
-        O_TIMEOUT,
-        O_TOKEN,
-        O_SERVICE,
-        O_LAYER,
-        O_HIDDEN,
-        O_IDS,
-        O_WEIGHTS,
-        O_LOGITS,
-        O_SERVER,
-        O_STRATEGY,
-        O_TOPK,
-        O_RENORM,
-        O_THRESHOLD,
-        O_BATCH,
-        O_DTYPE,
-        O_REQID,
-        O_OUT,
-        O_HELP
-    };
-    static const struct option opts[] = {
-        { "target", required_argument, 0, O_TARGET },
-        { "timeout", required_argument, 0, O_TIMEOUT },
-        { "token", required_argument, 0, O_TOKEN },
-        { "service", required_argument, 0, O_SERVICE },
-        { "layer", required_argument, 0, O_LAYER },
-        { "hidden", required_argument, 0, O_HIDDEN },
-        { "ids", required_argument, 0, O_IDS },
-        { "weights", required_argument, 0, O_WEIGHTS },
-        { "logits", required_argument, 0, O_LOGITS },
-        { "server-router", no_argument, 0, O_SERVER },
-        { "strategy", required_argument, 0, O_STRATEGY },
-        { "top-k", required_argument, 0, O_TOPK },
-        { "renormalize", required_argument, 0, O_RENORM },
-        { "threshold", required_argument, 0, O_THRESHOLD },
-        { "batch-gating", required_argument, 0, O_BATCH },
-        { "dtype", required_argument, 0, O_DTYPE },
-        { "request-id", required_argument, 0, O_REQID },
-        { "out", required_argument, 0, O_OUT },
-        { "help", no_argument, 0, O_HELP },
-        { 0, 0, 0, 0 },
-    };
-    memset(a, 0, sizeof *a);
-    a->target = "127.0.0.1:50051";
-    a->layer = -1;
-    long long v;
-    int o;
-    opterr = 0;
-    while ((o = getopt_long(argc, argv, ":", opts, NULL)) != -1) {
-        if (o >= O_LAYER && o <= O_OUT) a->forward_opts = 1;
-        switch (o) {
-        case O_TARGET:
-            a->target = optarg;
-            break;
-        case O_TOKEN:
-            a->token = optarg;
-            break;
-        case O_SERVICE:
-            a->service = optarg;
-            break;
-        case O_HIDDEN:
-            a->hidden = optarg;
-            break;
-        case O_IDS:
-            a->ids = optarg;
-            break;
-        case O_WEIGHTS:
-            a->weights = optarg;
-            break;
-        case O_LOGITS:
-            a->logits = optarg;
-            break;
-        case O_SERVER:
-            a->server_router = 1;
-            break;
-        case O_DTYPE:
-            a->dtype = optarg;
-            break;
-        case O_REQID:
-            a->request_id = optarg;
-            break;
-        case O_OUT:
-            a->out = optarg;
-            break;
-        case O_HELP:
-            a->help = 1;
-            break;
-        case O_TIMEOUT:
-            if (cli_double(optarg, 0, 1e9, &a->timeout_s) || a->timeout_s <= 0)
-                return usage_error("--timeout %s: give seconds > 0", optarg);
-            break;
-        case O_LAYER:
-            if (cli_int(optarg, 0, 1 << 30, &v))
-                return usage_error("--layer %s: give a layer index >= 0", optarg);
-            a->layer = (long)v;
-            break;
-        case O_STRATEGY:
-            if ((a->gating.strategy = moed_gate_strategy_parse(optarg)) < 0)
-                return usage_error(
-                    "--strategy %s: use model, topk, sigmoid, sparsemax, quadratic or pioneer",
-                    optarg);
-            break;
-        case O_TOPK:
-            if (cli_int(optarg, 0, 65535, &v))
-                return usage_error("--top-k %s: give a count >= 0", optarg);
-            a->gating.top_k = (int)v;
-            break;
-        case O_RENORM:
-            if (strcmp(optarg, "on") && strcmp(optarg, "off"))
-                return usage_error("--renormalize %s: use on or off", optarg);
-            a->gating.renormalize = !strcmp(optarg, "on") ? MOEDC_RENORM_ON : MOEDC_RENORM_OFF;
-            break;
-        case O_THRESHOLD: {
-            double t;
-            if (cli_double(optarg, -INFINITY, INFINITY, &t))
-                return usage_error("--threshold %s: give a number in (0, 1)", optarg);
-            a->gating.threshold = (float)t;
-            break;
-        }
-        case O_BATCH:
-            if (cli_int(optarg, 0, 65535, &v))
-                return usage_error("--batch-gating %s: give a set size >= 0", optarg);
-            a->k_batch = (long)v;
-            a->batch_gating = 1;
-            break;
-        case ':':
-            return usage_error("%s needs a value", argv[optind - 1]);
-        default:
-            return usage_error("unknown option %s", argv[optind - 1]);
-        }
-    }
-    if (optind < argc) a->command = argv[optind++];
-    if (optind < argc) return usage_error("unexpected argument '%s'", argv[optind]);
-    return 0;
-}
+    CLI_STR_OPT("service", F(service), "NAME", NULL, "health",
+                "the service to ask about (default \"\": the server as a whole)"),
+
+    CLI_INT_OPT("layer", F(layer), "N", 0, 1 << 30, NULL, "give a layer index >= 0", "forward",
+                "the layer to compute (as moectl info lists them)"),
+    CLI_STR_OPT("hidden", F(hidden), "x.npy", NULL, "forward",
+                "hidden states [T, d_model]: float32, float16 or bfloat16"),
+    CLI_STR_OPT("out", F(out), "y.npy", NULL, "forward", "where the output goes"),
+    CLI_SECTION_ROW("ROUTING, one of:", "forward"),
+    CLI_STR_OPT("ids", F(ids), "i.npy", NULL, "forward",
+                "your routing: expert ids [T, k] int32/int64, with --weights\n"
+                "(id -1 with weight 0 pads a row)"),
+    CLI_STR_OPT("weights", F(weights), "w.npy", NULL, "forward",
+                "your routing: their weights [T, k] float, with --ids"),
+    CLI_STR_OPT("logits", F(logits), "l.npy", NULL, "forward",
+                "router logits [T, experts] float, gated by the server"),
+    CLI_FLAG_OPT("server-router", F(server_router), 1, "forward",
+                 "the layer's own router on the server"),
+    CLI_SECTION_ROW("gating (with --logits or --server-router):", "forward"),
+    CLI_CUSTOM_OPT("strategy", F(strategy), "S", cli_parse_strategy, NULL,
+                   "use model, topk, sigmoid, sparsemax, quadratic or pioneer", "forward",
+                   "model (default: the layer's rule), topk, sigmoid, sparsemax,\n"
+                   "quadratic, pioneer"),
+    CLI_INT_OPT("top-k", F(top_k), "K", 0, 65535, NULL, "give a count >= 0", "forward",
+                "experts per token for topk/quadratic/pioneer (0: the layer's)"),
+    CLI_CUSTOM_OPT("renormalize", F(renormalize), "on|off", cli_parse_on_off, NULL, "use on or off",
+                   "forward", "renormalise the top-k weights (default: the layer's)"),
+    CLI_NUM_OPT("threshold", F(threshold), "P", -INFINITY, INFINITY, NULL,
+                "give a number in (0, 1)", "forward", "sigmoid threshold in (0, 1) (default 0.5)"),
+    CLI_INT_OPT("batch-gating", F(k_batch), "K", 0, 65535, NULL, "give a set size >= 0", "forward",
+                "batch-level dynamic gating with a set of K experts (0: the layer's\n"
+                "top_k); prints the set S"),
+    CLI_SECTION_ROW("options:", "forward"),
+    CLI_STR_OPT("dtype", F(dtype), "bf16", NULL, "forward",
+                "take a uint16 --hidden as bf16 bit patterns"),
+    CLI_STR_OPT("request-id", F(request_id), "ID", NULL, "forward", "echoed by the server"),
+};
+
+static const cli_cmd commands[] = {
+    { .name = NULL,
+      .head = "usage: moectl [--target ADDR] [--timeout S] [--token T] COMMAND [options]\n"
+              "\n"
+              "Calls a moed daemon.\n"
+              "\n"
+              "commands:\n"
+              "  health    print the server's health status (exit 0 only when SERVING)\n"
+              "  info      print the resident layers, backend, devices and limits\n"
+              "  forward   compute one MoE layer over a .npy batch (moectl forward --help)\n",
+      .tail = "exit codes: 0 ok, 1 the call failed (code and message printed), 2 bad usage or "
+              "input\n" },
+    { .name = "health",
+      .head = "usage: moectl [global options] health [--service NAME]\n"
+              "\n"
+              "grpc.health.v1 Check. Prints SERVING, NOT_SERVING, UNKNOWN or SERVICE_UNKNOWN;\n"
+              "exits 0 only when SERVING, so `until moectl health; do sleep 1; done` waits for "
+              "the server.\n"
+              "\n"
+              "options:\n" },
+    { .name = "info",
+      .head = "usage: moectl [global options] info\n"
+              "\n"
+              "GetModel: the model, backend, version, limits, devices, and a table of the "
+              "resident layers.\n" },
+    { .name = "forward",
+      .head = "usage: moectl [global options] forward --layer N --hidden x.npy ROUTING [options] "
+              "--out y.npy\n"
+              "\n"
+              "Sends hidden [T, d_model] (float32, float16 or bfloat16) and writes the layer's "
+              "output, in the\n"
+              "same dtype, to --out. bfloat16 is read from ml_dtypes' np.save ('<V2') or from "
+              "uint16 bits with\n"
+              "--dtype bf16, and written as uint16 bits ('<u2': "
+              "np.load(f).view(ml_dtypes.bfloat16)).\n"
+              "\n" },
+};
+
+static const cli_spec command_line = {
+    .prog = "moectl",
+    .hint = "moectl --help, or moectl COMMAND --help",
+    .opts = options,
+    .n_opts = sizeof options / sizeof options[0],
+    .cmds = commands,
+    .n_cmds = sizeof commands / sizeof commands[0],
+};
 
 /* ---- health and info ---- */
 
@@ -333,16 +216,18 @@ static int load_matrix(const char *flag, const char *path, int dtype, int64_t ro
 static int check_forward_args(const args *a)
 {
     int routes = (a->ids || a->weights) + !!a->logits + a->server_router;
-    if (a->layer < 0) return usage_error("forward needs --layer N");
-    if (!a->hidden) return usage_error("forward needs --hidden x.npy");
-    if (!a->out) return usage_error("forward needs --out y.npy");
+    if (a->layer < 0) return cli_usage_error(&command_line, "forward needs --layer N");
+    if (!a->hidden) return cli_usage_error(&command_line, "forward needs --hidden x.npy");
+    if (!a->out) return cli_usage_error(&command_line, "forward needs --out y.npy");
     if (routes != 1)
-        return usage_error("forward needs exactly one routing: --ids with --weights, --logits, or "
+        return cli_usage_error(
+            &command_line, "forward needs exactly one routing: --ids with --weights, --logits, or "
                            "--server-router");
     if ((a->ids != NULL) != (a->weights != NULL))
-        return usage_error("--ids and --weights go together");
+        return cli_usage_error(&command_line, "--ids and --weights go together");
     if (a->dtype && moed_dtype_parse(a->dtype) != MOED_BF16)
-        return usage_error("--dtype %s: only bf16 is needed (for uint16 input)", a->dtype);
+        return cli_usage_error(&command_line, "--dtype %s: only bf16 is needed (for uint16 input)",
+                               a->dtype);
     return 0;
 }
 
@@ -424,7 +309,10 @@ static int cmd_forward(moedc *c, const args *a)
         .expert_weights = in.weights.data,
         .n_experts = a->logits ? (int)in.logits.shape[1] : 0,
         .logits = in.logits.data,
-        .gating = a->gating,
+        .gating = { .strategy = a->strategy,
+                    .top_k = (int)a->top_k,
+                    .renormalize = a->renormalize,
+                    .threshold = (float)a->threshold },
         .batch_gating = a->batch_gating,
         .k_batch = (uint32_t)a->k_batch,
     };
@@ -446,39 +334,46 @@ out:
     return rc;
 }
 
-int main(int argc, char **argv)
+/* Parses the command line into a; false (with *rc the exit code) when moectl should stop. */
+static bool parse_args(int argc, char **argv, args *a, const char **command, int *rc)
 {
-    args a;
-    int rc = parse_args(argc, argv, &a);
-    if (rc) return rc;
-    const char *help = !a.command                      ? usage_main
-                       : !strcmp(a.command, "health")  ? usage_health
-                       : !strcmp(a.command, "info")    ? usage_info
-                       : !strcmp(a.command, "forward") ? usage_forward
-                                                       : NULL;
-    if (!help) return usage_error("unknown command '%s'", a.command);
-    if (a.help) {
-        fputs(help, stdout);
-        return 0;
-    }
-    if (!a.command) {
-        fputs(usage_main, stderr);
-        return EXIT_USAGE;
-    }
-    if (a.forward_opts && strcmp(a.command, "forward"))
-        return usage_error("forward's options were given to '%s'", a.command);
-    if (a.service && strcmp(a.command, "health"))
-        return usage_error("--service belongs to health, not '%s'", a.command);
+    memset(a, 0, sizeof *a);
+    cli_parsed p;
+    if (!cli_parse(&command_line, argc, argv, a, &p, rc)) return false;
+    *command = p.command;
+    a->batch_gating = cli_given(&command_line, &p, "batch-gating");
+    if (!cli_given(&command_line, &p, "layer")) a->layer = -1;
+    return true;
+}
+
+static int connect_to(args *a, moedc **c)
+{
+    moedc_opts opts;
     moedc_error err;
-    moedc *c;
-    moedc_opts opts = { .timeout_s = a.timeout_s, .bearer_token = a.token };
-    if (moedc_connect(a.target, &opts, &c, &err)) {
+    int rc = cli_conn_opts(&command_line, &a->conn, &opts);
+    if (rc) return rc;
+    opts.timeout_s = a->timeout_s;
+    if (moedc_connect(a->conn.target, &opts, c, &err)) {
         fprintf(stderr, "moectl: %s\n", err.msg);
         return EXIT_USAGE;
     }
-    rc = !strcmp(a.command, "health") ? cmd_health(c, &a)
-         : !strcmp(a.command, "info") ? cmd_info(c)
-                                      : cmd_forward(c, &a);
-    moedc_close(c);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    args a;
+    const char *command;
+    moedc *c;
+    int rc;
+    if (!parse_args(argc, argv, &a, &command, &rc)) return rc;
+    rc = connect_to(&a, &c);
+    if (!rc) {
+        rc = !strcmp(command, "health") ? cmd_health(c, &a)
+             : !strcmp(command, "info") ? cmd_info(c)
+                                        : cmd_forward(c, &a);
+        moedc_close(c);
+    }
+    cli_conn_free(&a.conn);
     return rc;
 }
