@@ -285,7 +285,8 @@ MOECTL_USAGE = [
     (["frobnicate"], "unknown command 'frobnicate'"),
     (["--token", "a", "--token-file", "/dev/null", "health"], "--token or --token-file, not both"),
     (["--token-file", "/nonexistent/token", "health"], "--token-file /nonexistent/token: cannot open"),
-    (["--token-file", "/dev/null", "health"], "its first line is empty"),
+    (["--token-file", "/dev/null", "health"], "--token-file /dev/null is not a regular file"),
+    (["--tls-key", "client.key", "health"], "--tls-key needs --tls-cert"),
 ]
 
 
@@ -309,7 +310,7 @@ def test_moectl_help_comes_from_the_option_table():
     main = moectl(None, "--help").stdout
     fwd = moectl(None, "forward", "--help").stdout
     health = moectl(None, "health", "--help").stdout
-    assert "(default 127.0.0.1:50051)" in main and "--layer" not in main
+    assert "(default 127.0.0.1:50051)" in main and "--tls-ca FILE" in main and "--layer" not in main
     assert "--layer N" in fwd and "--service" not in fwd and "--target" not in fwd
     assert "--service NAME" in health and "--layer" not in health
     for text, command in ((main, []), (fwd, ["forward"]), (health, ["health"])):
@@ -319,7 +320,14 @@ def test_moectl_help_comes_from_the_option_table():
 
 
 def test_moectl_token_file(daemon, tmp_path):
-    """--token-file sends the file's first line as the bearer token."""
+    """--token-file sends the file's first line as the bearer token (an empty one, or one with a
+    space, is refused before any call)."""
+    (tmp_path / "empty").write_text("\n\ntoken-on-line-3\n")
+    p = moectl(None, "--token-file", tmp_path / "empty", "health")
+    assert p.returncode == 2 and "its first line is empty" in p.stderr, p.stderr
+    (tmp_path / "spaced").write_text("two words\n")
+    p = moectl(None, "--token-file", tmp_path / "spaced", "health")
+    assert p.returncode == 2 and "bearer_token holds a space" in p.stderr, p.stderr
     (tmp_path / "token").write_text("s3cret-token\n")
     d = daemon("--synthetic", DEFAULT_SPEC, "--threads", "1", "--auth-token-file", tmp_path / "token")
     assert moectl(d, "info").returncode == 1

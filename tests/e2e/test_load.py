@@ -207,6 +207,8 @@ def test_bad_values_exit_2_naming_the_flag(flag, value, says):
     (("stray",), "unexpected argument 'stray'"),
     (("--token", "t", "--token-file", "/dev/null"), "not both"),
     (("--token-file", "/nonexistent/token"), "--token-file /nonexistent/token: cannot open it"),
+    (("--tls-ca", "/nonexistent/ca.crt"), "tls_ca '/nonexistent/ca.crt': cannot open it"),
+    (("--tls-key", "k.pem"), "--tls-key needs --tls-cert"),
 ], ids=lambda a: " ".join(a) if isinstance(a, tuple) else None)
 def test_words_that_are_not_options_exit_2(args, says):
     p = load(f"127.0.0.1:{free_port()}", *args)

@@ -7,24 +7,33 @@
 
 #include <ctype.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 enum { TOKEN_MAX = 4096 };
 
-/* The token: the first line of path, without surrounding blanks. */
+/* The token: the first line of path, without surrounding blanks. Only a regular file: a FIFO
+ * would hold the tool up for ever. */
 static int read_token(const cli_spec *spec, const char *path, char **out)
 {
-    FILE *f = fopen(path, "r");
-    if (!f)
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    struct stat st;
+    if (fd < 0)
         return cli_usage_error(spec, "--token-file %s: cannot open it: %s", path, strerror(errno));
+    if (fstat(fd, &st) || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return cli_usage_error(spec, "--token-file %s is not a regular file", path);
+    }
     char line[TOKEN_MAX + 2];
-    bool got = fgets(line, sizeof line, f) != NULL;
-    fclose(f);
-    char *s = line, *end = got ? line + strlen(line) : line;
+    ssize_t n = read(fd, line, sizeof line - 1);
+    close(fd);
+    line[n > 0 ? n : 0] = 0;
+    char *s = line + strspn(line, " \t"), *end = s + strcspn(s, "\r\n");
     while (end > s && isspace((unsigned char)end[-1])) end--;
-    while (s < end && isspace((unsigned char)*s)) s++;
     *end = 0;
     if (s == end) return cli_usage_error(spec, "--token-file %s: its first line is empty", path);
     if (end - s > TOKEN_MAX)
@@ -45,6 +54,15 @@ int cli_conn_opts(const cli_spec *spec, cli_conn *c, moedc_opts *out)
         if (rc) return rc;
     }
     out->bearer_token = c->token_file ? c->token_read : c->token;
+    if (!c->tls_cert != !c->tls_key)
+        return cli_usage_error(spec, "%s needs %s: a client certificate goes with its key",
+                               c->tls_cert ? "--tls-cert" : "--tls-key",
+                               c->tls_cert ? "--tls-key" : "--tls-cert");
+    out->tls = c->tls;
+    out->tls_ca = c->tls_ca;
+    out->tls_cert = c->tls_cert;
+    out->tls_key = c->tls_key;
+    out->tls_server_name = c->tls_server_name;
     return 0;
 }
 

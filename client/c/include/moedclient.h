@@ -146,13 +146,27 @@ typedef struct moedc_gating {
 
 typedef struct moedc moedc;
 
+/* How to reach the daemon. All zero (or opts NULL): plaintext, no token, no deadline.
+ *
+ * TLS is on when `tls` is set or any tls_* field is. Each tls_ca / tls_cert / tls_key is the path
+ * of a PEM file or, when it starts with "-----BEGIN", the PEM text itself; files are read (and
+ * checked to hold the PEM block they should) by moedc_connect, which fails with MOEDC_EINVAL and a
+ * message naming the field and the file otherwise. The server's certificate is checked against
+ * tls_ca, or without it against gRPC's default roots ($GRPC_DEFAULT_SSL_ROOTS_FILE_PATH, else the
+ * roots.pem gRPC installs), for the target's host name or tls_server_name. */
 typedef struct moedc_opts {
-    double timeout_s;         /* default deadline of every call, seconds; 0: none */
-    const char *bearer_token; /* sent as "authorization: Bearer TOKEN"; NULL: none */
+    double timeout_s;            /* default deadline of every call, seconds; 0: none */
+    const char *bearer_token;    /* sent as "authorization: Bearer TOKEN"; NULL: none */
+    bool tls;                    /* TLS even when no tls_* field is set */
+    const char *tls_ca;          /* CA certificates the server's must chain to */
+    const char *tls_cert;        /* client certificate (chain), for mutual TLS; needs tls_key */
+    const char *tls_key;         /* its private key, unencrypted */
+    const char *tls_server_name; /* the name the server's certificate must carry, when the
+                                    target's host is not it (an IP address, a unix: socket) */
 } moedc_opts;
 
-/* Opens a channel to target ("host:port", "unix:/path", any gRPC target; plaintext). gRPC connects
- * lazily: an unreachable server shows up as UNAVAILABLE on the first call. opts may be NULL. */
+/* Opens a channel to target ("host:port", "unix:/path", any gRPC target). gRPC connects lazily: an
+ * unreachable server, or a failed TLS handshake, shows up as UNAVAILABLE on the first call. */
 MOEDC_EXTERN int moedc_connect(const char *target, const moedc_opts *opts, moedc **out,
                                moedc_error *err);
 /* Closes the channel. Every call started on it must have been finished. */

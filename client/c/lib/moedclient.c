@@ -14,6 +14,7 @@
  */
 #include "moedc_codec.h"
 #include "moedc_common.h"
+#include "moedc_tls.h"
 
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc.h>
@@ -69,50 +70,76 @@ const char *moedc_health_name(int status)
 
 /* ---- channel ---- */
 
-int moedc_connect(const char *target, const moedc_opts *opts, moedc **out, moedc_error *err)
+/* "Bearer TOKEN" for the authorization header, or NULL for no token. */
+static int auth_header(const char *token, char **out, moedc_error *err)
 {
     *out = NULL;
-    if (!target || !*target)
-        return moedc_fail(err, MOEDC_EINVAL, "no server address given (e.g. 127.0.0.1:50051)");
-    moedc *c = calloc(1, sizeof *c);
-    if (!c) return moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a connection");
-    grpc_init();
-    if (opts) {
-        c->timeout_s = opts->timeout_s;
-        if (opts->bearer_token) {
-            size_t n = strlen(opts->bearer_token) + sizeof "Bearer ";
-            c->auth = malloc(n);
-            if (!c->auth) goto nomem;
-            snprintf(c->auth, n, "Bearer %s", opts->bearer_token);
-        }
-    }
+    if (!token) return 0;
+    for (const char *p = token; *p; p++)
+        if (*p < 0x21 || *p > 0x7e)
+            return moedc_fail(err, MOEDC_EINVAL,
+                              "bearer_token holds a space or a control character at byte %zu: a "
+                              "token is printable ASCII",
+                              (size_t)(p - token));
+    size_t n = strlen(token) + sizeof "Bearer ";
+    *out = malloc(n);
+    if (!*out) return moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a connection");
+    snprintf(*out, n, "Bearer %s", token);
+    return 0;
+}
+
+/* The channel over creds: arguments sized for tensors, TLS's server name if one was given. */
+static grpc_channel *open_channel(const char *target, grpc_channel_credentials *creds,
+                                  const char *server_name)
+{
     /* Unlimited message sizes: the server enforces its own limit, with a status that says so.
      * A local subchannel pool: this channel's connection is its own, not shared with others.
      * HTTP/2 sized for tensors, as the server's: the frame size we accept is what the server sends
      * us (the 16 KiB default cuts a 16 MiB reply into a thousand frames, each costing CPU on both
      * ends), and a large stream window keeps the server from stalling on our acknowledgements. */
-    grpc_arg args[6] = {
+    grpc_arg args[7] = {
         { GRPC_ARG_INTEGER, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, { .integer = -1 } },
         { GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, { .integer = -1 } },
         { GRPC_ARG_INTEGER, GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, { .integer = 1 } },
         { GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_MAX_FRAME_SIZE, { .integer = 1 << 20 } },
         { GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, { .integer = 8 << 20 } },
         { GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_BDP_PROBE, { .integer = 1 } },
+        { GRPC_ARG_STRING, GRPC_SSL_TARGET_NAME_OVERRIDE_ARG, { .string = (char *)server_name } },
     };
-    grpc_channel_args chargs = { 6, args };
-    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
-    c->channel = grpc_channel_create(target, creds, &chargs);
-    grpc_channel_credentials_release(creds);
-    if (!c->channel) goto nomem;
+    grpc_channel_args chargs = { server_name ? 7 : 6, args };
+    return grpc_channel_create(target, creds, &chargs);
+}
+
+int moedc_connect(const char *target, const moedc_opts *opts, moedc **out, moedc_error *err)
+{
+    static const moedc_opts none;
+    *out = NULL;
+    if (!opts) opts = &none;
+    if (!target || !*target)
+        return moedc_fail(err, MOEDC_EINVAL, "no server address given (e.g. 127.0.0.1:50051)");
+    moedc *c = calloc(1, sizeof *c);
+    if (!c) return moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a connection");
+    grpc_init();
+    c->timeout_s = opts->timeout_s;
+    grpc_channel_credentials *creds = NULL;
+    int rc = auth_header(opts->bearer_token, &c->auth, err);
+    if (!rc) rc = moedc_tls_credentials(opts, &creds, err);
+    if (!rc) {
+        c->channel = open_channel(target, creds, opts->tls_server_name);
+        grpc_channel_credentials_release(creds);
+        if (!c->channel)
+            rc = moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a connection to %s", target);
+    }
+    if (rc) {
+        moedc_close(c);
+        return rc;
+    }
     c->m_forward = grpc_channel_register_call(c->channel, "/moed.v1.Moed/Forward", NULL, NULL);
     c->m_get_model = grpc_channel_register_call(c->channel, "/moed.v1.Moed/GetModel", NULL, NULL);
     c->m_health =
         grpc_channel_register_call(c->channel, "/grpc.health.v1.Health/Check", NULL, NULL);
     *out = c;
     return 0;
-nomem:
-    moedc_close(c);
-    return moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a connection to %s", target);
 }
 
 void moedc_close(moedc *c)
