@@ -40,7 +40,7 @@ typedef struct cli_conn {
                     "mutual TLS: its private key (PEM, unencrypted)"),                             \
         CLI_STR_OPT("tls-server-name", offsetof(T, conn.tls_server_name), "NAME", NULL, NULL,      \
                     "TLS: the name the daemon's certificate must carry, when ADDR does\n"          \
-                    "not give it (an IP address it does not list, a unix: socket)")
+                    "not give it (an IP address; for a unix: socket, localhost is checked)")
 
 /* The moedc_opts the options ask for (timeout_s left 0). A usage error, printed and returned as
  * CLI_EXIT_USAGE, when they do not go together or a file named cannot be used. */

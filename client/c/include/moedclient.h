@@ -162,7 +162,8 @@ typedef struct moedc_opts {
     const char *tls_cert;        /* client certificate (chain), for mutual TLS; needs tls_key */
     const char *tls_key;         /* its private key, unencrypted */
     const char *tls_server_name; /* the name the server's certificate must carry, when the
-                                    target's host is not it (an IP address, a unix: socket) */
+                                    target's host is not it (an IP address; for a unix: target
+                                    gRPC checks "localhost") */
 } moedc_opts;
 
 /* Opens a channel to target ("host:port", "unix:/path", any gRPC target). gRPC connects lazily: an
