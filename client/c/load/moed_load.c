@@ -30,7 +30,7 @@
 #include <string.h>
 #include <unistd.h>
 
-enum { EXIT_FAILED = 1, EXIT_USAGE = CLI_EXIT_USAGE };
+enum { EXIT_FAILED = 1 }; /* and CLI_EXIT_USAGE for the command line */
 
 typedef struct args {
     cli_conn conn;
