@@ -1,12 +1,14 @@
 """The command lines: moed's flags, usage errors and exit codes, its config file; moectl's health,
-info and forward over .npy files (outputs compared with the numpy model) and its exit codes; and
-that the README's flag list is `moed --help` word for word.
+info and forward over .npy files (outputs compared with the numpy model), its exit codes and a usage
+error (exit 2, naming the flag) for every kind of bad word; a Unix-socket target; and that the
+README's flag list is `moed --help` word for word.
 """
 
 import re
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -85,10 +87,10 @@ def test_bad_usage_exits_2_naming_the_flag(args, words):
 
 def test_bad_synthetic_spec_fails_naming_the_key():
     p = moed("--listen", "127.0.0.1:0", "--synthetic", "layers=1,bogus=3")
-    assert p.returncode != 0
+    assert p.returncode == 2
     assert "bogus" in p.stderr
     p = moed("--listen", "127.0.0.1:0", "--synthetic", "layers=1,experts=2,topk=3")
-    assert p.returncode != 0
+    assert p.returncode == 2
     assert "topk=3" in p.stderr and "experts=2" in p.stderr
 
 
@@ -260,3 +262,102 @@ def test_moectl_exit_codes(shared_daemon, tmp_path):
     for args in (["--help"], ["forward", "--help"]):
         p = moectl(None, *args)
         assert p.returncode == 0 and "usage: moectl" in p.stdout
+
+
+MOECTL_USAGE = [
+    (["--timeout", "0", "health"], "--timeout 0: give seconds > 0"),
+    (["--timeout", "soon", "health"], "--timeout soon"),
+    (["--timeout", "health"], "--timeout health: give seconds > 0"),  # a value may be any word
+    (["health", "--timeout"], "--timeout needs a value"),
+    (["forward", "--layer", "-1"], "--layer -1: give a layer index >= 0"),
+    (["forward", "--top-k", "x"], "--top-k x: give a count >= 0"),
+    (["forward", "--renormalize", "maybe"], "--renormalize maybe: use on or off"),
+    (["forward", "--threshold", "nan"], "--threshold nan"),
+    (["forward", "--batch-gating", "-2"], "--batch-gating -2"),
+    (["forward", "--strategy", "best"], "--strategy best: use model, topk"),
+    (["forward", "--server-router=1"], "--server-router takes no value"),
+    (["health", "--layer", "0"], "--layer belongs to 'forward', not 'health'"),
+    (["info", "--service", "moed"], "--service belongs to 'health', not 'info'"),
+    (["health", "--bogus"], "unknown option --bogus"),
+    (["health", "-v"], "unknown option -v"),
+    (["--t", "x", "health"], "ambiguous option --t"),
+    (["health", "extra"], "unexpected argument 'extra'"),
+    (["frobnicate"], "unknown command 'frobnicate'"),
+    (["--token", "a", "--token-file", "/dev/null", "health"], "--token or --token-file, not both"),
+    (["--token-file", "/nonexistent/token", "health"], "--token-file /nonexistent/token: cannot open"),
+    (["--token-file", "/dev/null", "health"], "--token-file /dev/null is not a regular file"),
+    (["--tls-key", "client.key", "health"], "--tls-key needs --tls-cert"),
+]
+
+
+@pytest.mark.parametrize("args,says", MOECTL_USAGE, ids=[" ".join(a) for a, _ in MOECTL_USAGE])
+def test_moectl_usage_errors_exit_2_naming_the_flag(args, says):
+    p = moectl(None, *args)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert says in p.stderr and "(moectl --help, or moectl COMMAND --help)" in p.stderr, p.stderr
+    assert p.stdout == ""
+
+
+def test_moectl_without_a_command_prints_its_usage_and_exits_2():
+    p = moectl(None)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.startswith("usage: moectl") and "--target ADDR" in p.stderr
+
+
+def test_moectl_help_comes_from_the_option_table():
+    """Each command's help lists its own options (with the defaults the table holds) and no other
+    command's; every option listed is one moectl takes."""
+    main = moectl(None, "--help").stdout
+    fwd = moectl(None, "forward", "--help").stdout
+    health = moectl(None, "health", "--help").stdout
+    assert "(default 127.0.0.1:50051)" in main and "--tls-ca FILE" in main and "--layer" not in main
+    assert "--layer N" in fwd and "--service" not in fwd and "--target" not in fwd
+    assert "--service NAME" in health and "--layer" not in health
+    for text, command in ((main, []), (fwd, ["forward"]), (health, ["health"])):
+        for flag in set(re.findall(r"^  (--[a-z-]+)", text, re.M)):
+            p = moectl(None, *command, flag)
+            assert "unknown option" not in p.stderr, (flag, p.stderr)
+
+
+def test_moectl_token_file(daemon, tmp_path):
+    """--token-file sends the file's first line as the bearer token (an empty one, or one with a
+    space, is refused before any call)."""
+    (tmp_path / "empty").write_text("\n\ntoken-on-line-3\n")
+    p = moectl(None, "--token-file", tmp_path / "empty", "health")
+    assert p.returncode == 2 and "its first line is empty" in p.stderr, p.stderr
+    (tmp_path / "spaced").write_text("two words\n")
+    p = moectl(None, "--token-file", tmp_path / "spaced", "health")
+    assert p.returncode == 2 and "bearer_token holds a space" in p.stderr, p.stderr
+    (tmp_path / "token").write_text("s3cret-token\n")
+    d = daemon("--synthetic", DEFAULT_SPEC, "--threads", "1", "--auth-token-file", tmp_path / "token")
+    assert moectl(d, "info").returncode == 1
+    p = moectl(d, "--token-file", tmp_path / "token", "info")
+    assert p.returncode == 0 and "backend   cpu" in p.stdout, p.stderr
+    (tmp_path / "wrong").write_text("  other-token  \n")
+    p = moectl(d, "--token-file", tmp_path / "wrong", "info")
+    assert p.returncode == 1 and "UNAUTHENTICATED" in p.stderr
+
+
+def test_moectl_over_a_unix_socket(tmp_path):
+    """moed --listen unix:PATH, moectl --target unix:PATH: the same calls as over TCP."""
+    sock = tmp_path / "moed.sock"
+    log = open(tmp_path / "moed.log", "wb")
+    proc = subprocess.Popen([str(MOED_BIN), "--listen", f"unix:{sock}", "--synthetic", DEFAULT_SPEC,
+                             "--threads", "1"], stderr=log)
+    target = ["--target", f"unix:{sock}", "--timeout", "2"]
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            p = subprocess.run([str(MOECTL), *target, "health"], capture_output=True, text=True)
+            if p.returncode == 0:
+                break
+            time.sleep(0.05)
+        assert p.returncode == 0 and p.stdout == "SERVING\n", p.stderr
+        p = subprocess.run([str(MOECTL), *target, "info"], capture_output=True, text=True)
+        assert p.returncode == 0 and "backend   cpu" in p.stdout, p.stderr
+        assert sock.is_socket()
+    finally:
+        proc.terminate()
+        code = proc.wait(30)
+        log.close()
+    assert code == 0, (tmp_path / "moed.log").read_text()

@@ -7,6 +7,7 @@ import concurrent.futures
 import csv
 import json
 import math
+import re
 import subprocess
 
 import grpc
@@ -174,9 +175,58 @@ def test_usage_errors_exit_2(shared_daemon, args, words):
     assert words in p.stderr and p.stdout == ""
 
 
+BAD_VALUES = [
+    ("--deadline", "0", "give milliseconds > 0"),
+    ("--duration", "-1", "give seconds > 0"),
+    ("--warmup", "soon", "give seconds >= 0"),
+    ("--requests", "0", "give a count >= 1"),
+    ("--verify", "1e3", "give a count of replies >= 1"),
+    ("--seed", "-1", "give an integer >= 0"),
+    ("--connections", "1025", "give 1 to 1024"),
+    ("--threads", "0", "give 1 to 256"),
+    ("--max-inflight", "0", "give 1 to 1048576"),
+    ("--top-k", "-1", "give a count >= 0"),
+    ("--batch-gating", "x", "give a set size >= 0"),
+    ("--bad-fraction", "nan", "give a share in [0, 1]"),
+    ("--strategy", "best", "use model, topk, sigmoid"),
+]
+
+
+@pytest.mark.parametrize("flag,value,says", BAD_VALUES, ids=[f[0] for f in BAD_VALUES])
+def test_bad_values_exit_2_naming_the_flag(flag, value, says):
+    """Checked while parsing, before any connection: no server is needed."""
+    p = load(f"127.0.0.1:{free_port()}", flag, value)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert f"moed-load: {flag} {value}: {says}" in p.stderr and p.stdout == ""
+    assert "(moed-load --help lists the options)" in p.stderr
+
+
+@pytest.mark.parametrize("args,says", [
+    (("--progress=1",), "--progress takes no value"),
+    (("--duration",), "--duration needs a value"),
+    (("stray",), "unexpected argument 'stray'"),
+    (("--token", "t", "--token-file", "/dev/null"), "not both"),
+    (("--token-file", "/nonexistent/token"), "--token-file /nonexistent/token: cannot open it"),
+    (("--tls-ca", "/nonexistent/ca.crt"), "tls_ca '/nonexistent/ca.crt': cannot open it"),
+    (("--tls-key", "k.pem"), "--tls-key needs --tls-cert"),
+], ids=lambda a: " ".join(a) if isinstance(a, tuple) else None)
+def test_words_that_are_not_options_exit_2(args, says):
+    p = load(f"127.0.0.1:{free_port()}", *args)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert says in p.stderr and p.stdout == ""
+
+
 def test_help():
     p = subprocess.run([str(LOAD), "--help"], capture_output=True, text=True)
     assert p.returncode == 0 and "--bad-fraction" in p.stdout and "exit codes" in p.stdout
+    # the defaults come from the option table's rows
+    for flag, default in (("--duration S", "10"), ("--warmup S", "1"), ("--max-inflight N", "4096"),
+                          ("--target ADDR", "127.0.0.1:50051"), ("--tokens SPEC", "8")):
+        row = p.stdout[p.stdout.index(flag):].split("\n  --")[0]
+        assert f"(default {default})" in row, row
+    for flag in set(re.findall(r"^  (--[a-z-]+)", p.stdout, re.M)):  # every flag listed is taken
+        q = subprocess.run([str(LOAD), flag], capture_output=True, text=True)
+        assert "unknown option" not in q.stderr, (flag, q.stderr)
 
 
 def test_unreachable_server_exit_1():

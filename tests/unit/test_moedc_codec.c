@@ -1,9 +1,12 @@
 /*
  * test_moedc_codec — libmoedclient's messages without a server: every request it encodes is
  * decoded back by protobuf-c (an independent parser of the same proto) and compared field by field,
- * replies that do not match the request are refused, and gRPC statuses map to moed codes and back.
+ * replies that do not match the request are refused, and gRPC statuses map to moed codes and back
+ * (the public header's codes and texts being the daemon's).
  */
 #include "check.h"
+#include "moed_dtype.h"
+#include "moed_err.h"
 #include "moedc_codec.h"
 
 #include <grpc/health/v1/health.pb-c.h>
@@ -26,7 +29,7 @@ static uint8_t *join(const moedc_wire *w, size_t *n)
 static Moed__V1__ForwardRequest *encode_decode(const moedc_request *req)
 {
     moedc_wire w;
-    moed_error err;
+    moedc_error err;
     int rc = moedc_encode_forward(req, &w, &err);
     CHECK_MSG(rc == 0, "encode: %s", err.msg);
     if (rc) return NULL;
@@ -66,7 +69,7 @@ static void test_requests(void)
 
     moedc_request req = { .request_id = "req-1",
                           .layer = 300,
-                          .dtype = MOED_F16,
+                          .dtype = MOEDC_F16,
                           .tokens = T,
                           .d_model = D,
                           .hidden = hidden,
@@ -78,31 +81,31 @@ static void test_requests(void)
     if (m) {
         CHECK(!strcmp(m->request_id, "req-1"));
         CHECK_EQ_INT(m->layer, 300);
-        check_tensor(m->hidden, MOED_F16, T, D, hidden, sizeof hidden);
+        check_tensor(m->hidden, MOEDC_F16, T, D, hidden, sizeof hidden);
         CHECK_EQ_INT(m->routing_case, MOED__V1__FORWARD_REQUEST__ROUTING_EXPERTS);
         check_tensor(m->experts->expert_ids, MOED_I32, T, 2, ids, sizeof ids);
-        check_tensor(m->experts->expert_weights, MOED_F32, T, 2, w, sizeof w);
+        check_tensor(m->experts->expert_weights, MOEDC_F32, T, 2, w, sizeof w);
         CHECK(m->batch_gating == NULL);
         moed__v1__forward_request__free_unpacked(m, NULL);
     }
 
     req = (moedc_request){ .layer = 0,
-                           .dtype = MOED_BF16,
+                           .dtype = MOEDC_BF16,
                            .tokens = T,
                            .d_model = D,
                            .hidden = hidden,
                            .routing = MOEDC_ROUTE_LOGITS,
                            .n_experts = 4,
                            .logits = logits,
-                           .gating = { MOED_GATE_SIGMOID, 3, MOED_RENORM_OFF, 0.25f },
+                           .gating = { MOEDC_GATE_SIGMOID, 3, MOEDC_RENORM_OFF, 0.25f },
                            .batch_gating = true,
                            .k_batch = 2 };
     m = encode_decode(&req);
     if (m) {
         CHECK(!strcmp(m->request_id, ""));
-        check_tensor(m->hidden, MOED_BF16, T, D, hidden, sizeof hidden);
+        check_tensor(m->hidden, MOEDC_BF16, T, D, hidden, sizeof hidden);
         CHECK_EQ_INT(m->routing_case, MOED__V1__FORWARD_REQUEST__ROUTING_LOGITS);
-        check_tensor(m->logits->logits, MOED_F32, T, 4, logits, sizeof logits);
+        check_tensor(m->logits->logits, MOEDC_F32, T, 4, logits, sizeof logits);
         CHECK(m->logits->gating != NULL);
         if (m->logits->gating) {
             CHECK_EQ_INT(m->logits->gating->strategy, MOED__V1__STRATEGY__SIGMOID);
@@ -115,7 +118,7 @@ static void test_requests(void)
     }
 
     req = (moedc_request){ .layer = 1,
-                           .dtype = MOED_F32,
+                           .dtype = MOEDC_F32,
                            .tokens = 1,
                            .d_model = 2,
                            .hidden = logits,
@@ -133,31 +136,31 @@ static void test_requests(void)
 static void test_bad_requests(void)
 {
     moedc_wire w;
-    moed_error err;
+    moedc_error err;
     float x[4] = { 0 };
     moedc_request req = {
         .dtype = MOED_I32, .tokens = 1, .d_model = 4, .hidden = x, .routing = MOEDC_ROUTE_SERVER
     };
-    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOED_EINVAL);
+    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOEDC_EINVAL);
     CHECK(strstr(err.msg, "i32") != NULL);
-    req.dtype = MOED_F32;
+    req.dtype = MOEDC_F32;
     req.hidden = NULL;
-    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOED_EINVAL);
+    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOEDC_EINVAL);
     CHECK(strstr(err.msg, "hidden is NULL") != NULL);
     req.hidden = x;
     req.routing = 9;
-    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOED_EINVAL);
+    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOEDC_EINVAL);
     CHECK(strstr(err.msg, "routing 9") != NULL);
     req.routing = MOEDC_ROUTE_EXPERTS;
     req.k = 2;
-    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOED_EINVAL);
+    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOEDC_EINVAL);
     CHECK(strstr(err.msg, "expert_ids is NULL") != NULL);
     req.routing = MOEDC_ROUTE_SERVER;
     req.d_model = -4;
-    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOED_EINVAL);
+    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOEDC_EINVAL);
     req.d_model = (int64_t)1 << 40;
     req.tokens = (int64_t)1 << 40;
-    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOED_ETOOBIG);
+    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOEDC_ETOOBIG);
 }
 
 /* Packs a ForwardResponse with an output of the given dtype and shape. */
@@ -194,10 +197,10 @@ static uint8_t *reply(int dtype, int64_t r, int64_t c, size_t bytes, size_t *n)
 static void test_replies(void)
 {
     moedc_result res;
-    moed_error err;
+    moedc_error err;
     size_t n;
-    uint8_t *b = reply(MOED_BF16, 2, 8, 32, &n);
-    CHECK_EQ_INT(moedc_decode_forward(b, n, MOED_BF16, 2, 8, &res, &err), 0);
+    uint8_t *b = reply(MOEDC_BF16, 2, 8, 32, &n);
+    CHECK_EQ_INT(moedc_decode_forward(b, n, MOEDC_BF16, 2, 8, &res, &err), 0);
     CHECK_EQ_INT(res.output_bytes, 32);
     CHECK(res.output && ((const uint8_t *)res.output)[31] == 31);
     CHECK(res.n_expert_set == 2 && res.expert_set[0] == 5 && res.expert_set[1] == 2);
@@ -206,18 +209,18 @@ static void test_replies(void)
     CHECK(!strcmp(res.request_id, "abc"));
     moedc_result_free(&res);
     moedc_result_free(&res); /* twice is safe */
-    CHECK_EQ_INT(moedc_decode_forward(b, n, MOED_F16, 2, 8, &res, &err), MOED_EFORMAT);
+    CHECK_EQ_INT(moedc_decode_forward(b, n, MOEDC_F16, 2, 8, &res, &err), MOEDC_EFORMAT);
     CHECK(strstr(err.msg, "bf16") != NULL);
-    CHECK_EQ_INT(moedc_decode_forward(b, n, MOED_BF16, 4, 4, &res, &err), MOED_EFORMAT);
+    CHECK_EQ_INT(moedc_decode_forward(b, n, MOEDC_BF16, 4, 4, &res, &err), MOEDC_EFORMAT);
     CHECK(res.priv == NULL);
-    CHECK_EQ_INT(moedc_decode_forward(b, n - 3, MOED_BF16, 2, 8, &res, &err), MOED_EFORMAT);
+    CHECK_EQ_INT(moedc_decode_forward(b, n - 3, MOEDC_BF16, 2, 8, &res, &err), MOEDC_EFORMAT);
     free(b);
-    b = reply(MOED_BF16, 2, 8, 30, &n); /* shape and bytes disagree */
-    CHECK_EQ_INT(moedc_decode_forward(b, n, MOED_BF16, 2, 8, &res, &err), MOED_EFORMAT);
+    b = reply(MOEDC_BF16, 2, 8, 30, &n); /* shape and bytes disagree */
+    CHECK_EQ_INT(moedc_decode_forward(b, n, MOEDC_BF16, 2, 8, &res, &err), MOEDC_EFORMAT);
     CHECK(strstr(err.msg, "30 bytes") != NULL);
     free(b);
     uint8_t junk[5] = { 0xff, 0xff, 0xff, 0xff, 0xff };
-    CHECK_EQ_INT(moedc_decode_forward(junk, 5, MOED_F32, 1, 1, &res, &err), MOED_EFORMAT);
+    CHECK_EQ_INT(moedc_decode_forward(junk, 5, MOEDC_F32, 1, 1, &res, &err), MOEDC_EFORMAT);
 }
 
 static void test_model_info_and_health(void)
@@ -259,7 +262,7 @@ static void test_model_info_and_health(void)
     uint8_t *b = malloc(n);
     moed__v1__model_info__pack(&m, b);
     moedc_model_info info;
-    moed_error err;
+    moedc_error err;
     CHECK_EQ_INT(moedc_decode_model_info(b, n, &info, &err), 0);
     CHECK(!strcmp(info.model, "layers=2") && !strcmp(info.backend, "cpu"));
     CHECK(!strcmp(info.version, "0.1.0"));
@@ -267,10 +270,10 @@ static void test_model_info_and_health(void)
     CHECK(info.n_devices == 1 && !strcmp(info.devices[0].name, "cpu"));
     CHECK(info.devices[0].memory_total == 1000 && info.devices[0].memory_used == 10);
     CHECK_EQ_INT(info.n_layers, 2);
-    const moed_layer_info *li = &info.layers[0];
+    const moedc_layer_info *li = &info.layers[0];
     CHECK(li->index == 3 && li->d_model == 256 && li->d_ff == 512 && li->n_experts == 8);
-    CHECK(li->top_k == 2 && li->act == MOED_ACT_GELU && li->wdtype == MOED_BF16);
-    CHECK(li->has_router && li->norm_topk && li->rule == MOED_RULE_DEEPSEEK_V3);
+    CHECK(li->top_k == 2 && li->act == MOEDC_ACT_GELU && li->wdtype == MOEDC_BF16);
+    CHECK(li->has_router && li->norm_topk && li->rule == MOEDC_RULE_DEEPSEEK_V3);
     CHECK(li->n_shared == 2 && li->shared_d_ff == 64 && li->n_group == 4 && li->topk_group == 2);
     CHECK(li->routed_scale == 2.5f);
     CHECK(info.layers[1].index == 4 && !info.layers[1].has_router);
@@ -299,13 +302,20 @@ static void test_status_codes(void)
     /* Every status moed sends (moed.proto) comes back as a code that maps to the same status. */
     static const int sent[] = { 1, 3, 4, 5, 8, 9, 12, 13, 14, 16 };
     for (size_t i = 0; i < sizeof sent / sizeof sent[0]; i++)
-        CHECK_EQ_INT(moed_err_grpc_status(moedc_code_from_grpc(sent[i])), sent[i]);
-    CHECK_EQ_INT(moedc_code_from_grpc(0), MOED_OK);
-    CHECK_EQ_INT(moedc_code_from_grpc(3), MOED_EINVAL);
-    CHECK_EQ_INT(moedc_code_from_grpc(14), MOED_EUNAVAIL);
-    CHECK_EQ_INT(moedc_code_from_grpc(99), MOED_EINTERNAL);
+        CHECK_EQ_INT(moedc_code_to_grpc(moedc_code_from_grpc(sent[i])), sent[i]);
+    CHECK_EQ_INT(moedc_code_from_grpc(0), MOEDC_OK);
+    CHECK_EQ_INT(moedc_code_from_grpc(3), MOEDC_EINVAL);
+    CHECK_EQ_INT(moedc_code_from_grpc(14), MOEDC_EUNAVAIL);
+    CHECK_EQ_INT(moedc_code_from_grpc(99), MOEDC_EINTERNAL);
     CHECK(!strcmp(moedc_grpc_status_name(8), "RESOURCE_EXHAUSTED"));
     CHECK(!strcmp(moedc_grpc_status_name(16), "UNAUTHENTICATED"));
+    /* The public header's copy of the error table says what the daemon's says (the values are
+     * checked at compile time; the texts and statuses here). */
+    for (int code = 1; code >= -20; code--) {
+        CHECK(!strcmp(moedc_strerror(code), moed_strerror(code)));
+        if (strcmp(moed_strerror(code), "unknown error"))
+            CHECK_EQ_INT(moedc_code_to_grpc(code), moed_err_grpc_status(code));
+    }
 }
 
 int main(void)

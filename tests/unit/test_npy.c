@@ -1,5 +1,5 @@
 /*
- * test_npy — client/c/npy.c: round trips of every element type through a file, headers as numpy
+ * test_npy — client/c/cli/npy.c: round trips of every element type through a file, headers as numpy
  * and ml_dtypes write them (byte for byte, from np.save), and the malformed files each get their
  * own error instead of a crash or a wrong array.
  */

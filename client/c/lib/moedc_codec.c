@@ -8,6 +8,8 @@
  * checked against what was asked, so a caller never reads past a buffer a confused server sized.
  */
 #include "moedc_codec.h"
+#include "moedc_common.h"
+#include "moed_dtype.h"
 
 #include <grpc/health/v1/health.pb-c.h>
 #include <moed/v1/moed.pb-c.h>
@@ -36,11 +38,11 @@ static uint8_t *put_varint(uint8_t *p, uint64_t v)
     return p;
 }
 
-static int pack(const ProtobufCMessage *m, uint8_t **buf, size_t *n, moed_error *err)
+static int pack(const ProtobufCMessage *m, uint8_t **buf, size_t *n, moedc_error *err)
 {
     size_t len = protobuf_c_message_get_packed_size(m);
     uint8_t *b = malloc(len ? len : 1);
-    if (!b) return moed_fail(err, MOED_ENOMEM, "out of memory packing a %zu-byte message", len);
+    if (!b) return moedc_fail(err, MOEDC_ENOMEM, "out of memory packing a %zu-byte message", len);
     protobuf_c_message_pack(m, b);
     *buf = b;
     *n = len;
@@ -49,27 +51,27 @@ static int pack(const ProtobufCMessage *m, uint8_t **buf, size_t *n, moed_error 
 
 /* Checks that a [rows, cols] matrix of elem-byte elements can be described and is there. */
 static int check_matrix(const char *name, const void *p, int64_t rows, int64_t cols, size_t elem,
-                        moed_error *err)
+                        moedc_error *err)
 {
     if (rows < 0 || cols < 0)
-        return moed_fail(err, MOED_EINVAL, "%s has shape [%lld, %lld]: sizes cannot be negative",
-                         name, (long long)rows, (long long)cols);
+        return moedc_fail(err, MOEDC_EINVAL, "%s has shape [%lld, %lld]: sizes cannot be negative",
+                          name, (long long)rows, (long long)cols);
     if (cols && (uint64_t)rows > MOEDC_MAX_TENSOR_BYTES / elem / (uint64_t)cols)
-        return moed_fail(err, MOED_ETOOBIG, "%s of shape [%lld, %lld] is too large to send", name,
-                         (long long)rows, (long long)cols);
+        return moedc_fail(err, MOEDC_ETOOBIG, "%s of shape [%lld, %lld] is too large to send", name,
+                          (long long)rows, (long long)cols);
     if (!p && rows && cols)
-        return moed_fail(err, MOED_EINVAL, "%s is NULL but its shape is [%lld, %lld]", name,
-                         (long long)rows, (long long)cols);
+        return moedc_fail(err, MOEDC_EINVAL, "%s is NULL but its shape is [%lld, %lld]", name,
+                          (long long)rows, (long long)cols);
     return 0;
 }
 
-static int check_request(const moedc_request *req, moed_error *err)
+static int check_request(const moedc_request *req, moedc_error *err)
 {
     if (!moed_dtype_is_float(req->dtype))
-        return moed_fail(
-            err, MOED_EINVAL,
-            "request dtype %d (%s) is not one moed computes in: use MOED_F32, MOED_F16 "
-            "or MOED_BF16",
+        return moedc_fail(
+            err, MOEDC_EINVAL,
+            "request dtype %d (%s) is not one moed computes in: use MOEDC_F32, MOEDC_F16 "
+            "or MOEDC_BF16",
             req->dtype, moed_dtype_name(req->dtype));
     int rc = check_matrix("hidden", req->hidden, req->tokens, req->d_model,
                           moed_dtype_size(req->dtype), err);
@@ -85,10 +87,10 @@ static int check_request(const moedc_request *req, moed_error *err)
     case MOEDC_ROUTE_SERVER:
         return 0;
     }
-    return moed_fail(err, MOED_EINVAL,
-                     "request routing %d is not MOEDC_ROUTE_EXPERTS, MOEDC_ROUTE_LOGITS or "
-                     "MOEDC_ROUTE_SERVER",
-                     req->routing);
+    return moedc_fail(err, MOEDC_EINVAL,
+                      "request routing %d is not MOEDC_ROUTE_EXPERTS, MOEDC_ROUTE_LOGITS or "
+                      "MOEDC_ROUTE_SERVER",
+                      req->routing);
 }
 
 /* A protobuf-c Tensor over caller memory (packing only reads it). */
@@ -106,7 +108,7 @@ static void tensor_over(Moed__V1__Tensor *t, int64_t shape[2], int dtype, int64_
 }
 
 /* request_id, layer, then the hidden Tensor up to its data bytes. */
-static int encode_head(const moedc_request *req, uint64_t body_len, moedc_wire *w, moed_error *err)
+static int encode_head(const moedc_request *req, uint64_t body_len, moedc_wire *w, moedc_error *err)
 {
     Moed__V1__ForwardRequest m = MOED__V1__FORWARD_REQUEST__INIT;
     m.request_id = (char *)(req->request_id ? req->request_id : "");
@@ -119,7 +121,7 @@ static int encode_head(const moedc_request *req, uint64_t body_len, moedc_wire *
     uint64_t tensor_len = inner_len + body_len;
     w->head_len = fields_len + 1 + varint_len(tensor_len) + inner_len;
     w->head = malloc(w->head_len);
-    if (!w->head) return moed_fail(err, MOED_ENOMEM, "out of memory encoding a request");
+    if (!w->head) return moedc_fail(err, MOEDC_ENOMEM, "out of memory encoding a request");
     uint8_t *p = w->head + protobuf_c_message_pack(&m.base, w->head);
     *p++ = 3 << 3 | 2; /* ForwardRequest.hidden, length-delimited */
     p = put_varint(p, tensor_len);
@@ -135,7 +137,7 @@ static int encode_head(const moedc_request *req, uint64_t body_len, moedc_wire *
 }
 
 /* The routing oneof and batch_gating: a ForwardRequest holding only those fields. */
-static int encode_tail(const moedc_request *req, moedc_wire *w, moed_error *err)
+static int encode_tail(const moedc_request *req, moedc_wire *w, moedc_error *err)
 {
     Moed__V1__ForwardRequest m = MOED__V1__FORWARD_REQUEST__INIT;
     Moed__V1__ExpertChoice experts = MOED__V1__EXPERT_CHOICE__INIT;
@@ -178,10 +180,10 @@ static int encode_tail(const moedc_request *req, moedc_wire *w, moed_error *err)
     return pack(&m.base, &w->tail, &w->tail_len, err);
 }
 
-int moedc_encode_forward(const moedc_request *req, moedc_wire *out, moed_error *err)
+int moedc_encode_forward(const moedc_request *req, moedc_wire *out, moedc_error *err)
 {
     memset(out, 0, sizeof *out);
-    if (!req) return moed_fail(err, MOED_EINVAL, "no request given");
+    if (!req) return moedc_fail(err, MOEDC_EINVAL, "no request given");
     int rc = check_request(req, err);
     if (rc) return rc;
     out->body = req->hidden;
@@ -200,35 +202,36 @@ void moedc_wire_free(moedc_wire *w)
 }
 
 static int check_output(const Moed__V1__ForwardResponse *r, int dtype, int64_t tokens,
-                        int64_t d_model, moed_error *err)
+                        int64_t d_model, moedc_error *err)
 {
     const Moed__V1__Tensor *t = r->output;
-    if (!t) return moed_fail(err, MOED_EFORMAT, "the server's reply has no output tensor");
+    if (!t) return moedc_fail(err, MOEDC_EFORMAT, "the server's reply has no output tensor");
     if ((int)t->dtype != dtype)
-        return moed_fail(err, MOED_EFORMAT, "the server replied in %s to a %s request",
-                         moed_dtype_name(t->dtype), moed_dtype_name(dtype));
+        return moedc_fail(err, MOEDC_EFORMAT, "the server replied in %s to a %s request",
+                          moed_dtype_name(t->dtype), moed_dtype_name(dtype));
     if (t->n_shape != 2 || t->shape[0] != tokens || t->shape[1] != d_model)
-        return moed_fail(err, MOED_EFORMAT,
-                         "the server's output has %zu dims (first [%lld, %lld]) for a request of "
-                         "shape [%lld, %lld]",
-                         t->n_shape, t->n_shape > 0 ? (long long)t->shape[0] : -1LL,
-                         t->n_shape > 1 ? (long long)t->shape[1] : -1LL, (long long)tokens,
-                         (long long)d_model);
+        return moedc_fail(err, MOEDC_EFORMAT,
+                          "the server's output has %zu dims (first [%lld, %lld]) for a request of "
+                          "shape [%lld, %lld]",
+                          t->n_shape, t->n_shape > 0 ? (long long)t->shape[0] : -1LL,
+                          t->n_shape > 1 ? (long long)t->shape[1] : -1LL, (long long)tokens,
+                          (long long)d_model);
     size_t want = (size_t)(tokens * d_model) * moed_dtype_size(dtype);
     if (t->data.len != want)
-        return moed_fail(
-            err, MOED_EFORMAT,
+        return moedc_fail(
+            err, MOEDC_EFORMAT,
             "the server's output holds %zu bytes, its shape [%lld, %lld] of %s needs %zu",
             t->data.len, (long long)tokens, (long long)d_model, moed_dtype_name(dtype), want);
     return 0;
 }
 
 int moedc_decode_forward(const uint8_t *buf, size_t n, int dtype, int64_t tokens, int64_t d_model,
-                         moedc_result *res, moed_error *err)
+                         moedc_result *res, moedc_error *err)
 {
     memset(res, 0, sizeof *res);
     Moed__V1__ForwardResponse *r = moed__v1__forward_response__unpack(NULL, n, buf);
-    if (!r) return moed_fail(err, MOED_EFORMAT, "the server's reply (%zu bytes) does not parse", n);
+    if (!r)
+        return moedc_fail(err, MOEDC_EFORMAT, "the server's reply (%zu bytes) does not parse", n);
     int rc = check_output(r, dtype, tokens, d_model, err);
     if (rc) {
         moed__v1__forward_response__free_unpacked(r, NULL);
@@ -260,20 +263,20 @@ void moedc_result_free(moedc_result *res)
     memset(res, 0, sizeof *res);
 }
 
-int moedc_encode_get_model(uint8_t **buf, size_t *n, moed_error *err)
+int moedc_encode_get_model(uint8_t **buf, size_t *n, moedc_error *err)
 {
     Moed__V1__GetModelRequest m = MOED__V1__GET_MODEL_REQUEST__INIT;
     return pack(&m.base, buf, n, err);
 }
 
-int moedc_encode_health(const char *service, uint8_t **buf, size_t *n, moed_error *err)
+int moedc_encode_health(const char *service, uint8_t **buf, size_t *n, moedc_error *err)
 {
     Grpc__Health__V1__HealthCheckRequest m = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
     m.service = (char *)(service ? service : "");
     return pack(&m.base, buf, n, err);
 }
 
-static void layer_info_from(const Moed__V1__LayerInfo *l, moed_layer_info *li)
+static void layer_info_from(const Moed__V1__LayerInfo *l, moedc_layer_info *li)
 {
     memset(li, 0, sizeof *li);
     li->index = (int)l->index;
@@ -281,11 +284,11 @@ static void layer_info_from(const Moed__V1__LayerInfo *l, moed_layer_info *li)
     li->d_ff = (int)l->d_ff;
     li->n_experts = (int)l->num_experts;
     li->top_k = (int)l->top_k;
-    li->act = (moed_act)l->activation;
+    li->act = (int)l->activation;
     li->wdtype = (int)l->weight_dtype;
     li->has_router = l->has_router;
     li->norm_topk = l->norm_topk_prob;
-    li->rule = (moed_router_rule)l->router_rule;
+    li->rule = (int)l->router_rule;
     li->n_group = (int)l->n_group;
     li->topk_group = (int)l->topk_group;
     li->routed_scale = l->routed_scaling_factor;
@@ -298,12 +301,13 @@ static char *dup_or_empty(const char *s)
     return strdup(s ? s : "");
 }
 
-int moedc_decode_model_info(const uint8_t *buf, size_t n, moedc_model_info *out, moed_error *err)
+int moedc_decode_model_info(const uint8_t *buf, size_t n, moedc_model_info *out, moedc_error *err)
 {
     memset(out, 0, sizeof *out);
     Moed__V1__ModelInfo *m = moed__v1__model_info__unpack(NULL, n, buf);
     if (!m)
-        return moed_fail(err, MOED_EFORMAT, "the server's ModelInfo (%zu bytes) does not parse", n);
+        return moedc_fail(err, MOEDC_EFORMAT, "the server's ModelInfo (%zu bytes) does not parse",
+                          n);
     out->model = dup_or_empty(m->model);
     out->backend = dup_or_empty(m->backend);
     out->version = dup_or_empty(m->version);
@@ -326,7 +330,7 @@ int moedc_decode_model_info(const uint8_t *buf, size_t n, moedc_model_info *out,
 err:
     moed__v1__model_info__free_unpacked(m, NULL);
     moedc_model_info_free(out);
-    return moed_fail(err, MOED_ENOMEM, "out of memory decoding the server's ModelInfo");
+    return moedc_fail(err, MOEDC_ENOMEM, "out of memory decoding the server's ModelInfo");
 }
 
 void moedc_model_info_free(moedc_model_info *m)
@@ -341,13 +345,13 @@ void moedc_model_info_free(moedc_model_info *m)
     memset(m, 0, sizeof *m);
 }
 
-int moedc_decode_health(const uint8_t *buf, size_t n, int *status, moed_error *err)
+int moedc_decode_health(const uint8_t *buf, size_t n, int *status, moedc_error *err)
 {
     Grpc__Health__V1__HealthCheckResponse *r =
         grpc__health__v1__health_check_response__unpack(NULL, n, buf);
     if (!r)
-        return moed_fail(err, MOED_EFORMAT,
-                         "the server's HealthCheckResponse (%zu bytes) does not parse", n);
+        return moedc_fail(err, MOEDC_EFORMAT,
+                          "the server's HealthCheckResponse (%zu bytes) does not parse", n);
     *status = (int)r->status;
     grpc__health__v1__health_check_response__free_unpacked(r, NULL);
     return 0;

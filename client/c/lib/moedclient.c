@@ -12,8 +12,9 @@
  * so the slice's release callback tells the call, and finishing a call waits for it: that is what
  * lets the contract say "valid until finish returns" rather than "until some later time".
  */
-#include "moedclient.h"
 #include "moedc_codec.h"
+#include "moedc_common.h"
+#include "moedc_tls.h"
 
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc.h>
@@ -54,24 +55,6 @@ struct moedc_call {
     int lent;
 };
 
-const char *moedc_grpc_status_name(int grpc_status)
-{
-    return moed_grpc_status_name(grpc_status);
-}
-
-int moedc_code_from_grpc(int grpc_status)
-{
-    /* The inverse of moed_err.h's table where it is one-to-one; the closest code elsewhere. */
-    static const int codes[] = {
-        MOED_OK,        MOED_ECANCELLED, MOED_EINTERNAL,    MOED_EINVAL,    MOED_EDEADLINE,
-        MOED_ENOTFOUND, MOED_EINVAL,     MOED_EUNAUTH,      MOED_ETOOBIG,   MOED_ENODEV,
-        MOED_EUNAVAIL,  MOED_EINVAL,     MOED_EUNSUPPORTED, MOED_EINTERNAL, MOED_EUNAVAIL,
-        MOED_EIO,       MOED_EUNAUTH,
-    };
-    if (grpc_status < 0 || grpc_status > 16) return MOED_EINTERNAL;
-    return codes[grpc_status];
-}
-
 const char *moedc_health_name(int status)
 {
     switch (status) {
@@ -87,50 +70,76 @@ const char *moedc_health_name(int status)
 
 /* ---- channel ---- */
 
-int moedc_connect(const char *target, const moedc_opts *opts, moedc **out, moed_error *err)
+/* "Bearer TOKEN" for the authorization header, or NULL for no token. */
+static int auth_header(const char *token, char **out, moedc_error *err)
 {
     *out = NULL;
-    if (!target || !*target)
-        return moed_fail(err, MOED_EINVAL, "no server address given (e.g. 127.0.0.1:50051)");
-    moedc *c = calloc(1, sizeof *c);
-    if (!c) return moed_fail(err, MOED_ENOMEM, "out of memory opening a connection");
-    grpc_init();
-    if (opts) {
-        c->timeout_s = opts->timeout_s;
-        if (opts->bearer_token) {
-            size_t n = strlen(opts->bearer_token) + sizeof "Bearer ";
-            c->auth = malloc(n);
-            if (!c->auth) goto nomem;
-            snprintf(c->auth, n, "Bearer %s", opts->bearer_token);
-        }
-    }
+    if (!token) return 0;
+    for (const char *p = token; *p; p++)
+        if (*p < 0x21 || *p > 0x7e)
+            return moedc_fail(err, MOEDC_EINVAL,
+                              "bearer_token holds a space or a control character at byte %zu: a "
+                              "token is printable ASCII",
+                              (size_t)(p - token));
+    size_t n = strlen(token) + sizeof "Bearer ";
+    *out = malloc(n);
+    if (!*out) return moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a connection");
+    snprintf(*out, n, "Bearer %s", token);
+    return 0;
+}
+
+/* The channel over creds: arguments sized for tensors, TLS's server name if one was given. */
+static grpc_channel *open_channel(const char *target, grpc_channel_credentials *creds,
+                                  const char *server_name)
+{
     /* Unlimited message sizes: the server enforces its own limit, with a status that says so.
      * A local subchannel pool: this channel's connection is its own, not shared with others.
      * HTTP/2 sized for tensors, as the server's: the frame size we accept is what the server sends
      * us (the 16 KiB default cuts a 16 MiB reply into a thousand frames, each costing CPU on both
      * ends), and a large stream window keeps the server from stalling on our acknowledgements. */
-    grpc_arg args[6] = {
+    grpc_arg args[7] = {
         { GRPC_ARG_INTEGER, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, { .integer = -1 } },
         { GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, { .integer = -1 } },
         { GRPC_ARG_INTEGER, GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, { .integer = 1 } },
         { GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_MAX_FRAME_SIZE, { .integer = 1 << 20 } },
         { GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, { .integer = 8 << 20 } },
         { GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_BDP_PROBE, { .integer = 1 } },
+        { GRPC_ARG_STRING, GRPC_SSL_TARGET_NAME_OVERRIDE_ARG, { .string = (char *)server_name } },
     };
-    grpc_channel_args chargs = { 6, args };
-    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
-    c->channel = grpc_channel_create(target, creds, &chargs);
-    grpc_channel_credentials_release(creds);
-    if (!c->channel) goto nomem;
+    grpc_channel_args chargs = { server_name ? 7 : 6, args };
+    return grpc_channel_create(target, creds, &chargs);
+}
+
+int moedc_connect(const char *target, const moedc_opts *opts, moedc **out, moedc_error *err)
+{
+    static const moedc_opts none;
+    *out = NULL;
+    if (!opts) opts = &none;
+    if (!target || !*target)
+        return moedc_fail(err, MOEDC_EINVAL, "no server address given (e.g. 127.0.0.1:50051)");
+    moedc *c = calloc(1, sizeof *c);
+    if (!c) return moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a connection");
+    grpc_init();
+    c->timeout_s = opts->timeout_s;
+    grpc_channel_credentials *creds = NULL;
+    int rc = auth_header(opts->bearer_token, &c->auth, err);
+    if (!rc) rc = moedc_tls_credentials(opts, &creds, err);
+    if (!rc) {
+        c->channel = open_channel(target, creds, opts->tls_server_name);
+        grpc_channel_credentials_release(creds);
+        if (!c->channel)
+            rc = moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a connection to %s", target);
+    }
+    if (rc) {
+        moedc_close(c);
+        return rc;
+    }
     c->m_forward = grpc_channel_register_call(c->channel, "/moed.v1.Moed/Forward", NULL, NULL);
     c->m_get_model = grpc_channel_register_call(c->channel, "/moed.v1.Moed/GetModel", NULL, NULL);
     c->m_health =
         grpc_channel_register_call(c->channel, "/grpc.health.v1.Health/Check", NULL, NULL);
     *out = c;
     return 0;
-nomem:
-    moedc_close(c);
-    return moed_fail(err, MOED_ENOMEM, "out of memory opening a connection to %s", target);
 }
 
 void moedc_close(moedc *c)
@@ -144,11 +153,11 @@ void moedc_close(moedc *c)
 
 /* ---- queues ---- */
 
-int moedc_queue_create(moedc_queue **out, moed_error *err)
+int moedc_queue_create(moedc_queue **out, moedc_error *err)
 {
     *out = NULL;
     moedc_queue *q = calloc(1, sizeof *q);
-    if (!q) return moed_fail(err, MOED_ENOMEM, "out of memory creating a completion queue");
+    if (!q) return moedc_fail(err, MOEDC_ENOMEM, "out of memory creating a completion queue");
     grpc_init();
     q->cq = grpc_completion_queue_create_for_next(NULL);
     *out = q;
@@ -228,14 +237,14 @@ static void call_free(moedc_call *call)
 
 /* Starts the one batch of a unary call carrying the message in slices (gRPC takes its own refs). */
 static int call_start(moedc *c, void *method, moedc_queue *q, double timeout_s, grpc_slice *slices,
-                      size_t n, moedc_call *call, moed_error *err)
+                      size_t n, moedc_call *call, moedc_error *err)
 {
     double t = timeout_s == 0 ? c->timeout_s : timeout_s;
     call->call = grpc_channel_create_registered_call(c->channel, NULL, GRPC_PROPAGATE_DEFAULTS,
                                                      q->cq, method, after(t > 0 ? t : -1), NULL);
     call->send = grpc_raw_byte_buffer_create(slices, n);
     if (!call->call || !call->send)
-        return moed_fail(err, MOED_ENOMEM, "out of memory starting a call");
+        return moedc_fail(err, MOEDC_ENOMEM, "out of memory starting a call");
     if (c->auth) {
         call->auth_md.key = grpc_slice_from_static_string("authorization");
         call->auth_md.value = grpc_slice_from_static_string(c->auth);
@@ -258,42 +267,43 @@ static int call_start(moedc *c, void *method, moedc_queue *q, double timeout_s, 
     ops[5].data.recv_status_on_client.status_details = &call->details;
     grpc_call_error e = grpc_call_start_batch(call->call, ops, 6, call, NULL);
     if (e != GRPC_CALL_OK)
-        return moed_fail(err, MOED_EINTERNAL, "gRPC refused to start the call: %s",
-                         grpc_call_error_to_string(e));
+        return moedc_fail(err, MOEDC_EINTERNAL, "gRPC refused to start the call: %s",
+                          grpc_call_error_to_string(e));
     return 0;
 }
 
 /* The error of a refused call: the server's message, as the contract in moedclient.h says. */
-static int status_error(const moedc_call *call, moed_error *err)
+static int status_error(const moedc_call *call, moedc_error *err)
 {
     int code = moedc_code_from_grpc(call->status);
     const char *name = moedc_grpc_status_name(call->status);
     int len = (int)GRPC_SLICE_LENGTH(call->details);
     const char *msg = (const char *)GRPC_SLICE_START_PTR(call->details);
-    if (!len) return moed_fail(err, code, "%s (the server sent no message)", name);
-    if (moed_err_grpc_status(code) != (int)call->status)
-        return moed_fail(err, code, "%s: %.*s", name, len, msg);
-    return moed_fail(err, code, "%.*s", len, msg);
+    if (!len) return moedc_fail(err, code, "%s (the server sent no message)", name);
+    if (moedc_code_to_grpc(code) != (int)call->status)
+        return moedc_fail(err, code, "%s: %.*s", name, len, msg);
+    return moedc_fail(err, code, "%.*s", len, msg);
 }
 
 /* The reply of a finished call as one contiguous slice, or the call's error. */
-static int call_reply(moedc_call *call, grpc_slice *out, moed_error *err)
+static int call_reply(moedc_call *call, grpc_slice *out, moedc_error *err)
 {
     if (call->status != GRPC_STATUS_OK) return status_error(call, err);
     if (!call->batch_ok)
-        return moed_fail(err, MOED_EINTERNAL, "the call failed in gRPC without a status");
+        return moedc_fail(err, MOEDC_EINTERNAL, "the call failed in gRPC without a status");
     if (!call->recv)
-        return moed_fail(err, MOED_EFORMAT, "the server ended the call without a reply");
+        return moedc_fail(err, MOEDC_EFORMAT, "the server ended the call without a reply");
     grpc_byte_buffer_reader r;
     if (!grpc_byte_buffer_reader_init(&r, call->recv))
-        return moed_fail(err, MOED_EFORMAT, "the server's reply could not be read (compression?)");
+        return moedc_fail(err, MOEDC_EFORMAT,
+                          "the server's reply could not be read (compression?)");
     *out = grpc_byte_buffer_reader_readall(&r);
     grpc_byte_buffer_reader_destroy(&r);
     return 0;
 }
 
 int moedc_forward_start(moedc *c, const moedc_request *req, moedc_queue *q, void *user,
-                        moedc_call **out, moed_error *err)
+                        moedc_call **out, moedc_error *err)
 {
     *out = NULL;
     moedc_wire w;
@@ -302,7 +312,7 @@ int moedc_forward_start(moedc *c, const moedc_request *req, moedc_queue *q, void
     moedc_call *call = call_new(user);
     if (!call) {
         moedc_wire_free(&w);
-        return moed_fail(err, MOED_ENOMEM, "out of memory starting a call");
+        return moedc_fail(err, MOEDC_ENOMEM, "out of memory starting a call");
     }
     call->dtype = req->dtype;
     call->tokens = req->tokens;
@@ -336,7 +346,7 @@ void moedc_call_cancel(moedc_call *call)
     grpc_call_cancel(call->call, NULL);
 }
 
-int moedc_call_finish(moedc_call *call, moedc_result *res, moed_error *err)
+int moedc_call_finish(moedc_call *call, moedc_result *res, moedc_error *err)
 {
     memset(res, 0, sizeof *res);
     grpc_slice reply;
@@ -350,7 +360,7 @@ int moedc_call_finish(moedc_call *call, moedc_result *res, moed_error *err)
     return rc;
 }
 
-int moedc_forward(moedc *c, const moedc_request *req, moedc_result *res, moed_error *err)
+int moedc_forward(moedc *c, const moedc_request *req, moedc_result *res, moedc_error *err)
 {
     memset(res, 0, sizeof *res);
     moedc_queue *q;
@@ -367,7 +377,8 @@ int moedc_forward(moedc *c, const moedc_request *req, moedc_result *res, moed_er
 }
 
 /* A small blocking call (GetModel, health): msg is freed; *reply holds the answer on success. */
-static int unary(moedc *c, void *method, uint8_t *msg, size_t n, grpc_slice *reply, moed_error *err)
+static int unary(moedc *c, void *method, uint8_t *msg, size_t n, grpc_slice *reply,
+                 moedc_error *err)
 {
     moedc_queue *q;
     int rc = moedc_queue_create(&q, err);
@@ -378,7 +389,7 @@ static int unary(moedc *c, void *method, uint8_t *msg, size_t n, grpc_slice *rep
     moedc_call *call = call_new(NULL);
     grpc_slice s = grpc_slice_new(msg, n, free);
     if (!call) {
-        rc = moed_fail(err, MOED_ENOMEM, "out of memory starting a call");
+        rc = moedc_fail(err, MOEDC_ENOMEM, "out of memory starting a call");
     } else {
         rc = call_start(c, method, q, 0, &s, 1, call, err);
         if (!rc) {
@@ -393,7 +404,7 @@ static int unary(moedc *c, void *method, uint8_t *msg, size_t n, grpc_slice *rep
     return rc;
 }
 
-int moedc_info(moedc *c, moedc_model_info *out, moed_error *err)
+int moedc_info(moedc *c, moedc_model_info *out, moedc_error *err)
 {
     memset(out, 0, sizeof *out);
     uint8_t *msg;
@@ -407,7 +418,7 @@ int moedc_info(moedc *c, moedc_model_info *out, moed_error *err)
     return rc;
 }
 
-int moedc_health(moedc *c, const char *service, int *status, moed_error *err)
+int moedc_health(moedc *c, const char *service, int *status, moedc_error *err)
 {
     *status = MOEDC_HEALTH_UNKNOWN;
     uint8_t *msg;

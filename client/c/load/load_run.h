@@ -45,7 +45,7 @@ typedef struct load_plan {
     int dtype;
     const load_tokens *tokens;
     int routing; /* moedc_routing */
-    moed_gate_params gating;
+    moedc_gating gating;
     bool batch_gating;
     uint32_t k_batch;
     double bad_fraction;

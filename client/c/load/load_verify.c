@@ -122,7 +122,8 @@ static int reference_route(load_verify *v, int slot, const load_verify_item *it,
     if (req->batch_gating)
         return route_from_set(&it->res, logits, req->tokens, li->n_experts,
                               req->k_batch ? (int)req->k_batch : li->top_k, route, why, n);
-    moed_gate_params p = req->gating;
+    moed_gate_params p = { req->gating.strategy, req->gating.top_k, req->gating.renormalize,
+                           req->gating.threshold };
     if (!moed_gate_resolve(&p, li, &err) &&
         !moed_gate(&p, li, l->router_bias, logits, req->tokens, route, &err))
         return 0;

@@ -11,6 +11,8 @@
  * load_gen.c holds the random choices. Exit codes: 0 every call ended as expected and every
  * verified reply matched; 1 otherwise (or the server could not be reached); 2 bad usage.
  */
+#include "cli_common.h"
+#include "cli_opt.h"
 #include "load_gen.h"
 #include "load_report.h"
 #include "load_run.h"
@@ -19,9 +21,7 @@
 #include "moed_synth.h"
 #include "moedclient.h"
 #include "moed_route.h"
-#include "cli_num.h"
 
-#include <getopt.h>
 #include <math.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -30,85 +30,126 @@
 #include <string.h>
 #include <unistd.h>
 
-enum { EXIT_FAILED = 1, EXIT_USAGE = 2 };
-
-static const char usage[] =
-    "usage: moed-load [options]\n"
-    "\n"
-    "Loads a moed daemon with Forward calls and reports rates, errors and latencies.\n"
-    "\n"
-    "target:\n"
-    "  --target ADDR         server address (default 127.0.0.1:50051)\n"
-    "  --token T             bearer token sent as 'authorization: Bearer T'\n"
-    "  --layer N             the layer to call (default: the first the server holds)\n"
-    "  --layers LIST         layers to call round-robin, e.g. 0,1,3 (repeats weight a layer)\n"
-    "  --dtype T             f32, f16 or bf16 activations (default: the layer's weight dtype)\n"
-    "  --deadline MS         deadline of each call in milliseconds (default: none)\n"
-    "load (one of; a sweep a:b:step runs one level per value, each with its own report):\n"
-    "  --concurrency N       closed loop: N calls in flight, or a sweep 1:16:4 (default 1)\n"
-    "  --rate R              open loop: R requests per second, or a sweep 100:1000:100\n"
-    "  --arrival A           open loop arrivals: constant or poisson (default constant)\n"
-    "  --max-inflight N      open loop: the most calls in flight (default 4096)\n"
-    "how long (per level):\n"
-    "  --duration S          measure for S seconds (default 10)\n"
-    "  --requests N          measure N requests instead\n"
-    "  --warmup S            seconds of load before measuring, not counted (default 1)\n"
-    "requests:\n"
-    "  --tokens SPEC         tokens per request: 8, or a range 4:64 drawn uniformly (default 8)\n"
-    "  --tokens-file F       token counts sampled from F, one integer per line\n"
-    "  --routing R           uniform | zipf:S | one: expert choice from the client, top_k of the\n"
-    "                        layer (zipf: P(e) ~ 1/(e+1)^S; one: every token on expert 0);\n"
-    "                        logits: random router logits, gated by the server;\n"
-    "                        server: the layer's router on the server (default uniform)\n"
-    "  --strategy S          gating for logits/server: model (default), topk, sigmoid, sparsemax,\n"
-    "                        quadratic, pioneer\n"
-    "  --top-k K             experts per token for topk/quadratic/pioneer (0: the layer's)\n"
-    "  --batch-gating K      batch-level dynamic gating with a set of K experts (logits/server;\n"
-    "                        0: the layer's top_k)\n"
-    "  --bad-fraction P      send that share of requests with an out-of-range expert id; they\n"
-    "                        must fail INVALID_ARGUMENT and count as expected errors\n"
-    "  --seed S              random seed (default 1)\n"
-    "checking:\n"
-    "  --verify N            check N replies per level against the CPU reference on the same\n"
-    "                        synthetic weights (the server must serve --synthetic)\n"
-    "  --synthetic SPEC      the server's spec, checked against what it reports (default: taken\n"
-    "                        from the server)\n"
-    "transport:\n"
-    "  --connections C       TCP connections to spread the calls over (default 1)\n"
-    "  --threads W           worker threads, each with its own completion queue (default 1)\n"
-    "output:\n"
-    "  --json FILE           the report as JSON (one object per level)\n"
-    "  --csv FILE            one row per level\n"
-    "  --progress            the live progress line even when stderr is not a terminal\n"
-    "  --no-progress         never the progress line\n"
-    "  --help                this text\n"
-    "\n"
-    "exit codes: 0 every call ended as expected (ok, or INVALID_ARGUMENT for --bad-fraction) and\n"
-    "every verified reply matched; 1 otherwise, or the server could not be reached; 2 bad usage\n";
+enum { EXIT_FAILED = 1 }; /* and CLI_EXIT_USAGE for the command line */
 
 typedef struct args {
-    const char *target, *token, *layer, *layers, *dtype, *concurrency, *rate, *arrival;
+    cli_conn conn;
+    const char *layer, *layers, *dtype, *concurrency, *rate, *arrival;
     const char *tokens, *tokens_file, *routing, *synthetic, *json, *csv;
     double duration_s, warmup_s, deadline_ms, bad_fraction;
-    long long requests, verify, seed;
-    long connections, threads, max_inflight, k_batch;
-    bool duration_set, batch_gating;
-    moed_gate_params gating;
+    long long requests, verify, seed, connections, threads, max_inflight, top_k, k_batch;
+    int strategy;
     int progress; /* -1: when stderr is a terminal */
-    bool help;
+    bool batch_gating;
+    moedc_gating gating; /* from strategy and top_k */
 } args;
+
+#define F(member) offsetof(args, member)
+
+static const cli_opt options[] = {
+    CLI_SECTION_ROW("target:", NULL),
+    CLI_CONN_OPTS(args),
+    CLI_STR_OPT("layer", F(layer), "N", NULL, NULL,
+                "the layer to call (default: the first the server holds)"),
+    CLI_STR_OPT("layers", F(layers), "LIST", NULL, NULL,
+                "layers to call round-robin, e.g. 0,1,3 (repeats weight a layer)"),
+    CLI_STR_OPT("dtype", F(dtype), "T", NULL, NULL,
+                "f32, f16 or bf16 activations (default: the layer's weight dtype)"),
+    CLI_NUM_OPT("deadline", F(deadline_ms), "MS", 1e-3, 1e9, NULL, "give milliseconds > 0", NULL,
+                "deadline of each call in milliseconds (default: none)"),
+    CLI_SECTION_ROW("load (one of; a sweep a:b:step runs one level per value, each with its own "
+                    "report):",
+                    NULL),
+    CLI_STR_OPT("concurrency", F(concurrency), "N", "1", NULL,
+                "closed loop: N calls in flight, or a sweep 1:16:4"),
+    CLI_STR_OPT("rate", F(rate), "R", NULL, NULL,
+                "open loop: R requests per second, or a sweep 100:1000:100"),
+    CLI_STR_OPT("arrival", F(arrival), "A", "constant", NULL,
+                "open loop arrivals: constant or poisson"),
+    CLI_INT_OPT("max-inflight", F(max_inflight), "N", 1, 1 << 20, "4096", "give 1 to 1048576", NULL,
+                "open loop: the most calls in flight"),
+    CLI_SECTION_ROW("how long (per level):", NULL),
+    CLI_NUM_OPT("duration", F(duration_s), "S", 1e-3, 1e7, "10", "give seconds > 0", NULL,
+                "measure for S seconds"),
+    CLI_INT_OPT("requests", F(requests), "N", 1, 1LL << 50, NULL, "give a count >= 1", NULL,
+                "measure N requests instead"),
+    CLI_NUM_OPT("warmup", F(warmup_s), "S", 0, 1e7, "1", "give seconds >= 0", NULL,
+                "seconds of load before measuring, not counted"),
+    CLI_SECTION_ROW("requests:", NULL),
+    CLI_STR_OPT("tokens", F(tokens), "SPEC", "8", NULL,
+                "tokens per request: 8, or a range 4:64 drawn uniformly"),
+    CLI_STR_OPT("tokens-file", F(tokens_file), "F", NULL, NULL,
+                "token counts sampled from F, one integer per line"),
+    CLI_STR_OPT("routing", F(routing), "R", "uniform", NULL,
+                "uniform | zipf:S | one: expert choice from the client, top_k of the\n"
+                "layer (zipf: P(e) ~ 1/(e+1)^S; one: every token on expert 0);\n"
+                "logits: random router logits, gated by the server;\n"
+                "server: the layer's router on the server"),
+    CLI_CUSTOM_OPT("strategy", F(strategy), "S", cli_parse_strategy, NULL,
+                   "use model, topk, sigmoid, sparsemax, quadratic or pioneer", NULL,
+                   "gating for logits/server: model (default), topk, sigmoid, sparsemax,\n"
+                   "quadratic, pioneer"),
+    CLI_INT_OPT("top-k", F(top_k), "K", 0, 65535, NULL, "give a count >= 0", NULL,
+                "experts per token for topk/quadratic/pioneer (0: the layer's)"),
+    CLI_INT_OPT("batch-gating", F(k_batch), "K", 0, 65535, NULL, "give a set size >= 0", NULL,
+                "batch-level dynamic gating with a set of K experts (logits/server;\n"
+                "0: the layer's top_k)"),
+    CLI_NUM_OPT("bad-fraction", F(bad_fraction), "P", 0, 1, NULL, "give a share in [0, 1]", NULL,
+                "send that share of requests with an out-of-range expert id; they\n"
+                "must fail INVALID_ARGUMENT and count as expected errors"),
+    CLI_INT_OPT("seed", F(seed), "S", 0, 1LL << 62, "1", "give an integer >= 0", NULL,
+                "random seed"),
+    CLI_SECTION_ROW("checking:", NULL),
+    CLI_INT_OPT("verify", F(verify), "N", 1, 1LL << 50, NULL, "give a count of replies >= 1", NULL,
+                "check N replies per level against the CPU reference on the same\n"
+                "synthetic weights (the server must serve --synthetic)"),
+    CLI_STR_OPT("synthetic", F(synthetic), "SPEC", NULL, NULL,
+                "the server's spec, checked against what it reports (default: taken\n"
+                "from the server)"),
+    CLI_SECTION_ROW("transport:", NULL),
+    CLI_INT_OPT("connections", F(connections), "C", 1, 1024, "1", "give 1 to 1024", NULL,
+                "TCP connections to spread the calls over"),
+    CLI_INT_OPT("threads", F(threads), "W", 1, 256, "1", "give 1 to 256", NULL,
+                "worker threads, each with its own completion queue"),
+    CLI_SECTION_ROW("output:", NULL),
+    CLI_STR_OPT("json", F(json), "FILE", NULL, NULL, "the report as JSON (one object per level)"),
+    CLI_STR_OPT("csv", F(csv), "FILE", NULL, NULL, "one row per level"),
+    CLI_FLAG_OPT("progress", F(progress), 1, NULL,
+                 "the live progress line even when stderr is not a terminal"),
+    CLI_FLAG_OPT("no-progress", F(progress), 0, NULL, "never the progress line"),
+    CLI_HELP_OPT("this text"),
+};
+
+static const cli_cmd tool = {
+    .head = "usage: moed-load [options]\n"
+            "\n"
+            "Loads a moed daemon with Forward calls and reports rates, errors and latencies.\n",
+    .tail = "exit codes: 0 every call ended as expected (ok, or INVALID_ARGUMENT for "
+            "--bad-fraction) and\n"
+            "every verified reply matched; 1 otherwise, or the server could not be reached; 2 bad "
+            "usage\n",
+};
+
+static const cli_spec command_line = {
+    .prog = "moed-load",
+    .hint = "moed-load --help lists the options",
+    .opts = options,
+    .n_opts = sizeof options / sizeof options[0],
+    .cmds = &tool,
+    .n_cmds = 1,
+};
 
 static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
+/* A combination of options that does not go together, or does not fit the server. */
 static int usage_error(const char *fmt, ...)
 {
+    char msg[600];
     va_list ap;
     va_start(ap, fmt);
-    fprintf(stderr, "moed-load: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n(moed-load --help lists the options)\n");
+    vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    return EXIT_USAGE;
+    return cli_usage_error(&command_line, "%s", msg);
 }
 
 static int failure(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -125,229 +166,36 @@ static int failure(const char *fmt, ...)
     return EXIT_FAILED;
 }
 
-enum {
-    O_TARGET = 256,
-    O_TOKEN,
-    O_LAYER,
-    O_LAYERS,
-    O_DTYPE,
-    O_DEADLINE,
-    O_CONC,
-    O_RATE,
-    O_ARRIVAL,
-    O_MAXIF,
-    O_DURATION,
-    O_REQUESTS,
-    O_WARMUP,
-    O_TOKENS,
-    O_TOKENS_FILE,
-    O_ROUTING,
-    O_STRATEGY,
-    O_TOPK,
-    O_BATCH,
-    O_BAD,
-    O_SEED,
-    O_VERIFY,
-    O_SYNTH,
-    O_CONNS,
-    O_THREADS,
-    O_JSON,
-    O_CSV,
-    O_PROGRESS,
-    O_NO_PROGRESS,
-    O_HELP
-};
-
-static const struct option options[] = {
-    { "target", required_argument, 0, O_TARGET },
-    { "token", required_argument, 0, O_TOKEN },
-    { "layer", required_argument, 0, O_LAYER },
-    { "layers", required_argument, 0, O_LAYERS },
-    { "dtype", required_argument, 0, O_DTYPE },
-    { "deadline", required_argument, 0, O_DEADLINE },
-    { "concurrency", required_argument, 0, O_CONC },
-    { "rate", required_argument, 0, O_RATE },
-    { "arrival", required_argument, 0, O_ARRIVAL },
-    { "max-inflight", required_argument, 0, O_MAXIF },
-    { "duration", required_argument, 0, O_DURATION },
-    { "requests", required_argument, 0, O_REQUESTS },
-    { "warmup", required_argument, 0, O_WARMUP },
-    { "tokens", required_argument, 0, O_TOKENS },
-    { "tokens-file", required_argument, 0, O_TOKENS_FILE },
-    { "routing", required_argument, 0, O_ROUTING },
-    { "strategy", required_argument, 0, O_STRATEGY },
-    { "top-k", required_argument, 0, O_TOPK },
-    { "batch-gating", required_argument, 0, O_BATCH },
-    { "bad-fraction", required_argument, 0, O_BAD },
-    { "seed", required_argument, 0, O_SEED },
-    { "verify", required_argument, 0, O_VERIFY },
-    { "synthetic", required_argument, 0, O_SYNTH },
-    { "connections", required_argument, 0, O_CONNS },
-    { "threads", required_argument, 0, O_THREADS },
-    { "json", required_argument, 0, O_JSON },
-    { "csv", required_argument, 0, O_CSV },
-    { "progress", no_argument, 0, O_PROGRESS },
-    { "no-progress", no_argument, 0, O_NO_PROGRESS },
-    { "help", no_argument, 0, O_HELP },
-    { 0, 0, 0, 0 },
-};
-
-/* One numeric option into a; 0, or an exit code after saying what is accepted. */
-static int parse_number(int o, const char *v, args *a)
+/* Options that exclude or need each other. */
+static int check_combinations(const args *a, const cli_parsed *p)
 {
-    long long n;
-    switch (o) {
-    case O_DEADLINE:
-        return cli_double(v, 1e-3, 1e9, &a->deadline_ms)
-                   ? usage_error("--deadline %s: give milliseconds > 0", v)
-                   : 0;
-    case O_DURATION:
-        a->duration_set = true;
-        return cli_double(v, 1e-3, 1e7, &a->duration_s)
-                   ? usage_error("--duration %s: give seconds > 0", v)
-                   : 0;
-    case O_WARMUP:
-        return cli_double(v, 0, 1e7, &a->warmup_s)
-                   ? usage_error("--warmup %s: give seconds >= 0", v)
-                   : 0;
-    case O_BAD:
-        return cli_double(v, 0, 1, &a->bad_fraction)
-                   ? usage_error("--bad-fraction %s: give a share in [0, 1]", v)
-                   : 0;
-    case O_REQUESTS:
-        return cli_int(v, 1, 1LL << 50, &a->requests)
-                   ? usage_error("--requests %s: give a count >= 1", v)
-                   : 0;
-    case O_VERIFY:
-        return cli_int(v, 1, 1LL << 50, &a->verify)
-                   ? usage_error("--verify %s: give a count of replies >= 1", v)
-                   : 0;
-    case O_SEED:
-        return cli_int(v, 0, 1LL << 62, &a->seed)
-                   ? usage_error("--seed %s: give an integer >= 0", v)
-                   : 0;
-    case O_CONNS:
-        if (cli_int(v, 1, 1024, &n)) return usage_error("--connections %s: give 1 to 1024", v);
-        a->connections = (long)n;
-        return 0;
-    case O_THREADS:
-        if (cli_int(v, 1, 256, &n)) return usage_error("--threads %s: give 1 to 256", v);
-        a->threads = (long)n;
-        return 0;
-    case O_MAXIF:
-        if (cli_int(v, 1, 1 << 20, &n))
-            return usage_error("--max-inflight %s: give 1 to %d", v, 1 << 20);
-        a->max_inflight = (long)n;
-        return 0;
-    case O_TOPK:
-        if (cli_int(v, 0, 65535, &n)) return usage_error("--top-k %s: give a count >= 0", v);
-        a->gating.top_k = (int)n;
-        return 0;
-    case O_BATCH:
-        if (cli_int(v, 0, 65535, &n))
-            return usage_error("--batch-gating %s: give a set size >= 0", v);
-        a->k_batch = (long)n;
-        a->batch_gating = true;
-        return 0;
-    }
-    return 0;
-}
-
-static int parse_args(int argc, char **argv, args *a)
-{
-    memset(a, 0, sizeof *a);
-    a->target = "127.0.0.1:50051";
-    a->duration_s = 10;
-    a->warmup_s = 1;
-    a->seed = 1;
-    a->connections = 1;
-    a->threads = 1;
-    a->max_inflight = 4096;
-    a->progress = -1;
-    int o;
-    opterr = 0;
-    while ((o = getopt_long(argc, argv, ":", options, NULL)) != -1) {
-        int rc = 0;
-        switch (o) {
-        case O_TARGET:
-            a->target = optarg;
-            break;
-        case O_TOKEN:
-            a->token = optarg;
-            break;
-        case O_LAYER:
-            a->layer = optarg;
-            break;
-        case O_LAYERS:
-            a->layers = optarg;
-            break;
-        case O_DTYPE:
-            a->dtype = optarg;
-            break;
-        case O_CONC:
-            a->concurrency = optarg;
-            break;
-        case O_RATE:
-            a->rate = optarg;
-            break;
-        case O_ARRIVAL:
-            a->arrival = optarg;
-            break;
-        case O_TOKENS:
-            a->tokens = optarg;
-            break;
-        case O_TOKENS_FILE:
-            a->tokens_file = optarg;
-            break;
-        case O_ROUTING:
-            a->routing = optarg;
-            break;
-        case O_SYNTH:
-            a->synthetic = optarg;
-            break;
-        case O_JSON:
-            a->json = optarg;
-            break;
-        case O_CSV:
-            a->csv = optarg;
-            break;
-        case O_PROGRESS:
-            a->progress = 1;
-            break;
-        case O_NO_PROGRESS:
-            a->progress = 0;
-            break;
-        case O_HELP:
-            a->help = true;
-            break;
-        case O_STRATEGY:
-            if ((a->gating.strategy = moed_gate_strategy_parse(optarg)) < 0)
-                return usage_error("--strategy %s: use model, topk, sigmoid, sparsemax, quadratic "
-                                   "or pioneer",
-                                   optarg);
-            break;
-        case ':':
-            return usage_error("%s needs a value", argv[optind - 1]);
-        case '?':
-            return usage_error("unknown option %s", argv[optind - 1]);
-        default:
-            rc = parse_number(o, optarg, a);
-        }
-        if (rc) return rc;
-    }
-    if (optind < argc) return usage_error("unexpected argument '%s'", argv[optind]);
-    if (a->help) return 0;
+#define GIVEN(name) cli_given(&command_line, p, name)
     if (a->layer && a->layers) return usage_error("give --layer or --layers, not both");
-    if (a->concurrency && a->rate)
+    if (GIVEN("concurrency") && a->rate)
         return usage_error("give --concurrency (closed loop) or --rate (open loop), not both");
-    if (a->arrival && !a->rate)
+    if (GIVEN("arrival") && !a->rate)
         return usage_error("--arrival shapes an open loop: it needs --rate");
-    if (a->duration_set && a->requests)
+    if (GIVEN("duration") && a->requests)
         return usage_error("give --duration or --requests, not both");
-    if (a->tokens && a->tokens_file) return usage_error("give --tokens or --tokens-file, not both");
+    if (GIVEN("tokens") && a->tokens_file)
+        return usage_error("give --tokens or --tokens-file, not both");
     if (a->synthetic && !a->verify)
         return usage_error("--synthetic is for --verify: it names the server's weights");
     return 0;
+#undef GIVEN
+}
+
+/* Parses the command line into a; false (with *rc the exit code) when moed-load should stop. */
+static bool parse_args(int argc, char **argv, args *a, int *rc)
+{
+    memset(a, 0, sizeof *a);
+    a->progress = -1;
+    cli_parsed p;
+    if (!cli_parse(&command_line, argc, argv, a, &p, rc)) return false;
+    a->batch_gating = cli_given(&command_line, &p, "batch-gating");
+    a->gating = (moedc_gating){ .strategy = a->strategy, .top_k = (int)a->top_k };
+    *rc = check_combinations(a, &p);
+    return !*rc;
 }
 
 /* ---- what the command line asks for, parsed and checked against the server ---- */
@@ -383,10 +231,7 @@ static int parse_specs(run *r)
     moed_error err;
     int rc;
     r->closed = !a->rate;
-    rc = load_sweep_parse(a->rate ? "--rate" : "--concurrency",
-                          a->rate          ? a->rate
-                          : a->concurrency ? a->concurrency
-                                           : "1",
+    rc = load_sweep_parse(a->rate ? "--rate" : "--concurrency", a->rate ? a->rate : a->concurrency,
                           r->closed, &r->levels, &r->n_levels, &err);
     if (!rc && r->closed)
         for (int i = 0; i < r->n_levels && !rc; i++)
@@ -395,9 +240,9 @@ static int parse_specs(run *r)
                                1 << 20);
     if (!rc)
         rc = a->tokens_file ? load_tokens_read(a->tokens_file, &r->tokens, &err)
-                            : load_tokens_parse(a->tokens ? a->tokens : "8", &r->tokens, &err);
-    if (!rc) rc = load_routing_parse(a->routing ? a->routing : "uniform", &r->routing, &err);
-    if (!rc && a->arrival) rc = load_arrival_parse(a->arrival, &r->arrival, &err);
+                            : load_tokens_parse(a->tokens, &r->tokens, &err);
+    if (!rc) rc = load_routing_parse(a->routing, &r->routing, &err);
+    if (!rc) rc = load_arrival_parse(a->arrival, &r->arrival, &err);
     if (!rc && (a->layer || a->layers))
         rc = load_int_list_parse(a->layer ? "--layer" : "--layers", a->layer ? a->layer : a->layers,
                                  &r->layer_list, &r->n_layer_list, &err);
@@ -412,7 +257,7 @@ static int parse_specs(run *r)
         return usage_error("--batch-gating needs logits: use --routing logits or --routing server");
     if ((a->gating.strategy || a->gating.top_k) && client_route)
         return usage_error("--strategy and --top-k apply to --routing logits or server, not %s",
-                           a->routing ? a->routing : "uniform");
+                           a->routing);
     if (a->layer && r->n_layer_list != 1)
         return usage_error("--layer takes one layer; use --layers for a list");
     return 0;
@@ -421,37 +266,61 @@ static int parse_specs(run *r)
 /* Opens the connections, makes sure each reaches a serving server, and asks what it serves. */
 static int connect_all(run *r)
 {
-    moed_error err;
-    moedc_opts o = { .bearer_token = r->a.token };
+    moedc_error err;
+    moedc_opts o;
+    int rc = cli_conn_opts(&command_line, &r->a.conn, &o);
+    if (rc) return rc;
     r->conns = calloc((size_t)r->a.connections, sizeof *r->conns);
     if (!r->conns) return failure("out of memory");
     while (r->n_conns < r->a.connections) {
         moedc **c = &r->conns[r->n_conns];
         int status;
-        if (moedc_connect(r->a.target, &o, c, &err)) return usage_error("%s", err.msg);
+        if (moedc_connect(r->a.conn.target, &o, c, &err)) return usage_error("%s", err.msg);
         r->n_conns++; /* counted at once: the cleanup closes it even when the health check fails */
         /* a health check opens the connection now, so the first measured call does not pay it */
         if (moedc_health(*c, "", &status, &err)) {
-            return failure("%s: health check failed: %s: %s", r->a.target,
-                           moedc_grpc_status_name(moed_err_grpc_status(err.code)), err.msg);
+            return failure("%s: health check failed: %s: %s", r->a.conn.target,
+                           moedc_grpc_status_name(moedc_code_to_grpc(err.code)), err.msg);
         }
         if (status != MOEDC_HEALTH_SERVING) {
-            return failure("%s is %s, not SERVING: wait for it, or check its log", r->a.target,
+            return failure("%s is %s, not SERVING: wait for it, or check its log", r->a.conn.target,
                            moedc_health_name(status));
         }
     }
     if (moedc_info(r->conns[0], &r->info, &err)) {
-        return failure("%s: GetModel failed: %s", r->a.target, err.msg);
+        return failure("%s: GetModel failed: %s", r->a.conn.target, err.msg);
     }
     r->have_info = true;
     return 0;
 }
 
-static const moed_layer_info *served_layer(const moedc_model_info *m, int index)
+static const moedc_layer_info *served_layer(const moedc_model_info *m, int index)
 {
     for (int i = 0; i < m->n_layers; i++)
         if (m->layers[i].index == index) return &m->layers[i];
     return NULL;
+}
+
+/* A served layer as the daemon's core describes it, for the request pools and the reference. */
+static moed_layer_info layer_info_of(const moedc_layer_info *l)
+{
+    return (moed_layer_info){
+        .index = l->index,
+        .d_model = l->d_model,
+        .d_ff = l->d_ff,
+        .n_experts = l->n_experts,
+        .top_k = l->top_k,
+        .act = (moed_act)l->act,
+        .wdtype = l->wdtype,
+        .has_router = l->has_router,
+        .norm_topk = l->norm_topk,
+        .rule = (moed_router_rule)l->rule,
+        .n_group = l->n_group,
+        .topk_group = l->topk_group,
+        .routed_scale = l->routed_scale,
+        .n_shared = l->n_shared,
+        .shared_d_ff = l->shared_d_ff,
+    };
 }
 
 /* The layers asked for, checked against the server: present, routable as asked, within limits. */
@@ -472,14 +341,14 @@ static int resolve_layers(run *r)
                                                      : MOED_BF16;
     const size_t es = moed_dtype_size(r->dtype);
     for (int i = 0; i < r->n_layer_list; i++) {
-        const moed_layer_info *li = served_layer(m, r->layer_list[i]);
+        const moedc_layer_info *li = served_layer(m, r->layer_list[i]);
         if (!li) {
             char list[256] = "";
             for (int j = 0; j < m->n_layers && strlen(list) < 200; j++)
                 snprintf(list + strlen(list), sizeof list - strlen(list), "%s%d", j ? "," : "",
                          m->layers[j].index);
             return usage_error("layer %d is not served by %s; it serves layers %s",
-                               r->layer_list[i], r->a.target, list);
+                               r->layer_list[i], r->a.conn.target, list);
         }
         if (r->routing.kind == LOAD_ROUTE_SERVER && !li->has_router)
             return usage_error("--routing server: layer %d has no router weights on the server; "
@@ -497,7 +366,7 @@ static int resolve_layers(run *r)
                                "the server's limit of %llu: send fewer tokens",
                                r->tokens.hi, li->index, (unsigned long long)bytes,
                                (unsigned long long)m->max_message_bytes);
-        r->layers[i].info = *li;
+        r->layers[i].info = layer_info_of(li);
         r->layers[i].cols = load_routing_cols(&r->routing, li->top_k);
     }
     return 0;
@@ -567,7 +436,7 @@ static int verify_spec(const run *r, moed_synth_spec *spec)
         if (!synthetic)
             return usage_error("--verify needs synthetic weights, but %s serves '%s': run moed "
                                "with --synthetic SPEC",
-                               r->a.target, r->info.model);
+                               r->a.conn.target, r->info.model);
         *spec = served;
         return 0;
     }
@@ -626,12 +495,12 @@ static void describe(const run *r, load_setup *s, char *layers, size_t n, char *
     else
         snprintf(tokens, tn, "%d:%d", r->tokens.lo, r->tokens.hi);
     *s = (load_setup){
-        .target = r->a.target,
+        .target = r->a.conn.target,
         .model = r->info.model,
         .backend = r->info.backend,
         .dtype = moed_dtype_name(r->dtype),
         .tokens = tokens,
-        .routing = r->a.routing ? r->a.routing : "uniform",
+        .routing = r->a.routing,
         .arrival = r->closed                            ? "none"
                    : r->arrival == LOAD_ARRIVAL_POISSON ? "poisson"
                                                         : "constant",
@@ -723,18 +592,15 @@ static void run_free(run *r)
     free(r->levels);
     free(r->layer_list);
     free(r->results);
+    cli_conn_free(&r->a.conn);
 }
 
 int main(int argc, char **argv)
 {
     run r;
     memset(&r, 0, sizeof r);
-    int rc = parse_args(argc, argv, &r.a);
-    if (rc) return rc;
-    if (r.a.help) {
-        fputs(usage, stdout);
-        return 0;
-    }
+    int rc;
+    if (!parse_args(argc, argv, &r.a, &rc)) return rc;
     rc = parse_specs(&r);
     if (!rc) rc = connect_all(&r);
     if (!rc) rc = resolve_layers(&r);

@@ -26,19 +26,19 @@ typedef struct moedc_wire {
 
 /* Checks req (what the client must know to encode it; the server checks the rest) and encodes it.
  * Release with moedc_wire_free. */
-int moedc_encode_forward(const moedc_request *req, moedc_wire *out, moed_error *err);
+int moedc_encode_forward(const moedc_request *req, moedc_wire *out, moedc_error *err);
 void moedc_wire_free(moedc_wire *w);
 
 /* Decodes a ForwardResponse to a request of dtype [tokens, d_model] into res, checking the output
  * is exactly that. */
 int moedc_decode_forward(const uint8_t *buf, size_t n, int dtype, int64_t tokens, int64_t d_model,
-                         moedc_result *res, moed_error *err);
+                         moedc_result *res, moedc_error *err);
 
 /* GetModelRequest / grpc.health.v1.HealthCheckRequest into malloc'd bytes. */
-int moedc_encode_get_model(uint8_t **buf, size_t *n, moed_error *err);
-int moedc_encode_health(const char *service, uint8_t **buf, size_t *n, moed_error *err);
+int moedc_encode_get_model(uint8_t **buf, size_t *n, moedc_error *err);
+int moedc_encode_health(const char *service, uint8_t **buf, size_t *n, moedc_error *err);
 
-int moedc_decode_model_info(const uint8_t *buf, size_t n, moedc_model_info *out, moed_error *err);
-int moedc_decode_health(const uint8_t *buf, size_t n, int *status, moed_error *err);
+int moedc_decode_model_info(const uint8_t *buf, size_t n, moedc_model_info *out, moedc_error *err);
+int moedc_decode_health(const uint8_t *buf, size_t n, int *status, moedc_error *err);
 
 #endif

@@ -176,7 +176,7 @@ static void start_one(worker *w, int64_t now)
     build_request(w, s, T, row);
     s->t0 = now_ns();
     moedc *c = p->conns[w->rr++ % (uint64_t)p->n_conns];
-    moed_error err;
+    moedc_error err;
     if (measured) {
         pthread_mutex_lock(&w->mu);
         w->st.sent++;
@@ -197,17 +197,17 @@ static void start_one(worker *w, int64_t now)
 
 static int error_kind(int code)
 {
-    return code == MOED_EFORMAT ? LOAD_ERR_MALFORMED : moed_err_grpc_status(code);
+    return code == MOEDC_EFORMAT ? LOAD_ERR_MALFORMED : moedc_code_to_grpc(code);
 }
 
 /* Counts a measured call's outcome (under w->mu). */
 static void count_reply(worker *w, const call_slot *s, int rc, const moedc_result *res,
-                        const moed_error *err, int64_t now)
+                        const moedc_error *err, int64_t now)
 {
     load_stats *st = &w->st;
     st->t_last_ns = now;
     if (s->bad) {
-        if (rc == MOED_EINVAL)
+        if (rc == MOEDC_EINVAL)
             st->expected_errors++;
         else if (!rc)
             load_stats_error(st, LOAD_ERR_BAD_ACCEPTED,
@@ -234,7 +234,7 @@ static void complete(worker *w, moedc_call *call)
 {
     call_slot *s = moedc_call_user(call);
     moedc_result res;
-    moed_error err;
+    moedc_error err;
     int rc = moedc_call_finish(call, &res, &err);
     int64_t now = now_ns();
     pthread_mutex_lock(&w->mu);
@@ -345,7 +345,9 @@ static int worker_init(worker *w, const load_plan *p, level_clock *clock, atomic
     if (!w->slots || !w->bad_ids || !w->bad_weights)
         return moed_fail(err, MOED_ENOMEM, "out of memory for %d calls in flight", w->cap);
     for (int i = 0; i < w->cap; i++) w->slots[i].next_free = i + 1;
-    return moedc_queue_create(&w->q, err);
+    moedc_error qerr;
+    if (moedc_queue_create(&w->q, &qerr)) return moed_fail(err, qerr.code, "%s", qerr.msg);
+    return 0;
 }
 
 /* The line on stderr while a level runs: where it is, the rate of the last interval, errors and

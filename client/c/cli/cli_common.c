@@ -1,0 +1,88 @@
+/*
+ * cli_common — the options both tools share (cli_common.h states the contract).
+ */
+#include "cli_common.h"
+
+#include "moed_route.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+enum { TOKEN_MAX = 4096 };
+
+/* The token: the first line of path, without surrounding blanks. Only a regular file: a FIFO
+ * would hold the tool up for ever. */
+static int read_token(const cli_spec *spec, const char *path, char **out)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    struct stat st;
+    if (fd < 0)
+        return cli_usage_error(spec, "--token-file %s: cannot open it: %s", path, strerror(errno));
+    if (fstat(fd, &st) || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return cli_usage_error(spec, "--token-file %s is not a regular file", path);
+    }
+    char line[TOKEN_MAX + 2];
+    ssize_t n = read(fd, line, sizeof line - 1);
+    close(fd);
+    line[n > 0 ? n : 0] = 0;
+    char *s = line + strspn(line, " \t"), *end = s + strcspn(s, "\r\n");
+    while (end > s && isspace((unsigned char)end[-1])) end--;
+    *end = 0;
+    if (s == end) return cli_usage_error(spec, "--token-file %s: its first line is empty", path);
+    if (end - s > TOKEN_MAX)
+        return cli_usage_error(spec, "--token-file %s: the token is over %d bytes", path,
+                               TOKEN_MAX);
+    *out = strdup(s);
+    if (!*out) return cli_usage_error(spec, "out of memory reading --token-file");
+    return 0;
+}
+
+int cli_conn_opts(const cli_spec *spec, cli_conn *c, moedc_opts *out)
+{
+    memset(out, 0, sizeof *out);
+    if (c->token && c->token_file)
+        return cli_usage_error(spec, "give --token or --token-file, not both");
+    if (c->token_file && !c->token_read) {
+        int rc = read_token(spec, c->token_file, &c->token_read);
+        if (rc) return rc;
+    }
+    out->bearer_token = c->token_file ? c->token_read : c->token;
+    if (!c->tls_cert != !c->tls_key)
+        return cli_usage_error(spec, "%s needs %s: a client certificate goes with its key",
+                               c->tls_cert ? "--tls-cert" : "--tls-key",
+                               c->tls_cert ? "--tls-key" : "--tls-cert");
+    out->tls = c->tls;
+    out->tls_ca = c->tls_ca;
+    out->tls_cert = c->tls_cert;
+    out->tls_key = c->tls_key;
+    out->tls_server_name = c->tls_server_name;
+    return 0;
+}
+
+void cli_conn_free(cli_conn *c)
+{
+    free(c->token_read);
+    c->token_read = NULL;
+}
+
+int cli_parse_strategy(const char *value, void *field)
+{
+    int s = moed_gate_strategy_parse(value);
+    if (s < 0) return -1;
+    *(int *)field = s;
+    return 0;
+}
+
+int cli_parse_on_off(const char *value, void *field)
+{
+    if (strcmp(value, "on") && strcmp(value, "off")) return -1;
+    *(int *)field = !strcmp(value, "on") ? MOEDC_RENORM_ON : MOEDC_RENORM_OFF;
+    return 0;
+}

@@ -1,0 +1,55 @@
+/*
+ * cli_common — what moectl and moed-load share beyond the parser: the options that reach the
+ * daemon (address, bearer token, TLS) and the values of the gating options.
+ *
+ * Each tool embeds a cli_conn named `conn` in its argument struct and puts CLI_CONN_OPTS(struct)
+ * in its option table, so both take the same flags with the same meaning and help.
+ */
+#ifndef MOED_CLI_COMMON_H
+#define MOED_CLI_COMMON_H
+
+#include "cli_opt.h"
+#include "moedclient.h"
+
+#include <stddef.h>
+
+typedef struct cli_conn {
+    const char *target;
+    const char *token, *token_file;
+    int tls;
+    const char *tls_ca, *tls_cert, *tls_key, *tls_server_name;
+    char *token_read; /* --token-file's token, owned (cli_conn_free) */
+} cli_conn;
+
+#define CLI_CONN_OPTS(T)                                                                           \
+    CLI_STR_OPT("target", offsetof(T, conn.target), "ADDR", "127.0.0.1:50051", NULL,               \
+                "the daemon: host:port, or unix:/path for a Unix socket"),                         \
+        CLI_STR_OPT("token", offsetof(T, conn.token), "T", NULL, NULL,                             \
+                    "bearer token sent as 'authorization: Bearer T' (other local users\n"          \
+                    "can see it in ps: prefer --token-file)"),                                     \
+        CLI_STR_OPT("token-file", offsetof(T, conn.token_file), "FILE", NULL, NULL,                \
+                    "the bearer token: the file's first line"),                                    \
+        CLI_FLAG_OPT("tls", offsetof(T, conn.tls), 1, NULL,                                        \
+                     "TLS, the daemon's certificate checked against gRPC's default roots\n"        \
+                     "($GRPC_DEFAULT_SSL_ROOTS_FILE_PATH); --tls-ca and the others imply it"),     \
+        CLI_STR_OPT("tls-ca", offsetof(T, conn.tls_ca), "FILE", NULL, NULL,                        \
+                    "TLS: the CA certificates (PEM) the daemon's certificate must chain to"),      \
+        CLI_STR_OPT("tls-cert", offsetof(T, conn.tls_cert), "FILE", NULL, NULL,                    \
+                    "mutual TLS: this client's certificate (PEM), with --tls-key"),                \
+        CLI_STR_OPT("tls-key", offsetof(T, conn.tls_key), "FILE", NULL, NULL,                      \
+                    "mutual TLS: its private key (PEM, unencrypted)"),                             \
+        CLI_STR_OPT("tls-server-name", offsetof(T, conn.tls_server_name), "NAME", NULL, NULL,      \
+                    "TLS: the name the daemon's certificate must carry, when ADDR does\n"          \
+                    "not give it (an IP address; for a unix: socket, localhost is checked)")
+
+/* The moedc_opts the options ask for (timeout_s left 0). A usage error, printed and returned as
+ * CLI_EXIT_USAGE, when they do not go together or a file named cannot be used. */
+int cli_conn_opts(const cli_spec *spec, cli_conn *c, moedc_opts *out);
+void cli_conn_free(cli_conn *c);
+
+/* CLI_CUSTOM parsers into an int: a gating strategy's name (model, topk, sigmoid, ...), and
+ * on|off for renormalisation (MOEDC_RENORM_ON / _OFF). */
+int cli_parse_strategy(const char *value, void *field);
+int cli_parse_on_off(const char *value, void *field);
+
+#endif

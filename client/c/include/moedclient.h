@@ -1,0 +1,310 @@
+/*
+ * moedclient — the C client library of moed (libmoedclient): connect to a daemon, run Forward,
+ * GetModel and grpc.health.v1 Check.
+ *
+ * This header is the whole public interface and stands alone: it includes only the C standard
+ * library, and everything it names starts with moedc_ / MOEDC_. Link -lmoedclient.
+ *
+ * Contract:
+ * - A moedc is one gRPC channel, and one TCP connection of its own (channels never share one, so a
+ *   load generator opens N connections by opening N moedc). Any number of threads may call any
+ *   function on one moedc at once; each call has its own gRPC call and completion queue.
+ * - Two ways to call Forward. moedc_forward blocks until the reply. The asynchronous API keeps many
+ *   calls in flight from one thread: moedc_forward_start on a moedc_queue, then moedc_queue_next
+ *   hands back whichever call finished, and moedc_call_finish turns it into a result or an error.
+ * - hidden is sent without being copied: it must stay valid and unchanged until moedc_forward or
+ *   moedc_call_finish returns. Everything else in a request is copied by the start.
+ * - Every function returns 0 or a negative MOEDC_E* code and fills err. For a call the server
+ *   refused, err->code is moedc_code_from_grpc(status) and err->msg the server's status message
+ *   verbatim, so moedc_code_to_grpc(err->code) gives the status back (for the few statuses moed
+ *   never sends, the message starts with the status name, e.g. "ABORTED: ..."). Failures on this
+ *   side (bad arguments, a malformed reply) are MOEDC_EINVAL / MOEDC_EFORMAT.
+ * - Tensors are row-major and little-endian, as on the wire; the library builds only for
+ *   little-endian hosts.
+ *
+ * Example (README.md has a whole program; client/c/cli/moectl.c is a complete tool):
+ *
+ *   moedc *c;
+ *   moedc_error err;
+ *   if (moedc_connect("127.0.0.1:50051", NULL, &c, &err)) die(err.msg);
+ *   moedc_request req = { .layer = 0, .dtype = MOEDC_F32, .tokens = T, .d_model = d, .hidden = x,
+ *                         .routing = MOEDC_ROUTE_LOGITS, .n_experts = E, .logits = logits,
+ *                         .gating = { .strategy = MOEDC_GATE_TOPK, .top_k = 2 } };
+ *   moedc_result res;
+ *   if (moedc_forward(c, &req, &res, &err)) {
+ *       int status = moedc_code_to_grpc(err.code);
+ *       fprintf(stderr, "%s: %s\n", moedc_grpc_status_name(status), err.msg);
+ *   } else {
+ *       use(res.output, res.output_bytes);
+ *       moedc_result_free(&res);
+ *   }
+ *   moedc_close(c);
+ */
+#ifndef MOEDCLIENT_H
+#define MOEDCLIENT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Marks the library's interface: the shared library is built with every other symbol hidden, so
+ * these are all it exports. On Windows, define MOEDC_BUILDING_SHARED when building the DLL and
+ * MOEDC_USING_SHARED when linking against it. */
+#if defined(_WIN32)
+#if defined(MOEDC_BUILDING_SHARED)
+#define MOEDC_EXTERN __declspec(dllexport)
+#elif defined(MOEDC_USING_SHARED)
+#define MOEDC_EXTERN __declspec(dllimport)
+#else
+#define MOEDC_EXTERN
+#endif
+#elif defined(__GNUC__) && __GNUC__ >= 4
+#define MOEDC_EXTERN __attribute__((visibility("default")))
+#else
+#define MOEDC_EXTERN
+#endif
+
+/* ---- errors ---- */
+
+/* XX(name, value, description): the codes functions return, the daemon's own table (the values
+ * are moed's, so a code means the same on both sides of the wire). */
+#define MOEDC_ERR_MAP(XX)                                                                          \
+    XX(OK, 0, "success")                                                                           \
+    XX(EINVAL, -1, "invalid argument")                                                             \
+    XX(ENOTFOUND, -2, "not found")                                                                 \
+    XX(ETOOBIG, -3, "over the size limit")                                                         \
+    XX(EFULL, -4, "queue full")                                                                    \
+    XX(EDRAINING, -5, "server draining")                                                           \
+    XX(EDEADLINE, -6, "deadline exceeded")                                                         \
+    XX(ECANCELLED, -7, "cancelled")                                                                \
+    XX(ENOMEM, -8, "out of memory")                                                                \
+    XX(EIO, -9, "input/output error")                                                              \
+    XX(EFORMAT, -10, "malformed file or message")                                                  \
+    XX(EDEVICE, -11, "device error")                                                               \
+    XX(ENODEV, -12, "no usable device")                                                            \
+    XX(EUNSUPPORTED, -13, "not supported")                                                         \
+    XX(EUNAUTH, -14, "unauthenticated")                                                            \
+    XX(EUNAVAIL, -15, "unavailable")                                                               \
+    XX(EINTERNAL, -16, "internal error")
+
+enum {
+#define MOEDC_ERR_ENUM(name, value, text) MOEDC_##name = value,
+    MOEDC_ERR_MAP(MOEDC_ERR_ENUM)
+#undef MOEDC_ERR_ENUM
+};
+
+/* A code and the sentence that explains it to a person. */
+typedef struct moedc_error {
+    int code;
+    char msg[480];
+} moedc_error;
+
+/* The table's description of a code ("unknown error" outside it). */
+MOEDC_EXTERN const char *moedc_strerror(int code);
+/* The gRPC status code (grpc_status_code's value) a code stands for, and the code a gRPC status
+ * is reported as (MOEDC_OK for 0). */
+MOEDC_EXTERN int moedc_code_to_grpc(int code);
+MOEDC_EXTERN int moedc_code_from_grpc(int grpc_status);
+/* "OK", "CANCELLED", ..., "UNAUTHENTICATED" (the gRPC names); "UNKNOWN" outside 0..16. */
+MOEDC_EXTERN const char *moedc_grpc_status_name(int grpc_status);
+
+/* ---- the protocol's enumerations (values as in proto/moed/v1/moed.proto) ---- */
+
+/* moed.v1.DType: the activation and weight types. */
+typedef enum moedc_dtype { MOEDC_F32 = 1, MOEDC_F16 = 2, MOEDC_BF16 = 3 } moedc_dtype;
+
+/* moed.v1.Strategy: how router logits become a route; MODEL is the layer's own rule. */
+enum {
+    MOEDC_GATE_MODEL = 0,
+    MOEDC_GATE_TOPK = 1,
+    MOEDC_GATE_SIGMOID = 2,
+    MOEDC_GATE_SPARSEMAX = 3,
+    MOEDC_GATE_QUADRATIC = 4,
+    MOEDC_GATE_PIONEER = 5,
+};
+
+/* moed.v1.Renormalize. */
+enum { MOEDC_RENORM_DEFAULT = 0, MOEDC_RENORM_ON = 1, MOEDC_RENORM_OFF = 2 };
+
+/* moed.v1.Activation and moed.v1.RouterRule. */
+enum { MOEDC_ACT_SWIGLU = 1, MOEDC_ACT_GELU = 2, MOEDC_ACT_RELU = 3 };
+enum { MOEDC_RULE_SOFTMAX_TOPK = 1, MOEDC_RULE_DEEPSEEK_V3 = 2 };
+
+/* moed.v1.Gating; all zero: the layer's own rule. */
+typedef struct moedc_gating {
+    int strategy;    /* MOEDC_GATE_* */
+    int top_k;       /* 0: the layer's top_k */
+    int renormalize; /* MOEDC_RENORM_* */
+    float threshold; /* SIGMOID, in (0, 1); 0: 0.5 */
+} moedc_gating;
+
+/* ---- channel ---- */
+
+typedef struct moedc moedc;
+
+/* How to reach the daemon. All zero (or opts NULL): plaintext, no token, no deadline.
+ *
+ * TLS is on when `tls` is set or any tls_* field is. Each tls_ca / tls_cert / tls_key is the path
+ * of a PEM file or, when it starts with "-----BEGIN", the PEM text itself; files are read (and
+ * checked to hold the PEM block they should) by moedc_connect, which fails with MOEDC_EINVAL and a
+ * message naming the field and the file otherwise. The server's certificate is checked against
+ * tls_ca, or without it against gRPC's default roots ($GRPC_DEFAULT_SSL_ROOTS_FILE_PATH, else the
+ * roots.pem gRPC installs), for the target's host name or tls_server_name. */
+typedef struct moedc_opts {
+    double timeout_s;            /* default deadline of every call, seconds; 0: none */
+    const char *bearer_token;    /* sent as "authorization: Bearer TOKEN"; NULL: none */
+    bool tls;                    /* TLS even when no tls_* field is set */
+    const char *tls_ca;          /* CA certificates the server's must chain to */
+    const char *tls_cert;        /* client certificate (chain), for mutual TLS; needs tls_key */
+    const char *tls_key;         /* its private key, unencrypted */
+    const char *tls_server_name; /* the name the server's certificate must carry, when the
+                                    target's host is not it (an IP address; for a unix: target
+                                    gRPC checks "localhost") */
+} moedc_opts;
+
+/* Opens a channel to target ("host:port", "unix:/path", any gRPC target). gRPC connects lazily: an
+ * unreachable server, or a failed TLS handshake, shows up as UNAVAILABLE on the first call. */
+MOEDC_EXTERN int moedc_connect(const char *target, const moedc_opts *opts, moedc **out,
+                               moedc_error *err);
+/* Closes the channel. Every call started on it must have been finished. */
+MOEDC_EXTERN void moedc_close(moedc *c);
+
+/* ---- Forward ---- */
+
+/* How a request routes its tokens (the oneof of moed.v1.ForwardRequest). */
+typedef enum moedc_routing {
+    MOEDC_ROUTE_EXPERTS = 1, /* expert_ids [T, k] int32 + expert_weights [T, k] float32 */
+    MOEDC_ROUTE_LOGITS = 2,  /* logits [T, n_experts] float32, gated by the server with gating */
+    MOEDC_ROUTE_SERVER = 3,  /* the layer's router on the server, then gating */
+} moedc_routing;
+
+typedef struct moedc_request {
+    const char *request_id; /* echoed in the result; NULL or at most 128 bytes */
+    uint32_t layer;         /* the layer's index, as moedc_info lists it */
+    int dtype;              /* MOEDC_F32, MOEDC_F16 or MOEDC_BF16: the output's dtype too */
+    int64_t tokens;         /* T */
+    int64_t d_model;
+    const void *hidden; /* T x d_model elements of dtype; sent zero-copy (see the contract) */
+    int routing;        /* moedc_routing */
+    int k;              /* EXPERTS: columns of ids and weights (-1 with weight 0 pads) */
+    const int32_t *expert_ids;   /* EXPERTS */
+    const float *expert_weights; /* EXPERTS */
+    int n_experts;               /* LOGITS: columns of logits */
+    const float *logits;         /* LOGITS */
+    moedc_gating gating;         /* LOGITS and SERVER */
+    bool batch_gating;           /* batch-level dynamic gating (needs LOGITS or SERVER) */
+    uint32_t k_batch;            /* its set size; 0: the layer's top_k */
+    double timeout_s;            /* 0: the moedc's default; < 0: no deadline */
+} moedc_request;
+
+typedef struct moedc_timings {
+    uint64_t queue_us, compute_us, total_us;
+    uint32_t batch_tokens, batch_requests;
+} moedc_timings;
+
+typedef struct moedc_result {
+    int dtype;               /* the request's dtype */
+    int64_t tokens, d_model; /* the request's shape */
+    const void *output;      /* tokens x d_model elements of dtype, owned by the result */
+    size_t output_bytes;
+    const int32_t *expert_set; /* batch gating: the set S, by decreasing batch score */
+    size_t n_expert_set;
+    moedc_timings timings;
+    const char *request_id; /* echoed by the server ("" if none) */
+    void *priv;             /* the decoded reply that owns the memory above */
+} moedc_result;
+
+/* One Forward, blocking. On success fills res (release it with moedc_result_free). */
+MOEDC_EXTERN int moedc_forward(moedc *c, const moedc_request *req, moedc_result *res,
+                               moedc_error *err);
+/* Releases what a result owns; safe on a zeroed or already released result. */
+MOEDC_EXTERN void moedc_result_free(moedc_result *res);
+
+/* ---- asynchronous calls ---- */
+
+typedef struct moedc_queue moedc_queue; /* where finished calls are collected */
+typedef struct moedc_call moedc_call;   /* one Forward in flight */
+
+MOEDC_EXTERN int moedc_queue_create(moedc_queue **out, moedc_error *err);
+/* Every call started on q must have been collected by moedc_queue_next and finished first. */
+MOEDC_EXTERN void moedc_queue_destroy(moedc_queue *q);
+
+/* Starts a Forward whose completion will be delivered on q; user is returned by moedc_call_user.
+ * On failure nothing was started and *out is NULL. One queue may be used by several threads. */
+MOEDC_EXTERN int moedc_forward_start(moedc *c, const moedc_request *req, moedc_queue *q, void *user,
+                                     moedc_call **out, moedc_error *err);
+/* Waits up to timeout_s (< 0: for ever) for a call started on q to finish. Returns 1 and sets *out
+ * when one did, 0 on timeout. */
+MOEDC_EXTERN int moedc_queue_next(moedc_queue *q, double timeout_s, moedc_call **out);
+MOEDC_EXTERN void *moedc_call_user(const moedc_call *call);
+/* Asks the server to drop the call; it still finishes through its queue (as CANCELLED, unless the
+ * reply was already on its way). May run while another thread waits in moedc_queue_next, but not
+ * after the call was finished. */
+MOEDC_EXTERN void moedc_call_cancel(moedc_call *call);
+/* Turns a finished call (from moedc_queue_next) into a result or an error, and frees the call. */
+MOEDC_EXTERN int moedc_call_finish(moedc_call *call, moedc_result *res, moedc_error *err);
+
+/* ---- model information and health ---- */
+
+/* moed.v1.LayerInfo: one resident layer. */
+typedef struct moedc_layer_info {
+    int index; /* what requests name */
+    int d_model;
+    int d_ff; /* per routed expert */
+    int n_experts;
+    int top_k;
+    int act;         /* MOEDC_ACT_* */
+    int wdtype;      /* moedc_dtype of the weights */
+    bool has_router; /* the server can compute logits (MOEDC_ROUTE_SERVER) */
+    bool norm_topk;  /* top-k weights renormalised */
+    int rule;        /* MOEDC_RULE_*: what MOEDC_GATE_MODEL does */
+    int n_group;     /* DeepSeek-V3 group-limited routing; 1 when not grouped */
+    int topk_group;
+    float routed_scale; /* routed_scaling_factor; 1 when absent */
+    int n_shared;       /* shared experts, applied to every token with weight 1 */
+    int shared_d_ff;    /* their total width */
+} moedc_layer_info;
+
+typedef struct moedc_device {
+    char *name; /* "cpu" or the GPU's name */
+    uint64_t memory_total, memory_used;
+} moedc_device;
+
+typedef struct moedc_model_info {
+    char *model;   /* the checkpoint folder, or the synthetic spec */
+    char *backend; /* "cpu" or "cuda" */
+    char *version;
+    int n_layers;
+    moedc_layer_info *layers;
+    int n_devices;
+    moedc_device *devices;
+    uint64_t max_message_bytes;
+    uint32_t max_batch_tokens; /* the most tokens one request may carry */
+} moedc_model_info;
+
+/* GetModel. Release with moedc_model_info_free. */
+MOEDC_EXTERN int moedc_info(moedc *c, moedc_model_info *out, moedc_error *err);
+MOEDC_EXTERN void moedc_model_info_free(moedc_model_info *m);
+
+/* Values of grpc.health.v1.HealthCheckResponse.ServingStatus. */
+enum {
+    MOEDC_HEALTH_UNKNOWN = 0,
+    MOEDC_HEALTH_SERVING = 1,
+    MOEDC_HEALTH_NOT_SERVING = 2,
+    MOEDC_HEALTH_SERVICE_UNKNOWN = 3,
+};
+
+/* grpc.health.v1.Health/Check of service ("" or NULL: the server as a whole) into *status. */
+MOEDC_EXTERN int moedc_health(moedc *c, const char *service, int *status, moedc_error *err);
+/* "SERVING", "NOT_SERVING", "UNKNOWN", "SERVICE_UNKNOWN". */
+MOEDC_EXTERN const char *moedc_health_name(int status);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
