@@ -5,7 +5,7 @@
  * (never an atomic add across pairs). Eight columns per thread with 16-byte loads when the row
  * width allows, one otherwise.
  */
-#include "moe_cuda.h"
+#include "moed_cuda.h"
 
 #include "moed_dtype.h"
 #include "moed_err.h"
@@ -54,7 +54,7 @@ constexpr int MAX_STAGED =
     256; /* pairs of one token staged in shared memory; more take the slow loop */
 
 template <typename Tc, typename Tout, bool VEC8>
-__global__ void combine_kernel(moe_route_dev r, const Tc *y, const Tc *ys, int d, int d_pad,
+__global__ void combine_kernel(moed_cuda_route_dev r, const Tc *y, const Tc *ys, int d, int d_pad,
                                Tout *out)
 {
     __shared__ int32_t slot[MAX_STAGED];
@@ -99,7 +99,7 @@ __global__ void combine_kernel(moe_route_dev r, const Tc *y, const Tc *ys, int d
 }
 
 template <typename Tc, typename Tout>
-int launch(const moe_route_dev *r, const void *y, const void *ys, int d, int d_pad, void *out,
+int launch(const moed_cuda_route_dev *r, const void *y, const void *ys, int d, int d_pad, void *out,
            cudaStream_t s)
 {
     const int threads = d >= 1024 ? 128 : 64;
@@ -113,8 +113,8 @@ int launch(const moe_route_dev *r, const void *y, const void *ys, int d, int d_p
 }
 
 template <typename Tc>
-int dispatch_out(const moe_route_dev *r, const void *y, const void *ys, int d, int d_pad, void *out,
-                 int dtype, cudaStream_t s)
+int dispatch_out(const moed_cuda_route_dev *r, const void *y, const void *ys, int d, int d_pad,
+                 void *out, int dtype, cudaStream_t s)
 {
     if (dtype == MOED_F32) return launch<Tc, float>(r, y, ys, d, d_pad, out, s);
     if (dtype == MOED_F16) return launch<Tc, __half>(r, y, ys, d, d_pad, out, s);
@@ -124,8 +124,9 @@ int dispatch_out(const moe_route_dev *r, const void *y, const void *ys, int d, i
 
 } // namespace
 
-extern "C" int moe_combine(const moe_route_dev *r, const void *y, const void *ys, int cdtype, int d,
-                           int d_pad, void *out, int dtype, moe_stream s)
+extern "C" int moed_cuda_combine(const moed_cuda_route_dev *r, const void *y, const void *ys,
+                                 int cdtype, int d, int d_pad, void *out, int dtype,
+                                 moed_cuda_stream s)
 {
     if (r->T <= 0) return 0;
     if (cdtype == MOED_BF16)

@@ -4,7 +4,7 @@
  * are zero too, so the padding adds exact zeros). Skipped by the backend when the input already is
  * the compute type and needs no padding.
  */
-#include "moe_cuda.h"
+#include "moed_cuda.h"
 
 #include "moed_dtype.h"
 #include "moed_err.h"
@@ -70,8 +70,8 @@ int launch(const void *x, int dtype, int64_t T, int d, Tout *xc, int d_pad, cuda
 
 } // namespace
 
-extern "C" int moe_convert_in(const void *x, int dtype, int64_t T, int d, void *xc, int cdtype,
-                              int d_pad, moe_stream s)
+extern "C" int moed_cuda_convert_in(const void *x, int dtype, int64_t T, int d, void *xc,
+                                    int cdtype, int d_pad, moed_cuda_stream s)
 {
     if (T <= 0) return 0;
     if (cdtype == MOED_BF16)

@@ -1,10 +1,10 @@
 /*
  * cuda_backend — the CUDA implementation of moed_backend (host code, C): devices, resident weights,
- * the stream pool, and the per-batch pipeline of moe_cuda.h.
+ * the stream pool, and the per-batch pipeline of moed_cuda.h.
  *
  * Weights are converted once at load into the layout the kernels want: the compute type (bf16, or
- * f16 for f16 checkpoints), d and d_ff padded to MOE_PAD with zeros, and for SwiGLU W1|W3 fused
- * into one interleaved matrix (moe_cuda.h says why). Layers are placed round-robin over the
+ * f16 for f16 checkpoints), d and d_ff padded to MOED_CUDA_PAD with zeros, and for SwiGLU W1|W3
+ * fused into one interleaved matrix (moed_cuda.h says why). Layers are placed round-robin over the
  * devices.
  *
  * The pool: `streams` execution slots per device, each with its own stream, pinned staging for the
@@ -17,7 +17,7 @@
  */
 #include "moed_backend.h"
 
-#include "moe_cuda.h"
+#include "moed_cuda.h"
 #include "moed_dtype.h"
 
 #include <cuda_runtime_api.h>
@@ -30,8 +30,8 @@
 typedef struct cuda_layer {
     moed_layer_info info;
     int device;
-    moe_layer_dev k; /* what the kernels see */
-    void *w13, *w2;  /* the allocations behind k (k's pointers are const) */
+    moed_cuda_layer_dev k; /* what the kernels see */
+    void *w13, *w2;        /* the allocations behind k (k's pointers are const) */
     void *s13, *s2;
     int e_pad;
     void *router; /* [e_pad][d_pad], NULL if none */
@@ -59,10 +59,10 @@ typedef struct cuda_exec {
     cudaStream_t stream;
     int32_t *h_route; /* pinned: the packed input route */
     void *x_in, *out;
-    moe_work_dev w;
+    moed_cuda_work_dev w;
     float *logits;
     int32_t *route; /* device: the packed input route, then route prep's arrays */
-    moe_route_dev r;
+    moed_cuda_route_dev r;
     graph_entry graphs[GRAPH_CACHE];
     uint64_t graph_clock;
 } cuda_exec;
@@ -97,7 +97,7 @@ static int cuda_fail(moed_error *err, cudaError_t e, const char *what)
 
 static int pad_to(int v)
 {
-    return (v + MOE_PAD - 1) / MOE_PAD * MOE_PAD;
+    return (v + MOED_CUDA_PAD - 1) / MOED_CUDA_PAD * MOED_CUDA_PAD;
 }
 
 int moed_backend_cuda_available(void)
@@ -126,7 +126,7 @@ static void put_rows(void *dst, int dst_ld, int cdtype, const void *src, int sdt
     const size_t ss = moed_dtype_size(sdtype);
     for (int64_t i = 0; i < n; i++) {
         const char *s = (const char *)src + (size_t)(r0 + i) * cols * ss;
-        char *d = (char *)dst + (size_t)i * dst_ld * 2;
+        char *d = (char *)dst + moed_cuda_cbytes((int64_t)i * dst_ld);
         if (sdtype == cdtype) {
             memcpy(d, s, (size_t)cols * ss);
         } else {
@@ -136,23 +136,23 @@ static void put_rows(void *dst, int dst_ld, int cdtype, const void *src, int sdt
     }
 }
 
-/* One expert's up matrix as the kernels read it: W13 interleaved in MOE_GLU_BLOCK row blocks (gate
- * block j, then up block j) for SwiGLU, else W1; [n_up, d_pad] in the compute type. */
+/* One expert's up matrix as the kernels read it: W13 interleaved in MOED_CUDA_GLU_BLOCK row blocks
+ * (gate block j, then up block j) for SwiGLU, else W1; [n_up, d_pad] in the compute type. */
 static void pack_up(void *dst, const cuda_layer *L, const void *w1, const void *w3, int ff,
                     int n_up, float *tmp)
 {
     const int d = L->info.d_model, wd = L->info.wdtype;
-    memset(dst, 0, (size_t)n_up * L->k.d_pad * 2);
+    memset(dst, 0, moed_cuda_cbytes((int64_t)n_up * L->k.d_pad));
     if (!w3) {
         put_rows(dst, L->k.d_pad, L->k.cdtype, w1, wd, d, 0, ff, tmp);
         return;
     }
-    for (int r0 = 0; r0 < ff; r0 += MOE_GLU_BLOCK) {
-        const int n = ff - r0 < MOE_GLU_BLOCK ? ff - r0 : MOE_GLU_BLOCK;
-        char *blk = (char *)dst + (size_t)(2 * r0) * L->k.d_pad * 2;
+    for (int r0 = 0; r0 < ff; r0 += MOED_CUDA_GLU_BLOCK) {
+        const int n = ff - r0 < MOED_CUDA_GLU_BLOCK ? ff - r0 : MOED_CUDA_GLU_BLOCK;
+        char *blk = (char *)dst + moed_cuda_cbytes((int64_t)(2 * r0) * L->k.d_pad);
         put_rows(blk, L->k.d_pad, L->k.cdtype, w1, wd, d, r0, n, tmp);
-        put_rows(blk + (size_t)MOE_GLU_BLOCK * L->k.d_pad * 2, L->k.d_pad, L->k.cdtype, w3, wd, d,
-                 r0, n, tmp);
+        put_rows(blk + moed_cuda_cbytes((int64_t)MOED_CUDA_GLU_BLOCK * L->k.d_pad), L->k.d_pad,
+                 L->k.cdtype, w3, wd, d, r0, n, tmp);
     }
 }
 
@@ -160,7 +160,7 @@ static void pack_up(void *dst, const cuda_layer *L, const void *w1, const void *
 static void pack_down(void *dst, const cuda_layer *L, const void *w2, int ff, int ff_pad,
                       float *tmp)
 {
-    memset(dst, 0, (size_t)L->k.d_pad * ff_pad * 2);
+    memset(dst, 0, moed_cuda_cbytes((int64_t)L->k.d_pad * ff_pad));
     put_rows(dst, ff_pad, L->k.cdtype, w2, L->info.wdtype, ff, 0, L->info.d_model, tmp);
 }
 
@@ -178,7 +178,7 @@ static uint64_t layer_device_bytes(const cuda_layer *L)
                  ((uint64_t)L->k.n_up * L->k.d_pad + (uint64_t)L->k.d_pad * L->k.ff_pad);
     b += (uint64_t)L->k.sn_up * L->k.d_pad + (uint64_t)L->k.d_pad * L->k.sff_pad;
     if (li->has_router) b += (uint64_t)L->e_pad * L->k.d_pad;
-    return b * 2;
+    return moed_cuda_cbytes((int64_t)b);
 }
 
 static int check_free(int device, uint64_t need, const char *what, moed_error *err)
@@ -232,11 +232,11 @@ static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_
     snprintf(what, sizeof what, "layer %d's weights", li->index);
     if ((rc = check_free(L->device, layer_device_bytes(L), what, err))) return rc;
 
-    const size_t up_b = (size_t)L->k.n_up * L->k.d_pad * 2,
-                 dn_b = (size_t)L->k.d_pad * L->k.ff_pad * 2;
+    const size_t up_b = moed_cuda_cbytes((int64_t)L->k.n_up * L->k.d_pad),
+                 dn_b = moed_cuda_cbytes((int64_t)L->k.d_pad * L->k.ff_pad);
     size_t stage_b = up_b > dn_b ? up_b : dn_b;
-    const size_t s_up = (size_t)L->k.sn_up * L->k.d_pad * 2,
-                 s_dn = (size_t)L->k.d_pad * L->k.sff_pad * 2;
+    const size_t s_up = moed_cuda_cbytes((int64_t)L->k.sn_up * L->k.d_pad),
+                 s_dn = moed_cuda_cbytes((int64_t)L->k.d_pad * L->k.sff_pad);
     if (s_up > stage_b) stage_b = s_up;
     if (s_dn > stage_b) stage_b = s_dn;
     int widest =
@@ -268,7 +268,7 @@ static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_
         if ((rc = upload(L->s2, stage, s_dn, err))) goto err;
     }
     if (li->has_router && l->router) {
-        const size_t rb = (size_t)L->e_pad * L->k.d_pad * 2;
+        const size_t rb = moed_cuda_cbytes((int64_t)L->e_pad * L->k.d_pad);
         CU(cudaMalloc(&L->router, rb), "router allocation");
         memset(stage, 0, rb <= stage_b ? rb : stage_b);
         if (rb > stage_b) {
@@ -304,25 +304,27 @@ static int exec_init(cuda_ctx *c, cuda_exec *x, int device, moed_error *err)
 {
     int rc = 0;
     const int64_t T = c->max_tokens, P = c->max_pairs;
-    const int32_t max_tiles = moe_route_max_tiles((int32_t)P, c->max_e, 16);
+    const int32_t max_tiles = moed_cuda_route_max_tiles((int32_t)P, c->max_e, 16);
     memset(x, 0, sizeof *x);
     x->device = device;
     CU(cudaSetDevice(device), "cudaSetDevice");
     CU(cudaStreamCreateWithFlags(&x->stream, cudaStreamNonBlocking), "stream creation");
     const size_t in_b = (size_t)T * c->max_d * 4;
-    CU(cudaMallocHost((void **)&x->h_route, moe_route_in_words(T, P) * 4), "pinned route staging");
+    CU(cudaMallocHost((void **)&x->h_route, moed_cuda_route_in_words(T, P) * 4),
+       "pinned route staging");
     CU(cudaMalloc(&x->x_in, in_b), "workspace");
     CU(cudaMalloc(&x->out, in_b), "workspace");
-    CU(cudaMalloc(&x->w.xc, (size_t)T * c->max_d_pad * 2), "workspace");
-    CU(cudaMalloc(&x->w.h, (size_t)P * c->max_ff_pad * 2), "workspace");
-    CU(cudaMalloc(&x->w.y, (size_t)P * c->max_d_pad * 2), "workspace");
+    CU(cudaMalloc(&x->w.xc, moed_cuda_cbytes(T * c->max_d_pad)), "workspace");
+    CU(cudaMalloc(&x->w.h, moed_cuda_cbytes(P * c->max_ff_pad)), "workspace");
+    CU(cudaMalloc(&x->w.y, moed_cuda_cbytes(P * c->max_d_pad)), "workspace");
     if (c->max_sff_pad) {
-        CU(cudaMalloc(&x->w.hs, (size_t)T * c->max_sff_pad * 2), "workspace");
-        CU(cudaMalloc(&x->w.ys, (size_t)T * c->max_d_pad * 2), "workspace");
+        CU(cudaMalloc(&x->w.hs, moed_cuda_cbytes(T * c->max_sff_pad)), "workspace");
+        CU(cudaMalloc(&x->w.ys, moed_cuda_cbytes(T * c->max_d_pad)), "workspace");
     }
     if (c->max_e_pad)
         CU(cudaMalloc((void **)&x->logits, (size_t)T * c->max_e_pad * 4), "workspace");
-    CU(cudaMalloc((void **)&x->route, moe_route_words(T, P, c->max_e, max_tiles) * 4), "workspace");
+    CU(cudaMalloc((void **)&x->route, moed_cuda_route_words(T, P, c->max_e, max_tiles) * 4),
+       "workspace");
     return 0;
 err:
     return rc;
@@ -352,11 +354,13 @@ static void exec_free(cuda_exec *x)
 static uint64_t exec_bytes(const cuda_ctx *c)
 {
     const int64_t T = c->max_tokens, P = c->max_pairs;
-    uint64_t b = 2 * (uint64_t)T * c->max_d * 4 + (uint64_t)T * c->max_d_pad * 2;
-    b += (uint64_t)P * (c->max_ff_pad + c->max_d_pad) * 2;
-    b += (uint64_t)T * (c->max_sff_pad + c->max_d_pad * (c->max_sff_pad > 0)) * 2;
+    uint64_t b = 2 * (uint64_t)T * c->max_d * 4 + moed_cuda_cbytes(T * c->max_d_pad);
+    b += moed_cuda_cbytes(P * (c->max_ff_pad + c->max_d_pad));
+    b += moed_cuda_cbytes(T * (c->max_sff_pad + c->max_d_pad * (c->max_sff_pad > 0)));
     b += (uint64_t)T * c->max_e_pad * 4;
-    b += moe_route_words(T, P, c->max_e, moe_route_max_tiles((int32_t)P, c->max_e, 16)) * 4;
+    b +=
+        moed_cuda_route_words(T, P, c->max_e, moed_cuda_route_max_tiles((int32_t)P, c->max_e, 16)) *
+        4;
     return b;
 }
 
@@ -411,10 +415,10 @@ static int dev_index(const cuda_ctx *c, int device)
 static void stage_route(cuda_exec *x, const moed_route *rt, int64_t t0, int64_t t1, int E, int bm)
 {
     const int64_t T = t1 - t0, P = rt->off[t1] - rt->off[t0];
-    moe_route_pack(x->h_route, rt->off, rt->expert, rt->weight, t0, t1);
-    cudaMemcpyAsync(x->route, x->h_route, moe_route_in_words(T, P) * 4, cudaMemcpyHostToDevice,
-                    x->stream);
-    moe_route_layout(&x->r, x->route, T, P, E, bm);
+    moed_cuda_route_pack(x->h_route, rt->off, rt->expert, rt->weight, t0, t1);
+    cudaMemcpyAsync(x->route, x->h_route, moed_cuda_route_in_words(T, P) * 4,
+                    cudaMemcpyHostToDevice, x->stream);
+    moed_cuda_route_layout(&x->r, x->route, T, P, E, bm);
 }
 
 /* Count of experts with pairs in tokens [t0, t1), for choosing the tile before staging. */
@@ -449,9 +453,9 @@ static cudaGraphExec_t graph_for(cuda_ctx *c, cuda_exec *x, const cuda_layer *L,
     cudaGraphExec_t exec = NULL;
     if (cudaStreamBeginCapture(x->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
         goto fail;
-    const int rc =
-        moe_pipeline(&L->k, &x->r, &x->w, x->x_in, k->dtype, x->out, c->sm[dev_index(c, x->device)],
-                     k->n_active, c->force_kernel, x->stream, NULL);
+    const int rc = moed_cuda_pipeline(&L->k, &x->r, &x->w, x->x_in, k->dtype, x->out,
+                                      c->sm[dev_index(c, x->device)], k->n_active, c->force_kernel,
+                                      x->stream, NULL);
     if (cudaStreamEndCapture(x->stream, &graph) != cudaSuccess || rc) goto fail;
     if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) goto fail;
     cudaGraphDestroy(graph);
@@ -474,7 +478,7 @@ static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_
     const int64_t T = t1 - t0, P = rt->off[t1] - rt->off[t0];
     const size_t es = moed_dtype_size(job->dtype);
     const int n_act = active_experts(rt, t0, t1, E);
-    stage_route(x, rt, t0, t1, E, moe_tile_bm(P, n_act, c->force_kernel));
+    stage_route(x, rt, t0, t1, E, moed_cuda_tile_bm(P, n_act, c->force_kernel));
     cudaMemcpyAsync(x->x_in, (const char *)job->x + (size_t)t0 * d * es, (size_t)T * d * es,
                     cudaMemcpyHostToDevice, x->stream);
     int rc = 0;
@@ -492,8 +496,9 @@ static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_
     if (graph)
         rc = cudaGraphLaunch(graph, x->stream) == cudaSuccess ? 0 : MOED_EDEVICE;
     else
-        rc = moe_pipeline(&L->k, &x->r, &x->w, x->x_in, job->dtype, x->out,
-                          c->sm[dev_index(c, x->device)], n_act, c->force_kernel, x->stream, NULL);
+        rc = moed_cuda_pipeline(&L->k, &x->r, &x->w, x->x_in, job->dtype, x->out,
+                                c->sm[dev_index(c, x->device)], n_act, c->force_kernel, x->stream,
+                                NULL);
     cudaMemcpyAsync((char *)job->y + (size_t)t0 * d * es, x->out, (size_t)T * d * es,
                     cudaMemcpyDeviceToHost, x->stream);
     return rc;
@@ -560,9 +565,10 @@ static int cuda_router_logits(moed_backend *b, int exec, int slot, int dtype, in
     const size_t es = moed_dtype_size(dtype);
     cudaSetDevice(x->device);
     cudaMemcpyAsync(x->x_in, xin, (size_t)T * d * es, cudaMemcpyHostToDevice, x->stream);
-    int rc = moe_convert_in(x->x_in, dtype, T, d, x->w.xc, L->k.cdtype, L->k.d_pad, x->stream);
+    int rc =
+        moed_cuda_convert_in(x->x_in, dtype, T, d, x->w.xc, L->k.cdtype, L->k.d_pad, x->stream);
     if (!rc) {
-        moe_gemm g;
+        moed_cuda_gemm g;
         memset(&g, 0, sizeof g);
         g.cdtype = L->k.cdtype;
         g.a = x->w.xc;
@@ -575,13 +581,14 @@ static int cuda_router_logits(moed_backend *b, int exec, int slot, int dtype, in
         g.b_estride = (int64_t)L->e_pad * L->k.d_pad;
         g.c = x->logits;
         g.ldc = L->e_pad;
-        g.epi = MOE_EPI_STORE_F32;
+        g.epi = MOED_CUDA_EPI_STORE_F32;
         g.identity_rows = (int32_t)T;
-        g.bm = moe_tile_bm(T, 1, c->force_kernel == MOE_KERNEL_SM80 ? MOE_KERNEL_SM80 : 0);
+        g.bm = moed_cuda_tile_bm(
+            T, 1, c->force_kernel == MOED_CUDA_KERNEL_SM80 ? MOED_CUDA_KERNEL_SM80 : 0);
         g.max_tiles = (int32_t)((T + g.bm - 1) / g.bm);
-        moe_tile_cfg cfg = { MOE_KERNEL_SM80, g.bm, 128,
-                             1 }; /* fp32 stores: the portable epilogue */
-        rc = moe_gemm_run(&g, &cfg, x->stream);
+        moed_cuda_tile_cfg cfg = { MOED_CUDA_KERNEL_SM80, g.bm, 128,
+                                   1 }; /* fp32 stores: the portable epilogue */
+        rc = moed_cuda_gemm_run(&g, &cfg, x->stream);
     }
     if (!rc)
         cudaMemcpy2DAsync(logits, (size_t)E * 4, x->logits, (size_t)L->e_pad * 4, (size_t)E * 4,
@@ -675,7 +682,7 @@ int moed_backend_cuda_open(const moed_backend_config *cfg, moed_backend **out, m
     }
     c->cfg = *cfg;
     c->max_tokens = cfg->max_tokens > 0 ? cfg->max_tokens : 8192;
-    c->force_kernel = moe_kernel_parse(getenv("MOED_CUDA_KERNEL"));
+    c->force_kernel = moed_cuda_kernel_parse(getenv("MOED_CUDA_KERNEL"));
     const int listed = cfg->devices && cfg->n_devices > 0;
     const int want = listed ? cfg->n_devices : n;
     for (int i = 0; i < want && c->n_dev < MAX_DEVICES; i++) {
