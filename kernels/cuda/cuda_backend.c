@@ -4,8 +4,10 @@
  *
  * Weights are converted once at load into the layout the kernels want: the compute type (bf16, or
  * f16 for f16 checkpoints), d and d_ff padded to MOED_CUDA_PAD with zeros, and for SwiGLU W1|W3
- * fused into one interleaved matrix (moed_cuda.h says why). Layers are placed round-robin over the
- * devices.
+ * fused into one interleaved matrix (moed_cuda.h says why). The router stays as the checkpoint
+ * stores it: router.cu computes logits from it and the request's hidden as they are, and the
+ * logits then follow the layer's rounding rule (moed_router_round_logits), as on the CPU. Layers
+ * are placed round-robin over the devices.
  *
  * The pool: `streams` execution slots per device, each with its own stream, pinned staging for the
  * route, and a device workspace sized at start for max_tokens tokens and max_pairs pairs; forward
@@ -33,8 +35,8 @@ typedef struct cuda_layer {
     moed_cuda_layer_dev k; /* what the kernels see */
     void *w13, *w2;        /* the allocations behind k (k's pointers are const) */
     void *s13, *s2;
-    int e_pad;
-    void *router; /* [e_pad][d_pad], NULL if none */
+    void *router; /* [E][d] in router_dtype, as the checkpoint stores it; NULL if none */
+    int router_dtype;
 } cuda_layer;
 
 /* Small batches replay a captured graph of the pipeline instead of launching its kernels one by
@@ -76,7 +78,7 @@ typedef struct cuda_ctx {
     cuda_exec *execs;
     int n_exec;
     int64_t max_tokens, max_pairs;
-    int max_e, max_d_pad, max_ff_pad, max_sff_pad, max_e_pad, max_d;
+    int max_e, max_d_pad, max_ff_pad, max_sff_pad, max_router_e, max_d;
     int force_kernel;
 } cuda_ctx;
 
@@ -170,15 +172,21 @@ static int upload(void *dev, const void *host, size_t bytes, moed_error *err)
     return e == cudaSuccess ? 0 : cuda_fail(err, e, "weight upload");
 }
 
+/* Bytes of a layer's router as held on the device (as stored), 0 without one. */
+static size_t router_bytes(const cuda_layer *L, const moed_layer *l)
+{
+    if (!L->info.has_router || !l->router) return 0;
+    return (size_t)L->info.n_experts * L->info.d_model * moed_dtype_size(L->router_dtype);
+}
+
 /* Device bytes a layer needs once resident. */
-static uint64_t layer_device_bytes(const cuda_layer *L)
+static uint64_t layer_device_bytes(const cuda_layer *L, const moed_layer *l)
 {
     const moed_layer_info *li = &L->info;
     uint64_t b = (uint64_t)li->n_experts *
                  ((uint64_t)L->k.n_up * L->k.d_pad + (uint64_t)L->k.d_pad * L->k.ff_pad);
     b += (uint64_t)L->k.sn_up * L->k.d_pad + (uint64_t)L->k.d_pad * L->k.sff_pad;
-    if (li->has_router) b += (uint64_t)L->e_pad * L->k.d_pad;
-    return moed_cuda_cbytes((int64_t)b);
+    return moed_cuda_cbytes((int64_t)b) + router_bytes(L, l);
 }
 
 static int check_free(int device, uint64_t need, const char *what, moed_error *err)
@@ -222,7 +230,7 @@ static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_
     L->k.n_up = glu ? 2 * L->k.ff_pad : L->k.ff_pad;
     L->k.sff_pad = li->shared_d_ff ? pad_to(li->shared_d_ff) : 0;
     L->k.sn_up = glu ? 2 * L->k.sff_pad : L->k.sff_pad;
-    L->e_pad = pad_to(li->n_experts);
+    L->router_dtype = moed_layer_router_dtype(l);
     if (li->n_experts > 4096)
         return moed_fail(err, MOED_EUNSUPPORTED,
                          "layer %d has %d experts; the CUDA backend handles up to 4096", li->index,
@@ -230,7 +238,7 @@ static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_
 
     char what[64];
     snprintf(what, sizeof what, "layer %d's weights", li->index);
-    if ((rc = check_free(L->device, layer_device_bytes(L), what, err))) return rc;
+    if ((rc = check_free(L->device, layer_device_bytes(L, l), what, err))) return rc;
 
     const size_t up_b = moed_cuda_cbytes((int64_t)L->k.n_up * L->k.d_pad),
                  dn_b = moed_cuda_cbytes((int64_t)L->k.d_pad * L->k.ff_pad);
@@ -267,17 +275,9 @@ static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_
         pack_down(stage, L, l->shared.w2, li->shared_d_ff, L->k.sff_pad, tmp);
         if ((rc = upload(L->s2, stage, s_dn, err))) goto err;
     }
-    if (li->has_router && l->router) {
-        const size_t rb = moed_cuda_cbytes((int64_t)L->e_pad * L->k.d_pad);
-        CU(cudaMalloc(&L->router, rb), "router allocation");
-        memset(stage, 0, rb <= stage_b ? rb : stage_b);
-        if (rb > stage_b) {
-            rc = moed_fail(err, MOED_EINTERNAL, "router staging too small");
-            goto err;
-        }
-        put_rows(stage, L->k.d_pad, L->k.cdtype, l->router, li->wdtype, li->d_model, 0,
-                 li->n_experts, tmp);
-        if ((rc = upload(L->router, stage, rb, err))) goto err;
+    if (router_bytes(L, l)) {
+        CU(cudaMalloc(&L->router, router_bytes(L, l)), "router allocation");
+        if ((rc = upload(L->router, l->router, router_bytes(L, l), err))) goto err;
     }
     L->k.w13 = L->w13;
     L->k.w2 = L->w2;
@@ -321,8 +321,9 @@ static int exec_init(cuda_ctx *c, cuda_exec *x, int device, moed_error *err)
         CU(cudaMalloc(&x->w.hs, moed_cuda_cbytes(T * c->max_sff_pad)), "workspace");
         CU(cudaMalloc(&x->w.ys, moed_cuda_cbytes(T * c->max_d_pad)), "workspace");
     }
-    if (c->max_e_pad)
-        CU(cudaMalloc((void **)&x->logits, (size_t)T * c->max_e_pad * 4), "workspace");
+    if (c->max_router_e)
+        CU(cudaMalloc((void **)&x->logits, (size_t)T * c->max_router_e * sizeof(float)),
+           "workspace");
     CU(cudaMalloc((void **)&x->route, moed_cuda_route_words(T, P, c->max_e, max_tiles) * 4),
        "workspace");
     return 0;
@@ -357,7 +358,7 @@ static uint64_t exec_bytes(const cuda_ctx *c)
     uint64_t b = 2 * (uint64_t)T * c->max_d * 4 + moed_cuda_cbytes(T * c->max_d_pad);
     b += moed_cuda_cbytes(P * (c->max_ff_pad + c->max_d_pad));
     b += moed_cuda_cbytes(T * (c->max_sff_pad + c->max_d_pad * (c->max_sff_pad > 0)));
-    b += (uint64_t)T * c->max_e_pad * 4;
+    b += (uint64_t)T * c->max_router_e * sizeof(float);
     b +=
         moed_cuda_route_words(T, P, c->max_e, moed_cuda_route_max_tiles((int32_t)P, c->max_e, 16)) *
         4;
@@ -376,7 +377,7 @@ static int cuda_start(moed_backend *b, moed_error *err)
         if (L->k.d_pad > c->max_d_pad) c->max_d_pad = L->k.d_pad;
         if (L->k.ff_pad > c->max_ff_pad) c->max_ff_pad = L->k.ff_pad;
         if (L->k.sff_pad > c->max_sff_pad) c->max_sff_pad = L->k.sff_pad;
-        if (L->router && L->e_pad > c->max_e_pad) c->max_e_pad = L->e_pad;
+        if (L->router && L->info.n_experts > c->max_router_e) c->max_router_e = L->info.n_experts;
     }
     if (!c->n_layers) return moed_fail(err, MOED_EINVAL, "no layers loaded");
     /* Room for every token's top-k, and at least one token routed to every expert; batches with
@@ -562,38 +563,17 @@ static int cuda_router_logits(moed_backend *b, int exec, int slot, int dtype, in
                          "%lld tokens is over the %lld the workspace was sized for", (long long)T,
                          (long long)c->max_tokens);
     const int d = L->info.d_model, E = L->info.n_experts;
-    const size_t es = moed_dtype_size(dtype);
     cudaSetDevice(x->device);
-    cudaMemcpyAsync(x->x_in, xin, (size_t)T * d * es, cudaMemcpyHostToDevice, x->stream);
-    int rc =
-        moed_cuda_convert_in(x->x_in, dtype, T, d, x->w.xc, L->k.cdtype, L->k.d_pad, x->stream);
-    if (!rc) {
-        moed_cuda_gemm g;
-        memset(&g, 0, sizeof g);
-        g.cdtype = L->k.cdtype;
-        g.a = x->w.xc;
-        g.lda = L->k.d_pad;
-        g.a_rows_total = T;
-        g.b = L->router;
-        g.b_experts = 1;
-        g.n = L->e_pad;
-        g.k = L->k.d_pad;
-        g.b_estride = (int64_t)L->e_pad * L->k.d_pad;
-        g.c = x->logits;
-        g.ldc = L->e_pad;
-        g.epi = MOED_CUDA_EPI_STORE_F32;
-        g.identity_rows = (int32_t)T;
-        g.bm = moed_cuda_tile_bm(
-            T, 1, c->force_kernel == MOED_CUDA_KERNEL_SM80 ? MOED_CUDA_KERNEL_SM80 : 0);
-        g.max_tiles = (int32_t)((T + g.bm - 1) / g.bm);
-        moed_cuda_tile_cfg cfg = { MOED_CUDA_KERNEL_SM80, g.bm, 128,
-                                   1 }; /* fp32 stores: the portable epilogue */
-        rc = moed_cuda_gemm_run(&g, &cfg, x->stream);
-    }
+    cudaMemcpyAsync(x->x_in, xin, (size_t)T * d * moed_dtype_size(dtype), cudaMemcpyHostToDevice,
+                    x->stream);
+    const int rc = moed_cuda_router_logits(x->x_in, dtype, T, d, L->router, L->router_dtype, E,
+                                           x->logits, x->stream);
     if (!rc)
-        cudaMemcpy2DAsync(logits, (size_t)E * 4, x->logits, (size_t)L->e_pad * 4, (size_t)E * 4,
-                          (size_t)T, cudaMemcpyDeviceToHost, x->stream);
-    return finish(x, rc, "router logits", err);
+        cudaMemcpyAsync(logits, x->logits, (size_t)T * E * sizeof(float), cudaMemcpyDeviceToHost,
+                        x->stream);
+    const int done = finish(x, rc, "router logits", err);
+    if (!done) moed_router_round_logits(&L->info, dtype, logits, (size_t)T * E);
+    return done;
 }
 
 static int cuda_exec_accepts(moed_backend *b, int exec, int slot)

@@ -89,10 +89,7 @@ template <typename T, int EPI>
 __device__ __forceinline__ void moed_cuda_epilogue2(const moed_cuda_gemm &g, int64_t row, int n,
                                                     float v0, float v1, float u0, float u1)
 {
-    if constexpr (EPI == MOED_CUDA_EPI_STORE_F32) {
-        *reinterpret_cast<float2 *>(static_cast<float *>(g.c) + row * g.ldc + n) =
-            make_float2(v0, v1);
-    } else if constexpr (EPI == MOED_CUDA_EPI_SWIGLU) {
+    if constexpr (EPI == MOED_CUDA_EPI_SWIGLU) {
         const int hcol =
             (n / (2 * MOED_CUDA_GLU_BLOCK)) * MOED_CUDA_GLU_BLOCK + n % (2 * MOED_CUDA_GLU_BLOCK);
         moed_cuda_store2<T>(static_cast<T *>(g.c) + row * g.ldc + hcol, moed_cuda_silu(v0) * u0,
@@ -116,8 +113,6 @@ template <typename F> __host__ __forceinline__ int moed_cuda_epi_dispatch(int ep
         return f.template operator()<MOED_CUDA_EPI_RELU>();
     case MOED_CUDA_EPI_STORE:
         return f.template operator()<MOED_CUDA_EPI_STORE>();
-    case MOED_CUDA_EPI_STORE_F32:
-        return f.template operator()<MOED_CUDA_EPI_STORE_F32>();
     }
     return -1;
 }

@@ -334,15 +334,12 @@ int launch(const moed_cuda_gemm *g, moed_cuda_stream s)
     return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;
 }
 
-/* The instantiations: gathered A only for the up projection's epilogues; fp32 output (router
- * logits) is the portable kernel's. */
+/* The instantiations: gathered A only for the up projection's epilogues. */
 template <typename T, int BN> int dispatch_bn(const moed_cuda_gemm *g, moed_cuda_stream s)
 {
     const bool gather = g->a_rows != nullptr;
     return moed_cuda_epi_dispatch(g->epi, [&]<int EPI>() -> int {
-        if constexpr (EPI == MOED_CUDA_EPI_STORE_F32)
-            return MOED_EINVAL;
-        else if constexpr (EPI == MOED_CUDA_EPI_STORE)
+        if constexpr (EPI == MOED_CUDA_EPI_STORE)
             return gather ? MOED_EINVAL : launch<T, BN, false, EPI>(g, s);
         else
             return gather ? launch<T, BN, true, EPI>(g, s) : launch<T, BN, false, EPI>(g, s);

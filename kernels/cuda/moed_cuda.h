@@ -50,8 +50,7 @@ enum {
     MOED_CUDA_EPI_SWIGLU = 1,
     MOED_CUDA_EPI_GELU = 2,
     MOED_CUDA_EPI_RELU = 3,
-    MOED_CUDA_EPI_STORE = 4,
-    MOED_CUDA_EPI_STORE_F32 = 5
+    MOED_CUDA_EPI_STORE = 4
 };
 
 /* Device arrays of one batch's route; the first four are inputs, the rest route prep writes. */
@@ -80,6 +79,12 @@ static inline int32_t moed_cuda_route_max_tiles(int32_t P, int32_t E, int32_t bm
 
 int moed_cuda_route_prep(const moed_cuda_route_dev *r, moed_cuda_stream s);
 
+/* The server router (router.cu): logits [T, E] float32 = x [T, d] (xdtype) · w [E, d]^T (wdtype),
+ * both MOED_F32/F16/BF16 as stored; each logit one chain of fused multiply-adds in k order from 0,
+ * bit-identical to the CPU backend's. */
+int moed_cuda_router_logits(const void *x, int xdtype, int64_t T, int d, const void *w, int wdtype,
+                            int E, float *logits, moed_cuda_stream s);
+
 /* x [T, d] of dtype (MOED_F32/F16/BF16) → xc [T, d_pad] of cdtype (MOED_BF16/F16), zero padded. */
 int moed_cuda_convert_in(const void *x, int dtype, int64_t T, int d, void *xc, int cdtype,
                          int d_pad, moed_cuda_stream s);
@@ -101,11 +106,11 @@ typedef struct moed_cuda_gemm {
     int64_t b_estride;     /* = n·k: the experts are contiguous (the TMA path maps them as one) */
     int32_t b_experts;
     int n, k; /* multiples of MOED_CUDA_PAD */
-    void *c;  /* C rows, ldc elements apart; float for MOED_CUDA_EPI_STORE_F32 */
+    void *c;  /* C rows, ldc elements apart */
     int64_t ldc;
     int epi; /* MOED_CUDA_EPI_*; SWIGLU writes n/2 columns */
     /* The m-tiles: from route prep (tile_exp, tile_row, n_tiles, exp_off) or, when tile_exp is
-     * NULL, `identity_rows` rows of expert 0 in order (shared experts, router logits). */
+     * NULL, `identity_rows` rows of expert 0 in order (shared experts). */
     const int32_t *tile_exp, *tile_row, *n_tiles, *exp_off;
     int32_t max_tiles;
     int32_t identity_rows;
