@@ -18,7 +18,8 @@
  * A case passes when ||gpu - cpu|| / ||cpu|| is within the bound for its compute type, no element
  * is NaN or Inf, and every output element was written (outputs are poisoned with NaN first). Exits
  * 77 (skipped) where no CUDA device answers: CI has no GPU, and a skip is not a pass.
- * MOED_GPU_TEST_QUICK=1 runs a few representative cases (for compute-sanitizer).
+ * MOED_GPU_TEST_QUICK=1 runs a few representative cases (for compute-sanitizer);
+ * MOED_GPU_TEST_ROUTER_ONLY=1 the server-router cases alone.
  */
 #include "check.h"
 
@@ -571,8 +572,11 @@ int main(void)
         return CHECK_SKIP;
     }
     const int n = (int)(sizeof cases / sizeof cases[0]);
-    const char *q = getenv("MOED_GPU_TEST_QUICK");
-    if (q && *q == '1') {
+    const char *q = getenv("MOED_GPU_TEST_QUICK"), *ro = getenv("MOED_GPU_TEST_ROUTER_ONLY");
+    if (ro && *ro == '1') {
+        for (size_t i = 0; i < sizeof router_cases / sizeof router_cases[0]; i++)
+            run_router_case(&router_cases[i]);
+    } else if (q && *q == '1') {
         for (size_t i = 0; i < sizeof quick / sizeof quick[0]; i++) run_case(&cases[quick[i]]);
         run_router_case(&router_cases[0]);
     } else {
