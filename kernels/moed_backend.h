@@ -58,7 +58,9 @@ typedef struct moed_backend_ops {
      * MOED_ENOMEM naming bytes needed and free. */
     int (*start)(moed_backend *b, moed_error *err);
     int (*forward)(moed_backend *b, int exec, const moed_job *job, moed_error *err);
-    /* logits [T, n_experts] float32 = x [T, d_model] @ router^T, accumulated in float32. */
+    /* logits [T, n_experts] float32 = x [T, d_model] @ router^T, accumulated in float32 from x
+     * and the router as stored, then moed_router_round_logits: the model's own logits, the same
+     * bits on every backend. */
     int (*router_logits)(moed_backend *b, int exec, int slot, int dtype, int64_t T, const void *x,
                          float *logits, moed_error *err);
     /* Host memory the backend moves fastest (pinned for CUDA); NULL when out of memory. */
