@@ -80,7 +80,8 @@ int moed_backend_n_devices(const moed_backend *b);
 int moed_backend_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err);
 
 /* logits [T, n_experts] float32 = x [T, d_model] @ router^T of layer `slot`, accumulated in
- * float32. */
+ * float32 from x and the router as stored (neither rounded to a compute type first), then
+ * moed_router_round_logits: the model's own logits, the same bits on every backend. */
 int moed_backend_router_logits(moed_backend *b, int exec, int slot, int dtype, int64_t T,
                                const void *x, float *logits, moed_error *err);
 

@@ -3,9 +3,9 @@
  * Hugging Face checkpoint (see weights.h).
  *
  * A checkpoint's expert matrices are used where they lie in the mapping: copying them would double
- * the memory of a model that may fill the host. Only the router (when its dtype differs from the
- * experts', since moed_layer holds it in the weight dtype) and the DeepSeek router bias (when not
- * float32) are converted into buffers this module owns.
+ * the memory of a model that may fill the host. The router stays in its own dtype too (the server
+ * router computes from it as stored); only the DeepSeek router bias, when not float32, is converted
+ * into a buffer this module owns.
  *
  * Missing tensors are collected over every held layer and reported together, because a user who
  * fixes one missing name at a time would otherwise restart the daemon once per name; any other
@@ -25,7 +25,7 @@
 typedef struct weights_priv {
     bool synthetic;  /* layers came from moed_synth_layer, which owns their memory */
     moed_st_dir *st; /* the mappings the layers point into */
-    void **owned;    /* converted routers and biases */
+    void **owned;    /* converted router biases */
     int n_owned;
 } weights_priv;
 
@@ -327,9 +327,10 @@ static int build_layer(loader *ld, int L, const moed_st_tensor **t, moed_layer *
     *out = (moed_layer){ .info = *li };
     out->info.index = L;
     out->info.wdtype = ld->first->mdtype;
-    if ((rc = as_dtype(ld, t[SLOT_ROUTER], out->info.wdtype, &out->router))) return rc;
+    out->router = t[SLOT_ROUTER]->data;
+    out->router_dtype = t[SLOT_ROUTER]->mdtype;
     if (t[SLOT_BIAS]) {
-        const void *bias;
+        const void *bias = NULL;
         if ((rc = as_dtype(ld, t[SLOT_BIAS], MOED_F32, &bias))) return rc;
         out->router_bias = bias;
     }

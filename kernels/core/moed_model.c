@@ -7,6 +7,11 @@
 
 #include <string.h>
 
+int moed_layer_router_dtype(const moed_layer *l)
+{
+    return l->router_dtype ? l->router_dtype : l->info.wdtype;
+}
+
 uint64_t moed_layer_expert_bytes(const moed_layer_info *li)
 {
     uint64_t mats = li->act == MOED_ACT_SWIGLU ? 3 : 2;

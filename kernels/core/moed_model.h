@@ -57,10 +57,14 @@ typedef struct moed_expert_w {
 typedef struct moed_layer {
     moed_layer_info info;
     moed_expert_w *experts;   /* n_experts of them */
-    const void *router;       /* [n_experts, d_model] in wdtype, or NULL */
+    const void *router;       /* [n_experts, d_model] in moed_layer_router_dtype, or NULL */
+    int router_dtype;         /* the router's moed_dtype as the checkpoint stores it; 0: wdtype */
     const float *router_bias; /* [n_experts] float32 (DeepSeek e_score_correction_bias), or NULL */
     moed_expert_w shared;     /* the shared experts fused along d_ff: [shared_d_ff, d_model] etc. */
 } moed_layer;
+
+/* The dtype the router weights are held in: router_dtype, or the experts' wdtype when it is 0. */
+int moed_layer_router_dtype(const moed_layer *l);
 
 /* Bytes of one routed expert's weights, and of the layer's resident weights in all. */
 uint64_t moed_layer_expert_bytes(const moed_layer_info *li);

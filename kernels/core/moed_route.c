@@ -22,6 +22,7 @@
  */
 #include "moed_route.h"
 
+#include "moed_dtype.h"
 #include "moed_pool.h"
 
 #include <math.h>
@@ -160,6 +161,14 @@ static int check_groups(const moed_layer_info *li, int top_k, moed_error *err)
                          "keeps (topk_group %d x %d experts per group)",
                          top_k, KG * (E / G), KG, li->index, KG, E / G);
     return 0;
+}
+
+void moed_router_round_logits(const moed_layer_info *li, int dtype, float *logits, size_t n)
+{
+    if (li->rule != MOED_RULE_SOFTMAX_TOPK || dtype == MOED_F32) return;
+    for (size_t i = 0; i < n; i++)
+        logits[i] = dtype == MOED_BF16 ? moed_bf16_to_f32(moed_f32_to_bf16(logits[i]))
+                                       : moed_f16_to_f32(moed_f32_to_f16(logits[i]));
 }
 
 int moed_gate_resolve(moed_gate_params *p, const moed_layer_info *li, moed_error *err)

@@ -21,6 +21,7 @@
 #include "moed_err.h"
 #include "moed_model.h"
 
+#include <stddef.h>
 #include <stdint.h>
 
 typedef struct moed_route {
@@ -71,6 +72,15 @@ int moed_route_from_choice(moed_route *r, const int32_t *ids, const float *w, in
  * threshold) so that the result names exactly what will run; MOED_EINVAL with a message if
  * the strategy is unknown, top_k is out of [1, n_experts] or the threshold out of (0, 1). */
 int moed_gate_resolve(moed_gate_params *p, const moed_layer_info *li, moed_error *err);
+
+/* The server router's logits as the layer's model computes them. A backend's router_logits sums
+ * x · router^T in float32 from x in the request's dtype and the router in the checkpoint's (neither
+ * rounded first), then calls this on its float32 result [n]: where the model runs its gate Linear
+ * in the activation dtype (the softmax top-k rule: Mixtral, Qwen-MoE and OLMoE in transformers) the
+ * logits are rounded to `dtype`, the request's hidden dtype (nearest, ties to even), as that
+ * Linear's output is; DeepSeek-V3 computes its gate in float32 and keeps them. Gating then runs in
+ * float32 on these values. */
+void moed_router_round_logits(const moed_layer_info *li, int dtype, float *logits, size_t n);
 
 /* Applies a resolved strategy to logits [T, E] (float32, E = li->n_experts). MOED_GATE_MODEL
  * follows li->rule, using router_bias (DeepSeek e_score_correction_bias, may be NULL). Logits that

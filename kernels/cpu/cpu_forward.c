@@ -305,7 +305,7 @@ int moed_cpu_router_logits(moed_backend *b, int exec, int slot, int dtype, int64
                               .lda = (size_t)f.d,
                               .k = f.d,
                               .b = l->router,
-                              .bdtype = l->info.wdtype,
+                              .bdtype = moed_layer_router_dtype(l),
                               .n = l->info.n_experts,
                               .act = MOED_ACT_NONE,
                               .c = logits,
@@ -315,5 +315,6 @@ int moed_cpu_router_logits(moed_backend *b, int exec, int slot, int dtype, int64
         w->blocks[f.n_blocks++] =
             (cpu_rowblock){ 0, T - m0 < MOED_CPU_MC ? (int)(T - m0) : MOED_CPU_MC, m0 };
     run_gemm(&f);
+    moed_router_round_logits(&l->info, dtype, logits, (size_t)T * (size_t)l->info.n_experts);
     return 0;
 }

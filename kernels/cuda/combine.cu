@@ -5,41 +5,13 @@
  * (never an atomic add across pairs). Eight columns per thread with 16-byte loads when the row
  * width allows, one otherwise.
  */
-#include "moe_cuda.h"
+#include "dtype.cuh"
+#include "moed_cuda.h"
 
-#include "moed_dtype.h"
-#include "moed_err.h"
-
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 namespace
 {
-
-template <typename T> __device__ __forceinline__ float to_f32(T v);
-template <> __device__ __forceinline__ float to_f32<__half>(__half v)
-{
-    return __half2float(v);
-}
-template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v)
-{
-    return __bfloat162float(v);
-}
-
-template <typename T> __device__ __forceinline__ void store(T *p, float v);
-template <> __device__ __forceinline__ void store<float>(float *p, float v)
-{
-    *p = v;
-}
-template <> __device__ __forceinline__ void store<__half>(__half *p, float v)
-{
-    *p = __float2half_rn(v);
-}
-template <> __device__ __forceinline__ void store<__nv_bfloat16>(__nv_bfloat16 *p, float v)
-{
-    *p = __float2bfloat16_rn(v);
-}
 
 /* Adds w times 8 consecutive elements at src to acc. */
 template <typename Tc> __device__ __forceinline__ void fma8(float acc[8], const Tc *src, float w)
@@ -47,14 +19,14 @@ template <typename Tc> __device__ __forceinline__ void fma8(float acc[8], const 
     const uint4 raw = *reinterpret_cast<const uint4 *>(src);
     const Tc *v = reinterpret_cast<const Tc *>(&raw);
 #pragma unroll
-    for (int i = 0; i < 8; i++) acc[i] += w * to_f32<Tc>(v[i]);
+    for (int i = 0; i < 8; i++) acc[i] += w * moed_cuda_to_f32<Tc>(v[i]);
 }
 
 constexpr int MAX_STAGED =
     256; /* pairs of one token staged in shared memory; more take the slow loop */
 
 template <typename Tc, typename Tout, bool VEC8>
-__global__ void combine_kernel(moe_route_dev r, const Tc *y, const Tc *ys, int d, int d_pad,
+__global__ void combine_kernel(moed_cuda_route_dev r, const Tc *y, const Tc *ys, int d, int d_pad,
                                Tout *out)
 {
     __shared__ int32_t slot[MAX_STAGED];
@@ -84,22 +56,22 @@ __global__ void combine_kernel(moe_route_dev r, const Tc *y, const Tc *ys, int d
             if constexpr (VEC8)
                 fma8<Tc>(acc, row, w);
             else
-                acc[0] += w * to_f32<Tc>(row[0]);
+                acc[0] += w * moed_cuda_to_f32<Tc>(row[0]);
         }
         if (ys) {
             const Tc *row = ys + (int64_t)t * d_pad + c;
             if constexpr (VEC8)
                 fma8<Tc>(acc, row, 1.0f);
             else
-                acc[0] += to_f32<Tc>(row[0]);
+                acc[0] += moed_cuda_to_f32<Tc>(row[0]);
         }
 #pragma unroll
-        for (int i = 0; i < W; i++) store<Tout>(o + c + i, acc[i]);
+        for (int i = 0; i < W; i++) o[c + i] = moed_cuda_from_f32<Tout>(acc[i]);
     }
 }
 
 template <typename Tc, typename Tout>
-int launch(const moe_route_dev *r, const void *y, const void *ys, int d, int d_pad, void *out,
+int launch(const moed_cuda_route_dev *r, const void *y, const void *ys, int d, int d_pad, void *out,
            cudaStream_t s)
 {
     const int threads = d >= 1024 ? 128 : 64;
@@ -113,19 +85,18 @@ int launch(const moe_route_dev *r, const void *y, const void *ys, int d, int d_p
 }
 
 template <typename Tc>
-int dispatch_out(const moe_route_dev *r, const void *y, const void *ys, int d, int d_pad, void *out,
-                 int dtype, cudaStream_t s)
+int dispatch_out(const moed_cuda_route_dev *r, const void *y, const void *ys, int d, int d_pad,
+                 void *out, int dtype, cudaStream_t s)
 {
-    if (dtype == MOED_F32) return launch<Tc, float>(r, y, ys, d, d_pad, out, s);
-    if (dtype == MOED_F16) return launch<Tc, __half>(r, y, ys, d, d_pad, out, s);
-    if (dtype == MOED_BF16) return launch<Tc, __nv_bfloat16>(r, y, ys, d, d_pad, out, s);
-    return MOED_EINVAL;
+    return moed_cuda_float_dispatch(
+        dtype, [&]<typename Tout>() { return launch<Tc, Tout>(r, y, ys, d, d_pad, out, s); });
 }
 
 } // namespace
 
-extern "C" int moe_combine(const moe_route_dev *r, const void *y, const void *ys, int cdtype, int d,
-                           int d_pad, void *out, int dtype, moe_stream s)
+extern "C" int moed_cuda_combine(const moed_cuda_route_dev *r, const void *y, const void *ys,
+                                 int cdtype, int d, int d_pad, void *out, int dtype,
+                                 moed_cuda_stream s)
 {
     if (r->T <= 0) return 0;
     if (cdtype == MOED_BF16)

@@ -4,41 +4,13 @@
  * are zero too, so the padding adds exact zeros). Skipped by the backend when the input already is
  * the compute type and needs no padding.
  */
-#include "moe_cuda.h"
+#include "dtype.cuh"
+#include "moed_cuda.h"
 
-#include "moed_dtype.h"
-#include "moed_err.h"
-
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 namespace
 {
-
-template <typename T> __device__ __forceinline__ float to_f32(T v);
-template <> __device__ __forceinline__ float to_f32<float>(float v)
-{
-    return v;
-}
-template <> __device__ __forceinline__ float to_f32<__half>(__half v)
-{
-    return __half2float(v);
-}
-template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v)
-{
-    return __bfloat162float(v);
-}
-
-template <typename T> __device__ __forceinline__ T from_f32(float v);
-template <> __device__ __forceinline__ __half from_f32<__half>(float v)
-{
-    return __float2half_rn(v);
-}
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v)
-{
-    return __float2bfloat16_rn(v);
-}
 
 template <typename Tin, typename Tout>
 __global__ void convert_kernel(const Tin *x, int64_t T, int d, Tout *xc, int d_pad)
@@ -48,7 +20,7 @@ __global__ void convert_kernel(const Tin *x, int64_t T, int d, Tout *xc, int d_p
          i += (int64_t)gridDim.x * blockDim.x) {
         const int64_t t = i / d_pad;
         const int c = (int)(i - t * d_pad);
-        xc[i] = from_f32<Tout>(c < d ? to_f32<Tin>(x[t * d + c]) : 0.0f);
+        xc[i] = moed_cuda_from_f32<Tout>(c < d ? moed_cuda_to_f32<Tin>(x[t * d + c]) : 0.0f);
     }
 }
 
@@ -57,21 +29,16 @@ int launch(const void *x, int dtype, int64_t T, int d, Tout *xc, int d_pad, cuda
 {
     const int64_t n = T * d_pad;
     const int blocks = (int)((n + 255) / 256 < 65536 ? (n + 255) / 256 : 65536);
-    if (dtype == MOED_F32)
-        convert_kernel<<<blocks, 256, 0, s>>>((const float *)x, T, d, xc, d_pad);
-    else if (dtype == MOED_F16)
-        convert_kernel<<<blocks, 256, 0, s>>>((const __half *)x, T, d, xc, d_pad);
-    else if (dtype == MOED_BF16)
-        convert_kernel<<<blocks, 256, 0, s>>>((const __nv_bfloat16 *)x, T, d, xc, d_pad);
-    else
-        return MOED_EINVAL;
-    return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;
+    return moed_cuda_float_dispatch(dtype, [&]<typename Tin>() {
+        convert_kernel<<<blocks, 256, 0, s>>>((const Tin *)x, T, d, xc, d_pad);
+        return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;
+    });
 }
 
 } // namespace
 
-extern "C" int moe_convert_in(const void *x, int dtype, int64_t T, int d, void *xc, int cdtype,
-                              int d_pad, moe_stream s)
+extern "C" int moed_cuda_convert_in(const void *x, int dtype, int64_t T, int d, void *xc,
+                                    int cdtype, int d_pad, moed_cuda_stream s)
 {
     if (T <= 0) return 0;
     if (cdtype == MOED_BF16)

@@ -1,11 +1,13 @@
 /*
  * cuda_backend — the CUDA implementation of moed_backend (host code, C): devices, resident weights,
- * the stream pool, and the per-batch pipeline of moe_cuda.h.
+ * the stream pool, and the per-batch pipeline of moed_cuda.h.
  *
  * Weights are converted once at load into the layout the kernels want: the compute type (bf16, or
- * f16 for f16 checkpoints), d and d_ff padded to MOE_PAD with zeros, and for SwiGLU W1|W3 fused
- * into one interleaved matrix (moe_cuda.h says why). Layers are placed round-robin over the
- * devices.
+ * f16 for f16 checkpoints), d and d_ff padded to MOED_CUDA_PAD with zeros, and for SwiGLU W1|W3
+ * fused into one interleaved matrix (moed_cuda.h says why). The router stays as the checkpoint
+ * stores it: router.cu computes logits from it and the request's hidden as they are, and the
+ * logits then follow the layer's rounding rule (moed_router_round_logits), as on the CPU. Layers
+ * are placed round-robin over the devices.
  *
  * The pool: `streams` execution slots per device, each with its own stream, pinned staging for the
  * route, and a device workspace sized at start for max_tokens tokens and max_pairs pairs; forward
@@ -17,7 +19,7 @@
  */
 #include "moed_backend_impl.h"
 
-#include "moe_cuda.h"
+#include "moed_cuda.h"
 #include "moed_dtype.h"
 
 #include <cuda_runtime_api.h>
@@ -30,11 +32,11 @@
 typedef struct cuda_layer {
     moed_layer_info info;
     int device;
-    moe_layer_dev k; /* what the kernels see */
-    void *w13, *w2;  /* the allocations behind k (k's pointers are const) */
+    moed_cuda_layer_dev k; /* what the kernels see */
+    void *w13, *w2;        /* the allocations behind k (k's pointers are const) */
     void *s13, *s2;
-    int e_pad;
-    void *router; /* [e_pad][d_pad], NULL if none */
+    void *router; /* [E][d] in router_dtype, as the checkpoint stores it; NULL if none */
+    int router_dtype;
 } cuda_layer;
 
 /* Small batches replay a captured graph of the pipeline instead of launching its kernels one by
@@ -59,10 +61,10 @@ typedef struct cuda_exec {
     cudaStream_t stream;
     int32_t *h_route; /* pinned: the packed input route */
     void *x_in, *out;
-    moe_work_dev w;
+    moed_cuda_work_dev w;
     float *logits;
     int32_t *route; /* device: the packed input route, then route prep's arrays */
-    moe_route_dev r;
+    moed_cuda_route_dev r;
     graph_entry graphs[GRAPH_CACHE];
     uint64_t graph_clock;
 } cuda_exec;
@@ -76,7 +78,7 @@ typedef struct cuda_ctx {
     cuda_exec *execs;
     int n_exec;
     int64_t max_tokens, max_pairs;
-    int max_e, max_d_pad, max_ff_pad, max_sff_pad, max_e_pad, max_d;
+    int max_e, max_d_pad, max_ff_pad, max_sff_pad, max_router_e, max_d;
     int force_kernel;
 } cuda_ctx;
 
@@ -97,7 +99,7 @@ static int cuda_fail(moed_error *err, cudaError_t e, const char *what)
 
 static int pad_to(int v)
 {
-    return (v + MOE_PAD - 1) / MOE_PAD * MOE_PAD;
+    return (v + MOED_CUDA_PAD - 1) / MOED_CUDA_PAD * MOED_CUDA_PAD;
 }
 
 int moed_backend_cuda_available(void)
@@ -126,7 +128,7 @@ static void put_rows(void *dst, int dst_ld, int cdtype, const void *src, int sdt
     const size_t ss = moed_dtype_size(sdtype);
     for (int64_t i = 0; i < n; i++) {
         const char *s = (const char *)src + (size_t)(r0 + i) * cols * ss;
-        char *d = (char *)dst + (size_t)i * dst_ld * 2;
+        char *d = (char *)dst + moed_cuda_cbytes((int64_t)i * dst_ld);
         if (sdtype == cdtype) {
             memcpy(d, s, (size_t)cols * ss);
         } else {
@@ -136,23 +138,23 @@ static void put_rows(void *dst, int dst_ld, int cdtype, const void *src, int sdt
     }
 }
 
-/* One expert's up matrix as the kernels read it: W13 interleaved in MOE_GLU_BLOCK row blocks (gate
- * block j, then up block j) for SwiGLU, else W1; [n_up, d_pad] in the compute type. */
+/* One expert's up matrix as the kernels read it: W13 interleaved in MOED_CUDA_GLU_BLOCK row blocks
+ * (gate block j, then up block j) for SwiGLU, else W1; [n_up, d_pad] in the compute type. */
 static void pack_up(void *dst, const cuda_layer *L, const void *w1, const void *w3, int ff,
                     int n_up, float *tmp)
 {
     const int d = L->info.d_model, wd = L->info.wdtype;
-    memset(dst, 0, (size_t)n_up * L->k.d_pad * 2);
+    memset(dst, 0, moed_cuda_cbytes((int64_t)n_up * L->k.d_pad));
     if (!w3) {
         put_rows(dst, L->k.d_pad, L->k.cdtype, w1, wd, d, 0, ff, tmp);
         return;
     }
-    for (int r0 = 0; r0 < ff; r0 += MOE_GLU_BLOCK) {
-        const int n = ff - r0 < MOE_GLU_BLOCK ? ff - r0 : MOE_GLU_BLOCK;
-        char *blk = (char *)dst + (size_t)(2 * r0) * L->k.d_pad * 2;
+    for (int r0 = 0; r0 < ff; r0 += MOED_CUDA_GLU_BLOCK) {
+        const int n = ff - r0 < MOED_CUDA_GLU_BLOCK ? ff - r0 : MOED_CUDA_GLU_BLOCK;
+        char *blk = (char *)dst + moed_cuda_cbytes((int64_t)(2 * r0) * L->k.d_pad);
         put_rows(blk, L->k.d_pad, L->k.cdtype, w1, wd, d, r0, n, tmp);
-        put_rows(blk + (size_t)MOE_GLU_BLOCK * L->k.d_pad * 2, L->k.d_pad, L->k.cdtype, w3, wd, d,
-                 r0, n, tmp);
+        put_rows(blk + moed_cuda_cbytes((int64_t)MOED_CUDA_GLU_BLOCK * L->k.d_pad), L->k.d_pad,
+                 L->k.cdtype, w3, wd, d, r0, n, tmp);
     }
 }
 
@@ -160,7 +162,7 @@ static void pack_up(void *dst, const cuda_layer *L, const void *w1, const void *
 static void pack_down(void *dst, const cuda_layer *L, const void *w2, int ff, int ff_pad,
                       float *tmp)
 {
-    memset(dst, 0, (size_t)L->k.d_pad * ff_pad * 2);
+    memset(dst, 0, moed_cuda_cbytes((int64_t)L->k.d_pad * ff_pad));
     put_rows(dst, ff_pad, L->k.cdtype, w2, L->info.wdtype, ff, 0, L->info.d_model, tmp);
 }
 
@@ -170,15 +172,21 @@ static int upload(void *dev, const void *host, size_t bytes, moed_error *err)
     return e == cudaSuccess ? 0 : cuda_fail(err, e, "weight upload");
 }
 
+/* Bytes of a layer's router as held on the device (as stored), 0 without one. */
+static size_t router_bytes(const cuda_layer *L, const moed_layer *l)
+{
+    if (!L->info.has_router || !l->router) return 0;
+    return (size_t)L->info.n_experts * L->info.d_model * moed_dtype_size(L->router_dtype);
+}
+
 /* Device bytes a layer needs once resident. */
-static uint64_t layer_device_bytes(const cuda_layer *L)
+static uint64_t layer_device_bytes(const cuda_layer *L, const moed_layer *l)
 {
     const moed_layer_info *li = &L->info;
     uint64_t b = (uint64_t)li->n_experts *
                  ((uint64_t)L->k.n_up * L->k.d_pad + (uint64_t)L->k.d_pad * L->k.ff_pad);
     b += (uint64_t)L->k.sn_up * L->k.d_pad + (uint64_t)L->k.d_pad * L->k.sff_pad;
-    if (li->has_router) b += (uint64_t)L->e_pad * L->k.d_pad;
-    return b * 2;
+    return moed_cuda_cbytes((int64_t)b) + router_bytes(L, l);
 }
 
 static int check_free(int device, uint64_t need, const char *what, moed_error *err)
@@ -222,7 +230,7 @@ static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_
     L->k.n_up = glu ? 2 * L->k.ff_pad : L->k.ff_pad;
     L->k.sff_pad = li->shared_d_ff ? pad_to(li->shared_d_ff) : 0;
     L->k.sn_up = glu ? 2 * L->k.sff_pad : L->k.sff_pad;
-    L->e_pad = pad_to(li->n_experts);
+    L->router_dtype = moed_layer_router_dtype(l);
     if (li->n_experts > 4096)
         return moed_fail(err, MOED_EUNSUPPORTED,
                          "layer %d has %d experts; the CUDA backend handles up to 4096", li->index,
@@ -230,13 +238,13 @@ static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_
 
     char what[64];
     snprintf(what, sizeof what, "layer %d's weights", li->index);
-    if ((rc = check_free(L->device, layer_device_bytes(L), what, err))) return rc;
+    if ((rc = check_free(L->device, layer_device_bytes(L, l), what, err))) return rc;
 
-    const size_t up_b = (size_t)L->k.n_up * L->k.d_pad * 2,
-                 dn_b = (size_t)L->k.d_pad * L->k.ff_pad * 2;
+    const size_t up_b = moed_cuda_cbytes((int64_t)L->k.n_up * L->k.d_pad),
+                 dn_b = moed_cuda_cbytes((int64_t)L->k.d_pad * L->k.ff_pad);
     size_t stage_b = up_b > dn_b ? up_b : dn_b;
-    const size_t s_up = (size_t)L->k.sn_up * L->k.d_pad * 2,
-                 s_dn = (size_t)L->k.d_pad * L->k.sff_pad * 2;
+    const size_t s_up = moed_cuda_cbytes((int64_t)L->k.sn_up * L->k.d_pad),
+                 s_dn = moed_cuda_cbytes((int64_t)L->k.d_pad * L->k.sff_pad);
     if (s_up > stage_b) stage_b = s_up;
     if (s_dn > stage_b) stage_b = s_dn;
     int widest =
@@ -267,17 +275,9 @@ static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_
         pack_down(stage, L, l->shared.w2, li->shared_d_ff, L->k.sff_pad, tmp);
         if ((rc = upload(L->s2, stage, s_dn, err))) goto err;
     }
-    if (li->has_router && l->router) {
-        const size_t rb = (size_t)L->e_pad * L->k.d_pad * 2;
-        CU(cudaMalloc(&L->router, rb), "router allocation");
-        memset(stage, 0, rb <= stage_b ? rb : stage_b);
-        if (rb > stage_b) {
-            rc = moed_fail(err, MOED_EINTERNAL, "router staging too small");
-            goto err;
-        }
-        put_rows(stage, L->k.d_pad, L->k.cdtype, l->router, li->wdtype, li->d_model, 0,
-                 li->n_experts, tmp);
-        if ((rc = upload(L->router, stage, rb, err))) goto err;
+    if (router_bytes(L, l)) {
+        CU(cudaMalloc(&L->router, router_bytes(L, l)), "router allocation");
+        if ((rc = upload(L->router, l->router, router_bytes(L, l), err))) goto err;
     }
     L->k.w13 = L->w13;
     L->k.w2 = L->w2;
@@ -304,25 +304,28 @@ static int exec_init(cuda_ctx *c, cuda_exec *x, int device, moed_error *err)
 {
     int rc = 0;
     const int64_t T = c->max_tokens, P = c->max_pairs;
-    const int32_t max_tiles = moe_route_max_tiles((int32_t)P, c->max_e, 16);
+    const int32_t max_tiles = moed_cuda_route_max_tiles((int32_t)P, c->max_e, 16);
     memset(x, 0, sizeof *x);
     x->device = device;
     CU(cudaSetDevice(device), "cudaSetDevice");
     CU(cudaStreamCreateWithFlags(&x->stream, cudaStreamNonBlocking), "stream creation");
     const size_t in_b = (size_t)T * c->max_d * 4;
-    CU(cudaMallocHost((void **)&x->h_route, moe_route_in_words(T, P) * 4), "pinned route staging");
+    CU(cudaMallocHost((void **)&x->h_route, moed_cuda_route_in_words(T, P) * 4),
+       "pinned route staging");
     CU(cudaMalloc(&x->x_in, in_b), "workspace");
     CU(cudaMalloc(&x->out, in_b), "workspace");
-    CU(cudaMalloc(&x->w.xc, (size_t)T * c->max_d_pad * 2), "workspace");
-    CU(cudaMalloc(&x->w.h, (size_t)P * c->max_ff_pad * 2), "workspace");
-    CU(cudaMalloc(&x->w.y, (size_t)P * c->max_d_pad * 2), "workspace");
+    CU(cudaMalloc(&x->w.xc, moed_cuda_cbytes(T * c->max_d_pad)), "workspace");
+    CU(cudaMalloc(&x->w.h, moed_cuda_cbytes(P * c->max_ff_pad)), "workspace");
+    CU(cudaMalloc(&x->w.y, moed_cuda_cbytes(P * c->max_d_pad)), "workspace");
     if (c->max_sff_pad) {
-        CU(cudaMalloc(&x->w.hs, (size_t)T * c->max_sff_pad * 2), "workspace");
-        CU(cudaMalloc(&x->w.ys, (size_t)T * c->max_d_pad * 2), "workspace");
+        CU(cudaMalloc(&x->w.hs, moed_cuda_cbytes(T * c->max_sff_pad)), "workspace");
+        CU(cudaMalloc(&x->w.ys, moed_cuda_cbytes(T * c->max_d_pad)), "workspace");
     }
-    if (c->max_e_pad)
-        CU(cudaMalloc((void **)&x->logits, (size_t)T * c->max_e_pad * 4), "workspace");
-    CU(cudaMalloc((void **)&x->route, moe_route_words(T, P, c->max_e, max_tiles) * 4), "workspace");
+    if (c->max_router_e)
+        CU(cudaMalloc((void **)&x->logits, (size_t)T * c->max_router_e * sizeof(float)),
+           "workspace");
+    CU(cudaMalloc((void **)&x->route, moed_cuda_route_words(T, P, c->max_e, max_tiles) * 4),
+       "workspace");
     return 0;
 err:
     return rc;
@@ -352,11 +355,13 @@ static void exec_free(cuda_exec *x)
 static uint64_t exec_bytes(const cuda_ctx *c)
 {
     const int64_t T = c->max_tokens, P = c->max_pairs;
-    uint64_t b = 2 * (uint64_t)T * c->max_d * 4 + (uint64_t)T * c->max_d_pad * 2;
-    b += (uint64_t)P * (c->max_ff_pad + c->max_d_pad) * 2;
-    b += (uint64_t)T * (c->max_sff_pad + c->max_d_pad * (c->max_sff_pad > 0)) * 2;
-    b += (uint64_t)T * c->max_e_pad * 4;
-    b += moe_route_words(T, P, c->max_e, moe_route_max_tiles((int32_t)P, c->max_e, 16)) * 4;
+    uint64_t b = 2 * (uint64_t)T * c->max_d * 4 + moed_cuda_cbytes(T * c->max_d_pad);
+    b += moed_cuda_cbytes(P * (c->max_ff_pad + c->max_d_pad));
+    b += moed_cuda_cbytes(T * (c->max_sff_pad + c->max_d_pad * (c->max_sff_pad > 0)));
+    b += (uint64_t)T * c->max_router_e * sizeof(float);
+    b +=
+        moed_cuda_route_words(T, P, c->max_e, moed_cuda_route_max_tiles((int32_t)P, c->max_e, 16)) *
+        4;
     return b;
 }
 
@@ -372,7 +377,7 @@ static int cuda_start(moed_backend *b, moed_error *err)
         if (L->k.d_pad > c->max_d_pad) c->max_d_pad = L->k.d_pad;
         if (L->k.ff_pad > c->max_ff_pad) c->max_ff_pad = L->k.ff_pad;
         if (L->k.sff_pad > c->max_sff_pad) c->max_sff_pad = L->k.sff_pad;
-        if (L->router && L->e_pad > c->max_e_pad) c->max_e_pad = L->e_pad;
+        if (L->router && L->info.n_experts > c->max_router_e) c->max_router_e = L->info.n_experts;
     }
     if (!c->n_layers) return moed_fail(err, MOED_EINVAL, "no layers loaded");
     /* Room for every token's top-k, and at least one token routed to every expert; batches with
@@ -411,10 +416,10 @@ static int dev_index(const cuda_ctx *c, int device)
 static void stage_route(cuda_exec *x, const moed_route *rt, int64_t t0, int64_t t1, int E, int bm)
 {
     const int64_t T = t1 - t0, P = rt->off[t1] - rt->off[t0];
-    moe_route_pack(x->h_route, rt->off, rt->expert, rt->weight, t0, t1);
-    cudaMemcpyAsync(x->route, x->h_route, moe_route_in_words(T, P) * 4, cudaMemcpyHostToDevice,
-                    x->stream);
-    moe_route_layout(&x->r, x->route, T, P, E, bm);
+    moed_cuda_route_pack(x->h_route, rt->off, rt->expert, rt->weight, t0, t1);
+    cudaMemcpyAsync(x->route, x->h_route, moed_cuda_route_in_words(T, P) * 4,
+                    cudaMemcpyHostToDevice, x->stream);
+    moed_cuda_route_layout(&x->r, x->route, T, P, E, bm);
 }
 
 /* Count of experts with pairs in tokens [t0, t1), for choosing the tile before staging. */
@@ -449,9 +454,9 @@ static cudaGraphExec_t graph_for(cuda_ctx *c, cuda_exec *x, const cuda_layer *L,
     cudaGraphExec_t exec = NULL;
     if (cudaStreamBeginCapture(x->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
         goto fail;
-    const int rc =
-        moe_pipeline(&L->k, &x->r, &x->w, x->x_in, k->dtype, x->out, c->sm[dev_index(c, x->device)],
-                     k->n_active, c->force_kernel, x->stream, NULL);
+    const int rc = moed_cuda_pipeline(&L->k, &x->r, &x->w, x->x_in, k->dtype, x->out,
+                                      c->sm[dev_index(c, x->device)], k->n_active, c->force_kernel,
+                                      x->stream, NULL);
     if (cudaStreamEndCapture(x->stream, &graph) != cudaSuccess || rc) goto fail;
     if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) goto fail;
     cudaGraphDestroy(graph);
@@ -474,7 +479,7 @@ static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_
     const int64_t T = t1 - t0, P = rt->off[t1] - rt->off[t0];
     const size_t es = moed_dtype_size(job->dtype);
     const int n_act = active_experts(rt, t0, t1, E);
-    stage_route(x, rt, t0, t1, E, moe_tile_bm(P, n_act, c->force_kernel));
+    stage_route(x, rt, t0, t1, E, moed_cuda_tile_bm(P, n_act, c->force_kernel));
     cudaMemcpyAsync(x->x_in, (const char *)job->x + (size_t)t0 * d * es, (size_t)T * d * es,
                     cudaMemcpyHostToDevice, x->stream);
     int rc = 0;
@@ -492,8 +497,9 @@ static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_
     if (graph)
         rc = cudaGraphLaunch(graph, x->stream) == cudaSuccess ? 0 : MOED_EDEVICE;
     else
-        rc = moe_pipeline(&L->k, &x->r, &x->w, x->x_in, job->dtype, x->out,
-                          c->sm[dev_index(c, x->device)], n_act, c->force_kernel, x->stream, NULL);
+        rc = moed_cuda_pipeline(&L->k, &x->r, &x->w, x->x_in, job->dtype, x->out,
+                                c->sm[dev_index(c, x->device)], n_act, c->force_kernel, x->stream,
+                                NULL);
     cudaMemcpyAsync((char *)job->y + (size_t)t0 * d * es, x->out, (size_t)T * d * es,
                     cudaMemcpyDeviceToHost, x->stream);
     return rc;
@@ -557,36 +563,17 @@ static int cuda_router_logits(moed_backend *b, int exec, int slot, int dtype, in
                          "%lld tokens is over the %lld the workspace was sized for", (long long)T,
                          (long long)c->max_tokens);
     const int d = L->info.d_model, E = L->info.n_experts;
-    const size_t es = moed_dtype_size(dtype);
     cudaSetDevice(x->device);
-    cudaMemcpyAsync(x->x_in, xin, (size_t)T * d * es, cudaMemcpyHostToDevice, x->stream);
-    int rc = moe_convert_in(x->x_in, dtype, T, d, x->w.xc, L->k.cdtype, L->k.d_pad, x->stream);
-    if (!rc) {
-        moe_gemm g;
-        memset(&g, 0, sizeof g);
-        g.cdtype = L->k.cdtype;
-        g.a = x->w.xc;
-        g.lda = L->k.d_pad;
-        g.a_rows_total = T;
-        g.b = L->router;
-        g.b_experts = 1;
-        g.n = L->e_pad;
-        g.k = L->k.d_pad;
-        g.b_estride = (int64_t)L->e_pad * L->k.d_pad;
-        g.c = x->logits;
-        g.ldc = L->e_pad;
-        g.epi = MOE_EPI_STORE_F32;
-        g.identity_rows = (int32_t)T;
-        g.bm = moe_tile_bm(T, 1, c->force_kernel == MOE_KERNEL_SM80 ? MOE_KERNEL_SM80 : 0);
-        g.max_tiles = (int32_t)((T + g.bm - 1) / g.bm);
-        moe_tile_cfg cfg = { MOE_KERNEL_SM80, g.bm, 128,
-                             1 }; /* fp32 stores: the portable epilogue */
-        rc = moe_gemm_run(&g, &cfg, x->stream);
-    }
+    cudaMemcpyAsync(x->x_in, xin, (size_t)T * d * moed_dtype_size(dtype), cudaMemcpyHostToDevice,
+                    x->stream);
+    const int rc = moed_cuda_router_logits(x->x_in, dtype, T, d, L->router, L->router_dtype, E,
+                                           x->logits, x->stream);
     if (!rc)
-        cudaMemcpy2DAsync(logits, (size_t)E * 4, x->logits, (size_t)L->e_pad * 4, (size_t)E * 4,
-                          (size_t)T, cudaMemcpyDeviceToHost, x->stream);
-    return finish(x, rc, "router logits", err);
+        cudaMemcpyAsync(logits, x->logits, (size_t)T * E * sizeof(float), cudaMemcpyDeviceToHost,
+                        x->stream);
+    const int done = finish(x, rc, "router logits", err);
+    if (!done) moed_router_round_logits(&L->info, dtype, logits, (size_t)T * E);
+    return done;
 }
 
 static int cuda_exec_accepts(moed_backend *b, int exec, int slot)
@@ -675,7 +662,7 @@ int moed_backend_cuda_open(const moed_backend_config *cfg, moed_backend **out, m
     }
     c->cfg = *cfg;
     c->max_tokens = cfg->max_tokens > 0 ? cfg->max_tokens : 8192;
-    c->force_kernel = moe_kernel_parse(getenv("MOED_CUDA_KERNEL"));
+    c->force_kernel = moed_cuda_kernel_parse(getenv("MOED_CUDA_KERNEL"));
     const int listed = cfg->devices && cfg->n_devices > 0;
     const int want = listed ? cfg->n_devices : n;
     for (int i = 0; i < want && c->n_dev < MAX_DEVICES; i++) {

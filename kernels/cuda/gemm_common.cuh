@@ -1,23 +1,25 @@
 /*
  * gemm_common — what both grouped-GEMM kernel families share: the walk from a CTA's index to its
- * (expert, m-tile, n-tile), the epilogue arithmetic, and the few PTX instructions both use.
+ * (expert, m-tile, n-tile), the epilogue arithmetic, and the 128-byte swizzle of shared rows (the
+ * instructions themselves are in ptx/).
  *
- * Tile order: CTAs are numbered over (m-tile, n-tile) in bands of MOE_GROUP_M m-tiles, m fastest
- * within a band, so the CTAs resident at one time share a few A row blocks and a few weight
+ * Tile order: CTAs are numbered over (m-tile, n-tile) in bands of MOED_CUDA_GROUP_M m-tiles, m
+ * fastest within a band, so the CTAs resident at one time share a few A row blocks and a few weight
  * column blocks and both stay in L2 (without it every m-tile re-reads a whole expert from HBM).
  */
-#ifndef MOE_GEMM_COMMON_CUH
-#define MOE_GEMM_COMMON_CUH
+#ifndef MOED_CUDA_GEMM_COMMON_CUH
+#define MOED_CUDA_GEMM_COMMON_CUH
 
-#include "moe_cuda.h"
+#include "moed_cuda.h"
+#include "ptx/ptx.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#define MOE_GROUP_M 8
+#define MOED_CUDA_GROUP_M 8
 
-struct moe_tile {
+struct moed_cuda_tile {
     int e;       /* expert */
     int row0;    /* first sorted row of the tile */
     int row_end; /* one past the last row of the expert's segment */
@@ -25,11 +27,12 @@ struct moe_tile {
 };
 
 /* Maps CTA `id` to its tile; false when the tile is past the m-tiles in use (the CTA exits). */
-__device__ __forceinline__ bool moe_tile_of(const moe_gemm &g, int num_n, int id, moe_tile &t)
+__device__ __forceinline__ bool moed_cuda_tile_of(const moed_cuda_gemm &g, int num_n, int id,
+                                                  moed_cuda_tile &t)
 {
-    const int band = MOE_GROUP_M * num_n;
-    const int first_m = (id / band) * MOE_GROUP_M;
-    const int rows_in_band = min(g.max_tiles - first_m, MOE_GROUP_M);
+    const int band = MOED_CUDA_GROUP_M * num_n;
+    const int first_m = (id / band) * MOED_CUDA_GROUP_M;
+    const int rows_in_band = min(g.max_tiles - first_m, MOED_CUDA_GROUP_M);
     const int within = id % band;
     const int mt = first_m + within % rows_in_band;
     t.nt = within / rows_in_band;
@@ -50,107 +53,82 @@ __device__ __forceinline__ bool moe_tile_of(const moe_gemm &g, int num_n, int id
 /* silu through the fast intrinsics: the result is rounded to bf16/f16 right after, far coarser than
  * their few-ulp error, and the unrolled epilogue stays small enough for the instruction cache. For
  * a very negative a the divisor overflows and __fdividef returns 0, which is silu's limit. */
-__device__ __forceinline__ float moe_silu(float a)
+__device__ __forceinline__ float moed_cuda_silu(float a)
 {
     return __fdividef(a, 1.0f + __expf(-a));
 }
 
-__device__ __forceinline__ float moe_act(int epi, float a)
+__device__ __forceinline__ float moed_cuda_act(int epi, float a)
 {
-    if (epi == MOE_EPI_GELU) return 0.5f * a * (1.0f + erff(a * 0.70710678118654752f));
-    if (epi == MOE_EPI_RELU) return fmaxf(a, 0.0f);
+    if (epi == MOED_CUDA_EPI_GELU) return 0.5f * a * (1.0f + erff(a * 0.70710678118654752f));
+    if (epi == MOED_CUDA_EPI_RELU) return fmaxf(a, 0.0f);
     return a;
 }
 
 /* Stores two adjacent columns of one row. */
-template <typename T> __device__ __forceinline__ void moe_store2(T *p, float v0, float v1);
+template <typename T> __device__ __forceinline__ void moed_cuda_store2(T *p, float v0, float v1);
 template <>
-__device__ __forceinline__ void moe_store2<__nv_bfloat16>(__nv_bfloat16 *p, float v0, float v1)
+__device__ __forceinline__ void moed_cuda_store2<__nv_bfloat16>(__nv_bfloat16 *p, float v0,
+                                                                float v1)
 {
     *reinterpret_cast<__nv_bfloat162 *>(p) = __floats2bfloat162_rn(v0, v1);
 }
-template <> __device__ __forceinline__ void moe_store2<__half>(__half *p, float v0, float v1)
+template <> __device__ __forceinline__ void moed_cuda_store2<__half>(__half *p, float v0, float v1)
 {
     *reinterpret_cast<__half2 *>(p) = __floats2half2_rn(v0, v1);
 }
 
 /*
  * The epilogue of one accumulator pair: columns n, n+1 (global, even) of tile row `row`, with
- * (u0, u1) the same row's columns n + MOE_GLU_BLOCK for SwiGLU (the matching up projection: W13
- * interleaves gate and up blocks of MOE_GLU_BLOCK rows). Callers pass only gate columns for SwiGLU.
- * EPI is a template parameter: each kernel carries only its own epilogue (a runtime switch in a
- * fully unrolled epilogue made the Hopper kernels too large for the instruction cache).
+ * (u0, u1) the same row's columns n + MOED_CUDA_GLU_BLOCK for SwiGLU (the matching up projection:
+ * W13 interleaves gate and up blocks of MOED_CUDA_GLU_BLOCK rows). Callers pass only gate columns
+ * for SwiGLU. EPI is a template parameter: each kernel carries only its own epilogue (a runtime
+ * switch in a fully unrolled epilogue made the Hopper kernels too large for the instruction cache).
  */
 template <typename T, int EPI>
-__device__ __forceinline__ void moe_epilogue2(const moe_gemm &g, int64_t row, int n, float v0,
-                                              float v1, float u0, float u1)
+__device__ __forceinline__ void moed_cuda_epilogue2(const moed_cuda_gemm &g, int64_t row, int n,
+                                                    float v0, float v1, float u0, float u1)
 {
-    if constexpr (EPI == MOE_EPI_STORE_F32) {
-        *reinterpret_cast<float2 *>(static_cast<float *>(g.c) + row * g.ldc + n) =
-            make_float2(v0, v1);
-    } else if constexpr (EPI == MOE_EPI_SWIGLU) {
-        const int hcol = (n / (2 * MOE_GLU_BLOCK)) * MOE_GLU_BLOCK + n % (2 * MOE_GLU_BLOCK);
-        moe_store2<T>(static_cast<T *>(g.c) + row * g.ldc + hcol, moe_silu(v0) * u0,
-                      moe_silu(v1) * u1);
+    if constexpr (EPI == MOED_CUDA_EPI_SWIGLU) {
+        const int hcol =
+            (n / (2 * MOED_CUDA_GLU_BLOCK)) * MOED_CUDA_GLU_BLOCK + n % (2 * MOED_CUDA_GLU_BLOCK);
+        moed_cuda_store2<T>(static_cast<T *>(g.c) + row * g.ldc + hcol, moed_cuda_silu(v0) * u0,
+                            moed_cuda_silu(v1) * u1);
     } else {
-        moe_store2<T>(static_cast<T *>(g.c) + row * g.ldc + n, moe_act(EPI, v0), moe_act(EPI, v1));
+        moed_cuda_store2<T>(static_cast<T *>(g.c) + row * g.ldc + n, moed_cuda_act(EPI, v0),
+                            moed_cuda_act(EPI, v1));
     }
 }
 
 /* Calls f.template operator()<EPI>() for the runtime epilogue kind: the one place the kinds are
  * listed for the launchers. */
-template <typename F> __host__ __forceinline__ int moe_epi_dispatch(int epi, F &&f)
+template <typename F> __host__ __forceinline__ int moed_cuda_epi_dispatch(int epi, F &&f)
 {
     switch (epi) {
-    case MOE_EPI_SWIGLU:
-        return f.template operator()<MOE_EPI_SWIGLU>();
-    case MOE_EPI_GELU:
-        return f.template operator()<MOE_EPI_GELU>();
-    case MOE_EPI_RELU:
-        return f.template operator()<MOE_EPI_RELU>();
-    case MOE_EPI_STORE:
-        return f.template operator()<MOE_EPI_STORE>();
-    case MOE_EPI_STORE_F32:
-        return f.template operator()<MOE_EPI_STORE_F32>();
+    case MOED_CUDA_EPI_SWIGLU:
+        return f.template operator()<MOED_CUDA_EPI_SWIGLU>();
+    case MOED_CUDA_EPI_GELU:
+        return f.template operator()<MOED_CUDA_EPI_GELU>();
+    case MOED_CUDA_EPI_RELU:
+        return f.template operator()<MOED_CUDA_EPI_RELU>();
+    case MOED_CUDA_EPI_STORE:
+        return f.template operator()<MOED_CUDA_EPI_STORE>();
     }
     return -1;
 }
 
 /* The first tile in use at or after id (stepping by the grid); false when none is left. */
-__device__ __forceinline__ bool moe_next_tile(const moe_gemm &g, int num_n, int total, int &id,
-                                              moe_tile &t)
+__device__ __forceinline__ bool moed_cuda_next_tile(const moed_cuda_gemm &g, int num_n, int total,
+                                                    int &id, moed_cuda_tile &t)
 {
     for (; id < total; id += gridDim.x)
-        if (moe_tile_of(g, num_n, id, t)) return true;
+        if (moed_cuda_tile_of(g, num_n, id, t)) return true;
     return false;
-}
-
-__device__ __forceinline__ uint32_t moe_smem_addr(const void *p)
-{
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-/* 16-byte global→shared copy; src_bytes 0 fills the 16 bytes with zeros (rows past the end). */
-__device__ __forceinline__ void moe_cp_async16(uint32_t dst, const void *src, int src_bytes)
-{
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(src_bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void moe_cp_async_commit()
-{
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-template <int N> __device__ __forceinline__ void moe_cp_async_wait()
-{
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 /* 128-byte shared rows of 8 16-byte chunks, chunk index XOR (row mod 8): the layout both ldmatrix
  * (conflict-free) and wgmma's 128-byte swizzle mode expect. */
-__device__ __forceinline__ uint32_t moe_swz128(int row, int chunk)
+__device__ __forceinline__ uint32_t moed_cuda_swz128(int row, int chunk)
 {
     return static_cast<uint32_t>(row * 128 + ((chunk ^ (row & 7)) << 4));
 }

@@ -14,8 +14,9 @@
  *   bm  16: 2 warps as 1 x 2, warp tile 16 x 64, 6 stages (few rows per expert: the kernel streams
  *           weights, and the deep pipeline keeps enough bytes in flight to run at HBM speed); 4
  *           stages when K <= 1024, where CTAs are short-lived and three per SM hide each other's
- * start Every warp tile is 64 columns wide, aligned to 64: the SwiGLU epilogue finds each gate
- * column's up column (32 further, see MOE_GLU_BLOCK) in the same thread's registers.
+ *           start.
+ * Every warp tile is 64 columns wide, aligned to 64: the SwiGLU epilogue finds each gate column's
+ * up column (32 further, see MOED_CUDA_GLU_BLOCK) in the same thread's registers.
  */
 #include "gemm_common.cuh"
 
@@ -27,38 +28,12 @@
 namespace
 {
 
+namespace ptx = moed::ptx;
+
 constexpr int BK = 64; /* 128-byte shared rows */
 
-template <typename T>
-__device__ __forceinline__ void mma16816(float d[4], const uint32_t a[4], const uint32_t b[2]);
-template <>
-__device__ __forceinline__ void mma16816<__nv_bfloat16>(float d[4], const uint32_t a[4],
-                                                        const uint32_t b[2])
-{
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-template <>
-__device__ __forceinline__ void mma16816<__half>(float d[4], const uint32_t a[4],
-                                                 const uint32_t b[2])
-{
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr)
-{
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
 template <typename T, int BM, int BN, int WM, int WN, int STAGES, int EPI>
-__global__ void __launch_bounds__(WM *WN * 32) gemm_sm80_kernel(const moe_gemm g, int num_n)
+__global__ void __launch_bounds__(WM *WN * 32) gemm_sm80_kernel(const moed_cuda_gemm g, int num_n)
 {
     constexpr int THREADS = WM * WN * 32;
     constexpr int WTM = BM / WM, WTN = BN / WN;
@@ -68,11 +43,11 @@ __global__ void __launch_bounds__(WM *WN * 32) gemm_sm80_kernel(const moe_gemm g
     static_assert(WTN == 64, "the SwiGLU epilogue needs 64-column warp tiles");
     static_assert(A_CHUNKS >= 1 && BM * 8 % THREADS == 0 && BN * 8 % THREADS == 0, "load split");
 
-    moe_tile t;
-    if (!moe_tile_of(g, num_n, blockIdx.x, t)) return;
+    moed_cuda_tile t;
+    if (!moed_cuda_tile_of(g, num_n, blockIdx.x, t)) return;
 
     extern __shared__ __align__(1024) uint8_t smem[];
-    const uint32_t sbase = moe_smem_addr(smem);
+    const uint32_t sbase = ptx::smem_addr(smem);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp / WN, wn = warp % WN;
 
@@ -89,7 +64,7 @@ __global__ void __launch_bounds__(WM *WN * 32) gemm_sm80_kernel(const moe_gemm g
         int64_t src = ok ? (g.a_rows ? g.a_rows[r] : r) : 0;
         if (src >= g.a_rows_total) src = 0; /* defensive: never read outside A */
         a_src[i] = static_cast<const T *>(g.a) + src * g.lda + kc * 8;
-        a_dst[i] = moe_swz128(row, kc);
+        a_dst[i] = moed_cuda_swz128(row, kc);
         a_bytes[i] = ok ? 16 : 0;
     }
     const T *b_base = static_cast<const T *>(g.b) + t.e * g.b_estride + (int64_t)t.nt * BN * g.k;
@@ -99,12 +74,12 @@ __global__ void __launch_bounds__(WM *WN * 32) gemm_sm80_kernel(const moe_gemm g
         const uint32_t sa = sbase + stage * STAGE, sb = sa + A_STAGE;
 #pragma unroll
         for (int i = 0; i < A_CHUNKS; i++)
-            moe_cp_async16(sa + a_dst[i], a_src[i] + kt * BK, a_bytes[i]);
+            ptx::cp_async16(sa + a_dst[i], a_src[i] + kt * BK, a_bytes[i]);
 #pragma unroll
         for (int i = 0; i < B_CHUNKS; i++) {
             const int c = tid + i * THREADS, row = c >> 3, kc = c & 7;
-            moe_cp_async16(sb + moe_swz128(row, kc), b_base + (int64_t)row * g.k + kt * BK + kc * 8,
-                           16);
+            ptx::cp_async16(sb + moed_cuda_swz128(row, kc),
+                            b_base + (int64_t)row * g.k + kt * BK + kc * 8, 16);
         }
     };
 
@@ -119,15 +94,15 @@ __global__ void __launch_bounds__(WM *WN * 32) gemm_sm80_kernel(const moe_gemm g
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
         if (s < ktiles) load_stage(s, s);
-        moe_cp_async_commit();
+        ptx::cp_async_commit();
     }
 
     for (int kt = 0; kt < ktiles; kt++) {
-        moe_cp_async_wait<STAGES - 2>();
+        ptx::cp_async_wait<STAGES - 2>();
         __syncthreads(); /* stage kt landed for everyone; stage kt-1 is free to refill */
         const int nk = kt + STAGES - 1;
         if (nk < ktiles) load_stage(nk % STAGES, nk);
-        moe_cp_async_commit();
+        ptx::cp_async_commit();
 
         const uint32_t sa = sbase + (kt % STAGES) * STAGE, sb = sa + A_STAGE;
 #pragma unroll
@@ -136,13 +111,13 @@ __global__ void __launch_bounds__(WM *WN * 32) gemm_sm80_kernel(const moe_gemm g
 #pragma unroll
             for (int mi = 0; mi < MI; mi++) {
                 const int row = wm * WTM + mi * 16 + (lane & 15);
-                ldmatrix_x4(af[mi], sa + moe_swz128(row, kk * 2 + (lane >> 4)));
+                ptx::ldmatrix_x4(af[mi], sa + moed_cuda_swz128(row, kk * 2 + (lane >> 4)));
             }
 #pragma unroll
             for (int nj = 0; nj < NI / 2; nj++) {
                 const int row = wn * WTN + nj * 16 + (lane & 7) + ((lane >> 4) << 3);
                 uint32_t r[4];
-                ldmatrix_x4(r, sb + moe_swz128(row, kk * 2 + ((lane >> 3) & 1)));
+                ptx::ldmatrix_x4(r, sb + moed_cuda_swz128(row, kk * 2 + ((lane >> 3) & 1)));
                 bf[2 * nj][0] = r[0];
                 bf[2 * nj][1] = r[1];
                 bf[2 * nj + 1][0] = r[2];
@@ -151,10 +126,10 @@ __global__ void __launch_bounds__(WM *WN * 32) gemm_sm80_kernel(const moe_gemm g
 #pragma unroll
             for (int mi = 0; mi < MI; mi++)
 #pragma unroll
-                for (int ni = 0; ni < NI; ni++) mma16816<T>(acc[mi][ni], af[mi], bf[ni]);
+                for (int ni = 0; ni < NI; ni++) ptx::mma_m16n8k16<T>(acc[mi][ni], af[mi], bf[ni]);
         }
     }
-    moe_cp_async_wait<0>();
+    ptx::cp_async_wait<0>();
 
     /* Accumulator (mi, ni, j): row wm*WTM + mi*16 + lane/4 (+8 for j >= 2), column
      * wn*64 + ni*8 + 2*(lane%4) (+1 for odd j). Gate columns are ni < 4, their up columns ni + 4.
@@ -170,19 +145,19 @@ __global__ void __launch_bounds__(WM *WN * 32) gemm_sm80_kernel(const moe_gemm g
             for (int ni = 0; ni < NI; ni++) {
                 const int n = t.nt * BN + wn * WTN + ni * 8 + 2 * (lane & 3);
                 const float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
-                if constexpr (EPI == MOE_EPI_SWIGLU) {
+                if constexpr (EPI == MOED_CUDA_EPI_SWIGLU) {
                     if (ni < NOUT)
-                        moe_epilogue2<T, EPI>(g, r, n, v0, v1, acc[mi][ni + NOUT][2 * h],
-                                              acc[mi][ni + NOUT][2 * h + 1]);
+                        moed_cuda_epilogue2<T, EPI>(g, r, n, v0, v1, acc[mi][ni + NOUT][2 * h],
+                                                    acc[mi][ni + NOUT][2 * h + 1]);
                 } else {
-                    moe_epilogue2<T, EPI>(g, r, n, v0, v1, 0.0f, 0.0f);
+                    moed_cuda_epilogue2<T, EPI>(g, r, n, v0, v1, 0.0f, 0.0f);
                 }
             }
         }
 }
 
 template <typename T, int BM, int BN, int WM, int WN, int STAGES, int EPI>
-int launch_epi(const moe_gemm *g, moe_stream s)
+int launch_epi(const moed_cuda_gemm *g, moed_cuda_stream s)
 {
     constexpr int smem = STAGES * (BM + BN) * 128;
     auto kern = gemm_sm80_kernel<T, BM, BN, WM, WN, STAGES, EPI>;
@@ -198,13 +173,13 @@ int launch_epi(const moe_gemm *g, moe_stream s)
 }
 
 template <typename T, int BM, int BN, int WM, int WN, int STAGES>
-int launch(const moe_gemm *g, moe_stream s)
+int launch(const moed_cuda_gemm *g, moed_cuda_stream s)
 {
-    return moe_epi_dispatch(
+    return moed_cuda_epi_dispatch(
         g->epi, [&]<int EPI>() { return launch_epi<T, BM, BN, WM, WN, STAGES, EPI>(g, s); });
 }
 
-template <typename T> int dispatch(const moe_gemm *g, moe_stream s)
+template <typename T> int dispatch(const moed_cuda_gemm *g, moed_cuda_stream s)
 {
     switch (g->bm) {
     case 128:
@@ -219,7 +194,7 @@ template <typename T> int dispatch(const moe_gemm *g, moe_stream s)
 
 } // namespace
 
-extern "C" int moe_gemm_sm80(const moe_gemm *g, int bn, moe_stream s)
+extern "C" int moed_cuda_gemm_sm80(const moed_cuda_gemm *g, int bn, moed_cuda_stream s)
 {
     if (bn != 128 || g->n % 128 || g->k % BK) return MOED_EINVAL;
     if (g->cdtype == MOED_BF16) return dispatch<__nv_bfloat16>(g, s);

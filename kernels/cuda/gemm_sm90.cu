@@ -2,24 +2,24 @@
  * gemm_sm90 — the Hopper grouped GEMM (sm_90a): wgmma with both operands in shared memory, weight
  * tiles brought by the tensor memory accelerator (TMA), warp-specialised.
  *
- * Persistent: one CTA per SM walks the 128 x BN tiles (BN = 128 or 256), each of one expert, with
- * three warpgroups:
+ * Persistent: one CTA per SM walks the BM x BN tiles (BN = 128 or 256), each of one expert, with
+ * 1 + CONSUMERS warpgroups:
  *   warpgroup 0, the producer, fills STAGES shared-memory stages: one thread issues the TMA copy of
- *   the weight tile, and (for the up projection) all 128 threads gather the token rows of A with
+ *   the weight tile, and (for the up projection) all its threads gather the token rows of A with
  *   16-byte cp.async straight from X[token(row)] — Hopper's TMA cannot gather rows, and a permuted
  *   copy of X would cost a full extra pass over the activations. cp.async writes through the
- * generic proxy and wgmma reads through the async proxy, so each producer thread waits for its
- * copies of a stage (LAG stages behind the newest), fences the proxies, and only then arrives on
- * the stage's barrier. Without gather (the down projection reads H in order) A also comes by TMA.
- *   warpgroups 1 and 2, the consumers, each run m64nBNk16 wgmma over 64 of the tile's rows, keep
- * one wgmma group in flight, release a stage once the group that read it has finished, and apply
- * the epilogue from registers. Shared rows are 128 bytes (BK = 64), 128-byte swizzled: the layout
- * TMA writes with CU_TENSOR_MAP_SWIZZLE_128B, the cp.async path writes with moe_swz128, and the
- * wgmma descriptors name. Each output element is one fixed-order sum over K, independent of the
- * tile's other rows.
+ *   generic proxy and wgmma reads through the async proxy, so each producer thread waits for its
+ *   copies of a stage (LAG stages behind the newest), fences the proxies, and only then arrives on
+ *   the stage's barrier. Without gather (the down projection reads H in order) A also comes by TMA.
+ *   warpgroups 1 .. CONSUMERS, the consumers, each run m64nBNk16 wgmma over 64 of the tile's rows,
+ *   keep one wgmma group in flight, release a stage once the group that read it has finished, and
+ *   apply the epilogue from registers.
+ * Shared rows are 128 bytes (BK = 64 two-byte elements), 128-byte swizzled: the layout TMA writes
+ * with CU_TENSOR_MAP_SWIZZLE_128B, the cp.async path writes with moed_cuda_swz128, and the wgmma
+ * descriptors name. Each output element is one fixed-order sum over K, independent of the tile's
+ * other rows.
  */
 #include "gemm_common.cuh"
-#include "wgmma_ops.cuh"
 
 #include "moed_dtype.h"
 #include "moed_err.h"
@@ -27,114 +27,111 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include <type_traits>
-
 namespace
 {
 
-constexpr int BM = 128, BK = 64, STAGES = 4;
-constexpr int A_STAGE = BM * BK * 2;
+namespace ptx = moed::ptx;
 
-/* The device code exists only in the sm_90a pass; the other passes see an empty kernel. */
+/* ---- the tile, the warpgroups and their budgets --------------------------------------------- */
+
+constexpr int BM = 128;               /* rows of a tile */
+constexpr int BK = 64;                /* k of a stage */
+constexpr int STAGES = 4;             /* shared-memory stages in the producer/consumer ring */
+constexpr int ELEM = MOED_CUDA_CSIZE; /* bytes of a bf16 or f16 element */
+constexpr int ROW_BYTES = BK * ELEM;
+static_assert(ROW_BYTES == (int)ptx::sw128_row_bytes, "a stage row is one 128-byte swizzle row");
+
+constexpr int WG_THREADS = 128;
+constexpr int CONSUMERS = 2; /* consumer warpgroups, after the one producer */
+constexpr int THREADS = (1 + CONSUMERS) * WG_THREADS;
+constexpr int WGMMA_M = 64, WGMMA_K = 16; /* the instruction's shape (N is the tile's BN) */
+static_assert(BM == CONSUMERS * WGMMA_M, "each consumer warpgroup owns 64 rows of the tile");
+static_assert(BK % WGMMA_K == 0, "whole wgmma k-steps per stage");
+
+/* Registers per thread after setmaxnreg: the producer only computes addresses; a consumer holds
+ * BN/2 fp32 accumulators (128 at BN = 256) plus the epilogue's temporaries. Together they must fit
+ * the SM's register file, since the CTA is alone on its SM. */
+constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
+static_assert(ptx::valid_maxnreg<PRODUCER_REGS> && ptx::valid_maxnreg<CONSUMER_REGS>,
+              "setmaxnreg counts");
+static_assert(WG_THREADS * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) <= 65536,
+              "the register budgets exceed the register file");
+
+/* The shared-memory layout, from a base aligned to the swizzle atom: STAGES A stages, STAGES B
+ * stages, then the full and empty barriers of each stage. Kernel and launcher both read it here. */
+template <int BN> struct smem_layout {
+    static constexpr int a_stage = BM * ROW_BYTES, b_stage = BN * ROW_BYTES;
+    static constexpr int a = 0, b = a + STAGES * a_stage;
+    static constexpr int full = b + STAGES * b_stage;
+    static constexpr int empty = full + STAGES * (int)ptx::mbar_bytes;
+    static constexpr int end = empty + STAGES * (int)ptx::mbar_bytes;
+    static constexpr int align = ptx::sw128_atom_bytes;
+    /* What the launch asks for: the layout plus the slack to align its base. */
+    static constexpr int bytes = align + end;
+    static_assert(a_stage % align == 0 && b_stage % align == 0, "stages start on swizzle atoms");
+    static_assert(full % ptx::mbar_bytes == 0, "barriers are 8-byte aligned");
+    static_assert(bytes <= 227 * 1024, "over the 227 KiB of shared memory a Hopper block may have");
+};
+
+/* The device code, and the constants only it uses, exist only in the sm_90a pass; the other passes
+ * see an empty kernel. */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define MOE_SM90_ENABLED 1
+#define MOED_CUDA_SM90_ENABLED 1
+
+constexpr int WARP = 32, WG_WARPS = WG_THREADS / WARP;
+
+/* A thread's fields (warpgroup, warp, lane, gather chunk) by shift and mask: every size here is a
+ * power of two, and tid is never negative. */
+constexpr int log2_of(int v)
+{
+    return v > 1 ? 1 + log2_of(v / 2) : 0;
+}
+
+/* The gathering producer: each thread copies one 16-byte chunk of a row per pass, a pass covers
+ * ROWS_PER_PASS rows, A_PASSES passes the tile. */
+constexpr int CHUNK = 16, ROW_CHUNKS = ROW_BYTES / CHUNK;
+constexpr int ROWS_PER_PASS = WG_THREADS / ROW_CHUNKS, A_PASSES = BM / ROWS_PER_PASS;
+static_assert(WG_THREADS % ROW_CHUNKS == 0 && BM % ROWS_PER_PASS == 0, "the gather's split");
+constexpr int WG_SHIFT = log2_of(WG_THREADS), WARP_SHIFT = log2_of(WARP);
+constexpr int CHUNK_SHIFT = log2_of(ROW_CHUNKS);
+static_assert((1 << WG_SHIFT) == WG_THREADS && (1 << WARP_SHIFT) == WARP &&
+                  (1 << CHUNK_SHIFT) == ROW_CHUNKS && (WG_WARPS & (WG_WARPS - 1)) == 0,
+              "powers of two");
 constexpr int LAG = 2; /* stages a producer thread keeps in flight before signalling the oldest */
+static_assert(LAG < STAGES, "a producer signals a stage before it wraps around the ring");
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar)
-{
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, int bytes)
-{
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity)
-{
-    asm volatile("{\n.reg .pred P1;\nLAB_WAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-                 "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(bar),
-                 "r"(parity)
-                 : "memory");
-}
-
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, uint32_t bar,
-                                            int x, int y)
-{
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
-                 "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-                 "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
-                 : "memory");
-}
-
-__device__ __forceinline__ void fence_proxy_async()
-{
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-/* K-major operand, 128-byte swizzle: rows of 128 bytes, 8-row groups 1024 bytes apart. Stepping
- * K by 16 elements inside the swizzle atom adds 32 bytes to the start address. */
-__device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr)
-{
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
-           ((uint64_t)1 << 62);
-}
-
-template <typename T, int BN>
-__device__ __forceinline__ void wgmma(float *d, uint64_t da, uint64_t db)
-{
-    if constexpr (BN == 256) {
-        if constexpr (std::is_same<T, __nv_bfloat16>::value)
-            moe_wgmma_m64n256k16_bf16(d, da, db);
-        else
-            moe_wgmma_m64n256k16_f16(d, da, db);
-    } else {
-        if constexpr (std::is_same<T, __nv_bfloat16>::value)
-            moe_wgmma_m64n128k16_bf16(d, da, db);
-        else
-            moe_wgmma_m64n128k16_f16(d, da, db);
-    }
-}
-
-template <int N> __device__ __forceinline__ void fence_acc(float (&acc)[N])
-{
-#pragma unroll
-    for (int i = 0; i < N; i++) asm volatile("" : "+f"(acc[i])::"memory");
-}
-
+/* Arrivals that complete a stage's barriers: `full` once the stage has landed (the TMA thread's
+ * expect_tx, plus every gathering thread after its copies), `empty` once the consumers have read it
+ * (lane 0 of each consumer warp). */
+template <bool GATHER> constexpr int FULL_ARRIVALS = GATHER ? WG_THREADS + 1 : 1;
+constexpr int EMPTY_ARRIVALS = CONSUMERS * WG_WARPS;
 #endif
 
 template <typename T, int BN, bool GATHER, int EPI>
-__global__ void __launch_bounds__(384, 1) gemm_sm90_kernel(const __grid_constant__ CUtensorMap tm_b,
-                                                           const __grid_constant__ CUtensorMap tm_a,
-                                                           const moe_gemm g, int num_n, int total)
+__global__ void __launch_bounds__(THREADS, 1)
+    gemm_sm90_kernel(const __grid_constant__ CUtensorMap tm_b,
+                     const __grid_constant__ CUtensorMap tm_a, const moed_cuda_gemm g, int num_n,
+                     int total)
 {
-#ifdef MOE_SM90_ENABLED
-    constexpr int B_STAGE = BN * BK * 2;
-    constexpr int NACC = BN / 2;
+#ifdef MOED_CUDA_SM90_ENABLED
+    using L = smem_layout<BN>;
+    constexpr int NACC = WGMMA_M * BN / WG_THREADS; /* fp32 accumulators per consumer thread */
+    constexpr uint32_t BAR = ptx::mbar_bytes;
 
     extern __shared__ uint8_t smem_raw[];
-    uint32_t base = moe_smem_addr(smem_raw);
-    base = (base + 1023) & ~1023u; /* swizzled stages start on 1024-byte boundaries */
-    const uint32_t sA = base, sB = base + STAGES * A_STAGE;
-    const uint32_t full = sB + STAGES * B_STAGE, empty = full + 8 * STAGES;
-    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
+    const uint32_t base = (ptx::smem_addr(smem_raw) + L::align - 1) & ~(uint32_t)(L::align - 1);
+    const uint32_t sA = base + L::a, sB = base + L::b;
+    const uint32_t full = base + L::full, empty = base + L::empty;
+    const int tid = threadIdx.x, wg = tid >> WG_SHIFT, lane = tid & (WARP - 1);
     const int ktiles = g.k / BK;
 
     if (tid == 0) {
         for (int s = 0; s < STAGES; s++) {
-            mbar_init(full + 8 * s, GATHER ? 128 + 1 : 1);
-            mbar_init(empty + 8 * s, 8); /* one arrival per consumer warp */
+            ptx::mbar_init(full + BAR * s, FULL_ARRIVALS<GATHER>);
+            ptx::mbar_init(empty + BAR * s, EMPTY_ARRIVALS);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        fence_proxy_async();
+        ptx::mbar_fence_init();
+        ptx::fence_proxy_async();
     }
     __syncthreads();
 
@@ -144,18 +141,18 @@ __global__ void __launch_bounds__(384, 1) gemm_sm90_kernel(const __grid_constant
      * across tiles so stage and phase carry over, and the producer fills the next tile's first
      * stages while the consumers run this tile's epilogue. */
     int it = 0, id = blockIdx.x;
-    moe_tile cur, nxt;
-    bool have = moe_next_tile(g, num_n, total, id, cur);
+    moed_cuda_tile cur, nxt;
+    bool have = moed_cuda_next_tile(g, num_n, total, id, cur);
     if (wg == 0) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+        ptx::setmaxnreg_dec<PRODUCER_REGS>();
         if (!GATHER && tid != 0) return; /* TMA alone: one thread issues everything */
-        const int kc = tid & 7;
+        const int kc = tid & (ROW_CHUNKS - 1);
         while (have) {
-            int src[GATHER ? 8 : 1];
+            int src[GATHER ? A_PASSES : 1];
             if constexpr (GATHER) {
 #pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    const int r = cur.row0 + (tid >> 3) + 16 * i;
+                for (int i = 0; i < A_PASSES; i++) {
+                    const int r = cur.row0 + (tid >> CHUNK_SHIFT) + ROWS_PER_PASS * i;
                     int s = -1;
                     if (r < cur.row_end) s = g.a_rows ? g.a_rows[r] : r;
                     src[i] = (s >= 0 && s < g.a_rows_total) ? s : -1;
@@ -165,39 +162,41 @@ __global__ void __launch_bounds__(384, 1) gemm_sm90_kernel(const __grid_constant
             bool have_next = false;
             for (int kt = 0; kt < ktiles; kt++, it++) {
                 const int s = it % STAGES;
-                mbar_wait(empty + 8 * s, ((it / STAGES) & 1) ^ 1);
+                ptx::mbar_wait(empty + BAR * s, ((it / STAGES) & 1) ^ 1);
                 if (tid == 0) {
-                    mbar_arrive_expect_tx(full + 8 * s, B_STAGE + (GATHER ? 0 : A_STAGE));
-                    tma_load_2d(sB + s * B_STAGE, &tm_b, full + 8 * s, kt * BK, b_row);
+                    ptx::mbar_arrive_expect_tx(full + BAR * s,
+                                               L::b_stage + (GATHER ? 0 : L::a_stage));
+                    ptx::tma_load_2d(sB + s * L::b_stage, &tm_b, full + BAR * s, kt * BK, b_row);
                     if constexpr (!GATHER)
-                        tma_load_2d(sA + s * A_STAGE, &tm_a, full + 8 * s, kt * BK, cur.row0);
+                        ptx::tma_load_2d(sA + s * L::a_stage, &tm_a, full + BAR * s, kt * BK,
+                                         cur.row0);
                 }
                 if constexpr (GATHER) {
-                    const T *a = static_cast<const T *>(g.a) + kt * BK + kc * 8;
+                    const T *a = static_cast<const T *>(g.a) + kt * BK + kc * (CHUNK / ELEM);
 #pragma unroll
-                    for (int i = 0; i < 8; i++) {
-                        const int row = (tid >> 3) + 16 * i;
-                        moe_cp_async16(sA + s * A_STAGE + moe_swz128(row, kc),
-                                       a + (int64_t)(src[i] < 0 ? 0 : src[i]) * g.lda,
-                                       src[i] < 0 ? 0 : 16);
+                    for (int i = 0; i < A_PASSES; i++) {
+                        const int row = (tid >> CHUNK_SHIFT) + ROWS_PER_PASS * i;
+                        ptx::cp_async16(sA + s * L::a_stage + moed_cuda_swz128(row, kc),
+                                        a + (int64_t)(src[i] < 0 ? 0 : src[i]) * g.lda,
+                                        src[i] < 0 ? 0 : CHUNK);
                     }
-                    moe_cp_async_commit();
+                    ptx::cp_async_commit();
                     if (kt >= LAG) {
-                        moe_cp_async_wait<LAG>();
-                        fence_proxy_async();
-                        mbar_arrive(full + 8 * ((it - LAG) % STAGES));
+                        ptx::cp_async_wait<LAG>();
+                        ptx::fence_proxy_async();
+                        ptx::mbar_arrive(full + BAR * ((it - LAG) % STAGES));
                     }
                 }
                 if (kt == 0) {
                     id += gridDim.x;
-                    have_next = moe_next_tile(g, num_n, total, id, nxt);
+                    have_next = moed_cuda_next_tile(g, num_n, total, id, nxt);
                 }
             }
             if constexpr (GATHER) { /* signal the tile's last stages before moving on */
-                moe_cp_async_wait<0>();
-                fence_proxy_async();
+                ptx::cp_async_wait<0>();
+                ptx::fence_proxy_async();
                 for (int j = it - (ktiles < LAG ? ktiles : LAG); j < it; j++)
-                    mbar_arrive(full + 8 * (j % STAGES));
+                    ptx::mbar_arrive(full + BAR * (j % STAGES));
             }
             cur = nxt;
             have = have_next;
@@ -205,8 +204,8 @@ __global__ void __launch_bounds__(384, 1) gemm_sm90_kernel(const __grid_constant
         return;
     }
 
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
-    const int cw = wg - 1; /* this consumer's 64 rows of each tile */
+    ptx::setmaxnreg_inc<CONSUMER_REGS>();
+    const int cw = wg - 1; /* this consumer's WGMMA_M rows of each tile */
     while (have) {
         float acc[NACC];
 #pragma unroll
@@ -214,30 +213,37 @@ __global__ void __launch_bounds__(384, 1) gemm_sm90_kernel(const __grid_constant
         bool have_next = false;
         for (int kt = 0; kt < ktiles; kt++, it++) {
             const int s = it % STAGES;
-            mbar_wait(full + 8 * s, (it / STAGES) & 1);
-            fence_acc(acc);
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+            ptx::mbar_wait(full + BAR * s, (it / STAGES) & 1);
+            ptx::wgmma_fence_operands(acc);
+            ptx::wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < BK / 16; kk++)
-                wgmma<T, BN>(acc, wgmma_desc(sA + s * A_STAGE + cw * 64 * 128 + kk * 32),
-                             wgmma_desc(sB + s * B_STAGE + kk * 32));
-            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            for (int kk = 0; kk < BK / WGMMA_K; kk++)
+                ptx::wgmma_m64k16<T, BN>(
+                    acc,
+                    ptx::wgmma_desc_sw128(sA + s * L::a_stage + cw * WGMMA_M * ROW_BYTES +
+                                          kk * WGMMA_K * ELEM),
+                    ptx::wgmma_desc_sw128(sB + s * L::b_stage + kk * WGMMA_K * ELEM));
+            ptx::wgmma_commit();
             if (kt == 0) {
                 id += gridDim.x;
-                have_next = moe_next_tile(g, num_n, total, id, nxt);
+                have_next = moed_cuda_next_tile(g, num_n, total, id, nxt);
             }
-            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-            fence_acc(acc);
-            if (kt > 0 && lane == 0) mbar_arrive(empty + 8 * ((it - 1) % STAGES));
+            ptx::wgmma_wait<1>();
+            ptx::wgmma_fence_operands(acc);
+            if (kt > 0 && lane == 0) ptx::mbar_arrive(empty + BAR * ((it - 1) % STAGES));
         }
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        fence_acc(acc);
-        if (lane == 0)
-            mbar_arrive(empty + 8 * ((it - 1) % STAGES)); /* the producer may refill it now */
+        ptx::wgmma_wait<0>();
+        ptx::wgmma_fence_operands(acc);
+        if (lane == 0) /* the producer may refill it now */
+            ptx::mbar_arrive(empty + BAR * ((it - 1) % STAGES));
 
-        /* Accumulator 4*c8 + 2*h + j: row 16*(warp%4) + lane/4 + 8h of this consumer's 64, column
-         * 8*c8 + 2*(lane%4) + j. Gate blocks of 32 columns are followed by their up blocks. */
-        const int rbase = cur.row0 + cw * 64 + ((tid >> 5) & 3) * 16 + (lane >> 2);
+        /* wgmma's accumulator layout: register 4*c8 + 2*h + j of a thread is row
+         * 16*(warp%4) + lane/4 + 8h of this consumer's 64, column 8*c8 + 2*(lane%4) + j. Gate
+         * blocks of MOED_CUDA_GLU_BLOCK columns (GLU_C8 groups of 8) are followed by their up
+         * blocks. */
+        constexpr int GLU_C8 = MOED_CUDA_GLU_BLOCK / 8;
+        const int rbase =
+            cur.row0 + cw * WGMMA_M + ((tid >> WARP_SHIFT) & (WG_WARPS - 1)) * 16 + (lane >> 2);
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int r = rbase + 8 * h;
@@ -246,12 +252,12 @@ __global__ void __launch_bounds__(384, 1) gemm_sm90_kernel(const __grid_constant
             for (int c8 = 0; c8 < BN / 8; c8++) {
                 const int n = cur.nt * BN + c8 * 8 + 2 * (lane & 3);
                 const float v0 = acc[4 * c8 + 2 * h], v1 = acc[4 * c8 + 2 * h + 1];
-                if constexpr (EPI == MOE_EPI_SWIGLU) {
-                    if ((c8 & 7) < 4)
-                        moe_epilogue2<T, EPI>(g, r, n, v0, v1, acc[4 * (c8 + 4) + 2 * h],
-                                              acc[4 * (c8 + 4) + 2 * h + 1]);
+                if constexpr (EPI == MOED_CUDA_EPI_SWIGLU) {
+                    if (c8 % (2 * GLU_C8) < GLU_C8)
+                        moed_cuda_epilogue2<T, EPI>(g, r, n, v0, v1, acc[4 * (c8 + GLU_C8) + 2 * h],
+                                                    acc[4 * (c8 + GLU_C8) + 2 * h + 1]);
                 } else {
-                    moe_epilogue2<T, EPI>(g, r, n, v0, v1, 0.0f, 0.0f);
+                    moed_cuda_epilogue2<T, EPI>(g, r, n, v0, v1, 0.0f, 0.0f);
                 }
             }
         }
@@ -282,14 +288,14 @@ encode_tiled_fn encoder()
     return fn;
 }
 
-/* A row-major [rows, cols] matrix of 2-byte elements, read in boxes of box_rows x 64 columns. */
+/* A row-major [rows, cols] matrix of ELEM-byte elements, read in boxes of box_rows x BK columns. */
 int tensor_map(CUtensorMap *m, int cdtype, const void *p, int64_t rows, int64_t cols, int64_t ld,
                int box_rows)
 {
     encode_tiled_fn fn = encoder();
     if (!fn) return MOED_EDEVICE;
     const cuuint64_t dims[2] = { (cuuint64_t)cols, (cuuint64_t)rows };
-    const cuuint64_t strides[1] = { (cuuint64_t)ld * 2 };
+    const cuuint64_t strides[1] = { (cuuint64_t)ld * ELEM };
     const cuuint32_t box[2] = { (cuuint32_t)BK, (cuuint32_t)box_rows };
     const cuuint32_t estr[2] = { 1, 1 };
     CUresult r = fn(
@@ -300,7 +306,8 @@ int tensor_map(CUtensorMap *m, int cdtype, const void *p, int64_t rows, int64_t 
     return r == CUDA_SUCCESS ? 0 : MOED_EDEVICE;
 }
 
-template <typename T, int BN, bool GATHER, int EPI> int launch(const moe_gemm *g, moe_stream s)
+template <typename T, int BN, bool GATHER, int EPI>
+int launch(const moed_cuda_gemm *g, moed_cuda_stream s)
 {
     CUtensorMap tm_b, tm_a;
     int rc = tensor_map(&tm_b, g->cdtype, g->b, (int64_t)g->b_experts * g->n, g->k, g->k, BN);
@@ -310,7 +317,7 @@ template <typename T, int BN, bool GATHER, int EPI> int launch(const moe_gemm *g
     else if ((rc = tensor_map(&tm_a, g->cdtype, g->a, g->a_rows_total, g->k, g->lda, BM)))
         return rc;
 
-    constexpr int smem = 1024 + STAGES * (A_STAGE + BN * BK * 2) + 16 * STAGES;
+    constexpr int smem = smem_layout<BN>::bytes;
     auto kern = gemm_sm90_kernel<T, BN, GATHER, EPI>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
         cudaSuccess)
@@ -323,33 +330,30 @@ template <typename T, int BN, bool GATHER, int EPI> int launch(const moe_gemm *g
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     const int grid = (int)(tiles < sms ? tiles : sms); /* one resident CTA per SM walks the tiles */
-    kern<<<grid, 384, smem, (cudaStream_t)s>>>(tm_b, tm_a, *g, num_n, (int)tiles);
+    kern<<<grid, THREADS, smem, (cudaStream_t)s>>>(tm_b, tm_a, *g, num_n, (int)tiles);
     return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;
 }
 
-/* The instantiations: gathered A only for the up projection's epilogues; fp32 output (router
- * logits) is the portable kernel's. */
-template <typename T, int BN> int dispatch_bn(const moe_gemm *g, moe_stream s)
+/* The instantiations: gathered A only for the up projection's epilogues. */
+template <typename T, int BN> int dispatch_bn(const moed_cuda_gemm *g, moed_cuda_stream s)
 {
     const bool gather = g->a_rows != nullptr;
-    return moe_epi_dispatch(g->epi, [&]<int EPI>() -> int {
-        if constexpr (EPI == MOE_EPI_STORE_F32)
-            return MOED_EINVAL;
-        else if constexpr (EPI == MOE_EPI_STORE)
+    return moed_cuda_epi_dispatch(g->epi, [&]<int EPI>() -> int {
+        if constexpr (EPI == MOED_CUDA_EPI_STORE)
             return gather ? MOED_EINVAL : launch<T, BN, false, EPI>(g, s);
         else
             return gather ? launch<T, BN, true, EPI>(g, s) : launch<T, BN, false, EPI>(g, s);
     });
 }
 
-template <typename T> int dispatch(const moe_gemm *g, int bn, moe_stream s)
+template <typename T> int dispatch(const moed_cuda_gemm *g, int bn, moed_cuda_stream s)
 {
     return bn == 256 ? dispatch_bn<T, 256>(g, s) : dispatch_bn<T, 128>(g, s);
 }
 
 } // namespace
 
-extern "C" int moe_gemm_sm90(const moe_gemm *g, int bn, moe_stream s)
+extern "C" int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, moed_cuda_stream s)
 {
     if (g->bm != BM || (bn != 128 && bn != 256) || g->n % bn || g->k % BK || g->lda % 8)
         return MOED_EINVAL;

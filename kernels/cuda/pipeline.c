@@ -3,7 +3,7 @@
  * benchmark run exactly the same thing: convert → route prep → up GEMM → down GEMM → shared experts
  * → combine, all queued on one stream, nothing synchronised.
  */
-#include "moe_cuda.h"
+#include "moed_cuda.h"
 
 #include "moed_dtype.h"
 #include "moed_err.h"
@@ -12,20 +12,20 @@
 #include <cuda_runtime_api.h>
 #include <string.h>
 
-size_t moe_route_in_words(int64_t T, int64_t P)
+size_t moed_cuda_route_in_words(int64_t T, int64_t P)
 {
     return (size_t)(T + 1) + 3 * (size_t)P;
 }
 
-size_t moe_route_words(int64_t T, int64_t P, int E, int32_t max_tiles)
+size_t moed_cuda_route_words(int64_t T, int64_t P, int E, int32_t max_tiles)
 {
-    return moe_route_in_words(T, P) + 2 * (size_t)E + 1 /* exp_off, cursor */
-           + 2 * (size_t)P                              /* slot_tok, pair_slot */
-           + 2 * (size_t)max_tiles + 1;                 /* tile_exp, tile_row, n_tiles */
+    return moed_cuda_route_in_words(T, P) + 2 * (size_t)E + 1 /* exp_off, cursor */
+           + 2 * (size_t)P                                    /* slot_tok, pair_slot */
+           + 2 * (size_t)max_tiles + 1;                       /* tile_exp, tile_row, n_tiles */
 }
 
-void moe_route_pack(int32_t *dst, const int64_t *off, const int32_t *expert, const float *weight,
-                    int64_t t0, int64_t t1)
+void moed_cuda_route_pack(int32_t *dst, const int64_t *off, const int32_t *expert,
+                          const float *weight, int64_t t0, int64_t t1)
 {
     const int64_t T = t1 - t0, p0 = off[t0], P = off[t1] - p0;
     int32_t *pair_tok = dst + T + 1, *pair_exp = pair_tok + P;
@@ -37,7 +37,8 @@ void moe_route_pack(int32_t *dst, const int64_t *off, const int32_t *expert, con
     memcpy(pair_w, weight + p0, sizeof(float) * (size_t)P);
 }
 
-void moe_route_layout(moe_route_dev *r, int32_t *dev, int64_t T, int64_t P, int E, int bm)
+void moed_cuda_route_layout(moed_cuda_route_dev *r, int32_t *dev, int64_t T, int64_t P, int E,
+                            int bm)
 {
     r->T = (int32_t)T;
     r->P = (int32_t)P;
@@ -46,18 +47,18 @@ void moe_route_layout(moe_route_dev *r, int32_t *dev, int64_t T, int64_t P, int 
     r->pair_tok = dev + T + 1;
     r->pair_exp = r->pair_tok + P;
     r->pair_w = (const float *)(r->pair_exp + P);
-    r->exp_off = dev + moe_route_in_words(T, P);
+    r->exp_off = dev + moed_cuda_route_in_words(T, P);
     r->cursor = r->exp_off + E + 1;
     r->slot_tok = r->cursor + E;
     r->pair_slot = r->slot_tok + P;
     r->bm = bm;
-    r->max_tiles = moe_route_max_tiles((int32_t)P, E, bm);
+    r->max_tiles = moed_cuda_route_max_tiles((int32_t)P, E, bm);
     r->tile_exp = r->pair_slot + P;
     r->tile_row = r->tile_exp + r->max_tiles;
     r->n_tiles = r->tile_row + r->max_tiles;
 }
 
-static void mark(void *const *ev, int i, moe_stream s)
+static void mark(void *const *ev, int i, moed_cuda_stream s)
 {
     if (ev) cudaEventRecord((cudaEvent_t)ev[i], (cudaStream_t)s);
 }
@@ -65,12 +66,12 @@ static void mark(void *const *ev, int i, moe_stream s)
 /* Up then down projection of T tokens over the route's m-tiles or, with r NULL, over all T rows in
  * order as one expert (the shared experts). P is the rows H and Y hold. ev, if not NULL, is
  * recorded between the two. */
-static int expert_gemms(const moe_layer_dev *L, const moe_route_dev *r, const void *xc,
+static int expert_gemms(const moed_cuda_layer_dev *L, const moed_cuda_route_dev *r, const void *xc,
                         const void *w13, const void *w2, int E, int ff_pad, int n_up, void *h,
                         void *y, int64_t T, int64_t P, int n_active, int sm, int force_kernel,
-                        moe_stream s, void *const *ev)
+                        moed_cuda_stream s, void *const *ev)
 {
-    moe_gemm g;
+    moed_cuda_gemm g;
     memset(&g, 0, sizeof g);
     g.cdtype = L->cdtype;
     g.b_experts = E;
@@ -83,7 +84,7 @@ static int expert_gemms(const moe_layer_dev *L, const moe_route_dev *r, const vo
         g.bm = r->bm;
     } else {
         g.identity_rows = (int32_t)T;
-        g.bm = moe_tile_bm(T, 1, force_kernel);
+        g.bm = moed_cuda_tile_bm(T, 1, force_kernel);
         g.max_tiles = (int32_t)((T + g.bm - 1) / g.bm);
     }
     /* up: A = X rows gathered by token, B = W13 (or W1), SwiGLU/GELU/ReLU epilogue into H */
@@ -97,18 +98,18 @@ static int expert_gemms(const moe_layer_dev *L, const moe_route_dev *r, const vo
     g.b_estride = (int64_t)n_up * L->d_pad;
     g.c = h;
     g.ldc = ff_pad;
-    g.epi = L->act == MOED_ACT_SWIGLU ? MOE_EPI_SWIGLU
-            : L->act == MOED_ACT_GELU ? MOE_EPI_GELU
-                                      : MOE_EPI_RELU;
-    moe_tile_cfg cfg = moe_tile_choose(sm, P, n_active, g.n, g.k, force_kernel);
+    g.epi = L->act == MOED_ACT_SWIGLU ? MOED_CUDA_EPI_SWIGLU
+            : L->act == MOED_ACT_GELU ? MOED_CUDA_EPI_GELU
+                                      : MOED_CUDA_EPI_RELU;
+    moed_cuda_tile_cfg cfg = moed_cuda_tile_choose(sm, P, n_active, g.n, g.k, force_kernel);
     int rc = 0;
     if (r && !cfg.gather) { /* rows pre-permuted into y (free until the down GEMM), A by TMA */
-        rc = moe_gather_rows(y, xc, r->slot_tok, r->P, L->d_pad, s);
+        rc = moed_cuda_gather_rows(y, xc, r->slot_tok, r->P, L->d_pad, s);
         g.a = y;
         g.a_rows = NULL;
         g.a_rows_total = P;
     }
-    if (!rc) rc = moe_gemm_run(&g, &cfg, s);
+    if (!rc) rc = moed_cuda_gemm_run(&g, &cfg, s);
     mark(ev, 0, s);
     if (rc) return rc;
     /* down: A = H rows in order, B = W2, plain store into Y */
@@ -122,21 +123,21 @@ static int expert_gemms(const moe_layer_dev *L, const moe_route_dev *r, const vo
     g.b_estride = (int64_t)L->d_pad * ff_pad;
     g.c = y;
     g.ldc = L->d_pad;
-    g.epi = MOE_EPI_STORE;
-    cfg = moe_tile_choose(sm, P, n_active, g.n, g.k, force_kernel);
-    return moe_gemm_run(&g, &cfg, s);
+    g.epi = MOED_CUDA_EPI_STORE;
+    cfg = moed_cuda_tile_choose(sm, P, n_active, g.n, g.k, force_kernel);
+    return moed_cuda_gemm_run(&g, &cfg, s);
 }
 
-int moe_pipeline(const moe_layer_dev *L, moe_route_dev *r, const moe_work_dev *w, const void *x,
-                 int dtype, void *out, int sm, int n_active, int force_kernel, moe_stream s,
-                 void *const *ev)
+int moed_cuda_pipeline(const moed_cuda_layer_dev *L, moed_cuda_route_dev *r,
+                       const moed_cuda_work_dev *w, const void *x, int dtype, void *out, int sm,
+                       int n_active, int force_kernel, moed_cuda_stream s, void *const *ev)
 {
     /* Input already in the compute type and unpadded: the GEMMs read it where it is. */
     const int direct = dtype == L->cdtype && L->d == L->d_pad;
     const void *xc = direct ? x : w->xc;
-    int rc = direct ? 0 : moe_convert_in(x, dtype, r->T, L->d, w->xc, L->cdtype, L->d_pad, s);
+    int rc = direct ? 0 : moed_cuda_convert_in(x, dtype, r->T, L->d, w->xc, L->cdtype, L->d_pad, s);
     mark(ev, 0, s);
-    if (!rc && r->P > 0) rc = moe_route_prep(r, s);
+    if (!rc && r->P > 0) rc = moed_cuda_route_prep(r, s);
     mark(ev, 1, s);
     if (!rc && r->P > 0)
         rc = expert_gemms(L, r, xc, L->w13, L->w2, L->E, L->ff_pad, L->n_up, w->h, w->y, r->T, r->P,
@@ -149,7 +150,8 @@ int moe_pipeline(const moe_layer_dev *L, moe_route_dev *r, const moe_work_dev *w
                           r->T, 1, sm, force_kernel, s, NULL);
     mark(ev, 4, s);
     if (!rc)
-        rc = moe_combine(r, w->y, L->s13 ? w->ys : NULL, L->cdtype, L->d, L->d_pad, out, dtype, s);
+        rc = moed_cuda_combine(r, w->y, L->s13 ? w->ys : NULL, L->cdtype, L->d, L->d_pad, out,
+                               dtype, s);
     mark(ev, 5, s);
     return rc;
 }

@@ -9,7 +9,7 @@
  * that is harmless because each sorted row is computed independently of the rows around it and the
  * combine reads the pairs back in route order.
  */
-#include "moe_cuda.h"
+#include "moed_cuda.h"
 
 #include "moed_err.h"
 
@@ -36,7 +36,7 @@ __global__ void count_kernel(const int32_t *pair_exp, int P, int E, int32_t *cnt
 
 /* Exclusive scans of the per-expert counts (rows, then m-tiles), written as exp_off, the tile
  * lists, n_tiles, and each expert's first row into cursor (where scatter starts). One block. */
-__device__ __forceinline__ void scan_counts(const moe_route_dev &r, const int32_t *counts,
+__device__ __forceinline__ void scan_counts(const moed_cuda_route_dev &r, const int32_t *counts,
                                             int32_t *cursor)
 {
     typedef cub::BlockScan<int32_t, SCAN_THREADS> scan_t;
@@ -71,14 +71,14 @@ __device__ __forceinline__ void scan_counts(const moe_route_dev &r, const int32_
     }
 }
 
-__global__ void __launch_bounds__(SCAN_THREADS) scan_kernel(moe_route_dev r)
+__global__ void __launch_bounds__(SCAN_THREADS) scan_kernel(moed_cuda_route_dev r)
 {
     scan_counts(r, r.cursor, r.cursor);
 }
 
 /* Small batches: count, scan and scatter in one block and one launch, with the counts and cursors
  * in shared memory — at a few dozen pairs the three launches cost more than the work. */
-__global__ void __launch_bounds__(SCAN_THREADS) small_kernel(moe_route_dev r)
+__global__ void __launch_bounds__(SCAN_THREADS) small_kernel(moed_cuda_route_dev r)
 {
     __shared__ int32_t cnt[SCAN_THREADS * SCAN_ITEMS];
     for (int e = threadIdx.x; e < r.E; e += blockDim.x) cnt[e] = 0;
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(SCAN_THREADS) small_kernel(moe_route_dev r)
     }
 }
 
-__global__ void scatter_kernel(moe_route_dev r)
+__global__ void scatter_kernel(moed_cuda_route_dev r)
 {
     for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < r.P; p += gridDim.x * blockDim.x) {
         const int slot = atomicAdd(&r.cursor[r.pair_exp[p]], 1);
@@ -105,7 +105,7 @@ __global__ void scatter_kernel(moe_route_dev r)
 
 } // namespace
 
-extern "C" int moe_route_prep(const moe_route_dev *r, moe_stream s)
+extern "C" int moed_cuda_route_prep(const moed_cuda_route_dev *r, moed_cuda_stream s)
 {
     cudaStream_t st = (cudaStream_t)s;
     if (r->E < 1 || r->E > SCAN_THREADS * SCAN_ITEMS || r->bm < 1) return MOED_EINVAL;

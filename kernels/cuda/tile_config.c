@@ -16,7 +16,7 @@
  * bn 128 for sm90 when N is not a multiple of 256. Both GEMMs of a batch share bm (route prep lays
  * the tiles out once).
  */
-#include "moe_cuda.h"
+#include "moed_cuda.h"
 
 #include "moed_err.h"
 
@@ -28,45 +28,46 @@ static int rows_per_expert_at_least(int64_t P, int n_active, int64_t rows)
     return P >= rows * n_active;
 }
 
-int moe_kernel_parse(const char *name)
+int moed_cuda_kernel_parse(const char *name)
 {
     if (!name) return 0;
-    if (!strcmp(name, "sm80")) return MOE_KERNEL_SM80;
-    if (!strcmp(name, "sm90")) return MOE_KERNEL_SM90;
-    if (!strcmp(name, "sm90p")) return MOE_KERNEL_SM90P;
+    if (!strcmp(name, "sm80")) return MOED_CUDA_KERNEL_SM80;
+    if (!strcmp(name, "sm90")) return MOED_CUDA_KERNEL_SM90;
+    if (!strcmp(name, "sm90p")) return MOED_CUDA_KERNEL_SM90P;
     return 0;
 }
 
-int moe_tile_bm(int64_t P, int n_active, int force_kernel)
+int moed_cuda_tile_bm(int64_t P, int n_active, int force_kernel)
 {
-    if (force_kernel == MOE_KERNEL_SM90 || force_kernel == MOE_KERNEL_SM90P ||
+    if (force_kernel == MOED_CUDA_KERNEL_SM90 || force_kernel == MOED_CUDA_KERNEL_SM90P ||
         rows_per_expert_at_least(P, n_active, 96))
         return 128;
     if (rows_per_expert_at_least(P, n_active, 24)) return 64;
     return 16;
 }
 
-moe_tile_cfg moe_tile_choose(int sm, int64_t P, int n_active, int n, int k, int force_kernel)
+moed_cuda_tile_cfg moed_cuda_tile_choose(int sm, int64_t P, int n_active, int n, int k,
+                                         int force_kernel)
 {
-    moe_tile_cfg c;
-    c.bm = moe_tile_bm(P, n_active, force_kernel);
-    const int hopper = force_kernel ? force_kernel != MOE_KERNEL_SM80 : sm == 90;
+    moed_cuda_tile_cfg c;
+    c.bm = moed_cuda_tile_bm(P, n_active, force_kernel);
+    const int hopper = force_kernel ? force_kernel != MOED_CUDA_KERNEL_SM80 : sm == 90;
     c.gather = 1;
     if (hopper && c.bm == 128) {
-        c.kernel = MOE_KERNEL_SM90;
+        c.kernel = MOED_CUDA_KERNEL_SM90;
         c.bn = n % 256 == 0 ? 256 : 128;
-        c.gather = force_kernel ? force_kernel == MOE_KERNEL_SM90
+        c.gather = force_kernel ? force_kernel == MOED_CUDA_KERNEL_SM90
                                 : !(k >= 4096 && rows_per_expert_at_least(P, n_active, 512));
     } else {
-        c.kernel = MOE_KERNEL_SM80;
+        c.kernel = MOED_CUDA_KERNEL_SM80;
         c.bn = 128;
     }
     return c;
 }
 
-int moe_gemm_run(const moe_gemm *g, const moe_tile_cfg *cfg, moe_stream s)
+int moed_cuda_gemm_run(const moed_cuda_gemm *g, const moed_cuda_tile_cfg *cfg, moed_cuda_stream s)
 {
     if (cfg->bm != g->bm) return MOED_EINVAL;
-    if (cfg->kernel == MOE_KERNEL_SM90) return moe_gemm_sm90(g, cfg->bn, s);
-    return moe_gemm_sm80(g, cfg->bn, s);
+    if (cfg->kernel == MOED_CUDA_KERNEL_SM90) return moed_cuda_gemm_sm90(g, cfg->bn, s);
+    return moed_cuda_gemm_sm80(g, cfg->bn, s);
 }

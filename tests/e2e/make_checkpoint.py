@@ -100,8 +100,8 @@ def write_checkpoint(dir, arch="mixtral", layers=2, d=64, ff=128, experts=4, top
                      norm_topk=None, bias_dtype="f32"):
     """Writes a checkpoint into dir (created if needed) and returns {layer: weights} for its MoE
     layers, each a dict of float64 arrays as moed holds them:
-      w1, w3 [experts, ff, d]; w2 [experts, d, ff]; router [experts, d] (in the experts' dtype:
-      moed converts a router of another dtype through float32); bias [experts] (float32 values,
+      w1, w3 [experts, ff, d]; w2 [experts, d, ff]; router [experts, d] (in its own dtype: moed
+      computes the server router from it as stored); bias [experts] (float32 values,
       deepseek_v3) or None; shared_w1, shared_w3 [shared_ff, d], shared_w2 [d, shared_ff] or None;
     and the routing it uses: top_k, norm_topk, rule ("softmax" or "deepseek"), n_group,
     topk_group, routed_scale.
@@ -159,8 +159,7 @@ def write_checkpoint(dir, arch="mixtral", layers=2, d=64, ff=128, experts=4, top
              "n_group": n_group if deepseek else 1, "topk_group": topk_group if deepseek else 1,
              "routed_scale": float(routed_scale) if deepseek else 1.0, "n_shared": n_shared,
              "bias": None, "shared_w1": None, "shared_w3": None, "shared_w2": None}
-        router = put(layer, names["router"], rand((experts, d), d), rdt)
-        w["router"] = router.astype(np.float32).astype(wdt).astype(np.float64)
+        w["router"] = put(layer, names["router"], rand((experts, d), d), rdt)
         if deepseek:
             bias = put(layer, names["bias"], 0.1 * rng.standard_normal(experts), bdt)
             w["bias"] = bias.astype(np.float32).astype(np.float64)

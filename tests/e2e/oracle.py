@@ -270,8 +270,13 @@ def batch_gate(logits, k_batch):
     return S, [list(zip(S, _softmax(row[S]))) for row in l]
 
 
-def router_logits(x, w):
-    return np.asarray(x, dtype=np.float64) @ w["router"].T
+def router_logits(x, w, dtype="f32", rule="softmax"):
+    """The server router's logits for hidden x (float64 values) sent in dtype: x @ router^T, and for
+    the softmax rule rounded to dtype as the model's gate Linear rounds them (proto: ServerRouter)."""
+    logits = np.asarray(x, dtype=np.float64) @ w["router"].T
+    if rule == "deepseek" or dtype == "f32":
+        return logits
+    return round_to(logits, "bf16" if dtype == "bf16u16" else dtype)
 
 
 # ---- inputs and comparison -------------------------------------------------------------------

@@ -34,7 +34,7 @@ def client_case(i):
         route = O.gate(logits, strategy, SPEC)
     else:
         kw.update(strategy="topk", top_k=3)
-        route = O.gate(O.router_logits(x64, w), "topk", SPEC, top_k=3)
+        route = O.gate(O.router_logits(x64, w, dtype), "topk", SPEC, top_k=3)
     return layer, x, kw, O.forward(x64, w, route, SPEC.act), dtype
 
 

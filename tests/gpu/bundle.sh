@@ -1,10 +1,26 @@
 #!/usr/bin/env bash
 # Builds moed with CUDA here and assembles .gpu/ for the GPU machine, which has the CUDA driver and
 # toolkit but none of our C libraries and no package registry: the binaries, the shared libraries
-# they need that it lacks (../shared/tools/bundle-libs), and the Python client. The device tool
-# carries .gpu/ (git-ignored); tests/gpu/run-on-gpu.sh runs there.
+# they need that it lacks, and the Python client. The device tool carries .gpu/ (git-ignored);
+# tests/gpu/run-on-gpu.sh runs there.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+
+# Copies the shared libraries that the given files need into DEST, leaving out what every Linux
+# machine with a GPU driver and the CUDA toolkit has: glibc's libraries, libstdc++, libgcc_s, the
+# driver (libcuda, libnvidia-*) and the toolkit's libraries (libcudart, libcublas, ...).
+bundle_libs() {
+    local dest=$1 f name path
+    local skip='^(linux-vdso|ld-linux|libc|libm|libdl|librt|libpthread|libresolv|libutil|libstdc\+\+|libgcc_s|libcuda|libnvidia-|libcudart|libcublas|libcublasLt|libcusparse|libcurand|libnvrtc|libnvJitLink)\.'
+    shift
+    for f in "$@"; do
+        while read -r name path; do
+            [[ $name =~ $skip ]] || [ -e "$dest/$name" ] || cp -L "$path" "$dest/$name"
+        done < <(ldd "$f" | awk '/=> \//{print $1, $3}')
+    done
+    echo "bundle: $(ls "$dest" | wc -l) libraries in $dest ($(du -sh "$dest" | cut -f1))"
+}
+
 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DMOED_BUILD_TESTS=ON >/dev/null
 cmake --build build-gpu -j2
 rm -rf .gpu
@@ -12,6 +28,6 @@ mkdir -p .gpu/bin .gpu/lib .gpu/py
 cp build-gpu/server/moed build-gpu/client/c/moectl build-gpu/kernels/cuda/moe-bench \
    build-gpu/tests/gpu/test_cuda_backend .gpu/bin/
 [ -x build-gpu/client/c/moed-load ] && cp build-gpu/client/c/moed-load .gpu/bin/
-../shared/tools/bundle-libs .gpu/lib .gpu/bin/*
+bundle_libs .gpu/lib .gpu/bin/*
 .venv/bin/pip install -q --no-deps --no-build-isolation --target .gpu/py ./client/python
 du -sh .gpu

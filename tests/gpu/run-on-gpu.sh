@@ -9,6 +9,10 @@
 #   merge     the same, merging suite (merging off / on / batch gating at T=8)
 #   pytest    end-to-end tests through a CUDA daemon: merged requests bit-identical to the same
 #             requests alone, batch gating across merged callers against numpy
+#   router    the server router (issue 8): the CUDA-vs-CPU router cases of the suite, the
+#             checkpoints written by transformers served by a CUDA daemon against transformers'
+#             own outputs (recomputed live by the torch and transformers installed there), and the
+#             table of relative errors per checkpoint and routing (hf-table.md)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export LD_LIBRARY_PATH=$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}
@@ -68,6 +72,15 @@ for what in "${stages[@]}"; do
         stage pytest
         MOED_BIN=$PWD/$B/moed MOED_TEST_COMPUTE=bf16 python3 -m pytest -q -p no:cacheprovider \
             tests/e2e/test_concurrency.py 2>&1 | tee "$OUT/pytest-gpu.log"
+        ;;
+    router)
+        stage router
+        MOED_GPU_TEST_ROUTER_ONLY=1 $B/test_cuda_backend 2>&1 | tee "$OUT/gpu-router.log"
+        echo "test_cuda_backend (router) exit ${PIPESTATUS[0]}"
+        MOED_BIN=$PWD/$B/moed MOED_TEST_COMPUTE=bf16 python3 -m pytest -q -p no:cacheprovider \
+            tests/e2e/test_hf_models.py 2>&1 | tee "$OUT/pytest-hf.log"
+        python3 tests/e2e/hf_models/table.py --moed $B/moed --backend cuda --logs "$RAW" \
+            2>&1 | tee "$OUT/hf-table.md"
         ;;
     *) echo "unknown stage $what" ;;
     esac

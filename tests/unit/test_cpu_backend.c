@@ -329,42 +329,64 @@ static void test_cases(void)
     }
 }
 
+/* Router logits against a float64 reference from the stored values, for every dtype of x and a
+ * router in float32 on a bf16 layer (held as stored, not rounded to the experts' dtype); a row
+ * alone is bit-identical to the same row in the batch. DeepSeek-V3's logits stay float32; the
+ * softmax rule's are the same float32 sums rounded to x's dtype. */
 static void test_router_logits(void)
 {
     moed_synth_spec s;
-    moed_layer l;
+    moed_layer soft, deep;
     moed_error err = { 0 };
     CHECK_EQ_INT(moed_synth_parse("d=72,ff=16,experts=12,topk=2,dtype=bf16", &s, &err), 0);
-    CHECK_EQ_INT(moed_synth_layer(&s, 0, &l, &err), 0);
-    int T = 29, d = 72, E = 12;
-    moed_backend *b = open_cpu(3, 64, &l);
-    for (int dt = MOED_F32; dt <= MOED_BF16 && b; dt++) {
+    CHECK_EQ_INT(moed_synth_layer(&s, 0, &soft, &err), 0);
+    CHECK_EQ_INT(
+        moed_synth_parse("d=72,ff=16,experts=12,topk=2,dtype=bf16,rule=deepseek", &s, &err), 0);
+    CHECK_EQ_INT(moed_synth_layer(&s, 0, &deep, &err), 0);
+    enum { T = 29, d = 72, E = 12 };
+    float *router = malloc(sizeof(float) * E * d); /* bf16 values plus what bf16 cannot hold */
+    for (int i = 0; i < E * d; i++) router[i] = (float)wval(soft.router, MOED_BF16, i) + 1e-4f;
+    const void *synth_routers[2] = { soft.router, deep.router };
+    soft.router = deep.router = router;
+    soft.router_dtype = deep.router_dtype = MOED_F32;
+    moed_backend *bs = open_cpu(3, 64, &soft), *bd = open_cpu(2, 64, &deep);
+    for (int dt = MOED_F32; dt <= MOED_BF16 && bs && bd; dt++) {
         void *x = random_x(dt, T * d);
-        float lg[29 * 12], one[12];
-        CHECK_EQ_INT(moed_backend_router_logits(b, 0, 0, dt, T, x, lg, &err), 0);
-        int bad = 0, diff = 0;
+        float lg[T * E], ls[T * E], one[E];
+        CHECK_EQ_INT(moed_backend_router_logits(bd, 0, 0, dt, T, x, lg, &err), 0);
+        CHECK_EQ_INT(moed_backend_router_logits(bs, 0, 0, dt, T, x, ls, &err), 0);
+        int bad = 0, diff = 0, round = 0;
         for (int t = 0; t < T; t++) {
             for (int e = 0; e < E; e++) {
                 double want = 0, mag = 0;
                 for (int k = 0; k < d; k++) {
-                    double v = wval(l.router, MOED_BF16, (size_t)e * d + k) *
-                               wval(x, dt, (size_t)t * d + k);
+                    double v = router[e * d + k] * wval(x, dt, (size_t)t * d + k);
                     want += v;
                     mag += fabs(v);
                 }
                 bad += !(fabs(lg[t * E + e] - want) <= 1e-6 * mag);
+                float r = lg[t * E + e];
+                moed_router_round_logits(&soft.info, dt, &r, 1);
+                round += memcmp(&r, &ls[t * E + e], sizeof r) != 0;
             }
             moed_backend_router_logits(
-                b, 0, 0, dt, 1, (const char *)x + (size_t)t * d * moed_dtype_size(dt), one, &err);
+                bd, 0, 0, dt, 1, (const char *)x + (size_t)t * d * moed_dtype_size(dt), one, &err);
             diff += memcmp(one, lg + t * E, sizeof one) != 0;
         }
         CHECK_MSG(bad == 0, "router logits (x %s): %d off", moed_dtype_name(dt), bad);
+        CHECK_MSG(round == 0, "softmax-rule logits (x %s): %d not the float32 sums rounded",
+                  moed_dtype_name(dt), round);
         CHECK_MSG(diff == 0, "router logits (x %s): %d rows differ alone", moed_dtype_name(dt),
                   diff);
         free(x);
     }
-    moed_backend_destroy(b);
-    moed_synth_free_layer(&l);
+    moed_backend_destroy(bs);
+    moed_backend_destroy(bd);
+    soft.router = synth_routers[0];
+    deep.router = synth_routers[1];
+    free(router);
+    moed_synth_free_layer(&soft);
+    moed_synth_free_layer(&deep);
 }
 
 static void test_errors(void)

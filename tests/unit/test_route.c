@@ -6,6 +6,7 @@
  * logits drawn from a few values so that ties are common.
  */
 #include "check.h"
+#include "moed_dtype.h"
 #include "moed_route.h"
 
 #include <math.h>
@@ -551,6 +552,48 @@ static void test_concat(void)
     moed_route_free(&b);
 }
 
+/* The server router's rounding rule: softmax-rule logits are rounded to the activation dtype
+ * (nearest, ties to even), DeepSeek-V3's and float32 activations' are left alone; and what it does
+ * to a choice: two experts 0.002 apart in float32 tie in bf16, and the tie goes to the lower index.
+ */
+static void test_router_rounding(void)
+{
+    moed_layer_info soft = layer(4, 1, 1), deep = soft;
+    deep.rule = MOED_RULE_DEEPSEEK_V3;
+    const float in[6] = {
+        1.00390625f, 1.005859375f, -2.3f, 1.00048828125f, 1.000732421875f, 3e-3f
+    };
+    const float bf16[6] = { 1.0f, 1.0078125f, -2.296875f, 1.0f, 1.0f, 0.0030059814453125f };
+    const float f16[6] = { 1.00390625f, 1.005859375f,  -2.30078125f,
+                           1.0f,        1.0009765625f, 0.0030002593994140625f };
+    float v[6];
+    memcpy(v, in, sizeof v);
+    moed_router_round_logits(&soft, MOED_BF16, v, 6);
+    for (int i = 0; i < 6; i++) CHECK_MSG(v[i] == bf16[i], "bf16 %d: %.9g", i, (double)v[i]);
+    memcpy(v, in, sizeof v);
+    moed_router_round_logits(&soft, MOED_F16, v, 6);
+    for (int i = 0; i < 6; i++) CHECK_MSG(v[i] == f16[i], "f16 %d: %.9g", i, (double)v[i]);
+    memcpy(v, in, sizeof v);
+    moed_router_round_logits(&soft, MOED_F32, v, 6);
+    CHECK(!memcmp(v, in, sizeof v));
+    moed_router_round_logits(&deep, MOED_BF16, v, 6);
+    CHECK(!memcmp(v, in, sizeof v));
+
+    float l[4] = { 0.5f, 1.001f, 1.003f, -1.0f };
+    moed_gate_params p = { MOED_GATE_MODEL, 0, MOED_RENORM_DEFAULT, 0 };
+    moed_route r = { 0 };
+    moed_error err = { 0 };
+    CHECK_EQ_INT(moed_gate_resolve(&p, &soft, &err), 0);
+    CHECK_EQ_INT(moed_gate(&p, &soft, NULL, l, 1, &r, &err), 0);
+    CHECK_EQ_INT(r.expert[0], 2); /* float32: expert 2 is ahead */
+    moed_route_free(&r);
+    moed_router_round_logits(&soft, MOED_BF16, l, 4);
+    CHECK(l[1] == l[2]);
+    CHECK_EQ_INT(moed_gate(&p, &soft, NULL, l, 1, &r, &err), 0);
+    CHECK_EQ_INT(r.expert[0], 1); /* bf16: tied, the lower index wins */
+    moed_route_free(&r);
+}
+
 int main(void)
 {
     test_topk_by_hand();
@@ -563,5 +606,6 @@ int main(void)
     test_choice();
     test_resolve();
     test_concat();
+    test_router_rounding();
     return check_status("test_route");
 }

@@ -278,7 +278,9 @@ static void check_layer(const ck *c, const moed_layer *l, int L)
         check_values(l->experts[e].w3, wd, expert_name(c, L, e, 1, n), mat);
         check_values(l->experts[e].w2, wd, expert_name(c, L, e, 2, n), mat);
     }
-    check_values(l->router, wd, router_name(c, L, n), (uint64_t)c->E * (uint64_t)c->d);
+    const int rd = c->router_dtype ? dtype_of(c->router_dtype) : wd; /* held as stored */
+    CHECK_EQ_INT(moed_layer_router_dtype(l), rd);
+    check_values(l->router, rd, router_name(c, L, n), (uint64_t)c->E * (uint64_t)c->d);
     if (is_deepseek(c))
         check_values(l->router_bias, MOED_F32, bias_name(L, n), (uint64_t)c->E);
     else
@@ -373,7 +375,7 @@ static void test_layouts(void)
 {
     expect_load(&mixtral, NULL, (int[]){ 0, 1 }, 2);
 
-    ck c = mixtral; /* an F32 model whose router is BF16: converted to the experts' dtype */
+    ck c = mixtral; /* an F32 model whose router is BF16: the router stays BF16 */
     c.dtype = "F32";
     c.router_dtype = "BF16";
     expect_load(&c, NULL, (int[]){ 0, 1 }, 2);

@@ -375,11 +375,26 @@ def to_float64(hidden, dtype: Optional[str] = None) -> np.ndarray:
     return h.astype(np.float64)
 
 
-def router_logits(x, weights: LayerWeights) -> np.ndarray:
-    """The logits the server router computes: x [T, d] @ router.T, float64."""
+def _hidden_dtype(hidden, dtype: Optional[str]) -> str:
+    if dtype is not None:
+        return dtype_name(dtype)
+    kind = np.asarray(hidden).dtype
+    if kind == np.float16:
+        return "f16"
+    return "bf16" if kind == ml_dtypes.bfloat16 else "f32"
+
+
+def router_logits(x, weights: LayerWeights, dtype: Optional[str] = None) -> np.ndarray:
+    """The logits the server router computes: x [T, d] @ router.T, and for the softmax top-k rule
+    rounded to x's dtype (as the model's gate Linear rounds them; DeepSeek-V3 keeps float32).
+    float64 values; dtype as for to_float64."""
     if weights.router is None:
         raise ValueError(f"layer {weights.info.index} has no router weights")
-    return to_float64(x) @ weights.router.T
+    logits = (to_float64(x, dtype) @ weights.router.T).astype(np.float32)
+    kind = _hidden_dtype(x, dtype)
+    if weights.info.router_rule == "softmax_topk" and kind != "f32":
+        logits = logits.astype(ml_dtypes.bfloat16 if kind == "bf16" else np.float16)
+    return logits.astype(np.float64)
 
 
 def _mlp(x: np.ndarray, w1: np.ndarray, w3: Optional[np.ndarray], w2: np.ndarray, act: str) -> np.ndarray:

@@ -260,3 +260,22 @@ def test_sparsemax_huge_logits():
     p = ref.sparsemax(np.array([5.4e37, 1.0, -3.0, 0.5], dtype=np.float32))
     assert np.all(np.isfinite(p))
     np.testing.assert_array_equal(p, [1.0, 0.0, 0.0, 0.0])
+
+
+def test_router_logits_follow_the_models_rounding():
+    """Softmax-rule layers round the server router's logits to the hidden dtype (the model's gate
+    Linear runs in it); DeepSeek-V3 layers and float32 hidden keep the float32 sums."""
+    soft = ref.synthetic_weights("layers=1,d=48,ff=16,experts=6,topk=2,dtype=f32,seed=3", 0)
+    deep = ref.synthetic_weights("layers=1,d=48,ff=16,experts=6,topk=2,dtype=f32,seed=3,rule=deepseek", 0)
+    x = np.random.default_rng(0).standard_normal((5, 48)).astype(np.float32)
+    sums = (x.astype(np.float64) @ soft.router.T).astype(np.float32).astype(np.float64)
+    assert np.array_equal(ref.router_logits(x, soft), sums)
+    for kind, np_type in (("bf16", ml_dtypes.bfloat16), ("f16", np.float16)):
+        xk = x.astype(np_type)
+        exact = (xk.astype(np.float64) @ soft.router.T).astype(np.float32)
+        assert np.array_equal(ref.router_logits(xk, soft), exact.astype(np_type).astype(np.float64))
+        assert np.array_equal(ref.router_logits(xk, deep), exact.astype(np.float64))
+        assert not np.array_equal(exact.astype(np_type).astype(np.float32), exact), kind
+    bits = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    assert np.array_equal(ref.router_logits(bits, soft, "bf16"),
+                          ref.router_logits(x.astype(ml_dtypes.bfloat16), soft))

@@ -1,8 +1,8 @@
 /*
  * bench — helpers shared by the kernel benchmarks (device fill, timing statistics).
  */
-#ifndef MOE_BENCH_H
-#define MOE_BENCH_H
+#ifndef MOED_CUDA_BENCH_H
+#define MOED_CUDA_BENCH_H
 
 #include <stddef.h>
 #include <stdint.h>

@@ -1,22 +1,23 @@
 /*
- * moe_bench — the kernel benchmark: the whole expert pipeline of the CUDA backend (moe_pipeline:
- * route prep → up GEMM → down GEMM → combine) on device-resident data, for the standard shapes and
- * T of DESIGN §7, timed with CUDA events (median of many runs after warm-up) on random, never-zero
- * data, beside the two ceilings measured in the same run: a large cuBLAS bf16 matmul and a large
- * device-to-device copy (bytes read plus written). Counted work: FLOPs = 2·pairs·d·3·ff; minimum
- * bytes = the weights of every expert that received a token + activations in and out.
+ * moe_bench — the kernel benchmark: the whole expert pipeline of the CUDA backend
+ * (moed_cuda_pipeline: route prep → up GEMM → down GEMM → combine) on device-resident data, for the
+ * standard shapes (bf16: mixtral d 4096 ff 14336 E 8 k 2; qwen3-30b-a3b d 2048 ff 768 E 128 k 8;
+ * deepseek-v3 d 7168 ff 2048 E 256 k 8) and T = 8 to 16384, timed with CUDA events (median of many
+ * runs after warm-up) on random, never-zero data, beside the two ceilings measured in the same
+ * run: a large cuBLAS bf16 matmul and a large device-to-device copy (bytes read plus written).
+ * Counted work: FLOPs = 2·pairs·d·3·ff; minimum bytes = the weights of every expert that received a
+ * token + activations in and out.
  *
  * usage: moe-bench [--shapes mixtral,qwen3-30b-a3b,deepseek-v3] [--tokens 8,64,512,4096,16384]
- *                  [--routing uniform,zipf,hot,empty] [--kernel auto,sm80,sm90,sm90p] [--min-ms
- * 200]
- *                  [--cublas] [--graph] [--json FILE]
+ *                  [--routing uniform,zipf,hot,empty] [--kernel auto,sm80,sm90,sm90p]
+ *                  [--min-ms 200] [--cublas] [--graph] [--json FILE]
  * Prints one table row per run; --json writes every figure, the stage times included. --cublas adds
  * the headroom line: the same per-expert GEMMs through cuBLAS on pre-permuted rows, no epilogues.
  * --graph times the pipeline captured as a CUDA graph and replayed (what the backend does for small
  * batches).
  */
 #include "bench.h"
-#include "moe_cuda.h"
+#include "moed_cuda.h"
 
 #include "moed_dtype.h"
 #include "moed_synth.h"
@@ -164,8 +165,8 @@ static void ceilings(void)
 
 /* The headroom line: for each expert with rows, cuBLAS up (cnt x 2ff x d) then down (cnt x d x ff)
  * on contiguous rows — the dense GEMM time of the same work, with no gather, SwiGLU or combine. */
-static double bench_cublas(const shape *s, const moe_layer_dev *L, const int64_t *counts, int64_t P,
-                           void *xp, void *h, void *y)
+static double bench_cublas(const shape *s, const moed_cuda_layer_dev *L, const int64_t *counts,
+                           int64_t P, void *xp, void *h, void *y)
 {
     const float alpha = 1, beta = 0;
     cudaEvent_t e0, e1;
@@ -204,11 +205,11 @@ static double bench_cublas(const shape *s, const moe_layer_dev *L, const int64_t
 }
 
 /* Times the pipeline for one shape (weights resident in L) at T tokens with one routing rule. */
-static void bench_one(const shape *s, const moe_layer_dev *L, int sm, int64_t T,
+static void bench_one(const shape *s, const moed_cuda_layer_dev *L, int sm, int64_t T,
                       const char *routing, const char *kernel, double min_ms, int with_cublas,
                       int graph, run *out)
 {
-    const int E = s->E, k = s->k, force = moe_kernel_parse(kernel);
+    const int E = s->E, k = s->k, force = moed_cuda_kernel_parse(kernel);
     const int64_t P = T * k;
     int64_t *off = malloc(sizeof(int64_t) * (size_t)(T + 1));
     int32_t *ex = malloc(sizeof(int32_t) * (size_t)P);
@@ -228,18 +229,19 @@ static void bench_one(const shape *s, const moe_layer_dev *L, int sm, int64_t T,
     }
     off[T] = P;
 
-    const int bm = moe_tile_bm(P, active, force);
-    const size_t words = moe_route_words(T, P, E, moe_route_max_tiles((int32_t)P, E, bm));
-    int32_t *hroute = malloc(4 * moe_route_in_words(T, P)), *droute;
-    moe_route_pack(hroute, off, ex, w, 0, T);
+    const int bm = moed_cuda_tile_bm(P, active, force);
+    const size_t words =
+        moed_cuda_route_words(T, P, E, moed_cuda_route_max_tiles((int32_t)P, E, bm));
+    int32_t *hroute = malloc(4 * moed_cuda_route_in_words(T, P)), *droute;
+    moed_cuda_route_pack(hroute, off, ex, w, 0, T);
     CK(cudaMalloc((void **)&droute, words * 4));
-    CK(cudaMemcpy(droute, hroute, 4 * moe_route_in_words(T, P), cudaMemcpyHostToDevice));
-    moe_route_dev r;
+    CK(cudaMemcpy(droute, hroute, 4 * moed_cuda_route_in_words(T, P), cudaMemcpyHostToDevice));
+    moed_cuda_route_dev r;
     memset(&r, 0, sizeof r);
-    moe_route_layout(&r, droute, T, P, E, bm);
+    moed_cuda_route_layout(&r, droute, T, P, E, bm);
 
     void *x, *y;
-    moe_work_dev wk;
+    moed_cuda_work_dev wk;
     memset(&wk, 0, sizeof wk);
     CK(cudaMalloc(&x, (size_t)T * s->d * 2));
     CK(cudaMalloc(&y, (size_t)T * s->d * 2));
@@ -258,7 +260,8 @@ static void bench_one(const shape *s, const moe_layer_dev *L, int sm, int64_t T,
     if (graph) {
         cudaGraph_t gr;
         CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        int rc = moe_pipeline(L, &r, &wk, x, MOED_BF16, y, sm, active, force, (moe_stream)st, NULL);
+        int rc = moed_cuda_pipeline(L, &r, &wk, x, MOED_BF16, y, sm, active, force,
+                                    (moed_cuda_stream)st, NULL);
         CK(cudaStreamEndCapture(st, &gr));
         if (rc) {
             fprintf(stderr, "moe-bench: capture refused (%d)\n", rc);
@@ -277,8 +280,8 @@ static void bench_one(const shape *s, const moe_layer_dev *L, int sm, int64_t T,
             CK(cudaGraphLaunch(gexec, st));
             for (int i = 0; i < 6; i++) cudaEventRecord(ev[i], st);
         } else {
-            rc = moe_pipeline(L, &r, &wk, x, MOED_BF16, y, sm, active, force, (moe_stream)st,
-                              (void *const *)ev);
+            rc = moed_cuda_pipeline(L, &r, &wk, x, MOED_BF16, y, sm, active, force,
+                                    (moed_cuda_stream)st, (void *const *)ev);
         }
         if (rc) {
             fprintf(stderr, "moe-bench: pipeline refused (%d) for %s T=%lld\n", rc, s->name,
@@ -414,7 +417,7 @@ int main(int argc, char **argv)
             fprintf(stderr, "moe-bench: unknown shape %s\n", sh[i]);
             return 2;
         }
-        moe_layer_dev L;
+        moed_cuda_layer_dev L;
         memset(&L, 0, sizeof L);
         L.cdtype = MOED_BF16;
         L.act = 1; /* SwiGLU */

@@ -1,5 +1,5 @@
 """The reference moed's kernels are measured against, timed in the same run on the GPU machine:
-the pipeline a user would write with PyTorch's grouped GEMM (DESIGN §7) — sort the (token, expert)
+the pipeline a user would write with PyTorch's grouped GEMM — sort the (token, expert)
 pairs by expert, gather the token rows, torch._grouped_mm against W1|W3, SwiGLU, torch._grouped_mm
 against W2, scale by the routing weights, index_add into the output. bf16, random never-zero data,
 the same shapes, T and routing rules as moe-bench, median of CUDA-event timings after warm-up.

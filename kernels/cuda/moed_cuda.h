@@ -1,5 +1,5 @@
 /*
- * moe_cuda — the launch API of the CUDA kernels, called from the C host code of the CUDA backend
+ * moed_cuda — the launch API of the CUDA kernels, called from the C host code of the CUDA backend
  * (cuda_backend.c) and from the kernel benchmarks. Each op lives in its own .cu file with its
  * launcher; every launcher is asynchronous on the given stream and returns 0 or a MOED_E* code
  * (MOED_EDEVICE when the launch itself fails).
@@ -16,14 +16,14 @@
  * never depends on where it lands in a tile, so a token's output never depends on the other tokens
  * of the batch.
  *
- * Padding: d and d_ff are padded to multiples of MOE_PAD with zeros (weights and X), which adds
- * exact zeros, so the GEMMs have no K or N edge cases; only M (rows per expert) is ragged.
+ * Padding: d and d_ff are padded to multiples of MOED_CUDA_PAD with zeros (weights and X), which
+ * adds exact zeros, so the GEMMs have no K or N edge cases; only M (rows per expert) is ragged.
  * SwiGLU weights are stored as one matrix W13 [2·ff_pad, d_pad] that interleaves W1 and W3 in
- * blocks of MOE_GLU_BLOCK rows (gate block j, then up block j), so an N tile holds matching gate
- * and up columns and the epilogue can multiply them in registers.
+ * blocks of MOED_CUDA_GLU_BLOCK rows (gate block j, then up block j), so an N tile holds matching
+ * gate and up columns and the epilogue can multiply them in registers.
  */
-#ifndef MOE_CUDA_H
-#define MOE_CUDA_H
+#ifndef MOED_CUDA_H
+#define MOED_CUDA_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -32,21 +32,29 @@
 extern "C" {
 #endif
 
-#define MOE_PAD       128
-#define MOE_GLU_BLOCK 32
+#define MOED_CUDA_PAD       128
+#define MOED_CUDA_GLU_BLOCK 32
 
-typedef struct CUstream_st *moe_stream;
+/* Bytes of one compute-type element: bf16 and f16 alike, so workspaces sized before any layer's
+ * type is known fit either. */
+#define MOED_CUDA_CSIZE 2
+
+static inline size_t moed_cuda_cbytes(int64_t n)
+{
+    return (size_t)n * MOED_CUDA_CSIZE;
+}
+
+typedef struct CUstream_st *moed_cuda_stream;
 
 enum {
-    MOE_EPI_SWIGLU = 1,
-    MOE_EPI_GELU = 2,
-    MOE_EPI_RELU = 3,
-    MOE_EPI_STORE = 4,
-    MOE_EPI_STORE_F32 = 5
+    MOED_CUDA_EPI_SWIGLU = 1,
+    MOED_CUDA_EPI_GELU = 2,
+    MOED_CUDA_EPI_RELU = 3,
+    MOED_CUDA_EPI_STORE = 4
 };
 
 /* Device arrays of one batch's route; the first four are inputs, the rest route prep writes. */
-typedef struct moe_route_dev {
+typedef struct moed_cuda_route_dev {
     int32_t T, P, E;
     const int32_t *tok_off;  /* [T+1] pairs of token t: tok_off[t] .. tok_off[t+1]-1 */
     const int32_t *pair_tok; /* [P] */
@@ -61,28 +69,34 @@ typedef struct moe_route_dev {
     int32_t *n_tiles;        /* [1] m-tiles in use */
     int32_t bm;              /* rows per m-tile */
     int32_t max_tiles;       /* capacity of tile_exp/tile_row: ceil(P/bm) + min(E, P) */
-} moe_route_dev;
+} moed_cuda_route_dev;
 
 /* Upper bound on the m-tiles of P pairs over E experts with bm rows per tile. */
-static inline int32_t moe_route_max_tiles(int32_t P, int32_t E, int32_t bm)
+static inline int32_t moed_cuda_route_max_tiles(int32_t P, int32_t E, int32_t bm)
 {
     return (P + bm - 1) / bm + (E < P ? E : P);
 }
 
-int moe_route_prep(const moe_route_dev *r, moe_stream s);
+int moed_cuda_route_prep(const moed_cuda_route_dev *r, moed_cuda_stream s);
+
+/* The server router (router.cu): logits [T, E] float32 = x [T, d] (xdtype) · w [E, d]^T (wdtype),
+ * both MOED_F32/F16/BF16 as stored; each logit one chain of fused multiply-adds in k order from 0,
+ * bit-identical to the CPU backend's. */
+int moed_cuda_router_logits(const void *x, int xdtype, int64_t T, int d, const void *w, int wdtype,
+                            int E, float *logits, moed_cuda_stream s);
 
 /* x [T, d] of dtype (MOED_F32/F16/BF16) → xc [T, d_pad] of cdtype (MOED_BF16/F16), zero padded. */
-int moe_convert_in(const void *x, int dtype, int64_t T, int d, void *xc, int cdtype, int d_pad,
-                   moe_stream s);
+int moed_cuda_convert_in(const void *x, int dtype, int64_t T, int d, void *xc, int cdtype,
+                         int d_pad, moed_cuda_stream s);
 
 /* out[t, :d] (dtype) = Σ_j pair_w[j] · y[pair_slot[j], :d] over the token's pairs in order, plus
  * ys[t, :d] when ys is not NULL; y and ys are [*, d_pad] of cdtype. */
-int moe_combine(const moe_route_dev *r, const void *y, const void *ys, int cdtype, int d, int d_pad,
-                void *out, int dtype, moe_stream s);
+int moed_cuda_combine(const moed_cuda_route_dev *r, const void *y, const void *ys, int cdtype,
+                      int d, int d_pad, void *out, int dtype, moed_cuda_stream s);
 
 /* One grouped GEMM over the m-tiles of a route: for each tile (expert e, rows r0 .. r0+bm-1, cut
  * at row_end), C[r] = epilogue(A[row(r)] · B_e^T) for the tile's rows and every N column. */
-typedef struct moe_gemm {
+typedef struct moed_cuda_gemm {
     int cdtype;    /* MOED_BF16 or MOED_F16: the element type of A, B and C */
     const void *a; /* A rows, lda elements apart */
     int64_t lda;
@@ -91,63 +105,66 @@ typedef struct moe_gemm {
     const void *b;         /* expert e's [n, k] matrix starts at b + e·b_estride elements */
     int64_t b_estride;     /* = n·k: the experts are contiguous (the TMA path maps them as one) */
     int32_t b_experts;
-    int n, k; /* multiples of MOE_PAD */
-    void *c;  /* C rows, ldc elements apart; float for MOE_EPI_STORE_F32 */
+    int n, k; /* multiples of MOED_CUDA_PAD */
+    void *c;  /* C rows, ldc elements apart */
     int64_t ldc;
-    int epi; /* MOE_EPI_*; SWIGLU writes n/2 columns */
+    int epi; /* MOED_CUDA_EPI_*; SWIGLU writes n/2 columns */
     /* The m-tiles: from route prep (tile_exp, tile_row, n_tiles, exp_off) or, when tile_exp is
-     * NULL, `identity_rows` rows of expert 0 in order (shared experts, router logits). */
+     * NULL, `identity_rows` rows of expert 0 in order (shared experts). */
     const int32_t *tile_exp, *tile_row, *n_tiles, *exp_off;
     int32_t max_tiles;
     int32_t identity_rows;
     int32_t bm;
-} moe_gemm;
+} moed_cuda_gemm;
 
 /* The kernel family and tile shape chosen by the heuristic table (tile_config.c). */
-typedef struct moe_tile_cfg {
-    int kernel; /* MOE_KERNEL_SM80 (mma.sync) or MOE_KERNEL_SM90 (wgmma + TMA) */
+typedef struct moed_cuda_tile_cfg {
+    int kernel; /* MOED_CUDA_KERNEL_SM80 (mma.sync) or MOED_CUDA_KERNEL_SM90 (wgmma + TMA) */
     int bm, bn;
     int gather; /* up projection: gather token rows in the A load (1) or pre-permute them (0) */
-} moe_tile_cfg;
-enum { MOE_KERNEL_SM80 = 80, MOE_KERNEL_SM90 = 90 };
-/* force_kernel values: 0 (the table decides), MOE_KERNEL_SM80, MOE_KERNEL_SM90 (gather in the A
- * load), MOE_KERNEL_SM90P (Hopper with pre-permuted rows). MOED_CUDA_KERNEL=sm80|sm90|sm90p sets
- * it. */
-enum { MOE_KERNEL_SM90P = 91 };
-int moe_kernel_parse(const char *name);
+} moed_cuda_tile_cfg;
+enum { MOED_CUDA_KERNEL_SM80 = 80, MOED_CUDA_KERNEL_SM90 = 90 };
+/* force_kernel values: 0 (the table decides), MOED_CUDA_KERNEL_SM80, MOED_CUDA_KERNEL_SM90 (gather
+ * in the A load), MOED_CUDA_KERNEL_SM90P (Hopper with pre-permuted rows).
+ * MOED_CUDA_KERNEL=sm80|sm90|sm90p sets it. */
+enum { MOED_CUDA_KERNEL_SM90P = 91 };
+int moed_cuda_kernel_parse(const char *name);
 
 /* The table: the tile for a batch of P pairs over n_active experts that have rows, on a device of
  * compute capability sm (80, 90, ...), for an N x K GEMM. force_kernel (0 = choose) pins the
  * family, for tests and benchmarks. */
-moe_tile_cfg moe_tile_choose(int sm, int64_t P, int n_active, int n, int k, int force_kernel);
+moed_cuda_tile_cfg moed_cuda_tile_choose(int sm, int64_t P, int n_active, int n, int k,
+                                         int force_kernel);
 /* The rows per m-tile both GEMMs of a batch use (route prep needs it before either runs). */
-int moe_tile_bm(int64_t P, int n_active, int force_kernel);
+int moed_cuda_tile_bm(int64_t P, int n_active, int force_kernel);
 
-int moe_gemm_sm80(const moe_gemm *g, int bn, moe_stream s);
-int moe_gemm_sm90(const moe_gemm *g, int bn, moe_stream s);
+int moed_cuda_gemm_sm80(const moed_cuda_gemm *g, int bn, moed_cuda_stream s);
+int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, moed_cuda_stream s);
 /* Dispatches on cfg->kernel. */
-int moe_gemm_run(const moe_gemm *g, const moe_tile_cfg *cfg, moe_stream s);
+int moed_cuda_gemm_run(const moed_cuda_gemm *g, const moed_cuda_tile_cfg *cfg, moed_cuda_stream s);
 
 /* Int32 words of one batch's route on the device: the packed inputs (tok_off, pair_tok, pair_exp,
  * pair_w) followed by route prep's arrays, for T tokens, P pairs, E experts and max_tiles m-tiles.
  */
-size_t moe_route_words(int64_t T, int64_t P, int E, int32_t max_tiles);
+size_t moed_cuda_route_words(int64_t T, int64_t P, int E, int32_t max_tiles);
 /* The words of the packed inputs alone (what moves host to device). */
-size_t moe_route_in_words(int64_t T, int64_t P);
+size_t moed_cuda_route_in_words(int64_t T, int64_t P);
 /* Packs tokens [t0, t1) of a CSR route (off, expert, weight: moed_route's arrays) into dst, token
  * numbers and offsets rebased to t0. */
-void moe_route_pack(int32_t *dst, const int64_t *off, const int32_t *expert, const float *weight,
-                    int64_t t0, int64_t t1);
-/* Points r's arrays into a device buffer laid out as moe_route_words says, for m-tiles of bm rows.
+void moed_cuda_route_pack(int32_t *dst, const int64_t *off, const int32_t *expert,
+                          const float *weight, int64_t t0, int64_t t1);
+/* Points r's arrays into a device buffer laid out as moed_cuda_route_words says, for m-tiles of bm
+ * rows.
  */
-void moe_route_layout(moe_route_dev *r, int32_t *dev, int64_t T, int64_t P, int E, int bm);
+void moed_cuda_route_layout(moed_cuda_route_dev *r, int32_t *dev, int64_t T, int64_t P, int E,
+                            int bm);
 
-/* xp[s] = xc[slot_tok[s]] for s < P, rows of d_pad elements of 2 bytes. */
-int moe_gather_rows(void *xp, const void *xc, const int32_t *slot_tok, int P, int d_pad,
-                    moe_stream s);
+/* xp[s] = xc[slot_tok[s]] for s < P, rows of d_pad compute-type elements. */
+int moed_cuda_gather_rows(void *xp, const void *xc, const int32_t *slot_tok, int P, int d_pad,
+                          moed_cuda_stream s);
 
 /* A layer resident on one device, in the kernels' layout (padded, W1|W3 interleaved). */
-typedef struct moe_layer_dev {
+typedef struct moed_cuda_layer_dev {
     int cdtype; /* MOED_BF16 or MOED_F16 */
     int act;    /* moed_act */
     int d, d_pad, E;
@@ -155,24 +172,24 @@ typedef struct moe_layer_dev {
     int sff_pad, sn_up;   /* shared experts; 0 if none */
     const void *w13, *w2; /* [E][n_up][d_pad], [E][d_pad][ff_pad] */
     const void *s13, *s2; /* [sn_up][d_pad], [d_pad][sff_pad] */
-} moe_layer_dev;
+} moed_cuda_layer_dev;
 
 /* Device buffers of one batch (one execution slot's workspace). */
-typedef struct moe_work_dev {
+typedef struct moed_cuda_work_dev {
     void *xc; /* [T, d_pad] compute type */
     void *h,
         *y; /* [P, ff_pad], [P, d_pad]; y also holds the pre-permuted rows until the down GEMM */
     void *hs, *ys; /* [T, sff_pad], [T, d_pad] (shared experts) */
-} moe_work_dev;
+} moed_cuda_work_dev;
 
 /* The whole pipeline for one batch whose route inputs (tok_off, pair_tok, pair_exp, pair_w, and
  * the scratch pointers) are already on the device: convert x (dtype) into work->xc, route prep,
  * up and down GEMMs, shared experts, combine into out [T, d] (dtype). r->bm must be
- * moe_tile_bm(P, n_active, force_kernel). If ev is not NULL its 6 events are recorded between the
- * stages (convert | route prep | up | down | shared | combine), for the benchmarks. */
-int moe_pipeline(const moe_layer_dev *L, moe_route_dev *r, const moe_work_dev *w, const void *x,
-                 int dtype, void *out, int sm, int n_active, int force_kernel, moe_stream s,
-                 void *const *ev);
+ * moed_cuda_tile_bm(P, n_active, force_kernel). If ev is not NULL its 6 events are recorded between
+ * the stages (convert | route prep | up | down | shared | combine), for the benchmarks. */
+int moed_cuda_pipeline(const moed_cuda_layer_dev *L, moed_cuda_route_dev *r,
+                       const moed_cuda_work_dev *w, const void *x, int dtype, void *out, int sm,
+                       int n_active, int force_kernel, moed_cuda_stream s, void *const *ev);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,33 @@
+/*
+ * ptx/tma — the tensor memory accelerator (sm_90): a 2-D box of a tensor map copied from global to
+ * shared memory, completing on an mbarrier by bytes; and the fence between the generic proxy
+ * (ordinary stores, cp.async) and the async proxy (TMA, wgmma) that reads shared memory after it.
+ */
+#ifndef MOED_PTX_TMA_CUH
+#define MOED_PTX_TMA_CUH
+
+#include <cuda.h>
+#include <stdint.h>
+
+namespace moed::ptx
+{
+
+/* The box at column x, row y of the map into shared memory at dst; bar counts the bytes down. */
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, uint32_t bar,
+                                            int x, int y)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+                 "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+                 : "memory");
+}
+
+/* Orders this thread's generic-proxy writes to shared memory before later async-proxy reads. */
+__device__ __forceinline__ void fence_proxy_async()
+{
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+} // namespace moed::ptx
+
+#endif

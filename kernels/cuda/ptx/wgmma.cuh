@@ -1,0 +1,81 @@
+/*
+ * ptx/wgmma — warpgroup MMA (sm_90a): the shared-memory matrix descriptor, the fences that order
+ * accumulator registers and shared memory around asynchronous MMAs, commit/wait of MMA groups, and
+ * mma<T, N>, which names the generated m64nNk16 instruction (wgmma_ops.cuh) for a type and width.
+ */
+#ifndef MOED_PTX_WGMMA_CUH
+#define MOED_PTX_WGMMA_CUH
+
+#include "wgmma_ops.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+namespace moed::ptx
+{
+
+/* Rows of a 128-byte-swizzled K-major operand are 128 bytes; an 8-row swizzle atom is 1024. */
+constexpr uint32_t sw128_row_bytes = 128, sw128_atom_bytes = 1024;
+
+/* Descriptor of a K-major operand with the 128-byte swizzle: rows of 128 bytes, 8-row groups
+ * sw128_atom_bytes apart. Stepping K by 16 elements inside the swizzle atom adds 32 bytes to the
+ * start address. */
+__device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr)
+{
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) |
+           ((uint64_t)(sw128_atom_bytes >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
+/* Before the first MMA that reads registers or shared memory written since the last one. */
+__device__ __forceinline__ void wgmma_fence()
+{
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_commit()
+{
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+/* Waits until at most N committed MMA groups of this warpgroup are still running. */
+template <int N> __device__ __forceinline__ void wgmma_wait()
+{
+    static_assert(N >= 0 && N <= 7, "wgmma.wait_group takes 0 to 7");
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+/* Keeps the compiler from moving accesses of the accumulators across the point (an asynchronous
+ * MMA reads and writes them behind its back). */
+template <int N> __device__ __forceinline__ void wgmma_fence_operands(float (&acc)[N])
+{
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+/* acc (64 x N per warpgroup, N/2 registers per thread) += A · B^T, both operands in shared memory,
+ * T = __nv_bfloat16 or __half. */
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_m64k16(float *acc, uint64_t desc_a, uint64_t desc_b)
+{
+    static_assert(N == 128 || N == 256, "wgmma_ops.cuh has N = 128 and 256");
+    constexpr bool bf16 = std::is_same<T, __nv_bfloat16>::value;
+    static_assert(bf16 || std::is_same<T, __half>::value, "bf16 or f16 operands");
+    if constexpr (N == 256) {
+        if constexpr (bf16)
+            wgmma_m64n256k16_bf16(acc, desc_a, desc_b);
+        else
+            wgmma_m64n256k16_f16(acc, desc_a, desc_b);
+    } else {
+        if constexpr (bf16)
+            wgmma_m64n128k16_bf16(acc, desc_a, desc_b);
+        else
+            wgmma_m64n128k16_f16(acc, desc_a, desc_b);
+    }
+}
+
+} // namespace moed::ptx
+
+#endif
