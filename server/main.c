@@ -109,7 +109,12 @@ static int load_weights(moed_daemon *d)
     if (d->cfg.model) {
         moed_log_info("loading checkpoint", "dir=\"%s\" layers=%s", d->cfg.model,
                       d->cfg.layers ? d->cfg.layers : "all");
-        rc = moed_weights_checkpoint(d->cfg.model, d->cfg.layers, &d->model, &err);
+        /* CUDA copies the weights to its devices while loading; the CPU backend computes from
+         * them for as long as moed runs, so they must not live in a file that can change. */
+        bool on_device = !strcmp(d->backend->ops->name, "cuda");
+        rc = moed_weights_checkpoint(d->cfg.model, d->cfg.layers,
+                                     on_device ? MOED_WEIGHTS_MAP : MOED_WEIGHTS_COPY, &d->model,
+                                     &err);
     } else {
         if (!d->cfg.synthetic)
             moed_log_info("no --model or --synthetic given: serving the default synthetic model",
