@@ -228,10 +228,12 @@ static void metrics_page(moed_daemon *d, moed_http_reply *out)
 {
     moed_sched_stats ss;
     moed_rpc_stats rs;
+    moed_http_stats hs;
     moed_device_info dev[MOED_CONFIG_MAX_DEVICES];
     int n = 0;
     moed_sched_get_stats(d->sched, &ss);
     moed_rpc_get_stats(d->rpc, &rs);
+    moed_http_get_stats(d->http, &hs);
     for (int i = 0; i < d->backend->n_devices && n < MOED_CONFIG_MAX_DEVICES; i++)
         if (!d->backend->ops->device_info(d->backend, i, &dev[n])) {
             dev[n].name[sizeof dev[n].name - 1] = 0;
@@ -246,18 +248,26 @@ static void metrics_page(moed_daemon *d, moed_http_reply *out)
                               .n_devices = n,
                               .version = MOED_VERSION,
                               .backend = d->backend->ops->name,
-                              .start_time_s = d->start_time_s };
+                              .start_time_s = d->start_time_s,
+                              .http_connections = hs.open,
+                              .http_refused = hs.refused };
     out->body = moed_metrics_render(d->metrics, &g, &out->len);
     out->status = out->body ? 200 : 500;
     out->content_type = "text/plain; version=0.0.4; charset=utf-8";
 }
 
-/* On the loop's thread: /metrics and /healthz (200 while SERVING, 503 before and while draining,
- * as Kubernetes' HTTP probes and load balancers expect). */
-static void on_http(void *arg, const char *path, moed_http_reply *out)
+/* On the loop's thread: /metrics (behind --metrics-token-file when given) and /healthz (always
+ * open; 200 while SERVING, 503 before and while draining, as Kubernetes' HTTP probes and load
+ * balancers expect). */
+static void on_http(void *arg, const char *path, bool authorized, moed_http_reply *out)
 {
     moed_daemon *d = arg;
-    if (!strcmp(path, "/metrics")) {
+    if (!strcmp(path, "/metrics") && !authorized) {
+        out->status = 401;
+        out->body = strdup("/metrics needs 'Authorization: Bearer <token>' with the token of "
+                           "--metrics-token-file\n");
+        out->len = out->body ? strlen(out->body) : 0;
+    } else if (!strcmp(path, "/metrics")) {
         metrics_page(d, out);
     } else if (!strcmp(path, "/healthz")) {
         bool up = d->serving && !d->draining;
@@ -271,10 +281,11 @@ static int start_metrics(moed_daemon *d)
 {
     moed_error err = { 0 };
     if (!d->cfg.metrics_listen) return 0;
-    if (moed_http_start(&d->loop, d->cfg.metrics_listen, on_http, d, &d->http, &err))
-        return fail("metrics", &err);
-    moed_log_info("metrics listening", "addr=%s paths=/metrics,/healthz",
-                  moed_http_address(d->http));
+    moed_http_config hc = { .listen = d->cfg.metrics_listen,
+                            .token_file = d->cfg.metrics_token_file };
+    if (moed_http_start(&d->loop, &hc, on_http, d, &d->http, &err)) return fail("metrics", &err);
+    moed_log_info("metrics listening", "addr=%s paths=/metrics,/healthz metrics_token=%s",
+                  moed_http_address(d->http), hc.token_file ? "on" : "off");
     return 0;
 }
 
