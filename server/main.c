@@ -286,6 +286,11 @@ static int start_metrics(moed_daemon *d)
     if (moed_http_start(&d->loop, &hc, on_http, d, &d->http, &err)) return fail("metrics", &err);
     moed_log_info("metrics listening", "addr=%s paths=/metrics,/healthz metrics_token=%s",
                   moed_http_address(d->http), hc.token_file ? "on" : "off");
+    if (!moed_listen_is_loopback(hc.listen) && !hc.token_file)
+        moed_log_warn("metrics listening beyond this host without a token: anyone who can reach "
+                      "the port can read /metrics; set --metrics-token-file (or keep it on "
+                      "loopback)",
+                      "addr=%s", hc.listen);
     return 0;
 }
 

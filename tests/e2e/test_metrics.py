@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import oracle as O
-from conftest import DEFAULT_SPEC
+from conftest import DEFAULT_SPEC, free_port
 from daemons import log_of
 from moed import MoEClient
 from moed._proto.moed.v1 import moed_pb2
@@ -346,6 +346,17 @@ def test_metrics_token(daemon, tmp_path):
         assert r.status == 200 and b"moed_up 1" in r.read()
     assert get(port, "/healthz") == (200, "SERVING\n")  # health stays open
     assert token not in d.log()
+
+
+def test_warns_beyond_loopback_without_a_token(daemon, tmp_path):
+    port = free_port()
+    d = daemon("--synthetic", DEFAULT_SPEC, "--threads", "1", "--metrics-listen", f"0.0.0.0:{port}")
+    assert "metrics listening beyond this host without a token" in d.log()
+    (tmp_path / "token").write_text("t\n")
+    port = free_port()
+    d = daemon("--synthetic", DEFAULT_SPEC, "--threads", "1", "--metrics-listen", f"0.0.0.0:{port}",
+               "--metrics-token-file", tmp_path / "token")
+    assert "without a token" not in d.log()
 
 
 @pytest.mark.parametrize("content,says", [("\n", "no token"), (None, "No such file")])
