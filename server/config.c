@@ -226,15 +226,23 @@ int moed_config_parse_layers(const char *list, int **out, int *n, moed_error *er
     return 0;
 }
 
-/* A listen address: unix:PATH and unix-abstract:NAME as they are; otherwise host:port, with an
- * IPv6 host in brackets and a decimal port from 0 to 65535 (0: the system picks one). The host
- * itself is checked where it is bound, which can say why. */
+/* A listen address: for gRPC (unix_ok) unix:PATH and unix-abstract:NAME as they are, and
+ * host:port also behind gRPC's dns:, ipv4: or ipv6: schemes; host:port with an IPv6 host in
+ * brackets and a decimal port from 0 to 65535 (0: the system picks one). The host itself is
+ * checked where it is bound, which can say why. */
 static int check_addr(const char *value, bool unix_ok, const char *where, moed_error *err)
 {
+    const char *given = value;
     if (unix_ok && (!strncmp(value, "unix:", 5) || !strncmp(value, "unix-abstract:", 14)))
         return value[strcspn(value, ":") + 1]
                    ? 0
                    : moed_fail(err, MOED_EINVAL, "%s: '%s' names no socket path", where, value);
+    static const char *const schemes[] = { "dns:///", "dns:", "ipv4:", "ipv6:" };
+    for (size_t i = 0; unix_ok && i < sizeof schemes / sizeof schemes[0]; i++)
+        if (!strncmp(value, schemes[i], strlen(schemes[i]))) {
+            value += strlen(schemes[i]);
+            break;
+        }
     const char *colon = strrchr(value, ':'), *port = colon ? colon + 1 : "";
     size_t digits = strspn(port, "0123456789");
     long v = digits && digits <= 5 && !port[digits] ? strtol(port, NULL, 10) : -1;
@@ -245,11 +253,11 @@ static int check_addr(const char *value, bool unix_ok, const char *where, moed_e
         return moed_fail(err, MOED_EINVAL,
                          "%s: port %s of '%s' is out of range; give a port from 1 to 65535 (or 0 "
                          "for any free one)",
-                         where, port, value);
+                         where, port, given);
     return moed_fail(err, MOED_EINVAL,
                      "%s: '%s' is not host:port; give e.g. 127.0.0.1:50051, [::1]:50051 or "
                      "0.0.0.0:50051 (a port from 1 to 65535)%s",
-                     where, value, unix_ok ? ", or unix:PATH" : "");
+                     where, given, unix_ok ? ", or unix:PATH" : "");
 }
 
 static int parse_devices(moed_config *cfg, const char *list, moed_error *err)
