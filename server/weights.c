@@ -399,9 +399,13 @@ static int build_layer(loader *ld, int L, const moed_st_tensor **t, moed_layer *
     if (li->n_shared && (rc = matrices(ld, &t[SLOT_SHARED], &out->shared))) return rc;
     out->experts = calloc((size_t)E, sizeof *out->experts);
     if (!out->experts) return moed_fail(ld->err, MOED_ENOMEM, "no memory for layer %d", L);
-    for (int e = 0; e < E; e++)
-        if ((rc = matrices(ld, &t[SLOT_EXPERTS + 3 * e], &out->experts[e]))) return rc;
-    return 0;
+    for (int e = 0; e < E && !rc; e++)
+        rc = matrices(ld, &t[SLOT_EXPERTS + 3 * e], &out->experts[e]);
+    if (rc) { /* the layer is not counted, so release would not free this */
+        free(out->experts);
+        out->experts = NULL;
+    }
+    return rc;
 }
 
 /* Every held layer into m->layers; missing tensors are reported once, after all were looked up. */
