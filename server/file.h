@@ -20,8 +20,8 @@
 int moed_file_open(const char *path, const char *what, struct stat *st, moed_error *err);
 
 /* Reads a whole regular file of at most max bytes into a malloc'd buffer with a NUL after its
- * *len bytes. Errors: those of moed_file_open, MOED_ETOOBIG (over max, saying so), MOED_EIO,
- * MOED_ENOMEM. */
+ * *len bytes. Errors: those of moed_file_open, MOED_ETOOBIG (over max, saying so), MOED_EIO (a
+ * read failed, or the file grew while it was read), MOED_ENOMEM. */
 int moed_file_read(const char *path, const char *what, size_t max, char **out, size_t *len,
                    moed_error *err);
 
