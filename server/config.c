@@ -10,11 +10,13 @@
 
 #include "moed_synth.h"
 
+#include "file.h"
 #include "log.h"
 
 #include <ctype.h>
 #include <errno.h>
 #include <limits.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,6 +24,7 @@
 
 typedef enum opt_kind {
     OPT_STRING,  /* char * */
+    OPT_ADDR,    /* char *, a listen address whose port is checked; max 1: unix: paths too */
     OPT_CHOICE,  /* char *, one of choices */
     OPT_INT,     /* int in [min, max] */
     OPT_I64,     /* int64_t in [min, max] */
@@ -47,7 +50,8 @@ typedef struct opt {
 #define MIB    (1024 * 1024)
 
 static const opt opts[] = {
-    { "listen", OPT_STRING, OFF(listen), 0, 0, "ADDR", "address to serve gRPC on (host:port)" },
+    { "listen", OPT_ADDR, OFF(listen), 0, 1, "ADDR",
+      "address to serve gRPC on: host:port (port 0: any free one, logged) or unix:PATH" },
     { "model", OPT_STRING, OFF(model), 0, 0, "DIR", "Hugging Face safetensors checkpoint folder" },
     { "synthetic", OPT_STRING, OFF(synthetic), 0, 0, "SPEC",
       "seeded synthetic model, e.g. layers=2,d=256,ff=512,experts=8,topk=2,act=swiglu,"
@@ -70,9 +74,12 @@ static const opt opts[] = {
       "merges for tests and batching experiments)" },
     { "max-queue-requests", OPT_I64, OFF(max_queue_requests), 1, 1 << 24, "N",
       "requests queued at most; past it calls get UNAVAILABLE" },
-    { "metrics-listen", OPT_STRING, OFF(metrics_listen), 0, 0, "ADDR",
-      "serve Prometheus /metrics and /healthz over HTTP here (e.g. 127.0.0.1:9400); off unless "
+    { "metrics-listen", OPT_ADDR, OFF(metrics_listen), 0, 0, "ADDR",
+      "serve Prometheus /metrics and /healthz over HTTP here (e.g. 127.0.0.1:8464); off unless "
       "given" },
+    { "metrics-token-file", OPT_STRING, OFF(metrics_token_file), 0, 0, "FILE",
+      "require 'Authorization: Bearer <token>' on /metrics (token: the file's first line); "
+      "/healthz stays open" },
     { "drain-timeout", OPT_INT, OFF(drain_timeout_s), 0, 86400, "S",
       "after SIGTERM, cancel the calls still open after S seconds (0: at once)" },
     { "tls-cert", OPT_STRING, OFF(tls_cert), 0, 0, "FILE",
@@ -115,7 +122,7 @@ static int set_defaults(moed_config *cfg)
 void moed_config_free(moed_config *cfg)
 {
     for (size_t i = 0; i < N_OPTS; i++) {
-        if (opts[i].kind == OPT_STRING || opts[i].kind == OPT_CHOICE ||
+        if (opts[i].kind == OPT_STRING || opts[i].kind == OPT_ADDR || opts[i].kind == OPT_CHOICE ||
             opts[i].kind == OPT_LAYERS || opts[i].kind == OPT_CONFIG) {
             char **p = (char **)((char *)cfg + opts[i].off);
             free(*p);
@@ -173,51 +180,84 @@ int moed_config_parse_layers(const char *list, int **out, int *n, moed_error *er
 {
     *out = NULL;
     *n = 0;
-    int cap = 0, count = 0, *v = NULL;
+    size_t len = strlen(list);
+    if (len > MOED_CONFIG_MAX_LIST)
+        return moed_fail(err, MOED_EINVAL,
+                         "layer list of %zu characters; at most %d are accepted (use ranges, "
+                         "like 0-59)",
+                         len, MOED_CONFIG_MAX_LIST);
+    /* Marks in a table indexed by number, then collects them in order: linear in the list and the
+     * largest number, however the ranges overlap or are ordered (no sort). */
+    unsigned char *mark = calloc(MOED_CONFIG_MAX_LAYER + 1, 1);
+    if (!mark) return moed_fail(err, MOED_ENOMEM, "out of memory expanding layers '%s'", list);
     const char *p = list;
+    int64_t top = -1;
     do {
         char *end;
         int64_t a, b;
-        if (parse_i64(p, &a, &end) || a < 0 || a > 1000000) goto bad;
+        if (parse_i64(p, &a, &end) || a < 0 || a > MOED_CONFIG_MAX_LAYER) goto bad;
         b = a;
-        if (*end == '-') {
-            if (parse_i64(end + 1, &b, &end) || b < a || b > 1000000) goto bad;
-        }
+        if (*end == '-' && (parse_i64(end + 1, &b, &end) || b < a || b > MOED_CONFIG_MAX_LAYER))
+            goto bad;
         if ((*end != ',' && *end != 0) || (*end == ',' && !end[1])) goto bad;
-        for (int64_t x = a; x <= b; x++) {
-            if (count == cap) {
-                cap = cap ? 2 * cap : 16;
-                int *nv = realloc(v, (size_t)cap * sizeof *v);
-                if (!nv) {
-                    free(v);
-                    return moed_fail(err, MOED_ENOMEM, "out of memory expanding layers '%s'", list);
-                }
-                v = nv;
-            }
-            v[count++] = (int)x;
-        }
+        memset(mark + a, 1, (size_t)(b - a + 1));
+        if (b > top) top = b;
         p = *end ? end + 1 : end;
         continue;
     bad:
-        free(v);
+        free(mark);
         return moed_fail(err, MOED_EINVAL,
-                         "bad layer list '%s' at '%s': expected comma-separated layer numbers or "
-                         "ranges like 0-3,7",
-                         list, p);
+                         "bad layer list '%s' at '%s': expected comma-separated numbers from 0 to "
+                         "%d, or ranges like 0-3,7",
+                         list, p, MOED_CONFIG_MAX_LAYER);
     } while (*p);
-    /* Sort and drop repeats: the result answers "is layer i wanted" by a scan in order. */
-    for (int i = 1; i < count; i++)
-        for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
-            int t = v[j];
-            v[j] = v[j - 1];
-            v[j - 1] = t;
-        }
-    int m = 0;
-    for (int i = 0; i < count; i++)
-        if (!m || v[m - 1] != v[i]) v[m++] = v[i];
+    int count = 0;
+    for (int64_t i = 0; i <= top; i++) count += mark[i];
+    int *v = malloc((size_t)count * sizeof *v);
+    if (!v) {
+        free(mark);
+        return moed_fail(err, MOED_ENOMEM, "out of memory expanding layers '%s'", list);
+    }
+    for (int64_t i = 0, k = 0; i <= top; i++)
+        if (mark[i]) v[k++] = (int)i;
+    free(mark);
     *out = v;
-    *n = m;
+    *n = count;
     return 0;
+}
+
+/* A listen address: for gRPC (unix_ok) unix:PATH and unix-abstract:NAME as they are, and
+ * host:port also behind gRPC's dns:, ipv4: or ipv6: schemes; host:port with an IPv6 host in
+ * brackets and a decimal port from 0 to 65535 (0: the system picks one). The host itself is
+ * checked where it is bound, which can say why. */
+static int check_addr(const char *value, bool unix_ok, const char *where, moed_error *err)
+{
+    const char *given = value;
+    if (unix_ok && (!strncmp(value, "unix:", 5) || !strncmp(value, "unix-abstract:", 14)))
+        return value[strcspn(value, ":") + 1]
+                   ? 0
+                   : moed_fail(err, MOED_EINVAL, "%s: '%s' names no socket path", where, value);
+    static const char *const schemes[] = { "dns:///", "dns:", "ipv4:", "ipv6:" };
+    for (size_t i = 0; unix_ok && i < sizeof schemes / sizeof schemes[0]; i++)
+        if (!strncmp(value, schemes[i], strlen(schemes[i]))) {
+            value += strlen(schemes[i]);
+            break;
+        }
+    const char *colon = strrchr(value, ':'), *port = colon ? colon + 1 : "";
+    size_t digits = strspn(port, "0123456789");
+    long v = digits && digits <= 5 && !port[digits] ? strtol(port, NULL, 10) : -1;
+    bool bracketed = value[0] == '[' && colon && colon > value && colon[-1] == ']';
+    bool v6_bare = colon && memchr(value, ':', (size_t)(colon - value)) && !bracketed;
+    if (v >= 0 && v <= 65535 && !v6_bare) return 0;
+    if (digits && !port[digits] && !v6_bare)
+        return moed_fail(err, MOED_EINVAL,
+                         "%s: port %s of '%s' is out of range; give a port from 1 to 65535 (or 0 "
+                         "for any free one)",
+                         where, port, given);
+    return moed_fail(err, MOED_EINVAL,
+                     "%s: '%s' is not host:port; give e.g. 127.0.0.1:50051, [::1]:50051 or "
+                     "0.0.0.0:50051 (a port from 1 to 65535)%s",
+                     where, given, unix_ok ? ", or unix:PATH" : "");
 }
 
 static int parse_devices(moed_config *cfg, const char *list, moed_error *err)
@@ -258,9 +298,14 @@ static int apply(moed_config *cfg, const opt *o, const char *value, const char *
     char *end;
     switch (o->kind) {
     case OPT_STRING:
+    case OPT_ADDR:
     case OPT_CONFIG:
         if (!*value)
             return moed_fail(err, MOED_EINVAL, "%s: empty value; give a %s", where, o->arg);
+        if (o->kind == OPT_ADDR) {
+            int rc = check_addr(value, o->max == 1, where, err);
+            if (rc) return rc;
+        }
         return replace_string(field, value);
     case OPT_CHOICE:
         for (size_t i = 0; i < sizeof backend_choices / sizeof backend_choices[0]; i++)
@@ -325,21 +370,58 @@ static void trim(char **s, char **e)
     while (*e > *s && isspace((unsigned char)(*e)[-1])) (*e)--;
 }
 
-/* Applies one `key = value` line (already stripped of its comment). */
-static int apply_line(moed_config *cfg, char *line, const char *where, moed_error *err)
+/* The value after `=`, in place: a double-quoted value keeps everything up to its closing quote
+ * (a `#` too), with \" and \\ as the only escapes; an unquoted one ends at a `#` (a comment).
+ * After a closing quote only blanks and a comment may follow. */
+static int line_value(char *v, char *end, const char *where, char **out, moed_error *err)
 {
-    char *end = line + strlen(line);
+    while (v < end && isspace((unsigned char)*v)) v++;
+    if (v == end || *v != '"') {
+        char *hash = memchr(v, '#', (size_t)(end - v));
+        if (hash) end = hash;
+        trim(&v, &end);
+        *end = 0;
+        *out = v;
+        return 0;
+    }
+    char *w = v, *r = v + 1;
+    for (; r < end && *r != '"'; r++) {
+        if (*r == '\\') {
+            if (r + 1 == end || (r[1] != '"' && r[1] != '\\'))
+                return moed_fail(err, MOED_EINVAL,
+                                 "%s: unknown escape in a quoted value; inside double quotes only "
+                                 "\\\" (a quote) and \\\\ (a backslash) are escapes",
+                                 where);
+            r++;
+        }
+        *w++ = *r;
+    }
+    if (r == end)
+        return moed_fail(err, MOED_EINVAL, "%s: the quoted value has no closing quote", where);
+    for (char *t = r + 1; t < end && *t != '#'; t++)
+        if (!isspace((unsigned char)*t))
+            return moed_fail(err, MOED_EINVAL,
+                             "%s: text after the closing quote; only a # comment may follow",
+                             where);
+    *w = 0;
+    *out = v;
+    return 0;
+}
+
+/* Applies one `key = value` line (end: its end, without the newline). */
+static int apply_line(moed_config *cfg, char *line, char *end, const char *where, moed_error *err)
+{
     trim(&line, &end);
-    if (line == end) return 0;
-    char *eq = memchr(line, '=', (size_t)(end - line));
-    if (!eq)
+    if (line == end || *line == '#') return 0;
+    size_t key_len = strcspn(line, "=#");
+    char *eq = line + key_len;
+    if (eq >= end || *eq != '=')
         return moed_fail(err, MOED_EINVAL, "%s: expected `key = value`, got '%.*s'", where,
                          (int)(end - line), line);
-    char *key = line, *key_end = eq, *val = eq + 1;
+    char *key = line, *key_end = eq, *val = NULL;
     trim(&key, &key_end);
-    trim(&val, &end);
-    if (end - val >= 2 && *val == '"' && end[-1] == '"') val++, end--;
-    *end = 0;
+    int rc = line_value(eq + 1, end, where, &val, err);
+    if (rc) return rc;
     const opt *o = find_opt(key, (size_t)(key_end - key));
     if (!o || o->kind == OPT_CONFIG || o->kind == OPT_HELP || o->kind == OPT_VERSION)
         return moed_fail(err, MOED_EINVAL,
@@ -350,24 +432,27 @@ static int apply_line(moed_config *cfg, char *line, const char *where, moed_erro
 
 static int load_file(moed_config *cfg, const char *path, moed_error *err)
 {
-    FILE *f = fopen(path, "r");
-    if (!f)
-        return moed_fail(err, MOED_EINVAL, "--config: cannot open '%s': %s", path, strerror(errno));
-    char line[4096], where[600];
-    int rc = 0;
-    for (int no = 1; !rc && fgets(line, sizeof line, f); no++) {
-        snprintf(where, sizeof where, "%s:%d", path, no);
-        size_t n = strlen(line);
-        if (n == sizeof line - 1 && line[n - 1] != '\n') {
-            rc = moed_fail(err, MOED_EINVAL, "%s: line longer than %zu bytes", where,
-                           sizeof line - 2);
-            break;
-        }
-        char *hash = strchr(line, '#');
-        if (hash) *hash = 0;
-        rc = apply_line(cfg, line, where, err);
+    char *text, where[600];
+    size_t len;
+    int rc = moed_file_read(path, "--config", MOED_CONFIG_MAX_FILE, &text, &len, err);
+    if (rc) {
+        err->code = MOED_EINVAL; /* a config file that cannot be used is a usage error */
+        return rc == MOED_ETOOBIG ? moed_fail(err, MOED_EINVAL,
+                                              "--config: %s is over %d KiB; a config file is a "
+                                              "few lines of `key = value`",
+                                              path, MOED_CONFIG_MAX_FILE >> 10)
+                                  : MOED_EINVAL;
     }
-    fclose(f);
+    char *line = text, *nl;
+    for (int no = 1; !rc && line < text + len; no++, line = nl + 1) {
+        snprintf(where, sizeof where, "%s:%d", path, no);
+        if (!(nl = memchr(line, '\n', (size_t)(text + len - line)))) nl = text + len;
+        if (memchr(line, 0, (size_t)(nl - line)))
+            rc = moed_fail(err, MOED_EINVAL, "%s: a NUL byte: not a text file", where);
+        else
+            rc = apply_line(cfg, line, nl, where, err);
+    }
+    free(text);
     return rc;
 }
 
@@ -412,7 +497,7 @@ static void print_help(FILE *out, const moed_config *d)
         char left[64], def[64] = "";
         snprintf(left, sizeof left, "--%s%s%s", o->name, o->arg ? " " : "", o->arg ? o->arg : "");
         const void *f = (const char *)d + o->off;
-        if (o->kind == OPT_STRING || o->kind == OPT_CHOICE) {
+        if (o->kind == OPT_STRING || o->kind == OPT_ADDR || o->kind == OPT_CHOICE) {
             if (*(char *const *)f) snprintf(def, sizeof def, " (default %s)", *(char *const *)f);
         } else if (o->kind == OPT_INT) {
             snprintf(def, sizeof def, " (default %d)", *(const int *)f);
@@ -484,10 +569,15 @@ int moed_config_load(moed_config *cfg, int argc, char **argv, FILE *out, moed_er
     return check_tls(cfg, err);
 }
 
+static int cmp_int(const void *a, const void *b)
+{
+    int x = *(const int *)a, y = *(const int *)b;
+    return (x > y) - (x < y);
+}
+
 int moed_config_wants_layer(const moed_config *cfg, int index)
 {
     if (!cfg->layers) return 1;
-    for (int i = 0; i < cfg->n_layer_list; i++)
-        if (cfg->layer_list[i] == index) return 1;
-    return 0;
+    return bsearch(&index, cfg->layer_list, (size_t)cfg->n_layer_list, sizeof index, cmp_int) !=
+           NULL;
 }

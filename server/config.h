@@ -2,6 +2,14 @@
  * moed_config — the daemon's settings: defaults, then a config file (--config FILE, lines of
  * `key = value` with the long flags' names), then the command line, which wins.
  *
+ * The file: at most 1 MiB of text (a regular file: a directory, FIFO or device is refused at
+ * once); blank lines and `# comment` lines; a `#` after an unquoted value starts a comment. A value
+ * in double quotes is taken as it is up to its closing quote, `#` and blanks included; inside
+ * quotes \" is a quote and \\ a backslash (no other escapes), and only a comment may follow.
+ * Listen addresses are checked here (host:port with a port from 0 to 65535, or unix:PATH for
+ * gRPC); layer and device lists take numbers up to MOED_CONFIG_MAX_LAYER, in at most
+ * MOED_CONFIG_MAX_LIST characters, and are expanded in linear time.
+ *
  * One table describes every option (name, kind, range, help), so parsing, the file, --help and the
  * error messages can never disagree. A bad value fails with MOED_EINVAL and a message naming the
  * flag (or file and line), the value and what is accepted; the daemon exits 2 on it.
@@ -15,6 +23,9 @@
 #include <stdio.h>
 
 #define MOED_CONFIG_MAX_DEVICES 64
+#define MOED_CONFIG_MAX_LAYER   65535     /* the largest number a layer (or device) list takes */
+#define MOED_CONFIG_MAX_LIST    4096      /* characters in a layer or device list */
+#define MOED_CONFIG_MAX_FILE    (1 << 20) /* bytes in a config file */
 
 typedef struct moed_config {
     char *listen;    /* --listen ADDR */
@@ -35,11 +46,12 @@ typedef struct moed_config {
     int64_t min_batch_requests; /* a queue waits (up to the window) for this many requests */
     int64_t max_queue_requests;
     char *metrics_listen; /* --metrics-listen ADDR: Prometheus /metrics and /healthz; NULL: off */
-    int drain_timeout_s;  /* --drain-timeout: calls still open this long after SIGTERM are cancelled
-                           */
-    char *tls_cert;       /* --tls-cert FILE (PEM chain), with tls_key; NULL: plaintext */
-    char *tls_key;        /* --tls-key FILE */
-    char *tls_client_ca;  /* --tls-client-ca FILE: require client certificates it signed */
+    char *metrics_token_file; /* --metrics-token-file FILE: /metrics needs the bearer token */
+    int drain_timeout_s; /* --drain-timeout: calls still open this long after SIGTERM are cancelled
+                          */
+    char *tls_cert;      /* --tls-cert FILE (PEM chain), with tls_key; NULL: plaintext */
+    char *tls_key;       /* --tls-key FILE */
+    char *tls_client_ca; /* --tls-client-ca FILE: require client certificates it signed */
     char *auth_token_file; /* --auth-token-file FILE: calls need `authorization: Bearer <token>` */
     int log_level;         /* moed_log_level */
     char *log_file;        /* NULL: stderr */

@@ -110,7 +110,12 @@ static int load_weights(moed_daemon *d)
     if (d->cfg.model) {
         moed_log_info("loading checkpoint", "dir=\"%s\" layers=%s", d->cfg.model,
                       d->cfg.layers ? d->cfg.layers : "all");
-        rc = moed_weights_checkpoint(d->cfg.model, d->cfg.layers, &d->model, &err);
+        /* CUDA copies the weights to its devices while loading; the CPU backend computes from
+         * them for as long as moed runs, so they must not live in a file that can change. */
+        bool on_device = !strcmp(d->backend->ops->name, "cuda");
+        rc = moed_weights_checkpoint(d->cfg.model, d->cfg.layers,
+                                     on_device ? MOED_WEIGHTS_MAP : MOED_WEIGHTS_COPY, &d->model,
+                                     &err);
     } else {
         if (!d->cfg.synthetic)
             moed_log_info("no --model or --synthetic given: serving the default synthetic model",
@@ -225,10 +230,12 @@ static void metrics_page(moed_daemon *d, moed_http_reply *out)
 {
     moed_sched_stats ss;
     moed_rpc_stats rs;
+    moed_http_stats hs;
     moed_device_info dev[MOED_CONFIG_MAX_DEVICES];
     int n = 0;
     moed_sched_get_stats(d->sched, &ss);
     moed_rpc_get_stats(d->rpc, &rs);
+    moed_http_get_stats(d->http, &hs);
     for (int i = 0; i < moed_backend_n_devices(d->backend) && n < MOED_CONFIG_MAX_DEVICES; i++)
         if (!moed_backend_device_info(d->backend, i, &dev[n])) {
             dev[n].name[sizeof dev[n].name - 1] = 0;
@@ -243,18 +250,26 @@ static void metrics_page(moed_daemon *d, moed_http_reply *out)
                               .n_devices = n,
                               .version = MOED_VERSION,
                               .backend = moed_backend_name(d->backend),
-                              .start_time_s = d->start_time_s };
+                              .start_time_s = d->start_time_s,
+                              .http_connections = hs.open,
+                              .http_refused = hs.refused };
     out->body = moed_metrics_render(d->metrics, &g, &out->len);
     out->status = out->body ? 200 : 500;
     out->content_type = "text/plain; version=0.0.4; charset=utf-8";
 }
 
-/* On the loop's thread: /metrics and /healthz (200 while SERVING, 503 before and while draining,
- * as Kubernetes' HTTP probes and load balancers expect). */
-static void on_http(void *arg, const char *path, moed_http_reply *out)
+/* On the loop's thread: /metrics (behind --metrics-token-file when given) and /healthz (always
+ * open; 200 while SERVING, 503 before and while draining, as Kubernetes' HTTP probes and load
+ * balancers expect). */
+static void on_http(void *arg, const char *path, bool authorized, moed_http_reply *out)
 {
     moed_daemon *d = arg;
-    if (!strcmp(path, "/metrics")) {
+    if (!strcmp(path, "/metrics") && !authorized) {
+        out->status = 401;
+        out->body = strdup("/metrics needs 'Authorization: Bearer <token>' with the token of "
+                           "--metrics-token-file\n");
+        out->len = out->body ? strlen(out->body) : 0;
+    } else if (!strcmp(path, "/metrics")) {
         metrics_page(d, out);
     } else if (!strcmp(path, "/healthz")) {
         bool up = d->serving && !d->draining;
@@ -268,10 +283,16 @@ static int start_metrics(moed_daemon *d)
 {
     moed_error err = { 0 };
     if (!d->cfg.metrics_listen) return 0;
-    if (moed_http_start(&d->loop, d->cfg.metrics_listen, on_http, d, &d->http, &err))
-        return fail("metrics", &err);
-    moed_log_info("metrics listening", "addr=%s paths=/metrics,/healthz",
-                  moed_http_address(d->http));
+    moed_http_config hc = { .listen = d->cfg.metrics_listen,
+                            .token_file = d->cfg.metrics_token_file };
+    if (moed_http_start(&d->loop, &hc, on_http, d, &d->http, &err)) return fail("metrics", &err);
+    moed_log_info("metrics listening", "addr=%s paths=/metrics,/healthz metrics_token=%s",
+                  moed_http_address(d->http), hc.token_file ? "on" : "off");
+    if (!moed_listen_is_loopback(hc.listen) && !hc.token_file)
+        moed_log_warn("metrics listening beyond this host without a token: anyone who can reach "
+                      "the port can read /metrics; set --metrics-token-file (or keep it on "
+                      "loopback)",
+                      "addr=%s", hc.listen);
     return 0;
 }
 

@@ -356,6 +356,13 @@ char *moed_metrics_render(const moed_metrics *m, const moed_metrics_gauges *g, s
     gauge(&t, "moed_stream_pool_size", "Execution slots (CUDA streams; one for cpu).",
           (double)g->exec_size);
     devices(&t, g);
+    gauge(&t, "moed_http_connections",
+          "Connections open to this metrics endpoint (waiting for their request, or answered).",
+          (double)g->http_connections);
+    counter(&t, "moed_http_refused_total",
+            "Connections to this metrics endpoint answered 503 (over its connection limits) or 408 "
+            "(request too slow).",
+            g->http_refused);
     if (t.oom) {
         free(t.p);
         return NULL;

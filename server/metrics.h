@@ -64,7 +64,9 @@ typedef struct moed_metrics_gauges {
     const moed_device_info *devices;
     int n_devices;
     const char *version, *backend;
-    double start_time_s; /* Unix time the daemon started */
+    double start_time_s;       /* Unix time the daemon started */
+    uint64_t http_connections; /* connections open to the metrics endpoint itself */
+    uint64_t http_refused;     /* of them answered 503 (over a limit) or 408 (too slow), in all */
 } moed_metrics_gauges;
 
 /* The exposition text (malloc'd, *len bytes, NUL-terminated), or NULL when out of memory. */

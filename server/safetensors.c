@@ -11,6 +11,8 @@
 
 #include "moed_dtype.h"
 
+#include "file.h"
+
 #include <cjson/cJSON.h>
 #include <dirent.h>
 #include <errno.h>
@@ -69,31 +71,13 @@ static int open_fail(moed_error *err, const char *path)
 int moed_json_load(const char *path, cJSON **root, moed_error *err)
 {
     *root = NULL;
-    char *buf = NULL;
-    int rc = 0;
-    FILE *fp = fopen(path, "rb");
-    if (!fp) return open_fail(err, path);
-    struct stat st;
-    if (fstat(fileno(fp), &st) || !S_ISREG(st.st_mode)) {
-        rc = moed_fail(err, MOED_EIO, "%s is not a readable regular file", path);
-        goto out;
-    }
-    if (st.st_size > JSON_MAX_BYTES) {
-        rc = moed_fail(err, MOED_EFORMAT, "%s has %lld bytes, over the %u MiB of a config or index",
-                       path, (long long)st.st_size, JSON_MAX_BYTES >> 20);
-        goto out;
-    }
-    size_t n = (size_t)st.st_size;
-    buf = malloc(n + 1);
-    if (!buf) {
-        rc = moed_fail(err, MOED_ENOMEM, "no memory to read %s", path);
-        goto out;
-    }
-    if (fread(buf, 1, n, fp) != n) {
-        rc = moed_fail(err, MOED_EIO, "cannot read %s: %s", path,
-                       ferror(fp) ? strerror(errno) : "it shrank while being read");
-        goto out;
-    }
+    char *buf;
+    size_t n;
+    int rc = moed_file_read(path, "checkpoint", JSON_MAX_BYTES, &buf, &n, err);
+    if (rc == MOED_ETOOBIG)
+        return moed_fail(err, MOED_EFORMAT, "%s is over the %u MiB of a config or index", path,
+                         JSON_MAX_BYTES >> 20);
+    if (rc) return rc;
     const char *end = NULL;
     *root = cJSON_ParseWithLengthOpts(buf, n, &end, 0);
     if (!*root) {
@@ -104,9 +88,7 @@ int moed_json_load(const char *path, cJSON **root, moed_error *err)
         cJSON_Delete(*root);
         *root = NULL;
     }
-out:
     free(buf);
-    fclose(fp);
     return rc;
 }
 
@@ -131,9 +113,10 @@ const char *moed_st_shape_str(const moed_st_tensor *t, char *buf, size_t n)
     return buf;
 }
 
-/* Fills t from one header entry; data_size is the size of the region after the header. */
-static int parse_entry(const moed_st_file *f, const cJSON *e, uint64_t data_size,
-                       const uint8_t *data, moed_st_tensor *t, moed_error *err)
+/* Fills t from one header entry; the data region starts at byte data_start and has data_size
+ * bytes. */
+static int parse_entry(const moed_st_file *f, const cJSON *e, uint64_t data_start,
+                       uint64_t data_size, moed_st_tensor *t, moed_error *err)
 {
     const char *fn = f->path, *name = t->name;
     if (!cJSON_IsObject(e))
@@ -194,8 +177,7 @@ static int parse_entry(const moed_st_file *f, const cJSON *e, uint64_t data_size
                          (unsigned long long)t->nbytes, moed_st_shape_str(t, sbuf, sizeof sbuf),
                          t->dtype, (unsigned long long)bits);
     }
-    t->data = data + range[0];
-    t->offset = (uint64_t)(data - (const uint8_t *)f->map) + range[0];
+    t->offset = data_start + range[0];
     t->file = f->name;
     return 0;
 }
@@ -240,18 +222,13 @@ static int check_tiling(const moed_st_file *f, uint64_t data_start, moed_error *
     return rc;
 }
 
-static int parse_header(moed_st_file *f, moed_error *err)
+int moed_st_parse_header(moed_st_file *f, const char *hdr, uint64_t hlen, moed_error *err)
 {
-    const uint8_t *base = f->map;
-    uint64_t hlen = 0;
-    for (int i = 7; i >= 0; i--) hlen = hlen << 8 | base[i];
-    if (hlen > ST_MAX_HEADER || hlen > f->size - 8)
-        return moed_fail(err, MOED_EFORMAT,
-                         "%s: header length %llu runs past the end of the %zu-byte file "
-                         "(truncated, or not a safetensors file)",
-                         f->path, (unsigned long long)hlen, f->size);
-    const char *hdr = (const char *)base + 8, *end = NULL;
+    const char *end = NULL;
     int rc = 0;
+    if (f->size < 8 || hlen > f->size - 8)
+        return moed_fail(err, MOED_EFORMAT, "%s: a %llu-byte header does not fit the file", f->path,
+                         (unsigned long long)hlen);
     cJSON *root = cJSON_ParseWithLengthOpts(hdr, hlen, &end, 0);
     if (!root)
         return moed_fail(err, MOED_EFORMAT,
@@ -262,7 +239,7 @@ static int parse_header(moed_st_file *f, moed_error *err)
         goto out;
     }
     for (; end < hdr + hlen; end++)
-        if (!strchr(" \t\r\n", *end)) {
+        if (*end != ' ' && *end != '\t' && *end != '\r' && *end != '\n') {
             rc = moed_fail(err, MOED_EFORMAT, "%s: bytes after the header's JSON object", f->path);
             goto out;
         }
@@ -291,7 +268,7 @@ static int parse_header(moed_st_file *f, moed_error *err)
         moed_st_tensor *t = &f->tensors[i++];
         t->name = strcpy(nb, e->string);
         nb += strlen(nb) + 1;
-        rc = parse_entry(f, e, f->size - data_start, base + data_start, t, err);
+        rc = parse_entry(f, e, data_start, f->size - data_start, t, err);
         if (rc) goto out;
     }
     qsort(f->tensors, (size_t)f->n_tensors, sizeof *f->tensors, cmp_tensor_name);
@@ -307,45 +284,76 @@ out:
     return rc;
 }
 
+/* pread of exactly n bytes at off: MOED_EIO naming the file if it ends first or fails. */
+static int read_at(const moed_st_file *f, void *dst, uint64_t n, uint64_t off, moed_error *err)
+{
+    for (uint64_t done = 0; done < n;) {
+        size_t chunk = n - done > (1u << 30) ? 1u << 30 : (size_t)(n - done);
+        ssize_t r = pread(f->fd, (char *)dst + done, chunk, (off_t)(off + done));
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0)
+            return moed_fail(err, MOED_EIO, "cannot read %s at byte %llu: %s", f->path,
+                             (unsigned long long)(off + done),
+                             r < 0 ? strerror(errno) : "the file is shorter than when opened");
+        done += (uint64_t)r;
+    }
+    return 0;
+}
+
+/* The header length and the header, read (not mapped), then parsed. */
+static int read_header(moed_st_file *f, moed_error *err)
+{
+    uint8_t len[8];
+    int rc = read_at(f, len, 8, 0, err);
+    if (rc) return rc;
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--) hlen = hlen << 8 | len[i];
+    if (hlen > ST_MAX_HEADER || hlen > f->size - 8)
+        return moed_fail(err, MOED_EFORMAT,
+                         "%s: header length %llu runs past the end of the %zu-byte file "
+                         "(truncated, or not a safetensors file)",
+                         f->path, (unsigned long long)hlen, f->size);
+    char *hdr = malloc(hlen ? hlen : 1);
+    if (!hdr) return moed_fail(err, MOED_ENOMEM, "no memory for the header of %s", f->path);
+    if (!(rc = read_at(f, hdr, hlen, 8, err))) rc = moed_st_parse_header(f, hdr, hlen, err);
+    free(hdr);
+    return rc;
+}
+
 int moed_st_file_open(const char *path, moed_st_file *f, moed_error *err)
 {
     memset(f, 0, sizeof *f);
     int rc = 0;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return open_fail(err, path);
-    struct stat st;
-    if (fstat(fd, &st) || !S_ISREG(st.st_mode)) {
-        rc = moed_fail(err, MOED_EIO, "%s is not a readable regular file", path);
+    if (!(f->path = strdup(path))) return moed_fail(err, MOED_ENOMEM, "no memory to open %s", path);
+    if ((f->fd = moed_file_open(path, "checkpoint", &f->st, err)) < 0) {
+        rc = f->fd;
+        /* the path alone names the file: drop moed_file's "checkpoint: " */
+        if (!strncmp(err->msg, "checkpoint: ", 12))
+            memmove(err->msg, err->msg + 12, strlen(err->msg + 12) + 1);
         goto err;
     }
-    if (st.st_size < 8) {
+    if (f->st.st_size < 8) {
         rc = moed_fail(err, MOED_EFORMAT,
                        "%s has %lld bytes, fewer than the 8 of a safetensors header length "
                        "(truncated?)",
-                       path, (long long)st.st_size);
+                       path, (long long)f->st.st_size);
         goto err;
     }
-    f->size = (size_t)st.st_size;
-    f->path = strdup(path);
-    if (!f->path) {
-        rc = moed_fail(err, MOED_ENOMEM, "no memory to open %s", path);
-        goto err;
-    }
+    f->size = (size_t)f->st.st_size;
     const char *slash = strrchr(f->path, '/');
     f->name = slash ? slash + 1 : f->path;
-    f->map = mmap(NULL, f->size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if ((rc = read_header(f, err))) goto err;
+    f->map = mmap(NULL, f->size, PROT_READ, MAP_PRIVATE, f->fd, 0);
     if (f->map == MAP_FAILED) {
         f->map = NULL;
         rc = moed_fail(err, MOED_EIO, "cannot map %s (%zu bytes): %s", path, f->size,
                        strerror(errno));
         goto err;
     }
-    rc = parse_header(f, err);
-    if (rc) goto err;
-    close(fd);
+    for (int i = 0; i < f->n_tensors; i++)
+        f->tensors[i].data = (const uint8_t *)f->map + f->tensors[i].offset;
     return 0;
 err:
-    close(fd);
     moed_st_file_close(f);
     return rc;
 }
@@ -359,6 +367,7 @@ const moed_st_tensor *moed_st_file_find(const moed_st_file *f, const char *name)
 void moed_st_file_close(moed_st_file *f)
 {
     if (f->map) munmap(f->map, f->size);
+    if (f->path && f->fd >= 0) close(f->fd);
     free(f->tensors);
     free(f->names);
     free(f->path);
@@ -563,6 +572,32 @@ int moed_st_find(moed_st_dir *d, const char *name, const moed_st_tensor **t, moe
                              d->dir, name, f->name);
     }
     *t = e->t;
+    return 0;
+}
+
+int moed_st_read(const moed_st_dir *d, const moed_st_tensor *t, void *dst, moed_error *err)
+{
+    st_entry key = { .name = t->name };
+    const st_entry *e = bsearch(&key, d->entries, (size_t)d->n_entries, sizeof key, cmp_entry);
+    if (!e || e->t != t)
+        return moed_fail(err, MOED_EINTERNAL, "tensor %s was not found in %s", t->name, d->dir);
+    return read_at(&d->files[e->file], dst, t->nbytes, t->offset, err);
+}
+
+int moed_st_dir_check(const moed_st_dir *d, moed_error *err)
+{
+    for (int i = 0; i < d->n_files; i++) {
+        const moed_st_file *f = &d->files[i];
+        struct stat now;
+        if (!f->path) continue; /* a shard never opened */
+        if (fstat(f->fd, &now) || now.st_size != f->st.st_size ||
+            now.st_mtim.tv_sec != f->st.st_mtim.tv_sec ||
+            now.st_mtim.tv_nsec != f->st.st_mtim.tv_nsec)
+            return moed_fail(err, MOED_EIO,
+                             "%s changed while moed read it (its size or modification time is not "
+                             "what it was); start moed again once the checkpoint is complete",
+                             f->path);
+    }
     return 0;
 }
 

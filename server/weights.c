@@ -2,10 +2,11 @@
  * moed_weights — builds the moed_model the daemon serves, from the synthetic generator or from a
  * Hugging Face checkpoint (see weights.h).
  *
- * A checkpoint's expert matrices are used where they lie in the mapping: copying them would double
- * the memory of a model that may fill the host. The router stays in its own dtype too (the server
- * router computes from it as stored); only the DeepSeek router bias, when not float32, is converted
- * into a buffer this module owns.
+ * With MOED_WEIGHTS_MAP a checkpoint's expert matrices are used where they lie in the mapping;
+ * with MOED_WEIGHTS_COPY each tensor is read into its own 64-byte-aligned buffer and the files are
+ * closed once every tensor is in (weights.h says why and when). The router stays in its own dtype
+ * (the server router computes from it as stored); only the DeepSeek router bias, when not
+ * float32, is converted into a buffer this module owns.
  *
  * Missing tensors are collected over every held layer and reported together, because a user who
  * fixes one missing name at a time would otherwise restart the daemon once per name; any other
@@ -24,9 +25,9 @@
 
 typedef struct weights_priv {
     bool synthetic;  /* layers came from moed_synth_layer, which owns their memory */
-    moed_st_dir *st; /* the mappings the layers point into */
-    void **owned;    /* converted router biases */
-    int n_owned;
+    moed_st_dir *st; /* MOED_WEIGHTS_MAP: the mappings the layers point into */
+    void **owned;    /* copies and converted router biases */
+    int n_owned, cap_owned;
 } weights_priv;
 
 void moed_weights_release(moed_model *m)
@@ -154,6 +155,7 @@ static int select_layers(const char *only, const moed_hf_config *c, unsigned cha
 /* One checkpoint load in progress. */
 typedef struct loader {
     const char *dir;
+    bool copy; /* MOED_WEIGHTS_COPY */
     const moed_hf_config *cfg;
     moed_st_dir *st;
     weights_priv *priv;
@@ -246,27 +248,76 @@ static int check_matrix(loader *ld, const moed_st_tensor *t, int rows, int cols,
     return 0;
 }
 
-/* t's data in dtype: the mapping itself, or a converted copy the model owns. */
-static int as_dtype(loader *ld, const moed_st_tensor *t, int dtype, const void **out)
+/* Hands p to the model, which frees it on release (p is freed now if that fails). */
+static int own(loader *ld, void *p, moed_error *err)
 {
-    uint64_t n = t->nbytes / moed_dtype_size(t->mdtype);
-    if (t->mdtype == dtype) {
+    weights_priv *w = ld->priv;
+    if (w->n_owned == w->cap_owned) {
+        int cap = w->cap_owned ? 2 * w->cap_owned : 64;
+        void **grown = realloc(w->owned, sizeof *grown * (size_t)cap);
+        if (!grown) {
+            free(p);
+            return moed_fail(err, MOED_ENOMEM, "no memory for the weights' table");
+        }
+        w->owned = grown;
+        w->cap_owned = cap;
+    }
+    w->owned[w->n_owned++] = p;
+    return 0;
+}
+
+/* t's bytes read from its file into a new buffer (the caller's). */
+static int read_copy(loader *ld, const moed_st_tensor *t, void **out)
+{
+    *out = NULL;
+    if (posix_memalign(out, 64, t->nbytes ? t->nbytes : 1))
+        return moed_fail(ld->err, MOED_ENOMEM, "no memory for tensor %s (%llu bytes)", t->name,
+                         (unsigned long long)t->nbytes);
+    int rc = moed_st_read(ld->st, t, *out, ld->err);
+    if (rc) {
+        free(*out);
+        *out = NULL;
+    }
+    return rc;
+}
+
+/* t's data as computed from: a copy the model owns, or the mapping itself. */
+static int tensor_data(loader *ld, const moed_st_tensor *t, const void **out)
+{
+    void *copy;
+    int rc;
+    if (!ld->copy) {
         *out = t->data;
         return 0;
     }
-    void **owned = realloc(ld->priv->owned, sizeof *owned * (size_t)(ld->priv->n_owned + 1));
+    if ((rc = read_copy(ld, t, &copy)) || (rc = own(ld, copy, ld->err))) return rc;
+    *out = copy;
+    return 0;
+}
+
+/* t's data in dtype: as tensor_data, or converted into a buffer the model owns. */
+static int as_dtype(loader *ld, const moed_st_tensor *t, int dtype, const void **out)
+{
+    uint64_t n = t->nbytes / moed_dtype_size(t->mdtype);
+    if (t->mdtype == dtype) return tensor_data(ld, t, out);
+    void *copy = NULL;
+    const void *src = t->data;
+    int rc = ld->copy ? read_copy(ld, t, &copy) : 0;
+    if (rc) return rc;
+    if (copy) src = copy;
     float *f32 = malloc(n * sizeof *f32);
     void *buf = malloc(n * moed_dtype_size(dtype));
-    if (owned) ld->priv->owned = owned;
-    if (!owned || !f32 || !buf) {
-        free(f32);
+    if (f32 && buf) {
+        moed_to_f32(t->mdtype, src, f32, n);
+        moed_from_f32(dtype, f32, buf, n);
+    }
+    free(f32);
+    free(copy);
+    if (!f32 || !buf) {
         free(buf);
         return moed_fail(ld->err, MOED_ENOMEM, "no memory to convert %s", t->name);
     }
-    moed_to_f32(t->mdtype, t->data, f32, n);
-    moed_from_f32(dtype, f32, buf, n);
-    free(f32);
-    owned[ld->priv->n_owned++] = buf;
+    if ((rc = own(ld, buf, ld->err))) return rc;
     *out = buf;
     return 0;
 }
@@ -299,6 +350,18 @@ static int find_layer(loader *ld, int L, const moed_st_tensor **t, bool *complet
     return 0;
 }
 
+/* An expert's three matrices (w1, w3, w2 in t[0..2]). */
+static int matrices(loader *ld, const moed_st_tensor **t, moed_expert_w *out)
+{
+    const void *p[3];
+    for (int k = 0; k < 3; k++) {
+        int rc = tensor_data(ld, t[k], &p[k]);
+        if (rc) return rc;
+    }
+    *out = (moed_expert_w){ p[0], p[1], p[2] };
+    return 0;
+}
+
 /* Checks the tensors of layer L that find_layer found and points out's weights at them. */
 static int build_layer(loader *ld, int L, const moed_st_tensor **t, moed_layer *out)
 {
@@ -327,23 +390,25 @@ static int build_layer(loader *ld, int L, const moed_st_tensor **t, moed_layer *
     *out = (moed_layer){ .info = *li };
     out->info.index = L;
     out->info.wdtype = ld->first->mdtype;
-    out->router = t[SLOT_ROUTER]->data;
+    const void *router = NULL;
+    if ((rc = tensor_data(ld, t[SLOT_ROUTER], &router))) return rc;
+    out->router = router;
     out->router_dtype = t[SLOT_ROUTER]->mdtype;
     if (t[SLOT_BIAS]) {
         const void *bias = NULL;
         if ((rc = as_dtype(ld, t[SLOT_BIAS], MOED_F32, &bias))) return rc;
         out->router_bias = bias;
     }
-    if (li->n_shared)
-        out->shared = (moed_expert_w){ t[SLOT_SHARED]->data, t[SLOT_SHARED + 1]->data,
-                                       t[SLOT_SHARED + 2]->data };
+    if (li->n_shared && (rc = matrices(ld, &t[SLOT_SHARED], &out->shared))) return rc;
     out->experts = calloc((size_t)E, sizeof *out->experts);
     if (!out->experts) return moed_fail(ld->err, MOED_ENOMEM, "no memory for layer %d", L);
-    for (int e = 0; e < E; e++) {
-        const moed_st_tensor **m = &t[SLOT_EXPERTS + 3 * e];
-        out->experts[e] = (moed_expert_w){ m[0]->data, m[1]->data, m[2]->data };
+    for (int e = 0; e < E && !rc; e++)
+        rc = matrices(ld, &t[SLOT_EXPERTS + 3 * e], &out->experts[e]);
+    if (rc) { /* the layer is not counted, so release would not free this */
+        free(out->experts);
+        out->experts = NULL;
     }
-    return 0;
+    return rc;
 }
 
 /* Every held layer into m->layers; missing tensors are reported once, after all were looked up. */
@@ -379,8 +444,8 @@ static int load_layers(loader *ld, const unsigned char *hold, moed_model *m)
     return rc;
 }
 
-int moed_weights_checkpoint(const char *dir, const char *only_layers, moed_model *m,
-                            moed_error *err)
+int moed_weights_checkpoint(const char *dir, const char *only_layers, moed_weights_mode mode,
+                            moed_model *m, moed_error *err)
 {
     memset(m, 0, sizeof *m);
     moed_hf_config cfg;
@@ -397,8 +462,17 @@ int moed_weights_checkpoint(const char *dir, const char *only_layers, moed_model
     }
     if ((rc = select_layers(only_layers, &cfg, hold, err))) goto err;
     if ((rc = moed_st_dir_open(dir, &p->st, err))) goto err;
-    loader ld = { .dir = dir, .cfg = &cfg, .st = p->st, .priv = p, .err = err };
-    if ((rc = load_layers(&ld, hold, m))) goto err;
+    loader ld = { .dir = dir,
+                  .copy = mode == MOED_WEIGHTS_COPY,
+                  .cfg = &cfg,
+                  .st = p->st,
+                  .priv = p,
+                  .err = err };
+    if ((rc = load_layers(&ld, hold, m)) || (rc = moed_st_dir_check(p->st, err))) goto err;
+    if (ld.copy) { /* nothing points into the files now */
+        moed_st_dir_close(p->st);
+        p->st = NULL;
+    }
     snprintf(m->source, sizeof m->source, "%s", dir);
     snprintf(m->arch, sizeof m->arch, "%s", cfg.arch_name);
     free(hold);

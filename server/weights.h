@@ -1,10 +1,19 @@
 /*
  * moed_weights — the model a daemon serves: every MoE layer's weights in host memory, from a
- * Hugging Face safetensors checkpoint (memory-mapped) or from the seeded synthetic generator.
+ * Hugging Face safetensors checkpoint or from the seeded synthetic generator.
  *
  * A loaded moed_model stays valid until moed_weights_release; backends may keep pointers into it
- * (the CPU backend computes straight from the mapping), so the daemon releases it only after the
- * backend is destroyed.
+ * (the CPU backend computes straight from it), so the daemon releases it only after the backend is
+ * destroyed.
+ *
+ * A checkpoint's tensors are either copied into memory the model owns (MOED_WEIGHTS_COPY: read
+ * with pread, the files closed after the load) or left in the files' mappings (MOED_WEIGHTS_MAP).
+ * Only a copy is safe to compute from for as long as the daemon runs: a mapping of a file that is
+ * truncated faults (SIGBUS) when read, and one rewritten in place changes under the reader. So a
+ * backend that computes from host memory (CPU) gets a copy; one that copies the weights to its
+ * device while loading (CUDA) reads the mapping once and need not pay for host memory it never
+ * reads again. Either way a file that changed while it was read fails the load (its size or
+ * modification time moved), and a file that shrank fails it cleanly in copy mode.
  */
 #ifndef MOED_WEIGHTS_H
 #define MOED_WEIGHTS_H
@@ -23,12 +32,15 @@ typedef struct moed_model {
 /* --synthetic SPEC (moed_synth.h gives the syntax and the generator). */
 int moed_weights_synthetic(const char *spec, moed_model *m, moed_error *err);
 
+typedef enum moed_weights_mode { MOED_WEIGHTS_COPY, MOED_WEIGHTS_MAP } moed_weights_mode;
+
 /* --model DIR: config.json plus model.safetensors or model.safetensors.index.json and its shards.
  * only_layers, if not NULL, is a list like "0-3,7" of checkpoint layer numbers to hold (the others
- * are not mapped). Every problem (missing file, missing or misshapen tensor, unsupported dtype or
- * architecture) fails with one message naming the file and tensor and what was expected. */
-int moed_weights_checkpoint(const char *dir, const char *only_layers, moed_model *m,
-                            moed_error *err);
+ * are not read). Every problem (missing file, missing or misshapen tensor, unsupported dtype or
+ * architecture, a file that is not a regular file or changed while read) fails with one message
+ * naming the file and tensor and what was expected. */
+int moed_weights_checkpoint(const char *dir, const char *only_layers, moed_weights_mode mode,
+                            moed_model *m, moed_error *err);
 
 void moed_weights_release(moed_model *m);
 

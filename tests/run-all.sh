@@ -2,7 +2,8 @@
 # The whole test suite, as `make test` and CI run it: install what is missing, build, unit tests
 # (ctest: the C units, and the GPU tests where CUDA is built, which report themselves skipped
 # without a GPU), the end-to-end tests against real moed processes, the Python client's own tests,
-# the deployment files' checks, a bounded fuzzing run over request decoding, and the end-to-end
+# the deployment files' checks, bounded fuzzing runs over what comes from outside (requests, the
+# metrics endpoint's HTTP, safetensors headers, .npy files), and the end-to-end
 # suite again against an ASan/UBSan build.
 #
 #   tests/run-all.sh               every stage in order
@@ -78,7 +79,9 @@ stage_deploy() {
 }
 
 stage_fuzz() {
-    # libFuzzer over request decoding and validation, bounded (FUZZ_SECONDS, default 60).
+    # libFuzzer over what comes from outside: Forward requests, the metrics endpoint's HTTP, the
+    # safetensors header, .npy files; bounded (FUZZ_SECONDS, default 60, for the first; half each
+    # for the others).
     bash tests/fuzz/run.sh "${FUZZ_SECONDS:-60}"
 }
 

@@ -1,7 +1,8 @@
 """Checks of deploy/ that need no container engine and no cluster (run by tests/deploy-check.sh).
 
 - deploy/moed.conf is a configuration the real daemon starts with (its keys and values parse, its
-  ports are the ones the other files use).
+  ports are the ones the other files use); its metrics endpoint is on loopback, on a port clear of
+  dcgm-exporter's and the other common exporters' defaults, and nothing publishes that port.
 - deploy/moed.service: systemd-analyze verify passes with no warning; Type=notify; the hardening
   options are set; the stop timeout outlasts the drain timeout.
 - deploy/k8s/*.yaml parse; the objects have what the API server requires, and what moed needs: a
@@ -50,7 +51,12 @@ def port_of(addr):
 
 GRPC_PORT = port_of(conf()["listen"])
 METRICS_PORT = port_of(conf()["metrics-listen"])
+METRICS_LOOPBACK = conf()["metrics-listen"].rsplit(":", 1)[0] in ("127.0.0.1", "localhost", "[::1]")
 DRAIN_S = int(conf()["drain-timeout"])
+# Default ports of exporters that share GPU hosts and pods with moed: node_exporter, dcgm-exporter,
+# the OpenTelemetry Prometheus exporter, nvidia_gpu_exporter, process-exporter, cAdvisor, Triton's
+# metrics, kubelet and kube-proxy.
+EXPORTER_PORTS = {9100, 9400, 9464, 9835, 9256, 8080, 8002, 10250, 10249, 10255}
 
 
 def free_port():
@@ -78,6 +84,14 @@ def test_config_starts_the_daemon(tmp_path):
     p.send_signal(signal.SIGTERM)
     assert p.wait(60) == 0, log.read_text()
     assert "metrics listening" in log.read_text()
+
+
+def test_metrics_are_on_loopback_by_default():
+    """Issue 9: the shipped files bound /metrics to 0.0.0.0:9400, reachable without a token and on
+    dcgm-exporter's port."""
+    assert METRICS_LOOPBACK, conf()["metrics-listen"]
+    assert METRICS_PORT not in EXPORTER_PORTS and not 9100 <= METRICS_PORT <= 9999, METRICS_PORT
+    assert METRICS_PORT != GRPC_PORT
 
 
 # ---- systemd -------------------------------------------------------------------------------------
@@ -154,7 +168,10 @@ def test_deployment():
     assert spec["selector"]["matchLabels"].items() <= labels.items()
     (c,) = pod["containers"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}
+    # A loopback endpoint is not published, nor advertised for annotation-based scraping.
+    assert ports == {"grpc": GRPC_PORT} if METRICS_LOOPBACK else {"grpc": GRPC_PORT, "metrics": METRICS_PORT}
+    annotations = dep["spec"]["template"]["metadata"].get("annotations", {})
+    assert annotations.get("prometheus.io/scrape") != "true" or not METRICS_LOOPBACK
     assert int(c["resources"]["limits"]["nvidia.com/gpu"]) >= 1
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["grpc"]["port"] == GRPC_PORT, probe
@@ -255,7 +272,8 @@ def test_containerfile_rules():
         assert final[key].startswith("["), f"{key} in exec (JSON) form"
     hc = final["HEALTHCHECK"]
     assert "CMD [" in hc and f"127.0.0.1:{GRPC_PORT}" in hc and "health" in hc
-    assert set(final["EXPOSE"].split()) == {str(GRPC_PORT), str(METRICS_PORT)}
+    assert set(final["EXPOSE"].split()) == ({str(GRPC_PORT)} if METRICS_LOOPBACK
+                                            else {str(GRPC_PORT), str(METRICS_PORT)})
     assert "/etc/moed/moed.conf" in final["CMD"]
     ignore = (DEPLOY / "Containerfile.dockerignore").read_text()
     for _, body in st:

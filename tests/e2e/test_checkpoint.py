@@ -3,10 +3,17 @@
 with an index. Each loads, GetModel describes it as its config says, and its outputs (the model's
 own router and client routes) match the numpy model computed from the weights as written. A broken
 checkpoint makes moed exit 1 with a message naming what is wrong.
+
+The checkpoint changing under a serving daemon (issue 9): truncated, or rewritten in place with the
+same size, moed keeps answering with the weights it loaded (it served from a mapping, and died of
+SIGBUS or silently changed its outputs). A FIFO in place of config.json, the index or a
+.safetensors file fails the start at once, naming the file (it blocked forever).
 """
 
 import json
+import os
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -146,3 +153,49 @@ def test_missing_config_says_so(tmp_path):
     code, err = start_fails(tmp_path)
     assert code == 1, err
     assert "config.json" in err
+
+
+def _forward_checked(c, w, rng, what):
+    x, x64 = O.hidden(rng, 6, BROKEN_KW["d"], "f32")
+    y = c.forward(0, x)
+    spec = routing_spec(w, BROKEN_KW["experts"])
+    O.check(y, O.forward(x64, w, O.gate(O.router_logits(x64, w), "model", spec), "swiglu"), "f32", what)
+    return np.asarray(y)
+
+
+@pytest.mark.parametrize("how", ["truncate", "rewrite-same-size"])
+def test_checkpoint_changing_under_the_daemon(daemon, tmp_path, how):
+    """The weights served are moed's own copy: the file changing after the start changes nothing."""
+    layers = write_checkpoint(tmp_path, **{**BROKEN_KW, "dtype": "f32"})
+    d = daemon("--model", tmp_path, "--threads", "1", "--backend", "cpu")
+    file = tmp_path / "model.safetensors"
+    with d.client(timeout=30) as c:
+        before = _forward_checked(c, layers[0], np.random.default_rng(11), "before")
+        if how == "truncate":
+            os.truncate(file, 0)
+        else:  # the same size, every byte after the header changed: a mapping would show it
+            size = file.stat().st_size
+            hlen = int.from_bytes(file.read_bytes()[:8], "little")
+            with open(file, "r+b") as f:
+                f.seek(8 + hlen)
+                f.write(np.full((size - 8 - hlen) // 4, 7.0, np.float32).tobytes())
+            assert file.stat().st_size == size
+        for i in range(3):
+            after = _forward_checked(c, layers[0], np.random.default_rng(11), f"after {how} {i}")
+            assert np.array_equal(before, after)
+        assert c.health() == "SERVING"
+    assert d.proc.poll() is None
+
+
+@pytest.mark.parametrize("name,shards", [("config.json", 1), ("model.safetensors", 1),
+                                         ("model.safetensors.index.json", 2),
+                                         ("model-00001-of-00002.safetensors", 2)])
+def test_fifo_in_the_checkpoint_fails_at_once(tmp_path, name, shards):
+    write_checkpoint(tmp_path, **{**BROKEN_KW, "shards": shards})
+    (tmp_path / name).unlink()
+    os.mkfifo(tmp_path / name)
+    t0 = time.monotonic()
+    code, err = start_fails(tmp_path, timeout=20)
+    assert code == 1, err
+    assert f"{tmp_path / name} is a FIFO (named pipe), not a regular file" in err, err
+    assert time.monotonic() - t0 < 10

@@ -4,6 +4,7 @@ error (exit 2, naming the flag) for every kind of bad word; a Unix-socket target
 README's flag list is `moed --help` word for word.
 """
 
+import os
 import re
 import shutil
 import subprocess
@@ -70,6 +71,14 @@ BAD_VALUES = [
     (["--layers", "3-1"], ["--layers", "3-1"]),
     (["--cq-threads", "0"], ["--cq-threads", "0"]),
     (["--config", "/nonexistent/moed.conf"], ["--config", "/nonexistent/moed.conf"]),
+    # Issue 9, row 8: refused at once (a directory was read as empty, /dev/zero spun forever), and
+    # ports past 65535 were taken modulo 65536.
+    (["--config", "/tmp"], ["--config", "/tmp", "a directory"]),
+    (["--config", "/dev/zero"], ["--config", "/dev/zero", "character device"]),
+    (["--listen", "127.0.0.1:70000"], ["--listen", "70000", "1 to 65535"]),
+    (["--metrics-listen", "127.0.0.1:70000"], ["--metrics-listen", "70000", "1 to 65535"]),
+    (["--listen", "127.0.0.1"], ["--listen", "host:port"]),
+    (["--layers", "0-99999"], ["--layers", "65535"]),
     (["--bogus"], ["--bogus"]),
     (["--threads"], ["--threads", "value"]),
     (["stray"], ["stray"]),
@@ -120,6 +129,43 @@ def test_config_file_error_names_file_and_line(tmp_path):
     conf.write_text("no-such-key = 1\n")
     p = moed("--config", conf)
     assert p.returncode == 2 and "no-such-key" in p.stderr and f"{conf}:1" in p.stderr
+
+
+def test_config_fifo_fails_at_once(tmp_path):
+    """A FIFO with no writer blocked the start forever (issue 9): now refused without waiting."""
+    fifo = tmp_path / "moed.conf"
+    os.mkfifo(fifo)
+    p = moed("--config", fifo, timeout=10)
+    assert p.returncode == 2 and "FIFO" in p.stderr and str(fifo) in p.stderr, p.stderr
+
+
+def test_config_file_too_big(tmp_path):
+    conf = tmp_path / "big.conf"
+    conf.write_text("# padding\n" * 200000)  # 2 MB of comments
+    p = moed("--config", conf)
+    assert p.returncode == 2 and "1024 KiB" in p.stderr and str(conf) in p.stderr, p.stderr
+
+
+def test_config_quoted_value_keeps_hash(daemon, tmp_path):
+    """`key = "a # b"` keeps the # (it was cut there): the log file name proves it."""
+    log = tmp_path / "a # b.log"
+    conf = tmp_path / "moed.conf"
+    conf.write_text(f'synthetic = {DEFAULT_SPEC}  # the demo model\nthreads = 1\n'
+                    f'log-file = "{log}"   # quoted: the # inside is part of the name\n')
+    d = daemon("--config", conf)
+    assert d.proc.poll() is None
+    assert 'msg="ready"' in log.read_text()
+
+
+def test_long_layer_list_is_fast(tmp_path):
+    """--layers 50000-100000,0-49999 took over 20 s (a quadratic sort); now a bounded list is
+    expanded in linear time and checked against the model at once."""
+    t0 = time.monotonic()
+    p = moed("--listen", "127.0.0.1:0", "--synthetic", DEFAULT_SPEC, "--layers", "50000-65535,0-49999",
+             timeout=30)
+    took = time.monotonic() - t0
+    assert p.returncode == 1 and "--layers names layer 2" in p.stderr, p.stderr
+    assert took < 10, took
 
 
 def test_busy_port_exits_1(daemon):

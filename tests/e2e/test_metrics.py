@@ -4,13 +4,23 @@ and status code, tokens, request and response bytes (measured on the wire with r
 the latency and batch-size histograms — and gauges that describe the daemon. /healthz answers 200
 while serving. Malformed HTTP gets 400 (or 404/405/431) and the daemon keeps serving gRPC and
 metrics. The option works from a config file as from the command line.
+
+What issue 9 found, measured again: with 100+ idle sockets open a scrape is still answered (200),
+and no socket is reset (those over the limits are answered 503); scrapes at a high rate are all
+answered; a client that closes is released at once (moed_http_connections back down); a request
+head that trickles is cut off with 408; --metrics-token-file guards /metrics but not /healthz.
 """
+
+import socket
+import threading
+import time
+import urllib.request
 
 import numpy as np
 import pytest
 
 import oracle as O
-from conftest import DEFAULT_SPEC
+from conftest import DEFAULT_SPEC, free_port
 from daemons import log_of
 from moed import MoEClient
 from moed._proto.moed.v1 import moed_pb2
@@ -29,7 +39,8 @@ NAMES = {
     "moed_batch_requests": "histogram", "moed_queue_requests": "gauge",
     "moed_calls_active": "gauge", "moed_stream_pool_busy": "gauge",
     "moed_stream_pool_size": "gauge", "moed_device_memory_used_bytes": "gauge",
-    "moed_device_memory_total_bytes": "gauge",
+    "moed_device_memory_total_bytes": "gauge", "moed_http_connections": "gauge",
+    "moed_http_refused_total": "counter",
 }
 
 
@@ -194,3 +205,168 @@ def test_parser_rejects_what_prometheus_would():
                 "h_sum 1\nh_count 1\n"):
         with pytest.raises(AssertionError):
             parse_exposition(bad)
+
+
+# ---- limits (issue 9, row 4) -------------------------------------------------------------------
+
+def _idle(port, n):
+    socks = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        socks.append(s)
+    return socks
+
+
+def _told(s):
+    """What the server told an idle socket: "waiting", "503", or "reset"/"closed" (the failures)."""
+    s.setblocking(False)
+    try:
+        data = s.recv(64)
+    except BlockingIOError:
+        return "waiting"
+    except ConnectionResetError:
+        return "reset"
+    return "503" if data.startswith(b"HTTP/1.1 503 ") else "closed"
+
+
+def _open_connections(port):
+    return scrape(port).get("moed_http_connections")
+
+
+def _settles(port, want=1, within=1.0):
+    """Waits until the endpoint counts `want` open connections (the scrape asking); returns the
+    seconds it took, or None."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within:
+        if _open_connections(port) == want:
+            return time.monotonic() - t0
+        time.sleep(0.01)
+    return None
+
+
+def test_idle_sockets_do_not_take_the_endpoint_down(served):
+    port = served.metrics_port
+    refused0 = scrape(port).get("moed_http_refused_total")
+    socks = _idle(port, 150)
+    try:
+        time.sleep(0.4)  # older than the 250 ms after which a waiting connection can be displaced
+        assert scrape(port).get("moed_up") == 1
+        assert get(port, "/healthz") == (200, "SERVING\n")
+        time.sleep(0.1)
+        told = [_told(s) for s in socks]
+        assert told.count("reset") == 0 and told.count("closed") == 0, told
+        assert told.count("waiting") <= 32 and told.count("503") >= 150 - 32, told
+        e = scrape(port)
+        assert e.get("moed_http_refused_total") - refused0 >= 150 - 32
+        assert 2 <= e.get("moed_http_connections") <= 32 + 64 + 1
+    finally:
+        for s in socks:
+            s.close()
+    took = _settles(port)
+    assert took is not None and took < 0.5, took
+
+
+def test_closed_clients_are_released_at_once(served):
+    port = served.metrics_port
+    for _ in range(50):
+        assert get(port, "/healthz")[0] == 200
+    took = _settles(port)
+    assert took is not None and took < 0.3, f"connections still open {took} s after their clients left"
+
+
+def test_scrapes_at_a_high_rate_are_all_answered(served):
+    """200 scrapes/s offered for 2 s from fresh connections (the old server answered 32/s and
+    reset the rest)."""
+    port = served.metrics_port
+    results, lock = [], threading.Lock()
+
+    def one():
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                status = r.status
+                r.read()
+        except Exception as err:  # a reset shows here
+            status = repr(err)
+        with lock:
+            results.append(status)
+
+    threads, t0 = [], time.monotonic()
+    for i in range(400):
+        delay = t0 + i / 200 - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        t = threading.Thread(target=one)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    assert results.count(200) == 400, sorted(set(map(str, results)))
+
+
+def test_trickling_request_head_gets_408(served):
+    """Slowloris: the head must be complete within 5 s, however slowly it comes."""
+    with socket.create_connection(("127.0.0.1", served.metrics_port), timeout=15) as s:
+        t0 = time.monotonic()
+        answer = b""
+        for ch in b"GET /metrics HTTP/1.1\r\nX-Slow: " + b"a" * 100:
+            try:
+                s.send(bytes([ch]))
+            except OSError:
+                break
+            time.sleep(0.1)
+            s.setblocking(False)
+            try:
+                answer = s.recv(4096)
+            except BlockingIOError:
+                pass
+            s.setblocking(True)
+            if answer:
+                break
+        took = time.monotonic() - t0
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert 4.5 < took < 7, took
+
+
+def test_metrics_token(daemon, tmp_path):
+    token = "m3trics-" + "ab" * 16
+    (tmp_path / "token").write_text(token + "\n")
+    flags, port = metrics_flags()
+    d = daemon("--synthetic", DEFAULT_SPEC, "--threads", "1", *flags,
+               "--metrics-token-file", tmp_path / "token")
+    assert "metrics_token=on" in d.log()
+    status, body = get(port, "/metrics")
+    assert status == 401 and "--metrics-token-file" in body
+    status, answer = http(port, b"GET /metrics HTTP/1.1\r\n\r\n")
+    assert b"WWW-Authenticate: Bearer" in answer
+    for wrong in ("Bearer nope", "Bearer " + token + "x", token, "Basic " + token):
+        assert http(port, f"GET /metrics HTTP/1.1\r\nAuthorization: {wrong}\r\n\r\n".encode())[0] == 401
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                 headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200 and b"moed_up 1" in r.read()
+    assert get(port, "/healthz") == (200, "SERVING\n")  # health stays open
+    assert token not in d.log()
+
+
+def test_warns_beyond_loopback_without_a_token(daemon, tmp_path):
+    port = free_port()
+    d = daemon("--synthetic", DEFAULT_SPEC, "--threads", "1", "--metrics-listen", f"0.0.0.0:{port}")
+    assert "metrics listening beyond this host without a token" in d.log()
+    (tmp_path / "token").write_text("t\n")
+    port = free_port()
+    d = daemon("--synthetic", DEFAULT_SPEC, "--threads", "1", "--metrics-listen", f"0.0.0.0:{port}",
+               "--metrics-token-file", tmp_path / "token")
+    assert "without a token" not in d.log()
+
+
+@pytest.mark.parametrize("content,says", [("\n", "no token"), (None, "No such file")])
+def test_bad_metrics_token_file_stops_the_start(daemon, tmp_path, content, says):
+    path = tmp_path / "token"
+    if content is not None:
+        path.write_text(content)
+    flags, _ = metrics_flags()
+    d = daemon("--synthetic", DEFAULT_SPEC, *flags, "--metrics-token-file", path, wait=False)
+    assert d.proc.wait(30) == 1
+    d.stop()
+    log = log_of(d)
+    assert "--metrics-token-file" in log and says in log and str(path) in log, log

@@ -1,5 +1,8 @@
-"""Writes the seed corpus of fuzz_request: ForwardRequests encoded by the Python client (as callers
-send them) for the fuzzer's served model (fuzz_request.c: layers 0 and 1 with d=8 and 8 experts,
+"""Writes the seed corpus of one fuzzer (tests/fuzz/run.sh): KIND is request, http, safetensors or
+npy.
+
+request: ForwardRequests encoded by the Python client (as callers send them) for the fuzzer's served
+model (fuzz_request.c: layers 0 and 1 with d=8 and 8 experts,
 layer 3 with d=16 and 16 experts and DeepSeek routing, layer 7 with d=8, 4 experts, no router).
 
 Most seeds are valid, so the fuzzer starts deep inside validation and gating; a few carry one
@@ -7,8 +10,17 @@ classic mistake each (T = 0, unknown layer, id out of range, NaN weight, wrong d
 hand-varied encodings a protobuf encoder may also produce (unknown fields, unpacked shape), and
 one is an input the fuzzer found a bug with (sparsemax over huge logits).
 
-usage: python make_seeds.py OUT_DIR
+http: requests as Prometheus, curl and probes send them, with and without a token, and a few
+classic refusals (a body, folding, HTTP/2's preface, a head split by bare LFs).
+
+safetensors: files written by the `safetensors` package (every weight dtype, 0-d and empty tensors,
+metadata), as checkpoints hold them.
+
+npy: arrays saved by numpy (every dtype the tools read, 0-d, empty, format 2.0, Fortran order).
+
+usage: python make_seeds.py KIND OUT_DIR
 """
+import io
 import pathlib
 import sys
 
@@ -77,13 +89,84 @@ def seeds():
     return blobs
 
 
+def http_seeds():
+    token = "Authorization: Bearer " + "ab" * 32 + "\r\n"
+    heads = {
+        "prometheus": "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:8464\r\nUser-Agent: Prometheus/2.53.0\r\n"
+                      "Accept: application/openmetrics-text;version=1.0.0;q=0.5,text/plain;version=0.0.4;q=0.4\r\n"
+                      "Accept-Encoding: gzip\r\nX-Prometheus-Scrape-Timeout-Seconds: 10\r\n\r\n",
+        "prometheus-token": "GET /metrics HTTP/1.1\r\nHost: x\r\n" + token + "\r\n",
+        "curl": "GET /healthz HTTP/1.1\r\nHost: localhost:8464\r\nUser-Agent: curl/7.88.1\r\nAccept: */*\r\n\r\n",
+        "head-query": "HEAD /metrics?name[]=moed_up HTTP/1.0\n\n",
+        "probe": "GET /healthz HTTP/1.1\r\nHost: 10.0.0.5:8464\r\nUser-Agent: kube-probe/1.30\r\n"
+                 "Connection: close\r\n\r\n",
+        "content-length-0": "GET /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n",
+        "post": "POST /metrics HTTP/1.1\r\nContent-Length: 4\r\n\r\nbody",
+        "chunked": "GET /metrics HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        "folded": "GET /metrics HTTP/1.1\r\nX: a\r\n b\r\n\r\n",
+        "two-tokens": "GET /metrics HTTP/1.1\r\n" + token + token + "\r\n",
+        "h2-preface": "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+        "bare-lf": "GET / HTTP/1.1\nA: b\n\r\n",
+    }
+    blobs = {k: v.encode() for k, v in heads.items()}
+    blobs["long-header"] = b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 8200 + b"\r\n\r\n"
+    return blobs
+
+
+def safetensors_seeds():
+    from safetensors.numpy import save
+    rng = np.random.default_rng(1)
+    w = {"model.layers.0.mlp.experts.0.gate_proj.weight": rng.standard_normal((4, 8)).astype(np.float32),
+         "model.layers.0.mlp.gate.weight": rng.standard_normal((2, 8)).astype(np.float16),
+         "bias": np.zeros(3, np.float64), "ids": np.arange(5, dtype=np.int64)}
+    bf = rng.standard_normal((2, 3)).astype(ml_dtypes.bfloat16)
+    return {
+        "mixed": save(w, metadata={"format": "pt"}),
+        "bf16": save({"x": bf}),
+        "scalar-and-empty": save({"s": np.float32(3.0).reshape(()), "e": np.zeros((0, 4), np.float32),
+                                  "b": np.array([True, False])}),
+        "one": save({"a": np.ones(1, np.uint8)}),
+    }
+
+
+def npy_seeds():
+    def npy(a, version=None):
+        buf = io.BytesIO()
+        if version:
+            np.lib.format.write_array(buf, a, version=version)
+        else:
+            np.save(buf, a)
+        return buf.getvalue()
+
+    rng = np.random.default_rng(2)
+    return {
+        "f32": npy(rng.standard_normal((3, 4)).astype(np.float32)),
+        "f16": npy(rng.standard_normal((2, 2)).astype(np.float16)),
+        "f64": npy(rng.standard_normal(5)),
+        "i32": npy(np.arange(6, dtype=np.int32).reshape(2, 3)),
+        "i64": npy(np.arange(4, dtype=np.int64)),
+        "u16": npy(np.arange(4, dtype=np.uint16)),
+        "bf16": npy(rng.standard_normal((2, 2)).astype(ml_dtypes.bfloat16)),
+        "scalar": npy(np.float32(1.5)),
+        "empty": npy(np.zeros((0, 3), np.float32)),
+        "v2": npy(np.ones((2, 2), np.float32), version=(2, 0)),
+        "fortran": npy(np.asfortranarray(np.ones((2, 3), np.float32))),
+        "big-endian": npy(np.ones(3, ">f4")),
+    }
+
+
+KINDS = {"request": lambda: seeds(), "http": http_seeds, "safetensors": safetensors_seeds, "npy": npy_seeds}
+
+
 def main():
-    out = pathlib.Path(sys.argv[1])
+    if len(sys.argv) != 3 or sys.argv[1] not in KINDS:
+        sys.exit(f"usage: make_seeds.py {'|'.join(KINDS)} OUT_DIR")
+    out = pathlib.Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
-    blobs = seeds()
+    blobs = KINDS[sys.argv[1]]()
     for name, blob in blobs.items():
         (out / f"{name}.bin").write_bytes(blob)
-    print(f"make_seeds: {len(blobs)} seeds in {out}")
+    print(f"make_seeds: {len(blobs)} {sys.argv[1]} seeds in {out}")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,20 @@
 /*
  * test_config — flags and the config file: defaults, both flag syntaxes, byte suffixes, layer
  * lists, the file's precedence below the command line, and bad values naming the flag (or the
- * file and line), the value and what is accepted.
+ * file and line), the value and what is accepted. Also what issue 9 found: listen ports checked
+ * (1..65535, 0 for any), quoted values kept whole before comments, a config path that is a
+ * directory, device or FIFO refused at once (a FIFO must not block), a bound on the file's size,
+ * and layer lists expanded in linear time with a bound on their numbers and length.
  */
 #include "check.h"
 #include "config.h"
 #include "log.h"
 
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 static int load(moed_config *cfg, moed_error *err, FILE *out, int argc, char **argv)
@@ -186,9 +192,188 @@ static void test_help_version(void)
     moed_config_free(&c);
 }
 
+static void test_listen_ports(void)
+{
+    moed_config c;
+    moed_error err;
+    static const char *const good[] = {
+        "127.0.0.1:50051", "0.0.0.0:1",          "[::1]:65535", "localhost:0",
+        "unix:/tmp/m.s",   "unix-abstract:moed", ":9000"
+    };
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+        CHECK_MSG(LOAD(&c, &err, "--listen", (char *)good[i]) == 0, "%s: %s", good[i], err.msg);
+        moed_config_free(&c);
+    }
+    CHECK_EQ_INT(LOAD(&c, &err, "--listen", "127.0.0.1:70000"), MOED_EINVAL);
+    expect_bad(&err, "port over 65535", "--listen", "70000");
+    CHECK(strstr(err.msg, "1 to 65535") != NULL);
+    moed_config_free(&c);
+    CHECK_EQ_INT(LOAD(&c, &err, "--metrics-listen", "127.0.0.1:65536"), MOED_EINVAL);
+    expect_bad(&err, "metrics port over 65535", "--metrics-listen", "65536");
+    moed_config_free(&c);
+    static const char *const bad[] = { "127.0.0.1",     "127.0.0.1:",       "127.0.0.1:-1",
+                                       "127.0.0.1:80x", "127.0.0.1:000080", "::1:80",
+                                       "unix:" };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        CHECK_MSG(LOAD(&c, &err, "--listen", (char *)bad[i]) == MOED_EINVAL, "%s accepted", bad[i]);
+        expect_bad(&err, bad[i], "--listen", bad[i]);
+        moed_config_free(&c);
+    }
+    /* The metrics endpoint is HTTP over TCP: no unix sockets. */
+    CHECK_EQ_INT(LOAD(&c, &err, "--metrics-listen", "unix:/tmp/x"), MOED_EINVAL);
+    expect_bad(&err, "metrics on unix", "--metrics-listen", "host:port");
+    moed_config_free(&c);
+}
+
+static char *write_file(const char *text, size_t len)
+{
+    static char path[64];
+    snprintf(path, sizeof path, "/tmp/moed-test-config-XXXXXX");
+    int fd = mkstemp(path);
+    CHECK(fd >= 0 && write(fd, text, len) == (ssize_t)len);
+    close(fd);
+    return path;
+}
+
+static void test_quoted_values(void)
+{
+    moed_config c;
+    moed_error err;
+    static const char text[] = "log-file = \"/var/log/a # b.log\"   # the # is kept\n"
+                               "tls-cert=\"/c/with \\\"quote\\\" and \\\\\" # c\n"
+                               "tls-key = k#\n"
+                               "listen = 127.0.0.1:7000#comment right after\n";
+    char *path = write_file(text, sizeof text - 1);
+    CHECK_EQ_INT(LOAD(&c, &err, "--config", path), MOED_CONFIG_RUN);
+    CHECK_MSG(!strcmp(c.log_file, "/var/log/a # b.log"), "log-file '%s'", c.log_file);
+    CHECK_MSG(!strcmp(c.tls_cert, "/c/with \"quote\" and \\"), "tls-cert '%s'", c.tls_cert);
+    CHECK(!strcmp(c.tls_key, "k") && !strcmp(c.listen, "127.0.0.1:7000"));
+    moed_config_free(&c);
+    unlink(path);
+    static const struct {
+        const char *line, *says;
+    } bad[] = {
+        { "log-file = \"/no/end\n", "no closing quote" },
+        { "log-file = \"a\\nb\"\n", "unknown escape" },
+        { "log-file = \"a\" b\n", "after the closing quote" },
+        { "# = x\nlisten # = 1\n", ":2" },
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        path = write_file(bad[i].line, strlen(bad[i].line));
+        CHECK_EQ_INT(LOAD(&c, &err, "--config", path), MOED_EINVAL);
+        expect_bad(&err, bad[i].line, path, bad[i].says);
+        moed_config_free(&c);
+        unlink(path);
+    }
+}
+
+static void on_alarm(int sig)
+{
+    (void)sig;
+    static const char msg[] = "test_config: --config on a FIFO blocked\n";
+    if (write(2, msg, sizeof msg - 1)) _exit(1);
+    _exit(1);
+}
+
+static void test_config_file_kinds(void)
+{
+    moed_config c;
+    moed_error err;
+    CHECK_EQ_INT(LOAD(&c, &err, "--config", "/tmp"), MOED_EINVAL);
+    expect_bad(&err, "directory", "/tmp", "a directory");
+    moed_config_free(&c);
+    CHECK_EQ_INT(LOAD(&c, &err, "--config", "/dev/zero"), MOED_EINVAL);
+    expect_bad(&err, "/dev/zero", "/dev/zero", "character device");
+    moed_config_free(&c);
+    char fifo[] = "/tmp/moed-test-fifo-XXXXXX";
+    int fd = mkstemp(fifo);
+    close(fd);
+    unlink(fifo);
+    CHECK(mkfifo(fifo, 0600) == 0);
+    signal(SIGALRM, on_alarm); /* a FIFO with no writer would block a plain open */
+    alarm(10);
+    CHECK_EQ_INT(LOAD(&c, &err, "--config", fifo), MOED_EINVAL);
+    alarm(0);
+    expect_bad(&err, "fifo", fifo, "FIFO");
+    moed_config_free(&c);
+    unlink(fifo);
+
+    size_t big = MOED_CONFIG_MAX_FILE + 1;
+    char *text = malloc(big);
+    memset(text, '#', big);
+    char *path = write_file(text, big);
+    free(text);
+    CHECK_EQ_INT(LOAD(&c, &err, "--config", path), MOED_EINVAL);
+    expect_bad(&err, "huge file", path, "1024 KiB");
+    moed_config_free(&c);
+    unlink(path);
+
+    path = write_file("threads = 2\nlisten = a\0b\n", 25);
+    CHECK_EQ_INT(LOAD(&c, &err, "--config", path), MOED_EINVAL);
+    expect_bad(&err, "NUL", ":2", "NUL");
+    moed_config_free(&c);
+    unlink(path);
+}
+
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static void test_layer_lists(void)
+{
+    moed_config c;
+    moed_error err;
+    /* Issue 9: this took over 20 s with an insertion sort. */
+    double t0 = now_s();
+    CHECK_EQ_INT(LOAD(&c, &err, "--layers", "50000-65535,0-49999"), 0);
+    double took = now_s() - t0;
+    CHECK_MSG(took < 0.5, "took %.3f s", took);
+    CHECK_EQ_INT(c.n_layer_list, 65536);
+    for (int i = 0; i < c.n_layer_list; i++)
+        if (c.layer_list[i] != i) {
+            CHECK_MSG(0, "layer_list[%d] = %d", i, c.layer_list[i]);
+            break;
+        }
+    CHECK(moed_config_wants_layer(&c, 0) && moed_config_wants_layer(&c, 65535));
+    moed_config_free(&c);
+    CHECK_EQ_INT(LOAD(&c, &err, "--layers", "9,3-5,4,0,9"), 0);
+    CHECK(c.n_layer_list == 5 && c.layer_list[0] == 0 && c.layer_list[1] == 3 &&
+          c.layer_list[3] == 5 && c.layer_list[4] == 9);
+    CHECK(moed_config_wants_layer(&c, 4) && !moed_config_wants_layer(&c, 6) &&
+          !moed_config_wants_layer(&c, 10) && !moed_config_wants_layer(&c, -1));
+    moed_config_free(&c);
+    CHECK_EQ_INT(LOAD(&c, &err, "--layers", "0-65536"), MOED_EINVAL);
+    expect_bad(&err, "layer over the bound", "--layers", "65535");
+    moed_config_free(&c);
+    /* Many overlapping whole ranges: still linear in the text. */
+    char *list = malloc(MOED_CONFIG_MAX_LIST + 2);
+    size_t at = 0;
+    while (at + 8 < MOED_CONFIG_MAX_LIST)
+        at += (size_t)sprintf(list + at, "%s0-65535", at ? "," : "");
+    t0 = now_s();
+    CHECK_EQ_INT(LOAD(&c, &err, "--layers", list), 0);
+    took = now_s() - t0;
+    CHECK_MSG(took < 0.5, "took %.3f s", took);
+    CHECK_EQ_INT(c.n_layer_list, 65536);
+    moed_config_free(&c);
+    memset(list, '1', MOED_CONFIG_MAX_LIST + 1);
+    list[MOED_CONFIG_MAX_LIST + 1] = 0;
+    CHECK_EQ_INT(LOAD(&c, &err, "--layers", list), MOED_EINVAL);
+    expect_bad(&err, "list too long", "--layers", "at most 4096");
+    moed_config_free(&c);
+    free(list);
+}
+
 int main(void)
 {
     test_defaults();
+    test_listen_ports();
+    test_quoted_values();
+    test_config_file_kinds();
+    test_layer_lists();
     test_flags();
     test_bad_values();
     test_file();

@@ -14,11 +14,13 @@
 #include "metrics.h"
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 /* ---- metrics --------------------------------------------------------------------------------- */
@@ -61,7 +63,9 @@ static char *render(moed_metrics *m)
                               .devices = dev,
                               .n_devices = 2,
                               .version = "9.9",
-                              .backend = "cpu" };
+                              .backend = "cpu",
+                              .http_connections = 5,
+                              .http_refused = 11 };
     size_t len = 0;
     char *t = moed_metrics_render(m, &g, &len);
     CHECK(t && strlen(t) == len);
@@ -114,6 +118,8 @@ static void test_concurrent_counts(void)
     CHECK_NEAR(sample(text, "moed_calls_active"), 3, 0);
     CHECK_NEAR(sample(text, "moed_stream_pool_busy"), 1, 0);
     CHECK_NEAR(sample(text, "moed_stream_pool_size"), 4, 0);
+    CHECK_NEAR(sample(text, "moed_http_connections"), 5, 0);
+    CHECK_NEAR(sample(text, "moed_http_refused_total"), 11, 0);
     CHECK_NEAR(sample(text, "moed_build_info{version=\"9.9\",backend=\"cpu\"}"), 1, 0);
     CHECK_NEAR(sample(text, "moed_device_memory_used_bytes{device=\"1\",name=\"one\"}"), 5, 0);
     CHECK_NEAR(sample(text, "moed_device_memory_total_bytes{device=\"1\",name=\"one\"}"), 50, 0);
@@ -154,8 +160,8 @@ static void test_buckets(void)
         if (!strncmp(line, "# TYPE ", 7)) types++;
         CHECK(line[0] == '#' || (line[0] >= 'a' && line[0] <= 'z'));
     }
-    CHECK_EQ_INT(helps, 19);
-    CHECK_EQ_INT(types, 19);
+    CHECK_EQ_INT(helps, 21);
+    CHECK_EQ_INT(types, 21);
     free(text);
     moed_metrics_destroy(m);
 }
@@ -184,13 +190,26 @@ typedef struct server {
     int port;
 } server;
 
-static void handler(void *arg, const char *path, moed_http_reply *out)
+/* /metrics (401 unless authorized), and /open: the connections open, from the loop's thread. */
+static void handler(void *arg, const char *path, bool authorized, moed_http_reply *out)
 {
+    server *s = arg;
+    char buf[64];
+    if (!strcmp(path, "/open")) {
+        moed_http_stats st;
+        moed_http_get_stats(s->http, &st);
+        snprintf(buf, sizeof buf, "%llu %llu\n", (unsigned long long)st.open,
+                 (unsigned long long)st.refused);
+        out->status = 200;
+        out->body = strdup(buf);
+        out->len = strlen(buf);
+        return;
+    }
     if (strcmp(path, "/metrics")) return; /* 404 */
-    out->status = 200;
+    out->status = authorized ? 200 : 401;
     out->content_type = "text/plain; version=0.0.4";
-    out->body = strdup("moed_up 1\n");
-    out->len = 10;
+    out->body = strdup(authorized ? "moed_up 1\n" : "no\n");
+    out->len = strlen(out->body);
 }
 
 static void on_stop(uv_async_t *a)
@@ -232,6 +251,8 @@ static int get(int port, const char *req, char *resp, size_t cap)
 {
     return call(port, req, strlen(req), 0, resp, cap);
 }
+
+static void limits(int port);
 
 static void *client(void *arg)
 {
@@ -276,30 +297,215 @@ static void *client(void *arg)
     memset(big + 26, 'a', 9000 - 26);
     CHECK_EQ_INT(call(p, big, 9000, 0, r, sizeof r), 431);
     free(big);
-    /* Connections that say nothing and go, and a burst over the connection limit. */
-    int fds[80];
-    for (int i = 0; i < 80; i++) {
-        fds[i] = socket(AF_INET, SOCK_STREAM, 0);
-        struct sockaddr_in sa = { .sin_family = AF_INET, .sin_port = htons((uint16_t)p) };
-        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-        connect(fds[i], (struct sockaddr *)&sa, sizeof sa);
-    }
-    for (int i = 0; i < 80; i++) close(fds[i]);
-    /* Until the loop has seen those closes a new connection may still be over the limit. */
-    int st = -1;
-    for (int i = 0; i < 100 && st != 200; i++, usleep(10000))
-        st = get(p, "GET /metrics HTTP/1.1\r\n\r\n", r, sizeof r);
-    CHECK_EQ_INT(st, 200);
+    limits(p);
     uv_async_send(&s->stop);
     return NULL;
 }
 
-static void test_endpoint(void)
+/* A connection from 127.0.0.src (the whole of 127/8 is this host) that sends nothing yet. */
+static int idle(int port, int src)
 {
-    server s;
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in me = { .sin_family = AF_INET };
+    me.sin_addr.s_addr = htonl(INADDR_LOOPBACK + (uint32_t)src - 1);
+    struct sockaddr_in sa = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port) };
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (bind(fd, (struct sockaddr *)&me, sizeof me) ||
+        connect(fd, (struct sockaddr *)&sa, sizeof sa)) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* What each idle connection has been told, after waiting ms: st[i] stays 0 while nothing came,
+ * becomes the status of the answer that came, or -1 for a reset or a close without an answer. */
+static void collect(const int *fds, int *st, int n, int ms)
+{
+    usleep((useconds_t)ms * 1000);
+    for (int i = 0; i < n; i++) {
+        if (st[i]) continue;
+        char buf[256];
+        ssize_t k = recv(fds[i], buf, sizeof buf - 1, MSG_DONTWAIT);
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+        int status = -1;
+        if (k > 0) {
+            buf[k] = 0;
+            if (sscanf(buf, "HTTP/1.1 %d ", &status) != 1) status = -1;
+        }
+        st[i] = status;
+    }
+}
+
+static int count(const int *st, int n, int v)
+{
+    int k = 0;
+    for (int i = 0; i < n; i++) k += st[i] == v;
+    return k;
+}
+
+/* "/open": (connections open, refused in all), as the server counts them. */
+static int open_now(int port, int *refused)
+{
+    char r[512];
+    int open = -1, ref = -1;
+    if (get(port, "GET /open HTTP/1.1\r\n\r\n", r, sizeof r) == 200)
+        sscanf(strstr(r, "\r\n\r\n") + 4, "%d %d", &open, &ref);
+    if (refused) *refused = ref;
+    return open;
+}
+
+/* Waits until only the asking connection is open; returns how long that took in ms, or -1. */
+static int settles(int port)
+{
+    for (int ms = 0; ms < 1000; ms += 5, usleep(5000))
+        if (open_now(port, NULL) == 1) return ms;
+    return -1;
+}
+
+static void limits(int p)
+{
+    char r[8192];
+    /* Scrapes that read their answer and close are released at once (no 2 s linger). */
+    for (int i = 0; i < 40; i++)
+        CHECK_EQ_INT(get(p, "GET /metrics HTTP/1.1\r\n\r\n", r, sizeof r), 200);
+    int ms = settles(p);
+    CHECK_MSG(ms >= 0 && ms < 200, "open connections back to 1 after %d ms", ms);
+
+    /* 40 idle connections from one address: 32 wait, 8 are answered 503 at once (all young). */
+    int fds[300], st[300] = { 0 }, refused0, refused1;
+    open_now(p, &refused0);
+    for (int i = 0; i < 40; i++) fds[i] = idle(p, 1);
+    collect(fds, st, 40, 50);
+    CHECK_EQ_INT(count(st, 40, 0), 32);
+    CHECK_EQ_INT(count(st, 40, 503), 8);
+    /* A scrape now is over the limit too: 503 and Retry-After, not a reset. */
+    CHECK_EQ_INT(get(p, "GET /metrics HTTP/1.1\r\n\r\n", r, sizeof r), 503);
+    CHECK(strstr(r, "Retry-After: 1\r\n") != NULL);
+    /* Once they have waited 250 ms, a scrape takes the oldest one's place, which is told 503. */
+    usleep(300000);
+    CHECK_EQ_INT(get(p, "GET /metrics HTTP/1.1\r\n\r\n", r, sizeof r), 200);
+    collect(fds, st, 40, 50);
+    CHECK_EQ_INT(st[0], 503);
+    CHECK_EQ_INT(count(st, 40, 0), 31);
+    /* 150 more (190 in all, over a hundred idle), then a scrape: answered; nothing reset. */
+    for (int i = 40; i < 190; i++) fds[i] = idle(p, 1);
+    usleep(300000);
+    CHECK_EQ_INT(get(p, "GET /metrics HTTP/1.1\r\n\r\n", r, sizeof r), 200);
+    collect(fds, st, 190, 50);
+    CHECK_EQ_INT(count(st, 190, -1), 0);
+    CHECK_EQ_INT(count(st, 190, 0), 31);
+    CHECK_EQ_INT(count(st, 190, 503), 190 - 31);
+    int open = open_now(p, &refused1);
+    CHECK_MSG(open >= 32 && open <= 32 + 64, "%d open", open); /* 31 waiting, this, answered */
+    CHECK_EQ_INT(refused1 - refused0, 1 + 190 - 31);
+    for (int i = 0; i < 190; i++) close(fds[i]);
+    ms = settles(p);
+    CHECK_MSG(ms >= 0 && ms < 200, "open connections back to 1 after %d ms", ms);
+
+    /* The total limit: 9 addresses with 32 each (288), over the 256 that may wait. */
+    memset(st, 0, sizeof st);
+    for (int i = 0; i < 288; i++) fds[i] = idle(p, 2 + i / 32);
+    collect(fds, st, 288, 50);
+    CHECK_MSG(count(st, 288, 0) <= 256 && count(st, 288, 0) + count(st, 288, 503) == 288,
+              "%d wait, %d refused", count(st, 288, 0), count(st, 288, 503));
+    usleep(300000);
+    CHECK_EQ_INT(get(p, "GET /metrics HTTP/1.1\r\n\r\n", r, sizeof r), 200);
+    collect(fds, st, 288, 50);
+    CHECK_EQ_INT(count(st, 288, -1), 0);
+    CHECK_EQ_INT(count(st, 288, 0), 255);
+    for (int i = 0; i < 288; i++) close(fds[i]);
+    ms = settles(p);
+    CHECK_MSG(ms >= 0 && ms < 300, "open connections back to 1 after %d ms", ms);
+}
+
+/* The token: /metrics is authorized only with `Authorization: Bearer <token>`. */
+static void *token_client(void *arg)
+{
+    server *s = arg;
+    char r[2048];
+    int p = s->port;
+    CHECK_EQ_INT(get(p, "GET /metrics HTTP/1.1\r\n\r\n", r, sizeof r), 401);
+    CHECK(strstr(r, "WWW-Authenticate: Bearer") != NULL);
+    CHECK_EQ_INT(
+        get(p, "GET /metrics HTTP/1.1\r\nAuthorization: Bearer s3cret-t0ken\r\n\r\n", r, sizeof r),
+        200);
+    CHECK_EQ_INT(get(p, "GET /metrics HTTP/1.1\r\nauthorization:   bearer s3cret-t0ken  \r\n\r\n",
+                     r, sizeof r),
+                 200);
+    static const char *const wrong[] = { "Bearer s3cret-t0ke",
+                                         "Bearer s3cret-t0kenX",
+                                         "Basic s3cret-t0ken",
+                                         "s3cret-t0ken",
+                                         "Bearer",
+                                         "Bearer S3CRET-T0KEN" };
+    for (size_t i = 0; i < sizeof wrong / sizeof wrong[0]; i++) {
+        char req[256];
+        snprintf(req, sizeof req, "GET /metrics HTTP/1.1\r\nAuthorization: %s\r\n\r\n", wrong[i]);
+        CHECK_MSG(get(p, req, r, sizeof r) == 401, "%s: %.20s", wrong[i], r);
+    }
+    CHECK_EQ_INT(get(p,
+                     "GET /metrics HTTP/1.1\r\nAuthorization: Bearer s3cret-t0ken\r\n"
+                     "Authorization: Bearer x\r\n\r\n",
+                     r, sizeof r),
+                 400);
+    uv_async_send(&s->stop);
+    return NULL;
+}
+
+static void run_server(server *s, void *(*fn)(void *))
+{
+    uv_async_init(&s->loop, &s->stop, on_stop);
+    s->stop.data = s;
+    pthread_t th;
+    pthread_create(&th, NULL, fn, s);
+    uv_run(&s->loop, UV_RUN_DEFAULT);
+    pthread_join(th, NULL);
+    CHECK_EQ_INT(uv_loop_close(&s->loop), 0); /* every handle closed, every connection freed */
+}
+
+static void test_token(void)
+{
+    char path[] = "/tmp/moed-test-token-XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(write(fd, "  s3cret-t0ken \n# not the token\n", 32) == 32);
+    close(fd);
+    server s = { 0 };
     moed_error err;
     uv_loop_init(&s.loop);
-    CHECK_EQ_INT(moed_http_start(&s.loop, "127.0.0.1:0", handler, NULL, &s.http, &err), 0);
+    moed_http_config cfg = { .listen = "127.0.0.1:0", .token_file = path };
+    CHECK_EQ_INT(moed_http_start(&s.loop, &cfg, handler, &s, &s.http, &err), 0);
+    s.port = atoi(strrchr(moed_http_address(s.http), ':') + 1);
+    run_server(&s, token_client);
+    /* Token files that cannot be used. */
+    moed_http *h = NULL;
+    uv_loop_init(&s.loop);
+    static const struct {
+        const char *text;
+        int code;
+        const char *says;
+    } bad[] = { { "\n", MOED_EINVAL, "no token" }, { "a b\n", MOED_EINVAL, "space" } };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        FILE *f = fopen(path, "w");
+        fputs(bad[i].text, f);
+        fclose(f);
+        CHECK_EQ_INT(moed_http_start(&s.loop, &cfg, handler, &s, &h, &err), bad[i].code);
+        CHECK_MSG(strstr(err.msg, path) && strstr(err.msg, bad[i].says), "%s", err.msg);
+    }
+    unlink(path);
+    cfg.token_file = "/tmp";
+    CHECK_EQ_INT(moed_http_start(&s.loop, &cfg, handler, &s, &h, &err), MOED_EIO);
+    CHECK(strstr(err.msg, "--metrics-token-file") && strstr(err.msg, "a directory"));
+    CHECK_EQ_INT(uv_loop_close(&s.loop), 0);
+}
+
+static void test_endpoint(void)
+{
+    server s = { 0 };
+    moed_error err;
+    uv_loop_init(&s.loop);
+    moed_http_config cfg = { .listen = "127.0.0.1:0" };
+    CHECK_EQ_INT(moed_http_start(&s.loop, &cfg, handler, &s, &s.http, &err), 0);
     const char *addr = moed_http_address(s.http);
     s.port = atoi(strrchr(addr, ':') + 1);
     CHECK(!strncmp(addr, "127.0.0.1:", 10) && s.port > 0);
@@ -308,22 +514,17 @@ static void test_endpoint(void)
     moed_http *h2 = NULL;
     char again[64];
     snprintf(again, sizeof again, "127.0.0.1:%d", s.port);
-    CHECK_EQ_INT(moed_http_start(&s.loop, again, handler, NULL, &h2, &err), MOED_EIO);
+    moed_http_config c2 = { .listen = again };
+    CHECK_EQ_INT(moed_http_start(&s.loop, &c2, handler, &s, &h2, &err), MOED_EIO);
     CHECK(strstr(err.msg, again) != NULL);
     const char *bad[] = { "9400",      "127.0.0.1", "127.0.0.1:",    "127.0.0.1:65536",
                           "host:9400", "[::1:9400", "127.0.0.1:94x", "1.2.3.4.5:80" };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        CHECK_EQ_INT(moed_http_start(&s.loop, bad[i], handler, NULL, &h2, &err), MOED_EINVAL);
+        c2.listen = bad[i];
+        CHECK_EQ_INT(moed_http_start(&s.loop, &c2, handler, &s, &h2, &err), MOED_EINVAL);
         CHECK(strstr(err.msg, bad[i]) != NULL);
     }
-
-    uv_async_init(&s.loop, &s.stop, on_stop);
-    s.stop.data = &s;
-    pthread_t th;
-    pthread_create(&th, NULL, client, &s);
-    uv_run(&s.loop, UV_RUN_DEFAULT);
-    pthread_join(th, NULL);
-    CHECK_EQ_INT(uv_loop_close(&s.loop), 0); /* every handle closed, every connection freed */
+    run_server(&s, client);
 }
 
 int main(void)
@@ -332,5 +533,6 @@ int main(void)
     test_buckets();
     test_null();
     test_endpoint();
+    test_token();
     return check_status("test_metrics");
 }

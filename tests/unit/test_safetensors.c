@@ -2,15 +2,19 @@
  * test_safetensors — the safetensors reader on files written by st_write.h: a valid file read
  * back byte for byte, every way a header can be broken (each must fail with MOED_EFORMAT and a
  * message naming the tensor), and the three folder layouts, including that an index opens a shard
- * only when one of its tensors is looked up.
+ * only when one of its tensors is looked up. Copies by moed_st_read match the mapping, a file that
+ * shrank gives an error (not a fault), and moed_st_dir_check sees a file written after its open.
  */
 #include "check.h"
 #include "moed_dtype.h"
 #include "safetensors.h"
 #include "st_write.h"
 
+#include <fcntl.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <time.h>
 
 static char dir[256];
 
@@ -236,6 +240,43 @@ static void test_dir_layouts(void)
     CHECK(strstr(err.msg, "weight_map"));
 }
 
+static void test_read_and_check(void)
+{
+    char sub[512];
+    moed_st_dir *d;
+    moed_error err = { 0 };
+    const moed_st_tensor *t = NULL;
+    CHECK(!mkdir(stw_path(sub, sizeof sub, dir, "rc"), 0700));
+    stw_tensor one[] = { { "a", "F32", 1, { 4 }, vals, 16 },
+                         { "b", "F32", 1, { 4 }, vals + 4, 16 } };
+    char path[600];
+    stw_path(path, sizeof path, sub, "model.safetensors");
+    CHECK(!stw_file(path, one, 2));
+    int rc = moed_st_dir_open(sub, &d, &err);
+    CHECK_MSG(rc == 0, "%s", err.msg);
+    if (rc) {
+        stw_rmdir(sub);
+        return;
+    }
+    float got[4] = { 0 };
+    CHECK(!moed_st_find(d, "b", &t, &err) && t);
+    CHECK_EQ_INT(moed_st_read(d, t, got, &err), 0);
+    CHECK(!memcmp(got, vals + 4, sizeof got) && !memcmp(got, t->data, sizeof got));
+    CHECK_EQ_INT(moed_st_dir_check(d, &err), 0);
+    /* Written in place (same size, a later time): the check says so, naming the file. */
+    struct timespec later[2] = { { 0, UTIME_OMIT }, { time(NULL) + 60, 0 } };
+    CHECK(!utimensat(AT_FDCWD, path, later, 0));
+    CHECK_EQ_INT(moed_st_dir_check(d, &err), MOED_EIO);
+    CHECK(strstr(err.msg, path) && strstr(err.msg, "changed while moed read it"));
+    /* Truncated: a read fails cleanly, where the mapping would fault. */
+    CHECK(!truncate(path, 20));
+    CHECK_EQ_INT(moed_st_read(d, t, got, &err), MOED_EIO);
+    CHECK(strstr(err.msg, path) && strstr(err.msg, "shorter than when opened"));
+    CHECK_EQ_INT(moed_st_dir_check(d, &err), MOED_EIO);
+    moed_st_dir_close(d);
+    stw_rmdir(sub);
+}
+
 int main(void)
 {
     if (!stw_tmpdir(dir, sizeof dir)) {
@@ -245,6 +286,7 @@ int main(void)
     test_valid_file();
     test_bad_files();
     test_dir_layouts();
+    test_read_and_check();
     stw_rmdir(dir);
     return check_status("test_safetensors");
 }

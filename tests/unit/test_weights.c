@@ -6,6 +6,10 @@
  * values written (a pattern keyed by the tensor's name, so a pointer to the wrong tensor shows).
  * Then the ways a checkpoint can be wrong: each must fail with the right code and a message naming
  * the tensor, the key or the layer. And the synthetic model's wiring.
+ *
+ * Both modes load the same values; a copied model keeps them when its files are truncated or
+ * rewritten after the load (a mapped one would fault or change: issue 9); a FIFO, directory or
+ * device in place of config.json, the index or a .safetensors file fails at once, naming it.
  */
 #include "check.h"
 #include "moed_dtype.h"
@@ -13,9 +17,12 @@
 #include "st_write.h"
 #include "weights.h"
 
+#include <fcntl.h>
+#include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/stat.h>
 
 /* A checkpoint to write. The names are spelled out here, apart from server/hf.c. */
 typedef struct ck {
@@ -295,16 +302,14 @@ static void check_layer(const ck *c, const moed_layer *l, int L)
     }
 }
 
-/* Writes c, loads it (holding only), checks every held layer; `held` lists their numbers. */
-static void expect_load(const ck *c, const char *only, const int *held, int n_held)
+/* Loads dir (holding only) in mode and checks every held layer; `held` lists their numbers. */
+static void load_and_check(const ck *c, const char *dir, moed_weights_mode mode, const char *only,
+                           const int *held, int n_held)
 {
-    char dir[256];
-    CHECK(stw_tmpdir(dir, sizeof dir));
-    write_ck(c, dir);
     moed_model m;
     moed_error err = { 0 };
-    int rc = moed_weights_checkpoint(dir, only, &m, &err);
-    CHECK_MSG(rc == 0, "%s: %s", c->arch, err.msg);
+    int rc = moed_weights_checkpoint(dir, only, mode, &m, &err);
+    CHECK_MSG(rc == 0, "%s (mode %d): %s", c->arch, mode, err.msg);
     if (!rc) {
         CHECK_EQ_INT(m.n_layers, n_held);
         CHECK(!strcmp(m.arch, c->arch));
@@ -319,6 +324,16 @@ static void expect_load(const ck *c, const char *only, const int *held, int n_he
         moed_weights_release(&m);
         CHECK(!m.layers && !m.priv && !m.n_layers);
     }
+}
+
+/* Writes c, loads it both ways (holding only), checks every held layer. */
+static void expect_load(const ck *c, const char *only, const int *held, int n_held)
+{
+    char dir[256];
+    CHECK(stw_tmpdir(dir, sizeof dir));
+    write_ck(c, dir);
+    load_and_check(c, dir, MOED_WEIGHTS_COPY, only, held, n_held);
+    load_and_check(c, dir, MOED_WEIGHTS_MAP, only, held, n_held);
     stw_rmdir(dir);
 }
 
@@ -331,7 +346,7 @@ static void expect_fail(const ck *c, const char *only, int code, const char *nee
     write_ck(c, dir);
     moed_model m;
     moed_error err = { 0 };
-    int rc = moed_weights_checkpoint(dir, only, &m, &err);
+    int rc = moed_weights_checkpoint(dir, only, MOED_WEIGHTS_COPY, &m, &err);
     CHECK_MSG(rc == code, "%s (%s): rc %d, want %d: %s", c->arch, needle, rc, code, err.msg);
     CHECK_MSG(strstr(err.msg, needle) && (!needle2 || strstr(err.msg, needle2)),
               "message \"%s\" lacks \"%s\" or \"%s\"", err.msg, needle, needle2 ? needle2 : "");
@@ -457,14 +472,14 @@ static void test_lazy_shards(void)
     CHECK(!truncate(stw_path(path, sizeof path, dir, "model-00001-of-00002.safetensors"), 100));
     moed_model m;
     moed_error err = { 0 };
-    int rc = moed_weights_checkpoint(dir, "1,3", &m, &err);
+    int rc = moed_weights_checkpoint(dir, "1,3", MOED_WEIGHTS_MAP, &m, &err);
     CHECK_MSG(rc == 0, "%s", err.msg);
     if (!rc) {
         CHECK_EQ_INT(m.n_layers, 2);
         if (m.n_layers == 2) check_layer(&c, &m.layers[1], 3);
         moed_weights_release(&m);
     }
-    CHECK_EQ_INT(moed_weights_checkpoint(dir, NULL, &m, &err), MOED_EFORMAT);
+    CHECK_EQ_INT(moed_weights_checkpoint(dir, NULL, MOED_WEIGHTS_COPY, &m, &err), MOED_EFORMAT);
     CHECK(strstr(err.msg, "model-00001-of-00002.safetensors"));
     stw_rmdir(dir);
 }
@@ -566,10 +581,10 @@ static void test_errors(void)
     unlink(stw_path(path, sizeof path, dir, "config.json"));
     moed_model m;
     moed_error err = { 0 };
-    CHECK_EQ_INT(moed_weights_checkpoint(dir, NULL, &m, &err), MOED_ENOTFOUND);
+    CHECK_EQ_INT(moed_weights_checkpoint(dir, NULL, MOED_WEIGHTS_COPY, &m, &err), MOED_ENOTFOUND);
     CHECK(strstr(err.msg, "has no config.json"));
     stw_rmdir(dir);
-    CHECK_EQ_INT(moed_weights_checkpoint(dir, NULL, &m, &err), MOED_ENOTFOUND);
+    CHECK_EQ_INT(moed_weights_checkpoint(dir, NULL, MOED_WEIGHTS_COPY, &m, &err), MOED_ENOTFOUND);
     CHECK(strstr(err.msg, dir) && strstr(err.msg, "No such file"));
 }
 
@@ -602,9 +617,78 @@ static void test_synthetic(void)
     CHECK(!m.layers && !m.priv);
 }
 
+/* A copied model owns its weights: truncating and rewriting every file after the load changes
+ * nothing it reads (through a mapping the first read would fault with SIGBUS). */
+static void test_copies_outlive_the_files(void)
+{
+    ck c = mixtral;
+    c.shards = 2;
+    char dir[256], path[512];
+    CHECK(stw_tmpdir(dir, sizeof dir));
+    write_ck(&c, dir);
+    moed_model m;
+    moed_error err = { 0 };
+    int rc = moed_weights_checkpoint(dir, NULL, MOED_WEIGHTS_COPY, &m, &err);
+    CHECK_MSG(rc == 0, "%s", err.msg);
+    if (rc) return;
+    for (int i = 1; i <= 2; i++) {
+        char name[64];
+        snprintf(name, sizeof name, "model-%05d-of-00002.safetensors", i);
+        stw_path(path, sizeof path, dir, name);
+        CHECK(!truncate(path, 0));
+        CHECK(!stw_text(path, "rewritten in place: not a checkpoint any more"));
+    }
+    for (int i = 0; i < m.n_layers; i++) check_layer(&c, &m.layers[i], m.layers[i].info.index);
+    moed_weights_release(&m);
+    stw_rmdir(dir);
+}
+
+static void on_alarm(int sig)
+{
+    (void)sig;
+    static const char msg[] = "test_weights: a load blocked on a FIFO\n";
+    if (write(2, msg, sizeof msg - 1)) _exit(1);
+    _exit(1);
+}
+
+/* Replaces name in dir by a FIFO (or a folder), loads, and expects the failure at once. */
+static void expect_refused(const ck *c, const char *name, bool folder, const char *kind)
+{
+    char dir[256], path[512];
+    CHECK(stw_tmpdir(dir, sizeof dir));
+    write_ck(c, dir);
+    stw_path(path, sizeof path, dir, name);
+    CHECK(!unlink(path));
+    CHECK(!(folder ? mkdir(path, 0700) : mkfifo(path, 0600)));
+    moed_model m;
+    moed_error err = { 0 };
+    signal(SIGALRM, on_alarm);
+    alarm(10);
+    int rc = moed_weights_checkpoint(dir, NULL, MOED_WEIGHTS_COPY, &m, &err);
+    alarm(0);
+    CHECK_MSG(rc == MOED_EIO && strstr(err.msg, path) && strstr(err.msg, kind),
+              "%s as %s: rc %d, %s", name, kind, rc, err.msg);
+    if (folder) rmdir(path);
+    stw_rmdir(dir);
+}
+
+static void test_non_regular_files(void)
+{
+    ck sharded = mixtral;
+    sharded.shards = 2;
+    expect_refused(&mixtral, "config.json", false, "FIFO");
+    expect_refused(&mixtral, "model.safetensors", false, "FIFO");
+    expect_refused(&mixtral, "model.safetensors", true, "directory");
+    expect_refused(&sharded, "model.safetensors.index.json", false, "FIFO");
+    expect_refused(&sharded, "model-00002-of-00002.safetensors", false, "FIFO");
+    expect_refused(&mixtral, "config.json", true, "directory");
+}
+
 int main(void)
 {
     test_layouts();
+    test_copies_outlive_the_files();
+    test_non_regular_files();
     test_lazy_shards();
     test_errors();
     test_synthetic();
