@@ -46,6 +46,11 @@ const char *moed_backend_name(const moed_backend *b)
     return b->ops->name;
 }
 
+bool moed_backend_computes_from_host(const moed_backend *b)
+{
+    return b->ops->computes_from_host;
+}
+
 int moed_backend_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_error *err)
 {
     return b->ops->load_layer(b, slot, l, err);

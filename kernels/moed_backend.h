@@ -21,6 +21,7 @@
 #include "moed_model.h"
 #include "moed_route.h"
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -60,6 +61,11 @@ int moed_backend_cuda_available(void);
 
 /* "cpu", "cuda". */
 const char *moed_backend_name(const moed_backend *b);
+
+/* Whether the backend computes from the host memory of its layers for as long as it runs (the
+ * CPU backend) instead of copying it to a device while loading (CUDA): such memory must be
+ * memory moed owns, never a mapping of a file that can change under it. */
+bool moed_backend_computes_from_host(const moed_backend *b);
 
 /* Makes layer l resident as `slot` (0, 1, ... in load order). l and the memory it points to stay
  * valid until the backend is destroyed, so a backend may compute from it in place (the CPU backend

@@ -14,6 +14,9 @@
 
 typedef struct moed_backend_ops {
     const char *name;
+    /* The backend computes from the host memory load_layer was given for as long as it runs (the
+     * CPU backend), rather than copying it to a device during load_layer (CUDA). */
+    bool computes_from_host;
     int (*load_layer)(moed_backend *b, int slot, const moed_layer *l, moed_error *err);
     int (*start)(moed_backend *b, moed_error *err);
     int (*forward)(moed_backend *b, int exec, const moed_job *job, moed_error *err);

@@ -110,12 +110,13 @@ static int load_weights(moed_daemon *d)
     if (d->cfg.model) {
         moed_log_info("loading checkpoint", "dir=\"%s\" layers=%s", d->cfg.model,
                       d->cfg.layers ? d->cfg.layers : "all");
-        /* CUDA copies the weights to its devices while loading; the CPU backend computes from
-         * them for as long as moed runs, so they must not live in a file that can change. */
-        bool on_device = !strcmp(d->backend->ops->name, "cuda");
+        /* A backend that computes from the host weights for as long as moed runs must not find
+         * them in a file that can change; one that copies them to its devices while loading can
+         * read them from the mapping. */
         rc = moed_weights_checkpoint(d->cfg.model, d->cfg.layers,
-                                     on_device ? MOED_WEIGHTS_MAP : MOED_WEIGHTS_COPY, &d->model,
-                                     &err);
+                                     moed_backend_computes_from_host(d->backend) ? MOED_WEIGHTS_COPY
+                                                                                 : MOED_WEIGHTS_MAP,
+                                     &d->model, &err);
     } else {
         if (!d->cfg.synthetic)
             moed_log_info("no --model or --synthetic given: serving the default synthetic model",

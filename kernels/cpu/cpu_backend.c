@@ -202,6 +202,7 @@ static void cpu_destroy(moed_backend *b)
 
 static const moed_backend_ops cpu_ops = {
     .name = "cpu",
+    .computes_from_host = true,
     .load_layer = cpu_load_layer,
     .start = cpu_start,
     .forward = moed_cpu_forward,
