@@ -24,6 +24,7 @@
 #include "file.h"
 #include "http_parse.h"
 #include "log.h"
+#include "moed_list.h"
 
 #include <netinet/in.h>
 #include <stdio.h>
@@ -43,7 +44,7 @@
 typedef struct conn conn;
 
 typedef struct queue {
-    conn *head, *tail; /* oldest first */
+    moed_list conns; /* oldest first */
     int n;
 } queue;
 
@@ -64,7 +65,7 @@ struct moed_http {
 
 struct conn {
     moed_http *h;
-    conn *prev, *next;
+    moed_list node;
     queue *in; /* waiting or answered; NULL once closing */
     uv_tcp_t tcp;
     uv_timer_t timer;
@@ -85,15 +86,7 @@ static void queue_remove(conn *c)
 {
     queue *q = c->in;
     if (!q) return;
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        q->head = c->next;
-    if (c->next)
-        c->next->prev = c->prev;
-    else
-        q->tail = c->prev;
-    c->prev = c->next = NULL;
+    moed_list_remove(&c->node);
     c->in = NULL;
     q->n--;
 }
@@ -101,14 +94,16 @@ static void queue_remove(conn *c)
 static void queue_push(queue *q, conn *c)
 {
     queue_remove(c);
-    c->prev = q->tail;
-    if (q->tail)
-        q->tail->next = c;
-    else
-        q->head = c;
-    q->tail = c;
+    moed_list_insert_tail(&q->conns, &c->node);
     c->in = q;
     q->n++;
+}
+
+/* The oldest connection of q; NULL when q is empty. */
+static conn *queue_oldest(const queue *q)
+{
+    return moed_list_empty(&q->conns) ? NULL
+                                      : moed_list_data(moed_list_head(&q->conns), conn, node);
 }
 
 /* ---- closing --------------------------------------------------------------------------------- */
@@ -216,7 +211,7 @@ static void answer(conn *c, int status, const char *type, char *body, size_t len
     free(c->parser);
     c->parser = NULL;
     queue_push(&h->answered, c);
-    if (h->answered.n > MAX_ANSWERED) conn_close(h->answered.head);
+    if (h->answered.n > MAX_ANSWERED) conn_close(queue_oldest(&h->answered));
     c->out = malloc((size_t)n + body_len);
     if (!c->out) {
         free(body);
@@ -346,7 +341,9 @@ static bool same_peer(const conn *a, const conn *b)
 static conn *oldest_evictable(moed_http *h, const conn *c, bool peer)
 {
     uint64_t now = uv_now(h->loop);
-    for (conn *w = h->waiting.head; w; w = w->next) {
+    moed_list *q;
+    moed_list_foreach (q, &h->waiting.conns) {
+        conn *w = moed_list_data(q, conn, node);
         if (peer && !same_peer(w, c)) continue;
         return now - w->since >= EVICT_AGE_MS ? w : NULL; /* the queue is oldest first */
     }
@@ -358,7 +355,8 @@ static conn *oldest_evictable(moed_http *h, const conn *c, bool peer)
 static bool admit(moed_http *h, conn *c)
 {
     int same = 0;
-    for (conn *w = h->waiting.head; w; w = w->next) same += same_peer(w, c);
+    moed_list *q;
+    moed_list_foreach (q, &h->waiting.conns) same += same_peer(moed_list_data(q, conn, node), c);
     bool peer_full = same >= MAX_PER_PEER;
     if (!peer_full && h->waiting.n < MAX_WAITING) return true;
     conn *victim = oldest_evictable(h, c, peer_full);
@@ -498,6 +496,8 @@ int moed_http_start(uv_loop_t *loop, const moed_http_config *cfg, moed_http_hand
     h->fn = fn;
     h->arg = arg;
     h->refs = 1;
+    moed_list_init(&h->waiting.conns);
+    moed_list_init(&h->answered.conns);
     if (cfg->token_file && (rc = load_token(h, cfg->token_file, err))) {
         free(h);
         return rc;
@@ -532,7 +532,8 @@ void moed_http_close(moed_http *h)
 {
     if (!h || h->closing) return;
     h->closing = true;
-    while (h->waiting.head) conn_close(h->waiting.head);
-    while (h->answered.head) conn_close(h->answered.head);
+    conn *c;
+    while ((c = queue_oldest(&h->waiting))) conn_close(c);
+    while ((c = queue_oldest(&h->answered))) conn_close(c);
     uv_close((uv_handle_t *)&h->server, on_server_closed);
 }
