@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import oracle as O
-from conftest import DEFAULT_SPEC
+from conftest import DEFAULT_SPEC, ROOT
 from daemons import log_of, wait_exit
 from moed import MoEClient, MoEError, RetryPolicy
 from moed import aio
@@ -243,6 +243,16 @@ def test_options_keepalive_and_deadlines(daemon):
         assert e.value.code_name == "DEADLINE_EXCEEDED" and time.monotonic() - t0 < 0.45
     with pytest.raises(ValueError, match="10 seconds"):
         MoEClient(d.address, keepalive=1)
+
+
+def test_readme_python_examples(shared_daemon, capsys):
+    """README's Python examples run as written (the asyncio one, which needs torch and a worker's
+    requests, is compiled)."""
+    examples = (ROOT / "README.md").read_text().split("## Examples", 1)[1].split("```python\n")
+    blocking, asyncio_one = (e.split("```", 1)[0] for e in examples[1:3])
+    exec(compile(blocking.replace('"127.0.0.1:50051"', repr(shared_daemon.address)), "README.md", "exec"), {})
+    assert "SERVING" in capsys.readouterr().out
+    compile(asyncio_one, "README.md", "exec")
 
 
 # ---- torch, where it is installed (the GPU machine) ----------------------------------------------
