@@ -96,13 +96,14 @@ SCHEMAS: Dict[str, Dict[int, Field]] = dict([
 _BY_NAME = {msg: {f.name: f for f in fields.values()} for msg, fields in SCHEMAS.items()}
 _ONEOFS = {msg: {f.oneof for f in fields.values() if f.oneof} for msg, fields in SCHEMAS.items()}
 
-# ---- encoding ---------------------------------------------------------------------------------
-# Each message compiles, on first use, to one function per field in field-number order that
-# appends the field's parts to a list and returns their size; a nested message is encoded into a
-# list of its own first, because its length precedes it.
+# ---- encoding and decoding, compiled --------------------------------------------------------------
+# Each table compiles, on first use, into one Python function for encoding and one for decoding,
+# generated as source with every field's key, width and name written in as constants: a message is
+# then a straight run of dict lookups and byte appends, without a call per field (a closure per
+# field costs twice as much, and the client encodes and decodes on every call).
 
-_SMALL = [bytes((i,)) for i in range(128)]
 _U64 = (1 << 64) - 1
+_SMALL = [bytes((i,)) for i in range(128)]
 
 
 def varint(n: int) -> bytes:
@@ -117,21 +118,18 @@ def varint(n: int) -> bytes:
     return bytes(out)
 
 
-def _int_bits(f: Field):
-    """v -> the unsigned value its varint carries; TypeError/ValueError when v does not fit f."""
+def _bits(f: Field, v: Any) -> int:
+    """v as the unsigned integer its varint carries; TypeError/ValueError when it does not fit f."""
+    if isinstance(v, float) or not hasattr(v, "__index__"):
+        raise TypeError(f"{f.name} must be an integer, not {type(v).__name__}")
+    n = v.__index__()
     _, width, signed = SCALARS[f.kind]
     lo, hi = (-(1 << (width - 1)), 1 << (width - 1)) if signed else (0, 1 << width)
-
-    def bits(v: Any) -> int:
-        if type(v) is not int:
-            if isinstance(v, float) or not hasattr(v, "__index__"):
-                raise TypeError(f"{f.name} must be an integer, not {type(v).__name__}")
-            v = v.__index__()
-        if not lo <= v < hi:
-            raise ValueError(f"{f.name} = {v} is out of range for {f.kind}")
-        return v & _U64  # negative: 64-bit two's complement, as protobuf writes int32
-
-    return bits
+    if f.kind == "bool":
+        lo, hi = 0, 2
+    if not lo <= n < hi:
+        raise ValueError(f"{f.name} = {n} is out of range for {f.kind}")
+    return n & _U64  # negative: 64-bit two's complement, as protobuf writes int32
 
 
 def _f32(v: Any) -> bytes:
@@ -142,107 +140,169 @@ def _f32(v: Any) -> bytes:
         return _F32.pack(math.copysign(math.inf, v))
 
 
-def _raw(f: Field):
-    """v -> (the bytes a string or bytes field carries, their length)."""
-    if f.kind == "string":
-        def utf8(v):
-            if not isinstance(v, str):
-                raise TypeError(f"{f.name} must be a str, not {type(v).__name__}")
-            b = v.encode("utf-8")
-            return b, len(b)
-
-        return utf8
-
-    def buffer(v):
-        m = memoryview(v)
-        if not m.c_contiguous:
-            raise ValueError(f"{f.name} must be contiguous memory")
-        return m, m.nbytes
-
-    return buffer
+def _utf8(f: Field, v: Any) -> bytes:
+    """A string field's value that is not a str (a subclass is encoded; anything else refused)."""
+    if not isinstance(v, str):
+        raise TypeError(f"{f.name} must be a str, not {type(v).__name__}")
+    return v.encode("utf-8")
 
 
-def _field_encoder(f: Field):
-    """(value, out) -> bytes appended, for one present field."""
+def _buffer(f: Field, v: Any) -> None:
+    """Refuses a bytes field's value that is not one contiguous buffer."""
+    raise ValueError(f"{f.name} must be contiguous memory")
+
+
+def _int_fast(f: Field) -> str:
+    """The condition under which an int of field f needs no check (the fast path)."""
+    _, width, signed = SCALARS[f.kind]
+    lo, hi = (-(1 << (width - 1)), 1 << (width - 1)) if signed else (0, 1 << width)
+    return f"type(x) is int and {lo} <= x < {hi}" if f.kind != "bool" else "type(x) is bool"
+
+
+def _encode_field(f: Field) -> List[str]:
+    """Source lines (indented for enc's body) that append present field `x` of f to out."""
     wire = 2 if f.kind in SCHEMAS or f.repeated else SCALARS[f.kind][0]
     key = varint((f.number << 3) | wire)
-    implicit = not f.repeated and f.oneof is None  # proto3: the default is not written
+    implicit = not f.repeated and f.oneof is None  # proto3: a default value is not written
+    F = f"_F[{f.number}]"
     if f.kind in SCHEMAS:
-        def message(v, out, encoders=_ENCODERS):
-            sub: List[Any] = []
-            n = encoders[f.kind](v, sub)
-            head = key + varint(n)
-            out.append(head)
-            out += sub
-            return len(head) + n
-
-        return (lambda vs, out: sum([message(v, out) for v in vs])) if f.repeated else message
+        one = [f"sub = []", f"n = _ENC[{f.kind!r}](x, sub)", f"h = {key!r} + varint(n)",
+               "out.append(h)", "out += sub", "size += len(h) + n"]
+        return (["for x in x:"] + ["    " + line for line in one]) if f.repeated else one
     if f.kind in ("string", "bytes"):
-        raw = _raw(f)
-
-        def one(v, out):
-            b, n = raw(v)
-            if n == 0 and implicit:
-                return 0
-            head = key + varint(n)
-            out.append(head)
-            out.append(b)
-            return len(head) + n
-
-        return (lambda vs, out: sum([one(v, out) for v in vs])) if f.repeated else one
+        raw = ([f"b = x.encode('utf-8') if type(x) is str else _utf8({F}, x)", "n = len(b)"]
+               if f.kind == "string" else
+               ["b = x if type(x) is memoryview else memoryview(x)", "if not b.c_contiguous:",
+                f"    _buffer({F}, x)", "n = b.nbytes"])
+        put = [f"h = {key!r} + varint(n)", "out.append(h)", "out.append(b)", "size += len(h) + n"]
+        if f.repeated:
+            return ["for x in x:"] + ["    " + line for line in raw + put]
+        return raw + ([f"if n:"] + ["    " + line for line in put] if implicit else put)
     if f.kind == "float":
-        value = _f32
-        default = b"\0\0\0\0"  # not -0.0: protobuf writes that one
+        value, default = "_f32(x)", b"\0\0\0\0"  # -0.0 differs from the default: it is written
     else:
-        bits = _int_bits(f)
-
-        def value(v, small=_SMALL):
-            return small[v] if type(v) is int and 0 <= v < 128 else varint(bits(v))
-
+        value = (f"(_SMALL[x] if 0 <= x < 128 else varint(x & {_U64})) if {_int_fast(f)} "
+                 f"else varint(_bits({F}, x))")
         default = b"\0"
     if f.repeated:  # packed
-        def packed(vs, out):
-            if len(vs) == 0:
-                return 0
-            body = b"".join([value(v) for v in vs])
-            head = key + varint(len(body))
-            out.append(head)
-            out.append(body)
-            return len(head) + len(body)
-
-        return packed
-
-    def scalar(v, out):
-        b = value(v)
-        if implicit and b == default:
-            return 0
-        out.append(key + b)
-        return len(key) + len(b)
-
-    return scalar
+        return ["if len(x):", f"    body = b''.join([{value} for x in x])",
+                f"    h = {key!r} + varint(len(body))", "    out.append(h)", "    out.append(body)",
+                "    size += len(h) + len(body)"]
+    put = [f"b = {value}"] + ([f"if b != {default!r}:"] if implicit else ["if True:"])
+    return put + [f"    out.append({key!r} + b)", f"    size += {len(key)} + len(b)"]
 
 
 def _compile_encoder(msg: str):
     fields = sorted(SCHEMAS[msg].values(), key=lambda f: f.number)
-    steps = [(f.name, _field_encoder(f)) for f in fields]
+    src = ["def enc(v, out):", "    if not _NAMES.issuperset(v):", "        _unknown(v)"]
+    for oneof in sorted(_ONEOFS[msg]):
+        members = [f.name for f in fields if f.oneof == oneof]
+        src += [f"    if sum(v.get(m) is not None for m in {members!r}) > 1:",
+                f"        _two_members({oneof!r}, v, {members!r})"]
+    src.append("    size = 0")
+    for f in fields:
+        src += [f"    x = v.get({f.name!r})", "    if x is not None:"]
+        src += ["        " + line for line in _encode_field(f)]
+    src.append("    return size")
+
+    def unknown(v):
+        raise ValueError(f"{msg} has no field {sorted(set(v) - names)[0]!r}")
+
+    def two_members(oneof, v, members):
+        set_ = [m for m in members if v.get(m) is not None]
+        raise ValueError(f"{msg}: {' and '.join(set_)} are members of oneof {oneof}: set one")
+
     names = frozenset(f.name for f in fields)
-    oneofs = [(o, [f.name for f in fields if f.oneof == o]) for o in sorted(_ONEOFS[msg])]
+    return _exec(src, "enc", _NAMES=names, _unknown=unknown, _two_members=two_members,
+                 _F=SCHEMAS[msg])
 
-    def enc(value: Dict[str, Any], out: List[Any]) -> int:
-        if not names.issuperset(value):
-            raise ValueError(f"{msg} has no field {sorted(set(value) - names)[0]!r}")
-        for oneof, members in oneofs:
-            set_ = [m for m in members if value.get(m) is not None]
-            if len(set_) > 1:
-                raise ValueError(f"{msg}: {' and '.join(set_)} are members of oneof {oneof}: set one")
-        size = 0
-        for name, step in steps:
-            v = value.get(name)
-            if v is not None:
-                size += step(v, out)
-        return size
 
-    return enc
+def _int_value(f: Field) -> str:
+    """The expression turning varint bits n into f's value (truncated to its width, as protobuf)."""
+    _, width, signed = SCALARS[f.kind]
+    if f.kind == "bool":
+        return "n != 0"  # a bool is any non-zero varint
+    if not signed:
+        return "n" if width == 64 else f"n & {(1 << width) - 1}"
+    return f"(n & {(1 << width) - 1}) - ((n & {1 << (width - 1)}) << 1)"
+
+
+def _read_varint_lines(end: str) -> List[str]:
+    """Source lines reading the varint at pos (bounded by the variable `end`) into n."""
+    return [f"n = buf[pos] if pos < {end} else 128", "if n < 128:", "    pos += 1", "else:",
+            f"    n, pos = _read_varint(buf, pos, {end})"]
+
+
+def _read_lines(f: Field, end: str) -> List[str]:
+    """Source lines reading one value of f, in its own wire type, at pos (bounded by `end`) into v."""
+    name = f.name
+    if f.kind == "float":
+        return [f"if pos + 4 > {end}:", f"    raise WireError('{name}: truncated float')",
+                "v = _F32.unpack_from(buf, pos)[0]", "pos += 4"]
+    if SCALARS.get(f.kind, (2,))[0] == 0:
+        return _read_varint_lines(end) + [f"v = {_int_value(f)}"]
+    read = _read_varint_lines(end) + ["stop = pos + n", f"if stop > {end}:",
+                                      f"    raise WireError('{name}: length ' + str(n) + ' past the end')"]
+    if f.kind == "bytes":
+        read.append("v = buf[pos:stop]")
+    elif f.kind == "string":
+        read.append(f"v = _text(buf, pos, stop, {name!r})")
+    else:  # a message: merged into the one already there (a repeated one: a new one each time)
+        read += ["v = None" if f.repeated else f"v = d[{name!r}]", "if v is None:",
+                 f"    v = _new({f.kind!r})", f"_DEC[{f.kind!r}](buf, pos, stop, v)"]
+    return read + ["pos = stop"]
+
+
+def _decode_field(f: Field) -> List[Tuple[int, List[str]]]:
+    """(key, source lines that read one occurrence at pos into d) for each key field f may come
+    under (repeated numbers: packed and not)."""
+    name, wire = f.name, 2 if f.kind in SCHEMAS else SCALARS[f.kind][0]
+    if f.repeated:
+        out = [((f.number << 3) | wire, _read_lines(f, "end") + [f"d[{name!r}].append(v)"])]
+        if wire != 2:  # numbers: also packed, as protobuf reads them
+            loop = _read_lines(f, "stop") + [f"d[{name!r}].append(v)"]
+            out.append(((f.number << 3) | 2,
+                        _read_varint_lines("end") + ["stop = pos + n", "if stop > end:",
+                                                     f"    raise WireError('{name}: packed length past the end')",
+                                                     "while pos < stop:"] + ["    " + line for line in loop]))
+        return out
+    lines = []
+    if f.oneof is not None:  # a new member of a oneof clears the one before
+        lines = [f"o = d[{f.oneof!r}]", f"if o is not None and o != {name!r}:", "    d[o] = None",
+                 f"d[{f.oneof!r}] = {name!r}"]
+    return [((f.number << 3) | wire, lines + _read_lines(f, "end") + [f"d[{name!r}] = v"])]
+
+
+def _compile_decoder(msg: str):
+    src = ["def dec(buf, pos, end, d):", "    while pos < end:", "        key = buf[pos]",
+           "        if key < 128:", "            pos += 1", "        else:",
+           "            key, pos = _read_varint(buf, pos, end)"]
+    branch = "if"
+    for f in sorted(SCHEMAS[msg].values(), key=lambda f: f.number):
+        for key, lines in _decode_field(f):
+            src.append(f"        {branch} key == {key}:")
+            src += ["            " + line for line in lines]
+            branch = "elif"
+    src += ["        else:" if branch == "elif" else "        if True:",
+            "            pos = _skip(buf, pos, end, key)"]
+    return _exec(src, "dec")
+
+
+def _text(buf: memoryview, start: int, stop: int, name: str) -> str:
+    try:
+        return str(buf[start:stop], "utf-8")
+    except UnicodeDecodeError:
+        raise WireError(f"{name} is not valid UTF-8") from None
+
+
+def _exec(src: List[str], name: str, **extra):
+    """The function `name` defined by the source lines."""
+    namespace = {"varint": varint, "_SMALL": _SMALL, "_bits": _bits, "_f32": _f32, "_utf8": _utf8,
+                 "_buffer": _buffer, "_ENC": _ENCODERS, "_DEC": _DECODERS, "_new": new,
+                 "_read_varint": _read_varint, "_skip": _skip, "_text": _text, "_F32": _F32,
+                 "WireError": WireError, **extra}
+    exec(compile("\n".join(src), f"<moed.wire {name}>", "exec"), namespace)
+    return namespace[name]
 
 
 class _Compiled(dict):
@@ -258,6 +318,8 @@ class _Compiled(dict):
 
 
 _ENCODERS = _Compiled(_compile_encoder)
+_DECODERS = _Compiled(_compile_decoder)
+_F32 = struct.Struct("<f")
 
 
 def encode_parts(msg: str, value: Dict[str, Any], out: List[Any]) -> int:
@@ -271,15 +333,6 @@ def encode(msg: str, value: Dict[str, Any]) -> bytes:
     parts: List[Any] = []
     _ENCODERS[msg](value, parts)
     return b"".join(parts)
-
-
-# ---- decoding ---------------------------------------------------------------------------------
-# Each message compiles to a table: key (field number and wire type) -> a handler that reads one
-# value at pos into the message's dict and returns the position after it. A key not in the table
-# (an unknown field, or a known one in another wire type, which protobuf also treats as unknown)
-# is skipped.
-
-_F32 = struct.Struct("<f")
 
 
 def _read_varint(buf: memoryview, pos: int, end: int) -> Tuple[int, int]:
@@ -322,127 +375,6 @@ def _skip(buf: memoryview, pos: int, end: int, key: int) -> int:
     if pos > end:
         raise WireError("truncated field")
     return pos
-
-
-def _span(buf: memoryview, pos: int, end: int, name: str) -> Tuple[int, int]:
-    """A length-delimited value at pos: (start, stop) of its contents."""
-    n = buf[pos] if pos < end else 128
-    if n < 128:
-        pos += 1
-    else:
-        n, pos = _read_varint(buf, pos, end)
-    if pos + n > end:
-        raise WireError(f"{name}: length {n} past the end of the message")
-    return pos, pos + n
-
-
-def _reader(f: Field):
-    """(buf, pos, end, previous) -> (value, position after it), for one value in f's wire type."""
-    name, kind = f.name, f.kind
-    if kind in SCHEMAS:
-        def message(buf, pos, end, prev):
-            start, stop = _span(buf, pos, end, name)
-            sub = prev if prev is not None else new(kind)
-            _DECODERS[kind](buf, start, stop, sub)
-            return sub, stop
-
-        return message
-    if kind == "bytes":
-        def raw(buf, pos, end, prev):
-            start, stop = _span(buf, pos, end, name)
-            return buf[start:stop], stop
-
-        return raw
-    if kind == "string":
-        def text(buf, pos, end, prev):
-            start, stop = _span(buf, pos, end, name)
-            try:
-                return str(buf[start:stop], "utf-8"), stop
-            except UnicodeDecodeError:
-                raise WireError(f"{name} is not valid UTF-8") from None
-
-        return text
-    if kind == "float":
-        def f32(buf, pos, end, prev):
-            if pos + 4 > end:
-                raise WireError(f"{name}: truncated float")
-            return _F32.unpack_from(buf, pos)[0], pos + 4
-
-        return f32
-    _, width, signed = SCALARS[kind]
-    mask = _U64 if kind == "bool" else (1 << width) - 1  # a bool is any non-zero varint
-    sign = 1 << (width - 1) if signed else 0  # two's complement: subtract twice the sign bit
-
-    def integer(buf, pos, end, prev):
-        n = buf[pos] if pos < end else 128
-        if n < 128:
-            pos += 1
-        else:
-            n, pos = _read_varint(buf, pos, end)
-        n = (n & mask) - ((n & sign) << 1)
-        return (n != 0 if kind == "bool" else n), pos
-
-    return integer
-
-
-def _handlers(f: Field) -> Dict[int, Any]:
-    """key -> handler(buf, pos, end, d) -> pos, for field f."""
-    read = _reader(f)
-    wire = 2 if f.kind in SCHEMAS else SCALARS[f.kind][0]
-    name, oneof = f.name, f.oneof
-    if f.repeated:
-        def append(buf, pos, end, d):
-            v, pos = read(buf, pos, end, None)
-            d[name].append(v)
-            return pos
-
-        out = {(f.number << 3) | wire: append}
-        if wire != 2:  # numbers: packed too
-            def packed(buf, pos, end, d):
-                start, stop = _span(buf, pos, end, name)
-                values = d[name]
-                while start < stop:
-                    v, start = read(buf, start, stop, None)
-                    values.append(v)
-                return stop
-
-            out[(f.number << 3) | 2] = packed
-        return out
-
-    def assign(buf, pos, end, d):
-        d[name], pos = read(buf, pos, end, d[name])
-        return pos
-
-    def assign_member(buf, pos, end, d):
-        other = d[oneof]
-        if other is not None and other != name:
-            d[other] = None  # a new member of a oneof clears the one before
-        d[oneof] = name
-        return assign(buf, pos, end, d)
-
-    return {(f.number << 3) | wire: assign if oneof is None else assign_member}
-
-
-def _compile_decoder(msg: str):
-    table: Dict[int, Any] = {}
-    for f in SCHEMAS[msg].values():
-        table.update(_handlers(f))
-    get = table.get
-
-    def dec(buf: memoryview, pos: int, end: int, d: Dict[str, Any]) -> None:
-        while pos < end:
-            key = buf[pos]
-            if key < 128:
-                pos += 1
-            else:
-                key, pos = _read_varint(buf, pos, end)
-            h = get(key)
-            pos = h(buf, pos, end, d) if h is not None else _skip(buf, pos, end, key)
-
-    return dec
-
-
-_DECODERS = _Compiled(_compile_decoder)
 
 
 def _template(msg: str) -> Tuple[Dict[str, Any], List[str]]:
