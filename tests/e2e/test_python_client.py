@@ -9,7 +9,10 @@ client claims to support.
 """
 
 import asyncio
+import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,7 +20,7 @@ import numpy as np
 import pytest
 
 import oracle as O
-from conftest import DEFAULT_SPEC, ROOT
+from conftest import BUILD, DEFAULT_SPEC, ROOT
 from daemons import log_of, wait_exit
 from moed import MoEClient, MoEError, RetryPolicy
 from moed import aio
@@ -253,6 +256,18 @@ def test_readme_python_examples(shared_daemon, capsys):
     exec(compile(blocking.replace('"127.0.0.1:50051"', repr(shared_daemon.address)), "README.md", "exec"), {})
     assert "SERVING" in capsys.readouterr().out
     compile(asyncio_one, "README.md", "exec")
+
+
+def test_bench_runs(shared_daemon, tmp_path):
+    """python -m moed.bench (the Python client beside moed-load) gives its figures."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "moed.bench", "--target", shared_daemon.address,
+                        "--load", str(BUILD / "client" / "c" / "moed-load"), "--tokens", "4", "--requests",
+                        "30", "--rounds", "1", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (row,) = json.loads(out.read_text())
+    assert row["tokens"] == 4 and row["moed_load_p50_ms"] > 0 and row["python_p50_ms"] > 0
+    assert f"{row['python_p50_ms']:.3f}" in r.stdout
 
 
 # ---- torch, where it is installed (the GPU machine) ----------------------------------------------

@@ -86,11 +86,6 @@ class Input:
     def __init__(self, obj: Any, wire: int, shape: Tuple[int, ...]):
         self.obj, self.wire, self.shape = obj, wire, shape
 
-    @property
-    def device(self) -> str:
-        """"cpu", or the torch device ("cuda:0") the tensor lives on."""
-        return "cpu"
-
     def host(self) -> np.ndarray:
         """The bytes as a C-contiguous little-endian host array of the wire dtype's numpy type."""
         raise NotImplementedError
@@ -122,10 +117,6 @@ class TorchInput(Input):
     """A torch tensor on the CPU or a CUDA device; the output is a torch tensor on that device."""
 
     __slots__ = ()
-
-    @property
-    def device(self) -> str:
-        return str(self.obj.device)
 
     def host(self) -> np.ndarray:
         t = self.obj.detach()

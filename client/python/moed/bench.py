@@ -7,8 +7,8 @@ Both send bf16 hidden states with uniform expert choice (the layer's top_k) to t
 daemon holds. The Python input kind is --input: numpy (ml_dtypes.bfloat16), torch (a CPU tensor)
 or torch-cuda.
 
-usage: python bench.py --target ADDR --load PATH/moed-load [--tokens 8,2048] [--requests 2000]
-                       [--rounds 3] [--input numpy|torch|torch-cuda] [--json FILE]
+usage: python -m moed.bench --target ADDR --load PATH/moed-load [--tokens 8,2048] [--requests 2000]
+                           [--rounds 3] [--input numpy|torch|torch-cuda] [--json FILE]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-import moed
+from . import MoEClient
 
 
 def load_p50(load: str, target: str, tokens: int, requests: int) -> dict:
@@ -55,14 +55,15 @@ def make_input(kind: str, x32: np.ndarray):
 
 
 def python_p50(target: str, tokens: int, requests: int, kind: str) -> dict:
-    with moed.MoEClient(target, timeout=60) as c:
+    with MoEClient(target, timeout=60) as c:
         layer = c.info().layers[0]
         rng = np.random.default_rng(tokens)
         x = make_input(kind, rng.standard_normal((tokens, layer.d_model)).astype(np.float32))
         ids = np.stack([rng.permutation(layer.num_experts)[:layer.top_k] for _ in range(tokens)])
         ids = ids.astype(np.int32)
         w = np.full(ids.shape, 1.0 / layer.top_k, np.float32)
-        sync = (lambda y: __import__("torch").cuda.synchronize()) if kind == "torch-cuda" else (lambda y: y)
+        # a CUDA output counts once its host-to-device copy is done
+        sync = (lambda y: sys.modules["torch"].cuda.synchronize()) if kind == "torch-cuda" else (lambda y: y)
         warm_until = time.perf_counter() + 1.0
         while time.perf_counter() < warm_until:
             sync(c.forward(layer.index, x, expert_ids=ids, expert_weights=w))
