@@ -2,7 +2,9 @@
 
 For each T, --rounds times: moed-load (C, one call in flight) for --requests calls after a warm-up,
 then the Python client (MoEClient.forward in a loop, one call in flight) for as many; the figures
-are the medians over the rounds of each one's p50, so both see the same drift of a shared machine.
+are the medians over the rounds of each one's p50 and of its client CPU time per call (moed-load's
+own figure; the Python process's, gRPC's threads included), so both see the same drift of a
+shared machine.
 Both send bf16 hidden states with uniform expert choice (the layer's top_k) to the first layer the
 daemon holds. The Python input kind is --input: numpy (ml_dtypes.bfloat16), torch (a CPU tensor)
 or torch-cuda.
@@ -40,7 +42,8 @@ def load_p50(load: str, target: str, tokens: int, requests: int) -> dict:
             rep = json.load(f)
     rep = rep["levels"][0] if isinstance(rep, dict) and "levels" in rep else rep
     rep = rep[0] if isinstance(rep, list) else rep
-    return {"p50_ms": rep["latency_ms"]["p50"], "p99_ms": rep["latency_ms"]["p99"]}
+    return {"p50_ms": rep["latency_ms"]["p50"], "p99_ms": rep["latency_ms"]["p99"],
+            "cpu_us_per_call": rep["client"]["cpu_us_per_call"]}
 
 
 def make_input(kind: str, x32: np.ndarray):
@@ -68,11 +71,14 @@ def python_p50(target: str, tokens: int, requests: int, kind: str) -> dict:
         while time.perf_counter() < warm_until:
             sync(c.forward(layer.index, x, expert_ids=ids, expert_weights=w))
         lat = np.empty(requests)
+        cpu = time.process_time()
         for i in range(requests):
             t0 = time.perf_counter()
             sync(c.forward(layer.index, x, expert_ids=ids, expert_weights=w))
             lat[i] = time.perf_counter() - t0
-    return {"p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3)}
+        cpu = time.process_time() - cpu
+    return {"p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
+            "cpu_us_per_call": cpu / requests * 1e6}
 
 
 def main(argv=None) -> int:
@@ -86,17 +92,21 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the figures here too")
     args = p.parse_args(argv)
     rows = []
-    print(f"{'T':>6} {'moed-load p50 ms':>17} {'python p50 ms':>14} {'diff ms':>8} {'ratio':>6}")
+    print(f"{'T':>6} {'moed-load p50 ms':>17} {'python p50 ms':>14} {'diff ms':>8} {'ratio':>6} "
+          f"{'moed-load cpu us':>17} {'python cpu us':>14}")
     for T in (int(t) for t in args.tokens.split(",")):
         load, py = [], []
         for _ in range(args.rounds):
             load.append(load_p50(args.load, args.target, T, args.requests))
             py.append(python_p50(args.target, T, args.requests, args.input))
-        a = float(np.median([r["p50_ms"] for r in load]))
-        b = float(np.median([r["p50_ms"] for r in py]))
-        rows.append({"tokens": T, "input": args.input, "moed_load": load, "python": py,
-                     "moed_load_p50_ms": a, "python_p50_ms": b, "diff_ms": b - a, "ratio": b / a})
-        print(f"{T:>6} {a:>17.3f} {b:>14.3f} {b - a:>8.3f} {b / a:>6.2f}")
+        med = {k: float(np.median([r[k2] for r in runs])) for k, runs, k2 in (
+            ("moed_load_p50_ms", load, "p50_ms"), ("python_p50_ms", py, "p50_ms"),
+            ("moed_load_cpu_us", load, "cpu_us_per_call"), ("python_cpu_us", py, "cpu_us_per_call"))}
+        a, b = med["moed_load_p50_ms"], med["python_p50_ms"]
+        rows.append({"tokens": T, "input": args.input, "moed_load": load, "python": py, **med,
+                     "diff_ms": b - a, "ratio": b / a})
+        print(f"{T:>6} {a:>17.3f} {b:>14.3f} {b - a:>8.3f} {b / a:>6.2f} "
+              f"{med['moed_load_cpu_us']:>17.0f} {med['python_cpu_us']:>14.0f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
