@@ -6,6 +6,7 @@ Nothing here does I/O, so each client adds only its own way of waiting.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
@@ -13,7 +14,8 @@ import grpc
 import numpy as np
 
 from . import wire
-from .tensors import F32, I32, hidden_input, host_array
+from .retry import NO_RETRY, RetryPolicy
+from .tensors import F32, I32, hidden_input, host_array, wire_tensor
 from .transport import Prepared, choose
 from .types import (ACTIVATIONS, DTYPES, HEALTH, ROUTER_RULES, Device, ForwardResult, LayerInfo,
                     ModelInfo, MoEError, Timings, name_of, strategy_value)
@@ -30,10 +32,6 @@ _RENORMALIZE = {None: 0, True: 1, False: 2}
 STREAM_ITEM_ARGS = frozenset(("layer", "hidden", "expert_ids", "expert_weights", "router_logits",
                               "strategy", "top_k", "renormalize", "threshold", "batch_gating",
                               "k_batch", "dtype", "request_id", "return_info", "copy", "transport"))
-
-
-def _tensor(a: np.ndarray, wire_dtype: int) -> Dict[str, Any]:
-    return {"dtype": wire_dtype, "shape": a.shape, "data": a.reshape(-1).view(np.uint8)}
 
 
 def _matrix(name: str, x: Any, wire_dtype: int, T: int) -> np.ndarray:
@@ -55,7 +53,7 @@ def _routing(T: int, expert_ids, expert_weights, router_logits, strategy, top_k,
         w = _matrix("expert_weights", expert_weights, F32, T)
         if ids.shape != w.shape:
             raise ValueError(f"expert_ids {list(ids.shape)} and expert_weights {list(w.shape)} differ in shape")
-        return {"experts": {"expert_ids": _tensor(ids, I32), "expert_weights": _tensor(w, F32)}}
+        return {"experts": {"expert_ids": wire_tensor(ids, I32), "expert_weights": wire_tensor(w, F32)}}
     if renormalize not in _RENORMALIZE:
         raise ValueError(f"renormalize={renormalize!r}: use None (the layer's), True or False")
     gating = {"strategy": strategy_value(strategy), "top_k": top_k,
@@ -63,7 +61,7 @@ def _routing(T: int, expert_ids, expert_weights, router_logits, strategy, top_k,
     fields: Dict[str, Any] = {"batch_gating": {"k_batch": k_batch} if batch_gating else None}
     if router_logits is not None:
         logits = _matrix("router_logits", router_logits, F32, T)
-        fields["logits"] = {"logits": _tensor(logits, F32), "gating": gating}
+        fields["logits"] = {"logits": wire_tensor(logits, F32), "gating": gating}
     else:
         fields["server_router"] = {"gating": gating}
     return fields
@@ -207,6 +205,44 @@ class Feed:
             raise MoEError("INTERNAL", f"the stream ended with {len(self._pending)} request(s) unanswered")
         if self.error is not None:
             raise self.error
+
+
+def remaining(deadline: Optional[float]) -> Optional[float]:
+    """Seconds left until a time.monotonic() deadline (None: no deadline)."""
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+
+class Connection:
+    """What both clients hold: the channel, its callables (raw bytes in and out: the messages are
+    moed.wire's), the default deadline, retry policy and transport. `grpc_module` is grpc for the
+    blocking client and grpc.aio for the asyncio one. The clients' docstrings explain the
+    arguments."""
+
+    grpc_module: Any = grpc
+
+    def __init__(self, target: str = "127.0.0.1:50051", timeout: Optional[float] = None,
+                 credentials: Optional[grpc.ChannelCredentials] = None, token: Optional[str] = None,
+                 options: Optional[Sequence[Tuple[str, Any]]] = None, keepalive: Optional[float] = None,
+                 retry: Optional[RetryPolicy] = RetryPolicy(), transport: str = "auto"):
+        opts, m = channel_options(options, keepalive), self.grpc_module
+        if credentials is None:
+            self._channel = m.insecure_channel(target, options=opts)
+        else:
+            self._channel = m.secure_channel(target, credentials, options=opts)
+        self.target = target
+        self.timeout = timeout
+        self.retry = retry or NO_RETRY
+        self.transport = transport
+        self._metadata = metadata(token)
+        self._forward = self._channel.unary_unary(FORWARD)
+        self._stream = self._channel.stream_stream(FORWARD_STREAM)
+        self._get_model = self._channel.unary_unary(GET_MODEL)
+        self._health = self._channel.unary_unary(HEALTH_CHECK)
+
+    def _deadline(self, timeout: Optional[float]) -> Optional[float]:
+        """The time.monotonic() deadline of a call given `timeout` (None: the client's)."""
+        timeout = self.timeout if timeout is None else timeout
+        return None if timeout is None else time.monotonic() + timeout
 
 
 def channel_options(options: Optional[Sequence[Tuple[str, Any]]], keepalive: Optional[float]) -> List[Tuple[str, Any]]:

@@ -13,18 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator, Optional, Sequence, Tuple
+from typing import Any, AsyncIterator, Optional
 
 import grpc
 import grpc.aio
 
 from . import _common as C
-from .retry import NO_RETRY, RetryPolicy
 from .types import ModelInfo
-
-
-def _remaining(deadline: Optional[float]) -> Optional[float]:
-    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
 def _status_hidden(e: grpc.RpcError) -> bool:
@@ -34,31 +29,14 @@ def _status_hidden(e: grpc.RpcError) -> bool:
     return e.code() == grpc.StatusCode.INTERNAL and e.details() == "Internal error from Core"
 
 
-class MoEClient:
+class MoEClient(C.Connection):
     """An asyncio connection to one moed server; its calls may run concurrently as tasks.
 
     MoEClient(target, timeout=None, credentials=None, token=None, options=None, keepalive=None,
     retry=RetryPolicy(), transport="auto"): as moed.MoEClient. Use `async with`, or await close().
     """
 
-    def __init__(self, target: str = "127.0.0.1:50051", timeout: Optional[float] = None,
-                 credentials: Optional[grpc.ChannelCredentials] = None, token: Optional[str] = None,
-                 options: Optional[Sequence[Tuple[str, Any]]] = None, keepalive: Optional[float] = None,
-                 retry: Optional[RetryPolicy] = RetryPolicy(), transport: str = "auto"):
-        opts = C.channel_options(options, keepalive)
-        if credentials is None:
-            self._channel = grpc.aio.insecure_channel(target, options=opts)
-        else:
-            self._channel = grpc.aio.secure_channel(target, credentials, options=opts)
-        self.target = target
-        self.timeout = timeout
-        self.retry = retry or NO_RETRY
-        self.transport = transport
-        self._metadata = C.metadata(token)
-        self._forward = self._channel.unary_unary(C.FORWARD)  # bytes in, bytes out
-        self._stream = self._channel.stream_stream(C.FORWARD_STREAM)
-        self._get_model = self._channel.unary_unary(C.GET_MODEL)
-        self._health = self._channel.unary_unary(C.HEALTH_CHECK)
+    grpc_module = grpc.aio
 
     async def close(self) -> None:
         """Closes the channel; calls in flight are cancelled."""
@@ -70,10 +48,6 @@ class MoEClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    def _deadline(self, timeout: Optional[float]) -> Optional[float]:
-        timeout = self.timeout if timeout is None else timeout
-        return None if timeout is None else time.monotonic() + timeout
-
     async def _unary(self, method, payload: bytes, timeout: Optional[float]) -> bytes:
         """One unary call with the retry policy; the reply's bytes."""
         deadline = self._deadline(timeout)
@@ -81,7 +55,7 @@ class MoEClient:
         while True:
             start = time.monotonic()
             try:
-                return await method(payload, timeout=_remaining(deadline), metadata=self._metadata)
+                return await method(payload, timeout=C.remaining(deadline), metadata=self._metadata)
             except grpc.RpcError as e:
                 now = time.monotonic()
                 wait = self.retry.delay(attempt, e.code(), now, deadline, now - start)
@@ -116,7 +90,7 @@ class MoEClient:
         deadline = self._deadline(timeout)
         failures = 0
         while True:
-            call = self._stream(self._requests(feed, pull_lock), timeout=_remaining(deadline),
+            call = self._stream(self._requests(feed, pull_lock), timeout=C.remaining(deadline),
                                 metadata=self._metadata)
             try:
                 async for reply in call:
@@ -137,7 +111,7 @@ class MoEClient:
                 # call, whose status is reliable, answers it (its output, or its error raised);
                 # then a new stream goes on with the rest.
                 failures = 0
-                yield feed.answer(await self._unary(self._forward, oldest.payload, _remaining(deadline)))
+                yield feed.answer(await self._unary(self._forward, oldest.payload, C.remaining(deadline)))
                 continue
             await asyncio.sleep(wait)
         feed.end()

@@ -12,20 +12,15 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Iterable, Iterator, Optional, Sequence, Tuple
+from typing import Any, Iterable, Iterator, Optional
 
 import grpc
 
 from . import _common as C
-from .retry import NO_RETRY, RetryPolicy
 from .types import ModelInfo, MoEError
 
 
-def _remaining(deadline: Optional[float]) -> Optional[float]:
-    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
-
-
-class MoEClient:
+class MoEClient(C.Connection):
     """A connection to one moed server; one client may be used from many threads at once.
 
     MoEClient(target, timeout=None, credentials=None, token=None, options=None, keepalive=None,
@@ -45,25 +40,6 @@ class MoEClient:
     Use as a context manager, or call close().
     """
 
-    def __init__(self, target: str = "127.0.0.1:50051", timeout: Optional[float] = None,
-                 credentials: Optional[grpc.ChannelCredentials] = None, token: Optional[str] = None,
-                 options: Optional[Sequence[Tuple[str, Any]]] = None, keepalive: Optional[float] = None,
-                 retry: Optional[RetryPolicy] = RetryPolicy(), transport: str = "auto"):
-        opts = C.channel_options(options, keepalive)
-        if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=opts)
-        else:
-            self._channel = grpc.secure_channel(target, credentials, options=opts)
-        self.target = target
-        self.timeout = timeout
-        self.retry = retry or NO_RETRY
-        self.transport = transport
-        self._metadata = C.metadata(token)
-        self._forward = self._channel.unary_unary(C.FORWARD)  # bytes in, bytes out
-        self._stream = self._channel.stream_stream(C.FORWARD_STREAM)
-        self._get_model = self._channel.unary_unary(C.GET_MODEL)
-        self._health = self._channel.unary_unary(C.HEALTH_CHECK)
-
     def close(self) -> None:
         """Closes the channel; calls in flight are cancelled."""
         self._channel.close()
@@ -74,10 +50,6 @@ class MoEClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _deadline(self, timeout: Optional[float]) -> Optional[float]:
-        timeout = self.timeout if timeout is None else timeout
-        return None if timeout is None else time.monotonic() + timeout
-
     def _unary(self, method, payload: bytes, timeout: Optional[float]) -> bytes:
         """One unary call with the retry policy; the reply's bytes."""
         deadline = self._deadline(timeout)
@@ -85,7 +57,7 @@ class MoEClient:
         while True:
             start = time.monotonic()
             try:
-                return method(payload, timeout=_remaining(deadline), metadata=self._metadata)
+                return method(payload, timeout=C.remaining(deadline), metadata=self._metadata)
             except grpc.RpcError as e:
                 now = time.monotonic()
                 wait = self.retry.delay(attempt, e.code(), now, deadline, now - start)
@@ -161,7 +133,7 @@ class MoEClient:
         deadline = self._deadline(timeout)
         failures = 0
         while True:
-            call = self._stream(self._requests(feed, pull_lock), timeout=_remaining(deadline),
+            call = self._stream(self._requests(feed, pull_lock), timeout=C.remaining(deadline),
                                 metadata=self._metadata)
             try:
                 for reply in call:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -66,6 +66,12 @@ def _from_dlpack(x: Any, what: str) -> np.ndarray:
     except (BufferError, RuntimeError, TypeError) as e:
         raise ValueError(f"{what}: numpy cannot read this __dlpack__ object ({e}); pass a numpy "
                          f"array or a torch tensor") from None
+
+
+def wire_tensor(a: np.ndarray, wire: int) -> Dict[str, Any]:
+    """A moed.v1.Tensor (a dict for moed.wire) carrying host array `a` (C-contiguous, of the wire
+    dtype's numpy type) in place: its memory is read when the message is written."""
+    return {"dtype": wire, "shape": a.shape, "data": a}
 
 
 def wire_view(data: memoryview, wire: int, shape: Sequence[int]) -> np.ndarray:

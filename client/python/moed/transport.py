@@ -13,22 +13,21 @@ always "inline".
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
-import numpy as np
-
-from .tensors import Input
+from .tensors import Input, wire_tensor
 
 
 class Prepared:
     """One call's hidden state, ready to send: `tensor` is the moed.v1.Tensor (a dict for
-    wire.encode) that carries it, `output` the RegionRef the output should be written to (None:
-    in the reply). finish() makes the output from the reply's Tensor (already checked)."""
+    wire.encode) that carries it; finish() makes the output from the reply's Tensor (already
+    checked against the request). A region transport's Prepared also names where the output is
+    to be written, and its finish() reads it from there."""
 
-    __slots__ = ("input", "tensor", "output")
+    __slots__ = ("input", "tensor")
 
-    def __init__(self, inp: Input, tensor: Dict[str, Any], output: Optional[Dict[str, Any]] = None):
-        self.input, self.tensor, self.output = inp, tensor, output
+    def __init__(self, inp: Input, tensor: Dict[str, Any]):
+        self.input, self.tensor = inp, tensor
 
     def finish(self, reply_tensor: Dict[str, Any], copy: bool) -> Any:
         """The output from the reply's Tensor, whose dtype and shape are the input's (checked)."""
@@ -51,15 +50,15 @@ class Inline(Transport):
     name = "inline"
 
     def prepare(self, inp: Input) -> Prepared:
-        a = inp.host()
-        return Prepared(inp, {"dtype": inp.wire, "shape": a.shape, "data": a.reshape(-1).view(np.uint8)})
+        return Prepared(inp, wire_tensor(inp.host(), inp.wire))
 
 
 TRANSPORTS: Dict[str, Transport] = {"inline": Inline()}
 
 
 def choose(name: str, inp: Input) -> Transport:
-    """The transport for one call: `name` ("auto" or a key of TRANSPORTS); ValueError if unknown."""
+    """The transport for one call of input `inp`: `name` is a key of TRANSPORTS, or "auto" for the
+    best one for inp (inline, until region transports exist); ValueError if unknown."""
     if name == "auto":
         return TRANSPORTS["inline"]
     if name not in TRANSPORTS:
