@@ -2,15 +2,24 @@
 
     import moed
     with moed.MoEClient("127.0.0.1:50051") as c:
-        y = c.forward(0, x, expert_ids=ids, expert_weights=w)
+        y = c.forward(0, x, expert_ids=ids, expert_weights=w)    # x: numpy, torch (CPU/CUDA), DLPack
+    async with moed.aio.MoEClient("127.0.0.1:50051") as c:
+        y = await c.forward(0, x, expert_ids=ids, expert_weights=w)
 
-MoEClient (numpy in, numpy out), the data types it returns (ModelInfo, LayerInfo, ForwardResult,
-Timings, Device), MoEError for failed calls, and moed.reference, a float64 numpy reference of
-what the server computes (imported on demand: `import moed.reference`).
+MoEClient (blocking) and moed.aio.MoEClient (asyncio): forward(), forward_stream(), info(),
+health(); RetryPolicy for calls answered UNAVAILABLE; the data types they return (ModelInfo,
+LayerInfo, ForwardResult, Timings, Device); MoEError for failed calls. moed.tensors says what
+kinds of tensors go in and come out and what each costs; moed.transport how they travel;
+moed.wire is the hand-written protobuf codec. moed.reference, a float64 numpy reference of what
+the server computes, is imported on demand (`import moed.reference`; it needs ml_dtypes).
+Importing moed imports neither torch nor protobuf nor ml_dtypes.
 """
 
 from .types import Device, ForwardResult, LayerInfo, ModelInfo, MoEError, Timings
+from .retry import RetryPolicy
 from .client import MoEClient
+from . import aio
 
-__all__ = ["MoEClient", "MoEError", "ForwardResult", "ModelInfo", "LayerInfo", "Device", "Timings"]
-__version__ = "0.1.0"
+__all__ = ["MoEClient", "MoEError", "RetryPolicy", "ForwardResult", "ModelInfo", "LayerInfo", "Device",
+           "Timings", "aio"]
+__version__ = "0.2.0"

@@ -13,12 +13,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-import ml_dtypes
 import numpy as np
 
 from . import MoEClient, MoEError
 
-_NP_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
+_DTYPES = ("bf16", "f16", "f32")
+
+
+def _np_dtype(name: str):
+    """The numpy type of a dtype name (bf16 needs ml_dtypes, imported only then)."""
+    if name == "bf16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return {"f32": np.float32, "f16": np.float16}[name]
 
 
 def _info(c: MoEClient) -> int:
@@ -63,7 +71,7 @@ def _verify(c: MoEClient, args, x, logits, y) -> int:
 def _forward(c: MoEClient, args) -> int:
     layer = c.info().layer(args.layer)
     rng = np.random.default_rng(args.seed)
-    x = rng.standard_normal((args.tokens, layer.d_model)).astype(_NP_DTYPES[args.dtype])
+    x = rng.standard_normal((args.tokens, layer.d_model)).astype(_np_dtype(args.dtype))
     logits = rng.standard_normal((args.tokens, layer.num_experts)).astype(np.float32)
     r = c.forward(args.layer, x, router_logits=logits, strategy=args.strategy, top_k=args.top_k,
                   return_info=True)
@@ -86,7 +94,7 @@ def main(argv=None) -> int:
     f = sub.add_parser("forward", help="send random data, print a summary of the reply")
     f.add_argument("--layer", type=int, default=0)
     f.add_argument("--tokens", type=int, default=8)
-    f.add_argument("--dtype", choices=sorted(_NP_DTYPES), default="f32")
+    f.add_argument("--dtype", choices=_DTYPES, default="f32")
     f.add_argument("--strategy", default="model",
                    help="model|topk|sigmoid|sparsemax|quadratic|pioneer (default %(default)s)")
     f.add_argument("--top-k", type=int, default=0, help="0: the layer's top_k")

@@ -9,7 +9,7 @@ names to the wire values of proto/moed/v1/moed.proto in one place.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import Any, List
 
 import numpy as np
 
@@ -22,6 +22,8 @@ ACTIVATIONS = {"swiglu": 1, "gelu": 2, "relu": 3}
 STRATEGIES = {"model": 0, "topk": 1, "sigmoid": 2, "sparsemax": 3, "quadratic": 4, "pioneer": 5}
 # moed.v1.RouterRule
 ROUTER_RULES = {"softmax_topk": 1, "deepseek_v3": 2}
+# grpc.health.v1.HealthCheckResponse.ServingStatus
+HEALTH = {"UNKNOWN": 0, "SERVING": 1, "NOT_SERVING": 2, "SERVICE_UNKNOWN": 3}
 
 
 def name_of(table: dict, value: int, default: str = "unspecified") -> str:
@@ -118,11 +120,12 @@ class Timings:
 class ForwardResult:
     """What forward(..., return_info=True) returns.
 
-    output: [T, d_model] in the input's dtype; expert_set: the batch-gating set S (int32 array,
-    empty without batch gating); timings: Timings; request_id: echoed by the server.
+    output: [T, d_model] in the input's dtype, of the input's kind (numpy array or torch tensor);
+    expert_set: the batch-gating set S (int32 array, empty without batch gating); timings:
+    Timings; request_id: echoed by the server.
     """
 
-    output: np.ndarray
+    output: Any
     expert_set: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     timings: Timings = field(default_factory=Timings)
     request_id: str = ""
@@ -130,10 +133,13 @@ class ForwardResult:
 
 class MoEError(Exception):
     """A failed call: .code is the grpc.StatusCode, .code_name its name ("INVALID_ARGUMENT"),
-    .message the server's status message (written for a person)."""
+    .message the server's status message (written for a person), .attempts how many attempts were
+    made (more than 1 when UNAVAILABLE was retried; see RetryPolicy)."""
 
-    def __init__(self, code_name: str, message: str, code=None):
-        super().__init__(f"{code_name}: {message}")
+    def __init__(self, code_name: str, message: str, code=None, attempts: int = 1):
+        after = f" (after {attempts} attempts)" if attempts > 1 else ""
+        super().__init__(f"{code_name}: {message}{after}")
         self.code_name = code_name
         self.message = message
         self.code = code
+        self.attempts = attempts

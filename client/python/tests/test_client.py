@@ -1,8 +1,12 @@
-"""Tests of MoEClient against an in-process fake moed (grpcio server with the generated servicer):
-what goes on the wire, what comes back, and how errors surface. The real daemon is tested by
-tests/e2e; this checks the client alone, without one."""
+"""MoEClient and moed.aio.MoEClient against the in-process fake moed (conftest.py): what goes on the
+wire, what comes back and how (read-only views of the reply, copies only where documented), the
+kinds of tensors taken, streams, retries of UNAVAILABLE, channel options, and how errors surface.
+The real daemon is tested by tests/e2e."""
 
-from concurrent import futures
+import asyncio
+import subprocess
+import sys
+import time
 
 import grpc
 import ml_dtypes
@@ -10,77 +14,49 @@ import numpy as np
 import pytest
 
 import moed
-from moed._proto.grpc.health.v1 import health_pb2, health_pb2_grpc
-from moed._proto.moed.v1 import moed_pb2, moed_pb2_grpc
+from moed import _common, wire
+from moed._proto.moed.v1 import moed_pb2
+from moed.retry import NO_RETRY, RetryPolicy
+
+CHOICE = dict(expert_ids=np.zeros((5, 1), np.int32), expert_weights=np.ones((5, 1), np.float32))
 
 
-class FakeMoed(moed_pb2_grpc.MoedServicer):
-    """Answers Forward with hidden * 2 (decoded and re-encoded in the same dtype) and records the
-    request; layer 7 is 'not resident'."""
-
-    def __init__(self):
-        self.last = None
-
-    def Forward(self, request, context):
-        self.last = request
-        if request.layer == 7:
-            context.abort(grpc.StatusCode.NOT_FOUND, "layer 7 is not resident; resident: 0, 1")
-        h = request.hidden
-        np_dtype = {1: "<f4", 2: "<f2", 3: "<u2"}[h.dtype]
-        a = np.frombuffer(h.data, dtype=np_dtype).reshape(tuple(h.shape))
-        if h.dtype == 3:
-            a = a.view(ml_dtypes.bfloat16)
-        out = (a.astype(np.float32) * 2).astype(a.dtype)
-        data = out.view(np.uint16).tobytes() if h.dtype == 3 else out.tobytes()
-        return moed_pb2.ForwardResponse(
-            request_id=request.request_id, output=moed_pb2.Tensor(dtype=h.dtype, shape=h.shape, data=data),
-            expert_set=[3, 1] if request.HasField("batch_gating") else [],
-            timings=moed_pb2.Timings(queue_us=5, compute_us=7, total_us=20, batch_tokens=h.shape[0],
-                                     batch_requests=1))
-
-    def GetModel(self, request, context):
-        return moed_pb2.ModelInfo(
-            model="layers=1", backend="cpu", version="0.1.0", max_message_bytes=1 << 26,
-            max_batch_tokens=4096, devices=[moed_pb2.Device(name="cpu", memory_total=10, memory_used=1)],
-            layers=[moed_pb2.LayerInfo(index=0, d_model=8, d_ff=16, num_experts=4, top_k=2,
-                                       activation=moed_pb2.GELU, weight_dtype=moed_pb2.BF16,
-                                       has_router=True, norm_topk_prob=True,
-                                       router_rule=moed_pb2.DEEPSEEK_V3, num_shared_experts=1,
-                                       shared_d_ff=16, n_group=2, topk_group=1,
-                                       routed_scaling_factor=2.5)])
+def twice(x):
+    return (x.astype(np.float32) * 2).astype(x.dtype)
 
 
-class FakeHealth(health_pb2_grpc.HealthServicer):
-    def Check(self, request, context):
-        if request.service not in ("", "moed.v1.Moed"):
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service}")
-        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+def reply_buffer(a):
+    """The object at the end of an array's base chain (for a view of a reply: its bytes)."""
+    while isinstance(a, np.ndarray):
+        a = a.base
+    return a.obj if isinstance(a, memoryview) else a
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    fake = FakeMoed()
-    moed_pb2_grpc.add_MoedServicer_to_server(fake, srv)
-    health_pb2_grpc.add_HealthServicer_to_server(FakeHealth(), srv)
-    port = srv.add_insecure_port("127.0.0.1:0")
-    srv.start()
-    yield fake, f"127.0.0.1:{port}"
-    srv.stop(None)
+class DLPackOnly:
+    """An object that offers its memory only through DLPack (as a JAX or CuPy host array would)."""
+
+    def __init__(self, a, device=(1, 0)):
+        self.a, self.device = a, device
+
+    def __dlpack__(self, **kw):
+        return self.a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.device
 
 
-@pytest.mark.parametrize("np_dtype,wire", [(np.float32, 1), (np.float16, 2), (ml_dtypes.bfloat16, 3)])
-def test_forward_round_trips_each_dtype(server, np_dtype, wire):
+@pytest.mark.parametrize("np_dtype,wire_dtype", [(np.float32, 1), (np.float16, 2), (ml_dtypes.bfloat16, 3)])
+def test_forward_round_trips_each_dtype(server, np_dtype, wire_dtype):
     fake, target = server
     x = np.random.default_rng(0).standard_normal((5, 8)).astype(np_dtype)
     ids = np.array([[0, 3]] * 5, dtype=np.int64)  # converted to int32 by the client
     w = np.full((5, 2), 0.5)
     with moed.MoEClient(target) as c:
         y = c.forward(0, x, expert_ids=ids, expert_weights=w)
-    assert y.dtype == x.dtype and y.shape == x.shape and y.flags.writeable
-    np.testing.assert_array_equal(y, (x.astype(np.float32) * 2).astype(np_dtype))
+    assert y.dtype == x.dtype and y.shape == x.shape
+    np.testing.assert_array_equal(y, twice(x))
     req = fake.last
-    assert req.hidden.dtype == wire and list(req.hidden.shape) == [5, 8]
+    assert req.hidden.dtype == wire_dtype and list(req.hidden.shape) == [5, 8]
     assert req.hidden.data == np.ascontiguousarray(x).tobytes()
     assert req.WhichOneof("routing") == "experts"
     assert req.experts.expert_ids.dtype == moed_pb2.I32
@@ -88,20 +64,78 @@ def test_forward_round_trips_each_dtype(server, np_dtype, wire):
     assert np.frombuffer(req.experts.expert_weights.data, "<f4").tolist() == [0.5] * 10
 
 
-def test_bf16_bits_as_uint16_and_non_contiguous_input(server):
+def test_output_is_a_read_only_view_of_the_reply_unless_copied(server):
     fake, target = server
-    x = np.random.default_rng(1).standard_normal((8, 16)).astype(ml_dtypes.bfloat16)[::2, ::2]
+    x = np.random.default_rng(1).standard_normal((5, 8)).astype(np.float32)
     with moed.MoEClient(target) as c:
-        y = c.forward(0, x.view(np.uint16),
-                      expert_ids=np.zeros((4, 1)), expert_weights=np.ones((4, 1)), dtype="bf16")
+        y = c.forward(0, x, **CHOICE)
+        buf = reply_buffer(y)
+        assert isinstance(buf, bytes) and len(buf) == fake.reply_bytes  # the received message itself
+        assert np.shares_memory(y, np.frombuffer(buf, np.uint8))
+        assert not y.flags.writeable
+        with pytest.raises(ValueError):
+            y[0, 0] = 1
+        z = c.forward(0, x, copy=True, **CHOICE)
+        assert z.flags.writeable and z.flags.owndata
+        z[0, 0] = 1  # its own memory
+        np.testing.assert_array_equal(y, twice(x))
+
+
+def test_reply_is_read_in_place_and_request_written_from_the_callers_memory():
+    x = np.arange(32, dtype=np.float32).reshape(4, 8)
+    call = _common.prepare_forward(0, x, expert_ids=np.zeros((4, 1)), expert_weights=np.ones((4, 1)))
+    assert np.shares_memory(call.prepared.tensor["data"], x)  # no copy before the message's own
+    reply = wire.encode("moed.v1.ForwardResponse", {"output": {"dtype": 1, "shape": [4, 8], "data": x * 3}})
+    y = call.result(reply)
+    assert np.shares_memory(y, np.frombuffer(reply, np.uint8))
+    np.testing.assert_array_equal(y, x * 3)
+
+
+def test_non_contiguous_and_big_endian_inputs_are_copied_once_and_correct(server):
+    fake, target = server
+    x = np.random.default_rng(2).standard_normal((10, 16)).astype(np.float32)[::2, ::2]
+    call = _common.prepare_forward(0, x, **CHOICE)
+    assert not np.shares_memory(call.prepared.tensor["data"], x)
+    with moed.MoEClient(target) as c:
+        np.testing.assert_array_equal(c.forward(0, x, **CHOICE), twice(x))
+        xb = np.ascontiguousarray(x).astype(">f4")
+        y = c.forward(0, xb, **CHOICE)
+        assert y.dtype == np.float32 and y.dtype.isnative
+        np.testing.assert_array_equal(y, twice(x))
+
+
+def test_dlpack_objects_go_in_and_numpy_comes_out(server):
+    fake, target = server
+    x = np.random.default_rng(3).standard_normal((5, 8)).astype(np.float16)
+    with moed.MoEClient(target) as c:
+        y = c.forward(0, DLPackOnly(x), expert_ids=DLPackOnly(CHOICE["expert_ids"]),
+                      expert_weights=DLPackOnly(CHOICE["expert_weights"]))
+        assert isinstance(y, np.ndarray) and y.dtype == np.float16
+        np.testing.assert_array_equal(y, twice(x))
+        assert np.shares_memory(_common.prepare_forward(0, DLPackOnly(x), **CHOICE).prepared.tensor["data"], x)
+        with pytest.raises(ValueError, match="not on the host"):
+            c.forward(0, DLPackOnly(x, device=(2, 0)), **CHOICE)
+
+
+def test_bf16_bits_as_uint16_and_bad_dtypes(server):
+    fake, target = server
+    x = np.random.default_rng(1).standard_normal((4, 8)).astype(ml_dtypes.bfloat16)
+    with moed.MoEClient(target) as c:
+        y = c.forward(0, x.view(np.uint16), expert_ids=np.zeros((4, 1)), expert_weights=np.ones((4, 1)),
+                      dtype="bf16")
         assert y.dtype == np.uint16
-        np.testing.assert_array_equal(y.view(ml_dtypes.bfloat16), (x.astype(np.float32) * 2).astype(x.dtype))
-        y2 = c.forward(0, x, expert_ids=np.zeros((4, 1)), expert_weights=np.ones((4, 1)))
-        np.testing.assert_array_equal(y2, y.view(ml_dtypes.bfloat16))
+        np.testing.assert_array_equal(y.view(ml_dtypes.bfloat16), twice(x))
         with pytest.raises(ValueError, match="dtype='bf16'"):
             c.forward(0, np.zeros((4, 8), np.uint16), expert_ids=np.zeros((4, 1)), expert_weights=np.ones((4, 1)))
         with pytest.raises(ValueError, match="float64"):
             c.forward(0, np.zeros((4, 8)), expert_ids=np.zeros((4, 1)), expert_weights=np.ones((4, 1)))
+        with pytest.raises(ValueError, match="does not match"):
+            c.forward(0, x, dtype="f16", expert_ids=np.zeros((4, 1)), expert_weights=np.ones((4, 1)))
+        with pytest.raises(ValueError, match=r"\[T, d_model\]"):
+            c.forward(0, np.zeros(8, np.float32))
+        with pytest.raises(ValueError, match="unknown transport"):
+            c.forward(0, x, transport="carrier-pigeon")
+        assert fake.calls == 1
 
 
 def test_logits_gating_and_batch_gating_fields(server):
@@ -131,13 +165,21 @@ def test_logits_gating_and_batch_gating_fields(server):
         assert fake.last.server_router.gating.strategy == moed_pb2.STRATEGY_UNSPECIFIED
 
 
+def test_build_request_is_what_forward_sends(server):
+    fake, target = server
+    x = np.random.default_rng(4).standard_normal((5, 8)).astype(np.float32)
+    with moed.MoEClient(target) as c:
+        c.forward(0, x, request_id="q", **CHOICE)
+    assert moed.MoEClient.build_request(None, 0, x, request_id="q", **CHOICE) == fake.last
+
+
 def test_errors_are_moed_errors(server):
     fake, target = server
     with moed.MoEClient(target) as c:
         with pytest.raises(moed.MoEError) as ei:
             c.forward(7, np.ones((1, 8), np.float32), strategy="topk")
         assert ei.value.code == grpc.StatusCode.NOT_FOUND and ei.value.code_name == "NOT_FOUND"
-        assert "layer 7 is not resident" in ei.value.message
+        assert "layer 7 is not resident" in ei.value.message and ei.value.attempts == 1
         with pytest.raises(moed.MoEError) as ei:
             c.health("nope")
         assert ei.value.code == grpc.StatusCode.NOT_FOUND
@@ -147,6 +189,20 @@ def test_errors_are_moed_errors(server):
         with pytest.raises(moed.MoEError) as ei:
             c.health()
         assert ei.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def test_a_reply_unlike_the_request_is_an_internal_error():
+    x = np.ones((2, 4), np.float32)
+    call = _common.prepare_forward(0, x, strategy="topk")
+    cases = [(b"", "without an output"), (b"\x12\x02\x08\x02", "dtype f16"),
+             (wire.encode("moed.v1.ForwardResponse", {"output": {"dtype": 1, "shape": [2, 3]}}), r"shape \[2, 3\]"),
+             (wire.encode("moed.v1.ForwardResponse", {"output": {"dtype": 1, "shape": [2, 4], "data": b"\0" * 8}}),
+              "8 bytes"),
+             (b"\x12\x09", "does not parse")]
+    for reply, says in cases:
+        with pytest.raises(moed.MoEError, match=says) as ei:
+            call.result(reply)
+        assert ei.value.code_name == "INTERNAL"
 
 
 def test_info_and_health(server):
@@ -164,3 +220,239 @@ def test_info_and_health(server):
     assert li.routed_scaling_factor == 2.5
     with pytest.raises(KeyError, match="resident layers"):
         m.layer(3)
+
+
+# ---- streams -----------------------------------------------------------------------------------
+
+def items(n, rng=None, **extra):
+    rng = rng or np.random.default_rng(5)
+    dtypes = (np.float32, ml_dtypes.bfloat16, np.float16)
+    return [dict(layer=i % 2, hidden=rng.standard_normal((1 + i % 3, 8)).astype(dtypes[i % 3]),
+                 request_id=f"s{i}", expert_ids=np.zeros((1 + i % 3, 1)), expert_weights=np.ones((1 + i % 3, 1)),
+                 **extra) for i in range(n)]
+
+
+def test_forward_stream_yields_outputs_in_order(server):
+    fake, target = server
+    reqs = items(7)
+    with moed.MoEClient(target) as c:
+        outs = list(c.forward_stream(iter(reqs)))
+        infos = list(c.forward_stream(reqs[:2], timeout=10))
+        assert all(isinstance(r, np.ndarray) for r in infos)
+        infos = list(c.forward_stream([dict(r, return_info=True) for r in reqs[:2]]))
+    assert len(outs) == 7 and len(fake.streams) == 3 and fake.streams[0] == [f"s{i}" for i in range(7)]
+    for y, r in zip(outs, reqs):
+        assert y.dtype == r["hidden"].dtype
+        np.testing.assert_array_equal(y, twice(r["hidden"]))
+    assert [r.request_id for r in infos] == ["s0", "s1"]
+
+
+def test_forward_stream_bad_item_raises_after_the_outputs_before_it(server):
+    fake, target = server
+    reqs = items(3)
+    reqs.insert(2, dict(layer=0, hidden=np.zeros((2, 8))))  # float64: cannot be sent
+    got = []
+    with moed.MoEClient(target) as c:
+        with pytest.raises(ValueError, match="float64"):
+            for y in c.forward_stream(reqs):
+                got.append(y)
+        assert len(got) == 2
+        with pytest.raises(ValueError, match="timeout"):
+            list(c.forward_stream([dict(reqs[0], timeout=1)]))
+        with pytest.raises(TypeError, match="dicts"):
+            list(c.forward_stream([reqs[0]["hidden"]]))
+
+        def failing():
+            yield reqs[0]
+            raise RuntimeError("the caller's own generator broke")
+
+        got = []
+        with pytest.raises(RuntimeError, match="own generator"):
+            for y in c.forward_stream(failing()):
+                got.append(y)
+        assert len(got) == 1
+
+
+def test_forward_stream_error_status_ends_it(server):
+    fake, target = server
+    reqs = items(4)
+    reqs[1]["layer"] = 7
+    got = []
+    with moed.MoEClient(target) as c:
+        with pytest.raises(moed.MoEError) as ei:
+            for y in c.forward_stream(reqs):
+                got.append(y)
+    assert len(got) == 1 and ei.value.code_name == "NOT_FOUND" and len(fake.streams) == 1
+
+
+def test_forward_stream_retry_resends_what_was_not_answered(server):
+    fake, target = server
+    fake.stream_fail_after = 3  # the first stream answers s0..s2, then fails UNAVAILABLE
+    reqs = items(9)
+    with moed.MoEClient(target, retry=RetryPolicy(initial_backoff=0.01)) as c:
+        outs = list(c.forward_stream(reqs))
+    assert len(outs) == 9
+    for y, r in zip(outs, reqs):
+        np.testing.assert_array_equal(y, twice(r["hidden"]))
+    assert len(fake.streams) == 2
+    assert fake.streams[0][:4] == ["s0", "s1", "s2", "s3"]
+    assert fake.streams[1] == [f"s{i}" for i in range(3, 9)]  # every unanswered one, in order, once
+    fake.stream_fail_after = 0
+    with moed.MoEClient(target, retry=None) as c:
+        with pytest.raises(moed.MoEError) as ei:
+            list(c.forward_stream(reqs))
+    assert ei.value.code_name == "UNAVAILABLE" and "draining" in ei.value.message
+
+
+def test_stopping_a_stream_early_cancels_it(server):
+    fake, target = server
+
+    def endless():
+        i = 0
+        while True:
+            yield dict(layer=0, hidden=np.ones((1, 8), np.float32), strategy="topk", request_id=str(i))
+            i += 1
+
+    with moed.MoEClient(target) as c:
+        for n, y in enumerate(c.forward_stream(endless())):
+            if n == 4:
+                break
+        assert c.health() == "SERVING"
+    assert len(fake.streams) == 1 and len(fake.streams[0]) >= 5
+
+
+# ---- retries, deadlines, options ---------------------------------------------------------------
+
+def test_unavailable_is_retried_with_bounded_attempts(server):
+    fake, target = server
+    x = np.ones((5, 8), np.float32)
+    policy = RetryPolicy(max_attempts=3, initial_backoff=0.01, max_backoff=0.02)
+    with moed.MoEClient(target, retry=policy) as c:
+        fake.unavailable = 2
+        np.testing.assert_array_equal(c.forward(0, x, **CHOICE), x * 2)
+        assert fake.calls == 3
+        fake.unavailable, fake.calls = 5, 0
+        with pytest.raises(moed.MoEError) as ei:
+            c.forward(0, x, **CHOICE)
+        assert fake.calls == 3 and ei.value.attempts == 3 and ei.value.code_name == "UNAVAILABLE"
+        assert "queue is full" in ei.value.message and "after 3 attempts" in str(ei.value)
+        fake.unavailable, fake.calls = 0, 0
+        with pytest.raises(moed.MoEError, match="NOT_FOUND"):  # other statuses: never retried
+            c.forward(7, x, **CHOICE)
+        assert fake.calls == 1
+    fake.unavailable, fake.calls = 1, 0
+    with moed.MoEClient(target, retry=None) as c:
+        with pytest.raises(moed.MoEError, match="UNAVAILABLE"):
+            c.forward(0, x, **CHOICE)
+    assert fake.calls == 1
+
+
+def test_no_retry_past_the_deadline(server):
+    fake, target = server
+    fake.unavailable = 1000
+    policy = RetryPolicy(max_attempts=1000, initial_backoff=0.05, max_backoff=0.1)
+    with moed.MoEClient(target, retry=policy, timeout=0.6) as c:
+        t0 = time.monotonic()
+        with pytest.raises(moed.MoEError) as ei:
+            c.forward(0, np.ones((5, 8), np.float32), **CHOICE)
+        took = time.monotonic() - t0
+    assert ei.value.code_name == "UNAVAILABLE", ei.value  # not DEADLINE_EXCEEDED: no doomed retry
+    assert 1 < ei.value.attempts == fake.calls and took < 0.6 + 0.5
+
+
+def test_retry_policy_delays():
+    p = RetryPolicy(max_attempts=4, initial_backoff=0.1, max_backoff=0.3, multiplier=2)
+    U = grpc.StatusCode.UNAVAILABLE
+    assert [p.delay(n, U, 0.0, None, rand=lambda: 1.0) for n in (1, 2, 3, 4)] == [0.1, 0.2, 0.3, None]
+    assert p.delay(1, U, 0.0, None, rand=lambda: 0.0) == 0.0
+    waits = [p.delay(2, U, 0.0, None) for _ in range(200)]
+    assert all(0 <= w <= 0.2 for w in waits) and len(set(waits)) > 100  # jittered
+    assert p.delay(1, grpc.StatusCode.RESOURCE_EXHAUSTED, 0.0, None) is None
+    assert p.delay(1, grpc.StatusCode.DEADLINE_EXCEEDED, 0.0, None) is None
+    assert p.delay(1, U, 10.0, 10.05, rand=lambda: 0.6) is None  # 10.06 would be past the deadline
+    assert p.delay(1, U, 10.0, 10.07, rand=lambda: 0.6) == pytest.approx(0.06)
+    assert p.delay(1, U, 10.0, 10.07, took=0.02, rand=lambda: 0.6) is None  # no time for the attempt
+    assert NO_RETRY.delay(1, U, 0.0, None) is None
+    for bad in (dict(max_attempts=0), dict(initial_backoff=0), dict(max_backoff=0.01), dict(multiplier=0.5)):
+        with pytest.raises(ValueError):
+            RetryPolicy(**bad)
+
+
+def test_channel_options_apply_over_the_clients_own(server):
+    fake, target = server
+    opts = _common.channel_options([("grpc.max_receive_message_length", 64)], keepalive=30)
+    assert dict(opts)["grpc.max_receive_message_length"] == 64
+    assert dict(opts)["grpc.keepalive_time_ms"] == 30000 and dict(opts)["grpc.max_send_message_length"] == -1
+    with pytest.raises(ValueError, match="10 seconds"):
+        _common.channel_options(None, keepalive=5)
+    x = np.ones((5, 8), np.float32)
+    with moed.MoEClient(target, options=[("grpc.max_receive_message_length", 64)], retry=None) as c:
+        with pytest.raises(moed.MoEError) as ei:
+            c.forward(0, x, **CHOICE)  # the reply is over 160 bytes
+        assert ei.value.code_name == "RESOURCE_EXHAUSTED"
+    with moed.MoEClient(target, keepalive=10) as c:
+        np.testing.assert_array_equal(c.forward(0, x, **CHOICE), x * 2)
+
+
+def test_per_call_timeout_overrides_the_clients(server):
+    fake, target = server
+    fake.unavailable = 1000
+    with moed.MoEClient(target, timeout=30, retry=RetryPolicy(max_attempts=1000, initial_backoff=0.02,
+                                                              max_backoff=0.02)) as c:
+        t0 = time.monotonic()
+        with pytest.raises(moed.MoEError, match="UNAVAILABLE"):
+            c.forward(0, np.ones((5, 8), np.float32), timeout=0.3, **CHOICE)
+        assert time.monotonic() - t0 < 0.3 + 0.5  # not the client's 30 s
+
+
+# ---- asyncio -----------------------------------------------------------------------------------
+
+def test_aio_client_has_the_same_methods(server):
+    fake, target = server
+    reqs = items(5)
+
+    async def source():
+        for r in reqs:
+            await asyncio.sleep(0)
+            yield r
+
+    async def main():
+        async with moed.aio.MoEClient(target, retry=RetryPolicy(initial_backoff=0.01)) as c:
+            assert await c.health() == "SERVING"
+            assert (await c.info()).layer(0).d_ff == 16
+            ys = await asyncio.gather(*(c.forward(r["layer"], r["hidden"], expert_ids=r["expert_ids"],
+                                                  expert_weights=r["expert_weights"]) for r in reqs))
+            streamed = [y async for y in c.forward_stream(source())]
+            fake.stream_fail_after = 2
+            retried = [y async for y in c.forward_stream(reqs)]  # a plain iterable works too
+            last_stream = fake.streams[-1]
+            fake.unavailable = 2
+            r = await c.forward(0, reqs[0]["hidden"], return_info=True, expert_ids=reqs[0]["expert_ids"],
+                                expert_weights=reqs[0]["expert_weights"])
+            with pytest.raises(moed.MoEError, match="NOT_FOUND"):
+                await c.forward(7, reqs[0]["hidden"], strategy="topk")
+            bad = [dict(q) for q in reqs]
+            bad[3]["layer"] = 7
+            got = []
+            with pytest.raises(moed.MoEError) as ei:  # the server's status, also where grpc.aio hid it
+                async for y in c.forward_stream(bad):
+                    got.append(y)
+            assert ei.value.code_name == "NOT_FOUND" and len(got) == 3
+            return ys, streamed, retried, r, last_stream
+
+    ys, streamed, retried, r, last_stream = asyncio.run(main())
+    for outs in (ys, streamed, retried):
+        assert len(outs) == 5
+        for y, req in zip(outs, reqs):
+            np.testing.assert_array_equal(y, twice(req["hidden"]))
+    # s2.. went again on a new stream (or s2 alone as a unary call first, where grpc.aio hid the
+    # stream's status: see moed.aio)
+    assert last_stream[-1] == "s4" and last_stream[0] in ("s2", "s3")
+    np.testing.assert_array_equal(r.output, twice(reqs[0]["hidden"]))
+
+
+def test_importing_moed_loads_neither_torch_nor_protobuf_nor_ml_dtypes():
+    code = ("import sys, moed, moed.aio; "
+            "print(sorted(m for m in ('torch', 'google.protobuf', 'ml_dtypes', 'moed._proto') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -1,0 +1,313 @@
+"""What the blocking and the asyncio client share: preparing a Forward (Call), reading its reply,
+the stream's bookkeeping (Feed), channel options, and turning replies and errors into moed types.
+Nothing here does I/O, so each client adds only its own way of waiting.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+
+import grpc
+import numpy as np
+
+from . import wire
+from .retry import NO_RETRY, RetryPolicy
+from .tensors import F32, I32, hidden_input, host_array, wire_tensor
+from .transport import Prepared, choose
+from .types import (ACTIVATIONS, DTYPES, HEALTH, ROUTER_RULES, Device, ForwardResult, LayerInfo,
+                    ModelInfo, MoEError, Timings, name_of, strategy_value)
+
+FORWARD = "/moed.v1.Moed/Forward"
+FORWARD_STREAM = "/moed.v1.Moed/ForwardStream"
+GET_MODEL = "/moed.v1.Moed/GetModel"
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+# moed.v1.Renormalize of forward()'s renormalize argument.
+_RENORMALIZE = {None: 0, True: 1, False: 2}
+# The keyword arguments of forward() that a forward_stream() item may carry (timeout is the
+# stream's).
+STREAM_ITEM_ARGS = frozenset(("layer", "hidden", "expert_ids", "expert_weights", "router_logits",
+                              "strategy", "top_k", "renormalize", "threshold", "batch_gating",
+                              "k_batch", "dtype", "request_id", "return_info", "copy", "transport"))
+
+
+def _matrix(name: str, x: Any, wire_dtype: int, T: int) -> np.ndarray:
+    a = host_array(x, wire_dtype, name)
+    if a.ndim != 2 or a.shape[0] != T:
+        raise ValueError(f"{name} must be [T={T}, n], not shape {list(a.shape)}")
+    return a
+
+
+def _routing(T: int, expert_ids, expert_weights, router_logits, strategy, top_k, renormalize,
+             threshold, batch_gating, k_batch) -> Dict[str, Any]:
+    """The routing fields of a ForwardRequest (as a dict for wire.encode)."""
+    if (expert_ids is None) != (expert_weights is None):
+        raise ValueError("client routing needs both expert_ids and expert_weights")
+    if expert_ids is not None:
+        if router_logits is not None or batch_gating:
+            raise ValueError("expert_ids/expert_weights exclude router_logits and batch_gating")
+        ids = _matrix("expert_ids", expert_ids, I32, T)
+        w = _matrix("expert_weights", expert_weights, F32, T)
+        if ids.shape != w.shape:
+            raise ValueError(f"expert_ids {list(ids.shape)} and expert_weights {list(w.shape)} differ in shape")
+        return {"experts": {"expert_ids": wire_tensor(ids, I32), "expert_weights": wire_tensor(w, F32)}}
+    if renormalize not in _RENORMALIZE:
+        raise ValueError(f"renormalize={renormalize!r}: use None (the layer's), True or False")
+    gating = {"strategy": strategy_value(strategy), "top_k": top_k,
+              "renormalize": _RENORMALIZE[renormalize], "threshold": threshold or 0.0}
+    fields: Dict[str, Any] = {"batch_gating": {"k_batch": k_batch} if batch_gating else None}
+    if router_logits is not None:
+        logits = _matrix("router_logits", router_logits, F32, T)
+        fields["logits"] = {"logits": wire_tensor(logits, F32), "gating": gating}
+    else:
+        fields["server_router"] = {"gating": gating}
+    return fields
+
+
+class Call:
+    """One Forward, prepared: `payload` is the encoded ForwardRequest; result() reads its reply."""
+
+    __slots__ = ("payload", "prepared", "return_info", "copy")
+
+    def __init__(self, payload: bytes, prepared: Prepared, return_info: bool, copy: bool):
+        self.payload, self.prepared, self.return_info, self.copy = payload, prepared, return_info, copy
+
+    def result(self, reply: bytes) -> Any:
+        """The output (or a ForwardResult) from the reply's bytes; MoEError INTERNAL when the reply
+        is not what the request asked for."""
+        r = decode("moed.v1.ForwardResponse", reply)
+        out = check_output(r["output"], self.prepared.input.wire, self.prepared.input.shape)
+        y = self.prepared.finish(out, self.copy)
+        if not self.return_info:
+            return y
+        t = r["timings"] or wire.new("moed.v1.Timings")
+        return ForwardResult(output=y, expert_set=np.array(r["expert_set"], dtype=np.int32),
+                             timings=Timings(t["queue_us"], t["compute_us"], t["total_us"],
+                                             t["batch_tokens"], t["batch_requests"]),
+                             request_id=r["request_id"])
+
+
+def check_output(t: Optional[Dict[str, Any]], dtype: int, shape: Sequence[int]) -> Dict[str, Any]:
+    """The reply's output Tensor, checked against the request: the dtype and shape of hidden."""
+    if t is None:
+        raise MoEError("INTERNAL", "the server replied without an output tensor")
+    if t["dtype"] != dtype:
+        raise MoEError("INTERNAL", f"the server replied with dtype {name_of(DTYPES, t['dtype'], str(t['dtype']))} "
+                                   f"to a {name_of(DTYPES, dtype)} request")
+    if list(t["shape"]) != list(shape):
+        raise MoEError("INTERNAL", f"the server replied with shape {list(t['shape'])} for hidden {list(shape)}")
+    return t
+
+
+def prepare_forward(layer: int, hidden: Any, *, expert_ids=None, expert_weights=None, router_logits=None,
+                    strategy=None, top_k: int = 0, renormalize: Optional[bool] = None,
+                    threshold: Optional[float] = None, batch_gating: bool = False, k_batch: int = 0,
+                    dtype: Optional[str] = None, request_id: str = "", return_info: bool = False,
+                    copy: bool = False, transport: str = "auto") -> Call:
+    """A Call for forward()'s arguments (see MoEClient.forward); ValueError for what cannot be sent."""
+    inp = hidden_input(hidden, dtype)
+    prepared = choose(transport, inp).prepare(inp)
+    fields = _routing(inp.shape[0], expert_ids, expert_weights, router_logits, strategy, top_k,
+                      renormalize, threshold, batch_gating, k_batch)
+    fields.update(request_id=request_id, layer=layer, hidden=prepared.tensor)
+    return Call(wire.encode("moed.v1.ForwardRequest", fields), prepared, return_info, copy)
+
+
+def prepare_item(item: Any, transport: str) -> Call:
+    """A Call for one forward_stream() item: a dict of forward()'s keyword arguments."""
+    if not isinstance(item, dict):
+        raise TypeError(f"forward_stream() takes dicts of forward()'s keyword arguments, not "
+                        f"{type(item).__name__}")
+    unknown = set(item) - STREAM_ITEM_ARGS
+    if unknown:
+        raise ValueError(f"forward_stream() item has unknown argument(s) {sorted(unknown)} (timeout "
+                         f"is the stream's: pass it to forward_stream)")
+    if "layer" not in item or "hidden" not in item:
+        raise ValueError("forward_stream() item needs layer and hidden")
+    return prepare_forward(**{"transport": transport, **item})
+
+
+STALE = object()  # Feed.payload(): this attempt of the stream is over
+
+
+class Feed:
+    """The requests of one forward_stream() across the attempts of a retried stream.
+
+    Requests are pulled from the caller's iterable lazily, by gRPC as it sends (one puller at a
+    time: pull_lock, a lock of the client's kind), and stay pending until answered. When a stream
+    fails UNAVAILABLE and is retried, the new attempt sends the pending requests again, in order,
+    before pulling more; an older attempt still pulling finds itself stale and stops, and what it
+    pulled is pending, so the new attempt sends it. A bad item or an exception from the caller's
+    iterable stops the pulling; it is raised after the replies of the requests before it (end()).
+    """
+
+    def __init__(self, source: Any, transport: str):
+        self.source, self.transport = source, transport
+        self._lock = threading.Lock()  # _pending and the counters; the replies come on another thread
+        self._pending: Deque[Call] = deque()  # pulled and not answered, in order
+        self._answered = 0  # calls answered so far: the sequence number of _pending[0]
+        self._attempt = 0
+        self.error: Optional[BaseException] = None
+        self.done = False  # nothing more to pull (the iterable ended or failed)
+
+    def start(self) -> Tuple[int, int]:
+        """A new attempt: (its id, the sequence number of the first request it sends)."""
+        with self._lock:
+            self._attempt += 1
+            return self._attempt, self._answered
+
+    def payload(self, attempt: int, seq: int) -> Any:
+        """The payload of request `seq` if it was pulled already, None if it is next to pull, or
+        STALE if a newer attempt took over."""
+        with self._lock:
+            if attempt != self._attempt:
+                return STALE
+            i = seq - self._answered
+            return self._pending[i].payload if i < len(self._pending) else None
+
+    def pulled(self, item: Any) -> Optional[bytes]:
+        """Takes an item the puller got: its payload, or None (pulling stops) if it is bad."""
+        try:
+            call = prepare_item(item, self.transport)
+        except Exception as e:  # raised to the caller in order, by end()
+            self.stop(e)
+            return None
+        with self._lock:
+            self._pending.append(call)
+        return call.payload
+
+    def stop(self, error: Optional[BaseException] = None) -> None:
+        """Nothing more to pull: the iterable ended (error None) or raised `error`."""
+        self.done = True
+        self.error = self.error or error
+
+    def oldest(self) -> Optional[Call]:
+        """The oldest request not answered, if any."""
+        with self._lock:
+            return self._pending[0] if self._pending else None
+
+    def answer(self, reply: bytes) -> Any:
+        """The output of the oldest pending request, from its reply."""
+        with self._lock:
+            if not self._pending:
+                raise MoEError("INTERNAL", "the server sent a reply to no request on the stream")
+            call = self._pending.popleft()
+            self._answered += 1
+        return call.result(reply)
+
+    def end(self) -> None:
+        """The stream ended OK: every request must have been answered; then any error of the
+        caller's iterable or items is raised."""
+        if self._pending:
+            raise MoEError("INTERNAL", f"the stream ended with {len(self._pending)} request(s) unanswered")
+        if self.error is not None:
+            raise self.error
+
+
+def remaining(deadline: Optional[float]) -> Optional[float]:
+    """Seconds left until a time.monotonic() deadline (None: no deadline)."""
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+
+class Connection:
+    """What both clients hold: the channel, its callables (raw bytes in and out: the messages are
+    moed.wire's), the default deadline, retry policy and transport. `grpc_module` is grpc for the
+    blocking client and grpc.aio for the asyncio one. The clients' docstrings explain the
+    arguments."""
+
+    grpc_module: Any = grpc
+
+    def __init__(self, target: str = "127.0.0.1:50051", timeout: Optional[float] = None,
+                 credentials: Optional[grpc.ChannelCredentials] = None, token: Optional[str] = None,
+                 options: Optional[Sequence[Tuple[str, Any]]] = None, keepalive: Optional[float] = None,
+                 retry: Optional[RetryPolicy] = RetryPolicy(), transport: str = "auto"):
+        opts, m = channel_options(options, keepalive), self.grpc_module
+        if credentials is None:
+            self._channel = m.insecure_channel(target, options=opts)
+        else:
+            self._channel = m.secure_channel(target, credentials, options=opts)
+        self.target = target
+        self.timeout = timeout
+        self.retry = retry or NO_RETRY
+        self.transport = transport
+        self._metadata = metadata(token)
+        self._forward = self._channel.unary_unary(FORWARD)
+        self._stream = self._channel.stream_stream(FORWARD_STREAM)
+        self._get_model = self._channel.unary_unary(GET_MODEL)
+        self._health = self._channel.unary_unary(HEALTH_CHECK)
+
+    def _deadline(self, timeout: Optional[float]) -> Optional[float]:
+        """The time.monotonic() deadline of a call given `timeout` (None: the client's)."""
+        timeout = self.timeout if timeout is None else timeout
+        return None if timeout is None else time.monotonic() + timeout
+
+
+def channel_options(options: Optional[Sequence[Tuple[str, Any]]], keepalive: Optional[float]) -> List[Tuple[str, Any]]:
+    """The channel arguments: ours (sized for tensors), keepalive's, then the caller's, which win."""
+    merged: Dict[str, Any] = {
+        # A [T, d_model] batch is easily over gRPC's 4 MiB default; the server enforces its own
+        # limit and names it in RESOURCE_EXHAUSTED.
+        "grpc.max_send_message_length": -1, "grpc.max_receive_message_length": -1,
+        # HTTP/2 sized for tensors, as the server is: large frames and stream window.
+        "grpc.http2.max_frame_size": 1 << 20, "grpc.http2.lookahead_bytes": 8 << 20,
+    }
+    if keepalive is not None:
+        if not keepalive >= 10:
+            raise ValueError(f"keepalive={keepalive}: at least 10 seconds (moed refuses pings more "
+                             f"often than every 10 s on an idle connection)")
+        ms = int(keepalive * 1000)
+        merged.update({"grpc.keepalive_time_ms": ms, "grpc.keepalive_timeout_ms": min(ms, 20000),
+                       "grpc.keepalive_permit_without_calls": 1, "grpc.http2.max_pings_without_data": 0})
+    for name, value in options or ():
+        merged[name] = value
+    return list(merged.items())
+
+
+def metadata(token: Optional[str]) -> Optional[Tuple[Tuple[str, str], ...]]:
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+def rpc_error(e: grpc.RpcError, attempts: int = 1) -> MoEError:
+    """A failed call as a MoEError (attempts: how many were made)."""
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    details = e.details() if hasattr(e, "details") else str(e)
+    return MoEError(code.name, details or "(no message)", code, attempts)
+
+
+def decode(msg: str, reply: bytes) -> Dict[str, Any]:
+    """A reply parsed; one that does not parse is MoEError INTERNAL."""
+    try:
+        return wire.decode(msg, reply)
+    except wire.WireError as e:
+        raise MoEError("INTERNAL", f"the server's reply does not parse as {msg}: {e}") from None
+
+
+def model_info(reply: bytes) -> ModelInfo:
+    """A GetModel reply as ModelInfo."""
+    m = decode("moed.v1.ModelInfo", reply)
+    layers = [LayerInfo(index=l["index"], d_model=l["d_model"], d_ff=l["d_ff"], num_experts=l["num_experts"],
+                        top_k=l["top_k"], activation=name_of(ACTIVATIONS, l["activation"]),
+                        weight_dtype=name_of(DTYPES, l["weight_dtype"]), has_router=l["has_router"],
+                        norm_topk_prob=l["norm_topk_prob"],
+                        router_rule=name_of(ROUTER_RULES, l["router_rule"]),
+                        num_shared_experts=l["num_shared_experts"], shared_d_ff=l["shared_d_ff"],
+                        n_group=l["n_group"], topk_group=l["topk_group"],
+                        routed_scaling_factor=l["routed_scaling_factor"])
+              for l in m["layers"]]
+    devices = [Device(d["name"], d["memory_total"], d["memory_used"]) for d in m["devices"]]
+    return ModelInfo(model=m["model"], layers=layers, backend=m["backend"], devices=devices,
+                     version=m["version"], max_message_bytes=m["max_message_bytes"],
+                     max_batch_tokens=m["max_batch_tokens"])
+
+
+def health_request(service: str) -> bytes:
+    return wire.encode("grpc.health.v1.HealthCheckRequest", {"service": service})
+
+
+def health_status(reply: bytes) -> str:
+    return name_of(HEALTH, decode("grpc.health.v1.HealthCheckResponse", reply)["status"], "UNKNOWN")
+
+
