@@ -32,6 +32,9 @@ typedef struct moed_rpc_config {
     const char *listen; /* host:port; port 0 picks a free one (see moed_rpc_address) */
     int cq_threads;
     int64_t max_message_bytes; /* our limit; gRPC's own is set above it so ours answers */
+    int max_streams;           /* MAX_CONCURRENT_STREAMS advertised; twice it enforced */
+    int64_t max_grpc_memory;   /* gRPC core's resource quota, bytes */
+    bool accept_compression;   /* compressed requests accepted (else refused at their headers) */
     moed_sched *sched;
     const moed_served *served;
     moed_backend *backend;         /* GetModel: name and devices */
