@@ -325,8 +325,7 @@ static bool refuse_crowded(rpc_call *c)
     if (!counted || c->peer) return false;
     moed_error err;
     moed_fail(&err, MOED_ETOOBIG,
-              "this connection has %d calls open, twice the MAX_CONCURRENT_STREAMS of %d that moed "
-              "advertises (--max-streams): honour the setting, or open another connection",
+              "%d calls open on this connection; MAX_CONCURRENT_STREAMS is %d (--max-streams)",
               2 * r->cfg.max_streams, r->cfg.max_streams);
     refuse(c, &err);
     return true;
