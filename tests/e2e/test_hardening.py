@@ -100,9 +100,9 @@ def test_compressed_requests_refused_by_default(daemon):
 
 
 def test_compression_flag_inflates_within_the_limit(daemon, tmp_path):
-    """--accept-compression 1: a gzip request computes as a plain one; a body that inflates past
-    --max-message-bytes is refused naming the flag, having cost at most that much; without the
-    token nothing is inflated at all."""
+    """--accept-compression 1: a gzip request (unary or streamed) computes as a plain one; a body
+    that inflates past --max-message-bytes is refused naming the flag, having cost at most that
+    much; without the token nothing is inflated at all."""
     d = token_daemon(daemon, tmp_path, "--accept-compression", "1", "--max-message-bytes", "16MiB")
     x, ids, w, ref = case()
     with MoEClient(d.address, timeout=10) as c:
@@ -111,6 +111,13 @@ def test_compression_flag_inflates_within_the_limit(daemon, tmp_path):
         resp = moed_pb2_grpc.MoedStub(ch).Forward(req, compression=grpc.Compression.Gzip, timeout=10,
                                                   metadata=(("authorization", f"Bearer {TOKEN}"),))
     O.check(MoEClient.decode_output(resp.output, x.dtype), ref, "bf16", "gzip request")
+    with d.channel() as ch:  # a stream's messages are inflated the same way
+        replies = list(moed_pb2_grpc.MoedStub(ch).ForwardStream(
+            iter([req, req]), compression=grpc.Compression.Gzip, timeout=10,
+            metadata=(("authorization", f"Bearer {TOKEN}"),)))
+    assert len(replies) == 2
+    for r in replies:
+        O.check(MoEClient.decode_output(r.output, x.dtype), ref, "bf16", "gzip stream")
     bomb = hostile.gzip_bomb(256 * MIB)
     with hostile.Rss(d.proc.pid) as rss:
         before = rss.now()
