@@ -9,7 +9,12 @@ README's security section quotes:
   write), never reading what the server sends (so never acknowledging its SETTINGS either);
 - upload(): one request body of any size pushed as fast as flow control lets it, with or without
   a token, plain or gzip-compressed (a gzip "bomb": a small body that inflates enormously);
+- open_streams(): many streams at once on one connection, before the server's SETTINGS are read;
+- reset_mid_upload(): a call reset by its client before its message is whole;
 - Rss: the process's resident memory, sampled, with its peak.
+
+The script also times issue 9's row 3: one request with expert_ids [1, 2M] whose caller gives up
+after 2 s, beside three other callers with 2 s deadlines.
 """
 
 import select
@@ -314,6 +319,46 @@ def _measure(moed_bin):
     attack(p, "8 x 400 MiB health checks (open to all)",
            lambda: answers(parallel(lambda i: upload(addr, 400 * MIB, path="/grpc.health.v1.Health/Check",
                                                      timeout=60), 8)))
+    p.terminate()
+    p.wait(60)
+
+    p, addr = start()
+    with MoEClient(addr, timeout=60) as c:
+        x1 = np.zeros((1, 256), np.float32)
+        big = dict(expert_ids=np.zeros((1, 2 << 20), np.int32), expert_weights=np.zeros((1, 2 << 20), np.float32))
+        small = dict(expert_ids=np.zeros((4, 2), np.int32), expert_weights=np.full((4, 2), 0.5, np.float32))
+        outcome = []
+
+        def huge():
+            t0 = time.monotonic()
+            try:
+                c.forward(0, x1, timeout=2.0, **big)
+                outcome.append(f"huge: OK after {time.monotonic() - t0:.1f} s")
+            except Exception as e:
+                outcome.append(f"huge: {str(e)[:60]} after {time.monotonic() - t0:.2f} s")
+
+        def other(i):
+            t0 = time.monotonic()
+            try:
+                c.forward(0, np.zeros((4, 256), np.float32), timeout=2.0, **small)
+                return f"OK in {time.monotonic() - t0:.2f} s"
+            except Exception as e:
+                return str(e)[:40]
+
+        h = threading.Thread(target=huge)
+        h.start()
+        time.sleep(0.5)
+        others = parallel(other, 3)
+        h.join()
+        t0 = time.monotonic()
+        while True:  # how long the execution slot stays taken: until a fresh call is answered
+            try:
+                c.forward(0, np.zeros((4, 256), np.float32), timeout=60, **small)
+                break
+            except Exception:
+                time.sleep(0.1)
+        print(f"[1, 2M] expert_ids, caller gives up after 2 s: {outcome[0]}; 3 other 2 s callers: {others}; "
+              f"a call after the caller gave up waited {time.monotonic() - t0:.1f} s")
     p.terminate()
     p.wait(60)
 
