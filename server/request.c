@@ -183,6 +183,12 @@ static int too_many_pairs(int64_t pairs, int64_t limit, const char *how, moed_er
                      (long long)pairs, how, (long long)limit);
 }
 
+/* --max-batch-pairs, INT64_MAX when there is none. */
+static int64_t pair_limit(const moed_served *s)
+{
+    return s->max_batch_pairs > 0 ? s->max_batch_pairs : INT64_MAX;
+}
+
 /* Sigmoid and sparsemax keep a varying number of experts per token, up to every one. */
 static bool gate_varies(const moed_gate_params *g)
 {
@@ -196,14 +202,12 @@ static int count_pairs(const moed_served *s, moed_sched_item *it, moed_error *er
     const moed_layer_info *li = &it->layer->info;
     if (it->route.off) {
         it->pairs = it->route.off[it->T];
-        return it->pairs > s->max_batch_pairs
-                   ? too_many_pairs(it->pairs, s->max_batch_pairs, "", err)
-                   : 0;
+        return it->pairs > pair_limit(s) ? too_many_pairs(it->pairs, pair_limit(s), "", err) : 0;
     }
     bool exact = it->k_batch || !gate_varies(&it->gate);
     it->pairs = it->T * (it->k_batch ? it->k_batch : exact ? it->gate.top_k : li->n_experts);
-    if (exact && it->pairs > s->max_batch_pairs)
-        return too_many_pairs(it->pairs, s->max_batch_pairs,
+    if (exact && it->pairs > pair_limit(s))
+        return too_many_pairs(it->pairs, pair_limit(s),
                               it->k_batch ? " (T x k_batch)" : " (T x top_k)", err);
     return 0;
 }
@@ -227,8 +231,8 @@ static int route_from_choice(const moed_served *s, const moed_wire_request *q, m
     int64_t pairs = 0; /* counted before the route is built: a huge k must not allocate first */
     for (int64_t i = 0; i < it->T * k; i++) pairs += ids[i] != -1;
     float *wt = NULL;
-    if (pairs > s->max_batch_pairs)
-        rc = too_many_pairs(pairs, s->max_batch_pairs, "", err);
+    if (pairs > pair_limit(s))
+        rc = too_many_pairs(pairs, pair_limit(s), "", err);
     else if (!(wt = copy_out(&q->expert_weights.data, err)))
         rc = MOED_ENOMEM;
     else

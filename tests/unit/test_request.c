@@ -196,6 +196,18 @@ static void test_pairs(void)
     set_choice(&b, 60, 2);
     expect(&b, MOED_ETOOBIG, "120 (token, expert) pairs", "--max-batch-pairs = 100", "choice");
 
+    moed_served unbounded = served; /* 0: no bound (what a caller that sets none gets) */
+    unbounded.max_batch_pairs = 0;
+    static uint8_t buf[1 << 16];
+    grpc_slice sl = grpc_slice_from_copied_buffer((const char *)buf,
+                                                  moed__v1__forward_request__pack(&b.req, buf));
+    moed_wire_request q;
+    CHECK_EQ_INT(moed_wire_decode_request(&sl, 1, &q, &err), 0);
+    CHECK_EQ_INT(moed_request_validate(&unbounded, &q, &w, &err), 0);
+    CHECK(w.item.pairs == 120);
+    moed_work_free(&w);
+    grpc_slice_unref(sl);
+
     for (int t = 0; t < 30; t++) b.id[2 * t + 1] = -1, b.wt[2 * t + 1] = 0; /* padding: free */
     CHECK_EQ_INT(validate(&b, &w, &err), 0);
     CHECK(w.item.pairs == 90 && w.item.route.off[60] == 90);
