@@ -3,7 +3,7 @@ daemon's memory while it does: the hardening tests (test_hardening.py) use these
 counts; run as a script they repeat issue 9's measurements at full size and print the figures that
 README's security section quotes:
 
-    .venv/bin/python tests/e2e/hostile.py build/server/moed
+    .venv/bin/python tests/e2e/hostile.py build/server/moed [bodies|work|flood]...
 
 - flood(): connections that open Forward streams (HEADERS + an empty DATA frame, `per_write` per
   write), never reading what the server sends (so never acknowledging its SETTINGS either);
@@ -268,12 +268,10 @@ MIB = 1 << 20
 RSS_CAP = 6 << 30  # a flood is stopped here: the machine running it is shared
 
 
-def _measure(moed_bin):
+def _measure(moed_bin, parts=("bodies", "work", "flood")):
     import pathlib
     import subprocess
     import tempfile
-
-    import numpy as np
 
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
     from conftest import free_port
@@ -310,6 +308,15 @@ def _measure(moed_bin):
                 f"{max(x[2] for x in res) / MIB:.1f} MiB sent before the answer")
 
     print(f"# {moed_bin}")
+    if "bodies" in parts:
+        _bodies(start, attack, answers, tmp)
+    if "work" in parts:
+        _work(start)
+    if "flood" in parts:
+        _floods(start, tmp)
+
+
+def _bodies(start, attack, answers, tmp):
     bomb = gzip_bomb(500 * MIB)
     p, addr = start("--auth-token-file", str(tmp / "token"))
     attack(p, "8 x 400 MiB requests, no token",
@@ -321,6 +328,12 @@ def _measure(moed_bin):
                                                      timeout=60), 8)))
     p.terminate()
     p.wait(60)
+
+
+def _work(start):
+    import numpy as np
+
+    from moed import MoEClient
 
     p, addr = start()
     with MoEClient(addr, timeout=60) as c:
@@ -361,6 +374,12 @@ def _measure(moed_bin):
               f"a call after the caller gave up waited {time.monotonic() - t0:.1f} s")
     p.terminate()
     p.wait(60)
+
+
+def _floods(start, tmp):
+    import numpy as np
+
+    from moed import MoEClient
 
     for flags, what in (((), "no token"), (("--auth-token-file", str(tmp / "token")), "token required")):
         for reset in (False, True):
@@ -414,5 +433,6 @@ def flood_process(address, seconds, reset=False):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["flood"]:
         print(flood(sys.argv[2], float(sys.argv[3]), reset=sys.argv[4] == "reset"))
-    else:
-        _measure(sys.argv[1] if len(sys.argv) > 1 else "build/server/moed")
+    else:  # hostile.py MOED [bodies|work|flood]...
+        _measure(sys.argv[1] if len(sys.argv) > 1 else "build/server/moed", sys.argv[2:] or
+                 ("bodies", "work", "flood"))
