@@ -77,8 +77,8 @@ static const opt opts[] = {
       "MAX_CONCURRENT_STREAMS advertised per connection (twice it enforced); 0 = "
       "--max-queue-requests" },
     { "max-grpc-memory", OPT_BYTES, OFF(max_grpc_memory), 0, (int64_t)1 << 40, "BYTES",
-      "memory gRPC's transport may hold (its resource quota: buffers, streams, requests not yet "
-      "taken); 0 = 4 x --max-message-bytes + 256MiB" },
+      "memory gRPC's transport may hold (its resource quota: buffers, streams, requests until "
+      "answered); 0 = 4 x --max-message-bytes + 256MiB" },
     { "accept-compression", OPT_INT, OFF(accept_compression), 0, 1, "0|1",
       "1: accept gzip/deflate requests, inflated by moed up to --max-message-bytes; 0: refuse "
       "them (UNIMPLEMENTED) before reading them" },

@@ -24,6 +24,7 @@
 #include "security.h"
 #include "weights.h"
 
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -458,10 +459,17 @@ static void teardown(moed_daemon *d)
     free(d->resident);
     /* After a failed start the endpoint may be open; its handles close on one more turn. */
     moed_http_close(d->http);
+    /* Closing the signal handles gives the three signals their default action back, and a moed
+     * about to exit 0 must not die of one: they are held (every other thread is gone) until
+     * ignored, which drops any that came meanwhile. */
+    sigset_t stop;
+    sigemptyset(&stop);
+    sigaddset(&stop, SIGTERM);
+    sigaddset(&stop, SIGINT);
+    sigaddset(&stop, SIGHUP);
+    pthread_sigmask(SIG_BLOCK, &stop, NULL);
     uv_walk(&d->loop, close_handle, NULL);
     uv_run(&d->loop, UV_RUN_DEFAULT);
-    /* Closing the signal handles gave the three signals their default action back; a moed about
-     * to exit 0 should not die of one now. */
     signal(SIGTERM, SIG_IGN);
     signal(SIGINT, SIG_IGN);
     signal(SIGHUP, SIG_IGN);

@@ -559,8 +559,8 @@ static void set_address(moed_rpc *r, int port)
  * checks only its compressed size against the receive limit, so a 0.5 MB gzip body becomes 500
  * MiB; off unless --accept-compression, and then moed inflates it itself, never past
  * --max-message-bytes (rpc_inflate). The resource quota bounds what gRPC holds (read buffers,
- * streams, request bytes not yet taken): near it, flow-control windows close; over it, gRPC
- * resets streams. */
+ * streams, request bytes until their reply): past 80 % of it flow-control windows shrink, over it
+ * gRPC resets streams. */
 static grpc_server *create_server(const moed_rpc_config *cfg)
 {
     int64_t recv_limit = 2 * cfg->max_message_bytes;
