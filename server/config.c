@@ -74,6 +74,18 @@ static const opt opts[] = {
       "merges for tests and batching experiments)" },
     { "max-queue-requests", OPT_I64, OFF(max_queue_requests), 1, 1 << 24, "N",
       "requests queued at most; past it calls get UNAVAILABLE" },
+    { "max-batch-pairs", OPT_I64, OFF(max_batch_pairs), 0, (int64_t)1 << 32, "N",
+      "most (token, expert) pairs in one request and in one launch; 0 = --max-batch-tokens x the "
+      "largest top_k served x 2" },
+    { "max-streams", OPT_INT, OFF(max_streams), 0, 1 << 20, "N",
+      "MAX_CONCURRENT_STREAMS advertised per connection (twice it enforced); 0 = "
+      "--max-queue-requests" },
+    { "max-grpc-memory", OPT_BYTES, OFF(max_grpc_memory), 0, (int64_t)1 << 40, "BYTES",
+      "memory gRPC's transport may hold (its resource quota: buffers, streams, requests until "
+      "answered); 0 = 4 x --max-message-bytes + 256MiB" },
+    { "accept-compression", OPT_INT, OFF(accept_compression), 0, 1, "0|1",
+      "1: accept gzip/deflate requests, inflated by moed up to --max-message-bytes; 0: refuse "
+      "them (UNIMPLEMENTED) before reading them" },
     { "metrics-listen", OPT_ADDR, OFF(metrics_listen), 0, 0, "ADDR",
       "serve Prometheus /metrics and /healthz over HTTP here (e.g. 127.0.0.1:8464); off unless "
       "given" },

@@ -326,8 +326,8 @@ static bool stream_accept(stream_call *s, grpc_byte_buffer *payload)
         rc = moed_fail(&e->err, MOED_EDRAINING,
                        "the server is draining (shutting down); open a new stream to another "
                        "server");
-    else
-        rc = prepare(r, payload, &e->msg, &e->work, &e->err);
+    else if (!(rc = rpc_inflate(r, &e->payload, &e->err)))
+        rc = prepare(r, e->payload, &e->msg, &e->work, &e->err);
     moed_sched_item *it = &e->work.item;
     it->t_received_ns = t_received; /* after prepare, which clears the item */
     if (!rc) {
@@ -339,7 +339,7 @@ static bool stream_accept(stream_call *s, grpc_byte_buffer *payload)
     }
     if (rc) {
         log_failure(&e->work, &e->err);
-        rpc_count(&s->base, moed_err_grpc_status(rc), t_received, payload, NULL);
+        rpc_count(&s->base, moed_err_grpc_status(rc), t_received, e->payload, NULL);
         e->state = E_FAILED;
     }
     moed_list_insert_tail(&s->entries, &e->node);

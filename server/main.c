@@ -24,6 +24,7 @@
 #include "security.h"
 #include "weights.h"
 
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -185,6 +186,26 @@ static int load_layers(moed_daemon *d)
     return 0;
 }
 
+/* The limits whose defaults (0) follow from others and from the layers served; logged as used. */
+static int derive_limits(moed_daemon *d)
+{
+    moed_config *c = &d->cfg;
+    int top_k = 1;
+    for (int i = 0; i < d->served.n_layers; i++)
+        if (d->served.layers[i]->info.top_k > top_k) top_k = d->served.layers[i]->info.top_k;
+    if (!c->max_batch_pairs) c->max_batch_pairs = 2 * c->max_batch_tokens * top_k;
+    if (!c->max_streams)
+        c->max_streams = c->max_queue_requests < (1 << 20) ? (int)c->max_queue_requests : 1 << 20;
+    if (!c->max_grpc_memory) c->max_grpc_memory = 4 * c->max_message_bytes + ((int64_t)256 << 20);
+    d->served.max_batch_pairs = c->max_batch_pairs;
+    moed_log_info("limits",
+                  "max_batch_tokens=%lld max_batch_pairs=%lld max_streams=%d max_grpc_memory=%lld "
+                  "accept_compression=%d",
+                  (long long)c->max_batch_tokens, (long long)c->max_batch_pairs, c->max_streams,
+                  (long long)c->max_grpc_memory, c->accept_compression);
+    return 0;
+}
+
 static int start_scheduler(moed_daemon *d)
 {
     moed_error err = { 0 };
@@ -196,6 +217,7 @@ static int start_scheduler(moed_daemon *d)
                              .layers = d->served.layers,
                              .n_layers = d->served.n_layers,
                              .max_batch_tokens = d->cfg.max_batch_tokens,
+                             .max_batch_pairs = d->cfg.max_batch_pairs,
                              .max_delay_us = d->cfg.max_delay_us,
                              .min_batch_requests = d->cfg.min_batch_requests,
                              .max_queue_requests = d->cfg.max_queue_requests,
@@ -210,6 +232,9 @@ static int start_rpc(moed_daemon *d)
     moed_rpc_config rc = { .listen = d->cfg.listen,
                            .cq_threads = d->cfg.cq_threads,
                            .max_message_bytes = d->cfg.max_message_bytes,
+                           .max_streams = d->cfg.max_streams,
+                           .max_grpc_memory = d->cfg.max_grpc_memory,
+                           .accept_compression = d->cfg.accept_compression,
                            .sched = d->sched,
                            .served = &d->served,
                            .backend = d->backend,
@@ -414,10 +439,12 @@ static void on_drained(uv_async_t *h)
     uv_stop(&d->loop);
 }
 
-static int run_loop(moed_daemon *d)
+/* The loop takes the signals from here on: before READY=1 goes out, so a supervisor that stops
+ * moed as soon as it is ready finds the drain in place (a signal that comes before the loop runs
+ * waits for it). Until then SIGTERM and SIGINT end a start that has nothing to drain, and SIGHUP
+ * is ignored (see main). */
+static void watch_signals(moed_daemon *d)
 {
-    uv_timer_init(&d->loop, &d->drain_timer);
-    d->drain_timer.data = d;
     uv_signal_t *sigs[3] = { &d->sigterm, &d->sigint, &d->sighup };
     int nums[3] = { SIGTERM, SIGINT, SIGHUP };
     for (int i = 0; i < 3; i++) {
@@ -425,6 +452,12 @@ static int run_loop(moed_daemon *d)
         sigs[i]->data = d;
         uv_signal_start(sigs[i], nums[i] == SIGHUP ? on_hup : on_stop_signal, nums[i]);
     }
+}
+
+static int run_loop(moed_daemon *d)
+{
+    uv_timer_init(&d->loop, &d->drain_timer);
+    d->drain_timer.data = d;
     uv_async_init(&d->loop, &d->drained, on_drained);
     d->drained.data = d;
     if (moed_log_enabled(MOED_LOG_DEBUG)) {
@@ -448,12 +481,20 @@ static void teardown(moed_daemon *d)
     free(d->resident);
     /* After a failed start the endpoint may be open; its handles close on one more turn. */
     moed_http_close(d->http);
+    /* Closing the signal handles gives the three signals their default action back, and a moed
+     * about to exit 0 must not die of one: they are held (every other thread is gone) until
+     * ignored, which drops any that came meanwhile. */
+    sigset_t stop;
+    sigemptyset(&stop);
+    sigaddset(&stop, SIGTERM);
+    sigaddset(&stop, SIGINT);
+    sigaddset(&stop, SIGHUP);
+    pthread_sigmask(SIG_BLOCK, &stop, NULL);
     uv_walk(&d->loop, close_handle, NULL);
     uv_run(&d->loop, UV_RUN_DEFAULT);
-    /* Closing the signal handles gave SIGTERM and SIGINT their default action back; a moed about
-     * to exit 0 should not die of one now. */
     signal(SIGTERM, SIG_IGN);
     signal(SIGINT, SIG_IGN);
+    signal(SIGHUP, SIG_IGN);
     if (uv_loop_close(&d->loop)) moed_log_warn("the event loop closed with handles open", NULL);
     moed_metrics_destroy(d->metrics);
     moed_security_free(&d->security);
@@ -462,6 +503,9 @@ static void teardown(moed_daemon *d)
 
 int main(int argc, char **argv)
 {
+    /* First: `systemctl reload` sends SIGHUP, whose default action would kill a moed still
+     * loading its weights. The loop's handler (log reopening) replaces this once it runs. */
+    signal(SIGHUP, SIG_IGN);
     static moed_daemon d;
     moed_error err = { 0 };
     int rc = moed_config_load(&d.cfg, argc, argv, stdout, &err);
@@ -482,8 +526,9 @@ int main(int argc, char **argv)
     moed_log_info("starting", "version=%s pid=%d", MOED_VERSION, (int)getpid());
     moed_notify("STATUS=starting: loading weights");
     int status = load_security(&d) || open_backend(&d) || load_weights(&d) || load_layers(&d) ||
-                 start_scheduler(&d) || start_metrics(&d) || start_rpc(&d);
+                 derive_limits(&d) || start_scheduler(&d) || start_metrics(&d) || start_rpc(&d);
     if (!status) {
+        watch_signals(&d);
         ready(&d);
         run_loop(&d);
     }

@@ -12,6 +12,7 @@
 #include "moed_dtype.h"
 
 #include <math.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -173,7 +174,46 @@ static void *copy_out(const moed_span *s, moed_error *err)
     return p;
 }
 
-static int route_from_choice(const moed_wire_request *q, moed_sched_item *it, moed_error *err)
+static int too_many_pairs(int64_t pairs, int64_t limit, const char *how, moed_error *err)
+{
+    return moed_fail(err, MOED_ETOOBIG,
+                     "the request routes %lld (token, expert) pairs%s, over this server's "
+                     "--max-batch-pairs = %lld: split it (fewer tokens, or fewer experts per "
+                     "token) or raise the flag",
+                     (long long)pairs, how, (long long)limit);
+}
+
+/* --max-batch-pairs, INT64_MAX when there is none. */
+static int64_t pair_limit(const moed_served *s)
+{
+    return s->max_batch_pairs > 0 ? s->max_batch_pairs : INT64_MAX;
+}
+
+/* Sigmoid and sparsemax keep a varying number of experts per token, up to every one. */
+static bool gate_varies(const moed_gate_params *g)
+{
+    return g->strategy == MOED_GATE_SIGMOID || g->strategy == MOED_GATE_SPARSEMAX;
+}
+
+/* The pairs the item adds to a launch: exact when its route is known here; otherwise (server
+ * routing) the most its gating can give, and the worker checks the route it makes. */
+static int count_pairs(const moed_served *s, moed_sched_item *it, moed_error *err)
+{
+    const moed_layer_info *li = &it->layer->info;
+    if (it->route.off) {
+        it->pairs = it->route.off[it->T];
+        return it->pairs > pair_limit(s) ? too_many_pairs(it->pairs, pair_limit(s), "", err) : 0;
+    }
+    bool exact = it->k_batch || !gate_varies(&it->gate);
+    it->pairs = it->T * (it->k_batch ? it->k_batch : exact ? it->gate.top_k : li->n_experts);
+    if (exact && it->pairs > pair_limit(s))
+        return too_many_pairs(it->pairs, pair_limit(s),
+                              it->k_batch ? " (T x k_batch)" : " (T x top_k)", err);
+    return 0;
+}
+
+static int route_from_choice(const moed_served *s, const moed_wire_request *q, moed_sched_item *it,
+                             moed_error *err)
 {
     const moed_layer_info *li = &it->layer->info;
     char hint[160];
@@ -187,9 +227,16 @@ static int route_from_choice(const moed_wire_request *q, moed_sched_item *it, mo
                            err)))
         return rc;
     int32_t *ids = copy_out(&q->expert_ids.data, err);
-    float *wt = ids ? copy_out(&q->expert_weights.data, err) : NULL;
-    rc = ids && wt ? moed_route_from_choice(&it->route, ids, wt, it->T, (int)k, li->n_experts, err)
-                   : MOED_ENOMEM;
+    if (!ids) return MOED_ENOMEM;
+    int64_t pairs = 0; /* counted before the route is built: a huge k must not allocate first */
+    for (int64_t i = 0; i < it->T * k; i++) pairs += ids[i] != -1;
+    float *wt = NULL;
+    if (pairs > pair_limit(s))
+        rc = too_many_pairs(pairs, pair_limit(s), "", err);
+    else if (!(wt = copy_out(&q->expert_weights.data, err)))
+        rc = MOED_ENOMEM;
+    else
+        rc = moed_route_from_choice(&it->route, ids, wt, it->T, (int)k, li->n_experts, err);
     free(ids);
     free(wt);
     return rc;
@@ -259,7 +306,8 @@ out:
     return rc;
 }
 
-static int check_routing(const moed_wire_request *q, moed_sched_item *it, moed_error *err)
+static int check_routing(const moed_served *s, const moed_wire_request *q, moed_sched_item *it,
+                         moed_error *err)
 {
     const moed_layer_info *li = &it->layer->info;
     if (q->batch_gating) {
@@ -272,7 +320,7 @@ static int check_routing(const moed_wire_request *q, moed_sched_item *it, moed_e
             return moed_fail(err, MOED_EINVAL,
                              "batch_gating needs router logits (logits or server_router); it "
                              "cannot be combined with experts, which already fix the route");
-        return route_from_choice(q, it, err);
+        return route_from_choice(s, q, it, err);
     case MOED_ROUTING_LOGITS:
         return route_from_logits(q, it, err);
     case MOED_ROUTING_SERVER:
@@ -308,7 +356,8 @@ int moed_request_validate(const moed_served *s, const moed_wire_request *q, moed
     int rc;
     w->item.copy_in = copy_hidden;
     if ((rc = check_request_id(q, w, err)) || (rc = find_layer(s, q->layer, &w->item, err)) ||
-        (rc = check_hidden(s, q, w, err)) || (rc = check_routing(q, &w->item, err)))
+        (rc = check_hidden(s, q, w, err)) || (rc = check_routing(s, q, &w->item, err)) ||
+        (rc = count_pairs(s, &w->item, err)))
         return rc;
     return 0;
 }

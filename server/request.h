@@ -26,6 +26,7 @@ typedef struct moed_served {
     int n_layers;
     int64_t max_batch_tokens;  /* --max-batch-tokens */
     int64_t max_message_bytes; /* --max-message-bytes */
+    int64_t max_batch_pairs; /* --max-batch-pairs: (token, expert) pairs in one request; 0: none */
 } moed_served;
 
 /* A validated request: who asked, where its hidden rows lie, and the scheduler item that says

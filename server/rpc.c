@@ -16,13 +16,20 @@
 
 #include "moed/v1/moed.pb-c.h"
 
+#include <grpc/compression.h>
 #include <grpc/grpc_security.h>
+#include <grpc/support/alloc.h>
 #include <grpc/support/log.h>
 #include <grpc/support/time.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <zlib.h>
+
+/* The drain's wait for callers to go quiet (maybe_shutdown), and how often it looks. */
+#define DRAIN_QUIET_NS ((uint64_t)250 * 1000000)
+#define DRAIN_POLL_MS  50
 
 /* Calls requested in advance per method and queue: enough for a burst of callers to be taken
  * without waiting for a re-arm. */
@@ -56,7 +63,8 @@ void rpc_call_unref(rpc_call *c)
         pthread_mutex_unlock(&r->live_lock);
     }
     if (c->started && c->method->destroy) c->method->destroy(c);
-    const bool was_active = c->started;
+    if (c->peer) moed_peers_leave(r->peers, c->peer);
+    const bool was_active = c->active;
     if (c->call) grpc_call_unref(c->call);
     grpc_metadata_array_destroy(&c->md);
     grpc_call_details_destroy(&c->call_details);
@@ -183,12 +191,102 @@ int rpc_health_status(moed_rpc *r)
     return s;
 }
 
+/* ---- compressed requests --------------------------------------------------------------------- */
+
+#define INFLATE_CHUNK ((size_t)1 << 20)
+
+/* Appends the filled part of *cur to out and starts a fresh chunk (or none, with room 0). */
+static void next_chunk(grpc_slice_buffer *out, grpc_slice *cur, size_t used, size_t room)
+{
+    if (used)
+        grpc_slice_buffer_add(out, grpc_slice_sub_no_ref(*cur, 0, used));
+    else if (GRPC_SLICE_LENGTH(*cur))
+        grpc_slice_unref(*cur);
+    *cur = room ? grpc_slice_malloc(room) : grpc_empty_slice();
+}
+
+/* Inflates src into out, failing once more than `limit` bytes come out. */
+static int inflate_slices(z_stream *z, const grpc_slice_buffer *src, grpc_slice_buffer *out,
+                          size_t limit, moed_error *err)
+{
+    grpc_slice cur = grpc_empty_slice();
+    size_t used = 0, total = 0, i = 0;
+    int zr = Z_OK;
+    while (zr == Z_OK) {
+        if (!z->avail_in && i < src->count) {
+            grpc_slice in = src->slices[i++];
+            z->next_in = GRPC_SLICE_START_PTR(in);
+            z->avail_in = (uInt)GRPC_SLICE_LENGTH(in);
+        }
+        if (used == GRPC_SLICE_LENGTH(cur)) {
+            size_t room = limit + 1 - total < INFLATE_CHUNK ? limit + 1 - total : INFLATE_CHUNK;
+            next_chunk(out, &cur, used, room);
+            used = 0;
+        }
+        z->next_out = GRPC_SLICE_START_PTR(cur) + used;
+        z->avail_out = (uInt)(GRPC_SLICE_LENGTH(cur) - used);
+        zr = inflate(z, Z_NO_FLUSH);
+        size_t got = GRPC_SLICE_LENGTH(cur) - used - z->avail_out;
+        used += got;
+        total += got;
+        if (total > limit) zr = Z_MEM_ERROR;
+        if (zr == Z_BUF_ERROR && !z->avail_in && i == src->count) break; /* input ends early */
+        if (zr == Z_BUF_ERROR) zr = Z_OK;
+    }
+    next_chunk(out, &cur, used, 0);
+    if (zr == Z_STREAM_END) return 0;
+    if (total > limit)
+        return moed_fail(err, MOED_ETOOBIG,
+                         "the compressed request inflates past this server's limit of %zu bytes "
+                         "(--max-message-bytes): send fewer tokens per call or raise the flag",
+                         limit);
+    return moed_fail(err, MOED_EFORMAT,
+                     "the compressed request does not inflate (%s): compress it whole with the "
+                     "algorithm its grpc-encoding names, or send it uncompressed",
+                     zr == Z_BUF_ERROR ? "it ends early"
+                     : z->msg          ? z->msg
+                                       : "corrupt data");
+}
+
+int rpc_inflate(const moed_rpc *r, grpc_byte_buffer **bb, moed_error *err)
+{
+    grpc_byte_buffer *in = *bb;
+    if (!in || in->data.raw.compression == GRPC_COMPRESS_NONE) return 0;
+    z_stream z;
+    memset(&z, 0, sizeof z);
+    /* gRPC's gzip is RFC 1952 (window bits + 16), its deflate the zlib format (RFC 1950). */
+    if (inflateInit2(&z, in->data.raw.compression == GRPC_COMPRESS_GZIP ? 15 + 16 : 15) != Z_OK)
+        return moed_fail(err, MOED_ENOMEM, "no memory to inflate the request");
+    grpc_slice_buffer out;
+    grpc_slice_buffer_init(&out);
+    int rc =
+        inflate_slices(&z, &in->data.raw.slice_buffer, &out, (size_t)r->cfg.max_message_bytes, err);
+    inflateEnd(&z);
+    if (!rc) {
+        *bb = grpc_raw_byte_buffer_create(out.slices, out.count);
+        grpc_byte_buffer_destroy(in);
+    }
+    grpc_slice_buffer_destroy(&out);
+    return rc;
+}
+
 /* ---- requesting calls ------------------------------------------------------------------------ */
 
 static void request_call(rpc_cq *q, int m);
 
+/* Turns a call away before anything of it is read: its status goes out with a reset of the
+ * stream, and nothing of it is kept waiting for the peer to read that (a reply would hold the call
+ * until then, and a peer that never reads would pin every call it opens). */
+static void refuse(rpc_call *c, const moed_error *err)
+{
+    int status = moed_err_grpc_status(err->code);
+    rpc_count(c, status, c->t_received_ns, NULL, NULL);
+    grpc_call_cancel_with_status(c->call, (grpc_status_code)status, err->msg, NULL);
+}
+
 /* With a bearer token configured, a call without it is answered UNAUTHENTICATED before its
- * method sees it. Health stays open: probes and load balancers send no credentials. */
+ * method sees it, and before its request is read. Health stays open: probes and load balancers
+ * send no credentials. */
 static bool refuse_unauthenticated(rpc_call *c)
 {
     moed_error err;
@@ -196,7 +294,7 @@ static bool refuse_unauthenticated(rpc_call *c)
         !moed_security_check_call(c->rpc->cfg.security, &c->md, &err))
         return false;
     moed_log_debug("call refused", "method=%s reason=\"%s\"", c->method->path, err.msg);
-    rpc_reply_error(c, &err);
+    refuse(c, &err);
     return true;
 }
 
@@ -209,8 +307,49 @@ static bool refuse_draining(rpc_call *c)
         return false;
     moed_fail(&err, MOED_EDRAINING,
               "moed is draining (shutting down) and takes no new calls; retry on another server");
-    rpc_reply_error(c, &err);
+    refuse(c, &err);
     return true;
+}
+
+/* A connection may hold twice the MAX_CONCURRENT_STREAMS moed advertises (a client that honours
+ * the setting never comes near: the slack covers calls whose end the client has seen before this
+ * side has freed them); a call past that is refused at once, unread. Unix-socket peers all share
+ * one address and are not counted: the socket file's permissions admit them. */
+static bool refuse_crowded(rpc_call *c)
+{
+    moed_rpc *r = c->rpc;
+    char *peer = grpc_call_get_peer(c->call);
+    bool counted = peer && strncmp(peer, "unix", 4);
+    if (counted) c->peer = moed_peers_enter(r->peers, peer, 2 * r->cfg.max_streams);
+    gpr_free(peer);
+    if (!counted || c->peer) return false;
+    moed_error err;
+    moed_fail(&err, MOED_ETOOBIG,
+              "%d calls open on this connection; MAX_CONCURRENT_STREAMS is %d (--max-streams)",
+              2 * r->cfg.max_streams, r->cfg.max_streams);
+    refuse(c, &err);
+    return true;
+}
+
+static void start_method(rpc_call *c)
+{
+    c->started = true;
+    c->method->start(c);
+}
+
+/* A unary call's request has arrived, or the call ended first: a client that cancelled or reset
+ * its stream before its message was whole is counted CANCELLED and needs no answer. */
+static void on_payload(rpc_tag *t, bool ok)
+{
+    rpc_call *c = moed_container_of(t, rpc_call, on_payload);
+    moed_error err;
+    if (!c->payload && (!ok || grpc_call_failed_before_recv_message(c->call)))
+        rpc_count(c, GRPC_STATUS_CANCELLED, c->t_received_ns, NULL, NULL);
+    else if (rpc_inflate(c->rpc, &c->payload, &err))
+        rpc_reply_error(c, &err);
+    else
+        start_method(c);
+    rpc_call_unref(c);
 }
 
 static void on_new(rpc_tag *t, bool ok)
@@ -223,14 +362,22 @@ static void on_new(rpc_tag *t, bool ok)
     }
     if (!atomic_load(&r->shutting)) request_call(c->cq, c->method_id);
     c->t_received_ns = moed_now_ns();
+    atomic_store(&r->last_call_ns, c->t_received_ns);
     atomic_fetch_add(&r->calls[c->method_id], 1);
-    if (refuse_unauthenticated(c) || refuse_draining(c)) {
+    if (refuse_crowded(c) || refuse_unauthenticated(c) || refuse_draining(c)) {
         rpc_call_unref(c);
         return;
     }
     atomic_fetch_add(&r->active, 1);
-    c->started = true;
-    c->method->start(c);
+    c->active = true;
+    if (c->method->read_payload) { /* only now is the request read: nothing before the token */
+        grpc_op op = { .op = GRPC_OP_RECV_MESSAGE };
+        op.data.recv_message.recv_message = &c->payload;
+        c->on_payload.fn = on_payload;
+        rpc_start_batch(c, &op, 1, &c->on_payload);
+    } else {
+        start_method(c);
+    }
     rpc_call_unref(c); /* the handler's reference; the ops it posted hold their own */
 }
 
@@ -255,9 +402,8 @@ static void request_call(rpc_cq *q, int m)
         methods[m]->generic
             ? grpc_server_request_call(r->server, &c->call, &c->call_details, &c->md, q->cq, q->cq,
                                        &c->on_new)
-            : grpc_server_request_registered_call(
-                  r->server, r->methods[m], &c->call, &c->deadline, &c->md,
-                  methods[m]->read_payload ? &c->payload : NULL, q->cq, q->cq, &c->on_new);
+            : grpc_server_request_registered_call(r->server, r->methods[m], &c->call, &c->deadline,
+                                                  &c->md, NULL, q->cq, q->cq, &c->on_new);
     if (e != GRPC_CALL_OK) {
         moed_log_error("grpc request_call refused", "method=%s error=\"%s\"", methods[m]->path,
                        grpc_call_error_to_string(e));
@@ -267,13 +413,21 @@ static void request_call(rpc_cq *q, int m)
     }
 }
 
+/* Queue 0's thread also wakes every DRAIN_POLL_MS, so that a drain waiting for callers to go quiet
+ * finishes when they have, whether or not any event comes. */
 static void *cq_main(void *arg)
 {
     rpc_cq *q = arg;
+    moed_rpc *r = q->rpc;
+    bool polls = q == &r->cqs[0];
     for (;;) {
-        grpc_event ev = grpc_completion_queue_next(q->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+        gpr_timespec until = polls ? gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                                  gpr_time_from_millis(DRAIN_POLL_MS, GPR_TIMESPAN))
+                                   : gpr_inf_future(GPR_CLOCK_MONOTONIC);
+        grpc_event ev = grpc_completion_queue_next(q->cq, until, NULL);
         if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
         if (ev.type == GRPC_OP_COMPLETE) ((rpc_tag *)ev.tag)->fn(ev.tag, ev.success != 0);
+        if (ev.type == GRPC_QUEUE_TIMEOUT && atomic_load(&r->draining)) maybe_shutdown(r);
     }
     return NULL;
 }
@@ -401,9 +555,17 @@ static void set_address(moed_rpc *r, int port)
     snprintf(r->address, sizeof r->address, "%.*s:%d", host, a, port);
 }
 
+/* The transport's limits. Compression: gRPC core 1.51 inflates a compressed message whole, and
+ * checks only its compressed size against the receive limit, so a 0.5 MB gzip body becomes 500
+ * MiB; off unless --accept-compression, and then moed inflates it itself, never past
+ * --max-message-bytes (rpc_inflate). The resource quota bounds what gRPC holds (read buffers,
+ * streams, request bytes until their reply): past 80 % of it flow-control windows shrink, over it
+ * gRPC resets streams. */
 static grpc_server *create_server(const moed_rpc_config *cfg)
 {
     int64_t recv_limit = 2 * cfg->max_message_bytes;
+    grpc_resource_quota *quota = grpc_resource_quota_create("moed");
+    grpc_resource_quota_resize(quota, (size_t)cfg->max_grpc_memory);
     grpc_arg args[] = {
         /* Above ours, so a request over --max-message-bytes gets our message naming the flag. */
         { GRPC_ARG_INTEGER,
@@ -416,14 +578,34 @@ static grpc_server *create_server(const moed_rpc_config *cfg)
         { GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_MAX_FRAME_SIZE, { .integer = 1 << 20 } },
         /* A second daemon on a busy port must fail to bind, not share it silently. */
         { GRPC_ARG_INTEGER, GRPC_ARG_ALLOW_REUSEPORT, { .integer = 0 } },
-        /* Attention workers hold connections open between bursts and may keep them alive. */
+        /* Attention workers hold connections open between bursts and may keep them alive, at
+         * most one ping per 10 s; the second ping too many closes the connection. */
         { GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, { .integer = 1 } },
         { GRPC_ARG_INTEGER,
           GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
           { .integer = 10000 } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_MAX_PING_STRIKES, { .integer = 2 } },
+        /* Peers that vanished without closing are found by our pings within 80 s; a connection
+         * that never finishes its handshake is dropped after 10 s (gRPC's default: 120 s). */
+        { GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_TIME_MS, { .integer = 60000 } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_TIMEOUT_MS, { .integer = 20000 } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, { .integer = 10000 } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_MAX_CONCURRENT_STREAMS, { .integer = cfg->max_streams } },
+        /* Headers: the token (at most 4 KiB) and gRPC's own fit with room to spare. */
+        { GRPC_ARG_INTEGER, GRPC_ARG_MAX_METADATA_SIZE, { .integer = 16 << 10 } },
+        { GRPC_ARG_INTEGER,
+          GRPC_COMPRESSION_CHANNEL_ENABLED_ALGORITHMS_BITSET,
+          { .integer = cfg->accept_compression ? (1 << GRPC_COMPRESS_ALGORITHMS_COUNT) - 1
+                                               : 1 << GRPC_COMPRESS_NONE } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_ENABLE_PER_MESSAGE_DECOMPRESSION, { .integer = 0 } },
+        { GRPC_ARG_POINTER,
+          GRPC_ARG_RESOURCE_QUOTA,
+          { .pointer = { quota, grpc_resource_quota_arg_vtable() } } },
     };
     grpc_channel_args ca = { sizeof args / sizeof args[0], args };
-    return grpc_server_create(&ca, NULL);
+    grpc_server *server = grpc_server_create(&ca, NULL);
+    grpc_resource_quota_unref(quota); /* the server holds its own reference */
+    return server;
 }
 
 int moed_rpc_start(const moed_rpc_config *cfg, moed_rpc **out, moed_error *err)
@@ -441,18 +623,15 @@ int moed_rpc_start(const moed_rpc_config *cfg, moed_rpc **out, moed_error *err)
     r->serving = HEALTH_NOT_SERVING;
     pthread_mutex_init(&r->live_lock, NULL);
     moed_list_init(&r->live);
-    if (!(r->server = create_server(cfg)) ||
+    if (!(r->server = create_server(cfg)) || !(r->peers = moed_peers_create()) ||
         !(r->cqs = calloc((size_t)cfg->cq_threads, sizeof *r->cqs))) {
         rc = moed_fail(err, MOED_ENOMEM, "no memory for the gRPC server");
         goto err;
     }
     for (int m = 0; m < M_COUNT; m++)
         if (!methods[m]->generic)
-            r->methods[m] = grpc_server_register_method(
-                r->server, methods[m]->path, NULL,
-                methods[m]->read_payload ? GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER
-                                         : GRPC_SRM_PAYLOAD_NONE,
-                0);
+            r->methods[m] = grpc_server_register_method(r->server, methods[m]->path, NULL,
+                                                        GRPC_SRM_PAYLOAD_NONE, 0);
     /* Threads before the port: until grpc_server_start a failure can simply destroy the server. */
     for (r->n_cqs = 0; r->n_cqs < cfg->cq_threads; r->n_cqs++) {
         rpc_cq *q = &r->cqs[r->n_cqs];
@@ -560,18 +739,25 @@ static void shutdown_now(moed_rpc *r)
     grpc_server_shutdown_and_notify(r->server, r->cqs[0].cq, &r->shutdown_tag);
 }
 
+/* The second half waits for no call in flight and none arriving for DRAIN_QUIET_NS: a call on its
+ * way when gRPC core shuts down is cancelled by it, and its caller would see CANCELLED. Callers
+ * told UNAVAILABLE (and watchers told NOT_SERVING) stop sending; those that never do are cut short
+ * by --drain-timeout. */
 static void maybe_shutdown(moed_rpc *r)
 {
-    if (atomic_load(&r->active) == 0) shutdown_now(r);
+    if (atomic_load(&r->active) == 0 &&
+        moed_now_ns() - atomic_load(&r->last_call_ns) >= DRAIN_QUIET_NS)
+        shutdown_now(r);
 }
 
 /* Draining has two halves. First the server keeps accepting calls, so that a new Forward on an
  * open connection is answered UNAVAILABLE with a message instead of being cancelled by gRPC core,
  * while every call in flight finishes; streams and watches are told to end. When the last one is
- * gone, the gRPC server shuts down (shutdown_now). */
+ * gone and callers have gone quiet, the gRPC server shuts down (maybe_shutdown). */
 void moed_rpc_drain(moed_rpc *r, void (*on_drained)(void *arg), void *arg)
 {
     if (atomic_exchange(&r->draining, true)) return;
+    moed_sched_flush(r->cfg.sched); /* calls waiting in a merge window are launched now */
     moed_rpc_set_serving(r, false);
     r->on_drained = on_drained;
     r->drained_arg = arg;
@@ -602,6 +788,7 @@ void moed_rpc_destroy(moed_rpc *r)
         grpc_completion_queue_destroy(r->cqs[i].cq);
     }
     free(r->cqs);
+    moed_peers_destroy(r->peers);
     pthread_mutex_destroy(&r->live_lock);
     free(r);
     grpc_shutdown();

@@ -8,10 +8,16 @@
  * are taken at once. Forward payloads are decoded on the queue thread and queued in the
  * scheduler; replies are sent from the scheduler's worker threads.
  *
+ * Admission: a call is let in on its headers (its connection under twice --max-streams calls, the
+ * bearer token, not draining) and only then is its request read; one turned away gets its status
+ * with a stream reset, unread. The transport's limits (stream count, header size, pings,
+ * compression, gRPC's resource quota) are set where the server is created (rpc.c).
+ *
  * Life cycle: moed_rpc_start (bound and serving, health NOT_SERVING) → moed_rpc_set_serving(true)
- * → moed_rpc_drain (SIGTERM: NOT_SERVING, no new calls, open streams and watches ended once their
- * requests are answered; on_drained fires when every call is finished) → the scheduler drains →
- * moed_rpc_destroy.
+ * → moed_rpc_drain (SIGTERM: merge windows flushed, NOT_SERVING, new Forward calls answered
+ * UNAVAILABLE, open streams and watches ended once their requests are answered; once no call is
+ * open and none has arrived for a moment, gRPC stops listening, and on_drained fires when every
+ * call is finished) → the scheduler drains → moed_rpc_destroy.
  */
 #ifndef MOED_RPC_H
 #define MOED_RPC_H
@@ -32,6 +38,9 @@ typedef struct moed_rpc_config {
     const char *listen; /* host:port; port 0 picks a free one (see moed_rpc_address) */
     int cq_threads;
     int64_t max_message_bytes; /* our limit; gRPC's own is set above it so ours answers */
+    int max_streams;           /* MAX_CONCURRENT_STREAMS advertised; twice it enforced */
+    int64_t max_grpc_memory;   /* gRPC core's resource quota, bytes */
+    bool accept_compression;   /* compressed requests accepted (else refused at their headers) */
     moed_sched *sched;
     const moed_served *served;
     moed_backend *backend;         /* GetModel: name and devices */
@@ -58,7 +67,9 @@ const char *moed_rpc_address(const moed_rpc *r);
 /* Health status of "" and "moed.v1.Moed": SERVING or NOT_SERVING; Watch streams are told. */
 void moed_rpc_set_serving(moed_rpc *r, bool serving);
 
-/* Begins the drain; on_drained(arg) runs (on a queue thread) once every call has finished. */
+/* Begins the drain; on_drained(arg) runs (on a queue thread) once every call has finished and
+ * callers have gone quiet (no new call for 250 ms: a call on its way when gRPC core shuts down
+ * would be cancelled by it). */
 void moed_rpc_drain(moed_rpc *r, void (*on_drained)(void *arg), void *arg);
 
 /* Cuts short a drain: cancels the calls still open. */

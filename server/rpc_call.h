@@ -11,6 +11,7 @@
 #define MOED_RPC_CALL_H
 
 #include "moed_list.h"
+#include "peers.h"
 #include "rpc.h"
 
 #include <grpc/grpc.h>
@@ -52,15 +53,17 @@ struct moed_rpc {
     rpc_cq *cqs;
     int n_cqs;
     char address[256];
-    bool started;          /* grpc_server_start ran: destroy only after the shutdown tag */
-    _Atomic bool draining; /* new Forward calls are answered UNAVAILABLE */
-    _Atomic bool shutting; /* grpc_server_shutdown_and_notify called: no new calls at all */
+    bool started;                  /* grpc_server_start ran: destroy only after the shutdown tag */
+    _Atomic bool draining;         /* new Forward calls are answered UNAVAILABLE */
+    _Atomic bool shutting;         /* grpc_server_shutdown_and_notify called: no new calls at all */
+    _Atomic uint64_t last_call_ns; /* when the latest call arrived (moed_now_ns) */
     rpc_tag shutdown_tag;
     void (*on_drained)(void *arg);
     void *drained_arg;
     pthread_mutex_t live_lock; /* the streaming calls (streams, watches), for drain and health */
     moed_list live;            /* of rpc_call.live_node */
     int serving;               /* HEALTH_SERVING or HEALTH_NOT_SERVING, under live_lock */
+    moed_peers *peers;         /* calls open per connection, held to 2 x --max-streams */
     _Atomic uint64_t calls[M_COUNT], forwards, by_status[MOED_GRPC_STATUS_COUNT], active;
 };
 
@@ -68,9 +71,9 @@ struct moed_rpc {
  * server drains and hear of health changes. */
 typedef struct rpc_method {
     const char *path;
-    size_t size; /* of the method's call state, which begins with rpc_call */
-    bool read_payload;
-    bool generic; /* not registered: takes the calls to every other method */
+    size_t size;       /* of the method's call state, which begins with rpc_call */
+    bool read_payload; /* unary: the request is read (once the call is let in) before start */
+    bool generic;      /* not registered: takes the calls to every other method */
     void (*start)(rpc_call *c);
     void (*drain)(rpc_call *c);
     void (*health)(rpc_call *c, int status);
@@ -86,11 +89,13 @@ struct rpc_call {
     gpr_timespec deadline;
     grpc_metadata_array md;
     grpc_call_details call_details; /* the generic method's: which method was called */
-    grpc_byte_buffer *payload;      /* unary requests: read with the call */
+    grpc_byte_buffer *payload;      /* unary requests: read once the call is let in */
     _Atomic int refs;
     uint64_t t_received_ns;
-    bool started; /* the method's start ran: its destroy must run too */
-    rpc_tag on_new;
+    moed_peer *peer; /* its connection's count of open calls, or NULL (not counted) */
+    bool active;     /* let in (token, drain and stream count checked): the drain waits for it */
+    bool started;    /* the method's start ran: its destroy must run too */
+    rpc_tag on_new, on_payload;
     /* RECV_CLOSE_ON_SERVER */
     rpc_tag on_close;
     void (*close_fn)(rpc_call *c);
@@ -133,6 +138,10 @@ void rpc_live_add(rpc_call *c);
  * sizes of its request and reply messages (either may be NULL). */
 void rpc_count(rpc_call *c, int grpc_status, uint64_t t_received_ns, grpc_byte_buffer *request,
                grpc_byte_buffer *reply);
+
+/* A compressed request (--accept-compression) inflated into a plain buffer that replaces *bb; a
+ * plain one is left as it is. MOED_ETOOBIG past --max-message-bytes, MOED_EFORMAT when corrupt. */
+int rpc_inflate(const moed_rpc *r, grpc_byte_buffer **bb, moed_error *err);
 
 /* The call's deadline on moed_now_ns()'s clock, 0 for none. */
 uint64_t rpc_deadline_ns(const rpc_call *c);

@@ -71,6 +71,7 @@ struct moed_sched {
     moed_list active; /* of queue.active_node: the non-empty queues */
     int64_t queued;
     bool draining;
+    bool flushing; /* merge windows are closed: see moed_sched_flush */
     worker *workers;
     int n_workers;
     int max_items; /* per launch: every request has T >= 1 and sits in the bounded queue */
@@ -152,20 +153,22 @@ static queue *pick_queue(moed_sched *s, int exec, uint64_t now, uint64_t *wake_a
         uint64_t t0 = oldest(q)->t_enqueued_ns;
         bool full = q->tokens >= s->cfg.max_batch_tokens;
         bool enough = s->cfg.min_batch_requests > 1 && q->n >= s->cfg.min_batch_requests;
-        bool ready = s->draining || full || (!q->in_flight && (enough || now >= t0 + delay));
+        bool ready =
+            s->draining || s->flushing || full || (!q->in_flight && (enough || now >= t0 + delay));
         if (ready && (!best || t0 < oldest(best)->t_enqueued_ns)) best = q;
         if (!ready && !q->in_flight && (!*wake_at || t0 + delay < *wake_at)) *wake_at = t0 + delay;
     }
     return best;
 }
 
-/* Takes the queue's requests in order while they fit in one launch; those whose deadline has
+/* Takes the queue's requests in order while they fit in one launch (tokens and pairs; the first
+ * always goes, a request never being larger than the limits allow); those whose deadline has
  * passed are moved to `expired` instead. Returns the number taken into items. */
 static int take_batch(moed_sched *s, queue *q, uint64_t now, moed_sched_item **items,
                       moed_list *expired)
 {
     int n = 0;
-    int64_t tokens = 0;
+    int64_t tokens = 0, pairs = 0;
     moed_list *node = moed_list_head(&q->items);
     while (node != &q->items && n < s->max_items) {
         moed_sched_item *it = moed_list_data(node, moed_sched_item, node);
@@ -174,10 +177,13 @@ static int take_batch(moed_sched *s, queue *q, uint64_t now, moed_sched_item **i
             unlink_item(s, it);
             it->state = ST_DONE;
             moed_list_insert_tail(expired, &it->node);
-        } else if (tokens + it->T <= s->cfg.max_batch_tokens) {
+        } else if (tokens + it->T <= s->cfg.max_batch_tokens &&
+                   (!n || pairs + it->pairs <= s->cfg.max_batch_pairs)) {
             unlink_item(s, it);
             it->state = ST_RUNNING;
+            atomic_store(&it->cancelled, false);
             tokens += it->T;
+            pairs += it->pairs;
             items[n++] = it;
         } else {
             break;
@@ -228,8 +234,26 @@ static int ensure_route(worker *w, int64_t T, int64_t pairs)
     return 0;
 }
 
-/* Has each request copy its rows into the staging, end to end; a request whose copy fails is
- * answered now, and the next one's rows take its place. */
+/* A request whose caller has gone while its launch was assembled (cancelled, or past its
+ * deadline) is answered so, and computes nothing. */
+static bool answer_if_gone(moed_sched *s, moed_sched_item *it)
+{
+    moed_error err;
+    int code = atomic_load(&it->cancelled)                           ? MOED_ECANCELLED
+               : it->deadline_ns && moed_now_ns() >= it->deadline_ns ? MOED_EDEADLINE
+                                                                     : 0;
+    if (!code) return false;
+    moed_fail(&err, code,
+              code == MOED_ECANCELLED
+                  ? "the call was cancelled while its launch was assembled"
+                  : "the deadline passed while the request's launch was assembled; allow more "
+                    "time or send to a less loaded server");
+    finish_error(s, it, code, &err);
+    return true;
+}
+
+/* Has each request copy its rows into the staging, end to end; a request whose copy fails, or
+ * whose caller has gone, is answered now, and the next one's rows take its place. */
 static void stage_in(worker *w, launch *l)
 {
     int m = 0;
@@ -237,6 +261,7 @@ static void stage_in(worker *w, launch *l)
     for (int i = 0; i < l->n; i++) {
         moed_sched_item *it = w->items[i];
         moed_error err = { 0 };
+        if (answer_if_gone(w->s, it)) continue;
         int rc = it->copy_in(it, (char *)w->x + T * l->row_bytes, &err);
         if (rc) {
             finish_error(w->s, it, rc, &err);
@@ -252,14 +277,29 @@ static void stage_in(worker *w, launch *l)
     l->T = T;
 }
 
+/* The requests whose caller went while the server router ran leave the launch (items[i] = NULL);
+ * returns how many. */
+static int drop_gone(worker *w, const launch *l)
+{
+    int n = 0;
+    for (int i = 0; i < l->n; i++)
+        if (answer_if_gone(w->s, w->items[i])) {
+            w->items[i] = NULL;
+            n++;
+        }
+    return n;
+}
+
 /* Routes every request that is routed on the worker: server-router logits gated per token, or the
- * logits rows of a batch-gated launch gathered. A request that fails is answered now and its
- * slot in items set to NULL. */
+ * logits rows of a batch-gated launch gathered. A request that fails (also one whose gating keeps
+ * more pairs than --max-batch-pairs) is answered now and its slot in items set to NULL. */
 static void route_requests(worker *w, const launch *l)
 {
     int E = l->E;
+    int64_t max_pairs = w->s->cfg.max_batch_pairs;
     for (int i = 0; i < l->n; i++) {
         moed_sched_item *it = w->items[i];
+        if (!it) continue;
         float *lg = w->logits + w->rows[i] * E;
         moed_error err = { 0 };
         int rc = 0;
@@ -276,7 +316,14 @@ static void route_requests(worker *w, const launch *l)
             moed_route_free(&it->route);
             rc = moed_gate(&it->gate, &l->layer->info, l->layer->router_bias, lg, it->T, &it->route,
                            &err);
-            if (rc) moed_error_prefix(&err, "gating the server router's logits");
+            if (rc)
+                moed_error_prefix(&err, "gating the server router's logits");
+            else if (it->route.off[it->T] > max_pairs)
+                rc = moed_fail(&err, MOED_ETOOBIG,
+                               "gating the server router's logits kept %lld (token, expert) "
+                               "pairs, over this server's --max-batch-pairs = %lld: send fewer "
+                               "tokens, a higher threshold, or a top-k strategy",
+                               (long long)it->route.off[it->T], (long long)max_pairs);
         }
         if (rc) {
             finish_error(w->s, it, rc, &err);
@@ -285,9 +332,9 @@ static void route_requests(worker *w, const launch *l)
     }
 }
 
-/* Squeezes the rows of failed requests out of x and logits: items, rows and tokens compacted
- * alike, l->n and l->T what is left. */
-static void compact(worker *w, launch *l)
+/* Squeezes the rows of failed requests out of x (and logits, when the launch has them): items,
+ * rows and tokens compacted alike, l->n and l->T what is left. */
+static void compact(worker *w, launch *l, bool logits)
 {
     int m = 0;
     int64_t row = 0;
@@ -296,8 +343,9 @@ static void compact(worker *w, launch *l)
         if (w->rows[i] != row) {
             memmove((char *)w->x + row * l->row_bytes, (char *)w->x + w->rows[i] * l->row_bytes,
                     (size_t)w->tokens[i] * l->row_bytes);
-            memmove(w->logits + row * l->E, w->logits + w->rows[i] * l->E,
-                    (size_t)(w->tokens[i] * l->E) * sizeof(float));
+            if (logits)
+                memmove(w->logits + row * l->E, w->logits + w->rows[i] * l->E,
+                        (size_t)(w->tokens[i] * l->E) * sizeof(float));
         }
         w->items[m] = w->items[i];
         w->tokens[m] = w->tokens[i];
@@ -343,10 +391,9 @@ static int compute(worker *w, launch *l, moed_error *err)
                                                  w->logits, err)
                     : 0;
     if (rc) return rc;
-    if (server || l->k_batch) {
-        route_requests(w, l);
-        compact(w, l);
-    }
+    int dropped = drop_gone(w, l); /* the server router may have taken a while */
+    if (server || l->k_batch) route_requests(w, l);
+    if (dropped || server || l->k_batch) compact(w, l, server || l->k_batch);
     if (!l->n || (rc = merge_routes(w, l, err))) return rc;
     moed_job job = {
         .slot = l->slot, .dtype = l->dtype, .T = l->T, .x = w->x, .y = w->y, .route = l->route
@@ -502,6 +549,7 @@ int moed_sched_create(const moed_sched_config *cfg, moed_sched **out, moed_error
     moed_sched *s = calloc(1, sizeof *s);
     if (!s) return moed_fail(err, MOED_ENOMEM, "no memory for the scheduler");
     s->cfg = *cfg;
+    if (s->cfg.max_batch_pairs <= 0) s->cfg.max_batch_pairs = INT64_MAX;
     int64_t max_d = 1, max_e = 1;
     for (int i = 0; i < cfg->n_layers; i++) {
         const moed_layer_info *li = &cfg->layers[i]->info;
@@ -569,6 +617,8 @@ void moed_sched_cancel(moed_sched *s, moed_sched_item *it)
     if (queued) {
         unlink_item(s, it);
         it->state = ST_DONE;
+    } else if (it->state == ST_RUNNING) {
+        atomic_store(&it->cancelled, true); /* the worker drops it if the backend has not got it */
     }
     pthread_mutex_unlock(&s->lock);
     if (queued) {
@@ -576,6 +626,14 @@ void moed_sched_cancel(moed_sched *s, moed_sched_item *it)
         moed_fail(&err, MOED_ECANCELLED, "the call was cancelled while queued");
         finish_error(s, it, MOED_ECANCELLED, &err);
     }
+}
+
+void moed_sched_flush(moed_sched *s)
+{
+    pthread_mutex_lock(&s->lock);
+    s->flushing = true;
+    pthread_cond_broadcast(&s->wake);
+    pthread_mutex_unlock(&s->lock);
 }
 
 void moed_sched_drain(moed_sched *s)

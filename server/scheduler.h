@@ -29,6 +29,7 @@
 #include "moed_route.h"
 #include "timings.h"
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <time.h>
@@ -67,6 +68,8 @@ struct moed_sched_item {
     moed_gate_params gate; /* resolved; applied by the worker to server logits */
     int k_batch;           /* > 0: batch-level gating over the merged batch with this k */
     float *logits;         /* batch gating with client logits: [T, n_experts] */
+    int64_t pairs; /* (token, expert) pairs it adds to a launch: its route's, T x k_batch, or (the
+                      worker gates server logits) the most its gate can keep */
     /* route and logits stay the submitter's to free, after done; the worker may replace route
      * (gating server logits) with one the submitter then frees the same way. */
 
@@ -81,6 +84,7 @@ struct moed_sched_item {
     moed_list node; /* on its queue while queued */
     void *queue;
     int state;
+    _Atomic bool cancelled; /* the caller went while its launch was being assembled */
     uint64_t t_enqueued_ns;
 };
 
@@ -89,6 +93,8 @@ typedef struct moed_sched_config {
     const moed_layer *const *layers; /* the resident layers by backend slot: sizes the staging */
     int n_layers;
     int64_t max_batch_tokens;
+    int64_t max_batch_pairs; /* a launch's (token, expert) pairs (moed_sched_item.pairs); 0: no
+                                bound */
     int64_t max_delay_us;
     int64_t min_batch_requests; /* ready before the window closes once this many wait; <= 1: off */
     int64_t max_queue_requests;
@@ -119,8 +125,14 @@ int moed_sched_create(const moed_sched_config *cfg, moed_sched **out, moed_error
 int moed_sched_submit(moed_sched *s, moed_sched_item *it, moed_error *err);
 
 /* The call went away: a queued item leaves its queue and done is called with MOED_ECANCELLED on
- * this thread; an item already launched runs to completion (its result is then discarded). */
+ * this thread; an item whose launch is being assembled is dropped from it (done with
+ * MOED_ECANCELLED, on the worker) unless the backend has it already; then it runs to completion
+ * and its result is discarded. */
 void moed_sched_cancel(moed_sched *s, moed_sched_item *it);
+
+/* Closes every merge window now and from now on (the drain's first step): what is queued, and
+ * what comes later, is launched without waiting for more requests. */
+void moed_sched_flush(moed_sched *s);
 
 /* Stops accepting, runs everything queued (without waiting for merge windows), then stops and
  * joins the workers. */

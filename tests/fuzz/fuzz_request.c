@@ -51,7 +51,11 @@ static void setup(void)
         layers[i].info.index = made[i].index; /* what clients name it */
         served_layers[i] = &layers[i];
     }
-    served = (moed_served){ served_layers, 4, 64, 1 << 16 };
+    served = (moed_served){ .layers = served_layers,
+                            .n_layers = 4,
+                            .max_batch_tokens = 64,
+                            .max_message_bytes = 1 << 16,
+                            .max_batch_pairs = 64 * 8 };
 }
 
 /* ---- splitting ------------------------------------------------------------------------------- */

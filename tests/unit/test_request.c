@@ -17,7 +17,11 @@
 
 static moed_layer layers[2];
 static const moed_layer *ptrs[2] = { &layers[0], &layers[1] };
-static const moed_served served = { ptrs, 2, 64, 1 << 20 };
+static const moed_served served = { .layers = ptrs,
+                                    .n_layers = 2,
+                                    .max_batch_tokens = 64,
+                                    .max_batch_pairs = 100,
+                                    .max_message_bytes = 1 << 20 };
 static float router[1];
 
 /* A request under construction: hidden [T, d] F32 for layer, then the routing the test sets. */
@@ -142,7 +146,7 @@ static void test_good(void)
           w.item.dtype == MOED_F32);
     CHECK(!strcmp(w.request_id, "id-1") && w.request_id_len == 4);
     CHECK(w.item.route.off && w.item.route.T == 5 && w.item.route.off[5] == 9 &&
-          !w.item.server_logits && !w.item.k_batch);
+          !w.item.server_logits && !w.item.k_batch && w.item.pairs == 9);
     moed_work_free(&w);
 
     /* Client logits, top-2 softmax: the route is what moed_gate gives for them. */
@@ -175,7 +179,69 @@ static void test_good(void)
     b.req.server_router = &b.sr;
     CHECK_EQ_INT(validate(&b, &w, &err), 0);
     CHECK(w.item.server_logits && w.item.gate.top_k == 2 &&
-          w.item.gate.renormalize == MOED_RENORM_ON);
+          w.item.gate.renormalize == MOED_RENORM_ON && w.item.pairs == 4);
+    moed_work_free(&w);
+}
+
+/* --max-batch-pairs (100 here): the (token, expert) pairs a request routes are counted where the
+ * route is known, padding excluded, and refused over the bound with RESOURCE_EXHAUSTED naming the
+ * flag; server-gated requests whose count only the worker knows carry their most (T x experts). */
+static void test_pairs(void)
+{
+    build b;
+    moed_work w;
+    moed_error err;
+
+    init_build(&b, 3, 60, 8);
+    set_choice(&b, 60, 2);
+    expect(&b, MOED_ETOOBIG, "120 (token, expert) pairs", "--max-batch-pairs = 100", "choice");
+
+    moed_served unbounded = served; /* 0: no bound (what a caller that sets none gets) */
+    unbounded.max_batch_pairs = 0;
+    static uint8_t buf[1 << 16];
+    grpc_slice sl = grpc_slice_from_copied_buffer((const char *)buf,
+                                                  moed__v1__forward_request__pack(&b.req, buf));
+    moed_wire_request q;
+    CHECK_EQ_INT(moed_wire_decode_request(&sl, 1, &q, &err), 0);
+    CHECK_EQ_INT(moed_request_validate(&unbounded, &q, &w, &err), 0);
+    CHECK(w.item.pairs == 120);
+    moed_work_free(&w);
+    grpc_slice_unref(sl);
+
+    for (int t = 0; t < 30; t++) b.id[2 * t + 1] = -1, b.wt[2 * t + 1] = 0; /* padding: free */
+    CHECK_EQ_INT(validate(&b, &w, &err), 0);
+    CHECK(w.item.pairs == 90 && w.item.route.off[60] == 90);
+    moed_work_free(&w);
+
+    /* Sigmoid gating of client logits keeps every expert over the threshold: 20 x 8. */
+    init_build(&b, 3, 20, 8);
+    set_logits(&b, 20, 8);
+    b.g.strategy = MOED__V1__STRATEGY__SIGMOID;
+    b.g.threshold = 1e-6f;
+    expect(&b, MOED_ETOOBIG, "160 (token, expert) pairs", "--max-batch-pairs", "sigmoid");
+
+    /* Batch gating: T x k_batch, known before the worker. */
+    init_build(&b, 3, 20, 8);
+    set_logits(&b, 20, 8);
+    b.req.batch_gating = &b.bg;
+    b.bg.k_batch = 8;
+    expect(&b, MOED_ETOOBIG, "160 (token, expert) pairs (T x k_batch)", "--max-batch-pairs",
+           "batch gating");
+
+    /* The server router with top-k gating keeps exactly k: refused here. */
+    init_build(&b, 3, 20, 8);
+    b.req.routing_case = MOED__V1__FORWARD_REQUEST__ROUTING_SERVER_ROUTER;
+    b.req.server_router = &b.sr;
+    b.sr.gating = &b.g;
+    b.g.strategy = MOED__V1__STRATEGY__TOPK;
+    b.g.top_k = 8;
+    expect(&b, MOED_ETOOBIG, "(T x top_k)", "--max-batch-pairs", "server top-k");
+
+    /* With sigmoid gating only the worker knows: accepted, planned at its most. */
+    b.g.strategy = MOED__V1__STRATEGY__SIGMOID;
+    b.g.top_k = 0;
+    CHECK_EQ_INT(validate(&b, &w, &err), 0);
+    CHECK(w.item.server_logits && w.item.pairs == 20 * 8);
     moed_work_free(&w);
 }
 
@@ -322,5 +388,6 @@ int main(void)
     layers[0].router = router;
     test_good();
     test_errors();
+    test_pairs();
     return check_status("test_request");
 }

@@ -111,8 +111,9 @@ static void wait_in_forward(int n)
 
 typedef struct req {
     moed_sched_item it;
-    float x[16 * 4]; /* hidden, which copy_in copies */
-    int fail_copy;   /* copy_in fails */
+    float x[16 * 4];     /* hidden, which copy_in copies */
+    int fail_copy;       /* copy_in fails */
+    struct req *cancels; /* copy_in_slowly cancels this one */
     int32_t ids[16 * 2];
     float w[16 * 2];
     /* the result */
@@ -260,18 +261,14 @@ static void expect_ok(const req *q)
     if (q->done && !q->status) expect_route(q, &q->it.route);
 }
 
-static moed_sched *start_min(int n_exec, int64_t max_tokens, int64_t delay_us, int64_t max_queue,
-                             int64_t min_requests)
+/* A scheduler over the fake with n_exec slots: cfg's limits, the test layers. */
+static moed_sched *start_cfg(int n_exec, moed_sched_config cfg)
 {
     static moed_backend be;
     be = (moed_backend){ .ops = &fake_ops, .n_exec = n_exec };
-    moed_sched_config cfg = { .backend = &be,
-                              .layers = layer_ptrs,
-                              .n_layers = 2,
-                              .max_batch_tokens = max_tokens,
-                              .max_delay_us = delay_us,
-                              .max_queue_requests = max_queue,
-                              .min_batch_requests = min_requests };
+    cfg.backend = &be;
+    cfg.layers = layer_ptrs;
+    cfg.n_layers = 2;
     moed_sched *s;
     moed_error err;
     CHECK_EQ_INT(moed_sched_create(&cfg, &s, &err), 0);
@@ -282,6 +279,15 @@ static moed_sched *start_min(int n_exec, int64_t max_tokens, int64_t delay_us, i
     n_done = 0;
     pthread_mutex_unlock(&done_m);
     return s;
+}
+
+static moed_sched *start_min(int n_exec, int64_t max_tokens, int64_t delay_us, int64_t max_queue,
+                             int64_t min_requests)
+{
+    return start_cfg(n_exec, (moed_sched_config){ .max_batch_tokens = max_tokens,
+                                                  .max_delay_us = delay_us,
+                                                  .max_queue_requests = max_queue,
+                                                  .min_batch_requests = min_requests });
 }
 
 static moed_sched *start(int n_exec, int64_t max_tokens, int64_t delay_us, int64_t max_queue)
@@ -408,7 +414,7 @@ static void test_bound_cancel_deadline(void)
     CHECK(strstr(err.msg, "--max-queue-requests") != NULL);
     moed_sched_cancel(s, &c->it); /* queued: answered here and now */
     CHECK(c->done && c->status == MOED_ECANCELLED);
-    moed_sched_cancel(s, &a->it); /* running: no effect */
+    moed_sched_cancel(s, &a->it); /* the backend has it: it runs to its end */
     CHECK(!a->done);
     /* With c gone there is room again. */
     submit_ok(s, e);
@@ -769,6 +775,144 @@ static void test_exec_placement(void)
     fk.pin = 0;
 }
 
+/* A launch never holds more (token, expert) pairs than max_batch_pairs: requests queue in order
+ * while their pairs fit, and one larger than the bound goes alone (request.c refuses those whose
+ * route is known; a server-gated one is checked on the worker). */
+static void test_max_pairs(void)
+{
+    moed_sched *s =
+        start_cfg(1, (moed_sched_config){
+                         .max_batch_tokens = 64, .max_batch_pairs = 10, .max_queue_requests = 64 });
+    hold(1);
+    req *a = make_req(0, 1, 1), *q[5];
+    a->it.pairs = 2;
+    submit_ok(s, a);
+    wait_in_forward(1);
+    int64_t T[5] = { 2, 2, 2, 3, 6 }; /* two experts per token: 4, 4, 4, 6 and 12 pairs */
+    for (int i = 0; i < 5; i++) {
+        q[i] = make_req(0, T[i], 30 + i);
+        q[i]->it.pairs = q[i]->it.route.off[T[i]];
+        submit_ok(s, q[i]);
+    }
+    hold(0);
+    wait_done(6);
+    /* [1] [2 2] [2 3] [6]: a third 4 would make 12 > 10; 4 + 6 is exactly 10; 12 goes alone. */
+    CHECK_EQ_INT(fk.n_jobs, 4);
+    int64_t want[4] = { 1, 4, 5, 6 };
+    for (int i = 0; i < 4 && i < fk.n_jobs; i++) CHECK_EQ_INT(fk.job_T[i], want[i]);
+    for (int i = 0; i < 5; i++) {
+        expect_ok(q[i]);
+        free_req(q[i]);
+    }
+    free_req(a);
+    moed_sched_destroy(s);
+}
+
+/* Server gating that keeps more pairs than the bound (sigmoid keeps every expert over its
+ * threshold) fails that request alone, on the worker, naming the flag; the next one runs. */
+static void test_server_gate_over_pairs(void)
+{
+    moed_sched *s =
+        start_cfg(1, (moed_sched_config){
+                         .max_batch_tokens = 64, .max_batch_pairs = 16, .max_queue_requests = 64 });
+    hold(1);
+    req *a = make_req(0, 1, 1);
+    submit_ok(s, a);
+    wait_in_forward(1);
+    req *big = make_server_req(0, 4, 40, 0), *ok = make_server_req(0, 2, 41, 0);
+    big->it.gate = (moed_gate_params){ .strategy = MOED_GATE_SIGMOID,
+                                       .top_k = 2,
+                                       .renormalize = MOED_RENORM_OFF,
+                                       .threshold = 1e-30f };
+    big->it.pairs = 4 * 8; /* what request.c plans for it: T x n_experts */
+    ok->it.pairs = 2 * 2;
+    submit_ok(s, big);
+    submit_ok(s, ok);
+    hold(0);
+    wait_done(3);
+    CHECK_EQ_INT(big->status, MOED_ETOOBIG);
+    CHECK_MSG(strstr(big->msg, "--max-batch-pairs") != NULL, "%s", big->msg);
+    expect_server_route(ok, 1);
+    CHECK_EQ_INT(fk.n_jobs, 2); /* a, then ok alone: big planned 32 pairs, so it went alone */
+    req *all[3] = { a, big, ok };
+    for (int i = 0; i < 3; i++) free_req(all[i]);
+    moed_sched_destroy(s);
+}
+
+/* Callers that go while their launch is assembled compute nothing: one cancelled by another's
+ * copy-in (as a client cancels mid-assembly), one whose deadline passes meanwhile. Both are
+ * answered so and counted; the launch runs with the rest. */
+static moed_sched *assembling;
+
+static int copy_in_slowly(moed_sched_item *it, void *dst, moed_error *err)
+{
+    req *q = it->user;
+    moed_sched_cancel(assembling, &q->cancels->it);
+    struct timespec ts = { 0, 20 * 1000 * 1000 };
+    nanosleep(&ts, NULL); /* the next one's deadline passes */
+    return copy_in(it, dst, err);
+}
+
+static void test_gone_while_assembling(void)
+{
+    moed_sched *s = assembling = start(1, 64, 0, 64);
+    hold(1);
+    req *a = make_req(0, 1, 1);
+    submit_ok(s, a);
+    wait_in_forward(1);
+    req *first = make_req(0, 2, 50), *victim = make_req(0, 3, 51), *late = make_req(0, 1, 52),
+        *last = make_req(0, 2, 53);
+    first->it.copy_in = copy_in_slowly;
+    first->cancels = victim;
+    late->it.deadline_ns = moed_now_ns() + 10 * 1000 * 1000; /* passes during first's copy-in */
+    submit_ok(s, first);
+    submit_ok(s, victim);
+    submit_ok(s, late);
+    submit_ok(s, last);
+    hold(0);
+    wait_done(5);
+    CHECK_EQ_INT(victim->status, MOED_ECANCELLED);
+    CHECK_EQ_INT(late->status, MOED_EDEADLINE);
+    expect_ok(first);
+    expect_ok(last);
+    CHECK_EQ_INT(fk.n_jobs, 2);
+    CHECK_EQ_INT(fk.job_T[1], 2 + 2); /* first and last only */
+    CHECK_EQ_INT(first->tm.batch_requests, 2);
+    moed_sched_stats st;
+    moed_sched_get_stats(s, &st);
+    CHECK_EQ_INT(st.cancelled, 1);
+    CHECK_EQ_INT(st.expired, 1);
+    req *all[5] = { a, first, victim, late, last };
+    for (int i = 0; i < 5; i++) free_req(all[i]);
+    moed_sched_destroy(s);
+}
+
+/* moed_sched_flush (the drain's first step) closes merge windows now: requests waiting for a
+ * 60 s window and 100 companions are launched at once, together, and later ones do not wait. */
+static void test_flush(void)
+{
+    moed_sched *s = start_min(1, 64, 60 * 1000 * 1000, 64, 100);
+    req *q[4];
+    for (int i = 0; i < 3; i++) submit_ok(s, q[i] = make_req(0, 2, 60 + i));
+    struct timespec ts = { 0, 50 * 1000 * 1000 };
+    nanosleep(&ts, NULL);
+    CHECK_EQ_INT(n_done, 0); /* the window holds them */
+    uint64_t t0 = moed_now_ns();
+    moed_sched_flush(s);
+    wait_done(3);
+    submit_ok(s, q[3] = make_req(0, 1, 63));
+    wait_done(4);
+    CHECK_MSG(moed_now_ns() - t0 < 2ull * 1000 * 1000 * 1000, "the flush took %llu ns",
+              (unsigned long long)(moed_now_ns() - t0));
+    CHECK_EQ_INT(fk.n_jobs, 2);
+    CHECK_EQ_INT(q[0]->tm.batch_requests, 3);
+    for (int i = 0; i < 4; i++) {
+        expect_ok(q[i]);
+        free_req(q[i]);
+    }
+    moed_sched_destroy(s);
+}
+
 int main(void)
 {
     init_layers();
@@ -786,5 +930,9 @@ int main(void)
     test_one_launch_per_queue();
     test_min_requests();
     test_exec_placement();
+    test_max_pairs();
+    test_server_gate_over_pairs();
+    test_gone_while_assembling();
+    test_flush();
     return check_status("test_sched");
 }

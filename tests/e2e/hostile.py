@@ -1,0 +1,438 @@
+"""What a hostile peer does to the gRPC port, spoken as raw HTTP/2 (the `h2` package), and the
+daemon's memory while it does: the hardening tests (test_hardening.py) use these with small, bounded
+counts; run as a script they repeat issue 9's measurements at full size and print the figures that
+README's security section quotes:
+
+    .venv/bin/python tests/e2e/hostile.py build/server/moed [bodies|work|flood]...
+
+- flood(): connections that open Forward streams (HEADERS + an empty DATA frame, `per_write` per
+  write), never reading what the server sends (so never acknowledging its SETTINGS either);
+- upload(): one request body of any size pushed as fast as flow control lets it, with or without
+  a token, plain or gzip-compressed (a gzip "bomb": a small body that inflates enormously);
+- open_streams(): many streams at once on one connection, before the server's SETTINGS are read;
+- reset_mid_upload(): a call reset by its client before its message is whole;
+- Rss: the process's resident memory, sampled, with its peak.
+
+The script also times issue 9's row 3: one request with expert_ids [1, 2M] whose caller gives up
+after 2 s, beside three other callers with 2 s deadlines.
+"""
+
+import select
+import socket
+import struct
+import sys
+import threading
+import time
+import zlib
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import hpack
+
+FORWARD = "/moed.v1.Moed/Forward"
+
+
+def _connect(address, timeout=10.0):
+    host, port = address.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=timeout)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    conn.initiate_connection()
+    s.sendall(conn.data_to_send())
+    return s, conn
+
+
+def _headers(address, path, token=None, encoding=None):
+    h = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", address),
+         ("content-type", "application/grpc"), ("te", "trailers")]
+    if token:
+        h.append(("authorization", f"Bearer {token}"))
+    if encoding:
+        h.append(("grpc-encoding", encoding))
+    return h
+
+
+class Rss:
+    """Samples /proc/PID/status every `period` s in a thread: `peak` (the most seen, also VmHWM's
+    when the process is still there) and `now()` in bytes."""
+
+    def __init__(self, pid, period=0.02):
+        self.pid, self.period, self.peak = pid, period, 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _field(self, name):
+        try:
+            with open(f"/proc/{self.pid}/status") as f:
+                for line in f:
+                    if line.startswith(name + ":"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
+
+    def now(self):
+        return self._field("VmRSS")
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.now())
+            time.sleep(self.period)
+
+    def __enter__(self):
+        self.peak = self.now()
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self.now())
+
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
+def _frame(kind, flags, sid, payload=b""):
+    return struct.pack(">I", len(payload))[1:] + struct.pack(">BBI", kind, flags, sid) + payload
+
+
+def flood(address, seconds, connections=2, per_write=100, reset=False, path=FORWARD, stop=None):
+    """Opens Forward streams on `connections` raw connections for `seconds`: each write carries
+    `per_write` streams (HEADERS, then an empty DATA frame; with `reset`, RST_STREAM(CANCEL) after
+    them), made by hand so the sender is not the bottleneck. Nothing the server sends is ever read,
+    so its SETTINGS are never acknowledged. Returns the streams sent (a connection the server
+    closes, or whose writes block past the time, stops early; so does every connection once
+    `stop()`, if given, says so)."""
+    block = hpack.Encoder().encode([hpack.NeverIndexedHeaderTuple(k, v) for k, v in _headers(address, path)])
+    opened = [0] * connections
+    end = time.monotonic() + seconds
+
+    def one(i):
+        try:
+            s, _ = _connect(address)
+        except OSError:
+            return
+        sid = 1
+        try:
+            while time.monotonic() < end and not (stop and stop()):
+                out = []
+                for _ in range(per_write):
+                    out += [_frame(1, 4, sid, block), _frame(0, 0, sid)]  # HEADERS (END_HEADERS), DATA
+                    if reset:
+                        out.append(_frame(3, 0, sid, struct.pack(">I", 8)))  # RST_STREAM(CANCEL)
+                    sid += 2
+                s.settimeout(max(0.01, end - time.monotonic()))
+                s.sendall(b"".join(out))
+                opened[i] += per_write
+        except OSError:
+            pass
+        finally:
+            s.close()
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(connections)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 30)
+    return sum(opened)
+
+
+def grpc_frame(payload, compressed=False):
+    return struct.pack(">BI", 1 if compressed else 0, len(payload)) + payload
+
+
+def gzip_bomb(inflated_bytes, chunk=1 << 20):
+    """A gzip stream of `inflated_bytes` zero bytes (about 1/1000 of the size), made in chunks."""
+    z = zlib.compressobj(9, zlib.DEFLATED, 31)
+    zeros = bytes(chunk)
+    out = []
+    for _ in range(inflated_bytes // chunk):
+        out.append(z.compress(zeros))
+    out.append(z.compress(bytes(inflated_bytes % chunk)))
+    out.append(z.flush())
+    return b"".join(out)
+
+
+def upload(address, body_len, token=None, compressed_body=None, path=FORWARD, timeout=30.0):
+    """One unary call whose message claims `body_len` bytes (zeros, sent as fast as flow control
+    allows), or carries `compressed_body` (gzip, flagged compressed). Returns (grpc-status or
+    None, grpc-message, message bytes the server let us send) once the server has answered or
+    reset the stream, or the time is up."""
+    if compressed_body is not None:
+        data = grpc_frame(compressed_body, compressed=True)
+        piece, total = (lambda off, n: data[off:off + n]), len(data)
+    else:
+        prefix = struct.pack(">BI", 0, body_len)
+        piece = lambda off, n: prefix[off:off + n] + bytes(n - len(prefix[off:off + n]))
+        total = body_len + 5
+    s, conn = _connect(address, timeout)
+    sid = conn.get_next_available_stream_id()
+    conn.send_headers(sid, _headers(address, path, token, "gzip" if compressed_body else None))
+    sent, status, message, done = 0, None, "", False
+    end = time.monotonic() + timeout
+    try:
+        while not done and time.monotonic() < end:
+            n = min(conn.local_flow_control_window(sid), conn.max_outbound_frame_size, total - sent)
+            if n > 0:
+                conn.send_data(sid, piece(sent, n), end_stream=(sent + n == total))
+                sent += n
+            s.sendall(conn.data_to_send())
+            if not select.select([s], [], [], 0 if n > 0 else 0.05)[0]:
+                continue
+            got = s.recv(1 << 16)
+            if not got:
+                break
+            for ev in conn.receive_data(got):
+                if isinstance(ev, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+                    h = dict(ev.headers)
+                    if "grpc-status" in h:
+                        status, message, done = int(h["grpc-status"]), h.get("grpc-message", ""), True
+                elif isinstance(ev, (h2.events.StreamReset, h2.events.ConnectionTerminated)):
+                    done = True
+            s.sendall(conn.data_to_send())
+    except (OSError, h2.exceptions.ProtocolError):
+        pass
+    finally:
+        s.close()
+    return status, message, max(0, sent - 5)
+
+
+def open_streams(address, n, path=FORWARD, wait=1.0):
+    """Opens n streams at once on one connection, headers only (no message), before reading the
+    server's SETTINGS, then reads for `wait` s. Returns ({stream id: (grpc-status, grpc-message)}
+    for the streams the server answered, the SETTINGS it advertised as {code: value}; 3 is
+    MAX_CONCURRENT_STREAMS, 4 INITIAL_WINDOW_SIZE, 6 MAX_HEADER_LIST_SIZE)."""
+    s, conn = _connect(address)
+    answered = {}
+    try:
+        for _ in range(n):
+            conn.send_headers(conn.get_next_available_stream_id(), _headers(address, path))
+        s.sendall(conn.data_to_send())
+        end = time.monotonic() + wait
+        while time.monotonic() < end:
+            if not select.select([s], [], [], 0.05)[0]:
+                continue
+            got = s.recv(1 << 16)
+            if not got:
+                break
+            for ev in conn.receive_data(got):
+                if isinstance(ev, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+                    h = dict(ev.headers)
+                    if "grpc-status" in h:
+                        answered[ev.stream_id] = (int(h["grpc-status"]), h.get("grpc-message", ""))
+            s.sendall(conn.data_to_send())
+        settings = {int(k): v for k, v in conn.remote_settings.items()}
+    finally:
+        s.close()
+    return answered, settings
+
+
+def reset_mid_upload(address, path=FORWARD, claimed=1 << 20, send=1000, wait=0.3, token=None):
+    """A call whose message claims `claimed` bytes, of which `send` go out; `wait` s later the
+    client resets the stream (RST_STREAM CANCEL), as a cancelled call or a dropped client does."""
+    s, conn = _connect(address)
+    try:
+        sid = conn.get_next_available_stream_id()
+        conn.send_headers(sid, _headers(address, path, token))
+        conn.send_data(sid, struct.pack(">BI", 0, claimed) + bytes(send))
+        s.sendall(conn.data_to_send())
+        time.sleep(wait)
+        conn.reset_stream(sid, 8)
+        s.sendall(conn.data_to_send())
+        time.sleep(0.05)
+    finally:
+        s.close()
+
+
+def parallel(fn, n):
+    """fn(i) in n threads; their results in order."""
+    out = [None] * n
+
+    def run(i):
+        out[i] = fn(i)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+# ---- issue 9's measurements, full size --------------------------------------------------------
+
+MIB = 1 << 20
+RSS_CAP = 6 << 30  # a flood is stopped here: the machine running it is shared
+
+
+def _measure(moed_bin, parts=("bodies", "work", "flood")):
+    import pathlib
+    import subprocess
+    import tempfile
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    from conftest import free_port
+    from moed import MoEClient
+
+    tmp = pathlib.Path(tempfile.mkdtemp())
+    (tmp / "token").write_text("s3cret-token\n")
+
+    def start(*flags):
+        port = free_port()
+        log = tmp / f"moed-{port}.log"
+        p = subprocess.Popen([moed_bin, "--listen", f"127.0.0.1:{port}", "--threads", "1", *flags],
+                             stderr=open(log, "wb"))
+        addr = f"127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                with MoEClient(addr, timeout=1) as c:
+                    if c.health() == "SERVING":
+                        return p, addr
+            except Exception:
+                time.sleep(0.05)
+        raise SystemExit(f"moed did not start: {log.read_text()}")
+
+    def attack(p, what, fn):
+        with Rss(p.pid) as r:
+            before = r.now()
+            res = fn()
+        time.sleep(3)
+        print(f"{what}: rss {before / MIB:.0f} MiB -> peak {r.peak / MIB:.0f} MiB, 3 s later "
+              f"{r.now() / MIB:.0f} MiB; {res}")
+
+    def answers(res):
+        return (f"answers {sorted(set((x[0], x[1][:50]) for x in res), key=str)}, at most "
+                f"{max(x[2] for x in res) / MIB:.1f} MiB sent before the answer")
+
+    print(f"# {moed_bin}")
+    if "bodies" in parts:
+        _bodies(start, attack, answers, tmp)
+    if "work" in parts:
+        _work(start)
+    if "flood" in parts:
+        _floods(start, tmp)
+
+
+def _bodies(start, attack, answers, tmp):
+    bomb = gzip_bomb(500 * MIB)
+    p, addr = start("--auth-token-file", str(tmp / "token"))
+    attack(p, "8 x 400 MiB requests, no token",
+           lambda: answers(parallel(lambda i: upload(addr, 400 * MIB, timeout=60), 8)))
+    attack(p, f"8 gzip bombs ({len(bomb) / 1e6:.2f} MB -> 500 MiB), no token",
+           lambda: answers(parallel(lambda i: upload(addr, 0, compressed_body=bomb, timeout=60), 8)))
+    attack(p, "8 x 400 MiB health checks (open to all)",
+           lambda: answers(parallel(lambda i: upload(addr, 400 * MIB, path="/grpc.health.v1.Health/Check",
+                                                     timeout=60), 8)))
+    p.terminate()
+    p.wait(60)
+
+
+def _work(start):
+    import numpy as np
+
+    from moed import MoEClient
+
+    p, addr = start()
+    with MoEClient(addr, timeout=60) as c:
+        x1 = np.zeros((1, 256), np.float32)
+        big = dict(expert_ids=np.zeros((1, 2 << 20), np.int32), expert_weights=np.zeros((1, 2 << 20), np.float32))
+        small = dict(expert_ids=np.zeros((4, 2), np.int32), expert_weights=np.full((4, 2), 0.5, np.float32))
+        outcome = []
+
+        def huge():
+            t0 = time.monotonic()
+            try:
+                c.forward(0, x1, timeout=2.0, **big)
+                outcome.append(f"huge: OK after {time.monotonic() - t0:.1f} s")
+            except Exception as e:
+                outcome.append(f"huge: {str(e)[:60]} after {time.monotonic() - t0:.2f} s")
+
+        def other(i):
+            t0 = time.monotonic()
+            try:
+                c.forward(0, np.zeros((4, 256), np.float32), timeout=2.0, **small)
+                return f"OK in {time.monotonic() - t0:.2f} s"
+            except Exception as e:
+                return str(e)[:40]
+
+        h = threading.Thread(target=huge)
+        h.start()
+        time.sleep(0.5)
+        others = parallel(other, 3)
+        h.join()
+        t0 = time.monotonic()
+        while True:  # how long the execution slot stays taken: until a fresh call is answered
+            try:
+                c.forward(0, np.zeros((4, 256), np.float32), timeout=60, **small)
+                break
+            except Exception:
+                time.sleep(0.1)
+        print(f"[1, 2M] expert_ids, caller gives up after 2 s: {outcome[0]}; 3 other 2 s callers: {others}; "
+              f"a call after the caller gave up waited {time.monotonic() - t0:.1f} s")
+    p.terminate()
+    p.wait(60)
+
+
+def _floods(start, tmp):
+    import numpy as np
+
+    from moed import MoEClient
+
+    for flags, what in (((), "no token"), (("--auth-token-file", str(tmp / "token")), "token required")):
+        for reset in (False, True):
+            p, addr = start(*flags)
+            ok, stop, rss = [0, 0], threading.Event(), Rss(p.pid)
+
+            def legit():
+                while not stop.is_set():
+                    t0 = time.monotonic()
+                    try:
+                        with MoEClient(addr, timeout=2.0, token="s3cret-token") as c:
+                            c.forward(0, np.zeros((4, 256), np.float32), expert_ids=np.zeros((4, 2), np.int32),
+                                      expert_weights=np.full((4, 2), 0.5, np.float32))
+                            ok[0] += 1
+                    except Exception:
+                        pass
+                    ok[1] += 1
+                    stop.wait(max(0, 1.6 - (time.monotonic() - t0)))
+
+            def run():
+                lt = threading.Thread(target=legit)
+                lt.start()
+                t0 = time.monotonic()
+                n = flood(addr, 15, connections=2, per_write=100, reset=reset,
+                          stop=lambda: rss.peak > RSS_CAP)
+                took = time.monotonic() - t0
+                stop.set()
+                lt.join()
+                capped = " (stopped at the RSS cap)" if rss.peak > RSS_CAP else ""
+                return (f"{n} streams in {took:.1f} s{capped}; legitimate 2 s calls {ok[0]} of {ok[1]} "
+                        f"answered; moed {'up' if p.poll() is None else 'DEAD'}")
+
+            with rss:
+                before = rss.now()
+                res = run()
+            time.sleep(3)
+            print(f"flood 15 s, 2 connections, {what}{', with resets' if reset else ''}: rss "
+                  f"{before / MIB:.0f} MiB -> peak {rss.peak / MIB:.0f} MiB, 3 s later {rss.now() / MIB:.0f} MiB; {res}")
+            p.terminate()
+            p.wait(60)
+
+
+def flood_process(address, seconds, reset=False):
+    """flood() in a process of its own (the attacker is not the callers' process: no shared
+    interpreter lock); wait() on it, and read the streams sent from its stdout."""
+    import subprocess
+    return subprocess.Popen([sys.executable, __file__, "flood", address, str(seconds), "reset" if reset else "open"],
+                            stdout=subprocess.PIPE, text=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["flood"]:
+        print(flood(sys.argv[2], float(sys.argv[3]), reset=sys.argv[4] == "reset"))
+    else:  # hostile.py MOED [bodies|work|flood]...
+        _measure(sys.argv[1] if len(sys.argv) > 1 else "build/server/moed", sys.argv[2:] or
+                 ("bodies", "work", "flood"))
