@@ -240,9 +240,11 @@ def test_callers_gone_compute_nothing(daemon):
         with pytest.raises(MoEError) as e:
             c.forward(0, small, expert_ids=ids(7), expert_weights=w(7), timeout=0.2)
         assert e.value.code_name == "DEADLINE_EXCEEDED"
-        fut = c._moed.Forward.future(c.build_request(0, small, expert_ids=ids(7), expert_weights=w(7)), timeout=60)
-        time.sleep(0.05)
-        fut.cancel()
+        with d.channel() as ch:
+            req = c.build_request(0, small, expert_ids=ids(7), expert_weights=w(7))
+            fut = moed_pb2_grpc.MoedStub(ch).Forward.future(req, timeout=60)
+            time.sleep(0.05)
+            fut.cancel()
         t.join(60)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

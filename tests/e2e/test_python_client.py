@@ -28,7 +28,11 @@ from moed import aio
 SPEC = O.Spec.parse(DEFAULT_SPEC)
 # A held queue: one request waits half a second for a second to merge with, and a second request
 # finds the queue full (UNAVAILABLE) meanwhile.
-HOLD = ("--threads", "1", "--max-queue-requests", "1", "--max-delay-us", "500000", "--min-batch-requests", "2")
+# One request fills the queue and waits in a merge window. --max-streams: the clients of a test share
+# one HTTP/2 connection, whose stream limit would otherwise follow --max-queue-requests down to 1
+# and hold the second call in the client instead of letting the server refuse it.
+HOLD = ("--threads", "1", "--max-queue-requests", "1", "--max-streams", "16", "--max-delay-us", "500000",
+        "--min-batch-requests", "2")
 PATIENT = RetryPolicy(max_attempts=40, initial_backoff=0.05, max_backoff=0.25)
 
 
