@@ -35,6 +35,7 @@ typedef struct moed_config {
     int *layer_list; /* the LIST expanded, increasing, without repeats */
     int n_layer_list;
     char *backend;                        /* cpu | cuda | auto */
+    char *weights;                        /* stored | fp8 */
     int threads;                          /* CPU worker threads, 0 = one per core */
     int streams;                          /* CUDA streams per device, 0 = the backend's default */
     int devices[MOED_CONFIG_MAX_DEVICES]; /* --devices LIST (CUDA ordinals) */

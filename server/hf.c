@@ -8,6 +8,7 @@
  */
 #include "hf.h"
 
+#include "moed_fp8.h"
 #include "moed_synth.h"
 #include "safetensors.h"
 
@@ -112,16 +113,57 @@ static int read_arch(const cfg *c, moed_hf_config *out)
                      c->path, type ? type : "(none)", cls ? cls : "(none)");
 }
 
-static int refuse_quantized(const cfg *c)
+/* A string field of quantization_config that, when present, must be `want`. */
+static int quant_str(const cfg *c, const cJSON *q, const char *key, const char *want,
+                     const char *why)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(q, key);
+    if (!v || cJSON_IsNull(v) || (cJSON_IsString(v) && !strcmp(v->valuestring, want))) return 0;
+    return moed_fail(
+        c->err, MOED_EUNSUPPORTED, "%s: quantization_config.%s is %s%s%s, not \"%s\": %s", c->path,
+        key, cJSON_IsString(v) ? "\"" : "", cJSON_IsString(v) ? v->valuestring : "not a string",
+        cJSON_IsString(v) ? "\"" : "", want, why);
+}
+
+/* quantization_config: absent, or block-scaled FP8 as DeepSeek-V3 and the Qwen3 -FP8 releases
+ * write it (quant_method "fp8", fmt "e4m3", activation_scheme "dynamic", weight_block_size
+ * [128, 128]); any other scheme is refused naming the field that differs. */
+static int read_quantization(const cfg *c, moed_hf_config *h)
 {
     const cJSON *q = cJSON_GetObjectItemCaseSensitive(c->root, "quantization_config");
     if (!q || cJSON_IsNull(q)) return 0;
+    if (!cJSON_IsObject(q))
+        return moed_fail(c->err, MOED_EFORMAT, "%s: quantization_config must be an object",
+                         c->path);
     const cJSON *m = cJSON_GetObjectItemCaseSensitive(q, "quant_method");
-    return moed_fail(c->err, MOED_EUNSUPPORTED,
-                     "%s has a quantization_config (quant_method \"%s\"): quantized and FP8 "
-                     "checkpoints are not supported; moed loads BF16, F16 or F32 weights, so "
-                     "dequantize the checkpoint (e.g. to bf16) first",
-                     c->path, cJSON_IsString(m) ? m->valuestring : "?");
+    if (!cJSON_IsString(m) || strcmp(m->valuestring, "fp8"))
+        return moed_fail(c->err, MOED_EUNSUPPORTED,
+                         "%s: quantization_config.quant_method is \"%s\": moed loads block-scaled "
+                         "FP8 checkpoints (quant_method \"fp8\", weight_block_size [128, 128]) "
+                         "and unquantized BF16, F16 or F32 ones; dequantize this one first",
+                         c->path, cJSON_IsString(m) ? m->valuestring : "(missing)");
+    int rc;
+    if ((rc = quant_str(c, q, "fmt", "e4m3", "moed loads e4m3 weights")) ||
+        (rc = quant_str(c, q, "activation_scheme", "dynamic",
+                        "moed quantizes activations itself, per token and 128 channels, and "
+                        "has no use for static activation scales")))
+        return rc;
+    const cJSON *b = cJSON_GetObjectItemCaseSensitive(q, "weight_block_size");
+    const cJSON *b0 = cJSON_IsArray(b) ? cJSON_GetArrayItem(b, 0) : NULL;
+    const cJSON *b1 = cJSON_IsArray(b) ? cJSON_GetArrayItem(b, 1) : NULL;
+    if (!(cJSON_GetArraySize(b) == 2 && cJSON_IsNumber(b0) && cJSON_IsNumber(b1) &&
+          b0->valuedouble == MOED_FP8_BLOCK && b1->valuedouble == MOED_FP8_BLOCK)) {
+        char *text = b ? cJSON_PrintUnformatted(b) : NULL;
+        rc = moed_fail(c->err, MOED_EUNSUPPORTED,
+                       "%s: quantization_config.weight_block_size is %s: moed loads FP8 weights "
+                       "with one scale per 128 x 128 block (weight_block_size [128, 128]); "
+                       "per-tensor, per-channel and other block sizes are not supported",
+                       c->path, text ? text : "missing");
+        cJSON_free(text);
+        return rc;
+    }
+    h->fp8 = true;
+    return 0;
 }
 
 /* The sizes every architecture has, under one of its names. */
@@ -249,7 +291,7 @@ int moed_hf_config_load(const char *dir, moed_hf_config *h, moed_error *err)
                          dir);
     if (rc) return rc;
     const cfg c = { root, path, err };
-    if ((rc = read_arch(&c, h)) || (rc = refuse_quantized(&c)) || (rc = read_sizes(&c, h)))
+    if ((rc = read_arch(&c, h)) || (rc = read_quantization(&c, h)) || (rc = read_sizes(&c, h)))
         goto err;
     h->is_moe = malloc((size_t)h->n_layers);
     if (!h->is_moe) {

@@ -19,8 +19,10 @@
  * must be in config.json. A routing key it leaves out takes the default of transformers' config
  * class for that model_type (norm_topk_prob false, but true for deepseek_v3; deepseek_v3: n_group
  * 8, topk_group 4, routed_scaling_factor 2.5, n_shared_experts 1, first_k_dense_replace 3), so a
- * checkpoint computes what it computes in transformers. Quantized checkpoints (a
- * quantization_config) are refused: moed computes with BF16, F16 or F32 weights.
+ * checkpoint computes what it computes in transformers. A quantization_config must be block-scaled
+ * FP8 (quant_method "fp8", weight_block_size [128, 128], e4m3, dynamic activations: DeepSeek-V3,
+ * R1, Kimi-K2, Qwen3 -FP8); its expert matrices then come as F8_E4M3 with a `<name>_scale_inv`
+ * beside each. Any other quantization is refused, naming the field.
  */
 #ifndef MOED_HF_H
 #define MOED_HF_H
@@ -42,6 +44,7 @@ typedef struct moed_hf_config {
     int n_layers;          /* num_hidden_layers */
     unsigned char *is_moe; /* n_layers flags: which layers are MoE */
     moed_layer_info layer; /* what every MoE layer is; index 0 and wdtype NONE (the tensors say) */
+    bool fp8;              /* quantization_config says block-scaled FP8 */
 } moed_hf_config;
 
 /* Reads dir/config.json. Errors: MOED_ENOTFOUND (no config.json), MOED_EFORMAT (a key missing or

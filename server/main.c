@@ -107,6 +107,7 @@ static int open_backend(moed_daemon *d)
 static int load_weights(moed_daemon *d)
 {
     moed_error err = { 0 };
+    const int wdtype = strcmp(d->cfg.weights, "fp8") ? 0 : MOED_FP8;
     int rc;
     if (d->cfg.model) {
         moed_log_info("loading checkpoint", "dir=\"%s\" layers=%s", d->cfg.model,
@@ -117,12 +118,13 @@ static int load_weights(moed_daemon *d)
         rc = moed_weights_checkpoint(d->cfg.model, d->cfg.layers,
                                      moed_backend_computes_from_host(d->backend) ? MOED_WEIGHTS_COPY
                                                                                  : MOED_WEIGHTS_MAP,
-                                     &d->model, &err);
+                                     wdtype, &d->model, &err);
     } else {
         if (!d->cfg.synthetic)
             moed_log_info("no --model or --synthetic given: serving the default synthetic model",
                           NULL);
-        rc = moed_weights_synthetic(d->cfg.synthetic ? d->cfg.synthetic : "", &d->model, &err);
+        rc = moed_weights_synthetic(d->cfg.synthetic ? d->cfg.synthetic : "", wdtype, &d->model,
+                                    &err);
     }
     if (rc) return fail("weights", &err);
     d->have_model = true;

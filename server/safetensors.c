@@ -37,7 +37,7 @@ static const struct {
 } st_dtypes[] = {
     { "BOOL", 8, MOED_DTYPE_NONE },    { "U8", 8, MOED_DTYPE_NONE },
     { "I8", 8, MOED_DTYPE_NONE },      { "F8_E5M2", 8, MOED_DTYPE_NONE },
-    { "F8_E4M3", 8, MOED_DTYPE_NONE }, { "F8_E8M0", 8, MOED_DTYPE_NONE },
+    { "F8_E4M3", 8, MOED_FP8 },        { "F8_E8M0", 8, MOED_DTYPE_NONE },
     { "I16", 16, MOED_DTYPE_NONE },    { "U16", 16, MOED_DTYPE_NONE },
     { "F16", 16, MOED_F16 },           { "BF16", 16, MOED_BF16 },
     { "I32", 32, MOED_DTYPE_NONE },    { "U32", 32, MOED_DTYPE_NONE },

@@ -36,7 +36,7 @@
 typedef struct moed_st_tensor {
     const char *name;
     const char *dtype; /* as the header spells it: "BF16", "F8_E4M3", ... */
-    int mdtype;        /* the moed_dtype for F32, F16 and BF16; MOED_DTYPE_NONE for the others */
+    int mdtype;        /* the moed_dtype for F32, F16, BF16 and F8_E4M3; MOED_DTYPE_NONE else */
     int ndim;
     uint64_t shape[MOED_ST_MAX_DIMS];
     const void *data; /* in the mapping (see above for how long it holds) */

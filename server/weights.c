@@ -2,6 +2,11 @@
  * moed_weights — builds the moed_model the daemon serves, from the synthetic generator or from a
  * Hugging Face checkpoint (see weights.h).
  *
+ * FP8: a checkpoint whose config.json says block-scaled FP8 keeps its F8_E4M3 expert matrices as
+ * they are and reads each one's `_scale_inv` table (converted to float32, checked: the shape its
+ * matrix needs, every scale a finite number > 0); with wdtype MOED_FP8 a float checkpoint's expert
+ * matrices are quantized at load by moed_fp8.h's rule into buffers the model owns.
+ *
  * With MOED_WEIGHTS_MAP a checkpoint's expert matrices are used where they lie in the mapping;
  * with MOED_WEIGHTS_COPY each tensor is read into its own 64-byte-aligned buffer and the files are
  * closed once every tensor is in (weights.h says why and when). The router stays in its own dtype
@@ -16,6 +21,7 @@
 
 #include "hf.h"
 #include "moed_dtype.h"
+#include "moed_fp8.h"
 #include "moed_synth.h"
 #include "safetensors.h"
 
@@ -66,12 +72,13 @@ const moed_layer *moed_model_layer(const moed_model *m, int index, int *slot)
     return NULL;
 }
 
-int moed_weights_synthetic(const char *spec, moed_model *m, moed_error *err)
+int moed_weights_synthetic(const char *spec, int wdtype, moed_model *m, moed_error *err)
 {
     memset(m, 0, sizeof *m);
     moed_synth_spec s;
     int rc = moed_synth_parse(spec, &s, err);
     if (rc) return rc;
+    if (wdtype) s.layer.wdtype = wdtype;
     weights_priv *p = calloc(1, sizeof *p);
     m->priv = p;
     m->layers = calloc((size_t)s.layers + 1, sizeof *m->layers);
@@ -155,7 +162,8 @@ static int select_layers(const char *only, const moed_hf_config *c, unsigned cha
 /* One checkpoint load in progress. */
 typedef struct loader {
     const char *dir;
-    bool copy; /* MOED_WEIGHTS_COPY */
+    bool copy;    /* MOED_WEIGHTS_COPY */
+    int quantize; /* MOED_FP8: float expert matrices are quantized at load; 0: kept as stored */
     const moed_hf_config *cfg;
     moed_st_dir *st;
     weights_priv *priv;
@@ -182,21 +190,30 @@ static int need(loader *ld, int layer, int tensor, int expert, const moed_st_ten
     return 0;
 }
 
-/* A weight dtype moed computes with, no quantization scales beside it, the expected shape, and
- * data aligned for its element type (the safetensors writers pad the header to 8 bytes). */
-static int check_tensor(loader *ld, const moed_st_tensor *t, int ndim, const uint64_t *want,
-                        const char *dims)
+/* Whether t's dtype may stand where it stands: a float dtype with no quantization scale beside it,
+ * or (an expert matrix of an FP8 checkpoint) F8_E4M3, whose scales build_layer reads. */
+static int check_dtype(loader *ld, const moed_st_tensor *t, bool matrix)
 {
-    char have[160], name[300];
+    char name[300];
     const moed_st_tensor *scale;
     int rc;
+    if (t->mdtype == MOED_FP8 && matrix && ld->cfg->fp8) return 0;
+    if (t->mdtype == MOED_FP8)
+        return moed_fail(ld->err, MOED_EUNSUPPORTED,
+                         matrix ? "%s: tensor %s is F8_E4M3 but config.json has no "
+                                  "quantization_config saying how it is scaled (quant_method "
+                                  "\"fp8\", weight_block_size [128, 128])"
+                                : "%s: tensor %s is F8_E4M3: moed quantizes expert matrices only; "
+                                  "routers and biases must be BF16, F16 or F32",
+                         t->file, t->name);
     if (!t->mdtype) {
         bool quantized = !strncmp(t->dtype, "F8", 2) || !strncmp(t->dtype, "F6", 2) ||
                          !strncmp(t->dtype, "F4", 2);
         return moed_fail(ld->err, MOED_EUNSUPPORTED,
-                         "%s: tensor %s is %s: %s; moed loads BF16, F16 or F32 weights%s", t->file,
-                         t->name, t->dtype,
-                         quantized ? "FP8 and other quantized checkpoints are not supported"
+                         "%s: tensor %s is %s: %s; moed loads BF16, F16 or F32 weights and "
+                         "block-scaled F8_E4M3 expert matrices%s",
+                         t->file, t->name, t->dtype,
+                         quantized ? "this quantized format is not supported"
                                    : "not a weight dtype",
                          quantized ? ", so dequantize the checkpoint (e.g. to bf16) first" : "");
     }
@@ -206,11 +223,22 @@ static int check_tensor(loader *ld, const moed_st_tensor *t, int ndim, const uin
         if ((rc = moed_st_find(ld->st, name, &scale, ld->err))) return rc;
         if (scale)
             return moed_fail(ld->err, MOED_EUNSUPPORTED,
-                             "%s: tensor %s comes with a quantization scale %s: quantized (FP8) "
-                             "checkpoints are not supported; moed loads plain BF16, F16 or F32 "
-                             "weights, so dequantize it first",
-                             t->file, t->name, name);
+                             "%s: tensor %s is %s yet comes with a quantization scale %s: moed "
+                             "loads plain BF16, F16 or F32 weights, and scales only beside "
+                             "F8_E4M3 ones",
+                             t->file, t->name, t->dtype, name);
     }
+    return 0;
+}
+
+/* A dtype check_dtype accepts, the expected shape, and data aligned for its element type (the
+ * safetensors writers pad the header to 8 bytes). */
+static int check_tensor(loader *ld, const moed_st_tensor *t, bool matrix, int ndim,
+                        const uint64_t *want, const char *dims)
+{
+    char have[160];
+    int rc = check_dtype(ld, t, matrix);
+    if (rc) return rc;
     bool same = t->ndim == ndim;
     for (int i = 0; same && i < ndim; i++) same = t->shape[i] == want[i];
     if (!same) {
@@ -236,7 +264,7 @@ static int check_tensor(loader *ld, const moed_st_tensor *t, int ndim, const uin
 static int check_matrix(loader *ld, const moed_st_tensor *t, int rows, int cols, const char *dims)
 {
     uint64_t want[2] = { (uint64_t)rows, (uint64_t)cols };
-    int rc = check_tensor(ld, t, 2, want, dims);
+    int rc = check_tensor(ld, t, true, 2, want, dims);
     if (rc) return rc;
     if (!ld->first) ld->first = t;
     if (t->mdtype != ld->first->mdtype)
@@ -350,15 +378,120 @@ static int find_layer(loader *ld, int L, const moed_st_tensor **t, bool *complet
     return 0;
 }
 
-/* An expert's three matrices (w1, w3, w2 in t[0..2]). */
-static int matrices(loader *ld, const moed_st_tensor **t, moed_expert_w *out)
+/* A new buffer of `bytes` that the model owns. */
+static void *owned_buffer(loader *ld, size_t bytes, const char *what)
 {
+    void *p = NULL;
+    if (posix_memalign(&p, 64, bytes ? bytes : 1)) {
+        moed_fail(ld->err, MOED_ENOMEM, "no memory for %s (%zu bytes)", what, bytes);
+        return NULL;
+    }
+    return own(ld, p, ld->err) ? NULL : p;
+}
+
+/* The block scales of FP8 matrix t ([rows, cols]): its `_scale_inv` tensor, as float32, checked. */
+static int scale_table(loader *ld, const moed_st_tensor *t, int rows, int cols, const float **out)
+{
+    char name[300], have[160], exp[160];
+    const moed_st_tensor *s;
+    int rc;
+    snprintf(name, sizeof name, "%s_scale_inv", t->name);
+    if ((rc = moed_st_find(ld->st, name, &s, ld->err))) return rc;
+    if (!s)
+        return moed_fail(ld->err, MOED_ENOTFOUND,
+                         "%s: tensor %s is F8_E4M3 but its block scales %s are missing: an FP8 "
+                         "checkpoint holds a float32 [ceil(rows/128), ceil(cols/128)] table beside "
+                         "every F8_E4M3 weight",
+                         t->file, t->name, name);
+    moed_st_tensor w = {
+        .ndim = 2, .shape = { (uint64_t)moed_fp8_blocks(rows), (uint64_t)moed_fp8_blocks(cols) }
+    };
+    if (!moed_dtype_is_float(s->mdtype) || s->ndim != 2 || s->shape[0] != w.shape[0] ||
+        s->shape[1] != w.shape[1])
+        return moed_fail(ld->err, MOED_EFORMAT,
+                         "%s: tensor %s is %s %s; the scales of %s ([%d, %d], 128 x 128 blocks) "
+                         "must be F32 (or BF16, F16) %s",
+                         s->file, name, s->dtype, moed_st_shape_str(s, have, sizeof have), t->name,
+                         rows, cols, moed_st_shape_str(&w, exp, sizeof exp));
+    const void *p;
+    if ((rc = as_dtype(ld, s, MOED_F32, &p))) return rc;
+    const int64_t n = moed_fp8_scale_count(rows, cols), bad = moed_fp8_check_scales(p, n);
+    if (bad >= 0)
+        return moed_fail(ld->err, MOED_EFORMAT,
+                         "%s: tensor %s holds %g at [%lld, %lld]: every block scale must be a "
+                         "finite number > 0",
+                         s->file, name, (double)((const float *)p)[bad],
+                         (long long)(bad / (int64_t)w.shape[1]),
+                         (long long)(bad % (int64_t)w.shape[1]));
+    *out = p;
+    return 0;
+}
+
+/* Float matrix t ([rows, cols]) quantized to FP8 in buffers the model owns. */
+static int quantize_matrix(loader *ld, const moed_st_tensor *t, int rows, int cols,
+                           const void **q_out, const float **s_out)
+{
+    void *copy = NULL;
+    int rc = ld->copy ? read_copy(ld, t, &copy) : 0;
+    if (rc) return rc;
+    uint8_t *q = owned_buffer(ld, (size_t)rows * (size_t)cols, t->name);
+    float *s =
+        q ? owned_buffer(ld, sizeof(float) * (size_t)moed_fp8_scale_count(rows, cols), t->name)
+          : NULL;
+    int64_t bad = -1;
+    rc = !s ? ld->err->code
+            : moed_fp8_quantize(copy ? copy : t->data, t->mdtype, rows, cols, q, s, &bad);
+    free(copy);
+    if (rc == MOED_EINVAL)
+        return moed_fail(ld->err, MOED_EFORMAT,
+                         "%s: tensor %s holds NaN or infinity at [%lld, %lld]: it cannot be "
+                         "quantized to FP8 (--weights fp8)",
+                         t->file, t->name, (long long)(bad / cols), (long long)(bad % cols));
+    if (rc == MOED_ENOMEM)
+        return moed_fail(ld->err, rc, "no memory to quantize tensor %s", t->name);
+    if (rc) return rc;
+    *q_out = q;
+    *s_out = s;
+    return 0;
+}
+
+/* An FP8 matrix must hold numbers: e4m3's NaN codes (S.1111.111) would make every output they
+ * touch NaN, and the portable GPU path decodes codes as numbers only. */
+static int check_codes(loader *ld, const moed_st_tensor *t, const uint8_t *q, int cols)
+{
+    for (uint64_t i = 0; i < t->nbytes; i++)
+        if ((q[i] & 0x7f) == 0x7f)
+            return moed_fail(ld->err, MOED_EFORMAT,
+                             "%s: tensor %s holds the e4m3 NaN code 0x%02x at [%llu, %llu]",
+                             t->file, t->name, q[i], (unsigned long long)(i / (uint64_t)cols),
+                             (unsigned long long)(i % (uint64_t)cols));
+    return 0;
+}
+
+/* One expert matrix as served: as stored (FP8 with its scales), or quantized at load. */
+static int matrix_data(loader *ld, const moed_st_tensor *t, int rows, int cols, const void **p,
+                       const float **scale)
+{
+    *scale = NULL;
+    if (t->mdtype != MOED_FP8 && ld->quantize == MOED_FP8)
+        return quantize_matrix(ld, t, rows, cols, p, scale);
+    int rc = tensor_data(ld, t, p);
+    if (!rc && t->mdtype == MOED_FP8 && !(rc = check_codes(ld, t, *p, cols)))
+        rc = scale_table(ld, t, rows, cols, scale);
+    return rc;
+}
+
+/* An expert's three matrices (w1, w3, w2 in t[0..2]; W1 and W3 are [ff, d], W2 [d, ff]). */
+static int matrices(loader *ld, const moed_st_tensor **t, int ff, moed_expert_w *out)
+{
+    const int d = ld->cfg->layer.d_model;
     const void *p[3];
+    const float *s[3];
     for (int k = 0; k < 3; k++) {
-        int rc = tensor_data(ld, t[k], &p[k]);
+        int rc = matrix_data(ld, t[k], k < 2 ? ff : d, k < 2 ? d : ff, &p[k], &s[k]);
         if (rc) return rc;
     }
-    *out = (moed_expert_w){ p[0], p[1], p[2] };
+    *out = (moed_expert_w){ p[0], p[1], p[2], s[0], s[1], s[2] };
     return 0;
 }
 
@@ -382,14 +515,14 @@ static int build_layer(loader *ld, int L, const moed_st_tensor **t, moed_layer *
             return rc;
     }
     uint64_t router_shape[2] = { (uint64_t)E, (uint64_t)d }, bias_shape[1] = { (uint64_t)E };
-    if ((rc = check_tensor(ld, t[SLOT_ROUTER], 2, router_shape, "[experts, hidden_size]")))
+    if ((rc = check_tensor(ld, t[SLOT_ROUTER], false, 2, router_shape, "[experts, hidden_size]")))
         return rc;
-    if (t[SLOT_BIAS] && (rc = check_tensor(ld, t[SLOT_BIAS], 1, bias_shape, "[experts]")))
+    if (t[SLOT_BIAS] && (rc = check_tensor(ld, t[SLOT_BIAS], false, 1, bias_shape, "[experts]")))
         return rc;
 
     *out = (moed_layer){ .info = *li };
     out->info.index = L;
-    out->info.wdtype = ld->first->mdtype;
+    out->info.wdtype = ld->quantize ? ld->quantize : ld->first->mdtype;
     const void *router = NULL;
     if ((rc = tensor_data(ld, t[SLOT_ROUTER], &router))) return rc;
     out->router = router;
@@ -399,11 +532,11 @@ static int build_layer(loader *ld, int L, const moed_st_tensor **t, moed_layer *
         if ((rc = as_dtype(ld, t[SLOT_BIAS], MOED_F32, &bias))) return rc;
         out->router_bias = bias;
     }
-    if (li->n_shared && (rc = matrices(ld, &t[SLOT_SHARED], &out->shared))) return rc;
+    if (li->n_shared && (rc = matrices(ld, &t[SLOT_SHARED], sff, &out->shared))) return rc;
     out->experts = calloc((size_t)E, sizeof *out->experts);
     if (!out->experts) return moed_fail(ld->err, MOED_ENOMEM, "no memory for layer %d", L);
     for (int e = 0; e < E && !rc; e++)
-        rc = matrices(ld, &t[SLOT_EXPERTS + 3 * e], &out->experts[e]);
+        rc = matrices(ld, &t[SLOT_EXPERTS + 3 * e], ff, &out->experts[e]);
     if (rc) { /* the layer is not counted, so release would not free this */
         free(out->experts);
         out->experts = NULL;
@@ -445,7 +578,7 @@ static int load_layers(loader *ld, const unsigned char *hold, moed_model *m)
 }
 
 int moed_weights_checkpoint(const char *dir, const char *only_layers, moed_weights_mode mode,
-                            moed_model *m, moed_error *err)
+                            int wdtype, moed_model *m, moed_error *err)
 {
     memset(m, 0, sizeof *m);
     moed_hf_config cfg;
@@ -464,6 +597,7 @@ int moed_weights_checkpoint(const char *dir, const char *only_layers, moed_weigh
     if ((rc = moed_st_dir_open(dir, &p->st, err))) goto err;
     loader ld = { .dir = dir,
                   .copy = mode == MOED_WEIGHTS_COPY,
+                  .quantize = wdtype == MOED_FP8 ? MOED_FP8 : 0,
                   .cfg = &cfg,
                   .st = p->st,
                   .priv = p,

@@ -29,18 +29,22 @@ typedef struct moed_model {
     void *priv;         /* mappings and allocations */
 } moed_model;
 
-/* --synthetic SPEC (moed_synth.h gives the syntax and the generator). */
-int moed_weights_synthetic(const char *spec, moed_model *m, moed_error *err);
+/* --synthetic SPEC (moed_synth.h gives the syntax and the generator); wdtype, if not 0, replaces
+ * the spec's dtype (`--weights fp8` is dtype=fp8). */
+int moed_weights_synthetic(const char *spec, int wdtype, moed_model *m, moed_error *err);
 
 typedef enum moed_weights_mode { MOED_WEIGHTS_COPY, MOED_WEIGHTS_MAP } moed_weights_mode;
 
 /* --model DIR: config.json plus model.safetensors or model.safetensors.index.json and its shards.
  * only_layers, if not NULL, is a list like "0-3,7" of checkpoint layer numbers to hold (the others
- * are not read). Every problem (missing file, missing or misshapen tensor, unsupported dtype or
- * architecture, a file that is not a regular file or changed while read) fails with one message
- * naming the file and tensor and what was expected. */
+ * are not read). wdtype 0 serves the expert matrices as stored (block-scaled F8_E4M3 ones with
+ * their scales); MOED_FP8 quantizes float ones at load (moed_fp8.h's rule; the router stays as
+ * stored). Every problem (missing file, missing or misshapen tensor or block scales, a scale that
+ * is not a finite number > 0, unsupported dtype, quantization or architecture, a file that is not a
+ * regular file or changed while read) fails with one message naming the file and tensor and what
+ * was expected. */
 int moed_weights_checkpoint(const char *dir, const char *only_layers, moed_weights_mode mode,
-                            moed_model *m, moed_error *err);
+                            int wdtype, moed_model *m, moed_error *err);
 
 void moed_weights_release(moed_model *m);
 

@@ -4,6 +4,7 @@
 #include "moed_model.h"
 
 #include "moed_dtype.h"
+#include "moed_fp8.h"
 
 #include <string.h>
 
@@ -12,19 +13,25 @@ int moed_layer_router_dtype(const moed_layer *l)
     return l->router_dtype ? l->router_dtype : l->info.wdtype;
 }
 
+/* Bytes of `mats` [ff, d]-sized matrices in the layer's weight dtype, FP8 scales included. */
+static uint64_t matrices_bytes(const moed_layer_info *li, uint64_t mats, int64_t ff)
+{
+    uint64_t b = mats * (uint64_t)ff * (uint64_t)li->d_model * moed_dtype_size(li->wdtype);
+    if (li->wdtype == MOED_FP8) b += mats * 4 * (uint64_t)moed_fp8_scale_count(ff, li->d_model);
+    return b;
+}
+
 uint64_t moed_layer_expert_bytes(const moed_layer_info *li)
 {
-    uint64_t mats = li->act == MOED_ACT_SWIGLU ? 3 : 2;
-    return mats * (uint64_t)li->d_ff * (uint64_t)li->d_model * moed_dtype_size(li->wdtype);
+    return matrices_bytes(li, li->act == MOED_ACT_SWIGLU ? 3 : 2, li->d_ff);
 }
 
 uint64_t moed_layer_bytes(const moed_layer_info *li)
 {
-    uint64_t es = moed_dtype_size(li->wdtype);
-    uint64_t mats = li->act == MOED_ACT_SWIGLU ? 3 : 2;
+    uint64_t rs = li->wdtype == MOED_FP8 ? 2 : moed_dtype_size(li->wdtype);
     uint64_t b = (uint64_t)li->n_experts * moed_layer_expert_bytes(li);
-    b += mats * (uint64_t)li->shared_d_ff * (uint64_t)li->d_model * es;
-    if (li->has_router) b += (uint64_t)li->n_experts * (uint64_t)li->d_model * es;
+    b += matrices_bytes(li, li->act == MOED_ACT_SWIGLU ? 3 : 2, li->shared_d_ff);
+    if (li->has_router) b += (uint64_t)li->n_experts * (uint64_t)li->d_model * rs;
     return b;
 }
 

@@ -6,7 +6,8 @@
  * (up_proj) are [d_ff, d_model], W2 (down_proj) is [d_model, d_ff], the router is
  * [n_experts, d_model]. The pointers may point into a memory-mapped checkpoint or into buffers the
  * synthetic generator filled; whoever built the moed_layer owns that memory and keeps it alive as
- * long as a backend that loaded the layer exists.
+ * long as a backend that loaded the layer exists. FP8 expert weights (wdtype MOED_FP8) come with
+ * their block scales (moed_fp8.h); the router is never FP8.
  */
 #ifndef MOED_MODEL_H
 #define MOED_MODEL_H
@@ -36,7 +37,7 @@ typedef struct moed_layer_info {
     int n_experts;
     int top_k; /* num_experts_per_tok */
     moed_act act;
-    int wdtype;      /* moed_dtype of every weight matrix */
+    int wdtype;      /* moed_dtype of every expert matrix (moed_dtype_is_weight) */
     bool has_router; /* router weights present: the server can compute logits */
     bool norm_topk;  /* renormalise top-k weights (norm_topk_prob) */
     moed_router_rule rule;
@@ -47,18 +48,20 @@ typedef struct moed_layer_info {
     int shared_d_ff;    /* their total width: n_shared * moe_intermediate_size */
 } moed_layer_info;
 
-/* One expert's three matrices (w3 is NULL unless the activation is SwiGLU). */
+/* One expert's three matrices (w3 is NULL unless the activation is SwiGLU), and for FP8 weights
+ * their float32 block scales, [ceil(rows/128), ceil(cols/128)] each (NULL for other dtypes). */
 typedef struct moed_expert_w {
     const void *w1; /* [d_ff, d_model] */
     const void *w3; /* [d_ff, d_model] or NULL */
     const void *w2; /* [d_model, d_ff] */
+    const float *s1, *s3, *s2;
 } moed_expert_w;
 
 typedef struct moed_layer {
     moed_layer_info info;
     moed_expert_w *experts;   /* n_experts of them */
     const void *router;       /* [n_experts, d_model] in moed_layer_router_dtype, or NULL */
-    int router_dtype;         /* the router's moed_dtype as the checkpoint stores it; 0: wdtype */
+    int router_dtype;         /* the router's moed_dtype as stored (never FP8); 0: wdtype */
     const float *router_bias; /* [n_experts] float32 (DeepSeek e_score_correction_bias), or NULL */
     moed_expert_w shared;     /* the shared experts fused along d_ff: [shared_d_ff, d_model] etc. */
 } moed_layer;
@@ -66,7 +69,8 @@ typedef struct moed_layer {
 /* The dtype the router weights are held in: router_dtype, or the experts' wdtype when it is 0. */
 int moed_layer_router_dtype(const moed_layer *l);
 
-/* Bytes of one routed expert's weights, and of the layer's resident weights in all. */
+/* Bytes of one routed expert's weights (FP8: with their scales), and of the layer's resident
+ * weights in all (an FP8 layer's router counted as bf16). */
 uint64_t moed_layer_expert_bytes(const moed_layer_info *li);
 uint64_t moed_layer_bytes(const moed_layer_info *li);
 

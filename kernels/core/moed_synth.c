@@ -9,6 +9,7 @@
 #include "moed_synth.h"
 
 #include "moed_dtype.h"
+#include "moed_fp8.h"
 #include "moed_pool.h"
 
 #include <errno.h>
@@ -114,9 +115,9 @@ static int spec_set(moed_synth_spec *s, const char *key, const char *v, moed_err
                              "synthetic spec: act=%s is not valid: use swiglu, gelu or relu", v);
     } else if (!strcmp(key, "dtype")) {
         li->wdtype = moed_dtype_parse(v);
-        if (!moed_dtype_is_float(li->wdtype))
+        if (!moed_dtype_is_weight(li->wdtype))
             return moed_fail(err, MOED_EINVAL,
-                             "synthetic spec: dtype=%s is not valid: use bf16, f16 or f32", v);
+                             "synthetic spec: dtype=%s is not valid: use bf16, f16, f32 or fp8", v);
     } else if (!strcmp(key, "seed")) {
         char *end;
         errno = 0;
@@ -282,11 +283,14 @@ void moed_synth_fill(uint64_t seed, int layer, int tensor, int expert, int fan_i
         for (uint64_t i = 0; i < n; i++) h[i] = moed_f32_to_f16(synth_value(key, first + i, scale));
 }
 
-/* One tensor of a layer to generate. */
+/* One tensor of a layer to generate: n elements in dtype, in tasks of `chunk` elements. An FP8
+ * tensor's task is a band of MOED_FP8_BLOCK rows (fan_in columns), generated in float32 and then
+ * quantized, with its row of block scales. */
 typedef struct synth_tensor {
     int tensor, expert, fan_in, dtype;
-    uint64_t n;
+    uint64_t n, chunk;
     void *dst;
+    float *scale; /* FP8: [ceil(rows/128), ceil(fan_in/128)] */
 } synth_tensor;
 
 typedef struct synth_job {
@@ -295,17 +299,39 @@ typedef struct synth_job {
     const synth_tensor *t;
     int n_t;
     const uint64_t *first_task; /* per tensor, its first task; n_t + 1 entries */
+    _Atomic int failed;         /* a task ran out of memory */
 } synth_job;
+
+/* One band of an FP8 tensor: its float32 values, quantized. The band buffer is the task's own
+ * (a few MB at most for real widths); 0, or MOED_ENOMEM. */
+static int synth_fp8_band(const synth_job *j, const synth_tensor *t, uint64_t first, uint64_t n)
+{
+    float *v = malloc(sizeof(float) * n);
+    if (!v) return MOED_ENOMEM;
+    moed_synth_fill(j->spec->seed, j->layer, t->tensor, t->expert, t->fan_in, MOED_F32, first, n,
+                    v);
+    const uint64_t band = first / t->chunk;
+    /* the values are finite by construction: nothing to report */
+    (void)moed_fp8_quantize_band(v, (int)(n / (uint64_t)t->fan_in), t->fan_in,
+                                 (uint8_t *)t->dst + first,
+                                 t->scale + band * (uint64_t)moed_fp8_blocks(t->fan_in));
+    free(v);
+    return 0;
+}
 
 static void synth_task(void *arg, int64_t task, int thread)
 {
     (void)thread;
-    const synth_job *j = arg;
+    synth_job *j = arg;
     int i = 0;
     while (j->first_task[i + 1] <= (uint64_t)task) i++;
     const synth_tensor *t = &j->t[i];
-    uint64_t first = ((uint64_t)task - j->first_task[i]) * SYNTH_CHUNK;
-    uint64_t n = t->n - first < SYNTH_CHUNK ? t->n - first : SYNTH_CHUNK;
+    uint64_t first = ((uint64_t)task - j->first_task[i]) * t->chunk;
+    uint64_t n = t->n - first < t->chunk ? t->n - first : t->chunk;
+    if (t->scale) {
+        if (synth_fp8_band(j, t, first, n)) j->failed = 1;
+        return;
+    }
     moed_synth_fill(j->spec->seed, j->layer, t->tensor, t->expert, t->fan_in, t->dtype, first, n,
                     (char *)t->dst + first * moed_dtype_size(t->dtype));
 }
@@ -316,28 +342,47 @@ static int synth_alloc(const moed_layer_info *li, moed_layer *l, synth_tensor *t
 {
     uint64_t d = (uint64_t)li->d_model, ff = (uint64_t)li->d_ff, sff = (uint64_t)li->shared_d_ff;
     int wd = li->wdtype, swiglu = li->act == MOED_ACT_SWIGLU, n = 0;
+    const int fp8 = wd == MOED_FP8, rd = fp8 ? MOED_BF16 : wd;
     l->experts = calloc((size_t)li->n_experts, sizeof *l->experts);
     if (!l->experts) goto nomem;
-#define SYNTH_ADD(ptr, tens, exp, fan, dt, count)                                                  \
+        /* A tensor of `count` elements; an FP8 one with its scales in *sp, generated in row bands.
+         */
+#define SYNTH_ADD(ptr, sp, tens, exp, fan, dt, count)                                              \
     do {                                                                                           \
-        void *p_ = NULL;                                                                           \
+        void *p_ = NULL, *s_ = NULL;                                                               \
+        const uint64_t rows_ = (count) / (uint64_t)(fan);                                          \
         if (posix_memalign(&p_, 64, (size_t)(count)*moed_dtype_size(dt))) goto nomem;              \
         (ptr) = p_;                                                                                \
-        t[n++] = (synth_tensor){ tens, exp, fan, dt, count, p_ };                                  \
+        if ((dt) == MOED_FP8) {                                                                    \
+            s_ = malloc(sizeof(float) * (size_t)moed_fp8_scale_count((int64_t)rows_, fan));        \
+            if (!s_) goto nomem;                                                                   \
+            *(sp) = s_;                                                                            \
+        }                                                                                          \
+        t[n++] =                                                                                   \
+            (synth_tensor){ tens,  exp,                                                            \
+                            fan,   dt,                                                             \
+                            count, s_ ? (uint64_t)MOED_FP8_BLOCK * (uint64_t)(fan) : SYNTH_CHUNK,  \
+                            p_,    s_ };                                                           \
     } while (0)
     for (int e = 0; e < li->n_experts; e++) {
-        SYNTH_ADD(l->experts[e].w1, MOED_SYNTH_W1, e, li->d_model, wd, ff * d);
-        if (swiglu) SYNTH_ADD(l->experts[e].w3, MOED_SYNTH_W3, e, li->d_model, wd, ff * d);
-        SYNTH_ADD(l->experts[e].w2, MOED_SYNTH_W2, e, li->d_ff, wd, d * ff);
+        moed_expert_w *x = &l->experts[e];
+        SYNTH_ADD(x->w1, &x->s1, MOED_SYNTH_W1, e, li->d_model, wd, ff * d);
+        if (swiglu) SYNTH_ADD(x->w3, &x->s3, MOED_SYNTH_W3, e, li->d_model, wd, ff * d);
+        SYNTH_ADD(x->w2, &x->s2, MOED_SYNTH_W2, e, li->d_ff, wd, d * ff);
     }
-    if (li->has_router)
-        SYNTH_ADD(l->router, MOED_SYNTH_ROUTER, 0, li->d_model, wd, (uint64_t)li->n_experts * d);
+    float *none = NULL;
+    if (li->has_router) {
+        SYNTH_ADD(l->router, &none, MOED_SYNTH_ROUTER, 0, li->d_model, rd,
+                  (uint64_t)li->n_experts * d);
+        l->router_dtype = rd;
+    }
     if (li->rule == MOED_RULE_DEEPSEEK_V3)
-        SYNTH_ADD(l->router_bias, MOED_SYNTH_BIAS, 0, 1, MOED_F32, (uint64_t)li->n_experts);
+        SYNTH_ADD(l->router_bias, &none, MOED_SYNTH_BIAS, 0, 1, MOED_F32, (uint64_t)li->n_experts);
     if (li->n_shared > 0) {
-        SYNTH_ADD(l->shared.w1, MOED_SYNTH_SHARED_W1, 0, li->d_model, wd, sff * d);
-        if (swiglu) SYNTH_ADD(l->shared.w3, MOED_SYNTH_SHARED_W3, 0, li->d_model, wd, sff * d);
-        SYNTH_ADD(l->shared.w2, MOED_SYNTH_SHARED_W2, 0, li->shared_d_ff, wd, d * sff);
+        moed_expert_w *x = &l->shared;
+        SYNTH_ADD(x->w1, &x->s1, MOED_SYNTH_SHARED_W1, 0, li->d_model, wd, sff * d);
+        if (swiglu) SYNTH_ADD(x->w3, &x->s3, MOED_SYNTH_SHARED_W3, 0, li->d_model, wd, sff * d);
+        SYNTH_ADD(x->w2, &x->s2, MOED_SYNTH_SHARED_W2, 0, li->shared_d_ff, wd, d * sff);
     }
 #undef SYNTH_ADD
     *n_t = n;
@@ -367,15 +412,19 @@ int moed_synth_layer(const moed_synth_spec *s, int index, moed_layer *out, moed_
     }
     if ((rc = synth_alloc(&out->info, out, t, &n_t, err))) goto err;
     for (int i = 0; i < n_t; i++)
-        first_task[i + 1] = first_task[i] + (t[i].n + SYNTH_CHUNK - 1) / SYNTH_CHUNK;
+        first_task[i + 1] = first_task[i] + (t[i].n + t[i].chunk - 1) / t[i].chunk;
     uint64_t tasks = first_task[n_t];
     if (moed_pool_create(tasks > 1 ? 0 : 1, &pool)) {
         rc = moed_fail(err, MOED_EINTERNAL, "could not start threads to generate layer %d", index);
         goto err;
     }
-    synth_job job = { s, index, t, n_t, first_task };
+    synth_job job = { s, index, t, n_t, first_task, 0 };
     moed_pool_run(pool, (int64_t)tasks, synth_task, &job);
     moed_pool_destroy(pool);
+    if (job.failed) {
+        rc = moed_fail(err, MOED_ENOMEM, "no memory to quantize synthetic layer %d", index);
+        goto err;
+    }
     free(t);
     free(first_task);
     return 0;
@@ -389,16 +438,17 @@ err:
 void moed_synth_free_layer(moed_layer *l)
 {
     if (!l) return;
-    for (int e = 0; l->experts && e < l->info.n_experts; e++) {
-        free((void *)l->experts[e].w1);
-        free((void *)l->experts[e].w3);
-        free((void *)l->experts[e].w2);
+    for (int e = 0; l->experts && e <= l->info.n_experts; e++) {
+        const moed_expert_w *x = e < l->info.n_experts ? &l->experts[e] : &l->shared;
+        free((void *)x->w1);
+        free((void *)x->w3);
+        free((void *)x->w2);
+        free((void *)x->s1);
+        free((void *)x->s3);
+        free((void *)x->s2);
     }
     free(l->experts);
     free((void *)l->router);
     free((void *)l->router_bias);
-    free((void *)l->shared.w1);
-    free((void *)l->shared.w3);
-    free((void *)l->shared.w2);
     memset(l, 0, sizeof *l);
 }

@@ -22,6 +22,10 @@
  * value (2u - 1) * 0.1 with expert 0 and i the expert number. Layers are numbered 0 .. n-1.
  * value is computed in float64, rounded to float32, then (for f16/bf16 weights) rounded again to
  * the weight dtype: the double rounding through float32 is part of the definition.
+ *
+ * dtype=fp8: every expert matrix (the shared experts' too) is the float32 values above quantized by
+ * moed_fp8.h's rule in 128 x 128 blocks of the [out, in] matrix (e4m3 codes and a float32 scale per
+ * block), and the router, which a checkpoint never quantizes, is stored in bf16.
  */
 #ifndef MOED_SYNTH_H
 #define MOED_SYNTH_H
@@ -60,7 +64,8 @@ void moed_synth_format(const moed_synth_spec *s, char *buf, size_t n);
 
 uint64_t moed_splitmix64(uint64_t x);
 
-/* Fills n elements (flat indices first .. first+n-1) of one tensor, in dtype. */
+/* Fills n elements (flat indices first .. first+n-1) of one tensor, in dtype (F32, F16, BF16: the
+ * unscaled types). */
 void moed_synth_fill(uint64_t seed, int layer, int tensor, int expert, int fan_in, int dtype,
                      uint64_t first, uint64_t n, void *dst);
 

@@ -67,10 +67,12 @@ static int cpu_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_e
                          "shared experts of total width %d",
                          li->index, li->d_model, li->d_ff, li->n_experts, li->n_shared,
                          li->shared_d_ff);
-    if (!moed_dtype_is_float(li->wdtype))
+    if (!moed_dtype_is_weight(li->wdtype))
         return moed_fail(err, MOED_EUNSUPPORTED,
-                         "layer %d: weights of dtype %s are not supported: use f32, f16 or bf16",
+                         "layer %d: weights of dtype %s are not supported: use f32, f16, bf16 or "
+                         "fp8",
                          li->index, moed_dtype_name(li->wdtype));
+    const int fp8 = li->wdtype == MOED_FP8;
     if (li->act != MOED_ACT_SWIGLU && li->act != MOED_ACT_GELU && li->act != MOED_ACT_RELU)
         return moed_fail(err, MOED_EUNSUPPORTED, "layer %d: activation %d is not supported",
                          li->index, (int)li->act);
@@ -80,15 +82,16 @@ static int cpu_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_e
     for (int e = 0; e <= li->n_experts; e++) {
         const moed_expert_w *w = e < li->n_experts ? &l->experts[e] : &l->shared;
         if (e == li->n_experts && li->n_shared == 0) break;
-        if (!w->w1 || !w->w2 || (swiglu && !w->w3))
-            return moed_fail(err, MOED_EINVAL, "layer %d: %s %d lacks a weight matrix", li->index,
+        if (!w->w1 || !w->w2 || (swiglu && !w->w3) ||
+            (fp8 && (!w->s1 || !w->s2 || (swiglu && !w->s3))))
+            return moed_fail(err, MOED_EINVAL, "layer %d: %s %d lacks a weight matrix%s", li->index,
                              e < li->n_experts ? "expert" : "shared expert",
-                             e < li->n_experts ? e : 0);
+                             e < li->n_experts ? e : 0, fp8 ? " or its FP8 scales" : "");
     }
-    if (li->has_router && !l->router)
+    if (li->has_router && (!l->router || !moed_dtype_is_float(moed_layer_router_dtype(l))))
         return moed_fail(err, MOED_EINVAL,
-                         "layer %d says it has a router but its weights are "
-                         "missing",
+                         "layer %d says it has a router but its weights are missing or not "
+                         "f32, f16 or bf16",
                          li->index);
     if (c->n_layers == c->cap_layers) {
         int cap = c->cap_layers ? 2 * c->cap_layers : 8;

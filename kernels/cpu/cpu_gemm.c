@@ -14,6 +14,7 @@
 #include "cpu_gemm.h"
 
 #include "moed_dtype.h"
+#include "moed_fp8.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -29,7 +30,8 @@
 #define MR 6
 
 typedef void (*mm_tile_fn)(int mr, const float *const *a, const float *bp, int k, float *c);
-typedef void (*mm_pack_fn)(const void *b, int dtype, int k, int j0, int nr, float *bp);
+typedef void (*mm_pack_fn)(const void *b, const float *scale, int dtype, int k, int j0, int nr,
+                           float *bp);
 
 static struct {
     mm_tile_fn tile;
@@ -60,8 +62,10 @@ static void tile_generic(int mr, const float *const *a, const float *bp, int k, 
     for (int r = 0; r < mr; r++) memcpy(c + r * NR, acc[r], sizeof acc[r]);
 }
 
-/* bp[p][j] = B[j0 + j][p] as float32, zero for the columns j >= nr past the matrix's end. */
-static void pack_generic(const void *b, int dtype, int k, int j0, int nr, float *bp)
+/* bp[p][j] = B[j0 + j][p] as float32 (FP8: dequantized with its block's scale), zero for the
+ * columns j >= nr past the matrix's end. */
+static void pack_generic(const void *b, const float *scale, int dtype, int k, int j0, int nr,
+                         float *bp)
 {
     size_t es = moed_dtype_size(dtype);
     for (int j = 0; j < NR; j++) {
@@ -70,7 +74,12 @@ static void pack_generic(const void *b, int dtype, int k, int j0, int nr, float 
             continue;
         }
         const char *row = (const char *)b + (size_t)(j0 + j) * (size_t)k * es;
-        if (dtype == MOED_F32)
+        if (dtype == MOED_FP8) {
+            const float *srow = scale + ((j0 + j) / MOED_FP8_BLOCK) * moed_fp8_blocks(k);
+            for (int p = 0; p < k; p++)
+                bp[(size_t)p * NR + j] =
+                    moed_e4m3_to_f32(((const uint8_t *)row)[p]) * srow[p / MOED_FP8_BLOCK];
+        } else if (dtype == MOED_F32)
             for (int p = 0; p < k; p++) bp[(size_t)p * NR + j] = ((const float *)row)[p];
         else if (dtype == MOED_BF16)
             for (int p = 0; p < k; p++)
@@ -169,11 +178,13 @@ MM_AVX2 static inline void transpose8_avx2(__m256 *r)
     r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
-/* As pack_generic, 8 rows x 8 columns at a time through a register transpose. */
-MM_AVX2 static void pack_avx2(const void *b, int dtype, int k, int j0, int nr, float *bp)
+/* As pack_generic, 8 rows x 8 columns at a time through a register transpose (FP8 by the
+ * portable code: its per-element scale lookup gains nothing from the transpose). */
+MM_AVX2 static void pack_avx2(const void *b, const float *scale, int dtype, int k, int j0, int nr,
+                              float *bp)
 {
-    if (nr < NR) {
-        pack_generic(b, dtype, k, j0, nr, bp);
+    if (nr < NR || dtype == MOED_FP8) {
+        pack_generic(b, scale, dtype, k, j0, nr, bp);
         return;
     }
     size_t rs = (size_t)k * moed_dtype_size(dtype);
@@ -251,8 +262,8 @@ void moed_cpu_mm_block(const moed_cpu_mm *g, int64_t m0, int m, int n0, int nc, 
     float ta[MR * NR], tb[MR * NR];
     for (int j0 = n0; j0 < n0 + nc; j0 += NR) {
         int nr = n0 + nc - j0 < NR ? n0 + nc - j0 : NR;
-        mm_impl.pack(g->b, g->bdtype, g->k, j0, nr, p1);
-        if (g->b3) mm_impl.pack(g->b3, g->bdtype, g->k, j0, nr, p3);
+        mm_impl.pack(g->b, g->bs, g->bdtype, g->k, j0, nr, p1);
+        if (g->b3) mm_impl.pack(g->b3, g->b3s, g->bdtype, g->k, j0, nr, p3);
         for (int r = 0; r < m;) {
             int mr = m - r >= MR ? MR : m - r;
             const float *ar[MR];

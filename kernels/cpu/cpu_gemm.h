@@ -1,7 +1,8 @@
 /*
  * cpu_gemm — the CPU backend's one matrix product, C = act(A B^T), with A float32 rows (gathered
  * through an index, so token rows are never copied) and B a weight matrix [n, k] in f32, f16 or
- * bf16 used in place.
+ * bf16, or block-scaled FP8 (each weight dequantized exactly as moed_fp8.h defines it, q * scale in
+ * float32), used in place.
  *
  * Determinism: every element of C is one sequential float32 sum over k = 0 .. k-1, computed by the
  * same instructions whichever tile, block or thread it falls in, so a row's result never depends on
@@ -23,8 +24,9 @@ typedef struct moed_cpu_mm {
     const int32_t *rows;
     size_t lda;
     int k;
-    const void *b;  /* [n, k] row-major, in bdtype */
-    const void *b3; /* SwiGLU: the up matrix W3, same shape; else NULL */
+    const void *b;         /* [n, k] row-major, in bdtype */
+    const void *b3;        /* SwiGLU: the up matrix W3, same shape; else NULL */
+    const float *bs, *b3s; /* FP8: the block scales of b and b3 (moed_fp8.h); else NULL */
     int bdtype;
     int n;
     moed_act act; /* MOED_ACT_NONE: C = A B^T; SwiGLU: silu(A B^T) * (A b3^T) */

@@ -35,6 +35,7 @@ typedef struct cuda_layer {
     moed_cuda_layer_dev k; /* what the kernels see */
     void *w13, *w2;        /* the allocations behind k (k's pointers are const) */
     void *s13, *s2;
+    float *w13_scale, *w2_scale, *s13_scale, *s2_scale; /* FP8 layers */
     void *router; /* [E][d] in router_dtype, as the checkpoint stores it; NULL if none */
     int router_dtype;
 } cuda_layer;
@@ -79,6 +80,7 @@ typedef struct cuda_ctx {
     int n_exec;
     int64_t max_tokens, max_pairs;
     int max_e, max_d_pad, max_ff_pad, max_sff_pad, max_router_e, max_d;
+    int fp8_native; /* an FP8 layer runs on the FP8 Tensor Cores: slots need its buffers */
     int force_kernel;
 } cuda_ctx;
 
@@ -100,6 +102,13 @@ static int cuda_fail(moed_error *err, cudaError_t e, const char *what)
 static int pad_to(int v)
 {
     return (v + MOED_CUDA_PAD - 1) / MOED_CUDA_PAD * MOED_CUDA_PAD;
+}
+
+static int dev_index(const cuda_ctx *c, int device)
+{
+    for (int i = 0; i < c->n_dev; i++)
+        if (c->dev[i] == device) return i;
+    return 0;
 }
 
 int moed_backend_cuda_available(void)
@@ -172,6 +181,83 @@ static int upload(void *dev, const void *host, size_t bytes, moed_error *err)
     return e == cudaSuccess ? 0 : cuda_fail(err, e, "weight upload");
 }
 
+/* Bytes of n resident weights: e4m3 for FP8 layers, else the compute type. */
+static size_t wbytes(const cuda_layer *L, int64_t n)
+{
+    return L->k.wdtype == MOED_FP8 ? (size_t)n : moed_cuda_cbytes(n);
+}
+
+/* Floats of an FP8 [rows, k] matrix's scales in the kernels' tables (0 for other layers). */
+static size_t wscales(const cuda_layer *L, int64_t rows, int64_t k)
+{
+    if (L->k.wdtype != MOED_FP8) return 0;
+    return (size_t)(k / MOED_CUDA_FP8_K) * (size_t)(rows / MOED_CUDA_FP8_SROWS);
+}
+
+/* One set of experts as resident: the routed ones (E of them), or the shared experts (one). */
+typedef struct dev_set {
+    void *w13, *w2;
+    float *w13_scale, *w2_scale;
+    int E, ff, ff_pad, n_up;
+} dev_set;
+
+/* Expert e's up and down matrices into set ds: converted to the compute type, or (FP8) the e4m3
+ * codes as they are with their scales, whose per-expert tables [K/128][N/32] become columns of
+ * the set's [K/128][E·N/32] table. stage is pinned staging for the largest matrix and its
+ * scales; tmp a row of floats. */
+static int upload_expert(const cuda_layer *L, const dev_set *ds, int e, const moed_expert_w *x,
+                         void *stage, float *tmp, moed_error *err)
+{
+    const int glu = L->k.act == MOED_ACT_SWIGLU, dp = L->k.d_pad;
+    const size_t up_b = wbytes(L, (int64_t)ds->n_up * dp),
+                 dn_b = wbytes(L, (int64_t)dp * ds->ff_pad);
+    if (L->k.wdtype != MOED_FP8) {
+        pack_up(stage, L, x->w1, glu ? x->w3 : NULL, ds->ff, ds->n_up, tmp);
+        int rc = upload((char *)ds->w13 + up_b * e, stage, up_b, err);
+        if (rc) return rc;
+        pack_down(stage, L, x->w2, ds->ff, ds->ff_pad, tmp);
+        return upload((char *)ds->w2 + dn_b * e, stage, dn_b, err);
+    }
+    float *sc = (float *)((char *)stage + (up_b > dn_b ? up_b : dn_b));
+    const int g_up = ds->n_up / MOED_CUDA_FP8_SROWS, g_dn = dp / MOED_CUDA_FP8_SROWS;
+    cudaError_t ce;
+    moed_cuda_fp8_pack_up(stage, sc, x, glu, L->k.d, ds->ff, dp, ds->n_up);
+    int rc = upload((char *)ds->w13 + up_b * e, stage, up_b, err);
+    if (rc) return rc;
+    ce = cudaMemcpy2D(ds->w13_scale + (size_t)g_up * e, sizeof(float) * g_up * ds->E, sc,
+                      sizeof(float) * g_up, sizeof(float) * g_up, dp / MOED_CUDA_FP8_K,
+                      cudaMemcpyHostToDevice);
+    if (ce != cudaSuccess) return cuda_fail(err, ce, "weight scale upload");
+    moed_cuda_fp8_pack_down(stage, sc, x, L->k.d, ds->ff, dp, ds->ff_pad);
+    if ((rc = upload((char *)ds->w2 + dn_b * e, stage, dn_b, err))) return rc;
+    ce = cudaMemcpy2D(ds->w2_scale + (size_t)g_dn * e, sizeof(float) * g_dn * ds->E, sc,
+                      sizeof(float) * g_dn, sizeof(float) * g_dn, ds->ff_pad / MOED_CUDA_FP8_K,
+                      cudaMemcpyHostToDevice);
+    return ce == cudaSuccess ? 0 : cuda_fail(err, ce, "weight scale upload");
+}
+
+/* Allocates set ds on the device and uploads its experts x[0 .. E-1]. */
+static int upload_set(const cuda_layer *L, dev_set *ds, const moed_expert_w *x, void *stage,
+                      float *tmp, moed_error *err)
+{
+    const int dp = L->k.d_pad;
+    cudaError_t ce = cudaMalloc(&ds->w13, wbytes(L, (int64_t)ds->n_up * dp) * ds->E);
+    if (ce == cudaSuccess) ce = cudaMalloc(&ds->w2, wbytes(L, (int64_t)dp * ds->ff_pad) * ds->E);
+    if (ce == cudaSuccess && L->k.wdtype == MOED_FP8) {
+        ce = cudaMalloc((void **)&ds->w13_scale,
+                        sizeof(float) * wscales(L, (int64_t)ds->n_up * ds->E, dp));
+        if (ce == cudaSuccess)
+            ce = cudaMalloc((void **)&ds->w2_scale,
+                            sizeof(float) * wscales(L, (int64_t)dp * ds->E, ds->ff_pad));
+    }
+    if (ce != cudaSuccess) return cuda_fail(err, ce, "weight allocation");
+    for (int e = 0; e < ds->E; e++) {
+        int rc = upload_expert(L, ds, e, &x[e], stage, tmp, err);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
 /* Bytes of a layer's router as held on the device (as stored), 0 without one. */
 static size_t router_bytes(const cuda_layer *L, const moed_layer *l)
 {
@@ -183,10 +269,14 @@ static size_t router_bytes(const cuda_layer *L, const moed_layer *l)
 static uint64_t layer_device_bytes(const cuda_layer *L, const moed_layer *l)
 {
     const moed_layer_info *li = &L->info;
-    uint64_t b = (uint64_t)li->n_experts *
-                 ((uint64_t)L->k.n_up * L->k.d_pad + (uint64_t)L->k.d_pad * L->k.ff_pad);
-    b += (uint64_t)L->k.sn_up * L->k.d_pad + (uint64_t)L->k.d_pad * L->k.sff_pad;
-    return moed_cuda_cbytes((int64_t)b) + router_bytes(L, l);
+    const int64_t dp = L->k.d_pad;
+    const int64_t up = (int64_t)L->k.n_up * dp, dn = dp * L->k.ff_pad;
+    const int64_t sup = (int64_t)L->k.sn_up * dp, sdn = dp * L->k.sff_pad;
+    uint64_t b = (uint64_t)li->n_experts * wbytes(L, up + dn) + wbytes(L, sup + sdn);
+    b +=
+        sizeof(float) * (li->n_experts * (wscales(L, L->k.n_up, dp) + wscales(L, dp, L->k.ff_pad)) +
+                         wscales(L, L->k.sn_up, dp) + wscales(L, dp, L->k.sff_pad));
+    return b + router_bytes(L, l);
 }
 
 static int check_free(int device, uint64_t need, const char *what, moed_error *err)
@@ -202,6 +292,15 @@ static int check_free(int device, uint64_t need, const char *what, moed_error *e
             "layers (--layers), lower --max-batch-tokens or --streams, or add GPUs",
             what, need / 1073741824.0, device, free_b / 1073741824.0, total_b / 1073741824.0);
     return 0;
+}
+
+/* Frees a layer's device memory (what of it was allocated). */
+static void layer_free(cuda_layer *L)
+{
+    cudaSetDevice(L->device);
+    void *p[] = { L->w13,      L->w2,        L->s13,      L->s2,    L->w13_scale,
+                  L->w2_scale, L->s13_scale, L->s2_scale, L->router };
+    for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) cudaFree(p[i]);
 }
 
 static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_error *err)
@@ -221,6 +320,7 @@ static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_
     L->info = *li;
     L->device = c->dev[slot % c->n_dev];
     L->k.cdtype = li->wdtype == MOED_F16 ? MOED_F16 : MOED_BF16;
+    L->k.wdtype = li->wdtype == MOED_FP8 ? MOED_FP8 : L->k.cdtype;
     L->k.act = li->act;
     L->k.d = li->d_model;
     L->k.E = li->n_experts;
@@ -240,13 +340,15 @@ static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_
     snprintf(what, sizeof what, "layer %d's weights", li->index);
     if ((rc = check_free(L->device, layer_device_bytes(L, l), what, err))) return rc;
 
-    const size_t up_b = moed_cuda_cbytes((int64_t)L->k.n_up * L->k.d_pad),
-                 dn_b = moed_cuda_cbytes((int64_t)L->k.d_pad * L->k.ff_pad);
-    size_t stage_b = up_b > dn_b ? up_b : dn_b;
-    const size_t s_up = moed_cuda_cbytes((int64_t)L->k.sn_up * L->k.d_pad),
-                 s_dn = moed_cuda_cbytes((int64_t)L->k.d_pad * L->k.sff_pad);
-    if (s_up > stage_b) stage_b = s_up;
-    if (s_dn > stage_b) stage_b = s_dn;
+    /* staging: the largest matrix, then (FP8) its scales */
+    const int dp = L->k.d_pad;
+    const int64_t rows[4] = { L->k.n_up, dp, L->k.sn_up, dp },
+                  ks[4] = { dp, L->k.ff_pad, dp, L->k.sff_pad };
+    size_t stage_b = 0;
+    for (int i = 0; i < 4; i++) {
+        const size_t need = wbytes(L, rows[i] * ks[i]) + sizeof(float) * wscales(L, rows[i], ks[i]);
+        if (need > stage_b) stage_b = need;
+    }
     int widest =
         li->d_model > li->d_ff ? li->d_model : li->d_ff; /* put_rows converts rows of d or ff */
     if (li->shared_d_ff > widest) widest = li->shared_d_ff;
@@ -257,23 +359,24 @@ static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_
         rc = moed_fail(err, MOED_ENOMEM, "out of host memory");
         goto err;
     }
-    CU(cudaMalloc(&L->w13, up_b * li->n_experts), "weight allocation");
-    CU(cudaMalloc(&L->w2, dn_b * li->n_experts), "weight allocation");
-    for (int e = 0; e < li->n_experts; e++) {
-        const moed_expert_w *x = &l->experts[e];
-        pack_up(stage, L, x->w1, glu ? x->w3 : NULL, li->d_ff, L->k.n_up, tmp);
-        if ((rc = upload((char *)L->w13 + up_b * e, stage, up_b, err))) goto err;
-        pack_down(stage, L, x->w2, li->d_ff, L->k.ff_pad, tmp);
-        if ((rc = upload((char *)L->w2 + dn_b * e, stage, dn_b, err))) goto err;
-    }
+    dev_set routed = { .E = li->n_experts,
+                       .ff = li->d_ff,
+                       .ff_pad = L->k.ff_pad,
+                       .n_up = L->k.n_up },
+            shared = { .E = 1, .ff = li->shared_d_ff, .ff_pad = L->k.sff_pad, .n_up = L->k.sn_up };
+    rc = upload_set(L, &routed, l->experts, stage, tmp, err);
+    L->w13 = routed.w13;
+    L->w2 = routed.w2;
+    L->w13_scale = routed.w13_scale;
+    L->w2_scale = routed.w2_scale;
+    if (rc) goto err;
     if (L->k.sff_pad) {
-        CU(cudaMalloc(&L->s13, s_up), "weight allocation");
-        CU(cudaMalloc(&L->s2, s_dn), "weight allocation");
-        pack_up(stage, L, l->shared.w1, glu ? l->shared.w3 : NULL, li->shared_d_ff, L->k.sn_up,
-                tmp);
-        if ((rc = upload(L->s13, stage, s_up, err))) goto err;
-        pack_down(stage, L, l->shared.w2, li->shared_d_ff, L->k.sff_pad, tmp);
-        if ((rc = upload(L->s2, stage, s_dn, err))) goto err;
+        rc = upload_set(L, &shared, &l->shared, stage, tmp, err);
+        L->s13 = shared.w13;
+        L->s2 = shared.w2;
+        L->s13_scale = shared.w13_scale;
+        L->s2_scale = shared.w2_scale;
+        if (rc) goto err;
     }
     if (router_bytes(L, l)) {
         CU(cudaMalloc(&L->router, router_bytes(L, l)), "router allocation");
@@ -283,22 +386,59 @@ static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_
     L->k.w2 = L->w2;
     L->k.s13 = L->s13;
     L->k.s2 = L->s2;
+    L->k.w13_scale = L->w13_scale;
+    L->k.w2_scale = L->w2_scale;
+    L->k.s13_scale = L->s13_scale;
+    L->k.s2_scale = L->s2_scale;
     c->n_layers++;
     cudaFreeHost(stage);
     free(tmp);
     return 0;
 err:
-    cudaFree(L->w13);
-    cudaFree(L->w2);
-    cudaFree(L->s13);
-    cudaFree(L->s2);
-    cudaFree(L->router);
+    layer_free(L);
     if (stage) cudaFreeHost(stage);
     free(tmp);
     return rc;
 }
 
 /* ---- the pool ------------------------------------------------------------------------------ */
+
+/* The FP8 buffers of a slot (moed_cuda_work_dev): their sizes, for allocation and admission. */
+typedef struct fp8_sizes {
+    int64_t xs_ld, hs_ld;
+    size_t xq, xs, hq, hs;
+} fp8_sizes;
+
+static fp8_sizes fp8_buffer_sizes(const cuda_ctx *c)
+{
+    fp8_sizes z = { 0 };
+    if (!c->fp8_native) return z;
+    const int64_t T = c->max_tokens, R = c->max_pairs > T ? c->max_pairs : T;
+    const int ffw = c->max_ff_pad > c->max_sff_pad ? c->max_ff_pad : c->max_sff_pad;
+    z.xs_ld = T;
+    z.hs_ld = R;
+    z.xq = (size_t)T * c->max_d_pad;
+    z.xs = sizeof(float) * (size_t)(c->max_d_pad / MOED_CUDA_FP8_K) * (size_t)z.xs_ld;
+    z.hq = (size_t)R * ffw;
+    z.hs = sizeof(float) * (size_t)(ffw / MOED_CUDA_FP8_K) * (size_t)z.hs_ld;
+    return z;
+}
+
+/* A slot's FP8 buffers, where an FP8 layer runs natively. */
+static int exec_init_fp8(const cuda_ctx *c, cuda_exec *x, moed_error *err)
+{
+    const fp8_sizes z = fp8_buffer_sizes(c);
+    int rc = 0;
+    if (!z.xq) return 0;
+    x->w.xs_ld = z.xs_ld;
+    x->w.hs_ld = z.hs_ld;
+    CU(cudaMalloc(&x->w.xq, z.xq), "workspace");
+    CU(cudaMalloc((void **)&x->w.xs, z.xs), "workspace");
+    CU(cudaMalloc(&x->w.hq, z.hq), "workspace");
+    CU(cudaMalloc((void **)&x->w.hs_scale, z.hs), "workspace");
+err:
+    return rc;
+}
 
 static int exec_init(cuda_ctx *c, cuda_exec *x, int device, moed_error *err)
 {
@@ -326,7 +466,7 @@ static int exec_init(cuda_ctx *c, cuda_exec *x, int device, moed_error *err)
            "workspace");
     CU(cudaMalloc((void **)&x->route, moed_cuda_route_words(T, P, c->max_e, max_tiles) * 4),
        "workspace");
-    return 0;
+    return exec_init_fp8(c, x, err);
 err:
     return rc;
 }
@@ -348,6 +488,10 @@ static void exec_free(cuda_exec *x)
     cudaFree(x->w.ys);
     cudaFree(x->logits);
     cudaFree(x->route);
+    cudaFree(x->w.xq);
+    cudaFree(x->w.xs);
+    cudaFree(x->w.hq);
+    cudaFree(x->w.hs_scale);
     cudaStreamDestroy(x->stream);
 }
 
@@ -362,7 +506,8 @@ static uint64_t exec_bytes(const cuda_ctx *c)
     b +=
         moed_cuda_route_words(T, P, c->max_e, moed_cuda_route_max_tiles((int32_t)P, c->max_e, 16)) *
         4;
-    return b;
+    const fp8_sizes z = fp8_buffer_sizes(c);
+    return b + z.xq + z.xs + z.hq + z.hs;
 }
 
 static int cuda_start(moed_backend *b, moed_error *err)
@@ -378,6 +523,9 @@ static int cuda_start(moed_backend *b, moed_error *err)
         if (L->k.ff_pad > c->max_ff_pad) c->max_ff_pad = L->k.ff_pad;
         if (L->k.sff_pad > c->max_sff_pad) c->max_sff_pad = L->k.sff_pad;
         if (L->router && L->info.n_experts > c->max_router_e) c->max_router_e = L->info.n_experts;
+        if (L->k.wdtype == MOED_FP8 &&
+            moed_cuda_fp8_native(c->sm[dev_index(c, L->device)], c->force_kernel))
+            c->fp8_native = 1;
     }
     if (!c->n_layers) return moed_fail(err, MOED_EINVAL, "no layers loaded");
     /* Room for every token's top-k, and at least one token routed to every expert; batches with
@@ -403,13 +551,6 @@ static int cuda_start(moed_backend *b, moed_error *err)
 }
 
 /* ---- one batch ----------------------------------------------------------------------------- */
-
-static int dev_index(const cuda_ctx *c, int device)
-{
-    for (int i = 0; i < c->n_dev; i++)
-        if (c->dev[i] == device) return i;
-    return 0;
-}
 
 /* Packs tokens [t0, t1) of the route into the slot's pinned staging, uploads it, and lays route
  * prep's arrays out behind it for m-tiles of bm rows. */
@@ -479,7 +620,9 @@ static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_
     const int64_t T = t1 - t0, P = rt->off[t1] - rt->off[t0];
     const size_t es = moed_dtype_size(job->dtype);
     const int n_act = active_experts(rt, t0, t1, E);
-    stage_route(x, rt, t0, t1, E, moed_cuda_tile_bm(P, n_act, c->force_kernel));
+    stage_route(
+        x, rt, t0, t1, E,
+        moed_cuda_tile_bm(c->sm[dev_index(c, x->device)], P, n_act, L->k.wdtype, c->force_kernel));
     cudaMemcpyAsync(x->x_in, (const char *)job->x + (size_t)t0 * d * es, (size_t)T * d * es,
                     cudaMemcpyHostToDevice, x->stream);
     int rc = 0;
@@ -614,15 +757,7 @@ static void cuda_destroy(moed_backend *b)
 {
     cuda_ctx *c = b->ctx;
     for (int i = 0; i < c->n_exec; i++) exec_free(&c->execs[i]);
-    for (int i = 0; i < c->n_layers; i++) {
-        cuda_layer *L = &c->layers[i];
-        cudaSetDevice(L->device);
-        cudaFree(L->w13);
-        cudaFree(L->w2);
-        cudaFree(L->s13);
-        cudaFree(L->s2);
-        cudaFree(L->router);
-    }
+    for (int i = 0; i < c->n_layers; i++) layer_free(&c->layers[i]);
     free(c->execs);
     free(c->layers);
     free(c);

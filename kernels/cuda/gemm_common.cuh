@@ -100,6 +100,36 @@ __device__ __forceinline__ void moed_cuda_epilogue2(const moed_cuda_gemm &g, int
     }
 }
 
+/*
+ * The epilogue of one warpgroup's 64 x BN block of wgmma accumulators, from registers: register
+ * 4*c8 + 2*h + j of a thread is row rbase + 8h (rbase: the warpgroup's first row + 16*(warp%4) +
+ * lane/4), column n0 + 8*c8 + 2*(lane%4) + j. Gate blocks of MOED_CUDA_GLU_BLOCK columns (GLU_C8
+ * groups of 8) are followed by their up blocks. Rows at or past row_end are not stored.
+ */
+template <typename T, int EPI, int BN>
+__device__ __forceinline__ void moed_cuda_wgmma_epilogue(const moed_cuda_gemm &g, const float *acc,
+                                                         int rbase, int row_end, int n0, int lane)
+{
+    constexpr int GLU_C8 = MOED_CUDA_GLU_BLOCK / 8;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = rbase + 8 * h;
+        if (r >= row_end) continue;
+#pragma unroll
+        for (int c8 = 0; c8 < BN / 8; c8++) {
+            const int n = n0 + c8 * 8 + 2 * (lane & 3);
+            const float v0 = acc[4 * c8 + 2 * h], v1 = acc[4 * c8 + 2 * h + 1];
+            if constexpr (EPI == MOED_CUDA_EPI_SWIGLU) {
+                if (c8 % (2 * GLU_C8) < GLU_C8)
+                    moed_cuda_epilogue2<T, EPI>(g, r, n, v0, v1, acc[4 * (c8 + GLU_C8) + 2 * h],
+                                                acc[4 * (c8 + GLU_C8) + 2 * h + 1]);
+            } else {
+                moed_cuda_epilogue2<T, EPI>(g, r, n, v0, v1, 0.0f, 0.0f);
+            }
+        }
+    }
+}
+
 /* Calls f.template operator()<EPI>() for the runtime epilogue kind: the one place the kinds are
  * listed for the launchers. */
 template <typename F> __host__ __forceinline__ int moed_cuda_epi_dispatch(int epi, F &&f)

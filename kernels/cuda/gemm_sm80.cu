@@ -17,6 +17,12 @@
  *           start.
  * Every warp tile is 64 columns wide, aligned to 64: the SwiGLU epilogue finds each gate column's
  * up column (32 further, see MOED_CUDA_GLU_BLOCK) in the same thread's registers.
+ *
+ * FP8 weights (W8: g.b_scale set; A and C bf16): the portable path for block-scaled e4m3 layers.
+ * The stage holds the tile's raw e4m3 bytes (64 a row) and its MOED_CUDA_FP8_SROWS-row scales;
+ * after the stage lands, the threads dequantize it into one bf16 tile, each weight rounded once
+ * from e4m3 x scale (float32), and the MMAs read that. The e4m3 decode is exact integer and float32
+ * arithmetic, so it runs on GPUs without FP8 instructions.
  */
 #include "gemm_common.cuh"
 
@@ -25,6 +31,8 @@
 
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 namespace
 {
 
@@ -32,16 +40,57 @@ namespace ptx = moed::ptx;
 
 constexpr int BK = 64; /* 128-byte shared rows */
 
-template <typename T, int BM, int BN, int WM, int WN, int STAGES, int EPI>
+/* Bytes of one stage: A rows, then B rows (bf16/f16: 128 bytes; W8: 64 e4m3 bytes, then the
+ * tile's scales in one 16-byte chunk, padded so stages stay 128-byte aligned). */
+template <int BM, int BN, bool W8> __host__ __device__ constexpr int stage_bytes()
+{
+    return BM * 128 + (W8 ? BN * BK + 128 : BN * 128);
+}
+
+/* Shared bytes of the kernel: the stages, and for W8 the dequantized bf16 B tile. */
+template <int BM, int BN, int STAGES, bool W8> __host__ __device__ constexpr int smem_bytes()
+{
+    return STAGES * stage_bytes<BM, BN, W8>() + (W8 ? BN * 128 : 0);
+}
+
+/* e4m3 byte b to float32, exactly: its exponent and mantissa bits placed in a float32's, which is
+ * then 2^-120 times the value (a float32 subnormal for e4m3's subnormals); the load refuses NaN
+ * codes, so every code is a number. */
+__device__ __forceinline__ float e4m3_value(uint32_t b)
+{
+    const float mag = __uint_as_float((b & 0x7fu) << 20) * 0x1p120f;
+    return (b & 0x80u) ? -mag : mag;
+}
+
+/* 16 e4m3 weights times their scale, as 16 bf16 (two 16-byte chunks). */
+__device__ __forceinline__ void dequant16(uint4 raw, float scale, uint4 out[2])
+{
+    const uint32_t w[4] = { raw.x, raw.y, raw.z, raw.w };
+    uint32_t *o = reinterpret_cast<uint32_t *>(out);
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const uint32_t word = w[i / 2] >> (16 * (i % 2));
+        const __nv_bfloat162 p = __floats2bfloat162_rn(e4m3_value(word & 0xffu) * scale,
+                                                       e4m3_value((word >> 8) & 0xffu) * scale);
+        o[i] = *reinterpret_cast<const uint32_t *>(&p);
+    }
+}
+
+template <typename T, int BM, int BN, int WM, int WN, int STAGES, int EPI, bool W8>
 __global__ void __launch_bounds__(WM *WN * 32) gemm_sm80_kernel(const moed_cuda_gemm g, int num_n)
 {
     constexpr int THREADS = WM * WN * 32;
     constexpr int WTM = BM / WM, WTN = BN / WN;
     constexpr int MI = WTM / 16, NI = WTN / 8;
-    constexpr int A_CHUNKS = BM * 8 / THREADS, B_CHUNKS = BN * 8 / THREADS;
-    constexpr int A_STAGE = BM * 128, STAGE = (BM + BN) * 128;
+    constexpr int B_ROW_CHUNKS = W8 ? BK / 16 : 8; /* 16-byte chunks of a B row in the stage */
+    constexpr int A_CHUNKS = BM * 8 / THREADS, B_CHUNKS = BN * B_ROW_CHUNKS / THREADS;
+    constexpr int A_STAGE = BM * 128, STAGE = stage_bytes<BM, BN, W8>();
+    constexpr int B_GROUPS = BN / MOED_CUDA_FP8_SROWS; /* W8: scales of a tile per K block */
     static_assert(WTN == 64, "the SwiGLU epilogue needs 64-column warp tiles");
-    static_assert(A_CHUNKS >= 1 && BM * 8 % THREADS == 0 && BN * 8 % THREADS == 0, "load split");
+    static_assert(A_CHUNKS >= 1 && BM * 8 % THREADS == 0 && BN * B_ROW_CHUNKS % THREADS == 0,
+                  "load split");
+    static_assert(!W8 || (B_GROUPS * 4 == 16 && MOED_CUDA_FP8_K % BK == 0),
+                  "W8: a tile's scales are one 16-byte chunk, K blocks whole stages");
 
     moed_cuda_tile t;
     if (!moed_cuda_tile_of(g, num_n, blockIdx.x, t)) return;
@@ -67,8 +116,13 @@ __global__ void __launch_bounds__(WM *WN * 32) gemm_sm80_kernel(const moed_cuda_
         a_dst[i] = moed_cuda_swz128(row, kc);
         a_bytes[i] = ok ? 16 : 0;
     }
-    const T *b_base = static_cast<const T *>(g.b) + t.e * g.b_estride + (int64_t)t.nt * BN * g.k;
+    using TB = typename std::conditional<W8, uint8_t, T>::type; /* B's element in global memory */
+    const TB *b_base = static_cast<const TB *>(g.b) + t.e * g.b_estride + (int64_t)t.nt * BN * g.k;
     const int ktiles = g.k / BK;
+    /* W8: the tile's scales, 16 bytes from column (e·n + nt·BN) / SROWS of K block kb's row */
+    const float *sc_base =
+        W8 ? g.b_scale + ((int64_t)t.e * g.n + (int64_t)t.nt * BN) / MOED_CUDA_FP8_SROWS : nullptr;
+    const int64_t sc_ld = (int64_t)g.b_experts * g.n / MOED_CUDA_FP8_SROWS;
 
     auto load_stage = [&](int stage, int kt) {
         const uint32_t sa = sbase + stage * STAGE, sb = sa + A_STAGE;
@@ -77,9 +131,32 @@ __global__ void __launch_bounds__(WM *WN * 32) gemm_sm80_kernel(const moed_cuda_
             ptx::cp_async16(sa + a_dst[i], a_src[i] + kt * BK, a_bytes[i]);
 #pragma unroll
         for (int i = 0; i < B_CHUNKS; i++) {
-            const int c = tid + i * THREADS, row = c >> 3, kc = c & 7;
-            ptx::cp_async16(sb + moed_cuda_swz128(row, kc),
-                            b_base + (int64_t)row * g.k + kt * BK + kc * 8, 16);
+            const int c = tid + i * THREADS, row = c / B_ROW_CHUNKS, kc = c % B_ROW_CHUNKS;
+            if constexpr (W8) /* raw rows of BK bytes, unswizzled: the dequant reads them */
+                ptx::cp_async16(sb + row * BK + kc * 16,
+                                b_base + (int64_t)row * g.k + kt * BK + kc * 16, 16);
+            else
+                ptx::cp_async16(sb + moed_cuda_swz128(row, kc),
+                                b_base + (int64_t)row * g.k + kt * BK + kc * 8, 16);
+        }
+        if constexpr (W8)
+            if (tid == 0)
+                ptx::cp_async16(sb + BN * BK,
+                                sc_base + (int64_t)(kt * BK / MOED_CUDA_FP8_K) * sc_ld, 16);
+    };
+    /* W8: the landed stage's weights, dequantized into the bf16 tile at sbase + STAGES·STAGE */
+    auto dequant_stage = [&](int stage) {
+        const uint8_t *raw = smem + stage * STAGE + A_STAGE;
+        const float *sc = reinterpret_cast<const float *>(raw + BN * BK);
+#pragma unroll
+        for (int i = 0; i < B_CHUNKS; i++) {
+            const int c = tid + i * THREADS, row = c / B_ROW_CHUNKS, kc = c % B_ROW_CHUNKS;
+            uint4 out[2];
+            dequant16(*reinterpret_cast<const uint4 *>(raw + row * BK + kc * 16),
+                      sc[row / MOED_CUDA_FP8_SROWS], out);
+            uint8_t *dst = smem + STAGES * STAGE;
+            *reinterpret_cast<uint4 *>(dst + moed_cuda_swz128(row, 2 * kc)) = out[0];
+            *reinterpret_cast<uint4 *>(dst + moed_cuda_swz128(row, 2 * kc + 1)) = out[1];
         }
     };
 
@@ -103,8 +180,13 @@ __global__ void __launch_bounds__(WM *WN * 32) gemm_sm80_kernel(const moed_cuda_
         const int nk = kt + STAGES - 1;
         if (nk < ktiles) load_stage(nk % STAGES, nk);
         ptx::cp_async_commit();
+        if constexpr (W8) {
+            dequant_stage(kt % STAGES);
+            __syncthreads(); /* the bf16 tile is whole before any warp reads it */
+        }
 
-        const uint32_t sa = sbase + (kt % STAGES) * STAGE, sb = sa + A_STAGE;
+        const uint32_t sa = sbase + (kt % STAGES) * STAGE,
+                       sb = W8 ? sbase + STAGES * STAGE : sa + A_STAGE;
 #pragma unroll
         for (int kk = 0; kk < BK / 16; kk++) {
             uint32_t af[MI][4], bf[NI][2];
@@ -156,11 +238,11 @@ __global__ void __launch_bounds__(WM *WN * 32) gemm_sm80_kernel(const moed_cuda_
         }
 }
 
-template <typename T, int BM, int BN, int WM, int WN, int STAGES, int EPI>
+template <typename T, int BM, int BN, int WM, int WN, int STAGES, int EPI, bool W8>
 int launch_epi(const moed_cuda_gemm *g, moed_cuda_stream s)
 {
-    constexpr int smem = STAGES * (BM + BN) * 128;
-    auto kern = gemm_sm80_kernel<T, BM, BN, WM, WN, STAGES, EPI>;
+    constexpr int smem = smem_bytes<BM, BN, STAGES, W8>();
+    auto kern = gemm_sm80_kernel<T, BM, BN, WM, WN, STAGES, EPI, W8>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
         cudaSuccess)
         return MOED_EDEVICE;
@@ -175,8 +257,11 @@ int launch_epi(const moed_cuda_gemm *g, moed_cuda_stream s)
 template <typename T, int BM, int BN, int WM, int WN, int STAGES>
 int launch(const moed_cuda_gemm *g, moed_cuda_stream s)
 {
-    return moed_cuda_epi_dispatch(
-        g->epi, [&]<int EPI>() { return launch_epi<T, BM, BN, WM, WN, STAGES, EPI>(g, s); });
+    return moed_cuda_epi_dispatch(g->epi, [&]<int EPI>() {
+        if constexpr (std::is_same<T, __nv_bfloat16>::value)
+            if (g->b_scale) return launch_epi<T, BM, BN, WM, WN, STAGES, EPI, true>(g, s);
+        return launch_epi<T, BM, BN, WM, WN, STAGES, EPI, false>(g, s);
+    });
 }
 
 template <typename T> int dispatch(const moed_cuda_gemm *g, moed_cuda_stream s)
@@ -196,7 +281,9 @@ template <typename T> int dispatch(const moed_cuda_gemm *g, moed_cuda_stream s)
 
 extern "C" int moed_cuda_gemm_sm80(const moed_cuda_gemm *g, int bn, moed_cuda_stream s)
 {
-    if (bn != 128 || g->n % 128 || g->k % BK) return MOED_EINVAL;
+    if (bn != 128 || g->n % 128 || g->k % BK || g->a_scale ||
+        (g->b_scale && g->cdtype != MOED_BF16))
+        return MOED_EINVAL;
     if (g->cdtype == MOED_BF16) return dispatch<__nv_bfloat16>(g, s);
     if (g->cdtype == MOED_F16) return dispatch<__half>(g, s);
     return MOED_EINVAL;

@@ -20,6 +20,7 @@
  * other rows.
  */
 #include "gemm_common.cuh"
+#include "tensor_map.h"
 
 #include "moed_dtype.h"
 #include "moed_err.h"
@@ -237,73 +238,21 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (lane == 0) /* the producer may refill it now */
             ptx::mbar_arrive(empty + BAR * ((it - 1) % STAGES));
 
-        /* wgmma's accumulator layout: register 4*c8 + 2*h + j of a thread is row
-         * 16*(warp%4) + lane/4 + 8h of this consumer's 64, column 8*c8 + 2*(lane%4) + j. Gate
-         * blocks of MOED_CUDA_GLU_BLOCK columns (GLU_C8 groups of 8) are followed by their up
-         * blocks. */
-        constexpr int GLU_C8 = MOED_CUDA_GLU_BLOCK / 8;
         const int rbase =
             cur.row0 + cw * WGMMA_M + ((tid >> WARP_SHIFT) & (WG_WARPS - 1)) * 16 + (lane >> 2);
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int r = rbase + 8 * h;
-            if (r >= cur.row_end) continue;
-#pragma unroll
-            for (int c8 = 0; c8 < BN / 8; c8++) {
-                const int n = cur.nt * BN + c8 * 8 + 2 * (lane & 3);
-                const float v0 = acc[4 * c8 + 2 * h], v1 = acc[4 * c8 + 2 * h + 1];
-                if constexpr (EPI == MOED_CUDA_EPI_SWIGLU) {
-                    if (c8 % (2 * GLU_C8) < GLU_C8)
-                        moed_cuda_epilogue2<T, EPI>(g, r, n, v0, v1, acc[4 * (c8 + GLU_C8) + 2 * h],
-                                                    acc[4 * (c8 + GLU_C8) + 2 * h + 1]);
-                } else {
-                    moed_cuda_epilogue2<T, EPI>(g, r, n, v0, v1, 0.0f, 0.0f);
-                }
-            }
-        }
+        moed_cuda_wgmma_epilogue<T, EPI, BN>(g, acc, rbase, cur.row_end, cur.nt * BN, lane);
         cur = nxt;
         have = have_next;
     }
 #endif
 }
 
-typedef CUresult (*encode_tiled_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
-                                    const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
-                                    const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                    CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-/* The driver's tensor-map encoder, found at run time so moed needs no libcuda at link time (it must
- * start on machines without a GPU driver, where the CPU backend serves). */
-encode_tiled_fn encoder()
-{
-    static encode_tiled_fn fn;
-    if (!fn) {
-        void *p = nullptr;
-        cudaDriverEntryPointQueryResult q;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
-                                             &q) == cudaSuccess &&
-            q == cudaDriverEntryPointSuccess)
-            fn = reinterpret_cast<encode_tiled_fn>(p);
-    }
-    return fn;
-}
-
 /* A row-major [rows, cols] matrix of ELEM-byte elements, read in boxes of box_rows x BK columns. */
 int tensor_map(CUtensorMap *m, int cdtype, const void *p, int64_t rows, int64_t cols, int64_t ld,
                int box_rows)
 {
-    encode_tiled_fn fn = encoder();
-    if (!fn) return MOED_EDEVICE;
-    const cuuint64_t dims[2] = { (cuuint64_t)cols, (cuuint64_t)rows };
-    const cuuint64_t strides[1] = { (cuuint64_t)ld * ELEM };
-    const cuuint32_t box[2] = { (cuuint32_t)BK, (cuuint32_t)box_rows };
-    const cuuint32_t estr[2] = { 1, 1 };
-    CUresult r = fn(
-        m, cdtype == MOED_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-        2, const_cast<void *>(p), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
-        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    return r == CUDA_SUCCESS ? 0 : MOED_EDEVICE;
+    return moed_cuda_tensor_map(m, cdtype == MOED_BF16 ? MOED_CUDA_TM_BF16 : MOED_CUDA_TM_F16, p,
+                                rows, cols, ld, BK, box_rows, 1);
 }
 
 template <typename T, int BN, bool GATHER, int EPI>

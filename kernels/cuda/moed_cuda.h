@@ -21,6 +21,16 @@
  * SwiGLU weights are stored as one matrix W13 [2·ff_pad, d_pad] that interleaves W1 and W3 in
  * blocks of MOED_CUDA_GLU_BLOCK rows (gate block j, then up block j), so an N tile holds matching
  * gate and up columns and the epilogue can multiply them in registers.
+ *
+ * FP8 layers (block-scaled e4m3, moed_fp8.h) keep the checkpoint's e4m3 codes in the same layout,
+ * one byte an element, and their scales in tables of float32 [K/128][rows/MOED_CUDA_FP8_SROWS] (a
+ * scale per 32 rows of the padded, interleaved matrix and per 128-deep K block: the checkpoint's
+ * 128 x 128 block that holds them, 0 for padding rows). On Hopper (tile_config.c decides) they run
+ * on the FP8 Tensor Cores: the convert stage quantizes each token's row per 128 channels (e4m3 and
+ * a scale per group, quant_fp8.cu), the up GEMM writes H in bf16, H is quantized the same way, and
+ * gemm_fp8_sm90.cu promotes the products through both scales every 128 of K. Elsewhere the
+ * portable GEMM dequantizes the weights as it loads them and multiplies bf16. The combine is the
+ * same for both, so merged requests stay bit-identical to the same requests alone.
  */
 #ifndef MOED_CUDA_H
 #define MOED_CUDA_H
@@ -34,6 +44,8 @@ extern "C" {
 
 #define MOED_CUDA_PAD       128
 #define MOED_CUDA_GLU_BLOCK 32
+#define MOED_CUDA_FP8_K     128 /* the K depth of a scale block (moed_fp8.h's block) */
+#define MOED_CUDA_FP8_SROWS 32  /* weight rows per scale in the kernels' tables */
 
 /* Bytes of one compute-type element: bf16 and f16 alike, so workspaces sized before any layer's
  * type is known fit either. */
@@ -97,9 +109,14 @@ int moed_cuda_combine(const moed_cuda_route_dev *r, const void *y, const void *y
 /* One grouped GEMM over the m-tiles of a route: for each tile (expert e, rows r0 .. r0+bm-1, cut
  * at row_end), C[r] = epilogue(A[row(r)] · B_e^T) for the tile's rows and every N column. */
 typedef struct moed_cuda_gemm {
-    int cdtype;    /* MOED_BF16 or MOED_F16: the element type of A, B and C */
+    int cdtype;    /* MOED_BF16 or MOED_F16: the element type of C, and of A and B unless FP8 */
     const void *a; /* A rows, lda elements apart */
     int64_t lda;
+    /* FP8 B (b_scale set): e4m3 codes, scales [k/128][b_experts·n/MOED_CUDA_FP8_SROWS]. FP8 A
+     * (a_scale set, Hopper only): e4m3 rows, scale of A row i in K block j at a_scale[j·ld + i]. */
+    const float *b_scale;
+    const float *a_scale;
+    int64_t a_scale_ld;
     const int32_t *a_rows; /* gather: A row of sorted row r is a_rows[r]; NULL: r itself */
     int64_t a_rows_total;  /* rows of A that exist (loads past it are zero-filled) */
     const void *b;         /* expert e's [n, k] matrix starts at b + e·b_estride elements */
@@ -119,27 +136,33 @@ typedef struct moed_cuda_gemm {
 
 /* The kernel family and tile shape chosen by the heuristic table (tile_config.c). */
 typedef struct moed_cuda_tile_cfg {
-    int kernel; /* MOED_CUDA_KERNEL_SM80 (mma.sync) or MOED_CUDA_KERNEL_SM90 (wgmma + TMA) */
+    int kernel; /* MOED_CUDA_KERNEL_SM80 (mma.sync), _SM90 (wgmma + TMA), _SM90_FP8 (e4m3 wgmma) */
     int bm, bn;
     int gather; /* up projection: gather token rows in the A load (1) or pre-permute them (0) */
 } moed_cuda_tile_cfg;
-enum { MOED_CUDA_KERNEL_SM80 = 80, MOED_CUDA_KERNEL_SM90 = 90 };
+enum { MOED_CUDA_KERNEL_SM80 = 80, MOED_CUDA_KERNEL_SM90 = 90, MOED_CUDA_KERNEL_SM90_FP8 = 92 };
 /* force_kernel values: 0 (the table decides), MOED_CUDA_KERNEL_SM80, MOED_CUDA_KERNEL_SM90 (gather
- * in the A load), MOED_CUDA_KERNEL_SM90P (Hopper with pre-permuted rows).
- * MOED_CUDA_KERNEL=sm80|sm90|sm90p sets it. */
+ * in the A load), MOED_CUDA_KERNEL_SM90P (Hopper with pre-permuted rows). For FP8 layers sm80 is
+ * the portable path and sm90/sm90p the FP8 Hopper kernel. MOED_CUDA_KERNEL=sm80|sm90|sm90p sets
+ * it. */
 enum { MOED_CUDA_KERNEL_SM90P = 91 };
 int moed_cuda_kernel_parse(const char *name);
 
 /* The table: the tile for a batch of P pairs over n_active experts that have rows, on a device of
- * compute capability sm (80, 90, ...), for an N x K GEMM. force_kernel (0 = choose) pins the
- * family, for tests and benchmarks. */
-moed_cuda_tile_cfg moed_cuda_tile_choose(int sm, int64_t P, int n_active, int n, int k,
+ * compute capability sm (80, 90, ...), for an N x K GEMM of weights in wdtype (the compute type, or
+ * MOED_FP8). force_kernel (0 = choose) pins the family, for tests and benchmarks. */
+moed_cuda_tile_cfg moed_cuda_tile_choose(int sm, int64_t P, int n_active, int n, int k, int wdtype,
                                          int force_kernel);
 /* The rows per m-tile both GEMMs of a batch use (route prep needs it before either runs). */
-int moed_cuda_tile_bm(int64_t P, int n_active, int force_kernel);
+int moed_cuda_tile_bm(int sm, int64_t P, int n_active, int wdtype, int force_kernel);
+/* Whether an FP8 layer runs on the FP8 Tensor Cores (quantized activations: Hopper) rather than
+ * the portable path (weights dequantized in the load). */
+int moed_cuda_fp8_native(int sm, int force_kernel);
 
 int moed_cuda_gemm_sm80(const moed_cuda_gemm *g, int bn, moed_cuda_stream s);
 int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, moed_cuda_stream s);
+/* FP8 A and B (both scales set), bf16 C, bm 64 or 128, bn 128. */
+int moed_cuda_gemm_fp8_sm90(const moed_cuda_gemm *g, moed_cuda_stream s);
 /* Dispatches on cfg->kernel. */
 int moed_cuda_gemm_run(const moed_cuda_gemm *g, const moed_cuda_tile_cfg *cfg, moed_cuda_stream s);
 
@@ -159,19 +182,39 @@ void moed_cuda_route_pack(int32_t *dst, const int64_t *off, const int32_t *exper
 void moed_cuda_route_layout(moed_cuda_route_dev *r, int32_t *dev, int64_t T, int64_t P, int E,
                             int bm);
 
+/* Rows [R, cols] of dtype (MOED_F32/F16/BF16), ldx elements apart, to e4m3 rows q [R, cols_pad]
+ * (zero padded) and a scale per row and 128 columns: scale[j·scale_ld + r] = amax / 448 of row r's
+ * columns 128j .. 128j+127 (1 where that is 0), q = e4m3(x / scale) rounded to nearest, saturating
+ * (moed_fp8.h's rule, per row). cols_pad is a multiple of 128. */
+int moed_cuda_quant_fp8(const void *x, int dtype, int64_t R, int cols, int64_t ldx, void *q,
+                        int cols_pad, float *scale, int64_t scale_ld, moed_cuda_stream s);
+
 /* xp[s] = xc[slot_tok[s]] for s < P, rows of d_pad compute-type elements. */
 int moed_cuda_gather_rows(void *xp, const void *xc, const int32_t *slot_tok, int P, int d_pad,
                           moed_cuda_stream s);
 
+struct moed_expert_w;
+/* An FP8 expert's up matrix (W1, or W1|W3 interleaved for SwiGLU: glu) as e4m3 codes [n_up, d_pad]
+ * into dst, and its scales as the table [d_pad/128][n_up/MOED_CUDA_FP8_SROWS] into scale; the
+ * checkpoint's [ff, d] matrices and 128 x 128 block scales as moed_fp8.h has them (fp8_pack.c). */
+void moed_cuda_fp8_pack_up(void *dst, float *scale, const struct moed_expert_w *w, int glu, int d,
+                           int ff, int d_pad, int n_up);
+/* Its down matrix W2 [d, ff] as codes [d_pad, ff_pad] and the table [ff_pad/128][d_pad/32]. */
+void moed_cuda_fp8_pack_down(void *dst, float *scale, const struct moed_expert_w *w, int d, int ff,
+                             int d_pad, int ff_pad);
+
 /* A layer resident on one device, in the kernels' layout (padded, W1|W3 interleaved). */
 typedef struct moed_cuda_layer_dev {
-    int cdtype; /* MOED_BF16 or MOED_F16 */
+    int cdtype; /* MOED_BF16 or MOED_F16: activations (bf16 for FP8 layers), and weights unless */
+    int wdtype; /* MOED_FP8; else cdtype */
     int act;    /* moed_act */
     int d, d_pad, E;
     int ff_pad, n_up;     /* n_up = 2·ff_pad for SwiGLU, else ff_pad */
     int sff_pad, sn_up;   /* shared experts; 0 if none */
     const void *w13, *w2; /* [E][n_up][d_pad], [E][d_pad][ff_pad] */
     const void *s13, *s2; /* [sn_up][d_pad], [d_pad][sff_pad] */
+    /* FP8: the scale tables of w13, w2, s13, s2 ([K/128][E·N/MOED_CUDA_FP8_SROWS]); else NULL */
+    const float *w13_scale, *w2_scale, *s13_scale, *s2_scale;
 } moed_cuda_layer_dev;
 
 /* Device buffers of one batch (one execution slot's workspace). */
@@ -180,13 +223,20 @@ typedef struct moed_cuda_work_dev {
     void *h,
         *y; /* [P, ff_pad], [P, d_pad]; y also holds the pre-permuted rows until the down GEMM */
     void *hs, *ys; /* [T, sff_pad], [T, d_pad] (shared experts) */
+    /* FP8 layers on Hopper: X and H quantized (e4m3 rows [T, d_pad] and [max(P, T), max(ff_pad,
+     * sff_pad)]) and their scales ([d_pad/128][xs_ld], [max(ff_pad, sff_pad)/128][hs_ld]; the lds
+     * at least T and max(P, T)); NULL where no FP8 layer runs natively */
+    void *xq, *hq;
+    float *xs, *hs_scale;
+    int64_t xs_ld, hs_ld;
 } moed_cuda_work_dev;
 
 /* The whole pipeline for one batch whose route inputs (tok_off, pair_tok, pair_exp, pair_w, and
- * the scratch pointers) are already on the device: convert x (dtype) into work->xc, route prep,
- * up and down GEMMs, shared experts, combine into out [T, d] (dtype). r->bm must be
- * moed_cuda_tile_bm(P, n_active, force_kernel). If ev is not NULL its 6 events are recorded between
- * the stages (convert | route prep | up | down | shared | combine), for the benchmarks. */
+ * the scratch pointers) are already on the device: convert x (dtype) into work->xc (or quantize it
+ * into work->xq), route prep, up and down GEMMs, shared experts, combine into out [T, d] (dtype).
+ * r->bm must be moed_cuda_tile_bm(sm, P, n_active, L->wdtype, force_kernel). If ev is not NULL its
+ * 6 events are recorded between the stages (convert | route prep | up | down | shared | combine),
+ * for the benchmarks. */
 int moed_cuda_pipeline(const moed_cuda_layer_dev *L, moed_cuda_route_dev *r,
                        const moed_cuda_work_dev *w, const void *x, int dtype, void *out, int sm,
                        int n_active, int force_kernel, moed_cuda_stream s, void *const *ev);

@@ -63,18 +63,27 @@ static void mark(void *const *ev, int i, moed_cuda_stream s)
     if (ev) cudaEventRecord((cudaEvent_t)ev[i], (cudaStream_t)s);
 }
 
+/* One set of experts: the routed ones, or the shared experts as one expert of width sff. */
+typedef struct expert_set {
+    const void *w13, *w2;
+    const float *w13_scale, *w2_scale; /* FP8 */
+    int E, ff_pad, n_up;
+    void *h, *y; /* H (bf16/f16) and Y of its rows */
+} expert_set;
+
 /* Up then down projection of T tokens over the route's m-tiles or, with r NULL, over all T rows in
- * order as one expert (the shared experts). P is the rows H and Y hold. ev, if not NULL, is
- * recorded between the two. */
-static int expert_gemms(const moed_cuda_layer_dev *L, const moed_cuda_route_dev *r, const void *xc,
-                        const void *w13, const void *w2, int E, int ff_pad, int n_up, void *h,
-                        void *y, int64_t T, int64_t P, int n_active, int sm, int force_kernel,
+ * order as one expert (the shared experts). P is the rows H and Y hold. x is the convert stage's
+ * output: compute-type rows (w->xc or the request's own), or for FP8 layers on the FP8 Tensor
+ * Cores (fp8 set) w->xq with its scales. ev, if not NULL, is recorded between the two. */
+static int expert_gemms(const moed_cuda_layer_dev *L, const moed_cuda_route_dev *r,
+                        const moed_cuda_work_dev *w, const void *x, int fp8, const expert_set *es,
+                        int64_t T, int64_t P, int n_active, int sm, int force_kernel,
                         moed_cuda_stream s, void *const *ev)
 {
     moed_cuda_gemm g;
     memset(&g, 0, sizeof g);
     g.cdtype = L->cdtype;
-    g.b_experts = E;
+    g.b_experts = es->E;
     if (r) {
         g.tile_exp = r->tile_exp;
         g.tile_row = r->tile_row;
@@ -84,70 +93,104 @@ static int expert_gemms(const moed_cuda_layer_dev *L, const moed_cuda_route_dev 
         g.bm = r->bm;
     } else {
         g.identity_rows = (int32_t)T;
-        g.bm = moed_cuda_tile_bm(T, 1, force_kernel);
+        g.bm = moed_cuda_tile_bm(sm, T, 1, L->wdtype, force_kernel);
         g.max_tiles = (int32_t)((T + g.bm - 1) / g.bm);
     }
     /* up: A = X rows gathered by token, B = W13 (or W1), SwiGLU/GELU/ReLU epilogue into H */
-    g.a = xc;
+    g.a = x;
     g.lda = L->d_pad;
     g.a_rows = r ? r->slot_tok : NULL;
     g.a_rows_total = T;
-    g.b = w13;
-    g.n = n_up;
+    g.b = es->w13;
+    g.b_scale = es->w13_scale;
+    if (fp8) {
+        g.a_scale = w->xs;
+        g.a_scale_ld = w->xs_ld;
+    }
+    g.n = es->n_up;
     g.k = L->d_pad;
-    g.b_estride = (int64_t)n_up * L->d_pad;
-    g.c = h;
-    g.ldc = ff_pad;
+    g.b_estride = (int64_t)es->n_up * L->d_pad;
+    g.c = es->h;
+    g.ldc = es->ff_pad;
     g.epi = L->act == MOED_ACT_SWIGLU ? MOED_CUDA_EPI_SWIGLU
             : L->act == MOED_ACT_GELU ? MOED_CUDA_EPI_GELU
                                       : MOED_CUDA_EPI_RELU;
-    moed_cuda_tile_cfg cfg = moed_cuda_tile_choose(sm, P, n_active, g.n, g.k, force_kernel);
+    moed_cuda_tile_cfg cfg =
+        moed_cuda_tile_choose(sm, P, n_active, g.n, g.k, L->wdtype, force_kernel);
     int rc = 0;
     if (r && !cfg.gather) { /* rows pre-permuted into y (free until the down GEMM), A by TMA */
-        rc = moed_cuda_gather_rows(y, xc, r->slot_tok, r->P, L->d_pad, s);
-        g.a = y;
+        rc = moed_cuda_gather_rows(es->y, x, r->slot_tok, r->P, L->d_pad, s);
+        g.a = es->y;
         g.a_rows = NULL;
         g.a_rows_total = P;
     }
     if (!rc) rc = moed_cuda_gemm_run(&g, &cfg, s);
+    /* FP8 on the FP8 Tensor Cores: H quantized per row per 128 columns for the down GEMM */
+    if (!rc && fp8)
+        rc = moed_cuda_quant_fp8(es->h, L->cdtype, P, es->ff_pad, es->ff_pad, w->hq, es->ff_pad,
+                                 w->hs_scale, w->hs_ld, s);
     mark(ev, 0, s);
     if (rc) return rc;
     /* down: A = H rows in order, B = W2, plain store into Y */
-    g.a = h;
-    g.lda = ff_pad;
+    g.a = fp8 ? w->hq : es->h;
+    g.lda = es->ff_pad;
     g.a_rows = NULL;
     g.a_rows_total = P;
-    g.b = w2;
+    if (fp8) {
+        g.a_scale = w->hs_scale;
+        g.a_scale_ld = w->hs_ld;
+    }
+    g.b = es->w2;
+    g.b_scale = es->w2_scale;
     g.n = L->d_pad;
-    g.k = ff_pad;
-    g.b_estride = (int64_t)L->d_pad * ff_pad;
-    g.c = y;
+    g.k = es->ff_pad;
+    g.b_estride = (int64_t)L->d_pad * es->ff_pad;
+    g.c = es->y;
     g.ldc = L->d_pad;
     g.epi = MOED_CUDA_EPI_STORE;
-    cfg = moed_cuda_tile_choose(sm, P, n_active, g.n, g.k, force_kernel);
+    cfg = moed_cuda_tile_choose(sm, P, n_active, g.n, g.k, L->wdtype, force_kernel);
     return moed_cuda_gemm_run(&g, &cfg, s);
+}
+
+/* The convert stage: x (dtype) into what the up GEMM reads, in *xg: the compute type (w->xc, or x
+ * itself when it already is that, unpadded), or for native FP8 e4m3 rows with their scales. */
+static int convert_stage(const moed_cuda_layer_dev *L, const moed_cuda_work_dev *w, const void *x,
+                         int dtype, int64_t T, int fp8, const void **xg, moed_cuda_stream s)
+{
+    if (fp8) {
+        *xg = w->xq;
+        return moed_cuda_quant_fp8(x, dtype, T, L->d, L->d, w->xq, L->d_pad, w->xs, w->xs_ld, s);
+    }
+    if (dtype == L->cdtype && L->d == L->d_pad) { /* the GEMMs read the input where it is */
+        *xg = x;
+        return 0;
+    }
+    *xg = w->xc;
+    return moed_cuda_convert_in(x, dtype, T, L->d, w->xc, L->cdtype, L->d_pad, s);
 }
 
 int moed_cuda_pipeline(const moed_cuda_layer_dev *L, moed_cuda_route_dev *r,
                        const moed_cuda_work_dev *w, const void *x, int dtype, void *out, int sm,
                        int n_active, int force_kernel, moed_cuda_stream s, void *const *ev)
 {
-    /* Input already in the compute type and unpadded: the GEMMs read it where it is. */
-    const int direct = dtype == L->cdtype && L->d == L->d_pad;
-    const void *xc = direct ? x : w->xc;
-    int rc = direct ? 0 : moed_cuda_convert_in(x, dtype, r->T, L->d, w->xc, L->cdtype, L->d_pad, s);
+    const int fp8 = L->wdtype == MOED_FP8 && moed_cuda_fp8_native(sm, force_kernel);
+    const void *xg = NULL;
+    int rc = convert_stage(L, w, x, dtype, r->T, fp8, &xg, s);
     mark(ev, 0, s);
     if (!rc && r->P > 0) rc = moed_cuda_route_prep(r, s);
     mark(ev, 1, s);
+    const expert_set routed = { L->w13,    L->w2,   L->w13_scale, L->w2_scale, L->E,
+                                L->ff_pad, L->n_up, w->h,         w->y },
+                     shared = { L->s13,     L->s2,    L->s13_scale, L->s2_scale, 1,
+                                L->sff_pad, L->sn_up, w->hs,        w->ys };
     if (!rc && r->P > 0)
-        rc = expert_gemms(L, r, xc, L->w13, L->w2, L->E, L->ff_pad, L->n_up, w->h, w->y, r->T, r->P,
-                          n_active, sm, force_kernel, s, ev ? ev + 2 : NULL);
+        rc = expert_gemms(L, r, w, xg, fp8, &routed, r->T, r->P, n_active, sm, force_kernel, s,
+                          ev ? ev + 2 : NULL);
     else
         mark(ev, 2, s);
     mark(ev, 3, s);
     if (!rc && L->s13)
-        rc = expert_gemms(L, NULL, xc, L->s13, L->s2, 1, L->sff_pad, L->sn_up, w->hs, w->ys, r->T,
-                          r->T, 1, sm, force_kernel, s, NULL);
+        rc = expert_gemms(L, NULL, w, xg, fp8, &shared, r->T, r->T, 1, sm, force_kernel, s, NULL);
     mark(ev, 4, s);
     if (!rc)
         rc = moed_cuda_combine(r, w->y, L->s13 ? w->ys : NULL, L->cdtype, L->d, L->d_pad, out,

@@ -15,9 +15,21 @@
  *
  * bn 128 for sm90 when N is not a multiple of 256. Both GEMMs of a batch share bm (route prep lays
  * the tiles out once).
+ *
+ * FP8 (block-scaled e4m3) weights on Hopper always run on the FP8 kernel, so every batch size
+ * rounds alike (a token alone and the same token in a large batch give the same bits):
+ *
+ *   rows/expert   kernel     bm    bn    why
+ *   >= 96         sm90 fp8   128   128   compute-bound: two consumer warpgroups interleave wgmma
+ *                                        and promotion; bn 128 keeps acc + sums in registers
+ *   <  96         sm90 fp8    64   128   weight streaming: one consumer, 8 stages of 16 KB tiles
+ *
+ * Elsewhere (and with sm80 forced) FP8 layers take the bf16 rows above on the portable kernel,
+ * which dequantizes the weights as it loads them.
  */
 #include "moed_cuda.h"
 
+#include "moed_dtype.h"
 #include "moed_err.h"
 
 #include <string.h>
@@ -37,8 +49,15 @@ int moed_cuda_kernel_parse(const char *name)
     return 0;
 }
 
-int moed_cuda_tile_bm(int64_t P, int n_active, int force_kernel)
+int moed_cuda_fp8_native(int sm, int force_kernel)
 {
+    return force_kernel ? force_kernel != MOED_CUDA_KERNEL_SM80 : sm == 90;
+}
+
+int moed_cuda_tile_bm(int sm, int64_t P, int n_active, int wdtype, int force_kernel)
+{
+    if (wdtype == MOED_FP8 && moed_cuda_fp8_native(sm, force_kernel))
+        return rows_per_expert_at_least(P, n_active, 96) ? 128 : 64;
     if (force_kernel == MOED_CUDA_KERNEL_SM90 || force_kernel == MOED_CUDA_KERNEL_SM90P ||
         rows_per_expert_at_least(P, n_active, 96))
         return 128;
@@ -46,14 +65,17 @@ int moed_cuda_tile_bm(int64_t P, int n_active, int force_kernel)
     return 16;
 }
 
-moed_cuda_tile_cfg moed_cuda_tile_choose(int sm, int64_t P, int n_active, int n, int k,
+moed_cuda_tile_cfg moed_cuda_tile_choose(int sm, int64_t P, int n_active, int n, int k, int wdtype,
                                          int force_kernel)
 {
     moed_cuda_tile_cfg c;
-    c.bm = moed_cuda_tile_bm(P, n_active, force_kernel);
-    const int hopper = force_kernel ? force_kernel != MOED_CUDA_KERNEL_SM80 : sm == 90;
+    c.bm = moed_cuda_tile_bm(sm, P, n_active, wdtype, force_kernel);
+    const int hopper = moed_cuda_fp8_native(sm, force_kernel); /* the Hopper kernels run */
     c.gather = 1;
-    if (hopper && c.bm == 128) {
+    if (wdtype == MOED_FP8 && hopper) {
+        c.kernel = MOED_CUDA_KERNEL_SM90_FP8;
+        c.bn = 128;
+    } else if (hopper && c.bm == 128) {
         c.kernel = MOED_CUDA_KERNEL_SM90;
         c.bn = n % 256 == 0 ? 256 : 128;
         c.gather = force_kernel ? force_kernel == MOED_CUDA_KERNEL_SM90
@@ -68,6 +90,7 @@ moed_cuda_tile_cfg moed_cuda_tile_choose(int sm, int64_t P, int n_active, int n,
 int moed_cuda_gemm_run(const moed_cuda_gemm *g, const moed_cuda_tile_cfg *cfg, moed_cuda_stream s)
 {
     if (cfg->bm != g->bm) return MOED_EINVAL;
+    if (cfg->kernel == MOED_CUDA_KERNEL_SM90_FP8) return moed_cuda_gemm_fp8_sm90(g, s);
     if (cfg->kernel == MOED_CUDA_KERNEL_SM90) return moed_cuda_gemm_sm90(g, cfg->bn, s);
     return moed_cuda_gemm_sm80(g, cfg->bn, s);
 }

@@ -10,6 +10,13 @@ test can compute the reference output with numpy.
     layers = write_checkpoint(tmpdir, arch="mixtral", layers=2, d=64, ff=128, experts=4, top_k=2)
     layers[0]["w1"]  # [experts, ff, d] float64: exactly the stored bf16 values
 
+dtype="fp8" writes an FP8 checkpoint as DeepSeek-V3 and the Qwen3 -FP8 releases ship them: every
+expert matrix (the shared experts' too) F8_E4M3 with a float32 `<name>_scale_inv` of one scale per
+128 x 128 block beside it, config.json's quantization_config (quant_method fp8, weight_block_size
+[128, 128]), the router and everything else bf16. The scales are drawn at random (not amax / 448),
+the codes are the weights divided by them and rounded by ml_dtypes.float8_e4m3fn, and the returned
+weights are the dequantized ones: code times scale in float32.
+
 As a script: python make_checkpoint.py DIR --arch deepseek_v3 --shards 2 ...
 """
 
@@ -45,11 +52,32 @@ _NORM_DEFAULT = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe"
                  "deepseek_v3": True}
 
 
+FP8_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                    "weight_block_size": [128, 128]}
+
+
 def _dtype(name):
     try:
         return DTYPES[name]
     except KeyError:
-        raise ValueError(f"dtype {name!r}: use bf16, f16 or f32") from None
+        raise ValueError(f"dtype {name!r}: use bf16, f16, f32 (or fp8 for the experts)") from None
+
+
+def fp8_blocks(values, rng):
+    """values [rows, cols] as DeepSeek-V3's FP8: (e4m3 codes, float32 scales [ceil(rows/128),
+    ceil(cols/128)], the dequantized weights as float64). Each block's scale is its amax / 448
+    times a random factor in [1, 4), so no code saturates and the scales are nothing moed computes
+    itself."""
+    v = np.asarray(values, dtype=np.float32)
+    rows, cols = v.shape
+    br, bc = -(-rows // 128), -(-cols // 128)
+    pad = np.zeros((br * 128, bc * 128), np.float32)
+    pad[:rows, :cols] = np.abs(v)
+    amax = pad.reshape(br, 128, bc, 128).max(axis=(1, 3))
+    scale = (np.maximum(amax, 1e-6) / 448 * rng.uniform(1, 4, amax.shape)).astype(np.float32)
+    per = np.repeat(np.repeat(scale, 128, 0), 128, 1)[:rows, :cols]
+    codes = (v / per).astype(ml_dtypes.float8_e4m3fn)
+    return codes, scale, (codes.astype(np.float32) * per).astype(np.float64)
 
 
 def _names(arch, layer):
@@ -74,7 +102,10 @@ def _config(arch, layers, d, ff, experts, top_k, dtype, n_shared, shared_ff, fir
          "num_hidden_layers": layers, "num_experts_per_tok": top_k, "hidden_act": "silu",
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 16,
          "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-         "torch_dtype": {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}.get(dtype, dtype)}
+         "torch_dtype": {"bf16": "bfloat16", "f16": "float16", "f32": "float32",
+                         "fp8": "bfloat16"}.get(dtype, dtype)}
+    if dtype == "fp8":
+        c["quantization_config"] = dict(FP8_QUANTIZATION)
     if arch == "mixtral":
         c.update(num_local_experts=experts, intermediate_size=ff)
     elif arch == "olmoe":
@@ -128,7 +159,9 @@ def write_checkpoint(dir, arch="mixtral", layers=2, d=64, ff=128, experts=4, top
         raise ValueError(f"first_dense {first_dense} leaves no MoE layer among {layers}")
     shared_ff = (n_shared * ff if deepseek else ff) if shared_ff is None else shared_ff
     shared_ff = shared_ff if n_shared else 0
-    wdt, rdt, bdt = _dtype(dtype), _dtype(router_dtype or dtype), _dtype(bias_dtype)
+    fp8 = dtype == "fp8"
+    wdt = _dtype("bf16" if fp8 else dtype)
+    rdt, bdt = _dtype(router_dtype or ("bf16" if fp8 else dtype)), _dtype(bias_dtype)
 
     rng = np.random.default_rng(seed)
     tensors = [{} for _ in range(max(shards, 1))]
@@ -142,6 +175,16 @@ def write_checkpoint(dir, arch="mixtral", layers=2, d=64, ff=128, experts=4, top
 
     def rand(shape, fan_in):
         return rng.standard_normal(shape) / np.sqrt(fan_in)
+
+    def put_matrix(layer, name, values):
+        """An expert matrix in the checkpoint's weight dtype (fp8: codes and scales)."""
+        if not fp8:
+            return put(layer, name, values, wdt)
+        codes, scale, deq = fp8_blocks(values, rng)
+        shard = tensors[layer % len(tensors)]
+        shard[name] = np.ascontiguousarray(codes)
+        shard[name + "_scale_inv"] = np.ascontiguousarray(scale)
+        return deq
 
     put(-1, "model.embed_tokens.weight", rand((16, d), 1), wdt)
     put(-1, "model.norm.weight", np.ones(d), wdt)
@@ -164,12 +207,12 @@ def write_checkpoint(dir, arch="mixtral", layers=2, d=64, ff=128, experts=4, top
             bias = put(layer, names["bias"], 0.1 * rng.standard_normal(experts), bdt)
             w["bias"] = bias.astype(np.float32).astype(np.float64)
         for k, rows, cols in (("w1", ff, d), ("w3", ff, d), ("w2", d, ff)):
-            w[k] = np.stack([put(layer, names[k].format(e), rand((rows, cols), cols), wdt)
+            w[k] = np.stack([put_matrix(layer, names[k].format(e), rand((rows, cols), cols))
                              for e in range(experts)])
         if shared_ff:
             for k, rows, cols in (("shared_w1", shared_ff, d), ("shared_w3", shared_ff, d),
                                   ("shared_w2", d, shared_ff)):
-                w[k] = put(layer, names[k], rand((rows, cols), cols), wdt)
+                w[k] = put_matrix(layer, names[k], rand((rows, cols), cols))
         out[layer] = w
 
     os.makedirs(dir, exist_ok=True)
@@ -201,7 +244,7 @@ def main(argv=None):
     ap.add_argument("--ff", type=int, default=128)
     ap.add_argument("--experts", type=int, default=4)
     ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "f32"))
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "f32", "fp8"))
     ap.add_argument("--router-dtype", choices=("bf16", "f16", "f32"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shards", type=int, default=1)

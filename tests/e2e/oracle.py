@@ -7,8 +7,11 @@ would only check the code against itself. test_forward.py cross-checks this modu
 moed.reference, so a disagreement between the two readings shows up as a failure too.
 
 Contents: the seeded synthetic generator (Spec, synth_layer), bf16 rounding by bit manipulation,
-the expert MLPs and the combine (forward), the five gating strategies and DeepSeek-V3's rule (gate),
-batch-level gating (batch_gate), and a comparison with a tolerance suited to each dtype (check).
+e4m3 rounding from the OCP FP8 table and the 128 x 128 block quantization of FP8 weights
+(fp8_quantize, fp8_dequantize: the rule of kernels/core/moed_fp8.h, written here again without
+ml_dtypes), the expert MLPs and the combine (forward), the five gating strategies and DeepSeek-V3's
+rule (gate), batch-level gating (batch_gate), and a comparison with a tolerance suited to each dtype
+(check).
 """
 
 import math
@@ -117,6 +120,59 @@ def round_to(values, dtype):
     return v.astype(np.float64)
 
 
+# ---- FP8 (e4m3, block-scaled) ------------------------------------------------------------------
+
+# The non-negative e4m3 values in code order (codes 0 .. 126; 127 is NaN): the OCP definition,
+# 2^(e-7) (1 + m/8) and, for e = 0, m 2^-9. Increasing, so a code's parity is its index's.
+E4M3 = np.array([m * 2.0 ** -9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+                 for e in range(16) for m in range(8)][:127])
+
+
+def e4m3_round(x):
+    """float values to the nearest e4m3 value (ties to the even code), saturating at +-448, as
+    float64."""
+    x = np.asarray(x, dtype=np.float64)
+    a = np.minimum(np.abs(x), E4M3[-1])
+    hi = np.clip(np.searchsorted(E4M3, a), 1, 126)
+    lo = hi - 1
+    dlo, dhi = a - E4M3[lo], E4M3[hi] - a
+    pick = np.where((dhi < dlo) | ((dhi == dlo) & (hi % 2 == 0)), hi, lo)
+    return np.copysign(E4M3[pick], x)
+
+
+def fp8_quantize(values):
+    """float32 values [rows, cols] to (e4m3 values [rows, cols] as float64, float32 scales
+    [ceil(rows/128), ceil(cols/128)]): per block scale = amax / 448 in float32 (1 where 0), the
+    float32 quotient value / scale rounded to e4m3."""
+    v = np.asarray(values, dtype=np.float32)
+    rows, cols = v.shape
+    scales = np.ones((-(-rows // 128), -(-cols // 128)), np.float32)
+    q = np.zeros((rows, cols))
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            blk = v[128 * i:128 * (i + 1), 128 * j:128 * (j + 1)]
+            s = np.float32(np.max(np.abs(blk))) / np.float32(448)
+            scales[i, j] = s if s != 0 else np.float32(1)
+            q[128 * i:128 * (i + 1), 128 * j:128 * (j + 1)] = e4m3_round(blk / scales[i, j])
+    return q, scales
+
+
+def fp8_dequantize(q, scales):
+    """The weights of e4m3 values q (float64) and block scales: q times its scale in float32."""
+    q = np.asarray(q, dtype=np.float32)
+    out = np.zeros(q.shape, np.float32)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            sl = np.s_[128 * i:128 * (i + 1), 128 * j:128 * (j + 1)]
+            out[sl] = q[sl] * np.float32(scales[i, j])
+    return out.astype(np.float64)
+
+
+def fp8_weights(values):
+    """What moed serves for float32 weights quantized at load (--weights fp8, dtype=fp8)."""
+    return fp8_dequantize(*fp8_quantize(values))
+
+
 def synth_uniform(seed, layer, tensor, expert, n):
     key = _mix(_mix(np.array([seed], np.uint64)) ^ np.uint64((layer << 40) | (tensor << 32) | expert))
     with np.errstate(over="ignore"):
@@ -126,7 +182,12 @@ def synth_uniform(seed, layer, tensor, expert, n):
 
 def synth_matrix(spec, layer, tensor, expert, rows, cols):
     u = synth_uniform(spec.seed, layer, tensor, expert, rows * cols)
-    return round_to((2 * u - 1) * math.sqrt(3.0 / cols), spec.dtype).reshape(rows, cols)
+    v = ((2 * u - 1) * math.sqrt(3.0 / cols)).reshape(rows, cols)
+    if spec.dtype != "fp8":
+        return round_to(v, spec.dtype)
+    if tensor == T_ROUTER:  # routers are never quantized: bf16 beside fp8 experts
+        return round_to(v, "bf16")
+    return fp8_weights(v.astype(np.float32))
 
 
 def synth_layer(spec, layer):

@@ -37,7 +37,7 @@ incs=(-Iserver -Iclient/c/cli -Ikernels/core -Ikernels)
 # CPU GEMM's feature checks need a newer clang than Debian 12's, and the fuzzers need none of it.)
 sources_request() {
     echo server/wire.c server/request.c
-    echo kernels/core/{moed_err,moed_dtype,moed_model,moed_route,moed_synth,moed_pool}.c
+    echo kernels/core/{moed_err,moed_dtype,moed_fp8,moed_model,moed_route,moed_synth,moed_pool}.c
 }
 libs_request() { pkg-config --cflags --libs grpc libprotobuf-c; }
 # Inputs up to 8 KiB reach every field and limit of a request, a header and a .npy; an HTTP head

@@ -9,6 +9,11 @@
 #   merge     the same, merging suite (merging off / on / batch gating at T=8)
 #   pytest    end-to-end tests through a CUDA daemon: merged requests bit-identical to the same
 #             requests alone, batch gating across merged callers against numpy
+#   fp8       FP8 weights (issue 13): the suite's FP8 cases (every shape class on the FP8 Tensor
+#             Cores and on the portable path, against the CPU; FP8 against bf16 on one model),
+#             compute-sanitizer memcheck and racecheck on the quick FP8 cases, and moe-bench with
+#             bf16 and FP8 weights side by side (standard shapes, T = 8 .. 16384, graph-replayed
+#             small batches, two padded --shape ones) with both matmul ceilings
 #   router    the server router (issue 8): the CUDA-vs-CPU router cases of the suite, the
 #             checkpoints written by transformers served by a CUDA daemon against transformers'
 #             own outputs (recomputed live by the torch and transformers installed there), and the
@@ -72,6 +77,28 @@ for what in "${stages[@]}"; do
         stage pytest
         MOED_BIN=$PWD/$B/moed MOED_TEST_COMPUTE=bf16 python3 -m pytest -q -p no:cacheprovider \
             tests/e2e/test_concurrency.py 2>&1 | tee "$OUT/pytest-gpu.log"
+        ;;
+    fp8)
+        stage fp8
+        MOED_GPU_TEST_FP8_ONLY=1 timeout 420 $B/test_cuda_backend 2>&1 | tee "$OUT/gpu-fp8.log"
+        echo "test_cuda_backend (fp8) exit ${PIPESTATUS[0]}"
+        for tool in memcheck racecheck; do
+            MOED_GPU_TEST_FP8_ONLY=1 MOED_GPU_TEST_QUICK=1 timeout 240 compute-sanitizer \
+                --tool $tool --error-exitcode 9 $B/test_cuda_backend >"$RAW/sanitize-fp8-$tool.log" 2>&1
+            echo "compute-sanitizer fp8 $tool exit $?"
+            tail -4 "$RAW/sanitize-fp8-$tool.log"
+        done
+        ;;
+    fp8-bench)
+        stage fp8-bench
+        timeout 300 $B/moe-bench --weights bf16,fp8 --tokens 8,64,512,4096,16384 --min-ms 100 \
+            --json "$RAW/moe-fp8.json" | tee "$OUT/moe-fp8.txt"
+        timeout 120 $B/moe-bench --weights bf16,fp8 --tokens 8,64 --graph --min-ms 100 \
+            --json "$RAW/moe-fp8-graph.json" | tee -a "$OUT/moe-fp8.txt"
+        timeout 120 $B/moe-bench --shape 4000,1400,64,6 --shape 2880,2880,128,4 --weights bf16,fp8 \
+            --tokens 64,4096 --min-ms 100 --json "$RAW/moe-fp8-shapes.json" | tee -a "$OUT/moe-fp8.txt"
+        python3 kernels/cuda/bench/report.py --fp8 "$RAW/moe-fp8.json" "$RAW/moe-fp8-graph.json" \
+            "$RAW/moe-fp8-shapes.json" --out "$OUT/report-fp8.md"
         ;;
     router)
         stage router

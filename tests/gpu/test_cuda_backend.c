@@ -20,14 +20,23 @@
  * 77 (skipped) where no CUDA device answers: CI has no GPU, and a skip is not a pass.
  * MOED_GPU_TEST_QUICK=1 runs a few representative cases (for compute-sanitizer);
  * MOED_GPU_TEST_ROUTER_ONLY=1 the server-router cases alone.
+ *
+ * FP8 (block-scaled e4m3 weights, dtype=fp8): every shape class above again, on the FP8 Tensor
+ * Cores (Hopper: activations quantized per token per 128 channels) and on the portable path
+ * (sm80: weights dequantized to bf16 in the load), against the CPU's exact dequantization, with a
+ * bound on the whole batch and on every token's own relative error; and the FP8 path against the
+ * bf16 path on the same bf16 model quantized at load (--weights fp8), which adds the weights' own
+ * rounding to e4m3. The bounds are the ones proto/moed/v1/moed.proto states.
  */
 #include "check.h"
 
 #include "moed_backend.h"
 #include "moed_dtype.h"
+#include "moed_fp8.h"
 #include "moed_route.h"
 #include "moed_synth.h"
 
+#include <cuda_runtime_api.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -153,6 +162,48 @@ static void gather_rows(const void *x, size_t row_bytes, const int64_t *tok, int
                row_bytes);
 }
 
+/* The bounds (relative Frobenius error against the CPU backend; FP8: also per token) that
+ * proto/moed/v1/moed.proto states, from this suite's errors on an H100 (FP8 Tensor Cores: 3.6e-2
+ * to 4.8e-2 a batch, 7.3e-2 the worst token; portable: at most 5.7e-3; FP8 against bf16 on one
+ * model: 6.2e-2). */
+#define BOUND_BF16        2e-2
+#define BOUND_F16         5e-3
+#define BOUND_FP8_NATIVE  6e-2 /* e4m3 activations and H, promoted per 128 of K */
+#define BOUND_FP8_TOKEN   1e-1 /* any one token of it */
+#define BOUND_FP8_PORT    1e-2 /* portable: bf16 operands, dequantized weights */
+#define BOUND_FP8_VS_BF16 8e-2 /* FP8 path on a bf16 model quantized at load vs its bf16 path */
+
+/* The largest relative error of one token's row (n tokens of d); -1 if any is NaN/Inf. */
+static double token_err(int dtype, const void *got, const void *ref, int64_t n, int d)
+{
+    double worst = 0;
+    const size_t es = moed_dtype_size(dtype);
+    float *g = malloc(sizeof(float) * (size_t)d), *r = malloc(sizeof(float) * (size_t)d);
+    for (int64_t t = 0; t < n && worst >= 0; t++) {
+        moed_to_f32(dtype, (const char *)got + (size_t)t * d * es, g, (size_t)d);
+        moed_to_f32(dtype, (const char *)ref + (size_t)t * d * es, r, (size_t)d);
+        double num = 0, den = 0;
+        for (int c = 0; c < d; c++) {
+            if (!isfinite(g[c])) worst = -1;
+            num += ((double)g[c] - r[c]) * ((double)g[c] - r[c]);
+            den += (double)r[c] * r[c];
+        }
+        const double e = sqrt(num / (den > 0 ? den : 1e-30));
+        if (worst >= 0 && e > worst) worst = e;
+    }
+    free(g);
+    free(r);
+    return worst;
+}
+
+/* Whether FP8 layers run on the FP8 Tensor Cores with this kernel choice on device 0. */
+static int fp8_native(const char *kernel)
+{
+    struct cudaDeviceProp p;
+    if (kernel) return strcmp(kernel, "sm80") != 0;
+    return cudaGetDeviceProperties(&p, 0) == cudaSuccess && p.major == 9 && p.minor == 0;
+}
+
 /* Relative Frobenius error of got against ref over n elements; -1 if got has NaN/Inf. */
 static double rel_err(int dtype, const void *got, const void *ref, size_t n)
 {
@@ -236,14 +287,23 @@ static void run_case(const tcase *tc)
         rc = moed_backend_forward(cpu, 0, &rjob, &err);
         CHECK_MSG(rc == 0, "%s: cpu forward: %s", tc->name, err.msg);
 
-        const int cdt_f16 = li->wdtype == MOED_F16;
-        const double bound = cdt_f16 ? 5e-3 : 2e-2;
+        const int fp8 = li->wdtype == MOED_FP8, native = fp8 && fp8_native(tc->kernel);
+        const double bound = native                   ? BOUND_FP8_NATIVE
+                             : fp8                    ? BOUND_FP8_PORT
+                             : li->wdtype == MOED_F16 ? BOUND_F16
+                                                      : BOUND_BF16;
         const double e = rel_err(tc->xdtype, ys, yr, (size_t)n_ref * d);
         CHECK_MSG(e >= 0 && e <= bound,
                   "%s: relative error %.3g (bound %.0e; -1 means NaN/Inf or unwritten)", tc->name,
                   e, bound);
-        fprintf(stderr, "  %-44s T=%-6lld pairs=%-7lld rel_err=%.2e  %.1fs\n", tc->name,
-                (long long)T, (long long)route.off[T], e, elapsed_s(t0));
+        const double te = token_err(tc->xdtype, ys, yr, n_ref, d);
+        if (native)
+            CHECK_MSG(te >= 0 && te <= BOUND_FP8_TOKEN,
+                      "%s: a token's relative error is %.3g (bound %.0e)", tc->name, te,
+                      BOUND_FP8_TOKEN);
+        fprintf(stderr, "  %-44s T=%-6lld pairs=%-7lld rel_err=%.2e token_max=%.2e%s  %.1fs\n",
+                tc->name, (long long)T, (long long)route.off[T], e, te,
+                native ? " (fp8 native)" : "", elapsed_s(t0));
 
         /* The server router on the sampled rows: the same logits to the bit. */
         if (li->has_router) {
@@ -562,7 +622,173 @@ static const tcase cases[] = {
       1000, R_TOPK, MOED_BF16, NULL, 16 },
 };
 
+#define MIX8_S  "layers=1,d=512,ff=1792,experts=8,topk=2,act=swiglu,dtype=fp8,seed=3"
+#define QWEN8_S "layers=1,d=256,ff=96,experts=128,topk=8,act=swiglu,dtype=fp8,seed=4"
+#define DSV38_S                                                                                    \
+    "layers=1,d=448,ff=256,experts=64,topk=8,act=swiglu,dtype=fp8,seed=5,shared=1,shared_ff=256,"  \
+    "rule=deepseek,groups=8,topk_groups=4,scale=2.5"
+
+/* The shape classes above with FP8 weights: NULL kernel is the table's choice (the FP8 Tensor
+ * Cores on Hopper), sm80 the portable path. */
+static const tcase fp8_cases[] = {
+    { "fp8 mixtral-s T=1", MIX8_S, 1, R_TOPK, MOED_BF16, NULL, 0 },
+    { "fp8 mixtral-s T=7", MIX8_S, 7, R_TOPK, MOED_BF16, NULL, 0 },
+    { "fp8 mixtral-s T=128", MIX8_S, 128, R_TOPK, MOED_BF16, NULL, 0 },
+    { "fp8 mixtral-s T=1000 sm80", MIX8_S, 1000, R_TOPK, MOED_BF16, "sm80", 0 },
+    { "fp8 mixtral-s T=1000 sm90", MIX8_S, 1000, R_TOPK, MOED_BF16, "sm90", 0 },
+    { "fp8 mixtral-s T=4096", MIX8_S, 4096, R_TOPK, MOED_BF16, NULL, 0 },
+    { "fp8 mixtral-s T=4096 f32 in/out", MIX8_S, 4096, R_TOPK, MOED_F32, NULL, 0 },
+    { "fp8 mixtral-s T=1000 f16 in/out", MIX8_S, 1000, R_TOPK, MOED_F16, NULL, 0 },
+    { "fp8 mixtral-s one expert T=1000", MIX8_S, 1000, R_ONE_EXPERT, MOED_BF16, NULL, 0 },
+    { "fp8 mixtral-s one expert T=1000 sm80", MIX8_S, 1000, R_ONE_EXPERT, MOED_BF16, "sm80", 0 },
+    { "fp8 mixtral-s empty experts T=128", MIX8_S, 128, R_HALF_EXPERTS, MOED_BF16, NULL, 0 },
+    { "fp8 k=1 T=1000", "layers=1,d=384,ff=640,experts=16,topk=1,act=swiglu,dtype=fp8,seed=6", 1000,
+      R_TOPK, MOED_BF16, NULL, 0 },
+    { "fp8 qwen3-s T=1", QWEN8_S, 1, R_TOPK, MOED_BF16, NULL, 0 },
+    { "fp8 qwen3-s T=1000", QWEN8_S, 1000, R_TOPK, MOED_BF16, NULL, 0 },
+    { "fp8 qwen3-s T=4096", QWEN8_S, 4096, R_TOPK, MOED_BF16, NULL, 0 },
+    { "fp8 qwen3-s T=1000 sm80", QWEN8_S, 1000, R_TOPK, MOED_BF16, "sm80", 0 },
+    { "fp8 qwen3-s sigmoid T=1000", QWEN8_S, 1000, R_SIGMOID, MOED_BF16, NULL, 0 },
+    { "fp8 qwen3-s sparsemax T=1000", QWEN8_S, 1000, R_SPARSEMAX, MOED_BF16, NULL, 0 },
+    { "fp8 qwen3-s padded T=128", QWEN8_S, 128, R_PADDED, MOED_BF16, NULL, 0 },
+    { "fp8 deepseek-s shared T=1", DSV38_S, 1, R_TOPK, MOED_BF16, NULL, 0 },
+    { "fp8 deepseek-s shared T=1000", DSV38_S, 1000, R_TOPK, MOED_BF16, NULL, 0 },
+    { "fp8 deepseek-s shared T=4096", DSV38_S, 4096, R_TOPK, MOED_BF16, NULL, 0 },
+    { "fp8 deepseek-s shared T=1000 sm80", DSV38_S, 1000, R_TOPK, MOED_BF16, "sm80", 0 },
+    { "fp8 gelu T=1000", "layers=1,d=320,ff=200,experts=8,topk=2,act=gelu,dtype=fp8,seed=7", 1000,
+      R_TOPK, MOED_F16, NULL, 0 },
+    { "fp8 relu T=128", "layers=1,d=200,ff=130,experts=6,topk=2,act=relu,dtype=fp8,seed=8", 128,
+      R_TOPK, MOED_F32, NULL, 0 },
+    { "fp8 odd sizes T=37", "layers=1,d=100,ff=70,experts=5,topk=3,act=swiglu,dtype=fp8,seed=9", 37,
+      R_TOPK, MOED_BF16, NULL, 0 },
+    { "fp8 odd sizes T=37 sm80",
+      "layers=1,d=100,ff=70,experts=5,topk=3,act=swiglu,dtype=fp8,seed=9", 37, R_TOPK, MOED_BF16,
+      "sm80", 0 },
+    { "fp8 mixtral full T=4096",
+      "layers=1,d=4096,ff=14336,experts=8,topk=2,act=swiglu,dtype=fp8,seed=11", 4096, R_TOPK,
+      MOED_BF16, NULL, 24 },
+    { "fp8 qwen3-30b-a3b full T=4096",
+      "layers=1,d=2048,ff=768,experts=128,topk=8,act=swiglu,dtype=fp8,seed=12", 4096, R_TOPK,
+      MOED_BF16, NULL, 24 },
+    { "fp8 deepseek-v3 full T=1000",
+      "layers=1,d=7168,ff=2048,experts=256,topk=8,act=swiglu,dtype=fp8,seed=13,shared=1,"
+      "shared_ff=2048,rule=deepseek,groups=8,topk_groups=4,scale=2.5",
+      1000, R_TOPK, MOED_BF16, NULL, 16 },
+};
+
 static const int quick[] = { 1, 4, 5, 9, 17, 22, 27 };
+static const int fp8_quick[] = { 1, 3, 4, 13, 20, 25 };
+
+/* ---- FP8 against bf16 on the same model --------------------------------------------------- */
+
+/* One matrix of a bf16 layer quantized (moed_fp8.h), into new buffers. */
+static void quantize_matrix(const void *w, int64_t rows, int64_t cols, const void **q,
+                            const float **sc)
+{
+    uint8_t *qq = malloc((size_t)(rows * cols));
+    float *ss = malloc(sizeof(float) * (size_t)moed_fp8_scale_count(rows, cols));
+    int64_t bad;
+    CHECK(moed_fp8_quantize(w, MOED_BF16, rows, cols, qq, ss, &bad) == 0);
+    *q = qq;
+    *sc = ss;
+}
+
+/* The bf16 layer l quantized as --weights fp8 does; free with free_quantized. */
+static void quantize_layer(const moed_layer *l, moed_layer *out)
+{
+    const moed_layer_info *li = &l->info;
+    *out = *l;
+    out->info.wdtype = MOED_FP8;
+    out->router_dtype = moed_layer_router_dtype(l);
+    out->experts = calloc((size_t)li->n_experts, sizeof *out->experts);
+    for (int e = 0; e <= li->n_experts; e++) {
+        if (e == li->n_experts && !li->n_shared) break;
+        const moed_expert_w *x = e < li->n_experts ? &l->experts[e] : &l->shared;
+        moed_expert_w *y = e < li->n_experts ? &out->experts[e] : &out->shared;
+        const int64_t ff = e < li->n_experts ? li->d_ff : li->shared_d_ff, d = li->d_model;
+        quantize_matrix(x->w1, ff, d, &y->w1, &y->s1);
+        if (x->w3) quantize_matrix(x->w3, ff, d, &y->w3, &y->s3);
+        quantize_matrix(x->w2, d, ff, &y->w2, &y->s2);
+    }
+}
+
+static void free_quantized(moed_layer *q)
+{
+    for (int e = 0; e <= q->info.n_experts; e++) {
+        if (e == q->info.n_experts && !q->info.n_shared) break;
+        moed_expert_w *y = e < q->info.n_experts ? &q->experts[e] : &q->shared;
+        free((void *)y->w1);
+        free((void *)y->w3);
+        free((void *)y->w2);
+        free((void *)y->s1);
+        free((void *)y->s3);
+        free((void *)y->s2);
+    }
+    free(q->experts);
+}
+
+/* The FP8 path on a bf16 model quantized at load, against the bf16 path on the model itself. */
+static void run_vs_bf16(const char *name, const char *spec_text, int64_t T)
+{
+    moed_synth_spec spec;
+    moed_error err;
+    moed_layer layer, q;
+    moed_route route = { 0 };
+    if (moed_synth_parse(spec_text, &spec, &err) || moed_synth_layer(&spec, 0, &layer, &err)) {
+        CHECK_MSG(0, "%s: %s", name, err.msg);
+        return;
+    }
+    quantize_layer(&layer, &q);
+    const int d = layer.info.d_model;
+    const size_t n = (size_t)T * d;
+    uint16_t *x = malloc(2 * n), *y8 = malloc(2 * n), *y16 = malloc(2 * n);
+    float *xf = malloc(sizeof(float) * n);
+    for (size_t i = 0; i < n; i++) xf[i] = (float)(2.0 * urand() - 1.0);
+    moed_from_f32(MOED_BF16, xf, x, n);
+    moed_backend *b16 = NULL, *b8 = NULL;
+    if (!make_route(&layer.info, layer.router_bias, R_TOPK, T, &route)) {
+        b16 = open_backend("cuda", NULL, &layer, T);
+        b8 = open_backend("cuda", NULL, &q, T);
+    }
+    CHECK_MSG(b16 && b8, "%s: backends did not open", name);
+    if (b16 && b8) {
+        moed_job j16 = { 0, MOED_BF16, T, x, y16, &route }, j8 = { 0, MOED_BF16, T, x, y8, &route };
+        CHECK(moed_backend_forward(b16, 0, &j16, &err) == 0);
+        CHECK(moed_backend_forward(b8, 0, &j8, &err) == 0);
+        const double e = rel_err(MOED_BF16, y8, y16, n);
+        CHECK_MSG(e >= 0 && e <= BOUND_FP8_VS_BF16,
+                  "%s: fp8 vs bf16 relative error %.3g (bound "
+                  "%.0e)",
+                  name, e, BOUND_FP8_VS_BF16);
+        fprintf(stderr, "  %-44s T=%-6lld fp8 vs bf16 rel_err=%.2e token_max=%.2e\n", name,
+                (long long)T, e, token_err(MOED_BF16, y8, y16, T, d));
+    }
+    moed_backend_destroy(b16);
+    moed_backend_destroy(b8);
+    moed_route_free(&route);
+    free_quantized(&q);
+    moed_synth_free_layer(&layer);
+    free(x);
+    free(y8);
+    free(y16);
+    free(xf);
+}
+
+static void run_fp8(int quick_only)
+{
+    const int n = (int)(sizeof fp8_cases / sizeof fp8_cases[0]);
+    if (quick_only) {
+        for (size_t i = 0; i < sizeof fp8_quick / sizeof fp8_quick[0]; i++)
+            run_case(&fp8_cases[fp8_quick[i]]);
+        return;
+    }
+    for (int i = 0; i < n; i++) run_case(&fp8_cases[i]);
+    run_vs_bf16("fp8 vs bf16 mixtral-s", MIX_S, 1000);
+    run_vs_bf16("fp8 vs bf16 qwen3-s", QWEN_S, 1000);
+    run_vs_bf16("fp8 vs bf16 deepseek-s shared", DSV3_S, 1000);
+    run_vs_bf16("fp8 vs bf16 qwen3-30b-a3b full",
+                "layers=1,d=2048,ff=768,experts=128,topk=8,act=swiglu,dtype=bf16,seed=12", 512);
+}
 
 int main(void)
 {
@@ -572,15 +798,20 @@ int main(void)
         return CHECK_SKIP;
     }
     const int n = (int)(sizeof cases / sizeof cases[0]);
-    const char *q = getenv("MOED_GPU_TEST_QUICK"), *ro = getenv("MOED_GPU_TEST_ROUTER_ONLY");
+    const char *q = getenv("MOED_GPU_TEST_QUICK"), *ro = getenv("MOED_GPU_TEST_ROUTER_ONLY"),
+               *f8 = getenv("MOED_GPU_TEST_FP8_ONLY");
     if (ro && *ro == '1') {
         for (size_t i = 0; i < sizeof router_cases / sizeof router_cases[0]; i++)
             run_router_case(&router_cases[i]);
+    } else if (f8 && *f8 == '1') {
+        run_fp8(q && *q == '1');
     } else if (q && *q == '1') {
         for (size_t i = 0; i < sizeof quick / sizeof quick[0]; i++) run_case(&cases[quick[i]]);
+        run_fp8(1);
         run_router_case(&router_cases[0]);
     } else {
         for (int i = 0; i < n; i++) run_case(&cases[i]);
+        run_fp8(0);
         for (size_t i = 0; i < sizeof router_cases / sizeof router_cases[0]; i++)
             run_router_case(&router_cases[i]);
     }

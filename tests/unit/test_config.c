@@ -34,6 +34,7 @@ static void test_defaults(void)
     char *argv[] = { "moed", NULL };
     CHECK_EQ_INT(load(&c, &err, NULL, 1, argv), MOED_CONFIG_RUN);
     CHECK(!strcmp(c.listen, "127.0.0.1:50051") && !strcmp(c.backend, "auto"));
+    CHECK(!strcmp(c.weights, "stored"));
     CHECK(!c.model && !c.synthetic && !c.layers && c.n_devices == 0);
     CHECK_EQ_INT(c.cq_threads, 4);
     CHECK_EQ_INT(c.max_message_bytes, 256 << 20);
@@ -91,6 +92,15 @@ static void test_bad_values(void)
     moed_config_free(&c);
     CHECK_EQ_INT(LOAD(&c, &err, "--backend", "gpu"), MOED_EINVAL);
     expect_bad(&err, "backend", "'gpu'", "cpu|cuda|auto");
+    moed_config_free(&c);
+    CHECK_EQ_INT(LOAD(&c, &err, "--weights", "fp8"), MOED_CONFIG_RUN);
+    CHECK(!strcmp(c.weights, "fp8"));
+    moed_config_free(&c);
+    CHECK_EQ_INT(LOAD(&c, &err, "--weights", "fp"), MOED_EINVAL); /* a prefix is no choice */
+    expect_bad(&err, "weights", "--weights", "stored|fp8");
+    moed_config_free(&c);
+    CHECK_EQ_INT(LOAD(&c, &err, "--backend", "cpu|cuda"), MOED_EINVAL);
+    expect_bad(&err, "two backends", "'cpu|cuda'", "cpu|cuda|auto");
     moed_config_free(&c);
     CHECK_EQ_INT(LOAD(&c, &err, "--max-message-bytes", "12XB"), MOED_EINVAL);
     expect_bad(&err, "bytes suffix", "--max-message-bytes", "'12XB'");

@@ -9,6 +9,7 @@
 #include "check.h"
 #include "moed_backend.h"
 #include "moed_dtype.h"
+#include "moed_fp8.h"
 #include "moed_synth.h"
 
 #include <math.h>
@@ -34,19 +35,28 @@ static double wval(const void *p, int dtype, size_t i)
     return f;
 }
 
+/* Element i of a [*, cols] weight matrix m of the layer (FP8: q * scale of its block). */
+static double mval(const moed_layer *l, const void *m, const float *sc, int cols, size_t i)
+{
+    if (l->info.wdtype == MOED_FP8)
+        return moed_fp8_weight(m, sc, cols, (int64_t)(i / (size_t)cols),
+                               (int64_t)(i % (size_t)cols));
+    return wval(m, l->info.wdtype, i);
+}
+
 /* ---- the reference ------------------------------------------------------------------------ */
 
 /* y += scale * expert(x), in float64 from the stored weights. */
 static void ref_expert(const moed_layer *l, const moed_expert_w *w, int ff, const double *x,
                        double scale, double *y)
 {
-    int d = l->info.d_model, wd = l->info.wdtype;
+    int d = l->info.d_model;
     double *h = malloc((size_t)ff * sizeof *h);
     for (int i = 0; i < ff; i++) {
         double a = 0, b = 0;
-        for (int k = 0; k < d; k++) a += wval(w->w1, wd, (size_t)i * d + k) * x[k];
+        for (int k = 0; k < d; k++) a += mval(l, w->w1, w->s1, d, (size_t)i * d + k) * x[k];
         if (l->info.act == MOED_ACT_SWIGLU) {
-            for (int k = 0; k < d; k++) b += wval(w->w3, wd, (size_t)i * d + k) * x[k];
+            for (int k = 0; k < d; k++) b += mval(l, w->w3, w->s3, d, (size_t)i * d + k) * x[k];
             h[i] = a / (1 + exp(-a)) * b;
         } else if (l->info.act == MOED_ACT_GELU) {
             h[i] = 0.5 * a * (1 + erf(a / sqrt(2.0)));
@@ -56,7 +66,7 @@ static void ref_expert(const moed_layer *l, const moed_expert_w *w, int ff, cons
     }
     for (int j = 0; j < d; j++) {
         double s = 0;
-        for (int i = 0; i < ff; i++) s += wval(w->w2, wd, (size_t)j * ff + i) * h[i];
+        for (int i = 0; i < ff; i++) s += mval(l, w->w2, w->s2, ff, (size_t)j * ff + i) * h[i];
         y[j] += scale * s;
     }
     free(h);
@@ -257,6 +267,11 @@ static const tcase cases[] = {
     /* several row blocks per expert, and several column blocks */
     { "d=40,ff=300,experts=3,topk=2,dtype=bf16", 150, 2, R_ONE_EXPERT, MOED_F32 },
     { "d=270,ff=24,experts=4,topk=2,shared=1,shared_ff=40", 130, 2, R_TOPK, MOED_BF16 },
+    /* FP8 weights: whole and partial 128 x 128 scale blocks, shared experts, every activation */
+    { "d=300,ff=200,experts=6,topk=2,dtype=fp8", 37, 2, R_TOPK, MOED_BF16 },
+    { "d=64,ff=160,experts=8,topk=2,dtype=fp8,shared=1,shared_ff=136", 13, 3, R_VARIABLE,
+      MOED_F32 },
+    { "d=130,ff=40,experts=4,topk=2,act=gelu,dtype=fp8", 7, 2, R_TOPK, MOED_F16 },
 };
 
 /* One case: reference, rows alone vs the batch, a middle slice of the batch, 1 vs 4 threads. */

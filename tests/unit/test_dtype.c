@@ -2,10 +2,14 @@
  * test_dtype — names and sizes, and the half-precision conversions: every f16 and bf16 value
  * decoded against a formula, every value round-tripped, and float32 -> half rounding checked as a
  * property (the result is a nearest half value, ties to the even one) over a stride through all
- * 2^32 bit patterns plus the edges: halfway cases, subnormals, overflow, NaN and Inf.
+ * 2^32 bit patterns plus the edges: halfway cases, subnormals, overflow, NaN and Inf. The same for
+ * e4m3 (FP8): all 256 codes against the OCP formula, every rounding boundary (the midpoint of each
+ * pair of neighbours and one float32 ulp either side), saturation at 448 and NaN; and the block
+ * quantizer and scale check of moed_fp8.h.
  */
 #include "check.h"
 #include "moed_dtype.h"
+#include "moed_fp8.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -46,6 +50,114 @@ static void test_names(void)
     CHECK_EQ_INT(moed_dtype_parse("FLOAT16"), MOED_F16);
     CHECK_EQ_INT(moed_dtype_parse("f64"), MOED_DTYPE_NONE);
     CHECK(moed_dtype_is_float(MOED_BF16) && !moed_dtype_is_float(MOED_I32));
+    CHECK(!moed_dtype_is_float(MOED_FP8) && moed_dtype_is_weight(MOED_FP8) &&
+          moed_dtype_is_weight(MOED_F32) && !moed_dtype_is_weight(MOED_I32));
+    CHECK_EQ_INT(moed_dtype_size(MOED_FP8), 1);
+    CHECK_EQ_INT(moed_dtype_parse("fp8"), MOED_FP8);
+    CHECK_EQ_INT(moed_dtype_parse("float8_e4m3fn"), MOED_FP8);
+    CHECK(!strcmp(moed_dtype_name(MOED_FP8), "fp8"));
+}
+
+/* An e4m3 code's value by the OCP definition: (-1)^s 2^(e-7) (1 + m/8), subnormal 2^-6 m/8. */
+static double e4m3_formula(uint8_t q)
+{
+    int s = q >> 7, e = (q >> 3) & 15, m = q & 7;
+    double v = e == 15 && m == 7 ? NAN : e == 0 ? ldexp(m, -9) : ldexp(8 + m, e - 10);
+    return s ? -v : v;
+}
+
+/* Every code decodes to its formula (the sign of zero too) and encodes back to itself. */
+static void test_e4m3_codes(void)
+{
+    int bad = 0;
+    for (int i = 0; i < 256; i++) {
+        const uint8_t q = (uint8_t)i;
+        const double want = e4m3_formula(q);
+        const float f = moed_e4m3_to_f32(q);
+        if (isnan(want)) {
+            bad += !isnan(f) || moed_f32_to_e4m3(f) != q; /* NaN keeps its sign's code */
+            continue;
+        }
+        bad += (double)f != want || !signbit(f) != !signbit(want);
+        bad += moed_f32_to_e4m3(f) != q;
+    }
+    CHECK_EQ_INT(bad, 0);
+    CHECK_EQ_INT(e4m3_formula(0x7e) == 448.0 && e4m3_formula(0x01) == ldexp(1, -9), 1);
+}
+
+/* The midpoint between each pair of neighbouring codes rounds to the even one, and one float32
+ * ulp below or above it to the nearer one; both signs. */
+static void test_e4m3_ties(void)
+{
+    int bad = 0;
+    for (int m = 0; m < 0x7e; m++) {
+        const float lo = moed_e4m3_to_f32((uint8_t)m), hi = moed_e4m3_to_f32((uint8_t)(m + 1));
+        const float mid = (float)(((double)lo + hi) / 2); /* exact: 5 significant bits at most */
+        const uint8_t even = (m & 1) ? (uint8_t)(m + 1) : (uint8_t)m;
+        bad += moed_f32_to_e4m3(mid) != even;
+        bad += moed_f32_to_e4m3(-mid) != (even | 0x80);
+        bad += moed_f32_to_e4m3(nextafterf(mid, 0)) != m;
+        bad += moed_f32_to_e4m3(nextafterf(mid, INFINITY)) != m + 1;
+        bad += moed_f32_to_e4m3(-nextafterf(mid, INFINITY)) != ((m + 1) | 0x80);
+    }
+    CHECK_EQ_INT(bad, 0);
+    /* saturation and the specials */
+    CHECK_EQ_INT(moed_f32_to_e4m3(448.0f), 0x7e);
+    CHECK_EQ_INT(moed_f32_to_e4m3(464.0f), 0x7e); /* the tie past 448 (480 is NaN's slot) */
+    CHECK_EQ_INT(moed_f32_to_e4m3(1e30f), 0x7e);
+    CHECK_EQ_INT(moed_f32_to_e4m3(INFINITY), 0x7e);
+    CHECK_EQ_INT(moed_f32_to_e4m3(-INFINITY), 0xfe);
+    CHECK_EQ_INT(moed_f32_to_e4m3(NAN) & 0x7f, 0x7f);
+    CHECK_EQ_INT(moed_f32_to_e4m3(ldexpf(1, -10)), 0x00); /* half the smallest subnormal: even */
+    CHECK_EQ_INT(moed_f32_to_e4m3(nextafterf(ldexpf(1, -10), 1)), 0x01);
+    CHECK_EQ_INT(moed_f32_to_e4m3(-ldexpf(1, -12)), 0x80); /* underflow keeps the sign */
+    CHECK_EQ_INT(moed_f32_to_e4m3(bits_f32(1)), 0x00);     /* float32 subnormal */
+    CHECK_EQ_INT(moed_f32_to_e4m3(ldexpf(15, -10)), 0x08); /* 7.5 * 2^-9: tie up into normals */
+    CHECK_EQ_INT(moed_f32_to_e4m3(-0.0f), 0x80);
+}
+
+/* moed_fp8.h's quantizer: scale amax / 448 per 128 x 128 block (1 for a block of zeros), codes the
+ * quotients rounded, partial edge blocks, and the refusal of non-finite input. */
+static void test_fp8_quantize(void)
+{
+    enum { R = 130, C = 260 };
+    static float v[R * C], s[2 * 3];
+    static uint8_t q[R * C];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            v[r * C + c] = r < 128 && c >= 128 && c < 256 ? 0.0f : (float)sin(r * 0.37 + c * 1.3);
+    v[5 * C + 7] = -3.5f; /* block (0, 0)'s largest magnitude */
+    int64_t bad = -7;
+    CHECK_EQ_INT(moed_fp8_quantize(v, MOED_F32, R, C, q, s, &bad), 0);
+    CHECK(bad == -1);
+    CHECK(s[0] == 3.5f / 448.0f && q[5 * C + 7] == 0xfe); /* -448 */
+    CHECK(s[1] == 1.0f && q[3 * C + 130] == 0);           /* zeros */
+    int off = 0;
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            const float sc = s[(r / 128) * 3 + c / 128];
+            off += q[r * C + c] != moed_f32_to_e4m3(v[r * C + c] / sc);
+        }
+    CHECK_EQ_INT(off, 0);
+    for (int i = 0; i < 6; i++) CHECK(s[i] > 0 && isfinite(s[i]));
+    CHECK(moed_fp8_weight(q, s, C, 5, 7) == -3.5f);
+    v[129 * C + 259] = NAN;
+    CHECK_EQ_INT(moed_fp8_quantize(v, MOED_F32, R, C, q, s, &bad), MOED_EINVAL);
+    CHECK(bad == 129 * C + 259);
+    /* bf16 input widens exactly first */
+    uint16_t b[4] = { 0x3f80, 0xc000, 0x0000, 0x3e00 }; /* 1, -2, 0, 0.125 */
+    float sb;
+    uint8_t qb[4];
+    CHECK_EQ_INT(moed_fp8_quantize(b, MOED_BF16, 2, 2, qb, &sb, &bad), 0);
+    CHECK(sb == 2.0f / 448.0f && qb[1] == 0xfe && qb[2] == 0 && qb[0] == moed_f32_to_e4m3(224.0f));
+    /* scales: finite and > 0 */
+    const float ok[3] = { 1e-30f, 1.0f, 3e38f }, nan3[3] = { 1, NAN, 1 }, neg[2] = { 1, -1 },
+                zero[1] = { 0.0f }, inf[2] = { 1, INFINITY };
+    CHECK(moed_fp8_check_scales(ok, 3) == -1);
+    CHECK(moed_fp8_check_scales(nan3, 3) == 1);
+    CHECK(moed_fp8_check_scales(neg, 2) == 1);
+    CHECK(moed_fp8_check_scales(zero, 1) == 0);
+    CHECK(moed_fp8_check_scales(inf, 2) == 1);
 }
 
 /* Every half value decodes to its formula and encodes back to itself (NaN stays NaN). */
@@ -207,5 +319,8 @@ int main(void)
     test_ties();
     test_edges();
     test_arrays();
+    test_e4m3_codes();
+    test_e4m3_ties();
+    test_fp8_quantize();
     return check_status("test_dtype");
 }

@@ -308,7 +308,7 @@ static void load_and_check(const ck *c, const char *dir, moed_weights_mode mode,
 {
     moed_model m;
     moed_error err = { 0 };
-    int rc = moed_weights_checkpoint(dir, only, mode, &m, &err);
+    int rc = moed_weights_checkpoint(dir, only, mode, 0, &m, &err);
     CHECK_MSG(rc == 0, "%s (mode %d): %s", c->arch, mode, err.msg);
     if (!rc) {
         CHECK_EQ_INT(m.n_layers, n_held);
@@ -346,7 +346,7 @@ static void expect_fail(const ck *c, const char *only, int code, const char *nee
     write_ck(c, dir);
     moed_model m;
     moed_error err = { 0 };
-    int rc = moed_weights_checkpoint(dir, only, MOED_WEIGHTS_COPY, &m, &err);
+    int rc = moed_weights_checkpoint(dir, only, MOED_WEIGHTS_COPY, 0, &m, &err);
     CHECK_MSG(rc == code, "%s (%s): rc %d, want %d: %s", c->arch, needle, rc, code, err.msg);
     CHECK_MSG(strstr(err.msg, needle) && (!needle2 || strstr(err.msg, needle2)),
               "message \"%s\" lacks \"%s\" or \"%s\"", err.msg, needle, needle2 ? needle2 : "");
@@ -472,14 +472,14 @@ static void test_lazy_shards(void)
     CHECK(!truncate(stw_path(path, sizeof path, dir, "model-00001-of-00002.safetensors"), 100));
     moed_model m;
     moed_error err = { 0 };
-    int rc = moed_weights_checkpoint(dir, "1,3", MOED_WEIGHTS_MAP, &m, &err);
+    int rc = moed_weights_checkpoint(dir, "1,3", MOED_WEIGHTS_MAP, 0, &m, &err);
     CHECK_MSG(rc == 0, "%s", err.msg);
     if (!rc) {
         CHECK_EQ_INT(m.n_layers, 2);
         if (m.n_layers == 2) check_layer(&c, &m.layers[1], 3);
         moed_weights_release(&m);
     }
-    CHECK_EQ_INT(moed_weights_checkpoint(dir, NULL, MOED_WEIGHTS_COPY, &m, &err), MOED_EFORMAT);
+    CHECK_EQ_INT(moed_weights_checkpoint(dir, NULL, MOED_WEIGHTS_COPY, 0, &m, &err), MOED_EFORMAT);
     CHECK(strstr(err.msg, "model-00001-of-00002.safetensors"));
     stw_rmdir(dir);
 }
@@ -496,8 +496,10 @@ static void test_errors(void)
     c.odd_dtype = "F32"; /* mixed dtypes in one layer */
     expect_fail(&c, NULL, MOED_EUNSUPPORTED, c.odd_name,
                 "model.layers.1.block_sparse_moe.experts.0");
-    c.odd_dtype = "F8_E4M3";
-    expect_fail(&c, NULL, MOED_EUNSUPPORTED, c.odd_name, "F8_E4M3: FP8");
+    c.odd_dtype = "F8_E4M3"; /* FP8 with no quantization_config saying how it is scaled */
+    expect_fail(&c, NULL, MOED_EUNSUPPORTED, c.odd_name, "no quantization_config");
+    c.odd_dtype = "F8_E5M2";
+    expect_fail(&c, NULL, MOED_EUNSUPPORTED, c.odd_name, "F8_E5M2");
     c.odd_name = "model.layers.0.block_sparse_moe.gate.weight";
     c.odd_dtype = NULL;
     c.odd_rows = 5;
@@ -524,12 +526,25 @@ static void test_errors(void)
     expect_fail(&c, "2", MOED_ENOTFOUND, "model.layers.2.mlp.shared_experts.down_proj.weight",
                 NULL);
 
-    c = mixtral; /* FP8 weights stored as BF16 next to their scales */
+    c = mixtral; /* a scale beside a BF16 weight */
     c.extra = "model.layers.0.block_sparse_moe.experts.0.w1.weight_scale_inv";
-    expect_fail(&c, NULL, MOED_EUNSUPPORTED, c.extra, "FP8");
+    expect_fail(&c, NULL, MOED_EUNSUPPORTED, c.extra, "only beside F8_E4M3");
+    /* quantization_config: block-scaled FP8 only, the field that differs named */
     c = mixtral;
     c.config = ",\"quantization_config\":{\"quant_method\":\"fp8\",\"fmt\":\"e4m3\"}";
-    expect_fail(&c, NULL, MOED_EUNSUPPORTED, "quantization_config", "\"fp8\"");
+    expect_fail(&c, NULL, MOED_EUNSUPPORTED, "quantization_config.weight_block_size is missing",
+                "[128, 128]");
+    c.config = ",\"quantization_config\":{\"quant_method\":\"fp8\",\"weight_block_size\":[64,64]}";
+    expect_fail(&c, NULL, MOED_EUNSUPPORTED, "quantization_config.weight_block_size is [64,64]",
+                NULL);
+    c.config = ",\"quantization_config\":{\"quant_method\":\"awq\",\"bits\":4}";
+    expect_fail(&c, NULL, MOED_EUNSUPPORTED, "quantization_config.quant_method is \"awq\"", NULL);
+    c.config = ",\"quantization_config\":{\"quant_method\":\"fp8\",\"fmt\":\"e5m2\","
+               "\"weight_block_size\":[128,128]}";
+    expect_fail(&c, NULL, MOED_EUNSUPPORTED, "quantization_config.fmt is \"e5m2\"", NULL);
+    c.config = ",\"quantization_config\":{\"quant_method\":\"fp8\",\"activation_scheme\":"
+               "\"static\",\"weight_block_size\":[128,128]}";
+    expect_fail(&c, NULL, MOED_EUNSUPPORTED, "quantization_config.activation_scheme", "static");
 
     c = (ck){ .arch = "qwen2_moe",
               .layers = 2,
@@ -581,10 +596,12 @@ static void test_errors(void)
     unlink(stw_path(path, sizeof path, dir, "config.json"));
     moed_model m;
     moed_error err = { 0 };
-    CHECK_EQ_INT(moed_weights_checkpoint(dir, NULL, MOED_WEIGHTS_COPY, &m, &err), MOED_ENOTFOUND);
+    CHECK_EQ_INT(moed_weights_checkpoint(dir, NULL, MOED_WEIGHTS_COPY, 0, &m, &err),
+                 MOED_ENOTFOUND);
     CHECK(strstr(err.msg, "has no config.json"));
     stw_rmdir(dir);
-    CHECK_EQ_INT(moed_weights_checkpoint(dir, NULL, MOED_WEIGHTS_COPY, &m, &err), MOED_ENOTFOUND);
+    CHECK_EQ_INT(moed_weights_checkpoint(dir, NULL, MOED_WEIGHTS_COPY, 0, &m, &err),
+                 MOED_ENOTFOUND);
     CHECK(strstr(err.msg, dir) && strstr(err.msg, "No such file"));
 }
 
@@ -593,7 +610,7 @@ static void test_synthetic(void)
     moed_model m;
     moed_error err = { 0 };
     int rc =
-        moed_weights_synthetic("layers=3,d=16,ff=8,experts=4,topk=2,dtype=f32,seed=5", &m, &err);
+        moed_weights_synthetic("layers=3,d=16,ff=8,experts=4,topk=2,dtype=f32,seed=5", 0, &m, &err);
     CHECK_MSG(rc == 0, "%s", err.msg);
     if (!rc) {
         CHECK_EQ_INT(m.n_layers, 3);
@@ -612,7 +629,7 @@ static void test_synthetic(void)
         moed_weights_release(&m);
         CHECK(!m.layers && !m.priv && !m.n_layers);
     }
-    CHECK_EQ_INT(moed_weights_synthetic("layers=2,bogus=1", &m, &err), MOED_EINVAL);
+    CHECK_EQ_INT(moed_weights_synthetic("layers=2,bogus=1", 0, &m, &err), MOED_EINVAL);
     CHECK(strstr(err.msg, "bogus"));
     CHECK(!m.layers && !m.priv);
 }
@@ -628,7 +645,7 @@ static void test_copies_outlive_the_files(void)
     write_ck(&c, dir);
     moed_model m;
     moed_error err = { 0 };
-    int rc = moed_weights_checkpoint(dir, NULL, MOED_WEIGHTS_COPY, &m, &err);
+    int rc = moed_weights_checkpoint(dir, NULL, MOED_WEIGHTS_COPY, 0, &m, &err);
     CHECK_MSG(rc == 0, "%s", err.msg);
     if (rc) return;
     for (int i = 1; i <= 2; i++) {
@@ -664,7 +681,7 @@ static void expect_refused(const ck *c, const char *name, bool folder, const cha
     moed_error err = { 0 };
     signal(SIGALRM, on_alarm);
     alarm(10);
-    int rc = moed_weights_checkpoint(dir, NULL, MOED_WEIGHTS_COPY, &m, &err);
+    int rc = moed_weights_checkpoint(dir, NULL, MOED_WEIGHTS_COPY, 0, &m, &err);
     alarm(0);
     CHECK_MSG(rc == MOED_EIO && strstr(err.msg, path) && strstr(err.msg, kind),
               "%s as %s: rc %d, %s", name, kind, rc, err.msg);

@@ -115,7 +115,14 @@ MOEDC_EXTERN const char *moedc_grpc_status_name(int grpc_status);
 /* ---- the protocol's enumerations (values as in proto/moed/v1/moed.proto) ---- */
 
 /* moed.v1.DType: the activation and weight types. */
-typedef enum moedc_dtype { MOEDC_F32 = 1, MOEDC_F16 = 2, MOEDC_BF16 = 3 } moedc_dtype;
+/* MOEDC_FP8 (block-scaled e4m3) is a weight dtype only: layers report it, requests never carry it.
+ */
+typedef enum moedc_dtype {
+    MOEDC_F32 = 1,
+    MOEDC_F16 = 2,
+    MOEDC_BF16 = 3,
+    MOEDC_FP8 = 5
+} moedc_dtype;
 
 /* moed.v1.Strategy: how router logits become a route; MODEL is the layer's own rule. */
 enum {

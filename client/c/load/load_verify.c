@@ -43,11 +43,15 @@ static double dtype_bound(int dtype)
     return dtype == MOED_BF16 ? 2e-2 : dtype == MOED_F16 ? 5e-3 : 1e-4;
 }
 
+/* The per-token bound proto/moed/v1/moed.proto states for FP8 weights on the FP8 Tensor Cores. */
+#define FP8_TOKEN_BOUND 1e-1
+
 double load_verify_bound(int dtype, const char *backend, int wdtype)
 {
     double b = dtype_bound(dtype);
     if (backend && !strcmp(backend, "cuda")) {
-        double c = dtype_bound(wdtype == MOED_F16 ? MOED_F16 : MOED_BF16);
+        double c = wdtype == MOED_FP8 ? FP8_TOKEN_BOUND
+                                      : dtype_bound(wdtype == MOED_F16 ? MOED_F16 : MOED_BF16);
         if (c > b) b = c;
     }
     return b;

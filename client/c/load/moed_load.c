@@ -336,9 +336,10 @@ static int resolve_layers(run *r)
     }
     r->layers = calloc((size_t)r->n_layer_list, sizeof *r->layers);
     if (!r->layers) return failure("out of memory");
-    if (!r->dtype)
-        r->dtype = served_layer(m, r->layer_list[0]) ? served_layer(m, r->layer_list[0])->wdtype
-                                                     : MOED_BF16;
+    if (!r->dtype) { /* the weights' dtype, or bf16 beside FP8 weights (never a request's) */
+        const moedc_layer_info *first = served_layer(m, r->layer_list[0]);
+        r->dtype = first && moed_dtype_is_float(first->wdtype) ? first->wdtype : MOED_BF16;
+    }
     const size_t es = moed_dtype_size(r->dtype);
     for (int i = 0; i < r->n_layer_list; i++) {
         const moedc_layer_info *li = served_layer(m, r->layer_list[i]);

@@ -6,7 +6,9 @@ rather than against itself. Three parts:
 
 * synthetic_weights(spec, layer): the seeded generator of `moed --synthetic SPEC`, bit for bit,
   vectorised with uint64 numpy arithmetic. The arrays hold the stored values (after rounding to the
-  layer's weight dtype) as float64.
+  layer's weight dtype; for dtype=fp8 the dequantized weights, e4m3 code times block scale) as
+  float64. quantize_fp8 and dequantize_fp8 are the block-scaled FP8 rule of kernels/core/moed_fp8.h
+  (`--weights fp8`), with ml_dtypes.float8_e4m3fn.
 * gate(...) and batch_gate(...): router logits -> a route, one (expert ids, weights) pair of arrays
   per token, experts in the order the server sums them (decreasing score, ties to the lower index).
 * forward(x, weights, route): the layer output in float64.
@@ -74,11 +76,50 @@ def _round_to(values: np.ndarray, wdtype: str) -> np.ndarray:
     return v.astype(np.float64)
 
 
+FP8_BLOCK = 128
+FP8_MAX = 448.0
+
+
+def quantize_fp8(values) -> Tuple[np.ndarray, np.ndarray]:
+    """A [rows, cols] matrix to block-scaled FP8 (kernels/core/moed_fp8.h): per 128 x 128 block,
+    scale = amax / 448 in float32 (1 where that is 0), codes = the float32 quotients rounded to
+    nearest-even e4m3, saturating at +-448. Returns (codes as ml_dtypes.float8_e4m3fn [rows, cols],
+    scales float32 [ceil(rows/128), ceil(cols/128)]). ValueError for NaN or infinity."""
+    v = np.asarray(values, dtype=np.float32)
+    if not np.all(np.isfinite(v)):
+        raise ValueError("NaN or infinity cannot be quantized to FP8")
+    rows, cols = v.shape
+    br, bc = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+    pad = np.zeros((br * FP8_BLOCK, bc * FP8_BLOCK), np.float32)
+    pad[:rows, :cols] = np.abs(v)
+    amax = pad.reshape(br, FP8_BLOCK, bc, FP8_BLOCK).max(axis=(1, 3))
+    scale = amax / np.float32(FP8_MAX)
+    scale[scale == 0] = np.float32(1)
+    per = np.repeat(np.repeat(scale, FP8_BLOCK, 0), FP8_BLOCK, 1)[:rows, :cols]
+    q = np.clip(v / per, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale.astype(np.float32)
+
+
+def dequantize_fp8(codes, scales) -> np.ndarray:
+    """The weights of block-scaled FP8 codes [rows, cols] (float8_e4m3fn, or their uint8 bits) and
+    scales [ceil(rows/128), ceil(cols/128)]: code times its block's scale in float32, as float64."""
+    q = np.asarray(codes)
+    if q.dtype == np.uint8:
+        q = q.view(ml_dtypes.float8_e4m3fn)
+    rows, cols = q.shape
+    s = np.asarray(scales, dtype=np.float32)
+    per = np.repeat(np.repeat(s, FP8_BLOCK, 0), FP8_BLOCK, 1)[:rows, :cols]
+    return (q.astype(np.float32) * per).astype(np.float64)
+
+
 def synth_matrix(seed: int, layer: int, tensor: int, expert: int, rows: int, cols: int,
                  wdtype: str) -> np.ndarray:
-    """One [rows, cols] weight matrix of the generator, as stored (fan_in = cols)."""
+    """One [rows, cols] weight matrix of the generator, as stored (fan_in = cols); dtype fp8: its
+    float32 values quantized in 128 x 128 blocks, dequantized."""
     u = synth_uniform(seed, layer, tensor, expert, rows * cols)
     value = (2.0 * u - 1.0) * math.sqrt(3.0 / cols)
+    if wdtype == "fp8":
+        return dequantize_fp8(*quantize_fp8(value.astype(np.float32).reshape(rows, cols)))
     return _round_to(value, wdtype).reshape(rows, cols)
 
 
@@ -142,7 +183,7 @@ def parse_spec(spec: str) -> Tuple[int, int, LayerInfo]:
         shared_d_ff=integer("shared_ff", 0), n_group=integer("groups", 1),
         topk_group=integer("topk_groups", 1), routed_scaling_factor=float(kv["scale"]))
     if info.weight_dtype == "i32":
-        raise ValueError("synthetic spec: dtype must be f32, f16 or bf16")
+        raise ValueError("synthetic spec: dtype must be f32, f16, bf16 or fp8")
     return integer("layers", 1), integer("seed", 0), info
 
 
@@ -160,8 +201,8 @@ def synthetic_weights(spec: str, layer: int) -> LayerWeights:
 
     lw = LayerWeights(info=info, w1=stack(W1, ff, d), w3=stack(W3, ff, d) if swiglu else None,
                       w2=stack(W2, d, ff))
-    if info.has_router:
-        lw.router = synth_matrix(seed, layer, ROUTER, 0, E, d, wd)
+    if info.has_router:  # never quantized: bf16 beside fp8 experts
+        lw.router = synth_matrix(seed, layer, ROUTER, 0, E, d, "bf16" if wd == "fp8" else wd)
     if info.router_rule == "deepseek_v3":
         u = synth_uniform(seed, layer, BIAS, 0, E)
         lw.bias = ((2.0 * u - 1.0) * 0.1).astype(np.float32).astype(np.float64)

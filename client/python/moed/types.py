@@ -13,9 +13,10 @@ from typing import Any, List
 
 import numpy as np
 
-# moed.v1.DType
-DTYPES = {"f32": 1, "f16": 2, "bf16": 3, "i32": 4}
-DTYPE_ALIASES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int32": "i32"}
+# moed.v1.DType (fp8: block-scaled e4m3 weights; never a request's tensor)
+DTYPES = {"f32": 1, "f16": 2, "bf16": 3, "i32": 4, "fp8": 5}
+DTYPE_ALIASES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int32": "i32",
+                 "e4m3": "fp8", "float8_e4m3fn": "fp8"}
 # moed.v1.Activation
 ACTIVATIONS = {"swiglu": 1, "gelu": 2, "relu": 3}
 # moed.v1.Strategy ("model" is STRATEGY_UNSPECIFIED: the layer's own rule)
@@ -35,11 +36,13 @@ def name_of(table: dict, value: int, default: str = "unspecified") -> str:
 
 
 def dtype_name(name: str) -> str:
-    """Canonical dtype name ("f32", "f16", "bf16", "i32") for a name or alias; ValueError if unknown."""
+    """Canonical dtype name ("f32", "f16", "bf16", "i32", "fp8") for a name or alias; ValueError if
+    unknown."""
     key = str(name).lower()
     key = DTYPE_ALIASES.get(key, key)
     if key not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}: use one of f32, f16, bf16 (or float32, float16, bfloat16)")
+        raise ValueError(f"unknown dtype {name!r}: use one of f32, f16, bf16 (or float32, float16, "
+                         f"bfloat16), or fp8 for weights")
     return key
 
 

@@ -279,3 +279,39 @@ def test_router_logits_follow_the_models_rounding():
     bits = x.astype(ml_dtypes.bfloat16).view(np.uint16)
     assert np.array_equal(ref.router_logits(bits, soft, "bf16"),
                           ref.router_logits(x.astype(ml_dtypes.bfloat16), soft))
+
+
+# --- block-scaled FP8 (kernels/core/moed_fp8.h) --------------------------------------------------
+
+def test_quantize_fp8_follows_the_rule():
+    rng = np.random.default_rng(5)
+    v = (rng.standard_normal((200, 130)) * 0.05).astype(np.float32)
+    v[0:128, 128:130] = 0.0  # a block of zeros: scale 1
+    v[3, 7] = -2.0           # block (0, 0)'s largest magnitude
+    q, s = ref.quantize_fp8(v)
+    assert q.dtype == ml_dtypes.float8_e4m3fn and q.shape == v.shape
+    assert s.shape == (2, 2) and s.dtype == np.float32
+    assert s[0, 0] == np.float32(2.0) / np.float32(448) and s[0, 1] == 1.0
+    assert float(q[3, 7]) == -448.0
+    for (i, j), sc in np.ndenumerate(s):  # each code: the float32 quotient, rounded to nearest e4m3
+        blk = v[128 * i:128 * (i + 1), 128 * j:128 * (j + 1)]
+        assert sc == (np.float32(np.abs(blk).max()) / np.float32(448) or 1)
+        want = (blk / sc).astype(ml_dtypes.float8_e4m3fn)
+        assert np.array_equal(q[128 * i:128 * (i + 1), 128 * j:128 * (j + 1)].view(np.uint8),
+                              want.view(np.uint8))
+    w = ref.dequantize_fp8(q, s)
+    assert w[3, 7] == -2.0 and np.array_equal(w, ref.dequantize_fp8(q.view(np.uint8), s))
+    assert np.max(np.abs(w - v)) <= np.max(np.abs(v)) / 16  # 3 mantissa bits
+    with pytest.raises(ValueError):
+        ref.quantize_fp8(np.array([[1.0, np.nan]], np.float32))
+
+
+def test_synthetic_fp8_layer():
+    spec = "layers=1,d=136,ff=40,experts=2,topk=1,dtype=fp8,seed=9"
+    w = ref.synthetic_weights(spec, 0)
+    assert w.info.weight_dtype == "fp8"
+    # the experts are the float32 generator values quantized; the router stays bf16
+    u = ref.synth_uniform(9, 0, ref.W1, 1, 40 * 136)
+    v = ((2.0 * u - 1.0) * math.sqrt(3.0 / 136)).astype(np.float32).reshape(40, 136)
+    assert np.array_equal(w.w1[1], ref.dequantize_fp8(*ref.quantize_fp8(v)))
+    assert np.array_equal(w.router, ref.synth_matrix(9, 0, ref.ROUTER, 0, 2, 136, "bf16"))

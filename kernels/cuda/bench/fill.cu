@@ -9,6 +9,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 namespace
@@ -47,7 +48,37 @@ template <typename T> __global__ void fill_kernel(T *p, size_t n, uint64_t seed,
     }
 }
 
+/* e4m3 codes of values uniform over the whole range (the block scales shrink them), never 0. */
+__global__ void fill_fp8_kernel(uint8_t *p, size_t n, uint64_t seed)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        uint8_t q =
+            __nv_cvt_float_to_fp8(hash_uniform(seed, i) * 448.0f, __NV_SATFINITE, __NV_E4M3);
+        p[i] = (q & 0x7f) ? q : 0x38; /* 1.0 where the value rounded to zero */
+    }
+}
+
+__global__ void fill_value_kernel(float *p, size_t n, float v)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        p[i] = v;
+}
+
 } // namespace
+
+extern "C" int bench_fill_fp8(void *p, size_t n, uint64_t seed)
+{
+    fill_fp8_kernel<<<4096, 256>>>((uint8_t *)p, n, seed);
+    return cudaDeviceSynchronize() == cudaSuccess ? 0 : -1;
+}
+
+extern "C" int bench_fill_value(float *p, size_t n, float v)
+{
+    fill_value_kernel<<<4096, 256>>>(p, n, v);
+    return cudaDeviceSynchronize() == cudaSuccess ? 0 : -1;
+}
 
 extern "C" int bench_fill(void *p, int dtype, size_t n, uint64_t seed, float scale)
 {

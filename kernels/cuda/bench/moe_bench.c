@@ -1,20 +1,24 @@
 /*
  * moe_bench — the kernel benchmark: the whole expert pipeline of the CUDA backend
  * (moed_cuda_pipeline: route prep → up GEMM → down GEMM → combine) on device-resident data, for the
- * standard shapes (bf16: mixtral d 4096 ff 14336 E 8 k 2; qwen3-30b-a3b d 2048 ff 768 E 128 k 8;
- * deepseek-v3 d 7168 ff 2048 E 256 k 8) and T = 8 to 16384, timed with CUDA events (median of many
- * runs after warm-up) on random, never-zero data, beside the two ceilings measured in the same
- * run: a large cuBLAS bf16 matmul and a large device-to-device copy (bytes read plus written).
- * Counted work: FLOPs = 2·pairs·d·3·ff; minimum bytes = the weights of every expert that received a
- * token + activations in and out.
+ * standard shapes (mixtral d 4096 ff 14336 E 8 k 2; qwen3-30b-a3b d 2048 ff 768 E 128 k 8;
+ * deepseek-v3 d 7168 ff 2048 E 256 k 8) or any --shape d,ff,E,k (d and ff padded to 128 as the
+ * backend pads them), bf16 and/or block-scaled FP8 weights, and T = 8 to 16384, timed with CUDA
+ * events (median of many runs after warm-up) on random, never-zero data, beside the ceilings
+ * measured in the same run: large cuBLAS bf16 and cuBLASLt FP8 (e4m3, bf16 out) 8192³ matmuls and a
+ * large device-to-device copy (bytes read plus written). Counted work: FLOPs = 2·pairs·d·3·ff;
+ * minimum bytes = the weights of every expert that received a token (FP8: one byte each, and their
+ * scales) + activations in and out. The %mm column compares with the ceiling of the weights' type.
  *
- * usage: moe-bench [--shapes mixtral,qwen3-30b-a3b,deepseek-v3] [--tokens 8,64,512,4096,16384]
+ * usage: moe-bench [--shapes mixtral,qwen3-30b-a3b,deepseek-v3] [--shape d,ff,E,k]...
+ *                  [--weights bf16,fp8] [--tokens 8,64,512,4096,16384]
  *                  [--routing uniform,zipf,hot,empty] [--kernel auto,sm80,sm90,sm90p]
  *                  [--min-ms 200] [--cublas] [--graph] [--json FILE]
  * Prints one table row per run; --json writes every figure, the stage times included. --cublas adds
- * the headroom line: the same per-expert GEMMs through cuBLAS on pre-permuted rows, no epilogues.
- * --graph times the pipeline captured as a CUDA graph and replayed (what the backend does for small
- * batches).
+ * the headroom line (bf16 weights): the same per-expert GEMMs through cuBLAS on pre-permuted rows,
+ * no epilogues. --graph times the pipeline captured as a CUDA graph and replayed (what the backend
+ * does for small batches). For FP8 weights, --kernel sm80 is the portable path and sm90 the FP8
+ * Tensor Core kernel.
  */
 #include "bench.h"
 #include "moed_cuda.h"
@@ -22,6 +26,7 @@
 #include "moed_dtype.h"
 #include "moed_synth.h"
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 #include <math.h>
@@ -30,7 +35,7 @@
 #include <string.h>
 
 typedef struct shape {
-    const char *name;
+    char name[48];
     int d, ff, E, k;
 } shape;
 
@@ -102,7 +107,7 @@ static void choose(const char *routing, int E, int k, int32_t *out)
 }
 
 typedef struct run {
-    char shape[32], routing[16], kernel[12];
+    char shape[48], routing[16], kernel[12], weights[8];
     int64_t T, P;
     int active, bm;
     double ms, stage_ms[6], tflops, gbs;
@@ -110,11 +115,98 @@ typedef struct run {
         cublas_ms; /* the same per-expert GEMMs through cuBLAS, pre-permuted rows, no epilogues */
 } run;
 
-static double g_matmul_tflops, g_copy_gbs;
+static double g_matmul_tflops, g_fp8_tflops, g_copy_gbs;
 static cublasHandle_t g_cublas;
+
+/* Median ms of reps timed calls of f(arg) after 5 warm-ups. */
+static double time_ms(void (*f)(void *), void *arg, int reps)
+{
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    double t[64];
+    for (int i = 0; i < reps + 5; i++) {
+        cudaEventRecord(e0, 0);
+        f(arg);
+        cudaEventRecord(e1, 0);
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        cudaEventElapsedTime(&ms, e0, e1);
+        if (i >= 5) t[i - 5] = ms;
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    return median(t, reps);
+}
+
+/* The FP8 matmul ceiling: cuBLASLt e4m3 x e4m3 -> bf16 (fp32 accumulation), n x n x n, "TN" (the
+ * layout FP8 matmuls take). */
+typedef struct lt_mm {
+    cublasLtHandle_t lt;
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t la, lb, lc;
+    cublasLtMatmulHeuristicResult_t algo;
+    void *a, *b, *c, *ws;
+    size_t ws_bytes;
+} lt_mm;
+
+static void lt_run(void *arg)
+{
+    lt_mm *m = arg;
+    const float alpha = 1, beta = 0;
+    cublasLtMatmul(m->lt, m->op, &alpha, m->a, m->la, m->b, m->lb, &beta, m->c, m->lc, m->c, m->lc,
+                   &m->algo.algo, m->ws, m->ws_bytes, 0);
+}
+
+static double fp8_ceiling(int n)
+{
+    lt_mm m = { .ws_bytes = (size_t)64 << 20 };
+    CK(cudaMalloc(&m.a, (size_t)n * n));
+    CK(cudaMalloc(&m.b, (size_t)n * n));
+    CK(cudaMalloc(&m.c, (size_t)n * n * 2));
+    CK(cudaMalloc(&m.ws, m.ws_bytes));
+    bench_fill_fp8(m.a, (size_t)n * n, 21);
+    bench_fill_fp8(m.b, (size_t)n * n, 22);
+    const cublasOperation_t T = CUBLAS_OP_T, N = CUBLAS_OP_N;
+    int found = 0;
+    cublasLtMatmulPreference_t pref = NULL;
+    if (cublasLtCreate(&m.lt) == CUBLAS_STATUS_SUCCESS &&
+        cublasLtMatmulDescCreate(&m.op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+        cublasLtMatmulDescSetAttribute(m.op, CUBLASLT_MATMUL_DESC_TRANSA, &T, sizeof T) ==
+            CUBLAS_STATUS_SUCCESS &&
+        cublasLtMatmulDescSetAttribute(m.op, CUBLASLT_MATMUL_DESC_TRANSB, &N, sizeof N) ==
+            CUBLAS_STATUS_SUCCESS &&
+        cublasLtMatrixLayoutCreate(&m.la, CUDA_R_8F_E4M3, n, n, n) == CUBLAS_STATUS_SUCCESS &&
+        cublasLtMatrixLayoutCreate(&m.lb, CUDA_R_8F_E4M3, n, n, n) == CUBLAS_STATUS_SUCCESS &&
+        cublasLtMatrixLayoutCreate(&m.lc, CUDA_R_16BF, n, n, n) == CUBLAS_STATUS_SUCCESS &&
+        cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS &&
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                             &m.ws_bytes,
+                                             sizeof m.ws_bytes) == CUBLAS_STATUS_SUCCESS)
+        cublasLtMatmulAlgoGetHeuristic(m.lt, m.op, m.la, m.lb, m.lc, m.lc, pref, 1, &m.algo,
+                                       &found);
+    double tflops = 0;
+    if (found)
+        tflops = 2.0 * n * (double)n * n / (time_ms(lt_run, &m, 20) * 1e-3) / 1e12;
+    else
+        fprintf(stderr, "moe-bench: cuBLASLt found no FP8 algorithm; no FP8 ceiling\n");
+    CK(cudaGetLastError());
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (m.la) cublasLtMatrixLayoutDestroy(m.la);
+    if (m.lb) cublasLtMatrixLayoutDestroy(m.lb);
+    if (m.lc) cublasLtMatrixLayoutDestroy(m.lc);
+    if (m.op) cublasLtMatmulDescDestroy(m.op);
+    if (m.lt) cublasLtDestroy(m.lt);
+    cudaFree(m.a);
+    cudaFree(m.b);
+    cudaFree(m.c);
+    cudaFree(m.ws);
+    return tflops;
+}
 
 static void ceilings(void)
 {
+    g_fp8_tflops = fp8_ceiling(8192);
     const int n = 8192, reps = 20;
     void *a, *b, *c;
     CK(cudaMalloc(&a, (size_t)n * n * 2));
@@ -180,16 +272,17 @@ static double bench_cublas(const shape *s, const moed_cuda_layer_dev *L, const i
         for (int e = 0; e < s->E; e++) {
             const int m = (int)counts[e];
             if (!m) continue;
-            const char *w13 = (const char *)L->w13 + (size_t)e * L->n_up * s->d * 2;
-            const char *w2 = (const char *)L->w2 + (size_t)e * s->d * s->ff * 2;
-            cublasGemmEx(g_cublas, CUBLAS_OP_T, CUBLAS_OP_N, L->n_up, m, s->d, &alpha, w13,
-                         CUDA_R_16BF, s->d, (const char *)xp + (size_t)row * s->d * 2, CUDA_R_16BF,
-                         s->d, &beta, (char *)h + (size_t)row * L->n_up * 2, CUDA_R_16BF, L->n_up,
+            const int d = L->d_pad, ff = L->ff_pad;
+            const char *w13 = (const char *)L->w13 + (size_t)e * L->n_up * d * 2;
+            const char *w2 = (const char *)L->w2 + (size_t)e * d * ff * 2;
+            cublasGemmEx(g_cublas, CUBLAS_OP_T, CUBLAS_OP_N, L->n_up, m, d, &alpha, w13,
+                         CUDA_R_16BF, d, (const char *)xp + (size_t)row * d * 2, CUDA_R_16BF, d,
+                         &beta, (char *)h + (size_t)row * L->n_up * 2, CUDA_R_16BF, L->n_up,
                          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-            cublasGemmEx(g_cublas, CUBLAS_OP_T, CUBLAS_OP_N, s->d, m, s->ff, &alpha, w2,
-                         CUDA_R_16BF, s->ff, (const char *)h + (size_t)row * L->n_up * 2,
-                         CUDA_R_16BF, L->n_up, &beta, (char *)y + (size_t)row * s->d * 2,
-                         CUDA_R_16BF, s->d, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+            cublasGemmEx(g_cublas, CUBLAS_OP_T, CUBLAS_OP_N, d, m, ff, &alpha, w2, CUDA_R_16BF, ff,
+                         (const char *)h + (size_t)row * L->n_up * 2, CUDA_R_16BF, L->n_up, &beta,
+                         (char *)y + (size_t)row * d * 2, CUDA_R_16BF, d, CUBLAS_COMPUTE_32F,
+                         CUBLAS_GEMM_DEFAULT);
             row += m;
         }
         cudaEventRecord(e1, 0);
@@ -229,7 +322,7 @@ static void bench_one(const shape *s, const moed_cuda_layer_dev *L, int sm, int6
     }
     off[T] = P;
 
-    const int bm = moed_cuda_tile_bm(P, active, force);
+    const int bm = moed_cuda_tile_bm(sm, P, active, L->wdtype, force);
     const size_t words =
         moed_cuda_route_words(T, P, E, moed_cuda_route_max_tiles((int32_t)P, E, bm));
     int32_t *hroute = malloc(4 * moed_cuda_route_in_words(T, P)), *droute;
@@ -248,6 +341,14 @@ static void bench_one(const shape *s, const moed_cuda_layer_dev *L, int sm, int6
     CK(cudaMalloc(&wk.xc, (size_t)T * L->d_pad * 2));
     CK(cudaMalloc(&wk.h, (size_t)P * L->ff_pad * 2));
     CK(cudaMalloc(&wk.y, (size_t)P * L->d_pad * 2));
+    if (L->wdtype == MOED_FP8) { /* quantized X and H, as cuda_backend.c sizes them */
+        wk.xs_ld = T;
+        wk.hs_ld = P;
+        CK(cudaMalloc(&wk.xq, (size_t)T * L->d_pad));
+        CK(cudaMalloc((void **)&wk.xs, sizeof(float) * (size_t)wk.xs_ld * (L->d_pad / 128)));
+        CK(cudaMalloc(&wk.hq, (size_t)P * L->ff_pad));
+        CK(cudaMalloc((void **)&wk.hs_scale, sizeof(float) * (size_t)wk.hs_ld * (L->ff_pad / 128)));
+    }
     bench_fill(x, MOED_BF16, (size_t)T * s->d, 7, 1.0f);
 
     cudaStream_t st;
@@ -306,6 +407,7 @@ static void bench_one(const shape *s, const moed_cuda_layer_dev *L, int sm, int6
     snprintf(out->shape, sizeof out->shape, "%s", s->name);
     snprintf(out->routing, sizeof out->routing, "%s", routing);
     snprintf(out->kernel, sizeof out->kernel, "%s%s", kernel, graph ? "+g" : "");
+    snprintf(out->weights, sizeof out->weights, "%s", moed_dtype_name(L->wdtype));
     out->T = T;
     out->P = P;
     out->active = active;
@@ -313,15 +415,16 @@ static void bench_one(const shape *s, const moed_cuda_layer_dev *L, int sm, int6
     out->ms = median(tot, n);
     for (int i = 0; i < 6; i++) out->stage_ms[i] = median(stage[i], n);
     const double flops = 2.0 * P * s->d * 3.0 * s->ff;
-    const double bytes = (double)active * 3.0 * s->ff * s->d * 2 + 2.0 * T * s->d * 2;
+    const double wb = L->wdtype == MOED_FP8 ? 1.0 + 4.0 / (128.0 * 128.0) : 2.0;
+    const double bytes = (double)active * 3.0 * s->ff * s->d * wb + 2.0 * T * s->d * 2;
     out->tflops = flops / (out->ms * 1e-3) / 1e12;
     out->gbs = bytes / (out->ms * 1e-3) / 1e9;
-    if (with_cublas) {
+    if (with_cublas && L->wdtype != MOED_FP8) {
         int64_t *counts = calloc((size_t)E, sizeof *counts);
         for (int64_t p = 0; p < P; p++) counts[ex[p]]++;
         void *hh, *yy; /* cuBLAS writes both halves of the up output, then [P, d] */
         CK(cudaMalloc(&hh, (size_t)P * L->n_up * 2));
-        CK(cudaMalloc(&yy, (size_t)P * s->d * 2));
+        CK(cudaMalloc(&yy, (size_t)P * L->d_pad * 2));
         out->cublas_ms = bench_cublas(s, L, counts, P, wk.y, hh, yy);
         cudaFree(hh);
         cudaFree(yy);
@@ -336,6 +439,10 @@ static void bench_one(const shape *s, const moed_cuda_layer_dev *L, int sm, int6
     cudaFree(wk.xc);
     cudaFree(wk.h);
     cudaFree(wk.y);
+    cudaFree(wk.xq);
+    cudaFree(wk.xs);
+    cudaFree(wk.hq);
+    cudaFree(wk.hs_scale);
     cudaFree(droute);
     free(hroute);
     free(off);
@@ -352,18 +459,146 @@ static int split(char *s, char **out, int max)
     return n;
 }
 
+/* Device weights of one shape in the backend's layout (d and ff padded to MOED_CUDA_PAD, W1|W3
+ * interleaved, SwiGLU), bf16 or FP8 (random codes, scales that make them uniform in the same
+ * range as the bf16 ones). */
+static void make_layer(const shape *s, int wdtype, moed_cuda_layer_dev *L)
+{
+    const int pad = MOED_CUDA_PAD, fp8 = wdtype == MOED_FP8;
+    memset(L, 0, sizeof *L);
+    L->cdtype = MOED_BF16;
+    L->wdtype = wdtype;
+    L->act = 1; /* SwiGLU */
+    L->d = s->d;
+    L->d_pad = (s->d + pad - 1) / pad * pad;
+    L->E = s->E;
+    L->ff_pad = (s->ff + pad - 1) / pad * pad;
+    L->n_up = 2 * L->ff_pad;
+    const size_t n13 = (size_t)s->E * L->n_up * L->d_pad, n2 = (size_t)s->E * L->d_pad * L->ff_pad;
+    void *w13, *w2;
+    CK(cudaMalloc(&w13, n13 * (fp8 ? 1 : 2)));
+    CK(cudaMalloc(&w2, n2 * (fp8 ? 1 : 2)));
+    if (fp8) {
+        float *s13, *s2;
+        const size_t c13 = n13 / (MOED_CUDA_FP8_K * MOED_CUDA_FP8_SROWS),
+                     c2 = n2 / (MOED_CUDA_FP8_K * MOED_CUDA_FP8_SROWS);
+        CK(cudaMalloc((void **)&s13, c13 * sizeof(float)));
+        CK(cudaMalloc((void **)&s2, c2 * sizeof(float)));
+        bench_fill_fp8(w13, n13, 11);
+        bench_fill_fp8(w2, n2, 12);
+        bench_fill_value(s13, c13, sqrtf(3.0f / s->d) / 448.0f);
+        bench_fill_value(s2, c2, sqrtf(3.0f / s->ff) / 448.0f);
+        L->w13_scale = s13;
+        L->w2_scale = s2;
+    } else {
+        bench_fill(w13, MOED_BF16, n13, 11, sqrtf(3.0f / s->d));
+        bench_fill(w2, MOED_BF16, n2, 12, sqrtf(3.0f / s->ff));
+    }
+    L->w13 = w13;
+    L->w2 = w2;
+}
+
+static void free_layer(moed_cuda_layer_dev *L)
+{
+    cudaFree((void *)L->w13);
+    cudaFree((void *)L->w2);
+    cudaFree((void *)L->w13_scale);
+    cudaFree((void *)L->w2_scale);
+}
+
+static void print_run(const run *r, const shape *s)
+{
+    const double ceil =
+        !strcmp(r->weights, "fp8") && g_fp8_tflops > 0 ? g_fp8_tflops : g_matmul_tflops;
+    printf("%-14s %-4s %6lld %-8s %-7s %4d %9.3f %8.1f %8.0f %5.1f%% %5.1f%%  %.3f %.3f %.3f %.3f "
+           "%.3f %.3f\n",
+           r->shape, r->weights, (long long)r->T, r->routing, r->kernel, r->bm, r->ms, r->tflops,
+           r->gbs, 100 * r->tflops / ceil, 100 * r->gbs / g_copy_gbs, r->stage_ms[0],
+           r->stage_ms[1], r->stage_ms[2], r->stage_ms[3], r->stage_ms[4], r->stage_ms[5]);
+    if (r->cublas_ms > 0)
+        printf("%-14s %6lld %-8s cublas per-expert GEMMs alone: %.3f ms (%.1f TFLOP/s)\n", r->shape,
+               (long long)r->T, r->routing, r->cublas_ms,
+               2.0 * r->P * s->d * 3.0 * s->ff / (r->cublas_ms * 1e-3) / 1e12);
+    fflush(stdout);
+}
+
+static void write_json(const char *path, const struct cudaDeviceProp *prop, int sm, const run *runs,
+                       int nruns)
+{
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        perror(path);
+        exit(1);
+    }
+    fprintf(f,
+            "{\"device\": \"%s\", \"sm\": %d, \"matmul_tflops\": %.1f, \"fp8_matmul_tflops\": "
+            "%.1f, \"copy_gbs\": %.1f, \"runs\": [\n",
+            prop->name, sm, g_matmul_tflops, g_fp8_tflops, g_copy_gbs);
+    for (int i = 0; i < nruns; i++) {
+        const run *r = &runs[i];
+        fprintf(f,
+                "  {\"shape\": \"%s\", \"weights\": \"%s\", \"T\": %lld, \"routing\": \"%s\", "
+                "\"kernel\": \"%s\", \"pairs\": %lld, \"active_experts\": %d, \"bm\": %d, \"ms\": "
+                "%.4f, \"tflops\": %.2f, \"gbs\": %.1f, \"stages_ms\": {\"convert\": %.4f, "
+                "\"route\": %.4f, \"up\": %.4f, \"down\": %.4f, \"shared\": %.4f, \"combine\": "
+                "%.4f}, \"cublas_ms\": %.4f}%s\n",
+                r->shape, r->weights, (long long)r->T, r->routing, r->kernel, (long long)r->P,
+                r->active, r->bm, r->ms, r->tflops, r->gbs, r->stage_ms[0], r->stage_ms[1],
+                r->stage_ms[2], r->stage_ms[3], r->stage_ms[4], r->stage_ms[5], r->cublas_ms,
+                i + 1 < nruns ? "," : "");
+    }
+    fprintf(f, "]}\n");
+    fclose(f);
+}
+
+#define MAX_SHAPES 16
+
+/* The shapes to run: the named ones, then the --shape ones. */
+static int pick_shapes(char *names, char **custom, int n_custom, shape *out)
+{
+    char *sh[MAX_SHAPES];
+    int n = 0, nn = names[0] ? split(names, sh, MAX_SHAPES) : 0;
+    for (int i = 0; i < nn; i++) {
+        const shape *s = NULL;
+        for (size_t j = 0; j < sizeof shapes / sizeof shapes[0]; j++)
+            if (!strcmp(sh[i], shapes[j].name)) s = &shapes[j];
+        if (!s) {
+            fprintf(stderr, "moe-bench: unknown shape %s\n", sh[i]);
+            exit(2);
+        }
+        out[n++] = *s;
+    }
+    for (int i = 0; i < n_custom && n < MAX_SHAPES; i++) {
+        shape *s = &out[n++];
+        if (sscanf(custom[i], "%d,%d,%d,%d", &s->d, &s->ff, &s->E, &s->k) != 4 || s->d < 1 ||
+            s->ff < 1 || s->E < 1 || s->k < 1 || s->k > s->E) {
+            fprintf(stderr, "moe-bench: --shape %s is not d,ff,E,k (k <= E)\n", custom[i]);
+            exit(2);
+        }
+        snprintf(s->name, sizeof s->name, "%d,%d,%d,%d", s->d, s->ff, s->E, s->k);
+    }
+    return n;
+}
+
 int main(int argc, char **argv)
 {
     char shapes_arg[256] = "mixtral,qwen3-30b-a3b,deepseek-v3",
          tokens_arg[256] = "8,64,512,4096,16384";
-    char routing_arg[128] = "uniform", kernel_arg[64] = "auto";
+    char routing_arg[128] = "uniform", kernel_arg[64] = "auto", weights_arg[32] = "bf16";
+    char *custom[MAX_SHAPES];
+    int n_custom = 0, named = 0;
     const char *json = NULL;
     double min_ms = 200;
     int with_cublas = 0, graph = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--shapes") && v)
+        if (!strcmp(a, "--shapes") && v) {
             snprintf(shapes_arg, sizeof shapes_arg, "%s", argv[++i]);
+            named = 1;
+        } else if (!strcmp(a, "--shape") && v && n_custom < MAX_SHAPES)
+            custom[n_custom++] = argv[++i];
+        else if (!strcmp(a, "--weights") && v)
+            snprintf(weights_arg, sizeof weights_arg, "%s", argv[++i]);
         else if (!strcmp(a, "--tokens") && v)
             snprintf(tokens_arg, sizeof tokens_arg, "%s", argv[++i]);
         else if (!strcmp(a, "--routing") && v)
@@ -379,13 +614,24 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--graph"))
             graph = 1;
         else {
-            fprintf(stderr, "usage: moe-bench [--shapes LIST] [--tokens LIST] [--routing "
-                            "uniform,zipf,hot,empty] "
+            fprintf(stderr, "usage: moe-bench [--shapes LIST] [--shape d,ff,E,k]... [--weights "
+                            "bf16,fp8] [--tokens LIST] [--routing uniform,zipf,hot,empty] "
                             "[--kernel auto,sm80,sm90,sm90p] [--min-ms MS] [--cublas] [--graph] "
                             "[--json FILE]\n");
             return 2;
         }
     }
+    if (n_custom && !named) shapes_arg[0] = 0; /* --shape alone runs just those */
+    shape sel[MAX_SHAPES];
+    const int nsh = pick_shapes(shapes_arg, custom, n_custom, sel);
+    char *tk[16], *rt[8], *kn[4], *wt[2];
+    const int ntk = split(tokens_arg, tk, 16), nrt = split(routing_arg, rt, 8),
+              nkn = split(kernel_arg, kn, 4), nwt = split(weights_arg, wt, 2);
+    for (int i = 0; i < nwt; i++)
+        if (moed_dtype_parse(wt[i]) != MOED_BF16 && moed_dtype_parse(wt[i]) != MOED_FP8) {
+            fprintf(stderr, "moe-bench: --weights %s: use bf16, fp8 or both\n", wt[i]);
+            return 2;
+        }
     int dev = 0;
     struct cudaDeviceProp prop;
     if (cudaGetDeviceProperties(&prop, dev) != cudaSuccess) {
@@ -397,91 +643,31 @@ int main(int argc, char **argv)
             prop.multiProcessorCount);
     ceilings();
     cublasCreate(&g_cublas);
-    printf(
-        "device %s: ceilings %.0f TFLOP/s (cuBLAS bf16 8192^3), %.0f GB/s (D2D copy, read+write)\n",
-        prop.name, g_matmul_tflops, g_copy_gbs);
-    printf("%-14s %6s %-8s %-7s %4s %9s %8s %8s %6s %6s  %s\n", "shape", "T", "routing", "kern",
-           "bm", "ms", "TFLOP/s", "GB/s", "%mm", "%copy",
+    printf("device %s: ceilings %.0f TFLOP/s (cuBLAS bf16 8192^3), %.0f TFLOP/s (cuBLASLt FP8 "
+           "e4m3 8192^3), %.0f GB/s (D2D copy, read+write)\n",
+           prop.name, g_matmul_tflops, g_fp8_tflops, g_copy_gbs);
+    printf("%-14s %-4s %6s %-8s %-7s %4s %9s %8s %8s %6s %6s  %s\n", "shape", "w", "T", "routing",
+           "kern", "bm", "ms", "TFLOP/s", "GB/s", "%mm", "%copy",
            "stages ms: convert route up down shared combine");
 
-    char *sh[8], *tk[16], *rt[8], *kn[4];
-    const int nsh = split(shapes_arg, sh, 8), ntk = split(tokens_arg, tk, 16),
-              nrt = split(routing_arg, rt, 8), nkn = split(kernel_arg, kn, 4);
     run *runs = calloc(512, sizeof *runs);
     int nruns = 0;
-    for (int i = 0; i < nsh; i++) {
-        const shape *s = NULL;
-        for (size_t j = 0; j < sizeof shapes / sizeof shapes[0]; j++)
-            if (!strcmp(sh[i], shapes[j].name)) s = &shapes[j];
-        if (!s) {
-            fprintf(stderr, "moe-bench: unknown shape %s\n", sh[i]);
-            return 2;
+    for (int i = 0; i < nsh; i++)
+        for (int w = 0; w < nwt; w++) {
+            const shape *s = &sel[i];
+            moed_cuda_layer_dev L;
+            make_layer(s, moed_dtype_parse(wt[w]), &L);
+            for (int a = 0; a < ntk; a++)
+                for (int b = 0; b < nrt; b++)
+                    for (int c = 0; c < nkn && nruns < 512; c++) {
+                        run *r = &runs[nruns++];
+                        bench_one(s, &L, sm, atoll(tk[a]), rt[b], kn[c], min_ms, with_cublas, graph,
+                                  r);
+                        print_run(r, s);
+                    }
+            free_layer(&L);
         }
-        moed_cuda_layer_dev L;
-        memset(&L, 0, sizeof L);
-        L.cdtype = MOED_BF16;
-        L.act = 1; /* SwiGLU */
-        L.d = L.d_pad = s->d;
-        L.E = s->E;
-        L.ff_pad = s->ff;
-        L.n_up = 2 * s->ff;
-        void *w13, *w2;
-        CK(cudaMalloc(&w13, (size_t)s->E * L.n_up * s->d * 2));
-        CK(cudaMalloc(&w2, (size_t)s->E * s->d * s->ff * 2));
-        bench_fill(w13, MOED_BF16, (size_t)s->E * L.n_up * s->d, 11, sqrtf(3.0f / s->d));
-        bench_fill(w2, MOED_BF16, (size_t)s->E * s->d * s->ff, 12, sqrtf(3.0f / s->ff));
-        L.w13 = w13;
-        L.w2 = w2;
-        for (int a = 0; a < ntk; a++)
-            for (int b = 0; b < nrt; b++)
-                for (int c = 0; c < nkn && nruns < 512; c++) {
-                    run *r = &runs[nruns++];
-                    bench_one(s, &L, sm, atoll(tk[a]), rt[b], kn[c], min_ms, with_cublas, graph, r);
-                    printf("%-14s %6lld %-8s %-7s %4d %9.3f %8.1f %8.0f %5.1f%% %5.1f%%  %.3f %.3f "
-                           "%.3f %.3f %.3f "
-                           "%.3f\n",
-                           r->shape, (long long)r->T, r->routing, r->kernel, r->bm, r->ms,
-                           r->tflops, r->gbs, 100 * r->tflops / g_matmul_tflops,
-                           100 * r->gbs / g_copy_gbs, r->stage_ms[0], r->stage_ms[1],
-                           r->stage_ms[2], r->stage_ms[3], r->stage_ms[4], r->stage_ms[5]);
-                    if (r->cublas_ms > 0)
-                        printf("%-14s %6lld %-8s cublas per-expert GEMMs alone: %.3f ms (%.1f "
-                               "TFLOP/s)\n",
-                               r->shape, (long long)r->T, r->routing, r->cublas_ms,
-                               2.0 * r->P * s->d * 3.0 * s->ff / (r->cublas_ms * 1e-3) / 1e12);
-                    fflush(stdout);
-                }
-        cudaFree(w13);
-        cudaFree(w2);
-    }
-    if (json) {
-        FILE *f = fopen(json, "w");
-        if (!f) {
-            perror(json);
-            return 1;
-        }
-        fprintf(f,
-                "{\"device\": \"%s\", \"sm\": %d, \"matmul_tflops\": %.1f, \"copy_gbs\": %.1f, "
-                "\"runs\": [\n",
-                prop.name, sm, g_matmul_tflops, g_copy_gbs);
-        for (int i = 0; i < nruns; i++) {
-            const run *r = &runs[i];
-            fprintf(
-                f,
-                "  {\"shape\": \"%s\", \"T\": %lld, \"routing\": \"%s\", \"kernel\": \"%s\", "
-                "\"pairs\": %lld, "
-                "\"active_experts\": %d, \"bm\": %d, \"ms\": %.4f, \"tflops\": %.2f, \"gbs\": "
-                "%.1f, "
-                "\"stages_ms\": {\"convert\": %.4f, \"route\": %.4f, \"up\": %.4f, \"down\": %.4f, "
-                "\"shared\": %.4f, \"combine\": %.4f}, \"cublas_ms\": %.4f}%s\n",
-                r->shape, (long long)r->T, r->routing, r->kernel, (long long)r->P, r->active, r->bm,
-                r->ms, r->tflops, r->gbs, r->stage_ms[0], r->stage_ms[1], r->stage_ms[2],
-                r->stage_ms[3], r->stage_ms[4], r->stage_ms[5], r->cublas_ms,
-                i + 1 < nruns ? "," : "");
-        }
-        fprintf(f, "]}\n");
-        fclose(f);
-    }
+    if (json) write_json(json, &prop, sm, runs, nruns);
     free(runs);
     return 0;
 }

@@ -1,6 +1,7 @@
 /*
  * ptx/cp_async — sm_80's asynchronous copies: 16 bytes from global to shared memory per thread,
- * bypassing L1 (.cg), collected into groups that a thread commits and later waits for.
+ * bypassing L1 (.cg), or 4 (one float: a row's scale; only .ca takes that size), collected into
+ * groups that a thread commits and later waits for.
  */
 #ifndef MOED_PTX_CP_ASYNC_CUH
 #define MOED_PTX_CP_ASYNC_CUH
@@ -14,6 +15,14 @@ namespace moed::ptx
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, int src_bytes)
 {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+
+/* 4-byte global→shared copy; src_bytes 0 fills them with zeros. */
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void *src, int src_bytes)
+{
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
                  "r"(src_bytes)
                  : "memory");
 }

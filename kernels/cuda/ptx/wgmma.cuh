@@ -1,7 +1,8 @@
 /*
  * ptx/wgmma — warpgroup MMA (sm_90a): the shared-memory matrix descriptor, the fences that order
  * accumulator registers and shared memory around asynchronous MMAs, commit/wait of MMA groups, and
- * mma<T, N>, which names the generated m64nNk16 instruction (wgmma_ops.cuh) for a type and width.
+ * the wrappers that name the generated instructions (wgmma_ops.cuh) for a type and width: m64nNk16
+ * for bf16/f16, m64nNk32 for e4m3. Either way a K step is 32 bytes of a 128-byte swizzled row.
  */
 #ifndef MOED_PTX_WGMMA_CUH
 #define MOED_PTX_WGMMA_CUH
@@ -74,6 +75,16 @@ __device__ __forceinline__ void wgmma_m64k16(float *acc, uint64_t desc_a, uint64
         else
             wgmma_m64n128k16_f16(acc, desc_a, desc_b);
     }
+}
+
+/* acc (64 x N per warpgroup) = A · B^T + (scale_d ? acc : 0), e4m3 operands in shared memory: the
+ * K-step of 32 elements that block-scaled FP8 GEMMs chain within one scale block. */
+template <int N>
+__device__ __forceinline__ void wgmma_m64k32_e4m3(float *acc, uint64_t desc_a, uint64_t desc_b,
+                                                  int scale_d)
+{
+    static_assert(N == 128, "wgmma_ops.cuh has the e4m3 instruction for N = 128");
+    wgmma_m64n128k32_e4m3(acc, desc_a, desc_b, scale_d);
 }
 
 } // namespace moed::ptx
