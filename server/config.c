@@ -30,7 +30,7 @@ typedef enum opt_kind {
     OPT_I64,     /* int64_t in [min, max] */
     OPT_BYTES,   /* int64_t in [min, max], with an optional KiB/MiB/GiB suffix */
     OPT_LEVEL,   /* int, a log level name */
-    OPT_LAYERS,  /* char * plus layer_list */
+    OPT_LIST,    /* char *, and its expansion: an int * at offset min, its count (an int) at max */
     OPT_DEVICES, /* devices[] */
     OPT_CONFIG,  /* --config: the file (command line only) */
     OPT_HELP,    /* --help (command line only) */
@@ -56,7 +56,14 @@ static const opt opts[] = {
     { "synthetic", OPT_STRING, OFF(synthetic), 0, 0, "SPEC",
       "seeded synthetic model, e.g. layers=2,d=256,ff=512,experts=8,topk=2,act=swiglu,"
       "dtype=bf16,seed=1 (the default when neither --model nor --synthetic is given)" },
-    { "layers", OPT_LAYERS, OFF(layers), 0, 0, "LIST", "serve only these MoE layers, e.g. 0-3,7" },
+    { "layers", OPT_LIST, OFF(layers), OFF(layer_list), OFF(n_layer_list), "LIST",
+      "serve only these MoE layers, e.g. 0-3,7" },
+    { "experts", OPT_LIST, OFF(experts), OFF(expert_list), OFF(n_expert_list), "LIST",
+      "hold only these experts of each layer, e.g. 0-31 (an expert shard: replies are the partial "
+      "sums of these experts' terms; clients of a fleet add them)" },
+    { "shared-experts", OPT_CHOICE, OFF(shared_experts), 0, 0, "auto|on|off",
+      "whether this daemon adds the shared experts' term; auto: when it holds expert 0 (one shard "
+      "of a fleet must)" },
     { "backend", OPT_CHOICE, OFF(backend), 0, 0, "cpu|cuda|auto", "compute backend" },
     { "weights", OPT_CHOICE, OFF(weights), 0, 0, "stored|fp8",
       "expert weights as stored, or fp8: quantized at load to e4m3 in 128 x 128 blocks (an FP8 "
@@ -135,6 +142,7 @@ static int set_defaults(moed_config *cfg)
     cfg->listen = strdup("127.0.0.1:50051");
     cfg->backend = strdup("auto");
     cfg->weights = strdup("stored");
+    cfg->shared_experts = strdup("auto");
     cfg->cq_threads = 4;
     cfg->max_message_bytes = 256 * MIB;
     cfg->max_batch_tokens = 8192;
@@ -143,22 +151,26 @@ static int set_defaults(moed_config *cfg)
     cfg->max_queue_requests = 1024;
     cfg->drain_timeout_s = 30;
     cfg->log_level = MOED_LOG_INFO;
-    return cfg->listen && cfg->backend && cfg->weights ? 0 : MOED_ENOMEM;
+    return cfg->listen && cfg->backend && cfg->weights && cfg->shared_experts ? 0 : MOED_ENOMEM;
 }
 
 void moed_config_free(moed_config *cfg)
 {
     for (size_t i = 0; i < N_OPTS; i++) {
         if (opts[i].kind == OPT_STRING || opts[i].kind == OPT_ADDR || opts[i].kind == OPT_CHOICE ||
-            opts[i].kind == OPT_LAYERS || opts[i].kind == OPT_CONFIG) {
+            opts[i].kind == OPT_LIST || opts[i].kind == OPT_CONFIG) {
             char **p = (char **)((char *)cfg + opts[i].off);
             free(*p);
             *p = NULL;
         }
     }
-    free(cfg->layer_list);
-    cfg->layer_list = NULL;
-    cfg->n_layer_list = 0;
+    for (size_t i = 0; i < N_OPTS; i++)
+        if (opts[i].kind == OPT_LIST) {
+            int **list = (int **)((char *)cfg + opts[i].min);
+            free(*list);
+            *list = NULL;
+            *(int *)((char *)cfg + opts[i].max) = 0;
+        }
 }
 
 static const opt *find_opt(const char *name, size_t len)
@@ -210,13 +222,13 @@ int moed_config_parse_layers(const char *list, int **out, int *n, moed_error *er
     size_t len = strlen(list);
     if (len > MOED_CONFIG_MAX_LIST)
         return moed_fail(err, MOED_EINVAL,
-                         "layer list of %zu characters; at most %d are accepted (use ranges, "
-                         "like 0-59)",
+                         "a list of %zu characters; at most %d are accepted (use ranges, like "
+                         "0-59)",
                          len, MOED_CONFIG_MAX_LIST);
     /* Marks in a table indexed by number, then collects them in order: linear in the list and the
      * largest number, however the ranges overlap or are ordered (no sort). */
     unsigned char *mark = calloc(MOED_CONFIG_MAX_LAYER + 1, 1);
-    if (!mark) return moed_fail(err, MOED_ENOMEM, "out of memory expanding layers '%s'", list);
+    if (!mark) return moed_fail(err, MOED_ENOMEM, "out of memory expanding '%s'", list);
     const char *p = list;
     int64_t top = -1;
     do {
@@ -234,8 +246,8 @@ int moed_config_parse_layers(const char *list, int **out, int *n, moed_error *er
     bad:
         free(mark);
         return moed_fail(err, MOED_EINVAL,
-                         "bad layer list '%s' at '%s': expected comma-separated numbers from 0 to "
-                         "%d, or ranges like 0-3,7",
+                         "bad list '%s' at '%s': expected comma-separated numbers from 0 to %d, or "
+                         "ranges like 0-3,7",
                          list, p, MOED_CONFIG_MAX_LAYER);
     } while (*p);
     int count = 0;
@@ -243,7 +255,7 @@ int moed_config_parse_layers(const char *list, int **out, int *n, moed_error *er
     int *v = malloc((size_t)count * sizeof *v);
     if (!v) {
         free(mark);
-        return moed_fail(err, MOED_ENOMEM, "out of memory expanding layers '%s'", list);
+        return moed_fail(err, MOED_ENOMEM, "out of memory expanding '%s'", list);
     }
     for (int64_t i = 0, k = 0; i <= top; i++)
         if (mark[i]) v[k++] = (int)i;
@@ -362,7 +374,7 @@ static int apply(moed_config *cfg, const opt *o, const char *value, const char *
         else
             *(int64_t *)field = v;
         return 0;
-    case OPT_LAYERS: {
+    case OPT_LIST: {
         int *list, n, rc = moed_config_parse_layers(value, &list, &n, err);
         if (rc) {
             moed_error_prefix(err, "%s", where);
@@ -372,9 +384,10 @@ static int apply(moed_config *cfg, const opt *o, const char *value, const char *
             free(list);
             return rc;
         }
-        free(cfg->layer_list);
-        cfg->layer_list = list;
-        cfg->n_layer_list = n;
+        int **slot = (int **)((char *)cfg + o->min);
+        free(*slot);
+        *slot = list;
+        *(int *)((char *)cfg + o->max) = n;
         return 0;
     }
     case OPT_DEVICES: {

@@ -7,7 +7,7 @@
  * in double quotes is taken as it is up to its closing quote, `#` and blanks included; inside
  * quotes \" is a quote and \\ a backslash (no other escapes), and only a comment may follow.
  * Listen addresses are checked here (host:port with a port from 0 to 65535, or unix:PATH for
- * gRPC); layer and device lists take numbers up to MOED_CONFIG_MAX_LAYER, in at most
+ * gRPC); layer, expert and device lists take numbers up to MOED_CONFIG_MAX_LAYER, in at most
  * MOED_CONFIG_MAX_LIST characters, and are expanded in linear time.
  *
  * One table describes every option (name, kind, range, help), so parsing, the file, --help and the
@@ -34,10 +34,14 @@ typedef struct moed_config {
     char *layers;    /* --layers LIST as given ("0-3,7"), or NULL: every MoE layer */
     int *layer_list; /* the LIST expanded, increasing, without repeats */
     int n_layer_list;
-    char *backend;                        /* cpu | cuda | auto */
-    char *weights;                        /* stored | fp8 */
-    int threads;                          /* CPU worker threads, 0 = one per core */
-    int streams;                          /* CUDA streams per device, 0 = the backend's default */
+    char *experts;    /* --experts LIST as given, or NULL: every expert of each layer */
+    int *expert_list; /* the LIST expanded, increasing, without repeats */
+    int n_expert_list;
+    char *shared_experts; /* auto | on | off: this daemon adds the shared experts' term */
+    char *backend;        /* cpu | cuda | auto */
+    char *weights;        /* stored | fp8 */
+    int threads;          /* CPU worker threads, 0 = one per core */
+    int streams;          /* CUDA streams per device, 0 = the backend's default */
     int devices[MOED_CONFIG_MAX_DEVICES]; /* --devices LIST (CUDA ordinals) */
     int n_devices;                        /* 0: every device */
     int cq_threads;                       /* gRPC completion queues, one thread each */
@@ -75,9 +79,9 @@ void moed_config_free(moed_config *cfg);
 /* True when checkpoint layer `index` is to be served (always, without --layers). */
 int moed_config_wants_layer(const moed_config *cfg, int index);
 
-/* Parses a layer list such as "0-3,7" into an increasing array without repeats (malloc'd,
- * freed by the caller); MOED_EINVAL names the bad element. Shared with the weights loader's
- * syntax so `--layers` means the same for checkpoints and synthetic models. */
+/* Parses a list such as "0-3,7" (layers, experts, devices) into an increasing array without
+ * repeats (malloc'd, freed by the caller); MOED_EINVAL names the bad element. Shared with the
+ * weights loader's syntax so `--layers` means the same for checkpoints and synthetic models. */
 int moed_config_parse_layers(const char *list, int **out, int *n, moed_error *err);
 
 #endif

@@ -22,6 +22,7 @@
 #include "rpc.h"
 #include "scheduler.h"
 #include "security.h"
+#include "shard.h"
 #include "weights.h"
 
 #include <pthread.h>
@@ -40,7 +41,9 @@ typedef struct moed_daemon {
     moed_backend *backend;
     moed_model model;
     bool have_model;
+    moed_expert_subset held;     /* --experts and --shared-experts */
     const moed_layer **resident; /* by backend slot */
+    moed_shard *shards;          /* by backend slot: what the backend holds of each */
     moed_served served;
     moed_sched *sched;
     moed_rpc *rpc;
@@ -109,23 +112,25 @@ static int load_weights(moed_daemon *d)
     moed_error err = { 0 };
     const int wdtype = strcmp(d->cfg.weights, "fp8") ? 0 : MOED_FP8;
     int rc;
+    d->held = moed_shard_subset(d->cfg.expert_list, d->cfg.n_expert_list, d->cfg.shared_experts);
     if (d->cfg.model) {
         moed_log_info("loading checkpoint", "dir=\"%s\" layers=%s", d->cfg.model,
                       d->cfg.layers ? d->cfg.layers : "all");
         /* A backend that computes from the host weights for as long as moed runs must not find
          * them in a file that can change; one that copies them to its devices while loading can
          * read them from the mapping. */
-        rc = moed_weights_checkpoint(d->cfg.model, d->cfg.layers,
-                                     moed_backend_computes_from_host(d->backend) ? MOED_WEIGHTS_COPY
-                                                                                 : MOED_WEIGHTS_MAP,
-                                     wdtype, &d->model, &err);
+        rc = moed_weights_checkpoint_held(
+            d->cfg.model, d->cfg.layers,
+            moed_backend_computes_from_host(d->backend) ? MOED_WEIGHTS_COPY : MOED_WEIGHTS_MAP,
+            wdtype, &d->held, &d->model, &err);
     } else {
         if (!d->cfg.synthetic)
             moed_log_info("no --model or --synthetic given: serving the default synthetic model",
                           NULL);
-        rc = moed_weights_synthetic(d->cfg.synthetic ? d->cfg.synthetic : "", wdtype, &d->model,
-                                    &err);
+        rc = moed_weights_synthetic_held(d->cfg.synthetic ? d->cfg.synthetic : "", wdtype, &d->held,
+                                         &d->model, &err);
     }
+    if (rc && d->cfg.experts) moed_error_prefix(&err, "--experts %s", d->cfg.experts);
     if (rc) return fail("weights", &err);
     d->have_model = true;
     moed_log_info("weights loaded", "model=\"%s\" arch=%s moe_layers=%d", d->model.source,
@@ -150,13 +155,35 @@ static int check_layer_list(moed_daemon *d)
     return 0;
 }
 
+/* Layer l's shard into the backend as `slot`: its view of the experts this daemon holds. */
+static int load_layer(moed_daemon *d, int slot, const moed_layer *l, moed_error *err)
+{
+    int rc = moed_shard_make(l, &d->held, &d->shards[slot], err);
+    if (!rc) rc = moed_backend_load_layer(d->backend, slot, &d->shards[slot].view, err);
+    if (rc) moed_error_prefix(err, "layer %d", l->info.index);
+    return rc;
+}
+
+/* What the log says the daemon holds of each layer's experts: "all", or "0-31 shared=off". */
+static void held_experts(const moed_daemon *d, char *buf, size_t n)
+{
+    if (!d->served.n_layers || (!d->cfg.experts && d->held.shared)) {
+        snprintf(buf, n, "all");
+        return;
+    }
+    char list[256];
+    moed_shard_ranges(&d->shards[0], list, sizeof list);
+    snprintf(buf, n, "%s shared=%s", list, d->held.shared ? "on" : "off");
+}
+
 /* Loads the chosen layers into the backend (slots in increasing layer order) and starts it. */
 static int load_layers(moed_daemon *d)
 {
     moed_error err = { 0 };
     if (check_layer_list(d)) return 1;
     d->resident = calloc((size_t)d->model.n_layers + 1, sizeof *d->resident);
-    if (!d->resident) {
+    d->shards = calloc((size_t)d->model.n_layers + 1, sizeof *d->shards);
+    if (!d->resident || !d->shards) {
         moed_fail(&err, MOED_ENOMEM, "no memory for the layer table");
         return fail("layers", &err);
     }
@@ -165,12 +192,9 @@ static int load_layers(moed_daemon *d)
     for (int i = 0; i < d->model.n_layers; i++) {
         const moed_layer *l = &d->model.layers[i];
         if (!moed_config_wants_layer(&d->cfg, l->info.index)) continue;
-        if (moed_backend_load_layer(d->backend, n, l, &err)) {
-            moed_error_prefix(&err, "layer %d", l->info.index);
-            return fail("load layers", &err);
-        }
-        d->resident[n++] = l;
-        bytes += moed_layer_bytes(&l->info);
+        if (load_layer(d, n, l, &err)) return fail("load layers", &err);
+        d->resident[n] = l;
+        bytes += moed_layer_bytes(&d->shards[n++].view.info);
     }
     if (!n) {
         moed_fail(&err, MOED_ENOTFOUND, "no MoE layer to serve in %s", d->model.source);
@@ -178,13 +202,16 @@ static int load_layers(moed_daemon *d)
     }
     if (moed_backend_start(d->backend, &err)) return fail("backend start", &err);
     d->served = (moed_served){ .layers = d->resident,
+                               .shards = d->shards,
                                .n_layers = n,
                                .max_batch_tokens = d->cfg.max_batch_tokens,
                                .max_message_bytes = d->cfg.max_message_bytes };
-    char list[256];
+    char list[256], experts[300];
     moed_served_layer_list(&d->served, list, sizeof list);
-    moed_log_info("layers resident", "layers=%s count=%d weight_bytes=%llu exec_slots=%d", list, n,
-                  (unsigned long long)bytes, moed_backend_n_exec(d->backend));
+    held_experts(d, experts, sizeof experts);
+    moed_log_info("layers resident",
+                  "layers=%s experts=\"%s\" count=%d weight_bytes=%llu exec_slots=%d", list,
+                  experts, n, (unsigned long long)bytes, moed_backend_n_exec(d->backend));
     return 0;
 }
 
@@ -211,12 +238,15 @@ static int derive_limits(moed_daemon *d)
 static int start_scheduler(moed_daemon *d)
 {
     moed_error err = { 0 };
-    if (d->cfg.metrics_listen && !(d->metrics = moed_metrics_create())) {
+    if (d->cfg.metrics_listen &&
+        (!(d->metrics = moed_metrics_create()) ||
+         moed_metrics_set_layers(d->metrics, d->shards, d->served.n_layers))) {
         moed_fail(&err, MOED_ENOMEM, "no memory for the metrics");
         return fail("metrics", &err);
     }
     moed_sched_config sc = { .backend = d->backend,
                              .layers = d->served.layers,
+                             .shards = d->shards,
                              .n_layers = d->served.n_layers,
                              .max_batch_tokens = d->cfg.max_batch_tokens,
                              .max_batch_pairs = d->cfg.max_batch_pairs,
@@ -326,13 +356,14 @@ static int start_metrics(moed_daemon *d)
 
 static void ready(moed_daemon *d)
 {
-    char list[256];
+    char list[256], experts[300];
     moed_served_layer_list(&d->served, list, sizeof list);
+    held_experts(d, experts, sizeof experts);
     moed_rpc_set_serving(d->rpc, true);
     d->serving = true;
-    moed_log_info("ready", "addr=%s backend=%s layers=%s model=\"%s\" version=%s",
-                  moed_rpc_address(d->rpc), moed_backend_name(d->backend), list, d->model.source,
-                  MOED_VERSION);
+    moed_log_info("ready", "addr=%s backend=%s layers=%s experts=\"%s\" model=\"%s\" version=%s",
+                  moed_rpc_address(d->rpc), moed_backend_name(d->backend), list, experts,
+                  d->model.source, MOED_VERSION);
     moed_notify("READY=1\nSTATUS=serving on %s: layers %s of %s, %s backend\nMAINPID=%d",
                 moed_rpc_address(d->rpc), list, d->model.source, moed_backend_name(d->backend),
                 (int)getpid());
@@ -479,6 +510,8 @@ static void teardown(moed_daemon *d)
     moed_rpc_destroy(d->rpc);
     moed_sched_destroy(d->sched);
     moed_backend_destroy(d->backend); /* before the weights: it may compute from them in place */
+    for (int i = 0; d->shards && i < d->model.n_layers; i++) moed_shard_free(&d->shards[i]);
+    free(d->shards);
     if (d->have_model) moed_weights_release(&d->model);
     free(d->resident);
     /* After a failed start the endpoint may be open; its handles close on one more turn. */

@@ -73,6 +73,12 @@ typedef struct shard {
 
 struct moed_metrics {
     shard shards[SHARDS];
+    /* moed_expert_tokens_total: one counter per layer slot and held expert, added to once per
+     * launch (not sharded: a launch adds a few counters, and the table can be large) */
+    const moed_shard *layers;
+    int n_slots;
+    int *first;                      /* [n_slots + 1]: each slot's first counter */
+    _Atomic uint64_t *expert_tokens; /* [first[n_slots]] */
 };
 
 static const char *const method_names[MOED_METHOD_COUNT] = {
@@ -91,7 +97,22 @@ moed_metrics *moed_metrics_create(void)
 
 void moed_metrics_destroy(moed_metrics *m)
 {
+    if (!m) return;
+    free(m->first);
+    free(m->expert_tokens);
     free(m);
+}
+
+int moed_metrics_set_layers(moed_metrics *m, const moed_shard *shards, int n_slots)
+{
+    if (!(m->first = malloc(((size_t)n_slots + 1) * sizeof *m->first))) return MOED_ENOMEM;
+    m->first[0] = 0;
+    for (int i = 0; i < n_slots; i++) m->first[i + 1] = m->first[i] + shards[i].n_held;
+    if (!(m->expert_tokens = calloc((size_t)m->first[n_slots] + 1, sizeof *m->expert_tokens)))
+        return MOED_ENOMEM;
+    m->layers = shards;
+    m->n_slots = n_slots;
+    return 0;
 }
 
 /* ---- recording ------------------------------------------------------------------------------- */
@@ -149,6 +170,14 @@ void moed_metrics_launch(moed_metrics *m, uint64_t tokens, uint64_t requests, ui
     observe(s, H_COMPUTE, compute_ns);
     observe(s, H_BATCH_TOKENS, tokens);
     observe(s, H_BATCH_REQUESTS, requests);
+}
+
+void moed_metrics_expert_tokens(moed_metrics *m, int slot, const uint64_t *tokens, int n)
+{
+    if (!m || slot < 0 || slot >= m->n_slots) return;
+    _Atomic uint64_t *c = m->expert_tokens + m->first[slot];
+    for (int e = 0; e < n && e < m->first[slot + 1] - m->first[slot]; e++)
+        if (tokens[e]) add(&c[e], tokens[e]);
 }
 
 /* ---- reading --------------------------------------------------------------------------------- */
@@ -302,6 +331,21 @@ static void requests(text *t, const moed_metrics *m)
         }
 }
 
+static void expert_tokens(text *t, const moed_metrics *m)
+{
+    family(t, "moed_expert_tokens_total", "counter",
+           "(token, expert) pairs computed, by layer and expert (the whole layer's numbering; a "
+           "daemon holding an expert shard counts its own experts).");
+    for (int i = 0; i < m->n_slots; i++) {
+        const moed_shard *sh = &m->layers[i];
+        for (int k = 0; k < sh->n_held; k++)
+            put(t, "moed_expert_tokens_total{layer=\"%d\",expert=\"%d\"} %llu\n",
+                sh->full->info.index, moed_shard_global(sh, k),
+                (unsigned long long)atomic_load_explicit(&m->expert_tokens[m->first[i] + k],
+                                                         memory_order_relaxed));
+    }
+}
+
 static void devices(text *t, const moed_metrics_gauges *g)
 {
     static const char *const names[2] = { "moed_device_memory_used_bytes",
@@ -342,6 +386,7 @@ char *moed_metrics_render(const moed_metrics *m, const moed_metrics_gauges *g, s
     requests(&t, m);
     counter(&t, "moed_tokens_total", "Tokens computed (rows of hidden, over every launch).",
             SUM(m, tokens));
+    expert_tokens(&t, m);
     counter(&t, "moed_request_bytes_total", "Bytes of Forward request messages received.",
             SUM(m, request_bytes));
     counter(&t, "moed_response_bytes_total", "Bytes of Forward response messages sent.",

@@ -18,6 +18,7 @@
 
 #include "moed_backend.h"
 #include "moed_err.h"
+#include "shard.h"
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -53,6 +54,15 @@ void moed_metrics_queue_wait(moed_metrics *m, uint64_t queue_ns);
 
 /* A launch computed `tokens` tokens of `requests` merged requests in compute_ns. */
 void moed_metrics_launch(moed_metrics *m, uint64_t tokens, uint64_t requests, uint64_t compute_ns);
+
+/* The layers by backend slot and the experts held of each, which moed_expert_tokens_total counts
+ * (labelled with the layer's index and the whole layer's expert ids). Called once, before anything
+ * is recorded; shards must outlive m. MOED_ENOMEM. */
+int moed_metrics_set_layers(moed_metrics *m, const moed_shard *shards, int n_slots);
+
+/* A launch of layer slot `slot` routed tokens[e] (token, expert) pairs to the backend's expert e,
+ * 0 <= e < n (the shard's numbering). */
+void moed_metrics_expert_tokens(moed_metrics *m, int slot, const uint64_t *tokens, int n);
 
 /* What is sampled at scrape time. */
 typedef struct moed_metrics_gauges {

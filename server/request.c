@@ -306,12 +306,29 @@ out:
     return rc;
 }
 
+/* Batch gating picks one expert set over the merged batch, which differs between the shards of a
+ * fleet, so only a daemon holding every expert of the layer may do it. */
+static int check_batch_gating(const moed_served *s, const moed_sched_item *it, moed_error *err)
+{
+    const moed_shard *sh = s->shards ? &s->shards[it->slot] : NULL;
+    if (!sh || moed_shard_all_experts(sh)) return 0;
+    char held[256];
+    moed_shard_ranges(sh, held, sizeof held);
+    return moed_fail(err, MOED_EPRECOND,
+                     "batch_gating: this daemon holds experts %s of layer %d's %d (--experts); "
+                     "the batch's expert set is chosen over a merged batch, which differs from one "
+                     "expert shard to another, so only a daemon holding every expert can gate "
+                     "batches: send it to one, or gate per token",
+                     held, it->layer->info.index, it->layer->info.n_experts);
+}
+
 static int check_routing(const moed_served *s, const moed_wire_request *q, moed_sched_item *it,
                          moed_error *err)
 {
     const moed_layer_info *li = &it->layer->info;
     if (q->batch_gating) {
         int rc = resolve_k_batch(q, it, err);
+        if (!rc && q->routing != MOED_ROUTING_EXPERTS) rc = check_batch_gating(s, it, err);
         if (rc) return rc;
     }
     switch (q->routing) {

@@ -14,6 +14,7 @@
 #include "moed_err.h"
 #include "moed_model.h"
 #include "scheduler.h"
+#include "shard.h"
 #include "wire.h"
 
 #include <stdint.h>
@@ -23,6 +24,7 @@
 /* What this server serves: the resident layers by backend slot, and the request limits. */
 typedef struct moed_served {
     const moed_layer *const *layers; /* [n_layers], the backend slot is the position */
+    const moed_shard *shards;        /* [n_layers]: the experts held of each; NULL: all of them */
     int n_layers;
     int64_t max_batch_tokens;  /* --max-batch-tokens */
     int64_t max_message_bytes; /* --max-message-bytes */

@@ -434,6 +434,46 @@ static void *cq_main(void *arg)
 
 /* ---- GetModel -------------------------------------------------------------------------------- */
 
+/* Layer slot i's held experts as ranges (moed_shard_range_list; every expert without shards). */
+static int held_ranges(const moed_served *s, int i, uint32_t *lo, uint32_t *hi, int cap)
+{
+    if (s->shards) return moed_shard_range_list(&s->shards[i], lo, hi, cap);
+    if (cap > 0) {
+        lo[0] = 0;
+        hi[0] = (uint32_t)s->layers[i]->info.n_experts - 1;
+    }
+    return 1;
+}
+
+/* The experts each layer holds (LayerInfo.experts_held, adds_shared_experts), in one allocation:
+ * *out, which the caller frees once the message is packed. */
+static int held_experts(const moed_served *s, Moed__V1__LayerInfo *li, void **out)
+{
+    int n = 0;
+    for (int i = 0; i < s->n_layers; i++) n += held_ranges(s, i, NULL, NULL, 0);
+    const size_t each = sizeof(Moed__V1__ExpertRange) + sizeof(void *) + 2 * sizeof(uint32_t);
+    char *block = calloc((size_t)n + 1, each);
+    *out = block;
+    if (!block) return MOED_ENOMEM;
+    Moed__V1__ExpertRange *r = (Moed__V1__ExpertRange *)block;
+    Moed__V1__ExpertRange **rp = (Moed__V1__ExpertRange **)(r + n + 1);
+    uint32_t *lo = (uint32_t *)(rp + n + 1), *hi = lo + n + 1;
+    for (int i = 0, at = 0; i < s->n_layers; i++) {
+        const int k = held_ranges(s, i, lo + at, hi + at, n - at);
+        li[i].adds_shared_experts = !s->shards || s->shards[i].adds_shared;
+        li[i].n_experts_held = (size_t)k;
+        li[i].experts_held = rp + at;
+        for (int j = at; j < at + k; j++) {
+            moed__v1__expert_range__init(&r[j]);
+            r[j].first = lo[j];
+            r[j].last = hi[j];
+            rp[j] = &r[j];
+        }
+        at += k;
+    }
+    return 0;
+}
+
 static grpc_byte_buffer *model_info(moed_rpc *r)
 {
     const moed_served *s = r->cfg.served;
@@ -446,6 +486,7 @@ static grpc_byte_buffer *model_info(moed_rpc *r)
     Moed__V1__Device *dv = calloc((size_t)nd + 1, sizeof *dv);
     Moed__V1__Device **dp = calloc((size_t)nd + 1, sizeof *dp);
     moed_device_info *di = calloc((size_t)nd + 1, sizeof *di);
+    void *ranges = NULL;
     if (!li || !lp || !dv || !dp || !di) goto out;
     for (int i = 0; i < s->n_layers; i++) {
         const moed_layer_info *x = &s->layers[i]->info;
@@ -467,6 +508,7 @@ static grpc_byte_buffer *model_info(moed_rpc *r)
         li[i].routed_scaling_factor = x->routed_scale;
         lp[i] = &li[i];
     }
+    if (held_experts(s, li, &ranges)) goto out;
     int n = 0;
     for (int i = 0; i < nd; i++) {
         if (moed_backend_device_info(b, i, &di[n])) continue;
@@ -489,6 +531,7 @@ static grpc_byte_buffer *model_info(moed_rpc *r)
     mi.max_batch_tokens = (uint32_t)s->max_batch_tokens;
     bb = moed_wire_pack(&mi.base);
 out:
+    free(ranges);
     free(li);
     free(lp);
     free(dv);

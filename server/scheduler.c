@@ -47,7 +47,8 @@ typedef struct worker {
     int64_t route_T;  /* tokens route.off has room for */
     moed_sched_item **items;
     const moed_route **parts;
-    int64_t *rows, *tokens; /* per item of the launch: first row and T */
+    int64_t *rows, *tokens;  /* per item of the launch: first row and T */
+    uint64_t *expert_tokens; /* a launch's pairs per expert the backend holds, for the metrics */
 } worker;
 
 /* One launch on a worker: what its requests share, and how many of them are still in it (a
@@ -357,6 +358,14 @@ static void compact(worker *w, launch *l, bool logits)
     l->T = row;
 }
 
+/* An expert shard's backend holds some experts only: each request's route in its numbering. */
+static void localize(worker *w, const launch *l)
+{
+    const moed_shard *sh = w->s->cfg.shards ? &w->s->cfg.shards[l->slot] : NULL;
+    if (!sh || moed_shard_all_experts(sh)) return;
+    for (int i = 0; i < l->n; i++) moed_shard_localize(sh, &w->items[i]->route);
+}
+
 /* The merged route: batch gating over the launch's logits, or the requests' routes end to end. */
 static int merge_routes(worker *w, launch *l, moed_error *err)
 {
@@ -394,11 +403,24 @@ static int compute(worker *w, launch *l, moed_error *err)
     int dropped = drop_gone(w, l); /* the server router may have taken a while */
     if (server || l->k_batch) route_requests(w, l);
     if (dropped || server || l->k_batch) compact(w, l, server || l->k_batch);
+    localize(w, l);
     if (!l->n || (rc = merge_routes(w, l, err))) return rc;
     moed_job job = {
         .slot = l->slot, .dtype = l->dtype, .T = l->T, .x = w->x, .y = w->y, .route = l->route
     };
     return moed_backend_forward(b, w->exec, &job, err);
+}
+
+/* The launch's (token, expert) pairs per expert, into the metrics (a per-launch add). */
+static void count_experts(worker *w, const launch *l)
+{
+    moed_sched *s = w->s;
+    if (!s->cfg.metrics) return;
+    const int n = s->cfg.shards ? s->cfg.shards[l->slot].view.info.n_experts : l->E;
+    const moed_route *r = l->route;
+    memset(w->expert_tokens, 0, (size_t)n * sizeof *w->expert_tokens);
+    for (int64_t p = 0; p < r->off[r->T]; p++) w->expert_tokens[r->expert[p]]++;
+    moed_metrics_expert_tokens(s->cfg.metrics, l->slot, w->expert_tokens, n);
 }
 
 /* Hands each request of a computed launch its rows. */
@@ -410,6 +432,7 @@ static void deliver(worker *w, const launch *l, uint64_t t_launch)
     atomic_fetch_add(&s->batch_tokens, (uint64_t)l->T);
     atomic_fetch_add(&s->compute_us, (t_done - t_launch) / 1000u);
     moed_metrics_launch(s->cfg.metrics, (uint64_t)l->T, (uint64_t)l->n, t_done - t_launch);
+    count_experts(w, l);
     for (int i = 0; i < l->n; i++) {
         moed_sched_item *it = w->items[i];
         moed_metrics_queue_wait(s->cfg.metrics, t_launch - it->t_enqueued_ns);
@@ -516,7 +539,9 @@ static int worker_init(moed_sched *s, worker *w, int exec, moed_error *err)
     w->parts = calloc((size_t)s->max_items, sizeof *w->parts);
     w->rows = calloc((size_t)s->max_items, sizeof *w->rows);
     w->tokens = calloc((size_t)s->max_items, sizeof *w->tokens);
-    if (!w->x || !w->y || !w->logits || !w->set || !w->items || !w->parts || !w->rows || !w->tokens)
+    w->expert_tokens = calloc((size_t)s->max_experts, sizeof *w->expert_tokens);
+    if (!w->x || !w->y || !w->logits || !w->set || !w->items || !w->parts || !w->rows ||
+        !w->tokens || !w->expert_tokens)
         return moed_fail(err, MOED_ENOMEM,
                          "no memory for execution slot %d's staging: 2 x %zu bytes (--max-batch-"
                          "tokens %lld x the largest d_model x 4) plus %zu for logits; lower "
@@ -541,6 +566,7 @@ static void worker_free(moed_sched *s, worker *w)
     free(w->parts);
     free(w->rows);
     free(w->tokens);
+    free(w->expert_tokens);
 }
 
 int moed_sched_create(const moed_sched_config *cfg, moed_sched **out, moed_error *err)

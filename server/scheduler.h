@@ -7,8 +7,9 @@
  * a queue is ready when its requests fill --max-batch-tokens or its oldest has waited
  * --max-delay-us (0: at once, merging only what is already queued). A launch takes requests in
  * arrival order while they fit, never splitting one. The worker has each request copy its hidden
- * rows into its staging buffer, computes server-router logits and gates where asked, concatenates
- * the routes, runs the backend, and hands each request its rows.
+ * rows into its staging buffer, computes server-router logits and gates where asked, renumbers the
+ * routes for an expert shard (shard.h), concatenates them, runs the backend, and hands each
+ * request its rows.
  *
  * The queue never sees a request's payload (libuv's uv_queue_work shape): an item says what to
  * compute, and brings two callbacks for its data, copy_in to fill its rows of the staging and done
@@ -27,6 +28,7 @@
 #include "moed_list.h"
 #include "moed_model.h"
 #include "moed_route.h"
+#include "shard.h"
 #include "timings.h"
 
 #include <stdatomic.h>
@@ -91,6 +93,8 @@ struct moed_sched_item {
 typedef struct moed_sched_config {
     moed_backend *backend;           /* started; its n_exec workers are created */
     const moed_layer *const *layers; /* the resident layers by backend slot: sizes the staging */
+    const moed_shard *shards;        /* by slot: the experts the backend holds of each (routes are
+                                        renumbered for it before a launch); NULL: every expert */
     int n_layers;
     int64_t max_batch_tokens;
     int64_t max_batch_pairs; /* a launch's (token, expert) pairs (moed_sched_item.pairs); 0: no
@@ -98,7 +102,8 @@ typedef struct moed_sched_config {
     int64_t max_delay_us;
     int64_t min_batch_requests; /* ready before the window closes once this many wait; <= 1: off */
     int64_t max_queue_requests;
-    moed_metrics *metrics; /* launches and queue waits are recorded here; or NULL */
+    moed_metrics *metrics; /* launches, queue waits and tokens per expert are recorded here; or
+                              NULL */
 } moed_sched_config;
 
 typedef struct moed_sched_stats {

@@ -74,6 +74,12 @@ const moed_layer *moed_model_layer(const moed_model *m, int index, int *slot)
 
 int moed_weights_synthetic(const char *spec, int wdtype, moed_model *m, moed_error *err)
 {
+    return moed_weights_synthetic_held(spec, wdtype, NULL, m, err);
+}
+
+int moed_weights_synthetic_held(const char *spec, int wdtype, const moed_expert_subset *held,
+                                moed_model *m, moed_error *err)
+{
     memset(m, 0, sizeof *m);
     moed_synth_spec s;
     int rc = moed_synth_parse(spec, &s, err);
@@ -88,7 +94,7 @@ int moed_weights_synthetic(const char *spec, int wdtype, moed_model *m, moed_err
     }
     p->synthetic = true;
     for (int i = 0; i < s.layers; i++) {
-        rc = moed_synth_layer(&s, i, &m->layers[i], err);
+        rc = moed_synth_layer_held(&s, i, held, &m->layers[i], err);
         if (rc) goto err;
         m->n_layers++;
     }
@@ -168,7 +174,8 @@ typedef struct loader {
     moed_st_dir *st;
     weights_priv *priv;
     moed_error *err;
-    const moed_st_tensor *first; /* the layer's first expert matrix: its dtype is the layer's */
+    const moed_expert_subset *held; /* the experts (and shared ones) to read; NULL: all */
+    const moed_st_tensor *first;    /* the layer's first expert matrix: its dtype is the layer's */
     int n_missing;
     char missing[320]; /* the first few missing names */
 } loader;
@@ -369,10 +376,10 @@ static int find_layer(loader *ld, int L, const moed_st_tensor **t, bool *complet
     if ((rc = need(ld, L, MOED_SYNTH_ROUTER, 0, &t[SLOT_ROUTER]))) return rc;
     if (li->rule == MOED_RULE_DEEPSEEK_V3 && (rc = need(ld, L, MOED_SYNTH_BIAS, 0, &t[SLOT_BIAS])))
         return rc;
-    for (int k = 0; li->n_shared && k < 3; k++)
+    for (int k = 0; li->n_shared && moed_expert_subset_shared(ld->held) && k < 3; k++)
         if ((rc = need(ld, L, MOED_SYNTH_SHARED_W1 + k, 0, &t[SLOT_SHARED + k]))) return rc;
     for (int e = 0; e < li->n_experts; e++)
-        for (int k = 0; k < 3; k++)
+        for (int k = 0; moed_expert_subset_has(ld->held, e) && k < 3; k++)
             if ((rc = need(ld, L, MOED_SYNTH_W1 + k, e, &t[SLOT_EXPERTS + 3 * e + k]))) return rc;
     *complete = ld->n_missing == before;
     return 0;
@@ -503,12 +510,13 @@ static int build_layer(loader *ld, int L, const moed_st_tensor **t, moed_layer *
     ld->first = NULL;
     for (int e = 0; e < E; e++) {
         const moed_st_tensor **m = &t[SLOT_EXPERTS + 3 * e];
+        if (!m[0]) continue; /* not held */
         if ((rc = check_matrix(ld, m[0], ff, d, "[expert width, hidden_size]")) ||
             (rc = check_matrix(ld, m[1], ff, d, "[expert width, hidden_size]")) ||
             (rc = check_matrix(ld, m[2], d, ff, "[hidden_size, expert width]")))
             return rc;
     }
-    for (int k = 0; li->n_shared && k < 3; k++) {
+    for (int k = 0; t[SLOT_SHARED] && k < 3; k++) {
         const char *dims =
             k < 2 ? "[shared experts' width, hidden_size]" : "[hidden_size, shared experts' width]";
         if ((rc = check_matrix(ld, t[SLOT_SHARED + k], k < 2 ? sff : d, k < 2 ? d : sff, dims)))
@@ -532,11 +540,12 @@ static int build_layer(loader *ld, int L, const moed_st_tensor **t, moed_layer *
         if ((rc = as_dtype(ld, t[SLOT_BIAS], MOED_F32, &bias))) return rc;
         out->router_bias = bias;
     }
-    if (li->n_shared && (rc = matrices(ld, &t[SLOT_SHARED], sff, &out->shared))) return rc;
+    if (t[SLOT_SHARED] && (rc = matrices(ld, &t[SLOT_SHARED], sff, &out->shared))) return rc;
     out->experts = calloc((size_t)E, sizeof *out->experts);
     if (!out->experts) return moed_fail(ld->err, MOED_ENOMEM, "no memory for layer %d", L);
     for (int e = 0; e < E && !rc; e++)
-        rc = matrices(ld, &t[SLOT_EXPERTS + 3 * e], ff, &out->experts[e]);
+        if (t[SLOT_EXPERTS + 3 * e])
+            rc = matrices(ld, &t[SLOT_EXPERTS + 3 * e], ff, &out->experts[e]);
     if (rc) { /* the layer is not counted, so release would not free this */
         free(out->experts);
         out->experts = NULL;
@@ -580,6 +589,13 @@ static int load_layers(loader *ld, const unsigned char *hold, moed_model *m)
 int moed_weights_checkpoint(const char *dir, const char *only_layers, moed_weights_mode mode,
                             int wdtype, moed_model *m, moed_error *err)
 {
+    return moed_weights_checkpoint_held(dir, only_layers, mode, wdtype, NULL, m, err);
+}
+
+int moed_weights_checkpoint_held(const char *dir, const char *only_layers, moed_weights_mode mode,
+                                 int wdtype, const moed_expert_subset *held, moed_model *m,
+                                 moed_error *err)
+{
     memset(m, 0, sizeof *m);
     moed_hf_config cfg;
     unsigned char *hold = NULL;
@@ -593,7 +609,9 @@ int moed_weights_checkpoint(const char *dir, const char *only_layers, moed_weigh
         rc = moed_fail(err, MOED_ENOMEM, "no memory to load %s", dir);
         goto err;
     }
-    if ((rc = select_layers(only_layers, &cfg, hold, err))) goto err;
+    if ((rc = select_layers(only_layers, &cfg, hold, err)) ||
+        (rc = moed_expert_subset_check(held, &cfg.layer, err)))
+        goto err;
     if ((rc = moed_st_dir_open(dir, &p->st, err))) goto err;
     loader ld = { .dir = dir,
                   .copy = mode == MOED_WEIGHTS_COPY,
@@ -601,7 +619,8 @@ int moed_weights_checkpoint(const char *dir, const char *only_layers, moed_weigh
                   .cfg = &cfg,
                   .st = p->st,
                   .priv = p,
-                  .err = err };
+                  .err = err,
+                  .held = held };
     if ((rc = load_layers(&ld, hold, m)) || (rc = moed_st_dir_check(p->st, err))) goto err;
     if (ld.copy) { /* nothing points into the files now */
         moed_st_dir_close(p->st);

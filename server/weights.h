@@ -46,6 +46,16 @@ typedef enum moed_weights_mode { MOED_WEIGHTS_COPY, MOED_WEIGHTS_MAP } moed_weig
 int moed_weights_checkpoint(const char *dir, const char *only_layers, moed_weights_mode mode,
                             int wdtype, moed_model *m, moed_error *err);
 
+/* The same for a daemon holding an expert shard (moed --experts): only the experts `held` names,
+ * and the shared experts only if it says so, are generated or read; the other experts' matrices
+ * stay NULL (routers are read whole). held NULL: everything, as the calls above. An id past a
+ * layer's experts fails with MOED_EINVAL naming it. */
+int moed_weights_synthetic_held(const char *spec, int wdtype, const moed_expert_subset *held,
+                                moed_model *m, moed_error *err);
+int moed_weights_checkpoint_held(const char *dir, const char *only_layers, moed_weights_mode mode,
+                                 int wdtype, const moed_expert_subset *held, moed_model *m,
+                                 moed_error *err);
+
 void moed_weights_release(moed_model *m);
 
 /* The layer with checkpoint number index, or NULL. */

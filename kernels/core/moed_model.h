@@ -12,6 +12,8 @@
 #ifndef MOED_MODEL_H
 #define MOED_MODEL_H
 
+#include "moed_err.h"
+
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -33,9 +35,9 @@ typedef enum moed_router_rule {
 typedef struct moed_layer_info {
     int index; /* the layer's number in the checkpoint; what clients name */
     int d_model;
-    int d_ff; /* per routed expert */
-    int n_experts;
-    int top_k; /* num_experts_per_tok */
+    int d_ff;      /* per routed expert */
+    int n_experts; /* experts held: experts[], and the ids a backend job's route uses */
+    int top_k;     /* num_experts_per_tok */
     moed_act act;
     int wdtype;      /* moed_dtype of every expert matrix (moed_dtype_is_weight) */
     bool has_router; /* router weights present: the server can compute logits */
@@ -46,6 +48,10 @@ typedef struct moed_layer_info {
     float routed_scale; /* routed_scaling_factor; 1 when absent */
     int n_shared;       /* shared experts, applied to every token with weight 1 */
     int shared_d_ff;    /* their total width: n_shared * moe_intermediate_size */
+    /* The router's rows, and the width of its logits: the whole layer's experts. 0 means
+     * n_experts; more than n_experts in the layer a backend gets from a daemon holding an expert
+     * shard (moed --experts), whose router stays whole while it holds fewer experts. */
+    int router_experts;
 } moed_layer_info;
 
 /* One expert's three matrices (w3 is NULL unless the activation is SwiGLU), and for FP8 weights
@@ -59,15 +65,37 @@ typedef struct moed_expert_w {
 
 typedef struct moed_layer {
     moed_layer_info info;
-    moed_expert_w *experts;   /* n_experts of them */
+    moed_expert_w *experts;   /* n_experts of them (an expert shard's model leaves the matrices
+                                 of the experts it does not hold NULL) */
     const void *router;       /* [n_experts, d_model] in moed_layer_router_dtype, or NULL */
     int router_dtype;         /* the router's moed_dtype as stored (never FP8); 0: wdtype */
     const float *router_bias; /* [n_experts] float32 (DeepSeek e_score_correction_bias), or NULL */
     moed_expert_w shared;     /* the shared experts fused along d_ff: [shared_d_ff, d_model] etc. */
 } moed_layer;
 
+/* The experts of a layer a daemon holding an expert shard loads (moed --experts): ids in
+ * increasing order (NULL: every expert), and whether it loads the shared experts too. A NULL
+ * subset stands for every expert and the shared ones. */
+typedef struct moed_expert_subset {
+    const int *ids;
+    int n;
+    bool shared;
+} moed_expert_subset;
+
+/* Checks a subset against a layer: it names at least one expert and every id one of the layer's
+ * (MOED_EINVAL naming the first that does not). A NULL subset, or NULL ids, always fit. */
+int moed_expert_subset_check(const moed_expert_subset *s, const moed_layer_info *li,
+                             moed_error *err);
+
+/* Whether subset s (NULL: every expert) holds expert e, and the shared experts. */
+bool moed_expert_subset_has(const moed_expert_subset *s, int e);
+bool moed_expert_subset_shared(const moed_expert_subset *s);
+
 /* The dtype the router weights are held in: router_dtype, or the experts' wdtype when it is 0. */
 int moed_layer_router_dtype(const moed_layer *l);
+
+/* The router's rows and its logits' width: router_experts, or n_experts when it is 0. */
+int moed_layer_router_experts(const moed_layer_info *li);
 
 /* Bytes of one routed expert's weights (FP8: with their scales), and of the layer's resident
  * weights in all (an FP8 layer's router counted as bf16). */

@@ -645,3 +645,19 @@ int moed_route_concat(moed_route *out, const moed_route *const *parts, int npart
     out->T = T;
     return 0;
 }
+
+void moed_route_localize(moed_route *r, const int32_t *local_of)
+{
+    int64_t kept = 0, first = 0;
+    for (int64_t t = 0; t < r->T; t++) {
+        const int64_t end = r->off[t + 1];
+        for (int64_t p = first; p < end; p++) {
+            const int32_t e = local_of[r->expert[p]];
+            if (e < 0) continue;
+            r->expert[kept] = e;
+            r->weight[kept++] = r->weight[p];
+        }
+        first = end; /* off[t + 1] is overwritten below: the next token starts where it ended */
+        r->off[t + 1] = kept;
+    }
+}

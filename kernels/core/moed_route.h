@@ -99,4 +99,10 @@ int moed_gate_batch(const float *logits, int64_t T, int E, int k_batch, int32_t 
  * cap >= their pairs (MOED_EINVAL otherwise); out->T is set to the parts' tokens. */
 int moed_route_concat(moed_route *out, const moed_route *const *parts, int nparts);
 
+/* Keeps only the pairs whose expert is held, in place and in their order, with their ids
+ * renumbered: local_of[e] is expert e's id among the held experts, or -1 when it is not held
+ * (an expert shard: the route speaks the whole layer's numbering, the backend the shard's). A token
+ * may be left with no pair. */
+void moed_route_localize(moed_route *r, const int32_t *local_of);
+
 #endif

@@ -336,9 +336,10 @@ static void synth_task(void *arg, int64_t task, int thread)
                     (char *)t->dst + first * moed_dtype_size(t->dtype));
 }
 
-/* Lists the layer's tensors and allocates their memory, wiring the pointers into l. */
-static int synth_alloc(const moed_layer_info *li, moed_layer *l, synth_tensor *t, int *n_t,
-                       moed_error *err)
+/* Lists the layer's tensors (the held experts' only) and allocates their memory, wiring the
+ * pointers into l. */
+static int synth_alloc(const moed_layer_info *li, const moed_expert_subset *held, moed_layer *l,
+                       synth_tensor *t, int *n_t, moed_error *err)
 {
     uint64_t d = (uint64_t)li->d_model, ff = (uint64_t)li->d_ff, sff = (uint64_t)li->shared_d_ff;
     int wd = li->wdtype, swiglu = li->act == MOED_ACT_SWIGLU, n = 0;
@@ -366,6 +367,7 @@ static int synth_alloc(const moed_layer_info *li, moed_layer *l, synth_tensor *t
     } while (0)
     for (int e = 0; e < li->n_experts; e++) {
         moed_expert_w *x = &l->experts[e];
+        if (!moed_expert_subset_has(held, e)) continue;
         SYNTH_ADD(x->w1, &x->s1, MOED_SYNTH_W1, e, li->d_model, wd, ff * d);
         if (swiglu) SYNTH_ADD(x->w3, &x->s3, MOED_SYNTH_W3, e, li->d_model, wd, ff * d);
         SYNTH_ADD(x->w2, &x->s2, MOED_SYNTH_W2, e, li->d_ff, wd, d * ff);
@@ -378,7 +380,7 @@ static int synth_alloc(const moed_layer_info *li, moed_layer *l, synth_tensor *t
     }
     if (li->rule == MOED_RULE_DEEPSEEK_V3)
         SYNTH_ADD(l->router_bias, &none, MOED_SYNTH_BIAS, 0, 1, MOED_F32, (uint64_t)li->n_experts);
-    if (li->n_shared > 0) {
+    if (li->n_shared > 0 && moed_expert_subset_shared(held)) {
         moed_expert_w *x = &l->shared;
         SYNTH_ADD(x->w1, &x->s1, MOED_SYNTH_SHARED_W1, 0, li->d_model, wd, sff * d);
         if (swiglu) SYNTH_ADD(x->w3, &x->s3, MOED_SYNTH_SHARED_W3, 0, li->d_model, wd, sff * d);
@@ -396,12 +398,19 @@ nomem:
 
 int moed_synth_layer(const moed_synth_spec *s, int index, moed_layer *out, moed_error *err)
 {
+    return moed_synth_layer_held(s, index, NULL, out, err);
+}
+
+int moed_synth_layer_held(const moed_synth_spec *s, int index, const moed_expert_subset *held,
+                          moed_layer *out, moed_error *err)
+{
     memset(out, 0, sizeof *out);
     if (index < 0 || index >= s->layers)
         return moed_fail(err, MOED_EINVAL, "synthetic layer %d does not exist: the spec has %d",
                          index, s->layers);
     out->info = s->layer;
     out->info.index = index;
+    if (moed_expert_subset_check(held, &out->info, err)) return MOED_EINVAL;
     int cap = 3 * s->layer.n_experts + 6, n_t = 0, rc;
     synth_tensor *t = calloc((size_t)cap, sizeof *t);
     uint64_t *first_task = calloc((size_t)cap + 1, sizeof *first_task);
@@ -410,7 +419,7 @@ int moed_synth_layer(const moed_synth_spec *s, int index, moed_layer *out, moed_
         rc = moed_fail(err, MOED_ENOMEM, "no memory to plan synthetic layer %d", index);
         goto err;
     }
-    if ((rc = synth_alloc(&out->info, out, t, &n_t, err))) goto err;
+    if ((rc = synth_alloc(&out->info, held, out, t, &n_t, err))) goto err;
     for (int i = 0; i < n_t; i++)
         first_task[i + 1] = first_task[i] + (t[i].n + t[i].chunk - 1) / t[i].chunk;
     uint64_t tasks = first_task[n_t];

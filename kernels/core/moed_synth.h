@@ -74,4 +74,9 @@ void moed_synth_fill(uint64_t seed, int layer, int tensor, int expert, int fan_i
 int moed_synth_layer(const moed_synth_spec *s, int index, moed_layer *out, moed_error *err);
 void moed_synth_free_layer(moed_layer *l);
 
+/* The same for an expert shard: only the experts `held` holds (NULL: all) are generated, each
+ * exactly as in the whole layer; the others' matrices stay NULL. */
+int moed_synth_layer_held(const moed_synth_spec *s, int index, const moed_expert_subset *held,
+                          moed_layer *out, moed_error *err);
+
 #endif

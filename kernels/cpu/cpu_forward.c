@@ -300,6 +300,7 @@ int moed_cpu_router_logits(moed_backend *b, int exec, int slot, int dtype, int64
         return moed_fail(err, MOED_EINVAL,
                          "layer %d has no router weights: send expert choices or router logits",
                          l->info.index);
+    const int E = moed_layer_router_experts(&l->info);
     fwd f = { .c = c, .l = l, .dtype = dtype, .x = x, .T = T, .d = l->info.d_model };
     f.xf = dtype == MOED_F32 ? x : c->ws.x;
     moed_pool_run(c->pool, (T + FWD_ROWS - 1) / FWD_ROWS, task_rows_in, &f);
@@ -309,15 +310,15 @@ int moed_cpu_router_logits(moed_backend *b, int exec, int slot, int dtype, int64
                               .k = f.d,
                               .b = l->router,
                               .bdtype = moed_layer_router_dtype(l),
-                              .n = l->info.n_experts,
+                              .n = E,
                               .act = MOED_ACT_NONE,
                               .c = logits,
-                              .ldc = (size_t)l->info.n_experts };
+                              .ldc = (size_t)E };
     f.n_blocks = 0;
     for (int64_t m0 = 0; m0 < T; m0 += MOED_CPU_MC)
         w->blocks[f.n_blocks++] =
             (cpu_rowblock){ 0, T - m0 < MOED_CPU_MC ? (int)(T - m0) : MOED_CPU_MC, m0 };
     run_gemm(&f);
-    moed_router_round_logits(&l->info, dtype, logits, (size_t)T * (size_t)l->info.n_experts);
+    moed_router_round_logits(&l->info, dtype, logits, (size_t)T * (size_t)E);
     return 0;
 }

@@ -262,7 +262,8 @@ static int upload_set(const cuda_layer *L, dev_set *ds, const moed_expert_w *x, 
 static size_t router_bytes(const cuda_layer *L, const moed_layer *l)
 {
     if (!L->info.has_router || !l->router) return 0;
-    return (size_t)L->info.n_experts * L->info.d_model * moed_dtype_size(L->router_dtype);
+    return (size_t)moed_layer_router_experts(&L->info) * L->info.d_model *
+           moed_dtype_size(L->router_dtype);
 }
 
 /* Device bytes a layer needs once resident. */
@@ -522,7 +523,8 @@ static int cuda_start(moed_backend *b, moed_error *err)
         if (L->k.d_pad > c->max_d_pad) c->max_d_pad = L->k.d_pad;
         if (L->k.ff_pad > c->max_ff_pad) c->max_ff_pad = L->k.ff_pad;
         if (L->k.sff_pad > c->max_sff_pad) c->max_sff_pad = L->k.sff_pad;
-        if (L->router && L->info.n_experts > c->max_router_e) c->max_router_e = L->info.n_experts;
+        if (L->router && moed_layer_router_experts(&L->info) > c->max_router_e)
+            c->max_router_e = moed_layer_router_experts(&L->info);
         if (L->k.wdtype == MOED_FP8 &&
             moed_cuda_fp8_native(c->sm[dev_index(c, L->device)], c->force_kernel))
             c->fp8_native = 1;
@@ -705,7 +707,7 @@ static int cuda_router_logits(moed_backend *b, int exec, int slot, int dtype, in
         return moed_fail(err, MOED_ETOOBIG,
                          "%lld tokens is over the %lld the workspace was sized for", (long long)T,
                          (long long)c->max_tokens);
-    const int d = L->info.d_model, E = L->info.n_experts;
+    const int d = L->info.d_model, E = moed_layer_router_experts(&L->info);
     cudaSetDevice(x->device);
     cudaMemcpyAsync(x->x_in, xin, (size_t)T * d * moed_dtype_size(dtype), cudaMemcpyHostToDevice,
                     x->stream);
