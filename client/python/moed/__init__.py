@@ -7,7 +7,9 @@
         y = await c.forward(0, x, expert_ids=ids, expert_weights=w)
 
 MoEClient (blocking) and moed.aio.MoEClient (asyncio): forward(), forward_stream(), info(),
-health(); RetryPolicy for calls answered UNAVAILABLE; the data types they return (ModelInfo,
+health(); given several targets (a list, or a "dns:" name with several addresses) they are fleet
+clients over daemons that split the layers and experts (moed.fleet); RetryPolicy for calls
+answered UNAVAILABLE; the data types they return (ModelInfo,
 LayerInfo, ForwardResult, Timings, Device); MoEError for failed calls. moed.tensors says what
 kinds of tensors go in and come out and what each costs; moed.transport how they travel;
 moed.wire is the hand-written protobuf codec. moed.reference, a float64 numpy reference of what
@@ -19,7 +21,8 @@ from .types import Device, ForwardResult, LayerInfo, ModelInfo, MoEError, Timing
 from .retry import RetryPolicy
 from .client import MoEClient
 from . import aio
+from . import fleet
 
 __all__ = ["MoEClient", "MoEError", "RetryPolicy", "ForwardResult", "ModelInfo", "LayerInfo", "Device",
-           "Timings", "aio"]
+           "Timings", "aio", "fleet"]
 __version__ = "0.2.0"

@@ -118,6 +118,13 @@ def prepare_forward(layer: int, hidden: Any, *, expert_ids=None, expert_weights=
 
 def prepare_item(item: Any, transport: str) -> Call:
     """A Call for one forward_stream() item: a dict of forward()'s keyword arguments."""
+    check_item(item)
+    return prepare_forward(**{"transport": transport, **item})
+
+
+def check_item(item: Any) -> None:
+    """TypeError or ValueError unless item is a dict of forward()'s keyword arguments (a
+    forward_stream() item)."""
     if not isinstance(item, dict):
         raise TypeError(f"forward_stream() takes dicts of forward()'s keyword arguments, not "
                         f"{type(item).__name__}")
@@ -127,7 +134,6 @@ def prepare_item(item: Any, transport: str) -> Call:
                          f"is the stream's: pass it to forward_stream)")
     if "layer" not in item or "hidden" not in item:
         raise ValueError("forward_stream() item needs layer and hidden")
-    return prepare_forward(**{"transport": transport, **item})
 
 
 STALE = object()  # Feed.payload(): this attempt of the stream is over
@@ -295,7 +301,11 @@ def model_info(reply: bytes) -> ModelInfo:
                         router_rule=name_of(ROUTER_RULES, l["router_rule"]),
                         num_shared_experts=l["num_shared_experts"], shared_d_ff=l["shared_d_ff"],
                         n_group=l["n_group"], topk_group=l["topk_group"],
-                        routed_scaling_factor=l["routed_scaling_factor"])
+                        routed_scaling_factor=l["routed_scaling_factor"],
+                        # a moed older than these fields holds every expert and adds the shared ones
+                        experts_held=[(r["first"], r["last"]) for r in l["experts_held"]]
+                        or [(0, l["num_experts"] - 1)],
+                        adds_shared_experts=l["adds_shared_experts"] or not l["experts_held"])
               for l in m["layers"]]
     devices = [Device(d["name"], d["memory_total"], d["memory_used"]) for d in m["devices"]]
     return ModelInfo(model=m["model"], layers=layers, backend=m["backend"], devices=devices,

@@ -33,10 +33,19 @@ class MoEClient(C.Connection):
     """An asyncio connection to one moed server; its calls may run concurrently as tasks.
 
     MoEClient(target, timeout=None, credentials=None, token=None, options=None, keepalive=None,
-    retry=RetryPolicy(), transport="auto"): as moed.MoEClient. Use `async with`, or await close().
+    retry=RetryPolicy(), transport="auto"): as moed.MoEClient, several daemons (a fleet) included.
+    Use `async with`, or await close().
     """
 
     grpc_module = grpc.aio
+
+    def __new__(cls, target: Any = "127.0.0.1:50051", *args, **kwargs):
+        if cls is MoEClient and not (isinstance(target, str) and not target.startswith("dns:")):
+            from .fleet import AioFleetClient, is_fleet
+
+            if is_fleet(target):
+                cls = AioFleetClient
+        return super().__new__(cls)
 
     async def close(self) -> None:
         """Closes the channel; calls in flight are cancelled."""

@@ -38,7 +38,19 @@ class MoEClient(C.Connection):
                   None or moed.retry.NO_RETRY: never retry;
       transport   how tensors travel by default: "auto" or "inline" (see moed.transport).
     Use as a context manager, or call close().
+
+    A target naming several daemons (a list of targets, or a "dns:" name that resolves to several
+    addresses, as a Kubernetes headless Service does) makes a fleet client (moed.fleet): the same
+    calls, each sent to the daemons holding its layer's experts and their partial outputs added.
     """
+
+    def __new__(cls, target: Any = "127.0.0.1:50051", *args, **kwargs):
+        if cls is MoEClient and not (isinstance(target, str) and not target.startswith("dns:")):
+            from .fleet import FleetClient, is_fleet
+
+            if is_fleet(target):
+                cls = FleetClient
+        return super().__new__(cls)
 
     def close(self) -> None:
         """Closes the channel; calls in flight are cancelled."""

@@ -9,7 +9,7 @@ names to the wire values of proto/moed/v1/moed.proto in one place.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import numpy as np
 
@@ -77,6 +77,11 @@ class LayerInfo:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # The experts whose terms the server computes, as inclusive (first, last) ranges (moed
+    # --experts); empty: every expert. adds_shared_experts: its replies include the shared experts'
+    # term (one expert shard of a fleet adds them).
+    experts_held: List[Tuple[int, int]] = field(default_factory=list)
+    adds_shared_experts: bool = True
 
 
 @dataclass

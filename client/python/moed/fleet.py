@@ -1,0 +1,814 @@
+"""Fleets: one client over several moed daemons that split the layers (moed --layers) and the experts
+of each layer (moed --experts) between them, with replicas of each part.
+
+    with moed.MoEClient(["host1:50051", "host2:50051"]) as c:     # or "dns:///moed-fleet:50051"
+        y = c.forward(0, x, expert_ids=ids, expert_weights=w)      # the same call as for one daemon
+
+A target that names several daemons (a list, or a "dns:" name that resolves to several addresses,
+as a Kubernetes headless Service does) makes MoEClient (and moed.aio.MoEClient) a fleet client: one
+connection per daemon, each a plain single-daemon client (so transports stay what they are; this
+module only fans calls out and adds the replies up). A plain string target stays a plain client.
+
+What the fleet holds is learnt from GetModel of every daemon: per layer, which experts each holds
+(LayerInfo.experts_held) and whether it adds the shared experts. Daemons that hold the same experts
+of a layer are replicas of one shard; a layer's shards must be disjoint, cover every expert, and
+exactly one of them must add the shared experts (else FAILED_PRECONDITION, naming the daemons).
+
+A call goes to one replica of each shard of its layer, in parallel (the request is the same for
+every shard: the route is in the whole layer's numbering). The replica is the one with the fewest
+calls outstanding from this client, among those not marked down. A replica answering UNAVAILABLE
+(draining, queue full, unreachable) is marked down for a while (0.5 s, doubling to 5 s) and the
+call goes at once to another replica of the shard; once every replica failed, the client's
+RetryPolicy says whether and when to try them all again. A replica that failed is asked for its
+GetModel again before it gets more calls, so a daemon restarted with another shard is noticed. A
+shard with no reachable replica fails the call UNAVAILABLE naming the layer, the experts missing
+and every target tried with what it said.
+
+The replies are partial outputs in hidden's dtype. With one shard the reply is the output, as from
+one daemon. With several, they are added in float32 in the order of each shard's lowest expert and
+the sum is rounded once to hidden's dtype (moed.proto's "Expert shards" note bounds what that costs
+in bf16 and f16; in f32 it is float32 summation order only). ForwardResult.timings are those of the
+slowest shard. Batch gating needs one daemon holding every expert of the layer: a layer split over
+several shards refuses it (FAILED_PRECONDITION), here and on the daemons. forward_stream() sends
+each request as forward() does, one after the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import grpc
+import numpy as np
+
+from . import _common as C
+from . import aio, wire
+from .client import MoEClient
+from .retry import NO_RETRY, RetryPolicy
+from .tensors import BF16, WIRE_NP, wire_view
+from .types import Device, ForwardResult, LayerInfo, ModelInfo, MoEError, Timings
+
+# How long GetModel of one daemon may take while the fleet is learnt (an address that no longer
+# answers must not hold the caller for TCP's connect timeout).
+PROBE_TIMEOUT = 5.0
+# A replica that answered UNAVAILABLE is passed over for this long, doubling up to DOWN_MAX.
+DOWN_MIN, DOWN_MAX = 0.5, 5.0
+# LayerInfo fields every daemon holding part of a layer must agree on.
+_SAME = ("d_model", "d_ff", "num_experts", "top_k", "activation", "weight_dtype", "has_router",
+         "norm_topk_prob", "router_rule", "num_shared_experts", "shared_d_ff", "n_group", "topk_group",
+         "routed_scaling_factor")
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+
+
+# ---- targets ------------------------------------------------------------------------------------
+
+def resolve(target: Any) -> List[str]:
+    """The daemons a target names: a list or tuple of targets (each resolved in turn), a "dns:"
+    name (one target per address it resolves to; itself when it resolves to one), or any other
+    gRPC target (itself)."""
+    if not isinstance(target, str):
+        out = [t for one in target for t in resolve(one)]
+        if not out:
+            raise ValueError("the target list is empty: name at least one daemon")
+        return out
+    if not target.startswith("dns:"):
+        return [target]
+    host, port = _dns_host_port(target)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"{target}: {host} does not resolve ({e})") from None
+    addrs = sorted({(fam, sa[0]) for fam, _, _, _, sa in infos})
+    if len(addrs) == 1:
+        return [target]
+    return [f"ipv6:[{a}]:{port}" if fam == socket.AF_INET6 else f"ipv4:{a}:{port}" for fam, a in addrs]
+
+
+def _dns_host_port(target: str) -> Tuple[str, int]:
+    """host and port of "dns:///host:port", "dns://authority/host:port" or "dns:host:port" (gRPC's
+    default port, 443, when none is given)."""
+    rest = target[4:]
+    if rest.startswith("//"):
+        rest = rest[2:].partition("/")[2]
+    if rest.startswith("["):
+        host, _, tail = rest[1:].partition("]")
+        port = tail[1:] if tail.startswith(":") else ""
+    else:
+        host, _, port = rest.rpartition(":") if rest.count(":") == 1 else (rest, "", "")
+    if not host:
+        raise ValueError(f"{target}: no host name (use dns:///NAME:PORT)")
+    try:
+        return host, int(port) if port else 443
+    except ValueError:
+        raise ValueError(f"{target}: port {port!r} is not a number") from None
+
+
+def is_fleet(target: Any) -> bool:
+    """Whether MoEClient(target) is a fleet client: a list or tuple of targets, or a "dns:" name
+    that resolves to several addresses."""
+    return not isinstance(target, str) or (target.startswith("dns:") and len(resolve(target)) > 1)
+
+
+def ranges_text(ranges: Sequence[Tuple[int, int]]) -> str:
+    """[(0, 3), (6, 6)] as "0-3,6"."""
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in ranges)
+
+
+# ---- what the fleet holds ---------------------------------------------------------------------
+
+class Member:
+    """One daemon of the fleet: its own single-daemon client and what this client knows of it."""
+
+    def __init__(self, target: str, client: Any):
+        self.target, self.client = target, client
+        self.info: Optional[ModelInfo] = None  # GetModel's answer
+        self.error = "not asked yet"  # what went wrong last (for messages)
+        self.check = False  # failed since GetModel answered: ask again before its next call
+        self.probe: Any = None  # the GetModel on its way, if one is
+        self.outstanding = 0  # calls from this client in flight
+        self.down_until = 0.0  # passed over until then (time.monotonic())
+        self.down_for = 0.0  # how long it was passed over the last time
+
+    def layer(self, index: int) -> Optional[LayerInfo]:
+        if self.info is None:
+            return None
+        return next((li for li in self.info.layers if li.index == index), None)
+
+    def state(self) -> str:
+        return f"{self.target} ({self.error})"
+
+
+@dataclass
+class Shard:
+    """The daemons holding the same experts of one layer (replicas), lowest expert first."""
+
+    layer: int
+    ranges: Tuple[Tuple[int, int], ...]
+    adds_shared: bool
+    members: List[Member]
+    turn: int = 0  # rotates ties between replicas
+
+    @property
+    def lowest(self) -> int:
+        return self.ranges[0][0]
+
+    def holds(self, m: Member) -> bool:
+        """Whether m (still) holds this shard: it may have come back with other experts."""
+        li = m.layer(self.layer)
+        return li is not None and (tuple(li.experts_held), li.adds_shared_experts) == (self.ranges, self.adds_shared)
+
+    def describe(self) -> str:
+        return f"experts {ranges_text(self.ranges)} on {', '.join(m.target for m in self.members)}"
+
+
+@dataclass
+class FleetMember:
+    """What fleet clients' members() return: a daemon, its ModelInfo (None if it did not answer
+    GetModel) and what went wrong last."""
+
+    target: str
+    info: Optional[ModelInfo]
+    error: str = ""
+
+
+def _precondition(msg: str) -> MoEError:
+    return MoEError("FAILED_PRECONDITION", msg, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def _unavailable(msg: str, attempts: int = 1) -> MoEError:
+    return MoEError("UNAVAILABLE", msg, _UNAVAILABLE, attempts)
+
+
+class Fleet:
+    """The members and, per layer, its shards; the choice of replicas. No I/O: the clients ask
+    GetModel and make the calls, and tell the fleet what came of them. Thread-safe."""
+
+    def __init__(self, members: List[Member]):
+        self.members = members
+        self._lock = threading.Lock()
+        self._plans: Dict[int, List[Shard]] = {}
+
+    def to_probe(self, members: Sequence[Member], now: float) -> List[Member]:
+        """Of these, the members whose GetModel is to be asked now: never answered, or failed
+        since, not marked down, not being asked already."""
+        with self._lock:
+            return [m for m in members if (m.info is None or m.check) and m.down_until <= now and m.probe is None]
+
+    def asking(self, m: Member, probe: Any) -> bool:
+        """Records that `probe` asks m's GetModel; False if another is on its way already."""
+        with self._lock:
+            if m.probe is not None:
+                return False
+            m.probe = probe
+            return True
+
+    def probed(self, m: Member, probe: Any, info: Optional[ModelInfo], error: str, now: float) -> None:
+        """What `probe` (m's GetModel) came to: an answer, or (info None) why none came, which marks
+        m down. Only the first report of a probe counts."""
+        with self._lock:
+            if m.probe is not probe:
+                return
+            m.probe = None
+            if info is None:
+                m.error = error
+                self._down(m, now)
+                return
+            if m.info is None or _holdings(m.info) != _holdings(info):
+                self._plans.clear()
+            m.info, m.check, m.error = info, False, "answering"
+
+    def plan(self, layer: int) -> Tuple[Optional[List[Shard]], Optional[MoEError]]:
+        """The layer's shards, or the gap that stands in the way (asking GetModel again may close
+        it); a configuration error is raised."""
+        with self._lock:
+            if layer not in self._plans:
+                shards, err = _plan(layer, self.members)
+                if shards is None:
+                    return None, err
+                self._plans[layer] = shards
+            return self._plans[layer], None
+
+    def pick(self, shard: Shard, tried: Sequence[Member], now: float) -> Optional[Member]:
+        """The replica for the next attempt: still holding the shard, not tried in this round, not
+        marked down, not to be checked, fewest calls outstanding (ties in turn); it counts as
+        outstanding until done(). None when none is left."""
+        with self._lock:
+            free = [m for m in shard.members
+                    if m not in tried and m.down_until <= now and not m.check and shard.holds(m)]
+            if not free:
+                return None
+            shard.turn += 1
+            n = len(free)
+            m = min((free[(shard.turn + i) % n] for i in range(n)), key=lambda x: x.outstanding)
+            m.outstanding += 1
+            return m
+
+    def to_check(self, shard: Shard, tried: Sequence[Member], now: float) -> List[Member]:
+        """The shard's replicas that failed before and may be asked GetModel again now."""
+        return self.to_probe([m for m in shard.members if m not in tried and m.check], now)
+
+    def done(self, m: Member, code: Optional[grpc.StatusCode], details: str, now: float) -> None:
+        """An attempt on m ended with `code` (None: OK); UNAVAILABLE marks it down, to be checked."""
+        with self._lock:
+            m.outstanding -= 1
+            if code is None:
+                m.down_for = 0.0
+            elif code == _UNAVAILABLE:
+                m.error, m.check = f"UNAVAILABLE: {details}", True
+                self._down(m, now)
+
+    def revive(self, shard: Shard, now: float) -> None:
+        """A new round of attempts: the shard's replicas marked down get their chance again."""
+        with self._lock:
+            for m in shard.members:
+                m.down_until = min(m.down_until, now)
+
+    def _down(self, m: Member, now: float) -> None:
+        m.down_for = min(max(2 * m.down_for, DOWN_MIN), DOWN_MAX)
+        m.down_until = now + m.down_for
+
+
+def _holdings(info: ModelInfo) -> Any:
+    return [(li.index, tuple(li.experts_held), li.adds_shared_experts) for li in info.layers]
+
+
+def _plan(layer: int, members: Sequence[Member]) -> Tuple[Optional[List[Shard]], Optional[MoEError]]:
+    """Groups the members holding `layer` into shards and checks them (see the module's text)."""
+    holders = [(m, m.layer(layer)) for m in members]
+    holders = [(m, li) for m, li in holders if li is not None]
+    if not holders:
+        return None, _not_served(layer, members)
+    first_m, first = holders[0]
+    for m, li in holders[1:]:
+        for f in _SAME:
+            if getattr(li, f) != getattr(first, f):
+                raise _precondition(f"layer {layer} differs between {first_m.target} and {m.target}: "
+                                    f"{f} {getattr(first, f)} against {getattr(li, f)}; a fleet "
+                                    f"serves one model")
+    groups: Dict[Tuple[Any, bool], Shard] = {}
+    for m, li in holders:
+        key = (tuple(li.experts_held), li.adds_shared_experts)
+        groups.setdefault(key, Shard(layer, key[0], key[1], [])).members.append(m)
+    shards = sorted(groups.values(), key=lambda s: s.lowest)
+    owner: Dict[int, Shard] = {}
+    for s in shards:
+        for a, b in s.ranges:
+            for e in range(a, b + 1):
+                if e in owner:
+                    raise _precondition(f"layer {layer}: expert {e} is held both by "
+                                        f"{owner[e].describe()} and by {s.describe()}: a fleet's "
+                                        f"expert shards must be disjoint (replicas hold the same "
+                                        f"experts and the same shared-experts role)")
+                owner[e] = s
+    missing = [e for e in range(first.num_experts) if e not in owner]
+    if missing:
+        return None, _gap(layer, missing, members)
+    adders = [s for s in shards if s.adds_shared]
+    if first.num_shared_experts and len(adders) != 1:
+        what = ("no shard adds them: start the one holding expert 0 with --shared-experts auto or "
+                "on" if not adders else
+                "several shards add them: " + "; ".join(s.describe() for s in adders))
+        raise _precondition(f"layer {layer} has {first.num_shared_experts} shared expert(s), and "
+                            f"exactly one expert shard must add them; {what}")
+    return shards, None
+
+
+def _members_text(members: Sequence[Member]) -> str:
+    out = []
+    for m in members:
+        if m.info is None:
+            out.append(m.state())
+        else:
+            held = [f"{li.index}:{ranges_text(li.experts_held)}" for li in m.info.layers]
+            out.append(f"{m.target} (layer:experts {' '.join(held)})")
+    return "; ".join(out)
+
+
+def _not_served(layer: int, members: Sequence[Member]) -> MoEError:
+    if any(m.info is None for m in members):
+        return _unavailable(f"layer {layer} is held by no reachable daemon of the fleet; targets "
+                            f"tried: {_members_text(members)}")
+    return MoEError("NOT_FOUND", f"layer {layer} is not served by the fleet: {_members_text(members)}",
+                    grpc.StatusCode.NOT_FOUND)
+
+
+def _gap(layer: int, missing: List[int], members: Sequence[Member]) -> MoEError:
+    runs: List[Tuple[int, int]] = []
+    for e in missing:
+        if runs and runs[-1][1] == e - 1:
+            runs[-1] = (runs[-1][0], e)
+        else:
+            runs.append((e, e))
+    return _unavailable(f"layer {layer}: experts {ranges_text(runs)} are held by no reachable daemon "
+                        f"of the fleet; targets tried: {_members_text(members)}")
+
+
+# ---- adding the partial outputs -----------------------------------------------------------------
+
+def _widen(t: Dict[str, Any]) -> np.ndarray:
+    """A reply's output Tensor as float32 (exact for every hidden dtype)."""
+    a = wire_view(t["data"], t["dtype"], t["shape"])
+    if t["dtype"] == BF16:
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32)
+
+
+def _narrow(acc: np.ndarray, wire: int) -> np.ndarray:
+    """float32 values rounded once (to nearest, ties to even) to the wire dtype's numpy type."""
+    if wire == BF16:
+        bits = acc.view(np.uint32)
+        r = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return np.where(np.isnan(acc), np.uint16(0x7FC0), r).astype(WIRE_NP[BF16])
+    with np.errstate(over="ignore"):  # past f16's range: inf, as rounding says
+        return acc.astype(WIRE_NP[wire])
+
+
+def combine(call: C.Call, replies: Sequence[bytes]) -> Any:
+    """The output of a call from its shards' replies, in shard order (lowest expert first)."""
+    if len(replies) == 1:
+        return call.result(replies[0])
+    inp = call.prepared.input
+    decoded = [C.decode("moed.v1.ForwardResponse", r) for r in replies]
+    acc = None
+    for r in decoded:
+        part = _widen(C.check_output(r["output"], inp.wire, inp.shape))
+        acc = part.copy() if acc is None else np.add(acc, part, out=acc)
+    out = {"dtype": inp.wire, "shape": list(inp.shape), "data": memoryview(_narrow(acc, inp.wire).tobytes())}
+    y = call.prepared.finish(out, call.copy)
+    if not call.return_info:
+        return y
+    slowest = max(decoded, key=lambda r: (r["timings"] or {}).get("total_us", 0))
+    t = slowest["timings"] or wire.new("moed.v1.Timings")
+    return ForwardResult(output=y, expert_set=np.array(slowest["expert_set"], dtype=np.int32),
+                         timings=Timings(t["queue_us"], t["compute_us"], t["total_us"],
+                                         t["batch_tokens"], t["batch_requests"]),
+                         request_id=slowest["request_id"])
+
+
+def merged_info(members: Sequence[Member]) -> ModelInfo:
+    """One ModelInfo for the fleet: every layer once, with the experts the reachable daemons hold
+    between them; the smallest limits; every device."""
+    known = [m.info for m in members if m.info is not None]
+    if not known:
+        raise _unavailable(f"no daemon of the fleet answered GetModel: {_members_text(members)}")
+    layers: Dict[int, LayerInfo] = {}
+    held: Dict[int, set] = {}
+    for info in known:
+        for li in info.layers:
+            layers.setdefault(li.index, li)
+            held.setdefault(li.index, set()).update(e for a, b in li.experts_held for e in range(a, b + 1))
+    out = []
+    for index in sorted(layers):
+        runs: List[Tuple[int, int]] = []
+        for e in sorted(held[index]):
+            runs = runs[:-1] + [(runs[-1][0], e)] if runs and runs[-1][1] == e - 1 else runs + [(e, e)]
+        li = layers[index]
+        out.append(LayerInfo(**{**li.__dict__, "experts_held": runs, "adds_shared_experts": True}))
+    return ModelInfo(model=known[0].model, layers=out,
+                     backend=",".join(sorted({i.backend for i in known})),
+                     devices=[d for i in known for d in i.devices], version=known[0].version,
+                     max_message_bytes=min(i.max_message_bytes for i in known),
+                     max_batch_tokens=min(i.max_batch_tokens for i in known))
+
+
+def _check_batch_gating(layer: int, shards: List[Shard], batch_gating: bool) -> None:
+    if batch_gating and len(shards) > 1:
+        raise _precondition(f"batch_gating needs one daemon holding every expert of layer {layer}, "
+                            f"but this fleet splits them over {len(shards)} shards ("
+                            f"{'; '.join(s.describe() for s in shards)}): the expert set would be "
+                            f"chosen over a different merged batch on each")
+
+
+def _exhausted(shard: Shard, rounds: int) -> MoEError:
+    return _unavailable(f"layer {shard.layer}: no replica of {shard.describe()} answered: "
+                        f"{'; '.join(m.state() for m in shard.members)}", rounds)
+
+
+class _Try:
+    """One shard's part of a call: the attempt in flight, the replicas tried in this round."""
+
+    def __init__(self, shard: Shard):
+        self.shard = shard
+        self.member: Optional[Member] = None
+        self.attempt: Any = None  # a grpc future (blocking client) or task (asyncio)
+        self.tried: List[Member] = []
+        self.rounds = 1
+        self.started = 0.0
+
+
+def _member_kwargs(target: str, original: Any, kw: Dict[str, Any]) -> Dict[str, Any]:
+    """A member's client arguments: the fleet client's, without retries (the fleet retries across
+    replicas), with TLS checking the DNS name when the member is one of its addresses."""
+    kw = {**kw, "retry": NO_RETRY, "timeout": None}
+    if (kw.get("credentials") is not None and isinstance(original, str) and original.startswith("dns:")
+            and target != original):
+        host = _dns_host_port(original)[0]
+        kw["options"] = [("grpc.ssl_target_name_override", host), *(kw.get("options") or ())]
+    return kw
+
+
+def _stream_items(requests: Iterable[dict]) -> Iterator[dict]:
+    """forward_stream()'s items, checked as a single daemon's stream checks them."""
+    for item in requests:
+        C.check_item(item)
+        yield item
+
+
+# ---- the blocking fleet client ------------------------------------------------------------------
+
+class FleetClient(MoEClient):
+    """moed.MoEClient over several daemons (see the module's text); MoEClient(targets) makes one.
+    It makes no threads: calls and GetModel probes are gRPC futures."""
+
+    def __init__(self, target: Any = "127.0.0.1:50051", timeout: Optional[float] = None,
+                 credentials: Optional[grpc.ChannelCredentials] = None, token: Optional[str] = None,
+                 options: Optional[Sequence[Tuple[str, Any]]] = None, keepalive: Optional[float] = None,
+                 retry: Optional[RetryPolicy] = RetryPolicy(), transport: str = "auto"):
+        kw = dict(credentials=credentials, token=token, options=options, keepalive=keepalive,
+                  transport=transport)
+        self.target, self.timeout, self.retry, self.transport = target, timeout, retry or NO_RETRY, transport
+        self.fleet = Fleet([Member(t, MoEClient(t, **_member_kwargs(t, target, kw))) for t in resolve(target)])
+
+    def close(self) -> None:
+        for m in self.fleet.members:
+            m.client.close()
+
+    # -- learning the fleet --
+
+    def _probe(self, members: Sequence[Member]) -> List[Tuple[Member, Any]]:
+        """Asks these members' GetModel (as fleet.to_probe chose them): the probes, which record
+        their answers when they come."""
+        probes = []
+        for m in members:
+            f = m.client._get_model.future(b"", timeout=PROBE_TIMEOUT, metadata=m.client._metadata)
+            if not self.fleet.asking(m, f):
+                f.cancel()
+                continue
+            f.add_done_callback(lambda f, m=m: self._probed(m, f))
+            probes.append((m, f))
+        return probes
+
+    def _probed(self, m: Member, f) -> None:
+        """Records what a finished probe came to (from its callback, or from _wait: once)."""
+        now = time.monotonic()
+        try:
+            self.fleet.probed(m, f, C.model_info(f.result()), "", now)
+        except grpc.RpcError as e:
+            self.fleet.probed(m, f, None, f"{e.code().name}: {e.details()}", now)
+        except (MoEError, grpc.FutureCancelledError) as e:
+            self.fleet.probed(m, f, None, str(e), now)
+
+    def _wait(self, probes: Sequence[Tuple[Member, Any]], deadline: Optional[float]) -> None:
+        """Waits for probes (up to PROBE_TIMEOUT and the deadline) and records those that ended."""
+        end = time.monotonic() + _probe_wait(deadline)
+        for m, f in probes:
+            try:
+                f.result(timeout=max(0.0, end - time.monotonic()))
+            except Exception:  # what it came to is recorded below
+                pass
+            if f.done():
+                self._probed(m, f)
+
+    def _learn(self, members: Sequence[Member], deadline: Optional[float]) -> None:
+        """GetModel of those of these members that need it (and those being asked), waited for."""
+        probes = self._probe(self.fleet.to_probe(members, time.monotonic()))
+        probes += [(m, m.probe) for m in members if m.probe is not None and (m, m.probe) not in probes]
+        self._wait(probes, deadline)
+
+    def _shards(self, layer: int, deadline: Optional[float]) -> List[Shard]:
+        """The layer's shards. Members that need GetModel are asked in the background; the call
+        waits for them only when the plan has a gap they might fill."""
+        self._probe(self.fleet.to_probe(self.fleet.members, time.monotonic()))
+        shards, err = self.fleet.plan(layer)
+        if err is not None:
+            self._learn(self.fleet.members, deadline)
+            shards, err = self.fleet.plan(layer)
+        if err is not None:
+            raise err
+        return shards
+
+    # -- calls --
+
+    def _begin(self, t: _Try, payload: bytes, deadline: Optional[float]) -> bool:
+        """Starts t's next attempt; False when no replica is left in this round."""
+        while True:
+            now = time.monotonic()
+            m = self.fleet.pick(t.shard, t.tried, now)
+            if m is not None:
+                break
+            probes = self._probe(self.fleet.to_check(t.shard, t.tried, now))
+            if not probes:
+                return False
+            self._wait(probes, deadline)
+        t.member, t.started = m, now
+        t.attempt = m.client._forward.future(payload, timeout=C.remaining(deadline), metadata=m.client._metadata)
+        return True
+
+    def _finish(self, t: _Try, payload: bytes, deadline: Optional[float]) -> bytes:
+        """t's reply: its attempt waited for, other replicas (and rounds of them) tried on
+        UNAVAILABLE."""
+        while True:
+            if t.attempt is not None:
+                try:
+                    reply = t.attempt.result()
+                    self.fleet.done(t.member, None, "", time.monotonic())
+                    return reply
+                except grpc.RpcError as e:
+                    self.fleet.done(t.member, e.code(), e.details(), time.monotonic())
+                    if e.code() != _UNAVAILABLE:
+                        raise C.rpc_error(e) from None
+                    t.tried.append(t.member)
+                    t.attempt = None
+            if self._begin(t, payload, deadline):
+                continue
+            now = time.monotonic()
+            wait = self.retry.delay(t.rounds, _UNAVAILABLE, now, deadline, now - t.started)
+            if wait is None:
+                raise _exhausted(t.shard, t.rounds)
+            time.sleep(wait)
+            t.rounds, t.tried = t.rounds + 1, []
+            self.fleet.revive(t.shard, time.monotonic())
+
+    def forward(self, layer: int, hidden: Any, *, expert_ids=None, expert_weights=None,
+                router_logits=None, strategy=None, top_k: int = 0, renormalize: Optional[bool] = None,
+                threshold: Optional[float] = None, batch_gating: bool = False, k_batch: int = 0,
+                dtype: Optional[str] = None, request_id: str = "", return_info: bool = False,
+                copy: bool = False, transport: Optional[str] = None, timeout: Optional[float] = None):
+        """moed.MoEClient.forward over the fleet."""
+        call = C.prepare_forward(layer, hidden, expert_ids=expert_ids, expert_weights=expert_weights,
+                                 router_logits=router_logits, strategy=strategy, top_k=top_k,
+                                 renormalize=renormalize, threshold=threshold,
+                                 batch_gating=batch_gating, k_batch=k_batch, dtype=dtype,
+                                 request_id=request_id, return_info=return_info, copy=copy,
+                                 transport=transport or self.transport)
+        deadline = self._deadline(timeout)
+        shards = self._shards(layer, deadline)
+        _check_batch_gating(layer, shards, batch_gating)
+        tries = [_Try(s) for s in shards]
+        try:
+            for t in tries:
+                self._begin(t, call.payload, deadline)
+            return combine(call, [self._finish(t, call.payload, deadline) for t in tries])
+        except BaseException:
+            for t in tries:
+                if t.attempt is not None:
+                    t.attempt.cancel()
+            raise
+
+    def forward_stream(self, requests: Iterable[dict], *, timeout: Optional[float] = None,
+                       transport: Optional[str] = None) -> Iterator[Any]:
+        """moed.MoEClient.forward_stream over the fleet: each request as forward() sends it, in
+        order; timeout covers the whole stream."""
+        deadline = self._deadline(timeout)
+        for item in _stream_items(requests):
+            yield self.forward(**{"transport": transport, **item, "timeout": C.remaining(deadline)})
+
+    def info(self, timeout: Optional[float] = None) -> ModelInfo:
+        """The fleet's ModelInfo (see merged_info); members() has each daemon's."""
+        self._learn(self.fleet.members, self._deadline(timeout))
+        return merged_info(self.fleet.members)
+
+    def members(self, timeout: Optional[float] = None) -> List[FleetMember]:
+        """Each daemon of the fleet, with its GetModel (asked now where it was not answered)."""
+        self._learn(self.fleet.members, self._deadline(timeout))
+        return [FleetMember(m.target, m.info, m.error) for m in self.fleet.members]
+
+    def health(self, service: str = "", timeout: Optional[float] = None) -> str:
+        """SERVING when every layer the fleet serves has every expert on a SERVING daemon."""
+        deadline = self._deadline(timeout)
+        self._learn(self.fleet.members, deadline)
+        futures = [m.client._health.future(C.health_request(service), timeout=_probe_wait(deadline),
+                                           metadata=m.client._metadata) for m in self.fleet.members]
+        status = {}
+        for m, f in zip(self.fleet.members, futures):
+            try:
+                status[m.target] = C.health_status(f.result())
+            except (grpc.RpcError, MoEError):
+                status[m.target] = "UNKNOWN"
+        return fleet_health(self.fleet.members, status)
+
+
+def _probe_wait(deadline: Optional[float]) -> float:
+    """How long to wait for GetModel answers: PROBE_TIMEOUT, or less as the deadline says."""
+    return PROBE_TIMEOUT if deadline is None else min(PROBE_TIMEOUT, C.remaining(deadline))
+
+
+def fleet_health(members: Sequence[Member], status: Dict[str, str]) -> str:
+    serving = [m for m in members if status.get(m.target) == "SERVING"]
+    layers = {li.index for m in members if m.info for li in m.info.layers}
+    if not layers or not serving:
+        return "NOT_SERVING"
+    try:
+        ok = all(_plan(layer, serving)[0] is not None for layer in layers)
+    except MoEError:
+        ok = False
+    return "SERVING" if ok else "NOT_SERVING"
+
+
+# ---- the asyncio fleet client -------------------------------------------------------------------
+
+class AioFleetClient(aio.MoEClient):
+    """moed.aio.MoEClient over several daemons: FleetClient's behaviour, awaited; the shards of a
+    call run as tasks. moed.aio.MoEClient(targets) makes one, in the running event loop."""
+
+    def __init__(self, target: Any = "127.0.0.1:50051", timeout: Optional[float] = None,
+                 credentials: Optional[grpc.ChannelCredentials] = None, token: Optional[str] = None,
+                 options: Optional[Sequence[Tuple[str, Any]]] = None, keepalive: Optional[float] = None,
+                 retry: Optional[RetryPolicy] = RetryPolicy(), transport: str = "auto"):
+        kw = dict(credentials=credentials, token=token, options=options, keepalive=keepalive,
+                  transport=transport)
+        self.target, self.timeout, self.retry, self.transport = target, timeout, retry or NO_RETRY, transport
+        self.fleet = Fleet([Member(t, aio.MoEClient(t, **_member_kwargs(t, target, kw)))
+                            for t in resolve(target)])
+
+    async def close(self) -> None:
+        for m in self.fleet.members:
+            await m.client.close()
+
+    # -- learning the fleet --
+
+    def _probe(self, members: Sequence[Member]) -> List[asyncio.Future]:
+        probes = []
+        for m in members:
+            task = asyncio.ensure_future(self._ask(m))
+            if not self.fleet.asking(m, task):
+                task.cancel()
+                continue
+            probes.append(task)
+        return probes
+
+    async def _ask(self, m: Member) -> None:
+        """One probe: m's GetModel, recorded when it comes (the task is the probe)."""
+        me = asyncio.current_task()  # _probe recorded it as m's probe before it first runs
+        try:
+            reply = await m.client._get_model(b"", timeout=PROBE_TIMEOUT, metadata=m.client._metadata)
+            self.fleet.probed(m, me, C.model_info(reply), "", time.monotonic())
+        except grpc.RpcError as e:
+            self.fleet.probed(m, me, None, f"{e.code().name}: {e.details()}", time.monotonic())
+        except MoEError as e:
+            self.fleet.probed(m, me, None, str(e), time.monotonic())
+        except asyncio.CancelledError:
+            self.fleet.probed(m, me, None, "GetModel cancelled", time.monotonic())
+            raise
+
+    async def _learn(self, members: Sequence[Member], deadline: Optional[float]) -> None:
+        probes = self._probe(self.fleet.to_probe(members, time.monotonic()))
+        probes += [m.probe for m in members if m.probe is not None and m.probe not in probes]
+        if probes:
+            await asyncio.wait(probes, timeout=_probe_wait(deadline))
+
+    async def _shards(self, layer: int, deadline: Optional[float]) -> List[Shard]:
+        self._probe(self.fleet.to_probe(self.fleet.members, time.monotonic()))
+        shards, err = self.fleet.plan(layer)
+        if err is not None:
+            await self._learn(self.fleet.members, deadline)
+            shards, err = self.fleet.plan(layer)
+        if err is not None:
+            raise err
+        return shards
+
+    # -- calls --
+
+    async def _begin(self, t: _Try, payload: bytes, deadline: Optional[float]) -> bool:
+        while True:
+            now = time.monotonic()
+            m = self.fleet.pick(t.shard, t.tried, now)
+            if m is not None:
+                break
+            probes = self._probe(self.fleet.to_check(t.shard, t.tried, now))
+            if not probes:
+                return False
+            await asyncio.wait(probes, timeout=_probe_wait(deadline))
+        t.member, t.started = m, now
+        t.attempt = asyncio.ensure_future(
+            m.client._forward(payload, timeout=C.remaining(deadline), metadata=m.client._metadata))
+        return True
+
+    async def _finish(self, t: _Try, payload: bytes, deadline: Optional[float]) -> bytes:
+        while True:
+            if t.attempt is not None:
+                try:
+                    reply = await t.attempt
+                    self.fleet.done(t.member, None, "", time.monotonic())
+                    return reply
+                except grpc.RpcError as e:
+                    self.fleet.done(t.member, e.code(), e.details(), time.monotonic())
+                    if e.code() != _UNAVAILABLE:
+                        raise C.rpc_error(e) from None
+                    t.tried.append(t.member)
+                    t.attempt = None
+            if await self._begin(t, payload, deadline):
+                continue
+            now = time.monotonic()
+            wait = self.retry.delay(t.rounds, _UNAVAILABLE, now, deadline, now - t.started)
+            if wait is None:
+                raise _exhausted(t.shard, t.rounds)
+            await asyncio.sleep(wait)
+            t.rounds, t.tried = t.rounds + 1, []
+            self.fleet.revive(t.shard, time.monotonic())
+
+    async def forward(self, layer: int, hidden: Any, *, expert_ids=None, expert_weights=None,
+                      router_logits=None, strategy=None, top_k: int = 0,
+                      renormalize: Optional[bool] = None, threshold: Optional[float] = None,
+                      batch_gating: bool = False, k_batch: int = 0, dtype: Optional[str] = None,
+                      request_id: str = "", return_info: bool = False, copy: bool = False,
+                      transport: Optional[str] = None, timeout: Optional[float] = None):
+        """moed.aio.MoEClient.forward over the fleet."""
+        call = C.prepare_forward(layer, hidden, expert_ids=expert_ids, expert_weights=expert_weights,
+                                 router_logits=router_logits, strategy=strategy, top_k=top_k,
+                                 renormalize=renormalize, threshold=threshold,
+                                 batch_gating=batch_gating, k_batch=k_batch, dtype=dtype,
+                                 request_id=request_id, return_info=return_info, copy=copy,
+                                 transport=transport or self.transport)
+        deadline = self._deadline(timeout)
+        shards = await self._shards(layer, deadline)
+        _check_batch_gating(layer, shards, batch_gating)
+        tries = [_Try(s) for s in shards]
+        try:
+            for t in tries:
+                await self._begin(t, call.payload, deadline)
+            replies = await asyncio.gather(*(self._finish(t, call.payload, deadline) for t in tries))
+            return combine(call, replies)
+        except BaseException:
+            for t in tries:
+                if t.attempt is not None:
+                    t.attempt.cancel()
+            raise
+
+    async def forward_stream(self, requests: Any, *, timeout: Optional[float] = None,
+                             transport: Optional[str] = None) -> AsyncIterator[Any]:
+        """moed.aio.MoEClient.forward_stream over the fleet: each request as forward() sends it."""
+        deadline = self._deadline(timeout)
+        if hasattr(requests, "__aiter__"):
+            async for item in requests:
+                C.check_item(item)
+                yield await self.forward(**{"transport": transport, **item, "timeout": C.remaining(deadline)})
+        else:
+            for item in _stream_items(requests):
+                yield await self.forward(**{"transport": transport, **item, "timeout": C.remaining(deadline)})
+
+    async def info(self, timeout: Optional[float] = None) -> ModelInfo:
+        await self._learn(self.fleet.members, self._deadline(timeout))
+        return merged_info(self.fleet.members)
+
+    async def members(self, timeout: Optional[float] = None) -> List[FleetMember]:
+        await self._learn(self.fleet.members, self._deadline(timeout))
+        return [FleetMember(m.target, m.info, m.error) for m in self.fleet.members]
+
+    async def health(self, service: str = "", timeout: Optional[float] = None) -> str:
+        deadline = self._deadline(timeout)
+        await self._learn(self.fleet.members, deadline)
+
+        async def one(m: Member) -> str:
+            try:
+                return C.health_status(await m.client._health(
+                    C.health_request(service), timeout=_probe_wait(deadline), metadata=m.client._metadata))
+            except (grpc.RpcError, MoEError):
+                return "UNKNOWN"
+
+        found = await asyncio.gather(*(one(m) for m in self.fleet.members))
+        return fleet_health(self.fleet.members, {m.target: st for m, st in zip(self.fleet.members, found)})

@@ -1,0 +1,295 @@
+"""Fleets of daemons behind one client (moed --layers and --experts; moed.MoEClient([...])).
+
+Two and three daemons splitting the layers and the experts of a layer (with non-contiguous expert
+lists, and replicas) answer every routing kind as one daemon holding everything does: in float32
+up to float32 summation order, in bf16 within the bound moed.proto's "Expert shards" note states
+(each shard's partial is asked of it directly to compute the bound); a layer held whole by one
+daemon of the fleet answers bit for bit. The asyncio client and forward_stream agree. A replica
+drained (SIGTERM) while a loop of calls runs loses none of them; a shard that is down fails calls
+UNAVAILABLE naming its experts and its daemon; batch gating is refused by a shard (the daemon
+itself, FAILED_PRECONDITION) and by the client over a split layer; GetModel says what each daemon
+holds; moed_expert_tokens_total counts exactly the routes sent, on the daemon holding each expert;
+a "dns:" name with two addresses makes a fleet of its addresses.
+"""
+
+import asyncio
+import signal
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+import moed
+import moed.aio
+from conftest import Daemon, free_port
+from daemons import DaemonPool
+from moed import MoEClient, MoEError
+from prod import metrics_flags, scrape
+
+# DeepSeek-V3's rule (sigmoid scores plus a bias, group-limited) and a shared expert: the server
+# router and the layer's own rule are exercised with what a fleet most needs to agree on.
+SPEC = ("layers=2,d=64,ff=96,experts=8,topk=2,act=swiglu,dtype=bf16,seed=5,shared=1,shared_ff=32,"
+        "rule=deepseek,groups=4,topk_groups=2,scale=2.5")
+E, D, T = 8, 64, 12
+U = {"bf16": 2.0 ** -8, "f32": 0.0}  # the unit roundoff of the hidden dtype (f32: see below)
+
+ROUTINGS = {
+    "ids": lambda rng: _choice(rng),
+    **{f"logits-{s}": (lambda s: lambda rng: dict(router_logits=rng.standard_normal((T, E)).astype(np.float32),
+                                                  strategy=s))(s)
+       for s in ("model", "topk", "sigmoid", "sparsemax", "quadratic", "pioneer")},
+    "server-model": lambda rng: {},
+    "server-topk": lambda rng: dict(strategy="topk", top_k=3),
+}
+
+
+def _ids(rng):
+    """Three experts per token, a repeated one and a padded slot among them."""
+    ids = rng.integers(0, E, (T, 3)).astype(np.int32)
+    ids[0, 1] = ids[0, 0]
+    ids[1, 2] = -1
+    return ids
+
+
+def _choice(rng):
+    ids = _ids(rng)
+    return dict(expert_ids=ids, expert_weights=np.where(ids >= 0, rng.uniform(0, 1, ids.shape), 0).astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    p = DaemonPool(tmp_path_factory.mktemp("fleet"))
+    yield p
+    p.close()
+
+
+def one(pool):
+    return pool.synthetic(SPEC)
+
+
+def fleet2(pool):
+    """Two daemons, one expert shard each (the first adds the shared expert)."""
+    return [pool.synthetic(SPEC, "--experts", "0-3"), pool.synthetic(SPEC, "--experts", "4-7")]
+
+
+def fleet3(pool):
+    """Three daemons: layer 0 whole on one; layer 1 split over two, in non-contiguous lists (the
+    shard holding expert 0 adds the shared expert)."""
+    return [pool.synthetic(SPEC, "--layers", "0"),
+            pool.synthetic(SPEC, "--layers", "1", "--experts", "0-2,6"),
+            pool.synthetic(SPEC, "--layers", "1", "--experts", "3-5,7")]
+
+
+def hidden(rng, dtype):
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    if dtype == "bf16":
+        import ml_dtypes
+        x = x.astype(ml_dtypes.bfloat16)
+    return x
+
+
+def f32(a):
+    return np.asarray(a).astype(np.float32)
+
+
+def check(y, y_one, partials, dtype):
+    """y (the fleet's) against y_one (one daemon's): per element, within u * (sum |partial_s| +
+    2 |y_one|), plus float32 summation order (a few float32 ulps of the terms' magnitudes)."""
+    y, y_one = f32(y), f32(y_one)
+    mag = sum(np.abs(f32(p)) for p in partials) + 2 * np.abs(y_one)
+    bound = U[dtype] * mag + 8 * 2.0 ** -24 * mag + 1e-30
+    worst = np.max(np.abs(y - y_one) - bound)
+    assert worst <= 0, f"off by {worst} beyond the bound; max |y| {np.abs(y_one).max()}"
+    assert np.abs(y_one).max() > 0.1  # the comparison compared something
+
+
+@pytest.mark.parametrize("topology", ["fleet2", "fleet3"])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_fleet_equals_one_daemon(pool, topology, dtype):
+    daemons = globals()[topology](pool)
+    rng = np.random.default_rng(7)
+    with MoEClient(one(pool).address, timeout=30) as c1, \
+            MoEClient([d.address for d in daemons], timeout=30) as fl:
+        assert type(fl).__name__ == "FleetClient"
+        for layer in (0, 1):
+            holders = [d for d in daemons if layer in [li.index for li in d.client().info().layers]]
+            for name, routing in ROUTINGS.items():
+                if dtype == "bf16" and name not in ("ids", "logits-model", "logits-sparsemax", "server-model"):
+                    continue
+                x, kw = hidden(rng, dtype), routing(rng)
+                y_one = c1.forward(layer, x, **kw)
+                y = fl.forward(layer, x, **kw)
+                assert y.dtype == x.dtype and y.shape == x.shape, name
+                if len(holders) == 1:  # a layer held whole by one daemon: its reply, unchanged
+                    assert np.array_equal(f32(y), f32(y_one)), name
+                    continue
+                partials = []
+                for d in holders:
+                    with d.client() as c:
+                        partials.append(c.forward(layer, x, **kw))
+                check(y, y_one, partials, dtype)
+
+
+def test_getmodel_says_what_each_daemon_holds(pool):
+    a, b, c = fleet3(pool)
+    assert [(li.index, li.experts_held, li.adds_shared_experts) for li in a.client().info().layers] == \
+        [(0, [(0, 7)], True)]
+    assert [(li.experts_held, li.adds_shared_experts) for li in b.client().info().layers] == [([(0, 2), (6, 6)], True)]
+    assert [(li.experts_held, li.adds_shared_experts) for li in c.client().info().layers] == [([(3, 5), (7, 7)], False)]
+    with MoEClient([a.address, b.address, c.address]) as fl:
+        info = fl.info()
+        assert [(li.index, li.experts_held, li.num_experts) for li in info.layers] == [(0, [(0, 7)], 8), (1, [(0, 7)], 8)]
+        assert [m.target for m in fl.members()] == [a.address, b.address, c.address]
+        assert fl.health() == "SERVING"
+    with pytest.raises(MoEError) as e, MoEClient([a.address, b.address]) as half:
+        half.forward(1, np.zeros((2, D), np.float32))
+    assert e.value.code_name == "UNAVAILABLE" and "experts 3-5,7" in e.value.message, e.value.message
+
+
+def test_asyncio_and_stream(pool):
+    daemons = fleet2(pool)
+    rng = np.random.default_rng(11)
+    xs = [hidden(rng, "f32") for _ in range(4)]
+    with MoEClient(one(pool).address) as c1:
+        want = [c1.forward(i % 2, x) for i, x in enumerate(xs)]
+    tol = 1e-5 * max(np.abs(w).max() for w in want)
+
+    async def run():
+        async with moed.aio.MoEClient([d.address for d in daemons], timeout=30) as fl:
+            assert type(fl).__name__ == "AioFleetClient"
+            got = await asyncio.gather(*(fl.forward(i % 2, x) for i, x in enumerate(xs)))
+            streamed = [y async for y in fl.forward_stream([dict(layer=i % 2, hidden=x) for i, x in enumerate(xs)])]
+            return got, streamed, await fl.health()
+
+    got, streamed, health = asyncio.run(run())
+    assert health == "SERVING"
+    with MoEClient([d.address for d in daemons]) as fl:
+        blocking = list(fl.forward_stream([dict(layer=i % 2, hidden=x) for i, x in enumerate(xs)]))
+    for w, g, s, b in zip(want, got, streamed, blocking):
+        assert np.abs(g - w).max() <= tol and np.abs(s - w).max() <= tol and np.abs(b - w).max() <= tol
+
+
+def test_batch_gating_refused_on_a_shard(pool):
+    shard, _ = fleet2(pool)
+    x = np.zeros((3, D), np.float32)
+    with shard.client() as c, pytest.raises(MoEError) as e:
+        c.forward(0, x, batch_gating=True)
+    assert e.value.code_name == "FAILED_PRECONDITION", e.value
+    assert "experts 0-3" in e.value.message and "--experts" in e.value.message, e.value.message
+    with MoEClient([d.address for d in fleet2(pool)]) as fl, pytest.raises(MoEError) as e:
+        fl.forward(0, x, batch_gating=True)
+    assert e.value.code_name == "FAILED_PRECONDITION" and "2 shards" in e.value.message, e.value.message
+    with one(pool).client() as c:  # a daemon holding every expert still gates batches
+        assert len(c.forward(0, x, batch_gating=True, return_info=True).expert_set) == 2
+
+
+def test_replica_drained_mid_run_loses_no_call(daemon):
+    """Two replicas of experts 0-3 and one daemon of 4-7: a loop of calls keeps going while one
+    replica is drained (SIGTERM) and exits; every call is answered, and right."""
+    r1 = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3")
+    r2 = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3")
+    s = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "4-7")
+    full = daemon("--synthetic", SPEC, "--threads", "1")
+    rng = np.random.default_rng(3)
+    x = hidden(rng, "f32")
+    with full.client() as c:
+        want = c.forward(0, x)
+    tol = 1e-5 * np.abs(want).max()
+    answered, failed, sent, gone = [], [], threading.Event(), threading.Event()
+    states = []
+
+    def loop():
+        with MoEClient([r1.address, r2.address, s.address], timeout=30) as fl:
+            after = 0
+            while after < 30:  # until 30 calls after r1 has exited
+                try:
+                    answered.append(np.abs(fl.forward(0, x) - want).max())
+                except Exception as e:  # counted: none may happen
+                    failed.append(repr(e))
+                if len(answered) == 20:
+                    sent.set()
+                after += gone.is_set()
+            states.extend(m.error for m in fl.fleet.members)
+
+    t = threading.Thread(target=loop)
+    t.start()
+    assert sent.wait(60)
+    assert r1.stop() == 0, r1.log()  # drains: calls in flight answered, new ones UNAVAILABLE
+    gone.set()
+    t.join(120)
+    assert not failed, failed[:3]
+    assert len(answered) >= 50 and max(answered) <= tol
+    assert states[0].startswith("UNAVAILABLE"), states  # r1 turned calls away: they went to r2
+
+
+def test_shard_down_is_unavailable_naming_it(daemon):
+    a = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3")
+    b = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "4-7")
+    x = np.zeros((2, D), np.float32)
+    with MoEClient([a.address, b.address], timeout=20) as fl:
+        fl.forward(0, x)
+        b.send_signal(signal.SIGTERM)  # draining, then gone: UNAVAILABLE either way
+        with pytest.raises(MoEError) as e:
+            fl.forward(0, x)
+    assert b.stop() == 0, b.log()
+    assert e.value.code_name == "UNAVAILABLE", e.value
+    assert "experts 4-7" in e.value.message and b.address in e.value.message, e.value.message
+    # a fleet that learns what it holds with that daemon already down says the same
+    with MoEClient([a.address, b.address], timeout=20) as fl, pytest.raises(MoEError) as e:
+        fl.forward(1, x)
+    assert e.value.code_name == "UNAVAILABLE", e.value
+    assert "layer 1: experts 4-7" in e.value.message and b.address in e.value.message, e.value.message
+
+
+def test_expert_token_metrics_match_the_routes(daemon):
+    fa, pa = metrics_flags()
+    fb, pb = metrics_flags()
+    a = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-2,6", *fa)
+    b = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "3-5,7", *fb)
+    rng = np.random.default_rng(5)
+    want = np.zeros((2, E), np.int64)
+    with MoEClient([a.address, b.address], timeout=30) as fl:
+        for layer in (0, 1, 1):
+            ids = _ids(rng)
+            fl.forward(layer, hidden(rng, "f32"), expert_ids=ids, expert_weights=(ids >= 0).astype(np.float32))
+            for e in ids[ids >= 0]:
+                want[layer, e] += 1
+    for port, held in ((pa, (0, 1, 2, 6)), (pb, (3, 4, 5, 7))):
+        m = scrape(port)
+        for layer in (0, 1):
+            for e in range(E):
+                got = m.get("moed_expert_tokens_total", layer=str(layer), expert=str(e))
+                assert got == (want[layer, e] if e in held else None), (layer, e, got, port)
+    assert want.sum() > 0
+
+
+def test_dns_name_with_two_addresses_is_a_fleet(pool, tmp_path, monkeypatch):
+    """As a Kubernetes headless Service resolves: one name, the two daemons' addresses (here two
+    loopback addresses on one port)."""
+    port = free_port()
+    shards = []
+    try:
+        for host, experts in (("127.0.0.1", "0-3"), ("127.0.0.2", "4-7")):
+            d = Daemon(["--synthetic", SPEC, "--threads", "1", "--experts", experts, "--listen", f"{host}:{port}"],
+                       tmp_path / f"moed-{host}.log", port=port, wait=False)
+            d.address = f"{host}:{port}"  # the later --listen wins
+            shards.append(d)
+        for d in shards:
+            d.wait_serving()
+        real = socket.getaddrinfo
+
+        def resolver(host, *args, **kw):
+            if host == "moed-fleet.test":
+                return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ("127.0.0.2", "127.0.0.1")]
+            return real(host, *args, **kw)
+
+        monkeypatch.setattr(socket, "getaddrinfo", resolver)
+        x = hidden(np.random.default_rng(1), "f32")
+        with MoEClient(f"dns:///moed-fleet.test:{port}", timeout=30) as fl, one(pool).client() as c1:
+            assert [m.target for m in fl.members()] == [f"ipv4:127.0.0.1:{port}", f"ipv4:127.0.0.2:{port}"]
+            want = c1.forward(0, x)
+            assert np.abs(fl.forward(0, x) - want).max() <= 1e-5 * np.abs(want).max()
+    finally:
+        for d in shards:
+            assert d.stop() == 0, d.log()
