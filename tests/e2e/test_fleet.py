@@ -1,4 +1,5 @@
-"""Fleets of daemons behind one client (moed --layers and --experts; moed.MoEClient([...])).
+"""Fleets of daemons behind one client (moed --layers and --experts; moed.MoEClient([...]), and
+the C client's moedc_connect_many through moed-load and moectl).
 
 Two and three daemons splitting the layers and the experts of a layer (with non-contiguous expert
 lists, and replicas) answer every routing kind as one daemon holding everything does: in float32
@@ -9,20 +10,26 @@ drained (SIGTERM) while a loop of calls runs loses none of them; a shard that is
 UNAVAILABLE naming its experts and its daemon; batch gating is refused by a shard (the daemon
 itself, FAILED_PRECONDITION) and by the client over a split layer; GetModel says what each daemon
 holds; moed_expert_tokens_total counts exactly the routes sent, on the daemon holding each expert;
-a "dns:" name with two addresses makes a fleet of its addresses.
+a "dns:" name with two addresses makes a fleet of its addresses. The C client: moed-load --verify
+against both fleets for every routing kind (the fleet's sums against the CPU reference of the whole
+layer), moed-load losing no call while a replica drains, its tokens per expert equal to the
+daemons' counters, moectl naming a shard that is down.
 """
 
 import asyncio
+import json
 import signal
 import socket
+import subprocess
 import threading
+import time
 
 import numpy as np
 import pytest
 
 import moed
 import moed.aio
-from conftest import Daemon, free_port
+from conftest import BUILD, Daemon, free_port
 from daemons import DaemonPool
 from moed import MoEClient, MoEError
 from prod import metrics_flags, scrape
@@ -32,6 +39,7 @@ from prod import metrics_flags, scrape
 SPEC = ("layers=2,d=64,ff=96,experts=8,topk=2,act=swiglu,dtype=bf16,seed=5,shared=1,shared_ff=32,"
         "rule=deepseek,groups=4,topk_groups=2,scale=2.5")
 E, D, T = 8, 64, 12
+LOAD, MOECTL = BUILD / "client" / "c" / "moed-load", BUILD / "client" / "c" / "moectl"
 U = {"bf16": 2.0 ** -8, "f32": 0.0}  # the unit roundoff of the hidden dtype (f32: see below)
 
 ROUTINGS = {
@@ -242,7 +250,7 @@ def test_shard_down_is_unavailable_naming_it(daemon):
     assert "layer 1: experts 4-7" in e.value.message and b.address in e.value.message, e.value.message
 
 
-def test_expert_token_metrics_match_the_routes(daemon):
+def test_expert_token_metrics_match_the_routes(daemon, tmp_path):
     fa, pa = metrics_flags()
     fb, pb = metrics_flags()
     a = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-2,6", *fa)
@@ -262,6 +270,14 @@ def test_expert_token_metrics_match_the_routes(daemon):
                 got = m.get("moed_expert_tokens_total", layer=str(layer), expert=str(e))
                 assert got == (want[layer, e] if e in held else None), (layer, e, got, port)
     assert want.sum() > 0
+    # moed-load's tokens per expert: from the routes it sent, and from the daemons' counters
+    out = tmp_path / "r.json"
+    p = moed_load([a.address, b.address], "--metrics", f"127.0.0.1:{pa},127.0.0.1:{pb}", "--layers", "0,1",
+                  "--routing", "zipf:1", "--requests", 40, "--warmup", 0, "--tokens", "1:8", "--json", out)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr
+    ex = json.loads(out.read_text())["levels"][0]["expert_tokens"]
+    assert ex["sent"] == ex["servers"] and sum(map(sum, ex["sent"].values())) > 0, ex
+    assert "tokens per expert (from the routes sent)" in p.stdout
 
 
 def test_dns_name_with_two_addresses_is_a_fleet(pool, tmp_path, monkeypatch):
@@ -293,3 +309,59 @@ def test_dns_name_with_two_addresses_is_a_fleet(pool, tmp_path, monkeypatch):
     finally:
         for d in shards:
             assert d.stop() == 0, d.log()
+
+
+# ---- the C client (libmoedclient's moedc_connect_many, through moed-load and moectl) --------------
+
+def moed_load(targets, *args, timeout=120):
+    return subprocess.run([str(LOAD), "--target", ",".join(targets), "--no-progress", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+C_ROUTINGS = [["--routing", "uniform"], ["--routing", "server"]] + \
+    [["--routing", "logits", "--strategy", s] for s in ("model", "topk", "sigmoid", "sparsemax", "quadratic", "pioneer")]
+
+
+@pytest.mark.parametrize("topology,dtype,routings", [
+    ("fleet3", "f32", C_ROUTINGS),
+    ("fleet3", "bf16", C_ROUTINGS[:3]),
+    ("fleet2", "f32", [C_ROUTINGS[0], C_ROUTINGS[1], C_ROUTINGS[5]]),
+])
+def test_c_client_fleet_verified(pool, tmp_path, topology, dtype, routings):
+    """moed-load over the fleet, every reply checked against the CPU reference of the whole layer."""
+    targets = [d.address for d in globals()[topology](pool)]
+    for routing in routings:
+        out = tmp_path / "r.json"
+        p = moed_load(targets, "--layers", "0,1", "--dtype", dtype, *routing, "--requests", 60,
+                      "--verify", 60, "--concurrency", 4, "--tokens", "1:12", "--warmup", 0, "--json", out)
+        assert p.returncode == 0, (routing, p.stdout[-2000:], p.stderr)
+        lv = json.loads(out.read_text())["levels"][0]
+        assert lv["ok"] == 60 and lv["verify"]["checked"] == 60 and lv["verify"]["mismatches"] == 0, lv
+
+
+def test_c_client_loses_no_call_while_a_replica_drains(daemon, tmp_path):
+    r1 = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3")
+    r2 = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3")
+    s = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "4-7")
+    out = tmp_path / "r.json"
+    load = subprocess.Popen([str(LOAD), "--target", f"{r1.address},{r2.address},{s.address}", "--no-progress",
+                             "--duration", "2.5", "--warmup", "0", "--concurrency", "4", "--dtype", "f32",
+                             "--verify", "100", "--json", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.8)
+    assert r1.stop() == 0, r1.log()
+    stdout, stderr = load.communicate(timeout=60)
+    assert load.returncode == 0, stdout[-2000:] + stderr
+    lv = json.loads(out.read_text())["levels"][0]
+    assert lv["errors_total"] == 0 and lv["ok"] > 50 and lv["verify"]["mismatches"] == 0, lv
+
+
+def test_c_client_names_a_shard_that_is_down(daemon, tmp_path):
+    a = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3")
+    gone = f"127.0.0.1:{free_port()}"  # nothing listens there
+    np.save(tmp_path / "x.npy", np.zeros((2, D), np.float32))
+    p = subprocess.run([str(MOECTL), "--target", f"{a.address},{gone}", "--timeout", "10", "forward",
+                        "--layer", "0", "--hidden", str(tmp_path / "x.npy"), "--server-router",
+                        "--out", str(tmp_path / "y.npy")], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1, p
+    assert "UNAVAILABLE" in p.stderr and "experts 4-7" in p.stderr and gone in p.stderr, p.stderr

@@ -16,17 +16,15 @@
 
 enum { TOKEN_MAX = 4096 };
 
-/* The token: the first line of path, without surrounding blanks. Only a regular file: a FIFO
- * would hold the tool up for ever. */
-static int read_token(const cli_spec *spec, const char *path, char **out)
+int cli_read_token(const cli_spec *spec, const char *flag, const char *path, char **out)
 {
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     struct stat st;
     if (fd < 0)
-        return cli_usage_error(spec, "--token-file %s: cannot open it: %s", path, strerror(errno));
+        return cli_usage_error(spec, "%s %s: cannot open it: %s", flag, path, strerror(errno));
     if (fstat(fd, &st) || !S_ISREG(st.st_mode)) {
         close(fd);
-        return cli_usage_error(spec, "--token-file %s is not a regular file", path);
+        return cli_usage_error(spec, "%s %s is not a regular file", flag, path);
     }
     char line[TOKEN_MAX + 2];
     ssize_t n = read(fd, line, sizeof line - 1);
@@ -35,12 +33,11 @@ static int read_token(const cli_spec *spec, const char *path, char **out)
     char *s = line + strspn(line, " \t"), *end = s + strcspn(s, "\r\n");
     while (end > s && isspace((unsigned char)end[-1])) end--;
     *end = 0;
-    if (s == end) return cli_usage_error(spec, "--token-file %s: its first line is empty", path);
+    if (s == end) return cli_usage_error(spec, "%s %s: its first line is empty", flag, path);
     if (end - s > TOKEN_MAX)
-        return cli_usage_error(spec, "--token-file %s: the token is over %d bytes", path,
-                               TOKEN_MAX);
+        return cli_usage_error(spec, "%s %s: the token is over %d bytes", flag, path, TOKEN_MAX);
     *out = strdup(s);
-    if (!*out) return cli_usage_error(spec, "out of memory reading --token-file");
+    if (!*out) return cli_usage_error(spec, "out of memory reading %s", flag);
     return 0;
 }
 
@@ -50,7 +47,7 @@ int cli_conn_opts(const cli_spec *spec, cli_conn *c, moedc_opts *out)
     if (c->token && c->token_file)
         return cli_usage_error(spec, "give --token or --token-file, not both");
     if (c->token_file && !c->token_read) {
-        int rc = read_token(spec, c->token_file, &c->token_read);
+        int rc = cli_read_token(spec, "--token-file", c->token_file, &c->token_read);
         if (rc) return rc;
     }
     out->bearer_token = c->token_file ? c->token_read : c->token;
@@ -70,6 +67,28 @@ void cli_conn_free(cli_conn *c)
 {
     free(c->token_read);
     c->token_read = NULL;
+}
+
+int cli_connect(const cli_conn *c, const moedc_opts *o, moedc **out, moedc_error *err)
+{
+    const char *t = c->target;
+    if (!strncmp(t, "ipv4:", 5) || !strncmp(t, "ipv6:", 5) || !strchr(t, ','))
+        return moedc_connect_many(&t, 1, o, out, err);
+    char *copy = strdup(t), *save = NULL;
+    int n = 0;
+    const char **list = calloc(strlen(t) / 2 + 2, sizeof *list); /* at most one per comma, + 1 */
+    if (!copy || !list) {
+        free(copy);
+        free(list);
+        snprintf(err->msg, sizeof err->msg, "out of memory");
+        return err->code = MOEDC_ENOMEM;
+    }
+    for (char *tok = strtok_r(copy, ",", &save); tok; tok = strtok_r(NULL, ",", &save))
+        list[n++] = tok;
+    int rc = moedc_connect_many(list, n, o, out, err);
+    free(copy);
+    free(list);
+    return rc;
 }
 
 int cli_parse_strategy(const char *value, void *field)

@@ -23,7 +23,9 @@ typedef struct cli_conn {
 
 #define CLI_CONN_OPTS(T)                                                                           \
     CLI_STR_OPT("target", offsetof(T, conn.target), "ADDR", "127.0.0.1:50051", NULL,               \
-                "the daemon: host:port, or unix:/path for a Unix socket"),                         \
+                "the daemon: host:port, or unix:/path for a Unix socket; a fleet of\n"             \
+                "daemons holding parts of the layers and experts: several, comma-\n"               \
+                "separated, or a dns:///NAME:PORT name with several addresses"),                   \
         CLI_STR_OPT("token", offsetof(T, conn.token), "T", NULL, NULL,                             \
                     "bearer token sent as 'authorization: Bearer T' (other local users\n"          \
                     "can see it in ps: prefer --token-file)"),                                     \
@@ -46,6 +48,14 @@ typedef struct cli_conn {
  * CLI_EXIT_USAGE, when they do not go together or a file named cannot be used. */
 int cli_conn_opts(const cli_spec *spec, cli_conn *c, moedc_opts *out);
 void cli_conn_free(cli_conn *c);
+
+/* A token file's token (its first line, without surrounding blanks; a regular file only: a FIFO
+ * would hold the tool up for ever) into *out (malloc'd); a usage error naming flag otherwise. */
+int cli_read_token(const cli_spec *spec, const char *flag, const char *path, char **out);
+
+/* Connects to --target: one daemon (moedc_connect), or a fleet (moedc_connect_many) when it lists
+ * several, comma-separated (gRPC's own ipv4:/ipv6: address lists are passed whole). */
+int cli_connect(const cli_conn *c, const moedc_opts *o, moedc **out, moedc_error *err);
 
 /* CLI_CUSTOM parsers into an int: a gating strategy's name (model, topk, sigmoid, ...), and
  * on|off for renormalisation (MOEDC_RENORM_ON / _OFF). */

@@ -145,19 +145,25 @@ static int cmd_health(moedc *c, const args *a)
 static void print_layers(const moedc_model_info *m)
 {
     static const char *const rules[] = { "-", "softmax_topk", "deepseek_v3" };
-    printf("%5s %7s %6s %7s %5s %6s %5s %6s %4s %12s %9s %6s %5s\n", "layer", "d_model", "d_ff",
+    printf("%5s %7s %6s %7s %5s %6s %5s %6s %4s %12s %9s %6s %5s %s\n", "layer", "d_model", "d_ff",
            "experts", "top_k", "act", "dtype", "router", "norm", "rule", "shared", "groups",
-           "scale");
+           "scale", "held");
     for (int i = 0; i < m->n_layers; i++) {
         const moedc_layer_info *l = &m->layers[i];
-        char shared[32], groups[32];
+        char shared[32], groups[32], held[200] = "";
         snprintf(shared, sizeof shared, "%dx%d", l->n_shared, l->shared_d_ff);
         snprintf(groups, sizeof groups, "%d/%d", l->n_group, l->topk_group);
-        printf("%5d %7d %6d %7d %5d %6s %5s %6s %4d %12s %9s %6s %5g\n", l->index, l->d_model,
+        for (int r = 0; r < l->n_held; r++) /* the experts this daemon holds (--experts) */
+            snprintf(held + strlen(held), sizeof held - strlen(held),
+                     l->held[r].first == l->held[r].last ? "%s%d" : "%s%d-%d", r ? "," : "",
+                     l->held[r].first, l->held[r].last);
+        if (l->n_shared && l->adds_shared)
+            snprintf(held + strlen(held), sizeof held - strlen(held), "+shared");
+        printf("%5d %7d %6d %7d %5d %6s %5s %6s %4d %12s %9s %6s %5g %s\n", l->index, l->d_model,
                l->d_ff, l->n_experts, l->top_k, moed_act_name((moed_act)l->act),
                moed_dtype_name(l->wdtype), l->has_router ? "yes" : "no", l->norm_topk,
                l->rule >= 0 && l->rule <= 2 ? rules[l->rule] : "?", shared, groups,
-               (double)l->routed_scale);
+               (double)l->routed_scale, held);
     }
 }
 
@@ -353,7 +359,7 @@ static int connect_to(args *a, moedc **c)
     int rc = cli_conn_opts(&command_line, &a->conn, &opts);
     if (rc) return rc;
     opts.timeout_s = a->timeout_s;
-    if (moedc_connect(a->conn.target, &opts, c, &err)) {
+    if (cli_connect(&a->conn, &opts, c, &err)) {
         fprintf(stderr, "moectl: %s\n", err.msg);
         return EXIT_USAGE;
     }

@@ -178,6 +178,31 @@ typedef struct moedc_opts {
  * unreachable server, or a failed TLS handshake, shows up as UNAVAILABLE on the first call. */
 MOEDC_EXTERN int moedc_connect(const char *target, const moedc_opts *opts, moedc **out,
                                moedc_error *err);
+
+/* Opens a fleet: several daemons that split the layers (moed --layers) and the experts of each
+ * layer (moed --experts) between them, behind one moedc that every call of this header takes.
+ * targets[0 .. n-1] each name a daemon; a "dns:" name that resolves to several addresses (a
+ * Kubernetes headless Service) names one daemon per address. One channel per daemon; every
+ * daemon's GetModel is asked now (for at most 5 s each), so what each holds is known: daemons
+ * holding the same experts of a layer are replicas of a shard; the shards of a layer must be
+ * disjoint and exactly one must add the shared experts, else MOEDC_EPRECOND naming the daemons.
+ * A daemon that does not answer is asked again (at most once a second) when a call needs it.
+ *
+ * A Forward goes to one replica of each shard of its layer at once (the one with the fewest calls
+ * outstanding from this moedc); a replica answering UNAVAILABLE (draining, queue full,
+ * unreachable) is passed over for a while and the call goes to the next replica at once, each
+ * replica once per call (no backoff: the asynchronous API has no timers); a shard none of whose
+ * replicas answered fails the call UNAVAILABLE naming the layer, the experts and each daemon with
+ * what it said. The result is the shards' partial outputs added in float32 in the order of each
+ * shard's lowest expert and rounded once to the request's dtype (moed.proto's "Expert shards"
+ * bounds the cost in bf16 and f16); its timings, request_id and expert_set are those of the
+ * slowest shard. With one shard the reply is the result, as from one daemon. Batch gating over a
+ * layer split into several shards is MOEDC_EPRECOND. moedc_info answers the fleet's model (each
+ * layer once, held: the experts the daemons that answered hold between them; the smallest limits;
+ * every device); moedc_health SERVING when every layer has every expert on a SERVING daemon.
+ * With n == 1 and a target that is one daemon, this is moedc_connect. */
+MOEDC_EXTERN int moedc_connect_many(const char *const *targets, int n, const moedc_opts *opts,
+                                    moedc **out, moedc_error *err);
 /* Closes the channel. Every call started on it must have been finished. */
 MOEDC_EXTERN void moedc_close(moedc *c);
 
@@ -258,6 +283,11 @@ MOEDC_EXTERN int moedc_call_finish(moedc_call *call, moedc_result *res, moedc_er
 
 /* ---- model information and health ---- */
 
+/* Experts first .. last, both included (moed.v1.ExpertRange). */
+typedef struct moedc_expert_range {
+    int first, last;
+} moedc_expert_range;
+
 /* moed.v1.LayerInfo: one resident layer. */
 typedef struct moedc_layer_info {
     int index; /* what requests name */
@@ -275,6 +305,11 @@ typedef struct moedc_layer_info {
     float routed_scale; /* routed_scaling_factor; 1 when absent */
     int n_shared;       /* shared experts, applied to every token with weight 1 */
     int shared_d_ff;    /* their total width */
+    /* The experts whose terms the daemon computes (moed --experts: an expert shard), as
+     * increasing ranges; every expert, [0, n_experts - 1], unless it holds a shard. */
+    moedc_expert_range *held;
+    int n_held;
+    bool adds_shared; /* its replies include the shared experts' term */
 } moedc_layer_info;
 
 typedef struct moedc_device {

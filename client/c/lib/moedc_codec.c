@@ -276,7 +276,20 @@ int moedc_encode_health(const char *service, uint8_t **buf, size_t *n, moedc_err
     return pack(&m.base, buf, n, err);
 }
 
-static void layer_info_from(const Moed__V1__LayerInfo *l, moedc_layer_info *li)
+/* Whether a layer's held ranges are what moed sends: increasing, disjoint, within its experts. */
+static bool ranges_valid(const Moed__V1__LayerInfo *l)
+{
+    int64_t next = 0;
+    for (size_t i = 0; i < l->n_experts_held; i++) {
+        const Moed__V1__ExpertRange *r = l->experts_held[i];
+        if (r->first < next || r->last < r->first || r->last >= l->num_experts) return false;
+        next = (int64_t)r->last + 1;
+    }
+    return l->num_experts <= INT32_MAX;
+}
+
+/* l's fields into li (held is malloc'd: false when out of memory). */
+static bool layer_info_from(const Moed__V1__LayerInfo *l, moedc_layer_info *li)
 {
     memset(li, 0, sizeof *li);
     li->index = (int)l->index;
@@ -294,6 +307,15 @@ static void layer_info_from(const Moed__V1__LayerInfo *l, moedc_layer_info *li)
     li->routed_scale = l->routed_scaling_factor;
     li->n_shared = (int)l->num_shared_experts;
     li->shared_d_ff = (int)l->shared_d_ff;
+    /* a moed older than these fields holds every expert and adds the shared ones */
+    li->n_held = l->n_experts_held ? (int)l->n_experts_held : 1;
+    li->adds_shared = l->adds_shared_experts || !l->n_experts_held;
+    if (!(li->held = calloc((size_t)li->n_held, sizeof *li->held))) return false;
+    li->held[0].last = li->n_experts - 1;
+    for (size_t i = 0; i < l->n_experts_held; i++)
+        li->held[i] =
+            (moedc_expert_range){ (int)l->experts_held[i]->first, (int)l->experts_held[i]->last };
+    return true;
 }
 
 static char *dup_or_empty(const char *s)
@@ -314,8 +336,20 @@ int moedc_decode_model_info(const uint8_t *buf, size_t n, moedc_model_info *out,
     out->layers = calloc(m->n_layers ? m->n_layers : 1, sizeof *out->layers);
     out->devices = calloc(m->n_devices ? m->n_devices : 1, sizeof *out->devices);
     if (!out->model || !out->backend || !out->version || !out->layers || !out->devices) goto err;
-    for (size_t i = 0; i < m->n_layers; i++) layer_info_from(m->layers[i], &out->layers[i]);
-    out->n_layers = (int)m->n_layers;
+    for (size_t i = 0; i < m->n_layers; i++)
+        if (!ranges_valid(m->layers[i])) {
+            int index = (int)m->layers[i]->index;
+            moed__v1__model_info__free_unpacked(m, NULL);
+            moedc_model_info_free(out);
+            return moedc_fail(err, MOEDC_EFORMAT,
+                              "the server's ModelInfo is malformed: layer %d's experts_held are "
+                              "not increasing ranges of its experts",
+                              index);
+        }
+    for (size_t i = 0; i < m->n_layers; i++) {
+        if (!layer_info_from(m->layers[i], &out->layers[i])) goto err;
+        out->n_layers = (int)i + 1;
+    }
     for (size_t i = 0; i < m->n_devices; i++) {
         out->devices[i].name = dup_or_empty(m->devices[i]->name);
         if (!out->devices[i].name) goto err;
@@ -339,6 +373,7 @@ void moedc_model_info_free(moedc_model_info *m)
     free(m->model);
     free(m->backend);
     free(m->version);
+    for (int i = 0; i < m->n_layers; i++) free(m->layers[i].held);
     free(m->layers);
     for (int i = 0; i < m->n_devices; i++) free(m->devices[i].name);
     free(m->devices);

@@ -14,6 +14,7 @@
  */
 #include "moedc_codec.h"
 #include "moedc_common.h"
+#include "moedc_fleet.h"
 #include "moedc_tls.h"
 
 #include <grpc/byte_buffer_reader.h>
@@ -27,6 +28,7 @@
 #include <string.h>
 
 struct moedc {
+    moedc_fleet *fleet; /* a fleet's moedc (moedc_connect_many) has this instead of a channel */
     grpc_channel *channel;
     void *m_forward, *m_get_model, *m_health; /* registered methods */
     double timeout_s;
@@ -53,6 +55,9 @@ struct moedc_call {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int lent;
+    /* fleets (moedc_fleet.h): a handle's fleet call, or a sub-call's part */
+    moedc_fleet_call *fleet;
+    moedc_part *part;
 };
 
 const char *moedc_health_name(int status)
@@ -142,9 +147,32 @@ int moedc_connect(const char *target, const moedc_opts *opts, moedc **out, moedc
     return 0;
 }
 
+int moedc_connect_many(const char *const *targets, int n, const moedc_opts *opts, moedc **out,
+                       moedc_error *err)
+{
+    *out = NULL;
+    if (!targets || n < 1)
+        return moedc_fail(err, MOEDC_EINVAL, "no server address given (e.g. 127.0.0.1:50051)");
+    if (!moedc_fleet_wanted(targets, n)) return moedc_connect(targets[0], opts, out, err);
+    moedc *c = calloc(1, sizeof *c);
+    if (!c) return moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a fleet");
+    int rc = moedc_fleet_open(targets, n, opts, &c->fleet, err);
+    if (rc) {
+        free(c);
+        return rc;
+    }
+    *out = c;
+    return 0;
+}
+
 void moedc_close(moedc *c)
 {
     if (!c) return;
+    if (c->fleet) { /* its members' moedcs hold the channels */
+        moedc_fleet_close(c->fleet);
+        free(c);
+        return;
+    }
     if (c->channel) grpc_channel_destroy(c->channel);
     free(c->auth);
     free(c);
@@ -186,11 +214,18 @@ static gpr_timespec after(double seconds)
 int moedc_queue_next(moedc_queue *q, double timeout_s, moedc_call **out)
 {
     *out = NULL;
-    grpc_event ev = grpc_completion_queue_next(q->cq, after(timeout_s), NULL);
-    if (ev.type != GRPC_OP_COMPLETE) return 0; /* timeout (shutdown only comes in destroy) */
-    *out = ev.tag;
-    (*out)->batch_ok = ev.success;
-    return 1;
+    const gpr_timespec until = after(timeout_s);
+    for (;;) {
+        grpc_event ev = grpc_completion_queue_next(q->cq, until, NULL);
+        if (ev.type != GRPC_OP_COMPLETE) return 0; /* timeout (shutdown only comes in destroy) */
+        moedc_call *call = ev.tag;
+        call->batch_ok = ev.success;
+        if (call->part) call = moedc_fleet_part_done(call, call->part); /* a fleet's sub-call */
+        if (call) {
+            *out = call;
+            return 1;
+        }
+    }
 }
 
 /* ---- calls ---- */
@@ -302,8 +337,9 @@ static int call_reply(moedc_call *call, grpc_slice *out, moedc_error *err)
     return 0;
 }
 
-int moedc_forward_start(moedc *c, const moedc_request *req, moedc_queue *q, void *user,
-                        moedc_call **out, moedc_error *err)
+/* moedc_forward_start on a channel; part: the fleet's part it is a sub-call of, or NULL. */
+static int forward_start(moedc *c, const moedc_request *req, moedc_queue *q, void *user,
+                         moedc_part *part, moedc_call **out, moedc_error *err)
 {
     *out = NULL;
     moedc_wire w;
@@ -317,6 +353,7 @@ int moedc_forward_start(moedc *c, const moedc_request *req, moedc_queue *q, void
     call->dtype = req->dtype;
     call->tokens = req->tokens;
     call->d_model = req->d_model;
+    call->part = part;
     /* head and tail become slices that own them; the body a slice lent from the caller */
     grpc_slice s[3];
     size_t n = 0;
@@ -336,6 +373,16 @@ int moedc_forward_start(moedc *c, const moedc_request *req, moedc_queue *q, void
     return 0;
 }
 
+int moedc_forward_start(moedc *c, const moedc_request *req, moedc_queue *q, void *user,
+                        moedc_call **out, moedc_error *err)
+{
+    if (c->fleet) {
+        *out = NULL;
+        return moedc_fleet_forward_start(c->fleet, req, q, user, out, err);
+    }
+    return forward_start(c, req, q, user, NULL, out, err);
+}
+
 void *moedc_call_user(const moedc_call *call)
 {
     return call->user;
@@ -343,11 +390,15 @@ void *moedc_call_user(const moedc_call *call)
 
 void moedc_call_cancel(moedc_call *call)
 {
-    grpc_call_cancel(call->call, NULL);
+    if (call->fleet)
+        moedc_fleet_cancel(call);
+    else
+        grpc_call_cancel(call->call, NULL);
 }
 
 int moedc_call_finish(moedc_call *call, moedc_result *res, moedc_error *err)
 {
+    if (call->fleet) return moedc_fleet_finish(call, res, err);
     memset(res, 0, sizeof *res);
     grpc_slice reply;
     int rc = call_reply(call, &reply, err);
@@ -376,9 +427,10 @@ int moedc_forward(moedc *c, const moedc_request *req, moedc_result *res, moedc_e
     return rc;
 }
 
-/* A small blocking call (GetModel, health): msg is freed; *reply holds the answer on success. */
-static int unary(moedc *c, void *method, uint8_t *msg, size_t n, grpc_slice *reply,
-                 moedc_error *err)
+/* A small blocking call (GetModel, health) with a deadline of timeout_s (0: the moedc's): msg is
+ * freed; *reply holds the answer on success. */
+static int unary(moedc *c, void *method, uint8_t *msg, size_t n, double timeout_s,
+                 grpc_slice *reply, moedc_error *err)
 {
     moedc_queue *q;
     int rc = moedc_queue_create(&q, err);
@@ -391,7 +443,7 @@ static int unary(moedc *c, void *method, uint8_t *msg, size_t n, grpc_slice *rep
     if (!call) {
         rc = moedc_fail(err, MOEDC_ENOMEM, "out of memory starting a call");
     } else {
-        rc = call_start(c, method, q, 0, &s, 1, call, err);
+        rc = call_start(c, method, q, timeout_s, &s, 1, call, err);
         if (!rc) {
             moedc_call *done;
             moedc_queue_next(q, -1, &done);
@@ -406,12 +458,21 @@ static int unary(moedc *c, void *method, uint8_t *msg, size_t n, grpc_slice *rep
 
 int moedc_info(moedc *c, moedc_model_info *out, moedc_error *err)
 {
+    if (c->fleet) {
+        memset(out, 0, sizeof *out);
+        return moedc_fleet_info(c->fleet, out, err);
+    }
+    return moedc_info_within(c, 0, out, err);
+}
+
+int moedc_info_within(moedc *c, double timeout_s, moedc_model_info *out, moedc_error *err)
+{
     memset(out, 0, sizeof *out);
     uint8_t *msg;
     size_t n;
     grpc_slice reply;
     int rc = moedc_encode_get_model(&msg, &n, err);
-    if (!rc) rc = unary(c, c->m_get_model, msg, n, &reply, err);
+    if (!rc) rc = unary(c, c->m_get_model, msg, n, timeout_s, &reply, err);
     if (rc) return rc;
     rc = moedc_decode_model_info(GRPC_SLICE_START_PTR(reply), GRPC_SLICE_LENGTH(reply), out, err);
     grpc_slice_unref(reply);
@@ -420,14 +481,49 @@ int moedc_info(moedc *c, moedc_model_info *out, moedc_error *err)
 
 int moedc_health(moedc *c, const char *service, int *status, moedc_error *err)
 {
+    if (c->fleet) {
+        *status = MOEDC_HEALTH_UNKNOWN;
+        return moedc_fleet_health(c->fleet, service, status, err);
+    }
+    return moedc_health_within(c, service, 0, status, err);
+}
+
+int moedc_health_within(moedc *c, const char *service, double timeout_s, int *status,
+                        moedc_error *err)
+{
     *status = MOEDC_HEALTH_UNKNOWN;
     uint8_t *msg;
     size_t n;
     grpc_slice reply;
     int rc = moedc_encode_health(service, &msg, &n, err);
-    if (!rc) rc = unary(c, c->m_health, msg, n, &reply, err);
+    if (!rc) rc = unary(c, c->m_health, msg, n, timeout_s, &reply, err);
     if (rc) return rc;
     rc = moedc_decode_health(GRPC_SLICE_START_PTR(reply), GRPC_SLICE_LENGTH(reply), status, err);
     grpc_slice_unref(reply);
     return rc;
+}
+
+/* ---- what fleets need of calls (moedc_fleet.h) ---- */
+
+moedc_call *moedc_call_new_handle(void *user, moedc_fleet_call *fc)
+{
+    moedc_call *call = call_new(user);
+    if (call) call->fleet = fc;
+    return call;
+}
+
+void moedc_call_free_handle(moedc_call *call)
+{
+    call_free(call);
+}
+
+moedc_fleet_call *moedc_call_fleet(const moedc_call *call)
+{
+    return call->fleet;
+}
+
+int moedc_forward_start_part(moedc *c, const moedc_request *req, moedc_queue *q, moedc_part *p,
+                             moedc_call **out, moedc_error *err)
+{
+    return forward_start(c, req, q, NULL, p, out, err);
 }

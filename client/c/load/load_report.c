@@ -65,6 +65,50 @@ uint64_t load_stats_errors(const load_stats *s)
     return n;
 }
 
+int load_experts_init(load_experts *x, const int *layers, int n, int n_experts)
+{
+    memset(x, 0, sizeof *x);
+    x->layer = malloc(sizeof *x->layer * (size_t)(n > 0 ? n : 1));
+    if (!x->layer) return MOED_ENOMEM;
+    for (int i = 0; i < n; i++) {
+        bool seen = false;
+        for (int j = 0; j < x->n_layers; j++) seen = seen || x->layer[j] == layers[i];
+        if (!seen) x->layer[x->n_layers++] = layers[i];
+    }
+    x->n_experts = n_experts;
+    x->tokens = calloc((size_t)x->n_layers * (size_t)n_experts + 1, sizeof *x->tokens);
+    return x->tokens ? 0 : MOED_ENOMEM;
+}
+
+void load_experts_add(load_experts *x, int layer, int expert, uint64_t v)
+{
+    if (expert < 0 || expert >= x->n_experts) return;
+    for (int i = 0; i < x->n_layers; i++)
+        if (x->layer[i] == layer) x->tokens[(size_t)i * (size_t)x->n_experts + (size_t)expert] += v;
+}
+
+void load_experts_merge(load_experts *dst, const load_experts *src)
+{
+    for (int i = 0; i < src->n_layers; i++)
+        for (int e = 0; e < src->n_experts; e++)
+            load_experts_add(dst, src->layer[i], e,
+                             src->tokens[(size_t)i * (size_t)src->n_experts + (size_t)e]);
+}
+
+bool load_experts_any(const load_experts *x)
+{
+    for (size_t i = 0; i < (size_t)x->n_layers * (size_t)x->n_experts; i++)
+        if (x->tokens[i]) return true;
+    return false;
+}
+
+void load_experts_free(load_experts *x)
+{
+    free(x->layer);
+    free(x->tokens);
+    memset(x, 0, sizeof *x);
+}
+
 const char *load_err_kind_name(int kind)
 {
     switch (kind) {
@@ -185,6 +229,31 @@ static void text_histogram(FILE *f, const load_hist *h)
     }
 }
 
+/* Per layer: the spread of tokens over its experts in one line, then every expert's count. */
+static void text_experts(FILE *f, const load_experts *x, const char *source)
+{
+    for (int i = 0; i < x->n_layers; i++) {
+        const uint64_t *t = x->tokens + (size_t)i * (size_t)x->n_experts;
+        int hi = 0, lo = 0;
+        double sum = 0;
+        for (int e = 0; e < x->n_experts; e++) {
+            sum += (double)t[e];
+            if (t[e] > t[hi]) hi = e;
+            if (t[e] < t[lo]) lo = e;
+        }
+        const double mean = sum / (x->n_experts ? x->n_experts : 1);
+        fprintf(f,
+                "experts    layer %d, tokens per expert (%s): mean %.1f, max %llu (expert %d, "
+                "%.2fx the mean), min %llu (expert %d)\n          ",
+                x->layer[i], source, mean, (unsigned long long)t[hi], hi,
+                mean > 0 ? (double)t[hi] / mean : 0, (unsigned long long)t[lo], lo);
+        for (int e = 0; e < x->n_experts; e++)
+            fprintf(f, "%s %d:%llu", e && e % 12 == 0 ? "\n          " : "", e,
+                    (unsigned long long)t[e]);
+        fprintf(f, "\n");
+    }
+}
+
 void load_report_text(FILE *f, const load_setup *s, const load_level *l)
 {
     const load_stats *st = &l->st;
@@ -231,6 +300,8 @@ void load_report_text(FILE *f, const load_setup *s, const load_level *l)
         if (st->errors[k])
             fprintf(f, "error      %s x%llu, first: %s\n", load_err_kind_name(k),
                     (unsigned long long)st->errors[k], st->first_error[k]);
+    if (load_experts_any(&l->sent)) text_experts(f, &l->sent, "from the routes sent");
+    if (l->servers.tokens) text_experts(f, &l->servers, "from the daemons' metrics");
     text_histogram(f, &st->latency);
 }
 
@@ -293,6 +364,22 @@ static cJSON *json_level(const load_setup *s, const load_level *l)
     cJSON_AddNumberToObject(v, "worst_rel_err", st->worst_verify_err);
     cJSON_AddNumberToObject(v, "bound", s->verify_bound);
     if (st->mismatches) cJSON_AddStringToObject(v, "first_mismatch", st->first_mismatch);
+    cJSON *ex = cJSON_AddObjectToObject(o, "expert_tokens");
+    const load_experts *tables[2] = { &l->sent, &l->servers };
+    for (int k = 0; k < 2; k++) {
+        const load_experts *x = tables[k];
+        if (!x->tokens || (!k && !load_experts_any(x))) continue;
+        cJSON *by = cJSON_AddObjectToObject(ex, k ? "servers" : "sent");
+        for (int i = 0; by && i < x->n_layers; i++) {
+            char name[16];
+            snprintf(name, sizeof name, "%d", x->layer[i]);
+            cJSON *a = cJSON_AddArrayToObject(by, name);
+            for (int e = 0; a && e < x->n_experts; e++)
+                cJSON_AddItemToArray(
+                    a, cJSON_CreateNumber(
+                           (double)x->tokens[(size_t)i * (size_t)x->n_experts + (size_t)e]));
+        }
+    }
     return o;
 }
 

@@ -53,6 +53,24 @@ uint64_t load_stats_errors(const load_stats *s);
 /* "INVALID_ARGUMENT", ..., "MALFORMED_REPLY", "CLIENT", "BAD_ACCEPTED". */
 const char *load_err_kind_name(int kind);
 
+/* Tokens per expert: (token, expert) pairs per layer called and expert (the whole layer's ids),
+ * counted from the routes of the replies that came back OK (moed-load's own count) or from the
+ * daemons' moed_expert_tokens_total (--metrics), over a level, warm-up included, so the two agree
+ * when every call succeeded. */
+typedef struct load_experts {
+    int n_layers, n_experts; /* n_experts: the most of any layer */
+    int *layer;              /* [n_layers]: the layers' indices, as called */
+    uint64_t *tokens;        /* [n_layers * n_experts] */
+} load_experts;
+
+/* A table for these layers (repeats count once) of up to n_experts experts each. */
+int load_experts_init(load_experts *x, const int *layers, int n, int n_experts);
+/* Adds v to (layer, expert); a layer or expert outside the table is ignored. */
+void load_experts_add(load_experts *x, int layer, int expert, uint64_t v);
+void load_experts_merge(load_experts *dst, const load_experts *src);
+bool load_experts_any(const load_experts *x);
+void load_experts_free(load_experts *x);
+
 /* One level of a run: what was asked and what happened. */
 typedef struct load_level {
     int concurrency;  /* closed loop: calls in flight; 0 for open loop */
@@ -63,6 +81,8 @@ typedef struct load_level {
      * included) over the level, warm-up included, and the calls it finished in that time */
     double cpu_s, wall_s;
     uint64_t calls;
+    load_experts sent;    /* from the routes sent (client routing) */
+    load_experts servers; /* from the daemons' metrics (--metrics) */
 } load_level;
 
 /* The run's fixed settings, as the report states them. */

@@ -87,7 +87,8 @@ typedef struct worker {
     pthread_t thread;
     pthread_mutex_t mu; /* st and completed, for the progress line */
     load_stats st;
-    uint64_t completed; /* all calls, warm-up included */
+    uint64_t completed;   /* all calls, warm-up included */
+    load_experts experts; /* tokens per expert of the ok client routes, warm-up included */
 } worker;
 
 /* ---- starting a call ---- */
@@ -230,12 +231,22 @@ static void count_reply(worker *w, const call_slot *s, int rc, const moedc_resul
     st->bytes_received += res->output_bytes;
 }
 
+/* An ok client route's (token, expert) pairs, into the worker's tokens per expert. */
+static void count_experts(worker *w, const call_slot *s)
+{
+    const moedc_request *r = &s->req;
+    if (r->routing != MOEDC_ROUTE_EXPERTS) return;
+    for (int64_t i = 0; i < r->tokens * r->k; i++)
+        load_experts_add(&w->experts, (int)r->layer, r->expert_ids[i], 1);
+}
+
 static void complete(worker *w, moedc_call *call)
 {
     call_slot *s = moedc_call_user(call);
     moedc_result res;
     moedc_error err;
     int rc = moedc_call_finish(call, &res, &err);
+    if (!rc && !s->bad) count_experts(w, s);
     int64_t now = now_ns();
     pthread_mutex_lock(&w->mu);
     if (s->measured) count_reply(w, s, rc, &res, &err, now);
@@ -303,12 +314,26 @@ static void *worker_main(void *arg)
 
 /* ---- a level ---- */
 
+int load_plan_experts(const load_plan *p, load_experts *x)
+{
+    int *index = malloc(sizeof *index * (size_t)p->n_layers), max_e = 1;
+    if (!index) return MOED_ENOMEM;
+    for (int i = 0; i < p->n_layers; i++) {
+        index[i] = p->layers[i].info.index;
+        if (p->layers[i].info.n_experts > max_e) max_e = p->layers[i].info.n_experts;
+    }
+    int rc = load_experts_init(x, index, p->n_layers, max_e);
+    free(index);
+    return rc;
+}
+
 static void worker_free(worker *w)
 {
     moedc_queue_destroy(w->q);
     free(w->slots);
     free(w->bad_ids);
     free(w->bad_weights);
+    load_experts_free(&w->experts);
     pthread_mutex_destroy(&w->mu);
 }
 
@@ -342,7 +367,7 @@ static int worker_init(worker *w, const load_plan *p, level_clock *clock, atomic
     w->slots = calloc((size_t)w->cap, sizeof *w->slots);
     w->bad_ids = malloc(route * sizeof *w->bad_ids);
     w->bad_weights = malloc(route * sizeof *w->bad_weights);
-    if (!w->slots || !w->bad_ids || !w->bad_weights)
+    if (!w->slots || !w->bad_ids || !w->bad_weights || load_plan_experts(p, &w->experts))
         return moed_fail(err, MOED_ENOMEM, "out of memory for %d calls in flight", w->cap);
     for (int i = 0; i < w->cap; i++) w->slots[i].next_free = i + 1;
     moedc_error qerr;
@@ -435,6 +460,11 @@ int load_run_level(const load_plan *p, load_level *lv, moed_error *err)
     }
     watch(p, ws, n, &clock, &running);
     for (int i = 0; i < started; i++) pthread_join(ws[i].thread, NULL);
+    if (load_plan_experts(p, &lv->sent)) {
+        rc = moed_fail(err, MOED_ENOMEM, "out of memory counting tokens per expert");
+        goto out;
+    }
+    for (int i = 0; i < started; i++) load_experts_merge(&lv->sent, &ws[i].experts);
     lv->cpu_s = cpu_seconds() - cpu0;
     lv->wall_s = (double)(now_ns() - clock.t0) / 1e9;
     load_stats_init(&lv->st);

@@ -7,10 +7,12 @@
  * connections (each its own TCP connection, since one HTTP/2 connection is a bottleneck for large
  * messages). The calling thread prints the progress line and collects the workers.
  *
- * A level: warm-up (calls started in it are not counted), then the measured window, ended by
- * duration or by the number of requests; then the calls in flight are waited for (their replies
- * count), for at most the deadline plus 5 s (30 s without one), after which they are cancelled and
- * counted as CANCELLED. load_run_interrupt (SIGINT) ends the window early the same way.
+ * A level: warm-up (calls started in it are not counted, but for the tokens per expert of
+ * lv->sent, which counts every ok client route as the daemons' counters do), then the measured
+ * window, ended by duration or by the number of requests; then the calls in flight are waited for
+ * (their replies count), for at most the deadline plus 5 s (30 s without one), after which they
+ * are cancelled and counted as CANCELLED. load_run_interrupt (SIGINT) ends the window early the
+ * same way.
  */
 #ifndef LOAD_RUN_H
 #define LOAD_RUN_H
@@ -64,6 +66,9 @@ typedef struct load_plan {
 /* Runs one level: lv->concurrency (closed loop) or lv->rate (open loop) must be set; fills the
  * rest of lv. Fails only when the level could not be set up (threads, memory). */
 int load_run_level(const load_plan *p, load_level *lv, moed_error *err);
+
+/* A tokens-per-expert table (load_report.h) for the plan's layers. */
+int load_plan_experts(const load_plan *p, load_experts *x);
 
 /* Ends the current level's measured window early; safe in a signal handler. */
 void load_run_interrupt(void);

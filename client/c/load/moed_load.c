@@ -14,6 +14,7 @@
 #include "cli_common.h"
 #include "cli_opt.h"
 #include "load_gen.h"
+#include "load_metrics.h"
 #include "load_report.h"
 #include "load_run.h"
 #include "load_verify.h"
@@ -36,6 +37,8 @@ typedef struct args {
     cli_conn conn;
     const char *layer, *layers, *dtype, *concurrency, *rate, *arrival;
     const char *tokens, *tokens_file, *routing, *synthetic, *json, *csv;
+    const char *metrics, *metrics_token_file;
+    char *metrics_token;
     double duration_s, warmup_s, deadline_ms, bad_fraction;
     long long requests, verify, seed, connections, threads, max_inflight, top_k, k_batch;
     int strategy;
@@ -106,6 +109,11 @@ static const cli_opt options[] = {
     CLI_STR_OPT("synthetic", F(synthetic), "SPEC", NULL, NULL,
                 "the server's spec, checked against what it reports (default: taken\n"
                 "from the server)"),
+    CLI_STR_OPT("metrics", F(metrics), "ADDRS", NULL, NULL,
+                "the daemons' metrics endpoints (--metrics-listen), comma-separated:\n"
+                "report tokens per expert as they counted them (any routing)"),
+    CLI_STR_OPT("metrics-token-file", F(metrics_token_file), "FILE", NULL, NULL,
+                "the bearer token of their /metrics (--metrics-token-file)"),
     CLI_SECTION_ROW("transport:", NULL),
     CLI_INT_OPT("connections", F(connections), "C", 1, 1024, "1", "give 1 to 1024", NULL,
                 "TCP connections to spread the calls over"),
@@ -181,6 +189,8 @@ static int check_combinations(const args *a, const cli_parsed *p)
         return usage_error("give --tokens or --tokens-file, not both");
     if (a->synthetic && !a->verify)
         return usage_error("--synthetic is for --verify: it names the server's weights");
+    if (a->metrics_token_file && !a->metrics)
+        return usage_error("--metrics-token-file goes with --metrics");
     return 0;
 #undef GIVEN
 }
@@ -269,13 +279,19 @@ static int connect_all(run *r)
     moedc_error err;
     moedc_opts o;
     int rc = cli_conn_opts(&command_line, &r->a.conn, &o);
+    if (!rc && r->a.metrics_token_file)
+        rc = cli_read_token(&command_line, "--metrics-token-file", r->a.metrics_token_file,
+                            &r->a.metrics_token);
     if (rc) return rc;
     r->conns = calloc((size_t)r->a.connections, sizeof *r->conns);
     if (!r->conns) return failure("out of memory");
     while (r->n_conns < r->a.connections) {
         moedc **c = &r->conns[r->n_conns];
         int status;
-        if (moedc_connect(r->a.conn.target, &o, c, &err)) return usage_error("%s", err.msg);
+        if (cli_connect(&r->a.conn, &o, c, &err)) {
+            /* a fleet that is misconfigured, as opposed to a bad address */
+            return err.code == MOEDC_EPRECOND ? failure("%s", err.msg) : usage_error("%s", err.msg);
+        }
         r->n_conns++; /* counted at once: the cleanup closes it even when the health check fails */
         /* a health check opens the connection now, so the first measured call does not pay it */
         if (moedc_health(*c, "", &status, &err)) {
@@ -518,6 +534,29 @@ static void describe(const run *r, load_setup *s, char *layers, size_t n, char *
     };
 }
 
+/* One level; with --metrics, the tokens per expert the daemons counted during it (their counters
+ * read before and after it). */
+static int run_level(run *r, const load_plan *p, load_level *lv)
+{
+    moed_error err;
+    load_experts before = { 0 };
+    int rc = 0;
+    if (r->a.metrics && (load_plan_experts(p, &before) || load_plan_experts(p, &lv->servers)))
+        rc = failure("out of memory");
+    if (!rc && r->a.metrics &&
+        load_metrics_scrape_all(r->a.metrics, r->a.metrics_token, &before, &err))
+        rc = failure("%s", err.msg);
+    if (!rc && load_run_level(p, lv, &err)) rc = failure("%s", err.msg);
+    if (!rc && r->a.metrics &&
+        load_metrics_scrape_all(r->a.metrics, r->a.metrics_token, &lv->servers, &err))
+        rc = failure("%s", err.msg);
+    for (size_t i = 0; !rc && r->a.metrics && i < (size_t)before.n_layers * before.n_experts; i++)
+        lv->servers.tokens[i] -=
+            lv->servers.tokens[i] < before.tokens[i] ? lv->servers.tokens[i] : before.tokens[i];
+    load_experts_free(&before);
+    return rc;
+}
+
 static int run_levels(run *r, const load_setup *s)
 {
     load_plan p = {
@@ -562,11 +601,8 @@ static int run_levels(run *r, const load_setup *s)
             lv->concurrency = (int)r->levels[i];
         else
             lv->rate = r->levels[i];
-        moed_error err;
-        if (load_run_level(&p, lv, &err)) {
-            return failure("%s", err.msg);
-        }
-        r->n_results++;
+        r->n_results++; /* counted at once: run_free frees what the level allocated */
+        if (run_level(r, &p, lv)) return EXIT_FAILED;
         fprintf(stdout, "\n");
         load_report_text(stdout, s, lv);
         fflush(stdout);
@@ -592,7 +628,12 @@ static void run_free(run *r)
     load_tokens_free(&r->tokens);
     free(r->levels);
     free(r->layer_list);
+    for (int i = 0; r->results && i < r->n_results; i++) {
+        load_experts_free(&r->results[i].sent);
+        load_experts_free(&r->results[i].servers);
+    }
     free(r->results);
+    free(r->a.metrics_token);
     cli_conn_free(&r->a.conn);
 }
 

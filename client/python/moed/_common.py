@@ -291,9 +291,21 @@ def decode(msg: str, reply: bytes) -> Dict[str, Any]:
         raise MoEError("INTERNAL", f"the server's reply does not parse as {msg}: {e}") from None
 
 
+def _check_held(l: Dict[str, Any]) -> None:
+    """A layer's experts_held must be what moed sends: increasing, disjoint ranges of its experts."""
+    nxt = 0
+    for r in l["experts_held"]:
+        if not nxt <= r["first"] <= r["last"] < l["num_experts"]:
+            raise MoEError("INTERNAL", f"the server's ModelInfo is malformed: layer {l['index']}'s "
+                                       f"experts_held are not increasing ranges of its experts")
+        nxt = r["last"] + 1
+
+
 def model_info(reply: bytes) -> ModelInfo:
     """A GetModel reply as ModelInfo."""
     m = decode("moed.v1.ModelInfo", reply)
+    for l in m["layers"]:
+        _check_held(l)
     layers = [LayerInfo(index=l["index"], d_model=l["d_model"], d_ff=l["d_ff"], num_experts=l["num_experts"],
                         top_k=l["top_k"], activation=name_of(ACTIVATIONS, l["activation"]),
                         weight_dtype=name_of(DTYPES, l["weight_dtype"]), has_router=l["has_router"],

@@ -155,3 +155,15 @@ def test_fleet_client_is_made_for_several_targets():
         assert all(type(m.client) is moed.MoEClient for m in c.fleet.members)
     with moed.MoEClient("127.0.0.1:1") as c:
         assert type(c) is moed.MoEClient
+
+
+@pytest.mark.parametrize("held", [[(0, 3), (3, 5)], [(4, 5), (0, 1)], [(2, 1)], [(0, 8)]])
+def test_malformed_held_ranges_are_refused(held):
+    from moed import _common, wire
+    layer = {"index": 3, "num_experts": 8, "experts_held": [{"first": a, "last": b} for a, b in held]}
+    reply = wire.encode("moed.v1.ModelInfo", {"layers": [layer]})
+    with pytest.raises(MoEError) as e:
+        _common.model_info(reply)
+    assert e.value.code_name == "INTERNAL" and "layer 3's experts_held" in e.value.message
+    ok = wire.encode("moed.v1.ModelInfo", {"layers": [{**layer, "experts_held": [{"first": 1, "last": 7}]}]})
+    assert _common.model_info(ok).layers[0].experts_held == [(1, 7)]

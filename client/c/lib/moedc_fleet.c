@@ -1,0 +1,952 @@
+/*
+ * moedc_fleet — a moedc over several daemons: what each holds (its GetModel), the shards of each
+ * layer, the choice of replicas, and Forward calls fanned out over the shards and added up.
+ * moedclient.h (moedc_connect_many) says what a fleet does; moedc_fleet.h how it plugs into the
+ * calls.
+ *
+ * Locking: one mutex over the members' state (what they hold, calls outstanding, when they were
+ * turned away) and the fleet calls' bookkeeping. It is never held across a wait: GetModel is
+ * asked with it released, and a sub-call is started under it (starting only queues a batch), so
+ * its completion, which takes the mutex too, always finds the part knowing its sub-call.
+ * Plans (each layer's shards) are rebuilt whenever a daemon is learnt to hold something new; a
+ * fleet call copies what it needs of its shards when it starts.
+ */
+#include "moedc_fleet.h"
+
+#include "moedc_common.h"
+
+#include "moed_dtype.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#define PROBE_TIMEOUT_S 5.0 /* GetModel of one daemon, at most */
+#define REPROBE_S       1.0 /* a daemon that never answered is asked again at most this often */
+#define DOWN_MIN_S      0.5 /* a replica turned away is passed over this long, doubling ... */
+#define DOWN_MAX_S      5.0 /* ... up to this */
+#define MAX_MEMBERS     1024
+#define SUM_CHUNK       16384 /* elements added at a time */
+
+typedef struct member {
+    char *target;
+    moedc *c;
+    moedc_model_info info;
+    bool have_info;
+    bool check;      /* turned a call away since GetModel answered: ask again before using it */
+    char error[200]; /* what went wrong last */
+    int outstanding; /* calls in flight from this fleet */
+    double down_until, down_for, asked_at;
+} member;
+
+/* The replicas holding the same experts of one layer. */
+typedef struct shard {
+    const moedc_layer_info *li; /* of its first replica: the ranges and the shared role */
+    int *replicas;
+    int n_replicas;
+    unsigned turn; /* rotates ties between replicas */
+} shard;
+
+/* One layer's shards, lowest expert first; or why a call cannot be made to it. */
+typedef struct plan {
+    int layer;
+    shard *shards;
+    int n_shards;
+    int rc; /* 0, MOEDC_EPRECOND (misconfigured), MOEDC_EUNAVAIL, MOEDC_ENOTFOUND */
+    char msg[480];
+} plan;
+
+struct moedc_fleet {
+    pthread_mutex_t mu;
+    member *m;
+    int n;
+    plan *plans;
+    int n_plans;
+    double timeout_s; /* the moedc's default deadline */
+};
+
+struct moedc_part {
+    moedc_fleet_call *fc;
+    int layer;
+    char what[160]; /* "layer 1: experts 4-7" */
+    int *replicas;
+    int n_replicas;
+    unsigned turn; /* where the replicas' rotation starts for this call */
+    unsigned char *tried;
+    int member;      /* of the attempt in flight */
+    moedc_call *sub; /* the attempt in flight, or NULL */
+    moedc_result res;
+    bool done;
+};
+
+struct moedc_fleet_call {
+    moedc_fleet *f;
+    moedc_call *handle;
+    moedc_queue *q;
+    moedc_request req;        /* the caller's, its routing tensors copied (the start copies) */
+    void *ids, *weights, *lg; /* those copies */
+    char *request_id;
+    double deadline; /* monotonic seconds; 0: none */
+    moedc_part *parts;
+    int n_parts, pending;
+    int rc; /* the first failure */
+    moedc_error err;
+};
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* printf at the end of a buffer (for messages built in pieces). */
+static void append(char *buf, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void append(char *buf, size_t n, const char *fmt, ...)
+{
+    size_t at = strlen(buf);
+    if (at + 1 >= n) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf + at, n - at, fmt, ap);
+    va_end(ap);
+}
+
+static void ranges_text(const moedc_expert_range *r, int n, char *buf, size_t size)
+{
+    buf[0] = 0;
+    for (int i = 0; i < n; i++)
+        if (r[i].first == r[i].last)
+            append(buf, size, "%s%d", i ? "," : "", r[i].first);
+        else
+            append(buf, size, "%s%d-%d", i ? "," : "", r[i].first, r[i].last);
+}
+
+/* ---- targets ---- */
+
+/* host and port of a "dns:" target (gRPC's forms: dns:///host:port, dns://auth/host:port,
+ * dns:host:port; port 443 when none is given). False when it names no host. */
+static bool dns_host_port(const char *target, char *host, size_t hn, char *port, size_t pn)
+{
+    const char *rest = target + 4;
+    if (!strncmp(rest, "//", 2)) {
+        rest = strchr(rest + 2, '/');
+        if (!rest) return false;
+        rest++;
+    }
+    const char *colon = NULL, *h = rest, *end;
+    if (*rest == '[') {
+        h = rest + 1;
+        end = strchr(h, ']');
+        if (!end) return false;
+        colon = end[1] == ':' ? end + 1 : NULL;
+    } else {
+        colon = strrchr(rest, ':');
+        end = colon ? colon : rest + strlen(rest);
+    }
+    if (end == h || (size_t)(end - h) >= hn) return false;
+    snprintf(host, hn, "%.*s", (int)(end - h), h);
+    snprintf(port, pn, "%s", colon && colon[1] ? colon + 1 : "443");
+    return true;
+}
+
+/* The daemons a target names: for a "dns:" name, one "ipv4:A:P" / "ipv6:[A]:P" per address it
+ * resolves to (itself when it resolves to one or none: gRPC then resolves, or says why not);
+ * else itself. Appends to out (grown), returns the new count or -1 out of memory. */
+static int expand(const char *target, char ***out, int n)
+{
+    char host[256], port[16], addr[INET6_ADDRSTRLEN], **list = *out;
+    struct addrinfo hints = { .ai_socktype = SOCK_STREAM }, *ai = NULL;
+    int added = 0;
+    if (!strncmp(target, "dns:", 4) &&
+        dns_host_port(target, host, sizeof host, port, sizeof port) &&
+        !getaddrinfo(host, port, &hints, &ai)) {
+        for (struct addrinfo *a = ai; a && n + added < MAX_MEMBERS; a = a->ai_next) {
+            const void *p = a->ai_family == AF_INET6
+                                ? (const void *)&((struct sockaddr_in6 *)a->ai_addr)->sin6_addr
+                                : (const void *)&((struct sockaddr_in *)a->ai_addr)->sin_addr;
+            if (a->ai_family != AF_INET && a->ai_family != AF_INET6) continue;
+            inet_ntop(a->ai_family, p, addr, sizeof addr);
+            char name[INET6_ADDRSTRLEN + 32];
+            snprintf(name, sizeof name, a->ai_family == AF_INET6 ? "ipv6:[%s]:%s" : "ipv4:%s:%s",
+                     addr, port);
+            bool seen = false;
+            for (int i = n; i < n + added; i++) seen = seen || !strcmp(list[i], name);
+            if (seen) continue;
+            char **grown = realloc(list, sizeof *list * (size_t)(n + added + 1));
+            if (!grown || !(grown[n + added] = strdup(name))) {
+                if (grown) *out = grown;
+                freeaddrinfo(ai);
+                return -1;
+            }
+            *out = list = grown;
+            added++;
+        }
+        freeaddrinfo(ai);
+    }
+    if (added > 1) return n + added;
+    for (int i = n; i < n + added; i++) free(list[i]);
+    char **grown = realloc(list, sizeof *list * (size_t)(n + 1));
+    if (!grown) return -1;
+    *out = grown;
+    return (grown[n] = strdup(target)) ? n + 1 : -1;
+}
+
+static int expand_all(const char *const *targets, int n, char ***out)
+{
+    int count = 0;
+    *out = NULL;
+    for (int i = 0; i < n && count >= 0; i++) count = expand(targets[i], out, count);
+    return count;
+}
+
+static void free_list(char **list, int n)
+{
+    for (int i = 0; list && i < n; i++) free(list[i]);
+    free(list);
+}
+
+bool moedc_fleet_wanted(const char *const *targets, int n)
+{
+    if (n != 1) return n > 1;
+    char **list;
+    int k = expand_all(targets, n, &list);
+    free_list(list, k);
+    return k > 1;
+}
+
+/* ---- what the daemons hold ---- */
+
+static const moedc_layer_info *layer_of(const member *m, int index)
+{
+    for (int i = 0; m->have_info && i < m->info.n_layers; i++)
+        if (m->info.layers[i].index == index) return &m->info.layers[i];
+    return NULL;
+}
+
+static bool same_share(const moedc_layer_info *a, const moedc_layer_info *b)
+{
+    if (a->n_held != b->n_held || a->adds_shared != b->adds_shared) return false;
+    for (int i = 0; i < a->n_held; i++)
+        if (a->held[i].first != b->held[i].first || a->held[i].last != b->held[i].last)
+            return false;
+    return true;
+}
+
+static bool same_holdings(const moedc_model_info *a, const moedc_model_info *b)
+{
+    if (a->n_layers != b->n_layers) return false;
+    for (int i = 0; i < a->n_layers; i++)
+        if (a->layers[i].index != b->layers[i].index || !same_share(&a->layers[i], &b->layers[i]))
+            return false;
+    return true;
+}
+
+/* The first field two replicas of one layer disagree on, or NULL. */
+static const char *differs(const moedc_layer_info *a, const moedc_layer_info *b)
+{
+#define SAME(f)                                                                                    \
+    if (a->f != b->f) return #f
+    SAME(d_model);
+    SAME(d_ff);
+    SAME(n_experts);
+    SAME(top_k);
+    SAME(act);
+    SAME(wdtype);
+    SAME(has_router);
+    SAME(norm_topk);
+    SAME(rule);
+    SAME(n_group);
+    SAME(topk_group);
+    SAME(routed_scale);
+    SAME(n_shared);
+    SAME(shared_d_ff);
+#undef SAME
+    return NULL;
+}
+
+/* "A (layer:experts 0:0-3 1:0-3); B (UNAVAILABLE: ...)" for messages. */
+static void members_text(const moedc_fleet *f, char *buf, size_t size)
+{
+    buf[0] = 0;
+    for (int i = 0; i < f->n; i++) {
+        const member *m = &f->m[i];
+        append(buf, size, "%s%s (", i ? "; " : "", m->target);
+        if (!m->have_info) append(buf, size, "%s", m->error);
+        for (int j = 0; m->have_info && j < m->info.n_layers; j++) {
+            char r[96];
+            ranges_text(m->info.layers[j].held, m->info.layers[j].n_held, r, sizeof r);
+            append(buf, size, "%s%d:%s", j ? " " : "layer:experts ", m->info.layers[j].index, r);
+        }
+        append(buf, size, ")");
+    }
+}
+
+static void shard_text(const moedc_fleet *f, const shard *s, char *buf, size_t size)
+{
+    ranges_text(s->li->held, s->li->n_held, buf, size);
+    append(buf, size, " on ");
+    for (int i = 0; i < s->n_replicas; i++)
+        append(buf, size, "%s%s", i ? ", " : "", f->m[s->replicas[i]].target);
+}
+
+static int plan_fail(plan *p, int rc, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int plan_fail(plan *p, int rc, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(p->msg, sizeof p->msg, fmt, ap);
+    va_end(ap);
+    return p->rc = rc;
+}
+
+/* Groups the members holding layer p->layer into shards, lowest expert first. */
+static int group(moedc_fleet *f, plan *p)
+{
+    const moedc_layer_info *first = NULL;
+    int first_m = -1;
+    p->shards = calloc((size_t)f->n, sizeof *p->shards);
+    if (!p->shards) return plan_fail(p, MOEDC_ENOMEM, "out of memory planning a fleet");
+    for (int i = 0; i < f->n; i++) {
+        const moedc_layer_info *li = layer_of(&f->m[i], p->layer);
+        if (!li) continue;
+        const char *field = first ? differs(first, li) : NULL;
+        if (field)
+            return plan_fail(p, MOEDC_EPRECOND,
+                             "layer %d differs between %s and %s (%s): a fleet serves one model",
+                             p->layer, f->m[first_m].target, f->m[i].target, field);
+        if (!first) first = li, first_m = i;
+        int s = 0;
+        while (s < p->n_shards && !same_share(p->shards[s].li, li)) s++;
+        if (s == p->n_shards) {
+            int at = s; /* keep the shards ordered by their lowest expert */
+            while (at > 0 && p->shards[at - 1].li->held[0].first > li->held[0].first) at--;
+            memmove(&p->shards[at + 1], &p->shards[at], sizeof *p->shards * (size_t)(s - at));
+            p->shards[at] = (shard){ .li = li, .replicas = calloc((size_t)f->n, sizeof(int)) };
+            if (!p->shards[at].replicas) return plan_fail(p, MOEDC_ENOMEM, "out of memory");
+            p->n_shards++;
+            s = at;
+        }
+        p->shards[s].replicas[p->shards[s].n_replicas++] = i;
+    }
+    return 0;
+}
+
+/* Every expert held once, the shared experts added once. */
+static int check_cover(moedc_fleet *f, plan *p)
+{
+    const moedc_layer_info *li = p->shards[0].li;
+    int *owner = malloc(sizeof *owner * (size_t)li->n_experts), adders = 0, rc = 0;
+    char a[240], b[240], text[400];
+    if (!owner) return plan_fail(p, MOEDC_ENOMEM, "out of memory");
+    for (int e = 0; e < li->n_experts; e++) owner[e] = -1;
+    for (int s = 0; s < p->n_shards && !rc; s++) {
+        const shard *sh = &p->shards[s];
+        adders += sh->li->adds_shared;
+        for (int r = 0; r < sh->li->n_held && !rc; r++)
+            for (int e = sh->li->held[r].first; e <= sh->li->held[r].last && !rc; e++) {
+                if (e < 0 || e >= li->n_experts || owner[e] < 0) {
+                    if (e >= 0 && e < li->n_experts) owner[e] = s;
+                    continue;
+                }
+                shard_text(f, &p->shards[owner[e]], a, sizeof a);
+                shard_text(f, sh, b, sizeof b);
+                rc = plan_fail(p, MOEDC_EPRECOND,
+                               "layer %d: expert %d is held both by experts %s and by experts %s: "
+                               "a fleet's expert shards must be disjoint (replicas hold the same "
+                               "experts and the same shared-experts role)",
+                               p->layer, e, a, b);
+            }
+    }
+    text[0] = 0;
+    for (int e = 0; e < li->n_experts && !rc; e++) {
+        if (owner[e] >= 0) continue;
+        int last = e;
+        while (last + 1 < li->n_experts && owner[last + 1] < 0) last++;
+        append(text, sizeof text, last > e ? "%s%d-%d" : "%s%d", text[0] ? "," : "", e, last);
+        e = last;
+    }
+    free(owner);
+    if (!rc && text[0]) {
+        members_text(f, a, sizeof a);
+        return plan_fail(p, MOEDC_EUNAVAIL,
+                         "layer %d: experts %s are held by no reachable daemon of the fleet; "
+                         "targets tried: %s",
+                         p->layer, text, a);
+    }
+    if (!rc && li->n_shared && adders != 1)
+        rc = plan_fail(p, MOEDC_EPRECOND,
+                       "layer %d has %d shared expert(s), and exactly one expert shard must add "
+                       "them; %s",
+                       p->layer, li->n_shared,
+                       adders ? "several do"
+                              : "none does: start the one holding expert 0 with --shared-experts "
+                                "auto or on");
+    return rc;
+}
+
+static void plan_free(plan *p)
+{
+    for (int s = 0; p->shards && s < p->n_shards; s++) free(p->shards[s].replicas);
+    free(p->shards);
+    memset(p, 0, sizeof *p);
+}
+
+/* Rebuilds every layer's plan from what the members hold (under f->mu). */
+static int replan(moedc_fleet *f)
+{
+    for (int i = 0; i < f->n_plans; i++) plan_free(&f->plans[i]);
+    f->n_plans = 0;
+    for (int i = 0; i < f->n; i++)
+        for (int j = 0; f->m[i].have_info && j < f->m[i].info.n_layers; j++) {
+            const int index = f->m[i].info.layers[j].index;
+            bool seen = false;
+            for (int k = 0; k < f->n_plans; k++) seen = seen || f->plans[k].layer == index;
+            if (seen) continue;
+            plan *grown = realloc(f->plans, sizeof *grown * (size_t)(f->n_plans + 1));
+            if (!grown) return MOEDC_ENOMEM;
+            f->plans = grown;
+            plan *p = &f->plans[f->n_plans++];
+            *p = (plan){ .layer = index };
+            if (!group(f, p) && p->n_shards) check_cover(f, p);
+        }
+    return 0;
+}
+
+/* What a call to `layer` finds (under f->mu): its plan, or a stand-in saying why there is none. */
+static plan *plan_for(moedc_fleet *f, int layer, plan *none)
+{
+    for (int i = 0; i < f->n_plans; i++)
+        if (f->plans[i].layer == layer) return &f->plans[i];
+    char text[400];
+    bool unknown = false;
+    for (int i = 0; i < f->n; i++) unknown = unknown || !f->m[i].have_info;
+    members_text(f, text, sizeof text);
+    *none = (plan){ .layer = layer };
+    plan_fail(none, unknown ? MOEDC_EUNAVAIL : MOEDC_ENOTFOUND, "layer %d is %s: %s", layer,
+              unknown ? "held by no reachable daemon of the fleet; targets tried"
+                      : "not served by the fleet",
+              text);
+    return none;
+}
+
+static void mark_down(member *m, double now)
+{
+    m->down_for = m->down_for * 2 < DOWN_MIN_S ? DOWN_MIN_S : m->down_for * 2;
+    if (m->down_for > DOWN_MAX_S) m->down_for = DOWN_MAX_S;
+    m->down_until = now + m->down_for;
+}
+
+/* Asks GetModel of the members that need it (never answered, or turned a call away since), not
+ * more often than their wait allows; rebuilds the plans when one holds something new. */
+static void learn(moedc_fleet *f)
+{
+    for (int i = 0; i < f->n; i++) {
+        member *m = &f->m[i];
+        pthread_mutex_lock(&f->mu);
+        double now = now_s();
+        bool ask = (!m->have_info || m->check) && now >= m->down_until &&
+                   now >= m->asked_at + (m->have_info ? 0 : REPROBE_S);
+        if (ask) m->asked_at = now;
+        pthread_mutex_unlock(&f->mu);
+        if (!ask) continue;
+        moedc_model_info info;
+        moedc_error err;
+        int rc = moedc_info_within(m->c, PROBE_TIMEOUT_S, &info, &err);
+        pthread_mutex_lock(&f->mu);
+        if (rc) {
+            snprintf(m->error, sizeof m->error, "%s: %.160s",
+                     moedc_grpc_status_name(moedc_code_to_grpc(rc)), err.msg);
+            mark_down(m, now_s());
+        } else {
+            bool changed = !m->have_info || !same_holdings(&m->info, &info);
+            if (m->have_info) moedc_model_info_free(&m->info);
+            m->info = info;
+            m->have_info = true;
+            m->check = false;
+            snprintf(m->error, sizeof m->error, "answering");
+            if (changed) replan(f);
+        }
+        pthread_mutex_unlock(&f->mu);
+    }
+}
+
+/* ---- opening and closing ---- */
+
+int moedc_fleet_open(const char *const *targets, int n, const moedc_opts *opts, moedc_fleet **out,
+                     moedc_error *err)
+{
+    static const moedc_opts none;
+    if (!opts) opts = &none;
+    *out = NULL;
+    char **list;
+    int k = expand_all(targets, n, &list), rc = 0;
+    moedc_fleet *f = k > 0 ? calloc(1, sizeof *f) : NULL;
+    if (f) f->m = calloc((size_t)k, sizeof *f->m);
+    if (!f || !f->m) {
+        free_list(list, k);
+        free(f);
+        return moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a fleet");
+    }
+    pthread_mutex_init(&f->mu, NULL);
+    f->timeout_s = opts->timeout_s;
+    for (int i = 0; i < k && !rc; i++) {
+        moedc_opts o = *opts;
+        char host[256], port[16];
+        /* a member that is one address of a dns: name: TLS checks the name */
+        if (!o.tls_server_name && strncmp(list[i], "dns:", 4))
+            for (int t = 0; t < n; t++)
+                if (!strncmp(targets[t], "dns:", 4) &&
+                    dns_host_port(targets[t], host, sizeof host, port, sizeof port))
+                    o.tls_server_name = host;
+        f->m[i].target = list[i];
+        list[i] = NULL;
+        snprintf(f->m[i].error, sizeof f->m[i].error, "not asked yet");
+        rc = moedc_connect(f->m[i].target, &o, &f->m[i].c, err);
+        f->n = i + 1;
+    }
+    free_list(list, k);
+    if (!rc) learn(f);
+    pthread_mutex_lock(&f->mu);
+    for (int i = 0; !rc && i < f->n_plans; i++)
+        if (f->plans[i].rc == MOEDC_EPRECOND || f->plans[i].rc == MOEDC_ENOMEM)
+            rc = moedc_fail(err, f->plans[i].rc, "%s", f->plans[i].msg);
+    pthread_mutex_unlock(&f->mu);
+    if (rc) {
+        moedc_fleet_close(f);
+        return rc;
+    }
+    *out = f;
+    return 0;
+}
+
+void moedc_fleet_close(moedc_fleet *f)
+{
+    if (!f) return;
+    for (int i = 0; i < f->n_plans; i++) plan_free(&f->plans[i]);
+    free(f->plans);
+    for (int i = 0; i < f->n; i++) {
+        moedc_close(f->m[i].c);
+        if (f->m[i].have_info) moedc_model_info_free(&f->m[i].info);
+        free(f->m[i].target);
+    }
+    free(f->m);
+    pthread_mutex_destroy(&f->mu);
+    free(f);
+}
+
+/* ---- calls ---- */
+
+/* The replica for the next attempt of part p (under f->mu): not tried in this call, not to be
+ * asked GetModel first, not passed over if another is not, fewest calls outstanding (ties in
+ * turn); -1 when none is left. */
+static int pick(const moedc_fleet *f, const moedc_part *p)
+{
+    const double now = now_s();
+    int best = -1;
+    for (int down_too = 0; down_too < 2 && best < 0; down_too++)
+        for (int j = 0; j < p->n_replicas; j++) {
+            const int at = (int)((p->turn + (unsigned)j) % (unsigned)p->n_replicas);
+            const member *m = &f->m[p->replicas[at]];
+            if (p->tried[at] || m->check || !layer_of(m, p->layer) ||
+                (!down_too && m->down_until > now))
+                continue;
+            if (best < 0 || m->outstanding < f->m[p->replicas[best]].outstanding) best = at;
+        }
+    return best;
+}
+
+/* Starts part p's next attempt (under f->mu): 0, MOEDC_EUNAVAIL when no replica is left, or the
+ * start's own failure (err filled). */
+static int start_part(moedc_fleet_call *fc, moedc_part *p, moedc_error *err)
+{
+    moedc_fleet *f = fc->f;
+    const int at = pick(f, p);
+    if (at < 0) return MOEDC_EUNAVAIL;
+    const int i = p->replicas[at];
+    p->tried[at] = 1;
+    moedc_request req = fc->req;
+    if (fc->deadline) {
+        const double left = fc->deadline - now_s();
+        req.timeout_s = left > 1e-3 ? left : 1e-3;
+    }
+    int rc = moedc_forward_start_part(f->m[i].c, &req, fc->q, p, &p->sub, err);
+    if (rc) return rc;
+    p->member = i;
+    f->m[i].outstanding++;
+    return 0;
+}
+
+/* The part's shard ran out of replicas: an error naming them and what each said. */
+static int exhausted(const moedc_fleet_call *fc, const moedc_part *p, moedc_error *err)
+{
+    char said[400] = "";
+    for (int j = 0; j < p->n_replicas; j++) {
+        const member *m = &fc->f->m[p->replicas[j]];
+        append(said, sizeof said, "%s%s (%s)", j ? "; " : "", m->target, m->error);
+    }
+    return moedc_fail(err, MOEDC_EUNAVAIL, "%s: no replica answered: %s", p->what, said);
+}
+
+/* The call failed (under f->mu): its other parts' attempts are cancelled. */
+static void fail_call(moedc_fleet_call *fc, int rc, const moedc_error *err)
+{
+    if (fc->rc) return;
+    fc->rc = rc;
+    fc->err = *err;
+    for (int i = 0; i < fc->n_parts; i++)
+        if (fc->parts[i].sub) moedc_call_cancel(fc->parts[i].sub);
+}
+
+moedc_call *moedc_fleet_part_done(moedc_call *sub, moedc_part *p)
+{
+    moedc_fleet_call *fc = p->fc;
+    moedc_fleet *f = fc->f;
+    moedc_result res;
+    moedc_error err;
+    pthread_mutex_lock(&f->mu);
+    p->sub = NULL; /* before it is freed: cancelling goes through p->sub under the mutex */
+    pthread_mutex_unlock(&f->mu);
+    int rc = moedc_call_finish(sub, &res, &err);
+    pthread_mutex_lock(&f->mu);
+    member *m = &f->m[p->member];
+    m->outstanding--;
+    if (!rc) {
+        m->down_for = 0;
+        p->res = res;
+        p->done = true;
+    } else if (rc == MOEDC_EUNAVAIL) {
+        snprintf(m->error, sizeof m->error, "UNAVAILABLE: %.160s", err.msg);
+        m->check = true;
+        mark_down(m, now_s());
+        int next = fc->rc ? MOEDC_ECANCELLED : start_part(fc, p, &err);
+        if (!next) {
+            pthread_mutex_unlock(&f->mu);
+            return NULL; /* the part goes on on another replica */
+        }
+        if (next == MOEDC_EUNAVAIL) exhausted(fc, p, &err);
+        if (next != MOEDC_ECANCELLED) fail_call(fc, next, &err);
+    } else {
+        fail_call(fc, rc, &err);
+    }
+    const bool last = --fc->pending == 0;
+    pthread_mutex_unlock(&f->mu);
+    return last ? fc->handle : NULL;
+}
+
+static void call_free(moedc_fleet_call *fc)
+{
+    for (int i = 0; fc->parts && i < fc->n_parts; i++) {
+        moedc_result_free(&fc->parts[i].res);
+        free(fc->parts[i].replicas);
+        free(fc->parts[i].tried);
+    }
+    free(fc->parts);
+    free(fc->ids);
+    free(fc->weights);
+    free(fc->lg);
+    free(fc->request_id);
+    if (fc->handle) moedc_call_free_handle(fc->handle);
+    free(fc);
+}
+
+/* A copy of n bytes at p (NULL stays NULL); false when out of memory. */
+static bool copy_of(const void *p, size_t n, void **out)
+{
+    *out = NULL;
+    if (!p) return true;
+    if (!(*out = malloc(n ? n : 1))) return false;
+    memcpy(*out, p, n);
+    return true;
+}
+
+/* The request kept for the attempts to come: its routing tensors copied, its deadline fixed. */
+static int keep_request(moedc_fleet_call *fc, const moedc_request *req, moedc_error *err)
+{
+    fc->req = *req;
+    const size_t T = req->tokens > 0 ? (size_t)req->tokens : 0;
+    const size_t pairs = req->routing == MOEDC_ROUTE_EXPERTS && req->k > 0 ? T * (size_t)req->k : 0;
+    const size_t lg =
+        req->routing == MOEDC_ROUTE_LOGITS && req->n_experts > 0 ? T * (size_t)req->n_experts : 0;
+    bool ok = copy_of(pairs ? req->expert_ids : NULL, pairs * 4, &fc->ids) &&
+              copy_of(pairs ? req->expert_weights : NULL, pairs * 4, &fc->weights) &&
+              copy_of(lg ? req->logits : NULL, lg * 4, &fc->lg) &&
+              (!req->request_id || (fc->request_id = strdup(req->request_id)));
+    if (!ok) return moedc_fail(err, MOEDC_ENOMEM, "out of memory starting a call");
+    fc->req.expert_ids = fc->ids;
+    fc->req.expert_weights = fc->weights;
+    fc->req.logits = fc->lg;
+    fc->req.request_id = fc->request_id;
+    const double t = req->timeout_s == 0 ? fc->f->timeout_s : req->timeout_s;
+    fc->deadline = t > 0 ? now_s() + t : 0;
+    return 0;
+}
+
+/* One part per shard of the plan (under f->mu). */
+static int make_parts(moedc_fleet_call *fc, plan *pl, moedc_error *err)
+{
+    fc->parts = calloc((size_t)pl->n_shards, sizeof *fc->parts);
+    if (!fc->parts) return moedc_fail(err, MOEDC_ENOMEM, "out of memory starting a call");
+    for (int s = 0; s < pl->n_shards; s++) {
+        shard *sh = &pl->shards[s];
+        moedc_part *p = &fc->parts[fc->n_parts++];
+        char r[120];
+        ranges_text(sh->li->held, sh->li->n_held, r, sizeof r);
+        snprintf(p->what, sizeof p->what, "layer %d: experts %s", pl->layer, r);
+        p->fc = fc;
+        p->layer = pl->layer;
+        p->replicas = malloc(sizeof *p->replicas * (size_t)sh->n_replicas);
+        p->tried = calloc((size_t)sh->n_replicas, 1);
+        if (!p->replicas || !p->tried)
+            return moedc_fail(err, MOEDC_ENOMEM, "out of memory starting a call");
+        memcpy(p->replicas, sh->replicas, sizeof *p->replicas * (size_t)sh->n_replicas);
+        p->n_replicas = sh->n_replicas;
+        p->turn = sh->turn++;
+    }
+    return 0;
+}
+
+/* Plans the call and starts its parts (under f->mu). */
+static int start_call(moedc_fleet_call *fc, moedc_error *err)
+{
+    moedc_fleet *f = fc->f;
+    plan none;
+    plan *pl = plan_for(f, (int)fc->req.layer, &none);
+    if (pl->rc) return moedc_fail(err, pl->rc, "%s", pl->msg);
+    if (fc->req.batch_gating && pl->n_shards > 1)
+        return moedc_fail(err, MOEDC_EPRECOND,
+                          "batch_gating needs one daemon holding every expert of layer %d, but "
+                          "this fleet splits them over %d shards: the expert set would be chosen "
+                          "over a different merged batch on each",
+                          pl->layer, pl->n_shards);
+    int rc = make_parts(fc, pl, err);
+    for (int i = 0; !rc && i < fc->n_parts; i++) {
+        rc = start_part(fc, &fc->parts[i], err);
+        if (rc == MOEDC_EUNAVAIL) exhausted(fc, &fc->parts[i], err);
+        if (!rc) fc->pending++;
+    }
+    if (rc) /* the parts started are cancelled, and collected before the handle comes back */
+        fail_call(fc, rc, err);
+    return rc;
+}
+
+int moedc_fleet_forward_start(moedc_fleet *f, const moedc_request *req, moedc_queue *q, void *user,
+                              moedc_call **out, moedc_error *err)
+{
+    moedc_fleet_call *fc = calloc(1, sizeof *fc);
+    if (!fc) return moedc_fail(err, MOEDC_ENOMEM, "out of memory starting a call");
+    fc->f = f;
+    fc->q = q;
+    int rc = keep_request(fc, req, err);
+    if (!rc && !(fc->handle = moedc_call_new_handle(user, fc)))
+        rc = moedc_fail(err, MOEDC_ENOMEM, "out of memory starting a call");
+    if (rc) {
+        call_free(fc);
+        return rc;
+    }
+    learn(f);
+    pthread_mutex_lock(&f->mu);
+    rc = start_call(fc, err);
+    const bool started = fc->pending > 0;
+    pthread_mutex_unlock(&f->mu);
+    if (rc && !started) {
+        call_free(fc);
+        return rc;
+    }
+    /* with some parts started the call is the caller's: it finishes with the error */
+    *out = fc->handle;
+    return 0;
+}
+
+void moedc_fleet_cancel(moedc_call *handle)
+{
+    moedc_fleet_call *fc = moedc_call_fleet(handle);
+    pthread_mutex_lock(&fc->f->mu);
+    for (int i = 0; i < fc->n_parts; i++)
+        if (fc->parts[i].sub) moedc_call_cancel(fc->parts[i].sub);
+    pthread_mutex_unlock(&fc->f->mu);
+}
+
+/* The parts' outputs added in float32 in shard order, rounded once into the output of the part
+ * with the slowest reply, whose result becomes the call's. */
+static int add_parts(moedc_fleet_call *fc, moedc_result *res, moedc_error *err)
+{
+    int carrier = 0;
+    for (int i = 1; i < fc->n_parts; i++)
+        if (fc->parts[i].res.timings.total_us > fc->parts[carrier].res.timings.total_us)
+            carrier = i;
+    const int dt = fc->req.dtype;
+    const size_t n = fc->parts[0].res.output_bytes / moed_dtype_size(dt);
+    float *acc = malloc(sizeof *acc * SUM_CHUNK), *part = malloc(sizeof *part * SUM_CHUNK);
+    if (!acc || !part) {
+        free(acc);
+        free(part);
+        return moedc_fail(err, MOEDC_ENOMEM, "out of memory adding the shards' outputs");
+    }
+    void *out = (void *)fc->parts[carrier].res.output; /* the decoded reply's, which it owns */
+    for (size_t at = 0; at < n; at += SUM_CHUNK) {
+        const size_t m = n - at < SUM_CHUNK ? n - at : SUM_CHUNK;
+        for (int i = 0; i < fc->n_parts; i++) {
+            const char *src = (const char *)fc->parts[i].res.output + at * moed_dtype_size(dt);
+            moed_to_f32(dt, src, i ? part : acc, m);
+            for (size_t j = 0; i && j < m; j++) acc[j] += part[j];
+        }
+        moed_from_f32(dt, acc, (char *)out + at * moed_dtype_size(dt), m);
+    }
+    free(acc);
+    free(part);
+    *res = fc->parts[carrier].res;
+    memset(&fc->parts[carrier].res, 0, sizeof *res);
+    return 0;
+}
+
+int moedc_fleet_finish(moedc_call *handle, moedc_result *res, moedc_error *err)
+{
+    moedc_fleet_call *fc = moedc_call_fleet(handle);
+    memset(res, 0, sizeof *res);
+    int rc = fc->rc;
+    if (rc) {
+        if (err) *err = fc->err;
+    } else if (fc->n_parts == 1) { /* one shard: its reply is the output, as from one daemon */
+        *res = fc->parts[0].res;
+        memset(&fc->parts[0].res, 0, sizeof *res);
+    } else {
+        rc = add_parts(fc, res, err);
+    }
+    call_free(fc);
+    return rc;
+}
+
+/* ---- the fleet's model and health ---- */
+
+/* Adds [first, last] to a layer's held ranges (kept increasing and merged). */
+static bool add_range(moedc_layer_info *li, int first, int last)
+{
+    moedc_expert_range *r = realloc(li->held, sizeof *r * (size_t)(li->n_held + 1));
+    if (!r) return false;
+    li->held = r;
+    int at = li->n_held++;
+    while (at > 0 && r[at - 1].first > first) {
+        r[at] = r[at - 1];
+        at--;
+    }
+    r[at] = (moedc_expert_range){ first, last };
+    int k = 0;
+    for (int i = 1; i < li->n_held; i++)
+        if (r[i].first <= r[k].last + 1) {
+            if (r[i].last > r[k].last) r[k].last = r[i].last;
+        } else {
+            r[++k] = r[i];
+        }
+    li->n_held = k + 1;
+    return true;
+}
+
+/* The fleet's layers: each once, holding what the daemons that answered hold between them. */
+static int merge_layers(const moedc_fleet *f, moedc_model_info *out)
+{
+    for (int i = 0; i < f->n; i++)
+        for (int j = 0; f->m[i].have_info && j < f->m[i].info.n_layers; j++) {
+            const moedc_layer_info *li = &f->m[i].info.layers[j];
+            int k = 0;
+            while (k < out->n_layers && out->layers[k].index != li->index) k++;
+            if (k == out->n_layers) {
+                moedc_layer_info *grown =
+                    realloc(out->layers, sizeof *grown * (size_t)(out->n_layers + 1));
+                if (!grown) return MOEDC_ENOMEM;
+                out->layers = grown;
+                out->layers[out->n_layers++] = *li;
+                out->layers[k].held = NULL;
+                out->layers[k].n_held = 0;
+                out->layers[k].adds_shared = true;
+            }
+            for (int r = 0; r < li->n_held; r++)
+                if (!add_range(&out->layers[k], li->held[r].first, li->held[r].last))
+                    return MOEDC_ENOMEM;
+        }
+    return 0;
+}
+
+static int merge_info(const moedc_fleet *f, const moedc_model_info *first, moedc_model_info *out)
+{
+    out->model = strdup(first->model);
+    out->backend = strdup(first->backend);
+    out->version = strdup(first->version);
+    out->max_message_bytes = first->max_message_bytes;
+    out->max_batch_tokens = first->max_batch_tokens;
+    if (!out->model || !out->backend || !out->version) return MOEDC_ENOMEM;
+    for (int i = 0; i < f->n; i++) {
+        const moedc_model_info *m = &f->m[i].info;
+        if (!f->m[i].have_info) continue;
+        if (m->max_message_bytes < out->max_message_bytes)
+            out->max_message_bytes = m->max_message_bytes;
+        if (m->max_batch_tokens < out->max_batch_tokens)
+            out->max_batch_tokens = m->max_batch_tokens;
+        moedc_device *d =
+            realloc(out->devices, sizeof *d * (size_t)(out->n_devices + m->n_devices + 1));
+        if (!d) return MOEDC_ENOMEM;
+        out->devices = d;
+        for (int j = 0; j < m->n_devices; j++) {
+            d[out->n_devices] = m->devices[j];
+            if (!(d[out->n_devices].name = strdup(m->devices[j].name))) return MOEDC_ENOMEM;
+            out->n_devices++;
+        }
+    }
+    return merge_layers(f, out);
+}
+
+int moedc_fleet_info(moedc_fleet *f, moedc_model_info *out, moedc_error *err)
+{
+    learn(f);
+    pthread_mutex_lock(&f->mu);
+    const moedc_model_info *first = NULL;
+    for (int i = 0; i < f->n && !first; i++)
+        if (f->m[i].have_info) first = &f->m[i].info;
+    int rc = 0;
+    if (!first) {
+        char text[400];
+        members_text(f, text, sizeof text);
+        rc = moedc_fail(err, MOEDC_EUNAVAIL, "no daemon of the fleet answered GetModel: %s", text);
+    } else if (merge_info(f, first, out)) {
+        rc = moedc_fail(err, MOEDC_ENOMEM, "out of memory merging the fleet's ModelInfo");
+    }
+    pthread_mutex_unlock(&f->mu);
+    if (rc) moedc_model_info_free(out);
+    return rc;
+}
+
+int moedc_fleet_health(moedc_fleet *f, const char *service, int *status, moedc_error *err)
+{
+    (void)err;
+    learn(f);
+    int *serving = calloc((size_t)f->n, sizeof *serving);
+    if (!serving) return moedc_fail(err, MOEDC_ENOMEM, "out of memory");
+    for (int i = 0; i < f->n; i++) {
+        int st;
+        moedc_error e;
+        serving[i] = !moedc_health_within(f->m[i].c, service, PROBE_TIMEOUT_S, &st, &e) &&
+                     st == MOEDC_HEALTH_SERVING;
+    }
+    pthread_mutex_lock(&f->mu);
+    bool ok = f->n_plans > 0;
+    for (int i = 0; i < f->n_plans && ok; i++) {
+        const plan *p = &f->plans[i];
+        ok = !p->rc;
+        for (int s = 0; ok && s < p->n_shards; s++) {
+            bool any = false;
+            for (int r = 0; r < p->shards[s].n_replicas; r++)
+                any = any || serving[p->shards[s].replicas[r]];
+            ok = any;
+        }
+    }
+    pthread_mutex_unlock(&f->mu);
+    free(serving);
+    *status = ok ? MOEDC_HEALTH_SERVING : MOEDC_HEALTH_NOT_SERVING;
+    return 0;
+}
