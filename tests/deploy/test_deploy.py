@@ -9,6 +9,10 @@
   GPU limit, native gRPC readiness/liveness/startup probes on the gRPC port, a non-root security
   context, a grace period longer than the drain, mounts that name volumes that exist, a Service
   whose selector and target ports match the pods, and a ConfigMap equal to deploy/moed.conf.
+- deploy/k8s/fleet (a sharded fleet): a StatefulSet whose pods pick their expert shard from the
+  pod-index label through the downward API, behind a headless Service; its script run for every
+  ordinal gives shards that tile the model's experts with at least two replicas each, and started
+  with the real daemon serves the shard it computed.
 - deploy/Containerfile: the rules of a linter such as hadolint that matter here (pinned base
   images, named stages, apt hygiene, a non-root USER, a HEALTHCHECK, exec-form ENTRYPOINT/CMD,
   COPY sources that exist, pipefail where pipes are used), plus agreement with the config's ports.
@@ -207,6 +211,106 @@ def test_configmap_is_the_config_file():
     cm = manifests()["ConfigMap"]
     assert cm["data"]["moed.conf"] == (DEPLOY / "moed.conf").read_text(), \
         "deploy/k8s/configmap.yaml differs from deploy/moed.conf: copy it over"
+
+
+# ---- Kubernetes: the sharded fleet ---------------------------------------------------------------
+
+FLEET = DEPLOY / "k8s" / "fleet"
+
+
+def fleet():
+    docs = {}
+    for f in sorted(FLEET.glob("*.yaml")):
+        for d in yaml.safe_load_all(f.read_text()):
+            if d.get("kind") != "Kustomization":
+                docs[d["kind"]] = d
+    return docs
+
+
+def test_fleet_kustomization_lists_every_manifest():
+    k = yaml.safe_load((FLEET / "kustomization.yaml").read_text())
+    assert set(k["resources"]) == {f.name for f in FLEET.glob("*.yaml")} - {"kustomization.yaml"}
+
+
+def fleet_env():
+    c = fleet()["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
+    return c, {e["name"]: e for e in c["env"]}
+
+
+def test_fleet_statefulset_behind_a_headless_service():
+    docs = fleet()
+    sts, svc = docs["StatefulSet"], docs["Service"]
+    assert sts["apiVersion"] == "apps/v1" and svc["spec"]["clusterIP"] == "None"
+    assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
+    pod, labels = sts["spec"]["template"]["spec"], sts["spec"]["template"]["metadata"]["labels"]
+    assert sts["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert svc["spec"]["selector"].items() <= labels.items()
+    c, env = fleet_env()
+    assert [p["targetPort"] for p in svc["spec"]["ports"]] == [p["name"] for p in c["ports"]] == ["grpc"]
+    assert env["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert env["MOED_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True
+    assert int(c["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["port"] == GRPC_PORT, probe
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["terminationGracePeriodSeconds"] > DRAIN_S + 5
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert all(m["name"] in volumes for m in c["volumeMounts"])
+    assert volumes["config"]["configMap"]["name"] == manifests()["ConfigMap"]["metadata"]["name"]
+    # as many experts as the model moed-config serves, and two replicas of every shard at least
+    spec = dict(kv.split("=") for kv in conf()["synthetic"].split(","))
+    assert env["EXPERTS"]["value"] == spec["experts"]
+    assert sts["spec"]["replicas"] >= 2 * int(env["SHARDS"]["value"])
+
+
+def fleet_script(moed_path="/usr/local/bin/moed", extra=""):
+    c, _ = fleet_env()
+    assert c["command"] == ["/bin/sh", "-c"]
+    (script,) = c["args"]
+    assert "exec /usr/local/bin/moed --config /etc/moed/moed.conf --experts" in script
+    return script.replace("/usr/local/bin/moed --config /etc/moed/moed.conf",
+                          f"{moed_path} --config {DEPLOY / 'moed.conf'}{extra}")
+
+
+def pod_env(ordinal):
+    _, env = fleet_env()
+    return {**os.environ, "POD_INDEX": str(ordinal), "SHARDS": env["SHARDS"]["value"],
+            "EXPERTS": env["EXPERTS"]["value"]}
+
+
+def test_fleet_shards_tile_the_experts():
+    """Every ordinal's --experts, as its script computes them: shards that tile the experts, each
+    held by the same number of pods (two or more)."""
+    sts = fleet()["StatefulSet"]
+    held = {}
+    for i in range(sts["spec"]["replicas"]):
+        p = subprocess.run(["/bin/sh", "-c", fleet_script("echo")], env=pod_env(i),
+                           capture_output=True, text=True, timeout=10)
+        assert p.returncode == 0, p.stderr
+        first, last = map(int, p.stdout.split("--experts ")[1].split("-"))
+        held.setdefault((first, last), []).append(i)
+    experts = int(pod_env(0)["EXPERTS"])
+    ranges = sorted(held)
+    assert ranges[0][0] == 0 and ranges[-1][1] == experts - 1
+    assert all(a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:])), ranges
+    assert len({len(v) for v in held.values()}) == 1 and min(map(len, held.values())) >= 2, held
+
+
+@pytest.mark.skipif(not MOED.exists(), reason=f"{MOED} not built")
+def test_fleet_pod_serves_its_shard(tmp_path):
+    g, m = free_port(), free_port()
+    log = tmp_path / "moed.log"
+    script = fleet_script(str(MOED), f" --listen 127.0.0.1:{g} --metrics-listen 127.0.0.1:{m} --threads 1")
+    p = subprocess.Popen(["/bin/sh", "-c", script], env=pod_env(3), stderr=open(log, "wb"))
+    deadline = time.monotonic() + 60
+    while '"ready"' not in log.read_text() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert p.poll() is None, log.read_text()
+    p.send_signal(signal.SIGTERM)  # the shell exec'd moed: the signal reaches it
+    assert p.wait(60) == 0, log.read_text()
+    assert 'experts="4-7 shared=off"' in log.read_text(), log.read_text()
 
 
 # ---- the container file ------------------------------------------------------------------------

@@ -282,7 +282,8 @@ def test_expert_token_metrics_match_the_routes(daemon, tmp_path):
 
 def test_dns_name_with_two_addresses_is_a_fleet(pool, tmp_path, monkeypatch):
     """As a Kubernetes headless Service resolves: one name, the two daemons' addresses (here two
-    loopback addresses on one port)."""
+    loopback addresses on one port); a daemon that comes back at another address is found by
+    resolving the name again."""
     port = free_port()
     shards = []
     try:
@@ -293,19 +294,32 @@ def test_dns_name_with_two_addresses_is_a_fleet(pool, tmp_path, monkeypatch):
             shards.append(d)
         for d in shards:
             d.wait_serving()
-        real = socket.getaddrinfo
+        real, ips = socket.getaddrinfo, ["127.0.0.2", "127.0.0.1"]
 
         def resolver(host, *args, **kw):
             if host == "moed-fleet.test":
-                return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ("127.0.0.2", "127.0.0.1")]
+                return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ips]
             return real(host, *args, **kw)
 
         monkeypatch.setattr(socket, "getaddrinfo", resolver)
+        monkeypatch.setattr(moed.fleet, "RESOLVE_EVERY", 0.0)  # no waiting between resolutions here
         x = hidden(np.random.default_rng(1), "f32")
         with MoEClient(f"dns:///moed-fleet.test:{port}", timeout=30) as fl, one(pool).client() as c1:
             assert [m.target for m in fl.members()] == [f"ipv4:127.0.0.1:{port}", f"ipv4:127.0.0.2:{port}"]
             want = c1.forward(0, x)
             assert np.abs(fl.forward(0, x) - want).max() <= 1e-5 * np.abs(want).max()
+            # the pod of experts 4-7 is replaced by one at another address, which the name now gives
+            shards[1].send_signal(signal.SIGTERM)  # draining: it turns calls away
+            d = Daemon(["--synthetic", SPEC, "--threads", "1", "--experts", "4-7", "--listen", f"127.0.0.3:{port}"],
+                       tmp_path / "moed-127.0.0.3.log", port=port, wait=False)
+            d.address = f"127.0.0.3:{port}"
+            shards.append(d)
+            d.wait_serving()
+            ips.remove("127.0.0.2")
+            ips.append("127.0.0.3")
+            assert np.abs(fl.forward(0, x) - want).max() <= 1e-5 * np.abs(want).max()
+            live = [m.target for m in fl.fleet.members if not m.retired]
+            assert live == [f"ipv4:127.0.0.1:{port}", f"ipv4:127.0.0.3:{port}"], live
     finally:
         for d in shards:
             assert d.stop() == 0, d.log()

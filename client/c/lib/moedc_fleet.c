@@ -33,9 +33,12 @@
 #define DOWN_MAX_S      5.0 /* ... up to this */
 #define MAX_MEMBERS     1024
 #define SUM_CHUNK       16384 /* elements added at a time */
+#define RESOLVE_EVERY_S 5.0   /* dns: names resolved again at most this often */
 
 typedef struct member {
     char *target;
+    char *name;   /* the dns: target this is one address of, or NULL */
+    bool retired; /* its name no longer resolves to it: out of the fleet */
     moedc *c;
     moedc_model_info info;
     bool have_info;
@@ -64,8 +67,13 @@ typedef struct plan {
 
 struct moedc_fleet {
     pthread_mutex_t mu;
-    member *m;
+    member **m; /* each allocated once: a member never moves while the array grows */
     int n;
+    char **names; /* the "dns:" targets, resolved again when a shard has no daemon answering */
+    int n_names;
+    double resolved_at;
+    moedc_opts opts; /* for members that join later; its strings are owned copies */
+    char *owned[5];
     plan *plans;
     int n_plans;
     double timeout_s; /* the moedc's default deadline */
@@ -225,7 +233,7 @@ bool moedc_fleet_wanted(const char *const *targets, int n)
 
 static const moedc_layer_info *layer_of(const member *m, int index)
 {
-    for (int i = 0; m->have_info && i < m->info.n_layers; i++)
+    for (int i = 0; m->have_info && !m->retired && i < m->info.n_layers; i++)
         if (m->info.layers[i].index == index) return &m->info.layers[i];
     return NULL;
 }
@@ -275,9 +283,10 @@ static const char *differs(const moedc_layer_info *a, const moedc_layer_info *b)
 static void members_text(const moedc_fleet *f, char *buf, size_t size)
 {
     buf[0] = 0;
-    for (int i = 0; i < f->n; i++) {
-        const member *m = &f->m[i];
-        append(buf, size, "%s%s (", i ? "; " : "", m->target);
+    for (int i = 0, shown = 0; i < f->n; i++) {
+        const member *m = f->m[i];
+        if (m->retired) continue;
+        append(buf, size, "%s%s (", shown++ ? "; " : "", m->target);
         if (!m->have_info) append(buf, size, "%s", m->error);
         for (int j = 0; m->have_info && j < m->info.n_layers; j++) {
             char r[96];
@@ -293,7 +302,7 @@ static void shard_text(const moedc_fleet *f, const shard *s, char *buf, size_t s
     ranges_text(s->li->held, s->li->n_held, buf, size);
     append(buf, size, " on ");
     for (int i = 0; i < s->n_replicas; i++)
-        append(buf, size, "%s%s", i ? ", " : "", f->m[s->replicas[i]].target);
+        append(buf, size, "%s%s", i ? ", " : "", f->m[s->replicas[i]]->target);
 }
 
 static int plan_fail(plan *p, int rc, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -314,13 +323,13 @@ static int group(moedc_fleet *f, plan *p)
     p->shards = calloc((size_t)f->n, sizeof *p->shards);
     if (!p->shards) return plan_fail(p, MOEDC_ENOMEM, "out of memory planning a fleet");
     for (int i = 0; i < f->n; i++) {
-        const moedc_layer_info *li = layer_of(&f->m[i], p->layer);
+        const moedc_layer_info *li = layer_of(f->m[i], p->layer);
         if (!li) continue;
         const char *field = first ? differs(first, li) : NULL;
         if (field)
             return plan_fail(p, MOEDC_EPRECOND,
                              "layer %d differs between %s and %s (%s): a fleet serves one model",
-                             p->layer, f->m[first_m].target, f->m[i].target, field);
+                             p->layer, f->m[first_m]->target, f->m[i]->target, field);
         if (!first) first = li, first_m = i;
         int s = 0;
         while (s < p->n_shards && !same_share(p->shards[s].li, li)) s++;
@@ -404,8 +413,9 @@ static int replan(moedc_fleet *f)
     for (int i = 0; i < f->n_plans; i++) plan_free(&f->plans[i]);
     f->n_plans = 0;
     for (int i = 0; i < f->n; i++)
-        for (int j = 0; f->m[i].have_info && j < f->m[i].info.n_layers; j++) {
-            const int index = f->m[i].info.layers[j].index;
+        for (int j = 0; f->m[i]->have_info && !f->m[i]->retired && j < f->m[i]->info.n_layers;
+             j++) {
+            const int index = f->m[i]->info.layers[j].index;
             bool seen = false;
             for (int k = 0; k < f->n_plans; k++) seen = seen || f->plans[k].layer == index;
             if (seen) continue;
@@ -426,7 +436,7 @@ static plan *plan_for(moedc_fleet *f, int layer, plan *none)
         if (f->plans[i].layer == layer) return &f->plans[i];
     char text[400];
     bool unknown = false;
-    for (int i = 0; i < f->n; i++) unknown = unknown || !f->m[i].have_info;
+    for (int i = 0; i < f->n; i++) unknown = unknown || (!f->m[i]->have_info && !f->m[i]->retired);
     members_text(f, text, sizeof text);
     *none = (plan){ .layer = layer };
     plan_fail(none, unknown ? MOEDC_EUNAVAIL : MOEDC_ENOTFOUND, "layer %d is %s: %s", layer,
@@ -448,10 +458,10 @@ static void mark_down(member *m, double now)
 static void learn(moedc_fleet *f)
 {
     for (int i = 0; i < f->n; i++) {
-        member *m = &f->m[i];
+        member *m = f->m[i];
         pthread_mutex_lock(&f->mu);
         double now = now_s();
-        bool ask = (!m->have_info || m->check) && now >= m->down_until &&
+        bool ask = (!m->have_info || m->check) && !m->retired && now >= m->down_until &&
                    now >= m->asked_at + (m->have_info ? 0 : REPROBE_S);
         if (ask) m->asked_at = now;
         pthread_mutex_unlock(&f->mu);
@@ -477,41 +487,84 @@ static void learn(moedc_fleet *f)
     }
 }
 
-/* ---- opening and closing ---- */
+/* ---- opening, regrouping, closing ---- */
+
+/* Opens a member for target, an address of dns: name `name` (or NULL), as the fleet's last
+ * (under f->mu once the fleet is shared). */
+static int add_member(moedc_fleet *f, const char *target, const char *name, moedc_error *err)
+{
+    member **grown = realloc(f->m, sizeof *grown * (size_t)(f->n + 1));
+    if (!grown) return moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a fleet");
+    f->m = grown;
+    member *m = calloc(1, sizeof *m);
+    if (!m || !(m->target = strdup(target)) || (name && !(m->name = strdup(name)))) {
+        if (m) free(m->target);
+        free(m);
+        return moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a fleet");
+    }
+    snprintf(m->error, sizeof m->error, "not asked yet");
+    moedc_opts o = f->opts;
+    char host[256], port[16];
+    if (name && !o.tls_server_name && dns_host_port(name, host, sizeof host, port, sizeof port))
+        o.tls_server_name = host; /* TLS checks the name the address came from */
+    int rc = moedc_connect(m->target, &o, &m->c, err);
+    if (rc) {
+        free(m->target);
+        free(m->name);
+        free(m);
+        return rc;
+    }
+    f->m[f->n++] = m;
+    return 0;
+}
+
+/* The caller's options, their strings copied: members may join after the call returns. */
+static int keep_opts(moedc_fleet *f, const moedc_opts *opts, moedc_error *err)
+{
+    f->opts = *opts;
+    const char **s[5] = { &f->opts.bearer_token, &f->opts.tls_ca, &f->opts.tls_cert,
+                          &f->opts.tls_key, &f->opts.tls_server_name };
+    for (int i = 0; i < 5; i++) {
+        if (!*s[i]) continue;
+        if (!(f->owned[i] = strdup(*s[i])))
+            return moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a fleet");
+        *s[i] = f->owned[i];
+    }
+    return 0;
+}
+
+/* One member per daemon target names (each address of a dns: name that has several). */
+static int add_target(moedc_fleet *f, const char *target, moedc_error *err)
+{
+    char **list;
+    int k = expand_all(&target, 1, &list), rc = 0;
+    if (k < 0) return moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a fleet");
+    for (int i = 0; i < k && !rc; i++)
+        rc = add_member(f, list[i], strcmp(list[i], target) ? target : NULL, err);
+    free_list(list, k);
+    if (rc || strncmp(target, "dns:", 4)) return rc;
+    char **grown = realloc(f->names, sizeof *grown * (size_t)(f->n_names + 1));
+    if (!grown || !(grown[f->n_names] = strdup(target))) {
+        if (grown) f->names = grown;
+        return moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a fleet");
+    }
+    f->names = grown;
+    f->n_names++;
+    return 0;
+}
 
 int moedc_fleet_open(const char *const *targets, int n, const moedc_opts *opts, moedc_fleet **out,
                      moedc_error *err)
 {
     static const moedc_opts none;
-    if (!opts) opts = &none;
     *out = NULL;
-    char **list;
-    int k = expand_all(targets, n, &list), rc = 0;
-    moedc_fleet *f = k > 0 ? calloc(1, sizeof *f) : NULL;
-    if (f) f->m = calloc((size_t)k, sizeof *f->m);
-    if (!f || !f->m) {
-        free_list(list, k);
-        free(f);
-        return moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a fleet");
-    }
+    moedc_fleet *f = calloc(1, sizeof *f);
+    if (!f) return moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a fleet");
     pthread_mutex_init(&f->mu, NULL);
-    f->timeout_s = opts->timeout_s;
-    for (int i = 0; i < k && !rc; i++) {
-        moedc_opts o = *opts;
-        char host[256], port[16];
-        /* a member that is one address of a dns: name: TLS checks the name */
-        if (!o.tls_server_name && strncmp(list[i], "dns:", 4))
-            for (int t = 0; t < n; t++)
-                if (!strncmp(targets[t], "dns:", 4) &&
-                    dns_host_port(targets[t], host, sizeof host, port, sizeof port))
-                    o.tls_server_name = host;
-        f->m[i].target = list[i];
-        list[i] = NULL;
-        snprintf(f->m[i].error, sizeof f->m[i].error, "not asked yet");
-        rc = moedc_connect(f->m[i].target, &o, &f->m[i].c, err);
-        f->n = i + 1;
-    }
-    free_list(list, k);
+    f->timeout_s = opts ? opts->timeout_s : 0;
+    f->resolved_at = now_s();
+    int rc = keep_opts(f, opts ? opts : &none, err);
+    for (int i = 0; i < n && !rc && f->n < MAX_MEMBERS; i++) rc = add_target(f, targets[i], err);
     if (!rc) learn(f);
     pthread_mutex_lock(&f->mu);
     for (int i = 0; !rc && i < f->n_plans; i++)
@@ -526,17 +579,74 @@ int moedc_fleet_open(const char *const *targets, int n, const moedc_opts *opts, 
     return 0;
 }
 
+/* What dns: name `name` resolves to now (a list of k targets): members for the new addresses, its
+ * members not among them retired (under f->mu). True when anything changed. */
+static bool regroup_name(moedc_fleet *f, const char *name, char **list, int k)
+{
+    bool changed = false;
+    moedc_error err;
+    for (int i = 0; i < k; i++) {
+        bool have = false;
+        for (int j = 0; j < f->n && !have; j++)
+            have = !f->m[j]->retired && !strcmp(f->m[j]->target, list[i]);
+        if (!have && f->n < MAX_MEMBERS &&
+            !add_member(f, list[i], strcmp(list[i], name) ? name : NULL, &err))
+            changed = true;
+    }
+    for (int j = 0; j < f->n; j++) {
+        member *m = f->m[j];
+        bool listed = false;
+        for (int i = 0; i < k && !listed; i++) listed = !strcmp(m->target, list[i]);
+        if (m->name && !strcmp(m->name, name) && !m->retired && !listed) {
+            m->retired = true;
+            changed = true;
+        }
+    }
+    return changed;
+}
+
+/* The dns: names resolved again, at most every RESOLVE_EVERY_S: daemons behind a name may come
+ * back at new addresses. True when the fleet changed (its plans are rebuilt). */
+static bool regroup(moedc_fleet *f)
+{
+    pthread_mutex_lock(&f->mu);
+    const double now = now_s();
+    const bool due = f->n_names && now >= f->resolved_at + RESOLVE_EVERY_S;
+    if (due) f->resolved_at = now;
+    pthread_mutex_unlock(&f->mu);
+    bool changed = false;
+    for (int i = 0; due && i < f->n_names; i++) {
+        char **list;
+        int k = expand_all((const char *const *)&f->names[i], 1, &list);
+        if (k < 0) continue;
+        pthread_mutex_lock(&f->mu);
+        changed |= regroup_name(f, f->names[i], list, k);
+        pthread_mutex_unlock(&f->mu);
+        free_list(list, k);
+    }
+    if (changed) {
+        pthread_mutex_lock(&f->mu);
+        replan(f);
+        pthread_mutex_unlock(&f->mu);
+    }
+    return changed;
+}
+
 void moedc_fleet_close(moedc_fleet *f)
 {
     if (!f) return;
     for (int i = 0; i < f->n_plans; i++) plan_free(&f->plans[i]);
     free(f->plans);
     for (int i = 0; i < f->n; i++) {
-        moedc_close(f->m[i].c);
-        if (f->m[i].have_info) moedc_model_info_free(&f->m[i].info);
-        free(f->m[i].target);
+        moedc_close(f->m[i]->c);
+        if (f->m[i]->have_info) moedc_model_info_free(&f->m[i]->info);
+        free(f->m[i]->target);
+        free(f->m[i]->name);
+        free(f->m[i]);
     }
     free(f->m);
+    free_list(f->names, f->n_names);
+    for (int i = 0; i < 5; i++) free(f->owned[i]);
     pthread_mutex_destroy(&f->mu);
     free(f);
 }
@@ -553,11 +663,11 @@ static int pick(const moedc_fleet *f, const moedc_part *p)
     for (int down_too = 0; down_too < 2 && best < 0; down_too++)
         for (int j = 0; j < p->n_replicas; j++) {
             const int at = (int)((p->turn + (unsigned)j) % (unsigned)p->n_replicas);
-            const member *m = &f->m[p->replicas[at]];
+            const member *m = f->m[p->replicas[at]];
             if (p->tried[at] || m->check || !layer_of(m, p->layer) ||
                 (!down_too && m->down_until > now))
                 continue;
-            if (best < 0 || m->outstanding < f->m[p->replicas[best]].outstanding) best = at;
+            if (best < 0 || m->outstanding < f->m[p->replicas[best]]->outstanding) best = at;
         }
     return best;
 }
@@ -576,10 +686,10 @@ static int start_part(moedc_fleet_call *fc, moedc_part *p, moedc_error *err)
         const double left = fc->deadline - now_s();
         req.timeout_s = left > 1e-3 ? left : 1e-3;
     }
-    int rc = moedc_forward_start_part(f->m[i].c, &req, fc->q, p, &p->sub, err);
+    int rc = moedc_forward_start_part(f->m[i]->c, &req, fc->q, p, &p->sub, err);
     if (rc) return rc;
     p->member = i;
-    f->m[i].outstanding++;
+    f->m[i]->outstanding++;
     return 0;
 }
 
@@ -588,7 +698,7 @@ static int exhausted(const moedc_fleet_call *fc, const moedc_part *p, moedc_erro
 {
     char said[400] = "";
     for (int j = 0; j < p->n_replicas; j++) {
-        const member *m = &fc->f->m[p->replicas[j]];
+        const member *m = fc->f->m[p->replicas[j]];
         append(said, sizeof said, "%s%s (%s)", j ? "; " : "", m->target, m->error);
     }
     return moedc_fail(err, MOEDC_EUNAVAIL, "%s: no replica answered: %s", p->what, said);
@@ -615,7 +725,7 @@ moedc_call *moedc_fleet_part_done(moedc_call *sub, moedc_part *p)
     pthread_mutex_unlock(&f->mu);
     int rc = moedc_call_finish(sub, &res, &err);
     pthread_mutex_lock(&f->mu);
-    member *m = &f->m[p->member];
+    member *m = f->m[p->member];
     m->outstanding--;
     if (!rc) {
         m->down_for = 0;
@@ -712,6 +822,19 @@ static int make_parts(moedc_fleet_call *fc, plan *pl, moedc_error *err)
     return 0;
 }
 
+/* Forgets the parts of a call none of whose parts started (under f->mu). */
+static void reset_parts(moedc_fleet_call *fc)
+{
+    for (int i = 0; i < fc->n_parts; i++) {
+        free(fc->parts[i].replicas);
+        free(fc->parts[i].tried);
+    }
+    free(fc->parts);
+    fc->parts = NULL;
+    fc->n_parts = 0;
+    fc->rc = 0;
+}
+
 /* Plans the call and starts its parts (under f->mu). */
 static int start_call(moedc_fleet_call *fc, moedc_error *err)
 {
@@ -726,6 +849,8 @@ static int start_call(moedc_fleet_call *fc, moedc_error *err)
                           "over a different merged batch on each",
                           pl->layer, pl->n_shards);
     int rc = make_parts(fc, pl, err);
+    for (int i = 0; !rc && i < fc->n_parts; i++) /* every shard has a replica, or none starts */
+        if (pick(f, &fc->parts[i]) < 0) rc = exhausted(fc, &fc->parts[i], err);
     for (int i = 0; !rc && i < fc->n_parts; i++) {
         rc = start_part(fc, &fc->parts[i], err);
         if (rc == MOEDC_EUNAVAIL) exhausted(fc, &fc->parts[i], err);
@@ -753,8 +878,16 @@ int moedc_fleet_forward_start(moedc_fleet *f, const moedc_request *req, moedc_qu
     learn(f);
     pthread_mutex_lock(&f->mu);
     rc = start_call(fc, err);
-    const bool started = fc->pending > 0;
+    bool started = fc->pending > 0;
     pthread_mutex_unlock(&f->mu);
+    if (rc == MOEDC_EUNAVAIL && !started && regroup(f)) { /* once more, over who is there now */
+        learn(f);
+        pthread_mutex_lock(&f->mu);
+        reset_parts(fc);
+        rc = start_call(fc, err);
+        started = fc->pending > 0;
+        pthread_mutex_unlock(&f->mu);
+    }
     if (rc && !started) {
         call_free(fc);
         return rc;
@@ -852,8 +985,8 @@ static bool add_range(moedc_layer_info *li, int first, int last)
 static int merge_layers(const moedc_fleet *f, moedc_model_info *out)
 {
     for (int i = 0; i < f->n; i++)
-        for (int j = 0; f->m[i].have_info && j < f->m[i].info.n_layers; j++) {
-            const moedc_layer_info *li = &f->m[i].info.layers[j];
+        for (int j = 0; f->m[i]->have_info && j < f->m[i]->info.n_layers; j++) {
+            const moedc_layer_info *li = &f->m[i]->info.layers[j];
             int k = 0;
             while (k < out->n_layers && out->layers[k].index != li->index) k++;
             if (k == out->n_layers) {
@@ -882,8 +1015,8 @@ static int merge_info(const moedc_fleet *f, const moedc_model_info *first, moedc
     out->max_batch_tokens = first->max_batch_tokens;
     if (!out->model || !out->backend || !out->version) return MOEDC_ENOMEM;
     for (int i = 0; i < f->n; i++) {
-        const moedc_model_info *m = &f->m[i].info;
-        if (!f->m[i].have_info) continue;
+        const moedc_model_info *m = &f->m[i]->info;
+        if (!f->m[i]->have_info) continue;
         if (m->max_message_bytes < out->max_message_bytes)
             out->max_message_bytes = m->max_message_bytes;
         if (m->max_batch_tokens < out->max_batch_tokens)
@@ -907,7 +1040,7 @@ int moedc_fleet_info(moedc_fleet *f, moedc_model_info *out, moedc_error *err)
     pthread_mutex_lock(&f->mu);
     const moedc_model_info *first = NULL;
     for (int i = 0; i < f->n && !first; i++)
-        if (f->m[i].have_info) first = &f->m[i].info;
+        if (f->m[i]->have_info) first = &f->m[i]->info;
     int rc = 0;
     if (!first) {
         char text[400];
@@ -930,7 +1063,7 @@ int moedc_fleet_health(moedc_fleet *f, const char *service, int *status, moedc_e
     for (int i = 0; i < f->n; i++) {
         int st;
         moedc_error e;
-        serving[i] = !moedc_health_within(f->m[i].c, service, PROBE_TIMEOUT_S, &st, &e) &&
+        serving[i] = !moedc_health_within(f->m[i]->c, service, PROBE_TIMEOUT_S, &st, &e) &&
                      st == MOEDC_HEALTH_SERVING;
     }
     pthread_mutex_lock(&f->mu);

@@ -57,6 +57,8 @@ from .types import Device, ForwardResult, LayerInfo, ModelInfo, MoEError, Timing
 PROBE_TIMEOUT = 5.0
 # A replica that answered UNAVAILABLE is passed over for this long, doubling up to DOWN_MAX.
 DOWN_MIN, DOWN_MAX = 0.5, 5.0
+# "dns:" names are resolved again at most this often (when a call finds a shard unanswered).
+RESOLVE_EVERY = 5.0
 # LayerInfo fields every daemon holding part of a layer must agree on.
 _SAME = ("d_model", "d_ff", "num_experts", "top_k", "activation", "weight_dtype", "has_router",
          "norm_topk_prob", "router_rule", "num_shared_experts", "shared_d_ff", "n_group", "topk_group",
@@ -113,6 +115,34 @@ def is_fleet(target: Any) -> bool:
     return not isinstance(target, str) or (target.startswith("dns:") and len(resolve(target)) > 1)
 
 
+class Names:
+    """The "dns:" names among a fleet's targets. Pods behind a name come back at new addresses, so
+    the name is resolved again (at most every RESOLVE_EVERY seconds) when a call finds a shard with
+    no daemon answering: new addresses join the fleet, vanished ones leave it."""
+
+    def __init__(self, target: Any):
+        leaves = [target] if isinstance(target, str) else [t for one in target for t in _leaves(one)]
+        self.names = [t for t in leaves if t.startswith("dns:")]
+        self.at = time.monotonic()
+
+    def due(self, now: float) -> bool:
+        return bool(self.names) and now >= self.at + RESOLVE_EVERY
+
+    def addresses(self) -> List[str]:
+        self.at = time.monotonic()
+        out = []
+        for n in self.names:
+            try:
+                out += resolve(n)
+            except ValueError:  # a name that does not resolve now holds nobody
+                pass
+        return out
+
+
+def _leaves(target: Any) -> List[str]:
+    return [target] if isinstance(target, str) else [t for one in target for t in _leaves(one)]
+
+
 def ranges_text(ranges: Sequence[Tuple[int, int]]) -> str:
     """[(0, 3), (6, 6)] as "0-3,6"."""
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in ranges)
@@ -132,6 +162,8 @@ class Member:
         self.outstanding = 0  # calls from this client in flight
         self.down_until = 0.0  # passed over until then (time.monotonic())
         self.down_for = 0.0  # how long it was passed over the last time
+        self.named = False  # one of the addresses of a "dns:" name (Names)
+        self.retired = False  # its name no longer resolves to it: out of the fleet
 
     def layer(self, index: int) -> Optional[LayerInfo]:
         if self.info is None:
@@ -159,7 +191,8 @@ class Shard:
     def holds(self, m: Member) -> bool:
         """Whether m (still) holds this shard: it may have come back with other experts."""
         li = m.layer(self.layer)
-        return li is not None and (tuple(li.experts_held), li.adds_shared_experts) == (self.ranges, self.adds_shared)
+        return (li is not None and not m.retired
+                and (tuple(li.experts_held), li.adds_shared_experts) == (self.ranges, self.adds_shared))
 
     def describe(self) -> str:
         return f"experts {ranges_text(self.ranges)} on {', '.join(m.target for m in self.members)}"
@@ -196,7 +229,8 @@ class Fleet:
         """Of these, the members whose GetModel is to be asked now: never answered, or failed
         since, not marked down, not being asked already."""
         with self._lock:
-            return [m for m in members if (m.info is None or m.check) and m.down_until <= now and m.probe is None]
+            return [m for m in members
+                    if (m.info is None or m.check) and m.down_until <= now and m.probe is None and not m.retired]
 
     def asking(self, m: Member, probe: Any) -> bool:
         """Records that `probe` asks m's GetModel; False if another is on its way already."""
@@ -261,6 +295,22 @@ class Fleet:
                 m.error, m.check = f"UNAVAILABLE: {details}", True
                 self._down(m, now)
 
+    def regroup(self, addresses: Sequence[str], make) -> bool:
+        """The addresses a fleet's "dns:" names resolve to now: members for the new ones (made by
+        make(target)), the named members not among them retired. True when anything changed."""
+        with self._lock:
+            have = {m.target for m in self.members if not m.retired}
+            new = [Member(t, make(t)) for t in dict.fromkeys(addresses) if t not in have]
+            for m in new:
+                m.named = True
+            gone = [m for m in self.members if m.named and not m.retired and m.target not in addresses]
+            for m in gone:
+                m.retired = True
+            self.members.extend(new)
+            if new or gone:
+                self._plans.clear()
+            return bool(new or gone)
+
     def revive(self, shard: Shard, now: float) -> None:
         """A new round of attempts: the shard's replicas marked down get their chance again."""
         with self._lock:
@@ -278,6 +328,7 @@ def _holdings(info: ModelInfo) -> Any:
 
 def _plan(layer: int, members: Sequence[Member]) -> Tuple[Optional[List[Shard]], Optional[MoEError]]:
     """Groups the members holding `layer` into shards and checks them (see the module's text)."""
+    members = [m for m in members if not m.retired]
     holders = [(m, m.layer(layer)) for m in members]
     holders = [(m, li) for m, li in holders if li is not None]
     if not holders:
@@ -392,7 +443,7 @@ def combine(call: C.Call, replies: Sequence[bytes]) -> Any:
 def merged_info(members: Sequence[Member]) -> ModelInfo:
     """One ModelInfo for the fleet: every layer once, with the experts the reachable daemons hold
     between them; the smallest limits; every device."""
-    known = [m.info for m in members if m.info is not None]
+    known = [m.info for m in members if m.info is not None and not m.retired]
     if not known:
         raise _unavailable(f"no daemon of the fleet answered GetModel: {_members_text(members)}")
     layers: Dict[int, LayerInfo] = {}
@@ -451,6 +502,20 @@ def _member_kwargs(target: str, original: Any, kw: Dict[str, Any]) -> Dict[str, 
     return kw
 
 
+def _members(target: Any, make) -> List[Member]:
+    """The fleet's members, one per daemon the target names; those from "dns:" names marked."""
+    out = []
+    for leaf in _leaves(target):
+        for t in resolve(leaf):
+            out.append(Member(t, make(t)))
+            out[-1].named = leaf.startswith("dns:")
+    return out
+
+
+class _Replan(Exception):
+    """The fleet changed (its names resolved to other daemons) while a call was on its way."""
+
+
 def _stream_items(requests: Iterable[dict]) -> Iterator[dict]:
     """forward_stream()'s items, checked as a single daemon's stream checks them."""
     for item in requests:
@@ -471,11 +536,17 @@ class FleetClient(MoEClient):
         kw = dict(credentials=credentials, token=token, options=options, keepalive=keepalive,
                   transport=transport)
         self.target, self.timeout, self.retry, self.transport = target, timeout, retry or NO_RETRY, transport
-        self.fleet = Fleet([Member(t, MoEClient(t, **_member_kwargs(t, target, kw))) for t in resolve(target)])
+        self._make = lambda t: MoEClient(t, **_member_kwargs(t, target, kw))
+        self._names = Names(target)
+        self.fleet = Fleet(_members(target, self._make))
 
     def close(self) -> None:
         for m in self.fleet.members:
             m.client.close()
+
+    def _regroup(self) -> bool:
+        """The "dns:" names resolved again, when due; True when the fleet changed."""
+        return self._names.due(time.monotonic()) and self.fleet.regroup(self._names.addresses(), self._make)
 
     # -- learning the fleet --
 
@@ -525,6 +596,7 @@ class FleetClient(MoEClient):
         self._probe(self.fleet.to_probe(self.fleet.members, time.monotonic()))
         shards, err = self.fleet.plan(layer)
         if err is not None:
+            self._regroup()
             self._learn(self.fleet.members, deadline)
             shards, err = self.fleet.plan(layer)
         if err is not None:
@@ -565,6 +637,8 @@ class FleetClient(MoEClient):
                     t.attempt = None
             if self._begin(t, payload, deadline):
                 continue
+            if self._regroup():
+                raise _Replan()
             now = time.monotonic()
             wait = self.retry.delay(t.rounds, _UNAVAILABLE, now, deadline, now - t.started)
             if wait is None:
@@ -586,6 +660,12 @@ class FleetClient(MoEClient):
                                  request_id=request_id, return_info=return_info, copy=copy,
                                  transport=transport or self.transport)
         deadline = self._deadline(timeout)
+        try:
+            return self._fan_out(layer, call, batch_gating, deadline)
+        except _Replan:  # the fleet changed under the call: once more on its new plan
+            return self._fan_out(layer, call, batch_gating, deadline)
+
+    def _fan_out(self, layer: int, call: C.Call, batch_gating: bool, deadline: Optional[float]) -> Any:
         shards = self._shards(layer, deadline)
         _check_batch_gating(layer, shards, batch_gating)
         tries = [_Try(s) for s in shards]
@@ -662,12 +742,19 @@ class AioFleetClient(aio.MoEClient):
         kw = dict(credentials=credentials, token=token, options=options, keepalive=keepalive,
                   transport=transport)
         self.target, self.timeout, self.retry, self.transport = target, timeout, retry or NO_RETRY, transport
-        self.fleet = Fleet([Member(t, aio.MoEClient(t, **_member_kwargs(t, target, kw)))
-                            for t in resolve(target)])
+        self._make = lambda t: aio.MoEClient(t, **_member_kwargs(t, target, kw))
+        self._names = Names(target)
+        self.fleet = Fleet(_members(target, self._make))
 
     async def close(self) -> None:
         for m in self.fleet.members:
             await m.client.close()
+
+    async def _regroup(self) -> bool:
+        if not self._names.due(time.monotonic()):
+            return False
+        addresses = await asyncio.get_running_loop().run_in_executor(None, self._names.addresses)
+        return self.fleet.regroup(addresses, self._make)
 
     # -- learning the fleet --
 
@@ -705,6 +792,7 @@ class AioFleetClient(aio.MoEClient):
         self._probe(self.fleet.to_probe(self.fleet.members, time.monotonic()))
         shards, err = self.fleet.plan(layer)
         if err is not None:
+            await self._regroup()
             await self._learn(self.fleet.members, deadline)
             shards, err = self.fleet.plan(layer)
         if err is not None:
@@ -743,6 +831,8 @@ class AioFleetClient(aio.MoEClient):
                     t.attempt = None
             if await self._begin(t, payload, deadline):
                 continue
+            if await self._regroup():
+                raise _Replan()
             now = time.monotonic()
             wait = self.retry.delay(t.rounds, _UNAVAILABLE, now, deadline, now - t.started)
             if wait is None:
@@ -765,6 +855,13 @@ class AioFleetClient(aio.MoEClient):
                                  request_id=request_id, return_info=return_info, copy=copy,
                                  transport=transport or self.transport)
         deadline = self._deadline(timeout)
+        try:
+            return await self._fan_out(layer, call, batch_gating, deadline)
+        except _Replan:  # the fleet changed under the call: once more on its new plan
+            return await self._fan_out(layer, call, batch_gating, deadline)
+
+    async def _fan_out(self, layer: int, call: C.Call, batch_gating: bool,
+                       deadline: Optional[float]) -> Any:
         shards = await self._shards(layer, deadline)
         _check_batch_gating(layer, shards, batch_gating)
         tries = [_Try(s) for s in shards]

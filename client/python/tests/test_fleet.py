@@ -167,3 +167,20 @@ def test_malformed_held_ranges_are_refused(held):
     assert e.value.code_name == "INTERNAL" and "layer 3's experts_held" in e.value.message
     ok = wire.encode("moed.v1.ModelInfo", {"layers": [{**layer, "experts_held": [{"first": 1, "last": 7}]}]})
     assert _common.model_info(ok).layers[0].experts_held == [(1, 7)]
+
+
+def test_regroup_adds_new_addresses_and_retires_vanished_ones(monkeypatch):
+    made = []
+    f = Fleet([member("ipv4:10.0.0.1:1", layer(held=[(0, 3)])), member("ipv4:10.0.0.2:1", layer(held=[(4, 7)], shared=False))])
+    for m in f.members:
+        m.named = True
+    assert f.plan(0)[1] is None
+    assert not f.regroup(["ipv4:10.0.0.1:1", "ipv4:10.0.0.2:1"], made.append)
+    assert f.regroup(["ipv4:10.0.0.1:1", "ipv4:10.0.0.3:1"], lambda t: made.append(t) or t)
+    assert made == ["ipv4:10.0.0.3:1"] and f.members[1].retired and f.members[2].named
+    shards, err = f.plan(0)  # the new daemon has not answered GetModel yet: experts 4-7 are missing
+    assert shards is None and "experts 4-7" in err.message and "10.0.0.2" not in err.message
+    names = fleet.Names(["dns:///a.svc:1", "b:2"])
+    assert names.names == ["dns:///a.svc:1"] and not names.due(names.at + 1)
+    monkeypatch.setattr(fleet, "resolve", lambda n: ["ipv4:10.0.0.9:1"])
+    assert names.due(names.at + fleet.RESOLVE_EVERY) and names.addresses() == ["ipv4:10.0.0.9:1"]
