@@ -21,6 +21,7 @@ import json
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -150,6 +151,9 @@ def test_getmodel_says_what_each_daemon_holds(pool):
         assert [(li.index, li.experts_held, li.num_experts) for li in info.layers] == [(0, [(0, 7)], 8), (1, [(0, 7)], 8)]
         assert [m.target for m in fl.members()] == [a.address, b.address, c.address]
         assert fl.health() == "SERVING"
+    p = subprocess.run([sys.executable, "-m", "moed", "--target", f"{b.address},{c.address}", "info"],
+                       capture_output=True, text=True, timeout=60)  # the fleet from the command line
+    assert p.returncode == 0 and p.stdout.split("\n")[-2].split()[-1] == "0-7+shared", p.stdout + p.stderr
     with pytest.raises(MoEError) as e, MoEClient([a.address, b.address]) as half:
         half.forward(1, np.zeros((2, D), np.float32))
     assert e.value.code_name == "UNAVAILABLE" and "experts 3-5,7" in e.value.message, e.value.message

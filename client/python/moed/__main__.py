@@ -36,12 +36,14 @@ def _info(c: MoEClient) -> int:
     for d in m.devices:
         print(f"device   {d.name}: {d.memory_used / 2**20:.0f} / {d.memory_total / 2**20:.0f} MiB used")
     print(f"{'layer':>5} {'d_model':>7} {'d_ff':>6} {'experts':>7} {'top_k':>5} {'act':>6} {'dtype':>5} "
-          f"{'router':>6} {'norm':>4} {'rule':>12} {'shared':>6} {'groups':>6} {'scale':>5}")
+          f"{'router':>6} {'norm':>4} {'rule':>12} {'shared':>6} {'groups':>6} {'scale':>5} held")
     for l in m.layers:
+        held = ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in l.experts_held)
+        held += "+shared" if l.num_shared_experts and l.adds_shared_experts else ""
         print(f"{l.index:>5} {l.d_model:>7} {l.d_ff:>6} {l.num_experts:>7} {l.top_k:>5} {l.activation:>6} "
               f"{l.weight_dtype:>5} {'yes' if l.has_router else 'no':>6} {int(l.norm_topk_prob):>4} "
               f"{l.router_rule:>12} {l.num_shared_experts}x{l.shared_d_ff:<4} "
-              f"{l.n_group}/{l.topk_group:<4} {l.routed_scaling_factor:>5g}")
+              f"{l.n_group}/{l.topk_group:<4} {l.routed_scaling_factor:>5g} {held}")
     return 0
 
 
@@ -86,7 +88,8 @@ def _forward(c: MoEClient, args) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m moed", description="Call a moed server.")
-    p.add_argument("--target", default="127.0.0.1:50051", help="server address (default %(default)s)")
+    p.add_argument("--target", default="127.0.0.1:50051",
+                   help="server address (default %(default)s); several, comma-separated: a fleet")
     p.add_argument("--timeout", type=float, default=None, help="deadline of each call, seconds")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("health", help="print the health status")
@@ -102,7 +105,8 @@ def main(argv=None) -> int:
     f.add_argument("--verify", action="store_true", help="compare with moed.reference (synthetic models)")
     args = p.parse_args(argv)
     try:
-        with MoEClient(args.target, timeout=args.timeout) as c:
+        several = "," in args.target and not args.target.startswith(("ipv4:", "ipv6:"))
+        with MoEClient(args.target.split(",") if several else args.target, timeout=args.timeout) as c:
             if args.cmd == "health":
                 print(c.health())
                 return 0
