@@ -457,9 +457,13 @@ static void mark_down(member *m, double now)
  * more often than their wait allows; rebuilds the plans when one holds something new. */
 static void learn(moedc_fleet *f)
 {
-    for (int i = 0; i < f->n; i++) {
+    for (int i = 0;; i++) {
+        pthread_mutex_lock(&f->mu); /* members may join meanwhile (regroup): f->m moves */
+        if (i >= f->n) {
+            pthread_mutex_unlock(&f->mu);
+            return;
+        }
         member *m = f->m[i];
-        pthread_mutex_lock(&f->mu);
         double now = now_s();
         bool ask = (!m->have_info || m->check) && !m->retired && now >= m->down_until &&
                    now >= m->asked_at + (m->have_info ? 0 : REPROBE_S);
@@ -1056,16 +1060,25 @@ int moedc_fleet_info(moedc_fleet *f, moedc_model_info *out, moedc_error *err)
 
 int moedc_fleet_health(moedc_fleet *f, const char *service, int *status, moedc_error *err)
 {
-    (void)err;
     learn(f);
-    int *serving = calloc((size_t)f->n, sizeof *serving);
-    if (!serving) return moedc_fail(err, MOEDC_ENOMEM, "out of memory");
-    for (int i = 0; i < f->n; i++) {
+    pthread_mutex_lock(&f->mu);
+    const int n = f->n;
+    int *serving = calloc((size_t)n, sizeof *serving);
+    moedc **c = calloc((size_t)n, sizeof *c);
+    for (int i = 0; serving && c && i < n; i++) c[i] = f->m[i]->c;
+    pthread_mutex_unlock(&f->mu);
+    if (!serving || !c) {
+        free(serving);
+        free(c);
+        return moedc_fail(err, MOEDC_ENOMEM, "out of memory");
+    }
+    for (int i = 0; i < n; i++) {
         int st;
         moedc_error e;
-        serving[i] = !moedc_health_within(f->m[i]->c, service, PROBE_TIMEOUT_S, &st, &e) &&
+        serving[i] = !moedc_health_within(c[i], service, PROBE_TIMEOUT_S, &st, &e) &&
                      st == MOEDC_HEALTH_SERVING;
     }
+    free(c);
     pthread_mutex_lock(&f->mu);
     bool ok = f->n_plans > 0;
     for (int i = 0; i < f->n_plans && ok; i++) {
@@ -1073,8 +1086,8 @@ int moedc_fleet_health(moedc_fleet *f, const char *service, int *status, moedc_e
         ok = !p->rc;
         for (int s = 0; ok && s < p->n_shards; s++) {
             bool any = false;
-            for (int r = 0; r < p->shards[s].n_replicas; r++)
-                any = any || serving[p->shards[s].replicas[r]];
+            for (int r = 0; r < p->shards[s].n_replicas; r++) /* those that joined since: no */
+                any = any || (p->shards[s].replicas[r] < n && serving[p->shards[s].replicas[r]]);
             ok = any;
         }
     }
