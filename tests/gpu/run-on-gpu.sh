@@ -7,9 +7,10 @@
 #             merged table (kernels/cuda/bench/report.py)
 #   e2e       the daemon benchmark on loopback (tests/gpu/bench_daemon.py), transport suite
 #   merge     the same, merging suite (merging off / on / batch gating at T=8)
-#   pytest    end-to-end tests through a CUDA daemon: merged requests bit-identical to the same
-#             requests alone, batch gating across merged callers against numpy; MOED_TEST_COMPUTE
-#             makes every daemon prove it serves on the cuda backend (tests/e2e/conftest.py)
+#   pytest    end-to-end tests through a CUDA daemon: every dtype, activation and gating against
+#             numpy token by token, merged requests bit-identical to the same requests alone,
+#             batch gating across merged callers; MOED_TEST_COMPUTE makes every daemon prove it
+#             serves on the cuda backend (tests/e2e/conftest.py)
 #   router    the server router (issue 8): the CUDA-vs-CPU router cases of the suite, the
 #             checkpoints written by transformers served by a CUDA daemon against transformers'
 #             own outputs (recomputed live by the torch and transformers installed there), and the
@@ -119,7 +120,8 @@ stage_merge() {
 
 stage_pytest() {
     MOED_BIN=$B/moed MOED_TEST_COMPUTE=bf16 logged "$OUT/pytest-gpu.log" \
-        "$PY" -m pytest -q -rsxX -p no:cacheprovider tests/e2e/test_concurrency.py
+        "$PY" -m pytest -q -rsxX -p no:cacheprovider tests/e2e/test_forward.py \
+        tests/e2e/test_concurrency.py
 }
 
 stage_router() {
