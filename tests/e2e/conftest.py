@@ -28,6 +28,12 @@ DEFAULT_SPEC = "layers=2,d=64,ff=96,experts=8,topk=2,act=swiglu,dtype=bf16,seed=
 CUDA_MODE = bool(os.environ.get("MOED_TEST_COMPUTE"))
 
 
+def pytest_configure(config):
+    # A thread that dies of an exception fails the test it ran in (pytest only warns by default):
+    # tests hand work to threads, and one that died would leave the others' results to pass.
+    config.addinivalue_line("filterwarnings", "error::pytest.PytestUnhandledThreadExceptionWarning")
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

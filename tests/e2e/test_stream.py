@@ -10,7 +10,6 @@ before an earlier one, a queue that holds exactly the stream's window.
 import queue
 import re
 import signal
-import threading
 import time
 
 import grpc
@@ -19,7 +18,7 @@ import pytest
 
 import oracle as O
 from conftest import DEFAULT_SPEC, ROOT
-from daemons import log_of, wait_exit
+from daemons import Worker, log_of, wait_exit
 from moed._proto.moed.v1 import moed_pb2_grpc
 from prod import get, metrics_flags, server_counts, wait_counts
 
@@ -46,30 +45,21 @@ def case(c, T, layer, seed, request_id):
     return req, O.forward(x64, SPEC.layer(layer), O.choice_route(ids, w), SPEC.act)
 
 
-class Reader(threading.Thread):
+class Reader(Worker):
     """Reads a stream's replies as they come, with the time each arrived; `end` is "OK" or the
-    status code it ended with, `details` its message. A death of the thread itself is an error
-    the test sees (join() re-raises it)."""
+    status code it ended with, `details` its message."""
 
     def __init__(self, stream):
-        super().__init__(daemon=True)
-        self.stream, self.replies, self.end, self.details, self.crash = stream, [], None, "", None
+        super().__init__(self.read)
+        self.stream, self.replies, self.end, self.details = stream, [], None, ""
 
-    def run(self):
+    def read(self):
         try:
             for r in self.stream:
                 self.replies.append((r, time.monotonic()))
             self.end = "OK"
         except grpc.RpcError as e:
             self.end, self.details = e.code().name, e.details()
-        except BaseException as e:  # pragma: no cover - reported by join
-            self.crash = e
-
-    def join(self, timeout=None):
-        super().join(timeout)
-        assert not self.is_alive(), "the stream did not end"
-        if self.crash:
-            raise self.crash
 
 
 def check_replies(c, replies, cases):
