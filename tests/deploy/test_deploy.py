@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 
 import pytest
 import yaml
@@ -81,6 +82,9 @@ def test_config_starts_the_daemon(tmp_path):
     while '"ready"' not in log.read_text() and p.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert p.poll() is None, log.read_text()
+    assert '"ready"' in log.read_text(), f"not ready after 60 s:\n{log.read_text()}"
+    with urllib.request.urlopen(f"http://127.0.0.1:{m}/healthz", timeout=10) as r:
+        assert (r.status, r.read()) == (200, b"SERVING\n")
     p.send_signal(signal.SIGTERM)
     assert p.wait(60) == 0, log.read_text()
     assert "metrics listening" in log.read_text()
