@@ -78,15 +78,20 @@ def test_config_starts_the_daemon(tmp_path):
                           "--listen", f"127.0.0.1:{g}", "--metrics-listen", f"127.0.0.1:{m}",
                           "--synthetic", "layers=1,d=64,ff=96,experts=4,topk=2", "--threads", "1"],
                          stderr=open(log, "wb"))
-    deadline = time.monotonic() + 60
-    while '"ready"' not in log.read_text() and p.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert p.poll() is None, log.read_text()
-    assert '"ready"' in log.read_text(), f"not ready after 60 s:\n{log.read_text()}"
-    with urllib.request.urlopen(f"http://127.0.0.1:{m}/healthz", timeout=10) as r:
-        assert (r.status, r.read()) == (200, b"SERVING\n")
-    p.send_signal(signal.SIGTERM)
-    assert p.wait(60) == 0, log.read_text()
+    try:
+        deadline = time.monotonic() + 60
+        while '"ready"' not in log.read_text() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert p.poll() is None, log.read_text()
+        assert '"ready"' in log.read_text(), f"not ready after 60 s:\n{log.read_text()}"
+        with urllib.request.urlopen(f"http://127.0.0.1:{m}/healthz", timeout=10) as r:
+            assert (r.status, r.read()) == (200, b"SERVING\n")
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0, log.read_text()
+    finally:
+        if p.poll() is None:  # a failed check: do not leave it running
+            p.kill()
+            p.wait()
     assert "metrics listening" in log.read_text()
 
 

@@ -54,7 +54,13 @@ class Daemon:
                                      env={**os.environ, **(env or {})})
         self.returncode = None
         if wait:
-            self.wait_serving(timeout)
+            try:
+                self.wait_serving(timeout)
+            except BaseException:  # the caller gets no Daemon to stop: do not leave it running
+                self.proc.kill()
+                self.proc.wait()
+                self._log.close()
+                raise
 
     def log(self):
         if not self._log.closed:
