@@ -60,10 +60,19 @@ DRAIN_S = int(conf()["drain-timeout"])
 EXPORTER_PORTS = {9100, 9400, 9464, 9835, 9256, 8080, 8002, 10250, 10249, 10255}
 
 
+_ports_given = set()
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, never the same one twice in this process: the kernel may hand a
+    port just closed out again, and a daemon given it for both gRPC and metrics fails to start."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _ports_given:
+            _ports_given.add(port)
+            return port
 
 
 # ---- the configuration file ----------------------------------------------------------------------
