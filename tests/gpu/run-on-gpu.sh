@@ -11,6 +11,11 @@
 #             numpy token by token, merged requests bit-identical to the same requests alone,
 #             batch gating across merged callers; MOED_TEST_COMPUTE makes every daemon prove it
 #             serves on the cuda backend (tests/e2e/conftest.py)
+#   fp8       FP8 weights (issue 13): the suite's FP8 cases (every shape class on the FP8 Tensor
+#             Cores and on the portable path, against the CPU; FP8 against bf16 on one model),
+#             compute-sanitizer memcheck and racecheck on the quick FP8 cases
+#   fp8-bench moe-bench with bf16 and FP8 weights side by side (standard shapes, T = 8 .. 16384,
+#             graph-replayed small batches, two padded --shape ones) with both matmul ceilings
 #   router    the server router (issue 8): the CUDA-vs-CPU router cases of the suite, the
 #             checkpoints written by transformers served by a CUDA daemon against transformers'
 #             own outputs (recomputed live by the torch and transformers installed there), and the
@@ -35,7 +40,7 @@ export PYTHONUNBUFFERED=1
 export PATH=$PATH:/usr/local/cuda/bin
 OUT=${OUT:-/tmp/moed-out}
 RAW=$OUT/raw # JSON and long logs; packed into raw.tgz at the end (the device tool returns 8 files)
-STAGES=(tests sanitize bench e2e merge pytest router)
+STAGES=(tests sanitize bench e2e merge pytest fp8 fp8-bench router)
 
 # The stage running and the worst exit of its commands so far (0, 77, or a failure's code).
 stage_name="" stage_rc=0
@@ -122,6 +127,29 @@ stage_pytest() {
     MOED_BIN=$B/moed MOED_TEST_COMPUTE=bf16 logged "$OUT/pytest-gpu.log" \
         "$PY" -m pytest -q -rsxX -p no:cacheprovider tests/e2e/test_forward.py \
         tests/e2e/test_concurrency.py
+}
+
+stage_fp8() {
+    local tool
+    MOED_GPU_TEST_FP8_ONLY=1 logged "$OUT/gpu-fp8.log" timeout 420 "$B/test_cuda_backend"
+    for tool in memcheck racecheck; do
+        MOED_GPU_TEST_FP8_ONLY=1 MOED_GPU_TEST_QUICK=1 quiet "$RAW/sanitize-fp8-$tool.log" \
+            timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 "$B/test_cuda_backend"
+        tail -4 "$RAW/sanitize-fp8-$tool.log"
+    done
+}
+
+stage_fp8-bench() {
+    logged "$OUT/moe-fp8.txt" timeout 300 "$B/moe-bench" --weights bf16,fp8 \
+        --tokens 8,64,512,4096,16384 --min-ms 100 --json "$RAW/moe-fp8.json"
+    logged "$RAW/moe-fp8-graph.txt" timeout 120 "$B/moe-bench" --weights bf16,fp8 --tokens 8,64 \
+        --graph --min-ms 100 --json "$RAW/moe-fp8-graph.json"
+    logged "$RAW/moe-fp8-shapes.txt" timeout 120 "$B/moe-bench" --shape 4000,1400,64,6 \
+        --shape 2880,2880,128,4 --weights bf16,fp8 --tokens 64,4096 --min-ms 100 \
+        --json "$RAW/moe-fp8-shapes.json"
+    cat "$RAW/moe-fp8-graph.txt" "$RAW/moe-fp8-shapes.txt" >>"$OUT/moe-fp8.txt"
+    step "$PY" kernels/cuda/bench/report.py --fp8 "$RAW/moe-fp8.json" "$RAW/moe-fp8-graph.json" \
+        "$RAW/moe-fp8-shapes.json" --out "$OUT/report-fp8.md"
 }
 
 stage_router() {
