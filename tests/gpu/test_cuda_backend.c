@@ -181,16 +181,20 @@ static void gather_rows(const void *x, size_t row_bytes, const int64_t *tok, int
 
 /* Per-token bounds (tok_ref.h: a token's largest error over its own largest magnitude, plus
  * TOK_ATOL), by compute type. Measured on an H100 over every case of the tables (the run prints
- * them), against the CPU and the float64 reference alike: bf16 compute at most 8.0e-3 (p99 of a
- * case at most 7.6e-3), f16 9.7e-4, FP8 on the Tensor Cores TOKFP8, the portable FP8 path TOKPORT.
- * The outputs are about 0.1 to 1 in size, so atol matters only for rows that are (nearly) zero. */
+ * them): bf16 compute at most 8.0e-3 (p99 of a case at most 7.6e-3), f16 9.7e-4, FP8 on the Tensor
+ * Cores 9.3e-2 against the CPU and 7.2e-2 against float64 (p99 of a case at most 7.1e-2), the
+ * portable FP8 path 1.4e-2 and 9.6e-3; each rtol leaves 2x to 3x of room, and a token dropped is
+ * an error of 1. The outputs are about 0.1 to 1 in size, so atol matters only for rows that are
+ * (nearly) zero. */
 enum { C_BF16, C_F16, C_FP8, C_FP8_PORT, C_COUNT };
 static const char *const compute_name[C_COUNT] = { "bf16", "f16", "fp8 tensor cores",
                                                    "fp8 portable" };
-static const double tok_rtol[C_COUNT] = { 2e-2, 3e-3, 5e-1, 1e-1 };
+static const double tok_rtol[C_COUNT] = { 2e-2, 3e-3, 2e-1, 3e-2 };
 #define TOK_ATOL 1e-4
-/* Tokens of a case checked against the float64 reference (it costs 3 d_model d_ff per pair). */
-#define TOK_REF_ROWS 64
+/* Tokens of a case checked against the float64 reference, which costs 3 d_model d_ff per pair: of
+ * the full-size shapes (sampled rows), fewer. */
+#define TOK_REF_ROWS      64
+#define TOK_REF_ROWS_FULL 8
 
 /* The largest per-token error/magnitude ratio seen over the run, by compute type and reference (0
  * the CPU backend, 1 float64); -1 where no case ran. */
@@ -344,7 +348,8 @@ static void run_case(const tcase *tc)
         /* Token by token: against the CPU on every compared row, against float64 on the first
          * TOK_REF_ROWS of them. */
         const int cls = native ? C_FP8 : fp8 ? C_FP8_PORT : li->wdtype == MOED_F16 ? C_F16 : C_BF16;
-        const int64_t n64 = n_ref < TOK_REF_ROWS ? n_ref : TOK_REF_ROWS;
+        const int64_t most = tc->sample ? TOK_REF_ROWS_FULL : TOK_REF_ROWS,
+                      n64 = n_ref < most ? n_ref : most;
         double *g = malloc(sizeof(double) * (size_t)(n_ref * d)),
                *c = malloc(sizeof(double) * (size_t)(n_ref * d)),
                *f = malloc(sizeof(double) * (size_t)(n64 * d));
