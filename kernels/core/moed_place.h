@@ -1,0 +1,63 @@
+/*
+ * moed_place — where a backend puts each layer's weights over its devices, from byte counts
+ * alone, so the CUDA backend and the unit tests run the same plan.
+ *
+ * Whole layers go by bytes: each to the device with the fewest bytes placed so far, among those
+ * with room for all of it (ties to the first listed), so layers of unequal size still even out,
+ * and equal ones go round the devices. A layer is split instead (expert parallelism) when asked,
+ * or when no device has room for all of it: its home device holds what is not per expert (the
+ * router and the shared experts), receives the layer's calls and combines the parts; its routed
+ * experts are cut into contiguous ranges, one per device in the order the devices are listed,
+ * each expert given to the device that is then lightest (the home's share counted), so the bytes
+ * even out as far as whole experts allow. A device may get no expert of a small layer.
+ *
+ * Devices are the backend's entries in the order given (moed --devices); two entries may be one
+ * GPU (--devices 0,0 runs the split on one GPU) and then share its free memory: `gpu` says which.
+ * Layers are placed one at a time, in load order; moed_place_layer updates the devices' counts.
+ */
+#ifndef MOED_PLACE_H
+#define MOED_PLACE_H
+
+#include "moed_err.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#define MOED_PLACE_MAX 16 /* devices (entries) a backend places over */
+
+typedef struct moed_place_dev {
+    int gpu;         /* the physical device: entries with the same gpu share its free memory */
+    uint64_t free;   /* bytes the GPU still has for weights; lowered as layers are placed */
+    uint64_t placed; /* bytes this entry holds so far */
+} moed_place_dev;
+
+typedef struct moed_place_need {
+    uint64_t base;   /* bytes of the layer that are not per expert: router, shared experts */
+    uint64_t expert; /* bytes of one routed expert (each the same) */
+    int n_experts;
+    bool split; /* expert parallelism asked for (moed --expert-parallel) */
+} moed_place_need;
+
+/* A range of a layer's experts on one device entry: experts first .. first + count - 1. */
+typedef struct moed_place_part {
+    int dev, first, count;
+} moed_place_part;
+
+/* Where one layer lives: its home entry and its experts' ranges, contiguous and increasing,
+ * covering every expert (one part on the home entry for a whole layer). */
+typedef struct moed_layer_place {
+    int home;
+    int n_parts;
+    moed_place_part part[MOED_PLACE_MAX];
+} moed_layer_place;
+
+/* Places one layer over devs[0 .. n-1] (1 <= n <= MOED_PLACE_MAX) and counts its bytes in them.
+ * MOED_ENOMEM naming the bytes needed and free when it fits nowhere, not even split. */
+int moed_place_layer(moed_place_dev *devs, int n, const moed_place_need *need,
+                     moed_layer_place *out, moed_error *err);
+
+/* Whether the layer is split over several devices (more than one part, or its experts elsewhere
+ * than its home). */
+bool moed_place_is_split(const moed_layer_place *p);
+
+#endif
