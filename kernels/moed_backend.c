@@ -108,6 +108,11 @@ int moed_backend_exec_accepts(moed_backend *b, int exec, int slot)
     return b->ops->exec_accepts ? b->ops->exec_accepts(b, exec, slot) : 1;
 }
 
+int moed_backend_layer_place(moed_backend *b, int slot, moed_layer_place *out)
+{
+    return b->ops->layer_place(b, slot, out);
+}
+
 void moed_backend_destroy(moed_backend *b)
 {
     if (b) b->ops->destroy(b);

@@ -19,6 +19,7 @@
 
 #include "moed_err.h"
 #include "moed_model.h"
+#include "moed_place.h"
 #include "moed_route.h"
 
 #include <stdbool.h>
@@ -30,9 +31,12 @@ typedef struct moed_backend moed_backend;
 typedef struct moed_backend_config {
     int threads;        /* CPU: worker threads, 0 = one per core */
     int streams;        /* CUDA: streams per device, 0 = default (4) */
-    const int *devices; /* CUDA: device ordinals to use; NULL = all */
+    const int *devices; /* CUDA: device ordinals to use, in order, a GPU listed twice counting as
+                           two devices (to run a split on one GPU); NULL = all */
     int n_devices;
-    int64_t max_tokens; /* the most tokens one job may carry: sizes staging and workspaces */
+    int64_t max_tokens;   /* the most tokens one job may carry: sizes staging and workspaces */
+    bool expert_parallel; /* CUDA: split every layer's experts over the devices (moed_place.h);
+                             refused by a backend with one device */
 } moed_backend_config;
 
 typedef struct moed_job {
@@ -102,6 +106,12 @@ int moed_backend_device_info(moed_backend *b, int i, moed_device_info *out);
 /* Whether execution slot `exec` can run layer `slot`: with several GPUs a layer is resident on one
  * of them, and only that GPU's slots can run it. */
 int moed_backend_exec_accepts(moed_backend *b, int exec, int slot);
+
+/* Where layer `slot` lives (moed_place.h): its home device and its experts' ranges, in the
+ * backend's numbering of the layer's experts (0 .. n_experts-1) and of devices (device_info's). A
+ * split layer's job runs on its home device's slots; the result is bit-identical to the same
+ * layer unsplit. */
+int moed_backend_layer_place(moed_backend *b, int slot, moed_layer_place *out);
 
 /* Frees everything; b may be NULL. */
 void moed_backend_destroy(moed_backend *b);

@@ -3,7 +3,8 @@
  * fills, and the handle's layout. Private: included by moed_backend.c and the backends (cpu/,
  * cuda/, and a test's fake backend) only; every caller goes through moed_backend.h.
  *
- * Required slots: name, load_layer, start, forward, router_logits, device_info, destroy. Optional
+ * Required slots: name, load_layer, start, forward, router_logits, device_info, layer_place,
+ * destroy. Optional
  * (NULL), with the default moed_backend.c supplies: host_alloc/host_free (64-byte aligned host
  * memory), exec_accepts (every slot runs every layer).
  */
@@ -26,6 +27,7 @@ typedef struct moed_backend_ops {
     void (*host_free)(moed_backend *b, void *p);
     int (*device_info)(moed_backend *b, int i, moed_device_info *out);
     int (*exec_accepts)(moed_backend *b, int exec, int slot);
+    int (*layer_place)(moed_backend *b, int slot, moed_layer_place *out);
     /* Frees the implementation's state and b itself. */
     void (*destroy)(moed_backend *b);
 } moed_backend_ops;

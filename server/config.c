@@ -32,6 +32,7 @@ typedef enum opt_kind {
     OPT_LEVEL,   /* int, a log level name */
     OPT_LIST,    /* char *, and its expansion: an int * at offset min, its count (an int) at max */
     OPT_DEVICES, /* devices[] */
+    OPT_FLAG,    /* int 0|1: the bare flag is 1 (`--name=0` or `name = 0` in a file for 0) */
     OPT_CONFIG,  /* --config: the file (command line only) */
     OPT_HELP,    /* --help (command line only) */
     OPT_VERSION, /* --version (command line only) */
@@ -70,7 +71,12 @@ static const opt opts[] = {
       "checkpoint is served as it ships either way; with --synthetic, the spec's dtype=fp8)" },
     { "threads", OPT_INT, OFF(threads), 0, 4096, "N", "CPU backend threads, 0 = one per core" },
     { "streams", OPT_INT, OFF(streams), 0, 256, "N", "CUDA streams per device, 0 = default" },
-    { "devices", OPT_DEVICES, OFF(devices), 0, 0, "LIST", "CUDA device ordinals, e.g. 0,1" },
+    { "devices", OPT_DEVICES, OFF(devices), 0, 0, "LIST",
+      "CUDA device ordinals in order, e.g. 0,1 (a GPU listed twice is two devices: 0,0 runs "
+      "--expert-parallel on one GPU)" },
+    { "expert-parallel", OPT_FLAG, OFF(expert_parallel), 0, 1, NULL,
+      "split every layer's experts over the devices (CUDA; a layer larger than one GPU is split "
+      "without it)" },
     { "cq-threads", OPT_INT, OFF(cq_threads), 1, 256, "N",
       "gRPC completion queues, one thread each" },
     { "max-message-bytes", OPT_BYTES, OFF(max_message_bytes), 4096, INT_MAX, "BYTES",
@@ -299,24 +305,31 @@ static int check_addr(const char *value, bool unix_ok, const char *where, moed_e
                      where, given, unix_ok ? ", or unix:PATH" : "");
 }
 
+/* Device ordinals in the order given, repeats kept (a GPU listed twice is two placements). */
 static int parse_devices(moed_config *cfg, const char *list, moed_error *err)
 {
-    int *v, n;
-    int rc = moed_config_parse_layers(list, &v, &n, err);
-    if (rc == MOED_EINVAL)
-        return moed_fail(err, MOED_EINVAL,
-                         "bad device list '%s': expected CUDA device ordinals like 0,1 or 0-3",
-                         list);
-    if (rc) return rc;
-    if (n > MOED_CONFIG_MAX_DEVICES) {
-        free(v);
-        return moed_fail(err, MOED_EINVAL, "--devices '%s' names %d devices; at most %d", list, n,
-                         MOED_CONFIG_MAX_DEVICES);
-    }
-    memcpy(cfg->devices, v, (size_t)n * sizeof *v);
+    int n = 0;
+    const char *p = list;
+    do {
+        char *end;
+        int64_t a, b;
+        if (parse_i64(p, &a, &end) || a < 0 || a > MOED_CONFIG_MAX_LAYER) goto bad;
+        b = a;
+        if (*end == '-' && (parse_i64(end + 1, &b, &end) || b < a || b > MOED_CONFIG_MAX_LAYER))
+            goto bad;
+        if ((*end != ',' && *end != 0) || (*end == ',' && !end[1])) goto bad;
+        if (n + (b - a + 1) > MOED_CONFIG_MAX_DEVICES)
+            return moed_fail(err, MOED_EINVAL, "--devices '%s' names more than %d devices", list,
+                             MOED_CONFIG_MAX_DEVICES);
+        for (int64_t v = a; v <= b; v++) cfg->devices[n++] = (int)v;
+        p = *end ? end + 1 : end;
+    } while (*p);
     cfg->n_devices = n;
-    free(v);
     return 0;
+bad:
+    return moed_fail(err, MOED_EINVAL,
+                     "bad device list '%s' at '%s': expected CUDA device ordinals like 0,1 or 0-3",
+                     list, p);
 }
 
 static int replace_string(char **slot, const char *value)
@@ -356,6 +369,7 @@ static int apply(moed_config *cfg, const opt *o, const char *value, const char *
         *(int *)field = (int)v;
         return 0;
     case OPT_INT:
+    case OPT_FLAG:
     case OPT_I64:
     case OPT_BYTES:
         if (o->kind == OPT_BYTES ? parse_bytes(value, &v)
@@ -369,7 +383,7 @@ static int apply(moed_config *cfg, const opt *o, const char *value, const char *
             return moed_fail(err, MOED_EINVAL,
                              "%s: %lld is out of range; give a value in [%lld, %lld]", where,
                              (long long)v, (long long)o->min, (long long)o->max);
-        if (o->kind == OPT_INT)
+        if (o->kind == OPT_INT || o->kind == OPT_FLAG)
             *(int *)field = (int)v;
         else
             *(int64_t *)field = v;
@@ -513,6 +527,10 @@ static int next_flag(int argc, char **argv, int *i, const opt **o, const char **
         return moed_fail(err, MOED_EINVAL, "unknown flag '--%.*s' (see moed --help)", (int)len,
                          name);
     *value = NULL;
+    if ((*o)->kind == OPT_FLAG) {
+        *value = eq ? eq + 1 : "1";
+        return 0;
+    }
     if ((*o)->kind == OPT_HELP || (*o)->kind == OPT_VERSION) {
         if (eq) return moed_fail(err, MOED_EINVAL, "--%s takes no value", (*o)->name);
         return 0;
@@ -543,6 +561,8 @@ static void print_help(FILE *out, const moed_config *d)
             snprintf(def, sizeof def, " (default %lld)", (long long)*(const int64_t *)f);
         } else if (o->kind == OPT_LEVEL) {
             snprintf(def, sizeof def, " (default info)");
+        } else if (o->kind == OPT_FLAG) {
+            snprintf(def, sizeof def, " (default %s)", *(const int *)f ? "on" : "off");
         }
         fprintf(out, "  %-34s %s%s\n", left, o->help, def);
     }

@@ -42,8 +42,9 @@ typedef struct moed_config {
     char *weights;        /* stored | fp8 */
     int threads;          /* CPU worker threads, 0 = one per core */
     int streams;          /* CUDA streams per device, 0 = the backend's default */
-    int devices[MOED_CONFIG_MAX_DEVICES]; /* --devices LIST (CUDA ordinals) */
+    int devices[MOED_CONFIG_MAX_DEVICES]; /* --devices LIST (CUDA ordinals, in order, repeats) */
     int n_devices;                        /* 0: every device */
+    int expert_parallel;                  /* --expert-parallel: split layers over the devices */
     int cq_threads;                       /* gRPC completion queues, one thread each */
     int64_t max_message_bytes;
     int64_t max_batch_tokens;   /* the most tokens in one launch and in one request */

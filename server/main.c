@@ -104,7 +104,8 @@ static int open_backend(moed_daemon *d)
                                .streams = d->cfg.streams,
                                .devices = d->cfg.n_devices ? d->cfg.devices : NULL,
                                .n_devices = d->cfg.n_devices,
-                               .max_tokens = d->cfg.max_batch_tokens };
+                               .max_tokens = d->cfg.max_batch_tokens,
+                               .expert_parallel = d->cfg.expert_parallel };
     if (moed_backend_open(d->cfg.backend, &bc, &d->backend, &err)) return fail("backend", &err);
     moed_log_info("backend opened", "asked=%s backend=%s", d->cfg.backend,
                   moed_backend_name(d->backend));
@@ -159,13 +160,23 @@ static int check_layer_list(moed_daemon *d)
     return 0;
 }
 
-/* Layer l's shard into the backend as `slot`: its view of the experts this daemon holds. */
+/* Layer l's shard into the backend as `slot`: its view of the experts this daemon holds. The log
+ * says where it went (experts@device, devices as GetModel numbers them). */
 static int load_layer(moed_daemon *d, int slot, const moed_layer *l, moed_error *err)
 {
     int rc = moed_shard_make(l, &d->held, &d->shards[slot], err);
     if (!rc) rc = moed_backend_load_layer(d->backend, slot, &d->shards[slot].view, err);
-    if (rc) moed_error_prefix(err, "layer %d", l->info.index);
-    return rc;
+    if (rc) {
+        moed_error_prefix(err, "layer %d", l->info.index);
+        return rc;
+    }
+    moed_layer_place p;
+    char where[512];
+    if (moed_backend_layer_place(d->backend, slot, &p)) return 0;
+    moed_shard_place_text(&d->shards[slot], &p, where, sizeof where);
+    moed_log_info("layer placed", "layer=%d home_device=%d split=%d experts=\"%s\"", l->info.index,
+                  p.home, moed_place_is_split(&p), where);
+    return 0;
 }
 
 /* What the log says the daemon holds of each layer's experts: "all", or "0-31 shared=off". */

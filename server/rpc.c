@@ -474,6 +474,54 @@ static int held_experts(const moed_served *s, Moed__V1__LayerInfo *li, void **ou
     return 0;
 }
 
+/* Layer slot i's placement in the whole layer's numbering (moed_shard_place_list; a layer held
+ * whole without shards is one shard of itself), from the backend's. */
+static int placed_ranges(const moed_served *s, moed_backend *b, int i, uint32_t *lo, uint32_t *hi,
+                         uint32_t *dev, int cap)
+{
+    moed_layer_place p;
+    if (moed_backend_layer_place(b, i, &p)) return 0;
+    if (s->shards) return moed_shard_place_list(&s->shards[i], &p, lo, hi, dev, cap);
+    int n = 0;
+    for (; n < p.n_parts && n < cap; n++) {
+        lo[n] = (uint32_t)p.part[n].first;
+        hi[n] = (uint32_t)(p.part[n].first + p.part[n].count - 1);
+        dev[n] = (uint32_t)p.part[n].dev;
+    }
+    return p.n_parts;
+}
+
+/* Where each layer lives (LayerInfo.home_device, expert_placement), in one allocation: *out,
+ * which the caller frees once the message is packed. */
+static int expert_places(const moed_served *s, moed_backend *b, Moed__V1__LayerInfo *li, void **out)
+{
+    int n = 0;
+    for (int i = 0; i < s->n_layers; i++) n += placed_ranges(s, b, i, NULL, NULL, NULL, 0);
+    const size_t each = sizeof(Moed__V1__ExpertPlacement) + sizeof(void *) + 3 * sizeof(uint32_t);
+    char *block = calloc((size_t)n + 1, each);
+    *out = block;
+    if (!block) return MOED_ENOMEM;
+    Moed__V1__ExpertPlacement *r = (Moed__V1__ExpertPlacement *)block;
+    Moed__V1__ExpertPlacement **rp = (Moed__V1__ExpertPlacement **)(r + n + 1);
+    uint32_t *lo = (uint32_t *)(rp + n + 1), *hi = lo + n + 1, *dev = hi + n + 1;
+    for (int i = 0, at = 0; i < s->n_layers; i++) {
+        moed_layer_place p;
+        li[i].home_device = moed_backend_layer_place(b, i, &p) ? 0 : (uint32_t)p.home;
+        const int k = placed_ranges(s, b, i, lo + at, hi + at, dev + at, n - at);
+        li[i].n_expert_placement = (size_t)k;
+        li[i].expert_placement = rp + at;
+        for (int j = at; j < at + k; j++) {
+            moed__v1__expert_placement__init(&r[j]);
+            r[j].first = lo[j];
+            r[j].last = hi[j];
+            r[j].device = dev[j];
+            rp[j] = &r[j];
+        }
+        at += k;
+    }
+    return 0;
+}
+
 static grpc_byte_buffer *model_info(moed_rpc *r)
 {
     const moed_served *s = r->cfg.served;
@@ -486,7 +534,7 @@ static grpc_byte_buffer *model_info(moed_rpc *r)
     Moed__V1__Device *dv = calloc((size_t)nd + 1, sizeof *dv);
     Moed__V1__Device **dp = calloc((size_t)nd + 1, sizeof *dp);
     moed_device_info *di = calloc((size_t)nd + 1, sizeof *di);
-    void *ranges = NULL;
+    void *ranges = NULL, *places = NULL;
     if (!li || !lp || !dv || !dp || !di) goto out;
     for (int i = 0; i < s->n_layers; i++) {
         const moed_layer_info *x = &s->layers[i]->info;
@@ -508,7 +556,7 @@ static grpc_byte_buffer *model_info(moed_rpc *r)
         li[i].routed_scaling_factor = x->routed_scale;
         lp[i] = &li[i];
     }
-    if (held_experts(s, li, &ranges)) goto out;
+    if (held_experts(s, li, &ranges) || expert_places(s, b, li, &places)) goto out;
     int n = 0;
     for (int i = 0; i < nd; i++) {
         if (moed_backend_device_info(b, i, &di[n])) continue;
@@ -532,6 +580,7 @@ static grpc_byte_buffer *model_info(moed_rpc *r)
     bb = moed_wire_pack(&mi.base);
 out:
     free(ranges);
+    free(places);
     free(li);
     free(lp);
     free(dv);

@@ -80,12 +80,12 @@ int moed_shard_global(const moed_shard *s, int local)
     return s->global_of ? s->global_of[local] : local;
 }
 
-/* The run of consecutive held experts from local id *k on, as [*a, *b]; *k moves past it. */
-static void next_run(const moed_shard *s, int *k, int *a, int *b)
+/* The run of consecutive held experts from local id *k on, up to local id end (excluded), as
+ * [*a, *b]; *k moves past it. */
+static void next_run(const moed_shard *s, int *k, int end, int *a, int *b)
 {
     *a = moed_shard_global(s, *k);
-    while (*k + 1 < s->n_held && moed_shard_global(s, *k + 1) == moed_shard_global(s, *k) + 1)
-        (*k)++;
+    while (*k + 1 < end && moed_shard_global(s, *k + 1) == moed_shard_global(s, *k) + 1) (*k)++;
     *b = moed_shard_global(s, (*k)++);
 }
 
@@ -93,7 +93,7 @@ int moed_shard_range_list(const moed_shard *s, uint32_t *first, uint32_t *last, 
 {
     int n = 0, a, b;
     for (int k = 0; k < s->n_held; n++) {
-        next_run(s, &k, &a, &b);
+        next_run(s, &k, s->n_held, &a, &b);
         if (n < cap) {
             first[n] = (uint32_t)a;
             last[n] = (uint32_t)b;
@@ -108,9 +108,43 @@ void moed_shard_ranges(const moed_shard *s, char *buf, size_t n)
     int a, b;
     buf[0] = 0;
     for (int k = 0; k < s->n_held && at + 1 < n;) {
-        next_run(s, &k, &a, &b);
+        next_run(s, &k, s->n_held, &a, &b);
         const int w = a == b ? snprintf(buf + at, n - at, "%s%d", at ? "," : "", a)
                              : snprintf(buf + at, n - at, "%s%d-%d", at ? "," : "", a, b);
+        if (w < 0) break;
+        at += (size_t)w;
+    }
+}
+
+int moed_shard_place_list(const moed_shard *s, const moed_layer_place *p, uint32_t *first,
+                          uint32_t *last, uint32_t *dev, int cap)
+{
+    int n = 0, a, b;
+    for (int i = 0; i < p->n_parts; i++) {
+        const int end = p->part[i].first + p->part[i].count;
+        for (int k = p->part[i].first; k < end; n++) {
+            next_run(s, &k, end, &a, &b);
+            if (n < cap) {
+                first[n] = (uint32_t)a;
+                last[n] = (uint32_t)b;
+                dev[n] = (uint32_t)p->part[i].dev;
+            }
+        }
+    }
+    return n;
+}
+
+void moed_shard_place_text(const moed_shard *s, const moed_layer_place *p, char *buf, size_t n)
+{
+    uint32_t first[64], last[64], dev[64];
+    const int k = moed_shard_place_list(s, p, first, last, dev, 64);
+    size_t at = 0;
+    buf[0] = 0;
+    for (int i = 0; i < k && i < 64 && at + 1 < n; i++) {
+        const int w =
+            first[i] == last[i]
+                ? snprintf(buf + at, n - at, "%s%u@%u", i ? "," : "", first[i], dev[i])
+                : snprintf(buf + at, n - at, "%s%u-%u@%u", i ? "," : "", first[i], last[i], dev[i]);
         if (w < 0) break;
         at += (size_t)w;
     }

@@ -18,6 +18,7 @@
 
 #include "moed_err.h"
 #include "moed_model.h"
+#include "moed_place.h"
 #include "moed_route.h"
 
 #include <stdbool.h>
@@ -61,5 +62,15 @@ void moed_shard_ranges(const moed_shard *s, char *buf, size_t n);
 /* The held experts as inclusive ranges: up to cap of them into first[]/last[]; returns how many
  * there are (call with cap 0 to count). */
 int moed_shard_range_list(const moed_shard *s, uint32_t *first, uint32_t *last, int cap);
+
+/* Where the held experts live (the backend's placement p, in its local ids and device numbers), in
+ * the whole layer's numbering: up to cap ranges into first[]/last[] with the device of each into
+ * dev[]; returns how many there are (cap 0 counts). A part whose held experts are not consecutive
+ * in the whole numbering gives several. */
+int moed_shard_place_list(const moed_shard *s, const moed_layer_place *p, uint32_t *first,
+                          uint32_t *last, uint32_t *dev, int cap);
+
+/* The same as "0-125@0,126-255@1" (experts@device) into buf. */
+void moed_shard_place_text(const moed_shard *s, const moed_layer_place *p, char *buf, size_t n);
 
 #endif

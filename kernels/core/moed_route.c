@@ -661,3 +661,27 @@ void moed_route_localize(moed_route *r, const int32_t *local_of)
         r->off[t + 1] = kept;
     }
 }
+
+void moed_route_split(const moed_route *r, int64_t t0, int64_t t1, const uint8_t *part_of,
+                      const int *first, int n_parts, moed_route *parts, int32_t *pos)
+{
+    const int64_t T = t1 - t0, p0 = r->off[t0];
+    int64_t base[MOED_ROUTE_MAX_PARTS];
+    for (int q = 0; q < n_parts; q++) {
+        parts[q].T = T;
+        parts[q].off[0] = 0;
+    }
+    for (int64_t t = 0; t < T; t++) {
+        for (int q = 0; q < n_parts; q++) parts[q].off[t + 1] = parts[q].off[t];
+        for (int64_t j = r->off[t0 + t]; j < r->off[t0 + t + 1]; j++) {
+            const int e = r->expert[j], q = part_of[e];
+            const int64_t k = parts[q].off[t + 1]++;
+            parts[q].expert[k] = e - first[q];
+            parts[q].weight[k] = r->weight[j];
+            pos[j - p0] = (int32_t)k; /* within its part; the parts' bases are added below */
+        }
+    }
+    int64_t at = 0;
+    for (int q = 0; q < n_parts; at += parts[q++].off[T]) base[q] = at;
+    for (int64_t j = p0; j < r->off[t1]; j++) pos[j - p0] += (int32_t)base[part_of[r->expert[j]]];
+}

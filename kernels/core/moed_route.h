@@ -105,4 +105,15 @@ int moed_route_concat(moed_route *out, const moed_route *const *parts, int npart
  * may be left with no pair. */
 void moed_route_localize(moed_route *r, const int32_t *local_of);
 
+#define MOED_ROUTE_MAX_PARTS 64
+
+/* Splits tokens [t0, t1) of r by ranges of experts (a layer's experts over devices): expert e
+ * belongs to part part_of[e] (< n_parts <= MOED_ROUTE_MAX_PARTS), whose experts start at
+ * first[part]. Part p gets, as its own route over the t1 - t0 tokens (parts[p], with room for
+ * them and their pairs), the pairs of its experts in their order, numbered e - first[p]; a token
+ * may get no pair. pos[j], for the range's pair j (r's pair off[t0] + j), is where its result lands
+ * when the parts' pairs are laid one after another, part 0's first, each part's in its order. */
+void moed_route_split(const moed_route *r, int64_t t0, int64_t t1, const uint8_t *part_of,
+                      const int *first, int n_parts, moed_route *parts, int32_t *pos);
+
 #endif

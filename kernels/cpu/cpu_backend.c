@@ -191,6 +191,16 @@ static int cpu_device_info(moed_backend *b, int i, moed_device_info *out)
     return 0;
 }
 
+/* One device: every layer whole on it. */
+static int cpu_layer_place(moed_backend *b, int slot, moed_layer_place *out)
+{
+    const cpu_ctx *c = ctx_of(b);
+    if (slot < 0 || slot >= c->n_layers) return MOED_EINVAL;
+    *out = (moed_layer_place){ .home = 0, .n_parts = 1 };
+    out->part[0] = (moed_place_part){ 0, 0, c->layers[slot].info.n_experts };
+    return 0;
+}
+
 static void cpu_destroy(moed_backend *b)
 {
     cpu_ctx *c = ctx_of(b);
@@ -211,6 +221,7 @@ static const moed_backend_ops cpu_ops = {
     .forward = moed_cpu_forward,
     .router_logits = moed_cpu_router_logits,
     .device_info = cpu_device_info,
+    .layer_place = cpu_layer_place,
     .destroy = cpu_destroy,
 };
 
@@ -222,6 +233,11 @@ int moed_backend_cpu_open(const moed_backend_config *cfg, moed_backend **out, mo
                          "CPU backend: threads = %d and max_tokens = %lld must be >= 0 (0 picks "
                          "the default)",
                          cfg->threads, (long long)cfg->max_tokens);
+    if (cfg->expert_parallel)
+        return moed_fail(err, MOED_EINVAL,
+                         "--expert-parallel splits a layer's experts over GPUs, but the cpu "
+                         "backend computes every layer in host memory on one device: leave it "
+                         "out, or use --backend cuda");
     moed_backend *b = calloc(1, sizeof *b);
     cpu_ctx *c = calloc(1, sizeof *c);
     if (!b || !c) {

@@ -6,8 +6,15 @@
  * f16 for f16 checkpoints), d and d_ff padded to MOED_CUDA_PAD with zeros, and for SwiGLU W1|W3
  * fused into one interleaved matrix (moed_cuda.h says why). The router stays as the checkpoint
  * stores it: router.cu computes logits from it and the request's hidden as they are, and the
- * logits then follow the layer's rounding rule (moed_router_round_logits), as on the CPU. Layers
- * are placed round-robin over the devices.
+ * logits then follow the layer's rounding rule (moed_router_round_logits), as on the CPU.
+ *
+ * Placement (moed_place.h): whole layers by bytes over the devices; a layer split over them when
+ * asked (expert_parallel) or when it fits no device whole. A split layer's home device holds its
+ * router and shared experts and runs its jobs: each job's x is copied to every part's device (a
+ * peer copy), each part computes its own pairs' rows in a workspace of its own, gathers them in
+ * its pair order straight into the home slot's Y (peer access, or the same GPU) or through a
+ * landing buffer and a copy (no peer access; MOED_CUDA_NO_PEER=1 forces that path), and the home
+ * combines every pair in route order (moed_cuda.h says why that is bit-identical to unsplit).
  *
  * The pool: `streams` execution slots per device, each with its own stream, pinned staging for the
  * route, and a device workspace sized at start for max_tokens tokens and max_pairs pairs; forward
@@ -21,23 +28,44 @@
 
 #include "moed_cuda.h"
 #include "moed_dtype.h"
+#include "moed_place.h"
 
 #include <cuda_runtime_api.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_DEVICES 16
+#define MAX_DEVICES MOED_PLACE_MAX
+
+/* One set of experts as resident: the routed ones (E of them), or the shared experts (one). */
+typedef struct dev_set {
+    void *w13, *w2;
+    float *w13_scale, *w2_scale;
+    int E, ff, ff_pad, n_up;
+} dev_set;
+
+/* A split layer's range of experts on one device: their weights, and the kernels' view of them
+ * (the layer's shapes, these experts numbered from 0, no shared experts). */
+typedef struct cuda_part {
+    int entry, device; /* the device entry (index of c->dev) and its GPU */
+    dev_set set;
+    moed_cuda_layer_dev k;
+} cuda_part;
 
 typedef struct cuda_layer {
     moed_layer_info info;
-    int device;
-    moed_cuda_layer_dev k; /* what the kernels see */
+    int device; /* the home GPU: its slots run the layer */
+    moed_layer_place place;
+    moed_cuda_layer_dev k; /* what the kernels see (a split layer: its shared experts alone) */
     void *w13, *w2;        /* the allocations behind k (k's pointers are const) */
     void *s13, *s2;
     float *w13_scale, *w2_scale, *s13_scale, *s2_scale; /* FP8 layers */
     void *router; /* [E][d] in router_dtype, as the checkpoint stores it; NULL if none */
     int router_dtype;
+    /* split: the parts (place.n_parts of them), each expert's part, and each part's first expert */
+    cuda_part *parts;
+    uint8_t *part_of;
+    int part_first[MAX_DEVICES];
 } cuda_layer;
 
 /* Small batches replay a captured graph of the pipeline instead of launching its kernels one by
@@ -60,7 +88,7 @@ typedef struct graph_entry {
 typedef struct cuda_exec {
     int device;
     cudaStream_t stream;
-    int32_t *h_route; /* pinned: the packed input route */
+    int32_t *h_route; /* pinned: the packed input route (then, split: where each pair's row is) */
     void *x_in, *out;
     moed_cuda_work_dev w;
     float *logits;
@@ -68,6 +96,14 @@ typedef struct cuda_exec {
     moed_cuda_route_dev r;
     graph_entry graphs[GRAPH_CACHE];
     uint64_t graph_clock;
+    /* Split layers. A slot on a home device: a part workspace per device entry (parts[entry]) and
+     * the event its inputs are ready at. A part workspace: its pairs' route on the host, the
+     * landing buffer of its rows where the home GPU is not reachable by peer access, and the
+     * event its rows are home at. */
+    struct cuda_exec *parts;
+    cudaEvent_t ready, done;
+    moed_route sub;
+    void *landing;
 } cuda_exec;
 
 typedef struct cuda_ctx {
@@ -82,6 +118,10 @@ typedef struct cuda_ctx {
     int max_e, max_d_pad, max_ff_pad, max_sff_pad, max_router_e, max_d;
     int fp8_native; /* an FP8 layer runs on the FP8 Tensor Cores: slots need its buffers */
     int force_kernel;
+    moed_place_dev place[MAX_DEVICES]; /* the planner's counts per entry */
+    /* entry i's GPU writes entry j's memory directly (the same GPU, or peer access enabled) */
+    bool direct[MAX_DEVICES][MAX_DEVICES];
+    bool landing; /* some part of a split layer cannot reach its home directly */
 } cuda_ctx;
 
 static int cuda_fail(moed_error *err, cudaError_t e, const char *what)
@@ -194,13 +234,6 @@ static size_t wscales(const cuda_layer *L, int64_t rows, int64_t k)
     return (size_t)(k / MOED_CUDA_FP8_K) * (size_t)(rows / MOED_CUDA_FP8_SROWS);
 }
 
-/* One set of experts as resident: the routed ones (E of them), or the shared experts (one). */
-typedef struct dev_set {
-    void *w13, *w2;
-    float *w13_scale, *w2_scale;
-    int E, ff, ff_pad, n_up;
-} dev_set;
-
 /* Expert e's up and down matrices into set ds: converted to the compute type, or (FP8) the e4m3
  * codes as they are with their scales, whose per-expert tables [K/128][N/32] become columns of
  * the set's [K/128][E·N/32] table. stage is pinned staging for the largest matrix and its
@@ -266,18 +299,20 @@ static size_t router_bytes(const cuda_layer *L, const moed_layer *l)
            moed_dtype_size(L->router_dtype);
 }
 
-/* Device bytes a layer needs once resident. */
-static uint64_t layer_device_bytes(const cuda_layer *L, const moed_layer *l)
+/* What the planner weighs (moed_place.h): device bytes of one routed expert with its scales, and
+ * of the rest (shared experts, router). */
+static moed_place_need layer_need(const cuda_layer *L, const moed_layer *l, bool split)
 {
-    const moed_layer_info *li = &L->info;
     const int64_t dp = L->k.d_pad;
     const int64_t up = (int64_t)L->k.n_up * dp, dn = dp * L->k.ff_pad;
     const int64_t sup = (int64_t)L->k.sn_up * dp, sdn = dp * L->k.sff_pad;
-    uint64_t b = (uint64_t)li->n_experts * wbytes(L, up + dn) + wbytes(L, sup + sdn);
-    b +=
-        sizeof(float) * (li->n_experts * (wscales(L, L->k.n_up, dp) + wscales(L, dp, L->k.ff_pad)) +
-                         wscales(L, L->k.sn_up, dp) + wscales(L, dp, L->k.sff_pad));
-    return b + router_bytes(L, l);
+    moed_place_need n = { .n_experts = L->info.n_experts, .split = split };
+    n.expert = wbytes(L, up + dn) +
+               sizeof(float) * (wscales(L, L->k.n_up, dp) + wscales(L, dp, L->k.ff_pad));
+    n.base = wbytes(L, sup + sdn) +
+             sizeof(float) * (wscales(L, L->k.sn_up, dp) + wscales(L, dp, L->k.sff_pad)) +
+             router_bytes(L, l);
+    return n;
 }
 
 static int check_free(int device, uint64_t need, const char *what, moed_error *err)
@@ -295,31 +330,33 @@ static int check_free(int device, uint64_t need, const char *what, moed_error *e
     return 0;
 }
 
+static void set_free(dev_set *ds)
+{
+    void *p[] = { ds->w13, ds->w2, ds->w13_scale, ds->w2_scale };
+    for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) cudaFree(p[i]);
+}
+
 /* Frees a layer's device memory (what of it was allocated). */
 static void layer_free(cuda_layer *L)
 {
+    for (int i = 0; L->parts && i < L->place.n_parts; i++) {
+        cudaSetDevice(L->parts[i].device);
+        set_free(&L->parts[i].set);
+    }
     cudaSetDevice(L->device);
     void *p[] = { L->w13,      L->w2,        L->s13,      L->s2,    L->w13_scale,
                   L->w2_scale, L->s13_scale, L->s2_scale, L->router };
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) cudaFree(p[i]);
+    free(L->parts);
+    free(L->part_of);
 }
 
-static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_error *err)
+/* The layer's shapes as the kernels see them (no weights yet). */
+static void layer_shapes(cuda_layer *L, const moed_layer *l)
 {
-    cuda_ctx *c = b->ctx;
     const moed_layer_info *li = &l->info;
-    int rc = 0;
-    float *tmp = NULL;
-    void *stage = NULL;
-    if (slot != c->n_layers)
-        return moed_fail(err, MOED_EINVAL, "layers must be loaded in slot order");
-    cuda_layer *grown = realloc(c->layers, sizeof *grown * (size_t)(slot + 1));
-    if (!grown) return moed_fail(err, MOED_ENOMEM, "out of host memory");
-    c->layers = grown;
-    cuda_layer *L = &c->layers[slot];
-    memset(L, 0, sizeof *L);
+    const int glu = li->act == MOED_ACT_SWIGLU;
     L->info = *li;
-    L->device = c->dev[slot % c->n_dev];
     L->k.cdtype = li->wdtype == MOED_F16 ? MOED_F16 : MOED_BF16;
     L->k.wdtype = li->wdtype == MOED_FP8 ? MOED_FP8 : L->k.cdtype;
     L->k.act = li->act;
@@ -327,21 +364,17 @@ static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_
     L->k.E = li->n_experts;
     L->k.d_pad = pad_to(li->d_model);
     L->k.ff_pad = pad_to(li->d_ff);
-    const int glu = li->act == MOED_ACT_SWIGLU;
     L->k.n_up = glu ? 2 * L->k.ff_pad : L->k.ff_pad;
     L->k.sff_pad = li->shared_d_ff ? pad_to(li->shared_d_ff) : 0;
     L->k.sn_up = glu ? 2 * L->k.sff_pad : L->k.sff_pad;
     L->router_dtype = moed_layer_router_dtype(l);
-    if (li->n_experts > 4096)
-        return moed_fail(err, MOED_EUNSUPPORTED,
-                         "layer %d has %d experts; the CUDA backend handles up to 4096", li->index,
-                         li->n_experts);
+}
 
-    char what[64];
-    snprintf(what, sizeof what, "layer %d's weights", li->index);
-    if ((rc = check_free(L->device, layer_device_bytes(L, l), what, err))) return rc;
-
-    /* staging: the largest matrix, then (FP8) its scales */
+/* Pinned staging for the largest matrix and (FP8) its scales, and a row of floats for converting:
+ * uploads go through them. */
+static int staging(const cuda_layer *L, void **stage, float **tmp, moed_error *err)
+{
+    const moed_layer_info *li = &L->info;
     const int dp = L->k.d_pad;
     const int64_t rows[4] = { L->k.n_up, dp, L->k.sn_up, dp },
                   ks[4] = { dp, L->k.ff_pad, dp, L->k.sff_pad };
@@ -350,56 +383,131 @@ static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_
         const size_t need = wbytes(L, rows[i] * ks[i]) + sizeof(float) * wscales(L, rows[i], ks[i]);
         if (need > stage_b) stage_b = need;
     }
-    int widest =
-        li->d_model > li->d_ff ? li->d_model : li->d_ff; /* put_rows converts rows of d or ff */
+    int widest = li->d_model > li->d_ff ? li->d_model : li->d_ff; /* put_rows: rows of d or ff */
     if (li->shared_d_ff > widest) widest = li->shared_d_ff;
-    tmp = malloc(sizeof(float) * (size_t)widest);
-    CU(cudaSetDevice(L->device), "cudaSetDevice");
-    CU(cudaMallocHost(&stage, stage_b), "pinned staging for weights");
-    if (!tmp) {
-        rc = moed_fail(err, MOED_ENOMEM, "out of host memory");
-        goto err;
+    *tmp = malloc(sizeof(float) * (size_t)widest);
+    if (!*tmp) return moed_fail(err, MOED_ENOMEM, "out of host memory");
+    const cudaError_t e = cudaHostAlloc(stage, stage_b, cudaHostAllocPortable);
+    return e == cudaSuccess ? 0 : cuda_fail(err, e, "pinned staging for weights");
+}
+
+/* The routed experts, whole on the home GPU: into L->k. */
+static int upload_whole(cuda_layer *L, const moed_layer *l, void *stage, float *tmp,
+                        moed_error *err)
+{
+    dev_set routed = {
+        .E = L->info.n_experts, .ff = L->info.d_ff, .ff_pad = L->k.ff_pad, .n_up = L->k.n_up
+    };
+    cudaSetDevice(L->device);
+    const int rc = upload_set(L, &routed, l->experts, stage, tmp, err);
+    L->k.w13 = L->w13 = routed.w13;
+    L->k.w2 = L->w2 = routed.w2;
+    L->k.w13_scale = L->w13_scale = routed.w13_scale;
+    L->k.w2_scale = L->w2_scale = routed.w2_scale;
+    return rc;
+}
+
+/* The routed experts split: each part's range onto its device, with its view of them. */
+static int upload_parts(cuda_ctx *c, cuda_layer *L, const moed_layer *l, void *stage, float *tmp,
+                        moed_error *err)
+{
+    const moed_layer_place *pl = &L->place;
+    L->parts = calloc((size_t)pl->n_parts, sizeof *L->parts);
+    L->part_of = malloc((size_t)L->info.n_experts);
+    if (!L->parts || !L->part_of) return moed_fail(err, MOED_ENOMEM, "out of host memory");
+    for (int i = 0; i < pl->n_parts; i++) {
+        const moed_place_part *pp = &pl->part[i];
+        cuda_part *P = &L->parts[i];
+        memset(L->part_of + pp->first, i, (size_t)pp->count);
+        L->part_first[i] = pp->first;
+        P->entry = pp->dev;
+        P->device = c->dev[pp->dev];
+        P->set = (dev_set){
+            .E = pp->count, .ff = L->info.d_ff, .ff_pad = L->k.ff_pad, .n_up = L->k.n_up
+        };
+        cudaSetDevice(P->device);
+        const int rc = upload_set(L, &P->set, l->experts + pp->first, stage, tmp, err);
+        if (rc) return rc;
+        P->k = L->k;
+        P->k.E = pp->count;
+        P->k.w13 = P->set.w13;
+        P->k.w2 = P->set.w2;
+        P->k.w13_scale = P->set.w13_scale;
+        P->k.w2_scale = P->set.w2_scale;
+        P->k.sff_pad = P->k.sn_up = 0;
+        P->k.s13 = P->k.s2 = NULL;
+        P->k.s13_scale = P->k.s2_scale = NULL;
     }
-    dev_set routed = { .E = li->n_experts,
-                       .ff = li->d_ff,
-                       .ff_pad = L->k.ff_pad,
-                       .n_up = L->k.n_up },
-            shared = { .E = 1, .ff = li->shared_d_ff, .ff_pad = L->k.sff_pad, .n_up = L->k.sn_up };
-    rc = upload_set(L, &routed, l->experts, stage, tmp, err);
-    L->w13 = routed.w13;
-    L->w2 = routed.w2;
-    L->w13_scale = routed.w13_scale;
-    L->w2_scale = routed.w2_scale;
-    if (rc) goto err;
+    return 0;
+}
+
+/* The shared experts and the router, on the home GPU. */
+static int upload_home(cuda_layer *L, const moed_layer *l, void *stage, float *tmp, moed_error *err)
+{
+    int rc = 0;
+    cudaSetDevice(L->device);
     if (L->k.sff_pad) {
+        dev_set shared = {
+            .E = 1, .ff = L->info.shared_d_ff, .ff_pad = L->k.sff_pad, .n_up = L->k.sn_up
+        };
         rc = upload_set(L, &shared, &l->shared, stage, tmp, err);
-        L->s13 = shared.w13;
-        L->s2 = shared.w2;
-        L->s13_scale = shared.w13_scale;
-        L->s2_scale = shared.w2_scale;
-        if (rc) goto err;
+        L->k.s13 = L->s13 = shared.w13;
+        L->k.s2 = L->s2 = shared.w2;
+        L->k.s13_scale = L->s13_scale = shared.w13_scale;
+        L->k.s2_scale = L->s2_scale = shared.w2_scale;
+        if (rc) return rc;
     }
     if (router_bytes(L, l)) {
         CU(cudaMalloc(&L->router, router_bytes(L, l)), "router allocation");
-        if ((rc = upload(L->router, l->router, router_bytes(L, l), err))) goto err;
+        rc = upload(L->router, l->router, router_bytes(L, l), err);
     }
-    L->k.w13 = L->w13;
-    L->k.w2 = L->w2;
-    L->k.s13 = L->s13;
-    L->k.s2 = L->s2;
-    L->k.w13_scale = L->w13_scale;
-    L->k.w2_scale = L->w2_scale;
-    L->k.s13_scale = L->s13_scale;
-    L->k.s2_scale = L->s2_scale;
-    c->n_layers++;
-    cudaFreeHost(stage);
-    free(tmp);
-    return 0;
 err:
-    layer_free(L);
+    return rc;
+}
+
+static int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_error *err)
+{
+    cuda_ctx *c = b->ctx;
+    const moed_layer_info *li = &l->info;
+    float *tmp = NULL;
+    void *stage = NULL;
+    if (slot != c->n_layers)
+        return moed_fail(err, MOED_EINVAL, "layers must be loaded in slot order");
+    if (li->n_experts > 4096)
+        return moed_fail(err, MOED_EUNSUPPORTED,
+                         "layer %d has %d experts; the CUDA backend handles up to 4096", li->index,
+                         li->n_experts);
+    cuda_layer *grown = realloc(c->layers, sizeof *grown * (size_t)(slot + 1));
+    if (!grown) return moed_fail(err, MOED_ENOMEM, "out of host memory");
+    c->layers = grown;
+    cuda_layer *L = &c->layers[slot];
+    memset(L, 0, sizeof *L);
+    layer_shapes(L, l);
+    const moed_place_need need = layer_need(L, l, c->cfg.expert_parallel);
+    moed_place_dev before[MAX_DEVICES];
+    memcpy(before, c->place, sizeof before);
+    int rc = moed_place_layer(c->place, c->n_dev, &need, &L->place, err);
+    if (rc) return rc;
+    L->device = c->dev[L->place.home];
+    if (!moed_place_is_split(&L->place)) {
+        char what[64];
+        snprintf(what, sizeof what, "layer %d's weights", li->index);
+        rc = check_free(L->device, need.base + need.expert * (uint64_t)li->n_experts, what, err);
+    }
+    if (!rc) rc = staging(L, &stage, &tmp, err);
+    if (!rc)
+        rc = moed_place_is_split(&L->place) ? upload_parts(c, L, l, stage, tmp, err)
+                                            : upload_whole(L, l, stage, tmp, err);
+    if (!rc) rc = upload_home(L, l, stage, tmp, err);
     if (stage) cudaFreeHost(stage);
     free(tmp);
-    return rc;
+    if (rc) {
+        layer_free(L);
+        memcpy(c->place, before, sizeof before); /* nothing of it stays placed */
+        return rc;
+    }
+    c->n_layers++;
+    return 0;
 }
 
 /* ---- the pool ------------------------------------------------------------------------------ */
@@ -441,7 +549,10 @@ err:
     return rc;
 }
 
-static int exec_init(cuda_ctx *c, cuda_exec *x, int device, moed_error *err)
+/* A slot's buffers on `device`. A part workspace (part set) has no output, router or shared-expert
+ * buffers, but a host route of its own and, where needed, a landing buffer; a home slot's pinned
+ * route has room for where each pair's row is when it runs a split layer. */
+static int exec_init(cuda_ctx *c, cuda_exec *x, int device, bool part, moed_error *err)
 {
     int rc = 0;
     const int64_t T = c->max_tokens, P = c->max_pairs;
@@ -450,14 +561,25 @@ static int exec_init(cuda_ctx *c, cuda_exec *x, int device, moed_error *err)
     x->device = device;
     CU(cudaSetDevice(device), "cudaSetDevice");
     CU(cudaStreamCreateWithFlags(&x->stream, cudaStreamNonBlocking), "stream creation");
+    CU(cudaEventCreateWithFlags(part ? &x->done : &x->ready, cudaEventDisableTiming),
+       "event creation");
     const size_t in_b = (size_t)T * c->max_d * 4;
-    CU(cudaMallocHost((void **)&x->h_route, moed_cuda_route_in_words(T, P) * 4),
+    CU(cudaMallocHost((void **)&x->h_route, (moed_cuda_route_in_words(T, P) + (size_t)P) * 4),
        "pinned route staging");
     CU(cudaMalloc(&x->x_in, in_b), "workspace");
-    CU(cudaMalloc(&x->out, in_b), "workspace");
     CU(cudaMalloc(&x->w.xc, moed_cuda_cbytes(T * c->max_d_pad)), "workspace");
     CU(cudaMalloc(&x->w.h, moed_cuda_cbytes(P * c->max_ff_pad)), "workspace");
     CU(cudaMalloc(&x->w.y, moed_cuda_cbytes(P * c->max_d_pad)), "workspace");
+    CU(cudaMalloc((void **)&x->route, moed_cuda_route_words(T, P, c->max_e, max_tiles) * 4),
+       "workspace");
+    if (part) {
+        if (moed_route_init(&x->sub, T, P))
+            return moed_fail(err, MOED_ENOMEM, "out of host memory for a part's route");
+        if (c->landing)
+            CU(cudaMalloc(&x->landing, moed_cuda_cbytes(P * c->max_d_pad)), "workspace");
+        return exec_init_fp8(c, x, err);
+    }
+    CU(cudaMalloc(&x->out, in_b), "workspace");
     if (c->max_sff_pad) {
         CU(cudaMalloc(&x->w.hs, moed_cuda_cbytes(T * c->max_sff_pad)), "workspace");
         CU(cudaMalloc(&x->w.ys, moed_cuda_cbytes(T * c->max_d_pad)), "workspace");
@@ -465,50 +587,102 @@ static int exec_init(cuda_ctx *c, cuda_exec *x, int device, moed_error *err)
     if (c->max_router_e)
         CU(cudaMalloc((void **)&x->logits, (size_t)T * c->max_router_e * sizeof(float)),
            "workspace");
-    CU(cudaMalloc((void **)&x->route, moed_cuda_route_words(T, P, c->max_e, max_tiles) * 4),
-       "workspace");
     return exec_init_fp8(c, x, err);
 err:
     return rc;
 }
 
-static void exec_free(cuda_exec *x)
+static void exec_free(cuda_ctx *c, cuda_exec *x)
 {
+    for (int i = 0; x->parts && i < c->n_dev; i++) exec_free(c, &x->parts[i]);
+    free(x->parts);
     if (!x->stream) return;
     cudaSetDevice(x->device);
     cudaStreamSynchronize(x->stream);
     for (int i = 0; i < GRAPH_CACHE; i++)
         if (x->graphs[i].exec) cudaGraphExecDestroy(x->graphs[i].exec);
+    void *p[] = { x->x_in,   x->out,   x->w.xc, x->w.h,  x->w.y,  x->w.hs,       x->w.ys,
+                  x->logits, x->route, x->w.xq, x->w.xs, x->w.hq, x->w.hs_scale, x->landing };
+    for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) cudaFree(p[i]);
     cudaFreeHost(x->h_route);
-    cudaFree(x->x_in);
-    cudaFree(x->out);
-    cudaFree(x->w.xc);
-    cudaFree(x->w.h);
-    cudaFree(x->w.y);
-    cudaFree(x->w.hs);
-    cudaFree(x->w.ys);
-    cudaFree(x->logits);
-    cudaFree(x->route);
-    cudaFree(x->w.xq);
-    cudaFree(x->w.xs);
-    cudaFree(x->w.hq);
-    cudaFree(x->w.hs_scale);
+    moed_route_free(&x->sub);
+    if (x->ready) cudaEventDestroy(x->ready);
+    if (x->done) cudaEventDestroy(x->done);
     cudaStreamDestroy(x->stream);
 }
 
-/* Workspace bytes of one slot, for the admission message. */
-static uint64_t exec_bytes(const cuda_ctx *c)
+/* Workspace bytes of one slot (or part workspace), for the admission message. */
+static uint64_t exec_bytes(const cuda_ctx *c, bool part)
 {
     const int64_t T = c->max_tokens, P = c->max_pairs;
-    uint64_t b = 2 * (uint64_t)T * c->max_d * 4 + moed_cuda_cbytes(T * c->max_d_pad);
+    uint64_t b = (uint64_t)T * c->max_d * 4 + moed_cuda_cbytes(T * c->max_d_pad);
     b += moed_cuda_cbytes(P * (c->max_ff_pad + c->max_d_pad));
-    b += moed_cuda_cbytes(T * (c->max_sff_pad + c->max_d_pad * (c->max_sff_pad > 0)));
-    b += (uint64_t)T * c->max_router_e * sizeof(float);
     b +=
         moed_cuda_route_words(T, P, c->max_e, moed_cuda_route_max_tiles((int32_t)P, c->max_e, 16)) *
         4;
     const fp8_sizes z = fp8_buffer_sizes(c);
-    return b + z.xq + z.xs + z.hq + z.hs;
+    b += z.xq + z.xs + z.hq + z.hs;
+    if (part) return b + (c->landing ? moed_cuda_cbytes(P * c->max_d_pad) : 0);
+    b += (uint64_t)T * c->max_d * 4;
+    b += moed_cuda_cbytes(T * (c->max_sff_pad + c->max_d_pad * (c->max_sff_pad > 0)));
+    return b + (uint64_t)T * c->max_router_e * sizeof(float);
+}
+
+/* Peer access between every two GPUs of the entries (unless MOED_CUDA_NO_PEER=1), and whether a
+ * split layer has a part that cannot write its home's memory directly. */
+static void enable_peers(cuda_ctx *c)
+{
+    const char *no = getenv("MOED_CUDA_NO_PEER");
+    const bool off = no && *no == '1';
+    for (int i = 0; i < c->n_dev; i++)
+        for (int j = 0; j < c->n_dev; j++) {
+            int can = 0;
+            if (c->dev[i] == c->dev[j]) {
+                c->direct[i][j] = true;
+                continue;
+            }
+            if (off || cudaDeviceCanAccessPeer(&can, c->dev[i], c->dev[j]) != cudaSuccess || !can)
+                continue;
+            cudaSetDevice(c->dev[i]);
+            const cudaError_t e = cudaDeviceEnablePeerAccess(c->dev[j], 0);
+            c->direct[i][j] = e == cudaSuccess || e == cudaErrorPeerAccessAlreadyEnabled;
+            cudaGetLastError(); /* an "already enabled" is not an error to keep */
+        }
+    for (int l = 0; l < c->n_layers; l++) {
+        const cuda_layer *L = &c->layers[l];
+        for (int i = 0; L->parts && i < L->place.n_parts; i++)
+            if (!c->direct[L->parts[i].entry][L->place.home]) c->landing = true;
+    }
+}
+
+/* Whether slots on GPU `device` run a split layer (and so need part workspaces). */
+static bool homes_split(const cuda_ctx *c, int device)
+{
+    for (int l = 0; l < c->n_layers; l++)
+        if (c->layers[l].parts && c->layers[l].device == device) return true;
+    return false;
+}
+
+/* Each slot that runs split layers gets a part workspace on every entry's GPU. */
+static int init_parts(cuda_ctx *c, moed_error *err)
+{
+    int rc = 0, per_entry = 0;
+    for (int s = 0; s < c->n_exec; s++) per_entry += homes_split(c, c->execs[s].device);
+    for (int e = 0; e < c->n_dev && per_entry && !rc; e++) {
+        char what[96];
+        snprintf(what, sizeof what, "the split layers' part workspaces (%d on this entry)",
+                 per_entry);
+        rc = check_free(c->dev[e], exec_bytes(c, true) * (uint64_t)per_entry, what, err);
+    }
+    for (int s = 0; s < c->n_exec && !rc; s++) {
+        cuda_exec *x = &c->execs[s];
+        if (!homes_split(c, x->device)) continue;
+        if (!(x->parts = calloc((size_t)c->n_dev, sizeof *x->parts)))
+            return moed_fail(err, MOED_ENOMEM, "out of host memory");
+        for (int e = 0; e < c->n_dev && !rc; e++)
+            rc = exec_init(c, &x->parts[e], c->dev[e], true, err);
+    }
+    return rc;
 }
 
 static int cuda_start(moed_backend *b, moed_error *err)
@@ -525,9 +699,8 @@ static int cuda_start(moed_backend *b, moed_error *err)
         if (L->k.sff_pad > c->max_sff_pad) c->max_sff_pad = L->k.sff_pad;
         if (L->router && moed_layer_router_experts(&L->info) > c->max_router_e)
             c->max_router_e = moed_layer_router_experts(&L->info);
-        if (L->k.wdtype == MOED_FP8 &&
-            moed_cuda_fp8_native(c->sm[dev_index(c, L->device)], c->force_kernel))
-            c->fp8_native = 1;
+        for (int d = 0; d < c->n_dev && L->k.wdtype == MOED_FP8; d++) /* any device may hold it */
+            if (moed_cuda_fp8_native(c->sm[d], c->force_kernel)) c->fp8_native = 1;
     }
     if (!c->n_layers) return moed_fail(err, MOED_EINVAL, "no layers loaded");
     /* Room for every token's top-k, and at least one token routed to every expert; batches with
@@ -535,6 +708,7 @@ static int cuda_start(moed_backend *b, moed_error *err)
      * within a few GB on the largest shapes. */
     c->max_pairs = c->max_tokens * max_k;
     if (c->max_pairs < c->max_e) c->max_pairs = c->max_e;
+    enable_peers(c);
     const int per_dev = c->cfg.streams > 0 ? c->cfg.streams : 2;
     c->n_exec = per_dev * c->n_dev;
     c->execs = calloc((size_t)c->n_exec, sizeof *c->execs);
@@ -544,10 +718,11 @@ static int cuda_start(moed_backend *b, moed_error *err)
         char what[96];
         snprintf(what, sizeof what, "the stream pool (%d slots for %lld tokens)", per_dev,
                  (long long)c->max_tokens);
-        if ((rc = check_free(c->dev[d], exec_bytes(c) * per_dev, what, err))) return rc;
+        if ((rc = check_free(c->dev[d], exec_bytes(c, false) * per_dev, what, err))) return rc;
         for (int s = 0; s < per_dev; s++)
-            if ((rc = exec_init(c, &c->execs[d * per_dev + s], c->dev[d], err))) return rc;
+            if ((rc = exec_init(c, &c->execs[d * per_dev + s], c->dev[d], false, err))) return rc;
     }
+    if ((rc = init_parts(c, err))) return rc;
     b->n_exec = c->n_exec;
     return 0;
 }
@@ -650,6 +825,88 @@ static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_
     return rc;
 }
 
+/* bytes from src on GPU sdev to dst on GPU ddev, queued on s: a peer copy between GPUs (through
+ * the host when they have no peer access), a plain one on one GPU. */
+static void copy_between(void *dst, int ddev, const void *src, int sdev, size_t bytes,
+                         cudaStream_t s)
+{
+    if (ddev == sdev)
+        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s);
+    else
+        cudaMemcpyPeerAsync(dst, ddev, src, sdev, bytes, s);
+}
+
+/* Part i of split layer L for home slot x: after x's inputs are ready, copies x over, runs the
+ * part's pairs (its route in q->sub) and brings their rows, in its pair order, into x's Y from row
+ * `base` on; records q->done. */
+static int run_part(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, int i, int dtype, size_t xb,
+                    int64_t base)
+{
+    const cuda_part *pt = &L->parts[i];
+    cuda_exec *q = &x->parts[pt->entry];
+    const int64_t T = q->sub.T, P = q->sub.off[T];
+    const int sm = c->sm[pt->entry], n_act = active_experts(&q->sub, 0, T, pt->k.E);
+    const bool direct = c->direct[pt->entry][dev_index(c, x->device)];
+    cudaSetDevice(q->device);
+    cudaStreamWaitEvent(q->stream, x->ready, 0);
+    copy_between(q->x_in, q->device, x->x_in, x->device, xb, q->stream);
+    stage_route(q, &q->sub, 0, T, pt->k.E,
+                moed_cuda_tile_bm(sm, P, n_act, pt->k.wdtype, c->force_kernel));
+    int rc = P ? moed_cuda_pipeline_routed(&pt->k, &q->r, &q->w, q->x_in, dtype, sm, n_act,
+                                           c->force_kernel, q->stream)
+               : 0;
+    char *dst = (char *)x->w.y + moed_cuda_cbytes(base * L->k.d_pad);
+    if (!rc)
+        rc = moed_cuda_gather_rows(direct ? dst : q->landing, q->w.y, q->r.pair_slot, (int)P,
+                                   L->k.d_pad, q->stream);
+    if (!rc && !direct)
+        copy_between(dst, x->device, q->landing, q->device, moed_cuda_cbytes(P * L->k.d_pad),
+                     q->stream);
+    cudaEventRecord(q->done, q->stream);
+    return rc;
+}
+
+/* Tokens [t0, t1) of a job on split layer L (moed_cuda.h: the pipeline in two pieces): the home
+ * slot x uploads x and the whole route with each pair's row among the parts' blocks, the parts run
+ * their pairs, x runs the shared experts meanwhile, then waits for the parts and combines. */
+static int run_split_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_job *job,
+                           int64_t t0, int64_t t1)
+{
+    const moed_route *rt = job->route;
+    const int d = L->info.d_model, n = L->place.n_parts;
+    const int64_t T = t1 - t0, P = rt->off[t1] - rt->off[t0];
+    const size_t xb = (size_t)T * d * moed_dtype_size(job->dtype);
+    moed_route sub[MAX_DEVICES];
+    int32_t *pos = x->h_route + moed_cuda_route_in_words(T, P);
+    for (int i = 0; i < n; i++) sub[i] = x->parts[L->parts[i].entry].sub;
+    moed_route_split(rt, t0, t1, L->part_of, L->part_first, n, sub, pos);
+    for (int i = 0; i < n; i++) x->parts[L->parts[i].entry].sub.T = sub[i].T;
+    moed_cuda_route_pack(x->h_route, rt->off, rt->expert, rt->weight, t0, t1);
+    cudaSetDevice(x->device);
+    cudaMemcpyAsync(x->route, x->h_route, moed_cuda_route_in_words(T, P) * 4,
+                    cudaMemcpyHostToDevice, x->stream);
+    moed_cuda_route_layout(&x->r, x->route, T, P, L->info.n_experts, 16);
+    cudaMemcpyAsync(x->r.pair_slot, pos, (size_t)P * 4, cudaMemcpyHostToDevice, x->stream);
+    cudaMemcpyAsync(x->x_in, (const char *)job->x + (size_t)t0 * d * moed_dtype_size(job->dtype),
+                    xb, cudaMemcpyHostToDevice, x->stream);
+    cudaEventRecord(x->ready, x->stream);
+    int rc = 0;
+    for (int i = 0, base = 0; i < n && !rc; base += (int)sub[i++].off[T])
+        rc = run_part(c, x, L, i, job->dtype, xb, base);
+    cudaSetDevice(x->device);
+    const int sm = c->sm[dev_index(c, x->device)];
+    if (!rc)
+        rc = moed_cuda_pipeline_shared(&L->k, T, &x->w, x->x_in, job->dtype, sm, c->force_kernel,
+                                       x->stream);
+    for (int i = 0; i < n; i++) cudaStreamWaitEvent(x->stream, x->parts[L->parts[i].entry].done, 0);
+    if (!rc)
+        rc = moed_cuda_combine(&x->r, x->w.y, L->k.s13 ? x->w.ys : NULL, L->k.cdtype, d, L->k.d_pad,
+                               x->out, job->dtype, x->stream);
+    cudaMemcpyAsync((char *)job->y + (size_t)t0 * d * moed_dtype_size(job->dtype), x->out, xb,
+                    cudaMemcpyDeviceToHost, x->stream);
+    return rc;
+}
+
 static int finish(cuda_exec *x, int rc, const char *what, moed_error *err)
 {
     cudaError_t e = cudaStreamSynchronize(x->stream);
@@ -685,7 +942,7 @@ static int cuda_forward(moed_backend *b, int exec, const moed_job *job, moed_err
             return moed_fail(err, MOED_ETOOBIG,
                              "token %lld has %lld pairs, over the workspace's %lld", (long long)t0,
                              (long long)(rt->off[t1] - rt->off[t0]), (long long)c->max_pairs);
-        rc = run_chunk(c, x, L, job, t0, t1);
+        rc = L->parts ? run_split_chunk(c, x, L, job, t0, t1) : run_chunk(c, x, L, job, t0, t1);
         t0 = t1;
         /* the next chunk repacks the pinned route staging the last copy may still be reading */
         if (t0 < job->T) cudaStreamSynchronize(x->stream);
@@ -728,6 +985,14 @@ static int cuda_exec_accepts(moed_backend *b, int exec, int slot)
            c->execs[exec].device == c->layers[slot].device;
 }
 
+static int cuda_layer_place(moed_backend *b, int slot, moed_layer_place *out)
+{
+    const cuda_ctx *c = b->ctx;
+    if (slot < 0 || slot >= c->n_layers) return MOED_EINVAL;
+    *out = c->layers[slot].place;
+    return 0;
+}
+
 static void *cuda_host_alloc(moed_backend *b, size_t bytes)
 {
     void *p = NULL;
@@ -758,7 +1023,7 @@ static int cuda_device_info(moed_backend *b, int i, moed_device_info *out)
 static void cuda_destroy(moed_backend *b)
 {
     cuda_ctx *c = b->ctx;
-    for (int i = 0; i < c->n_exec; i++) exec_free(&c->execs[i]);
+    for (int i = 0; i < c->n_exec; i++) exec_free(c, &c->execs[i]);
     for (int i = 0; i < c->n_layers; i++) layer_free(&c->layers[i]);
     free(c->execs);
     free(c->layers);
@@ -776,6 +1041,7 @@ static const moed_backend_ops cuda_ops = {
     .host_free = cuda_host_free,
     .device_info = cuda_device_info,
     .exec_accepts = cuda_exec_accepts,
+    .layer_place = cuda_layer_place,
     .destroy = cuda_destroy,
 };
 
@@ -818,8 +1084,20 @@ int moed_backend_cuda_open(const moed_backend_config *cfg, moed_backend **out, m
                            pr->name, sm);
             goto err;
         }
+        size_t free_b = 0, total_b = 0;
+        CU(cudaSetDevice(id), "cudaSetDevice");
+        CU(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
+        c->place[c->n_dev] = (moed_place_dev){ .gpu = id, .free = free_b };
         c->sm[c->n_dev] = sm;
         c->dev[c->n_dev++] = id;
+    }
+    if (cfg->expert_parallel && c->n_dev < 2) {
+        rc = moed_fail(err, MOED_EINVAL,
+                       "--expert-parallel splits each layer's experts over the devices, but only "
+                       "GPU %d is used: list two or more (--devices 0,1; or --devices 0,0 to run "
+                       "the split on one GPU)",
+                       c->dev[0]);
+        goto err;
     }
     b->ops = &cuda_ops;
     b->ctx = c;

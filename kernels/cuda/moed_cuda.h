@@ -189,7 +189,8 @@ void moed_cuda_route_layout(moed_cuda_route_dev *r, int32_t *dev, int64_t T, int
 int moed_cuda_quant_fp8(const void *x, int dtype, int64_t R, int cols, int64_t ldx, void *q,
                         int cols_pad, float *scale, int64_t scale_ld, moed_cuda_stream s);
 
-/* xp[s] = xc[slot_tok[s]] for s < P, rows of d_pad compute-type elements. */
+/* xp[s] = xc[slot_tok[s]] for s < P, rows of d_pad compute-type elements (xp may be another
+ * device's memory where peer access is enabled). */
 int moed_cuda_gather_rows(void *xp, const void *xc, const int32_t *slot_tok, int P, int d_pad,
                           moed_cuda_stream s);
 
@@ -240,6 +241,22 @@ typedef struct moed_cuda_work_dev {
 int moed_cuda_pipeline(const moed_cuda_layer_dev *L, moed_cuda_route_dev *r,
                        const moed_cuda_work_dev *w, const void *x, int dtype, void *out, int sm,
                        int n_active, int force_kernel, moed_cuda_stream s, void *const *ev);
+
+/* A layer split over devices (expert parallelism) runs the pipeline in two pieces, each stage the
+ * same launches as above. On each part (its experts as L, numbered from 0, no shared experts):
+ * convert x, route prep and the routed GEMMs of the part's pairs, leaving each pair's row in w->y
+ * at r->pair_slot[pair]; those rows are then brought to the home device in the part's pair order
+ * (moed_cuda_gather_rows over r->pair_slot), the parts' blocks one after another. On the home
+ * device: convert x and the shared experts (nothing when L has none), then moed_cuda_combine over
+ * the whole route with pair_slot naming each pair's row among those blocks. The combine sums each
+ * token's pairs in route order as unsplit, and a row's bits never depend on the rows computed
+ * beside it, so the result is bit-identical to the unsplit layer's. */
+int moed_cuda_pipeline_routed(const moed_cuda_layer_dev *L, moed_cuda_route_dev *r,
+                              const moed_cuda_work_dev *w, const void *x, int dtype, int sm,
+                              int n_active, int force_kernel, moed_cuda_stream s);
+int moed_cuda_pipeline_shared(const moed_cuda_layer_dev *L, int64_t T, const moed_cuda_work_dev *w,
+                              const void *x, int dtype, int sm, int force_kernel,
+                              moed_cuda_stream s);
 
 #ifdef __cplusplus
 }

@@ -1,7 +1,9 @@
 /*
  * pipeline — the sequence of launches for one batch, in one place, so the backend and the kernel
  * benchmark run exactly the same thing: convert → route prep → up GEMM → down GEMM → shared experts
- * → combine, all queued on one stream, nothing synchronised.
+ * → combine, all queued on one stream, nothing synchronised. A layer split over devices runs the
+ * same stages in two pieces (moed_cuda_pipeline_routed on each part, moed_cuda_pipeline_shared and
+ * the combine on the home device), so each row is computed by the same code either way.
  */
 #include "moed_cuda.h"
 
@@ -169,32 +171,77 @@ static int convert_stage(const moed_cuda_layer_dev *L, const moed_cuda_work_dev 
     return moed_cuda_convert_in(x, dtype, T, L->d, w->xc, L->cdtype, L->d_pad, s);
 }
 
-int moed_cuda_pipeline(const moed_cuda_layer_dev *L, moed_cuda_route_dev *r,
-                       const moed_cuda_work_dev *w, const void *x, int dtype, void *out, int sm,
-                       int n_active, int force_kernel, moed_cuda_stream s, void *const *ev)
+/* Route prep and the routed experts' GEMMs, into w->y in sorted order (r->pair_slot says where
+ * each pair's row is); events 1..3 of ev. */
+static int routed_stage(const moed_cuda_layer_dev *L, moed_cuda_route_dev *r,
+                        const moed_cuda_work_dev *w, const void *xg, int fp8, int sm, int n_active,
+                        int force_kernel, moed_cuda_stream s, void *const *ev)
 {
-    const int fp8 = L->wdtype == MOED_FP8 && moed_cuda_fp8_native(sm, force_kernel);
-    const void *xg = NULL;
-    int rc = convert_stage(L, w, x, dtype, r->T, fp8, &xg, s);
-    mark(ev, 0, s);
-    if (!rc && r->P > 0) rc = moed_cuda_route_prep(r, s);
+    int rc = r->P > 0 ? moed_cuda_route_prep(r, s) : 0;
     mark(ev, 1, s);
     const expert_set routed = { L->w13,    L->w2,   L->w13_scale, L->w2_scale, L->E,
-                                L->ff_pad, L->n_up, w->h,         w->y },
-                     shared = { L->s13,     L->s2,    L->s13_scale, L->s2_scale, 1,
-                                L->sff_pad, L->sn_up, w->hs,        w->ys };
+                                L->ff_pad, L->n_up, w->h,         w->y };
     if (!rc && r->P > 0)
         rc = expert_gemms(L, r, w, xg, fp8, &routed, r->T, r->P, n_active, sm, force_kernel, s,
                           ev ? ev + 2 : NULL);
     else
         mark(ev, 2, s);
     mark(ev, 3, s);
-    if (!rc && L->s13)
-        rc = expert_gemms(L, NULL, w, xg, fp8, &shared, r->T, r->T, 1, sm, force_kernel, s, NULL);
+    return rc;
+}
+
+/* The shared experts (if the layer has them) into w->ys. */
+static int shared_stage(const moed_cuda_layer_dev *L, int64_t T, const moed_cuda_work_dev *w,
+                        const void *xg, int fp8, int sm, int force_kernel, moed_cuda_stream s)
+{
+    const expert_set shared = { L->s13,     L->s2,    L->s13_scale, L->s2_scale, 1,
+                                L->sff_pad, L->sn_up, w->hs,        w->ys };
+    return L->s13 ? expert_gemms(L, NULL, w, xg, fp8, &shared, T, T, 1, sm, force_kernel, s, NULL)
+                  : 0;
+}
+
+static int fp8_layer(const moed_cuda_layer_dev *L, int sm, int force_kernel)
+{
+    return L->wdtype == MOED_FP8 && moed_cuda_fp8_native(sm, force_kernel);
+}
+
+int moed_cuda_pipeline(const moed_cuda_layer_dev *L, moed_cuda_route_dev *r,
+                       const moed_cuda_work_dev *w, const void *x, int dtype, void *out, int sm,
+                       int n_active, int force_kernel, moed_cuda_stream s, void *const *ev)
+{
+    const int fp8 = fp8_layer(L, sm, force_kernel);
+    const void *xg = NULL;
+    int rc = convert_stage(L, w, x, dtype, r->T, fp8, &xg, s);
+    mark(ev, 0, s);
+    if (!rc) rc = routed_stage(L, r, w, xg, fp8, sm, n_active, force_kernel, s, ev);
+    if (!rc) rc = shared_stage(L, r->T, w, xg, fp8, sm, force_kernel, s);
     mark(ev, 4, s);
     if (!rc)
         rc = moed_cuda_combine(r, w->y, L->s13 ? w->ys : NULL, L->cdtype, L->d, L->d_pad, out,
                                dtype, s);
     mark(ev, 5, s);
+    return rc;
+}
+
+int moed_cuda_pipeline_routed(const moed_cuda_layer_dev *L, moed_cuda_route_dev *r,
+                              const moed_cuda_work_dev *w, const void *x, int dtype, int sm,
+                              int n_active, int force_kernel, moed_cuda_stream s)
+{
+    const int fp8 = fp8_layer(L, sm, force_kernel);
+    const void *xg = NULL;
+    int rc = convert_stage(L, w, x, dtype, r->T, fp8, &xg, s);
+    if (!rc) rc = routed_stage(L, r, w, xg, fp8, sm, n_active, force_kernel, s, NULL);
+    return rc;
+}
+
+int moed_cuda_pipeline_shared(const moed_cuda_layer_dev *L, int64_t T, const moed_cuda_work_dev *w,
+                              const void *x, int dtype, int sm, int force_kernel,
+                              moed_cuda_stream s)
+{
+    if (!L->s13) return 0;
+    const int fp8 = fp8_layer(L, sm, force_kernel);
+    const void *xg = NULL;
+    int rc = convert_stage(L, w, x, dtype, T, fp8, &xg, s);
+    if (!rc) rc = shared_stage(L, T, w, xg, fp8, sm, force_kernel, s);
     return rc;
 }

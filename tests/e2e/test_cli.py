@@ -189,6 +189,15 @@ def test_cuda_backend_without_gpu_exits_1():
     assert "cuda" in p.stderr.lower() and "--backend cpu" in p.stderr
 
 
+def test_expert_parallel_on_cpu_exits_1():
+    """--expert-parallel splits layers over GPUs: the CPU backend (one device, computing from host
+    memory) refuses it at start, naming the flag and what to do, rather than ignoring it."""
+    p = moed("--listen", "127.0.0.1:0", "--synthetic", "layers=1,d=16,ff=16,experts=2,topk=1",
+             "--backend", "cpu", "--expert-parallel")
+    assert p.returncode == 1
+    assert "--expert-parallel" in p.stderr and "--backend cuda" in p.stderr, p.stderr
+
+
 def test_log_lines_are_structured(shared_daemon):
     lines = [l for l in shared_daemon.log().splitlines() if l.strip()]
     assert lines

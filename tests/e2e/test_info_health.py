@@ -16,6 +16,7 @@ import pytest
 import oracle as O
 from conftest import DEFAULT_SPEC, MOED_BIN
 from moed._proto.grpc.health.v1 import health_pb2, health_pb2_grpc
+from moed import MoEClient
 from moed._proto.moed.v1 import moed_pb2, moed_pb2_grpc
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -49,6 +50,23 @@ def test_get_model_every_field(daemon):
         assert l.has_router and not l.norm_topk_prob and l.router_rule == moed_pb2.SOFTMAX_TOPK
         assert (l.num_shared_experts, l.shared_d_ff, l.n_group, l.topk_group) == (0, 0, 1, 1)
         assert l.routed_scaling_factor == 1.0
+
+
+def test_get_model_says_where_experts_live(daemon):
+    """LayerInfo.home_device and expert_placement: on one device every held expert is on device 0,
+    in the whole layer's numbering (an expert shard's ranges as it holds them); the log says the
+    same per layer; the Python client reads it."""
+    d = daemon("--synthetic", str(SPEC), "--layers", "1,3", "--threads", "1")
+    for l in model_info(d).layers:
+        assert l.home_device == 0
+        assert [(r.first, r.last, r.device) for r in l.expert_placement] == [(0, 5, 0)]
+    placed = [line for line in d.log().splitlines() if 'msg="layer placed"' in line]
+    assert len(placed) == 2 and all('home_device=0 split=0 experts="0-5@0"' in p for p in placed), placed
+    with MoEClient(d.address) as c:
+        assert [(l.home_device, l.expert_placement) for l in c.info().layers] == [(0, [(0, 5, 0)])] * 2
+    shard = daemon("--synthetic", str(SPEC), "--experts", "1-2,5", "--threads", "1")
+    for l in model_info(shard).layers:
+        assert [(r.first, r.last, r.device) for r in l.expert_placement] == [(1, 2, 0), (5, 5, 0)]
 
 
 def test_get_model_deepseek_fields(daemon):

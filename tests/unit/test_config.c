@@ -63,7 +63,7 @@ static void test_flags(void)
     CHECK(c.n_layer_list == 3 && c.layer_list[0] == 0 && c.layer_list[1] == 1 &&
           c.layer_list[2] == 3);
     CHECK(moed_config_wants_layer(&c, 3) && !moed_config_wants_layer(&c, 2));
-    CHECK(c.n_devices == 2 && c.devices[0] == 0 && c.devices[1] == 1);
+    CHECK(c.n_devices == 2 && c.devices[0] == 1 && c.devices[1] == 0); /* in the order given */
     moed_config_free(&c);
     CHECK_EQ_INT(LOAD(&c, &err, "--max-message-bytes", "4096", "--max-batch-tokens", "1"), 0);
     CHECK(c.max_message_bytes == 4096 && c.max_batch_tokens == 1);
@@ -377,6 +377,34 @@ static void test_layer_lists(void)
     free(list);
 }
 
+/* --devices keeps order and repeats (a GPU twice is two placements); --expert-parallel is a bare
+ * flag, or =0|1. */
+static void test_devices_and_flag(void)
+{
+    moed_config c;
+    moed_error err;
+    CHECK_EQ_INT(LOAD(&c, &err, "--devices", "0,0"), 0);
+    CHECK(c.n_devices == 2 && c.devices[0] == 0 && c.devices[1] == 0 && !c.expert_parallel);
+    moed_config_free(&c);
+    CHECK_EQ_INT(LOAD(&c, &err, "--devices", "2-3,1,3", "--expert-parallel", "--threads", "2"), 0);
+    CHECK(c.n_devices == 4 && c.devices[0] == 2 && c.devices[1] == 3 && c.devices[2] == 1 &&
+          c.devices[3] == 3);
+    CHECK(c.expert_parallel == 1 && c.threads == 2); /* the bare flag took no value */
+    moed_config_free(&c);
+    CHECK_EQ_INT(LOAD(&c, &err, "--expert-parallel=0"), 0);
+    CHECK(c.expert_parallel == 0);
+    moed_config_free(&c);
+    CHECK_EQ_INT(LOAD(&c, &err, "--expert-parallel=yes"), MOED_EINVAL);
+    expect_bad(&err, "flag value", "--expert-parallel", "[0, 1]");
+    moed_config_free(&c);
+    CHECK_EQ_INT(LOAD(&c, &err, "--devices", "0,,1"), MOED_EINVAL);
+    expect_bad(&err, "device list", "'0,,1'", "0-3");
+    moed_config_free(&c);
+    CHECK_EQ_INT(LOAD(&c, &err, "--devices", "0-70"), MOED_EINVAL);
+    expect_bad(&err, "too many devices", "--devices", "more than 64");
+    moed_config_free(&c);
+}
+
 int main(void)
 {
     test_defaults();
@@ -385,6 +413,7 @@ int main(void)
     test_config_file_kinds();
     test_layer_lists();
     test_flags();
+    test_devices_and_flag();
     test_bad_values();
     test_file();
     test_help_version();

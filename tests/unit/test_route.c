@@ -594,6 +594,75 @@ static void test_router_rounding(void)
     moed_route_free(&r);
 }
 
+/* moed_route_split: a range of tokens cut by expert ranges (a layer split over devices). Each
+ * part's route holds its pairs in their token and order with local ids, and pos puts every pair's
+ * result where the parts' pairs laid one after another hold it: each (expert, weight) found there,
+ * every slot used once. */
+static void test_split(void)
+{
+    enum { T = 50, E = 10, NP = 3, T0 = 5, T1 = 45 };
+    const int first[NP] = { 0, 3, 7 };
+    uint8_t part_of[E];
+    for (int e = 0; e < E; e++) part_of[e] = e >= 7 ? 2 : e >= 3 ? 1 : 0;
+    moed_route r, parts[NP];
+    moed_route_init(&r, T, T * 6);
+    for (int t = 0; t < T; t++) { /* 0 to 5 pairs a token, experts in any order, some repeated */
+        const int n = (int)(urand() * 6);
+        for (int j = 0; j < n; j++) {
+            r.expert[r.off[t + 1]] = (int32_t)(urand() * E);
+            r.weight[r.off[t + 1]++] = (float)urand();
+        }
+        if (t + 1 < T) r.off[t + 2] = r.off[t + 1];
+    }
+    for (int q = 0; q < NP; q++) moed_route_init(&parts[q], T1 - T0, T * 6);
+    const int64_t P = r.off[T1] - r.off[T0];
+    int32_t *pos = malloc(sizeof(int32_t) * (size_t)(P + 1));
+    moed_route_split(&r, T0, T1, part_of, first, NP, parts, pos);
+    int64_t total = 0;
+    for (int q = 0; q < NP; q++) {
+        CHECK_EQ_INT(parts[q].T, T1 - T0);
+        total += parts[q].off[T1 - T0];
+    }
+    CHECK_EQ_INT(total, P);
+    int32_t *exp_at = malloc(sizeof(int32_t) * (size_t)(P + 1));
+    float *w_at = malloc(sizeof(float) * (size_t)(P + 1));
+    uint8_t *used = calloc((size_t)P + 1, 1);
+    for (int q = 0, at = 0; q < NP; at += (int)parts[q++].off[T1 - T0])
+        for (int64_t k = 0; k < parts[q].off[T1 - T0]; k++) {
+            CHECK(parts[q].expert[k] >= 0 &&
+                  parts[q].expert[k] < (q < NP - 1 ? first[q + 1] : E) - first[q]);
+            exp_at[at + k] = parts[q].expert[k] + first[q];
+            w_at[at + k] = parts[q].weight[k];
+        }
+    for (int t = T0; t < T1; t++) {
+        int64_t seen[NP] = { 0 };
+        for (int64_t j = r.off[t]; j < r.off[t + 1]; j++) {
+            const int32_t at = pos[j - r.off[T0]];
+            CHECK(at >= 0 && at < P && !used[at]);
+            if (at < 0 || at >= P) continue;
+            used[at] = 1;
+            CHECK_EQ_INT(exp_at[at], r.expert[j]);
+            CHECK(w_at[at] == r.weight[j]);
+            seen[part_of[r.expert[j]]]++;
+        }
+        for (int q = 0; q < NP; q++) /* the token's pairs in each part are its own, in order */
+            CHECK_EQ_INT(parts[q].off[t - T0 + 1] - parts[q].off[t - T0], seen[q]);
+    }
+    /* in order within a part: positions increase along the route for pairs of one part */
+    int32_t last[NP] = { -1, -1, -1 };
+    for (int64_t j = r.off[T0]; j < r.off[T1]; j++) {
+        const int q = part_of[r.expert[j]];
+        CHECK(pos[j - r.off[T0]] > last[q]);
+        last[q] = pos[j - r.off[T0]];
+    }
+    moed_route_free(&r);
+    for (int q = 0; q < NP; q++) moed_route_free(&parts[q]);
+    free(pos);
+    free(exp_at);
+    free(w_at);
+    free(used);
+}
+
 int main(void)
 {
     test_topk_by_hand();
@@ -607,5 +676,6 @@ int main(void)
     test_resolve();
     test_concat();
     test_router_rounding();
+    test_split();
     return check_status("test_route");
 }

@@ -1,7 +1,8 @@
 /*
  * test_shard — expert shards (moed --experts): which experts and shared ones a shard holds, its
  * maps and ranges, routes renumbered for the backend, synthetic weights generated for the held
- * experts only and equal to the whole layer's, the CPU backend on two shards' views adding up to
+ * experts only and equal to the whole layer's, where the held experts live in the whole numbering,
+ * the CPU backend on two shards' views adding up to
  * the whole layer (with the same server-router logits), and the tokens-per-expert metric.
  */
 #include "check.h"
@@ -94,6 +95,18 @@ static void test_maps(void)
     CHECK_EQ_INT(moed_shard_range_list(&sh, NULL, NULL, 0), 2);
     CHECK_EQ_INT(moed_shard_range_list(&sh, lo, hi, 4), 2);
     CHECK(lo[0] == 1 && hi[0] == 3 && lo[1] == 6 && hi[1] == 6);
+    /* placed as the backend says in its numbering (local 0-1 on device 0, 2-3 on device 1): in
+     * the whole numbering 1-2@0, 3@1, 6@1 */
+    moed_layer_place pl = { .home = 0, .n_parts = 2 };
+    pl.part[0] = (moed_place_part){ 0, 0, 2 };
+    pl.part[1] = (moed_place_part){ 1, 2, 2 };
+    uint32_t dev[4];
+    CHECK_EQ_INT(moed_shard_place_list(&sh, &pl, NULL, NULL, NULL, 0), 3);
+    CHECK_EQ_INT(moed_shard_place_list(&sh, &pl, lo, hi, dev, 4), 3);
+    CHECK(lo[0] == 1 && hi[0] == 2 && dev[0] == 0 && lo[1] == 3 && hi[1] == 3 && dev[1] == 1 &&
+          lo[2] == 6 && hi[2] == 6 && dev[2] == 1);
+    moed_shard_place_text(&sh, &pl, buf, sizeof buf);
+    CHECK_MSG(!strcmp(buf, "1-2@0,3@1,6@1"), "%s", buf);
     /* what the backend gets: the held experts' pairs, in order, renumbered; others dropped */
     moed_route r;
     CHECK_EQ_INT(moed_route_init(&r, 3, 8), 0);

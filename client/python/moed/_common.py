@@ -317,7 +317,10 @@ def model_info(reply: bytes) -> ModelInfo:
                         # a moed older than these fields holds every expert and adds the shared ones
                         experts_held=[(r["first"], r["last"]) for r in l["experts_held"]]
                         or [(0, l["num_experts"] - 1)],
-                        adds_shared_experts=l["adds_shared_experts"] or not l["experts_held"])
+                        adds_shared_experts=l["adds_shared_experts"] or not l["experts_held"],
+                        home_device=l["home_device"],
+                        expert_placement=[(r["first"], r["last"], r["device"])
+                                          for r in l["expert_placement"]])
               for l in m["layers"]]
     devices = [Device(d["name"], d["memory_total"], d["memory_used"]) for d in m["devices"]]
     return ModelInfo(model=m["model"], layers=layers, backend=m["backend"], devices=devices,

@@ -82,6 +82,12 @@ class LayerInfo:
     # term (one expert shard of a fleet adds them).
     experts_held: List[Tuple[int, int]] = field(default_factory=list)
     adds_shared_experts: bool = True
+    # Where the layer lives on the server's devices (indexes into ModelInfo.devices): the home
+    # device (router, shared experts, where its calls run) and each held expert's device, as
+    # inclusive (first, last, device) ranges; several devices when its experts are split over them
+    # (moed --expert-parallel). Empty from a server older than these fields.
+    home_device: int = 0
+    expert_placement: List[Tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass
