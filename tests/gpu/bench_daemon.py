@@ -7,9 +7,16 @@ from moe-bench (graph-replayed where the backend replays graphs). Tokens/s, p50/
 merging (the batching issue): the mixtral shape, T = 8 per request, 1 / 8 / 32 / 64 callers, with
 merging off, merging on, and merging on with batch-level gating.
 
+multi (expert parallelism, on two GPUs): DeepSeek-V3's layer (d 7168, ff 2048, 256 experts, top-8,
+one shared expert) whole on GPU 0, split over GPUs 0 and 1 (--devices 0,1 --expert-parallel), and
+two such layers on GPU 0 and one per GPU (--devices 0,1): GetModel must say where each layer and
+expert lives, the same fixed requests must get the same bytes back from every layout, and moed-load
+measures T = 8 (1 caller) and T = 4096 (8 callers) against each, beside moe-bench's kernel-only
+time on one GPU.
+
 Load comes from moed-load (C, many calls in flight per process); every run's JSON is kept.
 
-usage: python3 bench_daemon.py --bin .gpu/bin [--suite transport,merging] [--json FILE] [--logs DIR]
+usage: python3 bench_daemon.py --bin .gpu/bin [--suite transport,merging,multi] [--json FILE] [--logs DIR]
        [--backend cpu --spec SPEC]   (a quick local check of the script itself, no kernel-only line)
 """
 import argparse
@@ -21,6 +28,7 @@ import sys
 import time
 
 MIXTRAL = "layers=1,d=4096,ff=14336,experts=8,topk=2,act=swiglu,dtype=bf16,seed=1"
+DEEPSEEK = "layers=1,d=7168,ff=2048,experts=256,topk=8,act=swiglu,dtype=bf16,seed=1,shared=1,shared_ff=2048"
 
 
 def free_port():
@@ -71,14 +79,14 @@ def load(bin_dir, addr, concurrency, tokens, duration, extra, json_path):
     return rep[0] if isinstance(rep, list) else rep
 
 
-def kernel_ms(bin_dir, tokens, json_path, skip):
+def kernel_ms(bin_dir, tokens, json_path, skip, shape="mixtral", k=2):
     """moe-bench's pipeline time per T (graph-replayed when the backend would replay one)."""
     if skip:  # no GPU (a local check of this script): no kernel-only figures
         return {T: float("nan") for T in tokens}
     out = {}
     for T in tokens:
-        graph = ["--graph"] if T * 2 <= 512 else []
-        subprocess.run([os.path.join(bin_dir, "moe-bench"), "--shapes", "mixtral", "--tokens", str(T),
+        graph = ["--graph"] if T * k <= 512 else []
+        subprocess.run([os.path.join(bin_dir, "moe-bench"), "--shapes", shape, "--tokens", str(T),
                         "--json", json_path, *graph], check=True, capture_output=True)
         out[T] = json.load(open(json_path))["runs"][0]["ms"]
     return out
@@ -150,6 +158,93 @@ def merging(a, results):
     results["merging"] = rows
 
 
+def placement_ok(info, want):
+    """GetModel's placement: each layer as `want` says, (home, [the devices of its expert ranges]),
+    the ranges covering every expert in order, a split evened out within 2 experts."""
+    got = {l.index: (l.home_device, [dev for _, _, dev in l.expert_placement]) for l in info.layers}
+    ok = got == want
+    for l in info.layers:
+        r = l.expert_placement
+        ok = ok and r[0][0] == 0 and r[-1][1] == l.num_experts - 1
+        ok = ok and all(r[i][1] + 1 == r[i + 1][0] for i in range(len(r) - 1))
+        if len(r) == 2:
+            ok = ok and abs((r[0][1] - r[0][0]) - (r[1][1] - r[1][0])) <= 2
+    return ok, got
+
+
+def fixed_requests(info, c):
+    """The replies to fixed requests (client routing, T = 1, 8, 512 on every layer), as bytes."""
+    import numpy as np
+    out = []
+    for l in info.layers:
+        rng = np.random.default_rng(l.index)
+        for T in (1, 8, 512):
+            x = rng.standard_normal((T, l.d_model), dtype=np.float32)
+            ids = np.stack([rng.choice(l.num_experts, l.top_k, replace=False) for _ in range(T)])
+            w = rng.random((T, l.top_k), dtype=np.float32)
+            y = c.forward(l.index, x, expert_ids=ids.astype(np.int32), expert_weights=w, timeout=120)
+            out.append(np.asarray(y).tobytes())
+    return out
+
+
+def multi(a, results):
+    from moed import MoEClient
+    print("== multi: DeepSeek-V3's layer on one GPU and split over two; two layers on one GPU and "
+          "one per GPU", flush=True)
+    one, two = a.spec, a.spec.replace("layers=1", "layers=2")
+    # name, tag, spec, flags, the placement GetModel must show, the layout it is compared with
+    layouts = [("1 layer, GPU 0", "one", one, ["--devices", "0"], {0: (0, [0])}, None),
+               ("1 layer split over GPUs 0,1", "split", one, ["--devices", "0,1", "--expert-parallel"],
+                {0: (0, [0, 1])}, "one"),
+               ("2 layers, GPU 0", "two-one", two, ["--devices", "0"], {0: (0, [0]), 1: (0, [0])}, None),
+               ("2 layers, one per GPU", "two-two", two, ["--devices", "0,1"],
+                {0: (0, [0]), 1: (1, [1])}, "two-one")]
+    kms = kernel_ms(a.bin, [8, 4096], os.path.join(a.logs, "kernel-deepseek.json"), a.backend != "cuda",
+                    "deepseek-v3", 8)
+    rows, replies, failures = [], {}, []
+    for name, tag, spec, flags, want, _ in layouts:
+        d = Moed(a.bin, ["--backend", a.backend, "--synthetic", spec, "--max-batch-tokens", "4096", *flags],
+                 os.path.join(a.logs, f"moed-multi-{tag}.log"))
+        try:
+            with MoEClient(d.addr) as c:
+                info = c.info()
+                ok, got = placement_ok(info, want)
+                if not ok:
+                    failures.append(f"{name}: GetModel placement {got}, wanted {want}")
+                replies[tag] = fixed_requests(info, c)
+            layers = ["--layers", "0,1"] if spec == two else []
+            for T, callers in ((8, 1), (4096, 8)):
+                r = load(a.bin, d.addr, callers, T, a.duration, layers,
+                         os.path.join(a.logs, f"load-multi-{tag}-{T}.json"))
+                rows.append(dict(layout=name, tag=tag, T=T, callers=callers, tokens_per_s=r["tokens_per_s"],
+                                 p50_ms=r["latency_ms"]["p50"],
+                                 server_compute_ms=r["server"]["compute_ms"]["p50"],
+                                 errors=r["errors_total"], kernel_ms=kms[T]))
+                if r["errors_total"]:
+                    failures.append(f"{name} T={T}: {r['errors_total']} calls failed")
+        finally:
+            d.stop()
+    for name, tag, _, _, _, ref in layouts:
+        if ref and replies.get(tag) != replies.get(ref):
+            failures.append(f"replies of '{name}' differ from the same requests on GPU 0 alone")
+    refs = {l[1]: l[5] or l[1] for l in layouts}
+    tps = {(r["tag"], r["T"]): r["tokens_per_s"] for r in rows}
+    print("| layout | T | callers | tokens/s | vs the same on GPU 0 | p50 ms | server compute p50 ms | "
+          "kernel-only ms (one layer, one GPU, moe-bench) | calls failed |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['layout']} | {r['T']} | {r['callers']} | {r['tokens_per_s']:.0f} | "
+              f"{r['tokens_per_s'] / tps[(refs[r['tag']], r['T'])]:.2f}x | {r['p50_ms']:.3f} | "
+              f"{r['server_compute_ms']:.3f} | {r['kernel_ms']:.3f} | {r['errors']} |")
+    same = not any("differ" in f for f in failures)
+    print(f"replies bit-identical to the same requests on GPU 0 alone: {'yes' if same else 'NO'} "
+          f"({len(replies.get('one', []))} and {len(replies.get('two-one', []))} fixed requests)")
+    results["multi"] = dict(rows=rows, failures=failures)
+    for f in failures:
+        print(f"FAILED: {f}")
+    return 1 if failures else 0
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", required=True)
@@ -158,15 +253,17 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--logs", default="/tmp")
     ap.add_argument("--backend", default="cuda")
-    ap.add_argument("--spec", default=MIXTRAL, help="the synthetic model (default: the mixtral shape)")
+    ap.add_argument("--spec", help="the synthetic model (default: the mixtral shape; multi: "
+                                   "DeepSeek-V3's, one layer)")
     a = ap.parse_args()
+    a.spec = a.spec or (DEEPSEEK if a.suite == "multi" else MIXTRAL)
     a.daemon = ["--backend", a.backend, "--synthetic", a.spec]
-    results = {}
+    results, rc = {}, 0
     for s in a.suite.split(","):
-        {"transport": transport, "merging": merging}[s](a, results)
+        rc |= {"transport": transport, "merging": merging, "multi": multi}[s](a, results) or 0
     if a.json:
         json.dump(results, open(a.json, "w"), indent=1)
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

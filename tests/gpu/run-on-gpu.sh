@@ -20,6 +20,16 @@
 #             checkpoints written by transformers served by a CUDA daemon against transformers'
 #             own outputs (recomputed live by the torch and transformers installed there), and the
 #             table of relative errors per checkpoint and routing (hf-table.md)
+#   split     expert parallelism on one GPU (issue 14): tests/gpu/test_split with two placements
+#             on GPU 0 (--devices 0,0), every case bit-identical to the layer unsplit, and
+#             compute-sanitizer memcheck on its quick cases
+#   two-gpu   expert parallelism on two GPUs (issue 15; skipped, exit 77, with fewer): test_split
+#             over GPUs 0,1 with peer access and again staged through the host (MOED_CUDA_NO_PEER=1);
+#             moe-bench's DeepSeek-V3 layer on one GPU; moe-split-bench (the layer whole on GPU 0
+#             and split over 0,1 at T = 8 and 4096, and the peer bandwidth); and the daemons
+#             (bench_daemon.py --suite multi: the layer split, two layers one per GPU, each beside
+#             the same on GPU 0, replies compared byte for byte, moed-load at T = 8 and 4096). The
+#             tables go to two-gpu.md. tests/gpu/two_gpu.sh runs split and two-gpu.
 #
 # Every command of a stage counts: a stage passed when all of them exited 0, was skipped when one
 # reported exit 77 (no GPU answered) and none failed, and failed otherwise (a missing program too).
@@ -40,7 +50,7 @@ export PYTHONUNBUFFERED=1
 export PATH=$PATH:/usr/local/cuda/bin
 OUT=${OUT:-/tmp/moed-out}
 RAW=$OUT/raw # JSON and long logs; packed into raw.tgz at the end (the device tool returns 8 files)
-STAGES=(tests sanitize bench e2e merge pytest fp8 fp8-bench router)
+STAGES=(tests sanitize bench e2e merge pytest fp8 fp8-bench router split two-gpu)
 
 # The stage running and the worst exit of its commands so far (0, 77, or a failure's code).
 stage_name="" stage_rc=0
@@ -158,6 +168,46 @@ stage_router() {
         "$PY" -m pytest -q -rsxX -p no:cacheprovider tests/e2e/test_hf_models.py
     logged "$OUT/hf-table.md" "$PY" tests/e2e/hf_models/table.py --moed "$B/moed" --backend cuda \
         --logs "$RAW"
+}
+
+stage_split() {
+    MOED_SPLIT_DEVICES=0,0 logged "$OUT/gpu-split.log" timeout 300 "$B/test_split"
+    MOED_SPLIT_DEVICES=0,0 MOED_GPU_TEST_QUICK=1 quiet "$RAW/sanitize-split-memcheck.log" \
+        timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 "$B/test_split"
+    tail -4 "$RAW/sanitize-split-memcheck.log"
+}
+
+# Exit 77 (counted as skipped) where fewer than $1 GPUs answer.
+gpus_at_least() {
+    local n
+    n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+    [ "$n" -ge "$1" ] && return 0
+    echo "run-on-gpu: $n GPU(s) here; this stage needs $1"
+    return 77
+}
+
+stage_two-gpu() {
+    step gpus_at_least 2
+    [ "$stage_rc" -eq 0 ] || return
+    local md=$OUT/two-gpu.md
+    MOED_SPLIT_DEVICES=0,1 logged "$OUT/gpu-split-01.log" timeout 300 "$B/test_split"
+    MOED_SPLIT_DEVICES=0,1 MOED_CUDA_NO_PEER=1 quiet "$RAW/gpu-split-01-staged.log" timeout 300 \
+        "$B/test_split"
+    tail -2 "$RAW/gpu-split-01-staged.log"
+    logged "$RAW/moe-deepseek.txt" timeout 120 "$B/moe-bench" --shapes deepseek-v3 --tokens 8,4096 \
+        --json "$RAW/moe-deepseek.json"
+    echo "## moe-split-bench: DeepSeek-V3's layer whole on GPU 0 and split over GPUs 0,1" >"$md"
+    logged "$RAW/split-bench.md" timeout 240 "$B/moe-split-bench" --devices 0,1 --tokens 8,4096 \
+        --json "$RAW/split-bench.json"
+    {
+        cat "$RAW/split-bench.md"
+        printf '\n## moe-bench (kernel only, one GPU)\n\n```\n'
+        cat "$RAW/moe-deepseek.txt"
+        printf '```\n\n## Through the daemons (moed-load on loopback)\n\n'
+    } >>"$md"
+    logged "$RAW/multi.md" timeout 420 "$PY" tests/gpu/bench_daemon.py --bin "$B" --suite multi \
+        --duration 4 --json "$RAW/multi.json" --logs "$RAW"
+    cat "$RAW/multi.md" >>"$md"
 }
 
 run_stage() {

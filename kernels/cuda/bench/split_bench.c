@@ -1,0 +1,395 @@
+/*
+ * split_bench — expert parallelism measured (moe-split-bench): one layer whole on the first listed
+ * device against the same layer split over the listed devices (moed --expert-parallel), both
+ * through the CUDA backend as the daemon drives it (x from pinned host memory, y back to it), and
+ * the peer bandwidth between the first two GPUs beside it, in the same run.
+ *
+ * usage: moe-split-bench [--spec SPEC] [--tokens 8,4096] [--devices 0,1] [--min-ms 300]
+ *                        [--json FILE]
+ *
+ * The layer is the synthetic SPEC (default: DeepSeek-V3's shape, d 7168, ff 2048, 256 experts,
+ * top-8, one shared expert of 2048), routed uniformly (8 distinct experts a token). For each T: the
+ * median milliseconds of a forward whole and split, tokens/s, the speedup, the time of x's and
+ * y's host copies alone on the first GPU (both layouts pay them once: the split's own traffic is
+ * device to device), and whether the split output equals the whole one bit for bit. Peer
+ * bandwidth: cudaMemcpyPeerAsync of 256 MiB each way and both ways at once (peer access enabled
+ * where the GPUs allow it; "staged" where not, the driver copying through the host), beside a copy
+ * within the first GPU. Prints a markdown table; --json writes the figures.
+ */
+#include "moed_backend.h"
+#include "moed_dtype.h"
+#include "moed_route.h"
+#include "moed_synth.h"
+
+#include <cuda_runtime_api.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define DSV3                                                                                       \
+    "layers=1,d=7168,ff=2048,experts=256,topk=8,act=swiglu,dtype=bf16,seed=1,shared=1,"            \
+    "shared_ff=2048"
+#define MAX_T    16
+#define PEER_MIB 256
+
+typedef struct args {
+    const char *spec, *tokens, *devices, *json;
+    double min_ms;
+} args;
+
+/* The option table: name, what it sets, help. */
+typedef struct opt {
+    const char *name;
+    int kind; /* 0: string, 1: number */
+    size_t off;
+    const char *help;
+} opt;
+
+static const opt opts[] = {
+    { "--spec", 0, offsetof(args, spec), "synthetic layer spec (default DeepSeek-V3's shape)" },
+    { "--tokens", 0, offsetof(args, tokens), "comma-separated T values (default 8,4096)" },
+    { "--devices", 0, offsetof(args, devices), "devices to split over (default 0,1)" },
+    { "--min-ms", 1, offsetof(args, min_ms), "time each figure for at least this long (300)" },
+    { "--json", 0, offsetof(args, json), "write the figures here" },
+};
+
+static int parse_args(int argc, char **argv, args *a)
+{
+    *a = (args){ DSV3, "8,4096", "0,1", NULL, 300 };
+    for (int i = 1; i < argc; i++) {
+        const opt *o = NULL;
+        for (size_t j = 0; j < sizeof opts / sizeof opts[0]; j++)
+            if (!strcmp(argv[i], opts[j].name)) o = &opts[j];
+        if (!o || i + 1 >= argc) {
+            fprintf(stderr, "usage: moe-split-bench [flag value]...\n");
+            for (size_t j = 0; j < sizeof opts / sizeof opts[0]; j++)
+                fprintf(stderr, "  %-10s %s\n", opts[j].name, opts[j].help);
+            return 2;
+        }
+        char *field = (char *)a + o->off;
+        if (o->kind)
+            *(double *)field = atof(argv[++i]);
+        else
+            *(const char **)field = argv[++i];
+    }
+    return 0;
+}
+
+static double now_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return 1e3 * (double)t.tv_sec + 1e-6 * (double)t.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Median of fn(ctx) in ms over at least min_ms and 5 runs (after 2 not counted); -1 on failure. */
+static double time_ms(int (*fn)(void *), void *ctx, double min_ms)
+{
+    double t[512];
+    int n = 0;
+    if (fn(ctx) || fn(ctx)) return -1;
+    for (double spent = 0; n < 512 && (n < 5 || spent < min_ms); n++) {
+        const double t0 = now_ms();
+        if (fn(ctx)) return -1;
+        t[n] = now_ms() - t0;
+        spent += t[n];
+    }
+    qsort(t, (size_t)n, sizeof t[0], cmp_double);
+    return t[n / 2];
+}
+
+/* ---- peer bandwidth -------------------------------------------------------------------------- */
+
+typedef struct peer_run {
+    int a, b, both; /* a→b, and b→a at once when both */
+    void *pa, *pb, *qa, *qb;
+    cudaStream_t sa, sb;
+} peer_run;
+
+static int peer_once(void *ctx)
+{
+    peer_run *p = ctx;
+    const size_t bytes = (size_t)PEER_MIB << 20;
+    if (p->a == p->b) {
+        cudaSetDevice(p->a);
+        cudaMemcpyAsync(p->qa, p->pa, bytes, cudaMemcpyDeviceToDevice, p->sa);
+    } else {
+        cudaMemcpyPeerAsync(p->pb, p->b, p->pa, p->a, bytes, p->sa);
+        if (p->both) cudaMemcpyPeerAsync(p->qa, p->a, p->qb, p->b, bytes, p->sb);
+    }
+    return cudaStreamSynchronize(p->sa) != cudaSuccess ||
+           cudaStreamSynchronize(p->sb) != cudaSuccess;
+}
+
+/* GB/s of a → b, b → a, both at once (the sum), and of a copy within a (read + written). */
+static void peer_bandwidth(int a, int b, double gbs[4], const char **mode)
+{
+    int can = 0;
+    peer_run p = { .a = a, .b = b };
+    *mode = "same GPU";
+    if (a != b && cudaDeviceCanAccessPeer(&can, a, b) == cudaSuccess && can) {
+        cudaSetDevice(a);
+        cudaDeviceEnablePeerAccess(b, 0);
+        cudaSetDevice(b);
+        cudaDeviceEnablePeerAccess(a, 0);
+        cudaGetLastError();
+        *mode = "peer access";
+    } else if (a != b) {
+        *mode = "staged (no peer access)";
+    }
+    const size_t bytes = (size_t)PEER_MIB << 20;
+    cudaSetDevice(a);
+    cudaMalloc(&p.pa, bytes);
+    cudaMalloc(&p.qa, bytes);
+    cudaStreamCreate(&p.sa);
+    cudaSetDevice(b);
+    cudaMalloc(&p.pb, bytes);
+    cudaMalloc(&p.qb, bytes);
+    cudaStreamCreate(&p.sb);
+    const double gb = (double)bytes / 1e9;
+    for (int k = 0; k < 4; k++) gbs[k] = 0;
+    if (a != b) {
+        double ms = time_ms(peer_once, &p, 100);
+        gbs[0] = ms > 0 ? gb / (ms / 1e3) : 0;
+        p.a = b, p.b = a;
+        void *t = p.pa;
+        p.pa = p.pb, p.pb = t;
+        ms = time_ms(peer_once, &p, 100);
+        gbs[1] = ms > 0 ? gb / (ms / 1e3) : 0;
+        p.pb = p.pa, p.pa = t, p.a = a, p.b = b, p.both = 1;
+        ms = time_ms(peer_once, &p, 100);
+        gbs[2] = ms > 0 ? 2 * gb / (ms / 1e3) : 0;
+    }
+    peer_run local = { .a = a, .b = a, .pa = p.pa, .qa = p.qa, .sa = p.sa, .sb = p.sa };
+    const double ms = time_ms(peer_once, &local, 100);
+    gbs[3] = ms > 0 ? 2 * gb / (ms / 1e3) : 0;
+    void *bufs[] = { p.pa, p.qa, p.pb, p.qb };
+    for (int k = 0; k < 4; k++) cudaFree(bufs[k]);
+    cudaStreamDestroy(p.sa);
+    cudaStreamDestroy(p.sb);
+}
+
+/* ---- the layer, whole and split ------------------------------------------------------------ */
+
+typedef struct fwd {
+    moed_backend *b;
+    moed_job job;
+} fwd;
+
+static int fwd_once(void *ctx)
+{
+    fwd *f = ctx;
+    moed_error err;
+    const int rc = moed_backend_forward(f->b, 0, &f->job, &err);
+    if (rc) fprintf(stderr, "moe-split-bench: forward: %s\n", err.msg);
+    return rc;
+}
+
+typedef struct copies {
+    void *dev, *host;
+    size_t bytes;
+} copies;
+
+static int copies_once(void *ctx)
+{
+    copies *c = ctx;
+    return cudaMemcpy(c->dev, c->host, c->bytes, cudaMemcpyHostToDevice) != cudaSuccess ||
+           cudaMemcpy(c->host, c->dev, c->bytes, cudaMemcpyDeviceToHost) != cudaSuccess;
+}
+
+static moed_backend *open_on(const moed_layer *l, const int *dev, int n, int64_t T)
+{
+    moed_backend_config cfg = {
+        .streams = 1, .devices = dev, .n_devices = n, .max_tokens = T, .expert_parallel = n > 1
+    };
+    moed_backend *b = NULL;
+    moed_error err;
+    int rc = moed_backend_open("cuda", &cfg, &b, &err);
+    if (!rc) rc = moed_backend_load_layer(b, 0, l, &err);
+    if (!rc) rc = moed_backend_start(b, &err);
+    if (rc) {
+        fprintf(stderr, "moe-split-bench: %s\n", err.msg);
+        moed_backend_destroy(b);
+        return NULL;
+    }
+    return b;
+}
+
+/* T tokens of k distinct experts each, uniformly, random weights. */
+static int uniform_route(const moed_layer_info *li, int64_t T, moed_route *r)
+{
+    const int k = li->top_k, E = li->n_experts;
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(T * k));
+    float *w = malloc(sizeof(float) * (size_t)(T * k));
+    uint64_t s = 7;
+    for (int64_t t = 0; t < T; t++)
+        for (int j = 0; j < k; j++) {
+            int32_t e;
+            bool again;
+            do {
+                s = moed_splitmix64(s);
+                e = (int32_t)(s % (uint64_t)E);
+                again = false;
+                for (int i = 0; i < j; i++) again = again || ids[t * k + i] == e;
+            } while (again);
+            ids[t * k + j] = e;
+            w[t * k + j] = (float)((s >> 40) % 1000 + 1) / 1000.0f;
+        }
+    moed_error err;
+    const int rc = moed_route_from_choice(r, ids, w, T, k, E, &err);
+    free(ids);
+    free(w);
+    return rc;
+}
+
+typedef struct row {
+    int64_t T;
+    double whole_ms, split_ms, copy_ms;
+    int identical;
+} row;
+
+/* The layer whole (bw) and split (bs), host buffers for the largest T. */
+typedef struct bench {
+    moed_backend *bw, *bs;
+    uint16_t *x, *yw, *ys;
+    void *dx;
+    int d;
+} bench;
+
+/* One T: both backends on the same x and route. */
+static int run_T(bench *B, const moed_layer_info *li, int64_t T, double min_ms, row *out)
+{
+    const size_t bytes = (size_t)T * B->d * 2;
+    moed_route route = { 0 };
+    if (uniform_route(li, T, &route)) return 1;
+    fwd w = { B->bw, { 0, MOED_BF16, T, B->x, B->yw, &route } },
+        sp = { B->bs, { 0, MOED_BF16, T, B->x, B->ys, &route } };
+    copies c = { B->dx, B->x, bytes };
+    out->T = T;
+    out->whole_ms = time_ms(fwd_once, &w, min_ms);
+    out->split_ms = time_ms(fwd_once, &sp, min_ms);
+    out->identical = !memcmp(B->yw, B->ys, bytes);
+    out->copy_ms = time_ms(copies_once, &c, min_ms / 4);
+    moed_route_free(&route);
+    return out->whole_ms < 0 || out->split_ms < 0 || out->copy_ms < 0;
+}
+
+static int bench_open(bench *B, const moed_layer *l, const int *dev, int n, int64_t max_T)
+{
+    const size_t bytes = (size_t)max_T * l->info.d_model * 2;
+    memset(B, 0, sizeof *B);
+    B->d = l->info.d_model;
+    if (!(B->bw = open_on(l, dev, 1, max_T)) || !(B->bs = open_on(l, dev, n, max_T))) return 1;
+    B->x = moed_backend_host_alloc(B->bw, bytes);
+    B->yw = moed_backend_host_alloc(B->bw, bytes);
+    B->ys = moed_backend_host_alloc(B->bw, bytes);
+    cudaSetDevice(dev[0]);
+    if (!B->x || !B->yw || !B->ys || cudaMalloc(&B->dx, bytes) != cudaSuccess) return 1;
+    uint64_t s = 3;
+    for (size_t i = 0; i < bytes / 2; i++) {
+        s = moed_splitmix64(s);
+        const float v = (float)((double)(s >> 11) / 9007199254740992.0 * 2 - 1);
+        moed_from_f32(MOED_BF16, &v, &B->x[i], 1);
+    }
+    return 0;
+}
+
+static void bench_close(bench *B)
+{
+    cudaFree(B->dx);
+    if (B->bw) {
+        moed_backend_host_free(B->bw, B->x);
+        moed_backend_host_free(B->bw, B->yw);
+        moed_backend_host_free(B->bw, B->ys);
+    }
+    moed_backend_destroy(B->bw);
+    moed_backend_destroy(B->bs);
+}
+
+static void report(const args *a, const int *dev, int n, const row *rows, int nr,
+                   const double gbs[4], const char *mode)
+{
+    printf("| T | whole on GPU %d (ms) | split over %d devices (ms) | speedup | tokens/s whole | "
+           "tokens/s split | x and y host copies (ms) | split bit-identical |\n",
+           dev[0], n);
+    printf("|---|---|---|---|---|---|---|---|\n");
+    for (int i = 0; i < nr; i++)
+        printf("| %lld | %.3f | %.3f | %.2fx | %.0f | %.0f | %.3f | %s |\n", (long long)rows[i].T,
+               rows[i].whole_ms, rows[i].split_ms, rows[i].whole_ms / rows[i].split_ms,
+               rows[i].T / (rows[i].whole_ms / 1e3), rows[i].T / (rows[i].split_ms / 1e3),
+               rows[i].copy_ms, rows[i].identical ? "yes" : "NO");
+    printf("\nPeer bandwidth GPU %d <-> GPU %d (%s, %d MiB copies): %.1f GB/s %d->%d, %.1f GB/s "
+           "%d->%d, %.1f GB/s both ways at once; within GPU %d: %.1f GB/s (read + written)\n",
+           dev[0], dev[1], mode, PEER_MIB, gbs[0], dev[0], dev[1], gbs[1], dev[1], dev[0], gbs[2],
+           dev[0], gbs[3]);
+    if (!a->json) return;
+    FILE *f = fopen(a->json, "w");
+    if (!f) return;
+    fprintf(
+        f,
+        "{\"spec\": \"%s\", \"devices\": \"%s\", \"peer\": {\"mode\": \"%s\", \"ab_gbs\": %.2f, "
+        "\"ba_gbs\": %.2f, \"both_gbs\": %.2f, \"local_gbs\": %.2f}, \"rows\": [",
+        a->spec, a->devices, mode, gbs[0], gbs[1], gbs[2], gbs[3]);
+    for (int i = 0; i < nr; i++)
+        fprintf(f,
+                "%s{\"T\": %lld, \"whole_ms\": %.4f, \"split_ms\": %.4f, \"copy_ms\": %.4f, "
+                "\"identical\": %s}",
+                i ? ", " : "", (long long)rows[i].T, rows[i].whole_ms, rows[i].split_ms,
+                rows[i].copy_ms, rows[i].identical ? "true" : "false");
+    fprintf(f, "]}\n");
+    fclose(f);
+}
+
+int main(int argc, char **argv)
+{
+    args a;
+    int rc = parse_args(argc, argv, &a), dev[16], n = 0, count = 0;
+    if (rc) return rc;
+    for (const char *p = a.devices; n < 16 && *p; p += strcspn(p, ","), p += *p == ',')
+        dev[n++] = atoi(p);
+    if (n < 2) {
+        fprintf(stderr, "moe-split-bench: --devices needs two or more entries\n");
+        return 2;
+    }
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count < 1) {
+        fprintf(stderr, "moe-split-bench: no CUDA device: skipped\n");
+        return 77;
+    }
+    for (int i = 0; i < n; i++)
+        if (dev[i] >= count) {
+            fprintf(stderr, "moe-split-bench: GPU %d does not exist here (%d): skipped\n", dev[i],
+                    count);
+            return 77;
+        }
+    double gbs[4];
+    const char *mode;
+    peer_bandwidth(dev[0], dev[1], gbs, &mode);
+    moed_synth_spec spec;
+    moed_layer layer;
+    moed_error err;
+    if (moed_synth_parse(a.spec, &spec, &err) || moed_synth_layer(&spec, 0, &layer, &err)) {
+        fprintf(stderr, "moe-split-bench: --spec: %s\n", err.msg);
+        return 2;
+    }
+    int64_t Ts[MAX_T], max_T = 1;
+    int nt = 0;
+    for (const char *p = a.tokens; nt < MAX_T && *p; p += strcspn(p, ","), p += *p == ',')
+        if ((Ts[nt++] = atoll(p)) > max_T) max_T = Ts[nt - 1];
+    row rows[MAX_T];
+    int nr = 0;
+    bench B;
+    rc = bench_open(&B, &layer, dev, n, max_T);
+    for (; nr < nt && !rc; nr++) rc = run_T(&B, &layer.info, Ts[nr], a.min_ms, &rows[nr]);
+    bench_close(&B);
+    if (!rc) report(&a, dev, n, rows, nr, gbs, mode);
+    moed_synth_free_layer(&layer);
+    for (int i = 0; i < nr && !rc; i++) rc = !rows[i].identical;
+    return rc ? 1 : 0;
+}
