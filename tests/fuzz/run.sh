@@ -36,7 +36,7 @@ incs=(-Iserver -Iclient/c/cli -Ikernels/core -Ikernels)
 # Each target's sources beyond tests/fuzz/fuzz_NAME.c, and its libraries. (Not through CMake: the
 # CPU GEMM's feature checks need a newer clang than Debian 12's, and the fuzzers need none of it.)
 sources_request() {
-    echo server/wire.c server/request.c
+    echo server/wire.c server/request.c server/shard.c
     echo kernels/core/{moed_err,moed_dtype,moed_fp8,moed_model,moed_route,moed_synth,moed_pool}.c
 }
 libs_request() { pkg-config --cflags --libs grpc libprotobuf-c; }
