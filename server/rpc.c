@@ -639,10 +639,15 @@ static void grpc_log_hook(gpr_log_func_args *a)
     moed_log(lv, "grpc", "detail=\"%s\" at=%s:%d", msg, a->file, a->line);
 }
 
-/* The bound address: the configured one with the port the kernel gave. */
+/* The bound address: the configured one with the port the kernel gave (a unix socket has none:
+ * gRPC answers 1 for it). */
 static void set_address(moed_rpc *r, int port)
 {
     const char *a = r->cfg.listen, *colon = strrchr(a, ':');
+    if (!strncmp(a, "unix:", 5) || !strncmp(a, "unix-abstract:", 14)) {
+        snprintf(r->address, sizeof r->address, "%s", a);
+        return;
+    }
     int host = colon ? (int)(colon - a) : (int)strlen(a);
     snprintf(r->address, sizeof r->address, "%.*s:%d", host, a, port);
 }

@@ -415,4 +415,6 @@ def test_moectl_over_a_unix_socket(tmp_path):
         proc.terminate()
         code = proc.wait(30)
         log.close()
-    assert code == 0, (tmp_path / "moed.log").read_text()
+    text = (tmp_path / "moed.log").read_text()
+    assert code == 0, text
+    assert f"addr=unix:{sock} " in text, text  # the socket's path, not gRPC's port number for it
