@@ -82,7 +82,8 @@ int moed_place_layer(moed_place_dev *devs, int n, const moed_place_need *need,
     if (n > 1 && !split(devs, n, need, out)) return 0;
     return moed_fail(err, MOED_ENOMEM,
                      "its weights need %.2f GiB (%d experts of %.3f GiB%s): more than %s (%.2f "
-                     "GiB free)",
+                     "GiB free); serve fewer layers (--layers) or experts (--experts), or add "
+                     "devices",
                      gib(whole), need->n_experts, gib(need->expert),
                      need->base ? ", plus router and shared experts" : "",
                      n > 1 ? "the devices hold with its experts split over them"
