@@ -159,6 +159,16 @@ static void print_layers(const moedc_model_info *m)
                      l->held[r].first, l->held[r].last);
         if (l->n_shared && l->adds_shared)
             snprintf(held + strlen(held), sizeof held - strlen(held), "+shared");
+        bool split = false; /* over several devices (--expert-parallel): say where */
+        for (int r = 0; r < l->n_placed; r++)
+            split = split || l->placed[r].device != l->home_device;
+        if (split)
+            snprintf(held + strlen(held), sizeof held - strlen(held), " (home device %d;",
+                     l->home_device);
+        for (int r = 0; split && r < l->n_placed; r++)
+            snprintf(held + strlen(held), sizeof held - strlen(held), "%s%d-%d@%d%s", r ? "," : " ",
+                     l->placed[r].first, l->placed[r].last, l->placed[r].device,
+                     r == l->n_placed - 1 ? ")" : "");
         printf("%5d %7d %6d %7d %5d %6s %5s %6s %4d %12s %9s %6s %5g %s\n", l->index, l->d_model,
                l->d_ff, l->n_experts, l->top_k, moed_act_name((moed_act)l->act),
                moed_dtype_name(l->wdtype), l->has_router ? "yes" : "no", l->norm_topk,

@@ -288,6 +288,12 @@ typedef struct moedc_expert_range {
     int first, last;
 } moedc_expert_range;
 
+/* Experts first .. last on device `device`, an index into moedc_model_info.devices
+ * (moed.v1.ExpertPlacement). */
+typedef struct moedc_expert_place {
+    int first, last, device;
+} moedc_expert_place;
+
 /* moed.v1.LayerInfo: one resident layer. */
 typedef struct moedc_layer_info {
     int index; /* what requests name */
@@ -310,6 +316,13 @@ typedef struct moedc_layer_info {
     moedc_expert_range *held;
     int n_held;
     bool adds_shared; /* its replies include the shared experts' term */
+    /* Where the layer lives on the daemon's devices: the home device (router, shared experts,
+     * where its calls run) and the held experts' devices as increasing ranges, over several
+     * devices when its experts are split (moed --expert-parallel). No ranges from a moed older than
+     * these fields, nor in a fleet's merged moedc_model_info (each daemon's numbers its own). */
+    int home_device;
+    moedc_expert_place *placed;
+    int n_placed;
 } moedc_layer_info;
 
 typedef struct moedc_device {

@@ -276,8 +276,9 @@ int moedc_encode_health(const char *service, uint8_t **buf, size_t *n, moedc_err
     return pack(&m.base, buf, n, err);
 }
 
-/* Whether a layer's held ranges are what moed sends: increasing, disjoint, within its experts. */
-static bool ranges_valid(const Moed__V1__LayerInfo *l)
+/* Whether a layer's held ranges and placement are what moed sends: increasing, disjoint, within
+ * its experts, on devices it lists (n_devices). */
+static bool ranges_valid(const Moed__V1__LayerInfo *l, size_t n_devices)
 {
     int64_t next = 0;
     for (size_t i = 0; i < l->n_experts_held; i++) {
@@ -285,7 +286,16 @@ static bool ranges_valid(const Moed__V1__LayerInfo *l)
         if (r->first < next || r->last < r->first || r->last >= l->num_experts) return false;
         next = (int64_t)r->last + 1;
     }
-    return l->num_experts <= INT32_MAX;
+    next = 0;
+    for (size_t i = 0; i < l->n_expert_placement; i++) {
+        const Moed__V1__ExpertPlacement *r = l->expert_placement[i];
+        if (r->first < next || r->last < r->first || r->last >= l->num_experts ||
+            r->device >= n_devices)
+            return false;
+        next = (int64_t)r->last + 1;
+    }
+    return l->num_experts <= INT32_MAX &&
+           (l->home_device < n_devices || (!l->home_device && !n_devices));
 }
 
 /* l's fields into li (held is malloc'd: false when out of memory). */
@@ -315,6 +325,14 @@ static bool layer_info_from(const Moed__V1__LayerInfo *l, moedc_layer_info *li)
     for (size_t i = 0; i < l->n_experts_held; i++)
         li->held[i] =
             (moedc_expert_range){ (int)l->experts_held[i]->first, (int)l->experts_held[i]->last };
+    li->home_device = (int)l->home_device;
+    li->n_placed = (int)l->n_expert_placement;
+    if (li->n_placed && !(li->placed = calloc((size_t)li->n_placed, sizeof *li->placed)))
+        return false;
+    for (int i = 0; i < li->n_placed; i++)
+        li->placed[i] = (moedc_expert_place){ (int)l->expert_placement[i]->first,
+                                              (int)l->expert_placement[i]->last,
+                                              (int)l->expert_placement[i]->device };
     return true;
 }
 
@@ -337,13 +355,14 @@ int moedc_decode_model_info(const uint8_t *buf, size_t n, moedc_model_info *out,
     out->devices = calloc(m->n_devices ? m->n_devices : 1, sizeof *out->devices);
     if (!out->model || !out->backend || !out->version || !out->layers || !out->devices) goto err;
     for (size_t i = 0; i < m->n_layers; i++)
-        if (!ranges_valid(m->layers[i])) {
+        if (!ranges_valid(m->layers[i], m->n_devices)) {
             int index = (int)m->layers[i]->index;
             moed__v1__model_info__free_unpacked(m, NULL);
             moedc_model_info_free(out);
             return moedc_fail(err, MOEDC_EFORMAT,
-                              "the server's ModelInfo is malformed: layer %d's experts_held are "
-                              "not increasing ranges of its experts",
+                              "the server's ModelInfo is malformed: layer %d's experts_held or "
+                              "expert_placement are not increasing ranges of its experts on its "
+                              "devices",
                               index);
         }
     for (size_t i = 0; i < m->n_layers; i++) {
@@ -373,7 +392,10 @@ void moedc_model_info_free(moedc_model_info *m)
     free(m->model);
     free(m->backend);
     free(m->version);
-    for (int i = 0; i < m->n_layers; i++) free(m->layers[i].held);
+    for (int i = 0; i < m->n_layers; i++) {
+        free(m->layers[i].held);
+        free(m->layers[i].placed);
+    }
     free(m->layers);
     for (int i = 0; i < m->n_devices; i++) free(m->devices[i].name);
     free(m->devices);

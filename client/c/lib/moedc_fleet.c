@@ -1001,6 +1001,9 @@ static int merge_layers(const moedc_fleet *f, moedc_model_info *out)
                 out->layers[out->n_layers++] = *li;
                 out->layers[k].held = NULL;
                 out->layers[k].n_held = 0;
+                out->layers[k].placed = NULL; /* each daemon's devices are its own */
+                out->layers[k].n_placed = 0;
+                out->layers[k].home_device = 0;
                 out->layers[k].adds_shared = true;
             }
             for (int r = 0; r < li->n_held; r++)
