@@ -89,7 +89,8 @@ extern "C" {
     XX(EUNSUPPORTED, -13, "not supported")                                                         \
     XX(EUNAUTH, -14, "unauthenticated")                                                            \
     XX(EUNAVAIL, -15, "unavailable")                                                               \
-    XX(EINTERNAL, -16, "internal error")
+    XX(EINTERNAL, -16, "internal error")                                                           \
+    XX(EPRECOND, -17, "failed precondition")
 
 enum {
 #define MOEDC_ERR_ENUM(name, value, text) MOEDC_##name = value,
