@@ -169,12 +169,14 @@ static uint8_t *reply(int dtype, int64_t r, int64_t c, size_t bytes, size_t *n)
     static uint8_t data[64];
     int64_t shape[2] = { r, c };
     int32_t set[2] = { 5, 2 };
-    Moed__V1__Tensor t = MOED__V1__TENSOR__INIT;
+    Moed__V1__Tensor t;
+    moed__v1__tensor__init(&t);
     t.dtype = dtype;
     t.n_shape = 2;
     t.shape = shape;
     t.data.len = bytes;
     t.data.data = data;
+    t.contents_case = MOED__V1__TENSOR__CONTENTS_DATA;
     for (size_t i = 0; i < sizeof data; i++) data[i] = (uint8_t)i;
     Moed__V1__Timings tm = MOED__V1__TIMINGS__INIT;
     tm.queue_us = 11;
