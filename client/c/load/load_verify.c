@@ -236,6 +236,7 @@ static void *verifier_main(void *arg)
         double e = 0;
         int rc = check(v, &it, &e, why, sizeof why);
         moedc_result_free(&it.res);
+        free(it.output_copy);
 
         pthread_mutex_lock(&v->mu);
         v->busy = false;
@@ -366,8 +367,10 @@ void load_verify_close(load_verify *v)
         pthread_mutex_unlock(&v->mu);
         pthread_join(v->thread, NULL);
     }
-    for (int i = 0; i < v->count; i++)
+    for (int i = 0; i < v->count; i++) {
         moedc_result_free(&v->queue[(v->head + i) % VERIFY_QUEUE].res);
+        free(v->queue[(v->head + i) % VERIFY_QUEUE].output_copy);
+    }
     moed_backend_destroy(v->cpu);
     for (int i = 0; i < v->n_layers; i++) moed_synth_free_layer(&v->layers[i]);
     free(v->layers);
