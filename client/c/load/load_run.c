@@ -129,8 +129,10 @@ static void build_request(worker *w, call_slot *s, int64_t T, int64_t row)
     if (s->bad) {
         bad_route(w, l, T, r);
         s->bytes += (uint64_t)(T * r->k) * 8;
-        if (p->regions)
+        if (p->regions) { /* the bad route alone travels inline */
             load_regions_refer(p->regions, p, s->layer, row, w->slot_base + (int)(s - w->slots), r);
+            s->bytes = (uint64_t)(T * r->k) * 8;
+        }
         return;
     }
     r->routing = p->routing;
@@ -147,8 +149,10 @@ static void build_request(worker *w, call_slot *s, int64_t T, int64_t row)
         r->logits = p->logits + row * E;
         s->bytes += (uint64_t)(T * E) * 4;
     }
-    if (p->regions)
+    if (p->regions) { /* nothing travels inline */
         load_regions_refer(p->regions, p, s->layer, row, w->slot_base + (int)(s - w->slots), r);
+        s->bytes = 0;
+    }
 }
 
 static void count_error(worker *w, int kind, const char *msg)
@@ -233,7 +237,7 @@ static void count_reply(worker *w, const call_slot *s, int rc, const moedc_resul
     st->batch_tokens += res->timings.batch_tokens;
     st->batch_requests += res->timings.batch_requests;
     st->tokens += (uint64_t)s->req.tokens;
-    st->bytes_received += res->output_bytes;
+    st->bytes_received += s->req.output_at.region ? 0 : res->output_bytes;
 }
 
 static void complete(worker *w, moedc_call *call)
