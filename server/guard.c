@@ -14,9 +14,11 @@
 #include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <string.h>
 
-static _Thread_local sigjmp_buf *recovery;
+/* volatile, and fenced where it is set: the handler must see it set before the copy's first load */
+static _Thread_local sigjmp_buf *volatile recovery;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
 static void on_sigbus(int sig, siginfo_t *info, void *ctx)
@@ -52,7 +54,9 @@ int moed_guard_copy(void *dst, const void *src, size_t n)
         faulted = 1;
     else {
         recovery = &jb;
+        atomic_signal_fence(memory_order_seq_cst);
         memcpy(dst, src, n);
+        atomic_signal_fence(memory_order_seq_cst);
     }
     recovery = NULL;
     return faulted ? MOED_EPRECOND : 0;

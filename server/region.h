@@ -59,7 +59,7 @@ typedef struct moed_region_info {
     uint64_t bytes;
     int device; /* CUDA: the server's ordinal */
     bool ready, broken;
-    uint32_t requests; /* references held by requests now */
+    uint32_t requests; /* references held by requests now (one per tensor naming it) */
 } moed_region_info;
 
 /* Totals by kind (index MOED_REGION_HOST, MOED_REGION_CUDA), for the metrics. */

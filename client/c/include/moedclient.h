@@ -372,7 +372,7 @@ typedef struct moedc_region_info {
     int device;        /* CUDA: the server's ordinal */
     bool ready;        /* usable (HOST: confirmed) */
     bool broken;       /* HOST: it shrank under the server */
-    uint32_t requests; /* requests holding it now */
+    uint32_t requests; /* references requests hold on it now (one per tensor naming it) */
 } moedc_region_info;
 
 /* ListRegions: the regions of the caller's token, from every session. *out is malloc'd (free()
