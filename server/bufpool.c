@@ -14,7 +14,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define GRAIN 256 /* bytes: alignment and the size of a buffer's header */
+/* Bytes: the granule of every size, and of a buffer's header; buffers keep the arena's alignment
+ * (64 bytes from host_alloc, a page when pinned). */
+#define GRAIN 256
 
 typedef struct header {
     size_t len; /* of the extent, header included */

@@ -25,7 +25,7 @@ typedef struct moed_bufpool moed_bufpool;
 int moed_bufpool_create(moed_backend *b, size_t bytes, moed_bufpool **out, moed_error *err);
 void moed_bufpool_destroy(moed_bufpool *p);
 
-/* A buffer of at least n bytes, 256-byte aligned, or NULL when there is no room. */
+/* A buffer of at least n bytes, 64-byte aligned, or NULL when there is no room. */
 void *moed_bufpool_get(moed_bufpool *p, size_t n);
 /* Gives a buffer back to the pool it came from (NULL: nothing); a void * alone, so it can be a
  * slice's destroy callback. */

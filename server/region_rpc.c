@@ -14,9 +14,11 @@
  */
 #include "rpc_call.h"
 
-#include "log.h"
 #include "region.h"
+#include "region_cmd.h"
 #include "wire.h"
+
+#include <grpc/byte_buffer_reader.h>
 
 #include "moed/v1/moed.pb-c.h"
 
@@ -26,8 +28,6 @@
 
 /* Events a session may have waiting to be sent before it stops reading commands. */
 #define EVENT_WINDOW 16
-/* The largest command read: a command is a name, a handle and a few numbers. */
-#define MAX_COMMAND_BYTES 4096
 
 typedef struct event {
     moed_list node;
@@ -116,87 +116,25 @@ static void finish(regions_call *rc, int status, const char *details)
 
 /* ---- commands -------------------------------------------------------------------------------- */
 
-static void fill_region(const moed_region_info *i, Moed__V1__Region *out)
-{
-    moed__v1__region__init(out);
-    out->id = i->id;
-    out->kind = (Moed__V1__RegionKind)i->kind;
-    out->name = (char *)i->name;
-    out->bytes = i->bytes;
-    out->device = (uint32_t)i->device;
-    out->ready = i->ready;
-    out->broken = i->broken;
-    out->requests = i->requests;
-}
-
-/* Carries out one command; fills *info (and the challenge) for the event. */
-static int run_command(regions_call *rc, const Moed__V1__RegionCommand *cmd, moed_region_info *info,
-                       uint8_t *challenge, bool *has_challenge, moed_error *err)
-{
-    moed_regions *r = registry(&rc->base);
-    switch (cmd->command_case) {
-    case MOED__V1__REGION_COMMAND__COMMAND_REGISTER_HOST: {
-        const Moed__V1__RegisterHostRegion *h = cmd->register_host;
-        *has_challenge = true;
-        return moed_regions_register_host(r, rc->session, h->name, strlen(h->name), h->bytes, info,
-                                          challenge, err);
-    }
-    case MOED__V1__REGION_COMMAND__COMMAND_CONFIRM_HOST:
-        return moed_regions_confirm_host(r, rc->session, cmd->confirm_host->region, info, err);
-    case MOED__V1__REGION_COMMAND__COMMAND_REGISTER_CUDA: {
-        const Moed__V1__RegisterCudaRegion *g = cmd->register_cuda;
-        if (g->device > INT32_MAX)
-            return moed_fail(err, MOED_EINVAL, "register_cuda.device %u is out of range",
-                             g->device);
-        return moed_regions_register_cuda(r, rc->session, g->ipc_handle.data, g->ipc_handle.len,
-                                          g->device_uuid, (int)g->device, g->bytes, g->offset, info,
-                                          err);
-    }
-    case MOED__V1__REGION_COMMAND__COMMAND_UNREGISTER:
-        return moed_regions_unregister(r, rc->session, cmd->unregister->region, info, err);
-    default:
-        return moed_fail(err, MOED_EINVAL,
-                         "the command sets none of register_host, confirm_host, register_cuda or "
-                         "unregister");
-    }
-}
-
-/* The event answering one received command (the command's bytes in bb). */
+/* The event answering one received command (region_cmd.c carries it out). */
 static grpc_byte_buffer *answer(regions_call *rc, grpc_byte_buffer *bb, int *status)
 {
-    Moed__V1__RegionEvent ev = MOED__V1__REGION_EVENT__INIT;
-    Moed__V1__Region region;
-    moed_region_info info;
-    uint8_t challenge[MOED_REGION_CHALLENGE];
-    bool has_challenge = false;
-    moed_error err = { 0 };
-    ProtobufCMessage *msg = NULL;
-    int rc_ = 0;
-    if (grpc_byte_buffer_length(bb) > MAX_COMMAND_BYTES)
-        rc_ = moed_fail(&err, MOED_ETOOBIG, "a RegionCommand is at most %d bytes; this one is %zu",
-                        MAX_COMMAND_BYTES, grpc_byte_buffer_length(bb));
-    else if (!(rc_ = moed_wire_unpack(&moed__v1__region_command__descriptor, bb, &msg, &err))) {
-        const Moed__V1__RegionCommand *cmd = (const Moed__V1__RegionCommand *)msg;
-        ev.seq = cmd->seq;
-        memset(&info, 0, sizeof info);
-        rc_ = run_command(rc, cmd, &info, challenge, &has_challenge, &err);
-        if (info.id) {
-            fill_region(&info, &region);
-            ev.region = &region;
-        }
+    grpc_byte_buffer_reader rd;
+    grpc_slice all = grpc_empty_slice();
+    size_t n = grpc_byte_buffer_length(bb);
+    if (n <= MOED_REGION_CMD_MAX && grpc_byte_buffer_reader_init(&rd, bb)) {
+        all = grpc_byte_buffer_reader_readall(&rd);
+        grpc_byte_buffer_reader_destroy(&rd);
     }
-    *status = moed_err_grpc_status(rc_);
-    ev.code = *status;
-    ev.message = rc_ ? err.msg : "";
-    if (!rc_ && has_challenge) {
-        ev.challenge.data = challenge;
-        ev.challenge.len = sizeof challenge;
-    }
-    if (rc_)
-        moed_log_debug("region command failed", "seq=%llu status=%d reason=\"%s\"",
-                       (unsigned long long)ev.seq, *status, err.msg);
-    grpc_byte_buffer *out = moed_wire_pack(&ev.base);
-    if (msg) protobuf_c_message_free_unpacked(msg, NULL);
+    size_t len;
+    uint8_t *ev =
+        moed_region_command(registry(&rc->base), rc->session, GRPC_SLICE_START_PTR(all),
+                            n <= MOED_REGION_CMD_MAX ? GRPC_SLICE_LENGTH(all) : n, &len, status);
+    grpc_slice_unref(all);
+    if (!ev) return NULL;
+    grpc_slice sl = grpc_slice_new(ev, len, free);
+    grpc_byte_buffer *out = grpc_raw_byte_buffer_create(&sl, 1);
+    grpc_slice_unref(sl);
     return out;
 }
 
@@ -350,7 +288,7 @@ static void list_start(rpc_call *c)
     grpc_byte_buffer *bb = NULL;
     if (rs && rp) {
         for (int i = 0; i < n; i++) {
-            fill_region(&infos[i], &rs[i]);
+            moed_region_to_proto(&infos[i], &rs[i]);
             rp[i] = &rs[i];
         }
         list.n_regions = (size_t)n;
