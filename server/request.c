@@ -146,7 +146,8 @@ static void *tensor_copy(const moed_served *s, const moed_caller *c, const moed_
     int rc = !g ? err->code
                 : moed_region_resolve(g, t->region.offset, t->region.length, need,
                                       moed_dtype_size(dtype), name, &at, &dev, err);
-    if (!rc) rc = moed_region_copy_in(s->regions, g, p, at, (size_t)need, err);
+    if (!rc && (rc = moed_region_copy_in(s->regions, g, p, at, (size_t)need, err)))
+        moed_error_prefix(err, "%s", name); /* as region_for names it when the region is broken */
     moed_region_release(s->regions, g);
     if (!rc) return p;
     free(p);
