@@ -14,6 +14,11 @@
 #             compute-sanitizer memcheck and racecheck on the quick FP8 cases, and moe-bench with
 #             bf16 and FP8 weights side by side (standard shapes, T = 8 .. 16384, graph-replayed
 #             small batches, two padded --shape ones) with both matmul ceilings
+#   dataplane tensor regions (issue 11): the backend's parts against inline (test_cuda_parts), CUDA
+#             IPC from a second process against inline (test_ipc), then the data-plane benchmark
+#             (tests/gpu/bench_dataplane.py: T 8..8192 x callers 1, 8 x inline/shm/cuda on the
+#             mixtral and qwen3-30b-a3b shapes, kernel-only and the RPC floor in the same run),
+#             its table in dataplane.md
 #   router    the server router (issue 8): the CUDA-vs-CPU router cases of the suite, the
 #             checkpoints written by transformers served by a CUDA daemon against transformers'
 #             own outputs (recomputed live by the torch and transformers installed there), and the
@@ -99,6 +104,16 @@ for what in "${stages[@]}"; do
             --tokens 64,4096 --min-ms 100 --json "$RAW/moe-fp8-shapes.json" | tee -a "$OUT/moe-fp8.txt"
         python3 kernels/cuda/bench/report.py --fp8 "$RAW/moe-fp8.json" "$RAW/moe-fp8-graph.json" \
             "$RAW/moe-fp8-shapes.json" --out "$OUT/report-fp8.md"
+        ;;
+    dataplane)
+        stage dataplane
+        df -h /dev/shm | tail -1
+        $B/test_cuda_parts 2>&1 | tee "$OUT/gpu-parts.log"
+        echo "test_cuda_parts exit ${PIPESTATUS[0]}"
+        $B/test_ipc $B/moed 2>&1 | tee -a "$OUT/gpu-parts.log"
+        echo "test_ipc exit ${PIPESTATUS[0]}"
+        python3 tests/gpu/bench_dataplane.py --bin $B --md "$OUT/dataplane.md" \
+            --json "$RAW/dataplane.json" --logs "$RAW" ${DATAPLANE_ARGS:-} 2>&1 | tee "$OUT/dataplane.txt"
         ;;
     router)
         stage router
