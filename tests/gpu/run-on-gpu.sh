@@ -20,7 +20,8 @@
 #             IPC from a second process against inline (test_ipc), then the data-plane benchmark
 #             (tests/gpu/bench_dataplane.py: T 8..8192 x callers 1, 8 x inline/shm/cuda on the
 #             mixtral and qwen3-30b-a3b shapes, kernel-only and the RPC floor in the same run),
-#             its table in dataplane.md
+#             its table in dataplane.md; 48 loads of 1 s warm-up + 1.5 s measured, 8 daemons'
+#             starts and 8 moe-bench runs: about 4 minutes on an H200
 #   router    the server router (issue 8): the CUDA-vs-CPU router cases of the suite, the
 #             checkpoints written by transformers served by a CUDA daemon against transformers'
 #             own outputs (recomputed live by the torch and transformers installed there), and the
@@ -164,7 +165,8 @@ stage_dataplane() {
     logged "$OUT/gpu-ipc.log" "$B/test_ipc" "$B/moed"
     # shellcheck disable=SC2086  # DATAPLANE_ARGS is a list of arguments
     logged "$OUT/dataplane.txt" timeout 420 "$PY" tests/gpu/bench_dataplane.py --bin "$B" \
-        --md "$OUT/dataplane.md" --json "$RAW/dataplane.json" --logs "$RAW" ${DATAPLANE_ARGS:-}
+        --duration 1.5 --md "$OUT/dataplane.md" --json "$RAW/dataplane.json" --logs "$RAW" \
+        ${DATAPLANE_ARGS:-}
 }
 
 stage_router() {
