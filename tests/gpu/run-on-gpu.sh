@@ -34,11 +34,16 @@
 # some were skipped; 2 for an unknown stage, before anything runs.
 #
 # Environment: OUT (default /tmp/moed-out), MOED_GPU_DIR (default .gpu: bin/, lib/ and py/ as
-# bundle.sh assembles them), MOED_GPU_PYTHON (default python3), DATAPLANE_ARGS (more arguments for
-# bench_dataplane.py, e.g. --shapes mixtral).
+# bundle.sh assembles them, or its bundle.tgz of them), MOED_GPU_PYTHON (default python3),
+# DATAPLANE_ARGS (more arguments for bench_dataplane.py, e.g. --shapes mixtral).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 GPU=${MOED_GPU_DIR:-$PWD/.gpu}
+# bundle.sh packs the bundle to travel under the device tool's size limit: unpacked afresh here.
+if [ -f "$GPU/bundle.tgz" ]; then
+    rm -rf "${GPU:?}/bin" "${GPU:?}/lib" "${GPU:?}/py"
+    tar xzf "$GPU/bundle.tgz" -C "$GPU" || exit 2
+fi
 B=$GPU/bin
 PY=${MOED_GPU_PYTHON:-python3}
 export LD_LIBRARY_PATH=$GPU/lib:${LD_LIBRARY_PATH:-}
