@@ -148,6 +148,8 @@ def test_region_forward_is_inline_forward_for_every_routing(pool, dtype):
                 assert list(got.output.shape) == [c.T, SPEC.d] and got.output.dtype == want.output.dtype
                 assert shm.get(out, c.out_bytes) == want.output.data, kind
                 assert list(got.expert_set) == list(want.expert_set), kind
+                t = got.timings  # reported as for inline requests
+                assert (t.batch_tokens, t.batch_requests) == (c.T, 1) and 0 < t.total_us >= t.queue_us, t
                 # hidden in the region, the output inline, and the other way round
                 half = forward(ch, c.request((shm, region, 64)))
                 assert half.output.data == want.output.data, kind
