@@ -4,12 +4,15 @@ merged with others; and every rule of moed.proto's list holds: bounds (overflow 
 ownership by token (another token's region is NOT_FOUND exactly as an unknown one), names, caps,
 the challenge, a region shrunk under the server (FAILED_PRECONDITION, the daemon stays up), an
 unregister or a session's end while a request holding the region waits in the queue (it completes:
-no use after unmap, which the ASan stage would catch), leases ending with the stream, and a client
-killed with SIGKILL leaving nothing registered. After each refusal the next call is served.
+no use after unmap, which the ASan stage would catch), leases ending with the stream, a client
+killed with SIGKILL leaving nothing registered, deadlines and the drain, and the same-host rule (a
+caller over the host's own non-loopback address is remote). After each refusal the next call is
+served.
 """
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +23,7 @@ import numpy as np
 import pytest
 
 import oracle as O
+from conftest import Daemon, free_port
 from daemons import DaemonPool
 from prod import metrics_flags, scrape
 from regions import Session, Shm, list_regions, ref, tensor, unary
@@ -416,6 +420,54 @@ def test_regions_off(daemon):
             assert code == grpc.StatusCode.FAILED_PRECONDITION and "--regions off" in msg
     finally:
         shm.close()
+
+
+def host_address():
+    """This host's address on its default route, or None (only loopback)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("198.51.100.1", 9))  # a UDP connect picks the source address, sends nothing
+        except OSError:
+            return None
+        ip = s.getsockname()[0]
+    return None if ip.startswith("127.") else ip
+
+
+@pytest.mark.parametrize("mode", ["local", "any"])
+def test_same_host_rule(tmp_path, mode):
+    """Over the host's own non-loopback address a caller counts as remote: --regions local refuses
+    it a session and a reference to a region registered over loopback; --regions any serves both."""
+    ip = host_address()
+    if not ip:
+        pytest.skip("this host has no address but loopback")
+    port = free_port()  # the last --listen wins: the wildcard one, on the port the Daemon checks
+    d = Daemon(["--synthetic", str(SPEC), "--threads", "1", "--regions", mode, "--listen",
+                f"0.0.0.0:{port}"], tmp_path / "moed.log", port=port)
+    shm, theirs = Shm(1 << 16), Shm(1 << 16)
+    c = Case("topk", 3, 8)
+    try:
+        with d.channel() as ch, grpc.insecure_channel(f"{ip}:{port}") as far:
+            s = Session(ch)  # its regions live as long as it does
+            region = s.host(shm)
+            q, out = placed(shm, region, c)
+            want = forward(ch, c.request(), md=()).output.data
+            if mode == "any":
+                t = Session(far)
+                assert t.host(theirs) and len(list_regions(far)) == 2  # one principal: both
+                forward(far, q, md=())
+                assert shm.get(out, c.out_bytes) == want
+            else:
+                with pytest.raises(grpc.RpcError) as e:
+                    Session(far).host(theirs)
+                assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "own host" in e.value.details()
+                code, msg = refused(lambda: forward(far, q, md=()))
+                assert code == grpc.StatusCode.FAILED_PRECONDITION and "own host" in msg
+                assert forward(far, c.request(), md=()).output.data == want  # inline, as ever
+    finally:
+        shm.close()
+        theirs.close()
+        code = d.stop()
+    assert code == 0, d.log()
 
 
 def test_c_client_shm_transport(pool, tmp_path):
