@@ -33,7 +33,8 @@
     X(MOED_EUNSUPPORTED, -13, 12, "not supported")                                                 \
     X(MOED_EUNAUTH, -14, 16, "unauthenticated")                                                    \
     X(MOED_EUNAVAIL, -15, 14, "unavailable")                                                       \
-    X(MOED_EINTERNAL, -16, 13, "internal error")
+    X(MOED_EINTERNAL, -16, 13, "internal error")                                                   \
+    X(MOED_EPRECOND, -17, 9, "failed precondition")
 
 enum {
 #define MOED_ERR_ENUM(name, value, grpc, text) name = value,

@@ -86,7 +86,7 @@ int moedc_code_from_grpc(int grpc_status)
     /* The inverse of the daemon's table where it is one-to-one; the closest code elsewhere. */
     static const int codes[] = {
         MOEDC_OK,        MOEDC_ECANCELLED, MOEDC_EINTERNAL,    MOEDC_EINVAL,    MOEDC_EDEADLINE,
-        MOEDC_ENOTFOUND, MOEDC_EINVAL,     MOEDC_EUNAUTH,      MOEDC_ETOOBIG,   MOEDC_ENODEV,
+        MOEDC_ENOTFOUND, MOEDC_EINVAL,     MOEDC_EUNAUTH,      MOEDC_ETOOBIG,   MOEDC_EPRECOND,
         MOEDC_EUNAVAIL,  MOEDC_EINVAL,     MOEDC_EUNSUPPORTED, MOEDC_EINTERNAL, MOEDC_EUNAVAIL,
         MOEDC_EIO,       MOEDC_EUNAUTH,
     };
