@@ -71,15 +71,47 @@ int moed_backend_n_devices(const moed_backend *b)
     return b->n_devices;
 }
 
-int moed_backend_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err)
+/* The job as implementations see it: with its parts (one part of host memory when it named none),
+ * and every part's rows adding up to T. */
+static int with_parts(const moed_job *job, moed_job *out, moed_part *one, moed_error *err)
 {
-    return b->ops->forward(b, exec, job, err);
+    *out = *job;
+    if (!job->n_parts) {
+        *one = (moed_part){
+            .rows = job->T, .x = job->x, .x_dev = MOED_HOST_MEM, .y = job->y, .y_dev = MOED_HOST_MEM
+        };
+        out->parts = one;
+        out->n_parts = 1;
+        return 0;
+    }
+    int64_t rows = 0;
+    for (int i = 0; i < job->n_parts; i++) {
+        if (job->parts[i].rows < 1)
+            return moed_fail(err, MOED_EINVAL, "part %d of the job has %lld rows", i,
+                             (long long)job->parts[i].rows);
+        rows += job->parts[i].rows;
+    }
+    if (rows != job->T)
+        return moed_fail(err, MOED_EINVAL, "the job's parts hold %lld rows, its T is %lld",
+                         (long long)rows, (long long)job->T);
+    return 0;
 }
 
-int moed_backend_router_logits(moed_backend *b, int exec, int slot, int dtype, int64_t T,
-                               const void *x, float *logits, moed_error *err)
+int moed_backend_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err)
 {
-    return b->ops->router_logits(b, exec, slot, dtype, T, x, logits, err);
+    moed_job j;
+    moed_part one;
+    int rc = with_parts(job, &j, &one, err);
+    return rc ? rc : b->ops->forward(b, exec, &j, err);
+}
+
+int moed_backend_router_logits(moed_backend *b, int exec, const moed_job *job, float *logits,
+                               moed_error *err)
+{
+    moed_job j;
+    moed_part one;
+    int rc = with_parts(job, &j, &one, err);
+    return rc ? rc : b->ops->router_logits(b, exec, &j, logits, err);
 }
 
 void *moed_backend_host_alloc(moed_backend *b, size_t bytes)
@@ -111,6 +143,59 @@ int moed_backend_exec_accepts(moed_backend *b, int exec, int slot)
 int moed_backend_layer_place(moed_backend *b, int slot, moed_layer_place *out)
 {
     return b->ops->layer_place(b, slot, out);
+}
+
+bool moed_backend_host_dma(const moed_backend *b)
+{
+    return b->ops->host_dma;
+}
+
+int moed_backend_host_register(moed_backend *b, void *p, size_t bytes, moed_error *err)
+{
+    return b->ops->host_register ? b->ops->host_register(b, p, bytes, err) : 0;
+}
+
+void moed_backend_host_unregister(moed_backend *b, void *p)
+{
+    if (b->ops->host_unregister) b->ops->host_unregister(b, p);
+}
+
+static int no_devices(const moed_backend *b, moed_error *err)
+{
+    return moed_fail(
+        err, MOED_EPRECOND,
+        "this server runs the %s backend; CUDA regions need the cuda backend (register "
+        "a host region, or send the tensor inline)",
+        b->ops->name);
+}
+
+int moed_backend_map_device(moed_backend *b, const void *handle, size_t handle_len,
+                            const char *device_uuid, int device, uint64_t bytes, uint64_t offset,
+                            void **ptr, int *dev, void **base, moed_error *err)
+{
+    *ptr = *base = NULL;
+    *dev = MOED_HOST_MEM;
+    if (!b->ops->map_device) return no_devices(b, err);
+    return b->ops->map_device(b, handle, handle_len, device_uuid, device, bytes, offset, ptr, dev,
+                              base, err);
+}
+
+void moed_backend_unmap_device(moed_backend *b, void *base, int dev)
+{
+    if (b->ops->unmap_device) b->ops->unmap_device(b, base, dev);
+}
+
+int moed_backend_read_device(moed_backend *b, void *dst, const void *src, int dev, size_t bytes,
+                             moed_error *err)
+{
+    if (!b->ops->read_device) return no_devices(b, err);
+    return b->ops->read_device(b, dst, src, dev, bytes, err);
+}
+
+void moed_backend_device_uuid(moed_backend *b, int dev, char out[48])
+{
+    out[0] = 0;
+    if (b->ops->device_uuid) b->ops->device_uuid(b, dev, out);
 }
 
 void moed_backend_destroy(moed_backend *b)

@@ -8,7 +8,16 @@
  * → destroy. A backend offers n_exec execution slots (CUDA: one per stream of the pool, each with
  * its own pinned staging and device workspace; CPU: one, running on all its threads). Calls on
  * different slots may run concurrently from different threads; calls on one slot must not.
- * forward and router_logits return when the result is in host memory.
+ * forward and router_logits return when the result is complete where the job said it goes (host
+ * or device memory) and visible to any reader there.
+ *
+ * A job's tokens come in parts (moed_part): the rows of each merged request lie where that request
+ * keeps them — staging memory, a client's shared memory, a client's GPU memory — and its output
+ * goes where it asked. The backend moves each part once (CUDA: host to device straight from pinned
+ * pages, device to device or peer from other GPUs, nothing at all for a lone part already on the
+ * layer's GPU) and never assumes the parts lie side by side. Memory of other processes comes in
+ * through the region hooks at the end (host_register, map_device), called when a region is
+ * registered, never per job.
  *
  * Contract on results: a token's output depends only on its own row of x and its own pairs of the
  * route, in their order — never on T or on the other tokens of the job — so merged requests are
@@ -39,12 +48,30 @@ typedef struct moed_backend_config {
                              refused by a backend with one device */
 } moed_backend_config;
 
+/* Where a part's memory is: host memory, or device memory of the backend's device ordinal. */
+#define MOED_HOST_MEM (-1)
+
+/* One run of consecutive tokens of a job: where its rows of x come from and where its rows of y
+ * go. Host memory may be pageable, pinned (host_alloc) or registered (host_register); device
+ * memory must be the backend's own or mapped by map_device. */
+typedef struct moed_part {
+    int64_t rows;  /* tokens in this part, >= 1 */
+    const void *x; /* [rows, d_model] */
+    int x_dev;     /* MOED_HOST_MEM or the device holding x */
+    void *y;       /* [rows, d_model], fully written */
+    int y_dev;
+} moed_part;
+
 typedef struct moed_job {
-    int slot;      /* which resident layer: the slot given to load_layer */
-    int dtype;     /* of x and y: MOED_F32, MOED_F16 or MOED_BF16 */
-    int64_t T;     /* tokens, 1 .. max_tokens */
-    const void *x; /* [T, d_model] host memory (from host_alloc for the fast path) */
-    void *y;       /* [T, d_model] host memory, fully written */
+    int slot;  /* which resident layer: the slot given to load_layer */
+    int dtype; /* of x and y: MOED_F32, MOED_F16 or MOED_BF16 */
+    int64_t T; /* tokens, 1 .. max_tokens */
+    /* The tokens, in route order: parts[0] holds tokens 0 .. parts[0].rows - 1, and so on; their
+     * rows add up to T. n_parts == 0 is one part of host memory: x and y below. */
+    const moed_part *parts;
+    int n_parts;
+    const void *x; /* [T, d_model] host memory, when n_parts == 0 */
+    void *y;
     const moed_route *route;
 } moed_job;
 
@@ -89,11 +116,12 @@ int moed_backend_n_devices(const moed_backend *b);
 /* Runs job on execution slot `exec`. */
 int moed_backend_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err);
 
-/* logits [T, n_experts] float32 = x [T, d_model] @ router^T of layer `slot`, accumulated in
- * float32 from x and the router as stored (neither rounded to a compute type first), then
- * moed_router_round_logits: the model's own logits, the same bits on every backend. */
-int moed_backend_router_logits(moed_backend *b, int exec, int slot, int dtype, int64_t T,
-                               const void *x, float *logits, moed_error *err);
+/* logits [T, n_experts] float32 (host memory) = x [T, d_model] @ router^T of the job's layer, x
+ * being the job's parts (their y and the route are not used), accumulated in float32 from x and
+ * the router as stored (neither rounded to a compute type first), then moed_router_round_logits:
+ * the model's own logits, the same bits on every backend. */
+int moed_backend_router_logits(moed_backend *b, int exec, const moed_job *job, float *logits,
+                               moed_error *err);
 
 /* Host memory the backend moves fastest (pinned for CUDA), 64-byte aligned; NULL when out of
  * memory. Freed with moed_backend_host_free (p may be NULL). */
@@ -112,6 +140,39 @@ int moed_backend_exec_accepts(moed_backend *b, int exec, int slot);
  * split layer's job runs on its home device's slots; the result is bit-identical to the same
  * layer unsplit. */
 int moed_backend_layer_place(moed_backend *b, int slot, moed_layer_place *out);
+/* ---- regions: other processes' memory (registered once, used by many jobs) ---- */
+
+/* Whether the backend moves host memory only by DMA, never reading or writing it with a CPU (CUDA:
+ * copies from pinned pages). Such a backend may be handed a client's shared memory directly: a
+ * DMA into pages that were pinned cannot fault when the client shrinks the object, where a CPU
+ * read would raise SIGBUS. Other backends (cpu) get copies made under moed_guard. */
+bool moed_backend_host_dma(const moed_backend *b);
+
+/* Page-locks host memory [p, p + bytes) for DMA until host_unregister (CUDA: cudaHostRegister);
+ * backends without DMA do nothing. */
+int moed_backend_host_register(moed_backend *b, void *p, size_t bytes, moed_error *err);
+void moed_backend_host_unregister(moed_backend *b, void *p);
+
+/* Opens another process's device memory: an IPC handle (handle_len bytes: cudaIpcMemHandle_t) of
+ * an allocation on the GPU named by device_uuid ("GPU-...", as nvidia-smi -L prints it; NULL or
+ * "": the backend's ordinal `device`). Checks that offset + bytes lie within the allocation and
+ * returns the pointer to its byte `offset` in *ptr, the device ordinal in *dev and what to hand
+ * unmap_device in *base. MOED_EPRECOND on a backend without devices ("this server runs the cpu
+ * backend; ...") or for a GPU it does not use; MOED_EINVAL for a handle that does not open or an
+ * allocation too small. */
+int moed_backend_map_device(moed_backend *b, const void *handle, size_t handle_len,
+                            const char *device_uuid, int device, uint64_t bytes, uint64_t offset,
+                            void **ptr, int *dev, void **base, moed_error *err);
+void moed_backend_unmap_device(moed_backend *b, void *base, int dev);
+
+/* Copies bytes from device memory (of device dev) to host memory, synchronously: routing tensors
+ * that a client keeps on its GPU. */
+int moed_backend_read_device(moed_backend *b, void *dst, const void *src, int dev, size_t bytes,
+                             moed_error *err);
+
+/* The device's UUID as "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", for region listings; "" when
+ * the backend has no devices. */
+void moed_backend_device_uuid(moed_backend *b, int dev, char out[48]);
 
 /* Frees everything; b may be NULL. */
 void moed_backend_destroy(moed_backend *b);

@@ -102,6 +102,19 @@ static const opt opts[] = {
     { "accept-compression", OPT_INT, OFF(accept_compression), 0, 1, "0|1",
       "1: accept gzip/deflate requests, inflated by moed up to --max-message-bytes; 0: refuse "
       "them (UNIMPLEMENTED) before reading them" },
+    { "regions", OPT_CHOICE, OFF(regions), 0, 0, "off|local|any",
+      "tensor regions (shared and GPU memory named by requests): for callers on this host only "
+      "(loopback or a unix socket), for any caller, or off" },
+    { "max-regions", OPT_I64, OFF(max_regions), 1, 1 << 16, "N",
+      "tensor regions one principal (token) may have registered" },
+    { "max-region-bytes", OPT_BYTES, OFF(max_region_bytes), 16, (int64_t)1 << 50, "BYTES",
+      "bytes of tensor regions one principal may have registered" },
+    { "max-region-bytes-total", OPT_BYTES, OFF(max_region_bytes_total), 16, (int64_t)1 << 50,
+      "BYTES", "bytes of tensor regions registered by everyone together" },
+    { "staging-pool", OPT_BYTES, OFF(staging_pool), 0, (int64_t)1 << 40, "BYTES",
+      "host memory (pinned for cuda) taken at start for inline requests' rows and replies; a "
+      "request that finds it full is copied the slower way; 0 = 4 x --max-batch-tokens x the "
+      "largest d_model x 4" },
     { "metrics-listen", OPT_ADDR, OFF(metrics_listen), 0, 0, "ADDR",
       "serve Prometheus /metrics and /healthz over HTTP here (e.g. 127.0.0.1:8464); off unless "
       "given" },
@@ -156,8 +169,14 @@ static int set_defaults(moed_config *cfg)
     cfg->max_delay_us = 0;
     cfg->max_queue_requests = 1024;
     cfg->drain_timeout_s = 30;
+    cfg->regions = strdup("local");
+    cfg->max_regions = 64;
+    cfg->max_region_bytes = (int64_t)64 << 30;
+    cfg->max_region_bytes_total = (int64_t)256 << 30;
     cfg->log_level = MOED_LOG_INFO;
-    return cfg->listen && cfg->backend && cfg->weights && cfg->shared_experts ? 0 : MOED_ENOMEM;
+    return cfg->listen && cfg->backend && cfg->weights && cfg->shared_experts && cfg->regions
+               ? 0
+               : MOED_ENOMEM;
 }
 
 void moed_config_free(moed_config *cfg)

@@ -51,10 +51,15 @@ typedef struct moed_config {
     int64_t max_delay_us;       /* merge window; 0 = merge only what is already queued */
     int64_t min_batch_requests; /* a queue waits (up to the window) for this many requests */
     int64_t max_queue_requests;
-    int64_t max_batch_pairs; /* (token, expert) pairs in one request and one launch; 0: derived */
-    int max_streams;         /* MAX_CONCURRENT_STREAMS per connection; 0: --max-queue-requests */
-    int64_t max_grpc_memory; /* gRPC core's resource quota in bytes; 0: derived */
-    int accept_compression;  /* 1: gzip/deflate requests accepted (inflated by moed, bounded) */
+    int64_t max_batch_pairs;  /* (token, expert) pairs in one request and one launch; 0: derived */
+    int max_streams;          /* MAX_CONCURRENT_STREAMS per connection; 0: --max-queue-requests */
+    int64_t max_grpc_memory;  /* gRPC core's resource quota in bytes; 0: derived */
+    int accept_compression;   /* 1: gzip/deflate requests accepted (inflated by moed, bounded) */
+    char *regions;            /* off | local | any: who may use tensor regions */
+    int64_t max_regions;      /* per principal */
+    int64_t max_region_bytes; /* registered per principal */
+    int64_t max_region_bytes_total; /* registered in all */
+    int64_t staging_pool;           /* bytes of the inline path's buffers; 0: derived */
     char *metrics_listen; /* --metrics-listen ADDR: Prometheus /metrics and /healthz; NULL: off */
     char *metrics_token_file; /* --metrics-token-file FILE: /metrics needs the bearer token */
     int drain_timeout_s; /* --drain-timeout: calls still open this long after SIGTERM are cancelled

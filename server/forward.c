@@ -2,8 +2,10 @@
  * forward — the Forward (unary) and ForwardStream (bidirectional) methods.
  *
  * Both do the same per request: open the payload's slices, decode (wire.c), validate (request.c),
- * queue (scheduler.c); the scheduler's worker calls back with the request's output rows, which
- * are copied once into a fresh slice that becomes the reply's data (wire.c's three-slice reply).
+ * queue (scheduler.c); the scheduler's worker calls back once the output is complete where it
+ * goes, and the reply is built around it (wire.c's three-slice reply): its data slice is the
+ * staging-pool buffer the backend wrote into, or a fresh copy when the pool had no room, or none
+ * when the output went to a region.
  *
  * The stream keeps reading while earlier requests compute (they may even run in different
  * launches and finish out of order) and replies strictly in request order: replies wait in a
@@ -27,23 +29,26 @@
 /* Requests one stream may have decoded but not yet answered. */
 #define STREAM_WINDOW 16
 
-/* Decodes and validates a payload into w; errors name what is wrong. */
-static int prepare(moed_rpc *r, grpc_byte_buffer *payload, moed_wire_msg *msg, moed_work *w,
+/* Decodes and validates a payload of call c into w; errors name what is wrong. */
+static int prepare(const rpc_call *c, grpc_byte_buffer *payload, moed_wire_msg *msg, moed_work *w,
                    moed_error *err)
 {
     moed_wire_request q;
+    const moed_caller who = { .principal = c->principal, .local = c->local };
     int rc = moed_wire_msg_open(msg, payload, err);
     if (!rc) rc = moed_wire_decode_request(msg->slices, msg->n_slices, &q, err);
-    if (!rc) rc = moed_request_validate(r->cfg.served, &q, w, err);
+    if (!rc) rc = moed_request_validate(c->rpc->cfg.served, &who, &q, w, err);
     return rc;
 }
 
-/* The reply message for a finished request: its rows copied into the output slice. */
-static grpc_byte_buffer *encode_reply(const moed_work *w, const moed_sched_result *res)
+/* The reply message for a finished request, its output where the request asked for it; NULL and
+ * err when that failed (a region that shrank) or memory ran out. */
+static grpc_byte_buffer *encode_reply(moed_work *w, const moed_sched_result *res, moed_error *err)
 {
     const moed_sched_item *it = &w->item;
-    grpc_slice out = grpc_slice_malloc(res->y_bytes);
-    memcpy(GRPC_SLICE_START_PTR(out), res->y, res->y_bytes);
+    grpc_slice out;
+    const moed_wire_ref *ref;
+    if (moed_work_output(w, res->y, res->y_bytes, &out, &ref, err)) return NULL;
     moed_wire_response resp = { .request_id = w->request_id,
                                 .request_id_len = w->request_id_len,
                                 .dtype = it->dtype,
@@ -51,8 +56,11 @@ static grpc_byte_buffer *encode_reply(const moed_work *w, const moed_sched_resul
                                 .cols = it->layer->info.d_model,
                                 .expert_set = res->expert_set,
                                 .n_expert_set = res->n_expert_set,
-                                .timings = res->timings };
-    return moed_wire_encode_response(&resp, out);
+                                .timings = res->timings,
+                                .out_region = ref };
+    grpc_byte_buffer *bb = moed_wire_encode_response(&resp, out);
+    if (!bb) moed_fail(err, MOED_ENOMEM, "out of memory for the reply");
+    return bb;
 }
 
 static void log_failure(const moed_work *w, const moed_error *err)
@@ -83,13 +91,13 @@ static void fwd_release_request(fwd_call *f)
 static void fwd_done(moed_sched_item *it, const moed_sched_result *res)
 {
     fwd_call *f = it->user;
-    if (!res->status) {
-        grpc_byte_buffer *bb = encode_reply(&f->work, res);
-        if (bb)
-            rpc_reply(&f->base, bb, GRPC_STATUS_OK, NULL);
-        else
-            rpc_reply(&f->base, NULL, GRPC_STATUS_RESOURCE_EXHAUSTED,
-                      "out of memory for the reply");
+    moed_error err = { 0 };
+    grpc_byte_buffer *bb = NULL;
+    if (!res->status && (bb = encode_reply(&f->work, res, &err))) {
+        rpc_reply(&f->base, bb, GRPC_STATUS_OK, NULL);
+    } else if (!res->status) {
+        log_failure(&f->work, &err);
+        rpc_reply_error(&f->base, &err);
     } else if (res->status != MOED_ECANCELLED) {
         log_failure(&f->work, res->err);
         rpc_reply_error(&f->base, res->err);
@@ -112,7 +120,7 @@ static void fwd_start(rpc_call *c)
     moed_rpc *r = c->rpc;
     moed_error err = { 0 };
     rpc_post_close(c, fwd_closed);
-    int rc = prepare(r, c->payload, &f->msg, &f->work, &err);
+    int rc = prepare(c, c->payload, &f->msg, &f->work, &err);
     if (!rc) {
         moed_sched_item *it = &f->work.item;
         it->done = fwd_done;
@@ -280,21 +288,19 @@ static void stream_done(moed_sched_item *it, const moed_sched_result *res)
 {
     entry *e = it->user;
     stream_call *s = e->s;
-    grpc_byte_buffer *bb = res->status ? NULL : encode_reply(&e->work, res);
+    moed_error err = { 0 };
+    grpc_byte_buffer *bb = res->status ? NULL : encode_reply(&e->work, res, &err);
     pthread_mutex_lock(&s->lock);
     if (bb) {
         e->state = E_READY;
         e->reply = bb;
     } else {
         e->state = E_FAILED;
-        if (res->status)
-            e->err = *res->err;
-        else
-            moed_fail(&e->err, MOED_ENOMEM, "out of memory for the reply");
+        e->err = res->status ? *res->err : err;
     }
-    if (res->status && res->status != MOED_ECANCELLED) log_failure(&e->work, &e->err);
-    rpc_count(&s->base, res->status ? moed_err_grpc_status(e->err.code) : GRPC_STATUS_OK,
-              it->t_received_ns, e->payload, bb);
+    if (!bb && res->status != MOED_ECANCELLED) log_failure(&e->work, &e->err);
+    rpc_count(&s->base, bb ? GRPC_STATUS_OK : moed_err_grpc_status(e->err.code), it->t_received_ns,
+              e->payload, bb);
     /* The request's memory is no longer needed; only its reply waits for its turn. */
     moed_work_free(&e->work);
     moed_wire_msg_close(&e->msg);
@@ -327,7 +333,7 @@ static bool stream_accept(stream_call *s, grpc_byte_buffer *payload)
                        "the server is draining (shutting down); open a new stream to another "
                        "server");
     else if (!(rc = rpc_inflate(r, &e->payload, &e->err)))
-        rc = prepare(r, e->payload, &e->msg, &e->work, &e->err);
+        rc = prepare(&s->base, e->payload, &e->msg, &e->work, &e->err);
     moed_sched_item *it = &e->work.item;
     it->t_received_ns = t_received; /* after prepare, which clears the item */
     if (!rc) {

@@ -20,6 +20,7 @@
 #include "moed_backend.h"
 #include "moed_dtype.h"
 #include "notify.h"
+#include "region.h"
 #include "request.h"
 #include "rpc.h"
 #include "scheduler.h"
@@ -47,6 +48,8 @@ typedef struct moed_daemon {
     const moed_layer **resident; /* by backend slot */
     moed_shard *shards;          /* by backend slot: what the backend holds of each */
     moed_served served;
+    moed_regions *regions;
+    moed_bufpool *pool;
     moed_sched *sched;
     moed_rpc *rpc;
     moed_security security;
@@ -93,7 +96,7 @@ static int load_security(moed_daemon *d)
     if (moed_security_load(&sc, &d->security, &err)) return fail("security", &err);
     moed_log_info("security", "tls=%s client_certs=%s token=%s",
                   d->security.cert_pem ? "on" : "off", d->security.ca_pem ? "required" : "off",
-                  d->security.token ? d->security.token_source : "off");
+                  d->security.n_tokens ? d->security.token_source : "off");
     return 0;
 }
 
@@ -250,6 +253,36 @@ static int derive_limits(moed_daemon *d)
     return 0;
 }
 
+/* The data plane: the region registry and the inline path's staging pool. */
+static int start_data_plane(moed_daemon *d)
+{
+    moed_error err = { 0 };
+    const moed_config *c = &d->cfg;
+    const int mode = !strcmp(c->regions, "off")     ? MOED_REGIONS_OFF
+                     : !strcmp(c->regions, "local") ? MOED_REGIONS_LOCAL
+                                                    : MOED_REGIONS_ANY;
+    moed_regions_config rc = { .backend = d->backend,
+                               .mode = mode,
+                               .max_regions = c->max_regions,
+                               .max_bytes = c->max_region_bytes,
+                               .max_total_bytes = c->max_region_bytes_total };
+    int64_t max_d = 1;
+    for (int i = 0; i < d->served.n_layers; i++)
+        if (d->served.layers[i]->info.d_model > max_d) max_d = d->served.layers[i]->info.d_model;
+    const int64_t pool = c->staging_pool ? c->staging_pool : 4 * c->max_batch_tokens * max_d * 4;
+    if ((mode != MOED_REGIONS_OFF && moed_regions_create(&rc, &d->regions, &err)) ||
+        moed_bufpool_create(d->backend, (size_t)pool, &d->pool, &err))
+        return fail("data plane", &err);
+    d->served.regions = d->regions;
+    d->served.pool = d->pool;
+    moed_log_info("data plane",
+                  "regions=%s max_regions=%lld max_region_bytes=%lld "
+                  "max_region_bytes_total=%lld staging_pool=%lld",
+                  c->regions, (long long)c->max_regions, (long long)c->max_region_bytes,
+                  (long long)c->max_region_bytes_total, (long long)pool);
+    return 0;
+}
+
 static int start_scheduler(moed_daemon *d)
 {
     moed_error err = { 0 };
@@ -289,7 +322,7 @@ static int start_rpc(moed_daemon *d)
                            .security = &d->security,
                            .metrics = d->metrics };
     if (moed_rpc_start(&rc, &d->rpc, &err)) return fail("grpc", &err);
-    if (!moed_listen_is_loopback(d->cfg.listen) && !d->security.cert_pem && !d->security.token)
+    if (!moed_listen_is_loopback(d->cfg.listen) && !d->security.cert_pem && !d->security.n_tokens)
         moed_log_warn("listening beyond this host without TLS or a token: anyone who can reach "
                       "the port can call moed and read its traffic; set --tls-cert/--tls-key "
                       "and --auth-token-file (or keep it behind a firewall)",
@@ -325,7 +358,15 @@ static void metrics_page(moed_daemon *d, moed_http_reply *out)
                               .backend = moed_backend_name(d->backend),
                               .start_time_s = d->start_time_s,
                               .http_connections = hs.open,
-                              .http_refused = hs.refused };
+                              .http_refused = hs.refused,
+                              .staging_pool_used = moed_bufpool_used(d->pool),
+                              .staging_pool_bytes = moed_bufpool_size(d->pool) };
+    moed_regions_stats rs_;
+    moed_regions_get_stats(d->regions, &rs_);
+    for (int k = 0; k < 2; k++) {
+        g.regions[k] = rs_.count[k + 1];
+        g.region_bytes[k] = rs_.bytes[k + 1];
+    }
     out->body = moed_metrics_render(d->metrics, &g, &out->len);
     out->status = out->body ? 200 : 500;
     out->content_type = "text/plain; version=0.0.4; charset=utf-8";
@@ -528,7 +569,7 @@ static void start_steps(uv_work_t *w)
 {
     moed_daemon *d = w->data;
     d->start_status = open_backend(d) || load_weights(d) || load_layers(d) || derive_limits(d) ||
-                      start_scheduler(d) || start_rpc(d);
+                      start_data_plane(d) || start_scheduler(d) || start_rpc(d);
 }
 
 /* Back on the loop: serve, or stop after a failed start. */
@@ -575,6 +616,8 @@ static void teardown(moed_daemon *d)
     if (d->sched) moed_sched_drain(d->sched); /* nothing is left once every call is answered */
     moed_rpc_destroy(d->rpc);
     moed_sched_destroy(d->sched);
+    moed_bufpool_destroy(d->pool);    /* every call is gone: no reply holds a buffer */
+    moed_regions_destroy(d->regions); /* every session closed with its call */
     moed_backend_destroy(d->backend); /* before the weights: it may compute from them in place */
     for (int i = 0; d->shards && i < d->model.n_layers; i++) moed_shard_free(&d->shards[i]);
     free(d->shards);

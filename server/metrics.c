@@ -82,9 +82,10 @@ struct moed_metrics {
 };
 
 static const char *const method_names[MOED_METHOD_COUNT] = {
-    [MOED_METHOD_FORWARD] = "Forward",    [MOED_METHOD_FORWARD_STREAM] = "ForwardStream",
-    [MOED_METHOD_GET_MODEL] = "GetModel", [MOED_METHOD_HEALTH_CHECK] = "Check",
-    [MOED_METHOD_HEALTH_WATCH] = "Watch", [MOED_METHOD_UNKNOWN] = "unknown",
+    [MOED_METHOD_FORWARD] = "Forward",          [MOED_METHOD_FORWARD_STREAM] = "ForwardStream",
+    [MOED_METHOD_GET_MODEL] = "GetModel",       [MOED_METHOD_HEALTH_CHECK] = "Check",
+    [MOED_METHOD_HEALTH_WATCH] = "Watch",       [MOED_METHOD_REGIONS] = "Regions",
+    [MOED_METHOD_LIST_REGIONS] = "ListRegions", [MOED_METHOD_UNKNOWN] = "unknown",
 };
 
 moed_metrics *moed_metrics_create(void)
@@ -368,6 +369,19 @@ static void devices(text *t, const moed_metrics_gauges *g)
     }
 }
 
+static void regions(text *t, const moed_metrics_gauges *g)
+{
+    static const char *const kinds[2] = { "host", "cuda" };
+    family(t, "moed_regions", "gauge",
+           "Tensor regions registered now (usable or awaiting their confirmation), by kind.");
+    for (int k = 0; k < 2; k++)
+        put(t, "moed_regions{kind=\"%s\"} %llu\n", kinds[k], (unsigned long long)g->regions[k]);
+    family(t, "moed_region_bytes", "gauge", "Bytes of the tensor regions registered now, by kind.");
+    for (int k = 0; k < 2; k++)
+        put(t, "moed_region_bytes{kind=\"%s\"} %llu\n", kinds[k],
+            (unsigned long long)g->region_bytes[k]);
+}
+
 char *moed_metrics_render(const moed_metrics *m, const moed_metrics_gauges *g, size_t *len)
 {
     text t = { .cap = 16384 };
@@ -401,6 +415,12 @@ char *moed_metrics_render(const moed_metrics *m, const moed_metrics_gauges *g, s
     gauge(&t, "moed_stream_pool_size", "Execution slots (CUDA streams; one for cpu).",
           (double)g->exec_size);
     devices(&t, g);
+    regions(&t, g);
+    gauge(&t, "moed_staging_pool_used_bytes",
+          "Bytes of the staging pool (--staging-pool) holding requests' rows and replies now.",
+          (double)g->staging_pool_used);
+    gauge(&t, "moed_staging_pool_bytes", "Size of the staging pool (--staging-pool), in bytes.",
+          (double)g->staging_pool_bytes);
     gauge(&t, "moed_http_connections",
           "Connections open to this metrics endpoint (waiting for their request, or answered).",
           (double)g->http_connections);

@@ -34,6 +34,8 @@ typedef enum moed_method {
     MOED_METHOD_GET_MODEL,
     MOED_METHOD_HEALTH_CHECK,
     MOED_METHOD_HEALTH_WATCH,
+    MOED_METHOD_REGIONS,
+    MOED_METHOD_LIST_REGIONS,
     MOED_METHOD_UNKNOWN,
     MOED_METHOD_COUNT
 } moed_method;
@@ -77,6 +79,8 @@ typedef struct moed_metrics_gauges {
     double start_time_s;       /* Unix time the daemon started */
     uint64_t http_connections; /* connections open to the metrics endpoint itself */
     uint64_t http_refused;     /* of them answered 503 (over a limit) or 408 (too slow), in all */
+    uint64_t regions[2], region_bytes[2]; /* registered now: host, cuda */
+    uint64_t staging_pool_used, staging_pool_bytes;
 } moed_metrics_gauges;
 
 /* The exposition text (malloc'd, *len bytes, NUL-terminated), or NULL when out of memory. */

@@ -97,3 +97,12 @@ int moed_peers_count(moed_peers *p, const char *addr)
     pthread_mutex_unlock(&p->lock);
     return n;
 }
+
+bool moed_peer_is_local(const char *peer)
+{
+    if (!strncmp(peer, "unix:", 5) || !strncmp(peer, "unix-abstract:", 14)) return true;
+    if (!strncmp(peer, "ipv4:", 5)) return !strncmp(peer + 5, "127.", 4);
+    if (strncmp(peer, "ipv6:[", 6)) return false;
+    const char *h = peer + 6;
+    return !strncmp(h, "::1]", 4) || !strncmp(h, "::ffff:127.", 11);
+}

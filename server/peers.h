@@ -12,6 +12,8 @@
 #ifndef MOED_PEERS_H
 #define MOED_PEERS_H
 
+#include <stdbool.h>
+
 typedef struct moed_peers moed_peers;
 typedef struct moed_peer moed_peer;
 
@@ -28,5 +30,9 @@ void moed_peers_leave(moed_peers *p, moed_peer *e);
 
 /* Calls open from `addr` now (for tests). */
 int moed_peers_count(moed_peers *p, const char *addr);
+
+/* Whether a gRPC peer address ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:/path", ...) is on
+ * this host: loopback (127.0.0.0/8, ::1, ::ffff:127.x) or a unix socket. */
+bool moed_peer_is_local(const char *peer);
 
 #endif

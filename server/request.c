@@ -3,9 +3,10 @@
  *
  * Order matters for the person reading the status: the whole-message limit first (nothing else is
  * worth reading past it), then identity (request_id, layer), then hidden (which fixes T), then the
- * routing tensors, whose shapes are stated relative to T and the layer. Small tensors (ids,
- * weights, logits) are copied out of the slices into aligned memory here; hidden stays a span
- * until the worker copies it into staging memory.
+ * routing tensors, whose shapes are stated relative to T and the layer, then the output's region.
+ * Small tensors (ids, weights, logits) are copied out of the slices or their region into aligned
+ * memory here; hidden is copied into a staging-pool buffer (or, when the pool is full, stays a span
+ * until the worker copies it into staging memory), or read where its region has it.
  */
 #include "request.h"
 
@@ -98,10 +99,66 @@ static void shape_str(const moed_wire_tensor *t, char *buf, size_t n)
     if (at < n) snprintf(buf + at, n - at, "%s]", t->n_shape > MOED_WIRE_MAX_DIMS ? ", ..." : "");
 }
 
-/* A 2-d tensor of the given dtype whose data is exactly rows x cols elements. want_rows and
- * want_cols of -1 accept any (>= 1) value; `hint` says what the tensor should be. */
+/* ---- regions ------------------------------------------------------------------------------- */
+
+/* The region a reference names, held, if the caller may use regions at all. */
+static moed_region *region_for(const moed_served *s, const moed_caller *c, uint64_t id,
+                               const char *what, moed_error *err)
+{
+    int mode = moed_regions_mode(s->regions);
+    if (mode == MOED_REGIONS_OFF) {
+        moed_fail(err, MOED_EPRECOND,
+                  "%s names region %llu, but this server has regions off (--regions off): send "
+                  "the tensor inline",
+                  what, (unsigned long long)id);
+        return NULL;
+    }
+    if (mode == MOED_REGIONS_LOCAL && !c->local) {
+        moed_fail(err, MOED_EPRECOND,
+                  "%s names a region, but regions are for callers on the server's own host "
+                  "(loopback or a unix socket; --regions local): send the tensor inline",
+                  what);
+        return NULL;
+    }
+    moed_region *g = moed_regions_acquire(s->regions, c->principal, id, err);
+    if (!g) moed_error_prefix(err, "%s", what);
+    return g;
+}
+
+/* The tensor's `need` bytes, in a region or inline (checked against need), copied into fresh
+ * memory aligned for any element type. */
+static void *tensor_copy(const moed_served *s, const moed_caller *c, const moed_wire_tensor *t,
+                         const char *name, int dtype, uint64_t need, moed_error *err)
+{
+    void *p = malloc(need ? need : 1);
+    if (!p) {
+        moed_fail(err, MOED_ENOMEM, "no memory to copy %llu bytes of the request",
+                  (unsigned long long)need);
+        return NULL;
+    }
+    if (!t->in_region) {
+        moed_span_copy(&t->data, p);
+        return p;
+    }
+    moed_region *g = region_for(s, c, t->region.region, name, err);
+    void *at;
+    int dev;
+    int rc = !g ? err->code
+                : moed_region_resolve(g, t->region.offset, t->region.length, need,
+                                      moed_dtype_size(dtype), name, &at, &dev, err);
+    if (!rc && (rc = moed_region_copy_in(s->regions, g, p, at, (size_t)need, err)))
+        moed_error_prefix(err, "%s", name); /* as region_for names it when the region is broken */
+    moed_region_release(s->regions, g);
+    if (!rc) return p;
+    free(p);
+    return NULL;
+}
+
+/* A 2-d tensor of the given dtype whose data (inline) is exactly rows x cols elements; *need the
+ * bytes it holds (a region reference is checked against it when resolved). want_rows and want_cols
+ * of -1 accept any (>= 1) value; `hint` says what the tensor should be. */
 static int check_matrix(const moed_wire_tensor *t, const char *name, int dtype, int64_t want_rows,
-                        int64_t want_cols, const char *hint, moed_error *err)
+                        int64_t want_cols, const char *hint, uint64_t *need_out, moed_error *err)
 {
     char shape[160];
     if (!t->present) return moed_fail(err, MOED_EINVAL, "%s is missing: send %s", name, hint);
@@ -118,6 +175,8 @@ static int check_matrix(const moed_wire_tensor *t, const char *name, int dtype, 
     if (__builtin_mul_overflow((uint64_t)t->shape[0], (uint64_t)t->shape[1], &need) ||
         __builtin_mul_overflow(need, (uint64_t)moed_dtype_size(dtype), &need))
         need = UINT64_MAX;
+    *need_out = need;
+    if (t->in_region) return 0;
     if (need != t->data.len)
         return moed_fail(err, MOED_EINVAL,
                          "%s has %zu data bytes, but shape %s of %s needs exactly %llu", name,
@@ -125,8 +184,8 @@ static int check_matrix(const moed_wire_tensor *t, const char *name, int dtype, 
     return 0;
 }
 
-static int check_hidden(const moed_served *s, const moed_wire_request *q, moed_work *w,
-                        moed_error *err)
+static int check_hidden(const moed_served *s, const moed_caller *c, const moed_wire_request *q,
+                        moed_work *w, moed_error *err)
 {
     const moed_wire_tensor *h = &q->hidden;
     moed_sched_item *it = &w->item;
@@ -154,6 +213,19 @@ static int check_hidden(const moed_served *s, const moed_wire_request *q, moed_w
     it->dtype = h->dtype;
     it->T = h->shape[0];
     uint64_t need = (uint64_t)it->T * (uint64_t)li->d_model * moed_dtype_size(it->dtype);
+    if (h->in_region) {
+        int dev;
+        void *at;
+        if (!(w->hidden_region = region_for(s, c, h->region.region, "hidden", err)))
+            return err->code;
+        int rc = moed_region_resolve(w->hidden_region, h->region.offset, h->region.length, need,
+                                     moed_dtype_size(it->dtype), "hidden", &at, &dev, err);
+        if (rc) return rc;
+        w->hidden_at = at;
+        if (moed_region_direct(s->regions, w->hidden_region))
+            it->mem = (moed_part){ .x = at, .x_dev = dev };
+        return 0;
+    }
     if (h->data.len != need)
         return moed_fail(err, MOED_EINVAL,
                          "hidden has %zu data bytes, but shape %s of %s needs exactly %llu",
@@ -162,16 +234,47 @@ static int check_hidden(const moed_served *s, const moed_wire_request *q, moed_w
     return 0;
 }
 
-/* The span's bytes in freshly allocated memory, aligned for any element type. */
-static void *copy_out(const moed_span *s, moed_error *err)
+/* Where the output goes: the region the request names, held and bounds-checked. */
+static int check_output(const moed_served *s, const moed_caller *c, const moed_wire_request *q,
+                        moed_work *w, moed_error *err)
 {
-    void *p = malloc(s->len ? s->len : 1);
-    if (!p) {
-        moed_fail(err, MOED_ENOMEM, "no memory to copy %zu bytes of the request", s->len);
-        return NULL;
+    moed_sched_item *it = &w->item;
+    if (!q->has_output) return 0;
+    const uint64_t need =
+        (uint64_t)it->T * (uint64_t)it->layer->info.d_model * moed_dtype_size(it->dtype);
+    int dev;
+    if (!(w->out_region = region_for(s, c, q->output.region, "output", err))) return err->code;
+    int rc = moed_region_resolve(w->out_region, q->output.offset, q->output.length, need,
+                                 moed_dtype_size(it->dtype), "output", &w->out_at, &dev, err);
+    if (rc) return rc;
+    w->out_ref = q->output;
+    if (moed_region_direct(s->regions, w->out_region)) {
+        it->mem.y = w->out_at;
+        it->mem.y_dev = dev;
     }
-    moed_span_copy(s, p);
-    return p;
+    return 0;
+}
+
+/* Inline hidden rows go into a staging-pool buffer now (the one copy in), with room behind them
+ * for the output unless it goes to a region; the backend then reads and writes the buffer itself.
+ * Without room in the pool nothing changes: the worker copies the rows, and the reply the output.
+ */
+static void take_buffer(const moed_served *s, moed_work *w)
+{
+    moed_sched_item *it = &w->item;
+    const size_t rows =
+        (size_t)it->T * (size_t)it->layer->info.d_model * moed_dtype_size(it->dtype);
+    const bool in = !w->hidden_region, out = !w->out_region;
+    if (!s->pool || !(w->buf = moed_bufpool_get(s->pool, (in + out) * rows))) return;
+    if (in) {
+        moed_span_copy(&w->hidden, w->buf);
+        it->mem.x = w->buf;
+        it->mem.x_dev = MOED_HOST_MEM;
+    }
+    if (out) {
+        it->mem.y = (char *)w->buf + (in ? rows : 0);
+        it->mem.y_dev = MOED_HOST_MEM;
+    }
 }
 
 static int too_many_pairs(int64_t pairs, int64_t limit, const char *how, moed_error *err)
@@ -212,29 +315,32 @@ static int count_pairs(const moed_served *s, moed_sched_item *it, moed_error *er
     return 0;
 }
 
-static int route_from_choice(const moed_served *s, const moed_wire_request *q, moed_sched_item *it,
-                             moed_error *err)
+static int route_from_choice(const moed_served *s, const moed_caller *c, const moed_wire_request *q,
+                             moed_sched_item *it, moed_error *err)
 {
     const moed_layer_info *li = &it->layer->info;
     char hint[160];
+    uint64_t n_ids, n_wt;
     snprintf(hint, sizeof hint, "[T = %lld, k] I32 expert ids, k >= 1", (long long)it->T);
-    int rc = check_matrix(&q->expert_ids, "experts.expert_ids", MOED_I32, it->T, -1, hint, err);
+    int rc =
+        check_matrix(&q->expert_ids, "experts.expert_ids", MOED_I32, it->T, -1, hint, &n_ids, err);
     if (rc) return rc;
     int64_t k = q->expert_ids.shape[1];
     snprintf(hint, sizeof hint, "[T = %lld, k = %lld] F32 weights, like expert_ids",
              (long long)it->T, (long long)k);
     if ((rc = check_matrix(&q->expert_weights, "experts.expert_weights", MOED_F32, it->T, k, hint,
-                           err)))
+                           &n_wt, err)))
         return rc;
-    int32_t *ids = copy_out(&q->expert_ids.data, err);
-    if (!ids) return MOED_ENOMEM;
+    int32_t *ids = tensor_copy(s, c, &q->expert_ids, "experts.expert_ids", MOED_I32, n_ids, err);
+    if (!ids) return err->code;
     int64_t pairs = 0; /* counted before the route is built: a huge k must not allocate first */
     for (int64_t i = 0; i < it->T * k; i++) pairs += ids[i] != -1;
     float *wt = NULL;
     if (pairs > pair_limit(s))
         rc = too_many_pairs(pairs, pair_limit(s), "", err);
-    else if (!(wt = copy_out(&q->expert_weights.data, err)))
-        rc = MOED_ENOMEM;
+    else if (!(wt = tensor_copy(s, c, &q->expert_weights, "experts.expert_weights", MOED_F32, n_wt,
+                                err)))
+        rc = err->code;
     else
         rc = moed_route_from_choice(&it->route, ids, wt, it->T, (int)k, li->n_experts, err);
     free(ids);
@@ -283,16 +389,19 @@ static int check_finite_rows(const float *l, int64_t T, int E, moed_error *err)
     return 0;
 }
 
-static int route_from_logits(const moed_wire_request *q, moed_sched_item *it, moed_error *err)
+static int route_from_logits(const moed_served *s, const moed_caller *c, const moed_wire_request *q,
+                             moed_sched_item *it, moed_error *err)
 {
     const moed_layer_info *li = &it->layer->info;
     char hint[160];
+    uint64_t need;
     snprintf(hint, sizeof hint, "[T = %lld, num_experts = %d] F32 router logits", (long long)it->T,
              li->n_experts);
-    int rc = check_matrix(&q->logits, "logits.logits", MOED_F32, it->T, li->n_experts, hint, err);
+    int rc =
+        check_matrix(&q->logits, "logits.logits", MOED_F32, it->T, li->n_experts, hint, &need, err);
     if (rc) return rc;
-    float *l = copy_out(&q->logits.data, err);
-    if (!l) return MOED_ENOMEM;
+    float *l = tensor_copy(s, c, &q->logits, "logits.logits", MOED_F32, need, err);
+    if (!l) return err->code;
     if (q->batch_gating) {
         /* Checked now: one caller's NaN must not poison the scores of a merged batch. */
         if ((rc = check_finite_rows(l, it->T, li->n_experts, err))) goto out;
@@ -322,8 +431,8 @@ static int check_batch_gating(const moed_served *s, const moed_sched_item *it, m
                      held, it->layer->info.index, it->layer->info.n_experts);
 }
 
-static int check_routing(const moed_served *s, const moed_wire_request *q, moed_sched_item *it,
-                         moed_error *err)
+static int check_routing(const moed_served *s, const moed_caller *c, const moed_wire_request *q,
+                         moed_sched_item *it, moed_error *err)
 {
     const moed_layer_info *li = &it->layer->info;
     if (q->batch_gating) {
@@ -337,9 +446,9 @@ static int check_routing(const moed_served *s, const moed_wire_request *q, moed_
             return moed_fail(err, MOED_EINVAL,
                              "batch_gating needs router logits (logits or server_router); it "
                              "cannot be combined with experts, which already fix the route");
-        return route_from_choice(s, q, it, err);
+        return route_from_choice(s, c, q, it, err);
     case MOED_ROUTING_LOGITS:
-        return route_from_logits(q, it, err);
+        return route_from_logits(s, c, q, it, err);
     case MOED_ROUTING_SERVER:
         if (!li->has_router || !it->layer->router)
             return moed_fail(err, MOED_EINVAL,
@@ -354,17 +463,24 @@ static int check_routing(const moed_served *s, const moed_wire_request *q, moed_
                      "logits and a gating strategy) or server_router");
 }
 
-/* The item's copy_in: the one copy of hidden, from the message's slices into the staging. */
+/* The item's copy_in, when the backend cannot read hidden where it is: the one copy, from the
+ * message's slices or (guarded) from its region, into the staging. */
 static int copy_hidden(moed_sched_item *it, void *dst, moed_error *err)
 {
-    moed_span_copy(&moed_container_of(it, moed_work, item)->hidden, dst);
+    moed_work *w = moed_container_of(it, moed_work, item);
+    if (w->hidden_region)
+        return moed_region_copy_in(
+            w->regions, w->hidden_region, dst, w->hidden_at,
+            (size_t)it->T * (size_t)it->layer->info.d_model * moed_dtype_size(it->dtype), err);
+    moed_span_copy(&w->hidden, dst);
     return 0;
 }
 
-int moed_request_validate(const moed_served *s, const moed_wire_request *q, moed_work *w,
-                          moed_error *err)
+int moed_request_validate(const moed_served *s, const moed_caller *c, const moed_wire_request *q,
+                          moed_work *w, moed_error *err)
 {
     memset(w, 0, sizeof *w);
+    w->regions = s->regions;
     if ((int64_t)q->bytes > s->max_message_bytes)
         return moed_fail(err, MOED_ETOOBIG,
                          "the request is %zu bytes, over this server's limit of %lld "
@@ -373,9 +489,31 @@ int moed_request_validate(const moed_served *s, const moed_wire_request *q, moed
     int rc;
     w->item.copy_in = copy_hidden;
     if ((rc = check_request_id(q, w, err)) || (rc = find_layer(s, q->layer, &w->item, err)) ||
-        (rc = check_hidden(s, q, w, err)) || (rc = check_routing(s, q, &w->item, err)) ||
-        (rc = count_pairs(s, &w->item, err)))
+        (rc = check_hidden(s, c, q, w, err)) || (rc = check_routing(s, c, q, &w->item, err)) ||
+        (rc = count_pairs(s, &w->item, err)) || (rc = check_output(s, c, q, w, err)))
         return rc;
+    take_buffer(s, w);
+    return 0;
+}
+
+int moed_work_output(moed_work *w, const void *y, size_t y_bytes, grpc_slice *data,
+                     const moed_wire_ref **ref, moed_error *err)
+{
+    *ref = NULL;
+    *data = grpc_empty_slice();
+    if (w->out_region) {
+        *ref = &w->out_ref;
+        return y == w->out_at
+                   ? 0
+                   : moed_region_copy_out(w->regions, w->out_region, w->out_at, y, y_bytes, err);
+    }
+    if (w->buf && y == w->item.mem.y) { /* the backend wrote the reply's bytes in place */
+        *data = grpc_slice_new_with_user_data((void *)y, y_bytes, moed_bufpool_put, w->buf);
+        w->buf = NULL;
+        return 0;
+    }
+    *data = grpc_slice_malloc(y_bytes);
+    memcpy(GRPC_SLICE_START_PTR(*data), y, y_bytes);
     return 0;
 }
 
@@ -384,4 +522,9 @@ void moed_work_free(moed_work *w)
     moed_route_free(&w->item.route);
     free(w->item.logits);
     w->item.logits = NULL;
+    moed_region_release(w->regions, w->hidden_region);
+    moed_region_release(w->regions, w->out_region);
+    w->hidden_region = w->out_region = NULL;
+    moed_bufpool_put(w->buf);
+    w->buf = NULL;
 }

@@ -7,12 +7,21 @@
  * could spoil. Client routing (expert ids and weights, or logits with a per-token strategy) is
  * turned into a route here too; only what needs the merged batch or the backend (server-router
  * logits, batch-level gating) is left to the scheduler's worker.
+ *
+ * Where the tensors are is settled here too. Inline hidden rows are copied once, now, into a
+ * buffer of the staging pool (the backend reads them from there and writes the output into the
+ * same buffer, which becomes the reply); without room in the pool they stay in the message and the
+ * worker copies them. Tensors in regions are bounds-checked and their regions held (routing
+ * tensors copied out at once, guarded); hidden and the output are handed to the backend where
+ * they lie when it may touch that memory (moed_region_direct), else copied under moed_guard.
  */
 #ifndef MOED_REQUEST_H
 #define MOED_REQUEST_H
 
+#include "bufpool.h"
 #include "moed_err.h"
 #include "moed_model.h"
+#include "region.h"
 #include "scheduler.h"
 #include "shard.h"
 #include "wire.h"
@@ -29,24 +38,48 @@ typedef struct moed_served {
     int64_t max_batch_tokens;  /* --max-batch-tokens */
     int64_t max_message_bytes; /* --max-message-bytes */
     int64_t max_batch_pairs; /* --max-batch-pairs: (token, expert) pairs in one request; 0: none */
+    moed_regions *regions;   /* the region registry; NULL: regions are off */
+    moed_bufpool *pool;      /* inline hidden rows and replies; NULL: none */
 } moed_served;
+
+/* Who sent a request: the principal its token names (0 without tokens), and whether it came from
+ * this host (loopback or a unix socket). */
+typedef struct moed_caller {
+    int principal;
+    bool local;
+} moed_caller;
 
 /* A validated request: who asked, where its hidden rows lie, and the scheduler item that says
  * what to compute and how it is routed. */
 typedef struct moed_work {
     char request_id[MOED_REQUEST_ID_MAX + 1];
     size_t request_id_len;
-    moed_span hidden; /* [T, d_model] bytes in the request's slices */
-    /* Ready to submit once the caller sets done, user and the times; its copy_in copies hidden. */
+    moed_span hidden;           /* [T, d_model] bytes in the request's slices (inline) */
+    moed_regions *regions;      /* where the references below go back to */
+    moed_region *hidden_region; /* held until moed_work_free; or NULL */
+    const void *hidden_at;      /* hidden's bytes in it (copied by copy_in unless direct) */
+    moed_region *out_region;    /* the output's region, held; or NULL */
+    void *out_at;               /* where in it the output goes */
+    moed_wire_ref out_ref;      /* as the request named it (the reply names it back) */
+    void *buf;                  /* staging-pool buffer: hidden rows, then the output; or NULL */
+    /* Ready to submit once the caller sets done, user and the times. */
     moed_sched_item item;
 } moed_work;
 
-/* Validates q against s and fills w (which moed_work_free releases, also after a failure).
- * w->hidden points into the message's slices, as q's spans do: they stay open until done. Errors
- * carry the status code (moed_err.h) and a message naming the field, the values and
+/* Validates q from caller c against s and fills w (which moed_work_free releases, also after a
+ * failure). w->hidden points into the message's slices, as q's spans do: they stay open until
+ * done. Errors carry the status code (moed_err.h) and a message naming the field, the values and
  * the fix. */
-int moed_request_validate(const moed_served *s, const moed_wire_request *q, moed_work *w,
-                          moed_error *err);
+int moed_request_validate(const moed_served *s, const moed_caller *c, const moed_wire_request *q,
+                          moed_work *w, moed_error *err);
+
+/* Puts a computed output where the request asked (res->y is the scheduler's result): nothing to
+ * do when the backend wrote it there; for a host region it could not write, a guarded copy. Then
+ * *data is the reply's data slice (empty for a region; the pool buffer itself when the output is
+ * in it, which the slice then owns) and *ref the region to name, or NULL. */
+int moed_work_output(moed_work *w, const void *y, size_t y_bytes, grpc_slice *data,
+                     const moed_wire_ref **ref, moed_error *err);
+
 void moed_work_free(moed_work *w);
 
 /* "0-3,7" for the layers served, for messages and logs. */

@@ -33,15 +33,22 @@
 
 /* Calls requested in advance per method and queue: enough for a burst of callers to be taken
  * without waiting for a re-arm. */
-static const int prepost[M_COUNT] = { [M_FORWARD] = 32, [M_STREAM] = 8, [M_GETMODEL] = 2,
-                                      [M_CHECK] = 4,    [M_WATCH] = 2,  [M_UNKNOWN] = 2 };
+static const int prepost[M_COUNT] = {
+    [M_FORWARD] = 32, [M_STREAM] = 8,  [M_GETMODEL] = 2,     [M_CHECK] = 4,
+    [M_WATCH] = 2,    [M_REGIONS] = 2, [M_LIST_REGIONS] = 2, [M_UNKNOWN] = 2
+};
 
 static const rpc_method getmodel_method, unknown_method;
 
 static const rpc_method *const methods[M_COUNT] = {
-    [M_FORWARD] = &moed_forward_method, [M_STREAM] = &moed_stream_method,
-    [M_GETMODEL] = &getmodel_method,    [M_CHECK] = &moed_check_method,
-    [M_WATCH] = &moed_watch_method,     [M_UNKNOWN] = &unknown_method,
+    [M_FORWARD] = &moed_forward_method,
+    [M_STREAM] = &moed_stream_method,
+    [M_GETMODEL] = &getmodel_method,
+    [M_CHECK] = &moed_check_method,
+    [M_WATCH] = &moed_watch_method,
+    [M_REGIONS] = &moed_regions_method,
+    [M_LIST_REGIONS] = &moed_list_regions_method,
+    [M_UNKNOWN] = &unknown_method,
 };
 
 /* ---- calls ----------------------------------------------------------------------------------- */
@@ -291,7 +298,7 @@ static bool refuse_unauthenticated(rpc_call *c)
 {
     moed_error err;
     if (c->method_id == M_CHECK || c->method_id == M_WATCH ||
-        !moed_security_check_call(c->rpc->cfg.security, &c->md, &err))
+        !moed_security_check_call(c->rpc->cfg.security, &c->md, &c->principal, &err))
         return false;
     moed_log_debug("call refused", "method=%s reason=\"%s\"", c->method->path, err.msg);
     refuse(c, &err);
@@ -320,6 +327,7 @@ static bool refuse_crowded(rpc_call *c)
     moed_rpc *r = c->rpc;
     char *peer = grpc_call_get_peer(c->call);
     bool counted = peer && strncmp(peer, "unix", 4);
+    c->local = peer && moed_peer_is_local(peer);
     if (counted) c->peer = moed_peers_enter(r->peers, peer, 2 * r->cfg.max_streams);
     gpr_free(peer);
     if (!counted || c->peer) return false;
@@ -577,6 +585,17 @@ static grpc_byte_buffer *model_info(moed_rpc *r)
     mi.version = MOED_VERSION;
     mi.max_message_bytes = (uint64_t)r->cfg.max_message_bytes;
     mi.max_batch_tokens = (uint32_t)s->max_batch_tokens;
+    Moed__V1__RegionLimits rl = MOED__V1__REGION_LIMITS__INIT;
+    static const char *const modes[] = { "off", "local", "any" };
+    rl.mode = (char *)modes[moed_regions_mode(s->regions)];
+    if (s->regions) {
+        const moed_regions_config *lim = moed_regions_limits(s->regions);
+        rl.max_regions = (uint32_t)lim->max_regions;
+        rl.max_region_bytes = (uint64_t)lim->max_bytes;
+        rl.max_region_bytes_total = (uint64_t)lim->max_total_bytes;
+        rl.cuda = moed_backend_host_dma(b);
+    }
+    mi.regions = &rl;
     bb = moed_wire_pack(&mi.base);
 out:
     free(ranges);
@@ -611,8 +630,8 @@ static void unknown_start(rpc_call *c)
     char msg[400];
     grpc_slice m = c->call_details.method;
     snprintf(msg, sizeof msg,
-             "unknown method %.*s: moed serves /moed.v1.Moed/Forward, ForwardStream and GetModel, "
-             "and /grpc.health.v1.Health/Check and Watch",
+             "unknown method %.*s: moed serves /moed.v1.Moed/Forward, ForwardStream, GetModel, "
+             "Regions and ListRegions, and /grpc.health.v1.Health/Check and Watch",
              (int)(GRPC_SLICE_LENGTH(m) < 200 ? GRPC_SLICE_LENGTH(m) : 200),
              (const char *)GRPC_SLICE_START_PTR(m));
     rpc_reply(c, NULL, GRPC_STATUS_UNIMPLEMENTED, msg);
@@ -854,12 +873,14 @@ static void maybe_shutdown(moed_rpc *r)
 void moed_rpc_drain(moed_rpc *r, void (*on_drained)(void *arg), void *arg)
 {
     if (atomic_exchange(&r->draining, true)) return;
-    moed_sched_flush(r->cfg.sched); /* calls waiting in a merge window are launched now */
     moed_rpc_set_serving(r, false);
     r->on_drained = on_drained;
     r->drained_arg = arg;
     r->shutdown_tag.fn = on_shutdown;
+    /* Streams first: region sessions end (no more command is answered) before a request that
+     * waited in a merge window is answered, so no caller sees its session outlive the drain. */
     for_each_live(r, tell_drain, 0);
+    moed_sched_flush(r->cfg.sched); /* calls waiting in a merge window are launched now */
     maybe_shutdown(r);
 }
 

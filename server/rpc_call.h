@@ -30,6 +30,8 @@ enum {
     M_GETMODEL = MOED_METHOD_GET_MODEL,
     M_CHECK = MOED_METHOD_HEALTH_CHECK,
     M_WATCH = MOED_METHOD_HEALTH_WATCH,
+    M_REGIONS = MOED_METHOD_REGIONS,
+    M_LIST_REGIONS = MOED_METHOD_LIST_REGIONS,
     M_UNKNOWN = MOED_METHOD_UNKNOWN,
     M_COUNT = MOED_METHOD_COUNT
 };
@@ -93,6 +95,8 @@ struct rpc_call {
     _Atomic int refs;
     uint64_t t_received_ns;
     moed_peer *peer; /* its connection's count of open calls, or NULL (not counted) */
+    int principal;   /* the token it carries (moed_security_check_call); 0 without tokens */
+    bool local;      /* its peer is on this host (loopback or a unix socket) */
     bool active;     /* let in (token, drain and stream count checked): the drain waits for it */
     bool started;    /* the method's start ran: its destroy must run too */
     rpc_tag on_new, on_payload;
@@ -111,7 +115,7 @@ struct rpc_call {
 };
 
 extern const rpc_method moed_forward_method, moed_stream_method, moed_check_method,
-    moed_watch_method;
+    moed_watch_method, moed_regions_method, moed_list_regions_method;
 
 void rpc_call_ref(rpc_call *c);
 void rpc_call_unref(rpc_call *c);

@@ -12,6 +12,11 @@
  * A launch never splits a request and never lets one request's bad data spoil the others: a
  * request whose copy-in fails, or whose server-side gating fails (NaN logits from its own hidden
  * rows), is answered with its error and its rows leave the launch before the backend runs.
+ *
+ * Each request is one part of the backend's job: its rows stay where the request keeps them when
+ * the backend may read them there (item.mem), else they are copied into the worker's staging at a
+ * row of their own. A request that leaves the launch just leaves the list of parts: nothing is
+ * moved.
  */
 #include "scheduler.h"
 
@@ -48,6 +53,8 @@ typedef struct worker {
     moed_sched_item **items;
     const moed_route **parts;
     int64_t *rows, *tokens;  /* per item of the launch: first row and T */
+    int64_t *stage;          /* per item: its first row in the staging (x and y) */
+    moed_part *mem;          /* per item: the backend job's parts */
     uint64_t *expert_tokens; /* a launch's pairs per expert the backend holds, for the metrics */
 } worker;
 
@@ -254,8 +261,9 @@ static bool answer_if_gone(moed_sched *s, moed_sched_item *it)
     return true;
 }
 
-/* Has each request copy its rows into the staging, end to end; a request whose copy fails, or
- * whose caller has gone, is answered now, and the next one's rows take its place. */
+/* Has each request whose rows the backend cannot read where they are copy them into the staging,
+ * at rows of its own; a request whose copy fails, or whose caller has gone, is answered now and
+ * leaves the launch. */
 static void stage_in(worker *w, launch *l)
 {
     int m = 0;
@@ -264,19 +272,40 @@ static void stage_in(worker *w, launch *l)
         moed_sched_item *it = w->items[i];
         moed_error err = { 0 };
         if (answer_if_gone(w->s, it)) continue;
-        int rc = it->copy_in(it, (char *)w->x + T * l->row_bytes, &err);
+        int rc = it->mem.x ? 0 : it->copy_in(it, (char *)w->x + T * l->row_bytes, &err);
         if (rc) {
             finish_error(w->s, it, rc, &err);
             continue;
         }
         w->items[m] = it;
         w->rows[m] = T;
+        w->stage[m] = T;
         w->tokens[m] = it->T;
         T += it->T;
         m++;
     }
     l->n = m;
     l->T = T;
+}
+
+/* The job's parts: each request's rows where it keeps them, or its rows of the staging. */
+static void set_parts(worker *w, const launch *l)
+{
+    for (int i = 0; i < l->n; i++) {
+        const moed_sched_item *it = w->items[i];
+        moed_part *p = &w->mem[i];
+        const size_t at = (size_t)w->stage[i] * l->row_bytes;
+        *p = it->mem;
+        p->rows = it->T;
+        if (!it->mem.x) {
+            p->x = (char *)w->x + at;
+            p->x_dev = MOED_HOST_MEM;
+        }
+        if (!it->mem.y) {
+            p->y = (char *)w->y + at;
+            p->y_dev = MOED_HOST_MEM;
+        }
+    }
 }
 
 /* The requests whose caller went while the server router ran leave the launch (items[i] = NULL);
@@ -334,23 +363,20 @@ static void route_requests(worker *w, const launch *l)
     }
 }
 
-/* Squeezes the rows of failed requests out of x (and logits, when the launch has them): items,
- * rows and tokens compacted alike, l->n and l->T what is left. */
+/* Takes failed requests out of the launch (and their rows out of the logits, when the launch has
+ * them): items, rows, staging rows and tokens compacted alike, l->n and l->T what is left. */
 static void compact(worker *w, launch *l, bool logits)
 {
     int m = 0;
     int64_t row = 0;
     for (int i = 0; i < l->n; i++) {
         if (!w->items[i]) continue;
-        if (w->rows[i] != row) {
-            memmove((char *)w->x + row * l->row_bytes, (char *)w->x + w->rows[i] * l->row_bytes,
-                    (size_t)w->tokens[i] * l->row_bytes);
-            if (logits)
-                memmove(w->logits + row * l->E, w->logits + w->rows[i] * l->E,
-                        (size_t)(w->tokens[i] * l->E) * sizeof(float));
-        }
+        if (w->rows[i] != row && logits)
+            memmove(w->logits + row * l->E, w->logits + w->rows[i] * l->E,
+                    (size_t)(w->tokens[i] * l->E) * sizeof(float));
         w->items[m] = w->items[i];
         w->tokens[m] = w->tokens[i];
+        w->stage[m] = w->stage[i];
         w->rows[m] = row;
         row += w->tokens[i];
         m++;
@@ -397,18 +423,23 @@ static int compute(worker *w, launch *l, moed_error *err)
     bool server = false;
     stage_in(w, l);
     for (int i = 0; i < l->n; i++) server |= w->items[i]->server_logits;
-    int rc = server ? moed_backend_router_logits(b, w->exec, l->slot, l->dtype, l->T, w->x,
-                                                 w->logits, err)
-                    : 0;
+    moed_job job = { .slot = l->slot, .dtype = l->dtype, .T = l->T, .parts = w->mem };
+    int rc = 0;
+    if (server && l->n) {
+        set_parts(w, l);
+        job.n_parts = l->n;
+        rc = moed_backend_router_logits(b, w->exec, &job, w->logits, err);
+    }
     if (rc) return rc;
     int dropped = drop_gone(w, l); /* the server router may have taken a while */
     if (server || l->k_batch) route_requests(w, l);
     if (dropped || server || l->k_batch) compact(w, l, server || l->k_batch);
     localize(w, l);
     if (!l->n || (rc = merge_routes(w, l, err))) return rc;
-    moed_job job = {
-        .slot = l->slot, .dtype = l->dtype, .T = l->T, .x = w->x, .y = w->y, .route = l->route
-    };
+    set_parts(w, l);
+    job.T = l->T;
+    job.n_parts = l->n;
+    job.route = l->route;
     return moed_backend_forward(b, w->exec, &job, err);
 }
 
@@ -438,7 +469,7 @@ static void deliver(worker *w, const launch *l, uint64_t t_launch)
         moed_sched_item *it = w->items[i];
         moed_metrics_queue_wait(s->cfg.metrics, t_launch - it->t_enqueued_ns);
         moed_sched_result r = {
-            .y = (const char *)w->y + w->rows[i] * l->row_bytes,
+            .y = w->mem[i].y,
             .y_bytes = (size_t)w->tokens[i] * l->row_bytes,
             .expert_set = l->k_batch ? w->set : NULL,
             .n_expert_set = l->k_batch,
@@ -540,9 +571,11 @@ static int worker_init(moed_sched *s, worker *w, int exec, moed_error *err)
     w->parts = calloc((size_t)s->max_items, sizeof *w->parts);
     w->rows = calloc((size_t)s->max_items, sizeof *w->rows);
     w->tokens = calloc((size_t)s->max_items, sizeof *w->tokens);
+    w->stage = calloc((size_t)s->max_items, sizeof *w->stage);
+    w->mem = calloc((size_t)s->max_items, sizeof *w->mem);
     w->expert_tokens = calloc((size_t)s->max_experts, sizeof *w->expert_tokens);
     if (!w->x || !w->y || !w->logits || !w->set || !w->items || !w->parts || !w->rows ||
-        !w->tokens || !w->expert_tokens)
+        !w->tokens || !w->stage || !w->mem || !w->expert_tokens)
         return moed_fail(err, MOED_ENOMEM,
                          "no memory for execution slot %d's staging: 2 x %zu bytes (--max-batch-"
                          "tokens %lld x the largest d_model x 4) plus %zu for logits; lower "
@@ -567,6 +600,8 @@ static void worker_free(moed_sched *s, worker *w)
     free(w->parts);
     free(w->rows);
     free(w->tokens);
+    free(w->stage);
+    free(w->mem);
     free(w->expert_tokens);
 }
 

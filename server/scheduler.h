@@ -12,9 +12,13 @@
  * request its rows.
  *
  * The queue never sees a request's payload (libuv's uv_queue_work shape): an item says what to
- * compute, and brings two callbacks for its data, copy_in to fill its rows of the staging and done
- * to take its output. So where hidden lives (in a message's slices, or elsewhere) and where the
- * output goes is the submitter's business alone.
+ * compute and where its rows are, and brings two callbacks for its data, copy_in to fill its rows
+ * of the staging and done to take its output. An item whose rows lie in memory the backend may
+ * use as it is (a buffer of the staging pool, a client's region) names it in `mem`, and the backend
+ * copies from and to it directly; otherwise copy_in fills the worker's staging and done gets the
+ * output from it. Each item is one part of the backend's job (moed_part). So where hidden lives
+ * (in a message's slices, a pinned buffer, shared or GPU memory) and where the output goes is the
+ * submitter's business alone.
  *
  * Threads: submit and cancel come from the gRPC completion-queue threads; copy_in runs on a
  * worker; `done` is called on a worker thread (or on the thread that cancelled) exactly once for
@@ -43,8 +47,8 @@ typedef struct moed_sched_item moed_sched_item;
 typedef struct moed_sched_result {
     int status;            /* 0 or a MOED_E* code */
     const moed_error *err; /* the reason, when status != 0 */
-    const void *y; /* [T, d_model] output in the request's dtype, when status == 0; valid during
-                      the done call only */
+    const void *y; /* [T, d_model] output in the request's dtype, when status == 0: mem.y, or the
+                      worker's staging, valid during the done call only */
     size_t y_bytes;
     const int32_t *expert_set; /* batch gating: S in decreasing score order */
     int n_expert_set;
@@ -52,8 +56,8 @@ typedef struct moed_sched_result {
 } moed_sched_result;
 
 /* Writes the item's hidden rows, T x d_model values of its dtype, to dst: host staging memory
- * (the backend's host_alloc). 0, or a MOED_E* code with err filled: then the item alone fails,
- * and its launch runs without it. */
+ * (the backend's host_alloc). Called only when mem.x is NULL. 0, or a MOED_E* code with err
+ * filled: then the item alone fails, and its launch runs without it. */
 typedef int (*moed_sched_copy_fn)(moed_sched_item *it, void *dst, moed_error *err);
 
 /* Delivers the item's outcome (see moed_sched_result). */
@@ -74,6 +78,11 @@ struct moed_sched_item {
                       worker gates server logits) the most its gate can keep */
     /* route and logits stay the submitter's to free, after done; the worker may replace route
      * (gating server logits) with one the submitter then frees the same way. */
+
+    /* Where the backend reads the rows and writes the output as they are (host or device memory,
+     * moed_part's x, x_dev, y, y_dev; rows is set by the worker); x or y NULL: the worker's
+     * staging, through copy_in and done. */
+    moed_part mem;
 
     /* The payload's two ends, and when the call arrived and must be answered by. */
     moed_sched_copy_fn copy_in;

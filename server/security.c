@@ -140,33 +140,60 @@ static int check_pair(const moed_security_config *cfg, const moed_security *s, m
     return rc;
 }
 
-/* The token: the file's first line (or the variable), trimmed; printable ASCII without spaces,
- * as an HTTP header value carries it unchanged. */
-static int set_token(moed_security *s, char *raw, const char *source, moed_error *err)
+/* One token, n bytes at p: printable ASCII without spaces, as an HTTP header value carries it
+ * unchanged. */
+static int add_token(moed_security *s, const char *p, size_t n, const char *source, int line,
+                     moed_error *err)
 {
-    char *p = raw, *e;
-    while (isspace((unsigned char)*p)) p++;
-    e = p + strcspn(p, "\r\n");
-    while (e > p && isspace((unsigned char)e[-1])) e--;
-    size_t n = (size_t)(e - p);
-    if (!n)
-        return moed_fail(err, MOED_EINVAL,
-                         "%s is empty: put the bearer token on its first line (e.g. from "
-                         "openssl rand -hex 32)",
-                         source);
     if (n > MAX_TOKEN_BYTES)
-        return moed_fail(err, MOED_EINVAL, "%s: the token is %zu bytes; at most %d", source, n,
-                         MAX_TOKEN_BYTES);
+        return moed_fail(err, MOED_EINVAL, "%s line %d: the token is %zu bytes; at most %d", source,
+                         line, n, MAX_TOKEN_BYTES);
     for (size_t i = 0; i < n; i++)
         if ((unsigned char)p[i] <= 0x20 || (unsigned char)p[i] >= 0x7f)
             return moed_fail(err, MOED_EINVAL,
-                             "%s: the token has a space or a non-printable byte at offset %zu; "
-                             "use printable ASCII only (e.g. openssl rand -hex 32)",
-                             source, i);
-    if (!(s->token = malloc(n + 1))) return moed_fail(err, MOED_ENOMEM, "no memory for the token");
-    memcpy(s->token, p, n);
-    s->token[n] = 0;
-    s->token_len = n;
+                             "%s line %d: the token has a space or a non-printable byte at offset "
+                             "%zu; use printable ASCII only (e.g. openssl rand -hex 32)",
+                             source, line, i);
+    for (int t = 0; t < s->n_tokens; t++)
+        if (s->token_lens[t] == n && !memcmp(s->tokens[t], p, n))
+            return moed_fail(err, MOED_EINVAL,
+                             "%s line %d repeats an earlier token: each token is a principal of "
+                             "its own, so each must differ",
+                             source, line);
+    if (s->n_tokens == MOED_SECURITY_MAX_TOKENS)
+        return moed_fail(err, MOED_EINVAL, "%s holds more than %d tokens", source,
+                         MOED_SECURITY_MAX_TOKENS);
+    char *t = malloc(n + 1);
+    if (!t) return moed_fail(err, MOED_ENOMEM, "no memory for the token");
+    memcpy(t, p, n);
+    t[n] = 0;
+    s->tokens[s->n_tokens] = t;
+    s->token_lens[s->n_tokens++] = n;
+    return 0;
+}
+
+/* The tokens: each line of the file (or the variable), trimmed, that is neither blank nor a
+ * comment ('#'); one at least. */
+static int set_tokens(moed_security *s, char *raw, const char *source, moed_error *err)
+{
+    s->tokens = calloc(MOED_SECURITY_MAX_TOKENS, sizeof *s->tokens);
+    s->token_lens = calloc(MOED_SECURITY_MAX_TOKENS, sizeof *s->token_lens);
+    if (!s->tokens || !s->token_lens) return moed_fail(err, MOED_ENOMEM, "no memory for tokens");
+    int line = 0;
+    for (char *p = raw; *p;) {
+        char *e = p + strcspn(p, "\r\n"), *next = e + strspn(e, "\r\n");
+        line++;
+        while (p < e && isspace((unsigned char)*p)) p++;
+        while (e > p && isspace((unsigned char)e[-1])) e--;
+        int rc = e > p && *p != '#' ? add_token(s, p, (size_t)(e - p), source, line, err) : 0;
+        if (rc) return rc;
+        p = next;
+    }
+    if (!s->n_tokens)
+        return moed_fail(err, MOED_EINVAL,
+                         "%s is empty: put the bearer token on a line of its own (e.g. from "
+                         "openssl rand -hex 32)",
+                         source);
     return 0;
 }
 
@@ -177,7 +204,7 @@ static int load_token(const moed_security_config *cfg, moed_security *s, moed_er
         int rc = read_file("--auth-token-file", cfg->token_file, MAX_TOKEN_BYTES * 2, &raw, err);
         if (rc) return rc;
         snprintf(source, sizeof source, "--auth-token-file '%s'", cfg->token_file);
-        rc = set_token(s, raw, source, err);
+        rc = set_tokens(s, raw, source, err);
         free(raw);
         s->token_source = "--auth-token-file";
         return rc;
@@ -185,7 +212,7 @@ static int load_token(const moed_security_config *cfg, moed_security *s, moed_er
     if (!cfg->token_env) return 0;
     char *raw = strdup(cfg->token_env);
     if (!raw) return moed_fail(err, MOED_ENOMEM, "no memory for the token");
-    int rc = set_token(s, raw, "$MOED_AUTH_TOKEN", err);
+    int rc = set_tokens(s, raw, "$MOED_AUTH_TOKEN", err);
     free(raw);
     s->token_source = "MOED_AUTH_TOKEN";
     return rc;
@@ -218,7 +245,9 @@ void moed_security_free(moed_security *s)
     free(s->cert_pem);
     free(s->key_pem);
     free(s->ca_pem);
-    free(s->token);
+    for (int i = 0; i < s->n_tokens; i++) free(s->tokens[i]);
+    free(s->tokens);
+    free(s->token_lens);
     memset(s, 0, sizeof *s);
 }
 
@@ -250,9 +279,22 @@ static bool slice_is(grpc_slice s, const char *str)
     return GRPC_SLICE_LENGTH(s) == n && !memcmp(GRPC_SLICE_START_PTR(s), str, n);
 }
 
-int moed_security_check_call(const moed_security *s, const grpc_metadata_array *md, moed_error *err)
+/* The number (1, 2, ...) of the token got is, or 0; every token is compared whichever matches. */
+static int which_token(const moed_security *s, const uint8_t *got, size_t glen)
 {
-    if (!s || !s->token) return 0;
+    unsigned found = 0;
+    for (int t = 0; t < s->n_tokens; t++) {
+        unsigned match = same_token(s->tokens[t], s->token_lens[t], got, glen);
+        found |= (unsigned)(t + 1) & (0u - match);
+    }
+    return (int)found;
+}
+
+int moed_security_check_call(const moed_security *s, const grpc_metadata_array *md, int *principal,
+                             moed_error *err)
+{
+    *principal = 0;
+    if (!s || !s->n_tokens) return 0;
     bool seen = false;
     for (size_t i = 0; i < md->count; i++) {
         if (!slice_is(md->metadata[i].key, "authorization")) continue;
@@ -262,7 +304,7 @@ int moed_security_check_call(const moed_security *s, const grpc_metadata_array *
         if (n < 7 || strncasecmp((const char *)v, "bearer ", 7)) continue;
         size_t at = 7;
         while (at < n && v[at] == ' ') at++;
-        if (same_token(s->token, s->token_len, v + at, n - at)) return 0;
+        if ((*principal = which_token(s, v + at, n - at))) return 0;
     }
     if (!seen)
         return moed_fail(err, MOED_EUNAUTH,
@@ -270,7 +312,7 @@ int moed_security_check_call(const moed_security *s, const grpc_metadata_array *
                          "'authorization: Bearer <token>' (moectl --token, MoEClient(token=...))");
     return moed_fail(err, MOED_EUNAUTH,
                      "the authorization metadata was not accepted: send 'authorization: Bearer "
-                     "<token>' with the token this server was given");
+                     "<token>' with a token this server was given");
 }
 
 bool moed_listen_is_loopback(const char *listen)

@@ -9,7 +9,9 @@
  * The token: every call except the health service's must carry the metadata
  * `authorization: Bearer <token>`; the comparison takes the same time whatever the bytes. Health
  * stays open so that Kubernetes probes and load balancers (which send no credentials) can check
- * the server.
+ * the server. The token file may hold several tokens, one a line (blank lines and lines starting
+ * with '#' are skipped): each is a principal of its own, which owns the tensor regions it
+ * registers (region.h); $MOED_AUTH_TOKEN holds one.
  */
 #ifndef MOED_SECURITY_H
 #define MOED_SECURITY_H
@@ -31,8 +33,9 @@ typedef struct moed_security_config {
 
 typedef struct moed_security {
     char *cert_pem, *key_pem, *ca_pem; /* NULL when TLS is off */
-    char *token;                       /* NULL when no token is required */
-    size_t token_len;
+    char **tokens;                     /* [n_tokens]; NULL when no token is required */
+    size_t *token_lens;
+    int n_tokens;
     const char *token_source; /* "--auth-token-file" or "MOED_AUTH_TOKEN", for the log */
 } moed_security;
 
@@ -46,9 +49,13 @@ void moed_security_free(moed_security *s);
  * client CA is set) or insecure. Release with grpc_server_credentials_release. */
 grpc_server_credentials *moed_security_credentials(const moed_security *s);
 
-/* 0 when no token is required or md carries the right one; MOED_EUNAUTH with a message that says
- * what to send otherwise (never anything about the expected token). */
-int moed_security_check_call(const moed_security *s, const grpc_metadata_array *md,
+/* The most tokens a token file may hold. */
+#define MOED_SECURITY_MAX_TOKENS 64
+
+/* 0 when no token is required or md carries one of the tokens; MOED_EUNAUTH with a message that
+ * says what to send otherwise (never anything about the expected tokens). *principal: 0 when no
+ * token is required, else the number (1, 2, ...) of the token's line among the tokens. */
+int moed_security_check_call(const moed_security *s, const grpc_metadata_array *md, int *principal,
                              moed_error *err);
 
 /* True for addresses only this host can reach: 127.0.0.0/8, ::1, localhost, unix sockets. */

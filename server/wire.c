@@ -204,6 +204,28 @@ static void add_dim(moed_wire_tensor *t, uint64_t v)
     if (t->n_shape < 1 << 30) t->n_shape++;
 }
 
+static int decode_ref(rd *r, void *obj)
+{
+    moed_wire_ref *x = obj;
+    static const char *const names[] = { "", "region", "offset", "length" };
+    while (r->left) {
+        uint32_t f;
+        int wt, rc = rd_tag(r, &f, &wt);
+        uint64_t v;
+        if (rc) return rc;
+        if (f < 1 || f > 3) {
+            if ((rc = skip_field(r, f, wt))) return rc;
+            continue;
+        }
+        if ((rc = expect_wt(r, "RegionRef", names[f], f, wt, WT_VARINT)) || (rc = rd_varint(r, &v)))
+            return rc;
+        if (f == 1) x->region = v;
+        if (f == 2) x->offset = v;
+        if (f == 3) x->length = v;
+    }
+    return 0;
+}
+
 static int decode_tensor(rd *r, void *obj)
 {
     moed_wire_tensor *t = obj;
@@ -232,10 +254,18 @@ static int decode_tensor(rd *r, void *obj)
             if ((rc = expect_wt(r, "Tensor", "shape", f, wt, WT_VARINT)) || (rc = rd_varint(r, &v)))
                 return rc;
             add_dim(t, v);
-        } else if (f == 3) {
+        } else if (f == 3) { /* the contents oneof: data replaces a region */
             if ((rc = expect_wt(r, "Tensor", "data", f, wt, WT_LEN)) || (rc = rd_varint(r, &v)) ||
                 (rc = rd_skip(r, v, &t->data)))
                 return rc;
+            t->in_region = false;
+            memset(&t->region, 0, sizeof t->region);
+        } else if (f == 4) { /* ... and a region replaces data (and merges into a region) */
+            if ((rc = expect_wt(r, "Tensor", "region", f, wt, WT_LEN))) return rc;
+            if (!t->in_region) memset(&t->region, 0, sizeof t->region);
+            if ((rc = rd_message(r, decode_ref, &t->region))) return rc;
+            t->in_region = true;
+            memset(&t->data, 0, sizeof t->data);
         } else if ((rc = skip_field(r, f, wt))) {
             return rc;
         }
@@ -342,13 +372,14 @@ static void switch_routing(moed_wire_request *q, int routing)
 static int decode_request(rd *r, moed_wire_request *q)
 {
     static const char *const names[] = { "",        "request_id", "layer",         "hidden",
-                                         "experts", "logits",     "server_router", "batch_gating" };
+                                         "experts", "logits",     "server_router", "batch_gating",
+                                         "output" };
     while (r->left) {
         uint32_t f;
         int wt, rc = rd_tag(r, &f, &wt);
         uint64_t v;
         if (rc) return rc;
-        if (f < 1 || f > 7) {
+        if (f < 1 || f > 8) {
             if ((rc = skip_field(r, f, wt))) return rc;
             continue;
         }
@@ -373,6 +404,10 @@ static int decode_request(rd *r, moed_wire_request *q)
             break;
         case 7:
             if ((rc = rd_message(r, decode_batch_gating, q))) return rc;
+            break;
+        case 8:
+            q->has_output = true;
+            if ((rc = rd_message(r, decode_ref, &q->output))) return rc;
             break;
         }
     }
@@ -482,15 +517,27 @@ grpc_byte_buffer *moed_wire_encode_response(const moed_wire_response *r, grpc_sl
     uint8_t *tail = malloc(80 + 10 * (size_t)r->n_expert_set);
     if (!tail) goto out;
 
-    /* Header: request_id, then output's tag, length and its fields up to data's length. */
-    uint8_t head[64 + 128 + 32], tensor[64], *p = head, *t = tensor;
+    /* Header: request_id, then output's tag, length and its fields up to data's length (or its
+     * region). */
+    uint8_t head[64 + 128 + 64], tensor[96], *p = head, *t = tensor;
     size_t id_len = r->request_id_len <= 128 ? r->request_id_len : 128;
     t = put_uint_field(t, 1, (uint64_t)r->dtype);
     uint8_t shape[24], *s = put_varint(put_varint(shape, (uint64_t)r->rows), (uint64_t)r->cols);
     t = put_varint(put_tag(t, 2, WT_LEN), (uint64_t)(s - shape));
     memcpy(t, shape, (size_t)(s - shape));
     t += s - shape;
-    t = put_varint(put_tag(t, 3, WT_LEN), data_len);
+    if (r->out_region) {
+        uint8_t ref[32], *e = ref;
+        e = put_uint_field(e, 1, r->out_region->region);
+        e = put_uint_field(e, 2, r->out_region->offset);
+        e = put_uint_field(e, 3, r->out_region->length);
+        t = put_varint(put_tag(t, 4, WT_LEN), (uint64_t)(e - ref));
+        memcpy(t, ref, (size_t)(e - ref));
+        t += e - ref;
+        data_len = 0;
+    } else {
+        t = put_varint(put_tag(t, 3, WT_LEN), data_len);
+    }
     if (id_len) {
         p = put_varint(put_tag(p, 1, WT_LEN), id_len);
         memcpy(p, r->request_id, id_len);
@@ -521,9 +568,10 @@ grpc_byte_buffer *moed_wire_encode_response(const moed_wire_response *r, grpc_sl
     grpc_slice parts[3] = { grpc_slice_from_copied_buffer((const char *)head, (size_t)(p - head)),
                             data,
                             grpc_slice_from_copied_buffer((const char *)tail, (size_t)(q - tail)) };
-    bb = grpc_raw_byte_buffer_create(parts, 3);
+    if (r->out_region) parts[1] = parts[2];
+    bb = grpc_raw_byte_buffer_create(parts, r->out_region ? 2 : 3);
     grpc_slice_unref(parts[0]);
-    grpc_slice_unref(parts[2]);
+    grpc_slice_unref(r->out_region ? parts[1] : parts[2]);
 out:
     free(tail);
     grpc_slice_unref(data);

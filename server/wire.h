@@ -10,8 +10,9 @@
  * give MOED_EFORMAT with the byte offset and what was wrong, never a read out of bounds.
  *
  * The response is three slices: a hand-encoded header (request_id, the output tensor's dtype,
- * shape and data length), the output bytes (a slice the caller filled in place), and a trailer
- * (expert_set, timings), so the output is copied exactly once, from the backend into its slice.
+ * shape and data length), the output bytes (a slice the backend wrote into: no CPU copy at all
+ * when it is a buffer of the staging pool), and a trailer (expert_set, timings). An output that
+ * went to a region is named in the header instead, and the reply has no data slice.
  * The small messages (GetModel, Health) go through protobuf-c with moed_wire_pack/unpack.
  */
 #ifndef MOED_WIRE_H
@@ -40,12 +41,19 @@ void moed_span_copy(const moed_span *s, void *dst);
 
 #define MOED_WIRE_MAX_DIMS 8
 
+/* moed.v1.RegionRef: bytes of a registered region. */
+typedef struct moed_wire_ref {
+    uint64_t region, offset, length;
+} moed_wire_ref;
+
 typedef struct moed_wire_tensor {
     bool present;
     int32_t dtype; /* the wire value, unchecked (open enum) */
     int n_shape;   /* dims seen; only the first MOED_WIRE_MAX_DIMS kept */
     int64_t shape[MOED_WIRE_MAX_DIMS];
-    moed_span data;
+    moed_span data; /* the contents oneof: data ... */
+    bool in_region; /* ... or region (then data is empty) */
+    moed_wire_ref region;
 } moed_wire_tensor;
 
 typedef struct moed_wire_gating {
@@ -74,6 +82,8 @@ typedef struct moed_wire_request {
     moed_wire_gating gating;                     /* LOGITS and SERVER; zeros when absent */
     bool batch_gating;
     uint32_t k_batch;
+    bool has_output; /* ForwardRequest.output: write the output into this region */
+    moed_wire_ref output;
 } moed_wire_request;
 
 /* Decodes a ForwardRequest from n slices. The spans in out point into slices, which must outlive
@@ -101,10 +111,12 @@ typedef struct moed_wire_response {
     const int32_t *expert_set; /* batch gating's S, or NULL */
     int n_expert_set;
     moed_timings timings;
+    const moed_wire_ref *out_region; /* the output went to this region: the reply names it */
 } moed_wire_response;
 
 /* A ForwardResponse whose output data is `data` (rows * cols * sizeof(dtype) bytes, filled by the
- * caller). Takes over the caller's reference to data. NULL when out of memory. */
+ * caller), or, with out_region set, whose output names that region and carries no data (data is
+ * then an empty slice). Takes over the caller's reference to data. NULL when out of memory. */
 grpc_byte_buffer *moed_wire_encode_response(const moed_wire_response *r, grpc_slice data);
 
 /* A protobuf-c message packed into one slice, as a byte buffer (NULL when out of memory). */

@@ -57,7 +57,7 @@ typedef struct cpu_ctx {
 #define MOED_CPU_NC 256
 
 int moed_cpu_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err);
-int moed_cpu_router_logits(moed_backend *b, int exec, int slot, int dtype, int64_t T, const void *x,
-                           float *logits, moed_error *err);
+int moed_cpu_router_logits(moed_backend *b, int exec, const moed_job *job, float *logits,
+                           moed_error *err);
 
 #endif

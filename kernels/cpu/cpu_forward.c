@@ -16,6 +16,7 @@
 #include "moed_dtype.h"
 
 #include <math.h>
+#include <stdbool.h>
 #include <string.h>
 
 /* Tokens per task when converting rows in and out. */
@@ -27,9 +28,11 @@ typedef struct fwd {
     cpu_ctx *c;
     const moed_layer *l;
     int dtype;
-    const void *x;
-    void *y;
-    const float *xf; /* the input rows in float32: x itself, or the workspace's copy */
+    const moed_part *parts; /* where the rows come from and go to */
+    int n_parts;
+    bool out; /* a forward (rows go out), not router logits */
+    const float
+        *xf; /* the input rows in float32: a lone F32 part itself, or the workspace's copy */
     int64_t T;
     int d;
     int64_t n_blocks; /* row blocks of the current window */
@@ -43,16 +46,42 @@ static cpu_ctx *ctx_of(moed_backend *b)
 
 /* ---- the phases (pool tasks) -------------------------------------------------------------- */
 
+/* The part holding token t, and t's row within it. */
+static const moed_part *part_of(const fwd *f, int64_t t, int64_t *row)
+{
+    int i = 0;
+    while (t >= f->parts[i].rows) t -= f->parts[i++].rows;
+    *row = t;
+    return &f->parts[i];
+}
+
+/* Converts tokens [t0, t0 + n) in or out, a run of rows of one part at a time. */
+static void rows_move(fwd *f, int64_t t0, int64_t n, bool in)
+{
+    const size_t d = (size_t)f->d, rb = d * moed_dtype_size(f->dtype);
+    while (n > 0) {
+        int64_t row;
+        const moed_part *p = part_of(f, t0, &row);
+        int64_t k = p->rows - row < n ? p->rows - row : n;
+        if (in)
+            moed_to_f32(f->dtype, (const char *)p->x + (size_t)row * rb,
+                        f->c->ws.x + (size_t)t0 * d, (size_t)k * d);
+        else
+            moed_from_f32(f->dtype, f->c->ws.acc + (size_t)t0 * d, (char *)p->y + (size_t)row * rb,
+                          (size_t)k * d);
+        t0 += k;
+        n -= k;
+    }
+}
+
 static void task_rows_in(void *arg, int64_t task, int thread)
 {
     (void)thread;
     fwd *f = arg;
     int64_t t0 = task * FWD_ROWS, n = f->T - t0 < FWD_ROWS ? f->T - t0 : FWD_ROWS;
     size_t d = (size_t)f->d;
-    if (f->xf != f->x)
-        moed_to_f32(f->dtype, (const char *)f->x + (size_t)t0 * d * moed_dtype_size(f->dtype),
-                    f->c->ws.x + (size_t)t0 * d, (size_t)n * d);
-    if (f->y) memset(f->c->ws.acc + (size_t)t0 * d, 0, (size_t)n * d * sizeof(float));
+    if (f->xf == f->c->ws.x) rows_move(f, t0, n, true);
+    if (f->out) memset(f->c->ws.acc + (size_t)t0 * d, 0, (size_t)n * d * sizeof(float));
 }
 
 static void task_rows_out(void *arg, int64_t task, int thread)
@@ -60,9 +89,7 @@ static void task_rows_out(void *arg, int64_t task, int thread)
     (void)thread;
     fwd *f = arg;
     int64_t t0 = task * FWD_ROWS, n = f->T - t0 < FWD_ROWS ? f->T - t0 : FWD_ROWS;
-    size_t d = (size_t)f->d;
-    moed_from_f32(f->dtype, f->c->ws.acc + (size_t)t0 * d,
-                  (char *)f->y + (size_t)t0 * d * moed_dtype_size(f->dtype), (size_t)n * d);
+    rows_move(f, t0, n, false);
 }
 
 /* One (row block, column block) of the current product of each expert. */
@@ -235,6 +262,27 @@ static int check_call(cpu_ctx *c, int exec, int slot, int dtype, int64_t T, moed
     return 0;
 }
 
+/* The CPU reads and writes host memory only. */
+static int check_parts(const moed_job *job, moed_error *err)
+{
+    for (int i = 0; i < job->n_parts; i++)
+        if (job->parts[i].x_dev != MOED_HOST_MEM || job->parts[i].y_dev != MOED_HOST_MEM)
+            return moed_fail(err, MOED_EPRECOND,
+                             "part %d of the job lies in device memory; the cpu backend computes "
+                             "from host memory only",
+                             i);
+    return 0;
+}
+
+/* The job's parts as the forward reads them: x converted into the workspace unless it is one F32
+ * part, which the GEMMs read in place. */
+static void set_parts(fwd *f, const moed_job *job)
+{
+    f->parts = job->parts;
+    f->n_parts = job->n_parts;
+    f->xf = job->dtype == MOED_F32 && job->n_parts == 1 ? job->parts[0].x : f->c->ws.x;
+}
+
 /* The route must fit the job and the layer, or the GEMMs would read out of bounds. */
 static int check_route(const moed_route *r, int64_t T, int E, moed_error *err)
 {
@@ -262,17 +310,12 @@ int moed_cpu_forward(moed_backend *b, int exec, const moed_job *job, moed_error 
 {
     cpu_ctx *c = ctx_of(b);
     int rc = check_call(c, exec, job->slot, job->dtype, job->T, err);
+    if (!rc) rc = check_parts(job, err);
     if (rc) return rc;
     const moed_layer *l = &c->layers[job->slot];
     if ((rc = check_route(job->route, job->T, l->info.n_experts, err))) return rc;
-    fwd f = { .c = c,
-              .l = l,
-              .dtype = job->dtype,
-              .x = job->x,
-              .y = job->y,
-              .T = job->T,
-              .d = l->info.d_model };
-    f.xf = job->dtype == MOED_F32 ? job->x : c->ws.x;
+    fwd f = { .c = c, .l = l, .dtype = job->dtype, .out = true, .T = job->T, .d = l->info.d_model };
+    set_parts(&f, job);
     int64_t row_tasks = (job->T + FWD_ROWS - 1) / FWD_ROWS;
     moed_pool_run(c->pool, row_tasks, task_rows_in, &f);
     int64_t t = 0, j = 0, n;
@@ -289,20 +332,23 @@ int moed_cpu_forward(moed_backend *b, int exec, const moed_job *job, moed_error 
     return 0;
 }
 
-int moed_cpu_router_logits(moed_backend *b, int exec, int slot, int dtype, int64_t T, const void *x,
-                           float *logits, moed_error *err)
+int moed_cpu_router_logits(moed_backend *b, int exec, const moed_job *job, float *logits,
+                           moed_error *err)
 {
     cpu_ctx *c = ctx_of(b);
-    int rc = check_call(c, exec, slot, dtype, T, err);
+    const int64_t T = job->T;
+    const int dtype = job->dtype;
+    int rc = check_call(c, exec, job->slot, dtype, T, err);
+    if (!rc) rc = check_parts(job, err);
     if (rc) return rc;
-    const moed_layer *l = &c->layers[slot];
+    const moed_layer *l = &c->layers[job->slot];
     if (!l->router)
         return moed_fail(err, MOED_EINVAL,
                          "layer %d has no router weights: send expert choices or router logits",
                          l->info.index);
     const int E = moed_layer_router_experts(&l->info);
-    fwd f = { .c = c, .l = l, .dtype = dtype, .x = x, .T = T, .d = l->info.d_model };
-    f.xf = dtype == MOED_F32 ? x : c->ws.x;
+    fwd f = { .c = c, .l = l, .dtype = dtype, .T = T, .d = l->info.d_model };
+    set_parts(&f, job);
     moed_pool_run(c->pool, (T + FWD_ROWS - 1) / FWD_ROWS, task_rows_in, &f);
     cpu_ws *w = &c->ws;
     w->mm[0] = (moed_cpu_mm){ .a = f.xf,

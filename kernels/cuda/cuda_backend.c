@@ -23,6 +23,15 @@
  * independent. Everything a batch does is queued on its slot's stream with no device-to-host
  * synchronisation until the output copy; slots run concurrently, so one batch's copies overlap
  * another's kernels.
+ *
+ * A job's tokens come in parts (moed_backend.h), each copied in and out where it lies: host memory
+ * by DMA (straight from pinned or registered pages), device memory device to device, another
+ * GPU's memory by a peer copy. A lone part already on the layer's GPU is not copied at all: the
+ * convert stage reads it and the combine writes the part's output in place (except for batches a
+ * graph replays, whose buffers are captured: there the part costs one small device copy). When a
+ * batch runs in chunks, the next chunk's rows come in on the slot's copy stream while the current
+ * chunk computes, and the route staging alternates between two halves, so chunks never wait for
+ * the host.
  */
 #include "moed_backend_impl.h"
 
@@ -30,10 +39,12 @@
 #include "moed_dtype.h"
 #include "moed_place.h"
 
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #define MAX_DEVICES MOED_PLACE_MAX
 
@@ -77,6 +88,8 @@ typedef struct cuda_layer {
 typedef struct graph_key {
     int slot, dtype, n_active;
     int64_t T, P;
+    const void *x; /* the slot's buffers the graph reads and writes (a chunk's rows) */
+    void *out;
 } graph_key;
 
 typedef struct graph_entry {
@@ -88,7 +101,12 @@ typedef struct graph_entry {
 typedef struct cuda_exec {
     int device;
     cudaStream_t stream;
-    int32_t *h_route; /* pinned: the packed input route (then, split: where each pair's row is) */
+    cudaStream_t copy;     /* the next chunk's rows come in on it while a chunk computes */
+    cudaEvent_t copied;    /* recorded on copy after a chunk's rows are in */
+    cudaEvent_t routed[2]; /* recorded after each half of h_route was uploaded */
+    /* pinned: the packed input route, in two halves used in turn (a split layer's: followed by
+     * where each pair's row is) */
+    int32_t *h_route[2];
     void *x_in, *out;
     moed_cuda_work_dev w;
     float *logits;
@@ -101,6 +119,7 @@ typedef struct cuda_exec {
      * landing buffer of its rows where the home GPU is not reachable by peer access, and the
      * event its rows are home at. */
     struct cuda_exec *parts;
+    int32_t *pos; /* [max_pairs] host: where each pair's row is among the parts' blocks */
     cudaEvent_t ready, done;
     moed_route sub;
     void *landing;
@@ -561,11 +580,17 @@ static int exec_init(cuda_ctx *c, cuda_exec *x, int device, bool part, moed_erro
     x->device = device;
     CU(cudaSetDevice(device), "cudaSetDevice");
     CU(cudaStreamCreateWithFlags(&x->stream, cudaStreamNonBlocking), "stream creation");
+    CU(cudaStreamCreateWithFlags(&x->copy, cudaStreamNonBlocking), "stream creation");
+    CU(cudaEventCreateWithFlags(&x->copied, cudaEventDisableTiming), "event creation");
     CU(cudaEventCreateWithFlags(part ? &x->done : &x->ready, cudaEventDisableTiming),
        "event creation");
     const size_t in_b = (size_t)T * c->max_d * 4;
-    CU(cudaMallocHost((void **)&x->h_route, (moed_cuda_route_in_words(T, P) + (size_t)P) * 4),
-       "pinned route staging");
+    for (int i = 0; i < 2; i++) {
+        CU(cudaEventCreateWithFlags(&x->routed[i], cudaEventDisableTiming), "event creation");
+        CU(cudaMallocHost((void **)&x->h_route[i],
+                          (moed_cuda_route_in_words(T, P) + (size_t)P) * 4),
+           "pinned route staging");
+    }
     CU(cudaMalloc(&x->x_in, in_b), "workspace");
     CU(cudaMalloc(&x->w.xc, moed_cuda_cbytes(T * c->max_d_pad)), "workspace");
     CU(cudaMalloc(&x->w.h, moed_cuda_cbytes(P * c->max_ff_pad)), "workspace");
@@ -601,11 +626,17 @@ static void exec_free(cuda_ctx *c, cuda_exec *x)
     cudaStreamSynchronize(x->stream);
     for (int i = 0; i < GRAPH_CACHE; i++)
         if (x->graphs[i].exec) cudaGraphExecDestroy(x->graphs[i].exec);
+    for (int i = 0; i < 2; i++) {
+        cudaFreeHost(x->h_route[i]);
+        if (x->routed[i]) cudaEventDestroy(x->routed[i]);
+    }
+    if (x->copied) cudaEventDestroy(x->copied);
+    if (x->copy) cudaStreamDestroy(x->copy);
     void *p[] = { x->x_in,   x->out,   x->w.xc, x->w.h,  x->w.y,  x->w.hs,       x->w.ys,
                   x->logits, x->route, x->w.xq, x->w.xs, x->w.hq, x->w.hs_scale, x->landing };
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) cudaFree(p[i]);
-    cudaFreeHost(x->h_route);
     moed_route_free(&x->sub);
+    free(x->pos);
     if (x->ready) cudaEventDestroy(x->ready);
     if (x->done) cudaEventDestroy(x->done);
     cudaStreamDestroy(x->stream);
@@ -628,25 +659,21 @@ static uint64_t exec_bytes(const cuda_ctx *c, bool part)
     return b + (uint64_t)T * c->max_router_e * sizeof(float);
 }
 
+static void enable_peers(const cuda_ctx *c, int dev);
+
 /* Peer access between every two GPUs of the entries (unless MOED_CUDA_NO_PEER=1), and whether a
  * split layer has a part that cannot write its home's memory directly. */
-static void enable_peers(cuda_ctx *c)
+static void plan_peers(cuda_ctx *c)
 {
     const char *no = getenv("MOED_CUDA_NO_PEER");
     const bool off = no && *no == '1';
+    for (int j = 0; j < c->n_dev && !off; j++) enable_peers(c, c->dev[j]);
     for (int i = 0; i < c->n_dev; i++)
         for (int j = 0; j < c->n_dev; j++) {
             int can = 0;
-            if (c->dev[i] == c->dev[j]) {
-                c->direct[i][j] = true;
-                continue;
-            }
-            if (off || cudaDeviceCanAccessPeer(&can, c->dev[i], c->dev[j]) != cudaSuccess || !can)
-                continue;
-            cudaSetDevice(c->dev[i]);
-            const cudaError_t e = cudaDeviceEnablePeerAccess(c->dev[j], 0);
-            c->direct[i][j] = e == cudaSuccess || e == cudaErrorPeerAccessAlreadyEnabled;
-            cudaGetLastError(); /* an "already enabled" is not an error to keep */
+            c->direct[i][j] =
+                c->dev[i] == c->dev[j] ||
+                (!off && cudaDeviceCanAccessPeer(&can, c->dev[i], c->dev[j]) == cudaSuccess && can);
         }
     for (int l = 0; l < c->n_layers; l++) {
         const cuda_layer *L = &c->layers[l];
@@ -677,8 +704,9 @@ static int init_parts(cuda_ctx *c, moed_error *err)
     for (int s = 0; s < c->n_exec && !rc; s++) {
         cuda_exec *x = &c->execs[s];
         if (!homes_split(c, x->device)) continue;
-        if (!(x->parts = calloc((size_t)c->n_dev, sizeof *x->parts)))
-            return moed_fail(err, MOED_ENOMEM, "out of host memory");
+        x->parts = calloc((size_t)c->n_dev, sizeof *x->parts);
+        x->pos = malloc(sizeof *x->pos * (size_t)c->max_pairs);
+        if (!x->parts || !x->pos) return moed_fail(err, MOED_ENOMEM, "out of host memory");
         for (int e = 0; e < c->n_dev && !rc; e++)
             rc = exec_init(c, &x->parts[e], c->dev[e], true, err);
     }
@@ -708,7 +736,7 @@ static int cuda_start(moed_backend *b, moed_error *err)
      * within a few GB on the largest shapes. */
     c->max_pairs = c->max_tokens * max_k;
     if (c->max_pairs < c->max_e) c->max_pairs = c->max_e;
-    enable_peers(c);
+    plan_peers(c);
     const int per_dev = c->cfg.streams > 0 ? c->cfg.streams : 2;
     c->n_exec = per_dev * c->n_dev;
     c->execs = calloc((size_t)c->n_exec, sizeof *c->execs);
@@ -727,17 +755,74 @@ static int cuda_start(moed_backend *b, moed_error *err)
     return 0;
 }
 
+/* ---- parts ------------------------------------------------------------------------------- */
+
+/* Queues the copy of n bytes from src (on device sdev, or host memory) to dst (on device ddev, or
+ * host memory) on s: DMA for host memory, device to device, or a peer copy between GPUs. */
+static void copy_async(void *dst, int ddev, const void *src, int sdev, size_t n, cudaStream_t s)
+{
+    if (sdev != MOED_HOST_MEM && ddev != MOED_HOST_MEM && sdev != ddev)
+        cudaMemcpyPeerAsync(dst, ddev, src, sdev, n, s);
+    else
+        cudaMemcpyAsync(dst, src, n,
+                        sdev == MOED_HOST_MEM   ? cudaMemcpyHostToDevice
+                        : ddev == MOED_HOST_MEM ? cudaMemcpyDeviceToHost
+                                                : cudaMemcpyDeviceToDevice,
+                        s);
+}
+
+/* Queues the copies between tokens [t0, t1) of the job's parts and rows `dev` of the slot's device
+ * (dev holds token t0 first, rb bytes a row): into dev (in) or out of it. */
+static void parts_copy(const cuda_exec *x, const moed_job *job, int64_t t0, int64_t t1, char *dev,
+                       size_t rb, bool in, cudaStream_t s)
+{
+    int64_t first = 0;
+    for (int i = 0; i < job->n_parts && first < t1; first += job->parts[i++].rows) {
+        const moed_part *p = &job->parts[i];
+        const int64_t lo = first > t0 ? first : t0,
+                      hi = first + p->rows < t1 ? first + p->rows : t1;
+        if (lo >= hi) continue;
+        char *d = dev + (size_t)(lo - t0) * rb;
+        const size_t n = (size_t)(hi - lo) * rb, at = (size_t)(lo - first) * rb;
+        if (in)
+            copy_async(d, x->device, (const char *)p->x + at, p->x_dev, n, s);
+        else
+            copy_async((char *)p->y + at, p->y_dev, d, x->device, n, s);
+    }
+}
+
+/* The job's lone part's input (or output) when it already lies on the slot's device: the kernels
+ * then read (write) it in place. NULL otherwise. */
+static const void *lone_x(const cuda_exec *x, const moed_job *job)
+{
+    return job->n_parts == 1 && job->parts[0].x_dev == x->device ? job->parts[0].x : NULL;
+}
+
+static void *lone_y(const cuda_exec *x, const moed_job *job)
+{
+    return job->n_parts == 1 && job->parts[0].y_dev == x->device ? job->parts[0].y : NULL;
+}
+
 /* ---- one batch ----------------------------------------------------------------------------- */
 
-/* Packs tokens [t0, t1) of the route into the slot's pinned staging, uploads it, and lays route
- * prep's arrays out behind it for m-tiles of bm rows. */
-static void stage_route(cuda_exec *x, const moed_route *rt, int64_t t0, int64_t t1, int E, int bm)
+/* Packs tokens [t0, t1) of the route into half h of the slot's pinned staging (once that half's
+ * last upload is done), uploads it, and lays route prep's arrays out behind it for m-tiles of bm
+ * rows; with pos (a split layer's home), uploads pos as the pairs' rows too. */
+static void stage_route(cuda_exec *x, int h, const moed_route *rt, int64_t t0, int64_t t1, int E,
+                        int bm, const int32_t *pos)
 {
     const int64_t T = t1 - t0, P = rt->off[t1] - rt->off[t0];
-    moed_cuda_route_pack(x->h_route, rt->off, rt->expert, rt->weight, t0, t1);
-    cudaMemcpyAsync(x->route, x->h_route, moed_cuda_route_in_words(T, P) * 4,
-                    cudaMemcpyHostToDevice, x->stream);
+    const size_t in = moed_cuda_route_in_words(T, P);
+    cudaEventSynchronize(x->routed[h]);
+    moed_cuda_route_pack(x->h_route[h], rt->off, rt->expert, rt->weight, t0, t1);
     moed_cuda_route_layout(&x->r, x->route, T, P, E, bm);
+    cudaMemcpyAsync(x->route, x->h_route[h], in * 4, cudaMemcpyHostToDevice, x->stream);
+    if (pos) { /* a split layer's combine: each pair's row, which no route prep computes here */
+        memcpy(x->h_route[h] + in, pos, sizeof *pos * (size_t)P);
+        cudaMemcpyAsync(x->r.pair_slot, x->h_route[h] + in, sizeof *pos * (size_t)P,
+                        cudaMemcpyHostToDevice, x->stream);
+    }
+    cudaEventRecord(x->routed[h], x->stream);
 }
 
 /* Count of experts with pairs in tokens [t0, t1), for choosing the tile before staging. */
@@ -754,7 +839,6 @@ static int active_experts(const moed_route *rt, int64_t t0, int64_t t1, int E)
     return n;
 }
 
-/* Queues the whole pipeline for tokens [t0, t1) of the job on the slot's stream. */
 /* The slot's graph for this key, captured on first use (evicting the least recently used); NULL if
  * capture fails, and the caller launches directly. */
 static cudaGraphExec_t graph_for(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const graph_key *k)
@@ -772,7 +856,7 @@ static cudaGraphExec_t graph_for(cuda_ctx *c, cuda_exec *x, const cuda_layer *L,
     cudaGraphExec_t exec = NULL;
     if (cudaStreamBeginCapture(x->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
         goto fail;
-    const int rc = moed_cuda_pipeline(&L->k, &x->r, &x->w, x->x_in, k->dtype, x->out,
+    const int rc = moed_cuda_pipeline(&L->k, &x->r, &x->w, k->x, k->dtype, k->out,
                                       c->sm[dev_index(c, x->device)], k->n_active, c->force_kernel,
                                       x->stream, NULL);
     if (cudaStreamEndCapture(x->stream, &graph) != cudaSuccess || rc) goto fail;
@@ -789,22 +873,30 @@ fail:
     return NULL;
 }
 
+/* What a batch reads and writes on the device, decided once for all its chunks. */
+typedef struct batch_io {
+    size_t rb;            /* bytes of one row of x and y */
+    const void *x_direct; /* the lone part's input on this device, read in place; or NULL */
+    void *y_direct;       /* the lone part's output on this device, written in place; or NULL */
+} batch_io;
+
+/* Computes tokens [t0, t1) (chunk number `chunk`), whose rows are in (or, direct, need not be
+ * copied to) x_in from row t0 on, and queues their outputs' copies. */
 static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_job *job,
-                     int64_t t0, int64_t t1)
+                     const batch_io *io, int chunk, int64_t t0, int64_t t1)
 {
     const moed_route *rt = job->route;
-    const int d = L->info.d_model, E = L->info.n_experts;
+    const int E = L->info.n_experts;
     const int64_t T = t1 - t0, P = rt->off[t1] - rt->off[t0];
-    const size_t es = moed_dtype_size(job->dtype);
     const int n_act = active_experts(rt, t0, t1, E);
-    stage_route(
-        x, rt, t0, t1, E,
-        moed_cuda_tile_bm(c->sm[dev_index(c, x->device)], P, n_act, L->k.wdtype, c->force_kernel));
-    cudaMemcpyAsync(x->x_in, (const char *)job->x + (size_t)t0 * d * es, (size_t)T * d * es,
-                    cudaMemcpyHostToDevice, x->stream);
+    const int sm = c->sm[dev_index(c, x->device)];
+    stage_route(x, chunk & 1, rt, t0, t1, E,
+                moed_cuda_tile_bm(sm, P, n_act, L->k.wdtype, c->force_kernel), NULL);
+    const void *xin = io->x_direct ? io->x_direct : (char *)x->x_in + (size_t)t0 * io->rb;
+    void *out = io->y_direct ? io->y_direct : (char *)x->out + (size_t)t0 * io->rb;
     int rc = 0;
     cudaGraphExec_t graph = NULL;
-    if (P <= GRAPH_MAX_PAIRS) {
+    if (P <= GRAPH_MAX_PAIRS && !io->x_direct && !io->y_direct) {
         graph_key k;
         memset(&k, 0, sizeof k); /* compared with memcmp: no stray padding bytes */
         k.slot = job->slot;
@@ -812,35 +904,24 @@ static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_
         k.n_active = n_act;
         k.T = T;
         k.P = P;
+        k.x = xin;
+        k.out = out;
         graph = graph_for(c, x, L, &k);
     }
     if (graph)
         rc = cudaGraphLaunch(graph, x->stream) == cudaSuccess ? 0 : MOED_EDEVICE;
     else
-        rc = moed_cuda_pipeline(&L->k, &x->r, &x->w, x->x_in, job->dtype, x->out,
-                                c->sm[dev_index(c, x->device)], n_act, c->force_kernel, x->stream,
-                                NULL);
-    cudaMemcpyAsync((char *)job->y + (size_t)t0 * d * es, x->out, (size_t)T * d * es,
-                    cudaMemcpyDeviceToHost, x->stream);
+        rc = moed_cuda_pipeline(&L->k, &x->r, &x->w, xin, job->dtype, out, sm, n_act,
+                                c->force_kernel, x->stream, NULL);
+    if (!io->y_direct) parts_copy(x, job, t0, t1, out, io->rb, false, x->stream);
     return rc;
 }
 
-/* bytes from src on GPU sdev to dst on GPU ddev, queued on s: a peer copy between GPUs (through
- * the host when they have no peer access), a plain one on one GPU. */
-static void copy_between(void *dst, int ddev, const void *src, int sdev, size_t bytes,
-                         cudaStream_t s)
-{
-    if (ddev == sdev)
-        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s);
-    else
-        cudaMemcpyPeerAsync(dst, ddev, src, sdev, bytes, s);
-}
-
-/* Part i of split layer L for home slot x: after x's inputs are ready, copies x over, runs the
- * part's pairs (its route in q->sub) and brings their rows, in its pair order, into x's Y from row
- * `base` on; records q->done. */
-static int run_part(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, int i, int dtype, size_t xb,
-                    int64_t base)
+/* Part i of split layer L for home slot x, chunk `chunk`: after x's inputs are ready, copies x's
+ * rows xin (xb bytes) over, runs the part's pairs (its route in q->sub) and brings their rows, in
+ * its pair order, into x's Y from row `base` on; records q->done. */
+static int run_part(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, int i, int chunk, int dtype,
+                    const void *xin, size_t xb, int64_t base)
 {
     const cuda_part *pt = &L->parts[i];
     cuda_exec *q = &x->parts[pt->entry];
@@ -849,9 +930,9 @@ static int run_part(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, int i, int d
     const bool direct = c->direct[pt->entry][dev_index(c, x->device)];
     cudaSetDevice(q->device);
     cudaStreamWaitEvent(q->stream, x->ready, 0);
-    copy_between(q->x_in, q->device, x->x_in, x->device, xb, q->stream);
-    stage_route(q, &q->sub, 0, T, pt->k.E,
-                moed_cuda_tile_bm(sm, P, n_act, pt->k.wdtype, c->force_kernel));
+    copy_async(q->x_in, q->device, xin, x->device, xb, q->stream);
+    stage_route(q, chunk & 1, &q->sub, 0, T, pt->k.E,
+                moed_cuda_tile_bm(sm, P, n_act, pt->k.wdtype, c->force_kernel), NULL);
     int rc = P ? moed_cuda_pipeline_routed(&pt->k, &q->r, &q->w, q->x_in, dtype, sm, n_act,
                                            c->force_kernel, q->stream)
                : 0;
@@ -860,50 +941,42 @@ static int run_part(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, int i, int d
         rc = moed_cuda_gather_rows(direct ? dst : q->landing, q->w.y, q->r.pair_slot, (int)P,
                                    L->k.d_pad, q->stream);
     if (!rc && !direct)
-        copy_between(dst, x->device, q->landing, q->device, moed_cuda_cbytes(P * L->k.d_pad),
-                     q->stream);
+        copy_async(dst, x->device, q->landing, q->device, moed_cuda_cbytes(P * L->k.d_pad),
+                   q->stream);
     cudaEventRecord(q->done, q->stream);
     return rc;
 }
 
-/* Tokens [t0, t1) of a job on split layer L (moed_cuda.h: the pipeline in two pieces): the home
- * slot x uploads x and the whole route with each pair's row among the parts' blocks, the parts run
- * their pairs, x runs the shared experts meanwhile, then waits for the parts and combines. */
+/* Tokens [t0, t1) of a job on split layer L (moed_cuda.h: the pipeline in two pieces), their rows
+ * in as for run_chunk: the home slot x uploads the whole route with each pair's row among the
+ * parts' blocks, the parts run their pairs, x runs the shared experts meanwhile, then waits for
+ * the parts, combines, and queues the outputs' copies. */
 static int run_split_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_job *job,
-                           int64_t t0, int64_t t1)
+                           const batch_io *io, int chunk, int64_t t0, int64_t t1)
 {
     const moed_route *rt = job->route;
-    const int d = L->info.d_model, n = L->place.n_parts;
-    const int64_t T = t1 - t0, P = rt->off[t1] - rt->off[t0];
-    const size_t xb = (size_t)T * d * moed_dtype_size(job->dtype);
+    const int n = L->place.n_parts, sm = c->sm[dev_index(c, x->device)];
+    const int64_t T = t1 - t0;
+    const void *xin = io->x_direct ? io->x_direct : (char *)x->x_in + (size_t)t0 * io->rb;
+    void *out = io->y_direct ? io->y_direct : (char *)x->out + (size_t)t0 * io->rb;
     moed_route sub[MAX_DEVICES];
-    int32_t *pos = x->h_route + moed_cuda_route_in_words(T, P);
     for (int i = 0; i < n; i++) sub[i] = x->parts[L->parts[i].entry].sub;
-    moed_route_split(rt, t0, t1, L->part_of, L->part_first, n, sub, pos);
+    moed_route_split(rt, t0, t1, L->part_of, L->part_first, n, sub, x->pos);
     for (int i = 0; i < n; i++) x->parts[L->parts[i].entry].sub.T = sub[i].T;
-    moed_cuda_route_pack(x->h_route, rt->off, rt->expert, rt->weight, t0, t1);
-    cudaSetDevice(x->device);
-    cudaMemcpyAsync(x->route, x->h_route, moed_cuda_route_in_words(T, P) * 4,
-                    cudaMemcpyHostToDevice, x->stream);
-    moed_cuda_route_layout(&x->r, x->route, T, P, L->info.n_experts, 16);
-    cudaMemcpyAsync(x->r.pair_slot, pos, (size_t)P * 4, cudaMemcpyHostToDevice, x->stream);
-    cudaMemcpyAsync(x->x_in, (const char *)job->x + (size_t)t0 * d * moed_dtype_size(job->dtype),
-                    xb, cudaMemcpyHostToDevice, x->stream);
+    stage_route(x, chunk & 1, rt, t0, t1, L->info.n_experts, 16, x->pos);
     cudaEventRecord(x->ready, x->stream);
     int rc = 0;
     for (int i = 0, base = 0; i < n && !rc; base += (int)sub[i++].off[T])
-        rc = run_part(c, x, L, i, job->dtype, xb, base);
+        rc = run_part(c, x, L, i, chunk, job->dtype, xin, (size_t)T * io->rb, base);
     cudaSetDevice(x->device);
-    const int sm = c->sm[dev_index(c, x->device)];
     if (!rc)
-        rc = moed_cuda_pipeline_shared(&L->k, T, &x->w, x->x_in, job->dtype, sm, c->force_kernel,
+        rc = moed_cuda_pipeline_shared(&L->k, T, &x->w, xin, job->dtype, sm, c->force_kernel,
                                        x->stream);
     for (int i = 0; i < n; i++) cudaStreamWaitEvent(x->stream, x->parts[L->parts[i].entry].done, 0);
     if (!rc)
-        rc = moed_cuda_combine(&x->r, x->w.y, L->k.s13 ? x->w.ys : NULL, L->k.cdtype, d, L->k.d_pad,
-                               x->out, job->dtype, x->stream);
-    cudaMemcpyAsync((char *)job->y + (size_t)t0 * d * moed_dtype_size(job->dtype), x->out, xb,
-                    cudaMemcpyDeviceToHost, x->stream);
+        rc = moed_cuda_combine(&x->r, x->w.y, L->k.s13 ? x->w.ys : NULL, L->k.cdtype,
+                               L->info.d_model, L->k.d_pad, out, job->dtype, x->stream);
+    if (!io->y_direct) parts_copy(x, job, t0, t1, out, io->rb, false, x->stream);
     return rc;
 }
 
@@ -917,65 +990,253 @@ static int finish(cuda_exec *x, int rc, const char *what, moed_error *err)
     return 0;
 }
 
-static int cuda_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err)
+/* The slot and layer of a call, checked. */
+static int check_call(cuda_ctx *c, int exec, const moed_job *job, moed_error *err)
 {
-    cuda_ctx *c = b->ctx;
     if (exec < 0 || exec >= c->n_exec || job->slot < 0 || job->slot >= c->n_layers)
         return moed_fail(err, MOED_EINVAL, "no execution slot %d or layer slot %d", exec,
                          job->slot);
-    cuda_exec *x = &c->execs[exec];
     const cuda_layer *L = &c->layers[job->slot];
-    if (L->device != x->device)
+    if (L->device != c->execs[exec].device)
         return moed_fail(err, MOED_EINVAL, "layer slot %d lives on GPU %d, not on slot %d's GPU %d",
-                         job->slot, L->device, exec, x->device);
+                         job->slot, L->device, exec, c->execs[exec].device);
     if (job->T > c->max_tokens)
         return moed_fail(err, MOED_ETOOBIG,
                          "%lld tokens is over the %lld the workspace was sized for",
                          (long long)job->T, (long long)c->max_tokens);
-    cudaSetDevice(x->device);
+    return 0;
+}
+
+/* The end of the chunk that starts at token t0: as many tokens as the workspace's pairs hold. */
+static int chunk_end(const cuda_ctx *c, const moed_route *rt, int64_t T, int64_t t0, int64_t *t1,
+                     moed_error *err)
+{
+    int64_t e = t0 + 1;
+    while (e < T && rt->off[e + 1] - rt->off[t0] <= c->max_pairs) e++;
+    *t1 = e;
+    if (rt->off[e] - rt->off[t0] <= c->max_pairs) return 0;
+    return moed_fail(err, MOED_ETOOBIG, "token %lld has %lld pairs, over the workspace's %lld",
+                     (long long)t0, (long long)(rt->off[e] - rt->off[t0]), (long long)c->max_pairs);
+}
+
+static int cuda_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err)
+{
+    cuda_ctx *c = b->ctx;
+    int rc = check_call(c, exec, job, err);
+    if (rc) return rc;
+    cuda_exec *x = &c->execs[exec];
+    const cuda_layer *L = &c->layers[job->slot];
     const moed_route *rt = job->route;
-    int rc = 0;
-    for (int64_t t0 = 0; t0 < job->T && !rc;) {
-        int64_t t1 = t0 + 1;
-        while (t1 < job->T && rt->off[t1 + 1] - rt->off[t0] <= c->max_pairs) t1++;
-        if (rt->off[t1] - rt->off[t0] > c->max_pairs)
-            return moed_fail(err, MOED_ETOOBIG,
-                             "token %lld has %lld pairs, over the workspace's %lld", (long long)t0,
-                             (long long)(rt->off[t1] - rt->off[t0]), (long long)c->max_pairs);
-        rc = L->parts ? run_split_chunk(c, x, L, job, t0, t1) : run_chunk(c, x, L, job, t0, t1);
+    cudaSetDevice(x->device);
+    const bool one_chunk = rt->off[job->T] <= c->max_pairs;
+    /* In place only where no graph is replayed: a graph's buffers are the slot's own. */
+    const bool in_place = one_chunk && rt->off[job->T] > GRAPH_MAX_PAIRS;
+    const batch_io io = { .rb = (size_t)L->info.d_model * moed_dtype_size(job->dtype),
+                          .x_direct = in_place ? lone_x(x, job) : NULL,
+                          .y_direct = in_place ? lone_y(x, job) : NULL };
+    int64_t t1;
+    if ((rc = chunk_end(c, rt, job->T, 0, &t1, err))) return rc;
+    if (!io.x_direct) parts_copy(x, job, 0, t1, x->x_in, io.rb, true, x->stream);
+    int too_big = 0;
+    for (int64_t t0 = 0, chunk = 0; t0 < job->T && !rc; chunk++) {
+        int64_t t2 = t1;
+        if (t1 < job->T && (too_big = chunk_end(c, rt, job->T, t1, &t2, err))) break;
+        if (t1 < job->T) { /* the next chunk's rows come in while this one computes */
+            parts_copy(x, job, t1, t2, (char *)x->x_in + (size_t)t1 * io.rb, io.rb, true, x->copy);
+            cudaEventRecord(x->copied, x->copy);
+        }
+        rc = L->parts ? run_split_chunk(c, x, L, job, &io, (int)chunk, t0, t1)
+                      : run_chunk(c, x, L, job, &io, (int)chunk, t0, t1);
+        if (t1 < job->T) cudaStreamWaitEvent(x->stream, x->copied, 0);
         t0 = t1;
-        /* the next chunk repacks the pinned route staging the last copy may still be reading */
-        if (t0 < job->T) cudaStreamSynchronize(x->stream);
+        t1 = t2;
+    }
+    if (too_big) {
+        cudaStreamSynchronize(x->copy);
+        cudaStreamSynchronize(x->stream);
+        return too_big;
     }
     return finish(x, rc, "forward", err);
 }
 
-static int cuda_router_logits(moed_backend *b, int exec, int slot, int dtype, int64_t T,
-                              const void *xin, float *logits, moed_error *err)
+static int cuda_router_logits(moed_backend *b, int exec, const moed_job *job, float *logits,
+                              moed_error *err)
 {
     cuda_ctx *c = b->ctx;
-    if (exec < 0 || exec >= c->n_exec || slot < 0 || slot >= c->n_layers)
-        return moed_fail(err, MOED_EINVAL, "no execution slot %d or layer slot %d", exec, slot);
+    int rc = check_call(c, exec, job, err);
+    if (rc) return rc;
     cuda_exec *x = &c->execs[exec];
-    const cuda_layer *L = &c->layers[slot];
+    const cuda_layer *L = &c->layers[job->slot];
     if (!L->router)
         return moed_fail(err, MOED_EINVAL, "layer %d has no router weights", L->info.index);
-    if (T > c->max_tokens)
-        return moed_fail(err, MOED_ETOOBIG,
-                         "%lld tokens is over the %lld the workspace was sized for", (long long)T,
-                         (long long)c->max_tokens);
     const int d = L->info.d_model, E = moed_layer_router_experts(&L->info);
+    const int64_t T = job->T;
     cudaSetDevice(x->device);
-    cudaMemcpyAsync(x->x_in, xin, (size_t)T * d * moed_dtype_size(dtype), cudaMemcpyHostToDevice,
-                    x->stream);
-    const int rc = moed_cuda_router_logits(x->x_in, dtype, T, d, L->router, L->router_dtype, E,
-                                           x->logits, x->stream);
+    const void *xin = lone_x(x, job);
+    if (!xin) {
+        parts_copy(x, job, 0, T, x->x_in, (size_t)d * moed_dtype_size(job->dtype), true, x->stream);
+        xin = x->x_in;
+    }
+    rc = moed_cuda_router_logits(xin, job->dtype, T, d, L->router, L->router_dtype, E, x->logits,
+                                 x->stream);
     if (!rc)
         cudaMemcpyAsync(logits, x->logits, (size_t)T * E * sizeof(float), cudaMemcpyDeviceToHost,
                         x->stream);
     const int done = finish(x, rc, "router logits", err);
-    if (!done) moed_router_round_logits(&L->info, dtype, logits, (size_t)T * E);
+    if (!done) moed_router_round_logits(&L->info, job->dtype, logits, (size_t)T * E);
     return done;
+}
+
+/* ---- regions -------------------------------------------------------------------------------- */
+
+static int cuda_host_register(moed_backend *b, void *p, size_t bytes, moed_error *err)
+{
+    (void)b;
+    cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
+    if (e == cudaSuccess) return 0;
+    cudaGetLastError();
+    return moed_fail(err, MOED_ENOMEM,
+                     "could not page-lock the region's %zu bytes for the GPU's copies: %s (%s)",
+                     bytes, cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
+static void cuda_host_unregister(moed_backend *b, void *p)
+{
+    (void)b;
+    if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
+}
+
+static void uuid_str(const cudaUUID_t *u, char out[48])
+{
+    const unsigned char *b = (const unsigned char *)u->bytes;
+    snprintf(out, 48, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+             b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
+             b[14], b[15]);
+}
+
+static void cuda_device_uuid(moed_backend *b, int dev, char out[48])
+{
+    const cuda_ctx *c = b->ctx;
+    out[0] = 0;
+    for (int i = 0; i < c->n_dev; i++)
+        if (c->dev[i] == dev) uuid_str(&c->prop[i].uuid, out);
+}
+
+/* Which of the backend's devices a client means: by UUID, or else by the server's ordinal. */
+static int find_device(const cuda_ctx *c, const char *uuid, int device, moed_error *err)
+{
+    char have[MAX_DEVICES * 50] = "", one[48];
+    for (int i = 0; i < c->n_dev; i++) {
+        uuid_str(&c->prop[i].uuid, one);
+        if (uuid && *uuid ? !strcasecmp(one, uuid) : c->dev[i] == device) return i;
+        snprintf(have + strlen(have), sizeof have - strlen(have), "%s%d %s", i ? ", " : "",
+                 c->dev[i], one);
+    }
+    if (uuid && *uuid)
+        return moed_fail(err, MOED_EPRECOND,
+                         "GPU %.60s is not one this server computes on (its GPUs: %s); register "
+                         "memory on one of them, or a host region",
+                         uuid, have);
+    return moed_fail(err, MOED_EPRECOND,
+                     "this server has no GPU %d (its GPUs: %s); give the device's UUID", device,
+                     have);
+}
+
+typedef CUresult (*get_range_fn)(CUdeviceptr *base, size_t *size, CUdeviceptr p);
+
+/* cuMemGetAddressRange from the driver, without linking it: the daemon still starts where no
+ * driver is installed. */
+static get_range_fn get_range(void)
+{
+    static get_range_fn fn;
+    static int looked;
+    if (!looked) {
+        void *p = NULL;
+        enum cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000, cudaEnableDefault,
+                                             &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            fn = (get_range_fn)p;
+        looked = 1;
+    }
+    return fn;
+}
+
+/* Lets the backend's other GPUs copy from and to dev directly (peer copies work without it, more
+ * slowly, through the host). */
+static void enable_peers(const cuda_ctx *c, int dev)
+{
+    for (int i = 0; i < c->n_dev; i++) {
+        int can = 0;
+        if (c->dev[i] == dev || cudaDeviceCanAccessPeer(&can, c->dev[i], dev) != cudaSuccess ||
+            !can)
+            continue;
+        cudaSetDevice(c->dev[i]);
+        cudaDeviceEnablePeerAccess(dev, 0);
+        cudaGetLastError(); /* already enabled is fine */
+    }
+}
+
+static int cuda_map_device(moed_backend *b, const void *handle, size_t handle_len,
+                           const char *device_uuid, int device, uint64_t bytes, uint64_t offset,
+                           void **ptr, int *dev, void **base, moed_error *err)
+{
+    cuda_ctx *c = b->ctx;
+    if (handle_len != sizeof(cudaIpcMemHandle_t))
+        return moed_fail(err, MOED_EINVAL,
+                         "ipc_handle is %zu bytes; a cudaIpcMemHandle_t is %zu (send the bytes "
+                         "cudaIpcGetMemHandle wrote)",
+                         handle_len, sizeof(cudaIpcMemHandle_t));
+    const int di = find_device(c, device_uuid, device, err);
+    if (di < 0) return di;
+    cudaIpcMemHandle_t h;
+    memcpy(&h, handle, sizeof h);
+    void *p = NULL;
+    cudaSetDevice(c->dev[di]);
+    cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return moed_fail(err, MOED_EINVAL,
+                         "the IPC handle does not open on GPU %d: %s (%s); send a handle of a live "
+                         "allocation on that GPU, made by another process",
+                         c->dev[di], cudaGetErrorName(e), cudaGetErrorString(e));
+    }
+    CUdeviceptr abase = 0;
+    size_t asize = 0;
+    get_range_fn range = get_range();
+    if (!range || range(&abase, &asize, (CUdeviceptr)(uintptr_t)p) != CUDA_SUCCESS ||
+        offset > asize || bytes > asize - offset) {
+        cudaIpcCloseMemHandle(p);
+        if (!range)
+            return moed_fail(
+                err, MOED_EPRECOND,
+                "the CUDA driver does not offer cuMemGetAddressRange, which moed needs "
+                "to check a region's bounds");
+        return moed_fail(err, MOED_EINVAL,
+                         "offset %llu + bytes %llu run past the exported allocation (%zu bytes)",
+                         (unsigned long long)offset, (unsigned long long)bytes, asize);
+    }
+    enable_peers(c, c->dev[di]);
+    *ptr = (char *)p + offset;
+    *dev = c->dev[di];
+    *base = p;
+    return 0;
+}
+
+static void cuda_unmap_device(moed_backend *b, void *base, int dev)
+{
+    (void)b;
+    cudaSetDevice(dev);
+    if (cudaIpcCloseMemHandle(base) != cudaSuccess) cudaGetLastError();
+}
+
+static int cuda_read_device(moed_backend *b, void *dst, const void *src, int dev, size_t bytes,
+                            moed_error *err)
+{
+    (void)b;
+    cudaSetDevice(dev);
+    cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost);
+    return e == cudaSuccess ? 0 : cuda_fail(err, e, "a copy from a CUDA region");
 }
 
 static int cuda_exec_accepts(moed_backend *b, int exec, int slot)
@@ -1033,6 +1294,7 @@ static void cuda_destroy(moed_backend *b)
 
 static const moed_backend_ops cuda_ops = {
     .name = "cuda",
+    .host_dma = true,
     .load_layer = cuda_load_layer,
     .start = cuda_start,
     .forward = cuda_forward,
@@ -1042,6 +1304,12 @@ static const moed_backend_ops cuda_ops = {
     .device_info = cuda_device_info,
     .exec_accepts = cuda_exec_accepts,
     .layer_place = cuda_layer_place,
+    .host_register = cuda_host_register,
+    .host_unregister = cuda_host_unregister,
+    .map_device = cuda_map_device,
+    .unmap_device = cuda_unmap_device,
+    .read_device = cuda_read_device,
+    .device_uuid = cuda_device_uuid,
     .destroy = cuda_destroy,
 };
 

@@ -1,9 +1,11 @@
 """libmoedclient as a program outside this tree sees it: the public header compiles alone (C11 and
 C++, given only its own folder), the shared library exports exactly the functions the header marks
 MOEDC_EXTERN and nothing else (no core, protobuf-c or internal symbol), and README's C example
-compiles against the build and gets an answer from a real daemon.
+compiles against the build and gets an answer from a real daemon; so does its region example,
+through shared memory (nothing left in /dev/shm afterwards).
 """
 
+import pathlib
 import re
 import subprocess
 
@@ -68,21 +70,38 @@ def test_shared_library_exports_exactly_the_public_api():
                                     f"public but not exported: {sorted(declared() - exported)}")
 
 
-def readme_example():
+def readme_example(lead=r"C \(`libmoedclient`, public header"):
     text = (ROOT / "README.md").read_text()
-    m = re.search(r"^C \(`libmoedclient`.*?```c\n(.*?)```", text, re.S | re.M)
-    assert m, "README.md has no C example after 'C (`libmoedclient`'"
+    m = re.search(r"^" + lead + r".*?```c\n(.*?)```", text, re.S | re.M)
+    assert m, f"README.md has no C example after '{lead}'"
     return m.group(1)
 
 
-def test_readme_example_compiles_and_answers(daemon, tmp_path):
-    src = tmp_path / "hello.c"
-    src.write_text(readme_example())
-    exe = tmp_path / "hello"
+def build_example(tmp_path, source):
+    src = tmp_path / "example.c"
+    src.write_text(source)
+    exe = tmp_path / "example"
     p = subprocess.run(["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", *sanitizer_flags(), str(src),
                         "-I", str(INCLUDE), "-L", str(LIBDIR), "-lmoedclient",
                         f"-Wl,-rpath,{LIBDIR}", "-o", str(exe)], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
+    return exe
+
+
+def test_readme_region_example_answers_through_shared_memory(daemon, tmp_path):
+    exe = build_example(tmp_path, readme_example(r"C \(`libmoedclient`\): open a session"))
+    d = daemon("--synthetic", "layers=1,d=256,ff=64,experts=8,topk=2,dtype=f32", "--threads", "1")
+    before = set(p.name for p in pathlib.Path("/dev/shm").iterdir())
+    p = subprocess.run([str(exe), d.address], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert re.fullmatch(r"y\[0\]\[0\] = \S+ \(res.output == y: 1\)\n", p.stdout), p.stdout
+    assert not re.fullmatch(r"y\[0\]\[0\] = 0 .*\n", p.stdout)  # computed from the region's rows
+    left = set(p.name for p in pathlib.Path("/dev/shm").iterdir()) - before
+    assert not [n for n in left if n.startswith("moedc-")], left
+
+
+def test_readme_example_compiles_and_answers(daemon, tmp_path):
+    exe = build_example(tmp_path, readme_example())
     # the example's shapes: d_model 256, experts 0..7, f32 hidden states of zeros
     d = daemon("--synthetic", "layers=1,d=256,ff=64,experts=8,topk=2,dtype=f32", "--threads", "1")
     p = subprocess.run([str(exe), d.address], capture_output=True, text=True, timeout=60)

@@ -10,21 +10,102 @@
  * (each slice is its own allocation). What validation accepts must be consistent: hidden holds
  * exactly T x d_model elements, and a route has T tokens, experts in range and finite, non-negative
  * weights; batch gating then runs on the copied logits as the scheduler's worker would.
+ *
+ * Region references: the caller (principal 1, on this host) has host regions 1 and 2 (8 KiB of
+ * finite floats, then small ints), 4 (shrunk to nothing after it was confirmed: its first use
+ * faults, guarded, and breaks it), and principal 2 has region 3; this harness's getrandom hands out
+ * 8-byte ids 1, 2, 3, 4 in order, so the seeds and the fuzzer can name them. Inline hidden rows go
+ * into a small staging pool (copied there once, read back here) until it is full.
  */
+#include "moed_backend_impl.h"
 #include "moed_dtype.h"
 #include "moed_synth.h"
 #include "request.h"
 #include "wire.h"
 
+#include <fcntl.h>
 #include <grpc/slice.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+/* Ids 1, 2, 3, ... (8-byte requests) and a fixed challenge: regions the fuzzer can name. */
+ssize_t getrandom(void *buf, size_t n, unsigned int flags)
+{
+    static uint64_t next_id;
+    (void)flags;
+    memset(buf, 0xab, n);
+    if (n == 8) {
+        uint64_t id = ++next_id;
+        memcpy(buf, &id, 8);
+    }
+    return (ssize_t)n;
+}
+
+/* moed_backend.c's default for everything: a backend with no devices and no DMA. */
+int moed_backend_cpu_open(const moed_backend_config *cfg, moed_backend **out, moed_error *err)
+{
+    (void)cfg;
+    *out = NULL;
+    return moed_fail(err, MOED_EUNSUPPORTED, "not in the fuzzer");
+}
+static const moed_backend_ops fake_ops = { .name = "fuzz" };
+static moed_backend fake = { .ops = &fake_ops };
+static const moed_caller caller = { .principal = 1, .local = true };
 
 static moed_layer layers[4];
 static const moed_layer *served_layers[4];
 static moed_served served;
+
+/* A registered and confirmed host region of `principal` (the session's); the object is unlinked
+ * at once (the registry keeps it mapped), and with `shrink` truncated to nothing afterwards. */
+static void add_region(moed_region_session *s, int n, bool shrink)
+{
+    char name[64];
+    snprintf(name, sizeof name, "/moed-fuzz-%d-%d", (int)getpid(), n);
+    int fd = shm_open(name, O_CREAT | O_RDWR, 0600);
+    if (fd < 0 || ftruncate(fd, 8192)) abort();
+    float *f = mmap(NULL, 8192, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (f == MAP_FAILED) abort();
+    for (int i = 0; i < 1024; i++) f[i] = 0.25f * (float)(i % 9) - 1.0f; /* finite floats */
+    for (int i = 1024; i < 2048; i++) ((int32_t *)f)[i] = i % 8;         /* expert ids */
+    moed_region_info info;
+    uint8_t ch[MOED_REGION_CHALLENGE];
+    moed_error err;
+    if (moed_regions_register_host(served.regions, s, name, strlen(name), 8192, &info, ch, &err))
+        abort();
+    memcpy(f, ch, sizeof ch);
+    if (moed_regions_confirm_host(served.regions, s, info.id, &info, &err)) abort();
+    memset(f, 0, sizeof ch);
+    shm_unlink(name);
+    if (shrink && ftruncate(fd, 0)) abort();
+    munmap(f, 8192);
+    close(fd);
+}
+
+/* Regions 1, 2, 4 of principal 1 (4 shrunk) and 3 of principal 2, for the life of the process. */
+static void setup_regions(void)
+{
+    moed_regions_config rc = { .backend = &fake,
+                               .mode = MOED_REGIONS_LOCAL,
+                               .max_regions = 8,
+                               .max_bytes = 1 << 20,
+                               .max_total_bytes = 1 << 20 };
+    moed_error err;
+    if (moed_regions_create(&rc, &served.regions, &err) ||
+        moed_bufpool_create(&fake, 1 << 16, &served.pool, &err))
+        abort();
+    moed_region_session *mine = moed_regions_open_session(served.regions, 1),
+                        *theirs = moed_regions_open_session(served.regions, 2);
+    add_region(mine, 1, false);
+    add_region(mine, 2, false);
+    add_region(theirs, 3, false);
+    add_region(mine, 4, true);
+}
 
 /* Layers 0 and 1: d=8, 8 experts; layer 3: d=16, DeepSeek group routing; layer 7: no router. */
 static void setup(void)
@@ -56,6 +137,7 @@ static void setup(void)
                             .max_batch_tokens = 64,
                             .max_message_bytes = 1 << 16,
                             .max_batch_pairs = 64 * 8 };
+    setup_regions();
 }
 
 /* ---- splitting ------------------------------------------------------------------------------- */
@@ -134,6 +216,10 @@ static void same_tensor(const moed_wire_tensor *a, const moed_wire_tensor *b, co
         fprintf(stderr, "%s: tensors differ\n", what);
         abort();
     }
+    if (a->in_region != b->in_region || memcmp(&a->region, &b->region, sizeof a->region)) {
+        fprintf(stderr, "%s: region references differ\n", what);
+        abort();
+    }
     same_span(&a->data, &b->data, what);
 }
 
@@ -141,7 +227,8 @@ static void same_request(const moed_wire_request *a, const moed_wire_request *b)
 {
     if (a->bytes != b->bytes || a->layer != b->layer || a->routing != b->routing ||
         a->batch_gating != b->batch_gating || a->k_batch != b->k_batch ||
-        memcmp(&a->gating, &b->gating, sizeof a->gating)) {
+        memcmp(&a->gating, &b->gating, sizeof a->gating) || a->has_output != b->has_output ||
+        memcmp(&a->output, &b->output, sizeof a->output)) {
         fprintf(stderr, "requests differ in their scalars\n");
         abort();
     }
@@ -159,9 +246,27 @@ static void check_work(const moed_work *w)
     const moed_sched_item *it = &w->item;
     const moed_layer_info *li = &it->layer->info;
     size_t need = (size_t)it->T * (size_t)li->d_model * moed_dtype_size(it->dtype);
-    if (it->T < 1 || it->T > served.max_batch_tokens || w->hidden.len != need)
+    if (it->T < 1 || it->T > served.max_batch_tokens ||
+        (w->hidden_region ? w->hidden.len != 0 : w->hidden.len != need))
         die("validated hidden does not hold T x d_model elements");
-    free(span_bytes(&w->hidden)); /* every byte of hidden is readable */
+    void *rows = malloc(need);
+    moed_error err;
+    /* every byte of hidden is readable: from the staging pool, the message, or (guarded) the
+     * region, which only a shrunk region may refuse */
+    if (it->mem.x) {
+        if (it->mem.x != w->buf && !w->hidden_region) die("hidden is read from elsewhere");
+        memcpy(rows, it->mem.x, need);
+        if (!w->hidden_region) {
+            void *sent = span_bytes(&w->hidden);
+            if (memcmp(sent, rows, need)) die("the staging buffer holds other rows than sent");
+            free(sent);
+        }
+    } else {
+        int rc = it->copy_in((moed_sched_item *)it, rows, &err);
+        if (rc && !(w->hidden_region && rc == MOED_EPRECOND)) die("hidden's copy-in failed");
+    }
+    free(rows);
+    if (w->out_region && !w->out_at) die("an output region without its place");
     if (it->route.off) {
         const moed_route *r = &it->route;
         if (r->T != it->T || r->off[0] != 0) die("route does not cover T tokens");
@@ -211,8 +316,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (!ra) {
         same_request(&a, &b);
         moed_work wa, wb;
-        ra = moed_request_validate(&served, &a, &wa, &ea);
-        rb = moed_request_validate(&served, &b, &wb, &eb);
+        ra = moed_request_validate(&served, &caller, &a, &wa, &ea);
+        rb = moed_request_validate(&served, &caller, &b, &wb, &eb);
         if (ra != rb || (ra && strcmp(ea.msg, eb.msg)))
             die("validations of the two decodes differ");
         if (!ra) {
@@ -220,7 +325,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             if (wa.item.T != wb.item.T || wa.item.dtype != wb.item.dtype ||
                 wa.item.slot != wb.item.slot)
                 die("validated work of the two decodes differs");
-        } else if (ra != MOED_EINVAL && ra != MOED_ENOTFOUND && ra != MOED_ETOOBIG) {
+        } else if (ra != MOED_EINVAL && ra != MOED_ENOTFOUND && ra != MOED_ETOOBIG &&
+                   ra != MOED_EPRECOND) {
             die("validation failed with a code that is not the caller's mistake");
         }
         moed_work_free(&wa);

@@ -1,5 +1,5 @@
-"""Writes the seed corpus of one fuzzer (tests/fuzz/run.sh): KIND is request, http, safetensors or
-npy.
+"""Writes the seed corpus of one fuzzer (tests/fuzz/run.sh): KIND is request, region, http,
+safetensors or npy.
 
 request: ForwardRequests encoded by the Python client (as callers send them) for the fuzzer's served
 model (fuzz_request.c: layers 0 and 1 with d=8 and 8 experts,
@@ -81,12 +81,66 @@ def seeds():
     huge = np.array([[5.4e37, 1.0, -3.0, 0.5], [0.2, -0.3, 1.5, 0.1]], np.float32)
     out["sparsemax-huge-logits"] = build(None, 7, hidden(rng, 2, 8, "f32"), router_logits=huge,
                                          strategy="sparsemax")
+    # Region references (fuzz_request.c: regions 1, 2 and 4 are the caller's, 4 shrunk; 3 is
+    # another principal's): hidden, routing tensors and the output in regions.
+    x = hidden(rng, 2, 8, "f32")
+    ids = np.array([[0, 1], [2, 3]], np.int32)
+    w = np.array([[0.5, 0.5], [1.0, 0.0]], np.float32)
+    for name, (hid, rid, out_region) in {"region-hidden": (1, None, None),
+                                         "region-all": (1, 1, 2),
+                                         "region-output": (None, None, 2),
+                                         "region-foreign": (3, None, None),
+                                         "region-shrunk": (4, None, 2)}.items():
+        req = build(None, 0, x, expert_ids=ids, expert_weights=w)
+        if hid:
+            req.hidden.region.region, req.hidden.region.offset, req.hidden.region.length = hid, 64, 64
+        if rid:
+            for t, off in ((req.experts.expert_ids, 4096), (req.experts.expert_weights, 128)):
+                t.region.region, t.region.offset, t.region.length = rid, off, 16
+        if out_region:
+            req.output.region, req.output.offset, req.output.length = out_region, 256, 64
+        out[name] = req
+    req = build(None, 7, hidden(rng, 3, 8, "f32"), router_logits=rng.standard_normal((3, 4)).astype(np.float32))
+    req.logits.logits.region.region, req.logits.logits.region.offset = 1, 512
+    req.logits.logits.region.length = 48
+    out["region-logits"] = req
     blobs = {name: req.SerializeToString() for name, req in out.items()}
     base = blobs["choice-l0-f32-t1"]
     blobs["unknown-fields"] = base + b"\x98\x06\x01" + b"\xa2\x06\x03abc"  # fields 99 and 100
     # Field 3 (hidden) again with an unpacked shape: repeated messages merge, shape appends.
     blobs["unpacked-shape"] = base + b"\x1a\x04\x10\x01\x10\x08"
     return blobs
+
+
+def region_seeds():
+    """RegionCommands in fuzz_region.c's framing (2-byte length, then the command), several per
+    seed: the two steps of a host registration of the harness's object, unregistering, CUDA
+    handles, bad names and sizes."""
+    from moed._proto.moed.v1 import moed_pb2 as pb
+
+    name = "/moed-fuzz-region-0000000"  # the harness puts its own object's name here
+
+    def frame(*cmds):
+        out = b""
+        for c in cmds:
+            b = c.SerializeToString() if hasattr(c, "SerializeToString") else c
+            out += len(b).to_bytes(2, "little") + b
+        return out
+
+    C = pb.RegionCommand
+    reg = C(seq=1, register_host=pb.RegisterHostRegion(name=name, bytes=4096))
+    return {
+        "register-confirm-unregister": frame(reg, C(seq=2, confirm_host=pb.ConfirmHostRegion(region=1)),
+                                             C(seq=3, unregister=pb.UnregisterRegion(region=1))),
+        "register-twice": frame(reg, C(seq=2, register_host=pb.RegisterHostRegion(name=name, bytes=16))),
+        "register-too-big": frame(C(seq=1, register_host=pb.RegisterHostRegion(name=name, bytes=1 << 30))),
+        "bad-names": frame(*[C(seq=i, register_host=pb.RegisterHostRegion(name=n, bytes=64))
+                             for i, n in enumerate(["/a/b", "/..", "noslash", "/" + "x" * 300], 1)]),
+        "cuda": frame(C(seq=1, register_cuda=pb.RegisterCudaRegion(ipc_handle=bytes(64),
+                                                                   device_uuid="GPU-0", bytes=64))),
+        "empty-and-junk": frame(C(seq=9), b"\xff\xff\xff", b""),
+        "unregister-unknown": frame(C(seq=1, unregister=pb.UnregisterRegion(region=77))),
+    }
 
 
 def http_seeds():
@@ -155,7 +209,8 @@ def npy_seeds():
     }
 
 
-KINDS = {"request": lambda: seeds(), "http": http_seeds, "safetensors": safetensors_seeds, "npy": npy_seeds}
+KINDS = {"request": lambda: seeds(), "region": region_seeds, "http": http_seeds,
+         "safetensors": safetensors_seeds, "npy": npy_seeds}
 
 
 def main():

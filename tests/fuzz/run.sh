@@ -5,13 +5,15 @@
 #   tests/fuzz/run.sh [SECONDS]        default 60: fuzz_request runs SECONDS, the others half
 #
 # The targets — everything that reaches moed from outside and is parsed before anything else:
-#   fuzz_request       a Forward request's decoding and validation (server/wire.c, request.c)
+#   fuzz_request       a Forward request's decoding and validation (server/wire.c, request.c),
+#                      region references included (server/region.c)
+#   fuzz_region        a Regions stream's commands (server/region_cmd.c, region.c)
 #   fuzz_http          the metrics endpoint's request parser (server/http_parse.c)
 #   fuzz_safetensors   a checkpoint file's header (server/safetensors.c)
 #   fuzz_npy           the .npy files moectl and moed-load read (client/c/npy.c)
 #
 # Environment: FUZZ_BUILD_DIR (default build-fuzz), FUZZ_JOBS (parallel fuzzing processes per
-# target, default 1), FUZZ_TARGETS (default all four). Each target's working corpus persists in
+# target, default 1), FUZZ_TARGETS (default all five). Each target's working corpus persists in
 # $FUZZ_BUILD_DIR/corpus-NAME between runs (it starts from the seeds make_seeds.py writes); a
 # crashing input is saved as $FUZZ_BUILD_DIR/artifacts/NAME-crash-* and reproduces with
 # `$FUZZ_BUILD_DIR/NAME FILE`.
@@ -20,7 +22,7 @@ cd "$(dirname "$0")/../.."
 secs=${1:-60}
 build=${FUZZ_BUILD_DIR:-build-fuzz}
 jobs=${FUZZ_JOBS:-1}
-targets=(${FUZZ_TARGETS:-request http safetensors npy})
+targets=(${FUZZ_TARGETS:-request region http safetensors npy})
 
 # clang and libFuzzer's runtime (libclang-rt-14-dev on Debian 12) if missing.
 if ! command -v clang >/dev/null || ! ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1; then
@@ -31,15 +33,25 @@ if ! command -v clang >/dev/null || ! ls /usr/lib/llvm-*/lib/clang/*/lib/linux/l
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends clang libclang-rt-dev
 fi
 
-incs=(-Iserver -Iclient/c/cli -Ikernels/core -Ikernels)
+incs=(-Iserver -Iclient/c/cli -Ikernels/core -Ikernels -I"$build/proto")
+
+# The protocol's protobuf-c code (region commands are decoded with it).
+mkdir -p "$build/proto"
+protoc-c --c_out="$build/proto" -I proto proto/moed/v1/moed.proto
 
 # Each target's sources beyond tests/fuzz/fuzz_NAME.c, and its libraries. (Not through CMake: the
 # CPU GEMM's feature checks need a newer clang than Debian 12's, and the fuzzers need none of it.)
 sources_request() {
-    echo server/wire.c server/request.c server/shard.c
+    echo server/wire.c server/request.c server/shard.c server/region.c server/guard.c server/bufpool.c
+    echo kernels/moed_backend.c
     echo kernels/core/{moed_err,moed_dtype,moed_fp8,moed_model,moed_route,moed_synth,moed_pool}.c
 }
 libs_request() { pkg-config --cflags --libs grpc libprotobuf-c; }
+sources_region() {
+    echo server/region_cmd.c server/region.c server/guard.c server/log.c "$build/proto/moed/v1/moed.pb-c.c"
+    echo kernels/moed_backend.c kernels/core/moed_err.c
+}
+libs_region() { pkg-config --cflags --libs libprotobuf-c; }
 # Inputs up to 8 KiB reach every field and limit of a request, a header and a .npy; an HTTP head
 # is refused past 8 KiB, so its inputs go a little further.
 maxlen() { [ "$1" = http ] && echo 10240 || echo 8192; }
@@ -71,6 +83,7 @@ for t in "${targets[@]}"; do
     mkdir -p "$build/corpus-$t"
     run=$secs
     [ "$t" = request ] || run=$((secs / 2))
+    [ "$t" = region ] && run=$((secs / 4))
     echo "fuzz: running $name for ${run}s (jobs=$jobs)"
     # -timeout: one input must never take seconds; a leak is a failure too (detect_leaks is on
     # under libFuzzer by default); -error_exitcode: 1, not libFuzzer's 77, which test runners

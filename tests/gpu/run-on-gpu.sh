@@ -16,6 +16,12 @@
 #             compute-sanitizer memcheck and racecheck on the quick FP8 cases
 #   fp8-bench moe-bench with bf16 and FP8 weights side by side (standard shapes, T = 8 .. 16384,
 #             graph-replayed small batches, two padded --shape ones) with both matmul ceilings
+#   dataplane tensor regions (issue 11): the backend's parts against inline (test_cuda_parts), CUDA
+#             IPC from a second process against inline (test_ipc), then the data-plane benchmark
+#             (tests/gpu/bench_dataplane.py: T 8..8192 x callers 1, 8 x inline/shm/cuda on the
+#             mixtral and qwen3-30b-a3b shapes, kernel-only and the RPC floor in the same run),
+#             its table in dataplane.md; 48 loads of 1 s warm-up + 1.5 s measured, 8 daemons'
+#             starts and 8 moe-bench runs: about 4 minutes on an H200
 #   router    the server router (issue 8): the CUDA-vs-CPU router cases of the suite, the
 #             checkpoints written by transformers served by a CUDA daemon against transformers'
 #             own outputs (recomputed live by the torch and transformers installed there), and the
@@ -38,10 +44,16 @@
 # some were skipped; 2 for an unknown stage, before anything runs.
 #
 # Environment: OUT (default /tmp/moed-out), MOED_GPU_DIR (default .gpu: bin/, lib/ and py/ as
-# bundle.sh assembles them), MOED_GPU_PYTHON (default python3).
+# bundle.sh assembles them, or its bundle.tgz of them), MOED_GPU_PYTHON (default python3),
+# DATAPLANE_ARGS (more arguments for bench_dataplane.py, e.g. --shapes mixtral).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 GPU=${MOED_GPU_DIR:-$PWD/.gpu}
+# bundle.sh packs the bundle to travel under the device tool's size limit: unpacked afresh here.
+if [ -f "$GPU/bundle.tgz" ]; then
+    rm -rf "${GPU:?}/bin" "${GPU:?}/lib" "${GPU:?}/py"
+    tar xzf "$GPU/bundle.tgz" -C "$GPU" || exit 2
+fi
 B=$GPU/bin
 PY=${MOED_GPU_PYTHON:-python3}
 export LD_LIBRARY_PATH=$GPU/lib:${LD_LIBRARY_PATH:-}
@@ -50,7 +62,7 @@ export PYTHONUNBUFFERED=1
 export PATH=$PATH:/usr/local/cuda/bin
 OUT=${OUT:-/tmp/moed-out}
 RAW=$OUT/raw # JSON and long logs; packed into raw.tgz at the end (the device tool returns 8 files)
-STAGES=(tests sanitize bench e2e merge pytest fp8 fp8-bench router split two-gpu)
+STAGES=(tests sanitize bench e2e merge pytest fp8 fp8-bench dataplane router split two-gpu)
 
 # The stage running and the worst exit of its commands so far (0, 77, or a failure's code).
 stage_name="" stage_rc=0
@@ -160,6 +172,16 @@ stage_fp8-bench() {
     cat "$RAW/moe-fp8-graph.txt" "$RAW/moe-fp8-shapes.txt" >>"$OUT/moe-fp8.txt"
     step "$PY" kernels/cuda/bench/report.py --fp8 "$RAW/moe-fp8.json" "$RAW/moe-fp8-graph.json" \
         "$RAW/moe-fp8-shapes.json" --out "$OUT/report-fp8.md"
+}
+
+stage_dataplane() {
+    df -h /dev/shm | tail -1
+    logged "$OUT/gpu-parts.log" "$B/test_cuda_parts"
+    logged "$OUT/gpu-ipc.log" "$B/test_ipc" "$B/moed"
+    # shellcheck disable=SC2086  # DATAPLANE_ARGS is a list of arguments
+    logged "$OUT/dataplane.txt" timeout 420 "$PY" tests/gpu/bench_dataplane.py --bin "$B" \
+        --duration 1.5 --md "$OUT/dataplane.md" --json "$RAW/dataplane.json" --logs "$RAW" \
+        ${DATAPLANE_ARGS:-}
 }
 
 stage_router() {

@@ -318,7 +318,7 @@ static void run_case(const tcase *tc)
     CHECK_MSG(gpu && cpu, "%s: backends did not open", tc->name);
     if (gpu && cpu) {
         poison(tc->xdtype, y, (size_t)T * d);
-        moed_job job = { 0, tc->xdtype, T, x, y, &route };
+        moed_job job = { .dtype = tc->xdtype, .T = T, .x = x, .y = y, .route = &route };
         int rc = moed_backend_forward(gpu, 0, &job, &err);
         CHECK_MSG(rc == 0, "%s: cuda forward: %s", tc->name, err.msg);
 
@@ -326,7 +326,7 @@ static void run_case(const tcase *tc)
         sub_route(&route, tok, n_ref, &sr);
         gather_rows(x, row, tok, n_ref, xs);
         gather_rows(y, row, tok, n_ref, ys);
-        moed_job rjob = { 0, tc->xdtype, n_ref, xs, yr, &sr };
+        moed_job rjob = { .dtype = tc->xdtype, .T = n_ref, .x = xs, .y = yr, .route = &sr };
         rc = moed_backend_forward(cpu, 0, &rjob, &err);
         CHECK_MSG(rc == 0, "%s: cpu forward: %s", tc->name, err.msg);
 
@@ -375,9 +375,10 @@ static void run_case(const tcase *tc)
         if (li->has_router) {
             const size_t nl = (size_t)n_ref * li->n_experts;
             float *lg = malloc(sizeof(float) * nl), *lc = malloc(sizeof(float) * nl);
-            rc = moed_backend_router_logits(gpu, 0, 0, tc->xdtype, n_ref, xs, lg, &err);
+            const moed_job lj = { .dtype = tc->xdtype, .T = n_ref, .x = xs };
+            rc = moed_backend_router_logits(gpu, 0, &lj, lg, &err);
             CHECK_MSG(rc == 0, "%s: cuda router logits: %s", tc->name, err.msg);
-            rc = moed_backend_router_logits(cpu, 0, 0, tc->xdtype, n_ref, xs, lc, &err);
+            rc = moed_backend_router_logits(cpu, 0, &lj, lc, &err);
             CHECK_MSG(rc == 0, "%s: cpu router logits: %s", tc->name, err.msg);
             CHECK_MSG(!memcmp(lg, lc, sizeof(float) * nl),
                       "%s: router logits differ from the CPU's (%lld of %zu)", tc->name,
@@ -390,7 +391,7 @@ static void run_case(const tcase *tc)
          * bit. */
         moed_route one = { 0 };
         sub_route(&route, tok, 1, &one);
-        moed_job ojob = { 0, tc->xdtype, 1, xs, yr, &one };
+        moed_job ojob = { .dtype = tc->xdtype, .T = 1, .x = xs, .y = yr, .route = &one };
         poison(tc->xdtype, yr, (size_t)d);
         rc = moed_backend_forward(gpu, 0, &ojob, &err);
         CHECK_MSG(rc == 0 && !memcmp(yr, ys, row),
@@ -599,9 +600,10 @@ static void run_router_case(const rcase *rc)
             snprintf(what, sizeof what, "router %s, hidden %s, router weights %s", rc->name,
                      moed_dtype_name(xdtypes[xi]), moed_dtype_name(rdtypes[r]));
             moed_from_f32(xdtypes[xi], xf, x, (size_t)T * d);
-            int rcg = moed_backend_router_logits(gpu, 0, 0, xdtypes[xi], T, x, lg, &err);
+            const moed_job lj = { .dtype = xdtypes[xi], .T = T, .x = x };
+            int rcg = moed_backend_router_logits(gpu, 0, &lj, lg, &err);
             CHECK_MSG(rcg == 0, "%s: cuda: %s", what, err.msg);
-            int rcc = moed_backend_router_logits(cpu, 0, 0, xdtypes[xi], T, x, lc, &err);
+            int rcc = moed_backend_router_logits(cpu, 0, &lj, lc, &err);
             CHECK_MSG(rcc == 0, "%s: cpu: %s", what, err.msg);
             if (rcg || rcc) continue;
             const int64_t diff = count_diff(lg, lc, (size_t)T * E),
@@ -818,7 +820,8 @@ static void run_vs_bf16(const char *name, const char *spec_text, int64_t T)
     }
     CHECK_MSG(b16 && b8, "%s: backends did not open", name);
     if (b16 && b8) {
-        moed_job j16 = { 0, MOED_BF16, T, x, y16, &route }, j8 = { 0, MOED_BF16, T, x, y8, &route };
+        moed_job j16 = { .dtype = MOED_BF16, .T = T, .x = x, .y = y16, .route = &route },
+                 j8 = { .dtype = MOED_BF16, .T = T, .x = x, .y = y8, .route = &route };
         CHECK(moed_backend_forward(b16, 0, &j16, &err) == 0);
         CHECK(moed_backend_forward(b8, 0, &j8, &err) == 0);
         const double e = rel_err(MOED_BF16, y8, y16, n);

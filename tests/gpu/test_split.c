@@ -9,9 +9,11 @@
  * the standard shape classes scaled down, bf16, f16 and FP8 weights, shared experts, every input
  * dtype, each kernel family forced, T = 1 to 4096, routes that leave experts empty, that leave one
  * part without a pair, that give tokens no pair at all, variable k from sigmoid gating, and more
- * pairs than the workspace holds (token chunks). Then the merging contract on the split layer: a
- * token alone, and the batch cut in two requests run alone, give the same bits as inside the
- * batch. Exits 77 where the CUDA devices it needs do not answer (CI has no GPU).
+ * pairs than the workspace holds (token chunks). Then the job's data where the data plane puts it
+ * (x and y on the home GPU, read and written in place; half in host memory and half on the other
+ * GPU) gives the same bits, and so does the merging contract on the split layer: a token alone,
+ * and the batch cut in two requests run alone, equal the same rows inside the batch. Exits 77
+ * where the CUDA devices it needs do not answer (CI has no GPU).
  */
 #include "check.h"
 
@@ -214,7 +216,11 @@ static void check_alone(const scase *sc, moed_backend *bs, const moed_route *rou
     }
     void *y = malloc(row * (size_t)(b - a));
     poison(y, row * (size_t)(b - a));
-    moed_job job = { 0, sc->xdtype, b - a, (const char *)x + row * (size_t)a, y, &part };
+    moed_job job = { .dtype = sc->xdtype,
+                     .T = b - a,
+                     .x = (const char *)x + row * (size_t)a,
+                     .y = y,
+                     .route = &part };
     moed_error err;
     const int rc = moed_backend_forward(bs, 0, &job, &err);
     CHECK_MSG(rc == 0, "%s: split forward of tokens %lld..%lld: %s", sc->name, (long long)a,
@@ -223,6 +229,58 @@ static void check_alone(const scase *sc, moed_backend *bs, const moed_route *rou
     CHECK_MSG(bad == 0, "%s: tokens %lld..%lld alone: %lld rows differ from the same in the batch",
               sc->name, (long long)a, (long long)b - 1, (long long)bad);
     moed_route_free(&part);
+    free(y);
+}
+
+/* The split layer on the job's data where the data plane puts it (moed_part): all of x and y in
+ * device memory of the home GPU (a lone part, read and written in place when the batch is big
+ * enough), then the first half of the tokens in host memory and the second on the other entry's
+ * GPU (a peer copy each way when it is another GPU): the same bits as the job inline. */
+static void check_parts(const scase *sc, moed_backend *bs, const moed_route *route, const void *x,
+                        const void *ys, size_t row)
+{
+    const int64_t T = route->T, h = T / 2;
+    const size_t bytes = row * (size_t)T;
+    void *dx = NULL, *dy = NULL, *ex = NULL, *ey = NULL, *y = malloc(bytes);
+    cudaSetDevice(devices[0]);
+    cudaMalloc(&dx, bytes);
+    cudaMalloc(&dy, bytes);
+    cudaMemcpy(dx, x, bytes, cudaMemcpyHostToDevice);
+    cudaSetDevice(devices[1]);
+    cudaMalloc(&ex, bytes);
+    cudaMalloc(&ey, bytes);
+    cudaMemcpy(ex, x, bytes, cudaMemcpyHostToDevice);
+    moed_error err;
+    const moed_part lone = { T, dx, devices[0], dy, devices[0] };
+    moed_job job = { .dtype = sc->xdtype, .T = T, .parts = &lone, .n_parts = 1, .route = route };
+    int rc = moed_backend_forward(bs, 0, &job, &err);
+    cudaSetDevice(devices[0]);
+    poison(y, bytes);
+    if (!rc) cudaMemcpy(y, dy, bytes, cudaMemcpyDeviceToHost);
+    CHECK_MSG(rc == 0 && !rows_differ(y, ys, T, row), "%s: x and y on GPU %d (a lone part): %s",
+              sc->name, devices[0], rc ? err.msg : "rows differ from the job inline");
+    if (h > 0) {
+        poison(y, bytes);
+        const moed_part two[2] = { { h, x, MOED_HOST_MEM, y, MOED_HOST_MEM },
+                                   { T - h, (const char *)ex + row * (size_t)h, devices[1],
+                                     (char *)ey + row * (size_t)h, devices[1] } };
+        job.parts = two;
+        job.n_parts = 2;
+        rc = moed_backend_forward(bs, 0, &job, &err);
+        cudaSetDevice(devices[1]);
+        if (!rc)
+            cudaMemcpy((char *)y + row * (size_t)h, (char *)ey + row * (size_t)h,
+                       row * (size_t)(T - h), cudaMemcpyDeviceToHost);
+        CHECK_MSG(rc == 0 && !rows_differ(y, ys, T, row),
+                  "%s: half in host memory, half on GPU %d: %s", sc->name, devices[1],
+                  rc ? err.msg : "rows differ from the job inline");
+    }
+    cudaSetDevice(devices[0]);
+    cudaFree(dx);
+    cudaFree(dy);
+    cudaSetDevice(devices[1]);
+    cudaFree(ex);
+    cudaFree(ey);
     free(y);
 }
 
@@ -257,7 +315,8 @@ static void run_case(const scase *sc)
         check_place(sc, bs, layer.info.n_experts);
         poison(yw, row * (size_t)T);
         poison(ys, row * (size_t)T);
-        moed_job jw = { 0, sc->xdtype, T, x, yw, &route }, js = { 0, sc->xdtype, T, x, ys, &route };
+        moed_job jw = { .dtype = sc->xdtype, .T = T, .x = x, .y = yw, .route = &route },
+                 js = { .dtype = sc->xdtype, .T = T, .x = x, .y = ys, .route = &route };
         int rc = moed_backend_forward(bw, 0, &jw, &err);
         CHECK_MSG(rc == 0, "%s: whole forward: %s", sc->name, err.msg);
         rc = rc ? rc : moed_backend_forward(bs, 0, &js, &err);
@@ -268,6 +327,7 @@ static void run_case(const scase *sc)
         fprintf(stderr, "  %-42s T=%-5lld pairs=%-7lld %s\n", sc->name, (long long)T,
                 (long long)route.off[T], bad ? "DIFFERS" : "bit-identical");
         if (!rc) {
+            check_parts(sc, bs, &route, x, ys, row);
             check_alone(sc, bs, &route, x, ys, 0, 1, row);
             check_alone(sc, bs, &route, x, ys, T - 1, T, row);
             if (T > 1) {

@@ -205,6 +205,14 @@ static int forward(moed_backend *b, int dtype, const void *x, int64_t T, const m
     return rc;
 }
 
+/* The router logits of T rows of x as one part. */
+static int logits_of(moed_backend *b, int dtype, int64_t T, const void *x, float *out,
+                     moed_error *err)
+{
+    const moed_job job = { .slot = 0, .dtype = dtype, .T = T, .x = x };
+    return moed_backend_router_logits(b, 0, &job, out, err);
+}
+
 /* The route of tokens [t0, t0 + n) of r, as a route of its own. */
 static void sub_route(const moed_route *r, int64_t t0, int64_t n, moed_route *out)
 {
@@ -315,6 +323,28 @@ static void run_case(const tcase *c, int max_tokens)
         CHECK_MSG(diff == 0, "%s: %d rows differ when computed alone", what, diff);
         if (dt == MOED_F32 && l.info.n_shared == 0)
             check_combine_order(what, b4, x, c->T, d, &r, y);
+        /* the batch in three parts of their own, each in its own buffers: the same bits */
+        if (c->T > 6) {
+            const int64_t rows[3] = { 1, c->T - 4, 3 };
+            void *xs[3], *ys[3];
+            moed_part parts[3];
+            for (int i = 0, t = 0; i < 3; t += (int)rows[i++]) {
+                xs[i] = malloc((size_t)rows[i] * row);
+                ys[i] = malloc((size_t)rows[i] * row);
+                memcpy(xs[i], (const char *)x + (size_t)t * row, (size_t)rows[i] * row);
+                parts[i] = (moed_part){ rows[i], xs[i], MOED_HOST_MEM, ys[i], MOED_HOST_MEM };
+            }
+            moed_job pj = {
+                .slot = 0, .dtype = dt, .T = c->T, .parts = parts, .n_parts = 3, .route = &r
+            };
+            CHECK_EQ_INT(moed_backend_forward(b4, 0, &pj, &err), 0);
+            for (int i = 0, t = 0; i < 3; t += (int)rows[i++]) {
+                CHECK_MSG(!memcmp(ys[i], (const char *)y + (size_t)t * row, (size_t)rows[i] * row),
+                          "%s: part %d differs from the same rows of one buffer", what, i);
+                free(xs[i]);
+                free(ys[i]);
+            }
+        }
         /* a slice from the middle, on one thread */
         if (c->T > 6) {
             moed_route part;
@@ -368,8 +398,8 @@ static void test_router_logits(void)
     for (int dt = MOED_F32; dt <= MOED_BF16 && bs && bd; dt++) {
         void *x = random_x(dt, T * d);
         float lg[T * E], ls[T * E], one[E];
-        CHECK_EQ_INT(moed_backend_router_logits(bd, 0, 0, dt, T, x, lg, &err), 0);
-        CHECK_EQ_INT(moed_backend_router_logits(bs, 0, 0, dt, T, x, ls, &err), 0);
+        CHECK_EQ_INT(logits_of(bd, dt, T, x, lg, &err), 0);
+        CHECK_EQ_INT(logits_of(bs, dt, T, x, ls, &err), 0);
         int bad = 0, diff = 0, round = 0;
         for (int t = 0; t < T; t++) {
             for (int e = 0; e < E; e++) {
@@ -384,8 +414,7 @@ static void test_router_logits(void)
                 moed_router_round_logits(&soft.info, dt, &r, 1);
                 round += memcmp(&r, &ls[t * E + e], sizeof r) != 0;
             }
-            moed_backend_router_logits(
-                bd, 0, 0, dt, 1, (const char *)x + (size_t)t * d * moed_dtype_size(dt), one, &err);
+            logits_of(bd, dt, 1, (const char *)x + (size_t)t * d * moed_dtype_size(dt), one, &err);
             diff += memcmp(one, lg + t * E, sizeof one) != 0;
         }
         CHECK_MSG(bad == 0, "router logits (x %s): %d off", moed_dtype_name(dt), bad);
@@ -447,8 +476,27 @@ static void test_errors(void)
     CHECK_EQ_INT(moed_backend_forward(b, 0, &job, &err), MOED_EINVAL);
     r.weight[2] = 1;
     CHECK_EQ_INT(moed_backend_forward(b, 0, &job, &err), 0);
-    CHECK_EQ_INT(moed_backend_router_logits(b, 0, 0, MOED_F32, 2, x, y, &err), MOED_EINVAL);
+    CHECK_EQ_INT(logits_of(b, MOED_F32, 2, x, y, &err), MOED_EINVAL);
     CHECK(strstr(err.msg, "no router weights") != NULL);
+    /* parts: their rows must add up to T, and the CPU computes from host memory only */
+    moed_part parts[2] = { { 1, x, MOED_HOST_MEM, y, MOED_HOST_MEM },
+                           { 2, x + 16, MOED_HOST_MEM, y + 16, MOED_HOST_MEM } };
+    moed_job pj = {
+        .slot = 0, .dtype = MOED_F32, .T = 2, .parts = parts, .n_parts = 2, .route = &r
+    };
+    CHECK_EQ_INT(moed_backend_forward(b, 0, &pj, &err), MOED_EINVAL);
+    CHECK(strstr(err.msg, "hold 3 rows") != NULL);
+    parts[1].rows = 1;
+    parts[1].x_dev = 0;
+    CHECK_EQ_INT(moed_backend_forward(b, 0, &pj, &err), MOED_EPRECOND);
+    CHECK(strstr(err.msg, "device memory") != NULL);
+    /* and it has no devices to map */
+    void *ptr, *base;
+    int dev;
+    CHECK_EQ_INT(moed_backend_map_device(b, "h", 1, NULL, 0, 64, 0, &ptr, &dev, &base, &err),
+                 MOED_EPRECOND);
+    CHECK(strstr(err.msg, "cpu backend") != NULL);
+    CHECK(!moed_backend_host_dma(b));
 
     moed_device_info info;
     CHECK_EQ_INT(moed_backend_n_devices(b), 1);

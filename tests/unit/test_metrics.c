@@ -65,7 +65,11 @@ static char *render(moed_metrics *m)
                               .version = "9.9",
                               .backend = "cpu",
                               .http_connections = 5,
-                              .http_refused = 11 };
+                              .http_refused = 11,
+                              .regions = { 2, 1 },
+                              .region_bytes = { 4096, 1 << 20 },
+                              .staging_pool_used = 512,
+                              .staging_pool_bytes = 8192 };
     size_t len = 0;
     char *t = moed_metrics_render(m, &g, &len);
     CHECK(t && strlen(t) == len);
@@ -160,8 +164,13 @@ static void test_buckets(void)
         if (!strncmp(line, "# TYPE ", 7)) types++;
         CHECK(line[0] == '#' || (line[0] >= 'a' && line[0] <= 'z'));
     }
-    CHECK_EQ_INT(helps, 22);
-    CHECK_EQ_INT(types, 22);
+    CHECK_EQ_INT(helps, 26);
+    CHECK_EQ_INT(types, 26);
+    /* the data plane's gauges, by region kind */
+    CHECK_NEAR(sample(text, "moed_regions{kind=\"host\"}"), 2, 0);
+    CHECK_NEAR(sample(text, "moed_regions{kind=\"cuda\"}"), 1, 0);
+    CHECK_NEAR(sample(text, "moed_region_bytes{kind=\"cuda\"}"), 1 << 20, 0);
+    CHECK_NEAR(sample(text, "moed_staging_pool_used_bytes"), 512, 0);
     free(text);
     moed_metrics_destroy(m);
 }

@@ -15,6 +15,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Where an output goes when it travels in the reply. */
+static const moedc_ref inline_out;
+
 /* head + body + tail as one buffer, as gRPC puts them on the wire. */
 static uint8_t *join(const moedc_wire *w, size_t *n)
 {
@@ -33,7 +36,8 @@ static Moed__V1__ForwardRequest *encode_decode(const moedc_request *req)
     int rc = moedc_encode_forward(req, &w, &err);
     CHECK_MSG(rc == 0, "encode: %s", err.msg);
     if (rc) return NULL;
-    CHECK(w.body == req->hidden); /* hidden is sent from where it is */
+    /* hidden is sent from where it is, or named in its region */
+    CHECK(w.body == (req->hidden_at.region ? NULL : req->hidden));
     size_t n;
     uint8_t *b = join(&w, &n);
     Moed__V1__ForwardRequest *m = moed__v1__forward_request__unpack(NULL, n, b);
@@ -169,12 +173,14 @@ static uint8_t *reply(int dtype, int64_t r, int64_t c, size_t bytes, size_t *n)
     static uint8_t data[64];
     int64_t shape[2] = { r, c };
     int32_t set[2] = { 5, 2 };
-    Moed__V1__Tensor t = MOED__V1__TENSOR__INIT;
+    Moed__V1__Tensor t;
+    moed__v1__tensor__init(&t);
     t.dtype = dtype;
     t.n_shape = 2;
     t.shape = shape;
     t.data.len = bytes;
     t.data.data = data;
+    t.contents_case = MOED__V1__TENSOR__CONTENTS_DATA;
     for (size_t i = 0; i < sizeof data; i++) data[i] = (uint8_t)i;
     Moed__V1__Timings tm = MOED__V1__TIMINGS__INIT;
     tm.queue_us = 11;
@@ -200,7 +206,7 @@ static void test_replies(void)
     moedc_error err;
     size_t n;
     uint8_t *b = reply(MOEDC_BF16, 2, 8, 32, &n);
-    CHECK_EQ_INT(moedc_decode_forward(b, n, MOEDC_BF16, 2, 8, &res, &err), 0);
+    CHECK_EQ_INT(moedc_decode_forward(b, n, MOEDC_BF16, 2, 8, &inline_out, &res, &err), 0);
     CHECK_EQ_INT(res.output_bytes, 32);
     CHECK(res.output && ((const uint8_t *)res.output)[31] == 31);
     CHECK(res.n_expert_set == 2 && res.expert_set[0] == 5 && res.expert_set[1] == 2);
@@ -209,18 +215,86 @@ static void test_replies(void)
     CHECK(!strcmp(res.request_id, "abc"));
     moedc_result_free(&res);
     moedc_result_free(&res); /* twice is safe */
-    CHECK_EQ_INT(moedc_decode_forward(b, n, MOEDC_F16, 2, 8, &res, &err), MOEDC_EFORMAT);
+    CHECK_EQ_INT(moedc_decode_forward(b, n, MOEDC_F16, 2, 8, &inline_out, &res, &err),
+                 MOEDC_EFORMAT);
     CHECK(strstr(err.msg, "bf16") != NULL);
-    CHECK_EQ_INT(moedc_decode_forward(b, n, MOEDC_BF16, 4, 4, &res, &err), MOEDC_EFORMAT);
+    CHECK_EQ_INT(moedc_decode_forward(b, n, MOEDC_BF16, 4, 4, &inline_out, &res, &err),
+                 MOEDC_EFORMAT);
     CHECK(res.priv == NULL);
-    CHECK_EQ_INT(moedc_decode_forward(b, n - 3, MOEDC_BF16, 2, 8, &res, &err), MOEDC_EFORMAT);
+    CHECK_EQ_INT(moedc_decode_forward(b, n - 3, MOEDC_BF16, 2, 8, &inline_out, &res, &err),
+                 MOEDC_EFORMAT);
     free(b);
     b = reply(MOEDC_BF16, 2, 8, 30, &n); /* shape and bytes disagree */
-    CHECK_EQ_INT(moedc_decode_forward(b, n, MOEDC_BF16, 2, 8, &res, &err), MOEDC_EFORMAT);
+    CHECK_EQ_INT(moedc_decode_forward(b, n, MOEDC_BF16, 2, 8, &inline_out, &res, &err),
+                 MOEDC_EFORMAT);
     CHECK(strstr(err.msg, "30 bytes") != NULL);
     free(b);
     uint8_t junk[5] = { 0xff, 0xff, 0xff, 0xff, 0xff };
-    CHECK_EQ_INT(moedc_decode_forward(junk, 5, MOEDC_F32, 1, 1, &res, &err), MOEDC_EFORMAT);
+    CHECK_EQ_INT(moedc_decode_forward(junk, 5, MOEDC_F32, 1, 1, &inline_out, &res, &err),
+                 MOEDC_EFORMAT);
+}
+
+static void check_ref(const Moed__V1__RegionRef *r, uint64_t id, uint64_t off, uint64_t len)
+{
+    CHECK(r && r->region == id && r->offset == off && r->length == len);
+}
+
+/* Tensors in regions travel as references (no data), and so does the output's place; a reply
+ * naming the request's region gives the output there, one naming another is malformed. */
+static void test_regions(void)
+{
+    static float mem[64];
+    const moedc_region g = { .id = 77, .kind = MOEDC_REGION_HOST, .ptr = mem, .bytes = sizeof mem };
+    float w[4] = { 1, 1, 1, 1 };
+    moedc_request req = { .layer = 2,
+                          .dtype = MOEDC_F32,
+                          .tokens = 2,
+                          .d_model = 4,
+                          .routing = MOEDC_ROUTE_EXPERTS,
+                          .k = 2,
+                          .expert_weights = w,
+                          .hidden_at = { &g, 0 },
+                          .expert_ids_at = { &g, 32 },
+                          .output_at = { &g, 64 } };
+    Moed__V1__ForwardRequest *m = encode_decode(&req);
+    if (m) {
+        CHECK_EQ_INT(m->hidden->contents_case, MOED__V1__TENSOR__CONTENTS_REGION);
+        check_ref(m->hidden->region, 77, 0, 32);
+        CHECK(m->hidden->n_shape == 2 && m->hidden->shape[1] == 4);
+        CHECK_EQ_INT(m->experts->expert_ids->contents_case, MOED__V1__TENSOR__CONTENTS_REGION);
+        check_ref(m->experts->expert_ids->region, 77, 32, 16);
+        check_tensor(m->experts->expert_weights, MOEDC_F32, 2, 2, w, sizeof w);
+        check_ref(m->output, 77, 64, 32);
+        moed__v1__forward_request__free_unpacked(m, NULL);
+    }
+    Moed__V1__RegionRef ref = MOED__V1__REGION_REF__INIT;
+    ref.region = 77;
+    ref.offset = 64;
+    ref.length = 32;
+    int64_t shape[2] = { 2, 4 };
+    Moed__V1__Tensor t;
+    moed__v1__tensor__init(&t);
+    t.dtype = MOED__V1__DTYPE__F32;
+    t.n_shape = 2;
+    t.shape = shape;
+    t.contents_case = MOED__V1__TENSOR__CONTENTS_REGION;
+    t.region = &ref;
+    Moed__V1__ForwardResponse resp = MOED__V1__FORWARD_RESPONSE__INIT;
+    resp.output = &t;
+    uint8_t b[128];
+    size_t n = moed__v1__forward_response__pack(&resp, b);
+    moedc_result res;
+    moedc_error err;
+    CHECK_EQ_INT(moedc_decode_forward(b, n, MOEDC_F32, 2, 4, &req.output_at, &res, &err), 0);
+    CHECK(res.output == mem + 16 && res.output_bytes == 32);
+    moedc_result_free(&res);
+    /* an inline request answered with a region, or a region answered elsewhere: malformed */
+    CHECK_EQ_INT(moedc_decode_forward(b, n, MOEDC_F32, 2, 4, &inline_out, &res, &err),
+                 MOEDC_EFORMAT);
+    req.output_at.offset = 0;
+    CHECK_EQ_INT(moedc_decode_forward(b, n, MOEDC_F32, 2, 4, &req.output_at, &res, &err),
+                 MOEDC_EFORMAT);
+    CHECK(strstr(err.msg, "region") != NULL);
 }
 
 static void test_model_info_and_health(void)
@@ -323,6 +397,7 @@ int main(void)
     test_requests();
     test_bad_requests();
     test_replies();
+    test_regions();
     test_model_info_and_health();
     test_status_codes();
     return check_status("test_moedc_codec");

@@ -8,8 +8,25 @@
 
 #include <stdio.h>
 
+/* Same-host peers, as gRPC names them: loopback and unix sockets only. */
+static void test_local(void)
+{
+    const char *local[] = { "ipv4:127.0.0.1:5000", "ipv4:127.3.4.5:1",
+                            "ipv6:[::1]:5000",     "ipv6:[::ffff:127.0.0.1]:5000",
+                            "unix:/run/moed.sock", "unix-abstract:moed" };
+    const char *remote[] = { "ipv4:10.0.0.1:5000",       "ipv4:128.0.0.1:5000",
+                             "ipv6:[::2]:5000",          "ipv6:[fe80::1]:5000",
+                             "ipv6:[::ffff:10.0.0.1]:1", "ipv4:1127.0.0.1:5",
+                             "127.0.0.1:5000",           "" };
+    for (size_t i = 0; i < sizeof local / sizeof local[0]; i++)
+        CHECK_MSG(moed_peer_is_local(local[i]), "%s", local[i]);
+    for (size_t i = 0; i < sizeof remote / sizeof remote[0]; i++)
+        CHECK_MSG(!moed_peer_is_local(remote[i]), "%s", remote[i]);
+}
+
 int main(void)
 {
+    test_local();
     moed_peers *p = moed_peers_create();
     CHECK(p != NULL);
     moed_peer *a[4], *b;

@@ -23,6 +23,7 @@ static const moed_served served = { .layers = ptrs,
                                     .max_batch_pairs = 100,
                                     .max_message_bytes = 1 << 20 };
 static float router[1];
+static const moed_caller anyone = { .principal = 0, .local = true };
 
 /* A request under construction: hidden [T, d] F32 for layer, then the routing the test sets. */
 typedef struct build {
@@ -61,6 +62,7 @@ static void init_build(build *b, uint32_t layer, int64_t T, int64_t d)
     b->hidden.n_shape = 2;
     b->hidden.shape = b->hshape;
     b->hidden.data = (ProtobufCBinaryData){ (size_t)(T * d) * 4, (uint8_t *)b->x };
+    b->hidden.contents_case = MOED__V1__TENSOR__CONTENTS_DATA;
     b->req.hidden = &b->hidden;
 }
 
@@ -73,8 +75,10 @@ static void set_choice(build *b, int64_t T, int64_t k)
     b->ids.n_shape = b->w.n_shape = 2;
     b->ids.shape = b->w.shape = b->kshape;
     b->ids.data = (ProtobufCBinaryData){ (size_t)(T * k) * 4, (uint8_t *)b->id };
+    b->ids.contents_case = MOED__V1__TENSOR__CONTENTS_DATA;
     b->w.dtype = MOED__V1__DTYPE__F32;
     b->w.data = (ProtobufCBinaryData){ (size_t)(T * k) * 4, (uint8_t *)b->wt };
+    b->w.contents_case = MOED__V1__TENSOR__CONTENTS_DATA;
     b->ec.expert_ids = &b->ids;
     b->ec.expert_weights = &b->w;
     b->req.routing_case = MOED__V1__FORWARD_REQUEST__ROUTING_EXPERTS;
@@ -89,6 +93,7 @@ static void set_logits(build *b, int64_t T, int64_t E)
     b->logits.n_shape = 2;
     b->logits.shape = b->lshape;
     b->logits.data = (ProtobufCBinaryData){ (size_t)(T * E) * 4, (uint8_t *)b->lg };
+    b->logits.contents_case = MOED__V1__TENSOR__CONTENTS_DATA;
     b->rl.logits = &b->logits;
     b->rl.gating = &b->g;
     b->req.routing_case = MOED__V1__FORWARD_REQUEST__ROUTING_LOGITS;
@@ -108,7 +113,7 @@ static int validate(build *b, moed_work *w, moed_error *err)
     int rc = moed_wire_decode_request(sl, k, &q, err);
     CHECK_EQ_INT(rc, 0);
     memset(err, 0, sizeof *err);
-    rc = moed_request_validate(&served, &q, w, err);
+    rc = moed_request_validate(&served, &anyone, &q, w, err);
     if (!rc) {
         /* The item's copy_in must still read hidden's bytes: copy while the slices live. */
         float x[70 * 8];
@@ -203,7 +208,7 @@ static void test_pairs(void)
                                                   moed__v1__forward_request__pack(&b.req, buf));
     moed_wire_request q;
     CHECK_EQ_INT(moed_wire_decode_request(&sl, 1, &q, &err), 0);
-    CHECK_EQ_INT(moed_request_validate(&unbounded, &q, &w, &err), 0);
+    CHECK_EQ_INT(moed_request_validate(&unbounded, &anyone, &q, &w, &err), 0);
     CHECK(w.item.pairs == 120);
     moed_work_free(&w);
     grpc_slice_unref(sl);
@@ -364,7 +369,7 @@ static void test_errors(void)
     moed_wire_request q = { .bytes = (1 << 20) + 1 };
     moed_work w;
     moed_error err;
-    CHECK_EQ_INT(moed_request_validate(&served, &q, &w, &err), MOED_ETOOBIG);
+    CHECK_EQ_INT(moed_request_validate(&served, &anyone, &q, &w, &err), MOED_ETOOBIG);
     CHECK(strstr(err.msg, "1048577") && strstr(err.msg, "--max-message-bytes"));
     moed_work_free(&w);
 }

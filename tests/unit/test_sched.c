@@ -30,17 +30,28 @@ static struct {
     int in_forward; /* forwards running now */
     int n_jobs;
     int64_t job_T[MAX_JOBS];
+    int job_parts[MAX_JOBS];
     int job_slot[MAX_JOBS];
     int job_exec[MAX_JOBS];
     int pin;          /* exec_accepts: slot s runs only on exec s (two GPUs, one layer each) */
     int fail_forward; /* the next forward fails */
 } fk = { .m = PTHREAD_MUTEX_INITIALIZER, .c = PTHREAD_COND_INITIALIZER };
 
+/* The part of the job holding token t, and t's row in it. */
+static const moed_part *part_of(const moed_job *job, int64_t t, int64_t *row)
+{
+    int i = 0;
+    while (t >= job->parts[i].rows) t -= job->parts[i++].rows;
+    *row = t;
+    return &job->parts[i];
+}
+
 static int fake_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err)
 {
     pthread_mutex_lock(&fk.m);
     if (fk.n_jobs < MAX_JOBS) {
         fk.job_T[fk.n_jobs] = job->T;
+        fk.job_parts[fk.n_jobs] = job->n_parts;
         fk.job_slot[fk.n_jobs] = job->slot;
         fk.job_exec[fk.n_jobs] = exec;
     }
@@ -54,30 +65,33 @@ static int fake_forward(moed_backend *b, int exec, const moed_job *job, moed_err
     pthread_mutex_unlock(&fk.m);
     if (fail) return moed_fail(err, MOED_EDEVICE, "fake device fell over");
     int d = 4; /* every test layer has d_model 4 */
-    const float *x = job->x;
-    float *y = job->y;
     const moed_route *r = job->route;
     CHECK_EQ_INT(r->T, job->T);
-    for (int64_t t = 0; t < job->T; t++)
+    for (int64_t t = 0; t < job->T; t++) {
+        int64_t row;
+        const moed_part *pt = part_of(job, t, &row);
+        const float *x = (const float *)pt->x + row * d;
+        float *y = (float *)pt->y + row * d;
         for (int j = 0; j < d; j++) {
             float acc = 0;
             for (int64_t p = r->off[t]; p < r->off[t + 1]; p++)
-                acc +=
-                    r->weight[p] * ((float)(r->expert[p] + 1) * x[t * d + j] + (float)r->expert[p]);
-            y[t * d + j] = acc;
+                acc += r->weight[p] * ((float)(r->expert[p] + 1) * x[j] + (float)r->expert[p]);
+            y[j] = acc;
         }
+    }
     return 0;
 }
 
 /* logits[t][e] = x[t][0] * (e + 1) - x[t][1] * e: finite for finite rows, NaN for NaN rows. */
-static int fake_router(moed_backend *b, int exec, int slot, int dtype, int64_t T, const void *xv,
-                       float *logits, moed_error *err)
+static int fake_router(moed_backend *b, int exec, const moed_job *job, float *logits,
+                       moed_error *err)
 {
-    const float *x = xv;
     int E = 8;
-    for (int64_t t = 0; t < T; t++)
-        for (int e = 0; e < E; e++)
-            logits[t * E + e] = x[t * 4] * (float)(e + 1) - x[t * 4 + 1] * (float)e;
+    for (int64_t t = 0; t < job->T; t++) {
+        int64_t row;
+        const float *x = (const float *)part_of(job, t, &row)->x + row * 4;
+        for (int e = 0; e < E; e++) logits[t * E + e] = x[0] * (float)(e + 1) - x[1] * (float)e;
+    }
     return 0;
 }
 
@@ -119,6 +133,8 @@ typedef struct req {
     /* the result */
     int done, status;
     float y[16 * 4];
+    float own_y[16 * 4]; /* where the backend writes when the request asks for it (it.mem.y) */
+    const void *y_at;    /* where the result said the output was */
     moed_timings tm;
     int32_t set[8];
     int n_set;
@@ -138,6 +154,7 @@ static void on_done(moed_sched_item *it, const moed_sched_result *r)
     if (!r->status) {
         CHECK_EQ_INT(r->y_bytes, q->it.T * 4 * sizeof(float));
         memcpy(q->y, r->y, r->y_bytes);
+        q->y_at = r->y;
         q->tm = r->timings;
         q->n_set = r->n_expert_set;
         if (r->n_expert_set) memcpy(q->set, r->expert_set, (size_t)r->n_expert_set * 4);
@@ -326,6 +343,48 @@ static void test_merge(void)
         CHECK_EQ_INT(q[i]->tm.batch_requests, 4);
         CHECK_EQ_INT(q[i]->tm.batch_tokens, 10);
         CHECK(q[i]->tm.total_us >= q[i]->tm.queue_us);
+        free_req(q[i]);
+    }
+    free_req(a);
+    moed_sched_destroy(s);
+}
+
+/* Requests whose rows the backend may read where they are (item.mem) are parts of the job as
+ * they lie, beside requests copied into the staging; a request that fails its copy-in leaves the
+ * list of parts and the others' rows stay where they are. Each gets its own rows, bit for bit. */
+static void test_parts(void)
+{
+    moed_sched *s = start(1, 16, 0, 64);
+    hold(1);
+    req *a = make_req(0, 1, 1);
+    submit_ok(s, a);
+    wait_in_forward(1);
+    req *q[5];
+    for (int i = 0; i < 5; i++) {
+        q[i] = i == 4 ? make_server_req(0, 2, 40 + i, 0) : make_req(0, 1 + i % 3, 40 + i);
+        if (i % 2 == 0) { /* direct: read from x, written into own_y */
+            q[i]->it.mem = (moed_part){
+                .x = q[i]->x, .x_dev = MOED_HOST_MEM, .y = q[i]->own_y, .y_dev = MOED_HOST_MEM
+            };
+        }
+        q[i]->fail_copy = i == 1;
+        submit_ok(s, q[i]);
+    }
+    hold(0);
+    wait_done(6);
+    CHECK_EQ_INT(fk.n_jobs, 2);
+    CHECK_EQ_INT(fk.job_parts[1], 4); /* q[1] failed its copy and left */
+    CHECK_EQ_INT(fk.job_T[1], 1 + 3 + 1 + 2);
+    for (int i = 0; i < 5; i++) {
+        if (i == 1) {
+            CHECK_EQ_INT(q[i]->status, MOED_EIO);
+        } else {
+            expect_ok(q[i]);
+        }
+        if (i % 2 == 0 && !q[i]->status) {
+            CHECK(q[i]->y_at == q[i]->own_y);
+            CHECK(!memcmp(q[i]->own_y, q[i]->y, (size_t)q[i]->it.T * 4 * sizeof(float)));
+        }
         free_req(q[i]);
     }
     free_req(a);
@@ -535,7 +594,9 @@ static void expect_server_route(const req *q, int requests)
     CHECK_MSG(q->done && q->status == 0, "status %d: %s", q->status, q->msg);
     float l[16 * 8];
     moed_error err;
-    fake_router(NULL, 0, 0, MOED_F32, q->it.T, q->x, l, &err);
+    fake_router(NULL, 0,
+                &(moed_job){ .T = q->it.T, .parts = &(moed_part){ .rows = q->it.T, .x = q->x } }, l,
+                &err);
     moed_route want;
     CHECK_EQ_INT(moed_gate(&q->it.gate, &layers[0].info, NULL, l, q->it.T, &want, &err), 0);
     expect_route(q, &want);
@@ -651,7 +712,8 @@ static void test_batch_gating(void)
     CHECK_EQ_INT(fk.n_jobs, 2);
     float l[5 * 8];
     moed_error err;
-    fake_router(NULL, 0, 0, MOED_F32, 2, p->x, l, &err);
+    fake_router(NULL, 0, &(moed_job){ .T = 2, .parts = &(moed_part){ .rows = 2, .x = p->x } }, l,
+                &err);
     memcpy(l + 16, q->it.logits, 24 * sizeof(float));
     int32_t set[3];
     moed_route merged;
@@ -947,6 +1009,7 @@ int main(void)
 {
     init_layers();
     test_merge();
+    test_parts();
     test_max_tokens();
     test_window();
     test_bound_cancel_deadline();

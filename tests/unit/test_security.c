@@ -82,7 +82,7 @@ static int load(const char *cert, const char *key, const char *ca, moed_error *e
                                .tls_key = key ? path_of(key) : NULL,
                                .tls_client_ca = ca ? path_of(ca) : NULL };
     int rc = moed_security_load(&c, &s, err);
-    if (!rc) CHECK(s.cert_pem && s.key_pem && (!ca || s.ca_pem) && !s.token);
+    if (!rc) CHECK(s.cert_pem && s.key_pem && (!ca || s.ca_pem) && !s.n_tokens);
     moed_security_free(&s);
     return rc;
 }
@@ -134,7 +134,8 @@ static int check_md(const moed_security *s, const char *const *values, int n, mo
         md[i].key = grpc_slice_from_static_string(i == 1 && n == 3 ? "x-other" : "authorization");
         md[i].value = grpc_slice_from_static_string(values[i]);
     }
-    return moed_security_check_call(s, &arr, err);
+    int principal;
+    return moed_security_check_call(s, &arr, &principal, err);
 }
 
 static int check1(const moed_security *s, const char *value, moed_error *err)
@@ -146,14 +147,24 @@ static void test_token(void)
 {
     moed_security s;
     moed_error err;
-    write_text("token", "  s3cr3t-T0ken \r\nsecond line ignored\n");
+    write_text("token", "  s3cr3t-T0ken \r\n# a comment\n\n  other-token\n");
     moed_security_config c = { .token_file = path_of("token"), .token_env = "from-env" };
     CHECK_EQ_INT(moed_security_load(&c, &s, &err), 0);
-    CHECK(s.token && !strcmp(s.token, "s3cr3t-T0ken") &&
-          !strcmp(s.token_source, "--auth-token-file"));
+    CHECK(s.n_tokens == 2 && !strcmp(s.tokens[0], "s3cr3t-T0ken") &&
+          !strcmp(s.tokens[1], "other-token") && !strcmp(s.token_source, "--auth-token-file"));
     CHECK(!s.cert_pem);
     CHECK_EQ_INT(check1(&s, "Bearer s3cr3t-T0ken", &err), 0);
     CHECK_EQ_INT(check1(&s, "bearer   s3cr3t-T0ken", &err), 0);
+    /* Each token is a principal: its line's number among the tokens. */
+    int principal = -1;
+    grpc_metadata one = { .key = grpc_slice_from_static_string("authorization"),
+                          .value = grpc_slice_from_static_string("Bearer other-token") };
+    grpc_metadata_array arr1 = { .count = 1, .capacity = 1, .metadata = &one };
+    CHECK_EQ_INT(moed_security_check_call(&s, &arr1, &principal, &err), 0);
+    CHECK_EQ_INT(principal, 2);
+    one.value = grpc_slice_from_static_string("Bearer s3cr3t-T0ken");
+    CHECK_EQ_INT(moed_security_check_call(&s, &arr1, &principal, &err), 0);
+    CHECK_EQ_INT(principal, 1);
     const char *wrong[] = { "Bearer s3cr3t-T0ke",
                             "Bearer s3cr3t-T0kenX",
                             "Bearer S3cr3t-T0ken",
@@ -185,7 +196,7 @@ static void test_token(void)
     CHECK_EQ_INT(check1(&s, NULL, &err), 0); /* no token configured: every call passes */
     moed_security_free(&s);
 
-    const char *bad[] = { "\n\n", "two words\n", "" };
+    const char *bad[] = { "\n\n", "two words\n", "", "# only a comment\n", "same\nsame\n" };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         write_text("bad-token", bad[i]);
         moed_security_config b = { .token_file = path_of("bad-token") };

@@ -208,7 +208,7 @@ static void test_cpu_partial_sums(void)
         moed_shard_localize(s == 0 ? &whole : s == 1 ? &sa : &sb, &r);
         moed_job job = { .slot = s, .dtype = MOED_F32, .T = T, .x = x, .y = y[s], .route = &r };
         CHECK_EQ_INT(moed_backend_forward(be, 0, &job, &err), 0);
-        CHECK_EQ_INT(moed_backend_router_logits(be, 0, s, MOED_F32, T, x, lg[s], &err), 0);
+        CHECK_EQ_INT(moed_backend_router_logits(be, 0, &job, lg[s], &err), 0);
         moed_route_free(&r);
     }
     double worst = 0, scale = 0;

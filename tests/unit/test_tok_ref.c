@@ -17,9 +17,9 @@
 
 #include <stdio.h>
 
-#define SPEC "layers=1,d=512,ff=1792,experts=8,topk=2,act=swiglu,dtype=bf16,seed=3"
-#define T    4096
-#define REFS 48 /* tokens checked against the float64 reference */
+#define SPEC   "layers=1,d=512,ff=1792,experts=8,topk=2,act=swiglu,dtype=bf16,seed=3"
+#define TOKENS 4096
+#define REFS   48 /* tokens checked against the float64 reference */
 
 /* The bounds the GPU suite applies to bf16 outputs (test_cuda_backend.c), and the batch-wide
  * bound it used to. */
@@ -60,10 +60,10 @@ static void expect_caught(const char *what, const double *bad, const double *y, 
 {
     tok_report rep;
     double *s = malloc(sizeof(double) * REFS * (size_t)d);
-    const double old = frobenius(bad, y, (size_t)T * d);
+    const double old = frobenius(bad, y, (size_t)TOKENS * d);
     fprintf(stderr, "  %s: batch Frobenius error %.3g (old bound %g)\n", what, old, OLD_FROB);
     CHECK_MSG(old <= OLD_FROB, "%s: %.3g: the batch-wide bound would have caught it", what, old);
-    CHECK_EQ_INT(tok_compare(bad, y, T, d, RTOL, ATOL, &rep), 1);
+    CHECK_EQ_INT(tok_compare(bad, y, TOKENS, d, RTOL, ATOL, &rep), 1);
     CHECK_EQ_INT(rep.worst, t);
     rows_at(bad, d, tok, REFS, s);
     CHECK_EQ_INT(tok_compare(s, ref, REFS, d, RTOL, ATOL, &rep), 1);
@@ -79,31 +79,31 @@ int main(void)
     moed_route route = { 0 }, sub = { 0 };
     CHECK(!moed_synth_parse(SPEC, &spec, &err) && !moed_synth_layer(&spec, 0, &layer, &err));
     const int d = layer.info.d_model, E = layer.info.n_experts;
-    const size_t n = (size_t)T * d;
-    float *xf = malloc(sizeof(float) * n), *logits = malloc(sizeof(float) * T * E);
+    const size_t n = (size_t)TOKENS * d;
+    float *xf = malloc(sizeof(float) * n), *logits = malloc(sizeof(float) * TOKENS * E);
     uint16_t *x = malloc(2 * n), *y = malloc(2 * n), *xs = malloc(2 * REFS * (size_t)d);
     double *yd = malloc(sizeof(double) * n), *bad = malloc(sizeof(double) * n);
     double *ref = malloc(sizeof(double) * REFS * (size_t)d),
            *ys = malloc(sizeof(double) * REFS * d);
     int64_t tok[REFS];
     for (size_t i = 0; i < n; i++) xf[i] = (float)(2.0 * urand() - 1.0);
-    for (int64_t i = 0; i < (int64_t)T * E; i++) logits[i] = (float)(4.0 * urand() - 2.0);
+    for (int64_t i = 0; i < (int64_t)TOKENS * E; i++) logits[i] = (float)(4.0 * urand() - 2.0);
     moed_from_f32(MOED_BF16, xf, x, n);
     moed_gate_params gp = { MOED_GATE_TOPK, 0, MOED_RENORM_DEFAULT, 0.0f };
     CHECK(!moed_gate_resolve(&gp, &layer.info, &err) &&
-          !moed_gate(&gp, &layer.info, NULL, logits, T, &route, &err));
+          !moed_gate(&gp, &layer.info, NULL, logits, TOKENS, &route, &err));
 
-    moed_backend_config cfg = { .max_tokens = T };
+    moed_backend_config cfg = { .max_tokens = TOKENS };
     moed_backend *cpu = NULL;
     CHECK(!moed_backend_open("cpu", &cfg, &cpu, &err) &&
           !moed_backend_load_layer(cpu, 0, &layer, &err) && !moed_backend_start(cpu, &err));
-    moed_job job = { 0, MOED_BF16, T, x, y, &route };
+    moed_job job = { .slot = 0, .dtype = MOED_BF16, .T = TOKENS, .x = x, .y = y, .route = &route };
     CHECK(!moed_backend_forward(cpu, 0, &job, &err));
     tok_to_f64(MOED_BF16, y, yd, n);
 
-    /* The float64 reference on a sample of tokens, one from each stretch of T / REFS. */
+    /* The float64 reference on a sample of tokens, one from each stretch of TOKENS / REFS. */
     for (int i = 0; i < REFS; i++) {
-        tok[i] = i * (T / REFS) + (int64_t)(urand() * (T / REFS));
+        tok[i] = i * (TOKENS / REFS) + (int64_t)(urand() * (TOKENS / REFS));
         memcpy(xs + (size_t)i * d, x + (size_t)tok[i] * d, 2 * (size_t)d);
     }
     moed_route_init(&sub, REFS, (int64_t)REFS * layer.info.top_k);

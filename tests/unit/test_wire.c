@@ -181,8 +181,11 @@ static size_t pack_request(int routing, int batch, uint8_t *out, size_t cap)
     for (int i = 0; i < 10; i++) ids[i] = i % 8, w[i] = 0.5f;
     for (int i = 0; i < 40; i++) lg[i] = (float)(i % 7) - 2.f;
     Moed__V1__ForwardRequest req = MOED__V1__FORWARD_REQUEST__INIT;
-    Moed__V1__Tensor h = MOED__V1__TENSOR__INIT, ti = MOED__V1__TENSOR__INIT,
-                     tw = MOED__V1__TENSOR__INIT, tl = MOED__V1__TENSOR__INIT;
+    Moed__V1__Tensor h, ti, tw, tl;
+    moed__v1__tensor__init(&h);
+    moed__v1__tensor__init(&ti);
+    moed__v1__tensor__init(&tw);
+    moed__v1__tensor__init(&tl);
     Moed__V1__ExpertChoice ec = MOED__V1__EXPERT_CHOICE__INIT;
     Moed__V1__RouterLogits rl = MOED__V1__ROUTER_LOGITS__INIT;
     Moed__V1__ServerRouter sr = MOED__V1__SERVER_ROUTER__INIT;
@@ -194,6 +197,7 @@ static size_t pack_request(int routing, int batch, uint8_t *out, size_t cap)
     h.n_shape = 2;
     h.shape = hshape;
     h.data = (ProtobufCBinaryData){ sizeof hid, (uint8_t *)hid };
+    h.contents_case = MOED__V1__TENSOR__CONTENTS_DATA;
     req.hidden = &h;
     g.strategy = MOED__V1__STRATEGY__SIGMOID;
     g.top_k = 3;
@@ -204,8 +208,10 @@ static size_t pack_request(int routing, int batch, uint8_t *out, size_t cap)
         ti.n_shape = tw.n_shape = 2;
         ti.shape = tw.shape = kshape;
         ti.data = (ProtobufCBinaryData){ sizeof ids, (uint8_t *)ids };
+        ti.contents_case = MOED__V1__TENSOR__CONTENTS_DATA;
         tw.dtype = MOED__V1__DTYPE__F32;
         tw.data = (ProtobufCBinaryData){ sizeof w, (uint8_t *)w };
+        tw.contents_case = MOED__V1__TENSOR__CONTENTS_DATA;
         ec.expert_ids = &ti;
         ec.expert_weights = &tw;
         req.routing_case = MOED__V1__FORWARD_REQUEST__ROUTING_EXPERTS;
@@ -215,6 +221,7 @@ static size_t pack_request(int routing, int batch, uint8_t *out, size_t cap)
         tl.n_shape = 2;
         tl.shape = lshape;
         tl.data = (ProtobufCBinaryData){ sizeof lg, (uint8_t *)lg };
+        tl.contents_case = MOED__V1__TENSOR__CONTENTS_DATA;
         rl.logits = &tl;
         rl.gating = &g;
         req.routing_case = MOED__V1__FORWARD_REQUEST__ROUTING_LOGITS;

@@ -1,5 +1,6 @@
 /*
- * moectl — moed from the shell: health, info, and forward over .npy files (npy.h says which types).
+ * moectl — moed from the shell: health, info, regions, and forward over .npy files (npy.h says
+ * which types), inline or through a shared-memory region (--shm).
  *
  * A thin layer over libmoedclient, so what moectl does any C program can do the same way. Exit
  * codes are for scripts: 0 success, 1 the call failed (or health is not SERVING, or the output
@@ -8,6 +9,7 @@
 #include "cli_common.h"
 #include "cli_opt.h"
 #include "moedclient.h"
+#include "moed_dtype.h"
 #include "moed_route.h"
 #include "npy.h"
 
@@ -28,6 +30,7 @@ typedef struct args {
     int server_router, strategy, renormalize;
     double threshold;
     bool batch_gating; /* --batch-gating given */
+    int shm;           /* --shm: hidden and the output through a host region */
 } args;
 
 #define F(member) offsetof(args, member)
@@ -75,6 +78,9 @@ static const cli_opt options[] = {
     CLI_STR_OPT("dtype", F(dtype), "bf16", NULL, "forward",
                 "take a uint16 --hidden as bf16 bit patterns"),
     CLI_STR_OPT("request-id", F(request_id), "ID", NULL, "forward", "echoed by the server"),
+    CLI_FLAG_OPT("shm", F(shm), 1, "forward",
+                 "send hidden and take the output through a shared-memory region\n"
+                 "(on the server's host): no tensor bytes on the wire"),
 };
 
 static const cli_cmd commands[] = {
@@ -86,6 +92,7 @@ static const cli_cmd commands[] = {
               "commands:\n"
               "  health    print the server's health status (exit 0 only when SERVING)\n"
               "  info      print the resident layers, backend, devices and limits\n"
+              "  regions   list this token's tensor regions on the server\n"
               "  forward   compute one MoE layer over a .npy batch (moectl forward --help)\n",
       .tail = "exit codes: 0 ok, 1 the call failed (code and message printed), 2 bad usage or "
               "input\n" },
@@ -102,6 +109,10 @@ static const cli_cmd commands[] = {
               "\n"
               "GetModel: the model, backend, version, limits, devices, and a table of the "
               "resident layers.\n" },
+    { .name = "regions",
+      .head = "usage: moectl [global options] regions\n"
+              "\n"
+              "ListRegions: the tensor regions registered with this token, from every session.\n" },
     { .name = "forward",
       .head = "usage: moectl [global options] forward --layer N --hidden x.npy ROUTING [options] "
               "--out y.npy\n"
@@ -185,12 +196,35 @@ static int cmd_info(moedc *c)
     printf("model     %s\nbackend   %s\nversion   %s\n", m.model, m.backend, m.version);
     printf("limits    %llu bytes per message, %u tokens per request\n",
            (unsigned long long)m.max_message_bytes, m.max_batch_tokens);
+    printf("regions   %s: %u per token, %llu bytes per token, %llu in all%s\n", m.regions_mode,
+           m.max_regions, (unsigned long long)m.max_region_bytes,
+           (unsigned long long)m.max_region_bytes_total, m.cuda_regions ? ", CUDA too" : "");
     for (int i = 0; i < m.n_devices; i++)
         printf("device    %s: %.0f of %.0f MiB used\n", m.devices[i].name,
                (double)m.devices[i].memory_used / (1 << 20),
                (double)m.devices[i].memory_total / (1 << 20));
     print_layers(&m);
     moedc_model_info_free(&m);
+    return 0;
+}
+
+static int cmd_regions(moedc *c)
+{
+    static const char *const kinds[] = { "?", "host", "cuda" };
+    moedc_error err;
+    moedc_region_info *r;
+    int n;
+    if (moedc_list_regions(c, &r, &n, &err)) return rpc_error("ListRegions", &err);
+    printf("%20s %5s %14s %6s %8s %s\n", "id", "kind", "bytes", "state", "requests", "name");
+    for (int i = 0; i < n; i++)
+        printf("%20llu %5s %14llu %6s %8u %s\n", (unsigned long long)r[i].id,
+               kinds[r[i].kind >= 1 && r[i].kind <= 2 ? r[i].kind : 0],
+               (unsigned long long)r[i].bytes,
+               r[i].broken  ? "broken"
+               : r[i].ready ? "ready"
+                            : "new",
+               r[i].requests, r[i].kind == MOEDC_REGION_CUDA ? "-" : r[i].name);
+    free(r);
     return 0;
 }
 
@@ -300,6 +334,25 @@ static void print_result(const args *a, const moedc_result *r)
     }
 }
 
+/* --shm: hidden copied into a host region of a fresh session, and the output placed behind it. */
+static int through_region(moedc *c, moedc_request *req, moedc_session **session)
+{
+    moedc_error err;
+    moedc_region *r;
+    const size_t bytes = (size_t)(req->tokens * req->d_model) * moed_dtype_size(req->dtype);
+    const size_t out_at = (bytes + 63) / 64 * 64;
+    if (moedc_session_open(c, session, &err) ||
+        moedc_region_create_host(*session, out_at + bytes, 0, &r, &err)) {
+        moedc_session_close(*session);
+        *session = NULL;
+        return rpc_error("registering a shared-memory region", &err);
+    }
+    memcpy(r->ptr, req->hidden, bytes);
+    req->hidden_at = (moedc_ref){ r, 0 };
+    req->output_at = (moedc_ref){ r, out_at };
+    return 0;
+}
+
 static int cmd_forward(moedc *c, const args *a)
 {
     inputs in;
@@ -332,8 +385,12 @@ static int cmd_forward(moedc *c, const args *a)
         .batch_gating = a->batch_gating,
         .k_batch = (uint32_t)a->k_batch,
     };
-    if (moedc_forward(c, &req, &res, &err)) {
+    moedc_session *session = NULL;
+    if (a->shm && (rc = through_region(c, &req, &session))) goto out;
+    int failed = moedc_forward(c, &req, &res, &err);
+    if (failed) {
         rc = rpc_error("Forward", &err);
+        moedc_session_close(session);
         goto out;
     }
     int64_t shape[2] = { res.tokens, res.d_model };
@@ -341,9 +398,11 @@ static int cmd_forward(moedc *c, const args *a)
     if (moed_npy_write(a->out, res.dtype, 2, shape, res.output, &werr)) {
         fprintf(stderr, "moectl: --out: %s\n", werr.msg);
         rc = EXIT_RPC;
+        moedc_session_close(session);
         goto out;
     }
     print_result(a, &res);
+    moedc_session_close(session); /* after the output was read from its region */
 out:
     moedc_result_free(&res);
     inputs_free(&in);
@@ -385,9 +444,10 @@ int main(int argc, char **argv)
     if (!parse_args(argc, argv, &a, &command, &rc)) return rc;
     rc = connect_to(&a, &c);
     if (!rc) {
-        rc = !strcmp(command, "health") ? cmd_health(c, &a)
-             : !strcmp(command, "info") ? cmd_info(c)
-                                        : cmd_forward(c, &a);
+        rc = !strcmp(command, "health")    ? cmd_health(c, &a)
+             : !strcmp(command, "info")    ? cmd_info(c)
+             : !strcmp(command, "regions") ? cmd_regions(c)
+                                           : cmd_forward(c, &a);
         moedc_close(c);
     }
     cli_conn_free(&a.conn);

@@ -14,6 +14,11 @@
  *   hands back whichever call finished, and moedc_call_finish turns it into a result or an error.
  * - hidden is sent without being copied: it must stay valid and unchanged until moedc_forward or
  *   moedc_call_finish returns. Everything else in a request is copied by the start.
+ * - Tensor regions (a caller on the server's host): memory shared with the server, registered once
+ *   on a session (moedc_session_open), which requests then name instead of sending bytes
+ *   (moedc_ref). A region lives as long as its session: closing the session, or the process
+ *   ending, releases it on the server. A tensor in a region must stay unchanged, and an output
+ *   region untouched, until the call finishes.
  * - Every function returns 0 or a negative MOEDC_E* code and fills err. For a call the server
  *   refused, err->code is moedc_code_from_grpc(status) and err->msg the server's status message
  *   verbatim, so moedc_code_to_grpc(err->code) gives the status back (for the few statuses moed
@@ -208,6 +213,56 @@ MOEDC_EXTERN void moedc_close(moedc *c);
 
 /* ---- Forward ---- */
 
+/* ---- tensor regions ---- */
+
+/* A region session: one moed.v1.Moed/Regions stream, the lease of the regions registered on it.
+ * Its calls block (each command waits for its answer) and may come from any thread. */
+typedef struct moedc_session moedc_session;
+
+enum { MOEDC_REGION_HOST = 1, MOEDC_REGION_CUDA = 2 }; /* moed.v1.RegionKind */
+
+/* A registered region (read-only for the caller). */
+typedef struct moedc_region {
+    uint64_t id;    /* the server's id, what requests name */
+    int kind;       /* MOEDC_REGION_HOST or MOEDC_REGION_CUDA */
+    void *ptr;      /* HOST: the region in this process; CUDA: the device pointer registered */
+    size_t bytes;   /* the region's size */
+    int device;     /* CUDA: this process's device ordinal */
+    char name[256]; /* HOST: the shared-memory name it had (unlinked once the server mapped it) */
+    moedc_session *session;
+} moedc_region;
+
+/* Opens a session on c's channel. The server checks it on the first command: a session from
+ * another host (unless the server runs --regions any), or to a server with regions off, fails
+ * there with MOEDC_EPRECOND. */
+MOEDC_EXTERN int moedc_session_open(moedc *c, moedc_session **out, moedc_error *err);
+/* Frees every region still registered on s and ends the session (the server releases them). */
+MOEDC_EXTERN void moedc_session_close(moedc_session *s);
+
+/* Creates `bytes` (at least 16) of POSIX shared memory, maps it, and registers it with the
+ * server: the server maps the object by name and answers a challenge, which this writes at offset
+ * 0 and confirms; then the name is unlinked (the memory lives on in both processes, and nothing is
+ * left in /dev/shm if either dies). mode: the object's permission bits while the server opens it,
+ * 0 for 0600 (the server runs as this user; 0660 for a group both share). The region's memory is
+ * r->ptr, zeroed but for those 16 bytes. */
+MOEDC_EXTERN int moedc_region_create_host(moedc_session *s, size_t bytes, unsigned mode,
+                                          moedc_region **out, moedc_error *err);
+/* Registers `bytes` of CUDA device memory from dev_ptr (cudaMalloc'd, by this process), sent as
+ * a cudaIpcMemHandle_t of its allocation, the offset of dev_ptr in it and the GPU's UUID.
+ * MOEDC_EUNSUPPORTED when libmoedclient was built without CUDA. */
+MOEDC_EXTERN int moedc_region_register_cuda(moedc_session *s, void *dev_ptr, size_t bytes,
+                                            moedc_region **out, moedc_error *err);
+/* Unregisters r and frees it (HOST: unmaps it here; CUDA: the memory stays the caller's). The
+ * server unmaps it once no request holds it. */
+MOEDC_EXTERN int moedc_region_free(moedc_region *r, moedc_error *err);
+
+/* A tensor in a region: `offset` bytes into it (a multiple of the element size); its length is
+ * the tensor's size. region NULL: the tensor travels inline, in the request. */
+typedef struct moedc_ref {
+    const moedc_region *region;
+    uint64_t offset;
+} moedc_ref;
+
 /* How a request routes its tokens (the oneof of moed.v1.ForwardRequest). */
 typedef enum moedc_routing {
     MOEDC_ROUTE_EXPERTS = 1, /* expert_ids [T, k] int32 + expert_weights [T, k] float32 */
@@ -232,6 +287,9 @@ typedef struct moedc_request {
     bool batch_gating;           /* batch-level dynamic gating (needs LOGITS or SERVER) */
     uint32_t k_batch;            /* its set size; 0: the layer's top_k */
     double timeout_s;            /* 0: the moedc's default; < 0: no deadline */
+    /* Tensors in regions instead of inline (each ignores its pointer above when its region is
+     * set), and where the output goes: into output_at's region, and the reply carries no bytes. */
+    moedc_ref hidden_at, expert_ids_at, expert_weights_at, logits_at, output_at;
 } moedc_request;
 
 typedef struct moedc_timings {
@@ -242,7 +300,9 @@ typedef struct moedc_timings {
 typedef struct moedc_result {
     int dtype;               /* the request's dtype */
     int64_t tokens, d_model; /* the request's shape */
-    const void *output;      /* tokens x d_model elements of dtype, owned by the result */
+    const void *output;      /* tokens x d_model elements of dtype, owned by the result; with
+                                output_at set, where it went in that region (a device pointer for
+                                a CUDA region) */
     size_t output_bytes;
     const int32_t *expert_set; /* batch gating: the set S, by decreasing batch score */
     size_t n_expert_set;
@@ -340,11 +400,32 @@ typedef struct moedc_model_info {
     moedc_device *devices;
     uint64_t max_message_bytes;
     uint32_t max_batch_tokens; /* the most tokens one request may carry */
+    /* tensor regions: "off", "local" (callers on the server's host) or "any"; the caps */
+    char *regions_mode;
+    uint32_t max_regions;
+    uint64_t max_region_bytes, max_region_bytes_total;
+    bool cuda_regions; /* the server takes CUDA regions (its cuda backend) */
 } moedc_model_info;
 
 /* GetModel. Release with moedc_model_info_free. */
 MOEDC_EXTERN int moedc_info(moedc *c, moedc_model_info *out, moedc_error *err);
 MOEDC_EXTERN void moedc_model_info_free(moedc_model_info *m);
+
+/* moed.v1.Region: one of the caller's regions, as the server holds it. */
+typedef struct moedc_region_info {
+    uint64_t id;
+    int kind; /* MOEDC_REGION_HOST or MOEDC_REGION_CUDA */
+    char name[256];
+    uint64_t bytes;
+    int device;        /* CUDA: the server's ordinal */
+    bool ready;        /* usable (HOST: confirmed) */
+    bool broken;       /* HOST: it shrank under the server */
+    uint32_t requests; /* references requests hold on it now (one per tensor naming it) */
+} moedc_region_info;
+
+/* ListRegions: the regions of the caller's token, from every session. *out is malloc'd (free()
+ * it), *n entries. */
+MOEDC_EXTERN int moedc_list_regions(moedc *c, moedc_region_info **out, int *n, moedc_error *err);
 
 /* Values of grpc.health.v1.HealthCheckResponse.ServingStatus. */
 enum {

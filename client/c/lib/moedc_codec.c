@@ -14,6 +14,7 @@
 #include <grpc/health/v1/health.pb-c.h>
 #include <moed/v1/moed.pb-c.h>
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -65,6 +66,12 @@ static int check_matrix(const char *name, const void *p, int64_t rows, int64_t c
     return 0;
 }
 
+/* Where a tensor's bytes are, for the check that they are anywhere: inline, or in a region. */
+static const void *where(const void *inline_data, const moedc_ref *at)
+{
+    return at->region ? (const void *)at->region : inline_data;
+}
+
 static int check_request(const moedc_request *req, moedc_error *err)
 {
     if (!moed_dtype_is_float(req->dtype))
@@ -73,17 +80,20 @@ static int check_request(const moedc_request *req, moedc_error *err)
             "request dtype %d (%s) is not one moed computes in: use MOEDC_F32, MOEDC_F16 "
             "or MOEDC_BF16",
             req->dtype, moed_dtype_name(req->dtype));
-    int rc = check_matrix("hidden", req->hidden, req->tokens, req->d_model,
+    int rc = check_matrix("hidden", where(req->hidden, &req->hidden_at), req->tokens, req->d_model,
                           moed_dtype_size(req->dtype), err);
     if (rc) return rc;
     switch (req->routing) {
     case MOEDC_ROUTE_EXPERTS:
-        rc = check_matrix("expert_ids", req->expert_ids, req->tokens, req->k, 4, err);
+        rc = check_matrix("expert_ids", where(req->expert_ids, &req->expert_ids_at), req->tokens,
+                          req->k, 4, err);
         return rc ? rc
-                  : check_matrix("expert_weights", req->expert_weights, req->tokens, req->k, 4,
-                                 err);
+                  : check_matrix("expert_weights",
+                                 where(req->expert_weights, &req->expert_weights_at), req->tokens,
+                                 req->k, 4, err);
     case MOEDC_ROUTE_LOGITS:
-        return check_matrix("logits", req->logits, req->tokens, req->n_experts, 4, err);
+        return check_matrix("logits", where(req->logits, &req->logits_at), req->tokens,
+                            req->n_experts, 4, err);
     case MOEDC_ROUTE_SERVER:
         return 0;
     }
@@ -93,9 +103,20 @@ static int check_request(const moedc_request *req, moedc_error *err)
                       req->routing);
 }
 
-/* A protobuf-c Tensor over caller memory (packing only reads it). */
+/* A reference to a tensor of `bytes` at `at` (whose region is set). */
+static void ref_to(Moed__V1__RegionRef *r, const moedc_ref *at, uint64_t bytes)
+{
+    moed__v1__region_ref__init(r);
+    r->region = at->region->id;
+    r->offset = at->offset;
+    r->length = bytes;
+}
+
+/* A protobuf-c Tensor over caller memory (packing only reads it), or naming its region: then r
+ * holds the reference. */
 static void tensor_over(Moed__V1__Tensor *t, int64_t shape[2], int dtype, int64_t rows,
-                        int64_t cols, const void *data, size_t elem)
+                        int64_t cols, const void *data, size_t elem, const moedc_ref *at,
+                        Moed__V1__RegionRef *r)
 {
     moed__v1__tensor__init(t);
     shape[0] = rows;
@@ -103,16 +124,33 @@ static void tensor_over(Moed__V1__Tensor *t, int64_t shape[2], int dtype, int64_
     t->dtype = (Moed__V1__DType)dtype;
     t->n_shape = 2;
     t->shape = shape;
+    if (at->region) {
+        ref_to(r, at, (uint64_t)(rows * cols) * elem);
+        t->region = r;
+        t->contents_case = MOED__V1__TENSOR__CONTENTS_REGION;
+        return;
+    }
     t->data.len = (size_t)(rows * cols) * elem;
     t->data.data = (uint8_t *)data;
+    t->contents_case = MOED__V1__TENSOR__CONTENTS_DATA;
 }
 
-/* request_id, layer, then the hidden Tensor up to its data bytes. */
+/* request_id, layer, then the hidden Tensor up to its data bytes (all of it, when it names a
+ * region: then there is no body). */
 static int encode_head(const moedc_request *req, uint64_t body_len, moedc_wire *w, moedc_error *err)
 {
     Moed__V1__ForwardRequest m = MOED__V1__FORWARD_REQUEST__INIT;
     m.request_id = (char *)(req->request_id ? req->request_id : "");
     m.layer = req->layer;
+    if (req->hidden_at.region) {
+        Moed__V1__Tensor t;
+        Moed__V1__RegionRef r;
+        int64_t shape[2];
+        tensor_over(&t, shape, req->dtype, req->tokens, req->d_model, NULL,
+                    moed_dtype_size(req->dtype), &req->hidden_at, &r);
+        m.hidden = &t;
+        return pack(&m.base, &w->head, &w->head_len, err);
+    }
     size_t fields_len = protobuf_c_message_get_packed_size(&m.base);
     uint64_t T = (uint64_t)req->tokens, d = (uint64_t)req->d_model;
     size_t shape_len = varint_len(T) + varint_len(d);
@@ -146,6 +184,7 @@ static int encode_tail(const moedc_request *req, moedc_wire *w, moedc_error *err
     Moed__V1__Gating gating = MOED__V1__GATING__INIT;
     Moed__V1__BatchGating batch = MOED__V1__BATCH_GATING__INIT;
     Moed__V1__Tensor t1, t2;
+    Moed__V1__RegionRef r1, r2, out;
     int64_t s1[2], s2[2];
 
     gating.strategy = (Moed__V1__Strategy)req->gating.strategy;
@@ -154,15 +193,18 @@ static int encode_tail(const moedc_request *req, moedc_wire *w, moedc_error *err
     gating.threshold = req->gating.threshold;
     switch (req->routing) {
     case MOEDC_ROUTE_EXPERTS:
-        tensor_over(&t1, s1, MOED_I32, req->tokens, req->k, req->expert_ids, 4);
-        tensor_over(&t2, s2, MOED_F32, req->tokens, req->k, req->expert_weights, 4);
+        tensor_over(&t1, s1, MOED_I32, req->tokens, req->k, req->expert_ids, 4, &req->expert_ids_at,
+                    &r1);
+        tensor_over(&t2, s2, MOED_F32, req->tokens, req->k, req->expert_weights, 4,
+                    &req->expert_weights_at, &r2);
         experts.expert_ids = &t1;
         experts.expert_weights = &t2;
         m.routing_case = MOED__V1__FORWARD_REQUEST__ROUTING_EXPERTS;
         m.experts = &experts;
         break;
     case MOEDC_ROUTE_LOGITS:
-        tensor_over(&t1, s1, MOED_F32, req->tokens, req->n_experts, req->logits, 4);
+        tensor_over(&t1, s1, MOED_F32, req->tokens, req->n_experts, req->logits, 4, &req->logits_at,
+                    &r1);
         logits.logits = &t1;
         logits.gating = &gating;
         m.routing_case = MOED__V1__FORWARD_REQUEST__ROUTING_LOGITS;
@@ -177,6 +219,11 @@ static int encode_tail(const moedc_request *req, moedc_wire *w, moedc_error *err
         batch.k_batch = req->k_batch;
         m.batch_gating = &batch;
     }
+    if (req->output_at.region) {
+        ref_to(&out, &req->output_at,
+               (uint64_t)(req->tokens * req->d_model) * moed_dtype_size(req->dtype));
+        m.output = &out;
+    }
     return pack(&m.base, &w->tail, &w->tail_len, err);
 }
 
@@ -186,8 +233,10 @@ int moedc_encode_forward(const moedc_request *req, moedc_wire *out, moedc_error 
     if (!req) return moedc_fail(err, MOEDC_EINVAL, "no request given");
     int rc = check_request(req, err);
     if (rc) return rc;
-    out->body = req->hidden;
-    out->body_len = (size_t)(req->tokens * req->d_model) * moed_dtype_size(req->dtype);
+    out->body = req->hidden_at.region ? NULL : req->hidden;
+    out->body_len = req->hidden_at.region
+                        ? 0
+                        : (size_t)(req->tokens * req->d_model) * moed_dtype_size(req->dtype);
     rc = encode_head(req, out->body_len, out, err);
     if (!rc) rc = encode_tail(req, out, err);
     if (rc) moedc_wire_free(out);
@@ -202,7 +251,7 @@ void moedc_wire_free(moedc_wire *w)
 }
 
 static int check_output(const Moed__V1__ForwardResponse *r, int dtype, int64_t tokens,
-                        int64_t d_model, moedc_error *err)
+                        int64_t d_model, const moedc_ref *out, moedc_error *err)
 {
     const Moed__V1__Tensor *t = r->output;
     if (!t) return moedc_fail(err, MOEDC_EFORMAT, "the server's reply has no output tensor");
@@ -217,7 +266,16 @@ static int check_output(const Moed__V1__ForwardResponse *r, int dtype, int64_t t
                           t->n_shape > 1 ? (long long)t->shape[1] : -1LL, (long long)tokens,
                           (long long)d_model);
     size_t want = (size_t)(tokens * d_model) * moed_dtype_size(dtype);
-    if (t->data.len != want)
+    if (out->region) {
+        const Moed__V1__RegionRef *g =
+            t->contents_case == MOED__V1__TENSOR__CONTENTS_REGION ? t->region : NULL;
+        if (!g || g->region != out->region->id || g->offset != out->offset || g->length != want)
+            return moedc_fail(err, MOEDC_EFORMAT,
+                              "the server's output does not name the region, offset and length "
+                              "the request gave it");
+        return 0;
+    }
+    if (t->contents_case != MOED__V1__TENSOR__CONTENTS_DATA || t->data.len != want)
         return moedc_fail(
             err, MOEDC_EFORMAT,
             "the server's output holds %zu bytes, its shape [%lld, %lld] of %s needs %zu",
@@ -226,13 +284,13 @@ static int check_output(const Moed__V1__ForwardResponse *r, int dtype, int64_t t
 }
 
 int moedc_decode_forward(const uint8_t *buf, size_t n, int dtype, int64_t tokens, int64_t d_model,
-                         moedc_result *res, moedc_error *err)
+                         const moedc_ref *out, moedc_result *res, moedc_error *err)
 {
     memset(res, 0, sizeof *res);
     Moed__V1__ForwardResponse *r = moed__v1__forward_response__unpack(NULL, n, buf);
     if (!r)
         return moedc_fail(err, MOEDC_EFORMAT, "the server's reply (%zu bytes) does not parse", n);
-    int rc = check_output(r, dtype, tokens, d_model, err);
+    int rc = check_output(r, dtype, tokens, d_model, out, err);
     if (rc) {
         moed__v1__forward_response__free_unpacked(r, NULL);
         return rc;
@@ -240,8 +298,9 @@ int moedc_decode_forward(const uint8_t *buf, size_t n, int dtype, int64_t tokens
     res->dtype = dtype;
     res->tokens = tokens;
     res->d_model = d_model;
-    res->output = r->output->data.data;
-    res->output_bytes = r->output->data.len;
+    res->output_bytes = (size_t)(tokens * d_model) * moed_dtype_size(dtype);
+    res->output = out->region ? (const void *)((const char *)out->region->ptr + out->offset)
+                              : (const void *)r->output->data.data;
     res->expert_set = r->expert_set;
     res->n_expert_set = r->n_expert_set;
     if (r->timings) {
@@ -378,6 +437,14 @@ int moedc_decode_model_info(const uint8_t *buf, size_t n, moedc_model_info *out,
     }
     out->max_message_bytes = m->max_message_bytes;
     out->max_batch_tokens = m->max_batch_tokens;
+    out->regions_mode = dup_or_empty(m->regions ? m->regions->mode : NULL);
+    if (!out->regions_mode) goto err;
+    if (m->regions) {
+        out->max_regions = m->regions->max_regions;
+        out->max_region_bytes = m->regions->max_region_bytes;
+        out->max_region_bytes_total = m->regions->max_region_bytes_total;
+        out->cuda_regions = m->regions->cuda;
+    }
     moed__v1__model_info__free_unpacked(m, NULL);
     return 0;
 err:
@@ -396,10 +463,39 @@ void moedc_model_info_free(moedc_model_info *m)
         free(m->layers[i].held);
         free(m->layers[i].placed);
     }
+    free(m->regions_mode);
     free(m->layers);
     for (int i = 0; i < m->n_devices; i++) free(m->devices[i].name);
     free(m->devices);
     memset(m, 0, sizeof *m);
+}
+
+int moedc_decode_region_list(const uint8_t *buf, size_t n, moedc_region_info **out, int *count,
+                             moedc_error *err)
+{
+    *out = NULL;
+    *count = 0;
+    Moed__V1__RegionList *l = moed__v1__region_list__unpack(NULL, n, buf);
+    if (!l)
+        return moedc_fail(err, MOEDC_EFORMAT, "the server's RegionList (%zu bytes) does not parse",
+                          n);
+    moedc_region_info *a = calloc(l->n_regions ? l->n_regions : 1, sizeof *a);
+    for (size_t i = 0; a && i < l->n_regions; i++) {
+        const Moed__V1__Region *r = l->regions[i];
+        a[i] = (moedc_region_info){ .id = r->id,
+                                    .kind = (int)r->kind,
+                                    .bytes = r->bytes,
+                                    .device = (int)r->device,
+                                    .ready = r->ready,
+                                    .broken = r->broken,
+                                    .requests = r->requests };
+        snprintf(a[i].name, sizeof a[i].name, "%s", r->name ? r->name : "");
+    }
+    *count = a ? (int)l->n_regions : 0;
+    moed__v1__region_list__free_unpacked(l, NULL);
+    if (!a) return moedc_fail(err, MOEDC_ENOMEM, "out of memory decoding the server's RegionList");
+    *out = a;
+    return 0;
 }
 
 int moedc_decode_health(const uint8_t *buf, size_t n, int *status, moedc_error *err)

@@ -4,8 +4,9 @@
  *
  * A ForwardRequest is encoded as three pieces whose concatenation is the message, in field order:
  * head (request_id, layer and the hidden Tensor up to its data's length prefix), body (the caller's
- * hidden bytes, untouched: gRPC sends them from where they are) and tail (the routing oneof and
- * batch_gating, packed by protobuf-c).
+ * hidden bytes, untouched: gRPC sends them from where they are) and tail (the routing oneof,
+ * batch_gating and the output's region, packed by protobuf-c). A hidden tensor in a region is
+ * all head, and there is no body.
  */
 #ifndef MOEDC_CODEC_H
 #define MOEDC_CODEC_H
@@ -30,9 +31,9 @@ int moedc_encode_forward(const moedc_request *req, moedc_wire *out, moedc_error 
 void moedc_wire_free(moedc_wire *w);
 
 /* Decodes a ForwardResponse to a request of dtype [tokens, d_model] into res, checking the output
- * is exactly that. */
+ * is exactly that: its bytes, or (out->region set) a reference to where the request put it. */
 int moedc_decode_forward(const uint8_t *buf, size_t n, int dtype, int64_t tokens, int64_t d_model,
-                         moedc_result *res, moedc_error *err);
+                         const moedc_ref *out, moedc_result *res, moedc_error *err);
 
 /* GetModelRequest / grpc.health.v1.HealthCheckRequest into malloc'd bytes. */
 int moedc_encode_get_model(uint8_t **buf, size_t *n, moedc_error *err);
@@ -40,5 +41,7 @@ int moedc_encode_health(const char *service, uint8_t **buf, size_t *n, moedc_err
 
 int moedc_decode_model_info(const uint8_t *buf, size_t n, moedc_model_info *out, moedc_error *err);
 int moedc_decode_health(const uint8_t *buf, size_t n, int *status, moedc_error *err);
+int moedc_decode_region_list(const uint8_t *buf, size_t n, moedc_region_info **out, int *count,
+                             moedc_error *err);
 
 #endif

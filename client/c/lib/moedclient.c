@@ -27,14 +27,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-struct moedc {
-    moedc_fleet *fleet; /* a fleet's moedc (moedc_connect_many) has this instead of a channel */
-    grpc_channel *channel;
-    void *m_forward, *m_get_model, *m_health; /* registered methods */
-    double timeout_s;
-    char *auth; /* "Bearer TOKEN" or NULL */
-};
-
 struct moedc_queue {
     grpc_completion_queue *cq;
 };
@@ -48,9 +40,10 @@ struct moedc_call {
     grpc_status_code status;
     grpc_slice details;
     int batch_ok;
-    /* what the reply must hold: the request's dtype and shape */
+    /* what the reply must hold: the request's dtype and shape, and where its output went */
     int dtype;
     int64_t tokens, d_model;
+    moedc_ref output_at;
     /* the hidden buffer lent to gRPC, until its slice is released */
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -143,6 +136,9 @@ int moedc_connect(const char *target, const moedc_opts *opts, moedc **out, moedc
     c->m_get_model = grpc_channel_register_call(c->channel, "/moed.v1.Moed/GetModel", NULL, NULL);
     c->m_health =
         grpc_channel_register_call(c->channel, "/grpc.health.v1.Health/Check", NULL, NULL);
+    c->m_regions = grpc_channel_register_call(c->channel, "/moed.v1.Moed/Regions", NULL, NULL);
+    c->m_list_regions =
+        grpc_channel_register_call(c->channel, "/moed.v1.Moed/ListRegions", NULL, NULL);
     *out = c;
     return 0;
 }
@@ -354,6 +350,7 @@ static int forward_start(moedc *c, const moedc_request *req, moedc_queue *q, voi
     call->tokens = req->tokens;
     call->d_model = req->d_model;
     call->part = part;
+    call->output_at = req->output_at;
     /* head and tail become slices that own them; the body a slice lent from the caller */
     grpc_slice s[3];
     size_t n = 0;
@@ -403,8 +400,9 @@ int moedc_call_finish(moedc_call *call, moedc_result *res, moedc_error *err)
     grpc_slice reply;
     int rc = call_reply(call, &reply, err);
     if (!rc) {
-        rc = moedc_decode_forward(GRPC_SLICE_START_PTR(reply), GRPC_SLICE_LENGTH(reply),
-                                  call->dtype, call->tokens, call->d_model, res, err);
+        rc =
+            moedc_decode_forward(GRPC_SLICE_START_PTR(reply), GRPC_SLICE_LENGTH(reply), call->dtype,
+                                 call->tokens, call->d_model, &call->output_at, res, err);
         grpc_slice_unref(reply);
     }
     call_free(call);
@@ -526,4 +524,23 @@ int moedc_forward_start_part(moedc *c, const moedc_request *req, moedc_queue *q,
                              moedc_call **out, moedc_error *err)
 {
     return forward_start(c, req, q, NULL, p, out, err);
+}
+
+int moedc_list_regions(moedc *c, moedc_region_info **out, int *n, moedc_error *err)
+{
+    *out = NULL;
+    *n = 0;
+    if (c->fleet)
+        return moedc_fail(err, MOEDC_EPRECOND,
+                          "ListRegions asks one daemon; this moedc is a fleet of several: ask a "
+                          "member by its own target");
+    uint8_t *msg = malloc(1); /* ListRegionsRequest has no fields: an empty message */
+    grpc_slice reply;
+    if (!msg) return moedc_fail(err, MOEDC_ENOMEM, "out of memory starting a call");
+    int rc = unary(c, c->m_list_regions, msg, 0, 0, &reply, err);
+    if (rc) return rc;
+    rc = moedc_decode_region_list(GRPC_SLICE_START_PTR(reply), GRPC_SLICE_LENGTH(reply), out, n,
+                                  err);
+    grpc_slice_unref(reply);
+    return rc;
 }

@@ -14,6 +14,7 @@
  * which requests are deliberately bad, identically whatever the number of threads.
  */
 #include "load_run.h"
+#include "load_regions.h"
 #include "moed_dtype.h"
 
 #include <math.h>
@@ -75,8 +76,9 @@ typedef struct worker {
     atomic_int *running; /* workers not yet done; the last one to finish ends the watch */
     moedc_queue *q;
     load_rng rng;
-    int cap;     /* calls in flight at most */
-    double rate; /* open loop: this worker's share, req/s; 0: closed loop */
+    int cap;       /* calls in flight at most */
+    int slot_base; /* its slots' numbers among all workers' (their output rows in a region) */
+    double rate;   /* open loop: this worker's share, req/s; 0: closed loop */
     int64_t next_due;
     call_slot *slots;
     int free_head, inflight;
@@ -128,6 +130,10 @@ static void build_request(worker *w, call_slot *s, int64_t T, int64_t row)
     if (s->bad) {
         bad_route(w, l, T, r);
         s->bytes += (uint64_t)(T * r->k) * 8;
+        if (p->regions) { /* the bad route alone travels inline */
+            load_regions_refer(p->regions, p, s->layer, row, w->slot_base + (int)(s - w->slots), r);
+            s->bytes = (uint64_t)(T * r->k) * 8;
+        }
         return;
     }
     r->routing = p->routing;
@@ -143,6 +149,10 @@ static void build_request(worker *w, call_slot *s, int64_t T, int64_t row)
         r->n_experts = E;
         r->logits = p->logits + row * E;
         s->bytes += (uint64_t)(T * E) * 4;
+    }
+    if (p->regions) { /* nothing travels inline */
+        load_regions_refer(p->regions, p, s->layer, row, w->slot_base + (int)(s - w->slots), r);
+        s->bytes = 0;
     }
 }
 
@@ -228,7 +238,7 @@ static void count_reply(worker *w, const call_slot *s, int rc, const moedc_resul
     st->batch_tokens += res->timings.batch_tokens;
     st->batch_requests += res->timings.batch_requests;
     st->tokens += (uint64_t)s->req.tokens;
-    st->bytes_received += res->output_bytes;
+    st->bytes_received += s->req.output_at.region ? 0 : res->output_bytes;
 }
 
 /* An ok client route's (token, expert) pairs, into the worker's tokens per expert. */
@@ -256,7 +266,13 @@ static void complete(worker *w, moedc_call *call)
         load_verify_item it = { .layer = w->p->layers[s->layer].info.index,
                                 .req = s->req,
                                 .res = res };
-        if (load_verify_offer(w->p->verify, &it)) memset(&res, 0, sizeof res);
+        /* an output in a region: the slot's next call writes there, so the check gets a copy */
+        if (w->p->regions && (it.output_copy = load_regions_copy_output(w->p->regions, &res)))
+            it.res.output = it.output_copy;
+        if (load_verify_offer(w->p->verify, &it))
+            memset(&res, 0, sizeof res);
+        else
+            free(it.output_copy);
     }
     moedc_result_free(&res);
     s->busy = false;
@@ -348,10 +364,10 @@ static int worker_init(worker *w, const load_plan *p, level_clock *clock, atomic
     w->running = running;
     w->rr = (uint64_t)id;
     load_rng_seed(&w->rng, p->seed, (uint64_t)id);
-    if (lv->concurrency) {
-        w->cap = lv->concurrency / n_workers + (id < lv->concurrency % n_workers);
-    } else {
-        w->cap = p->max_inflight / n_workers + (id < p->max_inflight % n_workers);
+    const int total = lv->concurrency ? lv->concurrency : p->max_inflight;
+    w->cap = total / n_workers + (id < total % n_workers);
+    w->slot_base = id * (total / n_workers + 1); /* no worker has more than that many */
+    if (!lv->concurrency) {
         w->rate = lv->rate / n_workers;
         /* constant arrivals interleave the workers evenly; Poisson ones start at a random gap */
         double first = p->arrival == LOAD_ARRIVAL_CONSTANT

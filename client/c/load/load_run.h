@@ -33,6 +33,9 @@ typedef struct load_layer {
     float *weights; /* [pool_rows, cols] */
 } load_layer;
 
+/* The pools and outputs in tensor regions (load_regions.h); NULL: every tensor inline. */
+typedef struct load_regions load_regions;
+
 typedef struct load_plan {
     moedc *const *conns;
     int n_conns;
@@ -61,6 +64,7 @@ typedef struct load_plan {
     load_verify *verify; /* NULL without --verify */
     uint64_t verify_n;
     bool progress;
+    const load_regions *regions;
 } load_plan;
 
 /* Runs one level: lv->concurrency (closed loop) or lv->rate (open loop) must be set; fills the

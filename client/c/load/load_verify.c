@@ -116,8 +116,10 @@ static int reference_route(load_verify *v, int slot, const load_verify_item *it,
     }
     const float *logits = req->logits;
     if (req->routing == MOEDC_ROUTE_SERVER) {
-        if (moed_backend_router_logits(v->cpu, 0, slot, req->dtype, req->tokens, req->hidden,
-                                       v->logits, &err)) {
+        const moed_job lj = {
+            .slot = slot, .dtype = req->dtype, .T = req->tokens, .x = req->hidden
+        };
+        if (moed_backend_router_logits(v->cpu, 0, &lj, v->logits, &err)) {
             snprintf(why, n, "the reference router failed: %.240s", err.msg);
             return -1;
         }
@@ -187,7 +189,12 @@ static int check(load_verify *v, const load_verify_item *it, double *err_out, ch
     moed_error err;
     int rc = reference_route(v, slot, it, &route, why, n);
     if (!rc) {
-        moed_job job = { slot, req->dtype, req->tokens, req->hidden, v->y, &route };
+        moed_job job = { .slot = slot,
+                         .dtype = req->dtype,
+                         .T = req->tokens,
+                         .x = req->hidden,
+                         .y = v->y,
+                         .route = &route };
         if (moed_backend_forward(v->cpu, 0, &job, &err)) {
             snprintf(why, n, "the reference forward failed: %.240s", err.msg);
             rc = -1;
@@ -229,6 +236,7 @@ static void *verifier_main(void *arg)
         double e = 0;
         int rc = check(v, &it, &e, why, sizeof why);
         moedc_result_free(&it.res);
+        free(it.output_copy);
 
         pthread_mutex_lock(&v->mu);
         v->busy = false;
@@ -359,8 +367,10 @@ void load_verify_close(load_verify *v)
         pthread_mutex_unlock(&v->mu);
         pthread_join(v->thread, NULL);
     }
-    for (int i = 0; i < v->count; i++)
+    for (int i = 0; i < v->count; i++) {
         moedc_result_free(&v->queue[(v->head + i) % VERIFY_QUEUE].res);
+        free(v->queue[(v->head + i) % VERIFY_QUEUE].output_copy);
+    }
     moed_backend_destroy(v->cpu);
     for (int i = 0; i < v->n_layers; i++) moed_synth_free_layer(&v->layers[i]);
     free(v->layers);

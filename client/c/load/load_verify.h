@@ -34,7 +34,8 @@ typedef struct load_verify load_verify;
 typedef struct load_verify_item {
     int layer; /* the layer's index */
     moedc_request req;
-    moedc_result res; /* owned by the verifier once the offer is taken */
+    moedc_result res;  /* owned by the verifier once the offer is taken */
+    void *output_copy; /* malloc'd output (res.output) when it came in a region; freed with res */
 } load_verify_item;
 
 /* The bound for requests in dtype on a server with this backend ("cpu", "cuda") and weights. */

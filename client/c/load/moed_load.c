@@ -15,6 +15,7 @@
 #include "cli_opt.h"
 #include "load_gen.h"
 #include "load_metrics.h"
+#include "load_regions.h"
 #include "load_report.h"
 #include "load_run.h"
 #include "load_verify.h"
@@ -36,7 +37,7 @@ enum { EXIT_FAILED = 1 }; /* and CLI_EXIT_USAGE for the command line */
 typedef struct args {
     cli_conn conn;
     const char *layer, *layers, *dtype, *concurrency, *rate, *arrival;
-    const char *tokens, *tokens_file, *routing, *synthetic, *json, *csv;
+    const char *tokens, *tokens_file, *routing, *synthetic, *json, *csv, *transport;
     const char *metrics, *metrics_token_file;
     char *metrics_token;
     double duration_s, warmup_s, deadline_ms, bad_fraction;
@@ -121,6 +122,10 @@ static const cli_opt options[] = {
                 "TCP connections to spread the calls over"),
     CLI_INT_OPT("threads", F(threads), "W", 1, 256, "1", "give 1 to 256", NULL,
                 "worker threads, each with its own completion queue"),
+    CLI_STR_OPT("transport", F(transport), "T", "inline", NULL,
+                "how tensors travel: inline (in the messages), shm (shared-memory\n"
+                "regions: the server's host only), cuda (GPU memory of this process,\n"
+                "by CUDA IPC; builds with CUDA)"),
     CLI_SECTION_ROW("output:", NULL),
     CLI_STR_OPT("json", F(json), "FILE", NULL, NULL, "the report as JSON (one object per level)"),
     CLI_STR_OPT("csv", F(csv), "FILE", NULL, NULL, "one row per level"),
@@ -233,6 +238,8 @@ typedef struct run {
     int64_t pool_rows;
     load_verify *verify;
     double verify_bound;
+    int transport;
+    load_regions *regions;
     load_level *results;
     int n_results;
 } run;
@@ -255,6 +262,7 @@ static int parse_specs(run *r)
                             : load_tokens_parse(a->tokens, &r->tokens, &err);
     if (!rc) rc = load_routing_parse(a->routing, &r->routing, &err);
     if (!rc) rc = load_arrival_parse(a->arrival, &r->arrival, &err);
+    if (!rc) rc = load_transport_parse(a->transport, &r->transport, &err);
     if (!rc && (a->layer || a->layers))
         rc = load_int_list_parse(a->layer ? "--layer" : "--layers", a->layer ? a->layer : a->layers,
                                  &r->layer_list, &r->n_layer_list, &err);
@@ -559,6 +567,22 @@ static int run_level(run *r, const load_plan *p, load_level *lv)
     return rc;
 }
 
+/* --transport shm|cuda: the pools and every call's output in regions. */
+static int open_regions(run *r, load_plan *p)
+{
+    int max_d = 1, slots = 1;
+    for (int i = 0; i < r->n_layer_list; i++)
+        if (r->layers[i].info.d_model > max_d) max_d = r->layers[i].info.d_model;
+    for (int i = 0; i < r->n_levels; i++)
+        if (r->closed && r->levels[i] > slots) slots = (int)r->levels[i];
+    if (!r->closed) slots = (int)r->a.max_inflight;
+    moed_error err;
+    if (load_regions_open(r->transport, r->conns[0], p, slots + (int)r->a.threads, r->tokens.hi,
+                          max_d, &r->regions, &err))
+        return failure("--transport %s: %s", r->a.transport, err.msg);
+    return 0;
+}
+
 static int run_levels(run *r, const load_setup *s)
 {
     load_plan p = {
@@ -590,13 +614,15 @@ static int run_levels(run *r, const load_setup *s)
         .verify_n = (uint64_t)r->a.verify,
         .progress = r->a.progress < 0 ? isatty(STDERR_FILENO) : r->a.progress,
     };
+    if (open_regions(r, &p)) return EXIT_FAILED;
     r->results = calloc((size_t)r->n_levels, sizeof *r->results);
     if (!r->results) return failure("out of memory");
     fprintf(stdout, "moed-load  %s  model %s (%s backend, moed %s)\n", s->target, s->model,
             s->backend, r->info.version);
     fprintf(stdout,
-            "           layers %s  dtype %s  tokens %s  routing %s  connections %d  threads %d\n",
-            s->layers, s->dtype, s->tokens, s->routing, s->connections, s->threads);
+            "           layers %s  dtype %s  tokens %s  routing %s  connections %d  threads %d  "
+            "transport %s\n",
+            s->layers, s->dtype, s->tokens, s->routing, s->connections, s->threads, r->a.transport);
     for (int i = 0; i < r->n_levels && !load_run_interrupted(); i++) {
         load_level *lv = &r->results[i];
         if (r->closed)
@@ -617,6 +643,7 @@ static int run_levels(run *r, const load_setup *s)
 static void run_free(run *r)
 {
     load_verify_close(r->verify);
+    load_regions_close(r->regions);
     for (int i = 0; r->layers && i < r->n_layer_list; i++) {
         free(r->layers[i].ids);
         free(r->layers[i].weights);

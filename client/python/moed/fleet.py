@@ -111,8 +111,14 @@ def _dns_host_port(target: str) -> Tuple[str, int]:
 
 def is_fleet(target: Any) -> bool:
     """Whether MoEClient(target) is a fleet client: a list or tuple of targets, or a "dns:" name
-    that resolves to several addresses."""
-    return not isinstance(target, str) or (target.startswith("dns:") and len(resolve(target)) > 1)
+    that resolves to several addresses. A lone name that does not resolve (now) makes a plain
+    client, whose calls report UNAVAILABLE as gRPC finds it."""
+    if not isinstance(target, str):
+        return True
+    try:
+        return target.startswith("dns:") and len(resolve(target)) > 1
+    except ValueError:
+        return False
 
 
 class Names:

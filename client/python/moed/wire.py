@@ -61,7 +61,10 @@ def _table(name: str, *rows) -> Tuple[str, Dict[int, Field]]:
 
 
 SCHEMAS: Dict[str, Dict[int, Field]] = dict([
-    _table("moed.v1.Tensor", ("dtype", 1, "enum"), ("shape", 2, "int64*"), ("data", 3, "bytes")),
+    _table("moed.v1.RegionRef", ("region", 1, "uint64"), ("offset", 2, "uint64"),
+           ("length", 3, "uint64")),
+    _table("moed.v1.Tensor", ("dtype", 1, "enum"), ("shape", 2, "int64*"),
+           ("data", 3, "bytes", "contents"), ("region", 4, "moed.v1.RegionRef", "contents")),
     _table("moed.v1.Gating", ("strategy", 1, "enum"), ("top_k", 2, "uint32"),
            ("renormalize", 3, "enum"), ("threshold", 4, "float")),
     _table("moed.v1.ExpertChoice", ("expert_ids", 1, "moed.v1.Tensor"),
@@ -73,7 +76,7 @@ SCHEMAS: Dict[str, Dict[int, Field]] = dict([
            ("hidden", 3, "moed.v1.Tensor"), ("experts", 4, "moed.v1.ExpertChoice", "routing"),
            ("logits", 5, "moed.v1.RouterLogits", "routing"),
            ("server_router", 6, "moed.v1.ServerRouter", "routing"),
-           ("batch_gating", 7, "moed.v1.BatchGating")),
+           ("batch_gating", 7, "moed.v1.BatchGating"), ("output", 8, "moed.v1.RegionRef")),
     _table("moed.v1.Timings", ("queue_us", 1, "uint64"), ("compute_us", 2, "uint64"),
            ("total_us", 3, "uint64"), ("batch_tokens", 4, "uint32"), ("batch_requests", 5, "uint32")),
     _table("moed.v1.ForwardResponse", ("request_id", 1, "string"), ("output", 2, "moed.v1.Tensor"),
@@ -94,7 +97,11 @@ SCHEMAS: Dict[str, Dict[int, Field]] = dict([
            ("memory_used", 3, "uint64")),
     _table("moed.v1.ModelInfo", ("model", 1, "string"), ("layers", 2, "moed.v1.LayerInfo*"),
            ("backend", 3, "string"), ("devices", 4, "moed.v1.Device*"), ("version", 5, "string"),
-           ("max_message_bytes", 6, "uint64"), ("max_batch_tokens", 7, "uint32")),
+           ("max_message_bytes", 6, "uint64"), ("max_batch_tokens", 7, "uint32"),
+           ("regions", 8, "moed.v1.RegionLimits")),
+    _table("moed.v1.RegionLimits", ("mode", 1, "string"), ("max_regions", 2, "uint32"),
+           ("max_region_bytes", 3, "uint64"), ("max_region_bytes_total", 4, "uint64"),
+           ("cuda", 5, "bool")),
     _table("grpc.health.v1.HealthCheckRequest", ("service", 1, "string")),
     _table("grpc.health.v1.HealthCheckResponse", ("status", 1, "enum")),
 ])

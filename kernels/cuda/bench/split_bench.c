@@ -269,8 +269,8 @@ static int run_T(bench *B, const moed_layer_info *li, int64_t T, double min_ms, 
     const size_t bytes = (size_t)T * B->d * 2;
     moed_route route = { 0 };
     if (uniform_route(li, T, &route)) return 1;
-    fwd w = { B->bw, { 0, MOED_BF16, T, B->x, B->yw, &route } },
-        sp = { B->bs, { 0, MOED_BF16, T, B->x, B->ys, &route } };
+    fwd w = { B->bw, { .dtype = MOED_BF16, .T = T, .x = B->x, .y = B->yw, .route = &route } },
+        sp = { B->bs, { .dtype = MOED_BF16, .T = T, .x = B->x, .y = B->ys, .route = &route } };
     copies c = { B->dx, B->x, bytes };
     out->T = T;
     out->whole_ms = time_ms(fwd_once, &w, min_ms);

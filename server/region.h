@@ -1,0 +1,140 @@
+/*
+ * moed_regions — the registry of tensor regions: memory a same-host client shares with the server
+ * (POSIX shared memory, or CUDA device memory through an IPC handle), registered once and named by
+ * requests as (region, offset, length). moed.proto states the rules to clients; this is where they
+ * are kept:
+ *
+ *   ownership  a region belongs to a principal (the caller's token; 0 without one) and to the
+ *              session (the Regions stream) that registered it; a lookup by another principal
+ *              finds nothing, exactly as for an id that never existed; ids are random 64-bit
+ *              numbers from getrandom(2), never 0;
+ *   leases     closing a session releases every region it registered;
+ *   references a request takes a region with moed_regions_acquire and lets go with
+ *              moed_region_release; unregistering (or a session's end) makes the id unknown at
+ *              once, and the memory is unmapped (munmap, cudaHostUnregister, cudaIpcCloseMemHandle)
+ *              by whoever drops the last reference — never while a request holds it;
+ *   host       registration is two steps: map the object by name and answer a random challenge,
+ *              then, once the client wrote it at offset 0, read it back (guarded) and only then
+ *              page-lock the memory and make the region usable;
+ *   faults     every CPU access to a host region is a guarded copy (guard.h); one that faults marks
+ *              the region broken, and every later use fails the same way;
+ *   caps       regions and bytes per principal, bytes in all.
+ *
+ * Thread-safe: one mutex over the table; mapping, unmapping and the backend's calls happen outside
+ * it.
+ */
+#ifndef MOED_REGION_H
+#define MOED_REGION_H
+
+#include "moed_backend.h"
+#include "moed_err.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+enum { MOED_REGIONS_OFF = 0, MOED_REGIONS_LOCAL = 1, MOED_REGIONS_ANY = 2 };
+enum { MOED_REGION_HOST = 1, MOED_REGION_CUDA = 2 }; /* moed.v1.RegionKind */
+
+#define MOED_REGION_NAME_MAX  255 /* a shm name, the leading '/' included */
+#define MOED_REGION_CHALLENGE 16
+
+typedef struct moed_regions moed_regions;
+typedef struct moed_region moed_region;
+typedef struct moed_region_session moed_region_session;
+
+typedef struct moed_regions_config {
+    moed_backend *backend;   /* page-locks host regions and opens CUDA ones */
+    int mode;                /* MOED_REGIONS_*: who may use regions (--regions) */
+    int64_t max_regions;     /* per principal (--max-regions) */
+    int64_t max_bytes;       /* registered per principal (--max-region-bytes) */
+    int64_t max_total_bytes; /* registered by everyone (--max-region-bytes-total) */
+} moed_regions_config;
+
+/* What a listing, a metric or an event says of a region. */
+typedef struct moed_region_info {
+    uint64_t id;
+    int kind;
+    char name[MOED_REGION_NAME_MAX + 1];
+    uint64_t bytes;
+    int device; /* CUDA: the server's ordinal */
+    bool ready, broken;
+    uint32_t requests; /* references held by requests now (one per tensor naming it) */
+} moed_region_info;
+
+/* Totals by kind (index MOED_REGION_HOST, MOED_REGION_CUDA), for the metrics. */
+typedef struct moed_regions_stats {
+    uint64_t count[3], bytes[3];
+} moed_regions_stats;
+
+int moed_regions_create(const moed_regions_config *cfg, moed_regions **out, moed_error *err);
+/* Every session must be closed and every reference released first. */
+void moed_regions_destroy(moed_regions *r);
+int moed_regions_mode(const moed_regions *r);
+const moed_regions_config *moed_regions_limits(const moed_regions *r);
+
+/* ---- sessions (the Regions stream) ---- */
+
+moed_region_session *moed_regions_open_session(moed_regions *r, int principal);
+/* Releases every region the session registered (unmapped once no request holds it) and frees
+ * the session. */
+void moed_regions_close_session(moed_regions *r, moed_region_session *s);
+
+/* Step 1 of a host region: opens the POSIX shared-memory object `name` read-write, checks it (a
+ * regular file of at least `bytes`), maps it, and fills the region's id and the challenge the
+ * client must write at offset 0. The region is not usable until confirmed. */
+int moed_regions_register_host(moed_regions *r, moed_region_session *s, const char *name,
+                               size_t name_len, uint64_t bytes, moed_region_info *out,
+                               uint8_t challenge[MOED_REGION_CHALLENGE], moed_error *err);
+/* Step 2: the challenge is read back from offset 0 and compared; on a match the memory is
+ * page-locked (backend host_register) and the region made usable. */
+int moed_regions_confirm_host(moed_regions *r, moed_region_session *s, uint64_t id,
+                              moed_region_info *out, moed_error *err);
+/* A CUDA region: the backend opens the IPC handle (map_device). */
+int moed_regions_register_cuda(moed_regions *r, moed_region_session *s, const void *handle,
+                               size_t handle_len, const char *device_uuid, int device,
+                               uint64_t bytes, uint64_t offset, moed_region_info *out,
+                               moed_error *err);
+/* Unregisters one of the session's regions (out: what it was). */
+int moed_regions_unregister(moed_regions *r, moed_region_session *s, uint64_t id,
+                            moed_region_info *out, moed_error *err);
+
+/* ---- requests ---- */
+
+/* The usable region `id` of `principal` with a reference taken, or NULL (err: NOT_FOUND, the same
+ * message for an unknown id and another principal's; FAILED_PRECONDITION for a broken region). */
+moed_region *moed_regions_acquire(moed_regions *r, int principal, uint64_t id, moed_error *err);
+/* Drops a reference (NULL: nothing); the last one of an unregistered region unmaps it. */
+void moed_region_release(moed_regions *r, moed_region *g);
+
+/* Checks a reference against the region — offset + length within its bytes (overflow-safe),
+ * length == want, offset a multiple of align — and returns where those bytes are (host memory, or
+ * device memory of *dev; MOED_HOST_MEM for host). `what` names the tensor in messages. */
+int moed_region_resolve(const moed_region *g, uint64_t offset, uint64_t length, uint64_t want,
+                        size_t align, const char *what, void **ptr, int *dev, moed_error *err);
+
+/* Whether the backend may be handed this region's memory as it is (a CUDA region, or a host region
+ * and a backend that moves host memory by DMA only); otherwise the caller copies it with
+ * moed_region_copy_in / copy_out. */
+bool moed_region_direct(const moed_regions *r, const moed_region *g);
+
+/* Guarded copies between a region's memory (p from moed_region_resolve) and host memory: a host
+ * region that shrank fails with MOED_EPRECOND naming it and is marked broken; a CUDA region is
+ * read through the backend. */
+int moed_region_copy_in(moed_regions *r, moed_region *g, void *dst, const void *p, size_t n,
+                        moed_error *err);
+int moed_region_copy_out(moed_regions *r, moed_region *g, void *p, const void *src, size_t n,
+                         moed_error *err);
+
+/* ---- listings ---- */
+
+/* The principal's regions (malloc'd array in *out, *n entries; free() it). */
+int moed_regions_list(moed_regions *r, int principal, moed_region_info **out, int *n,
+                      moed_error *err);
+void moed_regions_get_stats(moed_regions *r, moed_regions_stats *out);
+
+/* Whether a shm name is one moed opens: "/" then 1 to 254 of [A-Za-z0-9._-], not "." or "..",
+ * without ".." anywhere. */
+bool moed_region_name_ok(const char *name, size_t len);
+
+#endif

@@ -1,0 +1,98 @@
+/*
+ * moed_region_cmd — RegionCommand in, RegionEvent out (region_cmd.h).
+ *
+ * protobuf-c unpacks the command (it is small; no tensor bytes travel here), every field it holds
+ * is checked by the registry, and whatever goes wrong becomes the event's code and message: a
+ * command never ends its stream.
+ */
+#include "region_cmd.h"
+
+#include "log.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+void moed_region_to_proto(const moed_region_info *i, Moed__V1__Region *out)
+{
+    moed__v1__region__init(out);
+    out->id = i->id;
+    out->kind = (Moed__V1__RegionKind)i->kind;
+    out->name = (char *)i->name;
+    out->bytes = i->bytes;
+    out->device = (uint32_t)i->device;
+    out->ready = i->ready;
+    out->broken = i->broken;
+    out->requests = i->requests;
+}
+
+/* Carries out one decoded command; fills *info (and the challenge) for the event. */
+static int run(moed_regions *r, moed_region_session *s, const Moed__V1__RegionCommand *cmd,
+               moed_region_info *info, uint8_t *challenge, bool *has_challenge, moed_error *err)
+{
+    switch (cmd->command_case) {
+    case MOED__V1__REGION_COMMAND__COMMAND_REGISTER_HOST: {
+        const Moed__V1__RegisterHostRegion *h = cmd->register_host;
+        *has_challenge = true;
+        return moed_regions_register_host(r, s, h->name, strlen(h->name), h->bytes, info, challenge,
+                                          err);
+    }
+    case MOED__V1__REGION_COMMAND__COMMAND_CONFIRM_HOST:
+        return moed_regions_confirm_host(r, s, cmd->confirm_host->region, info, err);
+    case MOED__V1__REGION_COMMAND__COMMAND_REGISTER_CUDA: {
+        const Moed__V1__RegisterCudaRegion *g = cmd->register_cuda;
+        if (g->device > INT32_MAX)
+            return moed_fail(err, MOED_EINVAL, "register_cuda.device %u is out of range",
+                             g->device);
+        return moed_regions_register_cuda(r, s, g->ipc_handle.data, g->ipc_handle.len,
+                                          g->device_uuid, (int)g->device, g->bytes, g->offset, info,
+                                          err);
+    }
+    case MOED__V1__REGION_COMMAND__COMMAND_UNREGISTER:
+        return moed_regions_unregister(r, s, cmd->unregister->region, info, err);
+    default:
+        return moed_fail(err, MOED_EINVAL,
+                         "the command sets none of register_host, confirm_host, register_cuda or "
+                         "unregister");
+    }
+}
+
+uint8_t *moed_region_command(moed_regions *r, moed_region_session *s, const uint8_t *buf, size_t n,
+                             size_t *out_len, int *status)
+{
+    Moed__V1__RegionEvent ev = MOED__V1__REGION_EVENT__INIT;
+    Moed__V1__Region region;
+    moed_region_info info;
+    uint8_t challenge[MOED_REGION_CHALLENGE];
+    bool has_challenge = false;
+    moed_error err = { 0 };
+    Moed__V1__RegionCommand *cmd = NULL;
+    int rc;
+    memset(&info, 0, sizeof info);
+    if (n > MOED_REGION_CMD_MAX)
+        rc = moed_fail(&err, MOED_ETOOBIG, "a RegionCommand is at most %d bytes; this one is %zu",
+                       MOED_REGION_CMD_MAX, n);
+    else if (!(cmd = moed__v1__region_command__unpack(NULL, n, buf)))
+        rc = moed_fail(&err, MOED_EFORMAT, "the RegionCommand does not parse");
+    else
+        rc = run(r, s, cmd, &info, challenge, &has_challenge, &err);
+    ev.seq = cmd ? cmd->seq : 0;
+    if (info.id) {
+        moed_region_to_proto(&info, &region);
+        ev.region = &region;
+    }
+    *status = moed_err_grpc_status(rc);
+    ev.code = *status;
+    ev.message = rc ? err.msg : "";
+    if (!rc && has_challenge) {
+        ev.challenge.data = challenge;
+        ev.challenge.len = sizeof challenge;
+    }
+    if (rc)
+        moed_log_debug("region command failed", "seq=%llu status=%d reason=\"%s\"",
+                       (unsigned long long)ev.seq, *status, err.msg);
+    *out_len = moed__v1__region_event__get_packed_size(&ev);
+    uint8_t *out = malloc(*out_len ? *out_len : 1);
+    if (out) moed__v1__region_event__pack(&ev, out);
+    if (cmd) moed__v1__region_command__free_unpacked(cmd, NULL);
+    return out;
+}
