@@ -30,7 +30,8 @@
 #             on GPU 0 (--devices 0,0), every case bit-identical to the layer unsplit, and
 #             compute-sanitizer memcheck on its quick cases
 #   two-gpu   expert parallelism on two GPUs (issue 15; skipped, exit 77, with fewer): test_split
-#             over GPUs 0,1 with peer access and again staged through the host (MOED_CUDA_NO_PEER=1);
+#             over GPUs 0,1 with peer access, and its quick cases again through landing buffers
+#             (MOED_CUDA_NO_PEER=1);
 #             moe-bench's DeepSeek-V3 layer on one GPU; moe-split-bench (the layer whole on GPU 0
 #             and split over 0,1 at T = 8 and 4096, and the peer bandwidth); and the daemons
 #             (bench_daemon.py --suite multi: the layer split, two layers one per GPU, each beside
@@ -213,8 +214,8 @@ stage_two-gpu() {
     [ "$stage_rc" -eq 0 ] || return
     local md=$OUT/two-gpu.md
     MOED_SPLIT_DEVICES=0,1 logged "$OUT/gpu-split-01.log" timeout 300 "$B/test_split"
-    MOED_SPLIT_DEVICES=0,1 MOED_CUDA_NO_PEER=1 quiet "$RAW/gpu-split-01-staged.log" timeout 300 \
-        "$B/test_split"
+    MOED_SPLIT_DEVICES=0,1 MOED_CUDA_NO_PEER=1 MOED_GPU_TEST_QUICK=1 quiet \
+        "$RAW/gpu-split-01-staged.log" timeout 300 "$B/test_split"
     tail -2 "$RAW/gpu-split-01-staged.log"
     logged "$RAW/moe-deepseek.txt" timeout 120 "$B/moe-bench" --shapes deepseek-v3 --tokens 8,4096 \
         --json "$RAW/moe-deepseek.json"
