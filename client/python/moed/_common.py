@@ -306,8 +306,15 @@ class SessionBase:
     def alive(self) -> bool:
         return self.call is not None and not self.call.done()
 
+    def check(self) -> None:
+        """Before steps run: if the stream has ended, what it registered is gone (the arenas start
+        afresh, and a new stream opens with the next command)."""
+        if self.call is not None and self.call.done():
+            self.call = None
+            self.regions.ended()
+
     def opened(self, call: Any) -> None:
-        """A new stream: what the last one registered is gone."""
+        """A new stream: what an earlier one registered is gone."""
         if self.call is not None:
             self.regions.ended()
         self.call = call

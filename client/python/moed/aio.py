@@ -34,6 +34,7 @@ class Session(C.SessionBase):
 
     async def run(self, steps: Steps) -> Any:
         """Runs steps to their end; their value."""
+        self.check()
         answer, error = None, None
         while True:
             try:
