@@ -243,7 +243,9 @@ class Slot:
 
     def lent(self) -> np.ndarray:
         """A read-only host view of the slot that gives it back when the last array made from it
-        is dropped (host chunks)."""
+        is dropped (host chunks). numpy makes `a` the base of every view made from it (its own base
+        is the mapping, not an array, so the chain of bases stops there), and torch.frombuffer holds
+        it: the slot is in use exactly as long as something can see it."""
         a = self.chunk.bytes_at(self.off, self.n, False)
         weakref.finalize(a, self.chunk.pool.give, self.off, self.n)
         return a
