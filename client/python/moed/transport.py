@@ -77,21 +77,24 @@ class HostPrepared(Prepared):
 
 
 class DevicePrepared(Prepared):
-    """hidden and the output in device memory: a slot of the device arena (`slot`, the output
-    written over hidden, or the output's alone when hidden is registered), or the caller's
-    registered tensors."""
+    """hidden and the output in device memory: the caller's registered tensors, or a slot of the
+    device arena (hidden copied in and the output written over it, or the output's alone when
+    hidden is registered, or hidden's alone when out is)."""
 
-    __slots__ = ("slot",)
+    __slots__ = ("slot", "in_out")
     transport = "cuda"
 
     def __init__(self, inp: Input, ref: Dict[str, int], output: Dict[str, int], slot: Optional[Slot],
                  out: Any):
         super().__init__(inp, {"dtype": inp.wire, "shape": inp.shape, "region": ref}, output, out)
         self.slot = slot
+        self.in_out = slot is not None and output == slot.ref()  # the output lands in the slot
 
     def finish(self, reply_tensor: Dict[str, Any], copy: bool) -> Any:
         self._check_ref(reply_tensor)
-        if self.slot is None:  # written into the caller's registered out
+        if not self.in_out:  # written into the caller's registered out; hidden's slot is free
+            if self.slot is not None:
+                self.slot.give()
             return self.out
         torch, x = sys.modules["torch"], self.input.obj
         view = self.slot.chunk.bytes_at(self.slot.off, self.slot.n).view(x.dtype).view(x.shape)
@@ -140,7 +143,7 @@ def cuda(inp: Input, regions: Regions, out: Any) -> Steps:
         if slot is not None:
             slot.give()
         raise
-    return DevicePrepared(inp, ref, out_ref or slot.ref(), None if out_ref else slot, out)
+    return DevicePrepared(inp, ref, out_ref or slot.ref(), slot, out)
 
 
 def prepare(name: str, inp: Input, regions: Regions, out: Any = None) -> Steps:
