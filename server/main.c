@@ -4,12 +4,14 @@
  *
  * main() reads as the steps it takes; each step logs what it did or why it failed. Exit status:
  * 0 after a drain (clean, or cut short by --drain-timeout), 1 when start-up fails (TLS files,
- * weights, backend, binding), 2 on bad usage. The heavy threads (completion queues, scheduler
- * workers, backend threads) are started by the steps; the main thread only waits in the loop,
- * woken by signals, timers, metrics scrapes, and the gRPC side (uv_async_send) when the drain has
- * finished every call. Under systemd (Type=notify) the service manager hears READY=1 once the
- * daemon serves, STOPPING=1 when it drains, and STATUS= lines on the way. Nothing is printed on
- * stdout except --help and --version.
+ * weights, backend, binding), 2 on bad usage. The slow steps (backend, weights, scheduler, gRPC)
+ * run on libuv's thread pool while the loop already answers the metrics endpoint
+ * (/healthz says 503 until the weights are resident). The heavy threads (completion queues,
+ * scheduler workers, backend threads) are started by the steps; the main thread only waits in the
+ * loop, woken by signals, timers, metrics scrapes, the end of the start-up steps, and the gRPC side
+ * (uv_async_send) when the drain has finished every call. Under systemd (Type=notify) the service
+ * manager hears READY=1 once the daemon serves, STOPPING=1 when it drains, and STATUS= lines on the
+ * way. Nothing is printed on stdout except --help and --version.
  */
 #include "config.h"
 #include "http.h"
@@ -55,6 +57,8 @@ typedef struct moed_daemon {
     uv_signal_t sigterm, sigint, sighup;
     uv_async_t drained;
     uv_timer_t stats, drain_timer;
+    uv_work_t start;
+    int start_status; /* of the steps on the thread pool; read on the loop once they are done */
     bool serving, draining;
 } moed_daemon;
 
@@ -327,9 +331,9 @@ static void metrics_page(moed_daemon *d, moed_http_reply *out)
     out->content_type = "text/plain; version=0.0.4; charset=utf-8";
 }
 
-/* On the loop's thread: /metrics (behind --metrics-token-file when given) and /healthz (always
- * open; 200 while SERVING, 503 before and while draining, as Kubernetes' HTTP probes and load
- * balancers expect). */
+/* On the loop's thread: /metrics (behind --metrics-token-file when given; 503 until serving) and
+ * /healthz (always open; 200 while SERVING, 503 before and while draining, as Kubernetes' HTTP
+ * probes and load balancers expect). */
 static void on_http(void *arg, const char *path, bool authorized, moed_http_reply *out)
 {
     moed_daemon *d = arg;
@@ -338,8 +342,12 @@ static void on_http(void *arg, const char *path, bool authorized, moed_http_repl
         out->body = strdup("/metrics needs 'Authorization: Bearer <token>' with the token of "
                            "--metrics-token-file\n");
         out->len = out->body ? strlen(out->body) : 0;
-    } else if (!strcmp(path, "/metrics")) {
+    } else if (!strcmp(path, "/metrics") && d->serving) {
         metrics_page(d, out);
+    } else if (!strcmp(path, "/metrics")) { /* still starting: nothing to count yet */
+        out->status = 503;
+        out->body = strdup("starting\n");
+        out->len = out->body ? strlen(out->body) : 0;
     } else if (!strcmp(path, "/healthz")) {
         bool up = d->serving && !d->draining;
         out->status = up ? 200 : 503;
@@ -462,6 +470,18 @@ static void on_stats(uv_timer_t *t)
                    (unsigned long long)s.compute_us);
 }
 
+/* Blocks (how = SIG_BLOCK) or restores the signals that stop moed or reopen its log, in this
+ * thread; *old gets the mask before. */
+static void mask_stop_signals(int how, sigset_t *old)
+{
+    sigset_t stop;
+    sigemptyset(&stop);
+    sigaddset(&stop, SIGTERM);
+    sigaddset(&stop, SIGINT);
+    sigaddset(&stop, SIGHUP);
+    pthread_sigmask(how, &stop, old);
+}
+
 /* uv_walk callback: closes a handle; with a non-NULL arg, every handle but the signal handles. */
 static void close_handle(uv_handle_t *h, void *keep_signals)
 {
@@ -469,17 +489,22 @@ static void close_handle(uv_handle_t *h, void *keep_signals)
     if (!uv_is_closing(h)) uv_close(h, NULL);
 }
 
+/* Ends the loop: the endpoint and the other handles close; the signal handles stay registered
+ * through teardown, so a further SIGTERM while moed winds down is caught (and, with the loop
+ * stopped, ignored) rather than killing it with the default action. */
+static void stop_loop(moed_daemon *d)
+{
+    moed_http_close(d->http); /* frees its connections as they close */
+    d->http = NULL;
+    uv_walk(&d->loop, close_handle, (void *)1);
+    uv_stop(&d->loop);
+}
+
 static void on_drained(uv_async_t *h)
 {
     moed_daemon *d = h->data;
     moed_log_info("every call answered", NULL);
-    moed_http_close(d->http); /* frees its connections as they close */
-    d->http = NULL;
-    /* The signal handles stay registered through teardown: a further SIGTERM while moed winds
-     * down is caught (and, with the loop stopped, ignored) rather than killing it with the
-     * default action. */
-    uv_walk(&d->loop, close_handle, (void *)1);
-    uv_stop(&d->loop);
+    stop_loop(d);
 }
 
 /* The loop takes the signals from here on: before READY=1 goes out, so a supervisor that stops
@@ -497,19 +522,49 @@ static void watch_signals(moed_daemon *d)
     }
 }
 
+/* On the thread pool: the slow steps. */
+static void start_steps(uv_work_t *w)
+{
+    moed_daemon *d = w->data;
+    d->start_status = open_backend(d) || load_weights(d) || load_layers(d) || derive_limits(d) ||
+                      start_data_plane(d) || start_scheduler(d) || start_rpc(d);
+}
+
+/* Back on the loop: serve, or stop after a failed start. */
+static void started(uv_work_t *w, int cancelled)
+{
+    moed_daemon *d = w->data;
+    if (d->start_status) {
+        stop_loop(d);
+        return;
+    }
+    if (moed_log_enabled(MOED_LOG_DEBUG)) {
+        uv_timer_init(&d->loop, &d->stats);
+        d->stats.data = d;
+        uv_timer_start(&d->stats, on_stats, STATS_PERIOD_MS, STATS_PERIOD_MS);
+    }
+    watch_signals(d);
+    ready(d);
+}
+
+/* Starts the slow steps on the thread pool and runs the loop until the drain (or a failed start)
+ * ends it; the start's status. */
 static int run_loop(moed_daemon *d)
 {
     uv_timer_init(&d->loop, &d->drain_timer);
     d->drain_timer.data = d;
     uv_async_init(&d->loop, &d->drained, on_drained);
     d->drained.data = d;
-    if (moed_log_enabled(MOED_LOG_DEBUG)) {
-        uv_timer_init(&d->loop, &d->stats);
-        d->stats.data = d;
-        uv_timer_start(&d->stats, on_stats, STATS_PERIOD_MS, STATS_PERIOD_MS);
-    }
+    d->start.data = d;
+    /* The pool's threads, created here, and the ones the steps start inherit a mask that keeps
+     * the stop signals out of them: the loop's thread takes those, and teardown holds them there
+     * until they are ignored, while the pool's threads live on to the exit. */
+    sigset_t old;
+    mask_stop_signals(SIG_BLOCK, &old);
+    uv_queue_work(&d->loop, &d->start, start_steps, started);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
     uv_run(&d->loop, UV_RUN_DEFAULT);
-    return 0;
+    return d->start_status;
 }
 
 /* ---- teardown, in the reverse order of start-up ---------------------------------------------- */
@@ -527,14 +582,9 @@ static void teardown(moed_daemon *d)
     /* After a failed start the endpoint may be open; its handles close on one more turn. */
     moed_http_close(d->http);
     /* Closing the signal handles gives the three signals their default action back, and a moed
-     * about to exit 0 must not die of one: they are held (every other thread is gone) until
-     * ignored, which drops any that came meanwhile. */
-    sigset_t stop;
-    sigemptyset(&stop);
-    sigaddset(&stop, SIGTERM);
-    sigaddset(&stop, SIGINT);
-    sigaddset(&stop, SIGHUP);
-    pthread_sigmask(SIG_BLOCK, &stop, NULL);
+     * about to exit 0 must not die of one: they are held (every other thread is gone or blocks
+     * them) until ignored, which drops any that came meanwhile. */
+    mask_stop_signals(SIG_BLOCK, NULL);
     uv_walk(&d->loop, close_handle, NULL);
     uv_run(&d->loop, UV_RUN_DEFAULT);
     signal(SIGTERM, SIG_IGN);
@@ -570,14 +620,7 @@ int main(int argc, char **argv)
     uv_loop_init(&d.loop);
     moed_log_info("starting", "version=%s pid=%d", MOED_VERSION, (int)getpid());
     moed_notify("STATUS=starting: loading weights");
-    int status = load_security(&d) || open_backend(&d) || load_weights(&d) || load_layers(&d) ||
-                 derive_limits(&d) || start_data_plane(&d) || start_scheduler(&d) ||
-                 start_metrics(&d) || start_rpc(&d);
-    if (!status) {
-        watch_signals(&d);
-        ready(&d);
-        run_loop(&d);
-    }
+    int status = load_security(&d) || start_metrics(&d) || run_loop(&d);
     teardown(&d);
     moed_log_info(status ? "exiting after a failed start" : "stopped", "exit=%d", status);
     moed_log_close();

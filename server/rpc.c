@@ -776,12 +776,14 @@ static void maybe_shutdown(moed_rpc *r)
 void moed_rpc_drain(moed_rpc *r, void (*on_drained)(void *arg), void *arg)
 {
     if (atomic_exchange(&r->draining, true)) return;
-    moed_sched_flush(r->cfg.sched); /* calls waiting in a merge window are launched now */
     moed_rpc_set_serving(r, false);
     r->on_drained = on_drained;
     r->drained_arg = arg;
     r->shutdown_tag.fn = on_shutdown;
+    /* Streams first: region sessions end (no more command is answered) before a request that
+     * waited in a merge window is answered, so no caller sees its session outlive the drain. */
     for_each_live(r, tell_drain, 0);
+    moed_sched_flush(r->cfg.sched); /* calls waiting in a merge window are launched now */
     maybe_shutdown(r);
 }
 

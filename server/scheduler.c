@@ -246,9 +246,10 @@ static int ensure_route(worker *w, int64_t T, int64_t pairs)
 static bool answer_if_gone(moed_sched *s, moed_sched_item *it)
 {
     moed_error err;
-    int code = atomic_load(&it->cancelled)                           ? MOED_ECANCELLED
-               : it->deadline_ns && moed_now_ns() >= it->deadline_ns ? MOED_EDEADLINE
-                                                                     : 0;
+    /* Past its deadline first: gRPC cancels expired calls, and that is an expiry. */
+    int code = it->deadline_ns && moed_now_ns() >= it->deadline_ns ? MOED_EDEADLINE
+               : atomic_load(&it->cancelled)                       ? MOED_ECANCELLED
+                                                                   : 0;
     if (!code) return false;
     moed_fail(&err, code,
               code == MOED_ECANCELLED
@@ -657,8 +658,14 @@ void moed_sched_cancel(moed_sched *s, moed_sched_item *it)
         atomic_store(&it->cancelled, true); /* the worker drops it if the backend has not got it */
     }
     pthread_mutex_unlock(&s->lock);
-    if (queued) {
-        moed_error err;
+    if (!queued) return;
+    /* gRPC cancels a call whose deadline passes: that is an expiry, and counts as one. */
+    moed_error err;
+    if (it->deadline_ns && moed_now_ns() >= it->deadline_ns) {
+        moed_fail(&err, MOED_EDEADLINE,
+                  "the deadline passed while the request waited in the queue");
+        finish_error(s, it, MOED_EDEADLINE, &err);
+    } else {
         moed_fail(&err, MOED_ECANCELLED, "the call was cancelled while queued");
         finish_error(s, it, MOED_ECANCELLED, &err);
     }

@@ -133,10 +133,11 @@ int moed_sched_create(const moed_sched_config *cfg, moed_sched **out, moed_error
  * is not called and the caller answers. */
 int moed_sched_submit(moed_sched *s, moed_sched_item *it, moed_error *err);
 
-/* The call went away: a queued item leaves its queue and done is called with MOED_ECANCELLED on
- * this thread; an item whose launch is being assembled is dropped from it (done with
- * MOED_ECANCELLED, on the worker) unless the backend has it already; then it runs to completion
- * and its result is discarded. */
+/* The call went away: a queued item leaves its queue and done is called on this thread, with
+ * MOED_EDEADLINE when its deadline has passed (gRPC cancels expired calls) and MOED_ECANCELLED
+ * otherwise; an item whose launch is being assembled is dropped from it (done with the same
+ * codes, on the worker) unless the backend has it already; then it runs to completion and its
+ * result is discarded. */
 void moed_sched_cancel(moed_sched *s, moed_sched_item *it);
 
 /* Closes every merge window now and from now on (the drain's first step): what is queued, and

@@ -60,7 +60,8 @@ stage_unit() {
         echo "note: no GPU tests: this build has no CUDA backend (no nvcc at configure time, or -DMOED_WITH_CUDA=OFF)"
     fi
     # ctest lists a test that exits 77 (no GPU) as "Skipped", and again under "did not run".
-    ctest --test-dir "$BUILD_DIR" --output-on-failure -j"$JOBS"
+    # --no-tests=error: a build that lost its tests must not pass as one whose tests all passed.
+    ctest --test-dir "$BUILD_DIR" --output-on-failure --no-tests=error -j"$JOBS"
 }
 
 stage_e2e() {

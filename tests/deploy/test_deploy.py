@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 
 import pytest
 import yaml
@@ -59,10 +60,19 @@ DRAIN_S = int(conf()["drain-timeout"])
 EXPORTER_PORTS = {9100, 9400, 9464, 9835, 9256, 8080, 8002, 10250, 10249, 10255}
 
 
+_ports_given = set()
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, never the same one twice in this process: the kernel may hand a
+    port just closed out again, and a daemon given it for both gRPC and metrics fails to start."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _ports_given:
+            _ports_given.add(port)
+            return port
 
 
 # ---- the configuration file ----------------------------------------------------------------------
@@ -77,12 +87,20 @@ def test_config_starts_the_daemon(tmp_path):
                           "--listen", f"127.0.0.1:{g}", "--metrics-listen", f"127.0.0.1:{m}",
                           "--synthetic", "layers=1,d=64,ff=96,experts=4,topk=2", "--threads", "1"],
                          stderr=open(log, "wb"))
-    deadline = time.monotonic() + 60
-    while '"ready"' not in log.read_text() and p.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert p.poll() is None, log.read_text()
-    p.send_signal(signal.SIGTERM)
-    assert p.wait(60) == 0, log.read_text()
+    try:
+        deadline = time.monotonic() + 60
+        while '"ready"' not in log.read_text() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert p.poll() is None, log.read_text()
+        assert '"ready"' in log.read_text(), f"not ready after 60 s:\n{log.read_text()}"
+        with urllib.request.urlopen(f"http://127.0.0.1:{m}/healthz", timeout=10) as r:
+            assert (r.status, r.read()) == (200, b"SERVING\n")
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0, log.read_text()
+    finally:
+        if p.poll() is None:  # a failed check: do not leave it running
+            p.kill()
+            p.wait()
     assert "metrics listening" in log.read_text()
 
 

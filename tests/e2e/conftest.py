@@ -4,6 +4,10 @@
 health check says SERVING, and at teardown stops each with SIGTERM and asserts a clean exit (0), so
 every test also checks that the daemon survived what the test did to it. The build folder is
 $MOED_BUILD_DIR (default: build/ at the top of the tree); $MOED_BIN overrides the daemon's path.
+
+$MOED_TEST_COMPUTE set (the GPU machine's run, tests/gpu/run-on-gpu.sh) means the daemons must
+compute on the GPU: each one, once serving, must report the cuda backend in GetModel, or a broken
+CUDA setup would fall back to the CPU and every test would pass on it.
 """
 import os
 import pathlib
@@ -21,12 +25,28 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 BUILD = pathlib.Path(os.environ.get("MOED_BUILD_DIR", ROOT / "build"))
 MOED_BIN = pathlib.Path(os.environ.get("MOED_BIN", BUILD / "server" / "moed"))
 DEFAULT_SPEC = "layers=2,d=64,ff=96,experts=8,topk=2,act=swiglu,dtype=bf16,seed=1"
+CUDA_MODE = bool(os.environ.get("MOED_TEST_COMPUTE"))
+
+
+def pytest_configure(config):
+    # A thread that dies of an exception fails the test it ran in (pytest only warns by default):
+    # tests hand work to threads, and one that died would leave the others' results to pass.
+    config.addinivalue_line("filterwarnings", "error::pytest.PytestUnhandledThreadExceptionWarning")
+
+
+_ports_given = set()
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, never the same one twice in this process: the kernel may hand a
+    port just closed out again, and a daemon given it for both gRPC and metrics fails to start."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _ports_given:
+            _ports_given.add(port)
+            return port
 
 
 class Daemon:
@@ -45,7 +65,13 @@ class Daemon:
                                      env={**os.environ, **(env or {})})
         self.returncode = None
         if wait:
-            self.wait_serving(timeout)
+            try:
+                self.wait_serving(timeout)
+            except BaseException:  # the caller gets no Daemon to stop: do not leave it running
+                self.proc.kill()
+                self.proc.wait()
+                self._log.close()
+                raise
 
     def log(self):
         if not self._log.closed:
@@ -57,14 +83,28 @@ class Daemon:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"moed exited with {self.proc.returncode} before serving:\n{self.log()}")
-            try:
-                with MoEClient(self.address, timeout=1.0) as c:
-                    if c.health() == "SERVING":
-                        return
-            except Exception:
-                pass
+            if self.serving():
+                self.check_backend()
+                return
             time.sleep(0.05)
         raise AssertionError(f"moed not SERVING after {timeout}s:\n{self.log()}")
+
+    def serving(self):
+        try:
+            with MoEClient(self.address, timeout=1.0) as c:
+                return c.health() == "SERVING"
+        except Exception:  # not listening yet
+            return False
+
+    def check_backend(self):
+        """In CUDA mode, a daemon not told to use the CPU must serve on cuda (a daemon that wants a
+        token cannot be asked here)."""
+        if not CUDA_MODE or "cpu" in self.argv or "--auth-token-file" in self.argv:
+            return
+        with MoEClient(self.address, timeout=10.0) as c:
+            backend = c.info().backend
+        assert backend == "cuda", (f"MOED_TEST_COMPUTE is set (a GPU run), but moed serves on the "
+                                   f"{backend} backend:\n{self.log()}")
 
     def client(self, **kw):
         return MoEClient(self.address, **kw)

@@ -6,6 +6,8 @@ and close() stops them all with SIGTERM and asserts that every one exited 0, so 
 upset fails the module even when the test itself passed.
 """
 
+import threading
+
 from conftest import Daemon
 
 
@@ -43,3 +45,25 @@ def wait_exit(d, timeout=60):
     (stop() would signal it again)."""
     d.proc.wait(timeout)
     return d.stop()
+
+
+class Worker(threading.Thread):
+    """A thread whose death the test sees: join() re-raises what killed it, and fails when it is
+    still running after the timeout (a bare Thread would die with a traceback on stderr and the
+    test would pass on whatever the others recorded)."""
+
+    def __init__(self, target, *args):
+        super().__init__(daemon=True)
+        self.target, self.args, self.error = target, args, None
+
+    def run(self):
+        try:
+            self.target(*self.args)
+        except BaseException as e:  # re-raised by join
+            self.error = e
+
+    def join(self, timeout=None):
+        super().join(timeout)
+        assert not self.is_alive(), f"{self.target.__name__}{self.args} still running after {timeout} s"
+        if self.error is not None:
+            raise self.error

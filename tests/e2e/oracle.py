@@ -10,8 +10,8 @@ Contents: the seeded synthetic generator (Spec, synth_layer), bf16 rounding by b
 e4m3 rounding from the OCP FP8 table and the 128 x 128 block quantization of FP8 weights
 (fp8_quantize, fp8_dequantize: the rule of kernels/core/moed_fp8.h, written here again without
 ml_dtypes), the expert MLPs and the combine (forward), the five gating strategies and DeepSeek-V3's
-rule (gate), batch-level gating (batch_gate), and a comparison with a tolerance suited to each dtype
-(check).
+rule (gate), batch-level gating (batch_gate), and a per-token comparison with a tolerance suited to
+each dtype (check).
 """
 
 import math
@@ -25,10 +25,21 @@ import numpy as np
 # Tensor numbers of the generator (kernels/core/moed_synth.h).
 T_W1, T_W3, T_W2, T_ROUTER, T_SW1, T_SW3, T_SW2, T_BIAS = range(8)
 
-# Largest error allowed, relative to the largest reference magnitude, for an output in each dtype:
-# half an ulp of the output dtype at the top of the range, plus float32 accumulation, plus slack
-# for intermediates the server may keep in the weight dtype.
+# Largest error allowed in one token's output (one row), relative to that token's own largest
+# reference magnitude, for an output in each dtype: half an ulp of the output dtype at the top of
+# the row, plus float32 accumulation, plus slack for intermediates the server may keep in the
+# weight dtype; and ATOL, an absolute floor for rows whose reference is zero or nearly so (no
+# expert, or tiny gate weights). Per token, not per batch: a bound relative to the batch's largest
+# value lets the smallest rows be several percent wrong, or dropped, and still pass.
+#
+# Measured over the whole suite (every check, 18,000 tokens) against the CPU backend, which computes
+# in float32: the largest error/magnitude ratio was 5.3e-6 for f32 outputs, 4.9e-4 for f16 and
+# 3.9e-3 for bf16 (the output's rounding: half an ulp is 2^-11 and 2^-8 of the value), so each
+# bound has 2.6x to 4x of room. With the CUDA backend (bf16 compute, on an H100: test_forward,
+# test_concurrency and test_errors, 15,000 tokens) the largest was 9.2e-3, p99 6.4e-3: COMPUTE_TOL
+# below gives it 2.2x.
 TOL = {"f32": 2e-5, "f16": 2e-3, "bf16": 1e-2}
+ATOL = {"f32": 1e-7, "f16": 1e-5, "bf16": 1e-4}
 
 
 @dataclass
@@ -366,23 +377,40 @@ def as_float64(y, dtype=None):
     return y.astype(np.float64)
 
 
+def token_errors(y, ref):
+    """(per-token largest error, per-token largest reference magnitude): one value per row."""
+    y = as_float64(y).reshape(ref.shape[0], -1)
+    ref = np.asarray(ref, dtype=np.float64).reshape(ref.shape[0], -1)
+    return np.max(np.abs(y - ref), axis=1), np.max(np.abs(ref), axis=1)
+
+
 def rel_err(y, ref):
-    return float(np.max(np.abs(as_float64(y) - ref)) / max(np.max(np.abs(ref)), 1e-30))
+    """The worst token's error relative to that token's own magnitude (a row whose reference is
+    zero must come back zero, or the result is inf)."""
+    err, mag = token_errors(y, ref)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return float(np.max(np.where(err == 0, 0.0, err / mag)))
 
 
 # The server's compute type bounds the error too: the CUDA backend multiplies in bf16 (f16 for f16
-# weights) whatever the request's dtype. MOED_TEST_COMPUTE=bf16 declares it (the GPU machine's run).
+# weights) whatever the request's dtype. MOED_TEST_COMPUTE=bf16 declares it (the GPU machine's run);
+# its per-token bounds are the GPU suite's (tests/gpu/test_cuda_backend.c).
 COMPUTE = os.environ.get("MOED_TEST_COMPUTE", "f32")
+COMPUTE_TOL = {"f32": 0.0, "f16": 3e-3, "bf16": 2e-2}
 
 
 def check(y, ref, dtype, what=""):
-    """Asserts y (the server's output) matches the float64 reference within dtype's tolerance (or
-    the server's compute type's, if coarser)."""
+    """Asserts y (the server's output) matches the float64 reference token by token: every row's
+    largest error within dtype's tolerance (or the server's compute type's, if coarser) of that
+    row's largest reference magnitude, plus the floor."""
     key = "bf16" if dtype in ("bf16", "bf16u16") else dtype
-    if TOL.get(COMPUTE, 0) > TOL[key]:
-        key = COMPUTE
+    tol, atol = max(TOL[key], COMPUTE_TOL[COMPUTE]), ATOL[key]
     assert y.shape == ref.shape, f"{what}: shape {y.shape}, expected {ref.shape}"
     assert np.all(np.isfinite(as_float64(y))), f"{what}: non-finite output"
-    err = rel_err(y, ref)
-    assert err <= TOL[key], f"{what}: max error {err:.3g} relative to max |ref| is over {TOL[key]} ({key})"
-    return err
+    err, mag = token_errors(y, ref)
+    bad = np.flatnonzero(err > tol * mag + atol)
+    if bad.size:
+        t = bad[np.argmax((err / (tol * mag + atol))[bad])]
+        raise AssertionError(f"{what}: {bad.size} of {len(err)} tokens over the bound; token {t}: max "
+                             f"error {err[t]:.3g}, {err[t] / max(mag[t], 1e-30):.3g} of its max |ref| "
+                             f"{mag[t]:.3g} (bound {tol:g} of it + {atol:g}; {key} out, {COMPUTE} compute)")

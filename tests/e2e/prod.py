@@ -188,3 +188,46 @@ def wait_serving(d, timeout=60.0, **client_kw):
             last = err
         time.sleep(0.05)
     raise AssertionError(f"moed not SERVING after {timeout}s ({last}):\n{d.log()}")
+
+
+# ---- what the server counted -------------------------------------------------------------------
+
+def server_counts(port):
+    """The counters that show what the server did with Forward requests, from one scrape: answered
+    requests as "Forward:CODE" or "ForwardStream:CODE" (moed_requests_total; health checks and
+    GetModel are left out), "launches" (computed batches), "launched_requests" and
+    "launched_tokens" (what they held), "queue_waits" (requests that left a queue for a launch) and
+    "queued" (requests waiting now)."""
+    e = scrape(port)
+    out = {f"{dict(k[1])['method']}:{dict(k[1])['code']}": v for k, v in e.samples.items()
+           if k[0] == "moed_requests_total" and dict(k[1])["method"].startswith("Forward")}
+    out.update(launches=e.get("moed_compute_duration_seconds_count"),
+               launched_requests=e.get("moed_batch_requests_sum"),
+               launched_tokens=e.get("moed_batch_tokens_sum"),
+               queue_waits=e.get("moed_queue_duration_seconds_count"),
+               queued=e.get("moed_queue_requests"))
+    return out
+
+
+def counts_delta(after, before):
+    """after - before for every key of either (a missing counter is 0); "queued" is a gauge, taken
+    as it is in `after`."""
+    out = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
+    out["queued"] = after.get("queued", 0)
+    return {k: v for k, v in out.items() if v or k == "queued"}
+
+
+def wait_counts(port, before, want, timeout=10.0):
+    """Scrapes until the counters moved from `before` exactly as `want` says (a dict of deltas; keys
+    not named must not have moved, "queued" is the gauge) and returns the delta; AssertionError
+    with the last delta after timeout seconds."""
+    want = {k: v for k, v in want.items() if v or k == "queued"}
+    want.setdefault("queued", 0)
+    deadline = time.monotonic() + timeout
+    while True:
+        got = counts_delta(server_counts(port), before)
+        if got == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)  # scrapes are connections: a few per second, well under any limit
+    assert got == want, f"the server counted {got}, expected {want}"
+    return got

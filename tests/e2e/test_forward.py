@@ -288,3 +288,26 @@ def test_forward_stream_error_ends_stream_after_good_replies(pool):
                 got.append(rep.request_id)
     assert got == ["good"]
     assert e.value.code() == grpc.StatusCode.NOT_FOUND and "layer 9" in e.value.details()
+
+
+def test_check_bounds_every_token(pool):
+    """The oracle's check is per token: a reply with one small token dropped, or 9.5% off, fails
+    it, though both stay within a bound relative to the batch's largest value (what check used to
+    apply), which this asserts so that the case keeps testing something."""
+    spec = BASE
+    d = pool.synthetic(spec)
+    rng = np.random.default_rng(14)
+    x, x64 = O.hidden(rng, 8, spec.d, "bf16")
+    ids, gw = random_choice(rng, 8, 2, spec.experts)
+    gw[3] = 0.003  # token 3 is small beside the others
+    ref = O.forward(x64, spec.layer(0), O.choice_route(ids, gw), spec.act)
+    with d.client(timeout=30) as c:
+        y = O.as_float64(c.forward(0, x, expert_ids=ids, expert_weights=gw))
+    O.check(y, ref, "bf16", "as served")
+    for name, factor in (("token 3 dropped", 0.0), ("token 3 9.5% off", 1.095)):
+        bad = y.copy()
+        bad[3] *= factor
+        batch = np.max(np.abs(bad - ref)) / np.max(np.abs(ref))
+        assert batch <= O.TOL["bf16"] / 2, f"{name}: {batch:.3g} of the batch's largest value"
+        with pytest.raises(AssertionError, match=r"1 of 8 tokens over the bound; token 3:"):
+            O.check(bad, ref, "bf16", name)

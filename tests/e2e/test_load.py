@@ -1,6 +1,10 @@
 """moed-load against a real moed on loopback: exact counts of good and deliberately bad requests,
 every sampled reply checked against the CPU reference (--verify), the JSON and CSV reports, open-loop
 rates, sweeps, usage errors; and, against a fake server that lies, that the checks do fail.
+
+--verify recomputes replies with moed's own CPU backend, which the server runs too: a mistake the
+two share would pass it. So the replies to moed-load's requests are also checked, through a proxy
+that records them, against the tests' own float64 model (oracle.py).
 """
 
 import concurrent.futures
@@ -14,7 +18,9 @@ import grpc
 import numpy as np
 import pytest
 
+import oracle as O
 from conftest import BUILD, DEFAULT_SPEC, free_port
+from moed import MoEClient
 from moed._proto.grpc.health.v1 import health_pb2, health_pb2_grpc
 from moed._proto.moed.v1 import moed_pb2, moed_pb2_grpc
 
@@ -276,21 +282,39 @@ class Healthy(health_pb2_grpc.HealthServicer):
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 
 
+class Recorder(Liar):
+    """Passes every call through unchanged, and keeps each Forward request with its reply."""
+
+    def __init__(self, real):
+        super().__init__(real, "record")
+        self.pairs = []
+
+    def Forward(self, request, context):
+        reply = super().Forward(request, context)
+        self.pairs.append((request, reply))
+        return reply
+
+
 @pytest.fixture
 def liar(shared_daemon):
+    """liar(mode) starts a proxy to the shared daemon (Liar, or Recorder for "record") and returns
+    its address; liar.servicers holds them."""
     servers, channels = [], []
 
     def start(mode):
         channel = shared_daemon.channel()
         server = grpc.server(concurrent.futures.ThreadPoolExecutor(8))
-        moed_pb2_grpc.add_MoedServicer_to_server(Liar(channel, mode), server)
+        servicer = Recorder(channel) if mode == "record" else Liar(channel, mode)
+        moed_pb2_grpc.add_MoedServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(Healthy(), server)
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
         servers.append(server)
         channels.append(channel)
+        start.servicers.append(servicer)
         return f"127.0.0.1:{port}"
 
+    start.servicers = []
     yield start
     for s in servers:
         s.stop(0)
@@ -326,3 +350,53 @@ def test_bad_requests_accepted_are_errors(liar, tmp_path):
     check_level(lv)
     assert lv["bad_requests"] == 10 and lv["expected_errors"] == 0
     assert lv["errors"] == {"BAD_ACCEPTED": 10} and lv["ok"] == 40
+
+
+# ---- moed-load's requests against the tests' own model ------------------------------------------
+
+STRATEGIES = {0: "model", 1: "topk", 2: "sigmoid", 3: "sparsemax", 4: "quadratic", 5: "pioneer"}
+RENORM = {0: None, 1: True, 2: False}
+DTYPE = {1: "f32", 2: "f16", 3: "bf16"}
+
+
+def tensor(t):
+    """A request's Tensor as float64 (bf16 from its bits), or int32 for ids."""
+    a = MoEClient.decode_output(t, np.uint16 if DTYPE.get(t.dtype) == "bf16" else None)
+    return O.from_bf16_bits(a).astype(np.float64) if a.dtype == np.uint16 else a
+
+
+def oracle_reference(req, spec):
+    """What the float64 model says the reply to a ForwardRequest is, and its dtype's name."""
+    w = spec.layer(req.layer)
+    x64 = tensor(req.hidden).astype(np.float64)
+    dtype = DTYPE[req.hidden.dtype]
+    routing = req.WhichOneof("routing")
+    if routing == "experts":
+        route = O.choice_route(tensor(req.experts.expert_ids), tensor(req.experts.expert_weights))
+    else:
+        g = req.logits.gating if routing == "logits" else req.server_router.gating
+        logits = tensor(req.logits.logits) if routing == "logits" else O.router_logits(x64, w, dtype)
+        route = O.gate(logits, STRATEGIES[g.strategy], spec, g.top_k, RENORM[g.renormalize],
+                       g.threshold)
+    return O.forward(x64, w, route, spec.act), dtype
+
+
+@pytest.mark.parametrize("args", [
+    ("--routing", "zipf:1.2", "--dtype", "bf16"),
+    ("--routing", "logits", "--strategy", "sparsemax", "--dtype", "f16"),
+    ("--routing", "server", "--strategy", "topk", "--top-k", "3", "--dtype", "f32"),
+], ids=lambda a: " ".join(a))
+def test_replies_to_moed_load_match_the_oracle(liar, tmp_path, args):
+    """moed-load through a recording proxy, with --verify: the run passes, and a sample of its
+    requests recomputed by oracle.py matches the replies token by token."""
+    target = liar("record")
+    p, r = load_json(tmp_path, target, "--requests", 120, "--concurrency", 4, "--warmup", 0,
+                     "--tokens", "1:16", "--layers", "0,1", "--verify", 30, *args)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert r["levels"][0]["verify"]["mismatches"] == 0
+    pairs = liar.servicers[0].pairs
+    assert len(pairs) == 120
+    spec = O.Spec.parse(DEFAULT_SPEC)
+    for req, reply in pairs[::4]:
+        ref, dtype = oracle_reference(req, spec)
+        O.check(tensor(reply.output), ref, dtype, f"moed-load's request to layer {req.layer}")

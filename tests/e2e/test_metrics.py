@@ -370,3 +370,31 @@ def test_bad_metrics_token_file_stops_the_start(daemon, tmp_path, content, says)
     d.stop()
     log = log_of(d)
     assert "--metrics-token-file" in log and says in log and str(path) in log, log
+
+
+# About 0.4 s to generate (0.4 GB): long enough to be asked about while it loads.
+SLOW_LOAD = "layers=4,d=1024,ff=2048,experts=8,topk=2,act=swiglu,dtype=bf16,seed=3"
+
+
+def test_healthz_503_until_the_weights_are_resident(daemon):
+    """The endpoint answers from the start: /healthz 503 NOT_SERVING (and /metrics 503) while the
+    weights load, which the log proves (no "weights loaded" yet when the answer came), then 200
+    once gRPC health says SERVING."""
+    flags, port = metrics_flags()
+    d = daemon("--synthetic", SLOW_LOAD, "--threads", "1", *flags, wait=False)
+    seen = []  # (/healthz status and body, /metrics status, weights loaded before the answer)
+    deadline = time.monotonic() + 60
+    while not seen or seen[-1][0] != 200:
+        assert d.proc.poll() is None and time.monotonic() < deadline, f"{seen}\n{d.log()}"
+        try:
+            status, body = get(port, "/healthz")
+            metrics_status = get(port, "/metrics")[0]
+        except OSError:  # not listening yet
+            time.sleep(0.01)
+            continue
+        seen.append((status, body, metrics_status, '"weights loaded"' in d.log()))
+        time.sleep(0.02)
+    loading = [s for s in seen if not s[3]]
+    assert loading and all(s[:3] == (503, "NOT_SERVING\n", 503) for s in loading), seen
+    assert seen[-1][:3] == (200, "SERVING\n", 200), seen
+    d.wait_serving()

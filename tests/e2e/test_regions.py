@@ -311,11 +311,11 @@ def test_shrunk_region_fails_its_request_and_nothing_else(pool):
 
 # ---- leases and references ------------------------------------------------------------------------
 
-def wait_holding(ch, region, n):
+def wait_holding(ch, region, n, md=A):
     """Until ListRegions says requests hold `n` references on the region (validated, waiting in
     the queue)."""
     for _ in range(200):
-        if [r.requests for r in list_regions(ch, A) if r.id == region] == [n]:
+        if [r.requests for r in list_regions(ch, md) if r.id == region] == [n]:
             return
         time.sleep(0.02)
     raise AssertionError(f"region {region} never held by {n} requests")
@@ -433,3 +433,32 @@ def test_c_client_shm_transport(pool, tmp_path):
     assert "transport shm" in r.stdout and " 0 mismatches" in r.stdout
     with d.channel() as ch:
         assert not list_regions(ch, B)  # moed-load's session ended with it
+
+
+def test_deadline_and_drain_with_regions(daemon):
+    """A region request past its deadline in the queue is DEADLINE_EXCEEDED and lets its region go;
+    on SIGTERM a queued region request is launched and answered, the session ends UNAVAILABLE, and
+    moed exits 0."""
+    d = daemon("--synthetic", str(SPEC), "--threads", "1", "--max-delay-us", "30000000",
+               "--min-batch-requests", "5")
+    shm = Shm(1 << 17)
+    c = Case("topk", 4, 21)
+    try:
+        with d.channel() as ch:
+            s = Session(ch)
+            region = s.host(shm)
+            q, out = placed(shm, region, c)
+            code, _ = refused(lambda: forward(ch, q, md=(), timeout=0.3))
+            assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+            wait_holding(ch, region, 0, md=())  # the expired request let its references go
+            waiting = forward_future(ch, q, md=())
+            wait_holding(ch, region, 2, md=())
+            d.send_signal(signal.SIGTERM)
+            assert waiting.result().output.region == q.output
+            with pytest.raises(grpc.RpcError) as e:
+                s.command(unregister=pb.UnregisterRegion(region=region))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
+        assert d.stop() == 0
+    finally:
+        shm.close()
+

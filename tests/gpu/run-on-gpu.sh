@@ -7,13 +7,15 @@
 #             merged table (kernels/cuda/bench/report.py)
 #   e2e       the daemon benchmark on loopback (tests/gpu/bench_daemon.py), transport suite
 #   merge     the same, merging suite (merging off / on / batch gating at T=8)
-#   pytest    end-to-end tests through a CUDA daemon: merged requests bit-identical to the same
-#             requests alone, batch gating across merged callers against numpy
+#   pytest    end-to-end tests through a CUDA daemon: every dtype, activation and gating against
+#             numpy token by token, merged requests bit-identical to the same requests alone,
+#             batch gating across merged callers; MOED_TEST_COMPUTE makes every daemon prove it
+#             serves on the cuda backend (tests/e2e/conftest.py)
 #   fp8       FP8 weights (issue 13): the suite's FP8 cases (every shape class on the FP8 Tensor
 #             Cores and on the portable path, against the CPU; FP8 against bf16 on one model),
-#             compute-sanitizer memcheck and racecheck on the quick FP8 cases, and moe-bench with
-#             bf16 and FP8 weights side by side (standard shapes, T = 8 .. 16384, graph-replayed
-#             small batches, two padded --shape ones) with both matmul ceilings
+#             compute-sanitizer memcheck and racecheck on the quick FP8 cases
+#   fp8-bench moe-bench with bf16 and FP8 weights side by side (standard shapes, T = 8 .. 16384,
+#             graph-replayed small batches, two padded --shape ones) with both matmul ceilings
 #   dataplane tensor regions (issue 11): the backend's parts against inline (test_cuda_parts), CUDA
 #             IPC from a second process against inline (test_ipc), then the data-plane benchmark
 #             (tests/gpu/bench_dataplane.py: T 8..8192 x callers 1, 8 x inline/shm/cuda on the
@@ -23,109 +25,190 @@
 #             checkpoints written by transformers served by a CUDA daemon against transformers'
 #             own outputs (recomputed live by the torch and transformers installed there), and the
 #             table of relative errors per checkpoint and routing (hf-table.md)
+#
+# Every command of a stage counts: a stage passed when all of them exited 0, was skipped when one
+# reported exit 77 (no GPU answered) and none failed, and failed otherwise (a missing program too).
+# The device check comes first and counts like a stage. At the end a summary names each stage with
+# its result, and the exit status says the worst: 0 all passed, 1 some failed, 77 none failed but
+# some were skipped; 2 for an unknown stage, before anything runs.
+#
+# Environment: OUT (default /tmp/moed-out), MOED_GPU_DIR (default .gpu: bin/, lib/ and py/ as
+# bundle.sh assembles them), MOED_GPU_PYTHON (default python3), DATAPLANE_ARGS (more arguments for
+# bench_dataplane.py, e.g. --shapes mixtral).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-export LD_LIBRARY_PATH=$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}
-export PYTHONPATH=$PWD/.gpu/py
+cd "$(dirname "$0")/../.." || exit 2
+GPU=${MOED_GPU_DIR:-$PWD/.gpu}
+B=$GPU/bin
+PY=${MOED_GPU_PYTHON:-python3}
+export LD_LIBRARY_PATH=$GPU/lib:${LD_LIBRARY_PATH:-}
+export PYTHONPATH=$GPU/py
 export PYTHONUNBUFFERED=1
 export PATH=$PATH:/usr/local/cuda/bin
 OUT=${OUT:-/tmp/moed-out}
 RAW=$OUT/raw # JSON and long logs; packed into raw.tgz at the end (the device tool returns 8 files)
-mkdir -p "$RAW"
-B=.gpu/bin
-stage() { echo "== $1 ($(date +%T))"; }
+STAGES=(tests sanitize bench e2e merge pytest fp8 fp8-bench dataplane router)
 
-stage device
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/device.txt"
+# The stage running and the worst exit of its commands so far (0, 77, or a failure's code).
+stage_name="" stage_rc=0
+results=()
 
-stages=("$@")
-[ $# -gt 0 ] || stages=(tests bench)
-for what in "${stages[@]}"; do
-    case $what in
-    tests)
-        stage tests
-        $B/test_cuda_backend 2>&1 | tee "$OUT/gpu-tests.log"
-        echo "test_cuda_backend exit ${PIPESTATUS[0]}"
+# The helpers run one command of the current stage and count its exit status: step as it is,
+# logged with its output also in LOG (tee), quiet with its output in LOG alone.
+step() {
+    "$@"
+    count $? "$1"
+}
+
+logged() {
+    local log=$1
+    shift
+    "$@" 2>&1 | tee "$log"
+    count "${PIPESTATUS[0]}" "$1"
+}
+
+quiet() {
+    local log=$1
+    shift
+    "$@" >"$log" 2>&1
+    count $? "$1"
+}
+
+count() {
+    local rc=$1
+    [ "$rc" -eq 0 ] && return
+    echo "run-on-gpu: stage $stage_name: $2 exited $rc"
+    if [ "$rc" -eq 77 ]; then
+        [ "$stage_rc" -ne 0 ] || stage_rc=77
+    elif [ "$stage_rc" -eq 0 ] || [ "$stage_rc" -eq 77 ]; then
+        stage_rc=$rc
+    fi
+}
+
+stage_device() {
+    logged "$OUT/device.txt" nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm \
+        --format=csv
+}
+
+stage_tests() {
+    logged "$OUT/gpu-tests.log" "$B/test_cuda_backend"
+}
+
+stage_sanitize() {
+    local tool
+    for tool in memcheck racecheck; do
+        MOED_GPU_TEST_QUICK=1 quiet "$RAW/sanitize-$tool.log" timeout 240 compute-sanitizer \
+            --tool $tool --error-exitcode 9 "$B/test_cuda_backend"
+        tail -4 "$RAW/sanitize-$tool.log"
+    done
+}
+
+stage_bench() {
+    logged "$OUT/moe.txt" "$B/moe-bench" --tokens 8,64,512,4096,16384 --json "$RAW/moe.json"
+    logged "$RAW/moe-graph.txt" "$B/moe-bench" --tokens 8,64 --graph --json "$RAW/moe-graph.json"
+    logged "$RAW/moe-skew.txt" "$B/moe-bench" --tokens 64,4096 --routing zipf,hot,empty \
+        --json "$RAW/moe-skew.json"
+    logged "$RAW/moe-kernels.txt" "$B/moe-bench" --tokens 4096,16384 --kernel sm80,sm90,sm90p --cublas \
+        --json "$RAW/moe-kernels.json"
+    cat "$RAW/moe-graph.txt" "$RAW/moe-skew.txt" "$RAW/moe-kernels.txt" >>"$OUT/moe.txt"
+    step "$PY" kernels/cuda/bench/torch_ref.py --tokens 8,64,512,4096,16384 --json "$RAW/torch.json"
+    step "$PY" kernels/cuda/bench/torch_ref.py --tokens 64,4096 --routing zipf,hot,empty \
+        --json "$RAW/torch-skew.json"
+    step "$PY" kernels/cuda/bench/report.py "$RAW/torch.json" "$RAW/moe.json" "$RAW/moe-graph.json" \
+        --out "$OUT/report.md"
+    step "$PY" kernels/cuda/bench/report.py "$RAW/torch-skew.json" "$RAW/moe-skew.json" \
+        --out "$OUT/report-skew.md"
+}
+
+stage_e2e() {
+    logged "$OUT/daemon.txt" "$PY" tests/gpu/bench_daemon.py --bin "$B" --suite transport \
+        --json "$RAW/daemon.json" --logs "$RAW"
+}
+
+stage_merge() {
+    logged "$OUT/merge.txt" "$PY" tests/gpu/bench_daemon.py --bin "$B" --suite merging \
+        --json "$RAW/merge.json" --logs "$RAW"
+}
+
+stage_pytest() {
+    MOED_BIN=$B/moed MOED_TEST_COMPUTE=bf16 logged "$OUT/pytest-gpu.log" \
+        "$PY" -m pytest -q -rsxX -p no:cacheprovider tests/e2e/test_forward.py \
+        tests/e2e/test_concurrency.py
+}
+
+stage_fp8() {
+    local tool
+    MOED_GPU_TEST_FP8_ONLY=1 logged "$OUT/gpu-fp8.log" timeout 420 "$B/test_cuda_backend"
+    for tool in memcheck racecheck; do
+        MOED_GPU_TEST_FP8_ONLY=1 MOED_GPU_TEST_QUICK=1 quiet "$RAW/sanitize-fp8-$tool.log" \
+            timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 "$B/test_cuda_backend"
+        tail -4 "$RAW/sanitize-fp8-$tool.log"
+    done
+}
+
+stage_fp8-bench() {
+    logged "$OUT/moe-fp8.txt" timeout 300 "$B/moe-bench" --weights bf16,fp8 \
+        --tokens 8,64,512,4096,16384 --min-ms 100 --json "$RAW/moe-fp8.json"
+    logged "$RAW/moe-fp8-graph.txt" timeout 120 "$B/moe-bench" --weights bf16,fp8 --tokens 8,64 \
+        --graph --min-ms 100 --json "$RAW/moe-fp8-graph.json"
+    logged "$RAW/moe-fp8-shapes.txt" timeout 120 "$B/moe-bench" --shape 4000,1400,64,6 \
+        --shape 2880,2880,128,4 --weights bf16,fp8 --tokens 64,4096 --min-ms 100 \
+        --json "$RAW/moe-fp8-shapes.json"
+    cat "$RAW/moe-fp8-graph.txt" "$RAW/moe-fp8-shapes.txt" >>"$OUT/moe-fp8.txt"
+    step "$PY" kernels/cuda/bench/report.py --fp8 "$RAW/moe-fp8.json" "$RAW/moe-fp8-graph.json" \
+        "$RAW/moe-fp8-shapes.json" --out "$OUT/report-fp8.md"
+}
+
+stage_dataplane() {
+    df -h /dev/shm | tail -1
+    logged "$OUT/gpu-parts.log" "$B/test_cuda_parts"
+    logged "$OUT/gpu-ipc.log" "$B/test_ipc" "$B/moed"
+    # shellcheck disable=SC2086  # DATAPLANE_ARGS is a list of arguments
+    logged "$OUT/dataplane.txt" timeout 420 "$PY" tests/gpu/bench_dataplane.py --bin "$B" \
+        --md "$OUT/dataplane.md" --json "$RAW/dataplane.json" --logs "$RAW" ${DATAPLANE_ARGS:-}
+}
+
+stage_router() {
+    MOED_GPU_TEST_ROUTER_ONLY=1 logged "$OUT/gpu-router.log" "$B/test_cuda_backend"
+    MOED_BIN=$B/moed MOED_TEST_COMPUTE=bf16 logged "$OUT/pytest-hf.log" \
+        "$PY" -m pytest -q -rsxX -p no:cacheprovider tests/e2e/test_hf_models.py
+    logged "$OUT/hf-table.md" "$PY" tests/e2e/hf_models/table.py --moed "$B/moed" --backend cuda \
+        --logs "$RAW"
+}
+
+run_stage() {
+    stage_name=$1 stage_rc=0
+    echo "== $1 ($(date +%T))"
+    "stage_$1"
+    case $stage_rc in
+    0) results+=("$(printf '%-9s passed' "$1")") ;;
+    77)
+        results+=("$(printf '%-9s skipped (exit 77: no GPU answered)' "$1")")
+        [ "$worst" -eq 1 ] || worst=77
         ;;
-    sanitize)
-        stage sanitize
-        for tool in memcheck racecheck; do
-            MOED_GPU_TEST_QUICK=1 timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 \
-                $B/test_cuda_backend >"$RAW/sanitize-$tool.log" 2>&1
-            echo "compute-sanitizer $tool exit $?"
-            tail -4 "$RAW/sanitize-$tool.log"
-        done
+    *)
+        results+=("$(printf '%-9s FAILED (exit %d)' "$1" "$stage_rc")")
+        worst=1
         ;;
-    bench)
-        stage bench
-        $B/moe-bench --tokens 8,64,512,4096,16384 --json "$RAW/moe.json" | tee "$OUT/moe.txt"
-        $B/moe-bench --tokens 8,64 --graph --json "$RAW/moe-graph.json" | tee -a "$OUT/moe.txt"
-        $B/moe-bench --tokens 64,4096 --routing zipf,hot,empty --json "$RAW/moe-skew.json" | tee -a "$OUT/moe.txt"
-        $B/moe-bench --tokens 4096,16384 --kernel sm80,sm90,sm90p --cublas --json "$RAW/moe-kernels.json" | tee -a "$OUT/moe.txt"
-        python3 kernels/cuda/bench/torch_ref.py --tokens 8,64,512,4096,16384 --json "$RAW/torch.json"
-        python3 kernels/cuda/bench/torch_ref.py --tokens 64,4096 --routing zipf,hot,empty --json "$RAW/torch-skew.json"
-        python3 kernels/cuda/bench/report.py "$RAW/torch.json" "$RAW/moe.json" "$RAW/moe-graph.json" \
-            --out "$OUT/report.md"
-        python3 kernels/cuda/bench/report.py "$RAW/torch-skew.json" "$RAW/moe-skew.json" --out "$OUT/report-skew.md"
-        ;;
-    e2e)
-        stage e2e
-        python3 tests/gpu/bench_daemon.py --bin $B --suite transport --json "$RAW/daemon.json" --logs "$RAW" \
-            2>&1 | tee -a "$OUT/daemon.txt"
-        ;;
-    merge)
-        stage merge
-        python3 tests/gpu/bench_daemon.py --bin $B --suite merging --json "$RAW/merge.json" --logs "$RAW" \
-            2>&1 | tee -a "$OUT/daemon.txt"
-        ;;
-    pytest)
-        stage pytest
-        MOED_BIN=$PWD/$B/moed MOED_TEST_COMPUTE=bf16 python3 -m pytest -q -p no:cacheprovider \
-            tests/e2e/test_concurrency.py 2>&1 | tee "$OUT/pytest-gpu.log"
-        ;;
-    fp8)
-        stage fp8
-        MOED_GPU_TEST_FP8_ONLY=1 timeout 420 $B/test_cuda_backend 2>&1 | tee "$OUT/gpu-fp8.log"
-        echo "test_cuda_backend (fp8) exit ${PIPESTATUS[0]}"
-        for tool in memcheck racecheck; do
-            MOED_GPU_TEST_FP8_ONLY=1 MOED_GPU_TEST_QUICK=1 timeout 240 compute-sanitizer \
-                --tool $tool --error-exitcode 9 $B/test_cuda_backend >"$RAW/sanitize-fp8-$tool.log" 2>&1
-            echo "compute-sanitizer fp8 $tool exit $?"
-            tail -4 "$RAW/sanitize-fp8-$tool.log"
-        done
-        ;;
-    fp8-bench)
-        stage fp8-bench
-        timeout 300 $B/moe-bench --weights bf16,fp8 --tokens 8,64,512,4096,16384 --min-ms 100 \
-            --json "$RAW/moe-fp8.json" | tee "$OUT/moe-fp8.txt"
-        timeout 120 $B/moe-bench --weights bf16,fp8 --tokens 8,64 --graph --min-ms 100 \
-            --json "$RAW/moe-fp8-graph.json" | tee -a "$OUT/moe-fp8.txt"
-        timeout 120 $B/moe-bench --shape 4000,1400,64,6 --shape 2880,2880,128,4 --weights bf16,fp8 \
-            --tokens 64,4096 --min-ms 100 --json "$RAW/moe-fp8-shapes.json" | tee -a "$OUT/moe-fp8.txt"
-        python3 kernels/cuda/bench/report.py --fp8 "$RAW/moe-fp8.json" "$RAW/moe-fp8-graph.json" \
-            "$RAW/moe-fp8-shapes.json" --out "$OUT/report-fp8.md"
-        ;;
-    dataplane)
-        stage dataplane
-        df -h /dev/shm | tail -1
-        $B/test_cuda_parts 2>&1 | tee "$OUT/gpu-parts.log"
-        echo "test_cuda_parts exit ${PIPESTATUS[0]}"
-        $B/test_ipc $B/moed 2>&1 | tee -a "$OUT/gpu-parts.log"
-        echo "test_ipc exit ${PIPESTATUS[0]}"
-        python3 tests/gpu/bench_dataplane.py --bin $B --md "$OUT/dataplane.md" \
-            --json "$RAW/dataplane.json" --logs "$RAW" ${DATAPLANE_ARGS:-} 2>&1 | tee "$OUT/dataplane.txt"
-        ;;
-    router)
-        stage router
-        MOED_GPU_TEST_ROUTER_ONLY=1 $B/test_cuda_backend 2>&1 | tee "$OUT/gpu-router.log"
-        echo "test_cuda_backend (router) exit ${PIPESTATUS[0]}"
-        MOED_BIN=$PWD/$B/moed MOED_TEST_COMPUTE=bf16 python3 -m pytest -q -p no:cacheprovider \
-            tests/e2e/test_hf_models.py 2>&1 | tee "$OUT/pytest-hf.log"
-        python3 tests/e2e/hf_models/table.py --moed $B/moed --backend cuda --logs "$RAW" \
-            2>&1 | tee "$OUT/hf-table.md"
-        ;;
-    *) echo "unknown stage $what" ;;
     esac
-done
-tar czf "$OUT/raw.tgz" -C "$OUT" raw && rm -rf "$RAW"
-stage done
+}
+
+main() {
+    local stages=("$@") s
+    [ $# -gt 0 ] || stages=(tests bench)
+    for s in "${stages[@]}"; do
+        if [[ " ${STAGES[*]} " != *" $s "* ]]; then
+            echo "run-on-gpu: unknown stage '$s'; the stages are: ${STAGES[*]}" >&2
+            return 2
+        fi
+    done
+    mkdir -p "$RAW"
+    worst=0
+    run_stage device
+    for s in "${stages[@]}"; do run_stage "$s"; done
+    tar czf "$OUT/raw.tgz" -C "$OUT" raw && rm -rf "$RAW"
+    echo "== summary ($(date +%T))"
+    printf '%s\n' "${results[@]}" | tee "$OUT/summary.txt"
+    return "$worst"
+}
+
+main "$@"

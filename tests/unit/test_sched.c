@@ -501,6 +501,36 @@ static void test_bound_cancel_deadline(void)
     moed_sched_destroy(s);
 }
 
+/* gRPC cancels a call whose deadline passed: cancelling such a queued item answers it as expired
+ * (DEADLINE_EXCEEDED in the metrics), one whose deadline is still ahead as cancelled. */
+static void test_cancel_after_the_deadline(void)
+{
+    moed_sched *s = start(1, 16, 0, 8);
+    hold(1);
+    req *a = make_req(0, 1, 1), *b = make_req(0, 1, 2), *c = make_req(0, 1, 3);
+    submit_ok(s, a);
+    wait_in_forward(1);
+    b->it.deadline_ns = moed_now_ns(); /* already passed */
+    c->it.deadline_ns = moed_now_ns() + 60ull * 1000 * 1000 * 1000;
+    submit_ok(s, b);
+    submit_ok(s, c);
+    moed_sched_cancel(s, &b->it);
+    moed_sched_cancel(s, &c->it);
+    CHECK(b->done && b->status == MOED_EDEADLINE && strstr(b->msg, "deadline"));
+    CHECK(c->done && c->status == MOED_ECANCELLED);
+    hold(0);
+    wait_done(3);
+    expect_ok(a);
+    CHECK_EQ_INT(fk.n_jobs, 1); /* neither b nor c launched */
+    moed_sched_stats st;
+    moed_sched_get_stats(s, &st);
+    CHECK(st.expired == 1 && st.cancelled == 1 && st.completed == 1 && st.queued == 0);
+    free_req(a);
+    free_req(b);
+    free_req(c);
+    moed_sched_destroy(s);
+}
+
 /* Across queues the oldest request goes first; layers and dtypes never share a launch; a backend
  * failure fails that launch alone. */
 static void test_order_and_keys(void)
@@ -983,6 +1013,7 @@ int main(void)
     test_max_tokens();
     test_window();
     test_bound_cancel_deadline();
+    test_cancel_after_the_deadline();
     test_order_and_keys();
     test_server_router();
     test_copy_in_fails();

@@ -102,8 +102,10 @@ static const cli_opt options[] = {
                 "random seed"),
     CLI_SECTION_ROW("checking:", NULL),
     CLI_INT_OPT("verify", F(verify), "N", 1, 1LL << 50, NULL, "give a count of replies >= 1", NULL,
-                "check N replies per level against the CPU reference on the same\n"
-                "synthetic weights (the server must serve --synthetic)"),
+                "check N replies per level against moed's own CPU backend (linked\n"
+                "in) on the same synthetic weights (the server must serve\n"
+                "--synthetic); a mistake the server shares with that backend\n"
+                "passes unseen"),
     CLI_STR_OPT("synthetic", F(synthetic), "SPEC", NULL, NULL,
                 "the server's spec, checked against what it reports (default: taken\n"
                 "from the server)"),

@@ -1,0 +1,102 @@
+"""tests/gpu/run-on-gpu.sh, the GPU machine's test run, checked here without a GPU: its stages run
+against stand-in programs (MOED_GPU_DIR: a test_cuda_backend that exits as told, an nvidia-smi and
+a compute-sanitizer on PATH) so that a failing, skipping or missing program must show in the summary
+and the exit status; and its pytest stage against the real daemon, which serves on the CPU here, so
+that a CUDA run that fell back to the CPU must fail.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import MOED_BIN, ROOT
+
+SCRIPT = ROOT / "tests" / "gpu" / "run-on-gpu.sh"
+
+
+def fake(path, rc, out=""):
+    path.write_text(f"#!/bin/sh\necho '{out or path.name}'\nexit {rc}\n")
+    path.chmod(0o755)
+
+
+@pytest.fixture
+def gpu(tmp_path):
+    """Runs the script with stand-ins: gpu(stages, tests=rc, smi=rc, sanitizer=rc) -> (exit status,
+    output, summary lines); tests=None leaves test_cuda_backend out of the bundle."""
+
+    def run(*stages, tests=0, smi=0, sanitizer=None):
+        bundle, tools, out = tmp_path / "gpu", tmp_path / "tools", tmp_path / "out"
+        for d in (bundle / "bin", bundle / "lib", bundle / "py", tools):
+            d.mkdir(parents=True, exist_ok=True)
+        if tests is not None:
+            fake(bundle / "bin" / "test_cuda_backend", tests)
+        (bundle / "bin" / "moed").unlink(missing_ok=True)
+        (bundle / "bin" / "moed").symlink_to(MOED_BIN)
+        fake(tools / "nvidia-smi", smi, "name, memory.total\nStand-in GPU, 80 GiB")
+        if sanitizer is None:  # runs the program it is given, as the real one does
+            (tools / "compute-sanitizer").write_text('#!/bin/sh\nshift 4\nexec "$@"\n')
+        else:
+            fake(tools / "compute-sanitizer", sanitizer)
+        (tools / "compute-sanitizer").chmod(0o755)
+        env = {**os.environ, "OUT": str(out), "MOED_GPU_DIR": str(bundle),
+               "MOED_GPU_PYTHON": sys.executable, "PATH": f"{tools}:{os.environ['PATH']}"}
+        p = subprocess.run(["bash", str(SCRIPT), *stages], capture_output=True, text=True, env=env,
+                           timeout=300)
+        summary = (out / "summary.txt").read_text().splitlines() if (out / "summary.txt").exists() else []
+        (out / "summary.txt").unlink(missing_ok=True)
+        return p.returncode, p.stdout + p.stderr, summary
+
+    return run
+
+
+def result(summary, stage):
+    line = next((l for l in summary if l.split()[0] == stage), None)
+    assert line, f"{stage} missing from the summary {summary}"
+    return line.split()[1]
+
+
+@pytest.mark.parametrize("tests_rc,want,status", [(0, "passed", 0), (1, "FAILED", 1), (77, "skipped", 77)])
+def test_a_stage_result_is_its_programs(gpu, tests_rc, want, status):
+    code, out, summary = gpu("tests", tests=tests_rc)
+    assert code == status, out
+    assert result(summary, "device") == "passed" and result(summary, "tests") == want, summary
+
+
+def test_a_failed_stage_fails_the_run_and_the_others_still_run(gpu):
+    code, out, summary = gpu("sanitize", "tests", sanitizer=9)
+    assert code == 1, out
+    assert result(summary, "sanitize") == "FAILED" and result(summary, "tests") == "passed", summary
+    assert "FAILED (exit 9)" in "\n".join(summary)
+
+
+def test_the_sanitizer_stage_counts_its_program(gpu):
+    assert gpu("sanitize", tests=77)[0] == 77
+    code, out, summary = gpu("sanitize", tests=3)
+    assert code == 1 and result(summary, "sanitize") == "FAILED", out
+
+
+def test_no_device_fails_even_when_every_stage_skips(gpu):
+    code, out, summary = gpu("tests", tests=77, smi=9)
+    assert code == 1, out
+    assert result(summary, "device") == "FAILED" and result(summary, "tests") == "skipped", summary
+
+
+def test_a_missing_program_fails_its_stage(gpu):
+    code, out, summary = gpu("tests", tests=None)
+    assert code == 1 and result(summary, "tests") == "FAILED", out
+    assert "exit 127" in "\n".join(summary)
+
+
+def test_an_unknown_stage_runs_nothing(gpu):
+    code, out, summary = gpu("tests", "bogus")
+    assert code == 2 and "unknown stage 'bogus'" in out and summary == [], out
+    assert "== tests" not in out
+
+
+def test_pytest_stage_fails_on_a_daemon_that_fell_back_to_the_cpu(gpu):
+    """moed built here serves on the CPU: in the GPU run's CUDA mode every test must fail."""
+    code, out, summary = gpu("pytest")
+    assert code == 1 and result(summary, "pytest") == "FAILED", out
+    assert "moed serves on the cpu backend" in out, out[-3000:]
