@@ -21,6 +21,11 @@
 #             (tests/gpu/bench_dataplane.py: T 8..8192 x callers 1, 8 x inline/shm/cuda on the
 #             mixtral and qwen3-30b-a3b shapes, kernel-only and the RPC floor in the same run),
 #             its table in dataplane.md
+#   python    the Python client with torch (issue 12): torch CPU and CUDA tensors in every dtype
+#             through every transport against the numpy inline path, CUDA calls through a CUDA region
+#             with no tensor byte in the messages (tests/gpu/test_python_torch.py), then the
+#             data-plane benchmark with the Python client's rows beside moed-load's, same daemon,
+#             same run (bench_dataplane.py --python), its tables in python.md
 #   router    the server router (issue 8): the CUDA-vs-CPU router cases of the suite, the
 #             checkpoints written by transformers served by a CUDA daemon against transformers'
 #             own outputs (recomputed live by the torch and transformers installed there), and the
@@ -34,7 +39,7 @@
 #
 # Environment: OUT (default /tmp/moed-out), MOED_GPU_DIR (default .gpu: bin/, lib/ and py/ as
 # bundle.sh assembles them), MOED_GPU_PYTHON (default python3), DATAPLANE_ARGS (more arguments for
-# bench_dataplane.py, e.g. --shapes mixtral).
+# bench_dataplane.py, e.g. --shapes mixtral; the python stage's run too).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 GPU=${MOED_GPU_DIR:-$PWD/.gpu}
@@ -46,7 +51,7 @@ export PYTHONUNBUFFERED=1
 export PATH=$PATH:/usr/local/cuda/bin
 OUT=${OUT:-/tmp/moed-out}
 RAW=$OUT/raw # JSON and long logs; packed into raw.tgz at the end (the device tool returns 8 files)
-STAGES=(tests sanitize bench e2e merge pytest fp8 fp8-bench dataplane router)
+STAGES=(tests sanitize bench e2e merge pytest fp8 fp8-bench dataplane python router)
 
 # The stage running and the worst exit of its commands so far (0, 77, or a failure's code).
 stage_name="" stage_rc=0
@@ -165,6 +170,15 @@ stage_dataplane() {
     # shellcheck disable=SC2086  # DATAPLANE_ARGS is a list of arguments
     logged "$OUT/dataplane.txt" timeout 420 "$PY" tests/gpu/bench_dataplane.py --bin "$B" \
         --md "$OUT/dataplane.md" --json "$RAW/dataplane.json" --logs "$RAW" ${DATAPLANE_ARGS:-}
+}
+
+stage_python() {
+    logged "$OUT/python-torch.log" "$PY" tests/gpu/test_python_torch.py --bin "$B"
+    [ "$stage_rc" -ne 77 ] || return 0 # no torch or no GPU: nothing to measure either
+    # shellcheck disable=SC2086  # DATAPLANE_ARGS is a list of arguments
+    logged "$OUT/python.txt" timeout 540 "$PY" tests/gpu/bench_dataplane.py --bin "$B" --python \
+        --duration 2 --python-duration 2 --md "$OUT/python.md" --json "$RAW/python.json" \
+        --logs "$RAW" ${DATAPLANE_ARGS:-}
 }
 
 stage_router() {
