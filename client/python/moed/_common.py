@@ -25,6 +25,7 @@ from .types import (ACTIVATIONS, DTYPES, HEALTH, REGION_KINDS, ROUTER_RULES, Dev
 FORWARD = "/moed.v1.Moed/Forward"
 FORWARD_STREAM = "/moed.v1.Moed/ForwardStream"
 REGIONS = "/moed.v1.Moed/Regions"
+COMMAND_TIMEOUT = 60.0  # seconds a region command may wait for its event, without a client timeout
 LIST_REGIONS = "/moed.v1.Moed/ListRegions"
 GET_MODEL = "/moed.v1.Moed/GetModel"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
@@ -264,12 +265,9 @@ class Connection:
                  credentials: Optional[grpc.ChannelCredentials] = None, token: Optional[str] = None,
                  options: Optional[Sequence[Tuple[str, Any]]] = None, keepalive: Optional[float] = None,
                  retry: Optional[RetryPolicy] = RetryPolicy(), transport: str = "auto"):
-        opts, m = channel_options(options, keepalive), self.grpc_module
-        if credentials is None:
-            self._channel = m.insecure_channel(target, options=opts)
-        else:
-            self._channel = m.secure_channel(target, credentials, options=opts)
+        self._opts, self._credentials = channel_options(options, keepalive), credentials
         self.target = target
+        self._channel = self.new_channel()
         self.timeout = timeout
         self.retry = retry or NO_RETRY
         if transport not in NAMES:
@@ -281,9 +279,15 @@ class Connection:
         self._get_model = self._channel.unary_unary(GET_MODEL)
         self._health = self._channel.unary_unary(HEALTH_CHECK)
         self._list_regions = self._channel.unary_unary(LIST_REGIONS)
-        self._regions_stream = self._channel.stream_stream(REGIONS)
         # Forward calls made per transport, as auto chose them (forward_stream's items too).
         self.transport_calls = {"inline": 0, "shm": 0, "cuda": 0}
+
+    def new_channel(self, *extra: Tuple[str, Any]) -> Any:
+        """A channel to the target with the client's options (and `extra`)."""
+        opts, m = self._opts + list(extra), self.grpc_module
+        if self._credentials is None:
+            return m.insecure_channel(self.target, options=opts)
+        return m.secure_channel(self.target, self._credentials, options=opts)
 
     def _deadline(self, timeout: Optional[float]) -> Optional[float]:
         """The time.monotonic() deadline of a call given `timeout` (None: the client's)."""
@@ -302,6 +306,25 @@ class SessionBase:
         self.regions = Regions(conn.target)
         self.call: Any = None
         self.seq = 0
+        self.timeout = conn.timeout or COMMAND_TIMEOUT  # for each command's event
+        self._channel: Any = None
+        self._stub: Any = None
+
+    def stub(self) -> Any:
+        """The Regions method on a channel of the session's own: a connection of its own, so its
+        long-lived stream never takes one of the forward connection's --max-streams, and channels
+        to the same target (which gRPC would otherwise share one connection between) do not add
+        up their sessions there either."""
+        if self._stub is None:
+            self._channel = self.conn.new_channel(("grpc.use_local_subchannel_pool", 1))
+            self._stub = self._channel.stream_stream(REGIONS)
+        return self._stub
+
+    def timed_out(self) -> MoEError:
+        """A command unanswered in time: the session is given up (the next command opens another)."""
+        self.call.cancel()
+        return MoEError("DEADLINE_EXCEEDED", f"the server did not answer a region command in "
+                                             f"{self.timeout:g} s; the region session was closed")
 
     def alive(self) -> bool:
         return self.call is not None and not self.call.done()

@@ -58,10 +58,12 @@ class Session(C.SessionBase):
         self._lock = self._lock or asyncio.Lock()
         async with self._lock:
             if not self.alive():
-                self.opened(self.conn._regions_stream(metadata=self.conn._metadata))
+                self.opened(self.stub()(metadata=self.conn._metadata))
             try:
                 await self.call.write(self.command(cmd))
-                data = await self.call.read()
+                data = await asyncio.wait_for(self.call.read(), self.timeout)
+            except asyncio.TimeoutError:
+                raise self.timed_out() from None
             except grpc.RpcError as e:
                 raise self.ended(e) from None
             except asyncio.InvalidStateError:  # written after the stream ended
@@ -80,6 +82,9 @@ class Session(C.SessionBase):
             except (grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
                 self.call.cancel()
         self.closing()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
 
 
 def _status_hidden(e: grpc.RpcError) -> bool:

@@ -30,7 +30,8 @@ class Session(C.SessionBase):
         super().__init__(conn)
         self._lock = threading.Lock()
         self._limits_lock = threading.Lock()
-        self._q: Any = None
+        self._q: Any = None  # the commands to send
+        self._events: Any = None  # the events received
 
     def run(self, steps: Steps) -> Any:
         """Runs steps to their end; their value."""
@@ -56,16 +57,29 @@ class Session(C.SessionBase):
     def _command(self, cmd: dict) -> dict:
         with self._lock:
             if not self.alive():
-                self._q = queue.SimpleQueue()
-                self.opened(self.conn._regions_stream(iter(self._q.get, None), metadata=self.conn._metadata))
+                self._q, self._events = queue.SimpleQueue(), queue.SimpleQueue()
+                self.opened(self.stub()(iter(self._q.get, None), metadata=self.conn._metadata))
+                threading.Thread(target=self._read, args=(self.call, self._events), daemon=True,
+                                 name="moed-regions").start()
             self._q.put(self.command(cmd))
             try:
-                data = next(self.call)
-            except StopIteration:
-                data = None
-            except grpc.RpcError as e:
-                raise self.ended(e) from None
-            return self.event(data)
+                item = self._events.get(timeout=self.timeout)
+            except queue.Empty:
+                raise self.timed_out() from None
+            if isinstance(item, grpc.RpcError):
+                raise self.ended(item)
+            return self.event(item)
+
+    @staticmethod
+    def _read(call: Any, events: "queue.SimpleQueue") -> None:
+        """The stream's events, into `events` (None at its end, or the error that ended it), read
+        on a thread of their own so that a command can wait for its event with a timeout."""
+        try:
+            for data in call:
+                events.put(data)
+            events.put(None)
+        except grpc.RpcError as e:
+            events.put(e)
 
     def close(self) -> None:
         """Ends the stream (waiting a little for the server's end of it) and lets go of everything."""
@@ -77,6 +91,9 @@ class Session(C.SessionBase):
                 if not done.wait(5):
                     self.call.cancel()
             self.closing()
+            if self._channel is not None:
+                self._channel.close()
+                self._channel = self._stub = None
 
 
 class MoEClient(C.Connection):
@@ -95,8 +112,11 @@ class MoEClient(C.Connection):
                   server's minimum); None: gRPC's default (no pings);
       retry       RetryPolicy for calls answered UNAVAILABLE (queue full, draining, unreachable);
                   None or moed.retry.NO_RETRY: never retry;
-      transport   how tensors travel by default: "auto" or "inline" (see moed.transport).
-    Use as a context manager, or call close().
+      transport   how tensors travel by default: "auto", "inline", "shm" or "cuda" (see
+                  moed.transport: auto takes shared or device memory for a server on this host).
+    Use as a context manager, or call close(). transport_calls counts the Forward calls each
+    transport carried; the region session behind shm and cuda is opened on first use and ended
+    by close() (moed.regions).
     """
 
     def __init__(self, *args, **kwargs):

@@ -9,11 +9,13 @@ by whoever made the tensor, is taken from sys.modules.
 
 Copies, on the inline transport: a contiguous little-endian host tensor is read where it lies
 (wire.py writes its bytes into the message: the one copy); a non-contiguous one is first made
-contiguous (one more copy, on the tensor's own device); a CUDA tensor is copied to the host once
-(the copy a CUDA-region transport removes). The output is a view of the reply's bytes: numpy
-arrays are read-only views (copy=True gives a writable array of their own); torch CPU tensors
-share the reply's buffer too (torch has no read-only tensors: nothing else uses that buffer, but
-pass copy=True for a tensor that owns its memory); CUDA outputs are one host-to-device copy.
+contiguous (one more copy, on the tensor's own device); a CUDA tensor is copied to the host once.
+The output is a view of the reply's bytes: numpy arrays are read-only views (copy=True gives a
+writable array of their own); torch CPU tensors share the reply's buffer too (torch has no
+read-only tensors: nothing else uses that buffer, but pass copy=True for a tensor that owns its
+memory); CUDA outputs are one host-to-device copy. On the shm transport the one copy is into the
+client's shared memory (write(), from any layout or device) and the output views that memory
+instead of the reply; the cuda transport is moed.transport's and moed.regions' business.
 """
 
 from __future__ import annotations
