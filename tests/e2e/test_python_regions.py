@@ -2,7 +2,8 @@
 shm transport gives, bit for bit, what inline gives, for every routing kind (expert choice,
 router logits under each gating strategy, the server's router, batch gating) in f32, f16 and bf16,
 from the blocking and the asyncio client and through forward_stream; auto takes shared memory for
-a loopback or unix: target and inline for another target or a daemon with --regions off, and shm
+a loopback or unix: target (from 64 KiB of hidden; a smaller one goes inline and opens no session)
+and inline for another target or a daemon with --regions off, and shm
 with a remote target is refused by the client; closing the client releases its regions on the
 server (ListRegions empty, moed_regions 0), and so does SIGKILLing the client's process, leaving no
 shared-memory name behind; the arena grows for a big call, outputs held stay valid while later
@@ -28,7 +29,7 @@ from conftest import DEFAULT_SPEC, Daemon, free_port
 from prod import metrics_flags, scrape
 
 import moed
-from moed import MoEError, aio, regions
+from moed import MoEError, aio, regions, transport
 
 SPEC = O.Spec.parse(DEFAULT_SPEC)
 DTYPES = ("f32", "f16", "bf16")
@@ -133,17 +134,22 @@ def non_loopback_address():
     return None if ip.startswith("127.") else ip
 
 
+BIG_T = transport.SHM_MIN_BYTES // (SPEC.d * 4)  # f32 rows: auto's least for shared memory
+
+
 def test_auto_takes_shm_on_this_host_and_inline_otherwise(served, daemon, tmp_path):
     d, port = served
     rng = np.random.default_rng(9)
-    kw = request("experts", rng, 4, "f32")
+    kw, small = request("experts", rng, BIG_T, "f32"), request("experts", rng, BIG_T - 1, "f32")
     want = d.client().forward(**kw, transport="inline")
     path = tmp_path / "moed.sock"
     daemon("--synthetic", DEFAULT_SPEC, listen=f"unix:{path}")
     for target in (d.address, f"localhost:{d.port}", f"ipv4:127.0.0.1:{d.port}", f"unix:{path}"):
         with moed.MoEClient(target, timeout=30) as c:
+            c.forward(**small)  # under SHM_MIN_BYTES: inline, and no session for it
+            assert c._session.call is None and c.transport_calls["inline"] == 1
             assert np.array_equal(c.forward(**kw), want)
-            assert c.transport_calls == {"inline": 0, "shm": 1, "cuda": 0}, target
+            assert c.transport_calls == {"inline": 1, "shm": 1, "cuda": 0}, target
             assert len(c.regions()) == 1
             if target == d.address:
                 assert host_regions(port)[0] == 1
@@ -163,7 +169,7 @@ def test_auto_takes_shm_on_this_host_and_inline_otherwise(served, daemon, tmp_pa
 def test_regions_off_means_inline_for_auto_and_the_servers_refusal_for_shm(daemon):
     d = daemon("--synthetic", DEFAULT_SPEC, "--regions", "off")
     rng = np.random.default_rng(10)
-    kw = request("server", rng, 4, "bf16")
+    kw = request("server", rng, 2 * BIG_T, "bf16")
     with d.client(timeout=30) as c:
         assert c.info().regions.mode == "off"
         y = c.forward(**kw)
@@ -189,7 +195,7 @@ def test_closing_the_client_releases_its_regions(served):
     d, port = served
     rng = np.random.default_rng(11)
     kw = request("experts", rng, 6, "f16")
-    with d.client(timeout=30) as c:
+    with d.client(timeout=30, transport="shm") as c:
         y = c.forward(**kw)
         listed = c.regions()
         assert len(listed) == 1 and listed[0].ready and listed[0].kind == "host"
@@ -236,7 +242,7 @@ def test_the_arena_grows_for_a_big_call_and_outputs_stay_valid(daemon):
         x = rng.standard_normal((T, spec.d)).astype(np.float32)
         return x, dict(layer=0, hidden=x, strategy="topk", top_k=2)
 
-    with d.client(timeout=60) as c:
+    with d.client(timeout=60, transport="shm") as c:
         arena = c._session.regions.host
         _, kw = call(8)
         c.forward(**kw)
@@ -269,7 +275,7 @@ def test_a_restarted_server_gets_a_new_session(daemon, tmp_path):
     rng = np.random.default_rng(13)
     kw = request("experts", rng, 5, "bf16")
     first = daemon("--synthetic", DEFAULT_SPEC, listen=f"unix:{path}")
-    with moed.MoEClient(f"unix:{path}", timeout=30) as c:
+    with moed.MoEClient(f"unix:{path}", timeout=30, transport="shm") as c:
         y = c.forward(**kw, copy=True)
         assert first.stop() == 0
         daemon("--synthetic", DEFAULT_SPEC, listen=f"unix:{path}")

@@ -52,6 +52,7 @@ from prod import scrape  # noqa: E402
 
 import moed  # noqa: E402
 from moed import MoEError, aio  # noqa: E402
+from moed.transport import SHM_MIN_BYTES  # noqa: E402
 
 SPEC = "layers=2,d=256,ff=128,experts=8,topk=2,act=swiglu,dtype=bf16,seed=5"
 D = 256
@@ -117,11 +118,14 @@ def test_every_dtype_device_and_transport_is_the_numpy_inline_path(cuda_daemon, 
     with cuda_daemon.client(timeout=60) as c:
         for T, seed in ((1, 1), (8, 2), (300, 3)):
             x, kw = hidden(T, dtype, device, seed), routing(T, seed)
+            took = transport
+            if transport == "auto":  # CUDA regions on this daemon; shared memory from 64 KiB
+                took = "cuda" if device == "cuda" else "shm" if x.nbytes >= SHM_MIN_BYTES else "inline"
+            before = c.transport_calls[took]
             y = c.forward(0, x, **kw, transport=transport)
+            assert c.transport_calls[took] == before + 1, (transport, took)
             assert isinstance(y, torch.Tensor) and y.dtype == dtype and y.device == x.device
             assert np.array_equal(raw(y), reference(c, x, kw)), (dtype, device, transport, T)
-        want = {"auto": "cuda" if device == "cuda" else "shm"}.get(transport, transport)
-        assert c.transport_calls[want] >= 3
         if transport == "cuda":
             with pytest.raises(ValueError, match="CUDA tensors"):
                 c.forward(0, x.cpu(), **kw, transport="cuda")
@@ -190,8 +194,8 @@ def test_streams_and_aio_with_cuda_tensors(cuda_daemon):
 
 
 def test_a_cpu_daemon_refuses_the_cuda_transport_and_auto_takes_shm(cpu_daemon):
-    x = hidden(8, torch.bfloat16, "cuda", 30)
-    kw = routing(8, 30)
+    x = hidden(256, torch.bfloat16, "cuda", 30)  # 128 KiB: over auto's least for shared memory
+    kw = routing(256, 30)
     with cpu_daemon.client(timeout=60) as c:
         with pytest.raises(MoEError) as e:
             c.forward(0, x, **kw, transport="cuda")

@@ -192,11 +192,13 @@ class HostChunk:
         return a
 
     def close(self) -> None:
-        """Unmaps, unless outputs still view it (they keep the mapping until they are dropped)."""
-        try:
-            self.map.close()
-        except BufferError:
-            pass
+        """Unmaps, unless a slot is out (a call preparing, an output viewing it): the mapping then
+        goes with the last of them, by reference counting."""
+        if self.pool.used == 0:
+            try:
+                self.map.close()
+            except BufferError:
+                pass
 
 
 class DeviceChunk:
@@ -217,7 +219,9 @@ class DeviceChunk:
         return self.tensor[off:off + n]
 
     def close(self) -> None:
-        self.tensor = None
+        """Lets the memory go, unless a slot is out (it then goes with the last of them)."""
+        if self.pool.used == 0:
+            self.tensor = None
 
 
 def region_id(ev: Dict[str, Any]) -> int:

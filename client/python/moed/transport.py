@@ -9,9 +9,12 @@
           straight from and into tensors the caller registered (MoEClient.register): no copy.
           Needs the server on this host and on the cuda backend (the cpu backend answers
           FAILED_PRECONDITION).
-  auto    (the default) cuda for a CUDA tensor when the server takes CUDA regions, shm when the
-          server is on this host and takes regions, inline otherwise; a region session that
-          cannot be had (the server draining, regions off) makes the call go inline.
+  auto    (the default) cuda for a CUDA tensor when the server takes CUDA regions, shm for one of
+          at least SHM_MIN_BYTES when the server is on this host and takes regions, inline
+          otherwise; a region session that cannot be had (the server draining, regions off) makes
+          the call go inline. Below SHM_MIN_BYTES a message costs about what the copy into shared
+          memory does, and a client that only sends small tensors (a probe, a CLI, a test) never
+          pays for a session (a GetModel, a stream on a connection of its own, a registration).
 
 "On this host" is decided from the target alone (moed.regions.local_target: a unix: socket or a
 loopback address); shm and cuda with another target are refused by the client. Arenas, slots and
@@ -28,6 +31,7 @@ from .tensors import Input, wire_tensor
 from .types import MoEError
 
 NAMES = ("auto", "inline", "shm", "cuda")
+SHM_MIN_BYTES = 64 << 10  # auto's least hidden for shared memory (mixtral's d 4096 in bf16: T = 8)
 
 
 class Prepared:
@@ -153,7 +157,8 @@ def prepare(name: str, inp: Input, regions: Regions, out: Any = None) -> Steps:
         raise ValueError(f"unknown transport {name!r}: use {', '.join(NAMES)}")
     if out is not None:
         inp.check_out(out)
-    if name == "inline" or (name == "auto" and not regions.local):
+    if name == "inline" or (name == "auto" and (not regions.local or
+                                                (not inp.cuda and inp.nbytes < SHM_MIN_BYTES))):
         return inline(inp, out)
     if not regions.local:
         raise ValueError(remote_message(f"transport={name!r}", regions.target))
@@ -165,6 +170,8 @@ def prepare(name: str, inp: Input, regions: Regions, out: Any = None) -> Steps:
             return inline(inp, out)
         if inp.cuda and limits.cuda:
             return (yield from cuda(inp, regions, out))
+        if inp.nbytes < SHM_MIN_BYTES:
+            return inline(inp, out)
         return (yield from shm(inp, regions, out))
     except MoEError:
         return inline(inp, out)
