@@ -14,7 +14,6 @@ CUDA cases).
 
 import asyncio
 import glob
-import os
 import signal
 import socket
 import subprocess

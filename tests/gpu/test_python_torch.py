@@ -50,7 +50,6 @@ if not torch.cuda.is_available():
 from conftest import Daemon, free_port  # noqa: E402
 from prod import scrape  # noqa: E402
 
-import moed  # noqa: E402
 from moed import MoEError, aio  # noqa: E402
 from moed.transport import SHM_MIN_BYTES  # noqa: E402
 

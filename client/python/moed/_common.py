@@ -16,7 +16,7 @@ import numpy as np
 from . import wire
 from .retry import NO_RETRY, RetryPolicy
 from .tensors import F32, I32, hidden_input, host_array, wire_tensor
-from .regions import LIMITS, Regions, Steps
+from .regions import Regions, Steps
 from .transport import NAMES, Prepared, prepare
 from .types import (ACTIVATIONS, DTYPES, HEALTH, REGION_KINDS, ROUTER_RULES, Device, ForwardResult,
                     LayerInfo, ModelInfo, MoEError, Region, RegionLimits, Timings, name_of,
