@@ -177,7 +177,7 @@ stage_python() {
     [ "$stage_rc" -ne 77 ] || return 0 # no torch or no GPU: nothing to measure either
     # shellcheck disable=SC2086  # DATAPLANE_ARGS is a list of arguments
     logged "$OUT/python.txt" timeout 540 "$PY" tests/gpu/bench_dataplane.py --bin "$B" --python \
-        --duration 2 --python-duration 2 --md "$OUT/python.md" --json "$RAW/python.json" \
+        --duration 1.5 --python-duration 1.5 --md "$OUT/python.md" --json "$RAW/python.json" \
         --logs "$RAW" ${DATAPLANE_ARGS:-}
 }
 
