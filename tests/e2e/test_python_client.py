@@ -1,6 +1,7 @@
 """The Python client against real daemons: every kind of input (numpy in each dtype, bf16 bits,
-DLPack objects, non-contiguous arrays; torch tensors where torch is installed) against the oracle;
-outputs that are read-only views of the reply; forward_stream() in order, with its errors in
+DLPack objects, non-contiguous arrays; torch tensors where torch is installed) against the oracle,
+inline and through shared memory; outputs that are read-only views of the reply (or of the
+client's shared memory); forward_stream() in order, with its errors in
 place; the asyncio client; retries of UNAVAILABLE against a full queue and a draining daemon,
 bounded by attempts and by the deadline; channel options and deadlines.
 
