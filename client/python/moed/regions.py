@@ -157,7 +157,15 @@ class HostChunk:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
+            # The pages now, or ENOSPC now: a tmpfs that fills later (a container's 64 MiB
+            # /dev/shm) would kill the process with SIGBUS on the first write past its end.
+            os.posix_fallocate(fd, 0, size)
             self.map = mmap.mmap(fd, size)
+        except OSError as e:
+            os.unlink(path)
+            raise OSError(e.errno, f"cannot make {size} bytes of shared memory in /dev/shm "
+                                   f"({e.strerror}): enlarge it (docker run --shm-size) or use "
+                                   f"transport='inline'") from None
         except BaseException:
             os.unlink(path)
             raise

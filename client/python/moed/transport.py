@@ -173,5 +173,5 @@ def prepare(name: str, inp: Input, regions: Regions, out: Any = None) -> Steps:
         if inp.nbytes < SHM_MIN_BYTES:
             return inline(inp, out)
         return (yield from shm(inp, regions, out))
-    except MoEError:
+    except (MoEError, OSError):  # no session, or no shared memory to be had
         return inline(inp, out)

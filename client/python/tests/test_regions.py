@@ -69,3 +69,16 @@ def test_a_call_failing_uncertainly_retires_its_region():
     assert arena.chunks and arena.chunks[0].pool.used == 0
     arena.take(10).failed("DEADLINE_EXCEEDED")  # the server may still write it
     assert not arena.chunks and len(arena.retired) == 1 and arena.take(10) is None
+
+
+def test_shared_memory_that_cannot_be_had_is_refused_up_front():
+    """Reserved when made, so a full /dev/shm is an error now, not a SIGBUS at the first write."""
+    import glob
+    import os
+
+    with pytest.raises(OSError, match="/dev/shm"):
+        regions.HostChunk(1 << 50)
+    assert not glob.glob(f"/dev/shm/moed-py-{os.getpid()}-*")
+    c = regions.HostChunk(1 << 20)
+    c.unlink()
+    assert c.pool.take(1 << 20) == 0 and len(c.map) == 1 << 20
