@@ -4,12 +4,15 @@ merged with others; and every rule of moed.proto's list holds: bounds (overflow 
 ownership by token (another token's region is NOT_FOUND exactly as an unknown one), names, caps,
 the challenge, a region shrunk under the server (FAILED_PRECONDITION, the daemon stays up), an
 unregister or a session's end while a request holding the region waits in the queue (it completes:
-no use after unmap, which the ASan stage would catch), leases ending with the stream, and a client
-killed with SIGKILL leaving nothing registered. After each refusal the next call is served.
+no use after unmap, which the ASan stage would catch), leases ending with the stream, a client
+killed with SIGKILL leaving nothing registered, deadlines and the drain, and the same-host rule (a
+caller over the host's own non-loopback address is remote). After each refusal the next call is
+served.
 """
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +23,7 @@ import numpy as np
 import pytest
 
 import oracle as O
+from conftest import Daemon, free_port
 from daemons import DaemonPool
 from prod import metrics_flags, scrape
 from regions import Session, Shm, list_regions, ref, tensor, unary
@@ -148,6 +152,8 @@ def test_region_forward_is_inline_forward_for_every_routing(pool, dtype):
                 assert list(got.output.shape) == [c.T, SPEC.d] and got.output.dtype == want.output.dtype
                 assert shm.get(out, c.out_bytes) == want.output.data, kind
                 assert list(got.expert_set) == list(want.expert_set), kind
+                t = got.timings  # reported as for inline requests
+                assert (t.batch_tokens, t.batch_requests) == (c.T, 1) and 0 < t.total_us >= t.queue_us, t
                 # hidden in the region, the output inline, and the other way round
                 half = forward(ch, c.request((shm, region, 64)))
                 assert half.output.data == want.output.data, kind
@@ -160,16 +166,21 @@ def test_region_forward_is_inline_forward_for_every_routing(pool, dtype):
 
 def test_merged_region_requests_are_bit_identical_to_alone(pool):
     """A launch of MERGE requests — one inline, one with hidden in a region, one entirely in regions
-    and answering into one — gives each the bytes it gets alone (from the plain daemon)."""
+    and answering into one — gives each the bytes it gets alone (from the plain daemon), for every
+    routing kind; batch gating chooses across the launch, so there the same launch sent inline is
+    the reference."""
     alone, merged = plain(pool), merging(pool)
     shm = Shm(1 << 17)
     try:
         with alone.channel() as ach, merged.channel() as ch:
             s = Session(ch, A)
             region = s.host(shm)
-            for kind in ("experts", "topk", "server"):
+            for kind in KINDS:
                 cases = [Case(kind, 2 + 3 * i, 300 + i) for i in range(MERGE)]
-                want = [forward(ach, c.request()).output.data for c in cases]
+                if kind == "batch":
+                    want = [f.result().output.data for f in [forward_future(ch, c.request()) for c in cases]]
+                else:
+                    want = [forward(ach, c.request()).output.data for c in cases]
                 q2, out2 = placed(shm, region, cases[2], base=32768)
                 reqs = [cases[0].request(), cases[1].request((shm, region, 64)), q2]
                 got = [f.result() for f in [forward_future(ch, q) for q in reqs]]
@@ -409,6 +420,54 @@ def test_regions_off(daemon):
             assert code == grpc.StatusCode.FAILED_PRECONDITION and "--regions off" in msg
     finally:
         shm.close()
+
+
+def host_address():
+    """This host's address on its default route, or None (only loopback)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("198.51.100.1", 9))  # a UDP connect picks the source address, sends nothing
+        except OSError:
+            return None
+        ip = s.getsockname()[0]
+    return None if ip.startswith("127.") else ip
+
+
+@pytest.mark.parametrize("mode", ["local", "any"])
+def test_same_host_rule(tmp_path, mode):
+    """Over the host's own non-loopback address a caller counts as remote: --regions local refuses
+    it a session and a reference to a region registered over loopback; --regions any serves both."""
+    ip = host_address()
+    if not ip:
+        pytest.skip("this host has no address but loopback")
+    port = free_port()  # the last --listen wins: the wildcard one, on the port the Daemon checks
+    d = Daemon(["--synthetic", str(SPEC), "--threads", "1", "--regions", mode, "--listen",
+                f"0.0.0.0:{port}"], tmp_path / "moed.log", port=port)
+    shm, theirs = Shm(1 << 16), Shm(1 << 16)
+    c = Case("topk", 3, 8)
+    try:
+        with d.channel() as ch, grpc.insecure_channel(f"{ip}:{port}") as far:
+            s = Session(ch)  # its regions live as long as it does
+            region = s.host(shm)
+            q, out = placed(shm, region, c)
+            want = forward(ch, c.request(), md=()).output.data
+            if mode == "any":
+                t = Session(far)
+                assert t.host(theirs) and len(list_regions(far)) == 2  # one principal: both
+                forward(far, q, md=())
+                assert shm.get(out, c.out_bytes) == want
+            else:
+                with pytest.raises(grpc.RpcError) as e:
+                    Session(far).host(theirs)
+                assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "own host" in e.value.details()
+                code, msg = refused(lambda: forward(far, q, md=()))
+                assert code == grpc.StatusCode.FAILED_PRECONDITION and "own host" in msg
+                assert forward(far, c.request(), md=()).output.data == want  # inline, as ever
+    finally:
+        shm.close()
+        theirs.close()
+        code = d.stop()
+    assert code == 0, d.log()
 
 
 def test_c_client_shm_transport(pool, tmp_path):

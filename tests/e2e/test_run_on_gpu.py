@@ -26,7 +26,7 @@ def gpu(tmp_path):
     """Runs the script with stand-ins: gpu(stages, tests=rc, smi=rc, sanitizer=rc) -> (exit status,
     output, summary lines); tests=None leaves test_cuda_backend out of the bundle."""
 
-    def run(*stages, tests=0, smi=0, sanitizer=None):
+    def run(*stages, tests=0, smi=0, sanitizer=None, packed=False):
         bundle, tools, out = tmp_path / "gpu", tmp_path / "tools", tmp_path / "out"
         for d in (bundle / "bin", bundle / "lib", bundle / "py", tools):
             d.mkdir(parents=True, exist_ok=True)
@@ -40,6 +40,9 @@ def gpu(tmp_path):
         else:
             fake(tools / "compute-sanitizer", sanitizer)
         (tools / "compute-sanitizer").chmod(0o755)
+        if packed:  # as bundle.sh leaves it, beside a stale bin/ that the archive must replace
+            subprocess.run(["tar", "czf", "bundle.tgz", "bin", "lib", "py"], cwd=bundle, check=True)
+            fake(bundle / "bin" / "test_cuda_backend", 1)
         env = {**os.environ, "OUT": str(out), "MOED_GPU_DIR": str(bundle),
                "MOED_GPU_PYTHON": sys.executable, "PATH": f"{tools}:{os.environ['PATH']}"}
         p = subprocess.run(["bash", str(SCRIPT), *stages], capture_output=True, text=True, env=env,
@@ -62,6 +65,11 @@ def test_a_stage_result_is_its_programs(gpu, tests_rc, want, status):
     code, out, summary = gpu("tests", tests=tests_rc)
     assert code == status, out
     assert result(summary, "device") == "passed" and result(summary, "tests") == want, summary
+
+
+def test_a_packed_bundle_is_unpacked_afresh(gpu):
+    code, out, summary = gpu("tests", tests=0, packed=True)
+    assert code == 0 and result(summary, "tests") == "passed", out
 
 
 def test_a_failed_stage_fails_the_run_and_the_others_still_run(gpu):

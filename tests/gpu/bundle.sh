@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds moed with CUDA here and assembles .gpu/ for the GPU machine, which has the CUDA driver and
 # toolkit but none of our C libraries and no package registry: the binaries, the shared libraries
-# they need that it lacks, and the Python client. The device tool carries .gpu/ (git-ignored);
-# tests/gpu/run-on-gpu.sh runs there.
+# they need that it lacks, and the Python client. The device tool carries .gpu/ (git-ignored) with
+# the working tree, 64 MiB in all: every program holds the kernels' fatbin (about 7 MiB), so the
+# bundle is one gzipped archive, .gpu/bundle.tgz (about 27 MB), which tests/gpu/run-on-gpu.sh
+# unpacks there before it runs.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -31,4 +33,6 @@ cp build-gpu/server/moed build-gpu/client/c/moectl build-gpu/kernels/cuda/moe-be
 [ -x build-gpu/client/c/moed-load ] && cp build-gpu/client/c/moed-load .gpu/bin/
 bundle_libs .gpu/lib .gpu/bin/*
 .venv/bin/pip install -q --no-deps --no-build-isolation --target .gpu/py ./client/python
-du -sh .gpu
+tar czf .gpu/bundle.tgz -C .gpu bin lib py
+rm -rf .gpu/bin .gpu/lib .gpu/py
+du -sh .gpu/bundle.tgz

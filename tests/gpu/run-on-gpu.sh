@@ -20,12 +20,14 @@
 #             IPC from a second process against inline (test_ipc), then the data-plane benchmark
 #             (tests/gpu/bench_dataplane.py: T 8..8192 x callers 1, 8 x inline/shm/cuda on the
 #             mixtral and qwen3-30b-a3b shapes, kernel-only and the RPC floor in the same run),
-#             its table in dataplane.md
+#             its table in dataplane.md; 48 loads of 1 s warm-up + 1.5 s measured, 8 daemons'
+#             starts and 8 moe-bench runs: about 4 minutes on an H200
 #   python    the Python client with torch (issue 12): torch CPU and CUDA tensors in every dtype
 #             through every transport against the numpy inline path, CUDA calls through a CUDA region
 #             with no tensor byte in the messages (tests/gpu/test_python_torch.py), then the
 #             data-plane benchmark with the Python client's rows beside moed-load's, same daemon,
-#             same run (bench_dataplane.py --python), its tables in python.md
+#             same run (bench_dataplane.py --python: a Python load of 0.5 s warm-up + 1.5 s after
+#             each moed-load), its tables in python.md: about 7 minutes on an H200
 #   router    the server router (issue 8): the CUDA-vs-CPU router cases of the suite, the
 #             checkpoints written by transformers served by a CUDA daemon against transformers'
 #             own outputs (recomputed live by the torch and transformers installed there), and the
@@ -38,11 +40,17 @@
 # some were skipped; 2 for an unknown stage, before anything runs.
 #
 # Environment: OUT (default /tmp/moed-out), MOED_GPU_DIR (default .gpu: bin/, lib/ and py/ as
-# bundle.sh assembles them), MOED_GPU_PYTHON (default python3), DATAPLANE_ARGS (more arguments for
-# bench_dataplane.py, e.g. --shapes mixtral; the python stage's run too).
+# bundle.sh assembles them, or its bundle.tgz of them), MOED_GPU_PYTHON (default python3),
+# DATAPLANE_ARGS (more arguments for bench_dataplane.py, e.g. --shapes mixtral; the python stage's
+# run too).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 GPU=${MOED_GPU_DIR:-$PWD/.gpu}
+# bundle.sh packs the bundle to travel under the device tool's size limit: unpacked afresh here.
+if [ -f "$GPU/bundle.tgz" ]; then
+    rm -rf "${GPU:?}/bin" "${GPU:?}/lib" "${GPU:?}/py"
+    tar xzf "$GPU/bundle.tgz" -C "$GPU" || exit 2
+fi
 B=$GPU/bin
 PY=${MOED_GPU_PYTHON:-python3}
 export LD_LIBRARY_PATH=$GPU/lib:${LD_LIBRARY_PATH:-}
@@ -169,7 +177,8 @@ stage_dataplane() {
     logged "$OUT/gpu-ipc.log" "$B/test_ipc" "$B/moed"
     # shellcheck disable=SC2086  # DATAPLANE_ARGS is a list of arguments
     logged "$OUT/dataplane.txt" timeout 420 "$PY" tests/gpu/bench_dataplane.py --bin "$B" \
-        --md "$OUT/dataplane.md" --json "$RAW/dataplane.json" --logs "$RAW" ${DATAPLANE_ARGS:-}
+        --duration 1.5 --md "$OUT/dataplane.md" --json "$RAW/dataplane.json" --logs "$RAW" \
+        ${DATAPLANE_ARGS:-}
 }
 
 stage_python() {
