@@ -369,7 +369,7 @@ class SessionBase:
     def closing(self) -> None:
         """The client closes: every region is let go (the stream's end releases them there)."""
         self.regions.ended()
-        self.regions.registrations.clear()
+        self.regions.allocations.clear()
 
 
 def channel_options(options: Optional[Sequence[Tuple[str, Any]]], keepalive: Optional[float]) -> List[Tuple[str, Any]]:

@@ -222,14 +222,13 @@ class MoEClient(C.Connection):
             return call.result(reply)
 
     def register(self, tensor: Any) -> Registration:
-        """Registers a torch CUDA tensor's memory (its whole storage) as a region of the client's
-        session: a forward() whose hidden or out lies in it names it instead of copying through the
-        device arena. The client keeps the tensor alive until unregister() or close(); it is
-        registered again by itself if the session ends and a new one starts. The caller must not
-        change hidden (or read out) while a call that names it is in flight. The server opens the
-        tensor's whole allocation by IPC handle: register one large tensor (in torch, 10 MiB or
-        more is an allocation of its own) and place hidden and out in it, rather than many small
-        tensors that may share an allocation."""
+        """Registers a torch CUDA tensor as a region of the client's session: a forward() whose
+        hidden or out lies in it names it instead of copying through the device arena. The region
+        is the whole CUDA allocation that holds the tensor (an IPC handle names a whole allocation,
+        and the server may open each only once), shared by every registered tensor in it. The
+        client keeps the tensor alive until unregister() or close(); it is registered again by
+        itself if the session ends and a new one starts. The caller must not change hidden (or
+        read out) while a call that names it is in flight."""
         return self._session.run(self._session.regions.register(tensor))
 
     def unregister(self, registration: Registration) -> None:

@@ -19,15 +19,20 @@ once nothing references its output (the array, or anything made from it, keeps i
 stays valid as long as it lives, across later calls and after close(). copy=True copies it out and
 frees the slot at once.
 
-Device arena, one per CUDA device: a torch.uint8 tensor registered by CUDA IPC handle, through the
-CUDA driver API by ctypes (cuMemGetAddressRange for the allocation's base, cuIpcGetMemHandle, the
-device named by cuDeviceGetUuid_v2's UUID; torch's own _share_cuda_() is not used: it ties the
-memory to torch.multiprocessing's reference counting, which the server never takes part in). A call
-copies hidden into a slot (one device copy on the current stream, synchronized before the request
-is sent: the server reads it from another process), the server writes the output in place, and it
-is copied into a new tensor (one device copy, synchronized before the slot is reused). The arena
-needs torch's default allocator: with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True the driver
-gives no IPC handle and registration fails with the driver's error.
+Device arena, one per CUDA device: device memory of its own (cuMemAlloc, seen by torch as a uint8
+tensor through __cuda_array_interface__), registered by CUDA IPC handle, all through the CUDA
+driver API by ctypes (cuIpcGetMemHandle, the GPU named by cuDeviceGetUuid_v2's UUID). Not torch's
+caching allocator: its segments hold many tensors, and CUDA lets the server open an allocation's
+handle only once. Nor torch's _share_cuda_(): it ties the memory to torch.multiprocessing's
+reference counting, which the server never takes part in. A call copies hidden into a slot (one
+device copy on the current stream, synchronized before the request is sent: the server reads it
+from another process), the server writes the output in place, and it is copied into a new tensor
+(one device copy, synchronized before the slot is reused).
+
+Registered tensors (MoEClient.register): the region is the whole allocation that holds the tensor
+(cuMemGetAddressRange), registered once however many of its tensors are registered, and kept until
+the last is unregistered. With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True torch's memory has
+no IPC handle, and register() fails with the driver's error.
 
 Arenas grow: a call that finds no free slot large enough registers a region twice the size of the
 last (at least its own need), and regions left empty behind the newest are unregistered at a later
@@ -210,17 +215,21 @@ class HostChunk:
 
 
 class DeviceChunk:
-    """A region of device memory: a torch.uint8 tensor exported by IPC handle."""
+    """A region of device memory: an allocation of its own (cuMemAlloc, not torch's caching
+    allocator, whose segments hold several tensors: CUDA lets a process open an allocation's IPC
+    handle only once, so two regions in one segment would fail), seen as a torch.uint8 tensor."""
 
     kind = "cuda"
 
     def __init__(self, size: int, device: int):
         torch = sys.modules["torch"]
-        self.tensor = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", device))
+        self.tensor = torch.as_tensor(DeviceMemory(size, device))
+        if self.tensor.device != torch.device("cuda", device):  # torch reads the device off the pointer
+            raise MoEError("INTERNAL", f"device memory made on GPU {device} shows as {self.tensor.device}")
         self.size, self.device, self.id, self.pool = size, device, 0, Pool(size)
 
     def register(self) -> Steps:
-        ev = yield cuda_command(self.tensor.data_ptr(), self.size, self.device)
+        ev = yield cuda_command(self.tensor.data_ptr(), self.device)[0]
         self.id = region_id(ev)
 
     def bytes_at(self, off: int, n: int, writable: bool = True) -> Any:
@@ -329,30 +338,42 @@ class Arena:
             return [c.size for c in self.chunks]
 
 
-class Registration:
-    """A caller's own CUDA tensor registered as a region (MoEClient.register): calls whose hidden
-    or out lies in it name it instead of copying. It keeps the tensor alive until unregistered."""
+class Allocation:
+    """A CUDA allocation that holds tensors the caller registered, registered once as one region
+    (a process may open an allocation's IPC handle only once): its whole extent, since the handle
+    names the whole allocation anyway. It keeps the registered tensors alive."""
 
-    def __init__(self, tensor: Any):
-        self.tensor = tensor
-        self.device = tensor.device.index
-        storage = tensor.untyped_storage()
-        self.ptr, self.bytes = storage.data_ptr(), storage.nbytes()
+    def __init__(self, command: Dict[str, Any], base: int, device: int):
+        self.command, self.base, self.device = command, base, device
+        self.bytes = command["register_cuda"]["bytes"]
+        self.tensors: List[Any] = []
         self.id = 0
         self.session = -1  # the session it was registered on
 
     def ref(self, t: Any) -> Optional[Dict[str, int]]:
-        """The RegionRef of contiguous tensor t if it lies in this region, else None."""
+        """The RegionRef of contiguous tensor t if it lies here, else None."""
         if t.device.type != "cuda" or t.device.index != self.device or not t.is_contiguous():
             return None
         p, n = t.data_ptr(), t.numel() * t.element_size()
-        if not (self.ptr <= p and p + n <= self.ptr + self.bytes):
+        if not (self.base <= p and p + n <= self.base + self.bytes):
             return None
-        return {"region": self.id, "offset": p - self.ptr, "length": n}
+        return {"region": self.id, "offset": p - self.base, "length": n}
 
     def register(self) -> Steps:
-        ev = yield cuda_command(self.ptr, self.bytes, self.device)
+        ev = yield self.command
         self.id = region_id(ev)
+
+
+class Registration:
+    """What MoEClient.register returns: one registered tensor, in its Allocation."""
+
+    def __init__(self, allocation: Allocation, tensor: Any):
+        self.allocation, self.tensor = allocation, tensor
+
+    @property
+    def id(self) -> int:
+        """The id of the region of the tensor's allocation."""
+        return self.allocation.id
 
 
 class Regions:
@@ -367,7 +388,7 @@ class Regions:
         self.session = 0
         self.host = Arena(HostChunk, HOST_MIN)
         self.devices: Dict[int, Arena] = {}
-        self.registrations: List[Registration] = []
+        self.allocations: List[Allocation] = []  # holding the caller's registered tensors
         self._lock = threading.Lock()
 
     def device(self, index: int) -> Arena:
@@ -382,15 +403,15 @@ class Regions:
             arena.close()
 
     def registered(self, t: Any) -> Steps:
-        """The RegionRef of CUDA tensor t if it lies in a registration (registered again first when
-        the session it was registered on has ended), else None."""
-        for reg in list(self.registrations):
-            ref = reg.ref(t)
+        """The RegionRef of CUDA tensor t if it lies in an allocation holding registered tensors
+        (registered again first when the session it was registered on has ended), else None."""
+        for alloc in list(self.allocations):
+            ref = alloc.ref(t)
             if ref is not None:
-                if reg.session != self.session:
-                    yield from reg.register()
-                    reg.session = self.session
-                    ref["region"] = reg.id
+                if alloc.session != self.session:
+                    yield from alloc.register()
+                    alloc.session = self.session
+                    ref["region"] = alloc.id
                 return ref
         return None
 
@@ -401,18 +422,27 @@ class Regions:
                              "client's shared-memory arena)")
         if not self.local:
             raise ValueError(remote_message("register()", self.target))
-        reg = Registration(tensor)
-        yield from reg.register()
-        reg.session = self.session
-        self.registrations.append(reg)
-        return reg
+        command, base = cuda_command(tensor.data_ptr(), tensor.device.index)
+        alloc = next((a for a in self.allocations if a.device == tensor.device.index and a.base == base),
+                     None)
+        if alloc is None:
+            alloc = Allocation(command, base, tensor.device.index)
+            yield from alloc.register()
+            alloc.session = self.session
+            self.allocations.append(alloc)
+        alloc.tensors.append(tensor)
+        return Registration(alloc, tensor)
 
     def unregister(self, reg: Registration) -> Steps:
-        """Ends a registration made by register()."""
-        if reg in self.registrations:
-            self.registrations.remove(reg)
-            if reg.session == self.session:
-                yield {"unregister": {"region": reg.id}}
+        """Ends a registration made by register(); the region goes with the last in its allocation."""
+        alloc = reg.allocation
+        i = next((i for i, t in enumerate(alloc.tensors) if t is reg.tensor), None)
+        if i is not None:
+            del alloc.tensors[i]
+            if not alloc.tensors and alloc in self.allocations:
+                self.allocations.remove(alloc)
+                if alloc.session == self.session:
+                    yield {"unregister": {"region": alloc.id}}
         reg.tensor = None
 
 
@@ -449,6 +479,7 @@ def _cuda() -> Any:
                            ("cuCtxPopCurrent_v2", [p(ctypes.c_void_p)]),
                            ("cuMemGetAddressRange_v2", [p(u64), p(ctypes.c_size_t), u64]),
                            ("cuIpcGetMemHandle", [p(_CUipcMemHandle), u64]),
+                           ("cuMemAlloc_v2", [p(u64), ctypes.c_size_t]), ("cuMemFree_v2", [u64]),
                            ("cuGetErrorName", [ctypes.c_int, p(ctypes.c_char_p)])):
             getattr(lib, name).argtypes = args
             getattr(lib, name).restype = ctypes.c_int
@@ -465,32 +496,59 @@ def _check(rc: int, what: str) -> None:
         raise MoEError("FAILED_PRECONDITION", f"{what}: {(name.value or b'?').decode()} ({rc}){hint}")
 
 
-def cuda_command(ptr: int, nbytes: int, device: int) -> Dict[str, Any]:
-    """The RegisterCudaRegion command for nbytes of device memory at ptr on torch's device index
-    `device`: the IPC handle of its allocation, its offset in it, the device's UUID."""
+def _in_context(device: int, fn) -> Any:
+    """fn() with the primary context of torch's device index `device` current (the driver API needs
+    one; torch made it, so retaining it creates nothing)."""
     cu = _cuda()
     _check(cu.cuInit(0), "cuInit")
     dev = ctypes.c_int()
     _check(cu.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
     ctx = ctypes.c_void_p()
     _check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-    base, size, handle = ctypes.c_uint64(), ctypes.c_size_t(), _CUipcMemHandle()
     try:
         _check(cu.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
         try:
-            _check(cu.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr),
-                   "cuMemGetAddressRange")
-            _check(cu.cuIpcGetMemHandle(ctypes.byref(handle), base), "cuIpcGetMemHandle")
+            return fn(cu, dev)
         finally:
             cu.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
     finally:
         cu.cuDevicePrimaryCtxRelease_v2(dev)
-    uuid = _CUuuid()
-    _check(cu.cuDeviceGetUuid_v2(ctypes.byref(uuid), dev), "cuDeviceGetUuid")
-    b = bytes(uuid.bytes).hex()
-    offset = ptr - base.value
-    if nbytes > size.value - offset:
-        raise ValueError(f"{nbytes} bytes at {ptr:#x} run past their allocation")
-    return {"register_cuda": {"ipc_handle": bytes(handle.reserved), "device": device, "bytes": nbytes,
-                              "offset": offset,
-                              "device_uuid": f"GPU-{b[:8]}-{b[8:12]}-{b[12:16]}-{b[16:20]}-{b[20:]}"}}
+
+
+def cuda_command(ptr: int, device: int) -> Tuple[Dict[str, Any], int]:
+    """(the RegisterCudaRegion command for the whole allocation that holds device pointer ptr on
+    torch's device index `device`: its IPC handle, size and GPU UUID; the allocation's base)."""
+    def describe(cu, dev):
+        base, size, handle, uuid = ctypes.c_uint64(), ctypes.c_size_t(), _CUipcMemHandle(), _CUuuid()
+        _check(cu.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr),
+               "cuMemGetAddressRange")
+        _check(cu.cuIpcGetMemHandle(ctypes.byref(handle), base), "cuIpcGetMemHandle")
+        _check(cu.cuDeviceGetUuid_v2(ctypes.byref(uuid), dev), "cuDeviceGetUuid")
+        b = bytes(uuid.bytes).hex()
+        return ({"register_cuda": {"ipc_handle": bytes(handle.reserved), "device": device,
+                                   "bytes": size.value, "offset": 0,
+                                   "device_uuid": f"GPU-{b[:8]}-{b[8:12]}-{b[12:16]}-{b[16:20]}-{b[20:]}"}},
+                base.value)
+
+    return _in_context(device, describe)
+
+
+class DeviceMemory:
+    """Device memory of its own (cuMemAlloc), for torch through __cuda_array_interface__: torch
+    keeps this object while a tensor over it lives, and the memory is freed with it."""
+
+    def __init__(self, size: int, device: int):
+        def alloc(cu, dev):
+            p = ctypes.c_uint64()
+            _check(cu.cuMemAlloc_v2(ctypes.byref(p), size), "cuMemAlloc")
+            return p.value
+
+        self.ptr, self.device = _in_context(device, alloc), device
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (self.ptr, False),
+                                         "version": 2}
+
+    def __del__(self):
+        try:
+            _in_context(self.device, lambda cu, dev: cu.cuMemFree_v2(self.ptr))
+        except Exception:  # the interpreter is going: the process's end frees it
+            pass
