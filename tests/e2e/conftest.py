@@ -50,15 +50,17 @@ def free_port():
 
 
 class Daemon:
-    """One moed process. `args` are its flags after --listen; its stderr goes to `log_path`."""
+    """One moed process. `args` are its flags after --listen; its stderr goes to `log_path`.
+    listen: the address to serve on (default 127.0.0.1 at `port`, or a free port)."""
 
-    def __init__(self, args, log_path, env=None, port=None, wait=True, timeout=60.0):
+    def __init__(self, args, log_path, env=None, port=None, wait=True, timeout=60.0, listen=None):
         assert MOED_BIN.exists(), f"{MOED_BIN} does not exist: build first (or set MOED_BUILD_DIR)"
         self.port = port or free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self.listen = listen or f"127.0.0.1:{self.port}"
+        self.address = self.listen.replace("0.0.0.0:", "127.0.0.1:")
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.argv = [str(MOED_BIN), "--listen", self.address, *args]
+        self.argv = [str(MOED_BIN), "--listen", self.listen, *args]
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self._log,
                                      env={**os.environ, **(env or {})})
         self.returncode = None
@@ -133,12 +135,13 @@ class Daemon:
 
 @pytest.fixture
 def daemon(tmp_path):
-    """Factory: daemon(*flags, env=None, wait=True) -> Daemon. Every daemon started is stopped at
-    teardown with SIGTERM and must exit 0 (a test that stops one itself checks its own code)."""
+    """Factory: daemon(*flags, env=None, wait=True, listen=None) -> Daemon. Every daemon started
+    is stopped at teardown with SIGTERM and must exit 0 (a test that stops one itself checks its own code)."""
     started = []
 
-    def start(*args, env=None, wait=True, timeout=60.0):
-        d = Daemon(list(args), tmp_path / f"moed-{len(started)}.log", env=env, wait=wait, timeout=timeout)
+    def start(*args, env=None, wait=True, timeout=60.0, listen=None):
+        d = Daemon(list(args), tmp_path / f"moed-{len(started)}.log", env=env, wait=wait, timeout=timeout,
+                   listen=listen)
         started.append(d)
         return d
 

@@ -23,6 +23,16 @@ def test_health_and_info(shared_daemon):
     p = pymoed(shared_daemon.address, "info")
     assert p.returncode == 0, p.stderr
     assert "cpu" in p.stdout and "layers=2,d=64" in p.stdout, p.stdout
+    assert "regions  local, CUDA no" in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize("transport,tokens,took", [("shm", 5, "shm"), ("auto", 5, "inline"),
+                                                   ("auto", 600, "shm"), ("inline", 600, "inline")])
+def test_forward_over_each_transport(shared_daemon, transport, tokens, took):
+    p = pymoed(shared_daemon.address, "forward", "--tokens", tokens, "--transport", transport,
+               "--strategy", "topk", "--verify")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"transport {took}\n" in p.stdout and "verify:" in p.stdout, p.stdout
 
 
 @pytest.mark.parametrize("dtype", ("f32", "f16", "bf16"))

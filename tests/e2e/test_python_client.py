@@ -1,6 +1,7 @@
 """The Python client against real daemons: every kind of input (numpy in each dtype, bf16 bits,
-DLPack objects, non-contiguous arrays; torch tensors where torch is installed) against the oracle;
-outputs that are read-only views of the reply; forward_stream() in order, with its errors in
+DLPack objects, non-contiguous arrays; torch tensors where torch is installed) against the oracle,
+inline and through shared memory; outputs that are read-only views of the reply (or of the
+client's shared memory); forward_stream() in order, with its errors in
 place; the asyncio client; retries of UNAVAILABLE against a full queue and a draining daemon,
 bounded by attempts and by the deadline; channel options and deadlines.
 
@@ -10,6 +11,7 @@ client claims to support.
 
 import asyncio
 import json
+import mmap
 import signal
 import subprocess
 import sys
@@ -70,15 +72,17 @@ class DLPackOnly:
         return self.a.__dlpack_device__()
 
 
+@pytest.mark.parametrize("transport", ["inline", "shm"])
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "bf16u16"])
-def test_numpy_and_dlpack_inputs_match_the_oracle(shared_daemon, dtype):
+def test_numpy_and_dlpack_inputs_match_the_oracle(shared_daemon, dtype, transport):
     rng = np.random.default_rng(40)
     x, ids, w, ref = case(rng, 9, dtype)
-    with shared_daemon.client(timeout=30) as c:
+    with shared_daemon.client(timeout=30, transport=transport) as c:
         y = c.forward(0, x, expert_ids=ids, expert_weights=w, **send_kw(dtype))
         O.check(y, ref, dtype, "numpy")
         assert y.dtype == x.dtype and not y.flags.writeable
-        assert isinstance(reply_buffer(y), bytes)  # a view of the received message, not a copy
+        # a view of the received message (inline) or of the client's shared memory: not a copy
+        assert isinstance(reply_buffer(y), bytes if transport == "inline" else mmap.mmap)
         z = c.forward(0, x, expert_ids=ids, expert_weights=w, copy=True, **send_kw(dtype))
         assert z.flags.writeable and np.array_equal(z, y)
         if dtype != "bf16":  # numpy's DLPack has no bfloat16

@@ -108,3 +108,10 @@ def test_pytest_stage_fails_on_a_daemon_that_fell_back_to_the_cpu(gpu):
     code, out, summary = gpu("pytest")
     assert code == 1 and result(summary, "pytest") == "FAILED", out
     assert "moed serves on the cpu backend" in out, out[-3000:]
+
+
+def test_python_stage_skips_where_torch_or_a_gpu_is_missing(gpu):
+    """CI has neither: the stage says skipped and measures nothing."""
+    code, out, summary = gpu("python")
+    assert code == 77 and result(summary, "python") == "skipped", out
+    assert "test_python_torch: skipped" in out and "bench_dataplane" not in out, out

@@ -11,6 +11,9 @@ issue's targets met or missed; writes the table as markdown (--md) and every fig
 
 usage: python3 bench_dataplane.py --bin .gpu/bin [--md FILE] [--json FILE] [--logs DIR]
        [--duration S] [--shapes mixtral,qwen3-30b-a3b] [--tokens 8,128,2048,8192]
+       [--python [--python-duration S]]
+--python adds the Python client's p50, p99 and tokens/s to every cell, measured on the same daemon
+right after moed-load (bench_python.py), and its table beside moed-load's to the markdown.
 """
 import argparse
 import ctypes
@@ -21,6 +24,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_python  # noqa: E402
 from bench_daemon import Moed, load  # noqa: E402
 
 SHAPES = {"mixtral": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8)}
@@ -91,6 +95,11 @@ def run_shape(a, shape, kms, rows):
                                      bytes=T * d * 2, errors=r["errors_total"]))
                     print(f"{shape} T={T} callers={callers} {tr}: p50 {rows[-1]['p50_ms']:.3f} ms, "
                           f"kernel {kms[T]:.3f} ms, {rows[-1]['tokens_per_s']:.0f} tok/s", flush=True)
+                    if a.python:
+                        p = rows[-1]["python"] = bench_python.cell(m.addr, SHAPES[shape], T, callers, tr,
+                                                                   a.python_duration)
+                        print(f"  python: p50 {p['p50_ms']:.3f} ms, {p['tokens_per_s']:.0f} tok/s"
+                              f"{', ' + p['error'] if p['error'] else ''}", flush=True)
         finally:
             m.stop()
 
@@ -150,6 +159,9 @@ def main():
     ap.add_argument("--md")
     ap.add_argument("--json")
     ap.add_argument("--logs", default="/tmp")
+    ap.add_argument("--python", action="store_true",
+                    help="the Python client's figures beside moed-load's in every cell (bench_python.py)")
+    ap.add_argument("--python-duration", type=float, default=2)
     a = ap.parse_args()
     a.tokens = [int(t) for t in a.tokens.split(",")]
     h2d, d2h = pcie_gbps()
@@ -167,6 +179,8 @@ def main():
         run_shape(a, shape, kms, rows)
     checks = targets(rows, h2d, d2h)
     md = markdown(rows, floor["latency_ms"]["p50"], h2d, d2h, device, checks)
+    if a.python:
+        md += "\n" + bench_python.markdown(rows)
     print(md)
     if a.md:
         open(a.md, "w").write(md)

@@ -22,6 +22,12 @@
 #             mixtral and qwen3-30b-a3b shapes, kernel-only and the RPC floor in the same run),
 #             its table in dataplane.md; 48 loads of 1 s warm-up + 1.5 s measured, 8 daemons'
 #             starts and 8 moe-bench runs: about 4 minutes on an H200
+#   python    the Python client with torch (issue 12): torch CPU and CUDA tensors in every dtype
+#             through every transport against the numpy inline path, CUDA calls through a CUDA region
+#             with no tensor byte in the messages (tests/gpu/test_python_torch.py), then the
+#             data-plane benchmark with the Python client's rows beside moed-load's, same daemon,
+#             same run (bench_dataplane.py --python: a Python load of 0.5 s warm-up + 1.5 s after
+#             each moed-load), its tables in python.md: about 7 minutes on an H200
 #   router    the server router (issue 8): the CUDA-vs-CPU router cases of the suite, the
 #             checkpoints written by transformers served by a CUDA daemon against transformers'
 #             own outputs (recomputed live by the torch and transformers installed there), and the
@@ -46,7 +52,8 @@
 #
 # Environment: OUT (default /tmp/moed-out), MOED_GPU_DIR (default .gpu: bin/, lib/ and py/ as
 # bundle.sh assembles them, or its bundle.tgz of them), MOED_GPU_PYTHON (default python3),
-# DATAPLANE_ARGS (more arguments for bench_dataplane.py, e.g. --shapes mixtral).
+# DATAPLANE_ARGS (more arguments for bench_dataplane.py, e.g. --shapes mixtral; the python stage's
+# run too).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 GPU=${MOED_GPU_DIR:-$PWD/.gpu}
@@ -63,7 +70,7 @@ export PYTHONUNBUFFERED=1
 export PATH=$PATH:/usr/local/cuda/bin
 OUT=${OUT:-/tmp/moed-out}
 RAW=$OUT/raw # JSON and long logs; packed into raw.tgz at the end (the device tool returns 8 files)
-STAGES=(tests sanitize bench e2e merge pytest fp8 fp8-bench dataplane router split two-gpu)
+STAGES=(tests sanitize bench e2e merge pytest fp8 fp8-bench dataplane python router split two-gpu)
 
 # The stage running and the worst exit of its commands so far (0, 77, or a failure's code).
 stage_name="" stage_rc=0
@@ -183,6 +190,15 @@ stage_dataplane() {
     logged "$OUT/dataplane.txt" timeout 420 "$PY" tests/gpu/bench_dataplane.py --bin "$B" \
         --duration 1.5 --md "$OUT/dataplane.md" --json "$RAW/dataplane.json" --logs "$RAW" \
         ${DATAPLANE_ARGS:-}
+}
+
+stage_python() {
+    logged "$OUT/python-torch.log" "$PY" tests/gpu/test_python_torch.py --bin "$B"
+    [ "$stage_rc" -ne 77 ] || return 0 # no torch or no GPU: nothing to measure either
+    # shellcheck disable=SC2086  # DATAPLANE_ARGS is a list of arguments
+    logged "$OUT/python.txt" timeout 540 "$PY" tests/gpu/bench_dataplane.py --bin "$B" --python \
+        --duration 1.5 --python-duration 1.5 --md "$OUT/python.md" --json "$RAW/python.json" \
+        --logs "$RAW" ${DATAPLANE_ARGS:-}
 }
 
 stage_router() {

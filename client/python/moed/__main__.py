@@ -33,6 +33,9 @@ def _info(c: MoEClient) -> int:
     m = c.info()
     print(f"model    {m.model}\nbackend  {m.backend}   version {m.version}")
     print(f"limits   {m.max_message_bytes} bytes per message, {m.max_batch_tokens} tokens per request")
+    r = m.regions
+    print(f"regions  {r.mode}, CUDA {'yes' if r.cuda else 'no'}; per principal {r.max_regions} regions, "
+          f"{r.max_region_bytes} bytes; {r.max_region_bytes_total} bytes in all")
     for d in m.devices:
         print(f"device   {d.name}: {d.memory_used / 2**20:.0f} / {d.memory_total / 2**20:.0f} MiB used")
     print(f"{'layer':>5} {'d_model':>7} {'d_ff':>6} {'experts':>7} {'top_k':>5} {'act':>6} {'dtype':>5} "
@@ -79,8 +82,9 @@ def _forward(c: MoEClient, args) -> int:
     x = rng.standard_normal((args.tokens, layer.d_model)).astype(_np_dtype(args.dtype))
     logits = rng.standard_normal((args.tokens, layer.num_experts)).astype(np.float32)
     r = c.forward(args.layer, x, router_logits=logits, strategy=args.strategy, top_k=args.top_k,
-                  return_info=True)
+                  return_info=True, transport=args.transport)
     y, t = r.output, r.timings
+    print(f"transport {next(k for k, n in c.transport_calls.items() if n)}")
     y64 = y.astype(np.float64)
     print(f"output   {list(y.shape)} {y.dtype}: mean {y64.mean():.4g} std {y64.std():.4g} "
           f"min {y64.min():.4g} max {y64.max():.4g}")
@@ -106,6 +110,9 @@ def main(argv=None) -> int:
     f.add_argument("--top-k", type=int, default=0, help="0: the layer's top_k")
     f.add_argument("--seed", type=int, default=0, help="random data seed")
     f.add_argument("--verify", action="store_true", help="compare with moed.reference (synthetic models)")
+    f.add_argument("--transport", choices=("auto", "inline", "shm"), default="auto",
+                   help="how hidden travels (moed.transport; default %(default)s: shared memory from "
+                        "64 KiB when the server is on this host)")
     args = p.parse_args(argv)
     try:
         several = "," in args.target and not args.target.startswith(("ipv4:", "ipv6:"))

@@ -16,12 +16,17 @@ import numpy as np
 from . import wire
 from .retry import NO_RETRY, RetryPolicy
 from .tensors import F32, I32, hidden_input, host_array, wire_tensor
-from .transport import Prepared, choose
-from .types import (ACTIVATIONS, DTYPES, HEALTH, ROUTER_RULES, Device, ForwardResult, LayerInfo,
-                    ModelInfo, MoEError, Timings, name_of, strategy_value)
+from .regions import Regions, Steps
+from .transport import NAMES, Prepared, prepare
+from .types import (ACTIVATIONS, DTYPES, HEALTH, REGION_KINDS, ROUTER_RULES, Device, ForwardResult,
+                    LayerInfo, ModelInfo, MoEError, Region, RegionLimits, Timings, name_of,
+                    strategy_value)
 
 FORWARD = "/moed.v1.Moed/Forward"
 FORWARD_STREAM = "/moed.v1.Moed/ForwardStream"
+REGIONS = "/moed.v1.Moed/Regions"
+COMMAND_TIMEOUT = 60.0  # seconds a region command may wait for its event, without a client timeout
+LIST_REGIONS = "/moed.v1.Moed/ListRegions"
 GET_MODEL = "/moed.v1.Moed/GetModel"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
@@ -31,7 +36,9 @@ _RENORMALIZE = {None: 0, True: 1, False: 2}
 # stream's).
 STREAM_ITEM_ARGS = frozenset(("layer", "hidden", "expert_ids", "expert_weights", "router_logits",
                               "strategy", "top_k", "renormalize", "threshold", "batch_gating",
-                              "k_batch", "dtype", "request_id", "return_info", "copy", "transport"))
+                              "k_batch", "dtype", "request_id", "return_info", "copy", "transport",
+                              "out"))
+_STATUS = {c.value[0]: c for c in grpc.StatusCode}
 
 
 def _matrix(name: str, x: Any, wire_dtype: int, T: int) -> np.ndarray:
@@ -75,6 +82,19 @@ class Call:
     def __init__(self, payload: bytes, prepared: Prepared, return_info: bool, copy: bool):
         self.payload, self.prepared, self.return_info, self.copy = payload, prepared, return_info, copy
 
+    @property
+    def transport(self) -> str:
+        return self.prepared.transport
+
+    @property
+    def regions(self) -> bool:
+        """Whether the request names regions (which a session's end invalidates)."""
+        return self.prepared.output is not None
+
+    def failed(self, code_name: str) -> None:
+        """The call failed with this status: its slots are freed or retired (moed.regions)."""
+        self.prepared.failed(code_name)
+
     def result(self, reply: bytes) -> Any:
         """The output (or a ForwardResult) from the reply's bytes; MoEError INTERNAL when the reply
         is not what the request asked for."""
@@ -106,20 +126,35 @@ def prepare_forward(layer: int, hidden: Any, *, expert_ids=None, expert_weights=
                     strategy=None, top_k: int = 0, renormalize: Optional[bool] = None,
                     threshold: Optional[float] = None, batch_gating: bool = False, k_batch: int = 0,
                     dtype: Optional[str] = None, request_id: str = "", return_info: bool = False,
-                    copy: bool = False, transport: str = "auto") -> Call:
-    """A Call for forward()'s arguments (see MoEClient.forward); ValueError for what cannot be sent."""
+                    copy: bool = False, transport: str = "auto", out: Any = None,
+                    regions: Optional[Regions] = None) -> Steps:
+    """Steps (moed.regions) that return the Call for forward()'s arguments (see
+    MoEClient.forward); ValueError for what cannot be sent. regions: the client's (None: inline
+    only)."""
     inp = hidden_input(hidden, dtype)
-    prepared = choose(transport, inp).prepare(inp)
     fields = _routing(inp.shape[0], expert_ids, expert_weights, router_logits, strategy, top_k,
                       renormalize, threshold, batch_gating, k_batch)
-    fields.update(request_id=request_id, layer=layer, hidden=prepared.tensor)
+    if regions is None and transport != "inline":
+        raise ValueError(f"transport={transport!r} needs the client's regions")
+    prepared = yield from prepare(transport, inp, regions, out)
+    fields.update(request_id=request_id, layer=layer, hidden=prepared.tensor, output=prepared.output)
     return Call(wire.encode("moed.v1.ForwardRequest", fields), prepared, return_info, copy)
 
 
-def prepare_item(item: Any, transport: str) -> Call:
-    """A Call for one forward_stream() item: a dict of forward()'s keyword arguments."""
+def now(steps: Steps) -> Any:
+    """What steps that need no server return (inline preparation)."""
+    try:
+        steps.send(None)
+    except StopIteration as stop:
+        return stop.value
+    raise RuntimeError("these steps need the server")
+
+
+def prepare_item(item: Any, transport: str, regions: Regions) -> Steps:
+    """prepare_forward's steps for one forward_stream() item: a dict of forward()'s keyword
+    arguments."""
     check_item(item)
-    return prepare_forward(**{"transport": transport, **item})
+    return prepare_forward(**{"transport": transport, **item, "regions": regions})
 
 
 def check_item(item: Any) -> None:
@@ -150,8 +185,8 @@ class Feed:
     iterable stops the pulling; it is raised after the replies of the requests before it (end()).
     """
 
-    def __init__(self, source: Any, transport: str):
-        self.source, self.transport = source, transport
+    def __init__(self, source: Any, transport: str, regions: Regions):
+        self.source, self.transport, self.regions = source, transport, regions
         self._lock = threading.Lock()  # _pending and the counters; the replies come on another thread
         self._pending: Deque[Call] = deque()  # pulled and not answered, in order
         self._answered = 0  # calls answered so far: the sequence number of _pending[0]
@@ -174,16 +209,22 @@ class Feed:
             i = seq - self._answered
             return self._pending[i].payload if i < len(self._pending) else None
 
-    def pulled(self, item: Any) -> Optional[bytes]:
-        """Takes an item the puller got: its payload, or None (pulling stops) if it is bad."""
-        try:
-            call = prepare_item(item, self.transport)
-        except Exception as e:  # raised to the caller in order, by end()
-            self.stop(e)
-            return None
+    def steps(self, item: Any) -> Steps:
+        """The steps that prepare an item the puller got (run by the client's session)."""
+        return prepare_item(item, self.transport, self.regions)
+
+    def pulled(self, call: Call) -> bytes:
+        """Takes the Call of an item the puller got; its payload."""
         with self._lock:
             self._pending.append(call)
         return call.payload
+
+    def abandon(self, code_name: str) -> None:
+        """The stream failed (or was stopped) with this status: the unanswered calls let go."""
+        with self._lock:
+            calls, self._pending = list(self._pending), deque()
+        for call in calls:
+            call.failed(code_name)
 
     def stop(self, error: Optional[BaseException] = None) -> None:
         """Nothing more to pull: the iterable ended (error None) or raised `error`."""
@@ -230,25 +271,111 @@ class Connection:
                  credentials: Optional[grpc.ChannelCredentials] = None, token: Optional[str] = None,
                  options: Optional[Sequence[Tuple[str, Any]]] = None, keepalive: Optional[float] = None,
                  retry: Optional[RetryPolicy] = RetryPolicy(), transport: str = "auto"):
-        opts, m = channel_options(options, keepalive), self.grpc_module
-        if credentials is None:
-            self._channel = m.insecure_channel(target, options=opts)
-        else:
-            self._channel = m.secure_channel(target, credentials, options=opts)
+        self._opts, self._credentials = channel_options(options, keepalive), credentials
         self.target = target
+        self._channel = self.new_channel()
         self.timeout = timeout
         self.retry = retry or NO_RETRY
+        if transport not in NAMES:
+            raise ValueError(f"unknown transport {transport!r}: use {', '.join(NAMES)}")
         self.transport = transport
         self._metadata = metadata(token)
         self._forward = self._channel.unary_unary(FORWARD)
         self._stream = self._channel.stream_stream(FORWARD_STREAM)
         self._get_model = self._channel.unary_unary(GET_MODEL)
         self._health = self._channel.unary_unary(HEALTH_CHECK)
+        self._list_regions = self._channel.unary_unary(LIST_REGIONS)
+        # Forward calls made per transport, as auto chose them (forward_stream's items too).
+        self.transport_calls = {"inline": 0, "shm": 0, "cuda": 0}
+
+    def new_channel(self, *extra: Tuple[str, Any]) -> Any:
+        """A channel to the target with the client's options (and `extra`)."""
+        opts, m = self._opts + list(extra), self.grpc_module
+        if self._credentials is None:
+            return m.insecure_channel(self.target, options=opts)
+        return m.secure_channel(self.target, self._credentials, options=opts)
 
     def _deadline(self, timeout: Optional[float]) -> Optional[float]:
         """The time.monotonic() deadline of a call given `timeout` (None: the client's)."""
         timeout = self.timeout if timeout is None else timeout
         return None if timeout is None else time.monotonic() + timeout
+
+
+class SessionBase:
+    """A client's region session, but for the waiting (each client's Session adds it): the
+    Regions, the stream's call, the commands' sequence numbers and the events' checks. run(steps)
+    answers the steps' requests: LIMITS with the server's RegionLimits (GetModel, once), a command
+    with its event (the stream opened first if it is not open)."""
+
+    def __init__(self, conn: "Connection"):
+        self.conn = conn
+        self.regions = Regions(conn.target)
+        self.call: Any = None
+        self.seq = 0
+        self.timeout = conn.timeout or COMMAND_TIMEOUT  # for each command's event
+        self._channel: Any = None
+        self._stub: Any = None
+
+    def stub(self) -> Any:
+        """The Regions method on a channel of the session's own: a connection of its own, so its
+        long-lived stream never takes one of the forward connection's --max-streams, and channels
+        to the same target (which gRPC would otherwise share one connection between) do not add
+        up their sessions there either."""
+        if self._stub is None:
+            self._channel = self.conn.new_channel(("grpc.use_local_subchannel_pool", 1))
+            self._stub = self._channel.stream_stream(REGIONS)
+        return self._stub
+
+    def timed_out(self) -> MoEError:
+        """A command unanswered in time: the session is given up (the next command opens another)."""
+        self.call.cancel()
+        return MoEError("DEADLINE_EXCEEDED", f"the server did not answer a region command in "
+                                             f"{self.timeout:g} s; the region session was closed")
+
+    def alive(self) -> bool:
+        return self.call is not None and not self.call.done()
+
+    def check(self) -> None:
+        """Before steps run: if the stream has ended, what it registered is gone (the arenas start
+        afresh, and a new stream opens with the next command)."""
+        if self.call is not None and self.call.done():
+            self.call = None
+            self.regions.ended()
+
+    def opened(self, call: Any) -> None:
+        """A new stream: what an earlier one registered is gone."""
+        if self.call is not None:
+            self.regions.ended()
+        self.call = call
+        self.regions.session += 1
+
+    def command(self, cmd: Dict[str, Any]) -> bytes:
+        self.seq += 1
+        return wire.encode("moed.v1.RegionCommand", {"seq": self.seq, **cmd})
+
+    def event(self, data: Optional[bytes]) -> Dict[str, Any]:
+        """The event answering the last command, checked; a failed command is its MoEError."""
+        if data is None:
+            raise MoEError("UNAVAILABLE", "the region session ended")
+        ev = decode("moed.v1.RegionEvent", data)
+        if ev["seq"] != self.seq:
+            raise MoEError("INTERNAL", f"the server answered region command {self.seq} with the event "
+                                       f"of {ev['seq']}")
+        if ev["code"]:
+            code = _STATUS.get(ev["code"], grpc.StatusCode.UNKNOWN)
+            raise MoEError(code.name, ev["message"] or "(no message)", code)
+        return ev
+
+    @staticmethod
+    def ended(e: grpc.RpcError) -> MoEError:
+        """The stream's end as the error of the command waiting on it."""
+        err = rpc_error(e)
+        return MoEError(err.code_name, f"the region session ended: {err.message}", err.code)
+
+    def closing(self) -> None:
+        """The client closes: every region is let go (the stream's end releases them there)."""
+        self.regions.ended()
+        self.regions.allocations.clear()
 
 
 def channel_options(options: Optional[Sequence[Tuple[str, Any]]], keepalive: Optional[float]) -> List[Tuple[str, Any]]:
@@ -325,7 +452,22 @@ def model_info(reply: bytes) -> ModelInfo:
     devices = [Device(d["name"], d["memory_total"], d["memory_used"]) for d in m["devices"]]
     return ModelInfo(model=m["model"], layers=layers, backend=m["backend"], devices=devices,
                      version=m["version"], max_message_bytes=m["max_message_bytes"],
-                     max_batch_tokens=m["max_batch_tokens"])
+                     max_batch_tokens=m["max_batch_tokens"], regions=region_limits(m["regions"]))
+
+
+def region_limits(r: Optional[Dict[str, Any]]) -> RegionLimits:
+    """ModelInfo.regions as RegionLimits (a server that predates regions sends none: off)."""
+    if r is None:
+        return RegionLimits()
+    return RegionLimits(r["mode"] or "off", r["max_regions"], r["max_region_bytes"],
+                        r["max_region_bytes_total"], r["cuda"])
+
+
+def region_list(reply: bytes) -> List[Region]:
+    """A ListRegions reply as Regions."""
+    return [Region(r["id"], name_of(REGION_KINDS, r["kind"], "unspecified"), r["name"], r["bytes"],
+                   r["device"], r["ready"], r["broken"], r["requests"])
+            for r in decode("moed.v1.RegionList", reply)["regions"]]
 
 
 def health_request(service: str) -> bytes:

@@ -13,13 +13,78 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, List, Optional
 
 import grpc
 import grpc.aio
 
 from . import _common as C
-from .types import ModelInfo
+from .regions import LIMITS, Registration, Steps
+from .types import ModelInfo, MoEError, Region
+
+
+class Session(C.SessionBase):
+    """The asyncio client's region session: the Regions stream written and read by the task that
+    runs a command, one command and its event at a time."""
+
+    def __init__(self, conn: "MoEClient"):
+        super().__init__(conn)
+        self._lock: Optional[asyncio.Lock] = None  # made in the client's loop, on first use
+        self._limits_lock: Optional[asyncio.Lock] = None
+
+    async def run(self, steps: Steps) -> Any:
+        """Runs steps to their end; their value."""
+        self.check()
+        answer, error = None, None
+        while True:
+            try:
+                op = steps.send(answer) if error is None else steps.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            answer, error = None, None
+            try:
+                answer = await (self._limits() if op is LIMITS else self._command(op))
+            except MoEError as e:
+                error = e
+
+    async def _limits(self) -> Any:
+        self._limits_lock = self._limits_lock or asyncio.Lock()
+        async with self._limits_lock:
+            if self.regions.limits is None:
+                self.regions.limits = (await self.conn.info()).regions
+            return self.regions.limits
+
+    async def _command(self, cmd: dict) -> dict:
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:
+            if not self.alive():
+                self.opened(self.stub()(metadata=self.conn._metadata))
+            try:
+                await self.call.write(self.command(cmd))
+                data = await asyncio.wait_for(self.call.read(), self.timeout)
+            except asyncio.TimeoutError:
+                raise self.timed_out() from None
+            except grpc.RpcError as e:
+                raise self.ended(e) from None
+            except asyncio.InvalidStateError:  # written after the stream ended
+                data = grpc.aio.EOF
+            if data is grpc.aio.EOF:
+                code = await self.call.code()
+                raise MoEError(code.name, f"the region session ended: {await self.call.details()}", code)
+            return self.event(data)
+
+    async def close(self) -> None:
+        """Ends the stream (waiting a little for the server's end of it) and lets go of everything."""
+        if self.alive():
+            try:
+                await self.call.done_writing()
+                await asyncio.wait_for(self.call.code(), 5)
+            except (grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
+                self.call.cancel()
+        self.closing()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
 
 
 def _status_hidden(e: grpc.RpcError) -> bool:
@@ -47,8 +112,13 @@ class MoEClient(C.Connection):
                 cls = AioFleetClient
         return super().__new__(cls)
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._session = Session(self)
+
     async def close(self) -> None:
-        """Closes the channel; calls in flight are cancelled."""
+        """Ends the region session and closes the channel, as moed.MoEClient.close."""
+        await self._session.close()
         await self._channel.close()
 
     async def __aenter__(self) -> "MoEClient":
@@ -78,15 +148,37 @@ class MoEClient(C.Connection):
                       renormalize: Optional[bool] = None, threshold: Optional[float] = None,
                       batch_gating: bool = False, k_batch: int = 0, dtype: Optional[str] = None,
                       request_id: str = "", return_info: bool = False, copy: bool = False,
-                      transport: Optional[str] = None, timeout: Optional[float] = None):
+                      transport: Optional[str] = None, out: Any = None,
+                      timeout: Optional[float] = None):
         """moed.MoEClient.forward, awaited: the output of the input's kind (or a ForwardResult)."""
-        call = C.prepare_forward(layer, hidden, expert_ids=expert_ids, expert_weights=expert_weights,
-                                 router_logits=router_logits, strategy=strategy, top_k=top_k,
-                                 renormalize=renormalize, threshold=threshold,
-                                 batch_gating=batch_gating, k_batch=k_batch, dtype=dtype,
-                                 request_id=request_id, return_info=return_info, copy=copy,
-                                 transport=transport or self.transport)
-        return call.result(await self._unary(self._forward, call.payload, timeout))
+        for again in (False, True):
+            call = await self._session.run(C.prepare_forward(
+                layer, hidden, expert_ids=expert_ids, expert_weights=expert_weights,
+                router_logits=router_logits, strategy=strategy, top_k=top_k, renormalize=renormalize,
+                threshold=threshold, batch_gating=batch_gating, k_batch=k_batch, dtype=dtype,
+                request_id=request_id, return_info=return_info, copy=copy,
+                transport=transport or self.transport, out=out, regions=self._session.regions))
+            self.transport_calls[call.transport] += 1
+            try:
+                reply = await self._unary(self._forward, call.payload, timeout)
+            except (MoEError, asyncio.CancelledError) as e:
+                call.failed(e.code_name if isinstance(e, MoEError) else "CANCELLED")
+                if again or not isinstance(e, MoEError) or not call.regions or self._session.alive():
+                    raise
+                continue
+            return call.result(reply)
+
+    async def register(self, tensor: Any) -> Registration:
+        """moed.MoEClient.register, awaited."""
+        return await self._session.run(self._session.regions.register(tensor))
+
+    async def unregister(self, registration: Registration) -> None:
+        """moed.MoEClient.unregister, awaited."""
+        await self._session.run(self._session.regions.unregister(registration))
+
+    async def regions(self, timeout: Optional[float] = None) -> List[Region]:
+        """moed.MoEClient.regions, awaited."""
+        return C.region_list(await self._unary(self._list_regions, b"", timeout))
 
     async def forward_stream(self, requests: Any, *, timeout: Optional[float] = None,
                              transport: Optional[str] = None) -> AsyncIterator[Any]:
@@ -94,7 +186,7 @@ class MoEClient(C.Connection):
         (or a plain iterable) of dicts of forward()'s keyword arguments; yields the outputs in
         order. Use `async for y in c.forward_stream(requests)`."""
         source = requests.__aiter__() if hasattr(requests, "__aiter__") else iter(requests)
-        feed = C.Feed(source, transport or self.transport)
+        feed = C.Feed(source, transport or self.transport, self._session.regions)
         pull_lock = asyncio.Lock()
         deadline = self._deadline(timeout)
         failures = 0
@@ -112,7 +204,11 @@ class MoEClient(C.Connection):
                     failures += 1
                     wait = self.retry.delay(failures, e.code(), time.monotonic(), deadline)
                     if wait is None:
+                        feed.abandon(e.code().name)
                         raise C.rpc_error(e, failures) from None
+            except (GeneratorExit, asyncio.CancelledError):
+                feed.abandon("CANCELLED")
+                raise
             finally:
                 call.cancel()  # a no-op once the stream ended; stops it if the caller stopped early
             if oldest is not None:
@@ -125,8 +221,7 @@ class MoEClient(C.Connection):
             await asyncio.sleep(wait)
         feed.end()
 
-    @staticmethod
-    async def _requests(feed: C.Feed, pull_lock: asyncio.Lock) -> AsyncIterator[bytes]:
+    async def _requests(self, feed: C.Feed, pull_lock: asyncio.Lock) -> AsyncIterator[bytes]:
         """The payloads of one attempt of a stream (grpc.aio iterates this in a task of its own)."""
         attempt, seq = feed.start()
         while True:
@@ -148,9 +243,13 @@ class MoEClient(C.Connection):
                         except Exception as e:  # the caller's iterable failed: raised in order
                             feed.stop(e)
                             return
-                        payload = feed.pulled(item)
-                        if payload is None:
+                        try:
+                            call = await self._session.run(feed.steps(item))
+                        except Exception as e:  # a bad item: raised in order
+                            feed.stop(e)
                             return
+                        self.transport_calls[call.transport] += 1
+                        payload = feed.pulled(call)
             if payload is C.STALE:
                 return
             yield payload

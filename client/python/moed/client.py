@@ -10,14 +10,90 @@ answered UNAVAILABLE are retried as the client's RetryPolicy says.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, List, Optional
 
 import grpc
 
 from . import _common as C
-from .types import ModelInfo, MoEError
+from .regions import LIMITS, Registration, Steps
+from .types import ModelInfo, MoEError, Region
+
+
+class Session(C.SessionBase):
+    """The blocking client's region session: the Regions stream fed from a queue (gRPC sends it
+    from a thread of its own), one command and its event at a time."""
+
+    def __init__(self, conn: "MoEClient"):
+        super().__init__(conn)
+        self._lock = threading.Lock()
+        self._limits_lock = threading.Lock()
+        self._q: Any = None  # the commands to send
+        self._events: Any = None  # the events received
+
+    def run(self, steps: Steps) -> Any:
+        """Runs steps to their end; their value."""
+        self.check()
+        answer, error = None, None
+        while True:
+            try:
+                op = steps.send(answer) if error is None else steps.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            answer, error = None, None
+            try:
+                answer = self._limits() if op is LIMITS else self._command(op)
+            except MoEError as e:
+                error = e
+
+    def _limits(self) -> Any:
+        with self._limits_lock:
+            if self.regions.limits is None:
+                self.regions.limits = self.conn.info().regions
+            return self.regions.limits
+
+    def _command(self, cmd: dict) -> dict:
+        with self._lock:
+            if not self.alive():
+                self._q, self._events = queue.SimpleQueue(), queue.SimpleQueue()
+                self.opened(self.stub()(iter(self._q.get, None), metadata=self.conn._metadata))
+                threading.Thread(target=self._read, args=(self.call, self._events), daemon=True,
+                                 name="moed-regions").start()
+            self._q.put(self.command(cmd))
+            try:
+                item = self._events.get(timeout=self.timeout)
+            except queue.Empty:
+                raise self.timed_out() from None
+            if isinstance(item, grpc.RpcError):
+                raise self.ended(item)
+            return self.event(item)
+
+    @staticmethod
+    def _read(call: Any, events: "queue.SimpleQueue") -> None:
+        """The stream's events, into `events` (None at its end, or the error that ended it), read
+        on a thread of their own so that a command can wait for its event with a timeout."""
+        try:
+            for data in call:
+                events.put(data)
+            events.put(None)
+        except grpc.RpcError as e:
+            events.put(e)
+
+    def close(self) -> None:
+        """Ends the stream (waiting a little for the server's end of it) and lets go of everything."""
+        with self._lock:
+            if self.alive():
+                done = threading.Event()
+                self.call.add_done_callback(lambda _: done.set())
+                self._q.put(None)
+                if not done.wait(5):
+                    self.call.cancel()
+            self.closing()
+            if self._channel is not None:
+                self._channel.close()
+                self._channel = self._stub = None
 
 
 class MoEClient(C.Connection):
@@ -36,12 +112,16 @@ class MoEClient(C.Connection):
                   server's minimum); None: gRPC's default (no pings);
       retry       RetryPolicy for calls answered UNAVAILABLE (queue full, draining, unreachable);
                   None or moed.retry.NO_RETRY: never retry;
-      transport   how tensors travel by default: "auto" or "inline" (see moed.transport).
-    Use as a context manager, or call close().
+      transport   how tensors travel by default: "auto", "inline", "shm" or "cuda" (see
+                  moed.transport: auto takes shared or device memory for a server on this host).
+    Use as a context manager, or call close(). transport_calls counts the Forward calls each
+    transport carried; the region session behind shm and cuda is opened on first use and ended
+    by close() (moed.regions).
 
     A target naming several daemons (a list of targets, or a "dns:" name that resolves to several
     addresses, as a Kubernetes headless Service does) makes a fleet client (moed.fleet): the same
-    calls, each sent to the daemons holding its layer's experts and their partial outputs added.
+    calls, each sent to the daemons holding its layer's experts and their partial outputs added;
+    its tensors travel inline.
     """
 
     def __new__(cls, target: Any = "127.0.0.1:50051", *args, **kwargs):
@@ -52,8 +132,14 @@ class MoEClient(C.Connection):
                 cls = FleetClient
         return super().__new__(cls)
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._session = Session(self)
+
     def close(self) -> None:
-        """Closes the channel; calls in flight are cancelled."""
+        """Ends the region session (the server releases every region of it; outputs that view the
+        shared-memory arena stay valid) and closes the channel; calls in flight are cancelled."""
+        self._session.close()
         self._channel.close()
 
     def __enter__(self) -> "MoEClient":
@@ -93,13 +179,15 @@ class MoEClient(C.Connection):
                                  renormalize=renormalize, threshold=threshold,
                                  batch_gating=batch_gating, k_batch=k_batch, dtype=dtype,
                                  request_id=request_id, transport="inline")
-        return moed_pb2.ForwardRequest.FromString(call.payload)
+        call = C.now(call).payload
+        return moed_pb2.ForwardRequest.FromString(call)
 
     def forward(self, layer: int, hidden: Any, *, expert_ids=None, expert_weights=None,
                 router_logits=None, strategy=None, top_k: int = 0, renormalize: Optional[bool] = None,
                 threshold: Optional[float] = None, batch_gating: bool = False, k_batch: int = 0,
                 dtype: Optional[str] = None, request_id: str = "", return_info: bool = False,
-                copy: bool = False, transport: Optional[str] = None, timeout: Optional[float] = None):
+                copy: bool = False, transport: Optional[str] = None, out: Any = None,
+                timeout: Optional[float] = None):
         """Computes MoE layer `layer` for hidden [T, d_model]; returns the output [T, d_model] in
         hidden's dtype and of hidden's kind, or a ForwardResult if return_info.
 
@@ -108,7 +196,9 @@ class MoEClient(C.Connection):
         patterns with dtype="bf16" (the output is then uint16 too). The output is a numpy array
         (torch tensor in: a torch tensor on the same device). It is a view of the reply's bytes:
         read-only for numpy; copy=True gives one that owns its memory (moed.tensors says what
-        each kind costs). A non-contiguous hidden is copied once.
+        each kind costs). A non-contiguous hidden is copied once. On the shm transport the output
+        is a view of the client's shared-memory arena instead, valid as long as it is referenced
+        (moed.regions); a CUDA output is a new tensor on hidden's device.
         Routing, one of:
           * expert_ids int32 [T, k] and expert_weights float32 [T, k] (id -1 with weight 0 pads);
           * router_logits float32 [T, num_experts], gated by the server with `strategy`;
@@ -119,16 +209,49 @@ class MoEClient(C.Connection):
         norm_topk_prob, True or False; threshold: sigmoid's, None for 0.5.
         batch_gating: batch-level dynamic gating over the merged batch with k_batch experts (0: the
         layer's top_k); ForwardResult.expert_set then names the set.
-        transport: None for the client's; timeout: seconds, None for the client's default.
+        transport: "auto", "inline", "shm" or "cuda" (moed.transport), None for the client's.
+        out: where to write the output (of hidden's kind, dtype, shape and device, contiguous),
+        returned; a CUDA out that lies in a registered tensor (register()) is written by the
+        server itself, and with hidden registered too the call copies nothing.
+        timeout: seconds, None for the client's default.
         Raises MoEError on a failed call and ValueError on arguments that cannot be sent.
         """
-        call = C.prepare_forward(layer, hidden, expert_ids=expert_ids, expert_weights=expert_weights,
-                                 router_logits=router_logits, strategy=strategy, top_k=top_k,
-                                 renormalize=renormalize, threshold=threshold,
-                                 batch_gating=batch_gating, k_batch=k_batch, dtype=dtype,
-                                 request_id=request_id, return_info=return_info, copy=copy,
-                                 transport=transport or self.transport)
-        return call.result(self._unary(self._forward, call.payload, timeout))
+        for again in (False, True):
+            call = self._session.run(C.prepare_forward(
+                layer, hidden, expert_ids=expert_ids, expert_weights=expert_weights,
+                router_logits=router_logits, strategy=strategy, top_k=top_k, renormalize=renormalize,
+                threshold=threshold, batch_gating=batch_gating, k_batch=k_batch, dtype=dtype,
+                request_id=request_id, return_info=return_info, copy=copy,
+                transport=transport or self.transport, out=out, regions=self._session.regions))
+            self.transport_calls[call.transport] += 1
+            try:
+                reply = self._unary(self._forward, call.payload, timeout)
+            except MoEError as e:
+                call.failed(e.code_name)
+                # Its regions went with a session that ended (a restarted server): once more.
+                if again or not call.regions or self._session.alive():
+                    raise
+                continue
+            return call.result(reply)
+
+    def register(self, tensor: Any) -> Registration:
+        """Registers a torch CUDA tensor as a region of the client's session: a forward() whose
+        hidden or out lies in it names it instead of copying through the device arena. The region
+        is the whole CUDA allocation that holds the tensor (an IPC handle names a whole allocation,
+        and the server may open each only once), shared by every registered tensor in it. The
+        client keeps the tensor alive until unregister() or close(); it is registered again by
+        itself if the session ends and a new one starts. The caller must not change hidden (or
+        read out) while a call that names it is in flight."""
+        return self._session.run(self._session.regions.register(tensor))
+
+    def unregister(self, registration: Registration) -> None:
+        """Ends a registration made by register()."""
+        self._session.run(self._session.regions.unregister(registration))
+
+    def regions(self, timeout: Optional[float] = None) -> List[Region]:
+        """The server's list of the regions of this client's principal (ListRegions): from every
+        session of it, this client's arenas and registrations among them."""
+        return C.region_list(self._unary(self._list_regions, b"", timeout))
 
     def forward_stream(self, requests: Iterable[dict], *, timeout: Optional[float] = None,
                        transport: Optional[str] = None) -> Iterator[Any]:
@@ -140,7 +263,7 @@ class MoEClient(C.Connection):
         yet answered are sent again on a new stream (the retry count restarts with each reply).
         Stopping the iteration early cancels the stream.
         """
-        feed = C.Feed(iter(requests), transport or self.transport)
+        feed = C.Feed(iter(requests), transport or self.transport, self._session.regions)
         pull_lock = threading.Lock()
         deadline = self._deadline(timeout)
         failures = 0
@@ -156,14 +279,17 @@ class MoEClient(C.Connection):
                 failures += 1
                 wait = self.retry.delay(failures, e.code(), time.monotonic(), deadline)
                 if wait is None:
+                    feed.abandon(e.code().name)
                     raise C.rpc_error(e, failures) from None
+            except GeneratorExit:
+                feed.abandon("CANCELLED")
+                raise
             finally:
                 call.cancel()  # a no-op once the stream ended; stops it if the caller stopped early
             time.sleep(wait)
         feed.end()
 
-    @staticmethod
-    def _requests(feed: C.Feed, pull_lock: threading.Lock) -> Iterator[bytes]:
+    def _requests(self, feed: C.Feed, pull_lock: threading.Lock) -> Iterator[bytes]:
         """The payloads of one attempt of a stream (gRPC iterates this on its own thread)."""
         attempt, seq = feed.start()
         while True:
@@ -182,9 +308,13 @@ class MoEClient(C.Connection):
                         except Exception as e:  # the caller's iterable failed: raised in order
                             feed.stop(e)
                             return
-                        payload = feed.pulled(item)
-                        if payload is None:
+                        try:
+                            call = self._session.run(feed.steps(item))
+                        except Exception as e:  # a bad item: raised in order
+                            feed.stop(e)
                             return
+                        self.transport_calls[call.transport] += 1
+                        payload = feed.pulled(call)
             if payload is C.STALE:
                 return
             yield payload

@@ -121,6 +121,15 @@ def is_fleet(target: Any) -> bool:
         return False
 
 
+def _inline(transport: str) -> str:
+    """A fleet sends its tensors inline: it keeps no region session with its daemons (auto means
+    inline here)."""
+    if transport not in ("auto", "inline"):
+        raise ValueError(f"transport={transport!r}: a fleet client sends tensors inline (auto or "
+                         f"inline); shm and cuda need one daemon on this host")
+    return "inline"
+
+
 class Names:
     """The "dns:" names among a fleet's targets. Pods behind a name come back at new addresses, so
     the name is resolved again (at most every RESOLVE_EVERY seconds) when a call finds a shard with
@@ -659,12 +668,12 @@ class FleetClient(MoEClient):
                 dtype: Optional[str] = None, request_id: str = "", return_info: bool = False,
                 copy: bool = False, transport: Optional[str] = None, timeout: Optional[float] = None):
         """moed.MoEClient.forward over the fleet."""
-        call = C.prepare_forward(layer, hidden, expert_ids=expert_ids, expert_weights=expert_weights,
-                                 router_logits=router_logits, strategy=strategy, top_k=top_k,
-                                 renormalize=renormalize, threshold=threshold,
-                                 batch_gating=batch_gating, k_batch=k_batch, dtype=dtype,
-                                 request_id=request_id, return_info=return_info, copy=copy,
-                                 transport=transport or self.transport)
+        call = C.now(C.prepare_forward(layer, hidden, expert_ids=expert_ids, expert_weights=expert_weights,
+                                       router_logits=router_logits, strategy=strategy, top_k=top_k,
+                                       renormalize=renormalize, threshold=threshold,
+                                       batch_gating=batch_gating, k_batch=k_batch, dtype=dtype,
+                                       request_id=request_id, return_info=return_info, copy=copy,
+                                       transport=_inline(transport or self.transport)))
         deadline = self._deadline(timeout)
         try:
             return self._fan_out(layer, call, batch_gating, deadline)
@@ -854,12 +863,12 @@ class AioFleetClient(aio.MoEClient):
                       request_id: str = "", return_info: bool = False, copy: bool = False,
                       transport: Optional[str] = None, timeout: Optional[float] = None):
         """moed.aio.MoEClient.forward over the fleet."""
-        call = C.prepare_forward(layer, hidden, expert_ids=expert_ids, expert_weights=expert_weights,
-                                 router_logits=router_logits, strategy=strategy, top_k=top_k,
-                                 renormalize=renormalize, threshold=threshold,
-                                 batch_gating=batch_gating, k_batch=k_batch, dtype=dtype,
-                                 request_id=request_id, return_info=return_info, copy=copy,
-                                 transport=transport or self.transport)
+        call = C.now(C.prepare_forward(layer, hidden, expert_ids=expert_ids, expert_weights=expert_weights,
+                                       router_logits=router_logits, strategy=strategy, top_k=top_k,
+                                       renormalize=renormalize, threshold=threshold,
+                                       batch_gating=batch_gating, k_batch=k_batch, dtype=dtype,
+                                       request_id=request_id, return_info=return_info, copy=copy,
+                                       transport=_inline(transport or self.transport)))
         deadline = self._deadline(timeout)
         try:
             return await self._fan_out(layer, call, batch_gating, deadline)

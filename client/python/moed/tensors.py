@@ -9,11 +9,13 @@ by whoever made the tensor, is taken from sys.modules.
 
 Copies, on the inline transport: a contiguous little-endian host tensor is read where it lies
 (wire.py writes its bytes into the message: the one copy); a non-contiguous one is first made
-contiguous (one more copy, on the tensor's own device); a CUDA tensor is copied to the host once
-(the copy a CUDA-region transport removes). The output is a view of the reply's bytes: numpy
-arrays are read-only views (copy=True gives a writable array of their own); torch CPU tensors
-share the reply's buffer too (torch has no read-only tensors: nothing else uses that buffer, but
-pass copy=True for a tensor that owns its memory); CUDA outputs are one host-to-device copy.
+contiguous (one more copy, on the tensor's own device); a CUDA tensor is copied to the host once.
+The output is a view of the reply's bytes: numpy arrays are read-only views (copy=True gives a
+writable array of their own); torch CPU tensors share the reply's buffer too (torch has no
+read-only tensors: nothing else uses that buffer, but pass copy=True for a tensor that owns its
+memory); CUDA outputs are one host-to-device copy. On the shm transport the one copy is into the
+client's shared memory (write(), from any layout or device) and the output views that memory
+instead of the reply; the cuda transport is moed.transport's and moed.regions' business.
 """
 
 from __future__ import annotations
@@ -92,8 +94,31 @@ class Input:
     def __init__(self, obj: Any, wire: int, shape: Tuple[int, ...]):
         self.obj, self.wire, self.shape = obj, wire, shape
 
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * WIRE_NP[self.wire].itemsize
+
+    @property
+    def cuda(self) -> bool:
+        """Whether the tensor lies in CUDA device memory."""
+        return False
+
     def host(self) -> np.ndarray:
         """The bytes as a C-contiguous little-endian host array of the wire dtype's numpy type."""
+        raise NotImplementedError
+
+    def write(self, dst: np.ndarray) -> None:
+        """Copies the tensor's bytes into dst (nbytes of uint8 host memory): one copy, from any
+        layout and device."""
+        raise NotImplementedError
+
+    def check_out(self, out: Any) -> None:
+        """ValueError unless `out` can take the output: of the input's kind, dtype, shape (and
+        device), C-contiguous and writable."""
+        raise NotImplementedError
+
+    def into(self, out: Any, y: Any) -> Any:
+        """Copies output y into out (checked); returns out."""
         raise NotImplementedError
 
     def output(self, data: memoryview, shape: Sequence[int], copy: bool) -> Any:
@@ -109,6 +134,20 @@ class NumpyInput(Input):
     def host(self) -> np.ndarray:
         a = self.obj.view(np.uint16) if self.wire == BF16 else self.obj
         return a.astype(WIRE_NP[self.wire], order="C", copy=False)  # a copy only if it must
+
+    def write(self, dst: np.ndarray) -> None:
+        src = self.obj.view(np.uint16) if self.wire == BF16 else self.obj
+        np.copyto(dst.view(WIRE_NP[self.wire]).reshape(self.shape), src)
+
+    def check_out(self, out: Any) -> None:
+        if not (isinstance(out, np.ndarray) and out.dtype == self.obj.dtype and out.shape == self.shape
+                and out.flags.c_contiguous and out.flags.writeable):
+            raise ValueError(f"out must be a writable C-contiguous numpy array of hidden's dtype "
+                             f"{self.obj.dtype} and shape {list(self.shape)}")
+
+    def into(self, out: Any, y: Any) -> Any:
+        np.copyto(out, y)
+        return out
 
     def output(self, data: memoryview, shape: Sequence[int], copy: bool) -> np.ndarray:
         like = self.obj.dtype if self.wire == BF16 else self.obj.dtype.newbyteorder("=")
@@ -134,6 +173,23 @@ class TorchInput(Input):
             t = t.view(sys.modules["torch"].int16)
         a = t.numpy()
         return a.view(np.uint16) if self.wire == BF16 else a.astype(WIRE_NP[self.wire], copy=False)
+
+    @property
+    def cuda(self) -> bool:
+        return self.obj.device.type == "cuda"
+
+    def write(self, dst: np.ndarray) -> None:
+        torch = sys.modules["torch"]
+        torch.from_numpy(dst).view(self.obj.dtype).view(self.shape).copy_(self.obj.detach())
+
+    def check_out(self, out: Any) -> None:
+        if not (is_torch(out) and out.dtype == self.obj.dtype and tuple(out.shape) == self.shape
+                and out.device == self.obj.device and out.is_contiguous()):
+            raise ValueError(f"out must be a contiguous torch tensor of hidden's dtype {self.obj.dtype}, "
+                             f"shape {list(self.shape)} and device {self.obj.device}")
+
+    def into(self, out: Any, y: Any) -> Any:
+        return out.copy_(y)
 
     def output(self, data: memoryview, shape: Sequence[int], copy: bool) -> Any:
         torch = sys.modules["torch"]

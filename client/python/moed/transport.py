@@ -1,67 +1,177 @@
 """Transports: how a hidden-state tensor reaches the server and how the output comes back.
 
-A transport turns an Input (tensors.py) into the moed.v1.Tensor that carries it in the request,
-and the reply's output Tensor back into an output of the input's kind. "inline" carries the bytes
-in the message itself and works with any server. Transports over tensor regions that a same-host
-client registers with the server (shared memory for host tensors, CUDA IPC for device tensors)
-plug in here beside it: prepare() then names a region instead of carrying bytes, and asks for the
-output to be written into one.
+  inline  the bytes in the messages: written once into the request, the output read in place from
+          the reply (a CUDA tensor is copied to the host and back). Works with any server.
+  shm     host tensors through the client's shared-memory arena: hidden copied in once, the
+          output written there by the server and returned as a view of it (a CUDA tensor is
+          copied to the host and back). Needs the server on this host.
+  cuda    CUDA torch tensors through the client's device arena (one device copy in, one out), or
+          straight from and into tensors the caller registered (MoEClient.register): no copy.
+          Needs the server on this host and on the cuda backend (the cpu backend answers
+          FAILED_PRECONDITION).
+  auto    (the default) cuda for a CUDA tensor when the server takes CUDA regions, shm for one of
+          at least SHM_MIN_BYTES when the server is on this host and takes regions, inline
+          otherwise; a region session that cannot be had (the server draining, regions off) makes
+          the call go inline. Below SHM_MIN_BYTES a message costs about what the copy into shared
+          memory does, and a client that only sends small tensors (a probe, a CLI, a test) never
+          pays for a session (a GetModel, a stream on a connection of its own, a registration).
 
-transport="auto" (the default) picks the best one the input and the server allow; today that is
-always "inline".
+"On this host" is decided from the target alone (moed.regions.local_target: a unix: socket or a
+loopback address); shm and cuda with another target are refused by the client. Arenas, slots and
+how long an output stays valid: moed.regions.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict
+import sys
+from typing import Any, Dict, Optional
 
+from .regions import LIMITS, Regions, Slot, Steps, remote_message
 from .tensors import Input, wire_tensor
+from .types import MoEError
+
+NAMES = ("auto", "inline", "shm", "cuda")
+SHM_MIN_BYTES = 64 << 10  # auto's least hidden for shared memory (mixtral's d 4096 in bf16: T = 8)
 
 
 class Prepared:
     """One call's hidden state, ready to send: `tensor` is the moed.v1.Tensor (a dict for
-    wire.encode) that carries it; finish() makes the output from the reply's Tensor (already
-    checked against the request). A region transport's Prepared also names where the output is
-    to be written, and its finish() reads it from there."""
+    wire.encode) that carries it, `output` the RegionRef the output is to be written to (None:
+    in the reply). finish() makes the output from the reply's Tensor (already checked against the
+    request); failed() is told when the call failed instead."""
 
-    __slots__ = ("input", "tensor")
+    __slots__ = ("input", "tensor", "output", "out")
+    transport = "inline"
 
-    def __init__(self, inp: Input, tensor: Dict[str, Any]):
-        self.input, self.tensor = inp, tensor
+    def __init__(self, inp: Input, tensor: Dict[str, Any], output: Optional[Dict[str, int]] = None,
+                 out: Any = None):
+        self.input, self.tensor, self.output, self.out = inp, tensor, output, out
 
     def finish(self, reply_tensor: Dict[str, Any], copy: bool) -> Any:
-        """The output from the reply's Tensor, whose dtype and shape are the input's (checked)."""
-        return self.input.output(reply_tensor["data"], reply_tensor["shape"], copy)
+        y = self.input.output(reply_tensor["data"], reply_tensor["shape"], copy and self.out is None)
+        return y if self.out is None else self.input.into(self.out, y)
+
+    def failed(self, code_name: str) -> None:
+        pass
+
+    def _check_ref(self, reply_tensor: Dict[str, Any]) -> None:
+        if reply_tensor["contents"] != "region" or reply_tensor["region"] != self.output:
+            raise MoEError("INTERNAL", "the server's reply does not name the region the request "
+                                       "asked the output to be written to")
 
 
-class Transport:
-    """The interface: name, and prepare(Input) -> Prepared."""
+class HostPrepared(Prepared):
+    """hidden in a slot of the shared-memory arena, the output written over it."""
 
-    name = ""
+    __slots__ = ("slot",)
+    transport = "shm"
 
-    def prepare(self, inp: Input) -> Prepared:
-        raise NotImplementedError
+    def __init__(self, inp: Input, slot: Slot, out: Any):
+        ref = slot.ref()
+        super().__init__(inp, {"dtype": inp.wire, "shape": inp.shape, "region": ref}, ref, out)
+        self.slot = slot
 
+    def finish(self, reply_tensor: Dict[str, Any], copy: bool) -> Any:
+        self._check_ref(reply_tensor)
+        y = self.input.output(self.slot.lent(), reply_tensor["shape"], copy and self.out is None)
+        return y if self.out is None else self.input.into(self.out, y)
 
-class Inline(Transport):
-    """Tensor bytes in the messages: the host bytes of the input (one device-to-host copy for a CUDA
-    tensor), written into the request once; the output read in place from the reply."""
-
-    name = "inline"
-
-    def prepare(self, inp: Input) -> Prepared:
-        return Prepared(inp, wire_tensor(inp.host(), inp.wire))
-
-
-TRANSPORTS: Dict[str, Transport] = {"inline": Inline()}
+    def failed(self, code_name: str) -> None:
+        self.slot.failed(code_name)
 
 
-def choose(name: str, inp: Input) -> Transport:
-    """The transport for one call of input `inp`: `name` is a key of TRANSPORTS, or "auto" for the
-    best one for inp (inline, until region transports exist); ValueError if unknown."""
-    if name == "auto":
-        return TRANSPORTS["inline"]
-    if name not in TRANSPORTS:
-        raise ValueError(f"unknown transport {name!r}: use auto or {', '.join(TRANSPORTS)}")
-    return TRANSPORTS[name]
+class DevicePrepared(Prepared):
+    """hidden and the output in device memory: the caller's registered tensors, or a slot of the
+    device arena (hidden copied in and the output written over it, or the output's alone when
+    hidden is registered, or hidden's alone when out is)."""
 
+    __slots__ = ("slot", "in_out")
+    transport = "cuda"
+
+    def __init__(self, inp: Input, ref: Dict[str, int], output: Dict[str, int], slot: Optional[Slot],
+                 out: Any):
+        super().__init__(inp, {"dtype": inp.wire, "shape": inp.shape, "region": ref}, output, out)
+        self.slot = slot
+        self.in_out = slot is not None and output == slot.ref()  # the output lands in the slot
+
+    def finish(self, reply_tensor: Dict[str, Any], copy: bool) -> Any:
+        self._check_ref(reply_tensor)
+        if not self.in_out:  # written into the caller's registered out; hidden's slot is free
+            if self.slot is not None:
+                self.slot.give()
+            return self.out
+        torch, x = sys.modules["torch"], self.input.obj
+        view = self.slot.chunk.bytes_at(self.slot.off, self.slot.n).view(x.dtype).view(x.shape)
+        y = self.out if self.out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        y.copy_(view)
+        torch.cuda.current_stream(x.device).synchronize()  # the copy is done: the slot is free
+        self.slot.give()
+        return y
+
+    def failed(self, code_name: str) -> None:
+        if self.slot is not None:
+            self.slot.failed(code_name)
+
+
+def inline(inp: Input, out: Any) -> Prepared:
+    return Prepared(inp, wire_tensor(inp.host(), inp.wire), None, out)
+
+
+def shm(inp: Input, regions: Regions, out: Any) -> Steps:
+    slot = yield from regions.host.slot(inp.nbytes)
+    try:
+        inp.write(slot.chunk.bytes_at(slot.off, slot.n, True))
+    except BaseException:
+        slot.give()
+        raise
+    return HostPrepared(inp, slot, out)
+
+
+def cuda(inp: Input, regions: Regions, out: Any) -> Steps:
+    if not inp.cuda:
+        raise ValueError("transport='cuda' takes torch CUDA tensors: hidden is on the host (use shm)")
+    torch, x = sys.modules["torch"], inp.obj.detach()
+    ref = yield from regions.registered(x)
+    out_ref = None if out is None else (yield from regions.registered(out))
+    slot = None
+    if ref is None or out_ref is None:
+        slot = yield from regions.device(x.device.index).slot(inp.nbytes)
+    try:
+        if ref is None:
+            slot.chunk.bytes_at(slot.off, slot.n).view(x.dtype).view(x.shape).copy_(x)
+            ref = slot.ref()
+        # The server reads hidden (and writes out) from another process: whatever the caller's
+        # stream still has queued on them must be done before the request goes.
+        torch.cuda.current_stream(x.device).synchronize()
+    except BaseException:
+        if slot is not None:
+            slot.give()
+        raise
+    return DevicePrepared(inp, ref, out_ref or slot.ref(), slot, out)
+
+
+def prepare(name: str, inp: Input, regions: Regions, out: Any = None) -> Steps:
+    """Steps (moed.regions) that return the Prepared of input `inp` on transport `name` (one of
+    NAMES); ValueError for a transport that cannot carry it, MoEError for one the server refuses."""
+    if name not in NAMES:
+        raise ValueError(f"unknown transport {name!r}: use {', '.join(NAMES)}")
+    if out is not None:
+        inp.check_out(out)
+    if name == "inline" or (name == "auto" and (not regions.local or
+                                                (not inp.cuda and inp.nbytes < SHM_MIN_BYTES))):
+        return inline(inp, out)
+    if not regions.local:
+        raise ValueError(remote_message(f"transport={name!r}", regions.target))
+    if name != "auto":
+        return (yield from (cuda if name == "cuda" else shm)(inp, regions, out))
+    try:
+        limits = yield LIMITS
+        if limits.mode == "off":
+            return inline(inp, out)
+        if inp.cuda and limits.cuda:
+            return (yield from cuda(inp, regions, out))
+        if inp.nbytes < SHM_MIN_BYTES:
+            return inline(inp, out)
+        return (yield from shm(inp, regions, out))
+    except (MoEError, OSError):  # no session, or no shared memory to be had
+        return inline(inp, out)

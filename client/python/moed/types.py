@@ -99,9 +99,41 @@ class Device:
     memory_used: int
 
 
+# moed.v1.RegionKind
+REGION_KINDS = {"host": 1, "cuda": 2}
+
+
+@dataclass
+class RegionLimits:
+    """Whether and how much the server takes tensor regions (moed.v1.RegionLimits): mode "off",
+    "local" (same-host peers only) or "any"; caps per principal and in all; cuda: CUDA regions
+    accepted (the cuda backend)."""
+
+    mode: str = "off"
+    max_regions: int = 0
+    max_region_bytes: int = 0
+    max_region_bytes_total: int = 0
+    cuda: bool = False
+
+
+@dataclass
+class Region:
+    """A registered tensor region, as the server lists it (moed.v1.Region): kind "host" or "cuda";
+    requests: the references requests hold on it now."""
+
+    id: int
+    kind: str
+    name: str
+    bytes: int
+    device: int
+    ready: bool
+    broken: bool
+    requests: int
+
+
 @dataclass
 class ModelInfo:
-    """What the server holds (moed.v1.ModelInfo)."""
+    """What the server holds (moed.v1.ModelInfo); regions: its RegionLimits."""
 
     model: str
     layers: List[LayerInfo]
@@ -110,6 +142,7 @@ class ModelInfo:
     version: str
     max_message_bytes: int
     max_batch_tokens: int
+    regions: RegionLimits = field(default_factory=RegionLimits)
 
     def layer(self, index: int) -> LayerInfo:
         """The LayerInfo whose index (checkpoint layer number) is `index`; KeyError if not resident."""

@@ -83,7 +83,8 @@ def test_output_is_a_read_only_view_of_the_reply_unless_copied(server):
 
 def test_reply_is_read_in_place_and_request_written_from_the_callers_memory():
     x = np.arange(32, dtype=np.float32).reshape(4, 8)
-    call = _common.prepare_forward(0, x, expert_ids=np.zeros((4, 1)), expert_weights=np.ones((4, 1)))
+    call = _common.now(_common.prepare_forward(0, x, expert_ids=np.zeros((4, 1)), expert_weights=np.ones((4, 1)),
+                                               transport="inline"))
     assert np.shares_memory(call.prepared.tensor["data"], x)  # no copy before the message's own
     reply = wire.encode("moed.v1.ForwardResponse", {"output": {"dtype": 1, "shape": [4, 8], "data": x * 3}})
     y = call.result(reply)
@@ -94,7 +95,7 @@ def test_reply_is_read_in_place_and_request_written_from_the_callers_memory():
 def test_non_contiguous_and_big_endian_inputs_are_copied_once_and_correct(server):
     fake, target = server
     x = np.random.default_rng(2).standard_normal((10, 16)).astype(np.float32)[::2, ::2]
-    call = _common.prepare_forward(0, x, **CHOICE)
+    call = _common.now(_common.prepare_forward(0, x, **CHOICE, transport="inline"))
     assert not np.shares_memory(call.prepared.tensor["data"], x)
     with moed.MoEClient(target) as c:
         np.testing.assert_array_equal(c.forward(0, x, **CHOICE), twice(x))
@@ -112,7 +113,8 @@ def test_dlpack_objects_go_in_and_numpy_comes_out(server):
                       expert_weights=DLPackOnly(CHOICE["expert_weights"]))
         assert isinstance(y, np.ndarray) and y.dtype == np.float16
         np.testing.assert_array_equal(y, twice(x))
-        assert np.shares_memory(_common.prepare_forward(0, DLPackOnly(x), **CHOICE).prepared.tensor["data"], x)
+        call = _common.now(_common.prepare_forward(0, DLPackOnly(x), **CHOICE, transport="inline"))
+        assert np.shares_memory(call.prepared.tensor["data"], x)
         with pytest.raises(ValueError, match="not on the host"):
             c.forward(0, DLPackOnly(x, device=(2, 0)), **CHOICE)
 
@@ -193,7 +195,7 @@ def test_errors_are_moed_errors(server):
 
 def test_a_reply_unlike_the_request_is_an_internal_error():
     x = np.ones((2, 4), np.float32)
-    call = _common.prepare_forward(0, x, strategy="topk")
+    call = _common.now(_common.prepare_forward(0, x, strategy="topk", transport="inline"))
     cases = [(b"", "without an output"), (b"\x12\x02\x08\x02", "dtype f16"),
              (wire.encode("moed.v1.ForwardResponse", {"output": {"dtype": 1, "shape": [2, 3]}}), r"shape \[2, 3\]"),
              (wire.encode("moed.v1.ForwardResponse", {"output": {"dtype": 1, "shape": [2, 4], "data": b"\0" * 8}}),

@@ -50,7 +50,7 @@ def test_torch_in_torch_out_same_dtype_and_device_as_numpy(server, dtype, device
 
 def test_cpu_output_shares_the_reply_unless_copied():
     x = torch.arange(32, dtype=torch.float32).reshape(4, 8)
-    call = _common.prepare_forward(0, x, strategy="topk")
+    call = _common.now(_common.prepare_forward(0, x, strategy="topk", transport="inline"))
     assert np.shares_memory(call.prepared.tensor["data"], x.numpy())  # written from x's own memory
     reply = wire.encode("moed.v1.ForwardResponse", {"output": {"dtype": 1, "shape": [4, 8], "data": x.numpy() * 3}})
     start = np.frombuffer(reply, np.uint8).ctypes.data

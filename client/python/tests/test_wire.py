@@ -41,7 +41,8 @@ def test_tables_match_the_descriptors(msg):
 
 def test_every_message_the_client_exchanges_has_a_table():
     used = {"moed.v1.ForwardRequest", "moed.v1.ForwardResponse", "moed.v1.GetModelRequest",
-            "moed.v1.ModelInfo", "grpc.health.v1.HealthCheckRequest", "grpc.health.v1.HealthCheckResponse"}
+            "moed.v1.ModelInfo", "moed.v1.RegionCommand", "moed.v1.RegionEvent",
+            "moed.v1.ListRegionsRequest", "moed.v1.RegionList", "grpc.health.v1.HealthCheckRequest", "grpc.health.v1.HealthCheckResponse"}
     missing = set()
     for name in used:
         stack = [descriptor_pool.Default().FindMessageTypeByName(name)]
