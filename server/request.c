@@ -234,6 +234,24 @@ static int check_hidden(const moed_served *s, const moed_caller *c, const moed_w
     return 0;
 }
 
+/* The output may be hidden's own bytes: every path writes a row only after reading it (the
+ * CUDA backend's chunks copy a chunk's rows in before its outputs go out). A partial overlap would
+ * let a chunk's outputs land on rows a later chunk has yet to read, so it is refused. Both
+ * references are bounds-checked already (no overflow). */
+static int check_overlap(const moed_work *w, const moed_wire_ref *in, const moed_wire_ref *out,
+                         moed_error *err)
+{
+    if (w->hidden_region != w->out_region || in->offset >= out->offset + out->length ||
+        out->offset >= in->offset + in->length || in->offset == out->offset)
+        return 0;
+    return moed_fail(err, MOED_EINVAL,
+                     "output (offset %llu) overlaps hidden (offset %llu, %llu bytes) in region "
+                     "%llu without being the same bytes: name hidden's own offset to compute in "
+                     "place, or bytes apart from it",
+                     (unsigned long long)out->offset, (unsigned long long)in->offset,
+                     (unsigned long long)in->length, (unsigned long long)out->region);
+}
+
 /* Where the output goes: the region the request names, held and bounds-checked. */
 static int check_output(const moed_served *s, const moed_caller *c, const moed_wire_request *q,
                         moed_work *w, moed_error *err)
@@ -246,7 +264,7 @@ static int check_output(const moed_served *s, const moed_caller *c, const moed_w
     if (!(w->out_region = region_for(s, c, q->output.region, "output", err))) return err->code;
     int rc = moed_region_resolve(w->out_region, q->output.offset, q->output.length, need,
                                  moed_dtype_size(it->dtype), "output", &w->out_at, &dev, err);
-    if (rc) return rc;
+    if (rc || (rc = check_overlap(w, &q->hidden.region, &q->output, err))) return rc;
     w->out_ref = q->output;
     if (moed_region_direct(s->regions, w->out_region)) {
         it->mem.y = w->out_at;

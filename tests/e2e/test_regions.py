@@ -192,6 +192,58 @@ def test_merged_region_requests_are_bit_identical_to_alone(pool):
         shm.close()
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_output_over_hidden_is_inline_forward(pool, dtype):
+    """The output written over hidden's own bytes (as the Python client's arenas ask) is, bit for
+    bit, the inline output, for every routing kind, alone and in a merged launch whose other
+    requests lie right before and after it in the same region; an output that overlaps hidden
+    without being the same bytes is INVALID_ARGUMENT, and the next call is served."""
+    alone, merged = plain(pool), merging(pool)
+    shm = Shm(1 << 17)
+    try:
+        with alone.channel() as ach, merged.channel() as ch:
+            sa, s = Session(ach, A), Session(ch, A)
+            ra, region = sa.host(shm), s.host(shm)
+            for i, kind in enumerate(KINDS):
+                c = Case(kind, 3 + 4 * i, 500 + i, layer=i % 2, dtype=dtype)
+                want = forward(ach, c.request()).output.data
+                q, _ = placed(shm, ra, c)
+                q.output.offset = q.hidden.region.offset
+                got = forward(ach, q)
+                assert got.output.region == q.output
+                assert shm.get(q.output.offset, c.out_bytes) == want, kind
+                # merged: three requests in place, their hidden rows side by side
+                cases = [Case(kind, 2 + 3 * j, 600 + 10 * i + j, dtype=dtype) for j in range(MERGE)]
+                if kind == "batch":  # chosen over the launch: the same launch inline is the reference
+                    wants = [f.result().output.data for f in [forward_future(ch, k.request()) for k in cases]]
+                else:
+                    wants = [forward(ach, k.request()).output.data for k in cases]
+                reqs, at = [], 64
+                for k in cases:  # each hidden right behind the one before; routing inline
+                    rq = k.request(output=(region, shm.put(at, k.tensors["hidden"][1])))
+                    rq.hidden.CopyFrom(tensor(dtype, k.tensors["hidden"][1], (region, at)))
+                    reqs.append(rq)
+                    at += k.out_bytes
+                got = [f.result() for f in [forward_future(ch, rq) for rq in reqs]]
+                assert all(g.timings.batch_requests == MERGE for g in got), [g.timings for g in got]
+                for k, rq, w in zip(cases, reqs, wants):
+                    assert shm.get(rq.output.offset, k.out_bytes) == w, kind
+            c = Case("experts", 4, 7, dtype=dtype)
+            q, _ = placed(shm, ra, c, base=4096)
+            row = SPEC.d * (4 if dtype == "f32" else 2)
+            for shift in (row, -row, c.out_bytes - row):
+                q.output.offset = q.hidden.region.offset + shift
+                code, msg = refused(lambda: forward(ach, q))
+                assert code == grpc.StatusCode.INVALID_ARGUMENT and "overlaps hidden" in msg, msg
+            q.output.offset = q.hidden.region.offset + c.out_bytes  # right behind it: fine
+            forward(ach, q)
+            assert shm.get(q.output.offset, c.out_bytes) == forward(ach, c.request()).output.data
+            sa.close()
+            s.close()
+    finally:
+        shm.close()
+
+
 # ---- references --------------------------------------------------------------------------------
 
 def test_bad_references_and_foreign_regions(pool):

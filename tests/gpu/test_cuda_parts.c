@@ -6,8 +6,9 @@
  * written in place (no copy: batches too large for a replayed graph) and through the slot's
  * buffers (a replayed graph); a part on another GPU (peer copies; where there is one); a batch in
  * chunks (more pairs than the workspace holds), whose next chunk comes in while one computes;
- * router logits from parts. And the region hooks' refusals: an IPC handle this process made does
- * not open here, and says so. Exits 77 (skipped) without a GPU.
+ * each part's output written over its own input, in each of those paths; router logits from
+ * parts. And the region hooks' refusals: an IPC handle this process made does not open here, and
+ * says so. Exits 77 (skipped) without a GPU.
  */
 #include "check.h"
 
@@ -88,6 +89,7 @@ enum { PAGEABLE, PINNED, REGISTERED, DEVICE, N_PLACES };
 typedef struct place {
     int kind;
     void *x, *y; /* the part's buffers in that place */
+    bool over;   /* the output written over x (y unused) */
 } place;
 
 static void put(place *p, int kind, const void *x, int64_t rows)
@@ -119,10 +121,11 @@ static void put(place *p, int kind, const void *x, int64_t rows)
 static void take(const place *p, void *dst, int64_t rows)
 {
     const size_t n = (size_t)rows * ROW_BYTES;
+    const void *y = p->over ? p->x : p->y;
     if (p->kind == DEVICE)
-        cudaMemcpy(dst, p->y, n, cudaMemcpyDeviceToHost);
+        cudaMemcpy(dst, y, n, cudaMemcpyDeviceToHost);
     else
-        memcpy(dst, p->y, n);
+        memcpy(dst, y, n);
 }
 
 static void drop(place *p)
@@ -143,9 +146,11 @@ static void drop(place *p)
     }
 }
 
-/* The job in parts of rows[i] tokens, part i in places[i]: equal to inline, bit for bit. */
+/* The job in parts of rows[i] tokens, part i in places[i] (over: each part's output written over
+ * its own input, as a region request whose output names hidden's bytes): equal to inline, bit for
+ * bit. */
 static void run_parts(const char *what, int64_t T, int k, const int64_t *rows, const int *kinds,
-                      int n)
+                      int n, bool over)
 {
     moed_route r;
     make_route(T, k, &r);
@@ -156,8 +161,9 @@ static void run_parts(const char *what, int64_t T, int k, const int64_t *rows, c
     cudaGetDevice(&dev);
     for (int i = 0, t = 0; i < n; t += (int)rows[i++]) {
         put(&pl[i], kinds[i], (const char *)x + (size_t)t * ROW_BYTES, rows[i]);
+        pl[i].over = over;
         int where = kinds[i] == DEVICE ? dev : MOED_HOST_MEM;
-        parts[i] = (moed_part){ rows[i], pl[i].x, where, pl[i].y, where };
+        parts[i] = (moed_part){ rows[i], pl[i].x, where, over ? pl[i].x : pl[i].y, where };
     }
     moed_job job = { .dtype = MOED_BF16, .T = T, .parts = parts, .n_parts = n, .route = &r };
     moed_error err;
@@ -184,18 +190,25 @@ static void test_placements(void)
         char what[96];
         snprintf(what, sizeof what, "three parts (places %d, %d, %d)", kinds[0], kinds[1],
                  kinds[2]);
-        run_parts(what, 31, 2, three, kinds, 3);
+        run_parts(what, 31, 2, three, kinds, 3, false);
         snprintf(what, sizeof what, "three large parts (places %d, %d, %d)", kinds[0], kinds[1],
                  kinds[2]);
-        run_parts(what, 400, 2, big, kinds, 3);
+        run_parts(what, 400, 2, big, kinds, 3, false);
     }
     const int dev1[1] = { DEVICE }, host_dev[2] = { PINNED, DEVICE };
     const int64_t small[1] = { 8 }, large[1] = { 400 };
-    run_parts("one device part, graph-replayed (via the slot)", 8, 2, small, dev1, 1);
-    run_parts("one device part, read and written in place", 400, 2, large, dev1, 1);
-    run_parts("chunks: 8 pairs a token (host and device parts)", 300, 8, chunks, host_dev, 2);
+    run_parts("one device part, graph-replayed (via the slot)", 8, 2, small, dev1, 1, false);
+    run_parts("one device part, read and written in place", 400, 2, large, dev1, 1, false);
+    run_parts("chunks: 8 pairs a token (host and device parts)", 300, 8, chunks, host_dev, 2,
+              false);
     const int64_t one300[1] = { 300 };
-    run_parts("chunks: one device part", 300, 8, one300, dev1, 1);
+    run_parts("chunks: one device part", 300, 8, one300, dev1, 1, false);
+    /* The output over the input: a row is written only after it was read, in every path. */
+    run_parts("output over input: device part, graph-replayed", 8, 2, small, dev1, 1, true);
+    run_parts("output over input: device part, in place", 400, 2, large, dev1, 1, true);
+    run_parts("output over input: chunks, host and device parts", 300, 8, chunks, host_dev, 2,
+              true);
+    run_parts("output over input: chunks, one device part", 300, 8, one300, dev1, 1, true);
 }
 
 /* Router logits from parts: the same bits as from one buffer. */
@@ -242,7 +255,7 @@ static void test_map_refusals(void)
     cudaFree(p);
     const int64_t rows[1] = { 8 };
     const int kinds[1] = { PAGEABLE };
-    run_parts("after the refusals", 8, 2, rows, kinds, 1);
+    run_parts("after the refusals", 8, 2, rows, kinds, 1, false);
 }
 
 /* A part on another GPU: peer copies in and out. */

@@ -37,6 +37,16 @@ _KDL_CPU = 1  # DLPack's device type of host memory
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
+_NP_NAMES: Dict[np.dtype, str] = {}  # dtype.name per dtype: numpy computes it in Python each time
+
+
+def _np_name(dt: np.dtype) -> str:
+    name = _NP_NAMES.get(dt)
+    if name is None:
+        name = _NP_NAMES[dt] = dt.name
+    return name
+
+
 def is_torch(x: Any) -> bool:
     """Whether x is a torch tensor, without importing torch."""
     mod = type(x).__module__
@@ -212,12 +222,12 @@ class TorchInput(Input):
 
 def hidden_input(x: Any, dtype: Optional[str] = None, what: str = "hidden") -> Input:
     """x (numpy, torch, __dlpack__, or anything numpy.asarray takes) as a 2-D Input."""
-    if is_torch(x):
+    if type(x) is not np.ndarray and is_torch(x):
         inp: Input = TorchInput(x, _wire_dtype(str(x.dtype).rpartition(".")[2], dtype, what), tuple(x.shape))
     else:
         if not isinstance(x, np.ndarray):
             x = _from_dlpack(x, what) if hasattr(x, "__dlpack__") else np.asarray(x)
-        inp = NumpyInput(x, _wire_dtype(x.dtype.name, dtype, what), x.shape)
+        inp = NumpyInput(x, _wire_dtype(_np_name(x.dtype), dtype, what), x.shape)
     if len(inp.shape) != 2:
         raise ValueError(f"{what} must be [T, d_model], not shape {list(inp.shape)}")
     return inp
@@ -226,6 +236,8 @@ def hidden_input(x: Any, dtype: Optional[str] = None, what: str = "hidden") -> I
 def host_array(x: Any, wire: int, what: str) -> np.ndarray:
     """A routing tensor (ids, weights, logits) as a C-contiguous little-endian host array of the
     wire dtype's numpy type; converted from any dtype, copied from any device."""
+    if type(x) is np.ndarray:
+        return x.astype(WIRE_NP[wire], order="C", copy=False)
     if is_torch(x):
         t = x.detach()
         if t.device.type != "cpu":

@@ -226,7 +226,8 @@ def _compile_encoder(msg: str):
     src = ["def enc(v, out):", "    if not _NAMES.issuperset(v):", "        _unknown(v)"]
     for oneof in sorted(_ONEOFS[msg]):
         members = [f.name for f in fields if f.oneof == oneof]
-        src += [f"    if sum(v.get(m) is not None for m in {members!r}) > 1:",
+        present = " + ".join(f"(v.get({m!r}) is not None)" for m in members)
+        src += [f"    if {present} > 1:",
                 f"        _two_members({oneof!r}, v, {members!r})"]
     src.append("    size = 0")
     for f in fields:
