@@ -240,6 +240,19 @@ static int parse_bytes(const char *s, int64_t *v)
     return -1;
 }
 
+/* One item of a list of numbers and ranges ("7" or "0-3") at *p, each from 0 to max: its bounds
+ * in *a and *b, *p moved past it and its comma; -1 for anything else (a trailing comma too). */
+static int next_range(const char **p, int64_t max, int64_t *a, int64_t *b)
+{
+    char *end;
+    if (parse_i64(*p, a, &end) || *a < 0 || *a > max) return -1;
+    *b = *a;
+    if (*end == '-' && (parse_i64(end + 1, b, &end) || *b < *a || *b > max)) return -1;
+    if ((*end != ',' && *end != 0) || (*end == ',' && !end[1])) return -1;
+    *p = *end ? end + 1 : end;
+    return 0;
+}
+
 int moed_config_parse_layers(const char *list, int **out, int *n, moed_error *err)
 {
     *out = NULL;
@@ -257,16 +270,10 @@ int moed_config_parse_layers(const char *list, int **out, int *n, moed_error *er
     const char *p = list;
     int64_t top = -1;
     do {
-        char *end;
         int64_t a, b;
-        if (parse_i64(p, &a, &end) || a < 0 || a > MOED_CONFIG_MAX_LAYER) goto bad;
-        b = a;
-        if (*end == '-' && (parse_i64(end + 1, &b, &end) || b < a || b > MOED_CONFIG_MAX_LAYER))
-            goto bad;
-        if ((*end != ',' && *end != 0) || (*end == ',' && !end[1])) goto bad;
+        if (next_range(&p, MOED_CONFIG_MAX_LAYER, &a, &b)) goto bad;
         memset(mark + a, 1, (size_t)(b - a + 1));
         if (b > top) top = b;
-        p = *end ? end + 1 : end;
         continue;
     bad:
         free(mark);
@@ -330,18 +337,12 @@ static int parse_devices(moed_config *cfg, const char *list, moed_error *err)
     int n = 0;
     const char *p = list;
     do {
-        char *end;
         int64_t a, b;
-        if (parse_i64(p, &a, &end) || a < 0 || a > MOED_CONFIG_MAX_LAYER) goto bad;
-        b = a;
-        if (*end == '-' && (parse_i64(end + 1, &b, &end) || b < a || b > MOED_CONFIG_MAX_LAYER))
-            goto bad;
-        if ((*end != ',' && *end != 0) || (*end == ',' && !end[1])) goto bad;
+        if (next_range(&p, MOED_CONFIG_MAX_LAYER, &a, &b)) goto bad;
         if (n + (b - a + 1) > MOED_CONFIG_MAX_DEVICES)
             return moed_fail(err, MOED_EINVAL, "--devices '%s' names more than %d devices", list,
                              MOED_CONFIG_MAX_DEVICES);
         for (int64_t v = a; v <= b; v++) cfg->devices[n++] = (int)v;
-        p = *end ? end + 1 : end;
     } while (*p);
     cfg->n_devices = n;
     return 0;

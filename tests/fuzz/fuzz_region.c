@@ -11,6 +11,7 @@
  * the challenge and confirmation; this harness's getrandom gives every challenge as 16 bytes of
  * 0xab, so a fuzzer that writes nothing never confirms, and ids count 1, 2, 3, ...
  */
+#include "fuzz_fake.h"
 #include "moed_backend_impl.h"
 #include "region_cmd.h"
 
@@ -19,30 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/random.h>
 #include <unistd.h>
 
-ssize_t getrandom(void *buf, size_t n, unsigned int flags)
-{
-    static uint64_t next_id;
-    (void)flags;
-    memset(buf, 0xab, n);
-    if (n == 8) {
-        uint64_t id = ++next_id;
-        memcpy(buf, &id, 8);
-    }
-    return (ssize_t)n;
-}
-
-int moed_backend_cpu_open(const moed_backend_config *cfg, moed_backend **out, moed_error *err)
-{
-    (void)cfg;
-    *out = NULL;
-    return moed_fail(err, MOED_EUNSUPPORTED, "not in the fuzzer");
-}
-
-static const moed_backend_ops fake_ops = { .name = "fuzz" };
-static moed_backend fake = { .ops = &fake_ops };
 static moed_regions *registry;
 static char object[64];
 

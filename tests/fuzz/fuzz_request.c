@@ -17,6 +17,7 @@
  * 8-byte ids 1, 2, 3, 4 in order, so the seeds and the fuzzer can name them. Inline hidden rows go
  * into a small staging pool (copied there once, read back here) until it is full.
  */
+#include "fuzz_fake.h"
 #include "moed_backend_impl.h"
 #include "moed_dtype.h"
 #include "moed_synth.h"
@@ -30,31 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/random.h>
 #include <unistd.h>
 
-/* Ids 1, 2, 3, ... (8-byte requests) and a fixed challenge: regions the fuzzer can name. */
-ssize_t getrandom(void *buf, size_t n, unsigned int flags)
-{
-    static uint64_t next_id;
-    (void)flags;
-    memset(buf, 0xab, n);
-    if (n == 8) {
-        uint64_t id = ++next_id;
-        memcpy(buf, &id, 8);
-    }
-    return (ssize_t)n;
-}
-
-/* moed_backend.c's default for everything: a backend with no devices and no DMA. */
-int moed_backend_cpu_open(const moed_backend_config *cfg, moed_backend **out, moed_error *err)
-{
-    (void)cfg;
-    *out = NULL;
-    return moed_fail(err, MOED_EUNSUPPORTED, "not in the fuzzer");
-}
-static const moed_backend_ops fake_ops = { .name = "fuzz" };
-static moed_backend fake = { .ops = &fake_ops };
 static const moed_caller caller = { .principal = 1, .local = true };
 
 static moed_layer layers[4];
