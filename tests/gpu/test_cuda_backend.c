@@ -647,11 +647,16 @@ static const tcase cases[] = {
     { "mixtral-s T=1000 sm80", MIX_S, 1000, R_TOPK, MOED_BF16, "sm80", 0 },
     { "mixtral-s T=1000 sm90", MIX_S, 1000, R_TOPK, MOED_BF16, "sm90", 0 },
     { "mixtral-s T=1000 sm90p", MIX_S, 1000, R_TOPK, MOED_BF16, "sm90p", 0 },
+    { "mixtral-s T=1000 sm90-pp", MIX_S, 1000, R_TOPK, MOED_BF16, "sm90-pp", 0 },
+    { "mixtral-s T=1000 sm90p-pp", MIX_S, 1000, R_TOPK, MOED_BF16, "sm90p-pp", 0 },
+    { "mixtral-s T=64 (bm 32)", MIX_S, 64, R_TOPK, MOED_BF16, NULL, 0 },
+    { "mixtral-s T=96 (bm 32)", MIX_S, 96, R_TOPK, MOED_BF16, NULL, 0 },
     { "mixtral-s T=4096", MIX_S, 4096, R_TOPK, MOED_BF16, NULL, 0 },
     { "mixtral-s T=4096 f32 in/out", MIX_S, 4096, R_TOPK, MOED_F32, NULL, 0 },
     { "mixtral-s T=1000 f16 in/out", MIX_S, 1000, R_TOPK, MOED_F16, NULL, 0 },
     { "mixtral-s one expert T=1000 sm90", MIX_S, 1000, R_ONE_EXPERT, MOED_BF16, "sm90", 0 },
     { "mixtral-s one expert T=1000 sm80", MIX_S, 1000, R_ONE_EXPERT, MOED_BF16, "sm80", 0 },
+    { "mixtral-s one expert T=1000 sm90-pp", MIX_S, 1000, R_ONE_EXPERT, MOED_BF16, "sm90-pp", 0 },
     { "mixtral-s empty experts T=128", MIX_S, 128, R_HALF_EXPERTS, MOED_BF16, NULL, 0 },
     { "k=1 T=1000", "layers=1,d=384,ff=640,experts=16,topk=1,act=swiglu,dtype=bf16,seed=6", 1000,
       R_TOPK, MOED_BF16, NULL, 0 },
@@ -660,6 +665,8 @@ static const tcase cases[] = {
     { "qwen3-s T=1000", QWEN_S, 1000, R_TOPK, MOED_BF16, NULL, 0 },
     { "qwen3-s T=4096 sm90", QWEN_S, 4096, R_TOPK, MOED_BF16, "sm90", 0 },
     { "qwen3-s T=4096 sm90p", QWEN_S, 4096, R_TOPK, MOED_BF16, "sm90p", 0 },
+    { "qwen3-s T=4096 sm90-pp", QWEN_S, 4096, R_TOPK, MOED_BF16, "sm90-pp", 0 },
+    { "qwen3-s T=333 sm90-pp", QWEN_S, 333, R_TOPK, MOED_BF16, "sm90-pp", 0 },
     { "qwen3-s sigmoid T=1000", QWEN_S, 1000, R_SIGMOID, MOED_BF16, NULL, 0 },
     { "qwen3-s sparsemax T=1000", QWEN_S, 1000, R_SPARSEMAX, MOED_BF16, NULL, 0 },
     { "qwen3-s padded T=128", QWEN_S, 128, R_PADDED, MOED_BF16, NULL, 0 },
@@ -667,6 +674,8 @@ static const tcase cases[] = {
     { "deepseek-s shared T=1000", DSV3_S, 1000, R_TOPK, MOED_BF16, NULL, 0 },
     { "deepseek-s shared T=4096 sm90", DSV3_S, 4096, R_TOPK, MOED_BF16, "sm90", 0 },
     { "deepseek-s shared T=4096 sm90p", DSV3_S, 4096, R_TOPK, MOED_BF16, "sm90p", 0 },
+    { "deepseek-s shared T=4096 sm90-pp", DSV3_S, 4096, R_TOPK, MOED_BF16, "sm90-pp", 0 },
+    { "deepseek-s shared T=1000 sm90p-pp", DSV3_S, 1000, R_TOPK, MOED_BF16, "sm90p-pp", 0 },
     { "gelu f16 weights T=1000", "layers=1,d=320,ff=200,experts=8,topk=2,act=gelu,dtype=f16,seed=7",
       1000, R_TOPK, MOED_F16, NULL, 0 },
     { "relu f32 weights T=128", "layers=1,d=200,ff=130,experts=6,topk=2,act=relu,dtype=f32,seed=8",
@@ -676,6 +685,12 @@ static const tcase cases[] = {
     { "f16 weights sm90 T=1000",
       "layers=1,d=512,ff=384,experts=8,topk=2,act=swiglu,dtype=f16,seed=10", 1000, R_TOPK, MOED_F16,
       "sm90", 0 },
+    { "f16 weights sm90-pp T=1000",
+      "layers=1,d=512,ff=384,experts=8,topk=2,act=swiglu,dtype=f16,seed=10", 1000, R_TOPK, MOED_F16,
+      "sm90-pp", 0 },
+    { "gelu f16 weights sm90-pp T=1000",
+      "layers=1,d=320,ff=200,experts=8,topk=2,act=gelu,dtype=f16,seed=7", 1000, R_TOPK, MOED_F16,
+      "sm90-pp", 0 },
     /* full-size standard shapes, sampled rows */
     { "mixtral full T=4096",
       "layers=1,d=4096,ff=14336,experts=8,topk=2,act=swiglu,dtype=bf16,seed=11", 4096, R_TOPK,
@@ -683,6 +698,9 @@ static const tcase cases[] = {
     { "qwen3-30b-a3b full T=4096",
       "layers=1,d=2048,ff=768,experts=128,topk=8,act=swiglu,dtype=bf16,seed=12", 4096, R_TOPK,
       MOED_BF16, NULL, 24 },
+    { "qwen3-30b-a3b full T=4096 sm90-pp",
+      "layers=1,d=2048,ff=768,experts=128,topk=8,act=swiglu,dtype=bf16,seed=12", 4096, R_TOPK,
+      MOED_BF16, "sm90-pp", 24 },
     { "deepseek-v3 full T=1000",
       "layers=1,d=7168,ff=2048,experts=256,topk=8,act=swiglu,dtype=bf16,seed=13,shared=1,shared_ff="
       "2048,"
@@ -744,7 +762,17 @@ static const tcase fp8_cases[] = {
       1000, R_TOPK, MOED_BF16, NULL, 16 },
 };
 
-static const int quick[] = { 1, 4, 5, 9, 17, 22, 27 };
+/* The cases MOED_GPU_TEST_QUICK runs (by name: the table grows). */
+static const char *const quick[] = { "mixtral-s T=7",
+                                     "mixtral-s T=1000 sm90",
+                                     "mixtral-s T=1000 sm90p",
+                                     "mixtral-s T=1000 sm90-pp",
+                                     "mixtral-s T=64 (bm 32)",
+                                     "mixtral-s one expert T=1000 sm90",
+                                     "qwen3-s T=4096 sm90p",
+                                     "qwen3-s T=333 sm90-pp",
+                                     "deepseek-s shared T=1000",
+                                     "odd sizes T=37" };
 static const int fp8_quick[] = { 1, 3, 4, 13, 20, 25 };
 
 /* ---- FP8 against bf16 on the same model --------------------------------------------------- */
@@ -875,7 +903,9 @@ int main(void)
     } else if (f8 && *f8 == '1') {
         run_fp8(q && *q == '1');
     } else if (q && *q == '1') {
-        for (size_t i = 0; i < sizeof quick / sizeof quick[0]; i++) run_case(&cases[quick[i]]);
+        for (size_t i = 0; i < sizeof quick / sizeof quick[0]; i++)
+            for (int j = 0; j < n; j++)
+                if (!strcmp(cases[j].name, quick[i])) run_case(&cases[j]);
         run_fp8(1);
         run_router_case(&router_cases[0]);
     } else {
