@@ -11,19 +11,9 @@
  *   generic proxy and wgmma reads through the async proxy, so each producer thread waits for its
  *   copies of a stage (LAG stages behind the newest), fences the proxies, and only then arrives on
  *   the stage's barrier. Without gather (the down projection reads H in order) A also comes by TMA.
- *   warpgroups 1 .. CONSUMERS, the consumers, run m64nBNk16 wgmma, keep one wgmma group in flight,
- *   release a stage once the group that read it has finished, and apply the epilogue from
- *   registers. Two schedules (the heuristic table picks):
- *     cooperative: both consumers work on every tile (BM x BN, BN 128 or 256), 64 rows each;
- *     ping-pong: each consumer takes every other tile of the CTA's walk, all BM rows of it at
- *     BN = 128 (the same 128 accumulators a thread), so one consumer's epilogue runs while the
- *     other's main loop keeps the Tensor Cores busy. The two take turns through named barriers:
- *     one may wait on a tile's stages only once the other has waited on all of its previous
- *     tile's, or a stage's barrier could be a whole phase behind and its parity lie.
- *   A cooperative consumer whose 64 rows are wholly past its expert's rows (the tail of a segment)
- *   issues no wgmma: at 128 rows an expert on average, half of its last tile is often empty. (In
- *   ping-pong, one consumer's two blocks would need a one-block main loop beside the two-block one,
- *   and ptxas then serializes every wgmma of the kernel, C7515.)
+ *   warpgroups 1 .. CONSUMERS, the consumers, each run m64nBNk16 wgmma over 64 of the tile's rows,
+ *   keep one wgmma group in flight, release a stage once the group that read it has finished, and
+ *   apply the epilogue from registers.
  * Shared rows are 128 bytes (BK = 64 two-byte elements), 128-byte swizzled: the layout TMA writes
  * with CU_TENSOR_MAP_SWIZZLE_128B, the cp.async path writes with moed_cuda_swz128, and the wgmma
  * descriptors name. Each output element is one fixed-order sum over K, independent of the tile's
@@ -47,6 +37,7 @@ namespace ptx = moed::ptx;
 
 constexpr int BM = 128;               /* rows of a tile */
 constexpr int BK = 64;                /* k of a stage */
+constexpr int STAGES = 4;             /* shared-memory stages in the producer/consumer ring */
 constexpr int ELEM = MOED_CUDA_CSIZE; /* bytes of a bf16 or f16 element */
 constexpr int ROW_BYTES = BK * ELEM;
 static_assert(ROW_BYTES == (int)ptx::sw128_row_bytes, "a stage row is one 128-byte swizzle row");
@@ -55,37 +46,21 @@ constexpr int WG_THREADS = 128;
 constexpr int CONSUMERS = 2; /* consumer warpgroups, after the one producer */
 constexpr int THREADS = (1 + CONSUMERS) * WG_THREADS;
 constexpr int WGMMA_M = 64, WGMMA_K = 16; /* the instruction's shape (N is the tile's BN) */
+static_assert(BM == CONSUMERS * WGMMA_M, "each consumer warpgroup owns 64 rows of the tile");
 static_assert(BK % WGMMA_K == 0, "whole wgmma k-steps per stage");
 
 /* Registers per thread after setmaxnreg: the producer only computes addresses; a consumer holds
- * its 128 fp32 accumulators plus the epilogue's temporaries. Together they must fit the SM's
- * register file, since the CTA is alone on its SM. */
+ * BN/2 fp32 accumulators (128 at BN = 256) plus the epilogue's temporaries. Together they must fit
+ * the SM's register file, since the CTA is alone on its SM. */
 constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
 static_assert(ptx::valid_maxnreg<PRODUCER_REGS> && ptx::valid_maxnreg<CONSUMER_REGS>,
               "setmaxnreg counts");
 static_assert(WG_THREADS * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) <= 65536,
               "the register budgets exceed the register file");
 
-enum sched { COOPERATIVE, PINGPONG };
-
-/* What a schedule makes of a tile: the rows one consumer computes, in 64-row wgmma blocks, its
- * accumulators, how many consumers release each stage, and the ring's depth (the same 192 KiB of
- * stages either way: 4 of 48 KiB at BN 256, 6 of 32 KiB at BN 128). */
-template <int BN, int SCHED> struct tile_plan {
-    static constexpr int consumer_rows = SCHED == PINGPONG ? BM : BM / CONSUMERS;
-    static constexpr int m_blocks = consumer_rows / WGMMA_M;
-    static constexpr int nacc = consumer_rows * BN / WG_THREADS;
-    static constexpr int stage_consumers = SCHED == PINGPONG ? 1 : CONSUMERS;
-    static constexpr int stages = SCHED == PINGPONG ? 6 : 4;
-    static_assert(m_blocks * WGMMA_M == consumer_rows, "whole wgmma blocks per consumer");
-    static_assert(stage_consumers * consumer_rows == BM, "the stage's readers cover its rows");
-    static_assert(nacc <= 128, "accumulators beyond the consumer's register budget");
-    static_assert(SCHED == COOPERATIVE || CONSUMERS == 2, "ping-pong alternates two consumers");
-};
-
 /* The shared-memory layout, from a base aligned to the swizzle atom: STAGES A stages, STAGES B
  * stages, then the full and empty barriers of each stage. Kernel and launcher both read it here. */
-template <int BN, int STAGES> struct smem_layout {
+template <int BN> struct smem_layout {
     static constexpr int a_stage = BM * ROW_BYTES, b_stage = BN * ROW_BYTES;
     static constexpr int a = 0, b = a + STAGES * a_stage;
     static constexpr int full = b + STAGES * b_stage;
@@ -124,28 +99,24 @@ static_assert((1 << WG_SHIFT) == WG_THREADS && (1 << WARP_SHIFT) == WARP &&
                   (1 << CHUNK_SHIFT) == ROW_CHUNKS && (WG_WARPS & (WG_WARPS - 1)) == 0,
               "powers of two");
 constexpr int LAG = 2; /* stages a producer thread keeps in flight before signalling the oldest */
-static_assert(LAG < tile_plan<256, COOPERATIVE>::stages && LAG < tile_plan<128, PINGPONG>::stages,
-              "a producer signals a stage before it wraps around the ring");
+static_assert(LAG < STAGES, "a producer signals a stage before it wraps around the ring");
 
 /* Arrivals that complete a stage's barriers: `full` once the stage has landed (the TMA thread's
- * expect_tx, plus every gathering thread after its copies), `empty` once the consumers that read it
- * are done (lane 0 of each of their warps). */
+ * expect_tx, plus every gathering thread after its copies), `empty` once the consumers have read it
+ * (lane 0 of each consumer warp). */
 template <bool GATHER> constexpr int FULL_ARRIVALS = GATHER ? WG_THREADS + 1 : 1;
-
-/* Ping-pong turns: consumer c waits on named barrier TURN_BAR + c, the other arrives on it. */
-constexpr int TURN_BAR = 1, TURN_THREADS = 2 * WG_THREADS;
+constexpr int EMPTY_ARRIVALS = CONSUMERS * WG_WARPS;
 #endif
 
-template <typename T, int BN, int SCHED, bool GATHER, int EPI>
+template <typename T, int BN, bool GATHER, int EPI>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_sm90_kernel(const __grid_constant__ CUtensorMap tm_b,
                      const __grid_constant__ CUtensorMap tm_a, const moed_cuda_gemm g, int num_n,
                      int total)
 {
 #ifdef MOED_CUDA_SM90_ENABLED
-    using P = tile_plan<BN, SCHED>;
-    constexpr int STAGES = P::stages;
-    using L = smem_layout<BN, STAGES>;
+    using L = smem_layout<BN>;
+    constexpr int NACC = WGMMA_M * BN / WG_THREADS; /* fp32 accumulators per consumer thread */
     constexpr uint32_t BAR = ptx::mbar_bytes;
 
     extern __shared__ uint8_t smem_raw[];
@@ -158,7 +129,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (tid == 0) {
         for (int s = 0; s < STAGES; s++) {
             ptx::mbar_init(full + BAR * s, FULL_ARRIVALS<GATHER>);
-            ptx::mbar_init(empty + BAR * s, P::stage_consumers * WG_WARPS);
+            ptx::mbar_init(empty + BAR * s, EMPTY_ARRIVALS);
         }
         ptx::mbar_fence_init();
         ptx::fence_proxy_async();
@@ -235,89 +206,41 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 
     ptx::setmaxnreg_inc<CONSUMER_REGS>();
-    const int cw = wg - 1;
-    /* The first of the tile's rows this consumer computes; in ping-pong, the second consumer
-     * starts at the walk's second tile, a tile's k-steps later. */
-    const int row_off = SCHED == PINGPONG ? 0 : cw * WGMMA_M;
-    bool wait_turn = false;
-    if constexpr (SCHED == PINGPONG) {
-        if (cw == 1) {
-            if (!have) return;
-            id += gridDim.x;
-            have = moed_cuda_next_tile(g, num_n, total, id, cur);
-            it = ktiles;
-            wait_turn = true;
-        }
-    }
+    const int cw = wg - 1; /* this consumer's WGMMA_M rows of each tile */
     while (have) {
-        float acc[P::nacc];
+        float acc[NACC];
 #pragma unroll
-        for (int i = 0; i < P::nacc; i++) acc[i] = 0.0f;
-        /* this consumer's 64-row blocks holding any of the expert's rows (0 .. m_blocks) */
-        const int live = min(P::m_blocks, max(0, cur.row_end - cur.row0 - row_off + WGMMA_M - 1) /
-                                              WGMMA_M);
-        if (wait_turn) ptx::bar_sync(TURN_BAR + cw, TURN_THREADS);
-        bool have_next = false, other = false;
-        /* The main loop with BLOCKS 64-row wgmma blocks (m_blocks, or 0 to only pass the stages
-         * on), a compile-time count: a wgmma under a run-time condition inside the loop makes
-         * ptxas serialize every wgmma (C7520). */
-        auto mainloop = [&]<int BLOCKS>() {
-            for (int kt = 0; kt < ktiles; kt++, it++) {
-                const int s = it % STAGES;
-                ptx::mbar_wait(full + BAR * s, (it / STAGES) & 1);
-                if constexpr (BLOCKS > 0) {
-                    ptx::wgmma_fence_operands(acc);
-                    ptx::wgmma_fence();
+        for (int i = 0; i < NACC; i++) acc[i] = 0.0f;
+        bool have_next = false;
+        for (int kt = 0; kt < ktiles; kt++, it++) {
+            const int s = it % STAGES;
+            ptx::mbar_wait(full + BAR * s, (it / STAGES) & 1);
+            ptx::wgmma_fence_operands(acc);
+            ptx::wgmma_fence();
 #pragma unroll
-                    for (int kk = 0; kk < BK / WGMMA_K; kk++)
-#pragma unroll
-                        for (int m = 0; m < BLOCKS; m++)
-                            ptx::wgmma_m64k16<T, BN>(
-                                acc + m * (BN / 2),
-                                ptx::wgmma_desc_sw128(sA + s * L::a_stage +
-                                                      (row_off + m * WGMMA_M) * ROW_BYTES +
-                                                      kk * WGMMA_K * ELEM),
-                                ptx::wgmma_desc_sw128(sB + s * L::b_stage + kk * WGMMA_K * ELEM));
-                    ptx::wgmma_commit();
-                }
-                if (kt == 0) {
-                    id += gridDim.x;
-                    have_next = moed_cuda_next_tile(g, num_n, total, id, nxt);
-                    if (SCHED == PINGPONG && have_next) { /* the other's tile, then ours */
-                        other = true;
-                        id += gridDim.x;
-                        have_next = moed_cuda_next_tile(g, num_n, total, id, nxt);
-                    }
-                }
-                if constexpr (BLOCKS > 0) {
-                    ptx::wgmma_wait<1>();
-                    ptx::wgmma_fence_operands(acc);
-                }
-                if (kt > 0 && lane == 0) ptx::mbar_arrive(empty + BAR * ((it - 1) % STAGES));
+            for (int kk = 0; kk < BK / WGMMA_K; kk++)
+                ptx::wgmma_m64k16<T, BN>(
+                    acc,
+                    ptx::wgmma_desc_sw128(sA + s * L::a_stage + cw * WGMMA_M * ROW_BYTES +
+                                          kk * WGMMA_K * ELEM),
+                    ptx::wgmma_desc_sw128(sB + s * L::b_stage + kk * WGMMA_K * ELEM));
+            ptx::wgmma_commit();
+            if (kt == 0) {
+                id += gridDim.x;
+                have_next = moed_cuda_next_tile(g, num_n, total, id, nxt);
             }
-        };
-        if (live > 0)
-            mainloop.template operator()<P::m_blocks>();
-        else
-            mainloop.template operator()<0>();
-        /* every stage of this tile waited on: the other consumer may start on its tile */
-        if (SCHED == PINGPONG && other) ptx::bar_arrive(TURN_BAR + (cw ^ 1), TURN_THREADS);
+            ptx::wgmma_wait<1>();
+            ptx::wgmma_fence_operands(acc);
+            if (kt > 0 && lane == 0) ptx::mbar_arrive(empty + BAR * ((it - 1) % STAGES));
+        }
         ptx::wgmma_wait<0>();
         ptx::wgmma_fence_operands(acc);
         if (lane == 0) /* the producer may refill it now */
             ptx::mbar_arrive(empty + BAR * ((it - 1) % STAGES));
 
         const int rbase =
-            cur.row0 + row_off + ((tid >> WARP_SHIFT) & (WG_WARPS - 1)) * 16 + (lane >> 2);
-#pragma unroll
-        for (int m = 0; m < P::m_blocks; m++)
-            if (m < live)
-                moed_cuda_wgmma_epilogue<T, EPI, BN>(g, acc + m * (BN / 2), rbase + m * WGMMA_M,
-                                                     cur.row_end, cur.nt * BN, lane);
-        if (SCHED == PINGPONG) {
-            it += ktiles; /* the other consumer's tile */
-            wait_turn = true;
-        }
+            cur.row0 + cw * WGMMA_M + ((tid >> WARP_SHIFT) & (WG_WARPS - 1)) * 16 + (lane >> 2);
+        moed_cuda_wgmma_epilogue<T, EPI, BN>(g, acc, rbase, cur.row_end, cur.nt * BN, lane);
         cur = nxt;
         have = have_next;
     }
@@ -332,7 +255,7 @@ int tensor_map(CUtensorMap *m, int cdtype, const void *p, int64_t rows, int64_t 
                                 rows, cols, ld, BK, box_rows, 1);
 }
 
-template <typename T, int BN, int SCHED, bool GATHER, int EPI>
+template <typename T, int BN, bool GATHER, int EPI>
 int launch(const moed_cuda_gemm *g, moed_cuda_stream s)
 {
     CUtensorMap tm_b, tm_a;
@@ -343,8 +266,8 @@ int launch(const moed_cuda_gemm *g, moed_cuda_stream s)
     else if ((rc = tensor_map(&tm_a, g->cdtype, g->a, g->a_rows_total, g->k, g->lda, BM)))
         return rc;
 
-    constexpr int smem = smem_layout<BN, tile_plan<BN, SCHED>::stages>::bytes;
-    auto kern = gemm_sm90_kernel<T, BN, SCHED, GATHER, EPI>;
+    constexpr int smem = smem_layout<BN>::bytes;
+    auto kern = gemm_sm90_kernel<T, BN, GATHER, EPI>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
         cudaSuccess)
         return MOED_EDEVICE;
@@ -361,35 +284,29 @@ int launch(const moed_cuda_gemm *g, moed_cuda_stream s)
 }
 
 /* The instantiations: gathered A only for the up projection's epilogues. */
-template <typename T, int BN, int SCHED>
-int dispatch_sched(const moed_cuda_gemm *g, moed_cuda_stream s)
+template <typename T, int BN> int dispatch_bn(const moed_cuda_gemm *g, moed_cuda_stream s)
 {
     const bool gather = g->a_rows != nullptr;
     return moed_cuda_epi_dispatch(g->epi, [&]<int EPI>() -> int {
         if constexpr (EPI == MOED_CUDA_EPI_STORE)
-            return gather ? MOED_EINVAL : launch<T, BN, SCHED, false, EPI>(g, s);
+            return gather ? MOED_EINVAL : launch<T, BN, false, EPI>(g, s);
         else
-            return gather ? launch<T, BN, SCHED, true, EPI>(g, s)
-                          : launch<T, BN, SCHED, false, EPI>(g, s);
+            return gather ? launch<T, BN, true, EPI>(g, s) : launch<T, BN, false, EPI>(g, s);
     });
 }
 
-template <typename T> int dispatch(const moed_cuda_gemm *g, int bn, int pingpong, moed_cuda_stream s)
+template <typename T> int dispatch(const moed_cuda_gemm *g, int bn, moed_cuda_stream s)
 {
-    if (pingpong) return dispatch_sched<T, 128, PINGPONG>(g, s);
-    return bn == 256 ? dispatch_sched<T, 256, COOPERATIVE>(g, s)
-                     : dispatch_sched<T, 128, COOPERATIVE>(g, s);
+    return bn == 256 ? dispatch_bn<T, 256>(g, s) : dispatch_bn<T, 128>(g, s);
 }
 
 } // namespace
 
-extern "C" int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, int pingpong,
-                                   moed_cuda_stream s)
+extern "C" int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, moed_cuda_stream s)
 {
-    if (g->bm != BM || (bn != 128 && bn != 256) || (pingpong && bn != 128) || g->n % bn ||
-        g->k % BK || g->lda % 8)
+    if (g->bm != BM || (bn != 128 && bn != 256) || g->n % bn || g->k % BK || g->lda % 8)
         return MOED_EINVAL;
-    if (g->cdtype == MOED_BF16) return dispatch<__nv_bfloat16>(g, bn, pingpong, s);
-    if (g->cdtype == MOED_F16) return dispatch<__half>(g, bn, pingpong, s);
+    if (g->cdtype == MOED_BF16) return dispatch<__nv_bfloat16>(g, bn, s);
+    if (g->cdtype == MOED_F16) return dispatch<__half>(g, bn, s);
     return MOED_EINVAL;
 }

@@ -138,15 +138,14 @@ typedef struct moed_cuda_gemm {
 typedef struct moed_cuda_tile_cfg {
     int kernel; /* MOED_CUDA_KERNEL_SM80 (mma.sync), _SM90 (wgmma + TMA), _SM90_FP8 (e4m3 wgmma) */
     int bm, bn;
-    int gather;   /* up projection: gather token rows in the A load (1) or pre-permute them (0) */
-    int pingpong; /* sm90: consumers alternate whole tiles (bn 128) rather than share each one */
+    int gather; /* up projection: gather token rows in the A load (1) or pre-permute them (0) */
 } moed_cuda_tile_cfg;
 enum { MOED_CUDA_KERNEL_SM80 = 80, MOED_CUDA_KERNEL_SM90 = 90, MOED_CUDA_KERNEL_SM90_FP8 = 92 };
 /* force_kernel values: 0 (the table decides), MOED_CUDA_KERNEL_SM80, MOED_CUDA_KERNEL_SM90 (gather
- * in the A load), MOED_CUDA_KERNEL_SM90P (Hopper with pre-permuted rows), and the same two with
- * the ping-pong schedule (_SM90_PP, _SM90P_PP). For FP8 layers sm80 is the portable path and the
- * others the FP8 Hopper kernel. MOED_CUDA_KERNEL=sm80|sm90|sm90p|sm90-pp|sm90p-pp sets it. */
-enum { MOED_CUDA_KERNEL_SM90P = 91, MOED_CUDA_KERNEL_SM90_PP = 93, MOED_CUDA_KERNEL_SM90P_PP = 94 };
+ * in the A load), MOED_CUDA_KERNEL_SM90P (Hopper with pre-permuted rows). For FP8 layers sm80 is
+ * the portable path and sm90/sm90p the FP8 Hopper kernel. MOED_CUDA_KERNEL=sm80|sm90|sm90p sets
+ * it. */
+enum { MOED_CUDA_KERNEL_SM90P = 91 };
 int moed_cuda_kernel_parse(const char *name);
 
 /* The table: the tile for a batch of P pairs over n_active experts that have rows, on a device of
@@ -161,7 +160,7 @@ int moed_cuda_tile_bm(int sm, int64_t P, int n_active, int wdtype, int force_ker
 int moed_cuda_fp8_native(int sm, int force_kernel);
 
 int moed_cuda_gemm_sm80(const moed_cuda_gemm *g, int bn, moed_cuda_stream s);
-int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, int pingpong, moed_cuda_stream s);
+int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, moed_cuda_stream s);
 /* FP8 A and B (both scales set), bf16 C, bm 64 or 128, bn 128. */
 int moed_cuda_gemm_fp8_sm90(const moed_cuda_gemm *g, moed_cuda_stream s);
 /* Dispatches on cfg->kernel. */

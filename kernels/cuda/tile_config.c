@@ -11,8 +11,9 @@
  *   >= 96         sm90     128   256   (Hopper) compute-bound: wgmma, TMA, warp-specialised
  *   >= 96         sm80     128   128   (other GPUs) compute-bound on mma.sync
  *   >= 24         sm80      64   128   mid-size: half the padding waste of bm 128
- *   >= 12         sm80      32   128   weight streaming with 12-24 rows an expert: bm 16 would
- *                                      split many experts in two m-tiles that each stream the weights
+ *   >= 12         sm80      32   128   weight streaming with 12-24 rows an expert: bm 16 would split
+ *                                      many experts into two m-tiles that each stream the weights
+ *                                      (H200: mixtral T=64 0.826 -> 0.732 ms, 81% -> 91% of copy)
  *   <  12         sm80      16   128   few rows: weight streaming; deep pipeline, 2 CTAs per SM
  *
  * bn 128 for sm90 when N is not a multiple of 256. Both GEMMs of a batch share bm (route prep lays
@@ -48,24 +49,6 @@ int moed_cuda_kernel_parse(const char *name)
     if (!strcmp(name, "sm80")) return MOED_CUDA_KERNEL_SM80;
     if (!strcmp(name, "sm90")) return MOED_CUDA_KERNEL_SM90;
     if (!strcmp(name, "sm90p")) return MOED_CUDA_KERNEL_SM90P;
-    if (!strcmp(name, "sm90-pp")) return MOED_CUDA_KERNEL_SM90_PP;
-    if (!strcmp(name, "sm90p-pp")) return MOED_CUDA_KERNEL_SM90P_PP;
-    return 0;
-}
-
-/* A forced bf16 Hopper kernel: 0, or which gather and schedule it pins. */
-static int forced_sm90(int force_kernel, int *gather, int *pingpong)
-{
-    switch (force_kernel) {
-    case MOED_CUDA_KERNEL_SM90:
-    case MOED_CUDA_KERNEL_SM90P:
-    case MOED_CUDA_KERNEL_SM90_PP:
-    case MOED_CUDA_KERNEL_SM90P_PP:
-        *gather = force_kernel == MOED_CUDA_KERNEL_SM90 || force_kernel == MOED_CUDA_KERNEL_SM90_PP;
-        *pingpong =
-            force_kernel == MOED_CUDA_KERNEL_SM90_PP || force_kernel == MOED_CUDA_KERNEL_SM90P_PP;
-        return 1;
-    }
     return 0;
 }
 
@@ -78,8 +61,8 @@ int moed_cuda_tile_bm(int sm, int64_t P, int n_active, int wdtype, int force_ker
 {
     if (wdtype == MOED_FP8 && moed_cuda_fp8_native(sm, force_kernel))
         return rows_per_expert_at_least(P, n_active, 96) ? 128 : 64;
-    int gather, pingpong;
-    if (forced_sm90(force_kernel, &gather, &pingpong) || rows_per_expert_at_least(P, n_active, 96))
+    if (force_kernel == MOED_CUDA_KERNEL_SM90 || force_kernel == MOED_CUDA_KERNEL_SM90P ||
+        rows_per_expert_at_least(P, n_active, 96))
         return 128;
     if (rows_per_expert_at_least(P, n_active, 24)) return 64;
     if (rows_per_expert_at_least(P, n_active, 12)) return 32;
@@ -93,15 +76,14 @@ moed_cuda_tile_cfg moed_cuda_tile_choose(int sm, int64_t P, int n_active, int n,
     c.bm = moed_cuda_tile_bm(sm, P, n_active, wdtype, force_kernel);
     const int hopper = moed_cuda_fp8_native(sm, force_kernel); /* the Hopper kernels run */
     c.gather = 1;
-    c.pingpong = 0;
     if (wdtype == MOED_FP8 && hopper) {
         c.kernel = MOED_CUDA_KERNEL_SM90_FP8;
         c.bn = 128;
     } else if (hopper && c.bm == 128) {
         c.kernel = MOED_CUDA_KERNEL_SM90;
-        if (!forced_sm90(force_kernel, &c.gather, &c.pingpong))
-            c.gather = !(k >= 4096 && rows_per_expert_at_least(P, n_active, 512));
-        c.bn = c.pingpong || n % 256 ? 128 : 256;
+        c.bn = n % 256 == 0 ? 256 : 128;
+        c.gather = force_kernel ? force_kernel == MOED_CUDA_KERNEL_SM90
+                                : !(k >= 4096 && rows_per_expert_at_least(P, n_active, 512));
     } else {
         c.kernel = MOED_CUDA_KERNEL_SM80;
         c.bn = 128;
@@ -113,6 +95,6 @@ int moed_cuda_gemm_run(const moed_cuda_gemm *g, const moed_cuda_tile_cfg *cfg, m
 {
     if (cfg->bm != g->bm) return MOED_EINVAL;
     if (cfg->kernel == MOED_CUDA_KERNEL_SM90_FP8) return moed_cuda_gemm_fp8_sm90(g, s);
-    if (cfg->kernel == MOED_CUDA_KERNEL_SM90) return moed_cuda_gemm_sm90(g, cfg->bn, cfg->pingpong, s);
+    if (cfg->kernel == MOED_CUDA_KERNEL_SM90) return moed_cuda_gemm_sm90(g, cfg->bn, s);
     return moed_cuda_gemm_sm80(g, cfg->bn, s);
 }

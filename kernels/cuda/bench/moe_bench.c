@@ -12,7 +12,7 @@
  *
  * usage: moe-bench [--shapes mixtral,qwen3-30b-a3b,deepseek-v3] [--shape d,ff,E,k]...
  *                  [--weights bf16,fp8] [--tokens 8,64,512,4096,16384]
- *                  [--routing uniform,zipf,hot,empty] [--kernel auto,sm80,sm90,sm90p,sm90-pp,sm90p-pp]
+ *                  [--routing uniform,zipf,hot,empty] [--kernel auto,sm80,sm90,sm90p]
  *                  [--min-ms 200] [--cublas] [--graph] [--json FILE]
  * Prints one table row per run; --json writes every figure, the stage times included. --cublas adds
  * the headroom line (bf16 weights): the same per-expert GEMMs through cuBLAS on pre-permuted rows,
@@ -616,7 +616,7 @@ int main(int argc, char **argv)
         else {
             fprintf(stderr, "usage: moe-bench [--shapes LIST] [--shape d,ff,E,k]... [--weights "
                             "bf16,fp8] [--tokens LIST] [--routing uniform,zipf,hot,empty] "
-                            "[--kernel auto,sm80,sm90,sm90p,sm90-pp,sm90p-pp] [--min-ms MS] [--cublas] [--graph] "
+                            "[--kernel auto,sm80,sm90,sm90p] [--min-ms MS] [--cublas] [--graph] "
                             "[--json FILE]\n");
             return 2;
         }
@@ -624,9 +624,9 @@ int main(int argc, char **argv)
     if (n_custom && !named) shapes_arg[0] = 0; /* --shape alone runs just those */
     shape sel[MAX_SHAPES];
     const int nsh = pick_shapes(shapes_arg, custom, n_custom, sel);
-    char *tk[16], *rt[8], *kn[6], *wt[2];
+    char *tk[16], *rt[8], *kn[4], *wt[2];
     const int ntk = split(tokens_arg, tk, 16), nrt = split(routing_arg, rt, 8),
-              nkn = split(kernel_arg, kn, 6), nwt = split(weights_arg, wt, 2);
+              nkn = split(kernel_arg, kn, 4), nwt = split(weights_arg, wt, 2);
     for (int i = 0; i < nwt; i++)
         if (moed_dtype_parse(wt[i]) != MOED_BF16 && moed_dtype_parse(wt[i]) != MOED_FP8) {
             fprintf(stderr, "moe-bench: --weights %s: use bf16, fp8 or both\n", wt[i]);

@@ -1,9 +1,7 @@
 /*
  * ptx/warpgroup — setmaxnreg (sm_90a): a warpgroup gives registers back to the pool or takes them
  * from it, so a producer that needs few can leave them to the consumers that hold accumulators.
- * Every warp of the warpgroup executes it; counts are per thread. And the named barriers (sm_70)
- * by which warpgroups hand each other a turn: one side arrives without waiting, the other waits;
- * `threads` counts both sides, `id` 0 is __syncthreads' own.
+ * Every warp of the warpgroup executes it; counts are per thread.
  */
 #ifndef MOED_PTX_WARPGROUP_CUH
 #define MOED_PTX_WARPGROUP_CUH
@@ -24,16 +22,6 @@ template <int N> __device__ __forceinline__ void setmaxnreg_inc()
 {
     static_assert(valid_maxnreg<N>, "setmaxnreg takes a multiple of 8 in [24, 256]");
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void bar_sync(int id, int threads)
-{
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-__device__ __forceinline__ void bar_arrive(int id, int threads)
-{
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 } // namespace moed::ptx
