@@ -13,9 +13,9 @@
 #   peers     moed beside torch._grouped_mm and SonicMoE (issue 16): moe-bench on the standard shapes
 #             and the real models' layers (MODEL_SHAPES) at T = 8 .. 16384 (graph-replayed at T <= 64),
 #             torch_ref.py and sonic_ref.py on the same, and report.py's table and targets in peers.md
-#             (one short line a row on stdout). SonicMoE's rows come from SONIC_JSON where it names a
-#             file (an earlier sonic call's), else from sonic_ref.py here (its site carried as
-#             .whl/peers.tar.xz or left by a sonic call on this machine), else they say it is missing.
+#             (one short line a row on stdout). SonicMoE's rows come from sonic_ref.py here where its
+#             site is (carried as .whl/peers.tar.xz or left by a sonic call on this machine), else
+#             from SONIC_JSON where that names a file (an earlier sonic call's), else they say why not.
 #             About 2 minutes without SonicMoE on an H200, 5 with it when QuACK must compile and tune
 #   e2e       the daemon benchmark on loopback (tests/gpu/bench_daemon.py), transport suite
 #   merge     the same, merging suite (merging off / on / batch gating at T=8)
@@ -66,7 +66,7 @@
 # bundle.sh assembles them, or its bundle.tgz of them), MOED_GPU_PYTHON (default python3),
 # DATAPLANE_ARGS (more arguments for bench_dataplane.py, e.g. --shapes mixtral; the python stage's
 # run too), MOED_PEERS_SITE (default /tmp/moed-peers: where .whl/peers.tar.xz is unpacked),
-# SONIC_JSON (peers: SonicMoE's rows from this file instead of a run here).
+# SONIC_JSON (peers: SonicMoE's rows from this file where it cannot run here).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 GPU=${MOED_GPU_DIR:-$PWD/.gpu}
@@ -199,11 +199,11 @@ stage_peers() {
     cat "$RAW/moe-peers-graph.txt" >>"$OUT/moe-peers.txt"
     quiet "$RAW/torch-peers.txt" timeout 180 "$PY" kernels/cuda/bench/torch_ref.py "${shapes[@]}" \
         --tokens "$PEER_TOKENS" --min-ms 100 --json "$RAW/torch-peers.json"
-    if [ -n "${SONIC_JSON:-}" ]; then
+    peers_site
+    if [ ! -d "$PEERS/sonicmoe" ] && [ -n "${SONIC_JSON:-}" ]; then
         echo "run-on-gpu: SonicMoE's rows from $SONIC_JSON"
         sonic=$SONIC_JSON
     else
-        peers_site
         # SonicMoE's own failures are rows of its JSON (the report shows them), not the stage's
         timeout 300 "${SONIC[@]}" "${shapes[@]}" --tokens "$PEER_TOKENS" --min-ms 100 --json "$sonic" \
             >"$RAW/sonic-peers.txt" 2>&1 || echo "run-on-gpu: sonic_ref.py exited $?"

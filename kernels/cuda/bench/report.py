@@ -61,7 +61,8 @@ def fp8_report(paths):
 def layer_key(name):
     """moe-bench's name of a layer joined with torch_ref's: a --shape's d, ff, E, k (printed as
     d,ff,E,k or d4000-ff1400-e64-k6), else the named shape."""
-    m = re.fullmatch(r"(\d+),(\d+),(\d+),(\d+)", name) or re.fullmatch(r"d(\d+)-ff(\d+)-e(\d+)-k(\d+)", name)
+    m = (re.fullmatch(r"(\d+),(\d+),(\d+),(\d+)", name)
+         or re.fullmatch(r"d(\d+)-ff(\d+)-e(\d+)-k(\d+)", name))
     return tuple(map(int, m.groups())) if m else name
 
 
@@ -85,7 +86,8 @@ def targets(r, graphed, sp_t, sp_s, sonic_err, mm, cp):
     if r["routing"] != "uniform" or r["kernel"] not in ("auto", "auto+g"):
         return out
     if T <= 64 and (r["kernel"] == "auto+g" or not graphed):
-        out.append((f"{name} T={T}: weights at >= 90% of copy", r["gbs"] >= 0.9 * cp, f"{100 * r['gbs'] / cp:.0f}%"))
+        out.append((f"{name} T={T}: weights at >= 90% of copy", r["gbs"] >= 0.9 * cp,
+                    f"{100 * r['gbs'] / cp:.0f}%"))
     if T >= 4096 and r["kernel"] == "auto":
         out.append((f"{name} T={T}: >= 1.15x torch", sp_t >= 1.15 if sp_t else None,
                     f"{sp_t:.2f}x" if sp_t else "torch not timed"))
@@ -117,7 +119,10 @@ def bf16_report(torch_path, moe_paths, peer_path):
              f"{mm:.0f} TFLOP/s (cuBLAS bf16 8192³), {cp:.0f} GB/s (device-to-device copy, read+write). "
              f"Reference: torch {ref['torch']} torch._grouped_mm pipeline, same run."]
     if peer:
+        stored = any(q.get("inference_mode") is False for q in peer["runs"])
         lines[0] += (f" Peer: SonicMoE {peer.get('impl', '')} on {peer.get('device', '?')}"
+                     + (f", QuACK autotuned at T >= {peer['autotune_min_T']}" if "autotune_min_T" in peer else "")
+                     + (", pre-activation stored" if stored else "")
                      + (f" (not importable: {peer['import_error']})" if peer.get("import_error") else "")
                      + "; x columns: the other's ms over moed's (moed faster > 1).")
     cols = "| layer | T | routing | kernel | moed ms | torch ms | x torch |" + (
@@ -130,13 +135,14 @@ def bf16_report(torch_path, moe_paths, peer_path):
         r = dict(r, label=models.get(key[0], r["shape"]))
         t_ms, sp_t = ratio(t, r)
         s_ms, sp_s = ratio(s, r)
+        mm_pct, cp_pct = 100 * r["tflops"] / mm, 100 * r["gbs"] / cp
         lines.append(f"| {r['label']} | {r['T']} | {r['routing']} | {r['kernel']} (bm {r['bm']}) | {r['ms']:.3f} | "
                      + fmt(t_ms, sp_t) + (" | " + fmt(s_ms, sp_s) if peer else "")
-                     + f" | {r['tflops']:.0f} | {100 * r['tflops'] / mm:.0f}% | {r['gbs']:.0f} | {100 * r['gbs'] / cp:.0f}% |")
+                     + f" | {r['tflops']:.0f} | {mm_pct:.0f}% | {r['gbs']:.0f} | {cp_pct:.0f}% |")
         brief.append(f"{r['label'][:18]:18s} {r['T']:6d} {r['routing'][:7]:7s} {r['kernel']:6s} {r['ms']:8.3f}"
                      + (f" torch {t_ms:8.3f} {sp_t:5.2f}x" if t_ms else " torch        -      -")
                      + ((f" sonic {s_ms:8.3f} {sp_s:5.2f}x" if s_ms else " sonic        -      -") if peer else "")
-                     + f" mm {100 * r['tflops'] / mm:3.0f}% copy {100 * r['gbs'] / cp:3.0f}%")
+                     + f" mm {mm_pct:3.0f}% copy {cp_pct:3.0f}%")
         sonic_err = peer and ((s or {}).get("error") or peer.get("import_error") or "not timed")
         checks += targets(r, (r["shape"], r["T"], r["routing"]) in graphed, sp_t, sp_s, sonic_err, mm, cp)
     mark = {True: "yes", False: "NO", None: "n/a"}

@@ -55,7 +55,7 @@ def autotune(on):
 
 class SonicLayer:
     """SonicMoE's weight layout: W1|W3 interleaved (gate row, up row, ...) as (2 ff, d, E) and W2 as
-    (H, ff, E), each with E outermost in memory (stride order 2, 0, 1), as its MoE module holds
+    (d, ff, E), each with E outermost in memory (stride order 2, 0, 1), as its MoE module holds
     them (c_fc.weight (E, 2 ff, d) and c_proj.weight (E, d, ff), permuted (1, 2, 0))."""
 
     def __init__(self, d, ff, E, k, gen):
@@ -68,35 +68,38 @@ class SonicLayer:
         self.info = {"sonic_moe": sonicmoe.__version__, "inference_mode": True}
 
     def given(self, ids, wts):
-        return ids.to(torch.int32), wts  # its router's index type
+        """Its router's index type, and the per-token expert offsets of its variable-k path, which
+        the fixed-k path never reads (a tensor, not None, where its custom ops declare a Tensor)."""
+        unused = torch.zeros(ids.shape[0] + 1, dtype=torch.int32, device=ids.device)
+        return ids.to(torch.int32), wts, unused
 
-    def forward(self, x, ids, wts):
+    def forward(self, x, ids, wts, unused):
         self.info["autotuned"] = x.shape[0] >= TUNE_MIN_T
         autotune(self.info["autotuned"])
         with torch.no_grad():
             try:
-                return self.layer(x, ids, wts, self.info["inference_mode"])
+                return self.layer(x, ids, wts, unused, self.info["inference_mode"])
             except Exception:
                 if not self.info["inference_mode"]:
                     raise
             # Where its custom op will not take the absent pre-activation, store it (training's
             # path: one more write of pairs x 2 ff), and say so in the rows.
             self.info["inference_mode"] = False
-            return self.layer(x, ids, wts, False)
+            return self.layer(x, ids, wts, unused, False)
 
-    def layer(self, x, ids, wts, inference):
+    def layer(self, x, ids, wts, unused, inference):
         T, k = ids.shape
         P, dev = T * k, x.device
         scatter, rscatter, gather = (torch.empty(P, dtype=torch.int32, device=dev) for _ in range(3))
         freq = torch.empty(self.E, dtype=torch.int32, device=dev)
         offs = torch.empty(self.E + 1, dtype=torch.int32, device=dev)
         TC_topk_router_metadata_triton(ids, self.E, freq, offs, gather, scatter, rscatter)
-        a, h = _UpProjection.apply(x, self.w1, None, offs, P, k, gather, scatter, rscatter, None, False,
+        a, h = _UpProjection.apply(x, self.w1, None, offs, P, k, gather, scatter, rscatter, unused, False,
                                    ActivationType.SWIGLU, inference, False)
         return _DownProjection.apply(a, h, self.w2, None, wts, offs, T, k, gather, scatter, rscatter,
-                                     None, False, ActivationType.SWIGLU)
+                                     unused, False, ActivationType.SWIGLU)
 
 
 if __name__ == "__main__":
-    bench("sonic", SonicLayer, {"impl": "sonic-moe fixed-k forward, routing given",
+    bench("sonic", SonicLayer, {"impl": "fixed-k forward, routing given", "autotune_min_T": TUNE_MIN_T,
                                 "import_error": IMPORT_ERROR})
