@@ -16,7 +16,8 @@
 #             (one short line a row on stdout). SonicMoE's rows come from sonic_ref.py here where its
 #             site is (carried as .whl/peers.tar.xz or left by a sonic call on this machine), else
 #             from SONIC_JSON where that names a file (an earlier sonic call's), else they say why not.
-#             About 2 minutes without SonicMoE on an H200, 5 with it when QuACK must compile and tune
+#             (Not yet timed on the GPU machine; expected: 2 to 3 minutes with SonicMoE's kernels
+#             compiled and tuned by a sonic call before it, 5 or more where QuACK must do both.)
 #   e2e       the daemon benchmark on loopback (tests/gpu/bench_daemon.py), transport suite
 #   merge     the same, merging suite (merging off / on / batch gating at T=8)
 #   pytest    end-to-end tests through a CUDA daemon: every dtype, activation and gating against
