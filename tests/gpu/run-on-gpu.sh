@@ -5,6 +5,19 @@
 #   sanitize  compute-sanitizer memcheck and racecheck on the quick cases
 #   bench     the kernel benchmark (moe-bench) and the torch._grouped_mm reference, same run, and the
 #             merged table (kernels/cuda/bench/report.py)
+#   sonic     SonicMoE (the fastest published MoE forward on Hopper) alone, for a call that carries
+#             .whl (tests/gpu/peer-wheels.sh) and not .gpu, the two being over the device tool's size
+#             limit together: kernels/cuda/bench/sonic_ref.py on the standard shapes and MODEL_SHAPES
+#             at T = 8 .. 16384, its JSON in sonic.json (for peers' SONIC_JSON); it leaves the unpacked
+#             site and QuACK's compiled kernels and tunings on the machine for a peers call that follows
+#   peers     moed beside torch._grouped_mm and SonicMoE (issue 16): moe-bench on the standard shapes
+#             and the real models' layers (MODEL_SHAPES) at T = 8 .. 16384 (graph-replayed at T <= 64),
+#             torch_ref.py and sonic_ref.py on the same, and report.py's table and targets in peers.md
+#             (one short line a row on stdout). SonicMoE's rows come from sonic_ref.py here where its
+#             site is (carried as .whl/peers.tar.xz or left by a sonic call on this machine), else
+#             from SONIC_JSON where that names a file (an earlier sonic call's), else they say why not.
+#             (Not yet timed on the GPU machine; expected: 2 to 3 minutes with SonicMoE's kernels
+#             compiled and tuned by a sonic call before it, 5 or more where QuACK must do both.)
 #   e2e       the daemon benchmark on loopback (tests/gpu/bench_daemon.py), transport suite
 #   merge     the same, merging suite (merging off / on / batch gating at T=8)
 #   pytest    end-to-end tests through a CUDA daemon: every dtype, activation and gating against
@@ -53,7 +66,8 @@
 # Environment: OUT (default /tmp/moed-out), MOED_GPU_DIR (default .gpu: bin/, lib/ and py/ as
 # bundle.sh assembles them, or its bundle.tgz of them), MOED_GPU_PYTHON (default python3),
 # DATAPLANE_ARGS (more arguments for bench_dataplane.py, e.g. --shapes mixtral; the python stage's
-# run too).
+# run too), MOED_PEERS_SITE (default /tmp/moed-peers: where .whl/peers.tar.xz is unpacked),
+# SONIC_JSON (peers: SonicMoE's rows from this file where it cannot run here).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 GPU=${MOED_GPU_DIR:-$PWD/.gpu}
@@ -70,7 +84,14 @@ export PYTHONUNBUFFERED=1
 export PATH=$PATH:/usr/local/cuda/bin
 OUT=${OUT:-/tmp/moed-out}
 RAW=$OUT/raw # JSON and long logs; packed into raw.tgz at the end (the device tool returns 8 files)
-STAGES=(tests sanitize bench e2e merge pytest fp8 fp8-bench dataplane python router split two-gpu)
+STAGES=(tests sanitize bench sonic peers e2e merge pytest fp8 fp8-bench dataplane python router split
+    two-gpu)
+PEERS=${MOED_PEERS_SITE:-/tmp/moed-peers}
+# Real models' MoE layers as d,ff,E,k (kernels/cuda/bench/torch_ref.py's MODELS, which a CI test keeps
+# equal to this): gpt-oss-120b, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, Phi-3.5-MoE, DBRX.
+# shellcheck disable=SC2054  # each element is one d,ff,E,k
+MODEL_SHAPES=(2880,2880,128,4 2048,1408,60,4 2048,1024,64,8 4096,6400,16,2 6144,10752,16,4)
+PEER_TOKENS=8,64,512,4096,16384
 
 # The stage running and the worst exit of its commands so far (0, 77, or a failure's code).
 stage_name="" stage_rc=0
@@ -141,6 +162,56 @@ stage_bench() {
         --out "$OUT/report.md"
     step "$PY" kernels/cuda/bench/report.py "$RAW/torch-skew.json" "$RAW/moe-skew.json" \
         --out "$OUT/report-skew.md"
+}
+
+# --shape for each of MODEL_SHAPES, for moe-bench, torch_ref.py and sonic_ref.py alike.
+model_args() {
+    local s
+    for s in "${MODEL_SHAPES[@]}"; do printf -- '--shape\n%s\n' "$s"; done
+}
+
+# SONIC: the environment sonic_ref.py runs in, SonicMoE's site on PYTHONPATH (the DSL's package sits
+# in a folder of its own that a .pth file names, which PYTHONPATH does not read), unpacked first from
+# a carried .whl/peers.tar.xz; QuACK keeps its tunings on disk beside its compiled kernels, for a
+# later call on this machine.
+peers_site() {
+    if [ -f .whl/peers.tar.xz ] && [ ! -f "$PEERS/.unpacked" ]; then
+        mkdir -p "$PEERS" && tar xJf .whl/peers.tar.xz -C "$PEERS" && touch "$PEERS/.unpacked"
+    fi
+    [ -d "$PEERS/sonicmoe" ] || echo "run-on-gpu: no SonicMoE in $PEERS (carry .whl: tests/gpu/peer-wheels.sh)"
+    SONIC=(env "PYTHONPATH=$PEERS:$PEERS/nvidia_cutlass_dsl/python_packages:$PYTHONPATH"
+        QUACK_CACHE_AUTOTUNING=1 "$PY" kernels/cuda/bench/sonic_ref.py)
+}
+
+stage_sonic() {
+    local shapes
+    mapfile -t shapes < <(model_args)
+    peers_site
+    step timeout 480 "${SONIC[@]}" "${shapes[@]}" --tokens "$PEER_TOKENS" --min-ms 100 --json "$OUT/sonic.json"
+}
+
+stage_peers() {
+    local shapes sonic=$RAW/sonic-peers.json
+    mapfile -t shapes < <(model_args)
+    quiet "$OUT/moe-peers.txt" timeout 240 "$B/moe-bench" "${shapes[@]}" --tokens "$PEER_TOKENS" \
+        --min-ms 100 --json "$RAW/moe-peers.json"
+    quiet "$RAW/moe-peers-graph.txt" timeout 120 "$B/moe-bench" "${shapes[@]}" --tokens 8,64 --graph \
+        --min-ms 100 --json "$RAW/moe-peers-graph.json"
+    cat "$RAW/moe-peers-graph.txt" >>"$OUT/moe-peers.txt"
+    quiet "$RAW/torch-peers.txt" timeout 180 "$PY" kernels/cuda/bench/torch_ref.py "${shapes[@]}" \
+        --tokens "$PEER_TOKENS" --min-ms 100 --json "$RAW/torch-peers.json"
+    peers_site
+    if [ ! -d "$PEERS/sonicmoe" ] && [ -n "${SONIC_JSON:-}" ]; then
+        echo "run-on-gpu: SonicMoE's rows from $SONIC_JSON"
+        sonic=$SONIC_JSON
+    else
+        # SonicMoE's own failures are rows of its JSON (the report shows them), not the stage's
+        timeout 300 "${SONIC[@]}" "${shapes[@]}" --tokens "$PEER_TOKENS" --min-ms 100 --json "$sonic" \
+            >"$RAW/sonic-peers.txt" 2>&1 || echo "run-on-gpu: sonic_ref.py exited $?"
+        grep -m3 'failed' "$RAW/sonic-peers.txt"
+    fi
+    step "$PY" kernels/cuda/bench/report.py "$RAW/torch-peers.json" "$RAW/moe-peers.json" \
+        "$RAW/moe-peers-graph.json" --peer "$sonic" --out "$OUT/peers.md" --brief
 }
 
 stage_e2e() {

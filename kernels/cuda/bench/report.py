@@ -1,9 +1,14 @@
-"""Merges moe-bench's and torch_ref.py's JSON from one GPU run into the benchmark table (markdown),
-and checks the kernel targets of the CUDA issue against it. Small-T targets use the graph-replayed
-pipeline (kernel "auto+g", what the backend runs for small batches) where the run has it.
+"""Merges moe-bench's, torch_ref.py's and (--peer) sonic_ref.py's JSON from one GPU run into the
+benchmark table (markdown), and checks the bf16 kernel targets (issue 16) against it: at T >= 4096
+>= 1.15x torch._grouped_mm and SonicMoE on every layer; at T = 16384 >= 75% of the matmul ceiling;
+at T <= 64 weights streamed at >= 90% of copy bandwidth. Small-T targets use the graph-replayed
+pipeline (kernel "auto+g", what the backend runs for small batches) where the run has it. Rows of a
+--shape d,ff,E,k layer are joined on d, ff, E, k and named by the model torch_ref.py gives them.
 
-usage: python3 report.py torch.json moe.json [moe-graph.json ...] [--out report.md]
+usage: python3 report.py torch.json moe.json [moe-graph.json ...] [--peer sonic.json] [--brief]
+                         [--out report.md]
        python3 report.py --fp8 moe.json [moe-graph.json ...] [--out report.md]
+--brief prints one short line per row and target instead of the markdown (which --out still gets).
 
 --fp8: moe-bench runs with bf16 and FP8 weights side by side (--weights bf16,fp8), as the FP8
 table and the FP8 issue's targets: at T <= 64 FP8 weight bytes at >= 85% of copy bandwidth; at
@@ -11,6 +16,7 @@ T >= 4096 >= 1.5x the bf16 path; at T = 16384 >= 60% of the FP8 matmul ceiling.
 """
 import argparse
 import json
+import re
 
 
 def fp8_report(paths):
@@ -52,54 +58,116 @@ def fp8_report(paths):
     return "\n".join(lines)
 
 
+def layer_key(name):
+    """moe-bench's name of a layer joined with torch_ref's: a --shape's d, ff, E, k (printed as
+    d,ff,E,k or d4000-ff1400-e64-k6), else the named shape."""
+    m = (re.fullmatch(r"(\d+),(\d+),(\d+),(\d+)", name)
+         or re.fullmatch(r"d(\d+)-ff(\d+)-e(\d+)-k(\d+)", name))
+    return tuple(map(int, m.groups())) if m else name
+
+
+def by_layer(ref):
+    """{(layer, T, routing): row} of a torch_ref/sonic_ref JSON; {} where there is none."""
+    return {(layer_key(r["shape"]), r["T"], r["routing"]): r for r in (ref or {}).get("runs", [])}
+
+
+def ratio(peer, r):
+    """(peer ms, peer ms / moed ms) where the peer timed the row, else (None, None)."""
+    return (peer["ms"], peer["ms"] / r["ms"]) if peer and peer.get("ms") else (None, None)
+
+
+def fmt(ms, sp):
+    return f"{ms:.3f} | {sp:.2f}x" if ms else "- | -"
+
+
+def targets(r, graphed, sp_t, sp_s, sonic_err, mm, cp):
+    """The issue's targets a moed row speaks for: [(target, met: True/False/None, figure)]."""
+    name, T, out = r["label"], r["T"], []
+    if r["routing"] != "uniform" or r["kernel"] not in ("auto", "auto+g"):
+        return out
+    if T <= 64 and (r["kernel"] == "auto+g" or not graphed):
+        out.append((f"{name} T={T}: weights at >= 90% of copy", r["gbs"] >= 0.9 * cp,
+                    f"{100 * r['gbs'] / cp:.0f}%"))
+    if T >= 4096 and r["kernel"] == "auto":
+        out.append((f"{name} T={T}: >= 1.15x torch", sp_t >= 1.15 if sp_t else None,
+                    f"{sp_t:.2f}x" if sp_t else "torch not timed"))
+        if sp_s or sonic_err:
+            out.append((f"{name} T={T}: >= 1.15x SonicMoE", sp_s >= 1.15 if sp_s else None,
+                        f"{sp_s:.2f}x" if sp_s else f"SonicMoE failed: {sonic_err[:80]}"))
+    if T == 16384 and r["kernel"] == "auto":
+        out.append((f"{name} T={T}: >= 75% of the matmul ceiling", r["tflops"] >= 0.75 * mm,
+                    f"{100 * r['tflops'] / mm:.0f}%"))
+    return out
+
+
+def bf16_report(torch_path, moe_paths, peer_path):
+    """(markdown, brief lines) of the bf16 table beside torch and the peer, and its targets."""
+    ref = json.load(open(torch_path))
+    peer = None
+    if peer_path:
+        try:
+            peer = json.load(open(peer_path))
+        except (OSError, ValueError) as e:  # the peer did not run (or not to its end): its rows say so
+            peer = {"runs": [], "import_error": f"no results ({type(e).__name__}: {e})"}
+    runs = [json.load(open(f)) for f in moe_paths]
+    moe = dict(runs[0], runs=[r for m in runs for r in m["runs"]])
+    tref, sref = by_layer(ref), by_layer(peer)
+    models = {layer_key(r["shape"]): r["model"] for r in ref["runs"] if r.get("model")}
+    mm, cp = moe["matmul_tflops"], moe["copy_gbs"]
+    graphed = {(r["shape"], r["T"], r["routing"]) for r in moe["runs"] if r["kernel"] == "auto+g"}
+    lines = [f"Device: {moe['device']} (sm_{moe['sm']}). Ceilings measured in this run: "
+             f"{mm:.0f} TFLOP/s (cuBLAS bf16 8192³), {cp:.0f} GB/s (device-to-device copy, read+write). "
+             f"Reference: torch {ref['torch']} torch._grouped_mm pipeline, same run."]
+    if peer:
+        stored = any(q.get("inference_mode") is False for q in peer["runs"])
+        lines[0] += (f" Peer: SonicMoE {peer.get('impl', '')} on {peer.get('device', '?')}"
+                     + (f", QuACK autotuned at T >= {peer['autotune_min_T']}" if "autotune_min_T" in peer else "")
+                     + (", pre-activation stored" if stored else "")
+                     + (f" (not importable: {peer['import_error']})" if peer.get("import_error") else "")
+                     + "; x columns: the other's ms over moed's (moed faster > 1).")
+    cols = "| layer | T | routing | kernel | moed ms | torch ms | x torch |" + (
+        " SonicMoE ms | x SonicMoE |" if peer else "") + " TFLOP/s | % matmul | weights+act GB/s | % copy |"
+    lines += ["", cols, "|" + "---|" * (cols.count("|") - 1)]
+    brief, checks = [], []
+    for r in moe["runs"]:
+        key = (layer_key(r["shape"]), r["T"], r["routing"])
+        t, s = tref.get(key), sref.get(key)
+        r = dict(r, label=models.get(key[0], r["shape"]))
+        t_ms, sp_t = ratio(t, r)
+        s_ms, sp_s = ratio(s, r)
+        mm_pct, cp_pct = 100 * r["tflops"] / mm, 100 * r["gbs"] / cp
+        lines.append(f"| {r['label']} | {r['T']} | {r['routing']} | {r['kernel']} (bm {r['bm']}) | {r['ms']:.3f} | "
+                     + fmt(t_ms, sp_t) + (" | " + fmt(s_ms, sp_s) if peer else "")
+                     + f" | {r['tflops']:.0f} | {mm_pct:.0f}% | {r['gbs']:.0f} | {cp_pct:.0f}% |")
+        brief.append(f"{r['label'][:18]:18s} {r['T']:6d} {r['routing'][:7]:7s} {r['kernel']:6s} {r['ms']:8.3f}"
+                     + (f" torch {t_ms:8.3f} {sp_t:5.2f}x" if t_ms else " torch        -      -")
+                     + ((f" sonic {s_ms:8.3f} {sp_s:5.2f}x" if s_ms else " sonic        -      -") if peer else "")
+                     + f" mm {mm_pct:3.0f}% copy {cp_pct:3.0f}%")
+        sonic_err = peer and ((s or {}).get("error") or peer.get("import_error") or "not timed")
+        checks += targets(r, (r["shape"], r["T"], r["routing"]) in graphed, sp_t, sp_s, sonic_err, mm, cp)
+    mark = {True: "yes", False: "NO", None: "n/a"}
+    lines += ["", "| target | met | figure |", "|---|---|---|"]
+    lines += [f"| {n} | {mark[ok]} | {fig} |" for n, ok, fig in checks]
+    met = sum(ok is True for _, ok, _ in checks)
+    lines += ["", f"Targets met: {met} of {len(checks)}."]
+    brief += [f"{mark[ok]:3s} {n}: {fig}" for n, ok, fig in checks] + [lines[-1]]
+    return "\n".join(lines), "\n".join(brief)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--fp8", action="store_true", help="the FP8-beside-bf16 table (no torch file)")
     ap.add_argument("torch")
     ap.add_argument("moe", nargs="*")
+    ap.add_argument("--peer", help="sonic_ref.py's JSON of the same run: SonicMoE's columns and targets")
+    ap.add_argument("--brief", action="store_true", help="print one line per row and target")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.fp8:
-        text = fp8_report([a.torch] + a.moe)
-        print(text)
-        if a.out:
-            open(a.out, "w").write(text + "\n")
-        return
-    ref = json.load(open(a.torch))
-    runs = [json.load(open(f)) for f in a.moe]
-    moe = dict(runs[0], runs=[r for m in runs for r in m["runs"]])
-    tref = {(r["shape"], r["T"], r["routing"]): r["ms"] for r in ref["runs"]}
-    mm, cp = moe["matmul_tflops"], moe["copy_gbs"]
-    lines = [f"Device: {moe['device']} (sm_{moe['sm']}). Ceilings measured in this run: "
-             f"{mm:.0f} TFLOP/s (cuBLAS bf16 8192³), {cp:.0f} GB/s (device-to-device copy, read+write). "
-             f"Reference: torch {ref['torch']} torch._grouped_mm pipeline, same run.", "",
-             "| shape | T | routing | kernel | moed ms | torch ms | speedup | TFLOP/s | % matmul | weights+act GB/s | % copy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    checks = []
-    for r in moe["runs"]:
-        t = tref.get((r["shape"], r["T"], r["routing"]))
-        sp = t / r["ms"] if t else None
-        lines.append(f"| {r['shape']} | {r['T']} | {r['routing']} | {r['kernel']} (bm {r['bm']}) | {r['ms']:.3f} | "
-                     + (f"{t:.3f} | {sp:.2f}x" if t else "- | -")
-                     + f" | {r['tflops']:.0f} | {100 * r['tflops'] / mm:.0f}% | {r['gbs']:.0f} | {100 * r['gbs'] / cp:.0f}% |")
-        if r["routing"] != "uniform" or r["kernel"] not in ("auto", "auto+g"):
-            continue
-        graphed = any(q["kernel"] == "auto+g" and q["shape"] == r["shape"] and q["T"] == r["T"] and
-                      q["routing"] == r["routing"] for q in moe["runs"])
-        if r["kernel"] == "auto" and graphed and r["T"] <= 64:
-            continue  # the graph-replayed run speaks for small T
-        if r["T"] >= 4096 and sp is not None and r["kernel"] == "auto":
-            checks.append((f"{r['shape']} T={r['T']}: >= 1.15x torch", sp >= 1.15, f"{sp:.2f}x"))
-        if r["T"] <= 64:
-            checks.append((f"{r['shape']} T={r['T']}: weights at >= 75% of copy bandwidth",
-                           r["gbs"] >= 0.75 * cp, f"{100 * r['gbs'] / cp:.0f}%"))
-        if r["shape"] == "qwen3-30b-a3b" and r["T"] == 16384:
-            checks.append(("qwen3-30b-a3b T=16384: >= 55% of matmul ceiling", r["tflops"] >= 0.55 * mm,
-                           f"{100 * r['tflops'] / mm:.0f}%"))
-    lines += ["", "| target | met | figure |", "|---|---|---|"]
-    lines += [f"| {n} | {'yes' if ok else 'NO'} | {fig} |" for n, ok, fig in checks]
-    text = "\n".join(lines)
-    print(text)
+        text = brief = fp8_report([a.torch] + a.moe)
+    else:
+        text, brief = bf16_report(a.torch, a.moe, a.peer)
+    print(brief if a.brief else text)
     if a.out:
         open(a.out, "w").write(text + "\n")
 
