@@ -11,8 +11,9 @@
  * The tile shapes are compile-time (one instantiation per shape the heuristic table can pick):
  *   bm 128: 8 warps as 4 x 2, warp tile 32 x 64 (large batches, compute-bound)
  *   bm  64: 4 warps as 2 x 2, warp tile 32 x 64
- *   bm  32: 4 warps as 2 x 2, warp tile 16 x 64, 6 stages (12-24 rows per expert: one m-tile holds
- *           an expert's rows where bm 16 would often need two, each streaming the same weights)
+ *   bm  32: 4 warps as 2 x 2, warp tile 16 x 64, 5 stages (12-24 rows per expert: one m-tile holds
+ *           an expert's rows where bm 16 would often need two, each streaming the same weights;
+ *           5 stages of 20 KB keep two CTAs on an SM, where 6 would leave one)
  *   bm  16: 2 warps as 1 x 2, warp tile 16 x 64, 6 stages (few rows per expert: the kernel streams
  *           weights, and the deep pipeline keeps enough bytes in flight to run at HBM speed); 4
  *           stages when K <= 1024, where CTAs are short-lived and three per SM hide each other's
@@ -274,7 +275,7 @@ template <typename T> int dispatch(const moed_cuda_gemm *g, moed_cuda_stream s)
     case 64:
         return launch<T, 64, 128, 2, 2, 4>(g, s);
     case 32:
-        return launch<T, 32, 128, 2, 2, 6>(g, s);
+        return launch<T, 32, 128, 2, 2, 5>(g, s);
     case 16: /* short K: a few CTAs more per SM beat a deeper pipeline */
         return g->k <= 1024 ? launch<T, 16, 128, 1, 2, 4>(g, s) : launch<T, 16, 128, 1, 2, 6>(g, s);
     }

@@ -13,7 +13,8 @@
  *   >= 24         sm80      64   128   mid-size: half the padding waste of bm 128
  *   >= 12         sm80      32   128   weight streaming with 12-24 rows an expert: bm 16 would split
  *                                      many experts into two m-tiles that each stream the weights
- *                                      (H200: mixtral T=64 0.826 -> 0.732 ms, 81% -> 91% of copy)
+ *                                      (H200, same run: mixtral T=64 0.849 -> 0.712 ms, DBRX
+ *                                      T=64 1.625 -> 1.552, gpt-oss T=512 1.766 -> 1.637)
  *   <  12         sm80      16   128   few rows: weight streaming; deep pipeline, 2 CTAs per SM
  *
  * bn 128 for sm90 when N is not a multiple of 256. Both GEMMs of a batch share bm (route prep lays

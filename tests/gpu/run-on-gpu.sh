@@ -167,6 +167,7 @@ stage_bench() {
 # --shape for each of MODEL_SHAPES, for moe-bench, torch_ref.py and sonic_ref.py alike.
 model_args() {
     local s
+    printf -- '--shapes\nmixtral,qwen3-30b-a3b,deepseek-v3\n' # moe-bench runs --shape alone without them
     for s in "${MODEL_SHAPES[@]}"; do printf -- '--shape\n%s\n' "$s"; done
 }
 
