@@ -11,8 +11,8 @@
  *   >= 96         sm90     128   256   (Hopper) compute-bound: wgmma, TMA, warp-specialised
  *   >= 96         sm80     128   128   (other GPUs) compute-bound on mma.sync
  *   >= 24         sm80      64   128   mid-size: half the padding waste of bm 128
- *   >= 12         sm80      32   128   weight streaming with 12-24 rows an expert: bm 16 would split
- *                                      many experts into two m-tiles that each stream the weights
+ *   >= 12         sm80      32   128   weight streaming, 12-24 rows an expert: bm 16 would split
+ *                                      many experts in two m-tiles, each streaming the weights
  *                                      (H200, same run: mixtral T=64 0.849 -> 0.712 ms, DBRX
  *                                      T=64 1.625 -> 1.552, gpt-oss T=512 1.766 -> 1.637)
  *   <  12         sm80      16   128   few rows: weight streaming; deep pipeline, 2 CTAs per SM
