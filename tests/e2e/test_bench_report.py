@@ -58,7 +58,7 @@ def target(md, name):
     return tuple(c.strip() for c in line.split("|")[2:4])
 
 
-@pytest.mark.parametrize("moe_name", ["2880,2880,128,4", "d2880-ff2880-e128-k4"])
+@pytest.mark.parametrize("moe_name", ["2880,2880,128,4"])
 def test_a_model_layer_joins_its_references_and_is_judged(report, moe_name):
     md, brief = report(
         moe=[moe_row(moe_name, 4096, 2.0), moe_row(moe_name, 16384, 8.0, tflops=0.8 * MM),

@@ -16,8 +16,8 @@
 #             (one short line a row on stdout). SonicMoE's rows come from sonic_ref.py here where its
 #             site is (carried as .whl/peers.tar.xz or left by a sonic call on this machine), else
 #             from SONIC_JSON where that names a file (an earlier sonic call's), else they say why not.
-#             (Not yet timed on the GPU machine; expected: 2 to 3 minutes with SonicMoE's kernels
-#             compiled and tuned by a sonic call before it, 5 or more where QuACK must do both.)
+#             (On an H200: the sonic stage 5 minutes, QuACK compiling and tuning; peers with
+#             SONIC_JSON about a minute.)
 #   e2e       the daemon benchmark on loopback (tests/gpu/bench_daemon.py), transport suite
 #   merge     the same, merging suite (merging off / on / batch gating at T=8)
 #   pytest    end-to-end tests through a CUDA daemon: every dtype, activation and gating against
@@ -164,7 +164,8 @@ stage_bench() {
         --out "$OUT/report-skew.md"
 }
 
-# --shape for each of MODEL_SHAPES, for moe-bench, torch_ref.py and sonic_ref.py alike.
+# The standard shapes and a --shape for each of MODEL_SHAPES, for moe-bench, torch_ref.py and
+# sonic_ref.py alike.
 model_args() {
     local s
     printf -- '--shapes\nmixtral,qwen3-30b-a3b,deepseek-v3\n' # moe-bench runs --shape alone without them

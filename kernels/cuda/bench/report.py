@@ -59,10 +59,9 @@ def fp8_report(paths):
 
 
 def layer_key(name):
-    """moe-bench's name of a layer joined with torch_ref's: a --shape's d, ff, E, k (printed as
-    d,ff,E,k or d4000-ff1400-e64-k6), else the named shape."""
-    m = (re.fullmatch(r"(\d+),(\d+),(\d+),(\d+)", name)
-         or re.fullmatch(r"d(\d+)-ff(\d+)-e(\d+)-k(\d+)", name))
+    """moe-bench's name of a layer joined with torch_ref's: a --shape's d, ff, E, k (both print it
+    as d,ff,E,k), else the named shape."""
+    m = re.fullmatch(r"(\d+),(\d+),(\d+),(\d+)", name)
     return tuple(map(int, m.groups())) if m else name
 
 
