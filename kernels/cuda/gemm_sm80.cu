@@ -28,6 +28,7 @@
  * arithmetic, so it runs on GPUs without FP8 instructions.
  */
 #include "gemm_common.cuh"
+#include "launch.cuh"
 
 #include "moed_dtype.h"
 #include "moed_err.h"
@@ -95,6 +96,16 @@ __global__ void __launch_bounds__(WM *WN * 32) gemm_sm80_kernel(const moed_cuda_
     static_assert(!W8 || (B_GROUPS * 4 == 16 && MOED_CUDA_FP8_K % BK == 0),
                   "W8: a tile's scales are one 16-byte chunk, K blocks whole stages");
 
+    /* Started early (moed_cuda.h, MOED_CUDA_OVERLAP_*). With WEIGHTS the first weight stages load
+     * before the wait, while the kernel before drains. A CTA without a tile exits at once: the
+     * others' wait already keeps the grid from finishing before that kernel. Each CTA lets the
+     * next kernel start only after its own wait, so a kernel started early always finds the one
+     * two before it finished (the next GEMM reads route prep's tables before its wait). */
+    const bool weights_first = g.overlap == MOED_CUDA_OVERLAP_WEIGHTS;
+    if (!weights_first) {
+        ptx::griddep_wait();
+        ptx::griddep_launch_dependents();
+    }
     moed_cuda_tile t;
     if (!moed_cuda_tile_of(g, num_n, blockIdx.x, t)) return;
 
@@ -127,11 +138,14 @@ __global__ void __launch_bounds__(WM *WN * 32) gemm_sm80_kernel(const moed_cuda_
         W8 ? g.b_scale + ((int64_t)t.e * g.n + (int64_t)t.nt * BN) / MOED_CUDA_FP8_SROWS : nullptr;
     const int64_t sc_ld = (int64_t)g.b_experts * g.n / MOED_CUDA_FP8_SROWS;
 
-    auto load_stage = [&](int stage, int kt) {
-        const uint32_t sa = sbase + stage * STAGE, sb = sa + A_STAGE;
+    auto load_a = [&](int stage, int kt) {
+        const uint32_t sa = sbase + stage * STAGE;
 #pragma unroll
         for (int i = 0; i < A_CHUNKS; i++)
             ptx::cp_async16(sa + a_dst[i], a_src[i] + kt * BK, a_bytes[i]);
+    };
+    auto load_b = [&](int stage, int kt) {
+        const uint32_t sb = sbase + stage * STAGE + A_STAGE;
 #pragma unroll
         for (int i = 0; i < B_CHUNKS; i++) {
             const int c = tid + i * THREADS, row = c / B_ROW_CHUNKS, kc = c % B_ROW_CHUNKS;
@@ -171,9 +185,21 @@ __global__ void __launch_bounds__(WM *WN * 32) gemm_sm80_kernel(const moed_cuda_
 #pragma unroll
             for (int j = 0; j < 4; j++) acc[mi][ni][j] = 0.0f;
 
+    /* The prologue's weight stages join the first cp.async group, so waiting for stage 0 also
+     * waits for them; each later group holds one stage's A. */
+    if (weights_first) {
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; s++)
+            if (s < ktiles) load_b(s, s);
+        ptx::griddep_wait();
+        ptx::griddep_launch_dependents();
+    }
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
-        if (s < ktiles) load_stage(s, s);
+        if (s < ktiles) {
+            load_a(s, s);
+            if (!weights_first) load_b(s, s);
+        }
         ptx::cp_async_commit();
     }
 
@@ -181,7 +207,10 @@ __global__ void __launch_bounds__(WM *WN * 32) gemm_sm80_kernel(const moed_cuda_
         ptx::cp_async_wait<STAGES - 2>();
         __syncthreads(); /* stage kt landed for everyone; stage kt-1 is free to refill */
         const int nk = kt + STAGES - 1;
-        if (nk < ktiles) load_stage(nk % STAGES, nk);
+        if (nk < ktiles) {
+            load_a(nk % STAGES, nk);
+            load_b(nk % STAGES, nk);
+        }
         ptx::cp_async_commit();
         if constexpr (W8) {
             dequant_stage(kt % STAGES);
@@ -253,8 +282,8 @@ int launch_epi(const moed_cuda_gemm *g, moed_cuda_stream s)
     const int64_t ctas = (int64_t)num_n * g->max_tiles;
     if (ctas <= 0) return 0;
     if (ctas > 0x7fffffff) return MOED_EINVAL;
-    kern<<<(unsigned)ctas, WM * WN * 32, smem, (cudaStream_t)s>>>(*g, num_n);
-    return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;
+    return moed_cuda_launch(kern, dim3((unsigned)ctas), dim3(WM * WN * 32), smem, (cudaStream_t)s,
+                            g->overlap != MOED_CUDA_OVERLAP_NONE, *g, num_n);
 }
 
 template <typename T, int BM, int BN, int WM, int WN, int STAGES>

@@ -102,9 +102,25 @@ int moed_cuda_convert_in(const void *x, int dtype, int64_t T, int d, void *xc, i
                          int d_pad, moed_cuda_stream s);
 
 /* out[t, :d] (dtype) = Σ_j pair_w[j] · y[pair_slot[j], :d] over the token's pairs in order, plus
- * ys[t, :d] when ys is not NULL; y and ys are [*, d_pad] of cdtype. */
+ * ys[t, :d] when ys is not NULL; y and ys are [*, d_pad] of cdtype. Below 256 tokens it starts
+ * early, as MOED_CUDA_OVERLAP_WEIGHTS below: y and ys may still be being written by the kernel
+ * before it on the stream, the route's arrays may not. */
 int moed_cuda_combine(const moed_cuda_route_dev *r, const void *y, const void *ys, int cdtype,
                       int d, int d_pad, void *out, int dtype, moed_cuda_stream s);
+
+/* How a launch may overlap the kernel before it on the same stream (programmatic dependent launch,
+ * sm_90 and newer; on older GPUs every launch waits for the one before). The batch's kernels run
+ * back to back, so a launch that waits plainly leaves the SMs idle while it starts and while the
+ * kernel before drains its last CTAs. */
+enum {
+    MOED_CUDA_OVERLAP_NONE = 0,   /* starts once everything before it on the stream has finished */
+    MOED_CUDA_OVERLAP_LAUNCH = 1, /* may start early, but reads nothing before that kernel ends */
+    /* may start early and load weights (and read the m-tile tables) at once: only A, and what it
+     * writes, wait. The tables must be route prep's, finished before the kernel before started:
+     * every kernel lets the next start only once it has passed its own wait, so route prep two
+     * launches back has finished by then. */
+    MOED_CUDA_OVERLAP_WEIGHTS = 2
+};
 
 /* One grouped GEMM over the m-tiles of a route: for each tile (expert e, rows r0 .. r0+bm-1, cut
  * at row_end), C[r] = epilogue(A[row(r)] · B_e^T) for the tile's rows and every N column. */
@@ -132,6 +148,8 @@ typedef struct moed_cuda_gemm {
     int32_t max_tiles;
     int32_t identity_rows;
     int32_t bm;
+    int overlap; /* MOED_CUDA_OVERLAP_*, honoured by the portable kernel (the Hopper ones start
+                  * plainly) */
 } moed_cuda_gemm;
 
 /* The kernel family and tile shape chosen by the heuristic table (tile_config.c). */

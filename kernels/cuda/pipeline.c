@@ -119,6 +119,15 @@ static int expert_gemms(const moed_cuda_layer_dev *L, const moed_cuda_route_dev 
                                       : MOED_CUDA_EPI_RELU;
     moed_cuda_tile_cfg cfg =
         moed_cuda_tile_choose(sm, P, n_active, g.n, g.k, L->wdtype, force_kernel);
+    /* The portable kernel starts while the kernel before drains (moed_cuda.h): the routed up
+     * GEMM reads nothing before route prep is done, since its tiles are route prep's; the
+     * shared experts' tiles need no table, so they load weights at once, as the down GEMM does.
+     * The Hopper kernels start plainly: started early, the large batches they run were slower
+     * (NOTES, issue 16). Both GEMMs of a batch share bm, hence the kernel family. */
+    const int early = cfg.kernel == MOED_CUDA_KERNEL_SM80;
+    g.overlap = !early ? MOED_CUDA_OVERLAP_NONE
+                : r    ? MOED_CUDA_OVERLAP_LAUNCH
+                       : MOED_CUDA_OVERLAP_WEIGHTS;
     int rc = 0;
     if (r && !cfg.gather) { /* rows pre-permuted into y (free until the down GEMM), A by TMA */
         rc = moed_cuda_gather_rows(es->y, x, r->slot_tok, r->P, L->d_pad, s);
@@ -151,6 +160,7 @@ static int expert_gemms(const moed_cuda_layer_dev *L, const moed_cuda_route_dev 
     g.ldc = L->d_pad;
     g.epi = MOED_CUDA_EPI_STORE;
     cfg = moed_cuda_tile_choose(sm, P, n_active, g.n, g.k, L->wdtype, force_kernel);
+    g.overlap = early ? MOED_CUDA_OVERLAP_WEIGHTS : MOED_CUDA_OVERLAP_NONE;
     return moed_cuda_gemm_run(&g, &cfg, s);
 }
 

@@ -10,6 +10,7 @@
  * combine reads the pairs back in route order.
  */
 #include "moed_cuda.h"
+#include "ptx/griddep.cuh"
 
 #include "moed_err.h"
 
@@ -80,6 +81,7 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_kernel(moed_cuda_route_dev 
  * in shared memory — at a few dozen pairs the three launches cost more than the work. */
 __global__ void __launch_bounds__(SCAN_THREADS) small_kernel(moed_cuda_route_dev r)
 {
+    moed::ptx::griddep_launch_dependents(); /* the GEMM after it may start (ptx/griddep.cuh) */
     __shared__ int32_t cnt[SCAN_THREADS * SCAN_ITEMS];
     for (int e = threadIdx.x; e < r.E; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
@@ -96,6 +98,7 @@ __global__ void __launch_bounds__(SCAN_THREADS) small_kernel(moed_cuda_route_dev
 
 __global__ void scatter_kernel(moed_cuda_route_dev r)
 {
+    moed::ptx::griddep_launch_dependents(); /* the GEMM after it may start (ptx/griddep.cuh) */
     for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < r.P; p += gridDim.x * blockDim.x) {
         const int slot = atomicAdd(&r.cursor[r.pair_exp[p]], 1);
         r.slot_tok[slot] = r.pair_tok[p];

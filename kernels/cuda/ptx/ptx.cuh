@@ -12,6 +12,8 @@
  *   wgmma.cuh       warpgroup MMA: descriptors, fences, commit/wait, and the generated
  *                   instructions of wgmma_ops.cuh (gen_wgmma_ops.py writes it) (sm_90a)
  *   warpgroup.cuh   setmaxnreg: moving registers between warpgroups (sm_90a)
+ *   griddep.cuh     programmatic dependent launch: start early, wait for the kernel before
+ *                   (sm_90; nothing on older GPUs, so every pass may call them)
  *
  * The sm_90 wrappers assemble only in the sm_90a pass: kernels call them inside their
  * architecture guard, and an inline function nobody calls emits nothing.
@@ -20,6 +22,7 @@
 #define MOED_PTX_CUH
 
 #include "cp_async.cuh"
+#include "griddep.cuh"
 #include "mbarrier.cuh"
 #include "mma_sm80.cuh"
 #include "smem.cuh"
