@@ -20,30 +20,50 @@
 #define MOED_CUDA_GROUP_M 8
 
 struct moed_cuda_tile {
-    int e;       /* expert */
-    int row0;    /* first sorted row of the tile */
-    int row_end; /* one past the last row of the expert's segment */
-    int nt;      /* n-tile */
+    int e;         /* expert */
+    int row0;      /* first sorted row of the tile */
+    int row_end;   /* one past the last row of the expert's segment */
+    int nt;        /* n-tile */
+    bool shared_b; /* clusters: every CTA of the cluster has this expert's weight tile */
 };
 
-/* Maps CTA `id` to its tile; false when the tile is past the m-tiles in use (the CTA exits). */
+/*
+ * Maps work unit `id` to the tile of the CTA of rank `rank` in a cluster of MC CTAs along M; false
+ * when the unit is past the m-tiles in use (the CTA, and its whole cluster, is done). A unit is MC
+ * consecutive m-tiles at one n-tile, one a CTA; route prep lists m-tiles in expert order, so they
+ * share the weight tile (shared_b) when the unit's first and last are of one expert. A rank past
+ * the last m-tile gets a tile with no rows of the unit's expert: it still loads its slice of the
+ * weights for the others. Bands hold MOED_CUDA_GROUP_M m-tiles whatever MC is.
+ */
+template <int MC = 1>
 __device__ __forceinline__ bool moed_cuda_tile_of(const moed_cuda_gemm &g, int num_n, int id,
-                                                  moed_cuda_tile &t)
+                                                  moed_cuda_tile &t, int rank = 0)
 {
-    const int band = MOED_CUDA_GROUP_M * num_n;
-    const int first_m = (id / band) * MOED_CUDA_GROUP_M;
-    const int rows_in_band = min(g.max_tiles - first_m, MOED_CUDA_GROUP_M);
+    constexpr int GROUP = MOED_CUDA_GROUP_M / MC;
+    static_assert(GROUP * MC == MOED_CUDA_GROUP_M, "a band holds whole units");
+    const int units = (g.max_tiles + MC - 1) / MC;
+    const int band = GROUP * num_n;
+    const int first_u = (id / band) * GROUP;
+    const int units_in_band = min(units - first_u, GROUP);
     const int within = id % band;
-    const int mt = first_m + within % rows_in_band;
-    t.nt = within / rows_in_band;
+    const int mt0 = (first_u + within % units_in_band) * MC, mt = mt0 + rank;
+    t.nt = within / units_in_band;
+    t.shared_b = true;
     if (g.tile_exp) {
-        if (mt >= *g.n_tiles) return false;
-        t.e = g.tile_exp[mt];
-        t.row0 = g.tile_row[mt];
+        const int n = *g.n_tiles;
+        if (mt0 >= n) return false;
+        if (mt < n) {
+            t.e = g.tile_exp[mt];
+            t.row0 = g.tile_row[mt];
+        } else {
+            t.e = g.tile_exp[mt0];
+            t.row0 = g.exp_off[t.e + 1];
+        }
         t.row_end = g.exp_off[t.e + 1];
+        if constexpr (MC > 1) t.shared_b = g.tile_exp[min(mt0 + MC, n) - 1] == g.tile_exp[mt0];
     } else {
+        if (mt0 * g.bm >= g.identity_rows) return false;
         t.row0 = mt * g.bm;
-        if (t.row0 >= g.identity_rows) return false;
         t.e = 0;
         t.row_end = g.identity_rows;
     }
@@ -147,12 +167,14 @@ template <typename F> __host__ __forceinline__ int moed_cuda_epi_dispatch(int ep
     return -1;
 }
 
-/* The first tile in use at or after id (stepping by the grid); false when none is left. */
+/* The first tile in use at or after unit id, stepping by the grid's clusters; false when none is
+ * left. */
+template <int MC = 1>
 __device__ __forceinline__ bool moed_cuda_next_tile(const moed_cuda_gemm &g, int num_n, int total,
-                                                    int &id, moed_cuda_tile &t)
+                                                    int &id, moed_cuda_tile &t, int rank = 0)
 {
-    for (; id < total; id += gridDim.x)
-        if (moed_cuda_tile_of(g, num_n, id, t)) return true;
+    for (; id < total; id += gridDim.x / MC)
+        if (moed_cuda_tile_of<MC>(g, num_n, id, t, rank)) return true;
     return false;
 }
 

@@ -3,7 +3,11 @@
  * tiles brought by the tensor memory accelerator (TMA), warp-specialised.
  *
  * Persistent: one CTA per SM walks the BM x BN tiles (BN = 128 or 256), each of one expert, with
- * 1 + CONSUMERS warpgroups:
+ * 1 + CONSUMERS warpgroups. Launched in clusters of MC CTAs along M (MC = 2), the CTAs of a cluster
+ * take consecutive m-tiles at the same n-tile; when those are of one expert each CTA's producer
+ * brings BN/MC rows of the weight tile and multicasts them to all, so the weights cross from L2
+ * once per cluster instead of once per CTA. A stage is then refilled only once every consumer of
+ * the cluster has released it (the consumers arrive on each CTA's empty barrier).
  *   warpgroup 0, the producer, fills STAGES shared-memory stages: one thread issues the TMA copy of
  *   the weight tile, and (for the up projection) all its threads gather the token rows of A with
  *   16-byte cp.async straight from X[token(row)] — Hopper's TMA cannot gather rows, and a permuted
@@ -25,6 +29,7 @@
 #include "moed_dtype.h"
 #include "moed_err.h"
 
+#include <atomic>
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -102,13 +107,17 @@ constexpr int LAG = 2; /* stages a producer thread keeps in flight before signal
 static_assert(LAG < STAGES, "a producer signals a stage before it wraps around the ring");
 
 /* Arrivals that complete a stage's barriers: `full` once the stage has landed (the TMA thread's
- * expect_tx, plus every gathering thread after its copies), `empty` once the consumers have read it
- * (lane 0 of each consumer warp). */
+ * expect_tx, plus every gathering thread after its copies; the bytes multicast by the cluster's
+ * other CTAs count down the same expect_tx), `empty` once the consumers of every CTA of the
+ * cluster have read it (lane 0 of each consumer warp). */
 template <bool GATHER> constexpr int FULL_ARRIVALS = GATHER ? WG_THREADS + 1 : 1;
-constexpr int EMPTY_ARRIVALS = CONSUMERS * WG_WARPS;
+__device__ constexpr int empty_arrivals(int mc)
+{
+    return mc * CONSUMERS * WG_WARPS;
+}
 #endif
 
-template <typename T, int BN, bool GATHER, int EPI>
+template <typename T, int BN, bool GATHER, int EPI, int MC>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_sm90_kernel(const __grid_constant__ CUtensorMap tm_b,
                      const __grid_constant__ CUtensorMap tm_a, const moed_cuda_gemm g, int num_n,
@@ -118,6 +127,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     using L = smem_layout<BN>;
     constexpr int NACC = WGMMA_M * BN / WG_THREADS; /* fp32 accumulators per consumer thread */
     constexpr uint32_t BAR = ptx::mbar_bytes;
+    constexpr int B_SLICE = L::b_stage / MC; /* the weight rows one CTA of a cluster brings */
+    static_assert(B_SLICE % L::align == 0, "each slice starts on a swizzle atom");
 
     extern __shared__ uint8_t smem_raw[];
     const uint32_t base = (ptx::smem_addr(smem_raw) + L::align - 1) & ~(uint32_t)(L::align - 1);
@@ -129,21 +140,41 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (tid == 0) {
         for (int s = 0; s < STAGES; s++) {
             ptx::mbar_init(full + BAR * s, FULL_ARRIVALS<GATHER>);
-            ptx::mbar_init(empty + BAR * s, EMPTY_ARRIVALS);
+            ptx::mbar_init(empty + BAR * s, empty_arrivals(MC));
         }
         ptx::mbar_fence_init();
         ptx::fence_proxy_async();
     }
-    __syncthreads();
+    /* The cluster's other CTAs arrive on these barriers: they must exist before any CTA starts. */
+    if constexpr (MC > 1)
+        ptx::cluster_sync();
+    else
+        __syncthreads();
+    const int rank = MC > 1 ? (int)ptx::cluster_rank() : 0;
+    /* A consumer warp's release of a stage, on the barrier of every CTA of the cluster. One lane
+     * arrives on all of them: a lane-dependent target would move the stage barriers out of
+     * uniform registers (NOTES, issue 16). */
+    uint32_t empty_of[MC]; /* each CTA's empty barriers, in the cluster's shared window */
+#pragma unroll
+    for (int c = 0; c < MC; c++) empty_of[c] = MC > 1 ? ptx::cluster_map(empty, c) : empty;
+    auto release = [&](int stage) {
+        if (lane != 0) return;
+        if constexpr (MC == 1)
+            ptx::mbar_arrive(empty + BAR * stage);
+        else
+#pragma unroll
+            for (int c = 0; c < MC; c++) ptx::mbar_arrive_cluster(empty_of[c] + BAR * stage);
+    };
 
-    /* Persistent: every CTA walks tiles id = blockIdx.x, + gridDim.x, ...; producer and consumers
-     * walk the same sequence, each resolving its next tile (dependent loads of the tile tables)
-     * during the current tile's first k-step so the latency hides behind it; `it` counts k-steps
-     * across tiles so stage and phase carry over, and the producer fills the next tile's first
-     * stages while the consumers run this tile's epilogue. */
-    int it = 0, id = blockIdx.x;
+    /* Persistent: every cluster walks units id = blockIdx.x / MC, + gridDim.x / MC, ..., each CTA
+     * taking its rank's tile of the unit; producer and consumers walk the same sequence, each
+     * resolving its next tile (dependent loads of the tile tables) during the current tile's first
+     * k-step so the latency hides behind it; `it` counts k-steps across tiles so stage and phase
+     * carry over, and the producer fills the next tile's first stages while the consumers run this
+     * tile's epilogue. */
+    int it = 0, id = blockIdx.x / MC;
     moed_cuda_tile cur, nxt;
-    bool have = moed_cuda_next_tile(g, num_n, total, id, cur);
+    bool have = moed_cuda_next_tile<MC>(g, num_n, total, id, cur, rank);
     if (wg == 0) {
         ptx::setmaxnreg_dec<PRODUCER_REGS>();
         if (!GATHER && tid != 0) return; /* TMA alone: one thread issues everything */
@@ -167,7 +198,14 @@ __global__ void __launch_bounds__(THREADS, 1)
                 if (tid == 0) {
                     ptx::mbar_arrive_expect_tx(full + BAR * s,
                                                L::b_stage + (GATHER ? 0 : L::a_stage));
-                    ptx::tma_load_2d(sB + s * L::b_stage, &tm_b, full + BAR * s, kt * BK, b_row);
+                    if (MC == 1 || !cur.shared_b) /* the whole tile, for this CTA alone */
+                        for (int j = 0; j < MC; j++)
+                            ptx::tma_load_2d(sB + s * L::b_stage + j * B_SLICE, &tm_b,
+                                             full + BAR * s, kt * BK, b_row + j * (BN / MC));
+                    else
+                        ptx::tma_load_2d_multicast(sB + s * L::b_stage + rank * B_SLICE, &tm_b,
+                                                   full + BAR * s, kt * BK,
+                                                   b_row + rank * (BN / MC), (1u << MC) - 1);
                     if constexpr (!GATHER)
                         ptx::tma_load_2d(sA + s * L::a_stage, &tm_a, full + BAR * s, kt * BK,
                                          cur.row0);
@@ -189,8 +227,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                     }
                 }
                 if (kt == 0) {
-                    id += gridDim.x;
-                    have_next = moed_cuda_next_tile(g, num_n, total, id, nxt);
+                    id += gridDim.x / MC;
+                    have_next = moed_cuda_next_tile<MC>(g, num_n, total, id, nxt, rank);
                 }
             }
             if constexpr (GATHER) { /* signal the tile's last stages before moving on */
@@ -202,6 +240,11 @@ __global__ void __launch_bounds__(THREADS, 1)
             cur = nxt;
             have = have_next;
         }
+        /* The CTA must outlive the other CTAs' arrivals on its barriers: wait until the last use
+         * of every stage has been released by the whole cluster. */
+        if (MC > 1 && tid == 0)
+            for (int j = 0; j < STAGES; j++, it++)
+                ptx::mbar_wait(empty + BAR * (it % STAGES), ((it / STAGES) & 1) ^ 1);
         return;
     }
 
@@ -226,17 +269,16 @@ __global__ void __launch_bounds__(THREADS, 1)
                     ptx::wgmma_desc_sw128(sB + s * L::b_stage + kk * WGMMA_K * ELEM));
             ptx::wgmma_commit();
             if (kt == 0) {
-                id += gridDim.x;
-                have_next = moed_cuda_next_tile(g, num_n, total, id, nxt);
+                id += gridDim.x / MC;
+                have_next = moed_cuda_next_tile<MC>(g, num_n, total, id, nxt, rank);
             }
             ptx::wgmma_wait<1>();
             ptx::wgmma_fence_operands(acc);
-            if (kt > 0 && lane == 0) ptx::mbar_arrive(empty + BAR * ((it - 1) % STAGES));
+            if (kt > 0) release((it - 1) % STAGES);
         }
         ptx::wgmma_wait<0>();
         ptx::wgmma_fence_operands(acc);
-        if (lane == 0) /* the producer may refill it now */
-            ptx::mbar_arrive(empty + BAR * ((it - 1) % STAGES));
+        release((it - 1) % STAGES); /* the producers may refill it now */
 
         const int rbase =
             cur.row0 + cw * WGMMA_M + ((tid >> WARP_SHIFT) & (WG_WARPS - 1)) * 16 + (lane >> 2);
@@ -255,11 +297,41 @@ int tensor_map(CUtensorMap *m, int cdtype, const void *p, int64_t rows, int64_t 
                                 rows, cols, ld, BK, box_rows, 1);
 }
 
-template <typename T, int BN, bool GATHER, int EPI>
+/* Clusters of MC CTAs (each alone on its SM) that fit on the current device at once: MC > 1 needs
+ * MC SMs of one GPC, so it can be fewer than SMs / MC. The occupancy query depends only on the
+ * kernel and the device: the caller keeps one cache per kernel, an entry per device. */
+constexpr int CACHED_DEVICES = 16;
+template <typename K>
+int resident_clusters(K kern, int mc, int smem, std::atomic<int> (&cached)[CACHED_DEVICES])
+{
+    int dev = 0, sms = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (mc == 1) return sms;
+    const bool cacheable = dev >= 0 && dev < CACHED_DEVICES;
+    if (cacheable && cached[dev].load(std::memory_order_relaxed) > 0)
+        return cached[dev].load(std::memory_order_relaxed);
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = mc;
+    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(sms / mc * mc);
+    cfg.blockDim = dim3(THREADS);
+    cfg.dynamicSmemBytes = smem;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, kern, &cfg) != cudaSuccess || n < 1) n = sms / mc;
+    if (cacheable) cached[dev].store(n, std::memory_order_relaxed);
+    return n;
+}
+
+template <typename T, int BN, bool GATHER, int EPI, int MC>
 int launch(const moed_cuda_gemm *g, moed_cuda_stream s)
 {
     CUtensorMap tm_b, tm_a;
-    int rc = tensor_map(&tm_b, g->cdtype, g->b, (int64_t)g->b_experts * g->n, g->k, g->k, BN);
+    int rc = tensor_map(&tm_b, g->cdtype, g->b, (int64_t)g->b_experts * g->n, g->k, g->k, BN / MC);
     if (rc) return rc;
     if (GATHER)
         tm_a = tm_b; /* unused */
@@ -267,46 +339,61 @@ int launch(const moed_cuda_gemm *g, moed_cuda_stream s)
         return rc;
 
     constexpr int smem = smem_layout<BN>::bytes;
-    auto kern = gemm_sm90_kernel<T, BN, GATHER, EPI>;
+    auto kern = gemm_sm90_kernel<T, BN, GATHER, EPI, MC>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
         cudaSuccess)
         return MOED_EDEVICE;
     const int num_n = g->n / BN;
-    const int64_t tiles = (int64_t)num_n * g->max_tiles;
-    if (tiles <= 0) return 0;
-    if (tiles > 0x7fffffff) return MOED_EINVAL;
-    int dev = 0, sms = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    const int grid = (int)(tiles < sms ? tiles : sms); /* one resident CTA per SM walks the tiles */
-    kern<<<grid, THREADS, smem, (cudaStream_t)s>>>(tm_b, tm_a, *g, num_n, (int)tiles);
-    return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;
+    const int64_t units = (int64_t)num_n * ((g->max_tiles + MC - 1) / MC);
+    if (units <= 0) return 0;
+    if (units > 0x7fffffff) return MOED_EINVAL;
+    /* Persistent: as many clusters as are resident at once walk the units. */
+    static std::atomic<int> cached[CACHED_DEVICES];
+    const int resident = resident_clusters(kern, MC, smem, cached);
+    const int clusters = (int)(units < resident ? units : resident);
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = MC;
+    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(clusters * MC);
+    cfg.blockDim = dim3(THREADS);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = (cudaStream_t)s;
+    cfg.attrs = &attr;
+    cfg.numAttrs = MC > 1 ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, kern, tm_b, tm_a, *g, num_n, (int)units) == cudaSuccess
+               ? 0
+               : MOED_EDEVICE;
 }
 
 /* The instantiations: gathered A only for the up projection's epilogues. */
-template <typename T, int BN> int dispatch_bn(const moed_cuda_gemm *g, moed_cuda_stream s)
+template <typename T, int BN, int MC> int dispatch_bn(const moed_cuda_gemm *g, moed_cuda_stream s)
 {
     const bool gather = g->a_rows != nullptr;
     return moed_cuda_epi_dispatch(g->epi, [&]<int EPI>() -> int {
         if constexpr (EPI == MOED_CUDA_EPI_STORE)
-            return gather ? MOED_EINVAL : launch<T, BN, false, EPI>(g, s);
+            return gather ? MOED_EINVAL : launch<T, BN, false, EPI, MC>(g, s);
         else
-            return gather ? launch<T, BN, true, EPI>(g, s) : launch<T, BN, false, EPI>(g, s);
+            return gather ? launch<T, BN, true, EPI, MC>(g, s)
+                          : launch<T, BN, false, EPI, MC>(g, s);
     });
 }
 
-template <typename T> int dispatch(const moed_cuda_gemm *g, int bn, moed_cuda_stream s)
+template <typename T> int dispatch(const moed_cuda_gemm *g, int bn, int mc, moed_cuda_stream s)
 {
-    return bn == 256 ? dispatch_bn<T, 256>(g, s) : dispatch_bn<T, 128>(g, s);
+    if (mc == 2) return bn == 256 ? dispatch_bn<T, 256, 2>(g, s) : dispatch_bn<T, 128, 2>(g, s);
+    return bn == 256 ? dispatch_bn<T, 256, 1>(g, s) : dispatch_bn<T, 128, 1>(g, s);
 }
 
 } // namespace
 
-extern "C" int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, moed_cuda_stream s)
+extern "C" int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, int cluster, moed_cuda_stream s)
 {
-    if (g->bm != BM || (bn != 128 && bn != 256) || g->n % bn || g->k % BK || g->lda % 8)
+    if (g->bm != BM || (bn != 128 && bn != 256) || g->n % bn || g->k % BK || g->lda % 8 ||
+        (cluster != 1 && cluster != 2))
         return MOED_EINVAL;
-    if (g->cdtype == MOED_BF16) return dispatch<__nv_bfloat16>(g, bn, s);
-    if (g->cdtype == MOED_F16) return dispatch<__half>(g, bn, s);
+    if (g->cdtype == MOED_BF16) return dispatch<__nv_bfloat16>(g, bn, cluster, s);
+    if (g->cdtype == MOED_F16) return dispatch<__half>(g, bn, cluster, s);
     return MOED_EINVAL;
 }

@@ -156,7 +156,8 @@ typedef struct moed_cuda_gemm {
 typedef struct moed_cuda_tile_cfg {
     int kernel; /* MOED_CUDA_KERNEL_SM80 (mma.sync), _SM90 (wgmma + TMA), _SM90_FP8 (e4m3 wgmma) */
     int bm, bn;
-    int gather; /* up projection: gather token rows in the A load (1) or pre-permute them (0) */
+    int gather;  /* up projection: gather token rows in the A load (1) or pre-permute them (0) */
+    int cluster; /* _SM90: CTAs a cluster along M (1 or 2), sharing weight tiles by multicast */
 } moed_cuda_tile_cfg;
 enum { MOED_CUDA_KERNEL_SM80 = 80, MOED_CUDA_KERNEL_SM90 = 90, MOED_CUDA_KERNEL_SM90_FP8 = 92 };
 /* force_kernel values: 0 (the table decides), MOED_CUDA_KERNEL_SM80, MOED_CUDA_KERNEL_SM90 (gather
@@ -178,7 +179,7 @@ int moed_cuda_tile_bm(int sm, int64_t P, int n_active, int wdtype, int force_ker
 int moed_cuda_fp8_native(int sm, int force_kernel);
 
 int moed_cuda_gemm_sm80(const moed_cuda_gemm *g, int bn, moed_cuda_stream s);
-int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, moed_cuda_stream s);
+int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, int cluster, moed_cuda_stream s);
 /* FP8 A and B (both scales set), bf16 C, bm 64 or 128, bn 128. */
 int moed_cuda_gemm_fp8_sm90(const moed_cuda_gemm *g, moed_cuda_stream s);
 /* Dispatches on cfg->kernel. */

@@ -3,9 +3,10 @@
  * cases: the standard shapes scaled down, T = 1, 7, 128, 1000, 4096, k = 1, 2, 8, every token on
  * one expert, empty experts, variable k from sigmoid and sparsemax gating, padding, both
  * activations, every activation dtype, bf16 and f16 weights, shared experts, and each kernel family
- * forced in turn (sm80 mma.sync, sm90 with gathered rows, sm90p with pre-permuted rows); then the
- * full-size standard shapes, checked on a random sample of rows; then the determinism contract (a
- * row computed alone is bit-identical to the same row inside a batch).
+ * forced in turn (sm80 mma.sync, sm90 with gathered rows, sm90p with pre-permuted rows; sm90 runs
+ * in two-CTA clusters at bn 256 and alone at bn 128, and a cluster may have a CTA with no rows);
+ * then the full-size standard shapes, checked on a random sample of rows; then the determinism
+ * contract (a row computed alone is bit-identical to the same row inside a batch).
  *
  * The server router: for every rule (softmax top-k renormalised or not, DeepSeek-V3 with groups),
  * f32, f16 and bf16 hidden and f32 and bf16 router weights, over thousands of tokens whose router
@@ -654,6 +655,8 @@ static const tcase cases[] = {
     { "mixtral-s T=1000 f16 in/out", MIX_S, 1000, R_TOPK, MOED_F16, NULL, 0 },
     { "mixtral-s one expert T=1000 sm90", MIX_S, 1000, R_ONE_EXPERT, MOED_BF16, "sm90", 0 },
     { "mixtral-s one expert T=1000 sm80", MIX_S, 1000, R_ONE_EXPERT, MOED_BF16, "sm80", 0 },
+    /* 15 m-tiles: the last cluster's second CTA has none, and loads its half of the weights */
+    { "mixtral-s one expert T=900 sm90", MIX_S, 900, R_ONE_EXPERT, MOED_BF16, "sm90", 0 },
     { "mixtral-s empty experts T=128", MIX_S, 128, R_HALF_EXPERTS, MOED_BF16, NULL, 0 },
     { "k=1 T=1000", "layers=1,d=384,ff=640,experts=16,topk=1,act=swiglu,dtype=bf16,seed=6", 1000,
       R_TOPK, MOED_BF16, NULL, 0 },
@@ -669,6 +672,14 @@ static const tcase cases[] = {
     { "deepseek-s shared T=1000", DSV3_S, 1000, R_TOPK, MOED_BF16, NULL, 0 },
     { "deepseek-s shared T=4096 sm90", DSV3_S, 4096, R_TOPK, MOED_BF16, "sm90", 0 },
     { "deepseek-s shared T=4096 sm90p", DSV3_S, 4096, R_TOPK, MOED_BF16, "sm90p", 0 },
+    /* the shared experts' 3 m-tiles: one cluster of two, one with a CTA that has no rows */
+    { "deepseek-s shared T=300 sm90", DSV3_S, 300, R_TOPK, MOED_BF16, "sm90", 0 },
+    /* d_pad 384: the down GEMM at bn 128, one CTA a cluster; the up GEMM at bn 256, two */
+    { "bn 128 sm90 T=1000", "layers=1,d=384,ff=320,experts=16,topk=4,act=swiglu,dtype=bf16,seed=14",
+      1000, R_TOPK, MOED_BF16, "sm90", 0 },
+    { "bn 128 sm90p T=1000",
+      "layers=1,d=384,ff=320,experts=16,topk=4,act=swiglu,dtype=bf16,seed=14", 1000, R_TOPK,
+      MOED_BF16, "sm90p", 0 },
     { "gelu f16 weights T=1000", "layers=1,d=320,ff=200,experts=8,topk=2,act=gelu,dtype=f16,seed=7",
       1000, R_TOPK, MOED_F16, NULL, 0 },
     { "relu f32 weights T=128", "layers=1,d=200,ff=130,experts=6,topk=2,act=relu,dtype=f32,seed=8",
@@ -752,6 +763,8 @@ static const char *const quick[] = { "mixtral-s T=7",
                                      "mixtral-s T=1000 sm90p",
                                      "mixtral-s T=64 (bm 32)",
                                      "mixtral-s one expert T=1000 sm90",
+                                     "mixtral-s one expert T=900 sm90",
+                                     "bn 128 sm90 T=1000",
                                      "qwen3-s T=4096 sm90p",
                                      "deepseek-s shared T=1000",
                                      "odd sizes T=37" };

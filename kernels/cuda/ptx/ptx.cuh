@@ -8,7 +8,10 @@
  *   cp_async.cuh    16-byte asynchronous global→shared copies and their groups (sm_80)
  *   mma_sm80.cuh    ldmatrix and mma.sync m16n8k16 (sm_80)
  *   mbarrier.cuh    shared-memory transaction barriers (sm_90)
- *   tma.cuh         the tensor memory accelerator's 2-D load and the async-proxy fence (sm_90)
+ *   tma.cuh         the tensor memory accelerator's 2-D load (to one CTA or multicast to its
+ *                   cluster) and the async-proxy fence (sm_90)
+ *   cluster.cuh     thread-block clusters: rank, cluster barrier, arrivals on a peer's mbarrier
+ *                   (sm_90)
  *   wgmma.cuh       warpgroup MMA: descriptors, fences, commit/wait, and the generated
  *                   instructions of wgmma_ops.cuh (gen_wgmma_ops.py writes it) (sm_90a)
  *   warpgroup.cuh   setmaxnreg: moving registers between warpgroups (sm_90a)
@@ -21,6 +24,7 @@
 #ifndef MOED_PTX_CUH
 #define MOED_PTX_CUH
 
+#include "cluster.cuh"
 #include "cp_async.cuh"
 #include "griddep.cuh"
 #include "mbarrier.cuh"
