@@ -104,7 +104,10 @@ static_assert((1 << WG_SHIFT) == WG_THREADS && (1 << WARP_SHIFT) == WARP &&
                   (1 << CHUNK_SHIFT) == ROW_CHUNKS && (WG_WARPS & (WG_WARPS - 1)) == 0,
               "powers of two");
 constexpr int LAG = 2; /* stages a producer thread keeps in flight before signalling the oldest */
-static_assert(LAG < STAGES, "a producer signals a stage before it wraps around the ring");
+/* The gathering producer signals stage i - LAG once it may fill stage i, which waits for use
+ * i - STAGES to be released; a consumer releases a use only once the next one is full. So
+ * LAG = STAGES - 1 would wait in a circle. */
+static_assert(LAG + 2 <= STAGES, "the producer signals a stage before it needs that one released");
 
 /* Arrivals that complete a stage's barriers: `full` once the stage has landed (the TMA thread's
  * expect_tx, plus every gathering thread after its copies; the bytes multicast by the cluster's
