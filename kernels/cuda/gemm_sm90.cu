@@ -3,9 +3,10 @@
  * tiles brought by the tensor memory accelerator (TMA), warp-specialised.
  *
  * Persistent: one CTA per SM walks the BM x BN tiles (BN = 128 or 256), each of one expert, with
- * 1 + CONSUMERS warpgroups. Launched in clusters of MC CTAs along M (MC = 2), the CTAs of a cluster
- * take consecutive m-tiles at the same n-tile; when those are of one expert each CTA's producer
- * brings BN/MC rows of the weight tile and multicasts them to all, so the weights cross from L2
+ * 1 + CONSUMERS warpgroups. Launched in clusters of MC CTAs along M (MC = 2 at BN = 256: the
+ * table in tile_config.c), the CTAs of a cluster take consecutive m-tiles at the same n-tile; when
+ * those are of one expert each CTA's producer brings BN/MC rows of the weight tile and multicasts
+ * them to all, so the weights cross from L2 (and, where L2 would not have kept them, from HBM)
  * once per cluster instead of once per CTA. A stage is then refilled only once every consumer of
  * the cluster has released it (the consumers arrive on each CTA's empty barrier).
  *   warpgroup 0, the producer, fills STAGES shared-memory stages: one thread issues the TMA copy of

@@ -1,8 +1,8 @@
 /*
  * ptx/tma — the tensor memory accelerator (sm_90): a 2-D box of a tensor map copied from global to
  * shared memory, completing on an mbarrier by bytes, into this CTA or multicast to several CTAs of
- * its cluster; and the fence between the generic proxy
- * (ordinary stores, cp.async) and the async proxy (TMA, wgmma) that reads shared memory after it.
+ * its cluster; and the fence between the generic proxy (ordinary stores, cp.async) and the async
+ * proxy (TMA, wgmma) that reads shared memory after it.
  */
 #ifndef MOED_PTX_TMA_CUH
 #define MOED_PTX_TMA_CUH
