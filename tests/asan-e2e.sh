@@ -26,7 +26,7 @@ mkdir -p "$REPORTS"
 # detect_leaks: LeakSanitizer at exit; a leak gives exit status 23.
 export ASAN_OPTIONS="abort_on_error=1:halt_on_error=1:detect_leaks=1:strict_string_checks=1:check_initialization_order=1:strict_init_order=1:log_path=$REPORTS/asan"
 export UBSAN_OPTIONS="abort_on_error=1:halt_on_error=1:print_stacktrace=1:log_path=$REPORTS/ubsan"
-MOED_BUILD_DIR="$PWD/$BUILD_DIR" .venv/bin/python -m pytest -q -rsxX -p no:cacheprovider tests/e2e "$@"
+MOED_BUILD_DIR="$PWD/$BUILD_DIR" .venv/bin/python -m pytest -q -rfEsxX -p no:cacheprovider tests/e2e "$@"
 rc=$?
 
 shopt -s nullglob

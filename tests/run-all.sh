@@ -66,12 +66,12 @@ stage_unit() {
 
 stage_e2e() {
     # shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
-    MOED_BUILD_DIR="$PWD/$BUILD_DIR" $PY -m pytest -q -rsxX -p no:cacheprovider tests/e2e ${PYTEST_ARGS:-}
+    MOED_BUILD_DIR="$PWD/$BUILD_DIR" $PY -m pytest -q -rfEsxX -p no:cacheprovider tests/e2e ${PYTEST_ARGS:-}
 }
 
 stage_python() {
     # shellcheck disable=SC2086
-    $PY -m pytest -q -rsxX -p no:cacheprovider client/python/tests ${PYTEST_ARGS:-}
+    $PY -m pytest -q -rfEsxX -p no:cacheprovider client/python/tests ${PYTEST_ARGS:-}
 }
 
 stage_deploy() {
@@ -92,13 +92,23 @@ stage_asan() {
     JOBS="$JOBS" bash tests/asan-e2e.sh ${PYTEST_ARGS:-}
 }
 
+# A failed stage's failing tests, named again under the summary: a CI log that keeps only its tail
+# still says which test failed, not just which stage.
+failure_lines() {
+    local lines
+    lines=$(grep -E '^(FAILED|ERROR) |\*\*\*(Failed|Exception|Timeout)|SUMMARY: ' "$1" | head -20)
+    [ -n "$lines" ] || lines=$(tail -n 10 "$1")
+    printf '%s\n' "$lines"
+}
+
 run_stage() {
-    local name=$1 start=$SECONDS rc
+    local name=$1 start=$SECONDS rc log=$logdir/$1.log
     echo
     echo "=== $name"
-    "stage_$name"
-    rc=$?
+    "stage_$name" 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
     results+=("$(printf '%-8s %-6s %4ds' "$name" "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $((SECONDS - start)))")
+    [ $rc -eq 0 ] || failures+=("--- $name" "$(failure_lines "$log")")
     return $rc
 }
 
@@ -111,7 +121,9 @@ main() {
             return 2
         fi
     done
-    results=()
+    results=() failures=()
+    logdir=$(mktemp -d)
+    trap 'rm -rf "$logdir"' EXIT
     for s in "${stages[@]}"; do
         if ! run_stage "$s"; then
             failed=1
@@ -124,6 +136,7 @@ main() {
     echo
     echo "=== summary"
     printf '%s\n' "${results[@]}"
+    [ ${#failures[@]} -eq 0 ] || printf '%s\n' "${failures[@]}"
     [ $failed -eq 0 ] && echo "all stages passed" || echo "some stages FAILED"
     return $failed
 }

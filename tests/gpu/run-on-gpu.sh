@@ -228,7 +228,7 @@ stage_merge() {
 
 stage_pytest() {
     MOED_BIN=$B/moed MOED_TEST_COMPUTE=bf16 logged "$OUT/pytest-gpu.log" \
-        "$PY" -m pytest -q -rsxX -p no:cacheprovider tests/e2e/test_forward.py \
+        "$PY" -m pytest -q -rfEsxX -p no:cacheprovider tests/e2e/test_forward.py \
         tests/e2e/test_concurrency.py
 }
 
@@ -277,7 +277,7 @@ stage_python() {
 stage_router() {
     MOED_GPU_TEST_ROUTER_ONLY=1 logged "$OUT/gpu-router.log" "$B/test_cuda_backend"
     MOED_BIN=$B/moed MOED_TEST_COMPUTE=bf16 logged "$OUT/pytest-hf.log" \
-        "$PY" -m pytest -q -rsxX -p no:cacheprovider tests/e2e/test_hf_models.py
+        "$PY" -m pytest -q -rfEsxX -p no:cacheprovider tests/e2e/test_hf_models.py
     logged "$OUT/hf-table.md" "$PY" tests/e2e/hf_models/table.py --moed "$B/moed" --backend cuda \
         --logs "$RAW"
 }
