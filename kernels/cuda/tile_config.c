@@ -16,6 +16,8 @@
  *                                      (H200, same run: mixtral T=64 0.849 -> 0.712 ms, DBRX
  *                                      T=64 1.625 -> 1.552, gpt-oss T=512 1.766 -> 1.637)
  *   <  12         sm80      16   128   few rows: weight streaming; deep pipeline, 2 CTAs per SM
+ *                                      (bn 64, one warp and twice the CTAs: 4-12% slower at T=8 on
+ *                                      H200, NOTES issue 16 step 7)
  *
  * bn 128 for sm90 when N is not a multiple of 256. Both GEMMs of a batch share bm (route prep lays
  * the tiles out once).
