@@ -17,6 +17,7 @@
 import collections
 import os
 import signal
+import statistics
 import threading
 import time
 
@@ -38,13 +39,18 @@ MIB = 1 << 20
 # Under AddressSanitizer (tests/asan-e2e.sh) freed memory waits in a quarantine and every byte has
 # shadow: the paths still run and are checked, but RSS says nothing about moed's own bounds there.
 SANITIZED = "ASAN_OPTIONS" in os.environ
-# The issue's legitimate callers had 2 s deadlines; an ASan build on a loaded 2-core machine is
-# several times slower at every step of a call, so there they get the slack that costs.
-LEGIT_DEADLINE_S = 6.0 if SANITIZED else 2.0
+# The issue's legitimate callers had 2 s deadlines. On a 2-core machine the flood's process, the
+# daemon and the caller share the cores, and a call now and then waits over 2 s for one (one call
+# in about 20 runs with two busy loops beside them, DEADLINE_EXCEEDED while the other three were
+# answered at once; CI failed on it once); an ASan build is several times slower at every step.
+# So every call gets 6 s to be answered, and the issue's 2 s holds for the median call
+# (unsanitized): the daemon before the fix answered 0-1 of 9 at all.
+LEGIT_DEADLINE_S = 6.0
+LEGIT_MEDIAN_S = None if SANITIZED else 2.0
 # The stream flood's length: four legitimate calls, 0.5 s apart, must start inside it even when one
 # of them waits out a stall of the daemon under the flood (under ASan one took 3.8 s, and a 3 s
 # flood then held only three calls).
-FLOOD_S = 1.5 + LEGIT_DEADLINE_S if SANITIZED else 3.0
+FLOOD_S = 1.5 + LEGIT_DEADLINE_S
 
 
 def grew_less(rss, before, bound):
@@ -172,12 +178,12 @@ def test_stream_flood_leaves_callers_answered(daemon, tmp_path, variant):
     write, never reading) for 15 s took RSS from 27 MB to 5.5 GB and 0-1 of 9 legitimate calls
     with 2 s deadlines succeeded. Here for FLOOD_S (also with every stream reset, and against a daemon
     that requires a token), the flood in a process of its own: RSS grows less than 256 MiB (gRPC
-    stops reading a connection with 10000 frames it cannot send) and every legitimate call is
-    answered."""
+    stops reading a connection with 10000 frames it cannot send), every legitimate call is
+    answered, and the median one within the issue's 2 s (LEGIT_DEADLINE_S says why not each)."""
     flags = ("--synthetic", DEFAULT_SPEC, "--threads", "1")
     d = token_daemon(daemon, tmp_path) if variant == "token" else daemon(*flags)
     token = TOKEN if variant == "token" else None
-    results = []
+    results, took = [], []
 
     def legit():
         while attacker.poll() is None:
@@ -187,7 +193,8 @@ def test_stream_flood_leaves_callers_answered(daemon, tmp_path, variant):
                 results.append("OK")
             except Exception as e:  # recorded and reported below
                 results.append(repr(e)[:200])
-            time.sleep(max(0.0, 0.5 - (time.monotonic() - t0)))
+            took.append(time.monotonic() - t0)
+            time.sleep(max(0.0, 0.5 - took[-1]))
 
     with hostile.Rss(d.proc.pid) as rss:
         before = rss.now()
@@ -197,6 +204,7 @@ def test_stream_flood_leaves_callers_answered(daemon, tmp_path, variant):
     assert streams >= 2000, f"the flood sent only {streams} streams: it tested nothing"
     assert grew_less(rss, before, 256 * MIB), f"RSS {before / MIB:.0f} -> {rss.peak / MIB:.0f} MiB after {streams} streams"
     assert len(results) >= 4 and results.count("OK") == len(results), results
+    assert LEGIT_MEDIAN_S is None or statistics.median(took) < LEGIT_MEDIAN_S, took
     forward_ok(d.address, token=token)
 
 
