@@ -86,7 +86,7 @@ int launch(const moed_cuda_route_dev *r, const void *y, const void *ys, int d, i
     const int threads = small ? 32 : d >= 1024 ? 128 : 64, w = d % 8 == 0 ? 8 : 1;
     const dim3 grid((unsigned)r->T, small ? (unsigned)((d + threads * w - 1) / (threads * w)) : 1);
     auto kern = w == 8 ? combine_kernel<Tc, Tout, true> : combine_kernel<Tc, Tout, false>;
-    return moed_cuda_launch(kern, grid, dim3(threads), 0, s, small, *r, (const Tc *)y,
+    return moed_cuda_launch(kern, { grid, dim3(threads), 0, 1 }, s, small, *r, (const Tc *)y,
                             (const Tc *)ys, d, d_pad, (Tout *)out);
 }
 

@@ -282,8 +282,8 @@ int launch_epi(const moed_cuda_gemm *g, moed_cuda_stream s)
     const int64_t ctas = (int64_t)num_n * g->max_tiles;
     if (ctas <= 0) return 0;
     if (ctas > 0x7fffffff) return MOED_EINVAL;
-    return moed_cuda_launch(kern, dim3((unsigned)ctas), dim3(WM * WN * 32), smem, (cudaStream_t)s,
-                            g->overlap != MOED_CUDA_OVERLAP_NONE, *g, num_n);
+    return moed_cuda_launch(kern, { dim3((unsigned)ctas), dim3(WM * WN * 32), smem, 1 },
+                            (cudaStream_t)s, g->overlap != MOED_CUDA_OVERLAP_NONE, *g, num_n);
 }
 
 template <typename T, int BM, int BN, int WM, int WN, int STAGES>

@@ -25,6 +25,7 @@
  * other rows.
  */
 #include "gemm_common.cuh"
+#include "launch.cuh"
 #include "tensor_map.h"
 
 #include "moed_dtype.h"
@@ -301,24 +302,6 @@ int tensor_map(CUtensorMap *m, int cdtype, const void *p, int64_t rows, int64_t 
                                 rows, cols, ld, BK, box_rows, 1);
 }
 
-/* The launch of `grid` CTAs of the kernel in clusters of mc along x (no attribute at mc = 1); the
- * attribute lives in *attr, which must outlive the config. */
-cudaLaunchConfig_t cluster_config(cudaLaunchAttribute *attr, int mc, int grid, int smem,
-                                  cudaStream_t s)
-{
-    attr->id = cudaLaunchAttributeClusterDimension;
-    attr->val.clusterDim.x = mc;
-    attr->val.clusterDim.y = attr->val.clusterDim.z = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(grid);
-    cfg.blockDim = dim3(THREADS);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = s;
-    cfg.attrs = attr;
-    cfg.numAttrs = mc > 1 ? 1 : 0;
-    return cfg;
-}
-
 /* Clusters of MC CTAs (each alone on its SM) that fit on the current device at once: MC > 1 needs
  * MC SMs of one GPC, so it can be fewer than SMs / MC. The occupancy query depends only on the
  * kernel and the device: the caller keeps one cache per kernel, an entry per device. */
@@ -333,8 +316,9 @@ int resident_clusters(K kern, int mc, int smem, std::atomic<int> (&cached)[CACHE
     const bool cacheable = dev >= 0 && dev < CACHED_DEVICES;
     if (cacheable && cached[dev].load(std::memory_order_relaxed) > 0)
         return cached[dev].load(std::memory_order_relaxed);
-    cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = cluster_config(&attr, mc, sms / mc * mc, smem, nullptr);
+    cudaLaunchAttribute attrs[2];
+    const cudaLaunchConfig_t cfg = moed_cuda_config(
+        attrs, { dim3(sms / mc * mc), dim3(THREADS), (size_t)smem, mc }, nullptr, false);
     int n = 0;
     if (cudaOccupancyMaxActiveClusters(&n, kern, &cfg) != cudaSuccess || n < 1) n = sms / mc;
     if (cacheable) cached[dev].store(n, std::memory_order_relaxed);
@@ -365,11 +349,8 @@ int launch(const moed_cuda_gemm *g, moed_cuda_stream s)
     static std::atomic<int> cached[CACHED_DEVICES];
     const int resident = resident_clusters(kern, MC, smem, cached);
     const int clusters = (int)(units < resident ? units : resident);
-    cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = cluster_config(&attr, MC, clusters * MC, smem, (cudaStream_t)s);
-    return cudaLaunchKernelEx(&cfg, kern, tm_b, tm_a, *g, num_n, (int)units) == cudaSuccess
-               ? 0
-               : MOED_EDEVICE;
+    return moed_cuda_launch(kern, { dim3(clusters * MC), dim3(THREADS), (size_t)smem, MC },
+                            (cudaStream_t)s, false, tm_b, tm_a, *g, num_n, (int)units);
 }
 
 /* The instantiations: gathered A only for the up projection's epilogues. */
