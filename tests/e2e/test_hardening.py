@@ -42,7 +42,8 @@ SANITIZED = "ASAN_OPTIONS" in os.environ
 # The legitimate callers had 2 s deadlines. On a 2-core machine the flood's process, the
 # daemon and the caller share the cores, and a call now and then waits over 2 s for one (one call
 # in about 20 runs with two busy loops beside them, DEADLINE_EXCEEDED while the other three were
-# answered at once; CI failed on it once); an ASan build is several times slower at every step.
+# answered at once; likely CI's one e2e failure); an ASan build is several times slower at every
+# step.
 # So every call gets 6 s to be answered, and the 2 s holds for the median call
 # (unsanitized): the daemon before the fix answered 0-1 of 9 at all.
 LEGIT_DEADLINE_S = 6.0
