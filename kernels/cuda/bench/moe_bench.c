@@ -10,17 +10,11 @@
  * minimum bytes = the weights of every expert that received a token (FP8: one byte each, and their
  * scales) + activations in and out. The %mm column compares with the ceiling of the weights' type.
  *
- * usage: moe-bench [--shapes mixtral,qwen3-30b-a3b,deepseek-v3] [--shape d,ff,E,k]...
- *                  [--weights bf16,fp8] [--tokens 8,64,512,4096,16384]
- *                  [--routing uniform,zipf,hot,empty] [--kernel auto,sm80,sm90,sm90p]
- *                  [--min-ms 200] [--cublas] [--graph] [--json FILE]
- * Prints one table row per run; --json writes every figure, the stage times included. --cublas adds
- * the headroom line (bf16 weights): the same per-expert GEMMs through cuBLAS on pre-permuted rows,
- * no epilogues. --graph times the pipeline captured as a CUDA graph and replayed (what the backend
- * does for small batches). For FP8 weights, --kernel sm80 is the portable path and sm90 the FP8
- * Tensor Core kernel.
+ * The command line is one cli_opt table (`moe-bench --help` prints it). Prints one table row per
+ * run; --json writes every figure, the stage times included.
  */
 #include "bench.h"
+#include "cli_opt.h"
 #include "moed_cuda.h"
 
 #include "moed_dtype.h"
@@ -30,6 +24,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -554,8 +549,85 @@ static void write_json(const char *path, const struct cudaDeviceProp *prop, int 
 
 #define MAX_SHAPES 16
 
-/* The shapes to run: the named ones, then the --shape ones. */
-static int pick_shapes(char *names, char **custom, int n_custom, shape *out)
+/* --shape, repeatable: the words as given, each checked to be d,ff,E,k with k <= E. */
+typedef struct shape_list {
+    int n;
+    shape v[MAX_SHAPES];
+} shape_list;
+
+static int add_shape(const char *value, void *field)
+{
+    shape_list *l = field;
+    if (l->n >= MAX_SHAPES) return -1;
+    shape *s = &l->v[l->n];
+    char end;
+    if (sscanf(value, "%d,%d,%d,%d%c", &s->d, &s->ff, &s->E, &s->k, &end) != 4 || s->d < 1 ||
+        s->ff < 1 || s->E < 1 || s->k < 1 || s->k > s->E)
+        return -1;
+    snprintf(s->name, sizeof s->name, "%d,%d,%d,%d", s->d, s->ff, s->E, s->k);
+    l->n++;
+    return 0;
+}
+
+typedef struct bench_args {
+    const char *shapes, *weights, *tokens, *routing, *kernel, *json;
+    shape_list custom;
+    double min_ms;
+    int cublas, graph;
+} bench_args;
+
+#define F(x) offsetof(bench_args, x)
+static const cli_opt options[] = {
+    CLI_SECTION_ROW("what to run:", NULL),
+    CLI_STR_OPT("shapes", F(shapes), "LIST", "mixtral,qwen3-30b-a3b,deepseek-v3", NULL,
+                "standard shapes: mixtral (d 4096, ff 14336, E 8, k 2), qwen3-30b-a3b\n"
+                "(2048, 768, 128, 8), deepseek-v3 (7168, 2048, 256, 8); given with --shape,\n"
+                "these run first"),
+    CLI_CUSTOM_OPT("shape", F(custom), "d,ff,E,k", add_shape, NULL,
+                   "give d,ff,E,k with 1 <= k <= E, at most 16 times", NULL,
+                   "any layer, d and ff padded to 128 as the backend pads them; repeatable;\n"
+                   "alone (without --shapes) it runs just these"),
+    CLI_STR_OPT("weights", F(weights), "LIST", "bf16", NULL, "bf16, fp8 or bf16,fp8"),
+    CLI_STR_OPT("tokens", F(tokens), "LIST", "8,64,512,4096,16384", NULL, "batch sizes T"),
+    CLI_STR_OPT("routing", F(routing), "LIST", "uniform", NULL,
+                "uniform, zipf (P(e) ~ 1/(e+1)^1.2), hot (every token's first choice\n"
+                "expert 0), empty (half the experts get none)"),
+    CLI_STR_OPT("kernel", F(kernel), "LIST", "auto", NULL,
+                "auto (the heuristic table), sm80, sm90, sm90p; for FP8 weights sm80 is the\n"
+                "portable path and sm90 the FP8 Tensor Core kernel"),
+    CLI_SECTION_ROW("how:", NULL),
+    CLI_NUM_OPT("min-ms", F(min_ms), "MS", 1e-3, 1e7, "200", "give milliseconds > 0", NULL,
+                "time each row for at least MS milliseconds"),
+    CLI_FLAG_OPT("cublas", F(cublas), 1, NULL,
+                 "add the headroom line (bf16 weights): the same per-expert GEMMs through\n"
+                 "cuBLAS on pre-permuted rows, no epilogues"),
+    CLI_FLAG_OPT("graph", F(graph), 1, NULL,
+                 "time the pipeline captured as a CUDA graph and replayed (what the backend\n"
+                 "does for small batches)"),
+    CLI_STR_OPT("json", F(json), "FILE", NULL, NULL, "write every figure, stage times included"),
+    CLI_HELP_OPT("this text"),
+};
+#undef F
+
+static const cli_cmd tool = {
+    .head = "usage: moe-bench [options]\n"
+            "\n"
+            "Times the CUDA backend's expert pipeline (route prep, up GEMM, down GEMM, combine)\n"
+            "on device-resident data beside the ceilings measured in the same run.\n",
+    .tail = "exit codes: 0 done; 1 no CUDA device or a CUDA call failed; 2 bad usage\n",
+};
+
+static const cli_spec command_line = {
+    .prog = "moe-bench",
+    .hint = "moe-bench --help lists the options",
+    .opts = options,
+    .n_opts = sizeof options / sizeof options[0],
+    .cmds = &tool,
+    .n_cmds = 1,
+};
+
+/* The shapes to run: the named ones, then the --shape ones; 0 after a usage error printed. */
+static int pick_shapes(char *names, const shape_list *custom, shape *out)
 {
     char *sh[MAX_SHAPES];
     int n = 0, nn = names[0] ? split(names, sh, MAX_SHAPES) : 0;
@@ -564,75 +636,57 @@ static int pick_shapes(char *names, char **custom, int n_custom, shape *out)
         for (size_t j = 0; j < sizeof shapes / sizeof shapes[0]; j++)
             if (!strcmp(sh[i], shapes[j].name)) s = &shapes[j];
         if (!s) {
-            fprintf(stderr, "moe-bench: unknown shape %s\n", sh[i]);
-            exit(2);
+            cli_usage_error(&command_line, "unknown shape %s in --shapes", sh[i]);
+            return 0;
         }
         out[n++] = *s;
     }
-    for (int i = 0; i < n_custom && n < MAX_SHAPES; i++) {
-        shape *s = &out[n++];
-        if (sscanf(custom[i], "%d,%d,%d,%d", &s->d, &s->ff, &s->E, &s->k) != 4 || s->d < 1 ||
-            s->ff < 1 || s->E < 1 || s->k < 1 || s->k > s->E) {
-            fprintf(stderr, "moe-bench: --shape %s is not d,ff,E,k (k <= E)\n", custom[i]);
-            exit(2);
-        }
-        snprintf(s->name, sizeof s->name, "%d,%d,%d,%d", s->d, s->ff, s->E, s->k);
-    }
+    for (int i = 0; i < custom->n && n < MAX_SHAPES; i++) out[n++] = custom->v[i];
     return n;
 }
 
 int main(int argc, char **argv)
 {
-    char shapes_arg[256] = "mixtral,qwen3-30b-a3b,deepseek-v3",
-         tokens_arg[256] = "8,64,512,4096,16384";
-    char routing_arg[128] = "uniform", kernel_arg[64] = "auto", weights_arg[32] = "bf16";
-    char *custom[MAX_SHAPES];
-    int n_custom = 0, named = 0;
-    const char *json = NULL;
-    double min_ms = 200;
-    int with_cublas = 0, graph = 0;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--shapes") && v) {
-            snprintf(shapes_arg, sizeof shapes_arg, "%s", argv[++i]);
-            named = 1;
-        } else if (!strcmp(a, "--shape") && v && n_custom < MAX_SHAPES)
-            custom[n_custom++] = argv[++i];
-        else if (!strcmp(a, "--weights") && v)
-            snprintf(weights_arg, sizeof weights_arg, "%s", argv[++i]);
-        else if (!strcmp(a, "--tokens") && v)
-            snprintf(tokens_arg, sizeof tokens_arg, "%s", argv[++i]);
-        else if (!strcmp(a, "--routing") && v)
-            snprintf(routing_arg, sizeof routing_arg, "%s", argv[++i]);
-        else if (!strcmp(a, "--kernel") && v)
-            snprintf(kernel_arg, sizeof kernel_arg, "%s", argv[++i]);
-        else if (!strcmp(a, "--min-ms") && v)
-            min_ms = atof(argv[++i]);
-        else if (!strcmp(a, "--json") && v)
-            json = argv[++i];
-        else if (!strcmp(a, "--cublas"))
-            with_cublas = 1;
-        else if (!strcmp(a, "--graph"))
-            graph = 1;
-        else {
-            fprintf(stderr, "usage: moe-bench [--shapes LIST] [--shape d,ff,E,k]... [--weights "
-                            "bf16,fp8] [--tokens LIST] [--routing uniform,zipf,hot,empty] "
-                            "[--kernel auto,sm80,sm90,sm90p] [--min-ms MS] [--cublas] [--graph] "
-                            "[--json FILE]\n");
-            return 2;
-        }
-    }
-    if (n_custom && !named) shapes_arg[0] = 0; /* --shape alone runs just those */
+    bench_args o = { 0 };
+    cli_parsed p;
+    int rc;
+    if (!cli_parse(&command_line, argc, argv, &o, &p, &rc)) return rc;
+    /* strtok writes into the lists: copies of the words */
+    char shapes_arg[256], tokens_arg[256], routing_arg[128], kernel_arg[64], weights_arg[32];
+    snprintf(shapes_arg, sizeof shapes_arg, "%s",
+             o.custom.n && !cli_given(&command_line, &p, "shapes") ? "" : o.shapes);
+    snprintf(tokens_arg, sizeof tokens_arg, "%s", o.tokens);
+    snprintf(routing_arg, sizeof routing_arg, "%s", o.routing);
+    snprintf(kernel_arg, sizeof kernel_arg, "%s", o.kernel);
+    snprintf(weights_arg, sizeof weights_arg, "%s", o.weights);
+    const double min_ms = o.min_ms;
+    const char *json = o.json;
+    const int with_cublas = o.cublas, graph = o.graph;
     shape sel[MAX_SHAPES];
-    const int nsh = pick_shapes(shapes_arg, custom, n_custom, sel);
+    const int nsh = pick_shapes(shapes_arg, &o.custom, sel);
+    if (!nsh) return CLI_EXIT_USAGE;
     char *tk[16], *rt[8], *kn[4], *wt[2];
     const int ntk = split(tokens_arg, tk, 16), nrt = split(routing_arg, rt, 8),
               nkn = split(kernel_arg, kn, 4), nwt = split(weights_arg, wt, 2);
     for (int i = 0; i < nwt; i++)
-        if (moed_dtype_parse(wt[i]) != MOED_BF16 && moed_dtype_parse(wt[i]) != MOED_FP8) {
-            fprintf(stderr, "moe-bench: --weights %s: use bf16, fp8 or both\n", wt[i]);
-            return 2;
-        }
+        if (moed_dtype_parse(wt[i]) != MOED_BF16 && moed_dtype_parse(wt[i]) != MOED_FP8)
+            return cli_usage_error(&command_line, "--weights %s: use bf16, fp8 or both", wt[i]);
+    for (int i = 0; i < ntk; i++) {
+        char *end;
+        const long long t = strtoll(tk[i], &end, 10);
+        if (*end || t < 1 || t > (1 << 20))
+            return cli_usage_error(&command_line, "--tokens %s: give batch sizes 1 to 1048576",
+                                   tk[i]);
+    }
+    for (int i = 0; i < nrt; i++)
+        if (strcmp(rt[i], "uniform") && strcmp(rt[i], "zipf") && strcmp(rt[i], "hot") &&
+            strcmp(rt[i], "empty"))
+            return cli_usage_error(&command_line, "--routing %s: use uniform, zipf, hot or empty",
+                                   rt[i]);
+    for (int i = 0; i < nkn; i++)
+        if (strcmp(kn[i], "auto") && !moed_cuda_kernel_parse(kn[i]))
+            return cli_usage_error(&command_line, "--kernel %s: use auto, sm80, sm90 or sm90p",
+                                   kn[i]);
     int dev = 0;
     struct cudaDeviceProp prop;
     if (cudaGetDeviceProperties(&prop, dev) != cudaSuccess) {

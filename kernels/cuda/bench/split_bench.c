@@ -4,8 +4,7 @@
  * through the CUDA backend as the daemon drives it (x from pinned host memory, y back to it), and
  * the peer bandwidth between the first two GPUs beside it, in the same run.
  *
- * usage: moe-split-bench [--spec SPEC] [--tokens 8,4096] [--devices 0,1] [--min-ms 300]
- *                        [--json FILE]
+ * The command line is one cli_opt table (`moe-split-bench --help` prints it).
  *
  * The layer is the synthetic SPEC (default: DeepSeek-V3's shape, d 7168, ff 2048, 256 experts,
  * top-8, one shared expert of 2048), routed uniformly (8 distinct experts a token). For each T: the
@@ -16,12 +15,14 @@
  * where the GPUs allow it; "staged" where not, the driver copying through the host), beside a copy
  * within the first GPU. Prints a markdown table; --json writes the figures.
  */
+#include "cli_opt.h"
 #include "moed_backend.h"
 #include "moed_dtype.h"
 #include "moed_route.h"
 #include "moed_synth.h"
 
 #include <cuda_runtime_api.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,43 +39,37 @@ typedef struct args {
     double min_ms;
 } args;
 
-/* The option table: name, what it sets, help. */
-typedef struct opt {
-    const char *name;
-    int kind; /* 0: string, 1: number */
-    size_t off;
-    const char *help;
-} opt;
+#define F(x) offsetof(args, x)
+static const cli_opt options[] = {
+    CLI_STR_OPT("spec", F(spec), "SPEC", DSV3, NULL,
+                "the synthetic layer (moed --synthetic's syntax); the default is DeepSeek-V3's\n"
+                "shape with one shared expert"),
+    CLI_STR_OPT("tokens", F(tokens), "LIST", "8,4096", NULL, "batch sizes T, at most 16"),
+    CLI_STR_OPT("devices", F(devices), "LIST", "0,1", NULL,
+                "GPUs: the layer whole on the first, split over all (two or more)"),
+    CLI_NUM_OPT("min-ms", F(min_ms), "MS", 1e-3, 1e7, "300", "give milliseconds > 0", NULL,
+                "time each figure for at least MS milliseconds"),
+    CLI_STR_OPT("json", F(json), "FILE", NULL, NULL, "write the figures here"),
+    CLI_HELP_OPT("this text"),
+};
+#undef F
 
-static const opt opts[] = {
-    { "--spec", 0, offsetof(args, spec), "synthetic layer spec (default DeepSeek-V3's shape)" },
-    { "--tokens", 0, offsetof(args, tokens), "comma-separated T values (default 8,4096)" },
-    { "--devices", 0, offsetof(args, devices), "devices to split over (default 0,1)" },
-    { "--min-ms", 1, offsetof(args, min_ms), "time each figure for at least this long (300)" },
-    { "--json", 0, offsetof(args, json), "write the figures here" },
+static const cli_cmd tool = {
+    .head = "usage: moe-split-bench [options]\n"
+            "\n"
+            "A layer whole on one GPU against the same layer split over several, through the\n"
+            "CUDA backend, and the peer bandwidth between the first two GPUs.\n",
+    .tail = "exit codes: 0 done; 1 a run failed; 2 bad usage; 77 too few GPUs here\n",
 };
 
-static int parse_args(int argc, char **argv, args *a)
-{
-    *a = (args){ DSV3, "8,4096", "0,1", NULL, 300 };
-    for (int i = 1; i < argc; i++) {
-        const opt *o = NULL;
-        for (size_t j = 0; j < sizeof opts / sizeof opts[0]; j++)
-            if (!strcmp(argv[i], opts[j].name)) o = &opts[j];
-        if (!o || i + 1 >= argc) {
-            fprintf(stderr, "usage: moe-split-bench [flag value]...\n");
-            for (size_t j = 0; j < sizeof opts / sizeof opts[0]; j++)
-                fprintf(stderr, "  %-10s %s\n", opts[j].name, opts[j].help);
-            return 2;
-        }
-        char *field = (char *)a + o->off;
-        if (o->kind)
-            *(double *)field = atof(argv[++i]);
-        else
-            *(const char **)field = argv[++i];
-    }
-    return 0;
-}
+static const cli_spec command_line = {
+    .prog = "moe-split-bench",
+    .hint = "moe-split-bench --help lists the options",
+    .opts = options,
+    .n_opts = sizeof options / sizeof options[0],
+    .cmds = &tool,
+    .n_cmds = 1,
+};
 
 static double now_ms(void)
 {
@@ -349,15 +344,17 @@ static void report(const args *a, const int *dev, int n, const row *rows, int nr
 
 int main(int argc, char **argv)
 {
-    args a;
-    int rc = parse_args(argc, argv, &a), dev[16], n = 0, count = 0;
-    if (rc) return rc;
+    args a = { 0 };
+    cli_parsed parsed;
+    int rc, dev[16], n = 0, count = 0;
+    if (!cli_parse(&command_line, argc, argv, &a, &parsed, &rc)) return rc;
     for (const char *p = a.devices; n < 16 && *p; p += strcspn(p, ","), p += *p == ',')
         dev[n++] = atoi(p);
-    if (n < 2) {
-        fprintf(stderr, "moe-split-bench: --devices needs two or more entries\n");
-        return 2;
-    }
+    if (n < 2) return cli_usage_error(&command_line, "--devices needs two or more entries");
+    moed_synth_spec spec;
+    moed_error err;
+    if (moed_synth_parse(a.spec, &spec, &err))
+        return cli_usage_error(&command_line, "--spec: %s", err.msg);
     if (cudaGetDeviceCount(&count) != cudaSuccess || count < 1) {
         fprintf(stderr, "moe-split-bench: no CUDA device: skipped\n");
         return 77;
@@ -371,12 +368,10 @@ int main(int argc, char **argv)
     double gbs[4];
     const char *mode;
     peer_bandwidth(dev[0], dev[1], gbs, &mode);
-    moed_synth_spec spec;
     moed_layer layer;
-    moed_error err;
-    if (moed_synth_parse(a.spec, &spec, &err) || moed_synth_layer(&spec, 0, &layer, &err)) {
-        fprintf(stderr, "moe-split-bench: --spec: %s\n", err.msg);
-        return 2;
+    if (moed_synth_layer(&spec, 0, &layer, &err)) {
+        fprintf(stderr, "moe-split-bench: the layer of --spec: %s\n", err.msg);
+        return 1;
     }
     int64_t Ts[MAX_T], max_T = 1;
     int nt = 0;
