@@ -179,6 +179,7 @@ int moed_cuda_tile_bm(int sm, int64_t P, int n_active, int wdtype, int force_ker
 int moed_cuda_fp8_native(int sm, int force_kernel);
 
 int moed_cuda_gemm_sm80(const moed_cuda_gemm *g, int bn, moed_cuda_stream s);
+/* bn 128 or 256; cluster 1, or 2 at bn 256. */
 int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, int cluster, moed_cuda_stream s);
 /* FP8 A and B (both scales set), bf16 C, bm 64 or 128, bn 128. */
 int moed_cuda_gemm_fp8_sm90(const moed_cuda_gemm *g, moed_cuda_stream s);
