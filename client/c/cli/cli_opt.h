@@ -98,6 +98,14 @@ typedef struct cli_spec {
     size_t n_cmds;
 } cli_spec;
 
+/* The spec of a tool without commands: PROG (a string literal), its option table OPTS (an array)
+ * and its cli_cmd TOOL; a usage error points at PROG --help. */
+#define CLI_TOOL_SPEC(PROG, OPTS, TOOL)                                                            \
+    {                                                                                              \
+        .prog = PROG, .hint = PROG " --help lists the options", .opts = OPTS,                      \
+        .n_opts = sizeof OPTS / sizeof OPTS[0], .cmds = &TOOL, .n_cmds = 1                         \
+    }
+
 typedef struct cli_parsed {
     const char *command;     /* the command given; NULL for a tool without commands */
     bool seen[CLI_MAX_OPTS]; /* per row: given on the command line */

@@ -145,14 +145,7 @@ static const cli_cmd tool = {
             "usage\n",
 };
 
-static const cli_spec command_line = {
-    .prog = "moed-load",
-    .hint = "moed-load --help lists the options",
-    .opts = options,
-    .n_opts = sizeof options / sizeof options[0],
-    .cmds = &tool,
-    .n_cmds = 1,
-};
+static const cli_spec command_line = CLI_TOOL_SPEC("moed-load", options, tool);
 
 static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 

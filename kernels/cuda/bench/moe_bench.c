@@ -617,14 +617,7 @@ static const cli_cmd tool = {
     .tail = "exit codes: 0 done; 1 no CUDA device or a CUDA call failed; 2 bad usage\n",
 };
 
-static const cli_spec command_line = {
-    .prog = "moe-bench",
-    .hint = "moe-bench --help lists the options",
-    .opts = options,
-    .n_opts = sizeof options / sizeof options[0],
-    .cmds = &tool,
-    .n_cmds = 1,
-};
+static const cli_spec command_line = CLI_TOOL_SPEC("moe-bench", options, tool);
 
 /* The shapes to run: the named ones, then the --shape ones; 0 after a usage error printed. */
 static int pick_shapes(char *names, const shape_list *custom, shape *out)

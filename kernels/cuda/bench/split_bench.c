@@ -62,14 +62,7 @@ static const cli_cmd tool = {
     .tail = "exit codes: 0 done; 1 a run failed; 2 bad usage; 77 too few GPUs here\n",
 };
 
-static const cli_spec command_line = {
-    .prog = "moe-split-bench",
-    .hint = "moe-split-bench --help lists the options",
-    .opts = options,
-    .n_opts = sizeof options / sizeof options[0],
-    .cmds = &tool,
-    .n_cmds = 1,
-};
+static const cli_spec command_line = CLI_TOOL_SPEC("moe-split-bench", options, tool);
 
 static double now_ms(void)
 {
