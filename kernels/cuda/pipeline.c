@@ -114,6 +114,7 @@ static int expert_gemms(const moed_cuda_layer_dev *L, const moed_cuda_route_dev 
     g.b_estride = (int64_t)es->n_up * L->d_pad;
     g.c = es->h;
     g.ldc = es->ff_pad;
+    g.c_rows = P; /* H, and Y below, hold P rows */
     g.epi = L->act == MOED_ACT_SWIGLU ? MOED_CUDA_EPI_SWIGLU
             : L->act == MOED_ACT_GELU ? MOED_CUDA_EPI_GELU
                                       : MOED_CUDA_EPI_RELU;

@@ -680,6 +680,10 @@ static const tcase cases[] = {
     { "bn 128 sm90p T=1000",
       "layers=1,d=384,ff=320,experts=16,topk=4,act=swiglu,dtype=bf16,seed=14", 1000, R_TOPK,
       MOED_BF16, "sm90p", 0 },
+    /* ReLU on the Hopper kernel: the up GEMM at bn 128 (N = 384), the down GEMM's 256 columns
+     * stored in two rounds of the staging buffer */
+    { "relu sm90 T=1000", "layers=1,d=256,ff=384,experts=8,topk=2,act=relu,dtype=bf16,seed=15",
+      1000, R_TOPK, MOED_BF16, "sm90", 0 },
     { "gelu f16 weights T=1000", "layers=1,d=320,ff=200,experts=8,topk=2,act=gelu,dtype=f16,seed=7",
       1000, R_TOPK, MOED_F16, NULL, 0 },
     { "relu f32 weights T=128", "layers=1,d=200,ff=130,experts=6,topk=2,act=relu,dtype=f32,seed=8",
@@ -765,6 +769,7 @@ static const char *const quick[] = { "mixtral-s T=7",
                                      "mixtral-s one expert T=1000 sm90",
                                      "mixtral-s one expert T=900 sm90",
                                      "bn 128 sm90 T=1000",
+                                     "relu sm90 T=1000",
                                      "qwen3-s T=4096 sm90p",
                                      "deepseek-s shared T=1000",
                                      "odd sizes T=37" };

@@ -9,12 +9,12 @@
  *   mma_sm80.cuh    ldmatrix and mma.sync m16n8k16 (sm_80)
  *   mbarrier.cuh    shared-memory transaction barriers (sm_90)
  *   tma.cuh         the tensor memory accelerator's 2-D load (to one CTA or multicast to its
- *                   cluster) and the async-proxy fence (sm_90)
+ *                   cluster), its 2-D store and bulk groups, and the async-proxy fence (sm_90)
  *   cluster.cuh     thread-block clusters: rank, cluster barrier, arrivals on a peer's mbarrier
  *                   (sm_90)
  *   wgmma.cuh       warpgroup MMA: descriptors, fences, commit/wait, and the generated
  *                   instructions of wgmma_ops.cuh (gen_wgmma_ops.py writes it) (sm_90a)
- *   warpgroup.cuh   setmaxnreg: moving registers between warpgroups (sm_90a)
+ *   warpgroup.cuh   setmaxnreg: moving registers between warpgroups (sm_90a); named barriers
  *   griddep.cuh     programmatic dependent launch: start early, wait for the kernel before
  *                   (sm_90; nothing on older GPUs, so every pass may call them)
  *
