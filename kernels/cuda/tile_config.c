@@ -3,14 +3,20 @@
  * dispatch to it. The figure that decides is the expected rows per active expert (P / n_active):
  *
  *   rows/expert   kernel   bm    bn    why
- *   >= 512 and    sm90p    128   256   (Hopper) long rows (d >= 4096): pre-permuting the rows once
+ *   >= 192 and    sm90p    128   256   (Hopper) long rows (d >= 4096): pre-permuting the rows once
  *   d >= 4096                          and letting TMA stream A beats gathering them in the load
- *                                      (H200: deepseek-v3 T=16384 22.6 vs 26.0 ms, mixtral T=16384
- *                                      18.1 vs 20.4 ms; qwen3 (d 2048) and deepseek T=4096 (128
- *                                      rows/expert) lose 4-5% with it)
- *   >= 96         sm90     128   256   (Hopper) compute-bound: wgmma, TMA, warp-specialised
+ *                                      (H200, same run, alternated 3x: mixtral T=1536 2.28 ->
+ *                                      2.09 ms, DBRX T=1024 3.73 -> 3.41, deepseek-v3 T=8192
+ *                                      13.15 -> 12.42; at 128 rows deepseek-v3 T=4096 loses 10%
+ *                                      with it, and the d 2048-2880 layers lose 2-7%)
+ *   >= 56         sm90     128   256   (Hopper) wgmma, TMA, warp-specialised: from 56 rows an
+ *                                      expert it beats bm 64 on mma.sync despite the padding
+ *                                      (H200, same run: qwen3 T=1024 (64 rows) 0.464 -> 0.372 ms,
+ *                                      Phi-3.5 T=512 0.936 -> 0.710, deepseek-v3 T=1792 (56 rows)
+ *                                      6.41 -> 6.08; at 48-51 rows bm 64 is 0-2% faster)
  *   >= 96         sm80     128   128   (other GPUs) compute-bound on mma.sync
- *   >= 24         sm80      64   128   mid-size: half the padding waste of bm 128
+ *   >= 24         sm80      64   128   mid-size: half the padding waste of bm 128 (on Hopper up to
+ *                                      55 rows an expert)
  *   >= 12         sm80      32   128   weight streaming, 12-24 rows an expert: bm 16 would split
  *                                      many experts in two m-tiles, each streaming the weights
  *                                      (H200, same run: mixtral T=64 0.849 -> 0.712 ms, DBRX
@@ -79,11 +85,10 @@ int moed_cuda_fp8_native(int sm, int force_kernel)
 
 int moed_cuda_tile_bm(int sm, int64_t P, int n_active, int wdtype, int force_kernel)
 {
-    if (wdtype == MOED_FP8 && moed_cuda_fp8_native(sm, force_kernel))
-        return rows_per_expert_at_least(P, n_active, 96) ? 128 : 64;
-    if (force_kernel == MOED_CUDA_KERNEL_SM90 || force_kernel == MOED_CUDA_KERNEL_SM90P ||
-        rows_per_expert_at_least(P, n_active, 96))
-        return 128;
+    const int hopper = moed_cuda_fp8_native(sm, force_kernel); /* the Hopper kernels run */
+    if (wdtype == MOED_FP8 && hopper) return rows_per_expert_at_least(P, n_active, 96) ? 128 : 64;
+    if (hopper && (force_kernel || rows_per_expert_at_least(P, n_active, 56))) return 128;
+    if (rows_per_expert_at_least(P, n_active, 96)) return 128;
     if (rows_per_expert_at_least(P, n_active, 24)) return 64;
     if (rows_per_expert_at_least(P, n_active, 12)) return 32;
     return 16;
@@ -104,7 +109,7 @@ moed_cuda_tile_cfg moed_cuda_tile_choose(int sm, int64_t P, int n_active, int n,
         c.kernel = MOED_CUDA_KERNEL_SM90;
         c.bn = n % 256 == 0 ? 256 : 128;
         c.gather = force_kernel ? force_kernel == MOED_CUDA_KERNEL_SM90
-                                : !(k >= 4096 && rows_per_expert_at_least(P, n_active, 512));
+                                : !(k >= 4096 && rows_per_expert_at_least(P, n_active, 192));
         c.cluster = c.bn == 256 && !clusters_off() ? 2 : 1;
     } else {
         c.kernel = MOED_CUDA_KERNEL_SM80;
