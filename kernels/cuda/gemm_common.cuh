@@ -120,49 +120,6 @@ __device__ __forceinline__ void moed_cuda_epilogue2(const moed_cuda_gemm &g, int
     }
 }
 
-/*
- * The output pairs of one warpgroup's 64 x BN block of wgmma accumulators: calls put(h, c8, v0, v1)
- * with the activated values of output columns 8*c8 + 2*(lane%4) + {0, 1} of the tile (c8 < OUT/8,
- * OUT = BN/2 for SwiGLU, else BN) in row 16*(warp%4) + lane/4 + 8h of the warpgroup's 64. Register
- * 4*c8 + 2*h + j holds column 8*c8 + 2*(lane%4) + j of that row; for SwiGLU gate blocks of
- * MOED_CUDA_GLU_BLOCK columns (GLU_C8 groups of 8) are followed by their up blocks, and output
- * block j is gate block j times up block j. Unrolled, so c8 is a constant at each call.
- */
-template <int EPI, int BN, typename F>
-__device__ __forceinline__ void moed_cuda_wgmma_pairs(const float *acc, F &&put)
-{
-    constexpr int GLU_C8 = MOED_CUDA_GLU_BLOCK / 8;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-#pragma unroll
-        for (int c8 = 0; c8 < BN / 8; c8++) {
-            const float v0 = acc[4 * c8 + 2 * h], v1 = acc[4 * c8 + 2 * h + 1];
-            if constexpr (EPI == MOED_CUDA_EPI_SWIGLU) {
-                if (c8 % (2 * GLU_C8) < GLU_C8)
-                    put(h, c8 / (2 * GLU_C8) * GLU_C8 + c8 % (2 * GLU_C8),
-                        moed_cuda_silu(v0) * acc[4 * (c8 + GLU_C8) + 2 * h],
-                        moed_cuda_silu(v1) * acc[4 * (c8 + GLU_C8) + 2 * h + 1]);
-            } else {
-                put(h, c8, moed_cuda_act(EPI, v0), moed_cuda_act(EPI, v1));
-            }
-        }
-    }
-}
-
-/* The epilogue of one warpgroup's 64 x BN block straight from registers to C: rbase is the row of
- * h = 0 (the warpgroup's first row + 16*(warp%4) + lane/4), n0 the tile's first column of B. Rows
- * at or past row_end are not stored. */
-template <typename T, int EPI, int BN>
-__device__ __forceinline__ void moed_cuda_wgmma_epilogue(const moed_cuda_gemm &g, const float *acc,
-                                                         int rbase, int row_end, int n0, int lane)
-{
-    T *c = static_cast<T *>(g.c) + (EPI == MOED_CUDA_EPI_SWIGLU ? n0 / 2 : n0) + 2 * (lane & 3);
-    moed_cuda_wgmma_pairs<EPI, BN>(acc, [&](int h, int c8, float v0, float v1) {
-        const int r = rbase + 8 * h;
-        if (r < row_end) moed_cuda_store2<T>(c + (int64_t)r * g.ldc + 8 * c8, v0, v1);
-    });
-}
-
 /* Calls f.template operator()<EPI>() for the runtime epilogue kind: the one place the kinds are
  * listed for the launchers. */
 template <typename F> __host__ __forceinline__ int moed_cuda_epi_dispatch(int epi, F &&f)

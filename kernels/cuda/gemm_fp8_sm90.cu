@@ -19,14 +19,16 @@
  * copies of the weight tile (and, for rows in order, of the A tile); for the up projection all its
  * threads gather the token rows of A with cp.async (TMA cannot gather), each fencing the proxies
  * before it arrives. BM / 64 consumer warpgroups of 64 rows each run the K blocks and the
- * epilogue; each thread reads the scales it needs (its two rows' and the tile's four column
- * groups') straight from the tables in global memory, one K block ahead, so shared memory holds
- * only what the Tensor Cores read and no ordinary load races the producer's copies. BM is 64
- * (batches of few rows per expert: the kernel streams weights, one consumer, eight stages deep)
- * or 128 (two consumers, whose wgmma and promotion interleave). A stage's rows are 128 e4m3 bytes,
- * swizzled like the bf16 kernel's 64 two-byte elements, so the same descriptors and the same
- * 32-byte K step serve.
+ * epilogue (epilogue_sm90.cuh's, in bf16: staged and stored by TMA at BM = 128, straight from the
+ * registers at BM = 64); each thread reads the scales it needs (its two rows' and
+ * the tile's four column groups') straight from the tables in global memory, one K block ahead, so
+ * shared memory holds only what the Tensor Cores read and no ordinary load races the producer's
+ * copies. BM is 64 (batches of few rows per expert: the kernel streams weights, one consumer, eight
+ * stages deep) or 128 (two consumers, whose wgmma and promotion interleave). A stage's rows are 128
+ * e4m3 bytes, swizzled like the bf16 kernel's 64 two-byte elements, so the same descriptors and the
+ * same 32-byte K step serve.
  */
+#include "epilogue_sm90.cuh"
 #include "gemm_common.cuh"
 #include "tensor_map.h"
 
@@ -52,6 +54,7 @@ static_assert(MOED_CUDA_FP8_SROWS % 8 == 0, "a scale group covers whole accumula
 
 constexpr int WG_THREADS = 128;
 constexpr int WGMMA_M = 64, WGMMA_K = 32; /* the e4m3 instruction's shape (N is BN) */
+static_assert(WGMMA_M == MOED_CUDA_EPI_ROWS && WG_THREADS == 128, "the epilogue's warpgroup");
 static_assert(BK % WGMMA_K == 0, "whole wgmma k-steps per stage");
 
 /* Per BM: consumers, stages, register budgets. The producer only computes addresses; a consumer
@@ -61,6 +64,10 @@ template <int BM> struct tile_cfg {
     static constexpr int CONSUMERS = BM / WGMMA_M;
     static constexpr int THREADS = (1 + CONSUMERS) * WG_THREADS;
     static constexpr int STAGES = BM == 64 ? 8 : 6;
+    /* The staged epilogue at BM = 128 (H200, against the direct one, alternated: +0.6..+9% at
+     * T >= 4096 on every layer but DBRX at 16384, -1.2%); at BM = 64 its one consumer waiting on
+     * each staging round cost 0.4-7% (NOTES, issue 16, step 10). */
+    static constexpr bool STAGED = BM == 128;
     static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = CONSUMERS == 1 ? 232 : 224;
     static_assert(BM == 64 || BM == 128, "one or two consumer warpgroups");
     static_assert(ptx::valid_maxnreg<PRODUCER_REGS> && ptx::valid_maxnreg<CONSUMER_REGS>,
@@ -70,17 +77,20 @@ template <int BM> struct tile_cfg {
 };
 
 /* The shared-memory layout, from a base aligned to the swizzle atom: STAGES A stages, STAGES B
- * stages, then the full and empty barriers of each stage. */
+ * stages, each consumer's epilogue staging, then the full and empty barriers of each stage. */
 template <int BM> struct smem_layout {
     static constexpr int STAGES = tile_cfg<BM>::STAGES;
     static constexpr int a_stage = BM * ROW_BYTES, b_stage = BN * ROW_BYTES;
     static constexpr int a = 0, b = a + STAGES * a_stage;
-    static constexpr int full = b + STAGES * b_stage;
+    static constexpr int epi = b + STAGES * b_stage;
+    static constexpr int full =
+        epi + (tile_cfg<BM>::STAGED ? tile_cfg<BM>::CONSUMERS * MOED_CUDA_EPI_STAGE : 0);
     static constexpr int empty = full + STAGES * (int)ptx::mbar_bytes;
     static constexpr int end = empty + STAGES * (int)ptx::mbar_bytes;
     static constexpr int align = ptx::sw128_atom_bytes;
     static constexpr int bytes = align + end;
-    static_assert(a_stage % align == 0 && b_stage % align == 0, "stages start on swizzle atoms");
+    static_assert(a_stage % align == 0 && b_stage % align == 0 && MOED_CUDA_EPI_STAGE % align == 0,
+                  "stages and staging buffers start on swizzle atoms");
     static_assert(full % ptx::mbar_bytes == 0, "barriers are 8-byte aligned");
     static_assert(bytes <= 227 * 1024, "over the 227 KiB of shared memory a Hopper block may have");
 };
@@ -128,7 +138,8 @@ __device__ __forceinline__ int a_source(const moed_cuda_gemm &g, const moed_cuda
 template <int BM, bool GATHER, int EPI>
 __global__ void __launch_bounds__(tile_cfg<BM>::THREADS, 1)
     gemm_fp8_sm90_kernel(const __grid_constant__ CUtensorMap tm_b,
-                         const __grid_constant__ CUtensorMap tm_a, const moed_cuda_gemm g,
+                         const __grid_constant__ CUtensorMap tm_a,
+                         const __grid_constant__ CUtensorMap tm_c, const moed_cuda_gemm g,
                          int num_n, int total)
 {
 #ifdef MOED_CUDA_FP8_SM90_ENABLED
@@ -220,6 +231,8 @@ __global__ void __launch_bounds__(tile_cfg<BM>::THREADS, 1)
 
     ptx::setmaxnreg_inc<C::CONSUMER_REGS>();
     const int cw = wg - 1; /* this consumer's WGMMA_M rows of each tile */
+    const uint32_t st = base + L::epi + cw * MOED_CUDA_EPI_STAGE; /* its epilogue's staging */
+    uint8_t *const stp = smem_raw + (st - ptx::smem_addr(smem_raw));
     const int wrow = ((tid >> WARP_SHIFT) & (WG_WARPS - 1)) * 16 + (lane >> 2); /* and h = 0 */
     const int64_t bs_ld = (int64_t)g.b_experts * g.n / MOED_CUDA_FP8_SROWS;
     float acc[NACC];
@@ -282,20 +295,26 @@ __global__ void __launch_bounds__(tile_cfg<BM>::THREADS, 1)
                 }
             }
         }
-        moed_cuda_wgmma_epilogue<__nv_bfloat16, EPI, BN>(g, sum, r0, cur.row_end, cur.nt * BN,
-                                                         lane);
+        if constexpr (C::STAGED)
+            moed_cuda_staged_epilogue<__nv_bfloat16, EPI, BN>(g, &tm_c, sum, cur, cw, st, stp,
+                                                              tid & (WG_THREADS - 1));
+        else
+            moed_cuda_direct_epilogue<__nv_bfloat16, EPI, BN>(g, sum, r0, cur.row_end, cur.nt * BN,
+                                                              lane);
         cur = nxt;
         have = have_next;
     }
+    if (C::STAGED && (tid & (WG_THREADS - 1)) == 0) ptx::bulk_wait<0>(); /* the last stores */
 #endif
 }
 
 template <int BM, bool GATHER, int EPI> int launch(const moed_cuda_gemm *g, moed_cuda_stream s)
 {
     using L = smem_layout<BM>;
-    CUtensorMap tm_b, tm_a;
+    CUtensorMap tm_b, tm_a, tm_c;
     int rc = moed_cuda_tensor_map(&tm_b, MOED_CUDA_TM_E4M3, g->b, (int64_t)g->b_experts * g->n,
                                   g->k, g->k, BK, BN, 1);
+    if (!rc) rc = moed_cuda_epi_tensor_map(&tm_c, g);
     if (rc) return rc;
     if (GATHER)
         tm_a = tm_b; /* unused */
@@ -314,7 +333,7 @@ template <int BM, bool GATHER, int EPI> int launch(const moed_cuda_gemm *g, moed
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     const int grid = (int)(tiles < sms ? tiles : sms); /* one resident CTA per SM walks the tiles */
-    kern<<<grid, tile_cfg<BM>::THREADS, L::bytes, (cudaStream_t)s>>>(tm_b, tm_a, *g, num_n,
+    kern<<<grid, tile_cfg<BM>::THREADS, L::bytes, (cudaStream_t)s>>>(tm_b, tm_a, tm_c, *g, num_n,
                                                                      (int)tiles);
     return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;
 }
@@ -336,7 +355,7 @@ template <int BM> int dispatch(const moed_cuda_gemm *g, moed_cuda_stream s)
 extern "C" int moed_cuda_gemm_fp8_sm90(const moed_cuda_gemm *g, moed_cuda_stream s)
 {
     if (!g->a_scale || !g->b_scale || g->cdtype != MOED_BF16 || g->n % BN || g->k % BK ||
-        g->lda % 16)
+        g->lda % 16 || !moed_cuda_epi_c_ok(g))
         return MOED_EINVAL;
     if (g->bm == 128) return dispatch<128>(g, s);
     if (g->bm == 64) return dispatch<64>(g, s);

@@ -18,16 +18,14 @@
  *   the stage's barrier. Without gather (the down projection reads H in order) A also comes by TMA.
  *   warpgroups 1 .. CONSUMERS, the consumers, each run m64nBNk16 wgmma over 64 of the tile's rows,
  *   keep one wgmma group in flight, release a stage once the group that read it has finished, and
- *   write the epilogue's values into a staging buffer of their own. Rows that are all the
- *   expert's leave it by TMA store, which runs on while the consumer starts its next tile; a TMA
- *   store cannot mask rows, so an expert's last, partial rows leave by 16-byte stores instead (the
- *   rows after them are the next expert's). Either way a warp writes whole 128-byte lines, where
- *   stores from the wgmma registers wrote 16 bytes of each of 8 rows.
+ *   run the epilogue of epilogue_sm90.cuh: through a staging buffer of their own, out by TMA
+ *   store.
  * Shared rows are 128 bytes (BK = 64 two-byte elements), 128-byte swizzled: the layout TMA writes
  * with CU_TENSOR_MAP_SWIZZLE_128B, the cp.async path writes with moed_cuda_swz128, and the wgmma
  * descriptors name. Each output element is one fixed-order sum over K, independent of the tile's
  * other rows.
  */
+#include "epilogue_sm90.cuh"
 #include "gemm_common.cuh"
 #include "launch.cuh"
 #include "tensor_map.h"
@@ -58,6 +56,7 @@ constexpr int CONSUMERS = 2; /* consumer warpgroups, after the one producer */
 constexpr int THREADS = (1 + CONSUMERS) * WG_THREADS;
 constexpr int WGMMA_M = 64, WGMMA_K = 16; /* the instruction's shape (N is the tile's BN) */
 static_assert(BM == CONSUMERS * WGMMA_M, "each consumer warpgroup owns 64 rows of the tile");
+static_assert(WGMMA_M == MOED_CUDA_EPI_ROWS && WG_THREADS == 128, "the epilogue's warpgroup");
 static_assert(BK % WGMMA_K == 0, "whole wgmma k-steps per stage");
 
 /* Registers per thread after setmaxnreg: the producer only computes addresses; a consumer holds
@@ -69,14 +68,6 @@ static_assert(ptx::valid_maxnreg<PRODUCER_REGS> && ptx::valid_maxnreg<CONSUMER_R
 static_assert(WG_THREADS * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) <= 65536,
               "the register budgets exceed the register file");
 
-/* The epilogue's staging: a consumer's 64 rows, OUT_COLS output columns at a time, as boxes of
- * OUT_BOX x OUT_BOX elements with 128-byte swizzled rows (the layout the TMA store reads; the
- * swizzle keeps a warp's writes of 8 rows on distinct banks). */
-constexpr int OUT_BOX = BK, OUT_COLS = 2 * OUT_BOX;
-constexpr int OUT_BOX_BYTES = WGMMA_M * OUT_BOX * ELEM;
-constexpr int EPI_STAGE = WGMMA_M * OUT_COLS * ELEM;
-static_assert(OUT_BOX * ELEM == (int)ptx::sw128_row_bytes, "a staged row is one swizzle row");
-
 /* The shared-memory layout, from a base aligned to the swizzle atom: STAGES A stages, STAGES B
  * stages, each consumer's epilogue staging, then the full and empty barriers of each stage. Kernel
  * and launcher both read it here. */
@@ -84,15 +75,14 @@ template <int BN> struct smem_layout {
     static constexpr int a_stage = BM * ROW_BYTES, b_stage = BN * ROW_BYTES;
     static constexpr int a = 0, b = a + STAGES * a_stage;
     static constexpr int epi = b + STAGES * b_stage;
-    static constexpr int full = epi + CONSUMERS * EPI_STAGE;
+    static constexpr int full = epi + CONSUMERS * MOED_CUDA_EPI_STAGE;
     static constexpr int empty = full + STAGES * (int)ptx::mbar_bytes;
     static constexpr int end = empty + STAGES * (int)ptx::mbar_bytes;
     static constexpr int align = ptx::sw128_atom_bytes;
     /* What the launch asks for: the layout plus the slack to align its base. */
     static constexpr int bytes = align + end;
-    static_assert(a_stage % align == 0 && b_stage % align == 0 && EPI_STAGE % align == 0 &&
-                      OUT_BOX_BYTES % align == 0,
-                  "stages and staged boxes start on swizzle atoms");
+    static_assert(a_stage % align == 0 && b_stage % align == 0 && MOED_CUDA_EPI_STAGE % align == 0,
+                  "stages and staging buffers start on swizzle atoms");
     static_assert(full % ptx::mbar_bytes == 0, "barriers are 8-byte aligned");
     static_assert(bytes <= 227 * 1024, "over the 227 KiB of shared memory a Hopper block may have");
 };
@@ -135,64 +125,6 @@ template <bool GATHER> constexpr int FULL_ARRIVALS = GATHER ? WG_THREADS + 1 : 1
 __device__ constexpr int empty_arrivals(int mc)
 {
     return mc * CONSUMERS * WG_WARPS;
-}
-#endif
-
-#ifdef MOED_CUDA_SM90_ENABLED
-/*
- * A consumer's epilogue (thread wt of its 128): the activated values of its 64 rows of tile t, in
- * rounds of OUT_COLS columns through its staging buffer (shared address st, generic pointer stp).
- * Each round first waits until the last round's stores have read the buffer (the TMA store's
- * issuer waits for its bulk group, then the warpgroup meets at its named barrier), writes the
- * round, and meets again before the rows leave.
- */
-template <typename T, int EPI, int BN>
-__device__ __forceinline__ void epilogue(const moed_cuda_gemm &g, const CUtensorMap *tm_c,
-                                         const float *acc, const moed_cuda_tile &t, int cw,
-                                         uint32_t st, uint8_t *stp, int wt)
-{
-    constexpr int OUT = EPI == MOED_CUDA_EPI_SWIGLU ? BN / 2 : BN;
-    constexpr int RCOLS = OUT < OUT_COLS ? OUT : OUT_COLS, ROUNDS = OUT / RCOLS;
-    constexpr int R_C8 = RCOLS / 8, BOX_C8 = OUT_BOX / 8;
-    static_assert(RCOLS % OUT_BOX == 0 && OUT % RCOLS == 0, "whole boxes, whole rounds");
-    const int row0 = t.row0 + cw * WGMMA_M;
-    const int rows = min(t.row_end - row0, WGMMA_M);
-    if (rows <= 0) return; /* a cluster's spare rank, or consumer 1 of a tile of <= 64 rows */
-    const int col0 = t.nt * OUT;
-    const int r = (wt >> WARP_SHIFT) * 16 + ((wt & (WARP - 1)) >> 2); /* this thread's h = 0 row */
-    const int barrier = 1 + cw; /* named barrier 0 is __syncthreads' */
-#pragma unroll
-    for (int round = 0; round < ROUNDS; round++) {
-        if (wt == 0) ptx::bulk_wait_read<0>();
-        ptx::bar_sync(barrier, WG_THREADS);
-        moed_cuda_wgmma_pairs<EPI, BN>(acc, [&](int h, int c8, float v0, float v1) {
-            if (c8 / R_C8 != round) return;
-            const int c = c8 % R_C8;
-            moed_cuda_store2<T>(reinterpret_cast<T *>(stp + (c / BOX_C8) * OUT_BOX_BYTES +
-                                                      moed_cuda_swz128(r + 8 * h, c % BOX_C8)) +
-                                    2 * (wt & 3),
-                                v0, v1);
-        });
-        ptx::fence_proxy_async();
-        ptx::bar_sync(barrier, WG_THREADS);
-        const int c_round = col0 + round * RCOLS;
-        if (rows == WGMMA_M) {
-            if (wt == 0) {
-#pragma unroll
-                for (int b = 0; b < RCOLS / OUT_BOX; b++)
-                    ptx::tma_store_2d(tm_c, st + b * OUT_BOX_BYTES, c_round + b * OUT_BOX, row0);
-                ptx::bulk_commit();
-            }
-        } else {
-            T *c = static_cast<T *>(g.c) + (int64_t)row0 * g.ldc + c_round;
-            for (int i = wt; i < rows * R_C8; i += WG_THREADS) {
-                const int ri = i / R_C8, ci = i % R_C8;
-                *reinterpret_cast<uint4 *>(c + (int64_t)ri * g.ldc + 8 * ci) =
-                    *reinterpret_cast<const uint4 *>(stp + (ci / BOX_C8) * OUT_BOX_BYTES +
-                                                     moed_cuda_swz128(ri, ci % BOX_C8));
-            }
-        }
-    }
 }
 #endif
 
@@ -330,7 +262,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     ptx::setmaxnreg_inc<CONSUMER_REGS>();
     const int cw = wg - 1; /* this consumer's WGMMA_M rows of each tile */
-    const uint32_t st = base + L::epi + cw * EPI_STAGE; /* its epilogue's staging */
+    const uint32_t st = base + L::epi + cw * MOED_CUDA_EPI_STAGE; /* its epilogue's staging */
     uint8_t *const stp = smem_raw + (st - ptx::smem_addr(smem_raw));
     while (have) {
         float acc[NACC];
@@ -362,7 +294,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         ptx::wgmma_fence_operands(acc);
         release((it - 1) % STAGES); /* the producers may refill it now */
 
-        epilogue<T, EPI, BN>(g, &tm_c, acc, cur, cw, st, stp, tid & (WG_THREADS - 1));
+        moed_cuda_staged_epilogue<T, EPI, BN>(g, &tm_c, acc, cur, cw, st, stp,
+                                              tid & (WG_THREADS - 1));
         cur = nxt;
         have = have_next;
     }
@@ -370,8 +303,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #endif
 }
 
-/* A row-major [rows, cols] matrix of ELEM-byte elements, moved in boxes of box_rows x BK columns.
- */
+/* A row-major [rows, cols] matrix of ELEM-byte elements, read in boxes of box_rows x BK columns. */
 int tensor_map(CUtensorMap *m, int cdtype, const void *p, int64_t rows, int64_t cols, int64_t ld,
                int box_rows)
 {
@@ -407,9 +339,7 @@ int launch(const moed_cuda_gemm *g, moed_cuda_stream s)
 {
     CUtensorMap tm_b, tm_a, tm_c;
     int rc = tensor_map(&tm_b, g->cdtype, g->b, (int64_t)g->b_experts * g->n, g->k, g->k, BN / MC);
-    if (!rc) /* C in the epilogue's boxes (OUT_BOX = BK columns) */
-        rc = tensor_map(&tm_c, g->cdtype, g->c, g->c_rows,
-                        EPI == MOED_CUDA_EPI_SWIGLU ? g->n / 2 : g->n, g->ldc, WGMMA_M);
+    if (!rc) rc = moed_cuda_epi_tensor_map(&tm_c, g);
     if (rc) return rc;
     if (GATHER)
         tm_a = tm_b; /* unused */
@@ -459,8 +389,7 @@ extern "C" int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, int cluster,
 {
     /* TMA reads A and B and writes C: 16-byte aligned rows */
     if (g->bm != BM || (bn != 128 && bn != 256) || g->n % bn || g->k % BK || g->lda % 8 ||
-        g->ldc % 8 || (uintptr_t)g->c % 16 || g->c_rows < 1 ||
-        (cluster != 1 && !(cluster == 2 && bn == 256)))
+        !moed_cuda_epi_c_ok(g) || (cluster != 1 && !(cluster == 2 && bn == 256)))
         return MOED_EINVAL;
     if (g->cdtype == MOED_BF16) return dispatch<__nv_bfloat16>(g, bn, cluster, s);
     if (g->cdtype == MOED_F16) return dispatch<__half>(g, bn, cluster, s);
