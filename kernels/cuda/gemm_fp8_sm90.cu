@@ -20,13 +20,13 @@
  * threads gather the token rows of A with cp.async (TMA cannot gather), each fencing the proxies
  * before it arrives. BM / 64 consumer warpgroups of 64 rows each run the K blocks and the
  * epilogue (epilogue_sm90.cuh's, in bf16: staged and stored by TMA at BM = 128, straight from the
- * registers at BM = 64); each thread reads the scales it needs (its two rows' and
- * the tile's four column groups') straight from the tables in global memory, one K block ahead, so
- * shared memory holds only what the Tensor Cores read and no ordinary load races the producer's
- * copies. BM is 64 (batches of few rows per expert: the kernel streams weights, one consumer, eight
- * stages deep) or 128 (two consumers, whose wgmma and promotion interleave). A stage's rows are 128
- * e4m3 bytes, swizzled like the bf16 kernel's 64 two-byte elements, so the same descriptors and the
- * same 32-byte K step serve.
+ * registers at BM = 64); each thread reads the scales it needs (its two rows' and the tile's four
+ * column groups') straight from the tables in global memory, one K block ahead, so shared memory
+ * holds only what the Tensor Cores read and no ordinary load races the producer's copies. BM is 64
+ * (batches of few rows per expert: the kernel streams weights, one consumer, eight stages deep) or
+ * 128 (two consumers, whose wgmma and promotion interleave). A stage's rows are 128 e4m3 bytes,
+ * swizzled like the bf16 kernel's 64 two-byte elements, so the same descriptors and the same
+ * 32-byte K step serve.
  */
 #include "epilogue_sm90.cuh"
 #include "gemm_common.cuh"
@@ -314,8 +314,11 @@ template <int BM, bool GATHER, int EPI> int launch(const moed_cuda_gemm *g, moed
     CUtensorMap tm_b, tm_a, tm_c;
     int rc = moed_cuda_tensor_map(&tm_b, MOED_CUDA_TM_E4M3, g->b, (int64_t)g->b_experts * g->n,
                                   g->k, g->k, BK, BN, 1);
-    if (!rc) rc = moed_cuda_epi_tensor_map(&tm_c, g);
     if (rc) return rc;
+    if (!tile_cfg<BM>::STAGED)
+        tm_c = tm_b; /* unused: the direct epilogue */
+    else if ((rc = moed_cuda_epi_tensor_map(&tm_c, g)))
+        return rc;
     if (GATHER)
         tm_a = tm_b; /* unused */
     else if ((rc = moed_cuda_tensor_map(&tm_a, MOED_CUDA_TM_E4M3, g->a, g->a_rows_total, g->k,
