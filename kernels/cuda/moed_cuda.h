@@ -141,7 +141,7 @@ typedef struct moed_cuda_gemm {
     int n, k; /* multiples of MOED_CUDA_PAD */
     void *c;  /* C rows, ldc elements apart */
     int64_t ldc;
-    int64_t c_rows; /* rows of C (the Hopper bf16 kernel stores whole tiles by TMA within them) */
+    int64_t c_rows; /* rows of C (the Hopper kernels' TMA stores are bounded by them) */
     int epi;        /* MOED_CUDA_EPI_*; SWIGLU writes n/2 columns */
     /* The m-tiles: from route prep (tile_exp, tile_row, n_tiles, exp_off) or, when tile_exp is
      * NULL, `identity_rows` rows of expert 0 in order (shared experts). */
