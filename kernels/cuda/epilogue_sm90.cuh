@@ -55,7 +55,8 @@ static inline bool moed_cuda_epi_c_ok(const moed_cuda_gemm *g)
  * OUT = BN/2 for SwiGLU, else BN) in row 16*(warp%4) + lane/4 + 8h of the warpgroup's 64. Register
  * 4*c8 + 2*h + j holds column 8*c8 + 2*(lane%4) + j of that row; for SwiGLU gate blocks of
  * MOED_CUDA_GLU_BLOCK columns (GLU_C8 groups of 8) are followed by their up blocks, and output
- * block j is gate block j times up block j. Unrolled, so c8 is a constant at each call.
+ * block j is gate block j times up block j (moed_cuda_glu_col). Unrolled, so c8 is a constant at
+ * each call.
  */
 template <int EPI, int BN, typename F>
 __device__ __forceinline__ void moed_cuda_wgmma_pairs(const float *acc, F &&put)
@@ -68,7 +69,7 @@ __device__ __forceinline__ void moed_cuda_wgmma_pairs(const float *acc, F &&put)
             const float v0 = acc[4 * c8 + 2 * h], v1 = acc[4 * c8 + 2 * h + 1];
             if constexpr (EPI == MOED_CUDA_EPI_SWIGLU) {
                 if (c8 % (2 * GLU_C8) < GLU_C8)
-                    put(h, c8 / (2 * GLU_C8) * GLU_C8 + c8 % (2 * GLU_C8),
+                    put(h, moed_cuda_glu_col(8 * c8) / 8,
                         moed_cuda_silu(v0) * acc[4 * (c8 + GLU_C8) + 2 * h],
                         moed_cuda_silu(v1) * acc[4 * (c8 + GLU_C8) + 2 * h + 1]);
             } else {

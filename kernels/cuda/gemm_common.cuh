@@ -98,6 +98,14 @@ template <> __device__ __forceinline__ void moed_cuda_store2<__half>(__half *p, 
     *reinterpret_cast<__half2 *>(p) = __floats2half2_rn(v0, v1);
 }
 
+/* The column of H that gate column n of the up projection (n % (2 * MOED_CUDA_GLU_BLOCK) <
+ * MOED_CUDA_GLU_BLOCK) and its up column n + MOED_CUDA_GLU_BLOCK produce: W13 interleaves gate and
+ * up blocks of MOED_CUDA_GLU_BLOCK rows. */
+__host__ __device__ constexpr int moed_cuda_glu_col(int n)
+{
+    return n / (2 * MOED_CUDA_GLU_BLOCK) * MOED_CUDA_GLU_BLOCK + n % (2 * MOED_CUDA_GLU_BLOCK);
+}
+
 /*
  * The epilogue of one accumulator pair: columns n, n+1 (global, even) of tile row `row`, with
  * (u0, u1) the same row's columns n + MOED_CUDA_GLU_BLOCK for SwiGLU (the matching up projection:
@@ -110,10 +118,8 @@ __device__ __forceinline__ void moed_cuda_epilogue2(const moed_cuda_gemm &g, int
                                                     float v0, float v1, float u0, float u1)
 {
     if constexpr (EPI == MOED_CUDA_EPI_SWIGLU) {
-        const int hcol =
-            (n / (2 * MOED_CUDA_GLU_BLOCK)) * MOED_CUDA_GLU_BLOCK + n % (2 * MOED_CUDA_GLU_BLOCK);
-        moed_cuda_store2<T>(static_cast<T *>(g.c) + row * g.ldc + hcol, moed_cuda_silu(v0) * u0,
-                            moed_cuda_silu(v1) * u1);
+        moed_cuda_store2<T>(static_cast<T *>(g.c) + row * g.ldc + moed_cuda_glu_col(n),
+                            moed_cuda_silu(v0) * u0, moed_cuda_silu(v1) * u1);
     } else {
         moed_cuda_store2<T>(static_cast<T *>(g.c) + row * g.ldc + n, moed_cuda_act(EPI, v0),
                             moed_cuda_act(EPI, v1));
