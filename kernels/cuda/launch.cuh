@@ -1,7 +1,8 @@
 /*
- * launch — how the kernels are started through cudaLaunchKernelEx: in clusters where the shape
+ * launch — how every kernel is started, through cudaLaunchKernelEx: in clusters where the shape
  * asks, and for the kernels that take part in programmatic dependent launch, with its attribute
- * when the caller allows it and the device is sm_90 or newer, plainly otherwise.
+ * when the caller allows it and the device is sm_90 or newer, plainly otherwise; and how many
+ * clusters of a persistent kernel fit the device at once.
  * A kernel started early must call moed::ptx::griddep_wait before it reads what the kernel before
  * it writes, and before it writes anything at all (ptx/griddep.cuh); what it may do before that is
  * each launcher's contract (moed_cuda.h, MOED_CUDA_OVERLAP_*). MOED_CUDA_NO_PDL=1 in the
