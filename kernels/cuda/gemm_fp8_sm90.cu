@@ -60,7 +60,8 @@ template <int BM> struct tile_cfg {
     static constexpr bool STAGED = BM == 128;
     static constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 232 : 224;
     static_assert(BM == 64 || BM == 128, "one or two consumer warpgroups");
-    static_assert(moed_cuda_sm90_regs_fit<CONSUMERS, CONSUMER_REGS>,
+    static_assert(moed::ptx::valid_maxnreg<CONSUMER_REGS> &&
+                      moed_cuda_sm90_regs_fit(CONSUMERS, CONSUMER_REGS),
                   "the register budgets exceed the register file");
 };
 

@@ -35,7 +35,8 @@ static_assert(BK % WGMMA_K == 0, "whole wgmma k-steps per stage");
 
 /* A consumer holds BN/2 fp32 accumulators (128 at BN = 256) plus the epilogue's temporaries. */
 constexpr int CONSUMER_REGS = 224;
-static_assert(moed_cuda_sm90_regs_fit<CONSUMERS, CONSUMER_REGS>,
+static_assert(moed::ptx::valid_maxnreg<CONSUMER_REGS> &&
+                  moed_cuda_sm90_regs_fit(CONSUMERS, CONSUMER_REGS),
               "the register budgets exceed the register file");
 
 /* The ring: A and B stages, each consumer's epilogue staging, the barriers. Kernel and launcher

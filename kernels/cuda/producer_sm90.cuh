@@ -56,10 +56,12 @@ constexpr int MOED_CUDA_SM90_SMEM = 227 * 1024; /* shared memory a Hopper block 
 
 /* Whether CONSUMERS warpgroups of REGS registers a thread (after setmaxnreg) fit the SM's register
  * file beside the producer's: the CTA is alone on its SM. */
-template <int CONSUMERS, int REGS>
-constexpr bool moed_cuda_sm90_regs_fit =
-    moed::ptx::valid_maxnreg<MOED_CUDA_SM90_PRODUCER_REGS> &&moed::ptx::valid_maxnreg<REGS> &&
-        MOED_CUDA_SM90_WG *(MOED_CUDA_SM90_PRODUCER_REGS + CONSUMERS * REGS) <= 65536;
+constexpr bool moed_cuda_sm90_regs_fit(int consumers, int regs)
+{
+    return MOED_CUDA_SM90_WG * (MOED_CUDA_SM90_PRODUCER_REGS + consumers * regs) <= 65536;
+}
+static_assert(moed::ptx::valid_maxnreg<MOED_CUDA_SM90_PRODUCER_REGS>, "a setmaxnreg count");
+static_assert(MOED_CUDA_SM90_WG == 128, "the epilogue's warpgroup (epilogue_sm90.cuh)");
 
 /* A thread's fields (warpgroup, warp, lane, gather chunk) by shift and mask: every size here is a
  * power of two, and tid is never negative. */
@@ -83,8 +85,7 @@ static_assert((1 << MOED_CUDA_SM90_WG_SHIFT) == MOED_CUDA_SM90_WG &&
                   MOED_CUDA_SM90_WG % MOED_CUDA_SM90_ROW_CHUNKS == 0,
               "powers of two, and the gather's split");
 
-/* ---- the ring ---------------------------------------------------------------------------------
- */
+/* ---- the ring -------------------------------------------------------------------------------- */
 
 /*
  * The ring of one kernel: STAGES stages of BM rows of A and BN rows of B, each row 128 bytes (BK
@@ -205,8 +206,7 @@ struct moed_cuda_sm90_ring {
     }
 };
 
-/* ---- the walk over tiles ----------------------------------------------------------------------
- */
+/* ---- the walk over tiles --------------------------------------------------------------------- */
 
 /*
  * The persistent walk: every cluster takes units id = blockIdx.x / MC, + gridDim.x / MC, ..., each
@@ -250,8 +250,7 @@ __device__ __forceinline__ int moed_cuda_sm90_a_source(const moed_cuda_gemm &g,
     return s >= 0 && s < g.a_rows_total ? s : -1;
 }
 
-/* ---- the producer -----------------------------------------------------------------------------
- */
+/* ---- the producer ---------------------------------------------------------------------------- */
 
 /*
  * Warpgroup 0 of a kernel over ring R (thread tid of it): gives registers back, then fills the ring
@@ -339,8 +338,7 @@ moed_cuda_sm90_produce(const R &ring, const moed_cuda_gemm &g, const CUtensorMap
         for (int j = 0; j < STAGES; j++, it++) ring.wait_empty(it);
 }
 
-/* ---- the launch -------------------------------------------------------------------------------
- */
+/* ---- the launch ------------------------------------------------------------------------------ */
 
 /* The TMA maps of a kernel over ring R, elements of type tm (MOED_CUDA_TM_*): B (every expert as
  * one matrix, in boxes of the BN/MC rows a CTA brings), A when it comes by TMA (boxes of BM rows),
