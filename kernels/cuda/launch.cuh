@@ -1,7 +1,8 @@
 /*
- * launch — how the kernels are started through cudaLaunchKernelEx: in clusters where the shape
+ * launch — how every kernel is started, through cudaLaunchKernelEx: in clusters where the shape
  * asks, and for the kernels that take part in programmatic dependent launch, with its attribute
- * when the caller allows it and the device is sm_90 or newer, plainly otherwise.
+ * when the caller allows it and the device is sm_90 or newer, plainly otherwise; and how many
+ * clusters of a persistent kernel fit the device at once.
  * A kernel started early must call moed::ptx::griddep_wait before it reads what the kernel before
  * it writes, and before it writes anything at all (ptx/griddep.cuh); what it may do before that is
  * each launcher's contract (moed_cuda.h, MOED_CUDA_OVERLAP_*). MOED_CUDA_NO_PDL=1 in the
@@ -15,6 +16,8 @@
 
 #include <cuda_runtime.h>
 #include <stdlib.h>
+
+#include <atomic>
 
 inline bool moed_cuda_pdl_off()
 {
@@ -60,6 +63,31 @@ inline cudaLaunchConfig_t moed_cuda_config(cudaLaunchAttribute (&attrs)[2],
         a.val.programmaticStreamSerializationAllowed = 1;
     }
     return cfg;
+}
+
+/* Clusters of sh.cluster CTAs of KERN, each alone on its SM, that fit on the current device at
+ * once (sh.grid is not read): a cluster of more than one needs that many SMs of one GPC, so there
+ * can be fewer than SMs / sh.cluster. The occupancy query depends only on the kernel and the
+ * device, so each kernel (KERN is a template argument) keeps its answer, an entry per device. */
+template <auto KERN> int moed_cuda_resident_clusters(const moed_cuda_shape &sh)
+{
+    constexpr int CACHED_DEVICES = 16;
+    static std::atomic<int> cached[CACHED_DEVICES];
+    int dev = 0, sms = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    const int mc = sh.cluster;
+    if (mc == 1) return sms;
+    const bool cacheable = dev >= 0 && dev < CACHED_DEVICES;
+    if (cacheable && cached[dev].load(std::memory_order_relaxed) > 0)
+        return cached[dev].load(std::memory_order_relaxed);
+    cudaLaunchAttribute attrs[2];
+    const cudaLaunchConfig_t cfg =
+        moed_cuda_config(attrs, { dim3(sms / mc * mc), sh.block, sh.smem, mc }, nullptr, false);
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, KERN, &cfg) != cudaSuccess || n < 1) n = sms / mc;
+    if (cacheable) cached[dev].store(n, std::memory_order_relaxed);
+    return n;
 }
 
 template <typename... P, typename... A>

@@ -1,6 +1,6 @@
 /*
  * moed_cuda — the launch API of the CUDA kernels, called from the C host code of the CUDA backend
- * (cuda_backend.c) and from the kernel benchmarks. Each op lives in its own .cu file with its
+ * (cuda_*.c, pipeline.c) and from the kernel benchmarks. Each op lives in its own .cu file with its
  * launcher; every launcher is asynchronous on the given stream and returns 0 or a MOED_E* code
  * (MOED_EDEVICE when the launch itself fails).
  *

@@ -5,32 +5,30 @@
  *   rows/expert   kernel   bm    bn    why
  *   >= 192 and    sm90p    128   256   (Hopper) long rows (d >= 4096): pre-permuting the rows once
  *   d >= 4096                          and letting TMA stream A beats gathering them in the load
- *                                      (H200, same run, alternated 3x: mixtral T=1536 2.28 ->
- *                                      2.09 ms, DBRX T=1024 3.73 -> 3.41, deepseek-v3 T=8192
- *                                      13.15 -> 12.42; at 128 rows deepseek-v3 T=4096 loses 10%
- *                                      with it, and the d 2048-2880 layers lose 2-7%)
+ *                                      (deepseek-v3 T=8192: 6% faster); at 128 rows an expert, and
+ *                                      on the d 2048-2880 layers, gathering wins
  *   >= 56         sm90     128   256   (Hopper) wgmma, TMA, warp-specialised: from 56 rows an
  *                                      expert it beats bm 64 on mma.sync despite the padding
- *                                      (H200, same run: qwen3 T=1024 (64 rows) 0.464 -> 0.372 ms,
- *                                      Phi-3.5 T=512 0.936 -> 0.710, deepseek-v3 T=1792 (56 rows)
- *                                      6.41 -> 6.08; at 48-51 rows bm 64 is 0-2% faster)
+ *                                      (qwen3 T=1024, 64 rows: 20% faster); at 48-51 rows bm 64 is
+ *                                      faster
  *   >= 96         sm80     128   128   (other GPUs) compute-bound on mma.sync
  *   >= 24         sm80      64   128   mid-size: half the padding waste of bm 128 (on Hopper up to
  *                                      55 rows an expert)
  *   >= 12         sm80      32   128   weight streaming, 12-24 rows an expert: bm 16 would split
  *                                      many experts in two m-tiles, each streaming the weights
- *                                      (H200, same run: mixtral T=64 0.849 -> 0.712 ms, DBRX
- *                                      T=64 1.625 -> 1.552, gpt-oss T=512 1.766 -> 1.637)
+ *                                      (mixtral T=64: 16% faster)
  *   <  12         sm80      16   128   few rows: weight streaming; deep pipeline, 2 CTAs per SM
- *                                      (bn 64, one warp and twice the CTAs: 4-12% slower at T=8 on
- *                                      H200, NOTES issue 16 step 7)
+ *                                      (bn 64, one warp and twice the CTAs: up to 12% slower at
+ *                                      T=8)
  *
  * bn 128 for sm90 when N is not a multiple of 256. Both GEMMs of a batch share bm (route prep lays
  * the tiles out once).
  *
- * sm90 at bn 256 runs in clusters of two CTAs that share the weight tile (H200, same run, three
- * alternations: deepseek-v3 T=4096 9.35-9.50 -> 8.26-8.45 ms, other layers at T >= 4096 within
- * -2%..+4%); at bn 128 alone (gpt-oss's down GEMM, N = 2944: 0.81 -> 0.91 ms in clusters).
+ * sm90 at bn 256 runs in clusters of two CTAs that share the weight tile (deepseek-v3 T=4096: 12%
+ * faster, other layers at T >= 4096 within -2%..+4%); at bn 128 alone (gpt-oss's down GEMM, N =
+ * 2944, was 12% slower in clusters).
+ *
+ * The runs behind each line, dated: kernels/cuda/NOTES.md, "The heuristic table".
  *
  * FP8 (block-scaled e4m3) weights on Hopper always run on the FP8 kernel, so every batch size
  * rounds alike (a token alone and the same token in a large batch give the same bits):

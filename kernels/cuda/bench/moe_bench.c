@@ -336,7 +336,7 @@ static void bench_one(const shape *s, const moed_cuda_layer_dev *L, int sm, int6
     CK(cudaMalloc(&wk.xc, (size_t)T * L->d_pad * 2));
     CK(cudaMalloc(&wk.h, (size_t)P * L->ff_pad * 2));
     CK(cudaMalloc(&wk.y, (size_t)P * L->d_pad * 2));
-    if (L->wdtype == MOED_FP8) { /* quantized X and H, as cuda_backend.c sizes them */
+    if (L->wdtype == MOED_FP8) { /* quantized X and H, as cuda_pool.c sizes them */
         wk.xs_ld = T;
         wk.hs_ld = P;
         CK(cudaMalloc(&wk.xq, (size_t)T * L->d_pad));

@@ -1,0 +1,163 @@
+/*
+ * cuda_ctx — the CUDA backend's state, and what its files share: the resident layers
+ * (cuda_weights.c loads them), the execution slots (cuda_pool.c makes them at start), the batches
+ * that run on them (cuda_forward.c) and the memory regions (cuda_regions.c); cuda_backend.c opens
+ * and destroys the backend and fills its ops table. Not a public header.
+ */
+#ifndef MOED_CUDA_CTX_H
+#define MOED_CUDA_CTX_H
+
+#include "moed_backend_impl.h"
+#include "moed_cuda.h"
+#include "moed_place.h"
+
+#include <cuda_runtime_api.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#define MAX_DEVICES MOED_PLACE_MAX
+
+/* One set of experts as resident: the routed ones (E of them), or the shared experts (one). */
+typedef struct dev_set {
+    void *w13, *w2;
+    float *w13_scale, *w2_scale;
+    int E, ff, ff_pad, n_up;
+} dev_set;
+
+/* A split layer's range of experts on one device: their weights, and the kernels' view of them
+ * (the layer's shapes, these experts numbered from 0, no shared experts). */
+typedef struct cuda_part {
+    int entry, device; /* the device entry (index of c->dev) and its GPU */
+    dev_set set;
+    moed_cuda_layer_dev k;
+} cuda_part;
+
+typedef struct cuda_layer {
+    moed_layer_info info;
+    int device; /* the home GPU: its slots run the layer */
+    moed_layer_place place;
+    moed_cuda_layer_dev k; /* what the kernels see (a split layer: its shared experts alone) */
+    void *w13, *w2;        /* the allocations behind k (k's pointers are const) */
+    void *s13, *s2;
+    float *w13_scale, *w2_scale, *s13_scale, *s2_scale; /* FP8 layers */
+    void *router; /* [E][d] in router_dtype, as the checkpoint stores it; NULL if none */
+    int router_dtype;
+    /* split: the parts (place.n_parts of them), each expert's part, and each part's first expert */
+    cuda_part *parts;
+    uint8_t *part_of;
+    int part_first[MAX_DEVICES];
+} cuda_layer;
+
+/* Small batches replay a captured graph of the pipeline instead of launching its kernels one by
+ * one: at a few tokens the launch gaps are a large share of the time. A graph's launches depend
+ * only on this key (the buffers are the slot's own and the route lives in device memory). */
+#define GRAPH_MAX_PAIRS 512
+#define GRAPH_CACHE     16
+
+typedef struct graph_key {
+    int slot, dtype, n_active;
+    int64_t T, P;
+    const void *x; /* the slot's buffers the graph reads and writes (a chunk's rows) */
+    void *out;
+} graph_key;
+
+typedef struct graph_entry {
+    graph_key key;
+    cudaGraphExec_t exec;
+    uint64_t used; /* for least-recently-used eviction */
+} graph_entry;
+
+typedef struct cuda_exec {
+    int device;
+    cudaStream_t stream;
+    cudaStream_t copy;     /* the next chunk's rows come in on it while a chunk computes */
+    cudaEvent_t copied;    /* recorded on copy after a chunk's rows are in */
+    cudaEvent_t routed[2]; /* recorded after each half of h_route was uploaded */
+    /* pinned: the packed input route, in two halves used in turn (a split layer's: followed by
+     * where each pair's row is) */
+    int32_t *h_route[2];
+    void *x_in, *out;
+    moed_cuda_work_dev w;
+    float *logits;
+    int32_t *route; /* device: the packed input route, then route prep's arrays */
+    moed_cuda_route_dev r;
+    graph_entry graphs[GRAPH_CACHE];
+    uint64_t graph_clock;
+    /* Split layers. A slot on a home device: a part workspace per device entry (parts[entry]) and
+     * the event its inputs are ready at. A part workspace: its pairs' route on the host, the
+     * landing buffer of its rows where the home GPU is not reachable by peer access, and the
+     * event its rows are home at. */
+    struct cuda_exec *parts;
+    int32_t *pos; /* [max_pairs] host: where each pair's row is among the parts' blocks */
+    cudaEvent_t ready, done;
+    moed_route sub;
+    void *landing;
+} cuda_exec;
+
+typedef struct cuda_ctx {
+    moed_backend_config cfg;
+    int n_dev, dev[MAX_DEVICES], sm[MAX_DEVICES];
+    struct cudaDeviceProp prop[MAX_DEVICES];
+    cuda_layer *layers;
+    int n_layers;
+    cuda_exec *execs;
+    int n_exec;
+    int64_t max_tokens, max_pairs;
+    int max_e, max_d_pad, max_ff_pad, max_sff_pad, max_router_e, max_d;
+    int fp8_native; /* an FP8 layer runs on the FP8 Tensor Cores: slots need its buffers */
+    int force_kernel;
+    moed_place_dev place[MAX_DEVICES]; /* the planner's counts per entry */
+    /* entry i's GPU writes entry j's memory directly (the same GPU, or peer access enabled) */
+    bool direct[MAX_DEVICES][MAX_DEVICES];
+    bool landing; /* some part of a split layer cannot reach its home directly */
+} cuda_ctx;
+
+/* A CUDA error as the backend reports it: MOED_EDEVICE, naming the call that failed. */
+int cuda_fail(moed_error *err, cudaError_t e, const char *what);
+
+/* Runs a CUDA call; on failure sets rc (cuda_fail) and jumps to the caller's `err` label. */
+#define CU(call, what)                                                                             \
+    do {                                                                                           \
+        cudaError_t cu_e_ = (call);                                                                \
+        if (cu_e_ != cudaSuccess) {                                                                \
+            rc = cuda_fail(err, cu_e_, what);                                                      \
+            goto err;                                                                              \
+        }                                                                                          \
+    } while (0)
+
+/* The entry (index of c->dev) of GPU `device`. */
+static inline int cuda_dev_index(const cuda_ctx *c, int device)
+{
+    for (int i = 0; i < c->n_dev; i++)
+        if (c->dev[i] == device) return i;
+    return 0;
+}
+
+/* cuda_weights.c: loading a layer (the ops table's load_layer), and freeing what it holds. */
+int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_error *err);
+void cuda_layer_free(cuda_layer *L);
+/* Whether `need` bytes are free on GPU `device`; else MOED_ENOMEM saying what needed them. */
+int cuda_check_free(int device, uint64_t need, const char *what, moed_error *err);
+
+/* cuda_pool.c: the execution slots (the ops table's start), and freeing one. */
+int cuda_start(moed_backend *b, moed_error *err);
+void cuda_exec_free(cuda_ctx *c, cuda_exec *x);
+
+/* cuda_forward.c: the ops table's forward and router_logits. */
+int cuda_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err);
+int cuda_router_logits(moed_backend *b, int exec, const moed_job *job, float *logits,
+                       moed_error *err);
+
+/* cuda_regions.c: the ops table's region calls, and peer access to a GPU from the others. */
+int cuda_host_register(moed_backend *b, void *p, size_t bytes, moed_error *err);
+void cuda_host_unregister(moed_backend *b, void *p);
+void cuda_device_uuid(moed_backend *b, int dev, char out[48]);
+int cuda_map_device(moed_backend *b, const void *handle, size_t handle_len, const char *device_uuid,
+                    int device, uint64_t bytes, uint64_t offset, void **ptr, int *dev, void **base,
+                    moed_error *err);
+void cuda_unmap_device(moed_backend *b, void *base, int dev);
+int cuda_read_device(moed_backend *b, void *dst, const void *src, int dev, size_t bytes,
+                     moed_error *err);
+void cuda_enable_peers(const cuda_ctx *c, int dev);
+
+#endif

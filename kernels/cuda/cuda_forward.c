@@ -1,0 +1,359 @@
+/*
+ * cuda_forward — one batch on an execution slot (the backend's forward and router_logits): the
+ * job's tokens in, the pipeline of moed_cuda.h, the outputs out.
+ *
+ * A job's tokens come in parts (moed_backend.h), each copied in and out where it lies: host memory
+ * by DMA (straight from pinned or registered pages), device memory device to device, another
+ * GPU's memory by a peer copy. A lone part already on the layer's GPU is not copied at all: the
+ * convert stage reads it and the combine writes the part's output in place (except for batches a
+ * graph replays, whose buffers are captured: there the part costs one small device copy). When a
+ * batch runs in chunks (more pairs than the workspace holds), the next chunk's rows come in on the
+ * slot's copy stream while the current chunk computes, and the route staging alternates between
+ * two halves, so chunks never wait for the host; tokens are independent, so chunks change nothing
+ * in the result. Everything a batch does is queued on its slot's stream with no device-to-host
+ * synchronisation until the output copy; slots run concurrently, so one batch's copies overlap
+ * another's kernels.
+ *
+ * A split layer's home slot runs its jobs: each job's x is copied to every part's device (a peer
+ * copy), each part computes its own pairs' rows in a workspace of its own, gathers them in its pair
+ * order straight into the home slot's Y (peer access, or the same GPU) or through a landing buffer
+ * and a copy (no peer access), and the home combines every pair in route order (moed_cuda.h says
+ * why that is bit-identical to unsplit).
+ */
+#include "cuda_ctx.h"
+
+#include "moed_dtype.h"
+
+#include <string.h>
+
+/* ---- parts ------------------------------------------------------------------------------- */
+
+/* Queues the copy of n bytes from src (on device sdev, or host memory) to dst (on device ddev, or
+ * host memory) on s: DMA for host memory, device to device, or a peer copy between GPUs. */
+static void copy_async(void *dst, int ddev, const void *src, int sdev, size_t n, cudaStream_t s)
+{
+    if (sdev != MOED_HOST_MEM && ddev != MOED_HOST_MEM && sdev != ddev)
+        cudaMemcpyPeerAsync(dst, ddev, src, sdev, n, s);
+    else
+        cudaMemcpyAsync(dst, src, n,
+                        sdev == MOED_HOST_MEM   ? cudaMemcpyHostToDevice
+                        : ddev == MOED_HOST_MEM ? cudaMemcpyDeviceToHost
+                                                : cudaMemcpyDeviceToDevice,
+                        s);
+}
+
+/* Queues the copies between tokens [t0, t1) of the job's parts and rows `dev` of the slot's device
+ * (dev holds token t0 first, rb bytes a row): into dev (in) or out of it. */
+static void parts_copy(const cuda_exec *x, const moed_job *job, int64_t t0, int64_t t1, char *dev,
+                       size_t rb, bool in, cudaStream_t s)
+{
+    int64_t first = 0;
+    for (int i = 0; i < job->n_parts && first < t1; first += job->parts[i++].rows) {
+        const moed_part *p = &job->parts[i];
+        const int64_t lo = first > t0 ? first : t0,
+                      hi = first + p->rows < t1 ? first + p->rows : t1;
+        if (lo >= hi) continue;
+        char *d = dev + (size_t)(lo - t0) * rb;
+        const size_t n = (size_t)(hi - lo) * rb, at = (size_t)(lo - first) * rb;
+        if (in)
+            copy_async(d, x->device, (const char *)p->x + at, p->x_dev, n, s);
+        else
+            copy_async((char *)p->y + at, p->y_dev, d, x->device, n, s);
+    }
+}
+
+/* The job's lone part's input (or output) when it already lies on the slot's device: the kernels
+ * then read (write) it in place. NULL otherwise. */
+static const void *lone_x(const cuda_exec *x, const moed_job *job)
+{
+    return job->n_parts == 1 && job->parts[0].x_dev == x->device ? job->parts[0].x : NULL;
+}
+
+static void *lone_y(const cuda_exec *x, const moed_job *job)
+{
+    return job->n_parts == 1 && job->parts[0].y_dev == x->device ? job->parts[0].y : NULL;
+}
+
+/* ---- one batch ----------------------------------------------------------------------------- */
+
+/* Packs tokens [t0, t1) of the route into half h of the slot's pinned staging (once that half's
+ * last upload is done), uploads it, and lays route prep's arrays out behind it for m-tiles of bm
+ * rows; with pos (a split layer's home), uploads pos as the pairs' rows too. */
+static void stage_route(cuda_exec *x, int h, const moed_route *rt, int64_t t0, int64_t t1, int E,
+                        int bm, const int32_t *pos)
+{
+    const int64_t T = t1 - t0, P = rt->off[t1] - rt->off[t0];
+    const size_t in = moed_cuda_route_in_words(T, P);
+    cudaEventSynchronize(x->routed[h]);
+    moed_cuda_route_pack(x->h_route[h], rt->off, rt->expert, rt->weight, t0, t1);
+    moed_cuda_route_layout(&x->r, x->route, T, P, E, bm);
+    cudaMemcpyAsync(x->route, x->h_route[h], in * 4, cudaMemcpyHostToDevice, x->stream);
+    if (pos) { /* a split layer's combine: each pair's row, which no route prep computes here */
+        memcpy(x->h_route[h] + in, pos, sizeof *pos * (size_t)P);
+        cudaMemcpyAsync(x->r.pair_slot, x->h_route[h] + in, sizeof *pos * (size_t)P,
+                        cudaMemcpyHostToDevice, x->stream);
+    }
+    cudaEventRecord(x->routed[h], x->stream);
+}
+
+/* Count of experts with pairs in tokens [t0, t1), for choosing the tile before staging. */
+static int active_experts(const moed_route *rt, int64_t t0, int64_t t1, int E)
+{
+    static _Thread_local uint8_t seen[4096];
+    int n = 0;
+    memset(seen, 0, (size_t)E);
+    for (int64_t j = rt->off[t0]; j < rt->off[t1]; j++)
+        if (!seen[rt->expert[j]]) {
+            seen[rt->expert[j]] = 1;
+            n++;
+        }
+    return n;
+}
+
+/* The slot's graph for this key, captured on first use (evicting the least recently used); NULL if
+ * capture fails, and the caller launches directly. */
+static cudaGraphExec_t graph_for(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const graph_key *k)
+{
+    graph_entry *victim = &x->graphs[0];
+    for (int i = 0; i < GRAPH_CACHE; i++) {
+        graph_entry *g = &x->graphs[i];
+        if (g->exec && !memcmp(&g->key, k, sizeof *k)) {
+            g->used = ++x->graph_clock;
+            return g->exec;
+        }
+        if (g->used < victim->used) victim = g;
+    }
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    if (cudaStreamBeginCapture(x->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
+        goto fail;
+    const int rc = moed_cuda_pipeline(&L->k, &x->r, &x->w, k->x, k->dtype, k->out,
+                                      c->sm[cuda_dev_index(c, x->device)], k->n_active,
+                                      c->force_kernel, x->stream, NULL);
+    if (cudaStreamEndCapture(x->stream, &graph) != cudaSuccess || rc) goto fail;
+    if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) goto fail;
+    cudaGraphDestroy(graph);
+    if (victim->exec) cudaGraphExecDestroy(victim->exec);
+    victim->key = *k;
+    victim->exec = exec;
+    victim->used = ++x->graph_clock;
+    return exec;
+fail:
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError(); /* capture errors are not sticky: clear them and launch directly */
+    return NULL;
+}
+
+/* What a batch reads and writes on the device, decided once for all its chunks. */
+typedef struct batch_io {
+    size_t rb;            /* bytes of one row of x and y */
+    const void *x_direct; /* the lone part's input on this device, read in place; or NULL */
+    void *y_direct;       /* the lone part's output on this device, written in place; or NULL */
+} batch_io;
+
+/* Computes tokens [t0, t1) (chunk number `chunk`), whose rows are in (or, direct, need not be
+ * copied to) x_in from row t0 on, and queues their outputs' copies. */
+static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_job *job,
+                     const batch_io *io, int chunk, int64_t t0, int64_t t1)
+{
+    const moed_route *rt = job->route;
+    const int E = L->info.n_experts;
+    const int64_t T = t1 - t0, P = rt->off[t1] - rt->off[t0];
+    const int n_act = active_experts(rt, t0, t1, E);
+    const int sm = c->sm[cuda_dev_index(c, x->device)];
+    stage_route(x, chunk & 1, rt, t0, t1, E,
+                moed_cuda_tile_bm(sm, P, n_act, L->k.wdtype, c->force_kernel), NULL);
+    const void *xin = io->x_direct ? io->x_direct : (char *)x->x_in + (size_t)t0 * io->rb;
+    void *out = io->y_direct ? io->y_direct : (char *)x->out + (size_t)t0 * io->rb;
+    int rc = 0;
+    cudaGraphExec_t graph = NULL;
+    if (P <= GRAPH_MAX_PAIRS && !io->x_direct && !io->y_direct) {
+        graph_key k;
+        memset(&k, 0, sizeof k); /* compared with memcmp: no stray padding bytes */
+        k.slot = job->slot;
+        k.dtype = job->dtype;
+        k.n_active = n_act;
+        k.T = T;
+        k.P = P;
+        k.x = xin;
+        k.out = out;
+        graph = graph_for(c, x, L, &k);
+    }
+    if (graph)
+        rc = cudaGraphLaunch(graph, x->stream) == cudaSuccess ? 0 : MOED_EDEVICE;
+    else
+        rc = moed_cuda_pipeline(&L->k, &x->r, &x->w, xin, job->dtype, out, sm, n_act,
+                                c->force_kernel, x->stream, NULL);
+    if (!io->y_direct) parts_copy(x, job, t0, t1, out, io->rb, false, x->stream);
+    return rc;
+}
+
+/* Part i of split layer L for home slot x, chunk `chunk`: after x's inputs are ready, copies x's
+ * rows xin (xb bytes) over, runs the part's pairs (its route in q->sub) and brings their rows, in
+ * its pair order, into x's Y from row `base` on; records q->done. */
+static int run_part(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, int i, int chunk, int dtype,
+                    const void *xin, size_t xb, int64_t base)
+{
+    const cuda_part *pt = &L->parts[i];
+    cuda_exec *q = &x->parts[pt->entry];
+    const int64_t T = q->sub.T, P = q->sub.off[T];
+    const int sm = c->sm[pt->entry], n_act = active_experts(&q->sub, 0, T, pt->k.E);
+    const bool direct = c->direct[pt->entry][cuda_dev_index(c, x->device)];
+    cudaSetDevice(q->device);
+    cudaStreamWaitEvent(q->stream, x->ready, 0);
+    copy_async(q->x_in, q->device, xin, x->device, xb, q->stream);
+    stage_route(q, chunk & 1, &q->sub, 0, T, pt->k.E,
+                moed_cuda_tile_bm(sm, P, n_act, pt->k.wdtype, c->force_kernel), NULL);
+    int rc = P ? moed_cuda_pipeline_routed(&pt->k, &q->r, &q->w, q->x_in, dtype, sm, n_act,
+                                           c->force_kernel, q->stream)
+               : 0;
+    char *dst = (char *)x->w.y + moed_cuda_cbytes(base * L->k.d_pad);
+    if (!rc)
+        rc = moed_cuda_gather_rows(direct ? dst : q->landing, q->w.y, q->r.pair_slot, (int)P,
+                                   L->k.d_pad, q->stream);
+    if (!rc && !direct)
+        copy_async(dst, x->device, q->landing, q->device, moed_cuda_cbytes(P * L->k.d_pad),
+                   q->stream);
+    cudaEventRecord(q->done, q->stream);
+    return rc;
+}
+
+/* Tokens [t0, t1) of a job on split layer L (moed_cuda.h: the pipeline in two pieces), their rows
+ * in as for run_chunk: the home slot x uploads the whole route with each pair's row among the
+ * parts' blocks, the parts run their pairs, x runs the shared experts meanwhile, then waits for
+ * the parts, combines, and queues the outputs' copies. */
+static int run_split_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_job *job,
+                           const batch_io *io, int chunk, int64_t t0, int64_t t1)
+{
+    const moed_route *rt = job->route;
+    const int n = L->place.n_parts, sm = c->sm[cuda_dev_index(c, x->device)];
+    const int64_t T = t1 - t0;
+    const void *xin = io->x_direct ? io->x_direct : (char *)x->x_in + (size_t)t0 * io->rb;
+    void *out = io->y_direct ? io->y_direct : (char *)x->out + (size_t)t0 * io->rb;
+    moed_route sub[MAX_DEVICES];
+    for (int i = 0; i < n; i++) sub[i] = x->parts[L->parts[i].entry].sub;
+    moed_route_split(rt, t0, t1, L->part_of, L->part_first, n, sub, x->pos);
+    for (int i = 0; i < n; i++) x->parts[L->parts[i].entry].sub.T = sub[i].T;
+    stage_route(x, chunk & 1, rt, t0, t1, L->info.n_experts, 16, x->pos);
+    cudaEventRecord(x->ready, x->stream);
+    int rc = 0;
+    for (int i = 0, base = 0; i < n && !rc; base += (int)sub[i++].off[T])
+        rc = run_part(c, x, L, i, chunk, job->dtype, xin, (size_t)T * io->rb, base);
+    cudaSetDevice(x->device);
+    if (!rc)
+        rc = moed_cuda_pipeline_shared(&L->k, T, &x->w, xin, job->dtype, sm, c->force_kernel,
+                                       x->stream);
+    for (int i = 0; i < n; i++) cudaStreamWaitEvent(x->stream, x->parts[L->parts[i].entry].done, 0);
+    if (!rc)
+        rc = moed_cuda_combine(&x->r, x->w.y, L->k.s13 ? x->w.ys : NULL, L->k.cdtype,
+                               L->info.d_model, L->k.d_pad, out, job->dtype, x->stream);
+    if (!io->y_direct) parts_copy(x, job, t0, t1, out, io->rb, false, x->stream);
+    return rc;
+}
+
+static int finish(cuda_exec *x, int rc, const char *what, moed_error *err)
+{
+    cudaError_t e = cudaStreamSynchronize(x->stream);
+    if (e == cudaSuccess) e = cudaGetLastError();
+    if (e != cudaSuccess) return cuda_fail(err, e, what);
+    if (rc)
+        return moed_fail(err, rc, "%s: a kernel launch was refused (%s)", what, moed_strerror(rc));
+    return 0;
+}
+
+/* The slot and layer of a call, checked. */
+static int check_call(cuda_ctx *c, int exec, const moed_job *job, moed_error *err)
+{
+    if (exec < 0 || exec >= c->n_exec || job->slot < 0 || job->slot >= c->n_layers)
+        return moed_fail(err, MOED_EINVAL, "no execution slot %d or layer slot %d", exec,
+                         job->slot);
+    const cuda_layer *L = &c->layers[job->slot];
+    if (L->device != c->execs[exec].device)
+        return moed_fail(err, MOED_EINVAL, "layer slot %d lives on GPU %d, not on slot %d's GPU %d",
+                         job->slot, L->device, exec, c->execs[exec].device);
+    if (job->T > c->max_tokens)
+        return moed_fail(err, MOED_ETOOBIG,
+                         "%lld tokens is over the %lld the workspace was sized for",
+                         (long long)job->T, (long long)c->max_tokens);
+    return 0;
+}
+
+/* The end of the chunk that starts at token t0: as many tokens as the workspace's pairs hold. */
+static int chunk_end(const cuda_ctx *c, const moed_route *rt, int64_t T, int64_t t0, int64_t *t1,
+                     moed_error *err)
+{
+    int64_t e = t0 + 1;
+    while (e < T && rt->off[e + 1] - rt->off[t0] <= c->max_pairs) e++;
+    *t1 = e;
+    if (rt->off[e] - rt->off[t0] <= c->max_pairs) return 0;
+    return moed_fail(err, MOED_ETOOBIG, "token %lld has %lld pairs, over the workspace's %lld",
+                     (long long)t0, (long long)(rt->off[e] - rt->off[t0]), (long long)c->max_pairs);
+}
+
+int cuda_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err)
+{
+    cuda_ctx *c = b->ctx;
+    int rc = check_call(c, exec, job, err);
+    if (rc) return rc;
+    cuda_exec *x = &c->execs[exec];
+    const cuda_layer *L = &c->layers[job->slot];
+    const moed_route *rt = job->route;
+    cudaSetDevice(x->device);
+    const bool one_chunk = rt->off[job->T] <= c->max_pairs;
+    /* In place only where no graph is replayed: a graph's buffers are the slot's own. */
+    const bool in_place = one_chunk && rt->off[job->T] > GRAPH_MAX_PAIRS;
+    const batch_io io = { .rb = (size_t)L->info.d_model * moed_dtype_size(job->dtype),
+                          .x_direct = in_place ? lone_x(x, job) : NULL,
+                          .y_direct = in_place ? lone_y(x, job) : NULL };
+    int64_t t1;
+    if ((rc = chunk_end(c, rt, job->T, 0, &t1, err))) return rc;
+    if (!io.x_direct) parts_copy(x, job, 0, t1, x->x_in, io.rb, true, x->stream);
+    int too_big = 0;
+    for (int64_t t0 = 0, chunk = 0; t0 < job->T && !rc; chunk++) {
+        int64_t t2 = t1;
+        if (t1 < job->T && (too_big = chunk_end(c, rt, job->T, t1, &t2, err))) break;
+        if (t1 < job->T) { /* the next chunk's rows come in while this one computes */
+            parts_copy(x, job, t1, t2, (char *)x->x_in + (size_t)t1 * io.rb, io.rb, true, x->copy);
+            cudaEventRecord(x->copied, x->copy);
+        }
+        rc = L->parts ? run_split_chunk(c, x, L, job, &io, (int)chunk, t0, t1)
+                      : run_chunk(c, x, L, job, &io, (int)chunk, t0, t1);
+        if (t1 < job->T) cudaStreamWaitEvent(x->stream, x->copied, 0);
+        t0 = t1;
+        t1 = t2;
+    }
+    if (too_big) {
+        cudaStreamSynchronize(x->copy);
+        cudaStreamSynchronize(x->stream);
+        return too_big;
+    }
+    return finish(x, rc, "forward", err);
+}
+
+int cuda_router_logits(moed_backend *b, int exec, const moed_job *job, float *logits,
+                       moed_error *err)
+{
+    cuda_ctx *c = b->ctx;
+    int rc = check_call(c, exec, job, err);
+    if (rc) return rc;
+    cuda_exec *x = &c->execs[exec];
+    const cuda_layer *L = &c->layers[job->slot];
+    if (!L->router)
+        return moed_fail(err, MOED_EINVAL, "layer %d has no router weights", L->info.index);
+    const int d = L->info.d_model, E = moed_layer_router_experts(&L->info);
+    const int64_t T = job->T;
+    cudaSetDevice(x->device);
+    const void *xin = lone_x(x, job);
+    if (!xin) {
+        parts_copy(x, job, 0, T, x->x_in, (size_t)d * moed_dtype_size(job->dtype), true, x->stream);
+        xin = x->x_in;
+    }
+    rc = moed_cuda_router_logits(xin, job->dtype, T, d, L->router, L->router_dtype, E, x->logits,
+                                 x->stream);
+    if (!rc)
+        cudaMemcpyAsync(logits, x->logits, (size_t)T * E * sizeof(float), cudaMemcpyDeviceToHost,
+                        x->stream);
+    const int done = finish(x, rc, "router logits", err);
+    if (!done) moed_router_round_logits(&L->info, job->dtype, logits, (size_t)T * E);
+    return done;
+}

@@ -1,0 +1,369 @@
+/*
+ * cuda_weights — a layer's weights onto the devices (the backend's load_layer), and their release.
+ *
+ * Weights are converted once at load into the layout the kernels want: the compute type (bf16, or
+ * f16 for f16 checkpoints), d and d_ff padded to MOED_CUDA_PAD with zeros, and for SwiGLU W1|W3
+ * fused into one interleaved matrix (moed_cuda.h says why). FP8 layers keep the checkpoint's e4m3
+ * codes and their scales in the kernels' tables. The router stays as the checkpoint stores it:
+ * router.cu computes logits from it and the request's hidden as they are, and the logits then
+ * follow the layer's rounding rule (moed_router_round_logits), as on the CPU.
+ *
+ * Placement (moed_place.h): whole layers by bytes over the devices; a layer split over them when
+ * asked (expert_parallel) or when it fits no device whole. A split layer's home device holds its
+ * router and shared experts, each part's device its range of the routed experts, seen by the
+ * kernels as a layer of its own (cuda_part.k). A layer that fails to load leaves nothing placed.
+ */
+#include "cuda_ctx.h"
+
+#include "moed_dtype.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int pad_to(int v)
+{
+    return (v + MOED_CUDA_PAD - 1) / MOED_CUDA_PAD * MOED_CUDA_PAD;
+}
+
+/* Copies rows [r0, r0+n) of a [rows, cols] matrix of dtype src into dst (ld dst_ld, compute type),
+ * converting; the caller zeroed the padding. */
+static void put_rows(void *dst, int dst_ld, int cdtype, const void *src, int sdtype, int cols,
+                     int64_t r0, int64_t n, float *tmp)
+{
+    const size_t ss = moed_dtype_size(sdtype);
+    for (int64_t i = 0; i < n; i++) {
+        const char *s = (const char *)src + (size_t)(r0 + i) * cols * ss;
+        char *d = (char *)dst + moed_cuda_cbytes((int64_t)i * dst_ld);
+        if (sdtype == cdtype) {
+            memcpy(d, s, (size_t)cols * ss);
+        } else {
+            moed_to_f32(sdtype, s, tmp, (size_t)cols);
+            moed_from_f32(cdtype, tmp, d, (size_t)cols);
+        }
+    }
+}
+
+/* One expert's up matrix as the kernels read it: W13 interleaved in MOED_CUDA_GLU_BLOCK row blocks
+ * (gate block j, then up block j) for SwiGLU, else W1; [n_up, d_pad] in the compute type. */
+static void pack_up(void *dst, const cuda_layer *L, const void *w1, const void *w3, int ff,
+                    int n_up, float *tmp)
+{
+    const int d = L->info.d_model, wd = L->info.wdtype;
+    memset(dst, 0, moed_cuda_cbytes((int64_t)n_up * L->k.d_pad));
+    if (!w3) {
+        put_rows(dst, L->k.d_pad, L->k.cdtype, w1, wd, d, 0, ff, tmp);
+        return;
+    }
+    for (int r0 = 0; r0 < ff; r0 += MOED_CUDA_GLU_BLOCK) {
+        const int n = ff - r0 < MOED_CUDA_GLU_BLOCK ? ff - r0 : MOED_CUDA_GLU_BLOCK;
+        char *blk = (char *)dst + moed_cuda_cbytes((int64_t)(2 * r0) * L->k.d_pad);
+        put_rows(blk, L->k.d_pad, L->k.cdtype, w1, wd, d, r0, n, tmp);
+        put_rows(blk + moed_cuda_cbytes((int64_t)MOED_CUDA_GLU_BLOCK * L->k.d_pad), L->k.d_pad,
+                 L->k.cdtype, w3, wd, d, r0, n, tmp);
+    }
+}
+
+/* W2 [d, ff] → [d_pad, ff_pad] in the compute type. */
+static void pack_down(void *dst, const cuda_layer *L, const void *w2, int ff, int ff_pad,
+                      float *tmp)
+{
+    memset(dst, 0, moed_cuda_cbytes((int64_t)L->k.d_pad * ff_pad));
+    put_rows(dst, ff_pad, L->k.cdtype, w2, L->info.wdtype, ff, 0, L->info.d_model, tmp);
+}
+
+static int upload(void *dev, const void *host, size_t bytes, moed_error *err)
+{
+    cudaError_t e = cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice);
+    return e == cudaSuccess ? 0 : cuda_fail(err, e, "weight upload");
+}
+
+/* Bytes of n resident weights: e4m3 for FP8 layers, else the compute type. */
+static size_t wbytes(const cuda_layer *L, int64_t n)
+{
+    return L->k.wdtype == MOED_FP8 ? (size_t)n : moed_cuda_cbytes(n);
+}
+
+/* Floats of an FP8 [rows, k] matrix's scales in the kernels' tables (0 for other layers). */
+static size_t wscales(const cuda_layer *L, int64_t rows, int64_t k)
+{
+    if (L->k.wdtype != MOED_FP8) return 0;
+    return (size_t)(k / MOED_CUDA_FP8_K) * (size_t)(rows / MOED_CUDA_FP8_SROWS);
+}
+
+/* Expert e's up and down matrices into set ds: converted to the compute type, or (FP8) the e4m3
+ * codes as they are with their scales, whose per-expert tables [K/128][N/32] become columns of
+ * the set's [K/128][E·N/32] table. stage is pinned staging for the largest matrix and its
+ * scales; tmp a row of floats. */
+static int upload_expert(const cuda_layer *L, const dev_set *ds, int e, const moed_expert_w *x,
+                         void *stage, float *tmp, moed_error *err)
+{
+    const int glu = L->k.act == MOED_ACT_SWIGLU, dp = L->k.d_pad;
+    const size_t up_b = wbytes(L, (int64_t)ds->n_up * dp),
+                 dn_b = wbytes(L, (int64_t)dp * ds->ff_pad);
+    if (L->k.wdtype != MOED_FP8) {
+        pack_up(stage, L, x->w1, glu ? x->w3 : NULL, ds->ff, ds->n_up, tmp);
+        int rc = upload((char *)ds->w13 + up_b * e, stage, up_b, err);
+        if (rc) return rc;
+        pack_down(stage, L, x->w2, ds->ff, ds->ff_pad, tmp);
+        return upload((char *)ds->w2 + dn_b * e, stage, dn_b, err);
+    }
+    float *sc = (float *)((char *)stage + (up_b > dn_b ? up_b : dn_b));
+    const int g_up = ds->n_up / MOED_CUDA_FP8_SROWS, g_dn = dp / MOED_CUDA_FP8_SROWS;
+    cudaError_t ce;
+    moed_cuda_fp8_pack_up(stage, sc, x, glu, L->k.d, ds->ff, dp, ds->n_up);
+    int rc = upload((char *)ds->w13 + up_b * e, stage, up_b, err);
+    if (rc) return rc;
+    ce = cudaMemcpy2D(ds->w13_scale + (size_t)g_up * e, sizeof(float) * g_up * ds->E, sc,
+                      sizeof(float) * g_up, sizeof(float) * g_up, dp / MOED_CUDA_FP8_K,
+                      cudaMemcpyHostToDevice);
+    if (ce != cudaSuccess) return cuda_fail(err, ce, "weight scale upload");
+    moed_cuda_fp8_pack_down(stage, sc, x, L->k.d, ds->ff, dp, ds->ff_pad);
+    if ((rc = upload((char *)ds->w2 + dn_b * e, stage, dn_b, err))) return rc;
+    ce = cudaMemcpy2D(ds->w2_scale + (size_t)g_dn * e, sizeof(float) * g_dn * ds->E, sc,
+                      sizeof(float) * g_dn, sizeof(float) * g_dn, ds->ff_pad / MOED_CUDA_FP8_K,
+                      cudaMemcpyHostToDevice);
+    return ce == cudaSuccess ? 0 : cuda_fail(err, ce, "weight scale upload");
+}
+
+/* Allocates set ds on the device and uploads its experts x[0 .. E-1]. */
+static int upload_set(const cuda_layer *L, dev_set *ds, const moed_expert_w *x, void *stage,
+                      float *tmp, moed_error *err)
+{
+    const int dp = L->k.d_pad;
+    cudaError_t ce = cudaMalloc(&ds->w13, wbytes(L, (int64_t)ds->n_up * dp) * ds->E);
+    if (ce == cudaSuccess) ce = cudaMalloc(&ds->w2, wbytes(L, (int64_t)dp * ds->ff_pad) * ds->E);
+    if (ce == cudaSuccess && L->k.wdtype == MOED_FP8) {
+        ce = cudaMalloc((void **)&ds->w13_scale,
+                        sizeof(float) * wscales(L, (int64_t)ds->n_up * ds->E, dp));
+        if (ce == cudaSuccess)
+            ce = cudaMalloc((void **)&ds->w2_scale,
+                            sizeof(float) * wscales(L, (int64_t)dp * ds->E, ds->ff_pad));
+    }
+    if (ce != cudaSuccess) return cuda_fail(err, ce, "weight allocation");
+    for (int e = 0; e < ds->E; e++) {
+        int rc = upload_expert(L, ds, e, &x[e], stage, tmp, err);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* Bytes of a layer's router as held on the device (as stored), 0 without one. */
+static size_t router_bytes(const cuda_layer *L, const moed_layer *l)
+{
+    if (!L->info.has_router || !l->router) return 0;
+    return (size_t)moed_layer_router_experts(&L->info) * L->info.d_model *
+           moed_dtype_size(L->router_dtype);
+}
+
+/* What the planner weighs (moed_place.h): device bytes of one routed expert with its scales, and
+ * of the rest (shared experts, router). */
+static moed_place_need layer_need(const cuda_layer *L, const moed_layer *l, bool split)
+{
+    const int64_t dp = L->k.d_pad;
+    const int64_t up = (int64_t)L->k.n_up * dp, dn = dp * L->k.ff_pad;
+    const int64_t sup = (int64_t)L->k.sn_up * dp, sdn = dp * L->k.sff_pad;
+    moed_place_need n = { .n_experts = L->info.n_experts, .split = split };
+    n.expert = wbytes(L, up + dn) +
+               sizeof(float) * (wscales(L, L->k.n_up, dp) + wscales(L, dp, L->k.ff_pad));
+    n.base = wbytes(L, sup + sdn) +
+             sizeof(float) * (wscales(L, L->k.sn_up, dp) + wscales(L, dp, L->k.sff_pad)) +
+             router_bytes(L, l);
+    return n;
+}
+
+int cuda_check_free(int device, uint64_t need, const char *what, moed_error *err)
+{
+    size_t free_b = 0, total_b = 0;
+    cudaSetDevice(device);
+    cudaError_t e = cudaMemGetInfo(&free_b, &total_b);
+    if (e != cudaSuccess) return cuda_fail(err, e, "cudaMemGetInfo");
+    if (need > free_b)
+        return moed_fail(
+            err, MOED_ENOMEM,
+            "%s needs %.2f GiB on GPU %d, but only %.2f GiB of %.2f GiB are free; serve fewer "
+            "layers (--layers), lower --max-batch-tokens or --streams, or add GPUs",
+            what, need / 1073741824.0, device, free_b / 1073741824.0, total_b / 1073741824.0);
+    return 0;
+}
+
+static void set_free(dev_set *ds)
+{
+    void *p[] = { ds->w13, ds->w2, ds->w13_scale, ds->w2_scale };
+    for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) cudaFree(p[i]);
+}
+
+/* Frees a layer's device memory (what of it was allocated). */
+void cuda_layer_free(cuda_layer *L)
+{
+    for (int i = 0; L->parts && i < L->place.n_parts; i++) {
+        cudaSetDevice(L->parts[i].device);
+        set_free(&L->parts[i].set);
+    }
+    cudaSetDevice(L->device);
+    void *p[] = { L->w13,      L->w2,        L->s13,      L->s2,    L->w13_scale,
+                  L->w2_scale, L->s13_scale, L->s2_scale, L->router };
+    for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) cudaFree(p[i]);
+    free(L->parts);
+    free(L->part_of);
+}
+
+/* The layer's shapes as the kernels see them (no weights yet). */
+static void layer_shapes(cuda_layer *L, const moed_layer *l)
+{
+    const moed_layer_info *li = &l->info;
+    const int glu = li->act == MOED_ACT_SWIGLU;
+    L->info = *li;
+    L->k.cdtype = li->wdtype == MOED_F16 ? MOED_F16 : MOED_BF16;
+    L->k.wdtype = li->wdtype == MOED_FP8 ? MOED_FP8 : L->k.cdtype;
+    L->k.act = li->act;
+    L->k.d = li->d_model;
+    L->k.E = li->n_experts;
+    L->k.d_pad = pad_to(li->d_model);
+    L->k.ff_pad = pad_to(li->d_ff);
+    L->k.n_up = glu ? 2 * L->k.ff_pad : L->k.ff_pad;
+    L->k.sff_pad = li->shared_d_ff ? pad_to(li->shared_d_ff) : 0;
+    L->k.sn_up = glu ? 2 * L->k.sff_pad : L->k.sff_pad;
+    L->router_dtype = moed_layer_router_dtype(l);
+}
+
+/* Pinned staging for the largest matrix and (FP8) its scales, and a row of floats for converting:
+ * uploads go through them. */
+static int staging(const cuda_layer *L, void **stage, float **tmp, moed_error *err)
+{
+    const moed_layer_info *li = &L->info;
+    const int dp = L->k.d_pad;
+    const int64_t rows[4] = { L->k.n_up, dp, L->k.sn_up, dp },
+                  ks[4] = { dp, L->k.ff_pad, dp, L->k.sff_pad };
+    size_t stage_b = 0;
+    for (int i = 0; i < 4; i++) {
+        const size_t need = wbytes(L, rows[i] * ks[i]) + sizeof(float) * wscales(L, rows[i], ks[i]);
+        if (need > stage_b) stage_b = need;
+    }
+    int widest = li->d_model > li->d_ff ? li->d_model : li->d_ff; /* put_rows: rows of d or ff */
+    if (li->shared_d_ff > widest) widest = li->shared_d_ff;
+    *tmp = malloc(sizeof(float) * (size_t)widest);
+    if (!*tmp) return moed_fail(err, MOED_ENOMEM, "out of host memory");
+    const cudaError_t e = cudaHostAlloc(stage, stage_b, cudaHostAllocPortable);
+    return e == cudaSuccess ? 0 : cuda_fail(err, e, "pinned staging for weights");
+}
+
+/* The routed experts, whole on the home GPU: into L->k. */
+static int upload_whole(cuda_layer *L, const moed_layer *l, void *stage, float *tmp,
+                        moed_error *err)
+{
+    dev_set routed = {
+        .E = L->info.n_experts, .ff = L->info.d_ff, .ff_pad = L->k.ff_pad, .n_up = L->k.n_up
+    };
+    cudaSetDevice(L->device);
+    const int rc = upload_set(L, &routed, l->experts, stage, tmp, err);
+    L->k.w13 = L->w13 = routed.w13;
+    L->k.w2 = L->w2 = routed.w2;
+    L->k.w13_scale = L->w13_scale = routed.w13_scale;
+    L->k.w2_scale = L->w2_scale = routed.w2_scale;
+    return rc;
+}
+
+/* The routed experts split: each part's range onto its device, with its view of them. */
+static int upload_parts(cuda_ctx *c, cuda_layer *L, const moed_layer *l, void *stage, float *tmp,
+                        moed_error *err)
+{
+    const moed_layer_place *pl = &L->place;
+    L->parts = calloc((size_t)pl->n_parts, sizeof *L->parts);
+    L->part_of = malloc((size_t)L->info.n_experts);
+    if (!L->parts || !L->part_of) return moed_fail(err, MOED_ENOMEM, "out of host memory");
+    for (int i = 0; i < pl->n_parts; i++) {
+        const moed_place_part *pp = &pl->part[i];
+        cuda_part *P = &L->parts[i];
+        memset(L->part_of + pp->first, i, (size_t)pp->count);
+        L->part_first[i] = pp->first;
+        P->entry = pp->dev;
+        P->device = c->dev[pp->dev];
+        P->set = (dev_set){
+            .E = pp->count, .ff = L->info.d_ff, .ff_pad = L->k.ff_pad, .n_up = L->k.n_up
+        };
+        cudaSetDevice(P->device);
+        const int rc = upload_set(L, &P->set, l->experts + pp->first, stage, tmp, err);
+        if (rc) return rc;
+        P->k = L->k;
+        P->k.E = pp->count;
+        P->k.w13 = P->set.w13;
+        P->k.w2 = P->set.w2;
+        P->k.w13_scale = P->set.w13_scale;
+        P->k.w2_scale = P->set.w2_scale;
+        P->k.sff_pad = P->k.sn_up = 0;
+        P->k.s13 = P->k.s2 = NULL;
+        P->k.s13_scale = P->k.s2_scale = NULL;
+    }
+    return 0;
+}
+
+/* The shared experts and the router, on the home GPU. */
+static int upload_home(cuda_layer *L, const moed_layer *l, void *stage, float *tmp, moed_error *err)
+{
+    int rc = 0;
+    cudaSetDevice(L->device);
+    if (L->k.sff_pad) {
+        dev_set shared = {
+            .E = 1, .ff = L->info.shared_d_ff, .ff_pad = L->k.sff_pad, .n_up = L->k.sn_up
+        };
+        rc = upload_set(L, &shared, &l->shared, stage, tmp, err);
+        L->k.s13 = L->s13 = shared.w13;
+        L->k.s2 = L->s2 = shared.w2;
+        L->k.s13_scale = L->s13_scale = shared.w13_scale;
+        L->k.s2_scale = L->s2_scale = shared.w2_scale;
+        if (rc) return rc;
+    }
+    if (router_bytes(L, l)) {
+        CU(cudaMalloc(&L->router, router_bytes(L, l)), "router allocation");
+        rc = upload(L->router, l->router, router_bytes(L, l), err);
+    }
+err:
+    return rc;
+}
+
+int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_error *err)
+{
+    cuda_ctx *c = b->ctx;
+    const moed_layer_info *li = &l->info;
+    float *tmp = NULL;
+    void *stage = NULL;
+    if (slot != c->n_layers)
+        return moed_fail(err, MOED_EINVAL, "layers must be loaded in slot order");
+    if (li->n_experts > 4096)
+        return moed_fail(err, MOED_EUNSUPPORTED,
+                         "layer %d has %d experts; the CUDA backend handles up to 4096", li->index,
+                         li->n_experts);
+    cuda_layer *grown = realloc(c->layers, sizeof *grown * (size_t)(slot + 1));
+    if (!grown) return moed_fail(err, MOED_ENOMEM, "out of host memory");
+    c->layers = grown;
+    cuda_layer *L = &c->layers[slot];
+    memset(L, 0, sizeof *L);
+    layer_shapes(L, l);
+    const moed_place_need need = layer_need(L, l, c->cfg.expert_parallel);
+    moed_place_dev before[MAX_DEVICES];
+    memcpy(before, c->place, sizeof before);
+    int rc = moed_place_layer(c->place, c->n_dev, &need, &L->place, err);
+    if (rc) return rc;
+    L->device = c->dev[L->place.home];
+    if (!moed_place_is_split(&L->place)) {
+        char what[64];
+        snprintf(what, sizeof what, "layer %d's weights", li->index);
+        rc = cuda_check_free(L->device, need.base + need.expert * (uint64_t)li->n_experts, what,
+                             err);
+    }
+    if (!rc) rc = staging(L, &stage, &tmp, err);
+    if (!rc)
+        rc = moed_place_is_split(&L->place) ? upload_parts(c, L, l, stage, tmp, err)
+                                            : upload_whole(L, l, stage, tmp, err);
+    if (!rc) rc = upload_home(L, l, stage, tmp, err);
+    if (stage) cudaFreeHost(stage);
+    free(tmp);
+    if (rc) {
+        cuda_layer_free(L);
+        memcpy(c->place, before, sizeof before); /* nothing of it stays placed */
+        return rc;
+    }
+    c->n_layers++;
+    return 0;
+}
