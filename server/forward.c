@@ -332,7 +332,7 @@ static bool stream_accept(stream_call *s, grpc_byte_buffer *payload)
         rc = moed_fail(&e->err, MOED_EDRAINING,
                        "the server is draining (shutting down); open a new stream to another "
                        "server");
-    else if (!(rc = rpc_inflate(r, &e->payload, &e->err)))
+    else if (!(rc = rpc_inflate(&s->base, &e->payload, &e->err)))
         rc = prepare(&s->base, e->payload, &e->msg, &e->work, &e->err);
     moed_sched_item *it = &e->work.item;
     it->t_received_ns = t_received; /* after prepare, which clears the item */

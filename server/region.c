@@ -320,11 +320,16 @@ int moed_regions_register_host(moed_regions *r, moed_region_session *s, const ch
                          "register_host.name must be \"/\" then 1 to %d of A-Z a-z 0-9 . _ - "
                          "(no other \"/\", not \".\" and no \"..\"), e.g. /moed-1234-0",
                          MOED_REGION_NAME_MAX - 1);
-    if (bytes < MOED_REGION_CHALLENGE || bytes > SIZE_MAX / 2)
+    if (bytes < MOED_REGION_CHALLENGE)
         return moed_fail(err, MOED_EINVAL,
                          "register_host.bytes = %llu: a host region holds at least %d bytes (the "
                          "challenge)",
                          (unsigned long long)bytes, MOED_REGION_CHALLENGE);
+    if (bytes > SIZE_MAX / 2)
+        return moed_fail(err, MOED_EINVAL,
+                         "register_host.bytes = %llu is more than this server can map (at most "
+                         "%zu): give the object's size",
+                         (unsigned long long)bytes, SIZE_MAX / 2);
     moed_region *g = calloc(1, sizeof *g);
     if (!g) return moed_fail(err, MOED_ENOMEM, "no memory for a region");
     g->kind = MOED_REGION_HOST;

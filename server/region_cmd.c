@@ -1,13 +1,15 @@
 /*
  * moed_region_cmd — RegionCommand in, RegionEvent out (region_cmd.h).
  *
- * protobuf-c unpacks the command (it is small; no tensor bytes travel here), every field it holds
- * is checked by the registry, and whatever goes wrong becomes the event's code and message: a
- * command never ends its stream.
+ * protobuf-c unpacks the command (it is small; no tensor bytes travel here), after
+ * moed_wire_unpack_bytes dropped the unknown groups protobuf-c cannot skip; every field it holds is
+ * checked by the registry, and whatever goes wrong becomes the event's code and message: a command
+ * never ends its stream. One that does not parse is answered with the seq it carried, if any.
  */
 #include "region_cmd.h"
 
 #include "log.h"
+#include "wire.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -71,11 +73,12 @@ uint8_t *moed_region_command(moed_regions *r, moed_region_session *s, const uint
     if (n > MOED_REGION_CMD_MAX)
         rc = moed_fail(&err, MOED_ETOOBIG, "a RegionCommand is at most %d bytes; this one is %zu",
                        MOED_REGION_CMD_MAX, n);
-    else if (!(cmd = moed__v1__region_command__unpack(NULL, n, buf)))
-        rc = moed_fail(&err, MOED_EFORMAT, "the RegionCommand does not parse");
-    else
+    else if (!(rc = moed_wire_unpack_bytes(&moed__v1__region_command__descriptor, buf, n,
+                                           (ProtobufCMessage **)&cmd, &err)))
         rc = run(r, s, cmd, &info, challenge, &has_challenge, &err);
-    ev.seq = cmd ? cmd->seq : 0;
+    /* One that does not parse still names its seq when it got that far: the caller can tell
+     * which command failed. */
+    ev.seq = cmd ? cmd->seq : moed_wire_find_uint(buf, n, 1);
     if (info.id) {
         moed_region_to_proto(&info, &region);
         ev.region = &region;

@@ -149,9 +149,14 @@ static void on_recv(rpc_tag *t, bool ok)
     rc->recv_bb = NULL;
     rc->reading = false;
     int status = 0;
-    grpc_byte_buffer *out = ok && bb && !rc->done ? answer(rc, bb, &status) : NULL;
+    moed_error err;
+    const bool unread = ok && bb && !rc->done && rpc_inflate(&rc->base, &bb, &err);
+    grpc_byte_buffer *out = ok && bb && !rc->done && !unread ? answer(rc, bb, &status) : NULL;
     if (!ok || !bb) {
         finish(rc, GRPC_STATUS_OK, ""); /* the client closed its side: the lease ends */
+    } else if (unread) {
+        rpc_count(&rc->base, moed_err_grpc_status(err.code), 0, NULL, NULL);
+        finish(rc, moed_err_grpc_status(err.code), err.msg);
     } else if (!rc->done) {
         rpc_count(&rc->base, out ? status : GRPC_STATUS_RESOURCE_EXHAUSTED, 0, NULL, NULL);
         event *e = out ? calloc(1, sizeof *e) : NULL;

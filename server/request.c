@@ -370,7 +370,7 @@ static int resolve_gating(const moed_wire_gating *g, moed_sched_item *it, moed_e
 {
     it->gate = (moed_gate_params){
         .strategy = g->strategy,
-        .top_k = g->top_k > INT32_MAX ? INT32_MAX : (int)g->top_k,
+        .top_k = g->top_k,
         .renormalize = g->renormalize,
         .threshold = g->threshold,
     };

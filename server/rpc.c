@@ -255,10 +255,30 @@ static int inflate_slices(z_stream *z, const grpc_slice_buffer *src, grpc_slice_
                                        : "corrupt data");
 }
 
-int rpc_inflate(const moed_rpc *r, grpc_byte_buffer **bb, moed_error *err)
+/* gRPC core keeps a message's compressed flag from the application when the call's grpc-encoding
+ * is identity, absent, or a name core does not know (it reads "snappy" as identity): such a
+ * message arrives as plain bytes. Only this accessor tells the flag; libgrpc 1.51, which moed is
+ * built against, exports it with C++ linkage, hence the mangled name. Weak: a libgrpc without it
+ * leaves the flag unchecked. */
+extern uint32_t grpc_last_message_flags(grpc_call *call) __asm__(
+    "_Z37grpc_call_test_only_get_message_flagsP9grpc_call") __attribute__((weak));
+#define MESSAGE_COMPRESSED 0x80000000u /* core's GRPC_WRITE_INTERNAL_COMPRESS, not public */
+
+int rpc_inflate(rpc_call *c, grpc_byte_buffer **bb, moed_error *err)
 {
+    const moed_rpc *r = c->rpc;
     grpc_byte_buffer *in = *bb;
-    if (!in || in->data.raw.compression == GRPC_COMPRESS_NONE) return 0;
+    if (!in) return 0;
+    if (in->data.raw.compression == GRPC_COMPRESS_NONE) {
+        if (!grpc_last_message_flags || !c->call ||
+            !(grpc_last_message_flags(c->call) & MESSAGE_COMPRESSED))
+            return 0;
+        return moed_fail(err, MOED_EINTERNAL,
+                         "the message is flagged compressed, but the call's grpc-encoding names "
+                         "no compression (identity, none, or one gRPC does not know, which it "
+                         "reads as identity): send it uncompressed, or gzip or deflate where "
+                         "--accept-compression is on");
+    }
     z_stream z;
     memset(&z, 0, sizeof z);
     /* gRPC's gzip is RFC 1952 (window bits + 16), its deflate the zlib format (RFC 1950). */
@@ -353,7 +373,7 @@ static void on_payload(rpc_tag *t, bool ok)
     moed_error err;
     if (!c->payload && (!ok || grpc_call_failed_before_recv_message(c->call)))
         rpc_count(c, GRPC_STATUS_CANCELLED, c->t_received_ns, NULL, NULL);
-    else if (rpc_inflate(c->rpc, &c->payload, &err))
+    else if (rpc_inflate(c, &c->payload, &err))
         rpc_reply_error(c, &err);
     else
         start_method(c);

@@ -143,9 +143,11 @@ void rpc_live_add(rpc_call *c);
 void rpc_count(rpc_call *c, int grpc_status, uint64_t t_received_ns, grpc_byte_buffer *request,
                grpc_byte_buffer *reply);
 
-/* A compressed request (--accept-compression) inflated into a plain buffer that replaces *bb; a
- * plain one is left as it is. MOED_ETOOBIG past --max-message-bytes, MOED_EFORMAT when corrupt. */
-int rpc_inflate(const moed_rpc *r, grpc_byte_buffer **bb, moed_error *err);
+/* The message c just received: a compressed one (--accept-compression) inflated into a plain
+ * buffer that replaces *bb; a plain one is left as it is. MOED_ETOOBIG past --max-message-bytes,
+ * MOED_EFORMAT when corrupt, MOED_EINTERNAL when flagged compressed with no algorithm (gRPC's
+ * compression spec). */
+int rpc_inflate(rpc_call *c, grpc_byte_buffer **bb, moed_error *err);
 
 /* The call's deadline on moed_now_ns()'s clock, 0 for none. */
 uint64_t rpc_deadline_ns(const rpc_call *c);

@@ -68,6 +68,42 @@ static int open_fail(moed_error *err, const char *path)
     return moed_fail(err, code, "cannot open %s: %s", path, strerror(errno));
 }
 
+typedef struct json_member {
+    cJSON *item;
+    size_t at; /* its place in the object */
+} json_member;
+
+static int by_key_then_place(const void *a, const void *b)
+{
+    const json_member *x = a, *y = b;
+    int c = strcmp(x->item->string, y->item->string);
+    return c ? c : (x->at > y->at) - (x->at < y->at);
+}
+
+/* Drops every member of an object under node (node included) that a later one of the same key
+ * repeats, so that a lookup (cJSON's finds the first) sees the value Python's json, and so
+ * transformers, takes: the last. Sorted, not compared pairwise: an index's weight_map holds tens of
+ * thousands of keys. Recursion is bounded by cJSON's nesting limit. */
+static int json_last_wins(cJSON *node)
+{
+    size_t n = 0;
+    for (cJSON *c = node->child; c; c = c->next, n++) {
+        int rc = json_last_wins(c);
+        if (rc) return rc;
+    }
+    if (!cJSON_IsObject(node) || n < 2) return 0;
+    json_member *m = malloc(n * sizeof *m);
+    if (!m) return MOED_ENOMEM;
+    n = 0;
+    for (cJSON *c = node->child; c; c = c->next, n++) m[n] = (json_member){ c, n };
+    qsort(m, n, sizeof *m, by_key_then_place);
+    for (size_t i = 0; i + 1 < n; i++)
+        if (!strcmp(m[i].item->string, m[i + 1].item->string))
+            cJSON_Delete(cJSON_DetachItemViaPointer(node, m[i].item));
+    free(m);
+    return 0;
+}
+
 int moed_json_load(const char *path, cJSON **root, moed_error *err)
 {
     *root = NULL;
@@ -85,6 +121,10 @@ int moed_json_load(const char *path, cJSON **root, moed_error *err)
                        end - buf);
     } else if (!cJSON_IsObject(*root)) {
         rc = moed_fail(err, MOED_EFORMAT, "%s: the top level is not a JSON object", path);
+    } else if (json_last_wins(*root)) {
+        rc = moed_fail(err, MOED_ENOMEM, "no memory to read %s", path);
+    }
+    if (rc && *root) {
         cJSON_Delete(*root);
         *root = NULL;
     }

@@ -98,6 +98,7 @@ const char *moed_st_shape_str(const moed_st_tensor *t, char *buf, size_t n);
 
 struct cJSON;
 /* Reads and parses a small JSON file (config.json, the index) whose top level must be an object.
+ * A key an object holds twice has its last value, as Python's json reads it.
  * Errors: MOED_ENOTFOUND (no such file), MOED_EIO (unreadable, or not a regular file: a FIFO,
  * directory or device is refused without blocking), MOED_EFORMAT (not JSON, or over 64 MiB). */
 int moed_json_load(const char *path, struct cJSON **root, moed_error *err);

@@ -4,8 +4,9 @@
  *
  * FP8: a checkpoint whose config.json says block-scaled FP8 keeps its F8_E4M3 expert matrices as
  * they are and reads each one's `_scale_inv` table (converted to float32, checked: the shape its
- * matrix needs, every scale a finite number > 0); with wdtype MOED_FP8 a float checkpoint's expert
- * matrices are quantized at load by moed_fp8.h's rule into buffers the model owns.
+ * matrix needs, every scale a finite number > 0 and at most moed_fp8_scale_max); with wdtype
+ * MOED_FP8 a float checkpoint's expert matrices are quantized at load by moed_fp8.h's rule into
+ * buffers the model owns.
  *
  * With MOED_WEIGHTS_MAP a checkpoint's expert matrices are used where they lie in the mapping;
  * with MOED_WEIGHTS_COPY each tensor is read into its own 64-byte-aligned buffer and the files are
@@ -422,14 +423,15 @@ static int scale_table(loader *ld, const moed_st_tensor *t, int rows, int cols, 
                          rows, cols, moed_st_shape_str(&w, exp, sizeof exp));
     const void *p;
     if ((rc = as_dtype(ld, s, MOED_F32, &p))) return rc;
-    const int64_t n = moed_fp8_scale_count(rows, cols), bad = moed_fp8_check_scales(p, n);
+    const int64_t n = moed_fp8_scale_count(rows, cols), bad = moed_fp8_check_scales(p, n, cols);
     if (bad >= 0)
-        return moed_fail(ld->err, MOED_EFORMAT,
-                         "%s: tensor %s holds %g at [%lld, %lld]: every block scale must be a "
-                         "finite number > 0",
-                         s->file, name, (double)((const float *)p)[bad],
-                         (long long)(bad / (int64_t)w.shape[1]),
-                         (long long)(bad % (int64_t)w.shape[1]));
+        return moed_fail(
+            ld->err, MOED_EFORMAT,
+            "%s: tensor %s holds %g at [%lld, %lld]: every block scale must be a "
+            "finite number > 0 and at most %g = FLT_MAX / (448 x %d columns): past "
+            "it, a row of weights summed over activations of 1 overflows float32",
+            s->file, name, (double)((const float *)p)[bad], (long long)(bad / (int64_t)w.shape[1]),
+            (long long)(bad % (int64_t)w.shape[1]), (double)moed_fp8_scale_max(cols), cols);
     *out = p;
     return 0;
 }

@@ -40,9 +40,9 @@ typedef enum moed_weights_mode { MOED_WEIGHTS_COPY, MOED_WEIGHTS_MAP } moed_weig
  * are not read). wdtype 0 serves the expert matrices as stored (block-scaled F8_E4M3 ones with
  * their scales); MOED_FP8 quantizes float ones at load (moed_fp8.h's rule; the router stays as
  * stored). Every problem (missing file, missing or misshapen tensor or block scales, a scale that
- * is not a finite number > 0, unsupported dtype, quantization or architecture, a file that is not a
- * regular file or changed while read) fails with one message naming the file and tensor and what
- * was expected. */
+ * is not a finite number > 0 or is over moed_fp8_scale_max, unsupported dtype, quantization or
+ * architecture, a file that is not a regular file or changed while read) fails with one message
+ * naming the file and tensor and what was expected. */
 int moed_weights_checkpoint(const char *dir, const char *only_layers, moed_weights_mode mode,
                             int wdtype, moed_model *m, moed_error *err);
 

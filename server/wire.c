@@ -16,11 +16,16 @@
 #include "moed_dtype.h"
 
 #include <grpc/byte_buffer.h>
+#include <grpc/slice.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 /* ---- the reader ------------------------------------------------------------------------------ */
+
+/* How deep unknown groups may nest: protobuf's own parsers read 100 levels by default, and the
+ * recursion it takes here (two small frames a level) is nothing to a thread's stack. */
+#define GROUP_DEPTH_MAX 100
 
 typedef struct rd {
     const grpc_slice *s;  /* current slice */
@@ -136,7 +141,11 @@ static int skip_field(rd *r, uint32_t field, int wt);
 /* Skips a group's fields up to its end tag (unknown proto2 groups; never sent by moed clients). */
 static int skip_group(rd *r, uint32_t field)
 {
-    if (++r->depth > 16) return rd_fail(r, "groups nested deeper than 16");
+    if (++r->depth > GROUP_DEPTH_MAX) {
+        char what[64];
+        snprintf(what, sizeof what, "groups nested deeper than %d", GROUP_DEPTH_MAX);
+        return rd_fail(r, what);
+    }
     for (;;) {
         uint32_t f;
         int wt, rc = rd_tag(r, &f, &wt);
@@ -462,24 +471,6 @@ void moed_wire_msg_close(moed_wire_msg *m)
     m->open = false;
 }
 
-int moed_wire_unpack(const ProtobufCMessageDescriptor *d, grpc_byte_buffer *bb,
-                     ProtobufCMessage **out, moed_error *err)
-{
-    *out = NULL;
-    grpc_slice all = grpc_empty_slice();
-    if (bb) {
-        grpc_byte_buffer_reader rdr;
-        if (!grpc_byte_buffer_reader_init(&rdr, bb))
-            return moed_fail(err, MOED_EFORMAT, "%s: could not decompress the message", d->name);
-        all = grpc_byte_buffer_reader_readall(&rdr);
-        grpc_byte_buffer_reader_destroy(&rdr);
-    }
-    *out = protobuf_c_message_unpack(d, NULL, GRPC_SLICE_LENGTH(all), GRPC_SLICE_START_PTR(all));
-    grpc_slice_unref(all);
-    if (!*out) return moed_fail(err, MOED_EFORMAT, "%s: the message does not parse", d->name);
-    return 0;
-}
-
 /* ---- responses ------------------------------------------------------------------------------- */
 
 static uint8_t *put_varint(uint8_t *p, uint64_t v)
@@ -586,4 +577,127 @@ grpc_byte_buffer *moed_wire_pack(const ProtobufCMessage *m)
     grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
     grpc_slice_unref(s);
     return bb;
+}
+
+/* ---- small messages (protobuf-c) ------------------------------------------------------------- */
+
+/* A reader over buf[0, n), which *slice must hold (a static slice: nothing is copied). */
+static rd flat_reader(const uint8_t *buf, size_t n, grpc_slice *slice, moed_error *err)
+{
+    *slice = grpc_slice_from_static_buffer(buf, n);
+    rd r = { .left = n, .err = err };
+    rd_enter_slice(&r, slice, 0);
+    return r;
+}
+
+/* Copies the message r is in (its r->left bytes) to *o, less its groups, which protobuf-c cannot
+ * skip (a proto3 schema has none of its own, so each is an unknown field). A known sub-message is
+ * copied the same way, after its new length. Nothing is written ahead of what was read (tags and
+ * varints are written in their shortest form), so the copy fits in the message's own size. */
+static int strip_groups(rd *r, const ProtobufCMessageDescriptor *d, uint8_t **o)
+{
+    while (r->left) {
+        uint32_t f;
+        int wt, rc = rd_tag(r, &f, &wt);
+        uint64_t v;
+        moed_span span;
+        if (rc) return rc;
+        if (wt == WT_SGROUP) {
+            if ((rc = skip_group(r, f))) return rc;
+            continue;
+        }
+        const ProtobufCFieldDescriptor *fd = protobuf_c_message_descriptor_get_field(d, f);
+        *o = put_tag(*o, f, wt);
+        switch (wt) {
+        case WT_VARINT:
+            if ((rc = rd_varint(r, &v))) return rc;
+            *o = put_varint(*o, v);
+            break;
+        case WT_I64:
+        case WT_I32:
+            if ((rc = rd_skip(r, wt == WT_I64 ? 8 : 4, &span))) return rc;
+            moed_span_copy(&span, *o);
+            *o += span.len;
+            break;
+        case WT_LEN:
+            if ((rc = rd_varint(r, &v))) return rc;
+            if (v > r->left) return rd_fail(r, "a length runs past the end of its message");
+            if (fd && fd->type == PROTOBUF_C_TYPE_MESSAGE) {
+                uint8_t *len_at = *o, *body = *o + varint_len(v);
+                size_t outer = r->left - (size_t)v;
+                r->left = (size_t)v;
+                *o = body;
+                if ((rc = strip_groups(r, fd->descriptor, o))) return rc;
+                r->left = outer;
+                size_t n = (size_t)(*o - body);
+                uint8_t *moved = put_varint(len_at, n); /* no longer than v's varint */
+                memmove(moved, body, n);
+                *o = moved + n;
+            } else {
+                if ((rc = rd_skip(r, v, &span))) return rc;
+                *o = put_varint(*o, v);
+                moed_span_copy(&span, *o);
+                *o += span.len;
+            }
+            break;
+        default:
+            return rd_fail(r,
+                           wt == WT_EGROUP ? "end-group tag without a start" : "invalid wire type");
+        }
+    }
+    return 0;
+}
+
+int moed_wire_unpack_bytes(const ProtobufCMessageDescriptor *d, const uint8_t *buf, size_t n,
+                           ProtobufCMessage **out, moed_error *err)
+{
+    *out = protobuf_c_message_unpack(d, NULL, n, buf);
+    if (*out) return 0;
+    uint8_t *copy = malloc(n ? n : 1), *end = copy;
+    if (!copy) return moed_fail(err, MOED_ENOMEM, "%s: no memory to read the message", d->name);
+    grpc_slice slice;
+    rd r = flat_reader(buf, n, &slice, err);
+    int rc = strip_groups(&r, d, &end);
+    if (rc)
+        moed_error_prefix(err, "%s", d->name);
+    else if (!(*out = protobuf_c_message_unpack(d, NULL, (size_t)(end - copy), copy)))
+        rc = moed_fail(err, MOED_EFORMAT, "%s: the message does not parse", d->name);
+    free(copy);
+    return rc;
+}
+
+int moed_wire_unpack(const ProtobufCMessageDescriptor *d, grpc_byte_buffer *bb,
+                     ProtobufCMessage **out, moed_error *err)
+{
+    *out = NULL;
+    grpc_slice all = grpc_empty_slice();
+    if (bb) {
+        grpc_byte_buffer_reader rdr;
+        if (!grpc_byte_buffer_reader_init(&rdr, bb))
+            return moed_fail(err, MOED_EFORMAT, "%s: could not decompress the message", d->name);
+        all = grpc_byte_buffer_reader_readall(&rdr);
+        grpc_byte_buffer_reader_destroy(&rdr);
+    }
+    int rc = moed_wire_unpack_bytes(d, GRPC_SLICE_START_PTR(all), GRPC_SLICE_LENGTH(all), out, err);
+    grpc_slice_unref(all);
+    return rc;
+}
+
+uint64_t moed_wire_find_uint(const uint8_t *buf, size_t n, uint32_t field)
+{
+    moed_error err;
+    grpc_slice slice;
+    rd r = flat_reader(buf, n, &slice, &err);
+    uint64_t found = 0, v;
+    uint32_t f;
+    int wt;
+    while (r.left && !rd_tag(&r, &f, &wt)) {
+        if (f == field && wt == WT_VARINT) {
+            if (rd_varint(&r, &v)) break;
+            found = v;
+        } else if (skip_field(&r, f, wt)) {
+            break;
+        }
+    }
+    return found;
 }

@@ -13,7 +13,9 @@
  * shape and data length), the output bytes (a slice the backend wrote into: no CPU copy at all
  * when it is a buffer of the staging pool), and a trailer (expert_set, timings). An output that
  * went to a region is named in the header instead, and the reply has no data slice.
- * The small messages (GetModel, Health) go through protobuf-c with moed_wire_pack/unpack.
+ * The small messages (GetModel, Health, RegionCommand) go through protobuf-c with
+ * moed_wire_pack/unpack; unpacking first drops the unknown groups protobuf-c cannot skip.
+ * Groups may nest 100 deep everywhere, protobuf's own parsers' default limit.
  */
 #ifndef MOED_WIRE_H
 #define MOED_WIRE_H
@@ -122,9 +124,20 @@ grpc_byte_buffer *moed_wire_encode_response(const moed_wire_response *r, grpc_sl
 /* A protobuf-c message packed into one slice, as a byte buffer (NULL when out of memory). */
 grpc_byte_buffer *moed_wire_pack(const ProtobufCMessage *m);
 
-/* Unpacks a small protobuf-c message from a byte buffer (NULL bb reads as an empty message);
- * MOED_EFORMAT when it does not parse. Free *out with protobuf_c_message_free_unpacked. */
+/* Unpacks a small protobuf-c message from buf[0, n). Unknown groups are skipped at any depth of
+ * the schema's sub-messages, as protobuf's own parsers skip them (protobuf-c refuses them), nested
+ * up to 100 deep as there. MOED_EFORMAT when it does not parse (with the offset and the reason
+ * where moed's reader found it). Free *out with protobuf_c_message_free_unpacked. */
+int moed_wire_unpack_bytes(const ProtobufCMessageDescriptor *d, const uint8_t *buf, size_t n,
+                           ProtobufCMessage **out, moed_error *err);
+
+/* The same from a byte buffer (NULL bb reads as an empty message). */
 int moed_wire_unpack(const ProtobufCMessageDescriptor *d, grpc_byte_buffer *bb,
                      ProtobufCMessage **out, moed_error *err);
+
+/* The last value of varint field `field` at the top level of the message in buf[0, n), read up to
+ * where it stops parsing; 0 if none: a RegionCommand's seq, for the event answering one that
+ * does not parse. */
+uint64_t moed_wire_find_uint(const uint8_t *buf, size_t n, uint32_t field);
 
 #endif

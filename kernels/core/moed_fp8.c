@@ -3,6 +3,7 @@
  */
 #include "moed_fp8.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 
@@ -51,9 +52,17 @@ int moed_fp8_quantize(const void *src, int dtype, int64_t rows, int64_t cols, ui
     return bad < 0 ? 0 : MOED_EINVAL;
 }
 
-int64_t moed_fp8_check_scales(const float *scale, int64_t n)
+float moed_fp8_scale_max(int64_t cols)
 {
+    const double exact = (double)FLT_MAX / ((double)MOED_FP8_MAX * (double)(cols > 0 ? cols : 1));
+    const float max = (float)exact;
+    return (double)max > exact ? nextafterf(max, 0.0f) : max;
+}
+
+int64_t moed_fp8_check_scales(const float *scale, int64_t n, int64_t cols)
+{
+    const float max = moed_fp8_scale_max(cols);
     for (int64_t i = 0; i < n; i++)
-        if (!(isfinite(scale[i]) && scale[i] > 0.0f)) return i;
+        if (!(scale[i] > 0.0f && scale[i] <= max)) return i; /* NaN fails both */
     return -1;
 }

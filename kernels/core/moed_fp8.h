@@ -59,8 +59,13 @@ int64_t moed_fp8_quantize_band(const float *v, int rows, int64_t cols, uint8_t *
 int moed_fp8_quantize(const void *src, int dtype, int64_t rows, int64_t cols, uint8_t *q,
                       float *scale, int64_t *bad);
 
-/* The index of the first of n scales that is not a finite number > 0 (NaN, infinite, zero or
- * negative), or -1 when all are. */
-int64_t moed_fp8_check_scales(const float *scale, int64_t n);
+/* The largest block scale of a matrix with cols columns: FLT_MAX / (448 x cols), rounded down. A
+ * finite scale can still overflow: a row's weights, 448 x the scale each, summed against cols
+ * activations of 1 must stay finite (every backend accumulates in float32). */
+float moed_fp8_scale_max(int64_t cols);
+
+/* The index of the first of n scales of a matrix with cols columns that is not a number in
+ * (0, moed_fp8_scale_max(cols)] (NaN, infinite, zero, negative or too large), or -1 if none. */
+int64_t moed_fp8_check_scales(const float *scale, int64_t n, int64_t cols);
 
 #endif

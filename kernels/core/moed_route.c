@@ -186,10 +186,11 @@ int moed_gate_resolve(moed_gate_params *p, const moed_layer_info *li, moed_error
                          li->index, (int)li->rule);
     if (p->top_k == 0) p->top_k = li->top_k;
     if (p->top_k < 1 || p->top_k > li->n_experts)
-        return moed_fail(err, MOED_EINVAL,
-                         "top_k = %d is out of range: layer %d has %d experts, so top_k must be in "
-                         "[1, %d] (0 means the layer's own %d)",
-                         p->top_k, li->index, li->n_experts, li->n_experts, li->top_k);
+        return moed_fail(
+            err, MOED_EINVAL,
+            "top_k = %lld is out of range: layer %d has %d experts, so top_k must be in "
+            "[1, %d] (0 means the layer's own %d)",
+            (long long)p->top_k, li->index, li->n_experts, li->n_experts, li->top_k);
     if (p->renormalize == MOED_RENORM_DEFAULT)
         p->renormalize = li->norm_topk ? MOED_RENORM_ON : MOED_RENORM_OFF;
     if (p->renormalize != MOED_RENORM_ON && p->renormalize != MOED_RENORM_OFF)
@@ -204,7 +205,7 @@ int moed_gate_resolve(moed_gate_params *p, const moed_layer_info *li, moed_error
                          "0.5)",
                          (double)p->threshold);
     if (p->strategy == MOED_GATE_MODEL && li->rule == MOED_RULE_DEEPSEEK_V3)
-        return check_groups(li, p->top_k, err);
+        return check_groups(li, (int)p->top_k, err);
     return 0;
 }
 
@@ -492,7 +493,7 @@ static int gate_range(const gate_job *g, int64_t t0, int64_t T, moed_route *r)
 {
     int E = g->li->n_experts,
         varying = g->q.strategy == MOED_GATE_SIGMOID || g->q.strategy == MOED_GATE_SPARSEMAX;
-    int renorm = g->q.renormalize == MOED_RENORM_ON, k = g->q.top_k;
+    int renorm = g->q.renormalize == MOED_RENORM_ON, k = (int)g->q.top_k;
     gate_scratch s = { 0 };
     double *w = malloc((size_t)E * sizeof *w);
     int rc = scratch_init(&s, E);

@@ -52,7 +52,7 @@ enum { MOED_RENORM_DEFAULT = 0, MOED_RENORM_ON = 1, MOED_RENORM_OFF = 2 };
 
 typedef struct moed_gate_params {
     int strategy;    /* moed_gate_strategy */
-    int top_k;       /* 0: the layer's top_k */
+    int64_t top_k;   /* 0: the layer's top_k; wide enough for any value a request carries */
     int renormalize; /* MOED_RENORM_* */
     float threshold; /* SIGMOID, in (0, 1); 0: 0.5 */
 } moed_gate_params;

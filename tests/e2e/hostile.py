@@ -156,11 +156,12 @@ def gzip_bomb(inflated_bytes, chunk=1 << 20):
     return b"".join(out)
 
 
-def upload(address, body_len, token=None, compressed_body=None, path=FORWARD, timeout=30.0):
+def upload(address, body_len, token=None, compressed_body=None, path=FORWARD, timeout=30.0,
+           encoding="gzip"):
     """One unary call whose message claims `body_len` bytes (zeros, sent as fast as flow control
-    allows), or carries `compressed_body` (gzip, flagged compressed). Returns (grpc-status or
-    None, grpc-message, message bytes the server let us send) once the server has answered or
-    reset the stream, or the time is up."""
+    allows), or carries `compressed_body` (flagged compressed, with grpc-encoding `encoding`; None:
+    no such header). Returns (grpc-status or None, grpc-message, message bytes the server let us
+    send) once the server has answered or reset the stream, or the time is up."""
     if compressed_body is not None:
         data = grpc_frame(compressed_body, compressed=True)
         piece, total = (lambda off, n: data[off:off + n]), len(data)
@@ -170,7 +171,7 @@ def upload(address, body_len, token=None, compressed_body=None, path=FORWARD, ti
         total = body_len + 5
     s, conn = _connect(address, timeout)
     sid = conn.get_next_available_stream_id()
-    conn.send_headers(sid, _headers(address, path, token, "gzip" if compressed_body else None))
+    conn.send_headers(sid, _headers(address, path, token, encoding if compressed_body is not None else None))
     sent, status, message, done = 0, None, "", False
     end = time.monotonic() + timeout
     try:

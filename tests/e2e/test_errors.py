@@ -164,6 +164,8 @@ BAD = [
                                              lambda r: setattr(r.server_router.gating, "renormalize", 7)),
      INVALID, ["renormalize = 7"]),
     ("top_k_too_big", lambda d: build(d, strategy="topk", top_k=9), INVALID, ["top_k = 9", "[1, 8]"]),
+    ("top_k_uint32_max", lambda d: build(d, strategy="topk", top_k=2**32 - 1), INVALID,
+     ["top_k = 4294967295 is out of range"]),
     ("top_k_too_big_quadratic", lambda d: build(d, router_logits=np.zeros((3, 8)), strategy="quadratic",
                                                 top_k=100), INVALID, ["top_k = 100"]),
     ("threshold_above_1", lambda d: build(d, strategy="sigmoid", threshold=1.5), INVALID, ["threshold = 1.5", "(0, 1)"]),

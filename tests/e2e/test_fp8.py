@@ -145,6 +145,9 @@ BROKEN = {
     "scale_negative": (_set_scale(-0.5), [W2 + "_scale_inv", "-0.5", "finite number > 0"]),
     "scale_zero": (_set_scale(0.0), [W2 + "_scale_inv", "[1, 0]", "finite number > 0"]),
     "scale_infinite": (_set_scale(np.inf), [W2 + "_scale_inv", "inf", "finite number > 0"]),
+    # finite, but 448 x 1e38 is not (W2 is [160, 136]: its rows sum 136 products)
+    "scale_huge": (_set_scale(1e38), [W2 + "_scale_inv", "1e+38", "[1, 0]", "at most 5.58499e+33",
+                                      "448 x 136 columns"]),
     "weight_nan_code": (_nan_code, [W2, "NaN code", "[3, 5]"]),
 }
 

@@ -143,6 +143,26 @@ def test_compression_flag_inflates_within_the_limit(daemon, tmp_path):
     assert status == grpc.StatusCode.UNAUTHENTICATED.value[0], message
 
 
+@pytest.mark.parametrize("accept", ("0", "1"))
+def test_a_compressed_flag_without_an_algorithm_is_internal(daemon, accept):
+    """gRPC's compression spec: a message flagged compressed whose grpc-encoding is identity or
+    absent fails INTERNAL, naming the flag. gRPC core reads an encoding it does not know (snappy)
+    as identity, so that one too. Never read as plain bytes, on every method, whether or not
+    --accept-compression lets gzip in."""
+    d = daemon("--synthetic", DEFAULT_SPEC, "--threads", "1", "--accept-compression", accept)
+    x, ids, w, _ = case()
+    with MoEClient(d.address, timeout=10) as c:
+        req = c.build_request(0, x, expert_ids=ids, expert_weights=w).SerializeToString()
+    bodies = {hostile.FORWARD: req, "/moed.v1.Moed/ForwardStream": req,
+              "/grpc.health.v1.Health/Check": b"", "/moed.v1.Moed/Regions": b"\x08\x01\x2a\x02\x08\x05"}
+    for path, body in bodies.items():
+        for encoding in (None, "identity", "snappy"):
+            status, message, _ = hostile.upload(d.address, 0, compressed_body=body, path=path, encoding=encoding)
+            assert status == grpc.StatusCode.INTERNAL.value[0], (path, encoding, status, message)
+            assert "flagged compressed" in message, (path, encoding, message)
+    forward_ok(d.address)
+
+
 def test_open_health_service_is_bounded_by_the_quota(daemon):
     """Health answers without a token, so its requests are read for anyone: gRPC's resource quota
     (--max-grpc-memory) is what bounds them. Past it gRPC resets streams; the daemon stays up."""

@@ -7,13 +7,16 @@ and inline for another target or a daemon with --regions off, and shm
 with a remote target is refused by the client; closing the client releases its regions on the
 server (ListRegions empty, moed_regions 0), and so does SIGKILLing the client's process, leaving no
 shared-memory name behind; the arena grows for a big call, outputs held stay valid while later
-calls reuse the arena, and the emptied regions behind the newest are let go; a restarted server
-gets a new session on its own. No torch needed (tests/gpu/test_python_torch.py has the torch and
+calls reuse the arena, and the emptied regions behind the newest are let go; timed-out calls give
+their regions back (never piling up toward --max-regions) and auto says why it goes inline; a
+restarted server gets a new session on its own. No torch needed (tests/gpu/test_python_torch.py has the torch and
 CUDA cases).
 """
 
 import asyncio
+import concurrent.futures
 import glob
+import os
 import signal
 import socket
 import subprocess
@@ -267,6 +270,72 @@ def test_the_arena_grows_for_a_big_call_and_outputs_stay_valid(daemon):
         # Everything but the newest region was emptied and let go; nothing grew meanwhile.
         assert arena.sizes() == sizes[-1:] and len(c.regions()) == 1
         assert arena.chunks[0].pool.used == 0
+
+
+# Lone requests wait in the queue for a minute: a call with a short deadline times out there.
+HELD = ("--threads", "1", "--max-delay-us", "60000000", "--min-batch-requests", "2")
+
+
+def shm_maps(pid):
+    """The Python client's shared-memory objects that process `pid` has mapped."""
+    with open(f"/proc/{pid}/maps") as f:
+        return {w for line in f for w in line.split() if w.startswith("/dev/shm/moed-py-")}
+
+
+def wait_unheld(c, timeout=60):
+    """Waits until no request of the server holds a region of the principal."""
+    deadline = time.monotonic() + timeout
+    while any(r.requests for r in c.regions()):
+        assert time.monotonic() < deadline, c.regions()
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("mode", ("shm", "auto"))
+def test_timed_out_calls_give_their_regions_back(daemon, caplog, mode):
+    """A call that times out retires its region (the server may still write there); once the server
+    let go of the request, the next call unregisters it and unmaps it. So timeouts never pile up
+    regions: the principal stays at one, far from --max-regions, and neither process keeps more
+    than one object of shared memory mapped."""
+    d = daemon("--synthetic", DEFAULT_SPEC, *HELD, "--max-regions", "3")
+    kw = request("experts", np.random.default_rng(14), BIG_T, "f32")
+    names = set()  # of every region this client registered
+
+    def mapped():
+        """(regions listed, this client's objects mapped here, objects the server maps)."""
+        listed = c.regions()
+        names.update("/dev/shm" + r.name for r in listed)
+        return len(listed), len(shm_maps(os.getpid()) & names), len(shm_maps(d.proc.pid))
+
+    with d.client(timeout=60, transport=mode) as c:
+        for i in range(8):
+            with pytest.raises(MoEError) as e:
+                c.forward(**kw, timeout=0.5)  # alone in the queue: held there past its deadline
+            assert e.value.code_name == "DEADLINE_EXCEEDED", (i, e.value)
+            wait_unheld(c)
+            assert mapped() == (1, 1, 1), i
+        assert c.transport_calls == {"inline": 0, "shm": 8, "cuda": 0}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two: the queue launches them
+            y = pool.submit(c.forward, **kw)
+            ref = pool.submit(c.forward, **kw, transport="inline")
+            assert np.array_equal(bits(y.result(60)), bits(ref.result(60)))
+        assert c.transport_calls == {"inline": 1, "shm": 9, "cuda": 0}
+        assert mapped() == (1, 1, 1)
+    assert not [r for r in caplog.records if r.name.startswith("moed")]
+
+
+def test_auto_says_why_it_goes_inline(daemon, caplog):
+    """auto falls back to inline when no region can be had, with a warning naming the reason (once,
+    until regions work again), never silently."""
+    d = daemon("--synthetic", DEFAULT_SPEC, "--max-region-bytes", "1048576")  # under HOST_MIN
+    kw = request("experts", np.random.default_rng(15), BIG_T, "f32")
+    with d.client(timeout=30) as c, caplog.at_level("INFO", logger="moed"):
+        y = c.forward(**kw)
+        c.forward(**kw)
+        assert c.transport_calls == {"inline": 2, "shm": 0, "cuda": 0}
+        assert np.array_equal(bits(y), bits(c.forward(**kw, transport="inline")))
+    warned = [r for r in caplog.records if r.name.startswith("moed")]
+    assert len(warned) == 1 and warned[0].levelname == "WARNING", warned
+    assert "inline" in warned[0].getMessage() and "--max-region-bytes" in warned[0].getMessage()
 
 
 def test_a_restarted_server_gets_a_new_session(daemon, tmp_path):

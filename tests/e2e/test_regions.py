@@ -315,6 +315,10 @@ def test_registration_rules(pool):
                 ev = reg(name)
                 assert ev.code == INVALID and "register_host.name" in ev.message, name
             assert reg(shms[0].name, 8).code == INVALID                 # under the 16-byte challenge
+            for size in (2**64 - 1, 2**63):                             # no object holds that much
+                ev = reg(shms[0].name, size)
+                assert ev.code in (INVALID, EXHAUSTED) and f"{size}" in ev.message, ev
+                assert "at least" not in ev.message, ev.message
             assert reg(small.name, 4096).code == PRECOND                 # the object is smaller
             assert reg("/moed-test-none-such").code == NOT_FOUND
             ev = reg(shms[0].name, 2 << 20)                              # over --max-region-bytes

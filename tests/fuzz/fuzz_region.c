@@ -5,15 +5,18 @@
  * sizes, caps, the challenge, unregistering), with the session closed at the end.
  *
  * Promises checked: every command gets an event that parses, with the command's seq when the
- * command parsed, and a status code a caller can cause (never INTERNAL, UNKNOWN or OK for a command
- * that failed); and closing the session leaves nothing registered. The object /moed-fuzz-region-PID
- * exists (4 KiB), so registrations of it (the seeds name it) get past the name and reach mapping,
- * the challenge and confirmation; this harness's getrandom gives every challenge as 16 bytes of
- * 0xab, so a fuzzer that writes nothing never confirms, and ids count 1, 2, 3, ...
+ * command parsed (unknown groups dropped: moed_wire_unpack_bytes; whatever protobuf-c parses as it
+ * is parses so too), and a status code a caller can cause (never INTERNAL, UNKNOWN or OK for a
+ * command that failed); and closing the session leaves nothing registered. The object
+ * /moed-fuzz-region-PID exists (4 KiB), so registrations of it (the seeds name it) get past the
+ * name and reach mapping, the challenge and confirmation; this harness's getrandom gives every
+ * challenge as 16 bytes of 0xab, so a fuzzer that writes nothing never confirms, and ids count 1,
+ * 2, 3, ...
  */
 #include "fuzz_fake.h"
 #include "moed_backend_impl.h"
 #include "region_cmd.h"
+#include "wire.h"
 
 #include <fcntl.h>
 #include <stdio.h>
@@ -87,7 +90,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         uint8_t *ev = moed_region_command(registry, s, cmd, n, &len, &status);
         if (!ev) die("no event");
         Moed__V1__RegionEvent *e = moed__v1__region_event__unpack(NULL, len, ev);
-        Moed__V1__RegionCommand *c = moed__v1__region_command__unpack(NULL, n, cmd);
+        Moed__V1__RegionCommand *plain = moed__v1__region_command__unpack(NULL, n, cmd), *c;
+        moed_error err;
+        moed_wire_unpack_bytes(&moed__v1__region_command__descriptor, cmd, n,
+                               (ProtobufCMessage **)&c, &err);
+        if (plain && !c) die("a command protobuf-c parses is refused");
+        if (plain && c && plain->seq != c->seq) die("the seq differs from protobuf-c's");
+        if (plain) moed__v1__region_command__free_unpacked(plain, NULL);
         if (!e) die("the event does not parse");
         if (c && e->seq != c->seq) die("the event answers another seq");
         if (e->code != status || status == 2 || status == 13 || status > 16)

@@ -140,6 +140,10 @@ def region_seeds():
                                                                    device_uuid="GPU-0", bytes=64))),
         "empty-and-junk": frame(C(seq=9), b"\xff\xff\xff", b""),
         "unregister-unknown": frame(C(seq=1, unregister=pb.UnregisterRegion(region=77))),
+        # unknown groups (protobuf-c cannot skip them; moed drops them first), nested, and inside
+        # the register_host sub-message: field 9 start, a varint, field 9 end
+        "groups": frame(b"\x08\x01\x4b\x4b\x08\x07\x4c\x4c" + reg.SerializeToString()[2:],
+                        b"\x08\x02\x2a\x06\x4b\x08\x01\x4c\x08\x4d"),
     }
 
 

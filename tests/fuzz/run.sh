@@ -7,7 +7,7 @@
 # The targets — everything that reaches moed from outside and is parsed before anything else:
 #   fuzz_request       a Forward request's decoding and validation (server/wire.c, request.c),
 #                      region references included (server/region.c)
-#   fuzz_region        a Regions stream's commands (server/region_cmd.c, region.c)
+#   fuzz_region        a Regions stream's commands (server/region_cmd.c, wire.c, region.c)
 #   fuzz_http          the metrics endpoint's request parser (server/http_parse.c)
 #   fuzz_safetensors   a checkpoint file's header (server/safetensors.c)
 #   fuzz_npy           the .npy files moectl and moed-load read (client/c/npy.c)
@@ -48,10 +48,11 @@ sources_request() {
 }
 libs_request() { pkg-config --cflags --libs grpc libprotobuf-c; }
 sources_region() {
-    echo server/region_cmd.c server/region.c server/guard.c server/log.c "$build/proto/moed/v1/moed.pb-c.c"
-    echo kernels/moed_backend.c kernels/core/moed_err.c
+    echo server/region_cmd.c server/region.c server/wire.c server/guard.c server/log.c
+    echo "$build/proto/moed/v1/moed.pb-c.c" kernels/moed_backend.c kernels/core/moed_err.c
+    echo kernels/core/moed_dtype.c
 }
-libs_region() { pkg-config --cflags --libs libprotobuf-c; }
+libs_region() { pkg-config --cflags --libs grpc libprotobuf-c; }
 # Inputs up to 8 KiB reach every field and limit of a request, a header and a .npy; an HTTP head
 # is refused past 8 KiB, so its inputs go a little further.
 maxlen() { [ "$1" = http ] && echo 10240 || echo 8192; }

@@ -5,8 +5,9 @@ path goes through a CUDA region with no tensor byte in the messages (the daemon'
 moed_request_bytes_total and moed_response_bytes_total grow by less than one hidden state over all
 the calls, ListRegions lists a CUDA region on the device); tensors the caller registered are read
 and written in place (no device arena is ever made); the input is produced by GPU work queued just
-before the call (the client must wait for it); a CPU-backend daemon refuses the cuda transport with
-its FAILED_PRECONDITION and auto falls back to shared memory there.
+before the call (the client must wait for it); timed-out calls give their device regions back
+once the server holds them no more; a CPU-backend daemon refuses the cuda transport with its
+FAILED_PRECONDITION and auto falls back to shared memory there.
 
     python3 tests/gpu/test_python_torch.py --bin .gpu/bin     (tests/gpu/run-on-gpu.sh python)
 
@@ -14,8 +15,10 @@ Exits 77 (skipped) when torch, a GPU or the daemon is missing; otherwise pytest'
 """
 
 import asyncio
+import concurrent.futures
 import os
 import sys
+import time
 
 if __name__ == "__main__":  # the stage's entry: the daemon's folder, or exit 77
     import argparse
@@ -190,6 +193,35 @@ def test_streams_and_aio_with_cuda_tensors(cuda_daemon):
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
     for outputs in asyncio.run(run()):
         assert all(np.array_equal(a, b) for a, b in zip(outputs, want))
+
+
+def test_timed_out_cuda_calls_give_their_device_regions_back(tmp_path):
+    """A timed-out call retires its device region; once the server lists no request on it, the
+    next call that needs a region unregisters it and frees the memory (the event confirms none held
+    it): the principal stays at one region, far from --max-regions."""
+    held = ["--threads", "1", "--max-delay-us", "60000000", "--min-batch-requests", "2"]
+    d = Daemon(["--backend", "cuda", "--synthetic", SPEC, *held, "--max-regions", "3"], tmp_path / "moed.log")
+    try:
+        x, kw = hidden(64, torch.bfloat16, "cuda", 40), routing(64, 40)
+        with d.client(timeout=60, transport="cuda") as c:
+            arena = None
+            for i in range(6):
+                with pytest.raises(MoEError) as e:
+                    c.forward(0, x, **kw, timeout=0.5)  # alone in the queue past its deadline
+                assert e.value.code_name == "DEADLINE_EXCEEDED", (i, e.value)
+                deadline = time.monotonic() + 60  # a hang guard
+                while any(r.requests for r in c.regions()):  # until the server lets go of it
+                    assert time.monotonic() < deadline, c.regions()
+                    time.sleep(0.05)
+                arena = c._session.regions.devices[0]
+                assert len(c.regions()) == 1 and len(arena.retired) == 1 and arena.held == [], i
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two: the queue launches them
+                y = pool.submit(c.forward, 0, x, **kw)
+                ref = pool.submit(reference, c, x, kw)
+                assert np.array_equal(raw(y.result(60)), ref.result(60))
+            assert len(c.regions()) == 1 and arena.retired == [] and arena.held == []
+    finally:
+        assert d.stop() == 0, d.log()
 
 
 def test_a_cpu_daemon_refuses_the_cuda_transport_and_auto_takes_shm(cpu_daemon):

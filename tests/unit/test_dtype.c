@@ -11,6 +11,7 @@
 #include "moed_dtype.h"
 #include "moed_fp8.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -150,14 +151,21 @@ static void test_fp8_quantize(void)
     uint8_t qb[4];
     CHECK_EQ_INT(moed_fp8_quantize(b, MOED_BF16, 2, 2, qb, &sb, &bad), 0);
     CHECK(sb == 2.0f / 448.0f && qb[1] == 0xfe && qb[2] == 0 && qb[0] == moed_f32_to_e4m3(224.0f));
-    /* scales: finite and > 0 */
-    const float ok[3] = { 1e-30f, 1.0f, 3e38f }, nan3[3] = { 1, NAN, 1 }, neg[2] = { 1, -1 },
-                zero[1] = { 0.0f }, inf[2] = { 1, INFINITY };
-    CHECK(moed_fp8_check_scales(ok, 3) == -1);
-    CHECK(moed_fp8_check_scales(nan3, 3) == 1);
-    CHECK(moed_fp8_check_scales(neg, 2) == 1);
-    CHECK(moed_fp8_check_scales(zero, 1) == 0);
-    CHECK(moed_fp8_check_scales(inf, 2) == 1);
+    /* scales: > 0, and at most FLT_MAX / (448 x cols): a row of 7168 weights at 448 x the
+     * largest scale, summed over activations of 1, stays finite in float32 */
+    const float top = moed_fp8_scale_max(7168);
+    CHECK(top > 0 && (double)top * 448.0 * 7168.0 <= (double)FLT_MAX);
+    CHECK((double)nextafterf(top, INFINITY) * 448.0 * 7168.0 > (double)FLT_MAX);
+    const float ok[3] = { 1e-30f, 1.0f, top }, nan3[3] = { 1, NAN, 1 }, neg[2] = { 1, -1 },
+                zero[1] = { 0.0f }, inf[2] = { 1, INFINITY }, huge[2] = { 1, 1e38f },
+                over[1] = { nextafterf(top, INFINITY) };
+    CHECK(moed_fp8_check_scales(ok, 3, 7168) == -1);
+    CHECK(moed_fp8_check_scales(nan3, 3, 7168) == 1);
+    CHECK(moed_fp8_check_scales(neg, 2, 7168) == 1);
+    CHECK(moed_fp8_check_scales(zero, 1, 7168) == 0);
+    CHECK(moed_fp8_check_scales(inf, 2, 7168) == 1);
+    CHECK(moed_fp8_check_scales(huge, 2, 7168) == 1);
+    CHECK(moed_fp8_check_scales(over, 1, 7168) == 0);
 }
 
 /* Every half value decodes to its formula and encodes back to itself (NaN stays NaN). */

@@ -565,6 +565,13 @@ static void test_errors(void)
     c = mixtral;
     c.top_k = 5;
     expect_fail(&c, NULL, MOED_EFORMAT, "num_experts_per_tok 5", NULL);
+    /* a key given twice means its last value, as Python's json (and so transformers) reads it */
+    c = mixtral;
+    c.config = ",\"num_experts_per_tok\":5";
+    expect_fail(&c, NULL, MOED_EFORMAT, "num_experts_per_tok 5", NULL);
+    c.config = ",\"quantization_config\":{\"quant_method\":\"fp8\",\"quant_method\":\"awq\","
+               "\"quant_method\":\"gptq\"}";
+    expect_fail(&c, NULL, MOED_EUNSUPPORTED, "quantization_config.quant_method is \"gptq\"", NULL);
     c = mixtral;
     c.raw_config = "{\"model_type\":\"mixtral\",\"num_hidden_layers\":2,\"num_local_experts\":4,"
                    "\"num_experts_per_tok\":2,\"intermediate_size\":16}";

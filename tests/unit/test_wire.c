@@ -3,7 +3,8 @@
  * the same bytes, split into slices at every size down to one byte; hand-encoded variants that
  * protobuf-c's encoder never writes (unpacked shape, unknown fields, repeated sub-messages, a
  * oneof switching member); malformed input (every truncation, random bytes, huge lengths, wrong
- * wire types); and the three-slice response encoder read back by protobuf-c.
+ * wire types); and the three-slice response encoder read back by protobuf-c. Unknown groups nest
+ * 100 deep, not deeper, and protobuf-c messages are read with their groups dropped.
  */
 #include "check.h"
 #include "moed_dtype.h"
@@ -574,6 +575,80 @@ static void test_byte_buffers(void)
     grpc_byte_buffer_destroy(bb);
 }
 
+/* An unknown group `depth` deep (field f), a varint innermost. */
+static void put_group(buf *b, uint32_t f, int depth)
+{
+    put_tag(b, f, 3);
+    if (depth > 1)
+        put_group(b, f, depth - 1);
+    else
+        put_uint(b, 1, 7);
+    put_tag(b, f, 4);
+}
+
+static void test_groups(void)
+{
+    static buf m, sub;
+    uint8_t msg[4096];
+    moed_wire_request q;
+    moed_error err;
+    grpc_slice sl;
+
+    /* Groups nest as deep as protobuf's own parsers read them (100), not one level more. */
+    for (int depth = 99; depth <= 101; depth++) {
+        m.n = 0;
+        put_group(&m, 30, depth);
+        size_t n = pack_request(MOED_ROUTING_EXPERTS, 0, msg, sizeof msg);
+        put(&m, msg, n);
+        sl = grpc_slice_from_copied_buffer((const char *)m.d, m.n);
+        int rc = moed_wire_decode_request(&sl, 1, &q, &err);
+        grpc_slice_unref(sl);
+        CHECK_MSG(depth <= 100 ? rc == 0 : rc == MOED_EFORMAT, "depth %d: %d", depth, rc);
+        if (depth > 100) CHECK(strstr(err.msg, "groups nested deeper than 100"));
+    }
+
+    /* protobuf-c messages: groups dropped at the top and inside a known sub-message, nothing else
+     * changed (a string, a 64-bit and a 32-bit unknown field stay). */
+    m.n = sub.n = 0;
+    put_uint(&m, 1, 41); /* seq */
+    put_group(&m, 9, 100);
+    put_group(&sub, 7, 3);
+    put_len(&sub, 1, "/moed-x", 7);
+    put_tag(&sub, 12, 1);
+    put(&sub, "abcdefgh", 8);
+    put_uint(&sub, 2, 4096);
+    put_group(&sub, 7, 1);
+    put_len(&m, 2, sub.d, sub.n); /* register_host */
+    put_tag(&m, 13, 5);
+    put(&m, "wxyz", 4);
+    ProtobufCMessage *pm;
+    CHECK(!moed__v1__region_command__unpack(NULL, m.n, m.d)); /* protobuf-c alone refuses */
+    CHECK_EQ_INT(moed_wire_unpack_bytes(&moed__v1__region_command__descriptor, m.d, m.n, &pm, &err),
+                 0);
+    const Moed__V1__RegionCommand *c = (const Moed__V1__RegionCommand *)pm;
+    CHECK(c->seq == 41 && c->command_case == MOED__V1__REGION_COMMAND__COMMAND_REGISTER_HOST);
+    CHECK(!strcmp(c->register_host->name, "/moed-x") && c->register_host->bytes == 4096);
+    CHECK(c->base.n_unknown_fields == 1 && c->register_host->base.n_unknown_fields == 1);
+    protobuf_c_message_free_unpacked(pm, NULL);
+    CHECK_EQ_INT(moed_wire_find_uint(m.d, m.n, 1), 41);
+
+    /* What does not parse says where and why, and still names its seq. */
+    m.n = 0;
+    put_uint(&m, 1, 5);
+    put_group(&m, 9, 101);
+    CHECK_EQ_INT(moed_wire_unpack_bytes(&moed__v1__region_command__descriptor, m.d, m.n, &pm, &err),
+                 MOED_EFORMAT);
+    CHECK(!pm && strstr(err.msg, "moed.v1.RegionCommand") && strstr(err.msg, "deeper than 100"));
+    CHECK_EQ_INT(moed_wire_find_uint(m.d, m.n, 1), 5);
+    m.n = 0;
+    put_uint(&m, 1, 6);
+    put_tag(&m, 9, 3); /* never closed */
+    CHECK_EQ_INT(moed_wire_unpack_bytes(&moed__v1__region_command__descriptor, m.d, m.n, &pm, &err),
+                 MOED_EFORMAT);
+    CHECK_EQ_INT(moed_wire_find_uint(m.d, m.n, 1), 6);
+    CHECK_EQ_INT(moed_wire_find_uint((const uint8_t *)"\xff", 1, 1), 0);
+}
+
 int main(void)
 {
     grpc_init();
@@ -582,6 +657,7 @@ int main(void)
     test_malformed();
     test_response();
     test_byte_buffers();
+    test_groups();
     grpc_shutdown();
     return check_status("test_wire");
 }

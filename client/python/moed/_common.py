@@ -304,8 +304,9 @@ class Connection:
 class SessionBase:
     """A client's region session, but for the waiting (each client's Session adds it): the
     Regions, the stream's call, the commands' sequence numbers and the events' checks. run(steps)
-    answers the steps' requests: LIMITS with the server's RegionLimits (GetModel, once), a command
-    with its event (the stream opened first if it is not open)."""
+    answers the steps' requests: LIMITS with the server's RegionLimits (GetModel, once), LISTING
+    with the principal's regions (ListRegions), a command with its event (the stream opened first
+    if it is not open)."""
 
     def __init__(self, conn: "Connection"):
         self.conn = conn

@@ -19,7 +19,7 @@ import grpc
 import grpc.aio
 
 from . import _common as C
-from .regions import LIMITS, Registration, Steps
+from .regions import LIMITS, LISTING, Registration, Steps
 from .types import ModelInfo, MoEError, Region
 
 
@@ -43,7 +43,8 @@ class Session(C.SessionBase):
                 return stop.value
             answer, error = None, None
             try:
-                answer = await (self._limits() if op is LIMITS else self._command(op))
+                answer = await (self._limits() if op is LIMITS else self.conn.regions() if op is LISTING
+                                else self._command(op))
             except MoEError as e:
                 error = e
 

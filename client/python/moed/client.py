@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator, List, Optional
 import grpc
 
 from . import _common as C
-from .regions import LIMITS, Registration, Steps
+from .regions import LIMITS, LISTING, Registration, Steps
 from .types import ModelInfo, MoEError, Region
 
 
@@ -44,7 +44,8 @@ class Session(C.SessionBase):
                 return stop.value
             answer, error = None, None
             try:
-                answer = self._limits() if op is LIMITS else self._command(op)
+                answer = (self._limits() if op is LIMITS else self.conn.regions() if op is LISTING
+                          else self._command(op))
             except MoEError as e:
                 error = e
 

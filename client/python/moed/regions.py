@@ -7,9 +7,10 @@ process dying, the connection dropping, the server draining) the server releases
 it; the client then starts a new session on its next call and registers afresh.
 
 Nothing here does I/O. What needs the server is written as generators ("steps") that yield what
-they need, a RegionCommand (a dict for moed.wire, without its seq) or LIMITS (the server's
-RegionLimits), and are sent back the answer (the RegionEvent, checked: a failed command is thrown
-into the steps as MoEError); each client runs them its own way (a Driver, blocking or awaiting).
+they need, a RegionCommand (a dict for moed.wire, without its seq), LIMITS (the server's
+RegionLimits) or LISTING (the principal's regions, ListRegions), and are sent back the answer (the
+RegionEvent, checked: a failed command is thrown into the steps as MoEError); each client runs
+them its own way (a Driver, blocking or awaiting).
 
 Host arena: POSIX shared memory the client creates (/dev/shm/moed-py-PID-RANDOM, mode 0600; so
 Linux), registered with the server's challenge and unlinked at once, so a client that dies leaves
@@ -37,8 +38,16 @@ no IPC handle, and register() fails with the driver's error.
 Arenas grow: a call that finds no free slot large enough registers a region twice the size of the
 last (at least its own need), and regions left empty behind the newest are unregistered at a later
 call. A call that fails without a sure sign that the server never took it (a deadline, a cancel,
-INTERNAL) retires its region: the server may still write into it, so it gives no more slots and
-is let go only when the session ends.
+INTERNAL) retires its region: the server may still write into it, so it gives no more slots. Once
+no other call of this client uses it, a later call unregisters it (no request can name it after
+that, and the server unmaps it when the last request holding it ends) and the client lets it go:
+* host: at once, whatever the server still holds: the client never uses that memory again, and
+  the pages go with the server's mapping;
+* device: memory the server has open must not be freed (CUDA IPC), so it is unregistered only
+  when ListRegions shows no request on it (asked when the arena would otherwise grow), and freed
+  when the unregister's event confirms that none held it (the server then unmapped it before
+  answering). One that a late request took in between is kept, never freed, for the client's life.
+So retired regions never pile up toward --max-regions beyond the requests the server really holds.
 
 Routing tensors (expert ids and weights, logits: a few bytes a token, converted by the client
 anyway) travel inline on every transport.
@@ -66,6 +75,7 @@ MIB = 1 << 20
 HOST_MIN = 4 * MIB  # the first host region
 DEVICE_MIN = 32 * MIB  # the first device region (over torch's 10 MiB: a segment of its own)
 LIMITS = object()  # what steps yield to be sent the server's RegionLimits
+LISTING = object()  # what steps yield to be sent the principal's regions (a list of types.Region)
 # Statuses of a failed Forward that say the server did not take the request: its slots are free.
 CLEAN = frozenset(("INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED",
                    "UNAVAILABLE", "UNAUTHENTICATED", "PERMISSION_DENIED", "UNIMPLEMENTED",
@@ -150,7 +160,17 @@ class Pool:
             self._free.insert(i, (off, n))
 
 
-class HostChunk:
+class Chunk:
+    """What a region of an arena has whatever its kind: its size and id, its slots, the calls using
+    it (under the arena's lock) and the slots of calls that failed uncertainly."""
+
+    def __init__(self, size: int):
+        self.size, self.id, self.pool = size, 0, Pool(size)
+        self.calls = 0  # calls given a slot of it that have not ended
+        self.stuck: List[Tuple[int, int]] = []  # (offset, bytes) the server may still write
+
+
+class HostChunk(Chunk):
     """A region of POSIX shared memory the client created and mapped."""
 
     kind = "host"
@@ -176,7 +196,7 @@ class HostChunk:
             raise
         finally:
             os.close(fd)
-        self.size, self.id, self.pool = size, 0, Pool(size)
+        super().__init__(size)
 
     def register(self) -> Steps:
         """The two steps: the server maps it and answers a challenge, written here, then confirmed."""
@@ -214,7 +234,7 @@ class HostChunk:
                 pass
 
 
-class DeviceChunk:
+class DeviceChunk(Chunk):
     """A region of device memory: an allocation of its own (cuMemAlloc, not torch's caching
     allocator, whose segments hold several tensors: CUDA lets a process open an allocation's IPC
     handle only once, so two regions in one segment would fail), seen as a torch.uint8 tensor."""
@@ -226,7 +246,8 @@ class DeviceChunk:
         self.tensor = torch.as_tensor(DeviceMemory(size, device))
         if self.tensor.device != torch.device("cuda", device):  # torch reads the device off the pointer
             raise MoEError("INTERNAL", f"device memory made on GPU {device} shows as {self.tensor.device}")
-        self.size, self.device, self.id, self.pool = size, device, 0, Pool(size)
+        super().__init__(size)
+        self.device = device
 
     def register(self) -> Steps:
         ev = yield cuda_command(self.tensor.data_ptr(), self.device)[0]
@@ -260,7 +281,9 @@ class Slot:
         return {"region": self.chunk.id, "offset": self.off, "length": self.n}
 
     def give(self) -> None:
+        """The call ended and the slot is free."""
         self.chunk.pool.give(self.off, self.n)
+        self.arena.ended(self.chunk)
 
     def lent(self) -> np.ndarray:
         """A read-only host view of the slot that gives it back when the last array made from it
@@ -269,6 +292,7 @@ class Slot:
         it: the slot is in use exactly as long as something can see it."""
         a = self.chunk.bytes_at(self.off, self.n, False)
         weakref.finalize(a, self.chunk.pool.give, self.off, self.n)
+        self.arena.ended(self.chunk)
         return a
 
     def failed(self, code_name: str) -> None:
@@ -276,7 +300,7 @@ class Slot:
         if code_name in CLEAN:
             self.give()
         else:
-            self.arena.retire(self.chunk)
+            self.arena.retire(self)
 
 
 class Arena:
@@ -285,20 +309,28 @@ class Arena:
     def __init__(self, make, minimum: int):
         self.make, self.minimum = make, minimum  # make(size) -> a new chunk
         self.chunks: List[Any] = []  # registered, newest last
-        self.retired: List[Any] = []  # kept until the session ends (see the top)
-        self._lock = threading.Lock()  # chunks, and taking from them
+        self.retired: List[Any] = []  # given no more slots, registered until reclaimed (see the top)
+        self.held: List[Any] = []  # device memory unregistered while a request held it: never freed
+        self._lock = threading.Lock()  # chunks, retired, the chunks' calls, and taking from them
 
     def take(self, n: int) -> Optional[Slot]:
         with self._lock:
             for chunk in reversed(self.chunks):
                 off = chunk.pool.take(n)
                 if off is not None:
+                    chunk.calls += 1
                     return Slot(self, chunk, off, n)
         return None
 
+    def ended(self, chunk: Any) -> None:
+        """A call given a slot of chunk ended (its slot given back, lent to its output, or stuck)."""
+        with self._lock:
+            chunk.calls -= 1
+
     def slot(self, n: int) -> Steps:
         """A Slot of n bytes, growing the arena if none is free; regions left empty behind the
-        newest are unregistered first."""
+        newest are unregistered first, and retired ones reclaimed (see the top)."""
+        yield from self.reclaim(growing=False)
         with self._lock:
             empty = [c for c in self.chunks[:-1] if c.pool.used == 0]
             for chunk in empty:
@@ -310,6 +342,7 @@ class Arena:
             s = self.take(n)
             if s is not None:
                 return s
+            yield from self.reclaim(growing=True)
             last = self.chunks[-1].size if self.chunks else 0
             chunk = self.make(max(self.minimum, 2 * last, _round(n, MIB)))
             try:
@@ -320,16 +353,56 @@ class Arena:
             with self._lock:
                 self.chunks.append(chunk)
 
-    def retire(self, chunk: Any) -> None:
+    def retire(self, slot: Slot) -> None:
+        """slot's call failed uncertainly: the slot is stuck, its chunk retired."""
+        chunk = slot.chunk
         with self._lock:
+            chunk.calls -= 1
+            chunk.stuck.append((slot.off, slot.n))
             if chunk in self.chunks:
                 self.chunks.remove(chunk)
                 self.retired.append(chunk)
 
+    def reclaim(self, growing: bool) -> Steps:
+        """Unregisters the retired regions no call of this client uses, and lets them go (see the
+        top); a device region only when `growing` (the arena needs another) and the server lists
+        no request on it."""
+        with self._lock:
+            quiet = [c for c in self.retired if c.calls == 0]
+        if quiet and quiet[0].kind == "cuda":
+            if not growing:
+                return
+            try:
+                listed = yield LISTING
+            except MoEError:  # asked again at the next growth
+                return
+            unheld = {r.id for r in listed if r.requests == 0}
+            quiet = [c for c in quiet if c.id in unheld]
+        for chunk in quiet:
+            with self._lock:
+                if chunk not in self.retired:  # another call reclaimed it, or the session ended
+                    continue
+                self.retired.remove(chunk)
+            try:
+                ev = yield {"unregister": {"region": chunk.id}}
+                unmapped = ev["region"] is not None and ev["region"]["requests"] == 0
+            except MoEError:  # the session ended: the server releases it with the others
+                unmapped = False
+            if unmapped:
+                for off, n in chunk.stuck:
+                    chunk.pool.give(off, n)
+                chunk.stuck.clear()
+                chunk.close()
+            elif chunk.kind == "cuda":
+                self.held.append(chunk)
+            # else a host region's mapping here goes with its last reference
+
     def close(self) -> None:
-        """Lets go of every region here (the session that held them has ended)."""
+        """Lets go of every region here (the session that held them has ended); device memory a
+        request may still hold is kept (see the top)."""
         with self._lock:
             chunks, self.chunks, self.retired = self.chunks + self.retired, [], []
+            self.held += [c for c in chunks if c.kind == "cuda" and c.stuck]
         for chunk in chunks:
             chunk.close()
 
@@ -389,6 +462,7 @@ class Regions:
         self.host = Arena(HostChunk, HOST_MIN)
         self.devices: Dict[int, Arena] = {}
         self.allocations: List[Allocation] = []  # holding the caller's registered tensors
+        self.inline_why: Optional[str] = None  # why auto's last call went inline (moed.transport)
         self._lock = threading.Lock()
 
     def device(self, index: int) -> Arena:

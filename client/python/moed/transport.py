@@ -11,8 +11,10 @@
           FAILED_PRECONDITION).
   auto    (the default) cuda for a CUDA tensor when the server takes CUDA regions, shm for one of
           at least SHM_MIN_BYTES when the server is on this host and takes regions, inline
-          otherwise; a region session that cannot be had (the server draining, regions off) makes
-          the call go inline. Below SHM_MIN_BYTES a message costs about what the copy into shared
+          otherwise; a region that cannot be had (the server draining or refusing it, regions off,
+          no shared memory) makes the call go inline, logged (logger "moed.transport": a warning,
+          only info for --regions off) when auto starts going inline and when it stops, not for
+          every call. Below SHM_MIN_BYTES a message costs about what the copy into shared
           memory does, and a client that only sends small tensors (a probe, a CLI, a test) never
           pays for a session (a GetModel, a stream on a connection of its own, a registration).
 
@@ -23,6 +25,7 @@ how long an output stays valid: moed.regions.
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any, Dict, Optional
 
@@ -32,6 +35,7 @@ from .types import MoEError
 
 NAMES = ("auto", "inline", "shm", "cuda")
 SHM_MIN_BYTES = 64 << 10  # auto's least hidden for shared memory (mixtral's d 4096 in bf16: T = 8)
+log = logging.getLogger(__name__)
 
 
 class Prepared:
@@ -167,11 +171,26 @@ def prepare(name: str, inp: Input, regions: Regions, out: Any = None) -> Steps:
     try:
         limits = yield LIMITS
         if limits.mode == "off":
-            return inline(inp, out)
+            return fallback(regions, inp, out, "the server takes no regions (--regions off)", logging.INFO)
         if inp.cuda and limits.cuda:
-            return (yield from cuda(inp, regions, out))
-        if inp.nbytes < SHM_MIN_BYTES:
+            prepared = yield from cuda(inp, regions, out)
+        elif inp.nbytes < SHM_MIN_BYTES:
             return inline(inp, out)
-        return (yield from shm(inp, regions, out))
-    except (MoEError, OSError):  # no session, or no shared memory to be had
-        return inline(inp, out)
+        else:
+            prepared = yield from shm(inp, regions, out)
+    except (MoEError, OSError) as e:  # no session, no region, or no shared memory to be had
+        return fallback(regions, inp, out, str(e), logging.WARNING)
+    if regions.inline_why is not None:
+        regions.inline_why = None
+        log.info("transport='auto' on %s: regions work again", regions.target)
+    return prepared
+
+
+def fallback(regions: Regions, inp: Input, out: Any, why: str, level: int) -> Prepared:
+    """auto sends this call inline for reason `why`, logged at `level` unless the call before went
+    inline too (Regions.inline_why: set until a region works again)."""
+    if regions.inline_why is None:
+        log.log(level, "transport='auto' on %s sends hidden inline until regions work again: %s",
+                regions.target, why)
+    regions.inline_why = why
+    return inline(inp, out)

@@ -9,7 +9,7 @@ import mmap
 import numpy as np
 import pytest
 
-from moed import regions
+from moed import regions, types
 
 
 @pytest.mark.parametrize("target,local", [
@@ -40,7 +40,14 @@ class FakeChunk:
 
     def __init__(self, size):
         self.size, self.pool = size, regions.Pool(size)
+        self.calls, self.stuck, self.closed = 0, [], False
         self.buf = mmap.mmap(-1, size)  # as HostChunk: arrays over a mapping, not over an array
+
+    def register(self):
+        self.id = (yield {"register": self.size})["region"]["id"]
+
+    def close(self):
+        self.closed = True
 
     def bytes_at(self, off, n, writable):
         a = np.frombuffer(self.buf, np.uint8, count=n, offset=off)
@@ -69,6 +76,91 @@ def test_a_call_failing_uncertainly_retires_its_region():
     assert arena.chunks and arena.chunks[0].pool.used == 0
     arena.take(10).failed("DEADLINE_EXCEEDED")  # the server may still write it
     assert not arena.chunks and len(arena.retired) == 1 and arena.take(10) is None
+
+
+class FakeDeviceChunk(FakeChunk):
+    kind = "cuda"
+
+
+class Server:
+    """Answers what an arena's steps yield as the session would: ids from 1 for registrations,
+    `held` (region id -> requests holding it) for ListRegions and in an unregister's event."""
+
+    def __init__(self):
+        self.ops, self.held, self.next_id = [], {}, 1
+
+    def run(self, steps):
+        answer = None
+        while True:
+            try:
+                op = steps.send(answer)
+            except StopIteration as stop:
+                return stop.value
+            self.ops.append(op)
+            if op is regions.LISTING:
+                answer = [types.Region(i, "cuda", "", 0, 0, True, False, n) for i, n in self.held.items()]
+            elif "register" in op:
+                answer, self.held[self.next_id] = {"region": {"id": self.next_id}}, 0
+                self.next_id += 1
+            else:
+                i = op["unregister"]["region"]
+                answer = {"region": {"id": i, "requests": self.held.pop(i)}}
+
+    def unregistered(self):
+        return [op["unregister"]["region"] for op in self.ops if op is not regions.LISTING and "unregister" in op]
+
+
+def test_a_retired_host_region_is_unregistered_and_unmapped_once_no_call_uses_it():
+    """Unregistered at once (no request can name it after that); its memory is the client's again
+    when the server answers that no request held it, and dropped by the client anyway (never used
+    again, the server's mapping kept until its request ends)."""
+    arena, server = regions.Arena(FakeChunk, 4096), Server()
+    a, b = server.run(arena.slot(10)), server.run(arena.slot(10))  # two calls in one region
+    first = a.chunk
+    a.failed("DEADLINE_EXCEEDED")
+    server.held[first.id] = 1
+    c = server.run(arena.slot(10))  # b is still in flight: nothing is unregistered
+    assert server.unregistered() == [] and arena.retired == [first] and c.chunk is not first
+    b.give()
+    server.held[first.id] = 0  # the server let go of a's request
+    c.give()
+    d = server.run(arena.slot(10))
+    assert server.unregistered() == [first.id] and regions.LISTING not in server.ops
+    assert arena.retired == [] and first.closed and first.pool.used == 0 and d.chunk is c.chunk
+    # One the server still held when unregistered is let go by the client all the same.
+    d.failed("CANCELLED")
+    server.held[d.chunk.id] = 1
+    server.run(arena.slot(10))
+    assert server.unregistered() == [first.id, d.chunk.id] and arena.retired == [] and arena.held == []
+
+
+def test_a_retired_device_region_is_freed_only_once_the_server_holds_it_no_more():
+    """Device memory the server has open must not be freed (CUDA IPC): the arena asks ListRegions
+    before it would grow, unregisters what no request holds, and frees it when the unregister's
+    event confirms that none held it then; one a request took meanwhile is kept, never freed."""
+    arena, server = regions.Arena(FakeDeviceChunk, 4096), Server()
+    s = server.run(arena.slot(10))
+    first = s.chunk
+    s.failed("DEADLINE_EXCEEDED")
+    server.held[first.id] = 1
+    s = server.run(arena.slot(10))  # grows: the server still holds the retired region
+    assert server.ops.count(regions.LISTING) == 1 and server.unregistered() == []
+    s.give()
+    server.run(arena.slot(10)).give()  # no growth, no question
+    assert server.ops.count(regions.LISTING) == 1 and arena.retired == [first] and not first.closed
+    server.held[first.id] = 0
+    s = server.run(arena.slot(2 << 20))  # grows again: the first region is unheld now
+    assert server.unregistered() == [first.id] and first.closed and first.pool.used == 0
+    assert arena.retired == [] and arena.held == []
+    # Unheld when listed, held again when unregistered (a late request): kept, not freed.
+    second = s.chunk
+    s.failed("INTERNAL")
+    steps = arena.slot(4 << 20)  # more than any region has
+    assert steps.send(None) is regions.LISTING
+    op = steps.send([types.Region(second.id, "cuda", "", 0, 0, True, False, 0)])
+    assert op == {"unregister": {"region": second.id}}
+    op = steps.send({"region": {"id": second.id, "requests": 1}})
+    assert "register" in op and arena.held == [second] and not second.closed and arena.retired == []
 
 
 def test_shared_memory_that_cannot_be_had_is_refused_up_front():
