@@ -304,7 +304,7 @@ static void test_errors(void)
     init_build(&b, 3, 2, 8);
     set_choice(&b, 2, 2);
     b.id[1] = 8;
-    expect(&b, MOED_EINVAL, "expert_ids[0][1] = 8", "[0, 8)", "id out of range");
+    expect(&b, MOED_EINVAL, "expert_ids[0][1] is out of range", "[0, 8)", "id out of range");
 
     init_build(&b, 3, 2, 8);
     set_choice(&b, 2, 2);
