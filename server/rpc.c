@@ -848,11 +848,15 @@ static void on_shutdown(rpc_tag *t, bool ok)
 }
 
 /* The second half of the drain, once (from the last call to finish, or from the drain itself when
- * nothing is in flight): gRPC stops accepting and reports when every call is gone. */
+ * nothing is in flight): gRPC stops accepting and reports when every call and connection is gone.
+ * The connections are closed at once: no call is left on them to wait for, and gRPC would
+ * otherwise wait for each client to close its own, or to answer the ping of its GOAWAY (up to the
+ * keepalive timeout), which an idle client that reads nothing never does. */
 static void shutdown_now(moed_rpc *r)
 {
     if (atomic_exchange(&r->shutting, true)) return;
     grpc_server_shutdown_and_notify(r->server, r->cqs[0].cq, &r->shutdown_tag);
+    grpc_server_cancel_all_calls(r->server);
 }
 
 /* The second half waits for no call in flight and none arriving for DRAIN_QUIET_NS: a call on its
@@ -886,9 +890,7 @@ void moed_rpc_drain(moed_rpc *r, void (*on_drained)(void *arg), void *arg)
 
 void moed_rpc_cancel_all(moed_rpc *r)
 {
-    if (!atomic_load(&r->draining)) return;
-    shutdown_now(r); /* cancelling needs the server shut down first */
-    grpc_server_cancel_all_calls(r->server);
+    if (atomic_load(&r->draining)) shutdown_now(r); /* which cancels every call */
 }
 
 void moed_rpc_destroy(moed_rpc *r)

@@ -16,8 +16,8 @@
  * Life cycle: moed_rpc_start (bound and serving, health NOT_SERVING) → moed_rpc_set_serving(true)
  * → moed_rpc_drain (SIGTERM: merge windows flushed, NOT_SERVING, new Forward calls answered
  * UNAVAILABLE, open streams and watches ended once their requests are answered; once no call is
- * open and none has arrived for a moment, gRPC stops listening, and on_drained fires when every
- * call is finished) → the scheduler drains → moed_rpc_destroy.
+ * open and none has arrived for a moment, gRPC stops listening and every connection is closed, and
+ * on_drained fires when every call is finished) → the scheduler drains → moed_rpc_destroy.
  */
 #ifndef MOED_RPC_H
 #define MOED_RPC_H
@@ -72,7 +72,7 @@ void moed_rpc_set_serving(moed_rpc *r, bool serving);
  * would be cancelled by it). */
 void moed_rpc_drain(moed_rpc *r, void (*on_drained)(void *arg), void *arg);
 
-/* Cuts short a drain: cancels the calls still open. */
+/* Cuts short a drain: cancels the calls still open and closes every connection. */
 void moed_rpc_cancel_all(moed_rpc *r);
 
 /* After on_drained and after the scheduler has drained: stops the threads, frees everything. */
