@@ -107,7 +107,8 @@ static const opt opts[] = {
       "tensor regions (shared and GPU memory named by requests): for callers on this host only "
       "(loopback or a unix socket), for any caller, or off" },
     { "max-regions", OPT_I64, OFF(max_regions), 1, 1 << 16, "N",
-      "tensor regions one principal (token) may have registered" },
+      "tensor regions one principal (a token, or without tokens a local user) may have "
+      "registered" },
     { "max-region-bytes", OPT_BYTES, OFF(max_region_bytes), 16, (int64_t)1 << 50, "BYTES",
       "bytes of tensor regions one principal may have registered" },
     { "max-region-bytes-total", OPT_BYTES, OFF(max_region_bytes_total), 16, (int64_t)1 << 50,

@@ -120,7 +120,9 @@ static moed_region *region_for(const moed_served *s, const moed_caller *c, uint6
                   what);
         return NULL;
     }
-    moed_region *g = moed_regions_acquire(s->regions, c->principal, id, err);
+    moed_principal who;
+    moed_region *g =
+        c->principal(c->ctx, &who, err) ? NULL : moed_regions_acquire(s->regions, who, id, err);
     if (!g) moed_error_prefix(err, "%s", what);
     return g;
 }
