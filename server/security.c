@@ -269,10 +269,10 @@ static int which_token(const moed_security *s, const uint8_t *got, size_t glen)
     return (int)found;
 }
 
-int moed_security_check_call(const moed_security *s, const grpc_metadata_array *md, int *principal,
+int moed_security_check_call(const moed_security *s, const grpc_metadata_array *md, int *token,
                              moed_error *err)
 {
-    *principal = 0;
+    *token = 0;
     if (!s || !s->n_tokens) return 0;
     bool seen = false;
     for (size_t i = 0; i < md->count; i++) {
@@ -283,7 +283,7 @@ int moed_security_check_call(const moed_security *s, const grpc_metadata_array *
         if (n < 7 || strncasecmp((const char *)v, "bearer ", 7)) continue;
         size_t at = 7;
         while (at < n && v[at] == ' ') at++;
-        if ((*principal = which_token(s, v + at, n - at))) return 0;
+        if ((*token = which_token(s, v + at, n - at))) return 0;
     }
     if (!seen)
         return moed_fail(err, MOED_EUNAUTH,
