@@ -8,16 +8,20 @@ must keep what gRPC's listener gave a connection, and never take a live socket o
 - HTTP/2 limits per connection: MAX_CONCURRENT_STREAMS and the header list size advertised, calls
   past twice the stream setting refused unread (gRPC's listener named every unix peer alike, so
   unix connections were never counted: that part failed before).
-- gRPC's resource quota (--max-grpc-memory) bounds a unix connection's requests.
+- gRPC's resource quota (--max-grpc-memory) bounds a unix connection's requests, and its ping
+  limits hold.
 - A connection that sends nothing is closed after the handshake deadline (10 s).
 - With TLS, gRPC's listener: the path is claimed all the same; regions need a token there.
 """
 
+import select
 import signal
 import socket
 import subprocess
 
 import grpc
+import h2.errors
+import h2.events
 import pytest
 
 import hostile
@@ -77,6 +81,33 @@ def test_the_resource_quota_bounds_a_unix_connection(daemon, tmp_path):
     assert sent < 200 * MIB, f"the whole body went in ({status}): the quota did not act"
     with MoEClient(d.address, timeout=10) as c:
         assert c.health() == "SERVING"
+
+
+def test_ping_limits_hold(daemon, tmp_path):
+    """The keepalive arguments reach a unix connection too: a peer that pings without data, flat
+    out, is sent GOAWAY ENHANCE_YOUR_CALM ("too_many_pings") after its second strike."""
+    sock = tmp_path / "moed.sock"
+    d = daemon("--synthetic", DEFAULT_SPEC, "--threads", "1", listen=f"unix:{sock}")
+    s, conn = hostile._connect(d.address)
+    goaway, sent, closed = None, 0, False
+    try:
+        while goaway is None and not closed and sent < 1000:  # a few do; 1000 is the guard
+            try:
+                conn.ping(sent.to_bytes(8, "big"))
+                s.sendall(conn.data_to_send())
+                sent += 1
+            except OSError:  # closed after its GOAWAY: what is left to read says why
+                pass
+            if not select.select([s], [], [], 0.05)[0]:
+                continue
+            data = s.recv(1 << 16)
+            closed = not data
+            for ev in conn.receive_data(data):
+                if isinstance(ev, h2.events.ConnectionTerminated):
+                    goaway = (ev.error_code, ev.additional_data)
+    finally:
+        s.close()
+    assert goaway == (h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, b"too_many_pings"), (goaway, sent)
 
 
 def test_a_silent_connection_is_closed(daemon, tmp_path):
