@@ -13,6 +13,7 @@
 #include "file.h"
 #include "log.h"
 
+#include <arpa/inet.h>
 #include <ctype.h>
 #include <errno.h>
 #include <limits.h>
@@ -106,7 +107,8 @@ static const opt opts[] = {
       "tensor regions (shared and GPU memory named by requests): for callers on this host only "
       "(loopback or a unix socket), for any caller, or off" },
     { "max-regions", OPT_I64, OFF(max_regions), 1, 1 << 16, "N",
-      "tensor regions one principal (token) may have registered" },
+      "tensor regions one principal (a token, or without tokens a local user) may have "
+      "registered" },
     { "max-region-bytes", OPT_BYTES, OFF(max_region_bytes), 16, (int64_t)1 << 50, "BYTES",
       "bytes of tensor regions one principal may have registered" },
     { "max-region-bytes-total", OPT_BYTES, OFF(max_region_bytes_total), 16, (int64_t)1 << 50,
@@ -297,38 +299,81 @@ int moed_config_parse_layers(const char *list, int **out, int *n, moed_error *er
     return 0;
 }
 
-/* A listen address: for gRPC (unix_ok) unix:PATH and unix-abstract:NAME as they are, and
- * host:port also behind gRPC's dns:, ipv4: or ipv6: schemes; host:port with an IPv6 host in
- * brackets and a decimal port from 0 to 65535 (0: the system picks one). The host itself is
- * checked where it is bound, which can say why. */
-static int check_addr(const char *value, bool unix_ok, const char *where, moed_error *err)
+/* The host of host:port, n bytes at h: an IPv6 address in brackets, a dotted IPv4 address, or a
+ * name (letters, digits, '.', '-', '_'); empty only where the caller allows it (every interface).
+ * The socket layer's own parsers decide the literals, so what passes here binds as written. */
+static bool host_ok(const char *h, size_t n, bool empty_ok)
+{
+    char buf[64];
+    unsigned char addr[16];
+    if (!n) return empty_ok;
+    if (h[0] == '[') {
+        if (n < 3 || h[n - 1] != ']' || n - 2 >= sizeof buf) return false;
+        memcpy(buf, h + 1, n - 2);
+        buf[n - 2] = 0;
+        return inet_pton(AF_INET6, buf, addr) == 1;
+    }
+    if (strspn(h, "0123456789.") >= n) {
+        if (n >= sizeof buf) return false;
+        memcpy(buf, h, n);
+        buf[n] = 0;
+        return inet_pton(AF_INET, buf, addr) == 1;
+    }
+    for (size_t i = 0; i < n; i++)
+        if (!isalnum((unsigned char)h[i]) && !strchr(".-_", h[i])) return false;
+    return true;
+}
+
+/* A listen address. For gRPC (grpc): unix:PATH or unix-abstract:NAME of at most
+ * MOED_CONFIG_MAX_UNIX_PATH bytes (what a socket address holds), or host:port with a host (never
+ * empty: gRPC's server takes no ":port") and without a scheme (gRPC's server takes no ipv4:,
+ * ipv6: or dns:). For the metrics endpoint, host:port with an empty host for every interface. The
+ * port is decimal, 0 to 65535 (0: the system picks one). Whether a name resolves is found where
+ * it is bound. */
+static int check_addr(const char *value, bool grpc, const char *where, moed_error *err)
 {
     const char *given = value;
-    if (unix_ok && (!strncmp(value, "unix:", 5) || !strncmp(value, "unix-abstract:", 14)))
-        return value[strcspn(value, ":") + 1]
-                   ? 0
-                   : moed_fail(err, MOED_EINVAL, "%s: '%s' names no socket path", where, value);
-    static const char *const schemes[] = { "dns:///", "dns:", "ipv4:", "ipv6:" };
-    for (size_t i = 0; unix_ok && i < sizeof schemes / sizeof schemes[0]; i++)
-        if (!strncmp(value, schemes[i], strlen(schemes[i]))) {
-            value += strlen(schemes[i]);
-            break;
-        }
+    if (grpc && (!strncmp(value, "unix:", 5) || !strncmp(value, "unix-abstract:", 14))) {
+        const char *path = value + strcspn(value, ":") + 1;
+        if (!*path)
+            return moed_fail(err, MOED_EINVAL, "%s: '%s' names no socket path", where, value);
+        if (strlen(path) > MOED_CONFIG_MAX_UNIX_PATH)
+            return moed_fail(err, MOED_EINVAL,
+                             "%s: the socket path of '%s' is %zu bytes; a unix socket's is at most "
+                             "%d: choose a shorter one",
+                             where, value, strlen(path), MOED_CONFIG_MAX_UNIX_PATH);
+        return 0;
+    }
+    static const char *const schemes[] = { "dns:", "ipv4:", "ipv6:" };
+    for (size_t i = 0; grpc && i < sizeof schemes / sizeof schemes[0]; i++)
+        if (!strncmp(value, schemes[i], strlen(schemes[i])))
+            return moed_fail(err, MOED_EINVAL,
+                             "%s: '%s': gRPC's server takes host:port without a scheme (%s is for "
+                             "clients' targets); give e.g. 127.0.0.1:50051, [::1]:50051 or "
+                             "localhost:50051",
+                             where, given, schemes[i]);
     const char *colon = strrchr(value, ':'), *port = colon ? colon + 1 : "";
     size_t digits = strspn(port, "0123456789");
     long v = digits && digits <= 5 && !port[digits] ? strtol(port, NULL, 10) : -1;
     bool bracketed = value[0] == '[' && colon && colon > value && colon[-1] == ']';
     bool v6_bare = colon && memchr(value, ':', (size_t)(colon - value)) && !bracketed;
-    if (v >= 0 && v <= 65535 && !v6_bare) return 0;
-    if (digits && !port[digits] && !v6_bare)
+    if (digits && !port[digits] && !v6_bare && (v < 0 || v > 65535))
         return moed_fail(err, MOED_EINVAL,
                          "%s: port %s of '%s' is out of range; give a port from 1 to 65535 (or 0 "
                          "for any free one)",
                          where, port, given);
-    return moed_fail(err, MOED_EINVAL,
-                     "%s: '%s' is not host:port; give e.g. 127.0.0.1:50051, [::1]:50051 or "
-                     "0.0.0.0:50051 (a port from 1 to 65535)%s",
-                     where, given, unix_ok ? ", or unix:PATH" : "");
+    if (v < 0 || v6_bare)
+        return moed_fail(err, MOED_EINVAL,
+                         "%s: '%s' is not host:port; give e.g. 127.0.0.1:50051, [::1]:50051 or "
+                         "0.0.0.0:50051 (a port from 1 to 65535)%s",
+                         where, given, grpc ? ", or unix:PATH" : "");
+    if (!host_ok(value, (size_t)(colon - value), !grpc))
+        return moed_fail(err, MOED_EINVAL,
+                         "%s: '%s' has no host moed can listen on: give a name, a dotted IPv4 "
+                         "address (each part 0 to 255) or an IPv6 address in brackets, e.g. "
+                         "127.0.0.1, [::1] or localhost",
+                         where, given);
+    return 0;
 }
 
 /* Device ordinals in the order given, repeats kept (a GPU listed twice is two placements). */

@@ -6,9 +6,10 @@
  * once); blank lines and `# comment` lines; a `#` after an unquoted value starts a comment. A value
  * in double quotes is taken as it is up to its closing quote, `#` and blanks included; inside
  * quotes \" is a quote and \\ a backslash (no other escapes), and only a comment may follow.
- * Listen addresses are checked here (host:port with a port from 0 to 65535, or unix:PATH for
- * gRPC); layer, expert and device lists take numbers up to MOED_CONFIG_MAX_LAYER, in at most
- * MOED_CONFIG_MAX_LIST characters, and are expanded in linear time.
+ * Listen addresses are checked here, in the forms their listeners can bind (host:port with a
+ * valid host and a port from 0 to 65535; for gRPC, unix:PATH or unix-abstract:NAME too, and no
+ * scheme or empty host); layer, expert and device lists take numbers up to MOED_CONFIG_MAX_LAYER,
+ * in at most MOED_CONFIG_MAX_LIST characters, and are expanded in linear time.
  *
  * One table describes every option (name, kind, range, help), so parsing, the file, --help and the
  * error messages can never disagree. A bad value fails with MOED_EINVAL and a message naming the
@@ -22,10 +23,11 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#define MOED_CONFIG_MAX_DEVICES 64
-#define MOED_CONFIG_MAX_LAYER   65535     /* the largest number a layer (or device) list takes */
-#define MOED_CONFIG_MAX_LIST    4096      /* characters in a layer or device list */
-#define MOED_CONFIG_MAX_FILE    (1 << 20) /* bytes in a config file */
+#define MOED_CONFIG_MAX_DEVICES   64
+#define MOED_CONFIG_MAX_LAYER     65535     /* the largest number a layer (or device) list takes */
+#define MOED_CONFIG_MAX_LIST      4096      /* characters in a layer or device list */
+#define MOED_CONFIG_MAX_FILE      (1 << 20) /* bytes in a config file */
+#define MOED_CONFIG_MAX_UNIX_PATH 107 /* bytes of a unix socket's path (sun_path, less its NUL) */
 
 typedef struct moed_config {
     char *listen;    /* --listen ADDR */

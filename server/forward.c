@@ -29,12 +29,17 @@
 /* Requests one stream may have decoded but not yet answered. */
 #define STREAM_WINDOW 16
 
+static int call_principal(void *c, moed_principal *out, moed_error *err)
+{
+    return rpc_principal(c, out, err);
+}
+
 /* Decodes and validates a payload of call c into w; errors name what is wrong. */
-static int prepare(const rpc_call *c, grpc_byte_buffer *payload, moed_wire_msg *msg, moed_work *w,
+static int prepare(rpc_call *c, grpc_byte_buffer *payload, moed_wire_msg *msg, moed_work *w,
                    moed_error *err)
 {
     moed_wire_request q;
-    const moed_caller who = { .principal = c->principal, .local = c->local };
+    const moed_caller who = { .local = c->local, .principal = call_principal, .ctx = c };
     int rc = moed_wire_msg_open(msg, payload, err);
     if (!rc) rc = moed_wire_decode_request(msg->slices, msg->n_slices, &q, err);
     if (!rc) rc = moed_request_validate(c->rpc->cfg.served, &who, &q, w, err);

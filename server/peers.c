@@ -101,6 +101,7 @@ int moed_peers_count(moed_peers *p, const char *addr)
 bool moed_peer_is_local(const char *peer)
 {
     if (!strncmp(peer, "unix:", 5) || !strncmp(peer, "unix-abstract:", 14)) return true;
+    if (!strncmp(peer, "fd:", 3)) return true; /* accepted on moed's own unix socket (moed_unix) */
     if (!strncmp(peer, "ipv4:", 5)) return !strncmp(peer + 5, "127.", 4);
     if (strncmp(peer, "ipv6:[", 6)) return false;
     const char *h = peer + 6;

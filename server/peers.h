@@ -32,7 +32,8 @@ void moed_peers_leave(moed_peers *p, moed_peer *e);
 int moed_peers_count(moed_peers *p, const char *addr);
 
 /* Whether a gRPC peer address ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:/path", ...) is on
- * this host: loopback (127.0.0.0/8, ::1, ::ffff:127.x) or a unix socket. */
+ * this host: loopback (127.0.0.0/8, ::1, ::ffff:127.x) or a unix socket ("fd:N" too: a connection
+ * moed accepted on its own unix socket). */
 bool moed_peer_is_local(const char *peer);
 
 #endif

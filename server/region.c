@@ -6,6 +6,8 @@
  * it. Unregistering takes it out of the table and the session at once (so no new request finds
  * it) and drops the table's reference; whoever drops the last reference unmaps. Caps count what is
  * mapped, so memory an unregistered region keeps until its last request finishes still counts.
+ * What a principal has mapped is kept in a small hash of its own, an entry from its first region
+ * to the unmapping of its last (principals are tokens or uids: no bound on their numbers).
  */
 #include "region.h"
 
@@ -24,12 +26,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define BUCKETS        256
-#define MAX_PRINCIPALS 256
+#define BUCKETS       256
+#define USAGE_BUCKETS 64
 
 struct moed_region {
     uint64_t id;
-    int kind, principal;
+    int kind;
+    moed_principal principal;
     moed_region_session *session;
     char name[MOED_REGION_NAME_MAX + 1];
     uint64_t bytes;
@@ -44,19 +47,21 @@ struct moed_region {
 };
 
 struct moed_region_session {
-    int principal;
+    moed_principal principal;
     moed_list regions; /* of moed_region.in_session */
 };
 
 typedef struct usage {
+    moed_list node; /* in its bucket of usage_buckets */
+    moed_principal who;
     int64_t count, bytes; /* mapped now */
 } usage;
 
 struct moed_regions {
     moed_regions_config cfg;
     pthread_mutex_t lock;
-    moed_list buckets[BUCKETS]; /* of moed_region.by_id: the registered regions */
-    usage by_principal[MAX_PRINCIPALS];
+    moed_list buckets[BUCKETS];             /* of moed_region.by_id: the registered regions */
+    moed_list usage_buckets[USAGE_BUCKETS]; /* of usage.node: principals with regions mapped */
     int64_t total_bytes;
     moed_regions_stats stats; /* registered now, by kind */
 };
@@ -69,6 +74,7 @@ int moed_regions_create(const moed_regions_config *cfg, moed_regions **out, moed
     r->cfg = *cfg;
     pthread_mutex_init(&r->lock, NULL);
     for (int i = 0; i < BUCKETS; i++) moed_list_init(&r->buckets[i]);
+    for (int i = 0; i < USAGE_BUCKETS; i++) moed_list_init(&r->usage_buckets[i]);
     moed_guard_init();
     *out = r;
     return 0;
@@ -121,39 +127,70 @@ static void info_of(const moed_region *g, moed_region_info *out)
 
 /* ---- caps and life cycle ----------------------------------------------------------------- */
 
-/* Counts `bytes` more for the principal if the caps allow (under the lock). */
-static int reserve(moed_regions *r, int principal, uint64_t bytes, moed_error *err)
+/* The principal's usage entry (under the lock), or NULL when it has nothing mapped; with `make`,
+ * a new one then (NULL only when out of memory). */
+static usage *usage_of(moed_regions *r, moed_principal who, bool make)
 {
-    usage *u = &r->by_principal[principal];
+    moed_list *q, *h = &r->usage_buckets[(uint64_t)who % USAGE_BUCKETS];
+    moed_list_foreach (q, h) {
+        usage *u = moed_list_data(q, usage, node);
+        if (u->who == who) return u;
+    }
+    usage *u = make ? calloc(1, sizeof *u) : NULL;
+    if (u) {
+        u->who = who;
+        moed_list_insert_tail(h, &u->node);
+    }
+    return u;
+}
+
+/* Drops the principal's entry once it has nothing mapped (under the lock). */
+static void usage_trim(usage *u)
+{
+    if (u->count) return;
+    moed_list_remove(&u->node);
+    free(u);
+}
+
+/* Counts `bytes` more for the principal if the caps allow (under the lock). */
+static int reserve(moed_regions *r, moed_principal principal, uint64_t bytes, moed_error *err)
+{
+    usage *u = usage_of(r, principal, true);
+    int rc = 0;
+    if (!u) return moed_fail(err, MOED_ENOMEM, "no memory to count a principal's regions");
     if (u->count >= r->cfg.max_regions)
-        return moed_fail(err, MOED_ETOOBIG,
-                         "this principal has %lld regions registered, the most --max-regions "
-                         "allows: unregister one first",
-                         (long long)u->count);
-    if (bytes > (uint64_t)(r->cfg.max_bytes - u->bytes))
-        return moed_fail(err, MOED_ETOOBIG,
-                         "%llu more bytes would put this principal's regions over "
-                         "--max-region-bytes = %lld (%lld registered)",
-                         (unsigned long long)bytes, (long long)r->cfg.max_bytes,
-                         (long long)u->bytes);
-    if (bytes > (uint64_t)(r->cfg.max_total_bytes - r->total_bytes))
-        return moed_fail(err, MOED_ETOOBIG,
-                         "%llu more bytes would put the server's regions over "
-                         "--max-region-bytes-total = %lld (%lld registered)",
-                         (unsigned long long)bytes, (long long)r->cfg.max_total_bytes,
-                         (long long)r->total_bytes);
+        rc = moed_fail(err, MOED_ETOOBIG,
+                       "this principal has %lld regions registered, the most --max-regions "
+                       "allows: unregister one first",
+                       (long long)u->count);
+    else if (bytes > (uint64_t)(r->cfg.max_bytes - u->bytes))
+        rc = moed_fail(err, MOED_ETOOBIG,
+                       "%llu more bytes would put this principal's regions over "
+                       "--max-region-bytes = %lld (%lld registered)",
+                       (unsigned long long)bytes, (long long)r->cfg.max_bytes, (long long)u->bytes);
+    else if (bytes > (uint64_t)(r->cfg.max_total_bytes - r->total_bytes))
+        rc = moed_fail(err, MOED_ETOOBIG,
+                       "%llu more bytes would put the server's regions over "
+                       "--max-region-bytes-total = %lld (%lld registered)",
+                       (unsigned long long)bytes, (long long)r->cfg.max_total_bytes,
+                       (long long)r->total_bytes);
+    if (rc) {
+        usage_trim(u);
+        return rc;
+    }
     u->count++;
     u->bytes += (int64_t)bytes;
     r->total_bytes += (int64_t)bytes;
     return 0;
 }
 
-static void unreserve(moed_regions *r, int principal, uint64_t bytes)
+static void unreserve(moed_regions *r, moed_principal principal, uint64_t bytes)
 {
-    usage *u = &r->by_principal[principal];
+    usage *u = usage_of(r, principal, false);
     u->count--;
     u->bytes -= (int64_t)bytes;
     r->total_bytes -= (int64_t)bytes;
+    usage_trim(u);
 }
 
 /* Lets go of the memory and the reservation (outside the lock, but for the reservation). */
@@ -199,9 +236,8 @@ static bool leave(moed_regions *r, moed_region *g)
     return --g->refs == 0;
 }
 
-moed_region_session *moed_regions_open_session(moed_regions *r, int principal)
+moed_region_session *moed_regions_open_session(moed_regions *r, moed_principal principal)
 {
-    if (principal < 0 || principal >= MAX_PRINCIPALS) return NULL;
     moed_region_session *s = calloc(1, sizeof *s);
     if (!s) return NULL;
     s->principal = principal;
@@ -435,7 +471,8 @@ int moed_regions_register_cuda(moed_regions *r, moed_region_session *s, const vo
 
 /* ---- requests ------------------------------------------------------------------------------ */
 
-moed_region *moed_regions_acquire(moed_regions *r, int principal, uint64_t id, moed_error *err)
+moed_region *moed_regions_acquire(moed_regions *r, moed_principal principal, uint64_t id,
+                                  moed_error *err)
 {
     pthread_mutex_lock(&r->lock);
     moed_region *g = find(r, id);
@@ -511,13 +548,14 @@ int moed_region_copy_out(moed_regions *r, moed_region *g, void *p, const void *s
 
 /* ---- listings ------------------------------------------------------------------------------ */
 
-int moed_regions_list(moed_regions *r, int principal, moed_region_info **out, int *n,
+int moed_regions_list(moed_regions *r, moed_principal principal, moed_region_info **out, int *n,
                       moed_error *err)
 {
     *out = NULL;
     *n = 0;
     pthread_mutex_lock(&r->lock);
-    int cap = (int)r->by_principal[principal < MAX_PRINCIPALS ? principal : 0].count + 1;
+    const usage *u = usage_of(r, principal, false);
+    int cap = (u ? (int)u->count : 0) + 1;
     moed_region_info *a = calloc((size_t)cap, sizeof *a);
     for (int b = 0; a && b < BUCKETS; b++) {
         moed_list *q;

@@ -4,10 +4,10 @@
  * requests as (region, offset, length). moed.proto states the rules to clients; this is where they
  * are kept:
  *
- *   ownership  a region belongs to a principal (the caller's token; 0 without one) and to the
- *              session (the Regions stream) that registered it; a lookup by another principal
- *              finds nothing, exactly as for an id that never existed; ids are random 64-bit
- *              numbers from getrandom(2), never 0;
+ *   ownership  a region belongs to a principal (moed_principal: the caller's token, or without
+ *              tokens the local user who connected) and to the session (the Regions stream) that
+ *              registered it; a lookup by another principal finds nothing, exactly as for an id
+ *              that never existed; ids are random 64-bit numbers from getrandom(2), never 0;
  *   leases     closing a session releases every region it registered;
  *   references a request takes a region with moed_regions_acquire and lets go with
  *              moed_region_release; unregistering (or a session's end) makes the id unknown at
@@ -38,6 +38,12 @@ enum { MOED_REGION_HOST = 1, MOED_REGION_CUDA = 2 }; /* moed.v1.RegionKind */
 
 #define MOED_REGION_NAME_MAX  255 /* a shm name, the leading '/' included */
 #define MOED_REGION_CHALLENGE 16
+
+/* Who owns regions: with tokens, the token (MOED_PRINCIPAL_TOKEN of its number among them);
+ * without, the local user who connected (its uid, which the kernel reports: rpc_principal in
+ * caller.c). */
+typedef int64_t moed_principal;
+#define MOED_PRINCIPAL_TOKEN(n) (((moed_principal)1 << 32) + (n))
 
 typedef struct moed_regions moed_regions;
 typedef struct moed_region moed_region;
@@ -75,7 +81,8 @@ const moed_regions_config *moed_regions_limits(const moed_regions *r);
 
 /* ---- sessions (the Regions stream) ---- */
 
-moed_region_session *moed_regions_open_session(moed_regions *r, int principal);
+/* NULL when out of memory. */
+moed_region_session *moed_regions_open_session(moed_regions *r, moed_principal principal);
 /* Releases every region the session registered (unmapped once no request holds it) and frees
  * the session. */
 void moed_regions_close_session(moed_regions *r, moed_region_session *s);
@@ -103,7 +110,8 @@ int moed_regions_unregister(moed_regions *r, moed_region_session *s, uint64_t id
 
 /* The usable region `id` of `principal` with a reference taken, or NULL (err: NOT_FOUND, the same
  * message for an unknown id and another principal's; FAILED_PRECONDITION for a broken region). */
-moed_region *moed_regions_acquire(moed_regions *r, int principal, uint64_t id, moed_error *err);
+moed_region *moed_regions_acquire(moed_regions *r, moed_principal principal, uint64_t id,
+                                  moed_error *err);
 /* Drops a reference (NULL: nothing); the last one of an unregistered region unmaps it. */
 void moed_region_release(moed_regions *r, moed_region *g);
 
@@ -129,7 +137,7 @@ int moed_region_copy_out(moed_regions *r, moed_region *g, void *p, const void *s
 /* ---- listings ---- */
 
 /* The principal's regions (malloc'd array in *out, *n entries; free() it). */
-int moed_regions_list(moed_regions *r, int principal, moed_region_info **out, int *n,
+int moed_regions_list(moed_regions *r, moed_principal principal, moed_region_info **out, int *n,
                       moed_error *err);
 void moed_regions_get_stats(moed_regions *r, moed_regions_stats *out);
 

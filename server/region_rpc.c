@@ -8,9 +8,10 @@
  * server drains — the session is closed, which releases every region registered on it (region.h:
  * unknown at once, unmapped after the last request that holds it).
  *
- * Refused at the start, with FAILED_PRECONDITION and the reason: regions off (--regions off), or a
- * peer beyond this host under --regions local. While draining, a new session ends at once with
- * UNAVAILABLE, and open ones end so once their events are sent.
+ * Refused at the start, with FAILED_PRECONDITION and the reason: regions off (--regions off), a
+ * peer beyond this host under --regions local, or a caller without a principal (caller.c). While
+ * draining, a new session ends at once with UNAVAILABLE, and open ones end so once their events
+ * are sent: an idle session at once.
  */
 #include "rpc_call.h"
 
@@ -210,16 +211,19 @@ static void regions_drain(rpc_call *c)
     pthread_mutex_unlock(&rc->lock);
 }
 
-/* Why this caller may not open a session, or NULL. */
-static const char *refusal(const rpc_call *c)
+/* Whether this caller may use regions, and as whom: 0 and *who, or FAILED_PRECONDITION saying
+ * why not. */
+static int admit(rpc_call *c, moed_principal *who, moed_error *err)
 {
     int mode = moed_regions_mode(registry(c));
     if (mode == MOED_REGIONS_OFF)
-        return "this server has regions off (--regions off): send tensors inline";
+        return moed_fail(err, MOED_EPRECOND,
+                         "this server has regions off (--regions off): send tensors inline");
     if (mode == MOED_REGIONS_LOCAL && !c->local)
-        return "regions are for callers on the server's own host (loopback or a unix socket; "
-               "--regions local): send tensors inline";
-    return NULL;
+        return moed_fail(err, MOED_EPRECOND,
+                         "regions are for callers on the server's own host (loopback or a unix "
+                         "socket; --regions local): send tensors inline");
+    return rpc_principal(c, who, err);
 }
 
 static void regions_start(rpc_call *c)
@@ -231,16 +235,18 @@ static void regions_start(rpc_call *c)
     rc->on_recv.fn = on_recv;
     rc->on_send.fn = on_send;
     rc->end_status = GRPC_STATUS_OK;
-    const char *no = refusal(c);
-    if (no) {
-        rpc_count(c, GRPC_STATUS_FAILED_PRECONDITION, 0, NULL, NULL);
-        grpc_call_cancel_with_status(c->call, GRPC_STATUS_FAILED_PRECONDITION, no, NULL);
+    moed_principal who;
+    moed_error err;
+    if (admit(c, &who, &err)) {
+        int status = moed_err_grpc_status(err.code);
+        rpc_count(c, status, 0, NULL, NULL);
+        grpc_call_cancel_with_status(c->call, (grpc_status_code)status, err.msg, NULL);
         return;
     }
     rpc_live_add(c);
     rpc_post_close(c, on_closed);
     pthread_mutex_lock(&rc->lock);
-    rc->session = moed_regions_open_session(registry(c), c->principal);
+    rc->session = moed_regions_open_session(registry(c), who);
     if (!rc->session)
         finish(rc, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for a region session");
     else if (atomic_load(&c->rpc->draining))
@@ -277,13 +283,15 @@ const rpc_method moed_regions_method = { .path = "/moed.v1.Moed/Regions",
 /* ---- ListRegions ------------------------------------------------------------------------------
  */
 
+/* Regions off: an empty list, as ever; a caller without a principal: FAILED_PRECONDITION. */
 static void list_start(rpc_call *c)
 {
     moed_region_info *infos = NULL;
     int n = 0;
     moed_error err = { 0 };
     moed_regions *r = registry(c);
-    if (r && moed_regions_list(r, c->principal, &infos, &n, &err)) {
+    moed_principal who;
+    if (r && (admit(c, &who, &err) || moed_regions_list(r, who, &infos, &n, &err))) {
         rpc_reply_error(c, &err);
         return;
     }

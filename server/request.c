@@ -120,7 +120,9 @@ static moed_region *region_for(const moed_served *s, const moed_caller *c, uint6
                   what);
         return NULL;
     }
-    moed_region *g = moed_regions_acquire(s->regions, c->principal, id, err);
+    moed_principal who;
+    moed_region *g =
+        c->principal(c->ctx, &who, err) ? NULL : moed_regions_acquire(s->regions, who, id, err);
     if (!g) moed_error_prefix(err, "%s", what);
     return g;
 }
@@ -397,13 +399,14 @@ static int resolve_k_batch(const moed_wire_request *q, moed_sched_item *it, moed
     return 0;
 }
 
+/* By position only: no message reads a tensor's values back (moed_route.h). */
 static int check_finite_rows(const float *l, int64_t T, int E, moed_error *err)
 {
     for (int64_t i = 0; i < T * E; i++)
         if (!isfinite(l[i]))
             return moed_fail(err, MOED_EINVAL,
-                             "logits[%lld][%lld] = %g: router logits must be finite",
-                             (long long)(i / E), (long long)(i % E), (double)l[i]);
+                             "logits[%lld][%lld] is not finite: router logits must be finite",
+                             (long long)(i / E), (long long)(i % E));
     return 0;
 }
 

@@ -42,11 +42,14 @@ typedef struct moed_served {
     moed_bufpool *pool;      /* inline hidden rows and replies; NULL: none */
 } moed_served;
 
-/* Who sent a request: the principal its token names (0 without tokens), and whether it came from
- * this host (loopback or a unix socket). */
+/* Who sent a request: whether it came from this host (loopback or a unix socket), and the
+ * principal whose regions it may name, asked for (principal(ctx, ...)) only when a tensor names a
+ * region: finding it may take a system call, and fails (FAILED_PRECONDITION, saying what to do)
+ * for a caller whose regions would be anyone's. */
 typedef struct moed_caller {
-    int principal;
     bool local;
+    int (*principal)(void *ctx, moed_principal *out, moed_error *err);
+    void *ctx;
 } moed_caller;
 
 /* A validated request: who asked, where its hidden rows lie, and the scheduler item that says

@@ -318,7 +318,7 @@ static bool refuse_unauthenticated(rpc_call *c)
 {
     moed_error err;
     if (c->method_id == M_CHECK || c->method_id == M_WATCH ||
-        !moed_security_check_call(c->rpc->cfg.security, &c->md, &c->principal, &err))
+        !moed_security_check_call(c->rpc->cfg.security, &c->md, &c->token, &err))
         return false;
     moed_log_debug("call refused", "method=%s reason=\"%s\"", c->method->path, err.msg);
     refuse(c, &err);
@@ -340,8 +340,9 @@ static bool refuse_draining(rpc_call *c)
 
 /* A connection may hold twice the MAX_CONCURRENT_STREAMS moed advertises (a client that honours
  * the setting never comes near: the slack covers calls whose end the client has seen before this
- * side has freed them); a call past that is refused at once, unread. Unix-socket peers all share
- * one address and are not counted: the socket file's permissions admit them. */
+ * side has freed them); a call past that is refused at once, unread. Connections of moed's own
+ * unix listener have a peer each ("fd:N"); those of gRPC's (TLS on a unix socket) all share one
+ * and are not counted: the socket file's permissions admit them. */
 static bool refuse_crowded(rpc_call *c)
 {
     moed_rpc *r = c->rpc;
@@ -725,7 +726,9 @@ static grpc_server *create_server(const moed_rpc_config *cfg)
          * that never finishes its handshake is dropped after 10 s (gRPC's default: 120 s). */
         { GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_TIME_MS, { .integer = 60000 } },
         { GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_TIMEOUT_MS, { .integer = 20000 } },
-        { GRPC_ARG_INTEGER, GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, { .integer = 10000 } },
+        { GRPC_ARG_INTEGER,
+          GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+          { .integer = MOED_HANDSHAKE_MS } },
         { GRPC_ARG_INTEGER, GRPC_ARG_MAX_CONCURRENT_STREAMS, { .integer = cfg->max_streams } },
         /* Headers: the token (at most 4 KiB) and gRPC's own fit with room to spare. */
         { GRPC_ARG_INTEGER, GRPC_ARG_MAX_METADATA_SIZE, { .integer = 16 << 10 } },
@@ -742,6 +745,37 @@ static grpc_server *create_server(const moed_rpc_config *cfg)
     grpc_server *server = grpc_server_create(&ca, NULL);
     grpc_resource_quota_unref(quota); /* the server holds its own reference */
     return server;
+}
+
+/* The listener: moed's own on a unix socket without TLS (moed_unix: it knows who connects), gRPC's
+ * otherwise, on a unix path claimed first so that a live daemon's socket is never taken over. */
+static int listen_on(moed_rpc *r, moed_error *err)
+{
+    const moed_rpc_config *cfg = &r->cfg;
+    const bool tls = cfg->security && cfg->security->cert_pem;
+    int rc = 0;
+    if (moed_unix_is_address(cfg->listen) &&
+        (rc = tls ? moed_unix_claim(cfg->listen, err)
+                  : moed_unix_open(cfg->listen, &r->unix_listener, err)))
+        return rc;
+    if (r->unix_listener) {
+        set_address(r, 0);
+        return 0;
+    }
+    grpc_server_credentials *creds = moed_security_credentials(cfg->security);
+    int port = creds ? grpc_server_add_http2_port(r->server, cfg->listen, creds) : 0;
+    if (creds) grpc_server_credentials_release(creds);
+    if (!port)
+        return moed_fail(err, MOED_EIO,
+                         "cannot listen on %s: gRPC could not %s (its reason is logged just "
+                         "above); choose another --listen%s",
+                         cfg->listen,
+                         creds ? "bind it (in use, or not a local host:port)"
+                               : "create its TLS credentials",
+                         tls ? " or check the TLS files" : "");
+    set_address(r, port);
+    moed_tcp_self_of(cfg->listen, port, &r->tcp_self);
+    return 0;
 }
 
 int moed_rpc_start(const moed_rpc_config *cfg, moed_rpc **out, moed_error *err)
@@ -782,22 +816,10 @@ int moed_rpc_start(const moed_rpc_config *cfg, moed_rpc **out, moed_error *err)
         }
         q->started = true;
     }
-    grpc_server_credentials *creds = moed_security_credentials(cfg->security);
-    int port = creds ? grpc_server_add_http2_port(r->server, cfg->listen, creds) : 0;
-    if (creds) grpc_server_credentials_release(creds);
-    if (!port) {
-        rc = moed_fail(err, MOED_EIO,
-                       "cannot listen on %s: gRPC could not %s (its reason is logged just "
-                       "above); choose another --listen%s",
-                       cfg->listen,
-                       creds ? "bind it (in use, or not a local host:port)"
-                             : "create its TLS credentials",
-                       cfg->security && cfg->security->cert_pem ? " or check the TLS files" : "");
-        goto err;
-    }
-    set_address(r, port);
+    if ((rc = listen_on(r, err))) goto err;
     grpc_server_start(r->server);
     r->started = true;
+    if (r->unix_listener) moed_unix_serve(r->unix_listener, r->server);
     for (int i = 0; i < r->n_cqs; i++)
         for (int m = 0; m < M_COUNT; m++)
             for (int k = 0; k < prepost[m]; k++) request_call(&r->cqs[i], m);
@@ -868,11 +890,16 @@ static void on_shutdown(rpc_tag *t, bool ok)
 }
 
 /* The second half of the drain, once (from the last call to finish, or from the drain itself when
- * nothing is in flight): gRPC stops accepting and reports when every call is gone. */
+ * nothing is in flight): gRPC stops accepting and reports when every call and connection is gone.
+ * The connections are closed at once: no call is left on them to wait for, and gRPC would
+ * otherwise wait for each client to close its own, or to answer the ping of its GOAWAY (up to the
+ * keepalive timeout), which an idle client that reads nothing never does. */
 static void shutdown_now(moed_rpc *r)
 {
     if (atomic_exchange(&r->shutting, true)) return;
+    moed_unix_stop(r->unix_listener);
     grpc_server_shutdown_and_notify(r->server, r->cqs[0].cq, &r->shutdown_tag);
+    grpc_server_cancel_all_calls(r->server);
 }
 
 /* The second half waits for no call in flight and none arriving for DRAIN_QUIET_NS: a call on its
@@ -906,9 +933,7 @@ void moed_rpc_drain(moed_rpc *r, void (*on_drained)(void *arg), void *arg)
 
 void moed_rpc_cancel_all(moed_rpc *r)
 {
-    if (!atomic_load(&r->draining)) return;
-    shutdown_now(r); /* cancelling needs the server shut down first */
-    grpc_server_cancel_all_calls(r->server);
+    if (atomic_load(&r->draining)) shutdown_now(r); /* which cancels every call */
 }
 
 void moed_rpc_destroy(moed_rpc *r)
@@ -926,6 +951,7 @@ void moed_rpc_destroy(moed_rpc *r)
         grpc_completion_queue_destroy(r->cqs[i].cq);
     }
     free(r->cqs);
+    moed_unix_free(r->unix_listener);
     moed_peers_destroy(r->peers);
     pthread_mutex_destroy(&r->live_lock);
     free(r);

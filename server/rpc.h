@@ -16,8 +16,12 @@
  * Life cycle: moed_rpc_start (bound and serving, health NOT_SERVING) → moed_rpc_set_serving(true)
  * → moed_rpc_drain (SIGTERM: merge windows flushed, NOT_SERVING, new Forward calls answered
  * UNAVAILABLE, open streams and watches ended once their requests are answered; once no call is
- * open and none has arrived for a moment, gRPC stops listening, and on_drained fires when every
- * call is finished) → the scheduler drains → moed_rpc_destroy.
+ * open and none has arrived for a moment, gRPC stops listening and every connection is closed, and
+ * on_drained fires when every call is finished) → the scheduler drains → moed_rpc_destroy.
+ *
+ * Listening: host:port through gRPC; a unix socket through moed's own listener (moed_unix), or
+ * gRPC's with TLS. Who a call's principal is (its token, or the local user who connected) is
+ * found by caller.c.
  */
 #ifndef MOED_RPC_H
 #define MOED_RPC_H
@@ -57,8 +61,9 @@ typedef struct moed_rpc_stats {
     uint64_t active_calls;
 } moed_rpc_stats;
 
-/* Creates the server, binds cfg->listen (MOED_EIO naming the address when it cannot) and starts
- * the completion-queue threads. The configuration's pointers must outlive the server. */
+/* Creates the server, binds cfg->listen (MOED_EIO naming the address when it cannot, or when
+ * something answers on its unix socket already) and starts the completion-queue threads. The
+ * configuration's pointers must outlive the server. */
 int moed_rpc_start(const moed_rpc_config *cfg, moed_rpc **out, moed_error *err);
 
 /* The address actually bound ("127.0.0.1:50051"; with port 0, the port chosen). */
@@ -72,7 +77,7 @@ void moed_rpc_set_serving(moed_rpc *r, bool serving);
  * would be cancelled by it). */
 void moed_rpc_drain(moed_rpc *r, void (*on_drained)(void *arg), void *arg);
 
-/* Cuts short a drain: cancels the calls still open. */
+/* Cuts short a drain: cancels the calls still open and closes every connection. */
 void moed_rpc_cancel_all(moed_rpc *r);
 
 /* After on_drained and after the scheduler has drained: stops the threads, frees everything. */

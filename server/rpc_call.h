@@ -11,8 +11,10 @@
 #define MOED_RPC_CALL_H
 
 #include "moed_list.h"
+#include "peer_uid.h"
 #include "peers.h"
 #include "rpc.h"
+#include "unix_listener.h"
 
 #include <grpc/grpc.h>
 #include <pthread.h>
@@ -66,6 +68,8 @@ struct moed_rpc {
     moed_list live;            /* of rpc_call.live_node */
     int serving;               /* HEALTH_SERVING or HEALTH_NOT_SERVING, under live_lock */
     moed_peers *peers;         /* calls open per connection, held to 2 x --max-streams */
+    moed_unix *unix_listener;  /* moed's own on a unix socket without TLS, or NULL (gRPC's) */
+    moed_tcp_self tcp_self;    /* the one loopback address gRPC's TCP listener serves, if it is */
     _Atomic uint64_t calls[M_COUNT], forwards, by_status[MOED_GRPC_STATUS_COUNT], active;
 };
 
@@ -94,11 +98,13 @@ struct rpc_call {
     grpc_byte_buffer *payload;      /* unary requests: read once the call is let in */
     _Atomic int refs;
     uint64_t t_received_ns;
-    moed_peer *peer; /* its connection's count of open calls, or NULL (not counted) */
-    int principal;   /* the token it carries (moed_security_check_call); 0 without tokens */
-    bool local;      /* its peer is on this host (loopback or a unix socket) */
-    bool active;     /* let in (token, drain and stream count checked): the drain waits for it */
-    bool started;    /* the method's start ran: its destroy must run too */
+    moed_peer *peer;          /* its connection's count of open calls, or NULL (not counted) */
+    int token;                /* the token it carries, 1..n (moed_security_check_call); 0: none */
+    bool has_principal;       /* principal found (rpc_principal asks once per call) */
+    moed_principal principal; /* whose regions it may use */
+    bool local;               /* its peer is on this host (loopback or a unix socket) */
+    bool active;  /* let in (token, drain and stream count checked): the drain waits for it */
+    bool started; /* the method's start ran: its destroy must run too */
     rpc_tag on_new, on_payload;
     /* RECV_CLOSE_ON_SERVER */
     rpc_tag on_close;
@@ -148,6 +154,11 @@ void rpc_count(rpc_call *c, int grpc_status, uint64_t t_received_ns, grpc_byte_b
  * MOED_EFORMAT when corrupt, MOED_EINTERNAL when flagged compressed with no algorithm (gRPC's
  * compression spec). */
 int rpc_inflate(rpc_call *c, grpc_byte_buffer **bb, moed_error *err);
+
+/* The principal whose regions the call may use (caller.c): 0, or FAILED_PRECONDITION with a
+ * message saying what to do when it has none. Asked only by calls that use regions; the answer is
+ * kept for the call. */
+int rpc_principal(rpc_call *c, moed_principal *out, moed_error *err);
 
 /* The call's deadline on moed_now_ns()'s clock, 0 for none. */
 uint64_t rpc_deadline_ns(const rpc_call *c);

@@ -12,10 +12,10 @@
  */
 #include "security.h"
 
+#include "file.h"
 #include "log.h"
 
 #include <ctype.h>
-#include <errno.h>
 #include <openssl/bio.h>
 #include <openssl/err.h>
 #include <openssl/pem.h>
@@ -30,33 +30,12 @@
 
 /* ---- files ----------------------------------------------------------------------------------- */
 
-/* The whole file, NUL-terminated, in *out (malloc'd). */
+/* The whole file, NUL-terminated, in *out (malloc'd): a regular file only (moed_file), so a FIFO
+ * or a device is refused at once instead of blocking the start or being read forever. */
 static int read_file(const char *flag, const char *path, size_t max, char **out, moed_error *err)
 {
-    *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return moed_fail(err, MOED_EIO, "%s '%s': cannot open it: %s; give a file moed can read",
-                         flag, path, strerror(errno));
-    char *buf = malloc(max + 1);
-    size_t n = buf ? fread(buf, 1, max + 1, f) : 0;
-    int rc = 0;
-    if (!buf)
-        rc = moed_fail(err, MOED_ENOMEM, "%s '%s': no memory to read it", flag, path);
-    else if (ferror(f))
-        rc = moed_fail(err, MOED_EIO, "%s '%s': read error: %s", flag, path, strerror(errno));
-    else if (n > max)
-        rc =
-            moed_fail(err, MOED_EINVAL, "%s '%s': the file is over %zu bytes; is it the right one?",
-                      flag, path, max);
-    fclose(f);
-    if (rc) {
-        free(buf);
-        return rc;
-    }
-    buf[n] = 0;
-    *out = buf;
-    return 0;
+    size_t n;
+    return moed_file_read(path, flag, max, out, &n, err);
 }
 
 /* OpenSSL's password callback: never prompt on a terminal; an encrypted key simply fails. */
@@ -290,10 +269,10 @@ static int which_token(const moed_security *s, const uint8_t *got, size_t glen)
     return (int)found;
 }
 
-int moed_security_check_call(const moed_security *s, const grpc_metadata_array *md, int *principal,
+int moed_security_check_call(const moed_security *s, const grpc_metadata_array *md, int *token,
                              moed_error *err)
 {
-    *principal = 0;
+    *token = 0;
     if (!s || !s->n_tokens) return 0;
     bool seen = false;
     for (size_t i = 0; i < md->count; i++) {
@@ -304,7 +283,7 @@ int moed_security_check_call(const moed_security *s, const grpc_metadata_array *
         if (n < 7 || strncasecmp((const char *)v, "bearer ", 7)) continue;
         size_t at = 7;
         while (at < n && v[at] == ' ') at++;
-        if ((*principal = which_token(s, v + at, n - at))) return 0;
+        if ((*token = which_token(s, v + at, n - at))) return 0;
     }
     if (!seen)
         return moed_fail(err, MOED_EUNAUTH,

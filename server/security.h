@@ -53,9 +53,10 @@ grpc_server_credentials *moed_security_credentials(const moed_security *s);
 #define MOED_SECURITY_MAX_TOKENS 64
 
 /* 0 when no token is required or md carries one of the tokens; MOED_EUNAUTH with a message that
- * says what to send otherwise (never anything about the expected tokens). *principal: 0 when no
- * token is required, else the number (1, 2, ...) of the token's line among the tokens. */
-int moed_security_check_call(const moed_security *s, const grpc_metadata_array *md, int *principal,
+ * says what to send otherwise (never anything about the expected tokens). *token: 0 when no token
+ * is required, else the number (1, 2, ...) of the token's line among the tokens (its principal:
+ * MOED_PRINCIPAL_TOKEN, region.h). */
+int moed_security_check_call(const moed_security *s, const grpc_metadata_array *md, int *token,
                              moed_error *err);
 
 /* True for addresses only this host can reach: 127.0.0.0/8, ::1, localhost, unix sockets. */

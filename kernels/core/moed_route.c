@@ -111,20 +111,19 @@ int moed_route_from_choice(moed_route *r, const int32_t *ids, const float *w, in
             if (id == -1 && wt == 0.0f) continue; /* padding */
             if (id == -1)
                 return moed_fail(err, MOED_EINVAL,
-                                 "expert_ids[%lld][%d] = -1 marks padding, but its weight is %g: "
-                                 "padding must have weight 0",
-                                 (long long)t, j, (double)wt);
+                                 "expert_ids[%lld][%d] marks padding (-1), but expert_weights[%lld]"
+                                 "[%d] is not 0: padding must have weight 0",
+                                 (long long)t, j, (long long)t, j);
             if (id < 0 || id >= n_experts)
                 return moed_fail(err, MOED_EINVAL,
-                                 "expert_ids[%lld][%d] = %d is out of range: the layer has %d "
-                                 "experts, so ids must be in [0, %d) (or -1 with weight 0 for "
-                                 "padding)",
-                                 (long long)t, j, (int)id, n_experts, n_experts);
+                                 "expert_ids[%lld][%d] is out of range: the layer has %d experts, "
+                                 "so ids must be in [0, %d) (or -1 with weight 0 for padding)",
+                                 (long long)t, j, n_experts, n_experts);
             if (!isfinite(wt) || wt < 0.0f)
                 return moed_fail(err, MOED_EINVAL,
-                                 "expert_weights[%lld][%d] = %g: routing weights must be finite "
+                                 "expert_weights[%lld][%d] is %s: routing weights must be finite "
                                  "and >= 0",
-                                 (long long)t, j, (double)wt);
+                                 (long long)t, j, isfinite(wt) ? "negative" : "not finite");
             pairs++;
         }
     }
@@ -452,13 +451,15 @@ static int gate_deepseek(const float *l, const float *bias, const moed_layer_inf
     return k;
 }
 
-/* Names the first NaN or Inf of an [T, E] float32 matrix. */
+/* Names the first NaN or Inf of an [T, E] float32 matrix (by position only, as every message
+ * about a tensor's values: moed_route.h). */
 static int check_finite(const float *v, int64_t T, int E, const char *what, moed_error *err)
 {
     for (int64_t i = 0; i < T * (int64_t)E; i++)
         if (!isfinite(v[i]))
-            return moed_fail(err, MOED_EINVAL, "%s[%lld][%lld] = %g: router logits must be finite",
-                             what, (long long)(i / E), (long long)(i % E), (double)v[i]);
+            return moed_fail(err, MOED_EINVAL,
+                             "%s[%lld][%lld] is not finite: router logits must be finite", what,
+                             (long long)(i / E), (long long)(i % E));
     return 0;
 }
 

@@ -11,6 +11,10 @@
  * expert index, top-k lists experts by decreasing score. The numpy reference in the Python client
  * implements the same definitions; see proto/moed/v1/moed.proto for the user-facing statement.
  *
+ * Messages about a tensor's contents name the element by its position and the rule it breaks, never
+ * its value: the tensor may lie in a caller's region, and a message must not read it back to
+ * anyone (the caller holds the tensor and can look).
+ *
  * Ownership: moed_route_from_choice, moed_gate and moed_gate_batch initialise their output route
  * themselves (whatever it held is overwritten, not freed); the caller releases it with
  * moed_route_free, which is also safe after a failure (the route is then left empty).

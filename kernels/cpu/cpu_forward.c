@@ -297,9 +297,9 @@ static int check_route(const moed_route *r, int64_t T, int E, moed_error *err)
             if (r->expert[p] < 0 || r->expert[p] >= E || !isfinite(r->weight[p]) ||
                 r->weight[p] < 0.0f)
                 return moed_fail(err, MOED_EINVAL,
-                                 "token %lld routes to expert %d with weight %g: experts are "
+                                 "token %lld's pair %lld breaks the route's rules: experts are "
                                  "0..%d and weights finite and >= 0",
-                                 (long long)t, (int)r->expert[p], (double)r->weight[p], E - 1);
+                                 (long long)t, (long long)(p - r->off[t]), E - 1);
     }
     return 0;
 }

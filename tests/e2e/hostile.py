@@ -35,9 +35,15 @@ FORWARD = "/moed.v1.Moed/Forward"
 
 
 def _connect(address, timeout=10.0):
-    host, port = address.rsplit(":", 1)
-    s = socket.create_connection((host, int(port)), timeout=timeout)
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    """host:port, or unix:PATH."""
+    if address.startswith("unix:"):
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(timeout)
+        s.connect(address[5:])
+    else:
+        host, port = address.rsplit(":", 1)
+        s = socket.create_connection((host, int(port)), timeout=timeout)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
     conn.initiate_connection()
     s.sendall(conn.data_to_send())

@@ -78,6 +78,13 @@ BAD_VALUES = [
     (["--listen", "127.0.0.1:70000"], ["--listen", "70000", "1 to 65535"]),
     (["--metrics-listen", "127.0.0.1:70000"], ["--metrics-listen", "70000", "1 to 65535"]),
     (["--listen", "127.0.0.1"], ["--listen", "host:port"]),
+    # Issue 25: forms gRPC's server cannot bind ended with its raw reason and exit 1.
+    (["--listen", "ipv4:127.0.0.1:0"], ["--listen", "ipv4:", "host:port"]),
+    (["--listen", "dns:///localhost:0"], ["--listen", "dns:", "host:port"]),
+    (["--listen", ":0"], ["--listen", "':0'", "host"]),
+    (["--listen", "256.1.1.1:0"], ["--listen", "256.1.1.1", "IPv4"]),
+    (["--listen", "[::1x]:0"], ["--listen", "[::1x]", "IPv6"]),
+    (["--listen", "unix:/tmp/" + "s" * 120], ["--listen", "107"]),
     (["--layers", "0-99999"], ["--layers", "65535"]),
     (["--bogus"], ["--bogus"]),
     (["--threads"], ["--threads", "value"]),

@@ -1,23 +1,28 @@
 """SIGTERM / SIGINT with calls in flight: every call is answered (correctly), health goes
-NOT_SERVING for watchers, and the daemon exits 0.
+NOT_SERVING for watchers, and the daemon exits 0; an idle region session (and its connection) does
+not hold the exit.
 
 The model is large enough, and the daemon has one worker thread, so that a queue of calls takes a
 few hundred milliseconds: the signal arrives while most of them are still queued or computing, and
 the test checks that it did (calls finishing after the signal), or it would prove nothing.
 """
 
+import select
 import signal
 import threading
 import time
 
 import grpc
+import h2.events
 import numpy as np
 import pytest
 
+import hostile
 import oracle as O
 from daemons import log_of, wait_exit
 from moed import MoEError
 from moed._proto.grpc.health.v1 import health_pb2, health_pb2_grpc
+from moed._proto.moed.v1 import moed_pb2 as pb
 
 SPEC = O.Spec(layers=1, d=256, ff=512, experts=8, topk=2, dtype="bf16", seed=51)
 CALLS = 16
@@ -198,3 +203,82 @@ def test_repeated_sigterm_still_exits_zero(daemon):
         time.sleep(0.0005)
     code = wait_exit(d)
     assert code == 0, f"moed exited {code}:\n{log_of(d)}"
+
+
+
+class RawSession:
+    """A Regions stream over raw HTTP/2 (hostile.py's connection) whose client answers what the
+    server sends, pings too after a GOAWAY (as a gRPC client's idle channel does), and never ends
+    anything itself: not the stream, not the connection."""
+
+    def __init__(self, address):
+        self.s, self.conn = hostile._connect(address)
+        self.stream = self.conn.get_next_available_stream_id()
+        self.conn.send_headers(self.stream, hostile._headers(address, "/moed.v1.Moed/Regions"))
+        self.s.sendall(self.conn.data_to_send())
+        self.events, self.trailers, self.goaway, self.raw = b"", None, False, b""
+
+    def send(self, command):
+        self.conn.send_data(self.stream, hostile.grpc_frame(command.SerializeToString()))
+        self.s.sendall(self.conn.data_to_send())
+
+    def _frame(self, frame):
+        """One frame from the server: to h2 until a GOAWAY, after which h2 takes nothing more, so
+        the pings that still come are answered here."""
+        if self.goaway:
+            if frame[3] == 6 and not frame[4] & 1:
+                self.s.sendall(hostile._frame(6, 1, 0, frame[9:]))
+            return
+        for ev in self.conn.receive_data(frame):
+            if isinstance(ev, h2.events.DataReceived):
+                self.events += ev.data
+                self.conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+            elif isinstance(ev, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+                if "grpc-status" in dict(ev.headers):
+                    self.trailers = dict(ev.headers)
+            elif isinstance(ev, h2.events.ConnectionTerminated):
+                self.goaway = True
+        self.s.sendall(self.conn.data_to_send())
+
+    def read_until(self, done, timeout):
+        """Reads until done(), the server closes the connection, or the hang guard `timeout`
+        passes; whether the server closed it."""
+        end = time.monotonic() + timeout
+        while not done() and time.monotonic() < end:
+            if not select.select([self.s], [], [], 0.05)[0]:
+                continue
+            got = self.s.recv(1 << 16)
+            if not got:
+                return True
+            self.raw += got
+            while len(self.raw) >= 9 and len(self.raw) >= 9 + int.from_bytes(self.raw[:3], "big"):
+                n = 9 + int.from_bytes(self.raw[:3], "big")
+                frame, self.raw = self.raw[:n], self.raw[n:]
+                self._frame(frame)
+        return False
+
+
+def test_an_idle_session_does_not_hold_the_exit(daemon):
+    """Issue 25: an idle Regions session held SIGTERM's exit. Its client here keeps the session and
+    its connection open, ends neither, and reads nothing once the session has answered a command
+    (so the session is open on the server, and idle): as a client process busy elsewhere, or an
+    idle gRPC channel that nobody polls, reads nothing. moed used to wait for such a connection
+    until a timer closed it: gRPC's answer-my-GOAWAY-ping timeout (20 s, rpc.c's keepalive timeout)
+    or --drain-timeout (an hour here). So it could not exit inside the 15 s hang guard; now it
+    must, exit 0, with the session ended UNAVAILABLE saying why and no cancel in the log."""
+    d = daemon("--synthetic", str(SPEC), "--threads", "1", "--drain-timeout", "3600")
+    session = RawSession(d.address)
+    try:
+        session.send(pb.RegionCommand(seq=1, unregister=pb.UnregisterRegion(region=1)))
+        session.read_until(lambda: len(session.events) > 5, 30)
+        assert len(session.events) > 5, "the session never answered its command"
+        d.send_signal(signal.SIGTERM)
+        code = wait_exit(d, timeout=15)
+        session.read_until(lambda: session.trailers is not None, 10)  # what the socket holds
+    finally:
+        session.s.close()
+    assert code == 0, f"moed exited {code}:\n{log_of(d)}"
+    assert session.trailers is not None, "the session was not ended"
+    assert session.trailers["grpc-status"] == str(grpc.StatusCode.UNAVAILABLE.value[0]), session.trailers
+    assert "draining" in session.trailers.get("grpc-message", ""), session.trailers
+    assert "cancelling the calls still open" not in log_of(d), log_of(d)

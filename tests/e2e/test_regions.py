@@ -492,38 +492,41 @@ def host_address():
 @pytest.mark.parametrize("mode", ["local", "any"])
 def test_same_host_rule(tmp_path, mode):
     """Over the host's own non-loopback address a caller counts as remote: --regions local refuses
-    it a session and a reference to a region registered over loopback; --regions any serves both."""
+    it a session and a reference to a region registered over loopback; --regions any serves both.
+    With a token, which is what makes a remote caller's regions its own (without one it gets none:
+    test_region_owners.py)."""
     ip = host_address()
     if not ip:
         pytest.skip("this host has no address but loopback")
     port = free_port()  # the last --listen wins: the wildcard one, on the port the Daemon checks
-    d = Daemon(["--synthetic", str(SPEC), "--threads", "1", "--regions", mode, "--listen",
-                f"0.0.0.0:{port}"], tmp_path / "moed.log", port=port)
+    (tmp_path / "token").write_text(TOKENS[0] + "\n")
+    d = Daemon(["--synthetic", str(SPEC), "--threads", "1", "--regions", mode, "--auth-token-file",
+                str(tmp_path / "token"), "--listen", f"0.0.0.0:{port}"], tmp_path / "moed.log",
+               port=port)
     shm, theirs = Shm(1 << 16), Shm(1 << 16)
     c = Case("topk", 3, 8)
     try:
         with d.channel() as ch, grpc.insecure_channel(f"{ip}:{port}") as far:
-            s = Session(ch)  # its regions live as long as it does
+            s = Session(ch, A)  # its regions live as long as it does
             region = s.host(shm)
             q, out = placed(shm, region, c)
-            want = forward(ch, c.request(), md=()).output.data
+            want = forward(ch, c.request()).output.data
             if mode == "any":
-                t = Session(far)
-                assert t.host(theirs) and len(list_regions(far)) == 2  # one principal: both
-                forward(far, q, md=())
+                t = Session(far, A)
+                assert t.host(theirs) and len(list_regions(far, A)) == 2  # one principal: both
+                forward(far, q)
                 assert shm.get(out, c.out_bytes) == want
             else:
                 with pytest.raises(grpc.RpcError) as e:
-                    Session(far).host(theirs)
+                    Session(far, A).host(theirs)
                 assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "own host" in e.value.details()
-                code, msg = refused(lambda: forward(far, q, md=()))
+                code, msg = refused(lambda: forward(far, q))
                 assert code == grpc.StatusCode.FAILED_PRECONDITION and "own host" in msg
-                assert forward(far, c.request(), md=()).output.data == want  # inline, as ever
+                assert forward(far, c.request()).output.data == want  # inline, as ever
     finally:
         shm.close()
         theirs.close()
-        code = d.stop()
-    assert code == 0, d.log()
+        assert d.stop() == 0, d.log()
 
 
 def test_c_client_shm_transport(pool, tmp_path):

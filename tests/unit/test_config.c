@@ -206,10 +206,9 @@ static void test_listen_ports(void)
 {
     moed_config c;
     moed_error err;
-    static const char *const good[] = {
-        "127.0.0.1:50051", "0.0.0.0:1",          "[::1]:65535", "localhost:0",
-        "unix:/tmp/m.s",   "unix-abstract:moed", ":9000"
-    };
+    static const char *const good[] = { "127.0.0.1:50051", "0.0.0.0:1",        "[::1]:65535",
+                                        "localhost:0",     "unix:/tmp/m.s",    "unix-abstract:moed",
+                                        "[::]:7",          "moed-1.example:80" };
     for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
         CHECK_MSG(LOAD(&c, &err, "--listen", (char *)good[i]) == 0, "%s: %s", good[i], err.msg);
         moed_config_free(&c);
@@ -221,14 +220,26 @@ static void test_listen_ports(void)
     CHECK_EQ_INT(LOAD(&c, &err, "--metrics-listen", "127.0.0.1:65536"), MOED_EINVAL);
     expect_bad(&err, "metrics port over 65535", "--metrics-listen", "65536");
     moed_config_free(&c);
-    static const char *const bad[] = { "127.0.0.1",     "127.0.0.1:",       "127.0.0.1:-1",
-                                       "127.0.0.1:80x", "127.0.0.1:000080", "::1:80",
-                                       "unix:" };
+    /* Also what gRPC's server cannot bind (it failed with gRPC's own words and exit 1): a scheme,
+     * no host, a literal that is no address, a path longer than a socket address holds. */
+    char long_path[160];
+    snprintf(long_path, sizeof long_path, "unix:/tmp/%0*d", MOED_CONFIG_MAX_UNIX_PATH - 4, 0);
+    const char *const bad[] = {
+        "127.0.0.1",   "127.0.0.1:", "127.0.0.1:-1", "127.0.0.1:80x",    "127.0.0.1:000080",
+        "::1:80",      "unix:",      ":9000",        "ipv4:127.0.0.1:1", "dns:///a.b:1",
+        "256.0.0.1:1", "[::1x]:1",   "a/b:1",        long_path
+    };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         CHECK_MSG(LOAD(&c, &err, "--listen", (char *)bad[i]) == MOED_EINVAL, "%s accepted", bad[i]);
         expect_bad(&err, bad[i], "--listen", bad[i]);
         moed_config_free(&c);
     }
+    long_path[strlen(long_path) - 1] = 0; /* the longest a socket path may be */
+    CHECK_MSG(LOAD(&c, &err, "--listen", long_path) == 0, "%s", err.msg);
+    moed_config_free(&c);
+    CHECK_MSG(LOAD(&c, &err, "--metrics-listen", ":9000") == 0, "%s",
+              err.msg); /* every interface */
+    moed_config_free(&c);
     /* The metrics endpoint is HTTP over TCP: no unix sockets. */
     CHECK_EQ_INT(LOAD(&c, &err, "--metrics-listen", "unix:/tmp/x"), MOED_EINVAL);
     expect_bad(&err, "metrics on unix", "--metrics-listen", "host:port");

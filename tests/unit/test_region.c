@@ -1,8 +1,9 @@
 /*
  * test_region — the region registry (region.h), its guard (guard.h) and the staging pool
  * (bufpool.h), against real POSIX shared memory and the CPU backend (no DMA: every access is a
- * guarded copy): names; the two-step registration and its challenge; ownership by principal, with
- * the same answer for another principal's id as for an unknown one; bounds with overflow,
+ * guarded copy): names; the two-step registration and its challenge; ownership by principal (uids
+ * and tokens, caps each its own), with the same answer for another principal's id as for an
+ * unknown one; bounds with overflow,
  * alignment and length; a region shrunk under the registry (the copy fails, the region is broken
  * for good, the process lives); references outliving an unregister and a session's end; caps and
  * their release; CUDA regions refused; the pool's first fit, coalescing and exhaustion.
@@ -236,6 +237,54 @@ static void test_caps_and_sessions(void)
     }
 }
 
+/* Principals are uids and tokens, any number of each: caps and lists stay each one's own, and one
+ * refused for its cap leaves nothing counted. */
+static void test_uid_and_token_principals(void)
+{
+    const moed_principal who[] = { 0, 65534, 4000000000u, MOED_PRINCIPAL_TOKEN(1),
+                                   MOED_PRINCIPAL_TOKEN(64) };
+    enum { N = sizeof who / sizeof who[0] };
+    moed_regions *r = open_registry(1, 4096, N * 4096);
+    moed_region_session *s[N];
+    unsigned char *maps[N + 1];
+    char names[N + 1][64];
+    uint64_t id[N];
+    moed_region_info info;
+    uint8_t ch[MOED_REGION_CHALLENGE];
+    moed_error err;
+    for (int i = 0; i <= N; i++) make_shm(20 + i, 4096, names[i], sizeof names[i], &maps[i]);
+    for (int i = 0; i < N; i++) {
+        s[i] = moed_regions_open_session(r, who[i]);
+        id[i] = host(r, s[i], names[i], 4096, maps[i]);
+        CHECK_EQ_INT(
+            moed_regions_register_host(r, s[i], names[N], strlen(names[N]), 4096, &info, ch, &err),
+            MOED_ETOOBIG); /* its own cap of one, whoever else has one */
+    }
+    for (int i = 0; i < N; i++) {
+        moed_region_info *list;
+        int n;
+        CHECK_EQ_INT(moed_regions_list(r, who[i], &list, &n, &err), 0);
+        CHECK(n == 1 && list[0].id == id[i]);
+        free(list);
+        for (int j = 0; j < N; j++) {
+            moed_region *g = moed_regions_acquire(r, who[i], id[j], &err);
+            CHECK(!g == (i != j));
+            moed_region_release(r, g);
+        }
+    }
+    moed_regions_close_session(r, s[1]);
+    moed_region_session *again = moed_regions_open_session(r, who[1]);
+    CHECK(host(r, again, names[N], 4096, maps[N]) != 0); /* nothing of the first is counted */
+    moed_regions_close_session(r, again);
+    for (int i = 0; i < N; i++)
+        if (i != 1) moed_regions_close_session(r, s[i]);
+    for (int i = 0; i <= N; i++) {
+        munmap(maps[i], 4096);
+        shm_unlink(names[i]);
+    }
+    moed_regions_destroy(r);
+}
+
 static void test_pool(void)
 {
     moed_bufpool *p;
@@ -273,6 +322,7 @@ int main(void)
     test_register_and_use();
     test_shrunk();
     test_caps_and_sessions();
+    test_uid_and_token_principals();
     test_pool();
     moed_backend_destroy(cpu);
     return check_status("test_region");

@@ -23,7 +23,14 @@ static const moed_served served = { .layers = ptrs,
                                     .max_batch_pairs = 100,
                                     .max_message_bytes = 1 << 20 };
 static float router[1];
-static const moed_caller anyone = { .principal = 0, .local = true };
+/* No request here names a region: asking for the principal is a failure of the test. */
+static int no_principal(void *ctx, moed_principal *out, moed_error *err)
+{
+    return moed_fail(err, MOED_EINTERNAL,
+                     "the principal was asked for by a request without regions");
+}
+
+static const moed_caller anyone = { .local = true, .principal = no_principal };
 
 /* A request under construction: hidden [T, d] F32 for layer, then the routing the test sets. */
 typedef struct build {
@@ -304,7 +311,7 @@ static void test_errors(void)
     init_build(&b, 3, 2, 8);
     set_choice(&b, 2, 2);
     b.id[1] = 8;
-    expect(&b, MOED_EINVAL, "expert_ids[0][1] = 8", "[0, 8)", "id out of range");
+    expect(&b, MOED_EINVAL, "expert_ids[0][1] is out of range", "[0, 8)", "id out of range");
 
     init_build(&b, 3, 2, 8);
     set_choice(&b, 2, 2);

@@ -110,7 +110,7 @@ static void test_tls_files(void)
     CHECK_EQ_INT(load("junk.pem", "a.key", NULL, &err), MOED_EINVAL);
     CHECK_MSG(strstr(err.msg, "no PEM certificate") && strstr(err.msg, "--tls-cert"), "%s",
               err.msg);
-    CHECK_EQ_INT(load("missing.crt", "a.key", NULL, &err), MOED_EIO);
+    CHECK_EQ_INT(load("missing.crt", "a.key", NULL, &err), MOED_ENOTFOUND);
     CHECK_MSG(strstr(err.msg, "missing.crt") && strstr(err.msg, "No such file"), "%s", err.msg);
     CHECK_EQ_INT(load("a.crt", "a.key", "junk.pem", &err), MOED_EINVAL);
     CHECK_MSG(strstr(err.msg, "--tls-client-ca") && strstr(err.msg, "junk.pem"), "%s", err.msg);
@@ -205,8 +205,14 @@ static void test_token(void)
         moed_security_free(&s);
     }
     moed_security_config missing = { .token_file = path_of("nope") };
-    CHECK_EQ_INT(moed_security_load(&missing, &s, &err), MOED_EIO);
+    CHECK_EQ_INT(moed_security_load(&missing, &s, &err), MOED_ENOTFOUND);
     CHECK(strstr(err.msg, "--auth-token-file") && strstr(err.msg, "nope"));
+    moed_security_free(&s);
+    /* a FIFO would block the open until a writer came: refused without opening it for reading */
+    CHECK_EQ_INT(mkfifo(path_of("fifo-token"), 0600), 0);
+    moed_security_config fifo = { .token_file = path_of("fifo-token") };
+    CHECK_EQ_INT(moed_security_load(&fifo, &s, &err), MOED_EIO);
+    CHECK_MSG(strstr(err.msg, "--auth-token-file") && strstr(err.msg, "FIFO"), "%s", err.msg);
     moed_security_free(&s);
     moed_security_config empty_env = { .token_env = "" };
     CHECK_EQ_INT(moed_security_load(&empty_env, &s, &err), MOED_EINVAL);
