@@ -11,6 +11,7 @@ CUDA setup would fall back to the CPU and every test would pass on it.
 """
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -51,13 +52,23 @@ def free_port():
 
 class Daemon:
     """One moed process. `args` are its flags after --listen; its stderr goes to `log_path`.
-    listen: the address to serve on (default 127.0.0.1 at `port`, or a free port)."""
+    listen: the address to serve on (default 127.0.0.1 at `port`, or at a port the kernel picks).
+
+    Without a port the daemon listens on port 0 and its log's "ready" line says which port it got:
+    a port picked here and handed over stays free only until some other process (any client's
+    connect, another test run on the machine) takes it. Where the log does not come to stderr
+    (--log-file, or a --config file that may name one) a free port is picked here instead."""
 
     def __init__(self, args, log_path, env=None, port=None, wait=True, timeout=60.0, listen=None):
         assert MOED_BIN.exists(), f"{MOED_BIN} does not exist: build first (or set MOED_BUILD_DIR)"
-        self.port = port or free_port()
-        self.listen = listen or f"127.0.0.1:{self.port}"
-        self.address = self.listen.replace("0.0.0.0:", "127.0.0.1:")
+        args = [str(a) for a in args]
+        if listen is None:
+            if port is None and not {"--log-file", "--config"} & set(args):
+                listen = "127.0.0.1:0"
+            else:
+                listen = f"127.0.0.1:{port or free_port()}"
+        self.listen = listen
+        self._address = None if listen.endswith(":0") else listen.replace("0.0.0.0:", "127.0.0.1:")
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.argv = [str(MOED_BIN), "--listen", self.listen, *args]
@@ -73,6 +84,34 @@ class Daemon:
                 self._log.close()
                 raise
 
+    @property
+    def address(self):
+        """host:port to call (for a port the kernel picked, once the log says it: this waits)."""
+        if self._address is None:
+            self._address = self.logged_address("ready").replace("0.0.0.0:", "127.0.0.1:")
+        return self._address
+
+    @property
+    def port(self):
+        return int(self.address.rsplit(":", 1)[1])
+
+    @property
+    def metrics_port(self):
+        """The metrics endpoint's port, as the log says (give --metrics-listen 127.0.0.1:0)."""
+        return int(self.logged_address("metrics listening").rsplit(":", 1)[1])
+
+    def logged_address(self, msg, timeout=60.0):
+        """The addr= of the log line with msg="<msg>", waiting for it while the daemon runs."""
+        pattern = re.compile(r'msg="' + re.escape(msg) + r'" addr=(\S+)')
+        deadline = time.monotonic() + timeout
+        while not (m := pattern.search(self.log())):
+            if self.proc.poll() is not None:
+                raise AssertionError(f"moed exited with {self.proc.returncode} before logging "
+                                     f"{msg!r}:\n{self.log()}")
+            assert time.monotonic() < deadline, f"moed did not log {msg!r} in {timeout} s:\n{self.log()}"
+            time.sleep(0.02)
+        return m.group(1)
+
     def log(self):
         if not self._log.closed:
             self._log.flush()
@@ -80,6 +119,8 @@ class Daemon:
 
     def wait_serving(self, timeout=60.0):
         deadline = time.monotonic() + timeout
+        if self._address is None:
+            self.logged_address("ready", timeout)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"moed exited with {self.proc.returncode} before serving:\n{self.log()}")
