@@ -50,20 +50,32 @@ def free_port():
             return port
 
 
+def logs_ready(args):
+    """Whether moed with these flags writes its "ready" line (info) to stderr: not with a log file
+    or a threshold over info, in the flags or in a config file."""
+    text = " ".join(args)
+    if "--config" in args:
+        try:
+            text += "\n" + pathlib.Path(args[args.index("--config") + 1]).read_text()
+        except (OSError, IndexError, UnicodeDecodeError):  # moed says what is wrong with it
+            pass
+    return not re.search(r"(^|\s|--)log-file\b|(^|\s|--)log-level\s*=?\s*(warn|error)", text, re.M)
+
+
 class Daemon:
     """One moed process. `args` are its flags after --listen; its stderr goes to `log_path`.
     listen: the address to serve on (default 127.0.0.1 at `port`, or at a port the kernel picks).
 
     Without a port the daemon listens on port 0 and its log's "ready" line says which port it got:
     a port picked here and handed over stays free only until some other process (any client's
-    connect, another test run on the machine) takes it. Where the log does not come to stderr
-    (--log-file, or a --config file that may name one) a free port is picked here instead."""
+    connect, another test run on the machine) takes it. Where that line does not come to stderr
+    (logs_ready) a free port is picked here instead."""
 
     def __init__(self, args, log_path, env=None, port=None, wait=True, timeout=60.0, listen=None):
         assert MOED_BIN.exists(), f"{MOED_BIN} does not exist: build first (or set MOED_BUILD_DIR)"
         args = [str(a) for a in args]
         if listen is None:
-            if port is None and not {"--log-file", "--config"} & set(args):
+            if port is None and logs_ready(args):
                 listen = "127.0.0.1:0"
             else:
                 listen = f"127.0.0.1:{port or free_port()}"
@@ -90,6 +102,10 @@ class Daemon:
         if self._address is None:
             self._address = self.logged_address("ready").replace("0.0.0.0:", "127.0.0.1:")
         return self._address
+
+    @address.setter
+    def address(self, value):  # where a later --listen among the flags wins
+        self._address = value
 
     @property
     def port(self):

@@ -9,13 +9,29 @@ gRPC client always sends its whole message at once.
 
 import socket
 import threading
+import time
 
 import h2.config
 import h2.connection
 import h2.events
 import h2.exceptions
 
+from prod import scrape
+
 FORWARD = "/moed.v1.Moed/Forward"
+
+
+def held_call(d, timeout=60):
+    """A HeldCall to daemon d (started with prod.ANY_METRICS_PORT), returned once d counts it among
+    its open calls: a signal sent after that finds it in flight. Nothing else may open or end a
+    call meanwhile."""
+    before = scrape(d.metrics_port).get("moed_calls_active")
+    call = HeldCall(d.address)
+    deadline = time.monotonic() + timeout
+    while scrape(d.metrics_port).get("moed_calls_active") != before + 1:
+        assert time.monotonic() < deadline, f"moed did not count the held call in {timeout} s"
+        time.sleep(0.01)
+    return call
 
 
 class HeldCall:

@@ -29,7 +29,7 @@ import pytest
 import oracle as O
 from conftest import BUILD, DEFAULT_SPEC, ROOT
 from daemons import Worker, log_of, wait_exit
-from held import HeldCall
+from held import held_call
 from moed import MoEClient, MoEError, RetryPolicy
 from moed import aio
 from prod import ANY_METRICS_PORT, server_counts, wait_counts
@@ -305,7 +305,7 @@ def test_retries_against_a_draining_daemon_are_bounded(daemon):
         assert c.health() == "SERVING"  # connected before the drain
         in_flight.start()
         wait_counts(port, before, {"queued": 1})
-        held = HeldCall(d.address)
+        held = held_call(d)
         d.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 60
         while c.health() != "NOT_SERVING":
