@@ -9,6 +9,7 @@ $MOED_TEST_COMPUTE set (the GPU machine's run, tests/gpu/run-on-gpu.sh) means th
 compute on the GPU: each one, once serving, must report the cuda backend in GetModel, or a broken
 CUDA setup would fall back to the CPU and every test would pass on it.
 """
+import contextlib
 import os
 import pathlib
 import re
@@ -60,6 +61,15 @@ def logs_ready(args):
         except (OSError, IndexError, UnicodeDecodeError):  # moed says what is wrong with it
             pass
     return not re.search(r"(^|\s|--)log-file\b|(^|\s|--)log-level\s*=?\s*(warn|error)", text, re.M)
+
+
+@contextlib.contextmanager
+def refused_address():
+    """127.0.0.1:PORT where connections are refused for as long as this lasts: a socket holds the
+    port bound without listening on it, so nothing else can listen there meanwhile."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{s.getsockname()[1]}"
 
 
 class Daemon:
