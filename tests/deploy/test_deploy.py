@@ -25,7 +25,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -64,31 +63,17 @@ DRAIN_S = int(conf()["drain-timeout"])
 EXPORTER_PORTS = {9100, 9400, 9464, 9835, 9256, 8080, 8002, 10250, 10249, 10255}
 
 
-_ports_given = set()
-
-
-def free_port():
-    """A port nothing listens on, never the same one twice in this process: the kernel may hand a
-    port just closed out again, and a daemon given it for both gRPC and metrics fails to start."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _ports_given:
-            _ports_given.add(port)
-            return port
-
-
 # ---- the configuration file ----------------------------------------------------------------------
 
 @pytest.mark.skipif(not MOED.exists(), reason=f"{MOED} not built")
 def test_config_starts_the_daemon(tmp_path):
     """Every key of the shipped config is accepted; only the addresses (and the model, to keep the
     check small) are overridden on the command line, which wins over the file."""
-    g, m = free_port(), free_port()
     log = tmp_path / "moed.log"
+    # Port 0: the kernel picks free ports and the log says which (a port picked here and handed
+    # over would be free only until another process took it).
     p = subprocess.Popen([str(MOED), "--config", str(DEPLOY / "moed.conf"),
-                          "--listen", f"127.0.0.1:{g}", "--metrics-listen", f"127.0.0.1:{m}",
+                          "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
                           "--synthetic", "layers=1,d=64,ff=96,experts=4,topk=2", "--threads", "1"],
                          stderr=open(log, "wb"))
     try:
@@ -97,7 +82,8 @@ def test_config_starts_the_daemon(tmp_path):
             time.sleep(0.05)
         assert p.poll() is None, log.read_text()
         assert '"ready"' in log.read_text(), f"not ready after 60 s:\n{log.read_text()}"
-        with urllib.request.urlopen(f"http://127.0.0.1:{m}/healthz", timeout=10) as r:
+        metrics = re.search(r'msg="metrics listening" addr=(\S+)', log.read_text()).group(1)
+        with urllib.request.urlopen(f"http://{metrics}/healthz", timeout=60) as r:
             assert (r.status, r.read()) == (200, b"SERVING\n")
         p.send_signal(signal.SIGTERM)
         assert p.wait(60) == 0, log.read_text()
@@ -318,14 +304,13 @@ def test_fleet_shards_tile_the_experts():
 
 @pytest.mark.skipif(not MOED.exists(), reason=f"{MOED} not built")
 def test_fleet_pod_serves_its_shard(tmp_path):
-    g, m = free_port(), free_port()
     log = tmp_path / "moed.log"
-    script = fleet_script(str(MOED), f" --listen 127.0.0.1:{g} --metrics-listen 127.0.0.1:{m} --threads 1")
+    script = fleet_script(str(MOED), " --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --threads 1")
     p = subprocess.Popen(["/bin/sh", "-c", script], env=pod_env(3), stderr=open(log, "wb"))
     deadline = time.monotonic() + 60
     while '"ready"' not in log.read_text() and p.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert p.poll() is None, log.read_text()
+    assert p.poll() is None and '"ready"' in log.read_text(), log.read_text()
     p.send_signal(signal.SIGTERM)  # the shell exec'd moed: the signal reaches it
     assert p.wait(60) == 0, log.read_text()
     assert 'experts="4-7 shared=off"' in log.read_text(), log.read_text()

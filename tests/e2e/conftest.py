@@ -9,8 +9,10 @@ $MOED_TEST_COMPUTE set (the GPU machine's run, tests/gpu/run-on-gpu.sh) means th
 compute on the GPU: each one, once serving, must report the cuda backend in GetModel, or a broken
 CUDA setup would fall back to the CPU and every test would pass on it.
 """
+import contextlib
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -39,25 +41,59 @@ _ports_given = set()
 
 def free_port():
     """A port nothing listens on, never the same one twice in this process: the kernel may hand a
-    port just closed out again, and a daemon given it for both gRPC and metrics fails to start."""
+    port just closed out again, and a daemon given it for both gRPC and metrics fails to start.
+    Free on every address (a port free on loopback may be in use on another, which a daemon
+    listening on 0.0.0.0 would find). Only until another process takes it: where a test can,
+    it lets the daemon pick (port 0; conftest's Daemon, prod.ANY_METRICS_PORT)."""
     while True:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind(("0.0.0.0", 0))
             port = s.getsockname()[1]
         if port not in _ports_given:
             _ports_given.add(port)
             return port
 
 
+def logs_ready(args):
+    """Whether moed with these flags writes its "ready" line (info) to stderr: not with a log file
+    or a threshold over info, in the flags or in a config file."""
+    text = " ".join(args)
+    if "--config" in args:
+        try:
+            text += "\n" + pathlib.Path(args[args.index("--config") + 1]).read_text()
+        except (OSError, IndexError, UnicodeDecodeError):  # moed says what is wrong with it
+            pass
+    return not re.search(r"(^|\s|--)log-file\b|(^|\s|--)log-level\s*=?\s*(warn|error)", text, re.M)
+
+
+@contextlib.contextmanager
+def refused_address():
+    """127.0.0.1:PORT where connections are refused for as long as this lasts: a socket holds the
+    port bound without listening on it, so nothing else can listen there meanwhile."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{s.getsockname()[1]}"
+
+
 class Daemon:
     """One moed process. `args` are its flags after --listen; its stderr goes to `log_path`.
-    listen: the address to serve on (default 127.0.0.1 at `port`, or a free port)."""
+    listen: the address to serve on (default 127.0.0.1 at `port`, or at a port the kernel picks).
+
+    Without a port the daemon listens on port 0 and its log's "ready" line says which port it got:
+    a port picked here and handed over stays free only until some other process (any client's
+    connect, another test run on the machine) takes it. Where that line does not come to stderr
+    (logs_ready) a free port is picked here instead."""
 
     def __init__(self, args, log_path, env=None, port=None, wait=True, timeout=60.0, listen=None):
         assert MOED_BIN.exists(), f"{MOED_BIN} does not exist: build first (or set MOED_BUILD_DIR)"
-        self.port = port or free_port()
-        self.listen = listen or f"127.0.0.1:{self.port}"
-        self.address = self.listen.replace("0.0.0.0:", "127.0.0.1:")
+        args = [str(a) for a in args]
+        if listen is None:
+            if port is None and logs_ready(args):
+                listen = "127.0.0.1:0"
+            else:
+                listen = f"127.0.0.1:{port or free_port()}"
+        self.listen = listen
+        self._address = None if listen.endswith(":0") else listen.replace("0.0.0.0:", "127.0.0.1:")
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.argv = [str(MOED_BIN), "--listen", self.listen, *args]
@@ -73,6 +109,38 @@ class Daemon:
                 self._log.close()
                 raise
 
+    @property
+    def address(self):
+        """host:port to call (for a port the kernel picked, once the log says it: this waits)."""
+        if self._address is None:
+            self._address = self.logged_address("ready").replace("0.0.0.0:", "127.0.0.1:")
+        return self._address
+
+    @address.setter
+    def address(self, value):  # where a later --listen among the flags wins
+        self._address = value
+
+    @property
+    def port(self):
+        return int(self.address.rsplit(":", 1)[1])
+
+    @property
+    def metrics_port(self):
+        """The metrics endpoint's port, as the log says (give --metrics-listen 127.0.0.1:0)."""
+        return int(self.logged_address("metrics listening").rsplit(":", 1)[1])
+
+    def logged_address(self, msg, timeout=60.0):
+        """The addr= of the log line with msg="<msg>", waiting for it while the daemon runs."""
+        pattern = re.compile(r'msg="' + re.escape(msg) + r'" addr=(\S+)')
+        deadline = time.monotonic() + timeout
+        while not (m := pattern.search(self.log())):
+            if self.proc.poll() is not None:
+                raise AssertionError(f"moed exited with {self.proc.returncode} before logging "
+                                     f"{msg!r}:\n{self.log()}")
+            assert time.monotonic() < deadline, f"moed did not log {msg!r} in {timeout} s:\n{self.log()}"
+            time.sleep(0.02)
+        return m.group(1)
+
     def log(self):
         if not self._log.closed:
             self._log.flush()
@@ -80,6 +148,8 @@ class Daemon:
 
     def wait_serving(self, timeout=60.0):
         deadline = time.monotonic() + timeout
+        if self._address is None:
+            self.logged_address("ready", timeout)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"moed exited with {self.proc.returncode} before serving:\n{self.log()}")

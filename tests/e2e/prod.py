@@ -114,6 +114,11 @@ def scrape(port):
     return parse_exposition(body)
 
 
+# Turns the endpoint on at a port the kernel picks; conftest's Daemon.metrics_port reads it from the
+# log. Prefer it to metrics_flags(), whose port is free only until some other process takes it.
+ANY_METRICS_PORT = ("--metrics-listen", "127.0.0.1:0")
+
+
 def metrics_flags():
     """(flags that turn the endpoint on at a free port, the port)."""
     port = free_port()

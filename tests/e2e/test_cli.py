@@ -6,6 +6,7 @@ README's flag list is `moed --help` word for word.
 
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 import oracle as O
-from conftest import BUILD, DEFAULT_SPEC, MOED_BIN, ROOT, free_port
+from conftest import BUILD, DEFAULT_SPEC, MOED_BIN, ROOT, refused_address
 
 MOECTL = BUILD / "client" / "c" / "moectl"
 SPEC = O.Spec.parse(DEFAULT_SPEC)
@@ -165,14 +166,16 @@ def test_config_quoted_value_keeps_hash(daemon, tmp_path):
 
 
 def test_long_layer_list_is_fast(tmp_path):
-    """--layers 50000-100000,0-49999 took over 20 s (a quadratic sort); now a bounded list is
-    expanded in linear time and checked against the model at once."""
-    t0 = time.monotonic()
+    """--layers 50000-100000,0-49999 took over 20 s of CPU (a quadratic sort); now a bounded list
+    is expanded in linear time and checked against the model at once. The CPU time moed used is
+    measured, not the wall time, which other work on the machine would stretch."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     p = moed("--listen", "127.0.0.1:0", "--synthetic", DEFAULT_SPEC, "--layers", "50000-65535,0-49999",
-             timeout=30)
-    took = time.monotonic() - t0
+             timeout=300)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert p.returncode == 1 and "--layers names layer 2" in p.stderr, p.stderr
-    assert took < 10, took
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    assert cpu < 5, f"{cpu:.1f} s of CPU"
 
 
 def test_busy_port_exits_1(daemon):
@@ -226,8 +229,9 @@ def test_moectl_health_and_info(shared_daemon):
 
 
 def test_moectl_health_without_server_exits_1():
-    p = subprocess.run([str(MOECTL), "--target", f"127.0.0.1:{free_port()}", "--timeout", "2", "health"],
-                       capture_output=True, text=True, timeout=30)
+    with refused_address() as target:
+        p = subprocess.run([str(MOECTL), "--target", target, "--timeout", "30", "health"],
+                           capture_output=True, text=True, timeout=60)
     assert p.returncode == 1
     assert "UNAVAILABLE" in p.stderr
 
@@ -406,7 +410,7 @@ def test_moectl_over_a_unix_socket(tmp_path):
     log = open(tmp_path / "moed.log", "wb")
     proc = subprocess.Popen([str(MOED_BIN), "--listen", f"unix:{sock}", "--synthetic", DEFAULT_SPEC,
                              "--threads", "1"], stderr=log)
-    target = ["--target", f"unix:{sock}", "--timeout", "2"]
+    target = ["--target", f"unix:{sock}", "--timeout", "30"]
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and proc.poll() is None:

@@ -73,7 +73,7 @@ def forward_checked(target, tls, tmp_path):
     for name, a in (("x", x), ("ids", ids), ("w", w)):
         np.save(tmp_path / f"{name}.npy", a)
     out = tmp_path / "y.npy"
-    p = run(MOECTL, target, *tls, "--timeout", 10, "forward", "--layer", 0, "--hidden",
+    p = run(MOECTL, target, *tls, "--timeout", 30, "forward", "--layer", 0, "--hidden",
             tmp_path / "x.npy", "--ids", tmp_path / "ids.npy", "--weights", tmp_path / "w.npy",
             "--out", out)
     assert p.returncode == 0, p.stderr
@@ -86,32 +86,32 @@ def forward_checked(target, tls, tmp_path):
 def test_moectl_over_tls(daemon, certs, tmp_path):
     d = tls_daemon(daemon, certs)
     for target in (d.address, f"localhost:{d.port}"):  # the certificate names both
-        p = run(MOECTL, target, *ca(certs), "--timeout", 10, "health")
+        p = run(MOECTL, target, *ca(certs), "--timeout", 30, "health")
         assert p.returncode == 0 and p.stdout == "SERVING\n", p.stderr
-    p = run(MOECTL, d.address, *ca(certs), "--timeout", 10, "info")
+    p = run(MOECTL, d.address, *ca(certs), "--timeout", 30, "info")
     assert p.returncode == 0 and "backend   cpu" in p.stdout, p.stderr
     forward_checked(d.address, ca(certs), tmp_path)
-    p = run(MOECTL, d.address, *ca(certs), "--tls-server-name", "localhost", "--timeout", 10,
+    p = run(MOECTL, d.address, *ca(certs), "--tls-server-name", "localhost", "--timeout", 30,
             "health")
     assert p.returncode == 0, p.stderr
     # --tls alone: gRPC's default roots, here pointed at the test CA
-    p = run(MOECTL, f"localhost:{d.port}", "--tls", "--timeout", 10, "health",
+    p = run(MOECTL, f"localhost:{d.port}", "--tls", "--timeout", 30, "health",
             env={"GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": certs.path("ca.crt")})
     assert p.returncode == 0, p.stderr
 
 
 def test_moectl_refuses_what_tls_must_refuse(daemon, certs):
     d = tls_daemon(daemon, certs)
-    refused(run(MOECTL, d.address, "--timeout", 5, "health"))  # plaintext against TLS
-    refused(run(MOECTL, d.address, "--tls-ca", certs.path("other-ca.crt"), "--timeout", 5, "health"))
-    p = run(MOECTL, d.address, *ca(certs), "--tls-server-name", "moed.example", "--timeout", 5,
+    refused(run(MOECTL, d.address, "--timeout", 30, "health"))  # plaintext against TLS
+    refused(run(MOECTL, d.address, "--tls-ca", certs.path("other-ca.crt"), "--timeout", 30, "health"))
+    p = run(MOECTL, d.address, *ca(certs), "--tls-server-name", "moed.example", "--timeout", 30,
             "health")
     refused(p)
     assert "moed.example" in p.stderr
-    refused(run(MOECTL, d.address, "--tls", "--timeout", 5, "health",  # roots without the test CA
+    refused(run(MOECTL, d.address, "--tls", "--timeout", 30, "health",  # roots without the test CA
                 env={"GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": certs.path("other-ca.crt")}))
     plain = daemon("--synthetic", DEFAULT_SPEC, "--threads", "1")
-    refused(run(MOECTL, plain.address, *ca(certs), "--timeout", 5, "health"))  # TLS to plaintext
+    refused(run(MOECTL, plain.address, *ca(certs), "--timeout", 30, "health"))  # TLS to plaintext
 
 
 # ---- mutual TLS --------------------------------------------------------------------------------
@@ -119,13 +119,13 @@ def test_moectl_refuses_what_tls_must_refuse(daemon, certs):
 def test_moectl_over_mutual_tls(daemon, certs, tmp_path):
     d = tls_daemon(daemon, certs, "--tls-client-ca", certs.path("ca.crt"), client="client")
     tls = [*ca(certs), *client_cert(certs)]
-    p = run(MOECTL, d.address, *tls, "--timeout", 10, "health")
+    p = run(MOECTL, d.address, *tls, "--timeout", 30, "health")
     assert p.returncode == 0 and p.stdout == "SERVING\n", p.stderr
-    p = run(MOECTL, d.address, *tls, "--timeout", 10, "info")
+    p = run(MOECTL, d.address, *tls, "--timeout", 30, "info")
     assert p.returncode == 0 and "backend   cpu" in p.stdout, p.stderr
     forward_checked(d.address, tls, tmp_path)
-    refused(run(MOECTL, d.address, *ca(certs), "--timeout", 5, "health"))  # no certificate
-    refused(run(MOECTL, d.address, *ca(certs), *client_cert(certs, "stranger"), "--timeout", 5,
+    refused(run(MOECTL, d.address, *ca(certs), "--timeout", 30, "health"))  # no certificate
+    refused(run(MOECTL, d.address, *ca(certs), *client_cert(certs, "stranger"), "--timeout", 30,
                 "info"))  # a certificate from another CA
 
 
@@ -134,9 +134,9 @@ def test_mutual_tls_and_token(daemon, certs, tmp_path):
     d = tls_daemon(daemon, certs, "--tls-client-ca", certs.path("ca.crt"), "--auth-token-file",
                    tmp_path / "token", client="client")
     tls = [*ca(certs), *client_cert(certs)]
-    p = run(MOECTL, d.address, *tls, "--timeout", 10, "info")
+    p = run(MOECTL, d.address, *tls, "--timeout", 30, "info")
     assert p.returncode == 1 and "UNAUTHENTICATED" in p.stderr, p.stderr
-    p = run(MOECTL, d.address, *tls, "--token-file", tmp_path / "token", "--timeout", 10, "info")
+    p = run(MOECTL, d.address, *tls, "--token-file", tmp_path / "token", "--timeout", 30, "info")
     assert p.returncode == 0, p.stderr
     p = run(LOAD, d.address, *tls, "--token-file", tmp_path / "token", "--no-progress",
             "--requests", 50, "--warmup", 0)

@@ -80,23 +80,32 @@ def test_concurrent_clients_each_get_their_own_result(daemon):
 
 
 def test_merged_launches_are_bit_identical_to_solo(daemon):
-    """With a merge window, concurrent requests share launches; each one's output must be exactly,
-    bit for bit, what it gets alone."""
-    d = daemon("--synthetic", str(SPEC), "--threads", "2", "--max-delay-us", "20000")
+    """Concurrent requests share launches; each one's output must be exactly, bit for bit, what it
+    gets alone. The clients come in four merge keys (layer, wire dtype) of five; one daemon
+    computes each request alone, another (the same weights) holds each key's queue until all five
+    of a round are in (--min-batch-requests 5, a minute's window as a hang guard), so every launch
+    merges exactly five."""
+    flags = ("--synthetic", str(SPEC), "--threads", "1")
+    alone = daemon(*flags)
+    merging = daemon(*flags, "--max-delay-us", "60000000", "--min-batch-requests", "5")
+    keys = {}
+    for i in range(CLIENTS):
+        layer, _, _, _, dtype = client_case(i)
+        keys.setdefault((layer, dtype.replace("bf16u16", "bf16")), []).append(i)
+    assert sorted(len(k) for k in keys.values()) == [5] * 4, keys
     solo = {}
-    with d.client(timeout=60) as c:
+    with alone.client(timeout=60) as c:
         for i in range(CLIENTS):
             layer, x, kw, _, _ = client_case(i)
             r = c.forward(layer, x, return_info=True, **kw)
             assert r.timings.batch_requests == 1, "a lone request must run alone"
             solo[i] = r.output
-    results, errors = run_clients(d, CLIENTS, calls=3)
+    results, errors = run_clients(merging, CLIENTS, calls=3)
     assert not errors, errors
     check_results(results, 3)
-    merged = [r for rs in results.values() for r in rs if r.timings.batch_requests > 1]
-    assert merged, "no launch merged two requests: the test did not test merging"
     for i, rs in results.items():
         for r in rs:
+            assert r.timings.batch_requests == 5, r.timings
             assert r.output.tobytes() == solo[i].tobytes(), \
                 f"client {i}: merged with {r.timings.batch_requests - 1} others, the output changed"
             assert r.timings.batch_tokens >= r.output.shape[0]

@@ -30,7 +30,8 @@ def pool(tmp_path_factory):
 
 class GoodTraffic:
     """Threads that keep sending good, varied requests to a daemon (each thread its own channel)
-    and check every reply against the numpy model, until stopped."""
+    and check every reply against the numpy model, until stopped. Entering waits until each thread
+    has had a good reply, so the traffic runs beside whatever the body does."""
 
     def __init__(self, daemon, spec, threads=3):
         self.daemon, self.spec = daemon, spec
@@ -39,6 +40,7 @@ class GoodTraffic:
         self.failures = []
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self.run, args=(i,), daemon=True) for i in range(threads)]
+        self.running = [threading.Event() for _ in range(threads)]
 
     def run(self, seed):
         rng = np.random.default_rng(1000 + seed)
@@ -56,6 +58,7 @@ class GoodTraffic:
                             dtype, "good traffic")
                     with self.lock:
                         self.ok += 1
+                    self.running[seed].set()
                 except Exception as e:  # any failure of a good call is the finding
                     with self.lock:
                         self.failures.append(repr(e))
@@ -63,6 +66,10 @@ class GoodTraffic:
     def __enter__(self):
         for t in self.threads:
             t.start()
+        for running in self.running:
+            if not (running.wait(60) or self.failures):
+                self.stop_flag.set()
+                raise AssertionError("a traffic thread had no good reply in 60 s")
         return self
 
     def __exit__(self, *exc):

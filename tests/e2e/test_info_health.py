@@ -28,7 +28,7 @@ DEEPSEEK = O.Spec(layers=2, d=32, ff=16, experts=8, topk=2, rule="deepseek", gro
 
 def model_info(d):
     with d.channel() as ch:
-        return moed_pb2_grpc.MoedStub(ch).GetModel(moed_pb2.GetModelRequest(), timeout=10)
+        return moed_pb2_grpc.MoedStub(ch).GetModel(moed_pb2.GetModelRequest(), timeout=30)
 
 
 def test_get_model_every_field(daemon):
@@ -88,9 +88,9 @@ def test_health_check(shared_daemon):
     with shared_daemon.channel() as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         for service in ("", "moed.v1.Moed"):
-            assert stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status == SERVING
+            assert stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=30).status == SERVING
         with pytest.raises(grpc.RpcError) as e:
-            stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
+            stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=30)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
         assert "no.such.Service" in e.value.details()
 
@@ -99,18 +99,18 @@ def test_health_check_raw_wire_bytes(shared_daemon):
     """HealthCheckRequest{service: ""} is zero bytes; SERVING is field 1, varint 1: 08 01."""
     with shared_daemon.channel() as ch:
         check = ch.unary_unary("/grpc.health.v1.Health/Check")
-        assert check(b"", timeout=5) == b"\x08\x01"
+        assert check(b"", timeout=30) == b"\x08\x01"
         # service "moed.v1.Moed": field 1, length-delimited
-        assert check(b"\x0a\x0cmoed.v1.Moed", timeout=5) == b"\x08\x01"
+        assert check(b"\x0a\x0cmoed.v1.Moed", timeout=30) == b"\x08\x01"
 
 
 def test_health_watch(shared_daemon):
     with shared_daemon.channel() as ch:
         stub = health_pb2_grpc.HealthStub(ch)
-        watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
         assert next(watch).status == SERVING, "Watch sends the current status at once"
         watch.cancel()
-        unknown = stub.Watch(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
+        unknown = stub.Watch(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=30)
         assert next(unknown).status == SERVICE_UNKNOWN, "Watch on an unknown service streams SERVICE_UNKNOWN"
         unknown.cancel()
 
@@ -120,12 +120,12 @@ def test_many_watchers_do_not_disturb_forward(shared_daemon):
     spec = O.Spec.parse(DEFAULT_SPEC)
     with shared_daemon.channel() as ch:
         stub = health_pb2_grpc.HealthStub(ch)
-        watches = [stub.Watch(health_pb2.HealthCheckRequest(), timeout=20) for _ in range(8)]
+        watches = [stub.Watch(health_pb2.HealthCheckRequest(), timeout=30) for _ in range(8)]
         assert all(next(w).status == SERVING for w in watches)
         x, x64 = O.hidden(np.random.default_rng(1), 3, 64, "f32")
         ids = np.array([[0, 1]] * 3, np.int32)
         gw = np.full((3, 2), 0.5, np.float32)
-        with shared_daemon.client(timeout=10) as c:
+        with shared_daemon.client(timeout=30) as c:
             y = c.forward(0, x, expert_ids=ids, expert_weights=gw)
         O.check(y, O.forward(x64, spec.layer(0), O.choice_route(ids, gw), "swiglu"), "f32")
         for w in watches:

@@ -2,10 +2,10 @@
 
 - $NOTIFY_SOCKET (a path or an abstract name): STATUS while starting, READY=1 only once health
   says SERVING (with MAINPID), STOPPING=1 on SIGTERM; a failed start says why in STATUS.
-- --drain-timeout: calls still open that long after SIGTERM are cancelled (their callers see
-  UNAVAILABLE, as gRPC ends cancelled calls with a GOAWAY), the log says how many, /healthz says
-  503 while draining, the exit status is 0, and calls answered before the timeout are correct.
-  Given in a config file here.
+- --drain-timeout: calls still open that long after SIGTERM are cancelled (gRPC ends them with a
+  GOAWAY, which callers see as UNAVAILABLE), the log says how many, the exit status is 0, and
+  calls answered before the timeout are correct. Given in a config file here. (/healthz while
+  draining: test_drain.py.)
 - SIGHUP reopens --log-file, so logrotate can move it away.
 - Config-file values are checked like flags (a bad one names the file and line, exit 2).
 """
@@ -23,8 +23,9 @@ import pytest
 import oracle as O
 from conftest import DEFAULT_SPEC, MOED_BIN
 from daemons import Worker, log_of, wait_exit
+from held import held_call
 from moed import MoEError
-from prod import config_file, get, metrics_flags
+from prod import config_file, server_counts, wait_counts
 
 
 # ---- sd_notify -------------------------------------------------------------------------------
@@ -107,140 +108,107 @@ def test_notify_says_why_a_start_failed(daemon, tmp_path):
 
 # ---- the bounded drain -----------------------------------------------------------------------
 
-SLOW = O.Spec(layers=1, d=512, ff=2048, experts=8, topk=2, dtype="bf16", seed=5)
-T = 1024  # each call is one launch of about half a second on one CPU thread
-CALLS = 8
+# Calls held in a merge window (a minute, waiting for one request more than are sent) until the
+# drain flushes them, and a held call (HEADERS without a message, held.py) that only the drain's
+# end can cancel: which calls are answered and which cancelled depends on nothing but the test.
+CALLS = 4
+HOLD = dict(synthetic=DEFAULT_SPEC, threads=1, max_delay_us=60000000, min_batch_requests=CALLS + 1,
+            metrics_listen="127.0.0.1:0")
+SPEC = O.Spec.parse(DEFAULT_SPEC)
 
 
-def slow_case(i):
+def case(i):
     rng = np.random.default_rng(300 + i)
-    x, x64 = O.hidden(rng, T, SLOW.d, "bf16")
-    ids = np.stack([rng.permutation(SLOW.experts)[:2] for _ in range(T)]).astype(np.int32)
-    w = rng.uniform(0, 1, (T, 2)).astype(np.float32)
-    return x, ids, w, x64
+    x, x64 = O.hidden(rng, 3 + i, SPEC.d, "bf16")
+    ids = np.stack([rng.permutation(SPEC.experts)[:2] for _ in range(3 + i)]).astype(np.int32)
+    w = rng.uniform(0, 1, (3 + i, 2)).astype(np.float32)
+    return x, ids, w, O.forward(x64, SPEC.layer(0), O.choice_route(ids, w), SPEC.act)
+
+
+class Drained:
+    """CALLS calls queued and a held call open, then SIGTERM: `results` says how each call ended
+    ("OK" once checked against the oracle, or its status), `held` the held call."""
+
+    def __init__(self, d):
+        self.d, self.results = d, {}
+        before = server_counts(d.metrics_port)
+        self.threads = [Worker(self.call, i) for i in range(CALLS)]
+        for t in self.threads:
+            t.start()
+        wait_counts(d.metrics_port, before, {"queued": CALLS}, timeout=60)
+        self.held = held_call(d)
+        self.signalled = time.monotonic()
+        d.send_signal(signal.SIGTERM)
+
+    def call(self, i):
+        x, ids, w, ref = case(i)
+        with self.d.client(timeout=120) as c:
+            try:
+                O.check(c.forward(0, x, expert_ids=ids, expert_weights=w), ref, "bf16", f"call {i}")
+                self.results[i] = "OK"
+            except MoEError as e:
+                self.results[i] = e.code_name
+
+    def finish(self):
+        """Waits for the exit and the calls; the exit code."""
+        code = wait_exit(self.d, timeout=120)
+        for t in self.threads:
+            t.join(60)
+        assert self.held.ended.wait(30), "the held call is still open after the exit"
+        self.held.close()
+        return code
+
+
+def cancelled_calls(log):
+    return int(log.split("cancelling the calls still open")[1].split("calls=")[1].split()[0])
 
 
 def test_drain_timeout_cancels_what_is_left(daemon, tmp_path):
-    flags, port = metrics_flags()
-    cfg = config_file(tmp_path / "moed.conf", synthetic=SLOW, threads=1, max_batch_tokens=T,
-                      drain_timeout=1, metrics_listen=flags[1])
-    d = daemon("--config", cfg)
-    cases = [slow_case(i) for i in range(CALLS)]
-    SLOW.layer(0)  # the reference's weights, made before the clock matters
-    results = {}
-
-    def call(i):
-        x, ids, w, x64 = cases[i]
-        with d.client(timeout=120) as c:
-            try:
-                y = c.forward(0, x, expert_ids=ids, expert_weights=w)
-                # The reference is float64 numpy: checking a slice of rows keeps the test quick.
-                O.check(O.as_float64(y)[:32],
-                        O.forward(x64[:32], SLOW.layer(0), O.choice_route(ids[:32], w[:32]),
-                                  SLOW.act), "bf16")
-                results[i] = "OK"
-            except MoEError as e:
-                results[i] = e.code_name
-            except AssertionError as e:
-                results[i] = f"wrong result: {e}"
-
-    threads = [Worker(call, i) for i in range(CALLS)]
-    for t in threads:
-        t.start()
-    time.sleep(0.5)  # every call queued; the first computing
-    signalled = time.monotonic()
-    d.send_signal(signal.SIGTERM)
-    health = [get(port, "/healthz")]  # the loop may take the scrape before the signal
-    while health[-1][0] == 200 and len(health) < 100:
-        time.sleep(0.01)
-        health.append(get(port, "/healthz"))
-    assert health[-1] == (503, "NOT_SERVING\n"), health
-    code = wait_exit(d, timeout=120)
-    took = time.monotonic() - signalled
-    for t in threads:
-        t.join(60)
+    """The held call is still open at the timeout (1 s) and is cancelled then, and nothing but
+    the timeout could end it: the exit comes no sooner. The queued calls were flushed by the drain
+    and are answered, correctly (or, on a machine too slow to compute them in that second,
+    cancelled too)."""
+    d = daemon("--config", config_file(tmp_path / "moed.conf", drain_timeout=1, **HOLD))
+    drained = Drained(d)
+    code = drained.finish()
+    took = time.monotonic() - drained.signalled
     log = log_of(d)
     assert code == 0, log
-    assert len(results) == CALLS, results
-    # Calls that finished in time are correct ("OK"); the rest were cancelled, which gRPC ends with
-    # a GOAWAY: UNAVAILABLE, which callers retry elsewhere. (How many finish depends on the
-    # machine's speed: under ASan none may.)
-    assert "UNAVAILABLE" in results.values() and set(results.values()) <= {"OK", "UNAVAILABLE"}, \
-        results
-    assert "cancelling the calls still open" in log and \
-        'why="--drain-timeout of 1 s passed"' in log, log
-    open_calls = int(log.split("cancelling the calls still open")[1].split("calls=")[1].split()[0])
-    assert open_calls >= list(results.values()).count("UNAVAILABLE"), log
-    assert 0.9 < took < 60, took  # the timeout was waited for, and it bounded the drain
+    assert len(drained.results) == CALLS and set(drained.results.values()) <= {"OK", "UNAVAILABLE"}, \
+        drained.results
+    assert "cancelling the calls still open" in log and 'why="--drain-timeout of 1 s passed"' in log, log
+    assert cancelled_calls(log) >= 1 + list(drained.results.values()).count("UNAVAILABLE"), log
+    assert took >= 0.99, took  # the timeout was waited for (libuv's clock counts whole ms)
 
 
-def test_drain_timeout_zero_cancels_at_once(daemon):
-    d = daemon("--synthetic", str(SLOW), "--threads", "1", "--max-batch-tokens", str(T),
-               "--drain-timeout", "0")
-    x, ids, w, _ = slow_case(0)
-    ends = []
-
-    def call():
-        with d.client(timeout=120) as c:
-            try:
-                c.forward(0, x, expert_ids=ids, expert_weights=w)
-                ends.append("OK")
-            except MoEError as e:
-                ends.append(e.code_name)
-
-    threads = [Worker(call) for _ in range(4)]
-    for t in threads:
-        t.start()
-    time.sleep(0.5)
-    d.send_signal(signal.SIGTERM)
-    assert wait_exit(d, timeout=120) == 0
-    for t in threads:
-        t.join(60)
-    assert len(ends) == 4 and "UNAVAILABLE" in ends and set(ends) <= {"OK", "UNAVAILABLE"}, ends
-    assert 'why="--drain-timeout of 0 s passed"' in log_of(d)
+def test_drain_timeout_zero_cancels_at_once(daemon, tmp_path):
+    d = daemon("--config", config_file(tmp_path / "moed.conf", drain_timeout=0, **HOLD))
+    drained = Drained(d)
+    assert drained.finish() == 0
+    assert set(drained.results.values()) <= {"OK", "UNAVAILABLE"}, drained.results
+    log = log_of(d)
+    assert 'why="--drain-timeout of 0 s passed"' in log
+    assert cancelled_calls(log) >= 1 + list(drained.results.values()).count("UNAVAILABLE"), log
 
 
-def test_second_sigterm_cancels_at_once(daemon):
-    """A second SIGTERM cuts the drain short (README): the calls still open are cancelled, their
-    callers see UNAVAILABLE, the log says why, and moed exits 0 at once, not after the queued
-    launches (about half a second each) or the 30 s drain timeout; calls answered are correct."""
-    d = daemon("--synthetic", str(SLOW), "--threads", "1", "--max-batch-tokens", str(T))
-    cases = [slow_case(i) for i in range(CALLS)]
-    SLOW.layer(0)
-    ends = {}
-
-    def call(i):
-        x, ids, w, x64 = cases[i]
-        with d.client(timeout=120) as c:
-            try:
-                y = c.forward(0, x, expert_ids=ids, expert_weights=w)
-                O.check(O.as_float64(y)[:32], O.forward(x64[:32], SLOW.layer(0),
-                                                         O.choice_route(ids[:32], w[:32]), SLOW.act),
-                        "bf16")
-                ends[i] = "OK"
-            except MoEError as e:
-                ends[i] = e.code_name
-
-    threads = [Worker(call, i) for i in range(CALLS)]
-    for t in threads:
-        t.start()
-    time.sleep(0.5)  # every call queued; the first computing
-    d.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    while '"draining"' not in log_of(d) and time.monotonic() < deadline:
+def test_second_sigterm_cancels_at_once(daemon, tmp_path):
+    """A second SIGTERM cuts the drain short (README): the calls still open (the held one) are
+    cancelled, the log says why, and moed exits 0 at once, not after the drain timeout (600 s
+    here: Drained.finish waits 120 s at most); the calls answered are correct."""
+    d = daemon("--config", config_file(tmp_path / "moed.conf", drain_timeout=600, **HOLD))
+    drained = Drained(d)
+    deadline = time.monotonic() + 60
+    while '"draining"' not in log_of(d):
+        assert time.monotonic() < deadline, log_of(d)
         time.sleep(0.01)
-    second = time.monotonic()
     d.send_signal(signal.SIGTERM)
-    code = wait_exit(d, timeout=120)
-    took = time.monotonic() - second
-    for t in threads:
-        t.join(60)
+    code = drained.finish()
     log = log_of(d)
     assert code == 0, log
     assert 'why="a second SIGTERM"' in log, log
-    assert len(ends) == CALLS and set(ends.values()) <= {"OK", "UNAVAILABLE"}, ends
-    assert list(ends.values()).count("UNAVAILABLE") >= 2, ends
-    assert took < 15, f"{took:.1f} s from the second SIGTERM to the exit"
+    assert len(drained.results) == CALLS and set(drained.results.values()) <= {"OK", "UNAVAILABLE"}, \
+        drained.results
+    assert cancelled_calls(log) >= 1, log
 
 
 # ---- the log and the config file ---------------------------------------------------------------
@@ -251,7 +219,7 @@ def test_sighup_reopens_the_log_file(daemon, tmp_path):
     assert "ready" in log.read_text()
     log.rename(tmp_path / "moed.log.1")  # what logrotate does
     d.send_signal(signal.SIGHUP)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while not (log.exists() and "log reopened" in log.read_text()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert log.exists() and "log reopened" in log.read_text()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import free_port
+from conftest import refused_address
 from test_load import liar  # noqa: F401  (a fixture: a proxy that spoils one row of each reply)
 
 
@@ -52,7 +52,8 @@ def test_verify_fails_on_a_spoiled_row(liar):  # noqa: F811
 def test_failed_calls_exit_1(shared_daemon):
     p = pymoed(shared_daemon.address, "forward", "--tokens", 8193)  # over --max-batch-tokens
     assert p.returncode == 1 and "RESOURCE_EXHAUSTED" in p.stderr, p.stderr
-    p = pymoed(f"127.0.0.1:{free_port()}", "health")
+    with refused_address() as target:
+        p = pymoed(target, "health")
     assert p.returncode == 1 and "UNAVAILABLE" in p.stderr, p.stderr
 
 

@@ -10,32 +10,63 @@ client claims to support.
 """
 
 import asyncio
+import collections
+import dataclasses
 import json
 import mmap
+import random
 import signal
 import subprocess
 import sys
 import threading
 import time
 
+import grpc
+
 import numpy as np
 import pytest
 
 import oracle as O
 from conftest import BUILD, DEFAULT_SPEC, ROOT
-from daemons import log_of, wait_exit
+from daemons import Worker, log_of, wait_exit
+from held import held_call
 from moed import MoEClient, MoEError, RetryPolicy
 from moed import aio
+from prod import ANY_METRICS_PORT, server_counts, wait_counts
 
 SPEC = O.Spec.parse(DEFAULT_SPEC)
-# A held queue: one request waits half a second for a second to merge with, and a second request
-# finds the queue full (UNAVAILABLE) meanwhile.
-# One request fills the queue and waits in a merge window. --max-streams: the clients of a test share
-# one HTTP/2 connection, whose stream limit would otherwise follow --max-queue-requests down to 1
-# and hold the second call in the client instead of letting the server refuse it.
-HOLD = ("--threads", "1", "--max-queue-requests", "1", "--max-streams", "16", "--max-delay-us", "500000",
-        "--min-batch-requests", "2")
-PATIENT = RetryPolicy(max_attempts=40, initial_backoff=0.05, max_backoff=0.25)
+# A queue held full for as long as a test wants: --max-queue-requests 1, and a request of fewer than
+# FULL tokens waits in a merge window (60 s, a hang guard) for a second request, which the full
+# queue never lets in; the test ends the hold by cancelling it. A request of FULL tokens fills a
+# batch and is computed at once. --max-streams: the clients of a test share one HTTP/2 connection,
+# whose stream limit would otherwise follow --max-queue-requests down to 1 and hold the second call
+# in the client instead of letting the server refuse it.
+FULL = 8
+HOLD = ("--threads", "1", "--max-queue-requests", "1", "--max-streams", "16", "--max-delay-us", "60000000",
+        "--min-batch-requests", "2", "--max-batch-tokens", str(FULL), *ANY_METRICS_PORT)
+Decision = collections.namedtuple("Decision", "failures code now deadline took wait")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorded(RetryPolicy):
+    """A RetryPolicy that records what the client asked it and what it answered, and sets `refused`
+    at the first failure."""
+    decisions: list = dataclasses.field(default_factory=list, compare=False)
+    refused: threading.Event = dataclasses.field(default_factory=threading.Event, compare=False)
+
+    def delay(self, failures, code, now, deadline, took=0.0, rand=random.random):
+        wait = super().delay(failures, code, now, deadline, took, rand)
+        self.decisions.append(Decision(failures, code, now, deadline, took, wait))
+        self.refused.set()
+        return wait
+
+    def longest_wait(self, failures):
+        return min(self.max_backoff, self.initial_backoff * self.multiplier ** (failures - 1))
+
+
+# Patient enough to outlast any hold: the tests end a hold once they have seen a refusal.
+def patient():
+    return Recorded(max_attempts=1 << 30, initial_backoff=0.01, max_backoff=0.05)
 
 
 def case(rng, T, dtype, layer=0, spec=SPEC, ref_rows=None):
@@ -155,103 +186,154 @@ def test_aio_client_forward_stream_and_gather(shared_daemon):
             O.check(y, ref, ("f32", "bf16", "f16")[i % 3], f"aio {i}")
 
 
+def no_doomed_retry(e, policy):
+    """Checks a call that failed on a full queue against what its client knew at each failure:
+    every retry it made fitted before the deadline (its wait plus as long as the failed attempt
+    took), and it stopped at the first failure after which none could, with the UNAVAILABLE it got.
+    True when the call ended that way after more than one attempt; False when the scheduler made
+    an attempt outlast its predecessor's time and the deadline passed meanwhile (DEADLINE_EXCEEDED:
+    not a doomed retry, nothing to check), or when no retry could fit at all."""
+    decisions = policy.decisions
+    assert e.attempts == len(decisions), (e, decisions)
+    *retried, last = decisions
+    for d in retried:
+        assert d.code == grpc.StatusCode.UNAVAILABLE and d.wait is not None, d
+        assert d.now + d.wait + d.took < d.deadline, f"a retry that could not end in time: {d}"
+    assert last.wait is None, last
+    if e.code_name == "DEADLINE_EXCEEDED":
+        return False
+    assert e.code_name == "UNAVAILABLE" and "queue is full" in e.message, e
+    assert last.failures < policy.max_attempts, "it stopped for its attempts, not for the deadline"
+    assert last.now + last.took + policy.longest_wait(last.failures) >= last.deadline, \
+        f"it stopped though a retry could still end in time: {last}"
+    return e.attempts > 1
+
+
 def test_retry_waits_out_a_full_queue(daemon):
     d = daemon("--synthetic", DEFAULT_SPEC, *HOLD)
+    port = d.metrics_port
     rng = np.random.default_rng(44)
-    x, ids, w, ref = case(rng, 4, "f32")
-    held = {}
+    x, ids, w, ref = case(rng, FULL, "f32")
+    small = dict(expert_ids=ids[:4], expert_weights=w[:4])
+    before = server_counts(port)
+    holder = d.client(timeout=60, retry=None)
 
-    def hold():  # the request that fills the queue for half a second
-        with d.client(timeout=30, retry=None) as c:
-            held["y"] = c.forward(0, x, expert_ids=ids, expert_weights=w)
+    def hold():  # fills the queue until the holder's channel closes
+        with pytest.raises(MoEError) as e:
+            holder.forward(0, x[:4], **small)
+        assert e.value.code_name == "CANCELLED", e.value
 
-    t = threading.Thread(target=hold)
-    t.start()
-    time.sleep(0.2)
+    held = Worker(hold)
+    held.start()
+    wait_counts(port, before, {"queued": 1})
     with d.client(timeout=30, retry=None) as c:
         with pytest.raises(MoEError) as e:
             c.forward(0, x, expert_ids=ids, expert_weights=w)
         assert e.value.code_name == "UNAVAILABLE" and "queue is full" in e.value.message and e.value.attempts == 1
-    t0 = time.monotonic()
-    with d.client(timeout=0.25, retry=PATIENT) as c:
-        with pytest.raises(MoEError) as e:  # its deadline passes before the queue frees: no doomed retry
-            c.forward(0, x, expert_ids=ids, expert_weights=w)
-        assert e.value.code_name == "UNAVAILABLE" and e.value.attempts > 1, e.value
-    assert time.monotonic() - t0 < 1.0
-    with d.client(timeout=30, retry=PATIENT) as c:
-        O.check(c.forward(0, x, expert_ids=ids, expert_weights=w), ref, "f32", "retried")
-    t.join(30)
-    O.check(held["y"], ref, "f32", "held")
+    # A deadline the full queue outlasts: no doomed retry. Each call is checked; one that made more
+    # than one attempt and ended UNAVAILABLE (almost always the first) shows the bound at work.
+    for _ in range(20):
+        policy = Recorded(max_attempts=40, initial_backoff=0.05, max_backoff=0.25)
+        with d.client(timeout=0.5, retry=policy) as c:
+            with pytest.raises(MoEError) as e:
+                c.forward(0, x, expert_ids=ids, expert_weights=w)
+        if no_doomed_retry(e.value, policy):
+            break
+    else:
+        pytest.fail(f"20 calls never ended UNAVAILABLE after a retry; the last: {policy.decisions}")
+    # A patient call waits the hold out: refused at least once, then answered once the hold ends.
+    policy, retried = patient(), {}
+
+    def retry():
+        with d.client(timeout=60, retry=policy) as c:
+            retried["y"] = c.forward(0, x, expert_ids=ids, expert_weights=w)
+
+    waiter = Worker(retry)
+    waiter.start()
+    assert policy.refused.wait(60), "the patient call was never refused"
+    holder.close()
+    held.join(60)
+    waiter.join(60)
+    O.check(retried["y"], ref, "f32", "retried")
+    assert all(dec.code == grpc.StatusCode.UNAVAILABLE for dec in policy.decisions), policy.decisions
 
 
 def test_aio_retry_waits_out_a_full_queue(daemon):
     d = daemon("--synthetic", DEFAULT_SPEC, *HOLD)
-    x, ids, w, ref = case(np.random.default_rng(45), 3, "bf16")
+    port = d.metrics_port
+    x, ids, w, ref = case(np.random.default_rng(45), FULL, "bf16")
+    policy = patient()
 
     async def main():
-        async with aio.MoEClient(d.address, timeout=30, retry=None) as held, \
-                aio.MoEClient(d.address, timeout=30, retry=PATIENT) as c:
-            first = asyncio.ensure_future(held.forward(0, x, expert_ids=ids, expert_weights=w))
-            await asyncio.sleep(0.2)
+        before = await asyncio.to_thread(server_counts, port)
+        async with aio.MoEClient(d.address, timeout=60, retry=None) as holder, \
+                aio.MoEClient(d.address, timeout=60, retry=policy) as c:
+            first = asyncio.ensure_future(holder.forward(0, x[:4], expert_ids=ids[:4], expert_weights=w[:4]))
+            await asyncio.to_thread(wait_counts, port, before, {"queued": 1})
             with pytest.raises(MoEError, match="queue is full"):
-                await held.forward(0, x, expert_ids=ids, expert_weights=w)
-            retried = await c.forward(0, x, expert_ids=ids, expert_weights=w)
+                await holder.forward(0, x, expert_ids=ids, expert_weights=w)
+            retried = asyncio.ensure_future(c.forward(0, x, expert_ids=ids, expert_weights=w))
+            assert await asyncio.to_thread(policy.refused.wait, 60), "the retried call was never refused"
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
             streamed = [y async for y in c.forward_stream([dict(layer=0, hidden=x, expert_ids=ids,
                                                                 expert_weights=w)] * 2)]
-            return await first, retried, streamed
+            return await retried, streamed
 
-    first, retried, streamed = asyncio.run(main())
-    for y in [first, retried] + streamed:
+    retried, streamed = asyncio.run(main())
+    for y in [retried] + streamed:
         O.check(y, ref, "bf16", "aio retried")
-
-
-SLOW = O.Spec(layers=1, d=1024, ff=2048, experts=8, topk=2, dtype="bf16", seed=52)
+    assert all(dec.code == grpc.StatusCode.UNAVAILABLE for dec in policy.decisions), policy.decisions
 
 
 def test_retries_against_a_draining_daemon_are_bounded(daemon):
-    """While a daemon drains (a slow call still in flight) a new call is refused UNAVAILABLE: it is
-    retried as the policy says and then fails with the drain's own message; the call in flight is
-    answered."""
-    d = daemon("--synthetic", str(SLOW), "--threads", "1")
+    """While a daemon drains (a call still in flight) a new call is refused UNAVAILABLE: it is
+    retried as the policy says and then fails with the drain's own message; the call that was
+    waiting in a merge window is answered. A held call (HEADERS without a message) keeps the
+    drain going until the test has seen all that."""
+    d = daemon("--synthetic", DEFAULT_SPEC, "--threads", "1", "--max-delay-us", "60000000",
+               "--min-batch-requests", "2", *ANY_METRICS_PORT)
+    port = d.metrics_port
     rng = np.random.default_rng(46)
-    slow = case(rng, 2048, "bf16", spec=SLOW, ref_rows=8)
-    x, ids, w, _ = case(rng, 4, "bf16", spec=SLOW)
+    x, ids, w, ref = case(rng, 4, "bf16")
     answered = []
     busy = d.client(timeout=120, retry=None)
-    in_flight = threading.Thread(target=lambda: answered.append(
-        busy.forward(0, slow[0], expert_ids=slow[1], expert_weights=slow[2])))
+    in_flight = Worker(lambda: answered.append(busy.forward(0, x, expert_ids=ids, expert_weights=w)))
+    before = server_counts(port)
     with d.client(timeout=60, retry=RetryPolicy(max_attempts=3, initial_backoff=0.02, max_backoff=0.05)) as c:
         assert c.health() == "SERVING"  # connected before the drain
         in_flight.start()
-        time.sleep(0.3)
+        wait_counts(port, before, {"queued": 1})
+        held = held_call(d)
         d.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while c.health() != "NOT_SERVING" and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60
+        while c.health() != "NOT_SERVING":
+            assert time.monotonic() < deadline, "health did not say NOT_SERVING after SIGTERM"
             time.sleep(0.01)
-        assert c.health() == "NOT_SERVING" and not answered, "the slow call ended before the drain"
         with pytest.raises(MoEError) as e:
             c.forward(0, x, expert_ids=ids, expert_weights=w)
     assert e.value.code_name == "UNAVAILABLE" and "draining" in e.value.message and e.value.attempts == 3
     in_flight.join(120)
     busy.close()
+    held.release()
     assert wait_exit(d) == 0, log_of(d)
     assert len(answered) == 1
-    O.check(answered[0][:8], slow[3], "bf16", "the call in flight")
+    O.check(answered[0], ref, "bf16", "the call in flight")
 
 
 def test_options_keepalive_and_deadlines(daemon):
     d = daemon("--synthetic", DEFAULT_SPEC, *HOLD)
-    x, ids, w, ref = case(np.random.default_rng(47), 4, "f32")
+    x, ids, w, ref = case(np.random.default_rng(47), FULL, "f32")
     with MoEClient(d.address, options=[("grpc.max_receive_message_length", 256)], retry=None) as c:
         with pytest.raises(MoEError) as e:  # the caller's channel argument wins over the client's
             c.forward(0, x, expert_ids=ids, expert_weights=w, timeout=30)
         assert e.value.code_name == "RESOURCE_EXHAUSTED"
     with MoEClient(d.address, keepalive=10, timeout=30) as c:
         O.check(c.forward(0, x, expert_ids=ids, expert_weights=w), ref, "f32", "keepalive")
-        t0 = time.monotonic()
-        with pytest.raises(MoEError) as e:  # held in the merge window past its deadline
-            c.forward(0, x, expert_ids=ids, expert_weights=w, timeout=0.2)
-        assert e.value.code_name == "DEADLINE_EXCEEDED" and time.monotonic() - t0 < 0.45
+        with pytest.raises(MoEError) as e:  # held in the merge window (a minute) past its deadline
+            c.forward(0, x[:4], expert_ids=ids[:4], expert_weights=w[:4], timeout=0.2)
+        assert e.value.code_name == "DEADLINE_EXCEEDED"
     with pytest.raises(ValueError, match="10 seconds"):
         MoEClient(d.address, keepalive=1)
 

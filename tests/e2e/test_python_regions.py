@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 import oracle as O
-from conftest import DEFAULT_SPEC, Daemon, free_port
-from prod import metrics_flags, scrape
+from conftest import DEFAULT_SPEC, Daemon
+from prod import ANY_METRICS_PORT, scrape
 
 import moed
 from moed import MoEError, aio, regions, transport
@@ -42,10 +42,9 @@ BIG_SPEC = "layers=1,d=256,ff=32,experts=4,topk=2,act=swiglu,dtype=bf16,seed=3"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """A daemon with metrics on, shared by the module: (daemon, metrics port)."""
-    flags, port = metrics_flags()
-    d = Daemon(["--synthetic", DEFAULT_SPEC, "--threads", "2", *flags],
+    d = Daemon(["--synthetic", DEFAULT_SPEC, "--threads", "2", *ANY_METRICS_PORT],
                tmp_path_factory.mktemp("moed") / "moed.log")
-    yield d, port
+    yield d, d.metrics_port
     assert d.stop() == 0, d.log()
 
 
@@ -85,6 +84,13 @@ def wait_released(c, port, timeout=10):
         time.sleep(0.05)
 
 
+def released(d, port):
+    """Waits until the module's daemon holds no region: what earlier clients registered is released
+    after they close, asynchronously, and counting starts from nothing."""
+    with d.client(timeout=30) as c:
+        assert wait_released(c, port) == ([], (0, 0))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_shm_is_inline_bit_for_bit(served, dtype, kind):
@@ -103,7 +109,7 @@ def test_shm_is_inline_bit_for_bit(served, dtype, kind):
 
 
 def test_aio_and_streams_through_shm_are_inline(served):
-    d, _ = served
+    d, port = served
     rng = np.random.default_rng(8)
     items = [request(KINDS[i % len(KINDS)], rng, 3 + i, DTYPES[i % 3], layer=i % 2) for i in range(12)]
     with d.client(timeout=30) as c:
@@ -121,6 +127,7 @@ def test_aio_and_streams_through_shm_are_inline(served):
             return one, streamed, [bits(y) for y in both]
 
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    released(d, port)  # the blocking client's region, listed below otherwise
     for outputs in asyncio.run(run()):
         assert all(np.array_equal(a, b) for a, b in zip(outputs, want))
 
@@ -147,6 +154,8 @@ def test_auto_takes_shm_on_this_host_and_inline_otherwise(served, daemon, tmp_pa
     path = tmp_path / "moed.sock"
     daemon("--synthetic", DEFAULT_SPEC, listen=f"unix:{path}")
     for target in (d.address, f"localhost:{d.port}", f"ipv4:127.0.0.1:{d.port}", f"unix:{path}"):
+        if not target.startswith("unix:"):
+            released(d, port)
         with moed.MoEClient(target, timeout=30) as c:
             c.forward(**small)  # under SHM_MIN_BYTES: inline, and no session for it
             assert c._session.call is None and c.transport_calls["inline"] == 1
@@ -158,9 +167,8 @@ def test_auto_takes_shm_on_this_host_and_inline_otherwise(served, daemon, tmp_pa
     ip = non_loopback_address()
     if ip is None:
         pytest.skip("this host has no address but loopback: the remote case needs one")
-    free = free_port()
-    daemon("--synthetic", DEFAULT_SPEC, listen=f"0.0.0.0:{free}")
-    with moed.MoEClient(f"{ip}:{free}", timeout=30) as c:
+    anywhere = daemon("--synthetic", DEFAULT_SPEC, listen="0.0.0.0:0")
+    with moed.MoEClient(f"{ip}:{anywhere.port}", timeout=30) as c:
         assert np.array_equal(c.forward(**kw), want)
         assert c.transport_calls == {"inline": 1, "shm": 0, "cuda": 0}
         assert c._session.call is None  # no region session was even opened
@@ -197,6 +205,7 @@ def test_closing_the_client_releases_its_regions(served):
     d, port = served
     rng = np.random.default_rng(11)
     kw = request("experts", rng, 6, "f16")
+    released(d, port)
     with d.client(timeout=30, transport="shm") as c:
         y = c.forward(**kw)
         listed = c.regions()

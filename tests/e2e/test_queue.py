@@ -12,6 +12,7 @@ The daemons hold requests deterministically: a merge window of a minute that onl
 """
 
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -21,7 +22,7 @@ import oracle as O
 from conftest import DEFAULT_SPEC
 from moed import MoEError
 from moed._proto.moed.v1 import moed_pb2_grpc
-from prod import metrics_flags, server_counts, wait_counts
+from prod import ANY_METRICS_PORT, server_counts, wait_counts
 
 SPEC = O.Spec.parse(DEFAULT_SPEC)
 HOLD = ("--threads", "1", "--max-delay-us", "60000000")
@@ -29,11 +30,8 @@ HOLD = ("--threads", "1", "--max-delay-us", "60000000")
 
 def held_daemon(daemon, min_requests, *flags):
     """A daemon whose queue launches only once `min_requests` requests wait (or after a minute)."""
-    mflags, port = metrics_flags()
-    d = daemon("--synthetic", DEFAULT_SPEC, *HOLD, "--min-batch-requests", str(min_requests),
-               *mflags, *flags)
-    d.metrics_port = port
-    return d
+    return daemon("--synthetic", DEFAULT_SPEC, *HOLD, "--min-batch-requests", str(min_requests),
+                  *ANY_METRICS_PORT, *flags)
 
 
 def case(T, seed, layer=0):
@@ -90,12 +88,27 @@ def ran(d, before, sizes):
 def test_expired_in_the_queue_is_never_computed_and_counts_as_deadline_exceeded(daemon):
     d = held_daemon(daemon, 2)
     port = d.metrics_port
-    before = server_counts(port)
-    x, ids, w, _ = case(3, 1)
-    with d.client(timeout=0.5) as c:
-        with pytest.raises(MoEError) as e:
-            c.forward(0, x, expert_ids=ids, expert_weights=w)
-    assert e.value.code_name == "DEADLINE_EXCEEDED"
+    # The request must reach the queue before its deadline, or it proves nothing: the test sees it
+    # queued before the call ends, and doubles the deadline of another try where it did not.
+    for timeout in (0.5, 1, 2, 4, 8, 16):
+        before = server_counts(port)
+        with d.channel() as ch:
+            fut = ch.unary_unary("/moed.v1.Moed/Forward").future(forward_bytes(d, 3, 1), timeout=timeout)
+            seen = False
+            while not fut.done() and not seen:
+                seen = server_counts(port)["queued"] == 1
+                time.sleep(0.005)
+            with pytest.raises(grpc.RpcError) as e:
+                fut.result()
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        if seen:
+            break
+        deadline = time.monotonic() + 60
+        while server_counts(port)["queued"]:  # a late one expires there too before the next try
+            assert time.monotonic() < deadline, "a request stayed queued past its deadline"
+            time.sleep(0.05)
+    else:
+        pytest.fail("a request with a 16 s deadline never reached the queue")
     # The server's side: it left the queue at its deadline (the window still had a minute to go),
     # counted as expired, and no launch ran.
     wait_counts(port, before, {"Forward:DEADLINE_EXCEEDED": 1, "queued": 0}, timeout=10)

@@ -4,7 +4,8 @@ the drain reaching an open stream.
 
 Each test sets the scheduler up so that what it asserts really happens, and checks from the
 server's side (/metrics, and the timings in the replies) that it did: a request that finishes
-before an earlier one, a queue that holds exactly the stream's window.
+before an earlier one, a queue that holds exactly the stream's window. Requests are held by merge
+windows of a minute (hang guards) that only the test ends, by sending what fills the launch.
 """
 
 import queue
@@ -19,8 +20,9 @@ import pytest
 import oracle as O
 from conftest import DEFAULT_SPEC, ROOT
 from daemons import Worker, log_of, wait_exit
+from held import held_call
 from moed._proto.moed.v1 import moed_pb2_grpc
-from prod import get, metrics_flags, server_counts, wait_counts
+from prod import ANY_METRICS_PORT, get, server_counts, wait_counts
 
 SPEC = O.Spec.parse(DEFAULT_SPEC)
 # Requests one stream may have open (server/forward.c); the window test sends more than twice it.
@@ -29,10 +31,14 @@ STREAM_WINDOW = int(re.search(r"#define STREAM_WINDOW (\d+)",
 
 
 def metered(daemon, *flags):
-    mflags, port = metrics_flags()
-    d = daemon("--synthetic", DEFAULT_SPEC, "--threads", "1", *mflags, *flags)
-    d.metrics_port = port
-    return d
+    return daemon("--synthetic", DEFAULT_SPEC, "--threads", "1", "--max-delay-us", "60000000",
+                  *ANY_METRICS_PORT, *flags)
+
+
+def fed(q):
+    """A request iterator the test feeds through queue q (None ends it)."""
+    while (r := q.get()) is not None:
+        yield r
 
 
 def case(c, T, layer, seed, request_id):
@@ -70,40 +76,47 @@ def check_replies(c, replies, cases):
 
 
 def test_replies_in_request_order_when_the_second_finishes_first(daemon):
-    """--max-delay-us 500000 --max-batch-tokens 16: a 2-token request for layer 0 waits out the
-    window, while a 16-token request for layer 1 behind it fills a batch and runs at once. The
-    second finishes first (the server's counters show its launch, alone, while no reply has
-    reached the client), yet the replies come in request order."""
-    d = metered(daemon, "--max-delay-us", "500000", "--max-batch-tokens", "16")
+    """--min-batch-requests 2 --max-batch-tokens 16: a 2-token request for layer 0 waits for a
+    second request of its layer, while a 16-token request for layer 1 behind it fills a batch and
+    runs at once. The second finishes first (the server's counters show its launch, alone, while
+    no reply has reached the client); only then does a third request, for layer 0, let the first
+    go. The replies come in request order."""
+    d = metered(daemon, "--min-batch-requests", "2", "--max-batch-tokens", "16")
     port = d.metrics_port
+    sent = queue.Queue()
     with d.client() as c:
-        cases = [case(c, 2, 0, 1, "first-2-tokens"), case(c, 16, 1, 2, "second-16-tokens")]
+        cases = [case(c, 2, 0, 1, "first-2-tokens"), case(c, 16, 1, 2, "second-16-tokens"),
+                 case(c, 1, 0, 3, "third-1-token")]
         before = server_counts(port)
         with d.channel() as ch:
-            reader = Reader(moed_pb2_grpc.MoedStub(ch).ForwardStream(iter([q for q, _ in cases]),
-                                                                     timeout=60))
+            reader = Reader(moed_pb2_grpc.MoedStub(ch).ForwardStream(fed(sent), timeout=60))
             reader.start()
+            sent.put(cases[0][0])
+            sent.put(cases[1][0])
             wait_counts(port, before, {"ForwardStream:OK": 1, "launches": 1,
                                         "launched_requests": 1, "launched_tokens": 16,
                                         "queue_waits": 1, "queued": 1})
             assert reader.replies == [], "a reply came before the first request was computed"
+            sent.put(cases[2][0])
+            sent.put(None)
             reader.join(60)
         assert reader.end == "OK", (reader.end, reader.details)
         check_replies(c, reader.replies, cases)
-    first, second = (r.timings for r, _ in reader.replies)
-    assert (first.batch_tokens, second.batch_tokens) == (2, 16)
-    assert first.queue_us >= 400000, f"the first did not wait out the window: {first}"
-    assert second.queue_us < first.queue_us and second.total_us < first.total_us, (first, second)
-    wait_counts(port, before, {"ForwardStream:OK": 2, "launches": 2, "launched_requests": 2,
-                               "launched_tokens": 18, "queue_waits": 2})
+    first, second, third = (r.timings for r, _ in reader.replies)
+    assert (first.batch_tokens, second.batch_tokens, third.batch_tokens) == (3, 16, 3)
+    assert second.queue_us < first.queue_us, (first, second)
+    wait_counts(port, before, {"ForwardStream:OK": 3, "launches": 2, "launched_requests": 3,
+                               "launched_tokens": 19, "queue_waits": 3})
 
 
 def test_more_requests_than_the_window_pause_and_resume_reading(daemon):
-    """2.5 windows of 1-token requests sent at once, each held by a 300 ms merge window: the server
-    reads exactly STREAM_WINDOW of them and stops (its queue never holds more), then reads on as
-    replies go; every request is answered, in order, correctly, in as few launches as windows."""
+    """2.5 windows of 1-token requests sent at once, where a launch needs one token more than a
+    window holds: the server reads exactly STREAM_WINDOW of them and stops (the queue stays at
+    that), until another caller's request fills the launch; then it reads on as the replies go,
+    again a window's worth. Every request is answered, in order, correctly, in one launch a window."""
     n = 2 * STREAM_WINDOW + STREAM_WINDOW // 2
-    d = metered(daemon, "--max-delay-us", "300000")
+    full = STREAM_WINDOW + 1
+    d = metered(daemon, "--max-batch-tokens", str(full))
     port = d.metrics_port
     with d.client() as c:
         cases = [case(c, 1, 0, 10 + i, f"s{i}") for i in range(n)]
@@ -112,43 +125,49 @@ def test_more_requests_than_the_window_pause_and_resume_reading(daemon):
             reader = Reader(moed_pb2_grpc.MoedStub(ch).ForwardStream(iter([q for q, _ in cases]),
                                                                      timeout=120))
             reader.start()
-            queued = []
-            while reader.is_alive():
-                queued.append(server_counts(port)["queued"])
-                time.sleep(0.05)
-            reader.join()
+            answered, tokens = 0, 0
+            for k in range(3):
+                window = min(STREAM_WINDOW, n - answered)
+                want = {"ForwardStream:OK": answered, "Forward:OK": k, "launches": k,
+                        "launched_requests": answered + k, "launched_tokens": tokens,
+                        "queue_waits": answered + k, "queued": window}
+                wait_counts(port, before, want)  # the stream's reading has stopped at a window
+                release, ref = case(c, full - window, 0, 100 + k, f"release-{k}")
+                with d.channel() as other:
+                    r = moed_pb2_grpc.MoedStub(other).Forward(release, timeout=60)
+                O.check(c.decode_output(r.output, O.NP_DTYPE["bf16"]), ref, "bf16", f"release {k}")
+                assert (r.timings.batch_tokens, r.timings.batch_requests) == (full, window + 1), r.timings
+                answered, tokens = answered + window, tokens + full
+            reader.join(120)
         assert reader.end == "OK", (reader.end, reader.details)
         check_replies(c, reader.replies, cases)
-    assert max(queued) == STREAM_WINDOW, f"queued over time: {queued}"
-    windows = -(-n // STREAM_WINDOW)
-    wait_counts(port, before, {"ForwardStream:OK": n, "launches": windows,
-                               "launched_requests": n, "launched_tokens": n, "queue_waits": n})
+    wait_counts(port, before, {"ForwardStream:OK": n, "Forward:OK": 3, "launches": 3,
+                               "launched_requests": n + 3, "launched_tokens": 3 * full,
+                               "queue_waits": n + 3})
 
 
 def test_drain_ends_an_open_stream_after_answering_what_it_took(daemon):
     """SIGTERM while a stream is open with a request held in a merge window: that request is
     answered, a request sent on the stream after the drain began is not taken, and the stream ends
-    UNAVAILABLE with the draining message; a new stream is refused the same way. Exit 0."""
-    d = metered(daemon, "--max-delay-us", "1000000")
+    UNAVAILABLE with the draining message; a new stream is refused the same way (a held call keeps
+    the drain going until then). Exit 0."""
+    d = metered(daemon, "--min-batch-requests", "2")
     port = d.metrics_port
     sent = queue.Queue()
-
-    def requests():
-        while (q := sent.get()) is not None:
-            yield q
-
     with d.client() as c:
         cases = [case(c, 3, 0, 20, "before-the-drain"), case(c, 2, 1, 21, "after-the-drain")]
         before = server_counts(port)
         ch = d.channel()
         stub = moed_pb2_grpc.MoedStub(ch)
-        reader = Reader(stub.ForwardStream(requests(), timeout=60))
+        reader = Reader(stub.ForwardStream(fed(sent), timeout=60))
         reader.start()
         sent.put(cases[0][0])
         wait_counts(port, before, {"queued": 1})
+        held = held_call(d)
         d.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while get(port, "/healthz")[0] != 503 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60
+        while get(port, "/healthz")[0] != 503:  # answered on the thread that began the drain
+            assert time.monotonic() < deadline, "/healthz did not say 503 after SIGTERM"
             time.sleep(0.01)
         late = Reader(stub.ForwardStream(iter([cases[1][0]]), timeout=30))
         late.start()
@@ -157,6 +176,7 @@ def test_drain_ends_an_open_stream_after_answering_what_it_took(daemon):
         reader.join(60)
         late.join(60)
         ch.close()
+        held.release()
         assert [r.request_id for r, _ in reader.replies] == ["before-the-drain"]
         check_replies(c, reader.replies, cases[:1])
     assert reader.end == "UNAVAILABLE" and "draining" in reader.details, (reader.end, reader.details)

@@ -418,34 +418,44 @@ static void test_max_tokens(void)
 /* A merge window gathers requests that arrive within it; a full batch does not wait for it. */
 static void test_window(void)
 {
-    moed_sched *s = start(1, 8, 200 * 1000, 64);
-    req *a = make_req(0, 1, 1), *b = make_req(0, 2, 2);
-    uint64_t t0 = moed_now_ns();
-    submit_ok(s, a);
-    struct timespec ts = { 0, 20 * 1000 * 1000 };
-    nanosleep(&ts, NULL);
-    submit_ok(s, b);
-    wait_done(2);
-    uint64_t waited = moed_now_ns() - t0;
-    CHECK_EQ_INT(fk.n_jobs, 1);
-    CHECK_EQ_INT(a->tm.batch_requests, 2);
-    CHECK_MSG(waited >= 190u * 1000 * 1000, "the window closed after %llu ns",
-              (unsigned long long)waited);
-    CHECK(a->tm.queue_us >= 190000 && a->tm.queue_us > b->tm.queue_us);
-    expect_ok(a);
-    expect_ok(b);
-    free_req(a);
-    free_req(b);
-    moed_sched_destroy(s);
+    /* b, 20 ms after a, joins a's launch if it is queued before a's 200 ms window closes: the
+     * test measures that it was, and makes another try where it was itself too slow for that. */
+    const uint64_t window_ns = 200ull * 1000 * 1000;
+    for (int tries = 1;; tries++) {
+        moed_sched *s = start(1, 8, 200 * 1000, 64);
+        req *a = make_req(0, 1, 1), *b = make_req(0, 2, 2);
+        uint64_t t0 = moed_now_ns();
+        submit_ok(s, a);
+        struct timespec ts = { 0, 20 * 1000 * 1000 };
+        nanosleep(&ts, NULL);
+        submit_ok(s, b);
+        bool in_time = moed_now_ns() - t0 < window_ns;
+        wait_done(2);
+        uint64_t waited = moed_now_ns() - t0;
+        if (in_time) {
+            CHECK_EQ_INT(fk.n_jobs, 1);
+            CHECK_EQ_INT(a->tm.batch_requests, 2);
+            CHECK(a->tm.queue_us > b->tm.queue_us);
+        }
+        CHECK_MSG(waited >= window_ns, "the window closed after %llu ns",
+                  (unsigned long long)waited);
+        CHECK(a->tm.queue_us >= 190000);
+        expect_ok(a);
+        expect_ok(b);
+        free_req(a);
+        free_req(b);
+        moed_sched_destroy(s);
+        if (in_time) break;
+        CHECK_MSG(tries < 10, "in %d tries b was never submitted within a's window", tries);
+        if (tries >= 10) break;
+    }
 
-    /* With a 10 s window, 8 tokens (the bound) go at once. */
-    s = start(1, 8, 10 * 1000 * 1000, 64);
+    /* With a 60 s window, 8 tokens (the bound) go at once (wait_done gives up after 10 s). */
+    moed_sched *s = start(1, 8, 60 * 1000 * 1000, 64);
     req *c = make_req(0, 5, 3), *d = make_req(0, 3, 4);
-    t0 = moed_now_ns();
     submit_ok(s, c);
     submit_ok(s, d);
     wait_done(2);
-    CHECK((moed_now_ns() - t0) < 5ull * 1000 * 1000 * 1000);
     CHECK_EQ_INT(c->tm.batch_tokens, 8);
     expect_ok(c);
     expect_ok(d);
@@ -828,12 +838,12 @@ static void test_one_launch_per_queue(void)
  * the deterministic merge the end-to-end tests of batch gating rely on. */
 static void test_min_requests(void)
 {
-    moed_sched *s = start_min(1, 16, 10 * 1000 * 1000, 64, 3);
+    moed_sched *s = start_min(1, 16, 60 * 1000 * 1000, 64, 3);
     req *q[3];
     for (int i = 0; i < 2; i++) submit_ok(s, q[i] = make_req(0, 2, 40 + i));
     usleep(50 * 1000);
     pthread_mutex_lock(&fk.m);
-    CHECK_EQ_INT(fk.n_jobs, 0); /* two of three: the window (10 s) holds them */
+    CHECK_EQ_INT(fk.n_jobs, 0); /* two of three: the window (60 s) holds them */
     pthread_mutex_unlock(&fk.m);
     submit_ok(s, q[2] = make_req(0, 3, 42));
     wait_done(3);
@@ -989,13 +999,10 @@ static void test_flush(void)
     struct timespec ts = { 0, 50 * 1000 * 1000 };
     nanosleep(&ts, NULL);
     CHECK_EQ_INT(n_done, 0); /* the window holds them */
-    uint64_t t0 = moed_now_ns();
     moed_sched_flush(s);
-    wait_done(3);
+    wait_done(3); /* within its 10 s: the flush, not the 60 s window, launched them */
     submit_ok(s, q[3] = make_req(0, 1, 63));
     wait_done(4);
-    CHECK_MSG(moed_now_ns() - t0 < 2ull * 1000 * 1000 * 1000, "the flush took %llu ns",
-              (unsigned long long)(moed_now_ns() - t0));
     CHECK_EQ_INT(fk.n_jobs, 2);
     CHECK_EQ_INT(q[0]->tm.batch_requests, 3);
     for (int i = 0; i < 4; i++) {

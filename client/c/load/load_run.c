@@ -163,11 +163,19 @@ static void count_error(worker *w, int kind, const char *msg)
     pthread_mutex_unlock(&w->mu);
 }
 
+/* When the next call arrives: open loop, its due time, also when the worker gets to it late (on a
+ * busy machine), so which window an arrival counts in, and how many there are, does not depend
+ * on the scheduler; closed loop, now. */
+static int64_t arrival(const worker *w, int64_t now)
+{
+    return w->rate ? w->next_due : now;
+}
+
 /* Starts the next request; sets w->exhausted instead when --requests have all been started. */
 static void start_one(worker *w, int64_t now)
 {
     const load_plan *p = w->p;
-    bool measured = now >= w->clock->t_measure;
+    bool measured = arrival(w, now) >= w->clock->t_measure;
     uint64_t n;
     if (measured) {
         n = atomic_fetch_add(&w->clock->tickets, 1);
@@ -297,7 +305,7 @@ static int64_t drain_ns(const load_plan *p)
 
 static bool issuing(const worker *w, int64_t now)
 {
-    return !w->exhausted && now < w->clock->t_end && !load_run_interrupted();
+    return !w->exhausted && arrival(w, now) < w->clock->t_end && !load_run_interrupted();
 }
 
 static void *worker_main(void *arg)
@@ -319,7 +327,7 @@ static void *worker_main(void *arg)
         /* wake for the next arrival, the end of the window, or to look at the interrupt flag */
         int64_t until = now + 50000000;
         if (more && w->rate && w->inflight < w->cap && w->next_due < until) until = w->next_due;
-        if (more && w->clock->t_end < until) until = w->clock->t_end;
+        if (more && w->clock->t_end > now && w->clock->t_end < until) until = w->clock->t_end;
         moedc_call *call;
         double wait = until > now ? (double)(until - now) / 1e9 : 0;
         if (moedc_queue_next(w->q, wait, &call)) complete(w, call);

@@ -9,7 +9,9 @@
  *
  * A level: warm-up (calls started in it are not counted, but for the tokens per expert of
  * lv->sent, which counts every ok client route as the daemons' counters do), then the measured
- * window, ended by duration or by the number of requests; then the calls in flight are waited for
+ * window, ended by duration or by the number of requests (open loop: an arrival counts in the part
+ * its due time falls in, and every one due in the window is sent, late if the machine is busy, so
+ * their number depends on the rate alone); then the calls in flight are waited for
  * (their replies count), for at most the deadline plus 5 s (30 s without one), after which they
  * are cancelled and counted as CANCELLED. load_run_interrupt (SIGINT) ends the window early the
  * same way.

@@ -3,6 +3,7 @@ Forward and ForwardStream answer hidden * 2 (decoded and re-encoded in the same 
 what they got; layer 7 is 'not resident'; the next N unary calls, or a stream after its Nth
 request, can be made to fail UNAVAILABLE. The real daemon is tested by tests/e2e."""
 
+import threading
 from concurrent import futures
 
 import grpc
@@ -30,6 +31,8 @@ class FakeMoed(moed_pb2_grpc.MoedServicer):
 
     def reset(self):
         self.last = None
+        self.clock = None  # a FakeClock the client runs on: each Forward moves it on by its `took`
+        self.remaining = []  # per Forward: the seconds its deadline left when it came (None: none)
         self.calls = 0  # Forward calls received
         self.unavailable = 0  # the next this many Forward calls fail UNAVAILABLE
         self.stream_fail_after = None  # the next stream fails UNAVAILABLE on its request of this index
@@ -52,6 +55,9 @@ class FakeMoed(moed_pb2_grpc.MoedServicer):
 
     def Forward(self, request, context):
         self.calls += 1
+        self.remaining.append(context.time_remaining())
+        if self.clock:
+            self.clock.sleep(self.clock.took)
         if self.unavailable:
             self.unavailable -= 1
             context.abort(grpc.StatusCode.UNAVAILABLE, "the queue is full (--max-queue-requests 1)")
@@ -84,6 +90,37 @@ class FakeHealth(health_pb2_grpc.HealthServicer):
         if request.service not in ("", "moed.v1.Moed"):
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service}")
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+class FakeClock:
+    """time.monotonic and time.sleep for the client under test: its time moves only when it sleeps
+    and when the fake server takes an attempt (`took` seconds each), so its retry decisions depend
+    on nothing the machine's load could change. Its deadlines are fake seconds too; what gRPC gets
+    is as many real ones, hang guards when `took` is seconds long."""
+
+    def __init__(self, took):
+        self.now, self.took = 0.0, took
+        self.lock = threading.Lock()
+
+    def monotonic(self):
+        with self.lock:
+            return self.now
+
+    def sleep(self, seconds):
+        with self.lock:
+            self.now += seconds
+
+
+@pytest.fixture
+def fake_clock(server, monkeypatch):
+    """Sets the client's clock (moed.client's and moed._common's `time`) to a FakeClock(took=10)
+    that the fake server moves on too; (fake, target, clock)."""
+    from moed import _common, client
+    clock = FakeClock(took=10.0)
+    monkeypatch.setattr(client, "time", clock)
+    monkeypatch.setattr(_common, "time", clock)
+    server[0].clock = clock
+    return (*server, clock)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ The real daemon is tested by tests/e2e."""
 import asyncio
 import subprocess
 import sys
-import time
 
 import grpc
 import ml_dtypes
@@ -349,17 +348,20 @@ def test_unavailable_is_retried_with_bounded_attempts(server):
     assert fake.calls == 1
 
 
-def test_no_retry_past_the_deadline(server):
-    fake, target = server
+def test_no_retry_past_the_deadline(fake_clock):
+    """A 60 s deadline, attempts of 10 s each (a FakeClock): the client retries while another
+    attempt and its wait fit, and then fails with the UNAVAILABLE it got (not DEADLINE_EXCEEDED: no
+    doomed retry), never having gone past the deadline."""
+    fake, target, clock = fake_clock
     fake.unavailable = 1000
-    policy = RetryPolicy(max_attempts=1000, initial_backoff=0.05, max_backoff=0.1)
-    with moed.MoEClient(target, retry=policy, timeout=0.6) as c:
-        t0 = time.monotonic()
+    policy = RetryPolicy(max_attempts=1000, initial_backoff=5, max_backoff=10)
+    with moed.MoEClient(target, retry=policy, timeout=60) as c:
         with pytest.raises(moed.MoEError) as ei:
             c.forward(0, np.ones((5, 8), np.float32), **CHOICE)
-        took = time.monotonic() - t0
-    assert ei.value.code_name == "UNAVAILABLE", ei.value  # not DEADLINE_EXCEEDED: no doomed retry
-    assert 1 < ei.value.attempts == fake.calls and took < 0.6 + 0.5
+    assert ei.value.code_name == "UNAVAILABLE", ei.value
+    assert 1 < ei.value.attempts == fake.calls
+    assert clock.now <= 60, "an attempt ran past the deadline"
+    assert clock.now + 10 + 10 >= 60, "it stopped while another attempt could still fit"
 
 
 def test_retry_policy_delays():
@@ -396,15 +398,19 @@ def test_channel_options_apply_over_the_clients_own(server):
         np.testing.assert_array_equal(c.forward(0, x, **CHOICE), x * 2)
 
 
-def test_per_call_timeout_overrides_the_clients(server):
-    fake, target = server
+def test_per_call_timeout_overrides_the_clients(fake_clock):
+    """timeout=30 on the call, 3000 on the client: the attempts carry the call's deadline, and
+    with attempts of 10 s (a FakeClock) two fit before it; the call fails with the UNAVAILABLE it
+    got at 20 s, not after hundreds of attempts."""
+    fake, target, clock = fake_clock
     fake.unavailable = 1000
-    with moed.MoEClient(target, timeout=30, retry=RetryPolicy(max_attempts=1000, initial_backoff=0.02,
-                                                              max_backoff=0.02)) as c:
-        t0 = time.monotonic()
+    with moed.MoEClient(target, timeout=3000, retry=RetryPolicy(max_attempts=1000, initial_backoff=0.02,
+                                                                max_backoff=0.02)) as c:
         with pytest.raises(moed.MoEError, match="UNAVAILABLE"):
-            c.forward(0, np.ones((5, 8), np.float32), timeout=0.3, **CHOICE)
-        assert time.monotonic() - t0 < 0.3 + 0.5  # not the client's 30 s
+            c.forward(0, np.ones((5, 8), np.float32), timeout=30, **CHOICE)
+    assert fake.calls == 2 and clock.now < 30
+    # gRPC rounds a deadline up as it sends it: a little over 30 s, never near the client's 3000
+    assert all(r < 60 for r in fake.remaining), fake.remaining
 
 
 # ---- asyncio -----------------------------------------------------------------------------------
