@@ -48,7 +48,7 @@
 #   droute    routing kept in GPU memory, read and checked on the device (tests/gpu/test_dev_route:
 #             every case bit-identical to the same launch routed on the host, statuses and messages
 #             as the host check words them; the packed route's host side, test_route_pack), then
-#             compute-sanitizer memcheck and racecheck on its quick cases: about a minute on an H200
+#             compute-sanitizer memcheck and racecheck on its quick cases (not yet timed)
 #   split     expert parallelism on one GPU (issue 14): tests/gpu/test_split with two placements
 #             on GPU 0 (--devices 0,0), every case bit-identical to the layer unsplit, and
 #             compute-sanitizer memcheck on its quick cases
