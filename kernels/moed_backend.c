@@ -97,12 +97,130 @@ static int with_parts(const moed_job *job, moed_job *out, moed_part *one, moed_e
     return 0;
 }
 
+static int no_devices(const moed_backend *b, moed_error *err)
+{
+    return moed_fail(
+        err, MOED_EPRECOND,
+        "this server runs the %s backend; CUDA regions need the cuda backend (register "
+        "a host region, or send the tensor inline)",
+        b->ops->name);
+}
+
+static int check_route_tokens(const moed_job *job, moed_error *err)
+{
+    const moed_route *rt = job->route;
+    if (rt && rt->T == job->T) return 0;
+    return moed_fail(err, MOED_EINVAL, "the job's route has %lld tokens, its T is %lld",
+                     rt ? (long long)rt->T : -1LL, (long long)job->T);
+}
+
+/* The job's parts that bring device routing: on a backend with devices, well formed, and with no
+ * pair of theirs in the job's route (which must then cover the job's tokens). */
+static int check_part_routes(const moed_backend *b, const moed_job *job, moed_error *err)
+{
+    const moed_route *rt = job->route;
+    bool any = false;
+    for (int i = 0; i < job->n_parts; i++) any |= job->parts[i].route != NULL;
+    int rc = any ? check_route_tokens(job, err) : 0;
+    if (!any || rc) return rc;
+    int64_t t = 0;
+    for (int i = 0; i < job->n_parts; t += job->parts[i++].rows) {
+        const moed_part_route *pr = job->parts[i].route;
+        if (!pr) continue;
+        if (!b->ops->read_device) return no_devices(b, err);
+        if (pr->k < 1 || !pr->ids || !pr->weights)
+            return moed_fail(err, MOED_EINVAL,
+                             "part %d's device routing has k = %d%s: it needs k >= 1 and both "
+                             "tensors",
+                             i, pr->k, pr->ids && pr->weights ? "" : " and a NULL tensor");
+        const int64_t pairs = rt->off[t + job->parts[i].rows] - rt->off[t];
+        if (pairs)
+            return moed_fail(err, MOED_EINVAL,
+                             "part %d brings its routing in device memory, but the job's route "
+                             "holds %lld pairs for its tokens (it must hold none)",
+                             i, (long long)pairs);
+    }
+    return 0;
+}
+
 int moed_backend_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err)
 {
     moed_job j;
     moed_part one;
     int rc = with_parts(job, &j, &one, err);
+    if (!rc) rc = check_part_routes(b, &j, err);
     return rc ? rc : b->ops->forward(b, exec, &j, err);
+}
+
+/* Reads part p's device choice (rows x k) to the host and checks it: its own route in *r, with no
+ * pair when it fails (its status in p->route->err either way). */
+static int read_choice(moed_backend *b, const moed_part *p, int n_experts, moed_route *r,
+                       moed_error *err)
+{
+    moed_part_route *pr = p->route;
+    const size_t n = (size_t)p->rows * (size_t)pr->k;
+    int32_t *ids = malloc(n * sizeof *ids);
+    float *w = malloc(n * sizeof *w);
+    int rc = ids && w ? 0 : moed_fail(err, MOED_ENOMEM, "no memory to read a part's routing");
+    if (!rc) rc = b->ops->read_device(b, ids, pr->ids, pr->dev, n * sizeof *ids, err);
+    if (!rc) rc = b->ops->read_device(b, w, pr->weights, pr->dev, n * sizeof *w, err);
+    if (!rc) {
+        const int64_t bad = moed_choice_check(ids, w, p->rows, pr->k, n_experts);
+        memset(&pr->err, 0, sizeof pr->err);
+        if (bad >= 0) moed_choice_fail(&pr->err, bad, pr->k, n_experts);
+        if (bad >= 0 ? moed_route_init(r, p->rows, 0)
+                     : moed_route_from_choice(r, ids, w, p->rows, pr->k, n_experts, err))
+            rc = moed_fail(err, MOED_ENOMEM, "no memory for the route of a part of %lld tokens",
+                           (long long)p->rows);
+    }
+    free(ids);
+    free(w);
+    return rc;
+}
+
+/* Appends tokens [a, b) of src to out, whose tokens before *t are written; *t moves past them. */
+static void route_append_tokens(moed_route *out, int64_t *t, const moed_route *src, int64_t a,
+                                int64_t b)
+{
+    int64_t n = out->off[*t];
+    for (int64_t u = a; u < b; u++) {
+        for (int64_t q = src->off[u]; q < src->off[u + 1]; q++, n++) {
+            out->expert[n] = src->expert[q];
+            out->weight[n] = src->weight[q];
+        }
+        out->off[++*t] = n;
+    }
+}
+
+int moed_backend_host_route(moed_backend *b, const moed_job *job, int n_experts, moed_route *out,
+                            moed_error *err)
+{
+    moed_job j;
+    moed_part one;
+    memset(out, 0, sizeof *out);
+    int rc = with_parts(job, &j, &one, err);
+    if (!rc) rc = check_route_tokens(&j, err);
+    if (!rc) rc = check_part_routes(b, &j, err);
+    if (rc) return rc;
+    moed_route *own = calloc((size_t)j.n_parts, sizeof *own); /* the device parts' routes */
+    int64_t pairs = j.route->off[j.T];
+    if (!own) rc = moed_fail(err, MOED_ENOMEM, "no memory for the job's route");
+    for (int i = 0; i < j.n_parts && !rc; i++)
+        if (j.parts[i].route && !(rc = read_choice(b, &j.parts[i], n_experts, &own[i], err)))
+            pairs += own[i].off[j.parts[i].rows];
+    if (!rc && moed_route_init(out, j.T, pairs))
+        rc = moed_fail(err, MOED_ENOMEM, "no memory for a route of %lld pairs", (long long)pairs);
+    for (int64_t i = 0, t = 0; i < j.n_parts && !rc; i++) {
+        const moed_part *p = &j.parts[i];
+        if (p->route)
+            route_append_tokens(out, &t, &own[i], 0, p->rows);
+        else
+            route_append_tokens(out, &t, j.route, t, t + p->rows);
+    }
+    for (int i = 0; own && i < j.n_parts; i++) moed_route_free(&own[i]);
+    free(own);
+    if (rc) moed_route_free(out);
+    return rc;
 }
 
 int moed_backend_router_logits(moed_backend *b, int exec, const moed_job *job, float *logits,
@@ -158,15 +276,6 @@ int moed_backend_host_register(moed_backend *b, void *p, size_t bytes, moed_erro
 void moed_backend_host_unregister(moed_backend *b, void *p)
 {
     if (b->ops->host_unregister) b->ops->host_unregister(b, p);
-}
-
-static int no_devices(const moed_backend *b, moed_error *err)
-{
-    return moed_fail(
-        err, MOED_EPRECOND,
-        "this server runs the %s backend; CUDA regions need the cuda backend (register "
-        "a host region, or send the tensor inline)",
-        b->ops->name);
 }
 
 int moed_backend_map_device(moed_backend *b, const void *handle, size_t handle_len,

@@ -22,6 +22,15 @@
  * Contract on results: a token's output depends only on its own row of x and its own pairs of the
  * route, in their order — never on T or on the other tokens of the job — so merged requests are
  * bit-identical to the same requests run alone.
+ *
+ * Routing where the caller keeps it: a part may bring its expert choice in device memory
+ * (moed_part_route) instead of the job's host route. A backend with devices (CUDA) reads and checks
+ * it there, with no copy to the host, and reports that part's own status: a refused choice fails
+ * its part alone, and every other part's output is the same bits as without it. A backend without
+ * devices (CPU) refuses such a part (MOED_EPRECOND): its callers give host routes. A layer split
+ * over devices reads the choice to the host first (moed_backend_host_route) and runs as with a host
+ * route. An expert shard's route is renumbered on the host (moed_route_localize), so a caller that
+ * serves a shard reads device routing to the host itself, with moed_backend_host_route.
  */
 #ifndef MOED_BACKEND_H
 #define MOED_BACKEND_H
@@ -51,6 +60,26 @@ typedef struct moed_backend_config {
 /* Where a part's memory is: host memory, or device memory of the backend's device ordinal. */
 #define MOED_HOST_MEM (-1)
 
+/* A part's expert choice in device memory: ids int32 [rows, k] and weights float32 [rows, k],
+ * row-major, on device `dev` (one of the backend's devices; its own memory or mapped by
+ * map_device), k >= 1. Its pairs are exactly those moed_route_from_choice makes of the same ids
+ * and weights, in their order (padding, id -1 with weight 0, left out; a repeated id adds), so the
+ * part's outputs are the same bits as with those pairs in the job's route. The choice is checked
+ * by moed_choice_rule's rules; the first refused pair (row-major) fails the part: err.code
+ * MOED_EINVAL, err.msg naming the pair's row (within the part) and column and the rule broken,
+ * never a value. A refused pair counts as no pair, so it touches no other part: every other
+ * part's output is the same bits as the same launch without this part. A failed part's rows of y
+ * are written, with unspecified values. Each token counts k pairs (padding included) toward the
+ * workspace, which runs a job in chunks of what it holds (MOED_ETOOBIG for the job when one
+ * token's k is over it). */
+typedef struct moed_part_route {
+    const int32_t *ids;
+    const float *weights;
+    int k;
+    int dev;
+    moed_error err; /* set by forward when it returns 0: code 0, or MOED_EINVAL and why */
+} moed_part_route;
+
 /* One run of consecutive tokens of a job: where its rows of x come from and where its rows of y
  * go. Host memory may be pageable, pinned (host_alloc) or registered (host_register); device
  * memory must be the backend's own or mapped by map_device. */
@@ -60,6 +89,9 @@ typedef struct moed_part {
     int x_dev;     /* MOED_HOST_MEM or the device holding x */
     void *y;       /* [rows, d_model], fully written */
     int y_dev;
+    /* NULL: the part's pairs are in the job's route. Else the part's choice in device memory; the
+     * job's route then has no pair for its tokens (empty entries: off[t + 1] == off[t]). */
+    moed_part_route *route;
 } moed_part;
 
 typedef struct moed_job {
@@ -72,7 +104,7 @@ typedef struct moed_job {
     int n_parts;
     const void *x; /* [T, d_model] host memory, when n_parts == 0 */
     void *y;
-    const moed_route *route;
+    const moed_route *route; /* T tokens (forward; router_logits does not read it) */
 } moed_job;
 
 typedef struct moed_device_info {
@@ -113,8 +145,18 @@ int moed_backend_n_exec(const moed_backend *b);
 /* Devices device_info answers for. */
 int moed_backend_n_devices(const moed_backend *b);
 
-/* Runs job on execution slot `exec`. */
+/* Runs job on execution slot `exec`. Returns 0 when the launch ran, whatever the statuses of its
+ * parts' device routing (moed_part_route.err); anything else fails the whole job. */
 int moed_backend_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err);
+
+/* The job's route with the pairs of its parts' device routing read to the host (read_device) and
+ * checked there by the rules forward applies, for ids numbered [0, n_experts): into *out (which
+ * the caller frees with moed_route_free), job->T tokens; each such part's err set as forward sets
+ * it, a failed part's tokens left with no pair. The caller then runs the job on *out with those
+ * parts' route set to NULL (a failed part's rows of y being unspecified, as with forward).
+ * MOED_EPRECOND on a backend without devices, MOED_ENOMEM, or read_device's error. */
+int moed_backend_host_route(moed_backend *b, const moed_job *job, int n_experts, moed_route *out,
+                            moed_error *err);
 
 /* logits [T, n_experts] float32 (host memory) = x [T, d_model] @ router^T of the job's layer, x
  * being the job's parts (their y and the route are not used), accumulated in float32 from x and

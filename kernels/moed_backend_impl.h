@@ -10,7 +10,9 @@
  * do), map_device/unmap_device/read_device/device_uuid (no devices: FAILED_PRECONDITION).
  *
  * forward and router_logits always see job->parts: moed_backend.c turns a job with n_parts == 0
- * into its one part before calling them.
+ * into its one part before calling them. forward sees a part with device routing (moed_part.route)
+ * only on a backend that has read_device, with k >= 1, both tensors set and no pair of the part's
+ * tokens in job->route: moed_backend.c refuses any other before calling it.
  */
 #ifndef MOED_BACKEND_IMPL_H
 #define MOED_BACKEND_IMPL_H

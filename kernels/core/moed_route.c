@@ -96,6 +96,40 @@ static int route_reserve(moed_route *r, int64_t need)
     return 0;
 }
 
+int64_t moed_choice_check(const int32_t *ids, const float *w, int64_t rows, int k, int n_experts)
+{
+    for (int64_t i = 0; i < rows * k; i++) {
+        const int rule = moed_choice_rule(ids[i], w[i], n_experts);
+        if (rule > MOED_CHOICE_PADDING) return i << MOED_CHOICE_RULE_BITS | rule;
+    }
+    return -1;
+}
+
+int moed_choice_fail(moed_error *err, int64_t code, int k, int n_experts)
+{
+    const int64_t at = code >> MOED_CHOICE_RULE_BITS, row = at / k;
+    const int col = (int)(at % k);
+    switch (code & ((1 << MOED_CHOICE_RULE_BITS) - 1)) {
+    case MOED_CHOICE_PAD_WEIGHT:
+        return moed_fail(err, MOED_EINVAL,
+                         "expert_ids[%lld][%d] marks padding (-1), but expert_weights[%lld][%d] is "
+                         "not 0: padding must have weight 0",
+                         (long long)row, col, (long long)row, col);
+    case MOED_CHOICE_RANGE:
+        return moed_fail(err, MOED_EINVAL,
+                         "expert_ids[%lld][%d] is out of range: the layer has %d experts, so ids "
+                         "must be in [0, %d) (or -1 with weight 0 for padding)",
+                         (long long)row, col, n_experts, n_experts);
+    default:
+        return moed_fail(err, MOED_EINVAL,
+                         "expert_weights[%lld][%d] is %s: routing weights must be finite and >= 0",
+                         (long long)row, col,
+                         (code & ((1 << MOED_CHOICE_RULE_BITS) - 1)) == MOED_CHOICE_NEGATIVE
+                             ? "negative"
+                             : "not finite");
+    }
+}
+
 int moed_route_from_choice(moed_route *r, const int32_t *ids, const float *w, int64_t T, int k,
                            int n_experts, moed_error *err)
 {
@@ -106,25 +140,11 @@ int moed_route_from_choice(moed_route *r, const int32_t *ids, const float *w, in
     int64_t pairs = 0;
     for (int64_t t = 0; t < T; t++) {
         for (int j = 0; j < k; j++) {
-            int32_t id = ids[t * k + j];
-            float wt = w[t * k + j];
-            if (id == -1 && wt == 0.0f) continue; /* padding */
-            if (id == -1)
-                return moed_fail(err, MOED_EINVAL,
-                                 "expert_ids[%lld][%d] marks padding (-1), but expert_weights[%lld]"
-                                 "[%d] is not 0: padding must have weight 0",
-                                 (long long)t, j, (long long)t, j);
-            if (id < 0 || id >= n_experts)
-                return moed_fail(err, MOED_EINVAL,
-                                 "expert_ids[%lld][%d] is out of range: the layer has %d experts, "
-                                 "so ids must be in [0, %d) (or -1 with weight 0 for padding)",
-                                 (long long)t, j, n_experts, n_experts);
-            if (!isfinite(wt) || wt < 0.0f)
-                return moed_fail(err, MOED_EINVAL,
-                                 "expert_weights[%lld][%d] is %s: routing weights must be finite "
-                                 "and >= 0",
-                                 (long long)t, j, isfinite(wt) ? "negative" : "not finite");
-            pairs++;
+            const int rule = moed_choice_rule(ids[t * k + j], w[t * k + j], n_experts);
+            if (rule > MOED_CHOICE_PADDING)
+                return moed_choice_fail(err, (t * k + j) << MOED_CHOICE_RULE_BITS | rule, k,
+                                        n_experts);
+            pairs += rule == MOED_CHOICE_VALID;
         }
     }
     int rc = moed_route_init(r, T, pairs);

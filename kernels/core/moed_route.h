@@ -66,11 +66,55 @@ int moed_route_init(moed_route *r, int64_t T, int64_t cap);
 void moed_route_free(moed_route *r);
 
 /* Builds a route from client choices: ids [T, k] int32 and weights [T, k] float32. A pair with id
- * -1 and weight 0 is padding and is left out. Ids outside [0, n_experts), other negative ids, NaN,
- * Inf or negative weights fail with MOED_EINVAL and a message naming the first bad row and column.
+ * -1 and weight 0 is padding and is left out; the others are kept in their order (an id repeated
+ * in a row is two pairs: the terms add). Ids outside [0, n_experts), other negative ids, NaN, Inf
+ * or negative weights fail with MOED_EINVAL and a message naming the first bad row and column.
  */
 int moed_route_from_choice(moed_route *r, const int32_t *ids, const float *w, int64_t T, int k,
                            int n_experts, moed_error *err);
+
+/* The rules moed_route_from_choice applies to one pair (id, w), in the order it applies them, as
+ * the pair's verdict: VALID and PADDING are accepted, the others refuse the choice. A backend that
+ * checks choices where they lie (device memory, moed_backend.h) applies the same rules in the same
+ * order, so both agree on every pair. */
+enum {
+    MOED_CHOICE_VALID = 0,
+    MOED_CHOICE_PADDING = 1,    /* id -1, weight 0 (either zero): left out */
+    MOED_CHOICE_PAD_WEIGHT = 2, /* id -1 with any other weight */
+    MOED_CHOICE_RANGE = 3,      /* id outside [0, n_experts), and not -1 */
+    MOED_CHOICE_NOT_FINITE = 4, /* weight NaN or infinite */
+    MOED_CHOICE_NEGATIVE = 5,   /* weight < 0 */
+    MOED_CHOICE_RULE_BITS = 3   /* a refusal's code: position << RULE_BITS | rule */
+};
+
+/* One definition for the host and the CUDA kernels (route_choice.cu), so the two cannot drift;
+ * finiteness from the exponent bits, whatever the math flags. */
+#if defined(__CUDACC__)
+#define MOED_HOST_DEVICE __host__ __device__
+#else
+#define MOED_HOST_DEVICE
+#endif
+static inline MOED_HOST_DEVICE int moed_choice_rule(int32_t id, float w, int n_experts)
+{
+    union {
+        float f;
+        uint32_t u;
+    } bits = { w };
+    if (id == -1) return w == 0.0f ? MOED_CHOICE_PADDING : MOED_CHOICE_PAD_WEIGHT;
+    if (id < 0 || id >= n_experts) return MOED_CHOICE_RANGE;
+    if ((bits.u & 0x7f800000u) == 0x7f800000u) return MOED_CHOICE_NOT_FINITE;
+    if (w < 0.0f) return MOED_CHOICE_NEGATIVE;
+    return MOED_CHOICE_VALID;
+}
+
+/* The first refused pair of a choice [rows, k] in row-major order, as the code
+ * (row * k + col) << MOED_CHOICE_RULE_BITS | rule; -1 when every pair is accepted. */
+int64_t moed_choice_check(const int32_t *ids, const float *w, int64_t rows, int k, int n_experts);
+
+/* Fails with MOED_EINVAL and a message for a refusal's code (moed_choice_check's), naming the
+ * position and the rule broken, never the value found there (the value lies in the caller's memory
+ * and is the caller's to look at). */
+int moed_choice_fail(moed_error *err, int64_t code, int k, int n_experts);
 
 /* Checks a gating request against a layer and fills in its defaults (top_k, renormalize,
  * threshold) so that the result names exactly what will run; MOED_EINVAL with a message if

@@ -6,7 +6,9 @@
  * It computes from the layer's weights where they lie (a checkpoint mapping or the synthetic
  * generator's buffers) and sizes every buffer it needs once, in start(), so a forward allocates
  * nothing. One execution slot runs on the whole thread pool: on a CPU, concurrent jobs would only
- * fight over the same cores and caches.
+ * fight over the same cores and caches. It has no device memory (no region hooks, no read_device),
+ * so every job's routing is its host route: a part with routing in device memory never reaches it
+ * (moed_backend_forward refuses it, MOED_EPRECOND).
  */
 #include "cpu_ctx.h"
 

@@ -81,6 +81,12 @@ typedef struct cuda_exec {
     float *logits;
     int32_t *route; /* device: the packed input route, then route prep's arrays */
     moed_cuda_route_dev r;
+    /* Jobs whose parts bring device routing (a home slot; max_tokens entries, a part having at
+     * least one token): the packed route's offsets [T+1] and the runs on the host, and a status
+     * word per run on the device and in pinned memory, where it comes back with the outputs. */
+    int64_t *lay;
+    moed_cuda_drun *runs;
+    unsigned long long *bad, *h_bad;
     graph_entry graphs[GRAPH_CACHE];
     uint64_t graph_clock;
     /* Split layers. A slot on a home device: a part workspace per device entry (parts[entry]) and
@@ -111,6 +117,17 @@ typedef struct cuda_ctx {
     bool direct[MAX_DEVICES][MAX_DEVICES];
     bool landing; /* some part of a split layer cannot reach its home directly */
 } cuda_ctx;
+
+/* Rows of the widest layer that a slot's Y holds past the max_pairs rows batches write: zeros,
+ * which no kernel writes, for null pairs to read (moed_cuda.h). */
+#define NULL_ROWS 2
+
+/* The row of Y that null pairs read for a layer of d_pad columns: the first row at that stride
+ * that starts in the zero rows (and so, being d_pad <= max_d_pad long, ends in them too). */
+static inline int32_t cuda_null_row(const cuda_ctx *c, int d_pad)
+{
+    return (int32_t)((c->max_pairs * c->max_d_pad + d_pad - 1) / d_pad);
+}
 
 /* A CUDA error as the backend reports it: MOED_EDEVICE, naming the call that failed. */
 int cuda_fail(moed_error *err, cudaError_t e, const char *what);

@@ -19,6 +19,14 @@
  * order straight into the home slot's Y (peer access, or the same GPU) or through a landing buffer
  * and a copy (no peer access), and the home combines every pair in route order (moed_cuda.h says
  * why that is bit-identical to unsplit).
+ *
+ * Parts that bring their routing in device memory (moed_part_route): the host packs the job's host
+ * pairs and the offsets of every token, k slots for each device-routed one, and after the upload a
+ * route_choice kernel per such part and chunk checks and packs its choice into its slots where it
+ * lies (a choice on another of the backend's GPUs is first copied into those slots). Each part's
+ * status word comes back with the outputs, before the one synchronisation at the end. A split
+ * layer splits its pairs on the host, so there the choices are read to the host first
+ * (moed_backend_host_route: the one place this file allocates during a job).
  */
 #include "cuda_ctx.h"
 
@@ -76,16 +84,22 @@ static void *lone_y(const cuda_exec *x, const moed_job *job)
 
 /* ---- one batch ----------------------------------------------------------------------------- */
 
+/* A host route as the packer reads it: no device-routed tokens. */
+static moed_cuda_route_src host_src(const moed_route *rt)
+{
+    return (moed_cuda_route_src){ rt->off, rt->expert, rt->weight, rt->off, NULL, 0 };
+}
+
 /* Packs tokens [t0, t1) of the route into half h of the slot's pinned staging (once that half's
  * last upload is done), uploads it, and lays route prep's arrays out behind it for m-tiles of bm
  * rows; with pos (a split layer's home), uploads pos as the pairs' rows too. */
-static void stage_route(cuda_exec *x, int h, const moed_route *rt, int64_t t0, int64_t t1, int E,
-                        int bm, const int32_t *pos)
+static void stage_route(cuda_exec *x, int h, const moed_cuda_route_src *src, int64_t t0, int64_t t1,
+                        int E, int bm, const int32_t *pos)
 {
-    const int64_t T = t1 - t0, P = rt->off[t1] - rt->off[t0];
+    const int64_t T = t1 - t0, P = src->lay[t1] - src->lay[t0];
     const size_t in = moed_cuda_route_in_words(T, P);
     cudaEventSynchronize(x->routed[h]);
-    moed_cuda_route_pack(x->h_route[h], rt->off, rt->expert, rt->weight, t0, t1);
+    moed_cuda_route_pack(x->h_route[h], src, t0, t1);
     moed_cuda_route_layout(&x->r, x->route, T, P, E, bm);
     cudaMemcpyAsync(x->route, x->h_route[h], in * 4, cudaMemcpyHostToDevice, x->stream);
     if (pos) { /* a split layer's combine: each pair's row, which no route prep computes here */
@@ -96,18 +110,56 @@ static void stage_route(cuda_exec *x, int h, const moed_route *rt, int64_t t0, i
     cudaEventRecord(x->routed[h], x->stream);
 }
 
-/* Count of experts with pairs in tokens [t0, t1), for choosing the tile before staging. */
-static int active_experts(const moed_route *rt, int64_t t0, int64_t t1, int E)
+/* Each device run's tokens of [t0, t1), checked and packed into the slots of the route just
+ * uploaded (x->r): read where they lie on the slot's GPU, or first copied into those very slots
+ * from another GPU. Run i's refusals go to status word i. */
+static int stage_choices(cuda_exec *x, const moed_cuda_route_src *src, int64_t t0, int64_t t1,
+                         int E)
+{
+    int rc = 0;
+    for (int i = 0; i < src->n_runs && !rc; i++) {
+        const moed_cuda_drun *u = &src->runs[i];
+        const int64_t lo = u->t0 > t0 ? u->t0 : t0,
+                      hi = u->t0 + u->rows < t1 ? u->t0 + u->rows : t1;
+        if (lo >= hi) continue;
+        moed_cuda_choice ch = { .ids = u->ids + (lo - u->t0) * u->k,
+                                .w = u->w + (lo - u->t0) * u->k,
+                                .row0 = lo - u->t0,
+                                .rows = hi - lo,
+                                .k = u->k,
+                                .E = E,
+                                .tok0 = (int32_t)(lo - t0),
+                                .pair0 = (int32_t)(src->lay[lo] - src->lay[t0]),
+                                .bad = x->bad + i };
+        if (u->dev != x->device) {
+            const size_t n = (size_t)ch.rows * (size_t)u->k;
+            int32_t *ids = (int32_t *)x->r.pair_exp + ch.pair0;
+            float *w = (float *)x->r.pair_w + ch.pair0;
+            copy_async(ids, x->device, ch.ids, u->dev, n * sizeof *ids, x->stream);
+            copy_async(w, x->device, ch.w, u->dev, n * sizeof *w, x->stream);
+            ch.ids = ids;
+            ch.w = w;
+        }
+        rc = moed_cuda_route_choice(&ch, &x->r, x->stream);
+    }
+    return rc;
+}
+
+/* Count of experts with pairs in tokens [t0, t1), for choosing the tile before staging. A device
+ * run's experts are unknown here: each of its slots counts as one more (up to E), the most they can
+ * add, which only steers the tile's shape. */
+static int active_experts(const moed_cuda_route_src *src, int64_t t0, int64_t t1, int E)
 {
     static _Thread_local uint8_t seen[4096];
     int n = 0;
     memset(seen, 0, (size_t)E);
-    for (int64_t j = rt->off[t0]; j < rt->off[t1]; j++)
-        if (!seen[rt->expert[j]]) {
-            seen[rt->expert[j]] = 1;
+    for (int64_t j = src->off[t0]; j < src->off[t1]; j++)
+        if (!seen[src->expert[j]]) {
+            seen[src->expert[j]] = 1;
             n++;
         }
-    return n;
+    const int64_t dev = (src->lay[t1] - src->lay[t0]) - (src->off[t1] - src->off[t0]);
+    return n + dev < E ? (int)(n + dev) : E;
 }
 
 /* The slot's graph for this key, captured on first use (evicting the least recently used); NULL if
@@ -154,20 +206,21 @@ typedef struct batch_io {
 /* Computes tokens [t0, t1) (chunk number `chunk`), whose rows are in (or, direct, need not be
  * copied to) x_in from row t0 on, and queues their outputs' copies. */
 static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_job *job,
-                     const batch_io *io, int chunk, int64_t t0, int64_t t1)
+                     const moed_cuda_route_src *src, const batch_io *io, int chunk, int64_t t0,
+                     int64_t t1)
 {
-    const moed_route *rt = job->route;
     const int E = L->info.n_experts;
-    const int64_t T = t1 - t0, P = rt->off[t1] - rt->off[t0];
-    const int n_act = active_experts(rt, t0, t1, E);
+    const int64_t T = t1 - t0, P = src->lay[t1] - src->lay[t0];
+    const int n_act = active_experts(src, t0, t1, E);
     const int sm = c->sm[cuda_dev_index(c, x->device)];
-    stage_route(x, chunk & 1, rt, t0, t1, E,
+    stage_route(x, chunk & 1, src, t0, t1, E,
                 moed_cuda_tile_bm(sm, P, n_act, L->k.wdtype, c->force_kernel), NULL);
+    x->r.null_row = cuda_null_row(c, L->k.d_pad);
     const void *xin = io->x_direct ? io->x_direct : (char *)x->x_in + (size_t)t0 * io->rb;
     void *out = io->y_direct ? io->y_direct : (char *)x->out + (size_t)t0 * io->rb;
-    int rc = 0;
+    int rc = stage_choices(x, src, t0, t1, E);
     cudaGraphExec_t graph = NULL;
-    if (P <= GRAPH_MAX_PAIRS && !io->x_direct && !io->y_direct) {
+    if (!rc && P <= GRAPH_MAX_PAIRS && !io->x_direct && !io->y_direct) {
         graph_key k;
         memset(&k, 0, sizeof k); /* compared with memcmp: no stray padding bytes */
         k.slot = job->slot;
@@ -181,7 +234,7 @@ static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_
     }
     if (graph)
         rc = cudaGraphLaunch(graph, x->stream) == cudaSuccess ? 0 : MOED_EDEVICE;
-    else
+    else if (!rc)
         rc = moed_cuda_pipeline(&L->k, &x->r, &x->w, xin, job->dtype, out, sm, n_act,
                                 c->force_kernel, x->stream, NULL);
     if (!io->y_direct) parts_copy(x, job, t0, t1, out, io->rb, false, x->stream);
@@ -197,12 +250,13 @@ static int run_part(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, int i, int c
     const cuda_part *pt = &L->parts[i];
     cuda_exec *q = &x->parts[pt->entry];
     const int64_t T = q->sub.T, P = q->sub.off[T];
-    const int sm = c->sm[pt->entry], n_act = active_experts(&q->sub, 0, T, pt->k.E);
+    const moed_cuda_route_src src = host_src(&q->sub);
+    const int sm = c->sm[pt->entry], n_act = active_experts(&src, 0, T, pt->k.E);
     const bool direct = c->direct[pt->entry][cuda_dev_index(c, x->device)];
     cudaSetDevice(q->device);
     cudaStreamWaitEvent(q->stream, x->ready, 0);
     copy_async(q->x_in, q->device, xin, x->device, xb, q->stream);
-    stage_route(q, chunk & 1, &q->sub, 0, T, pt->k.E,
+    stage_route(q, chunk & 1, &src, 0, T, pt->k.E,
                 moed_cuda_tile_bm(sm, P, n_act, pt->k.wdtype, c->force_kernel), NULL);
     int rc = P ? moed_cuda_pipeline_routed(&pt->k, &q->r, &q->w, q->x_in, dtype, sm, n_act,
                                            c->force_kernel, q->stream)
@@ -218,14 +272,15 @@ static int run_part(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, int i, int c
     return rc;
 }
 
-/* Tokens [t0, t1) of a job on split layer L (moed_cuda.h: the pipeline in two pieces), their rows
- * in as for run_chunk: the home slot x uploads the whole route with each pair's row among the
- * parts' blocks, the parts run their pairs, x runs the shared experts meanwhile, then waits for
- * the parts, combines, and queues the outputs' copies. */
+/* Tokens [t0, t1) of a job on split layer L (moed_cuda.h: the pipeline in two pieces), its route
+ * rt all on the host, their rows in as for run_chunk: the home slot x uploads the whole route with
+ * each pair's row among the parts' blocks, the parts run their pairs, x runs the shared experts
+ * meanwhile, then waits for the parts, combines, and queues the outputs' copies. */
 static int run_split_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_job *job,
-                           const batch_io *io, int chunk, int64_t t0, int64_t t1)
+                           const moed_route *rt, const batch_io *io, int chunk, int64_t t0,
+                           int64_t t1)
 {
-    const moed_route *rt = job->route;
+    const moed_cuda_route_src src = host_src(rt);
     const int n = L->place.n_parts, sm = c->sm[cuda_dev_index(c, x->device)];
     const int64_t T = t1 - t0;
     const void *xin = io->x_direct ? io->x_direct : (char *)x->x_in + (size_t)t0 * io->rb;
@@ -234,7 +289,7 @@ static int run_split_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const
     for (int i = 0; i < n; i++) sub[i] = x->parts[L->parts[i].entry].sub;
     moed_route_split(rt, t0, t1, L->part_of, L->part_first, n, sub, x->pos);
     for (int i = 0; i < n; i++) x->parts[L->parts[i].entry].sub.T = sub[i].T;
-    stage_route(x, chunk & 1, rt, t0, t1, L->info.n_experts, 16, x->pos);
+    stage_route(x, chunk & 1, &src, t0, t1, L->info.n_experts, 16, x->pos);
     cudaEventRecord(x->ready, x->stream);
     int rc = 0;
     for (int i = 0, base = 0; i < n && !rc; base += (int)sub[i++].off[T])
@@ -278,16 +333,65 @@ static int check_call(cuda_ctx *c, int exec, const moed_job *job, moed_error *er
     return 0;
 }
 
-/* The end of the chunk that starts at token t0: as many tokens as the workspace's pairs hold. */
-static int chunk_end(const cuda_ctx *c, const moed_route *rt, int64_t T, int64_t t0, int64_t *t1,
+/* The end of the chunk that starts at token t0: as many tokens as the workspace's pairs hold (lay:
+ * the packed route's offsets). */
+static int chunk_end(const cuda_ctx *c, const int64_t *lay, int64_t T, int64_t t0, int64_t *t1,
                      moed_error *err)
 {
     int64_t e = t0 + 1;
-    while (e < T && rt->off[e + 1] - rt->off[t0] <= c->max_pairs) e++;
+    while (e < T && lay[e + 1] - lay[t0] <= c->max_pairs) e++;
     *t1 = e;
-    if (rt->off[e] - rt->off[t0] <= c->max_pairs) return 0;
+    if (lay[e] - lay[t0] <= c->max_pairs) return 0;
     return moed_fail(err, MOED_ETOOBIG, "token %lld has %lld pairs, over the workspace's %lld",
-                     (long long)t0, (long long)(rt->off[e] - rt->off[t0]), (long long)c->max_pairs);
+                     (long long)t0, (long long)(lay[e] - lay[t0]), (long long)c->max_pairs);
+}
+
+/* The job's route as slot x packs it, in *src: its host route, with its parts' device routing as
+ * runs (in x->lay and x->runs); or, for split layer L, all on the host in *host
+ * (moed_backend_host_route, which sets those parts' statuses). */
+static int job_route(moed_backend *b, cuda_exec *x, const cuda_layer *L, const moed_job *job,
+                     moed_cuda_route_src *src, moed_route *host, moed_error *err)
+{
+    cuda_ctx *c = b->ctx;
+    const moed_route *rt = job->route;
+    bool any = false;
+    for (int i = 0; i < job->n_parts; i++) any |= job->parts[i].route != NULL;
+    if (any && L->parts) {
+        int rc = moed_backend_host_route(b, job, L->info.n_experts, host, err);
+        if (rc) return rc;
+        rt = host;
+        any = false;
+    }
+    *src = host_src(rt);
+    if (!any) return 0;
+    src->runs = x->runs;
+    for (int64_t i = 0, t = 0; i < job->n_parts; t += job->parts[i++].rows) {
+        const moed_part_route *pr = job->parts[i].route;
+        if (!pr) continue;
+        bool ours = false;
+        for (int d = 0; d < c->n_dev; d++) ours |= c->dev[d] == pr->dev;
+        if (!ours)
+            return moed_fail(err, MOED_EINVAL,
+                             "part %lld's routing lies on GPU %d, which this backend does not use",
+                             (long long)i, pr->dev);
+        x->runs[src->n_runs++] =
+            (moed_cuda_drun){ t, job->parts[i].rows, pr->k, pr->ids, pr->weights, pr->dev };
+    }
+    moed_cuda_route_offsets(x->lay, rt->off, job->T, x->runs, src->n_runs);
+    src->lay = x->lay;
+    return 0;
+}
+
+/* Each device-routed part's status, from its word as it came back (x->h_bad, in part order). */
+static void part_statuses(const cuda_exec *x, const moed_job *job, int E)
+{
+    for (int i = 0, r = 0; i < job->n_parts; i++) {
+        moed_part_route *pr = job->parts[i].route;
+        if (!pr) continue;
+        const unsigned long long bad = x->h_bad[r++];
+        memset(&pr->err, 0, sizeof pr->err);
+        if (bad != ~0ULL) moed_choice_fail(&pr->err, (int64_t)bad, pr->k, E);
+    }
 }
 
 int cuda_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err)
@@ -297,27 +401,32 @@ int cuda_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err
     if (rc) return rc;
     cuda_exec *x = &c->execs[exec];
     const cuda_layer *L = &c->layers[job->slot];
-    const moed_route *rt = job->route;
+    moed_cuda_route_src src;
+    moed_route host = { 0 };
+    if ((rc = job_route(b, x, L, job, &src, &host, err))) return rc;
+    const moed_route *rt = host.off ? &host : job->route;
+    const int64_t *lay = src.lay;
     cudaSetDevice(x->device);
-    const bool one_chunk = rt->off[job->T] <= c->max_pairs;
+    const bool one_chunk = lay[job->T] <= c->max_pairs;
     /* In place only where no graph is replayed: a graph's buffers are the slot's own. */
-    const bool in_place = one_chunk && rt->off[job->T] > GRAPH_MAX_PAIRS;
+    const bool in_place = one_chunk && lay[job->T] > GRAPH_MAX_PAIRS;
     const batch_io io = { .rb = (size_t)L->info.d_model * moed_dtype_size(job->dtype),
                           .x_direct = in_place ? lone_x(x, job) : NULL,
                           .y_direct = in_place ? lone_y(x, job) : NULL };
     int64_t t1;
-    if ((rc = chunk_end(c, rt, job->T, 0, &t1, err))) return rc;
+    if ((rc = chunk_end(c, lay, job->T, 0, &t1, err))) goto out;
+    if (src.n_runs) cudaMemsetAsync(x->bad, 0xff, sizeof *x->bad * (size_t)src.n_runs, x->stream);
     if (!io.x_direct) parts_copy(x, job, 0, t1, x->x_in, io.rb, true, x->stream);
     int too_big = 0;
     for (int64_t t0 = 0, chunk = 0; t0 < job->T && !rc; chunk++) {
         int64_t t2 = t1;
-        if (t1 < job->T && (too_big = chunk_end(c, rt, job->T, t1, &t2, err))) break;
+        if (t1 < job->T && (too_big = chunk_end(c, lay, job->T, t1, &t2, err))) break;
         if (t1 < job->T) { /* the next chunk's rows come in while this one computes */
             parts_copy(x, job, t1, t2, (char *)x->x_in + (size_t)t1 * io.rb, io.rb, true, x->copy);
             cudaEventRecord(x->copied, x->copy);
         }
-        rc = L->parts ? run_split_chunk(c, x, L, job, &io, (int)chunk, t0, t1)
-                      : run_chunk(c, x, L, job, &io, (int)chunk, t0, t1);
+        rc = L->parts ? run_split_chunk(c, x, L, job, rt, &io, (int)chunk, t0, t1)
+                      : run_chunk(c, x, L, job, &src, &io, (int)chunk, t0, t1);
         if (t1 < job->T) cudaStreamWaitEvent(x->stream, x->copied, 0);
         t0 = t1;
         t1 = t2;
@@ -325,9 +434,17 @@ int cuda_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err
     if (too_big) {
         cudaStreamSynchronize(x->copy);
         cudaStreamSynchronize(x->stream);
-        return too_big;
+        rc = too_big;
+        goto out;
     }
-    return finish(x, rc, "forward", err);
+    if (src.n_runs)
+        cudaMemcpyAsync(x->h_bad, x->bad, sizeof *x->bad * (size_t)src.n_runs,
+                        cudaMemcpyDeviceToHost, x->stream);
+    if (!(rc = finish(x, rc, "forward", err)) && src.n_runs)
+        part_statuses(x, job, L->info.n_experts);
+out:
+    moed_route_free(&host);
+    return rc;
 }
 
 int cuda_router_logits(moed_backend *b, int exec, const moed_job *job, float *logits,

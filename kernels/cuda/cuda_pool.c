@@ -1,8 +1,10 @@
 /*
  * cuda_pool — the execution slots, made by start once every layer is loaded: `streams` slots per
  * device, each with its own stream, pinned staging for the route, and a device workspace sized for
- * max_tokens tokens and max_pairs pairs, so forward never allocates. A batch with more pairs than
- * the workspace holds (sigmoid gating can give a token every expert) runs in token chunks
+ * max_tokens tokens and max_pairs pairs (and, past Y's rows, zero rows for the null pairs of
+ * device-routed tokens to read: cuda_ctx.h), so forward never allocates (but for a split layer's
+ * job whose parts bring device routing: cuda_forward.c). A batch with more pairs than the
+ * workspace holds (sigmoid gating can give a token every expert) runs in token chunks
  * (cuda_forward.c). A slot on a device that is home to a split layer also gets a part workspace on
  * every device entry, and peer access is enabled between the entries (unless
  * MOED_CUDA_NO_PEER=1) so each part can write its rows straight into the home slot's memory.
@@ -80,7 +82,11 @@ static int exec_init(cuda_ctx *c, cuda_exec *x, int device, bool part, moed_erro
     CU(cudaMalloc(&x->x_in, in_b), "workspace");
     CU(cudaMalloc(&x->w.xc, moed_cuda_cbytes(T * c->max_d_pad)), "workspace");
     CU(cudaMalloc(&x->w.h, moed_cuda_cbytes(P * c->max_ff_pad)), "workspace");
-    CU(cudaMalloc(&x->w.y, moed_cuda_cbytes(P * c->max_d_pad)), "workspace");
+    CU(cudaMalloc(&x->w.y, moed_cuda_cbytes((P + NULL_ROWS) * c->max_d_pad)), "workspace");
+    /* on the slot's stream, so every kernel of the slot runs after it */
+    CU(cudaMemsetAsync((char *)x->w.y + moed_cuda_cbytes(P * c->max_d_pad), 0,
+                       moed_cuda_cbytes(NULL_ROWS * c->max_d_pad), x->stream),
+       "workspace");
     CU(cudaMalloc((void **)&x->route, moed_cuda_route_words(T, P, c->max_e, max_tiles) * 4),
        "workspace");
     if (part) {
@@ -91,6 +97,11 @@ static int exec_init(cuda_ctx *c, cuda_exec *x, int device, bool part, moed_erro
         return exec_init_fp8(c, x, err);
     }
     CU(cudaMalloc(&x->out, in_b), "workspace");
+    x->lay = malloc(sizeof *x->lay * (size_t)(T + 1));
+    x->runs = malloc(sizeof *x->runs * (size_t)T);
+    if (!x->lay || !x->runs) return moed_fail(err, MOED_ENOMEM, "out of host memory");
+    CU(cudaMalloc((void **)&x->bad, sizeof *x->bad * (size_t)T), "workspace");
+    CU(cudaMallocHost((void **)&x->h_bad, sizeof *x->h_bad * (size_t)T), "pinned status words");
     if (c->max_sff_pad) {
         CU(cudaMalloc(&x->w.hs, moed_cuda_cbytes(T * c->max_sff_pad)), "workspace");
         CU(cudaMalloc(&x->w.ys, moed_cuda_cbytes(T * c->max_d_pad)), "workspace");
@@ -116,10 +127,14 @@ void cuda_exec_free(cuda_ctx *c, cuda_exec *x)
         cudaFreeHost(x->h_route[i]);
         if (x->routed[i]) cudaEventDestroy(x->routed[i]);
     }
+    cudaFreeHost(x->h_bad);
+    free(x->lay);
+    free(x->runs);
     if (x->copied) cudaEventDestroy(x->copied);
     if (x->copy) cudaStreamDestroy(x->copy);
-    void *p[] = { x->x_in,   x->out,   x->w.xc, x->w.h,  x->w.y,  x->w.hs,       x->w.ys,
-                  x->logits, x->route, x->w.xq, x->w.xs, x->w.hq, x->w.hs_scale, x->landing };
+    void *p[] = { x->x_in, x->out,  x->w.xc,       x->w.h,     x->w.y,
+                  x->w.hs, x->w.ys, x->logits,     x->route,   x->w.xq,
+                  x->w.xs, x->w.hq, x->w.hs_scale, x->landing, x->bad };
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) cudaFree(p[i]);
     moed_route_free(&x->sub);
     free(x->pos);
@@ -133,14 +148,14 @@ static uint64_t exec_bytes(const cuda_ctx *c, bool part)
 {
     const int64_t T = c->max_tokens, P = c->max_pairs;
     uint64_t b = (uint64_t)T * c->max_d * 4 + moed_cuda_cbytes(T * c->max_d_pad);
-    b += moed_cuda_cbytes(P * (c->max_ff_pad + c->max_d_pad));
+    b += moed_cuda_cbytes(P * (c->max_ff_pad + c->max_d_pad) + NULL_ROWS * c->max_d_pad);
     b +=
         moed_cuda_route_words(T, P, c->max_e, moed_cuda_route_max_tiles((int32_t)P, c->max_e, 16)) *
         4;
     const fp8_sizes z = fp8_buffer_sizes(c);
     b += z.xq + z.xs + z.hq + z.hs;
     if (part) return b + (c->landing ? moed_cuda_cbytes(P * c->max_d_pad) : 0);
-    b += (uint64_t)T * c->max_d * 4;
+    b += (uint64_t)T * c->max_d * 4 + (uint64_t)T * sizeof(unsigned long long);
     b += moed_cuda_cbytes(T * (c->max_sff_pad + c->max_d_pad * (c->max_sff_pad > 0)));
     return b + (uint64_t)T * c->max_router_e * sizeof(float);
 }

@@ -5,6 +5,8 @@
  * (MOED_EDEVICE when the launch itself fails).
  *
  * The pipeline for one batch, all on one stream, with no device-to-host synchronisation:
+ *   route choice (route_choice.cu): where a client keeps its choice in device memory, checks it
+ *                                and packs it into the route's slots, before the pipeline proper;
  *   route prep (route_prep.cu):  per-expert counts → offsets → the sorted (expert, token) rows and
  *                                the list of m-tiles (expert, first row) the GEMMs walk;
  *   convert (convert.cu):        hidden [T, d] in f32/f16/bf16 → X [T, d_pad] in the compute type;
@@ -65,22 +67,30 @@ enum {
     MOED_CUDA_EPI_STORE = 4
 };
 
-/* Device arrays of one batch's route; the first four are inputs, the rest route prep writes. */
+/* Device arrays of one batch's route; the first four are inputs, the rest route prep writes. A
+ * pair whose expert is E is a null pair (a slot of a device-routed token that holds padding or a
+ * refused pair, route_choice.cu), of weight 0: no GEMM computes a row for it, and route prep points
+ * it at null_row, a row of Y that holds zeros and that no kernel writes, so the combine adds 0 · 0
+ * = +0 for it — and adding +0 leaves a sum's bits as they were (the combine's sums start at +0 and
+ * never become -0: round to nearest gives -0 only for -0 + -0), so a null pair is exactly an
+ * absent one, with no test for it in the combine. A route without null pairs runs as it always
+ * did. */
 typedef struct moed_cuda_route_dev {
     int32_t T, P, E;
     const int32_t *tok_off;  /* [T+1] pairs of token t: tok_off[t] .. tok_off[t+1]-1 */
     const int32_t *pair_tok; /* [P] */
-    const int32_t *pair_exp; /* [P] */
+    const int32_t *pair_exp; /* [P] in [0, E] */
     const float *pair_w;     /* [P] */
-    int32_t *exp_off;        /* [E+1] first sorted row of each expert */
-    int32_t *cursor;         /* [E] scratch */
-    int32_t *slot_tok;       /* [P] token of sorted row s */
-    int32_t *pair_slot;      /* [P] sorted row of pair p */
+    int32_t *exp_off;        /* [E+1] first sorted row of each expert; exp_off[E]: rows in use */
+    int32_t *cursor;         /* [E+1] scratch */
+    int32_t *slot_tok;       /* [P] token of sorted row s (null pairs' rows follow the others') */
+    int32_t *pair_slot;      /* [P] sorted row of pair p (null_row for a null pair) */
     int32_t *tile_exp;       /* [max_tiles] expert of m-tile i */
     int32_t *tile_row;       /* [max_tiles] first sorted row of m-tile i */
     int32_t *n_tiles;        /* [1] m-tiles in use */
     int32_t bm;              /* rows per m-tile */
     int32_t max_tiles;       /* capacity of tile_exp/tile_row: ceil(P/bm) + min(E, P) */
+    int32_t null_row;        /* set by the caller of a route with null pairs (see above) */
 } moed_cuda_route_dev;
 
 /* Upper bound on the m-tiles of P pairs over E experts with bm rows per tile. */
@@ -193,15 +203,64 @@ int moed_cuda_gemm_run(const moed_cuda_gemm *g, const moed_cuda_tile_cfg *cfg, m
 size_t moed_cuda_route_words(int64_t T, int64_t P, int E, int32_t max_tiles);
 /* The words of the packed inputs alone (what moves host to device). */
 size_t moed_cuda_route_in_words(int64_t T, int64_t P);
-/* Packs tokens [t0, t1) of a CSR route (off, expert, weight: moed_route's arrays) into dst, token
- * numbers and offsets rebased to t0. */
-void moed_cuda_route_pack(int32_t *dst, const int64_t *off, const int32_t *expert,
-                          const float *weight, int64_t t0, int64_t t1);
+
+/* Tokens [t0, t0 + rows) of a job whose pairs come from a choice in device memory (ids int32 and
+ * weights float32 [rows, k] on device dev): k slots a token in the packed route, padding
+ * included, which moed_cuda_route_choice fills on the device. */
+typedef struct moed_cuda_drun {
+    int64_t t0, rows;
+    int32_t k;
+    const int32_t *ids;
+    const float *w;
+    int dev;
+} moed_cuda_drun;
+
+/* A job's route as the packer reads it (route_pack.c): the host pairs in CSR (off, expert,
+ * weight: moed_route's arrays, no pair for a run's tokens) and the runs of device-routed tokens,
+ * increasing and disjoint; lay [T+1] the packed route's offsets (moed_cuda_route_offsets), which
+ * is off itself when there is no run. */
+typedef struct moed_cuda_route_src {
+    const int64_t *off;
+    const int32_t *expert;
+    const float *weight;
+    const int64_t *lay;
+    const moed_cuda_drun *runs;
+    int n_runs;
+} moed_cuda_route_src;
+
+/* lay[t] for t in [0, T]: the packed pairs of the tokens before t, a run's token counting k slots
+ * and any other its pairs in off. */
+void moed_cuda_route_offsets(int64_t *lay, const int64_t *off, int64_t T,
+                             const moed_cuda_drun *runs, int n_runs);
+/* Packs tokens [t0, t1) into dst (moed_cuda_route_in_words(t1 - t0, lay[t1] - lay[t0]) words):
+ * tok_off from lay, and the host pairs at their slots, token numbers and offsets rebased to t0.
+ * The slots of the runs' tokens are left as they were: moed_cuda_route_choice writes them on the
+ * device once dst is there. */
+void moed_cuda_route_pack(int32_t *dst, const moed_cuda_route_src *src, int64_t t0, int64_t t1);
 /* Points r's arrays into a device buffer laid out as moed_cuda_route_words says, for m-tiles of bm
  * rows.
  */
 void moed_cuda_route_layout(moed_cuda_route_dev *r, int32_t *dev, int64_t T, int64_t P, int E,
                             int bm);
+
+/* A run's rows [row0, row0 + rows) as they land in a packed route (route_choice.cu): ids and w
+ * point at row row0 (the client's memory, or the packed route's own slots where they were copied
+ * to), the rows are tokens tok0 .. of the batch and fill its slots from pair0 on. */
+typedef struct moed_cuda_choice {
+    const int32_t *ids;
+    const float *w;
+    int64_t row0, rows;
+    int32_t k, E, tok0, pair0;
+    unsigned long long *bad; /* the part's status word: UINT64_MAX, or a refusal's code */
+} moed_cuda_choice;
+
+/* Writes the choice's slots of the packed route r (its inputs, laid out by moed_cuda_route_layout):
+ * pair_tok, and pair_exp, pair_w = the id and the weight, or E and 0 (a null pair) for padding and
+ * for a pair moed_choice_rule refuses; and lowers *bad to the code (moed_choice_check's, the
+ * position counted from the part's row 0) of each refused pair, so it ends as the first. ids and w
+ * may be the slots themselves: each is read before it is written. */
+int moed_cuda_route_choice(const moed_cuda_choice *c, const moed_cuda_route_dev *r,
+                           moed_cuda_stream s);
 
 /* Rows [R, cols] of dtype (MOED_F32/F16/BF16), ldx elements apart, to e4m3 rows q [R, cols_pad]
  * (zero padded) and a scale per row and 128 columns: scale[j·scale_ld + r] = amax / 448 of row r's

@@ -14,52 +14,6 @@
 #include <cuda_runtime_api.h>
 #include <string.h>
 
-size_t moed_cuda_route_in_words(int64_t T, int64_t P)
-{
-    return (size_t)(T + 1) + 3 * (size_t)P;
-}
-
-size_t moed_cuda_route_words(int64_t T, int64_t P, int E, int32_t max_tiles)
-{
-    return moed_cuda_route_in_words(T, P) + 2 * (size_t)E + 1 /* exp_off, cursor */
-           + 2 * (size_t)P                                    /* slot_tok, pair_slot */
-           + 2 * (size_t)max_tiles + 1;                       /* tile_exp, tile_row, n_tiles */
-}
-
-void moed_cuda_route_pack(int32_t *dst, const int64_t *off, const int32_t *expert,
-                          const float *weight, int64_t t0, int64_t t1)
-{
-    const int64_t T = t1 - t0, p0 = off[t0], P = off[t1] - p0;
-    int32_t *pair_tok = dst + T + 1, *pair_exp = pair_tok + P;
-    float *pair_w = (float *)(pair_exp + P);
-    for (int64_t t = 0; t <= T; t++) dst[t] = (int32_t)(off[t0 + t] - p0);
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t j = off[t0 + t]; j < off[t0 + t + 1]; j++) pair_tok[j - p0] = (int32_t)t;
-    memcpy(pair_exp, expert + p0, sizeof(int32_t) * (size_t)P);
-    memcpy(pair_w, weight + p0, sizeof(float) * (size_t)P);
-}
-
-void moed_cuda_route_layout(moed_cuda_route_dev *r, int32_t *dev, int64_t T, int64_t P, int E,
-                            int bm)
-{
-    r->T = (int32_t)T;
-    r->P = (int32_t)P;
-    r->E = E;
-    r->tok_off = dev;
-    r->pair_tok = dev + T + 1;
-    r->pair_exp = r->pair_tok + P;
-    r->pair_w = (const float *)(r->pair_exp + P);
-    r->exp_off = dev + moed_cuda_route_in_words(T, P);
-    r->cursor = r->exp_off + E + 1;
-    r->slot_tok = r->cursor + E;
-    r->pair_slot = r->slot_tok + P;
-    r->bm = bm;
-    r->max_tiles = moed_cuda_route_max_tiles((int32_t)P, E, bm);
-    r->tile_exp = r->pair_slot + P;
-    r->tile_row = r->tile_exp + r->max_tiles;
-    r->n_tiles = r->tile_row + r->max_tiles;
-}
-
 static void mark(void *const *ev, int i, moed_cuda_stream s)
 {
     if (ev) cudaEventRecord((cudaEvent_t)ev[i], (cudaStream_t)s);

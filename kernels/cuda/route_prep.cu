@@ -8,6 +8,13 @@
  * Slots within an expert's segment are taken with atomics, so their order varies from run to run;
  * that is harmless because each sorted row is computed independently of the rows around it and the
  * combine reads the pairs back in route order.
+ *
+ * Null pairs (expert E: moed_cuda.h) are counted and scattered as an expert E that has no m-tile:
+ * their rows follow every real row (so slot_tok names a real token for all P rows, which the
+ * pre-permuting gather reads), no GEMM computes them, and pair_slot names null_row, the zero row
+ * the combine reads for them. The loops over pairs are the ones a route without null pairs always
+ * ran: the counts have room for E + 1 experts, and the scatter picks the pair's slot or null_row
+ * with a select.
  */
 #include "moed_cuda.h"
 #include "ptx/griddep.cuh"
@@ -25,8 +32,8 @@ constexpr int SMALL_P = 16384;                     /* one launch up to this many
 
 __global__ void count_kernel(const int32_t *pair_exp, int P, int E, int32_t *cnt)
 {
-    extern __shared__ int32_t hist[];
-    for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
+    extern __shared__ int32_t hist[]; /* [E + 1]: null pairs counted at E, never flushed */
+    for (int e = threadIdx.x; e <= E; e += blockDim.x) hist[e] = 0;
     __syncthreads();
     for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < P; p += gridDim.x * blockDim.x)
         atomicAdd(&hist[pair_exp[p]], 1);
@@ -36,7 +43,8 @@ __global__ void count_kernel(const int32_t *pair_exp, int P, int E, int32_t *cnt
 }
 
 /* Exclusive scans of the per-expert counts (rows, then m-tiles), written as exp_off, the tile
- * lists, n_tiles, and each expert's first row into cursor (where scatter starts). One block. */
+ * lists, n_tiles, and each expert's first row into cursor (where scatter starts), null pairs' rows
+ * starting at cursor[E] = exp_off[E]. One block. */
 __device__ __forceinline__ void scan_counts(const moed_cuda_route_dev &r, const int32_t *counts,
                                             int32_t *cursor)
 {
@@ -68,6 +76,7 @@ __device__ __forceinline__ void scan_counts(const moed_cuda_route_dev &r, const 
     }
     if (threadIdx.x == 0) {
         r.exp_off[r.E] = total_rows;
+        cursor[r.E] = total_rows;
         *r.n_tiles = total_tiles;
     }
 }
@@ -82,17 +91,17 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_kernel(moed_cuda_route_dev 
 __global__ void __launch_bounds__(SCAN_THREADS) small_kernel(moed_cuda_route_dev r)
 {
     moed::ptx::griddep_launch_dependents(); /* the GEMM after it may start (ptx/griddep.cuh) */
-    __shared__ int32_t cnt[SCAN_THREADS * SCAN_ITEMS];
-    for (int e = threadIdx.x; e < r.E; e += blockDim.x) cnt[e] = 0;
+    __shared__ int32_t cnt[SCAN_THREADS * SCAN_ITEMS + 1];
+    for (int e = threadIdx.x; e <= r.E; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
     for (int p = threadIdx.x; p < r.P; p += blockDim.x) atomicAdd(&cnt[r.pair_exp[p]], 1);
     __syncthreads();
     scan_counts(r, cnt, cnt);
     __syncthreads();
     for (int p = threadIdx.x; p < r.P; p += blockDim.x) {
-        const int slot = atomicAdd(&cnt[r.pair_exp[p]], 1);
+        const int e = r.pair_exp[p], slot = atomicAdd(&cnt[e], 1);
         r.slot_tok[slot] = r.pair_tok[p];
-        r.pair_slot[p] = slot;
+        r.pair_slot[p] = e < r.E ? slot : r.null_row;
     }
 }
 
@@ -100,9 +109,9 @@ __global__ void scatter_kernel(moed_cuda_route_dev r)
 {
     moed::ptx::griddep_launch_dependents(); /* the GEMM after it may start (ptx/griddep.cuh) */
     for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < r.P; p += gridDim.x * blockDim.x) {
-        const int slot = atomicAdd(&r.cursor[r.pair_exp[p]], 1);
+        const int e = r.pair_exp[p], slot = atomicAdd(&r.cursor[e], 1);
         r.slot_tok[slot] = r.pair_tok[p];
-        r.pair_slot[p] = slot;
+        r.pair_slot[p] = e < r.E ? slot : r.null_row;
     }
 }
 
@@ -123,7 +132,8 @@ extern "C" int moed_cuda_route_prep(const moed_cuda_route_dev *r, moed_cuda_stre
     }
     const int blocks = (int)((r->P + 255) / 256 < 1024 ? (r->P + 255) / 256 : 1024);
     cudaMemsetAsync(r->cursor, 0, sizeof(int32_t) * r->E, st);
-    count_kernel<<<blocks, 256, sizeof(int32_t) * r->E, st>>>(r->pair_exp, r->P, r->E, r->cursor);
+    count_kernel<<<blocks, 256, sizeof(int32_t) * (r->E + 1), st>>>(r->pair_exp, r->P, r->E,
+                                                                    r->cursor);
     scan_kernel<<<1, SCAN_THREADS, 0, st>>>(*r);
     scatter_kernel<<<blocks, 256, 0, st>>>(*r);
     return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;

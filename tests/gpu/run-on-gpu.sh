@@ -45,6 +45,10 @@
 #             checkpoints written by transformers served by a CUDA daemon against transformers'
 #             own outputs (recomputed live by the torch and transformers installed there), and the
 #             table of relative errors per checkpoint and routing (hf-table.md)
+#   droute    routing kept in GPU memory, read and checked on the device (tests/gpu/test_dev_route:
+#             every case bit-identical to the same launch routed on the host, statuses and messages
+#             as the host check words them; the packed route's host side, test_route_pack), then
+#             compute-sanitizer memcheck and racecheck on its quick cases (not yet timed)
 #   split     expert parallelism on one GPU (issue 14): tests/gpu/test_split with two placements
 #             on GPU 0 (--devices 0,0), every case bit-identical to the layer unsplit, and
 #             compute-sanitizer memcheck on its quick cases
@@ -84,8 +88,8 @@ export PYTHONUNBUFFERED=1
 export PATH=$PATH:/usr/local/cuda/bin
 OUT=${OUT:-/tmp/moed-out}
 RAW=$OUT/raw # JSON and long logs; packed into raw.tgz at the end (the device tool returns 8 files)
-STAGES=(tests sanitize bench sonic peers e2e merge pytest fp8 fp8-bench dataplane python router split
-    two-gpu)
+STAGES=(tests sanitize bench sonic peers e2e merge pytest fp8 fp8-bench dataplane python router droute
+    split two-gpu)
 PEERS=${MOED_PEERS_SITE:-/tmp/moed-peers}
 # Real models' MoE layers as d,ff,E,k (kernels/cuda/bench/torch_ref.py's MODELS, which a CI test keeps
 # equal to this): gpt-oss-120b, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, Phi-3.5-MoE, DBRX.
@@ -280,6 +284,17 @@ stage_router() {
         "$PY" -m pytest -q -rfEsxX -p no:cacheprovider tests/e2e/test_hf_models.py
     logged "$OUT/hf-table.md" "$PY" tests/e2e/hf_models/table.py --moed "$B/moed" --backend cuda \
         --logs "$RAW"
+}
+
+stage_droute() {
+    logged "$OUT/gpu-droute.log" timeout 300 "$B/test_dev_route"
+    step "$B/test_route_pack"
+    local tool
+    for tool in memcheck racecheck; do
+        MOED_GPU_TEST_QUICK=1 quiet "$RAW/sanitize-droute-$tool.log" timeout 240 compute-sanitizer \
+            --tool $tool --error-exitcode 9 "$B/test_dev_route"
+        tail -4 "$RAW/sanitize-droute-$tool.log"
+    done
 }
 
 stage_split() {

@@ -163,7 +163,7 @@ static void run_parts(const char *what, int64_t T, int k, const int64_t *rows, c
         put(&pl[i], kinds[i], (const char *)x + (size_t)t * ROW_BYTES, rows[i]);
         pl[i].over = over;
         int where = kinds[i] == DEVICE ? dev : MOED_HOST_MEM;
-        parts[i] = (moed_part){ rows[i], pl[i].x, where, over ? pl[i].x : pl[i].y, where };
+        parts[i] = (moed_part){ rows[i], pl[i].x, where, over ? pl[i].x : pl[i].y, where, NULL };
     }
     moed_job job = { .dtype = MOED_BF16, .T = T, .parts = parts, .n_parts = n, .route = &r };
     moed_error err;
@@ -224,8 +224,8 @@ static void test_router_parts(void)
     put(&d, DEVICE, (char *)x + 10 * ROW_BYTES, T - 10);
     int dev = 0;
     cudaGetDevice(&dev);
-    moed_part parts[2] = { { 10, x, MOED_HOST_MEM, NULL, MOED_HOST_MEM },
-                           { T - 10, d.x, dev, NULL, MOED_HOST_MEM } };
+    moed_part parts[2] = { { 10, x, MOED_HOST_MEM, NULL, MOED_HOST_MEM, NULL },
+                           { T - 10, d.x, dev, NULL, MOED_HOST_MEM, NULL } };
     const moed_job two = { .dtype = MOED_BF16, .T = T, .parts = parts, .n_parts = 2 };
     CHECK(moed_backend_router_logits(gpu, 0, &two, b, &err) == 0);
     CHECK_MSG(!memcmp(a, b, sizeof(float) * T * 8), "router logits from parts differ");
@@ -276,7 +276,7 @@ static void test_peer(void)
     CHECK(cudaMalloc(&dx, T * ROW_BYTES) == cudaSuccess && cudaMalloc(&dy, T * ROW_BYTES) == 0);
     cudaMemcpy(dx, x, T * ROW_BYTES, cudaMemcpyHostToDevice);
     cudaSetDevice(0);
-    moed_part part = { T, dx, 1, dy, 1 };
+    moed_part part = { T, dx, 1, dy, 1, NULL };
     moed_job job = { .dtype = MOED_BF16, .T = T, .parts = &part, .n_parts = 1, .route = &r };
     moed_error err;
     CHECK_MSG(moed_backend_forward(gpu, 0, &job, &err) == 0, "peer: %s", err.msg);

@@ -252,7 +252,7 @@ static void check_parts(const scase *sc, moed_backend *bs, const moed_route *rou
     cudaMalloc(&ey, bytes);
     cudaMemcpy(ex, x, bytes, cudaMemcpyHostToDevice);
     moed_error err;
-    const moed_part lone = { T, dx, devices[0], dy, devices[0] };
+    const moed_part lone = { T, dx, devices[0], dy, devices[0], NULL };
     moed_job job = { .dtype = sc->xdtype, .T = T, .parts = &lone, .n_parts = 1, .route = route };
     int rc = moed_backend_forward(bs, 0, &job, &err);
     cudaSetDevice(devices[0]);
@@ -262,9 +262,9 @@ static void check_parts(const scase *sc, moed_backend *bs, const moed_route *rou
               sc->name, devices[0], rc ? err.msg : "rows differ from the job inline");
     if (h > 0) {
         poison(y, bytes);
-        const moed_part two[2] = { { h, x, MOED_HOST_MEM, y, MOED_HOST_MEM },
+        const moed_part two[2] = { { h, x, MOED_HOST_MEM, y, MOED_HOST_MEM, NULL },
                                    { T - h, (const char *)ex + row * (size_t)h, devices[1],
-                                     (char *)ey + row * (size_t)h, devices[1] } };
+                                     (char *)ey + row * (size_t)h, devices[1], NULL } };
         job.parts = two;
         job.n_parts = 2;
         rc = moed_backend_forward(bs, 0, &job, &err);

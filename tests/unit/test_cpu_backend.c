@@ -332,7 +332,7 @@ static void run_case(const tcase *c, int max_tokens)
                 xs[i] = malloc((size_t)rows[i] * row);
                 ys[i] = malloc((size_t)rows[i] * row);
                 memcpy(xs[i], (const char *)x + (size_t)t * row, (size_t)rows[i] * row);
-                parts[i] = (moed_part){ rows[i], xs[i], MOED_HOST_MEM, ys[i], MOED_HOST_MEM };
+                parts[i] = (moed_part){ rows[i], xs[i], MOED_HOST_MEM, ys[i], MOED_HOST_MEM, NULL };
             }
             moed_job pj = {
                 .slot = 0, .dtype = dt, .T = c->T, .parts = parts, .n_parts = 3, .route = &r
@@ -479,8 +479,8 @@ static void test_errors(void)
     CHECK_EQ_INT(logits_of(b, MOED_F32, 2, x, y, &err), MOED_EINVAL);
     CHECK(strstr(err.msg, "no router weights") != NULL);
     /* parts: their rows must add up to T, and the CPU computes from host memory only */
-    moed_part parts[2] = { { 1, x, MOED_HOST_MEM, y, MOED_HOST_MEM },
-                           { 2, x + 16, MOED_HOST_MEM, y + 16, MOED_HOST_MEM } };
+    moed_part parts[2] = { { 1, x, MOED_HOST_MEM, y, MOED_HOST_MEM, NULL },
+                           { 2, x + 16, MOED_HOST_MEM, y + 16, MOED_HOST_MEM, NULL } };
     moed_job pj = {
         .slot = 0, .dtype = MOED_F32, .T = 2, .parts = parts, .n_parts = 2, .route = &r
     };

@@ -469,6 +469,90 @@ static void test_choice(void)
     }
 }
 
+/* The rules one pair at a time, as moed_route_from_choice and the device check apply them. */
+static void test_choice_rules(void)
+{
+    const struct {
+        int32_t id;
+        float w;
+        int rule;
+    } pairs[] = {
+        { 3, 1.0f, MOED_CHOICE_VALID },
+        { 3, 0.0f, MOED_CHOICE_VALID },  /* a zero weight on a real expert is a real pair */
+        { 3, -0.0f, MOED_CHOICE_VALID }, /* not < 0 */
+        { 7, 1e-45f, MOED_CHOICE_VALID },
+        { -1, 0.0f, MOED_CHOICE_PADDING },
+        { -1, -0.0f, MOED_CHOICE_PADDING },
+        { -1, 0.5f, MOED_CHOICE_PAD_WEIGHT },
+        { -1, NAN, MOED_CHOICE_PAD_WEIGHT },
+        { 8, 1.0f, MOED_CHOICE_RANGE },
+        { -2, 0.0f, MOED_CHOICE_RANGE },
+        { INT32_MIN, 1.0f, MOED_CHOICE_RANGE },
+        { 8, NAN, MOED_CHOICE_RANGE }, /* the id is checked before the weight */
+        { 3, NAN, MOED_CHOICE_NOT_FINITE },
+        { 3, INFINITY, MOED_CHOICE_NOT_FINITE },
+        { 3, -INFINITY, MOED_CHOICE_NOT_FINITE },
+        { 3, -0.25f, MOED_CHOICE_NEGATIVE },
+    };
+    for (size_t i = 0; i < sizeof pairs / sizeof pairs[0]; i++)
+        CHECK_MSG(moed_choice_rule(pairs[i].id, pairs[i].w, 8) == pairs[i].rule,
+                  "pair %zu (%d, %g): rule %d, want %d", i, (int)pairs[i].id, (double)pairs[i].w,
+                  moed_choice_rule(pairs[i].id, pairs[i].w, 8), pairs[i].rule);
+
+    /* The first refusal in row-major order, whatever follows it. */
+    int32_t ids[6] = { 1, -1, 2, 3, 4, 5 };
+    float w[6] = { 1, 0, 1, 1, 1, 1 };
+    CHECK_EQ_INT(moed_choice_check(ids, w, 3, 2, 8), -1);
+    ids[5] = 1234567;
+    w[3] = NAN;
+    const int64_t code = moed_choice_check(ids, w, 3, 2, 8);
+    CHECK_EQ_INT(code, 3 << MOED_CHOICE_RULE_BITS | MOED_CHOICE_NOT_FINITE);
+
+    /* The messages name the position and the rule, never the value found there. */
+    moed_error err = { 0 };
+    CHECK_EQ_INT(moed_choice_fail(&err, code, 2, 8), MOED_EINVAL);
+    CHECK_MSG(strstr(err.msg, "expert_weights[1][1] is not finite") && !strstr(err.msg, "nan"),
+              "%s", err.msg);
+    CHECK_EQ_INT(moed_choice_fail(&err, 5 << MOED_CHOICE_RULE_BITS | MOED_CHOICE_RANGE, 2, 8),
+                 MOED_EINVAL);
+    CHECK_MSG(strstr(err.msg, "expert_ids[2][1] is out of range: the layer has 8 experts") &&
+                  !strstr(err.msg, "1234567"),
+              "%s", err.msg);
+    moed_choice_fail(&err, 4 << MOED_CHOICE_RULE_BITS | MOED_CHOICE_PAD_WEIGHT, 3, 8);
+    CHECK_MSG(strstr(err.msg, "expert_ids[1][1] marks padding (-1), but expert_weights[1][1] is "
+                              "not 0"),
+              "%s", err.msg);
+
+    /* moed_route_from_choice refuses exactly the choices the check refuses, at the same place. */
+    for (int round = 0; round < 2000; round++) {
+        int32_t ri[12];
+        float rw[12];
+        for (int i = 0; i < 12; i++) {
+            const double u = urand();
+            ri[i] = u < 0.01 ? 8 : u < 0.02 ? -3 : u < 0.2 ? -1 : (int32_t)(u * 8);
+            rw[i] = u < 0.2 && u >= 0.02 ? (urand() < 0.05 ? 1.0f : 0.0f)
+                    : urand() < 0.01     ? NAN
+                    : urand() < 0.01     ? -1.0f
+                                         : (float)urand();
+        }
+        moed_route r;
+        memset(&err, 0, sizeof err);
+        const int rc = moed_route_from_choice(&r, ri, rw, 4, 3, 8, &err);
+        const int64_t c = moed_choice_check(ri, rw, 4, 3, 8);
+        CHECK_MSG((rc == 0) == (c < 0), "round %d: from_choice %d, check %lld", round, rc,
+                  (long long)c);
+        if (c >= 0) {
+            moed_error mine = { 0 };
+            moed_choice_fail(&mine, c, 3, 8);
+            /* both name the same tensor and position first: "expert_xxx[r][c]" */
+            const char *end = strchr(strchr(mine.msg, ']') + 1, ']');
+            CHECK_MSG(!strncmp(err.msg, mine.msg, (size_t)(end - mine.msg + 1)),
+                      "from_choice '%s', check '%s'", err.msg, mine.msg);
+        }
+        moed_route_free(&r);
+    }
+}
+
 static void test_resolve(void)
 {
     moed_layer_info li = layer(8, 2, 0);
@@ -678,6 +762,7 @@ int main(void)
     test_random();
     test_batch();
     test_choice();
+    test_choice_rules();
     test_resolve();
     test_concat();
     test_router_rounding();

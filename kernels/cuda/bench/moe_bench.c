@@ -321,7 +321,8 @@ static void bench_one(const shape *s, const moed_cuda_layer_dev *L, int sm, int6
     const size_t words =
         moed_cuda_route_words(T, P, E, moed_cuda_route_max_tiles((int32_t)P, E, bm));
     int32_t *hroute = malloc(4 * moed_cuda_route_in_words(T, P)), *droute;
-    moed_cuda_route_pack(hroute, off, ex, w, 0, T);
+    const moed_cuda_route_src src = { off, ex, w, off, NULL, 0 };
+    moed_cuda_route_pack(hroute, &src, 0, T);
     CK(cudaMalloc((void **)&droute, words * 4));
     CK(cudaMemcpy(droute, hroute, 4 * moed_cuda_route_in_words(T, P), cudaMemcpyHostToDevice));
     moed_cuda_route_dev r;
