@@ -60,55 +60,49 @@ static uint64_t fold_config(uint64_t h, const moed_hf_config *c, int wdtype)
     return fold(h, c->is_moe, (size_t)c->n_layers);
 }
 
-/* Tensor `name`: absent, or its dtype, shape and pieces (and an FP8 matrix's block scales). */
-static int fold_tensor(moed_st_dir *st, const char *name, uint64_t *h, moed_error *err)
+/* Tensor `name`: absent, unreadable, or its dtype, shape and pieces (and an FP8 matrix's block
+ * scales). */
+static uint64_t fold_tensor(uint64_t h, moed_st_dir *st, const char *name)
 {
     const moed_st_tensor *t;
-    int rc = moed_st_find(st, name, &t, err);
-    if (rc) return rc;
-    *h = fold_str(*h, name);
-    if (!t) {
-        *h = fold_str(*h, "absent");
-        return 0;
-    }
-    *h = fold_str(*h, t->dtype);
-    for (int i = 0; i < t->ndim; i++) *h = fold_u64(*h, t->shape[i]);
+    moed_error err;
+    h = fold_str(h, name);
+    if (moed_st_find(st, name, &t, &err)) return fold_str(h, "unreadable");
+    if (!t) return fold_str(h, "absent");
+    h = fold_str(h, t->dtype);
+    for (int i = 0; i < t->ndim; i++) h = fold_u64(h, t->shape[i]);
     unsigned char piece[PIECE_BYTES];
     const uint64_t n = t->nbytes < PIECE_BYTES ? t->nbytes : PIECE_BYTES;
     for (int i = 0; i < PIECES; i++) {
         const uint64_t at = (t->nbytes - n) * (uint64_t)i / (PIECES - 1);
-        if ((rc = moed_st_read_part(st, t, at, n, piece, err))) return rc;
-        *h = fold(*h, piece, (size_t)n);
+        h = moed_st_read_part(st, t, at, n, piece, &err) ? fold_str(h, "unreadable")
+                                                         : fold(h, piece, (size_t)n);
     }
-    if (t->mdtype != MOED_FP8) return 0;
+    if (t->mdtype != MOED_FP8) return h;
     char scale[300];
     snprintf(scale, sizeof scale, "%s_scale_inv", name);
-    return fold_tensor(st, scale, h, err);
+    return fold_tensor(h, st, scale);
 }
 
-int moed_fingerprint_checkpoint(moed_st_dir *st, const moed_hf_config *cfg, int wdtype,
-                                uint64_t *out, moed_error *err)
+uint64_t moed_fingerprint_checkpoint(moed_st_dir *st, const moed_hf_config *cfg, int wdtype)
 {
     static const int per_layer[] = { MOED_SYNTH_ROUTER, MOED_SYNTH_BIAS, MOED_SYNTH_SHARED_W1,
                                      MOED_SYNTH_SHARED_W3, MOED_SYNTH_SHARED_W2 };
     uint64_t h = fold_config(0, cfg, wdtype);
     char name[256];
-    int rc = 0;
-    for (int L = 0; L < cfg->n_layers && !rc; L++) {
+    for (int L = 0; L < cfg->n_layers; L++) {
         if (!cfg->is_moe[L]) continue;
-        for (size_t k = 0; k < sizeof per_layer / sizeof per_layer[0] && !rc; k++) {
+        for (size_t k = 0; k < sizeof per_layer / sizeof per_layer[0]; k++) {
             const bool shared =
                 per_layer[k] >= MOED_SYNTH_SHARED_W1 && per_layer[k] <= MOED_SYNTH_SHARED_W2;
-            if ((shared && !cfg->layer.n_shared) ||
-                !moed_hf_tensor_name(cfg, L, per_layer[k], 0, name, sizeof name))
-                continue;
-            rc = fold_tensor(st, name, &h, err);
+            if ((!shared || cfg->layer.n_shared) &&
+                moed_hf_tensor_name(cfg, L, per_layer[k], 0, name, sizeof name))
+                h = fold_tensor(h, st, name);
         }
-        for (int e = 0; e < cfg->layer.n_experts && !rc; e++)
-            for (int k = MOED_SYNTH_W1; k <= MOED_SYNTH_W2 && !rc; k++)
+        for (int e = 0; e < cfg->layer.n_experts; e++)
+            for (int k = MOED_SYNTH_W1; k <= MOED_SYNTH_W2; k++)
                 if (moed_hf_tensor_name(cfg, L, k, e, name, sizeof name))
-                    rc = fold_tensor(st, name, &h, err);
+                    h = fold_tensor(h, st, name);
     }
-    if (!rc) *out = h;
-    return rc;
+    return h;
 }

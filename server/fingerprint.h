@@ -17,7 +17,6 @@
 #define MOED_FINGERPRINT_H
 
 #include "hf.h"
-#include "moed_err.h"
 #include "safetensors.h"
 
 #include <stdint.h>
@@ -26,9 +25,10 @@
 uint64_t moed_fingerprint_synthetic(const char *spec);
 
 /* The fingerprint of checkpoint folder st, whose config.json says cfg, served in weight dtype
- * wdtype (0: as stored; MOED_FP8: quantized at load). Opens the folder's files it needs (with an
- * index, every shard holding a MoE layer's tensors); errors are those of reading them. */
-int moed_fingerprint_checkpoint(moed_st_dir *st, const moed_hf_config *cfg, int wdtype,
-                                uint64_t *out, moed_error *err);
+ * wdtype (0: as stored; MOED_FP8: quantized at load). Opens the files it needs (with an index,
+ * every shard holding a MoE layer's tensors). A tensor it cannot read (say a broken shard of a
+ * layer this daemon does not hold, which its load does not need) counts as unreadable: it changes
+ * the fingerprint rather than failing the load. */
+uint64_t moed_fingerprint_checkpoint(moed_st_dir *st, const moed_hf_config *cfg, int wdtype);
 
 #endif

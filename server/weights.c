@@ -623,12 +623,10 @@ int moed_weights_checkpoint_held(const char *dir, const char *only_layers, moed_
                   .priv = p,
                   .err = err,
                   .held = held };
+    if ((rc = load_layers(&ld, hold, m))) goto err;
     /* the fingerprint reads the files too: the check after it covers its reads as well */
-    if ((rc = load_layers(&ld, hold, m)) ||
-        (rc = moed_fingerprint_checkpoint(p->st, &cfg, cfg.fp8 ? 0 : ld.quantize, &m->fingerprint,
-                                          err)) ||
-        (rc = moed_st_dir_check(p->st, err)))
-        goto err;
+    m->fingerprint = moed_fingerprint_checkpoint(p->st, &cfg, cfg.fp8 ? 0 : ld.quantize);
+    if ((rc = moed_st_dir_check(p->st, err))) goto err;
     if (ld.copy) { /* nothing points into the files now */
         moed_st_dir_close(p->st);
         p->st = NULL;

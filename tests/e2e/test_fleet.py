@@ -18,6 +18,7 @@ daemons' counters, moectl naming a shard that is down.
 
 import asyncio
 import json
+import pathlib
 import signal
 import socket
 import subprocess
@@ -327,6 +328,147 @@ def test_dns_name_with_two_addresses_is_a_fleet(pool, tmp_path, monkeypatch):
     finally:
         for d in shards:
             assert d.stop() == 0, d.log()
+
+
+# ---- daemons that change under a fleet ---------------------------------------------------------
+
+class CFleet:
+    """A C fleet client (moedc_connect_many) kept open while the test changes its daemons: the
+    program tests/e2e/fleet_driver.c, built against the build's library, makes one call per line
+    it reads. call() returns the output, or (status name, message)."""
+
+    def __init__(self, tmp_path, targets, x, ids, weights):
+        from test_c_library import INCLUDE, LIBDIR, sanitizer_flags
+        exe = tmp_path / "fleet_driver"
+        p = subprocess.run(["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", *sanitizer_flags(),
+                            str(pathlib.Path(__file__).parent / "fleet_driver.c"), "-I", str(INCLUDE),
+                            "-L", str(LIBDIR), "-lmoedclient", f"-Wl,-rpath,{LIBDIR}", "-o", str(exe)],
+                           capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        files = []
+        for name, a in (("x", x), ("ids", ids), ("w", weights)):
+            files.append(tmp_path / f"{name}.bin")
+            files[-1].write_bytes(np.ascontiguousarray(a).tobytes())
+        self.shape = x.shape
+        self.proc = subprocess.Popen([str(exe), ",".join(targets), *map(str, files), str(x.shape[0]),
+                                      str(x.shape[1]), str(ids.shape[1])],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.opened = self._answer(self.proc.stdout.readline())
+
+    def _answer(self, line):
+        assert line, "fleet_driver ended"
+        word, _, rest = line.rstrip("\n").partition(" ")
+        if word == "OK":
+            return np.frombuffer(bytes.fromhex(rest), np.float32).reshape(self.shape)
+        if word == "ERR":
+            return tuple(rest.split(" ", 1))
+        return word
+
+    def call(self, layer=0):
+        self.proc.stdin.write(f"call {layer}\n")
+        self.proc.stdin.flush()
+        return self._answer(self.proc.stdout.readline())
+
+    def close(self):
+        """Ends the program; its exit status (0: it ran to the end, 1: the fleet did not open)."""
+        self.proc.stdin.close()
+        return self.proc.wait(60)
+
+
+class PyFleet:
+    """The Python fleet client, answering as CFleet does."""
+
+    def __init__(self, targets, x, ids, weights):
+        self.fl, self.kw = MoEClient(targets, timeout=30), dict(hidden=x, expert_ids=ids, expert_weights=weights)
+
+    def call(self, layer=0):
+        try:
+            return self.fl.forward(layer, **self.kw)
+        except MoEError as e:
+            return e.code_name, e.message
+
+    def close(self):
+        self.fl.close()
+        return 0
+
+
+def fleet_client(kind, tmp_path, targets, x, kw):
+    if kind == "c":
+        return CFleet(tmp_path, targets, x, kw["expert_ids"], kw["expert_weights"])
+    return PyFleet(targets, x, kw["expert_ids"], kw["expert_weights"])
+
+
+def restart(d, tmp_path, name, *flags):
+    """Stops daemon d (it must exit 0) and starts another with these flags at its address."""
+    assert d.stop() == 0, d.log()
+    return Daemon(list(flags), tmp_path / f"moed-{name}.log", port=d.port)
+
+
+def right(answer, want):
+    """The answer is an output equal to want up to float32 summation order (a failure is not)."""
+    if isinstance(answer, tuple):
+        return False
+    worst = np.abs(f32(answer) - want).max()
+    assert worst <= 1e-5 * np.abs(want).max(), f"answered OK but wrong: off by {worst}"
+    return True
+
+
+@pytest.mark.parametrize("kind", ["python", "c"])
+@pytest.mark.parametrize("change", ["experts", "model"])
+def test_a_daemon_restarted_as_something_else_never_answers_wrong(daemon, tmp_path, kind, change):
+    """The daemon of experts 4-7 in a fleet of two is restarted at its address holding experts 0-3
+    (so the fleet lacks 4-7), or serving another model of the same shapes (another seed), while one
+    client of the fleet goes on calling: no call answers OK with a wrong output (each is compared
+    with one daemon holding the whole model), each failure names the daemon, the first one
+    FAILED_PRECONDITION; once the daemon is back as it was, calls answer right again."""
+    a = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3")
+    full = daemon("--synthetic", SPEC, "--threads", "1")
+    flags = ["--synthetic", SPEC, "--threads", "1", "--experts", "4-7"]
+    other = {"experts": ["--synthetic", SPEC, "--threads", "1", "--experts", "0-3"],
+             "model": ["--synthetic", SPEC.replace("seed=5", "seed=6"), "--threads", "1", "--experts", "4-7"]}
+    b = Daemon(flags, tmp_path / "moed-b.log")
+    rng = np.random.default_rng(9)
+    x, kw = hidden(rng, "f32"), _choice(rng)
+    with full.client() as c:
+        want = f32(c.forward(0, x, **kw))
+    fl = fleet_client(kind, tmp_path, [a.address, b.address], x, kw)
+    try:
+        assert right(fl.call(), want)
+        b = restart(b, tmp_path, "b-changed", *other[change])
+        answers = [fl.call() for _ in range(4)]
+        assert not any(right(r, want) for r in answers)  # the fleet lacks experts 4-7 now
+        assert answers[0][0] == "FAILED_PRECONDITION", answers[0]
+        for code, msg in answers:
+            assert code in ("FAILED_PRECONDITION", "UNAVAILABLE") and b.address in msg, (code, msg)
+        b = restart(b, tmp_path, "b-back", *flags)
+        give_up = time.monotonic() + 60  # a hang guard: the client asks again within seconds
+        while not right(answer := fl.call(), want):
+            assert b.address in answer[1] and time.monotonic() < give_up, answer
+            time.sleep(0.05)
+    finally:
+        assert fl.close() == 0
+        assert b.stop() == 0, b.log()
+
+
+@pytest.mark.parametrize("kind", ["python", "c"])
+def test_a_fleet_of_two_models_is_refused(daemon, tmp_path, kind):
+    """Two daemons of the same shapes but another seed cover the experts between them: the fleet
+    is refused at once, FAILED_PRECONDITION naming both daemons and their models' fingerprints."""
+    a = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3")
+    b = daemon("--synthetic", SPEC.replace("seed=5", "seed=6"), "--threads", "1", "--experts", "4-7")
+    fps = [hex(d.client().info().model_fingerprint)[2:] for d in (a, b)]
+    assert fps[0] != fps[1]
+    rng = np.random.default_rng(9)
+    x, kw = hidden(rng, "f32"), _choice(rng)
+    fl = fleet_client(kind, tmp_path, [a.address, b.address], x, kw)
+    try:
+        answer = fl.opened if kind == "c" else fl.call()
+        assert isinstance(answer, tuple), f"the fleet opened and answered: {type(answer).__name__}"
+        assert answer[0] == "FAILED_PRECONDITION", answer
+        for d, fp in zip((a, b), fps):
+            assert d.address in answer[1] and fp in answer[1], answer
+    finally:
+        fl.close()
 
 
 # ---- the C client (libmoedclient's moedc_connect_many, through moed-load and moectl) --------------

@@ -405,6 +405,9 @@ typedef struct moedc_model_info {
     uint32_t max_regions;
     uint64_t max_region_bytes, max_region_bytes_total;
     bool cuda_regions; /* the server takes CUDA regions (its cuda backend) */
+    /* the model's identity: equal on every daemon serving the same model (0: a moed older than
+     * it; moed.proto's ModelInfo.model_fingerprint) */
+    uint64_t model_fingerprint;
 } moedc_model_info;
 
 /* GetModel. Release with moedc_model_info_free. */
