@@ -471,6 +471,144 @@ def test_a_fleet_of_two_models_is_refused(daemon, tmp_path, kind):
         fl.close()
 
 
+# ---- daemons that go and come back -------------------------------------------------------------
+
+class Doorstep:
+    """A crashed daemon's port, listening in its place: every connection a client makes is
+    accepted, counted and closed at once (to the client, the daemon is still gone)."""
+
+    def __init__(self, port):
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", port))
+        self.sock.listen(64)
+        self.knocks = 0
+        self.knocked = threading.Condition()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            conn.close()
+            with self.knocked:
+                self.knocks += 1
+                self.knocked.notify_all()
+
+    def wait(self, knocks, timeout):
+        with self.knocked:
+            return self.knocked.wait_for(lambda: self.knocks >= knocks, timeout)
+
+    def close(self):
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self.thread.join(10)
+
+
+DOWN_MAX = 5.0  # README: a replica turned away is passed over 0.5 s, doubling to 5 s
+
+
+def forward_count(port):
+    return scrape(port).get("moed_requests_total", method="Forward", code="OK") or 0
+
+
+def test_c_client_uses_a_replica_again_soon_after_it_is_back(daemon, tmp_path):
+    """Replica r1 of two crashes (SIGKILL) while a C fleet client keeps calling; its port is then
+    held by a Doorstep counting the client's connection attempts. Once the client has tried it 7
+    times (gRPC's own reconnect backoff, 1 s growing by 1.6 to 120 s, would wait 21 s or more before
+    an 8th), r1 comes back on its port: the client sends it a call within the documented 5 s of it
+    serving (plus 5 s for a busy machine), while every call is answered by r2 meanwhile."""
+    flags, mport = metrics_flags()
+    r1 = Daemon(["--synthetic", SPEC, "--threads", "1", *flags], tmp_path / "moed-r1.log")
+    r2 = daemon("--synthetic", SPEC, "--threads", "1")
+    rng = np.random.default_rng(4)
+    x, kw = hidden(rng, "f32"), _choice(rng)
+    with r2.client() as c:
+        want = f32(c.forward(0, x, **kw))
+    fl = CFleet(tmp_path, [r1.address, r2.address], x, kw["expert_ids"], kw["expert_weights"])
+    door = None
+    try:
+        assert r1.stop(signal.SIGKILL) == -signal.SIGKILL
+        door = Doorstep(r1.port)
+        give_up = time.monotonic() + 180  # hang guard
+        while door.knocks < 7:
+            assert right(fl.call(), want)
+            assert time.monotonic() < give_up, f"{door.knocks} connection attempts in 180 s"
+            time.sleep(0.02)
+        door.close()
+        door = None
+        r1 = Daemon(["--synthetic", SPEC, "--threads", "1", *flags], tmp_path / "moed-r1-back.log",
+                    port=r1.port)
+        back = time.monotonic()
+        while forward_count(mport) == 0:
+            assert right(fl.call(), want)
+            assert time.monotonic() < back + 120
+            time.sleep(0.02)
+        took = time.monotonic() - back
+        assert took <= DOWN_MAX + 5, f"the client used r1 again {took:.1f} s after it was back"
+    finally:
+        if door:
+            door.close()
+        assert fl.close() == 0
+        assert r1.returncode is not None or r1.stop() == 0, r1.log()
+
+
+def test_c_client_fails_at_the_rate_of_real_attempts_while_a_shard_is_down(daemon, tmp_path):
+    """The only daemon of experts 4-7 crashes under moed-load: each call fails only after a real
+    attempt on it (its re-probe: 0.5 s doubling to 5 s), not as fast as moed-load can ask (the
+    library used to fail 400,000 a second locally); and what could not be started is not counted as
+    bytes sent."""
+    fa, pa = metrics_flags()
+    a = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3", *fa)
+    b = Daemon(["--synthetic", SPEC, "--threads", "1", "--experts", "4-7"], tmp_path / "moed-b.log")
+    out = tmp_path / "r.json"
+    T, K, C, DURATION = 4, 2, 2, 6.0
+    load = subprocess.Popen([str(LOAD), "--target", f"{a.address},{b.address}", "--no-progress",
+                             "--duration", str(DURATION), "--warmup", "0", "--concurrency", str(C),
+                             "--tokens", str(T), "--dtype", "f32", "--routing", "uniform", "--json", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        give_up = time.monotonic() + 60
+        while forward_count(pa) == 0:  # the run is under way
+            assert time.monotonic() < give_up and load.poll() is None, load.communicate()
+            time.sleep(0.02)
+        assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+        stdout, stderr = load.communicate(timeout=120)
+    finally:
+        if load.poll() is None:
+            load.kill()
+            load.wait()
+    lv = json.loads(out.read_text())["levels"][0]
+    errors, ok = lv["errors_total"], lv["ok"]
+    assert ok > 0 and errors > 0, lv
+    assert errors <= C * (DURATION / 0.5 + 2), (errors, lv["errors"], lv["error_messages"])
+    # every request is T tokens of d_model f32 and T x K ids and weights: bytes sent are those of
+    # the requests that were started
+    started = lv["requests"] - lv["errors"].get("CLIENT", 0)
+    sent = lv["mb_per_s_sent"] * lv["elapsed_s"] * 1e6
+    assert abs(sent - started * (T * D * 4 + T * K * 8)) <= 1e-6 * sent + 1, (sent, started, lv["errors"])
+
+
+def test_python_retries_a_shard_whose_every_replica_is_passed_over(daemon):
+    """The only daemon of experts 4-7 is gone: a call that finds it passed over still makes its
+    RetryPolicy's attempts (each round asks the daemon again), as one that found it up does."""
+    a = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3")
+    b = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "4-7")
+    x = np.zeros((2, D), np.float32)
+    policy = moed.RetryPolicy(max_attempts=4, initial_backoff=0.01, max_backoff=0.02)
+    with MoEClient([a.address, b.address], timeout=30, retry=policy) as fl:
+        fl.forward(0, x)
+        assert b.stop() == 0, b.log()
+        for call in ("found it up", "found it passed over"):
+            with pytest.raises(MoEError) as e:
+                fl.forward(0, x)
+            assert e.value.code_name == "UNAVAILABLE" and b.address in e.value.message, e.value
+            assert e.value.attempts == policy.max_attempts, (call, e.value.attempts, e.value.message)
+
+
 # ---- the C client (libmoedclient's moedc_connect_many, through moed-load and moectl) --------------
 
 def moed_load(targets, *args, timeout=120):

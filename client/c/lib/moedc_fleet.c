@@ -18,6 +18,7 @@
 #include "moed_dtype.h"
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <netdb.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -525,15 +526,20 @@ static bool recheck_due(moedc_fleet *f, double now)
     return true;
 }
 
-/* What GetModel of m answered (under f->mu): a member serving another model than the fleet's is
- * left out; the plans are rebuilt when anything changed. */
-static void learnt(moedc_fleet *f, member *m, const moedc_model_info *info)
+/* What GetModel of m answered (under f->mu; info is taken over): a member serving another model
+ * than the fleet's is left out; the plans are rebuilt when anything changed. Otherwise the info
+ * kept is the one the plans point into. */
+static void learnt(moedc_fleet *f, member *m, moedc_model_info *info)
 {
     const uint64_t fp = info->model_fingerprint;
     const bool foreign = f->fingerprint && fp && fp != f->fingerprint;
     const bool changed = !m->have_info || !same_holdings(&m->info, info) || foreign != m->foreign;
-    if (m->have_info) moedc_model_info_free(&m->info);
-    m->info = *info;
+    if (changed) {
+        if (m->have_info) moedc_model_info_free(&m->info);
+        m->info = *info;
+    } else {
+        moedc_model_info_free(info);
+    }
     m->have_info = true;
     m->check = false;
     m->foreign = foreign;
@@ -569,6 +575,7 @@ static void learn(moedc_fleet *f)
         if (!ask) continue;
         moedc_model_info info;
         moedc_error err;
+        moedc_reconnect_now(m->c); /* a real attempt: not a failure gRPC's backoff remembers */
         int rc = moedc_info_within(m->c, PROBE_TIMEOUT_S, &info, &err);
         pthread_mutex_lock(&f->mu);
         if (rc) {
@@ -972,6 +979,40 @@ static int start_call(moedc_fleet_call *fc, moedc_error *err)
     return rc;
 }
 
+/* When the next member that might answer where none does now is due to be asked GetModel again
+ * (learn's schedule, or the recheck of a fleet whose plans fail); 0: none is. */
+static double next_chance(moedc_fleet *f)
+{
+    pthread_mutex_lock(&f->mu);
+    double at = f->recheck_at;
+    for (int i = 0; i < f->n; i++) {
+        const member *m = f->m[i];
+        if (m->retired || m->foreign || (m->have_info && !m->check)) continue;
+        double t = m->have_info ? m->down_until : m->asked_at + REPROBE_S;
+        if (t < m->down_until) t = m->down_until;
+        if (!at || t < at) at = t;
+    }
+    pthread_mutex_unlock(&f->mu);
+    return at;
+}
+
+/* A call that found no daemon to try waits for the next one due to be asked again (within its
+ * deadline): it fails after a real attempt, not as fast as its caller can call. False when there
+ * is none to wait for, or the deadline comes first (then it has waited for the deadline). */
+static bool wait_for_chance(moedc_fleet *f, double deadline)
+{
+    const double at = next_chance(f);
+    if (!at) return false;
+    const double until = deadline && deadline < at ? deadline : at, left = until - now_s();
+    if (left > 0) {
+        struct timespec ts = { .tv_sec = (time_t)left,
+                               .tv_nsec = (long)((left - (double)(time_t)left) * 1e9) };
+        while (nanosleep(&ts, &ts) && errno == EINTR) {
+        }
+    }
+    return until == at;
+}
+
 int moedc_fleet_forward_start(moedc_fleet *f, const moedc_request *req, moedc_queue *q, void *user,
                               moedc_call **out, moedc_error *err)
 {
@@ -991,7 +1032,9 @@ int moedc_fleet_forward_start(moedc_fleet *f, const moedc_request *req, moedc_qu
     rc = start_call(fc, err);
     bool started = fc->pending > 0;
     pthread_mutex_unlock(&f->mu);
-    if (rc == MOEDC_EUNAVAIL && !started && regroup(f)) { /* once more, over who is there now */
+    /* once more, over who is there now: after the names were resolved again, or once a daemon
+     * that might answer was asked again */
+    if (rc == MOEDC_EUNAVAIL && !started && (regroup(f) || wait_for_chance(f, fc->deadline))) {
         learn(f);
         pthread_mutex_lock(&f->mu);
         reset_parts(fc);

@@ -522,6 +522,11 @@ moedc_fleet_call *moedc_call_fleet(const moedc_call *call)
     return call->fleet;
 }
 
+void moedc_reconnect_now(moedc *c)
+{
+    grpc_channel_reset_connect_backoff(c->channel);
+}
+
 int moedc_forward_start_part(moedc *c, const moedc_request *req, const moedc_expect *expect,
                              moedc_queue *q, moedc_part *p, moedc_call **out, moedc_error *err)
 {
