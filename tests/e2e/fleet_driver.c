@@ -49,15 +49,15 @@ int main(int argc, char **argv)
     moedc_opts opts = { .timeout_s = 30 };
     moedc *c;
     moedc_error err;
-    if (moedc_connect_many(targets, n, &opts, &c, &err)) {
+    int rc = moedc_connect_many(targets, n, &opts, &c, &err);
+    if (rc)
         say_error(&err);
-        return 1;
-    }
-    printf("OPEN\n");
+    else
+        printf("OPEN\n");
     fflush(stdout);
     char line[64];
     int layer;
-    while (fgets(line, sizeof line, stdin) && sscanf(line, "call %d", &layer) == 1) {
+    while (!rc && fgets(line, sizeof line, stdin) && sscanf(line, "call %d", &layer) == 1) {
         moedc_request req = { .layer = (uint32_t)layer,
                               .dtype = MOEDC_F32,
                               .tokens = T,
@@ -79,9 +79,9 @@ int main(int argc, char **argv)
         fflush(stdout);
         moedc_result_free(&res);
     }
-    moedc_close(c);
+    if (!rc) moedc_close(c);
     free(x);
     free(ids);
     free(w);
-    return 0;
+    return rc ? 1 : 0;
 }

@@ -14,6 +14,12 @@ a "dns:" name with two addresses makes a fleet of its addresses. The C client: m
 against both fleets for every routing kind (the fleet's sums against the CPU reference of the whole
 layer), moed-load losing no call while a replica drains, its tokens per expert equal to the
 daemons' counters, moectl naming a shard that is down.
+A daemon restarted under a client (Python, and C through fleet_driver.c) holding other experts or
+serving another model never makes a call answer OK and wrong, and calls answer again once it is
+back as it was; a fleet of two models is refused. A crashed replica is used again within the
+documented 5 s of its return (C), a shard that is down fails calls only as often as it is tried
+and moed-load counts no bytes for calls it could not start, and the Python RetryPolicy applies to
+a shard whose every replica was passed over.
 """
 
 import asyncio
@@ -451,11 +457,13 @@ def test_a_daemon_restarted_as_something_else_never_answers_wrong(daemon, tmp_pa
 
 
 @pytest.mark.parametrize("kind", ["python", "c"])
-def test_a_fleet_of_two_models_is_refused(daemon, tmp_path, kind):
-    """Two daemons of the same shapes but another seed cover the experts between them: the fleet
-    is refused at once, FAILED_PRECONDITION naming both daemons and their models' fingerprints."""
-    a = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3")
-    b = daemon("--synthetic", SPEC.replace("seed=5", "seed=6"), "--threads", "1", "--experts", "4-7")
+@pytest.mark.parametrize("layout", [("0-3", "4-7"), ("0-7", "0-7")], ids=["shards", "replicas"])
+def test_a_fleet_of_two_models_is_refused(daemon, tmp_path, kind, layout):
+    """Two daemons of the same shapes but another seed, as two shards or as two replicas: the
+    fleet is refused at once, FAILED_PRECONDITION naming both daemons and their models'
+    fingerprints (whichever answered first)."""
+    a = daemon("--synthetic", SPEC, "--threads", "1", "--experts", layout[0])
+    b = daemon("--synthetic", SPEC.replace("seed=5", "seed=6"), "--threads", "1", "--experts", layout[1])
     fps = [hex(d.client().info().model_fingerprint)[2:] for d in (a, b)]
     assert fps[0] != fps[1]
     rng = np.random.default_rng(9)

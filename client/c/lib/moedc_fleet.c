@@ -4,6 +4,10 @@
  * moedclient.h (moedc_connect_many) says what a fleet does; moedc_fleet.h how it plugs into the
  * calls.
  *
+ * Every sub-call states what its part expects of the daemon (the fleet's model, the shard's
+ * experts), so a part's reply is only ever one the plan it was made from accounts for: the sum is
+ * right whatever changed since, and a daemon that changed refuses instead.
+ *
  * Locking: one mutex over the members' state (what they hold, calls outstanding, when they were
  * turned away) and the fleet calls' bookkeeping. It is never held across a wait: GetModel is
  * asked with it released, and a sub-call is started under it (starting only queues a batch), so
@@ -41,6 +45,7 @@ typedef struct member {
     char *name;   /* the dns: target this is one address of, or NULL */
     bool retired; /* its name no longer resolves to it: out of the fleet */
     bool foreign; /* it serves another model than the fleet's: left out */
+    bool heard;   /* its GetModel answered, or failed, at least once */
     moedc *c;
     moedc_model_info info;
     bool have_info;
@@ -80,6 +85,7 @@ struct moedc_fleet {
     int n_plans;
     double timeout_s;     /* the moedc's default deadline */
     uint64_t fingerprint; /* the fleet's model, once its daemons agreed on one (0: not yet) */
+    uint64_t agreed;      /* the model those that answered serve, pinned or not (0: none said) */
     double recheck_at, recheck_for; /* while a plan fails: when every member is asked again */
 };
 
@@ -426,15 +432,17 @@ static void plan_free(plan *p)
     memset(p, 0, sizeof *p);
 }
 
-/* The fleet's model: until its daemons agreed on one, those that answered must (else `differ`
- * names them); then it is pinned, and a daemon found serving another is left out (learn). */
+/* The fleet's model: until it is known, the daemons that answered must agree on one (else
+ * `differ` names them); once every daemon was asked, it is pinned for the fleet's life, and a
+ * daemon found serving another is left out (learnt). */
 static void pin_model(moedc_fleet *f, char *differ, size_t size)
 {
     uint64_t fp = 0;
-    bool two = false;
+    bool two = false, all_heard = true;
     differ[0] = 0;
     for (int i = 0; i < f->n; i++) {
         const member *m = f->m[i];
+        all_heard = all_heard && (m->heard || m->retired);
         if (!m->have_info || m->retired || !m->info.model_fingerprint) continue;
         two = two || (fp && m->info.model_fingerprint != fp);
         if (!fp) fp = m->info.model_fingerprint;
@@ -442,7 +450,8 @@ static void pin_model(moedc_fleet *f, char *differ, size_t size)
                (unsigned long long)m->info.model_fingerprint);
     }
     if (!two) differ[0] = 0;
-    if (!two && !f->fingerprint) f->fingerprint = fp;
+    f->agreed = two ? 0 : fp;
+    if (!two && all_heard) f->fingerprint = fp;
 }
 
 /* Rebuilds every layer's plan from what the members hold (under f->mu); while one fails, every
@@ -541,14 +550,16 @@ static void learnt(moedc_fleet *f, member *m, moedc_model_info *info)
         moedc_model_info_free(info);
     }
     m->have_info = true;
-    m->check = false;
+    m->check = foreign; /* asked again, 0.5 s doubling to 5 s, until it serves the fleet's model */
     m->foreign = foreign;
-    if (foreign)
+    if (foreign) {
+        mark_down(m, now_s());
         snprintf(m->error, sizeof m->error,
                  "serves another model: fingerprint %016llx, the fleet's is %016llx",
                  (unsigned long long)fp, (unsigned long long)f->fingerprint);
-    else
+    } else {
         snprintf(m->error, sizeof m->error, "answering");
+    }
     if (changed) replan(f);
 }
 
@@ -578,10 +589,13 @@ static void learn(moedc_fleet *f)
         moedc_reconnect_now(m->c); /* a real attempt: not a failure gRPC's backoff remembers */
         int rc = moedc_info_within(m->c, PROBE_TIMEOUT_S, &info, &err);
         pthread_mutex_lock(&f->mu);
+        const bool first = !m->heard;
+        m->heard = true;
         if (rc) {
             snprintf(m->error, sizeof m->error, "%s: %.160s",
                      moedc_grpc_status_name(moedc_code_to_grpc(rc)), err.msg);
             mark_down(m, now_s());
+            if (first && !f->fingerprint) replan(f); /* it may be the last one the model waits on */
         } else {
             learnt(f, m, &info);
         }
@@ -929,7 +943,7 @@ static int make_parts(moedc_fleet_call *fc, plan *pl, moedc_error *err)
             return moedc_fail(err, MOEDC_ENOMEM, "out of memory starting a call");
         memcpy(p->replicas, sh->replicas, sizeof *p->replicas * (size_t)sh->n_replicas);
         memcpy(p->held, sh->li->held, sizeof *p->held * (size_t)sh->li->n_held);
-        p->expect = (moedc_expect){ .fingerprint = fc->f->fingerprint,
+        p->expect = (moedc_expect){ .fingerprint = fc->f->agreed,
                                     .held = p->held,
                                     .n_held = sh->li->n_held,
                                     .adds_shared = sh->li->adds_shared };

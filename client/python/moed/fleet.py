@@ -13,10 +13,10 @@ What the fleet holds is learnt from GetModel of every daemon: per layer, which e
 (LayerInfo.experts_held) and whether it adds the shared experts. Daemons that hold the same experts
 of a layer are replicas of one shard; a layer's shards must be disjoint, cover every expert, and
 exactly one of them must add the shared experts (else FAILED_PRECONDITION, naming the daemons).
-The daemons must serve one model (ModelInfo.model_fingerprint): daemons that differ when the fleet
-is first learnt fail every call FAILED_PRECONDITION naming them; once the fleet's model is known,
-a daemon found serving another is left out (a layer that then lacks experts fails
-FAILED_PRECONDITION naming it). While a layer cannot be planned, every daemon's GetModel is asked
+The daemons must serve one model (ModelInfo.model_fingerprint): while daemons that answered differ,
+every call fails FAILED_PRECONDITION naming them; once every daemon was asked and they agreed on
+one, the fleet's model is fixed for the client's life, and a daemon found serving another is left
+out (a layer that then lacks experts fails FAILED_PRECONDITION naming it). While a layer cannot be planned, every daemon's GetModel is asked
 again (after 0.5 s, doubling to 5 s), so a fleet put right is used again.
 
 A call goes to one replica of each shard of its layer, in parallel (the route is in the whole
@@ -191,6 +191,7 @@ class Member:
         self.named = False  # one of the addresses of a "dns:" name (Names)
         self.retired = False  # its name no longer resolves to it: out of the fleet
         self.foreign = False  # it serves another model than the fleet's: left out
+        self.heard = False  # its GetModel answered, or failed, at least once
 
     def layer(self, index: int) -> Optional[LayerInfo]:
         if self.info is None:
@@ -261,7 +262,7 @@ class Fleet:
 
     def __init__(self, members: List[Member]):
         self.members = members
-        self.fingerprint = 0  # the fleet's model, once its daemons agreed on one (0: not yet)
+        self.fingerprint = 0  # the fleet's model, once every daemon was asked and they agreed
         self.generation = 0  # counts the times the plans were dropped (the fleet changed)
         self._lock = threading.Lock()
         self._plans: Dict[int, List[Shard]] = {}
@@ -293,18 +294,23 @@ class Fleet:
         with self._lock:
             if m.probe is not probe:
                 return
-            m.probe = None
+            first, m.probe, m.heard = not m.heard, None, True
             if info is None:
                 m.error = error
                 self._down(m, now)
+                if first and not self.fingerprint:
+                    self._drop_plans()  # the fleet's model may have waited on this one
                 return
             fp = info.model_fingerprint
             foreign = bool(self.fingerprint and fp and fp != self.fingerprint)
             if m.info is None or _holdings(m.info) != _holdings(info) or foreign != m.foreign:
                 self._drop_plans()
-            m.info, m.check, m.foreign = info, False, foreign
+            # one serving another model is asked again (0.5 s doubling to 5 s) until it serves ours
+            m.info, m.check, m.foreign = info, foreign, foreign
             m.error = (f"serves another model: fingerprint {fp:016x}, the fleet's is {self.fingerprint:016x}"
                        if foreign else "answering")
+            if foreign:
+                self._down(m, now)
 
     def plan(self, layer: int) -> Tuple[Optional[List[Shard]], Optional[MoEError]]:
         """The layer's shards, or the gap that stands in the way (asking GetModel again may close
@@ -312,7 +318,10 @@ class Fleet:
         with self._lock:
             if layer not in self._plans:
                 try:
-                    shards, err = _plan(layer, self.members, self.fingerprint)
+                    fingerprint = self.fingerprint or _one_model(self.members)
+                    if all(m.heard or m.retired for m in self.members):
+                        self.fingerprint = fingerprint  # pinned once every daemon was asked
+                    shards, err = _plan(layer, self.members, fingerprint)
                 except MoEError:
                     self._stale(time.monotonic())
                     raise
@@ -320,7 +329,6 @@ class Fleet:
                     self._stale(time.monotonic())
                     return None, err
                 self._plans[layer] = shards
-                self.fingerprint = self.fingerprint or shards[0].fingerprint
                 self._recheck_at = self._recheck_for = 0.0
             return self._plans[layer], None
 
@@ -406,6 +414,7 @@ def _holdings(info: ModelInfo) -> Any:
 def _one_model(members: Sequence[Member]) -> int:
     """The model the members that answered serve (0: none said); FAILED_PRECONDITION naming each
     of them when they differ."""
+    members = [m for m in members if not m.retired]
     fps = {m.info.model_fingerprint for m in members if m.info is not None and m.info.model_fingerprint}
     if len(fps) > 1:
         said = "; ".join(f"{m.target} (fingerprint {m.info.model_fingerprint:016x})" for m in members
@@ -416,12 +425,12 @@ def _one_model(members: Sequence[Member]) -> int:
 
 
 def _plan(layer: int, members: Sequence[Member],
-          fingerprint: int) -> Tuple[Optional[List[Shard]], Optional[MoEError]]:
+          fingerprint: int = 0) -> Tuple[Optional[List[Shard]], Optional[MoEError]]:
     """Groups the members holding `layer` into shards and checks them (see the module's text);
-    fingerprint: the fleet's model (0: the members must agree on one now)."""
+    fingerprint: the fleet's model (0: not known), which members left out as foreign do not
+    serve."""
     members = [m for m in members if not m.retired]
     foreign = [m for m in members if m.foreign]
-    fingerprint = fingerprint or _one_model(members)
     members = [m for m in members if not m.foreign]
     holders = [(m, m.layer(layer)) for m in members]
     holders = [(m, li) for m, li in holders if li is not None]
