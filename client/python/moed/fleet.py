@@ -13,11 +13,13 @@ What the fleet holds is learnt from GetModel of every daemon: per layer, which e
 (LayerInfo.experts_held) and whether it adds the shared experts. Daemons that hold the same experts
 of a layer are replicas of one shard; a layer's shards must be disjoint, cover every expert, and
 exactly one of them must add the shared experts (else FAILED_PRECONDITION, naming the daemons).
-The daemons must serve one model (ModelInfo.model_fingerprint): while daemons that answered differ,
-every call fails FAILED_PRECONDITION naming them; once every daemon was asked and they agreed on
+The daemons must serve one model (ModelInfo.model_fingerprint): a call waits until every daemon was
+asked GetModel once (the first call does), and while daemons that answered differ, every call fails
+FAILED_PRECONDITION naming them; once every daemon was asked and they agreed on
 one, the fleet's model is fixed for the client's life, and a daemon found serving another is left
-out (a layer that then lacks experts fails FAILED_PRECONDITION naming it). While a layer cannot be planned, every daemon's GetModel is asked
-again (after 0.5 s, doubling to 5 s), so a fleet put right is used again.
+out (a layer that then lacks experts fails FAILED_PRECONDITION naming it) and asked again until it
+serves the fleet's model. While a layer cannot be planned, every daemon's GetModel is asked again
+(after 0.5 s, doubling to 5 s), so a fleet put right is used again.
 
 A call goes to one replica of each shard of its layer, in parallel (the route is in the whole
 layer's numbering). Each request states what the client expects of its daemon (ForwardRequest.
@@ -263,7 +265,6 @@ class Fleet:
     def __init__(self, members: List[Member]):
         self.members = members
         self.fingerprint = 0  # the fleet's model, once every daemon was asked and they agreed
-        self.generation = 0  # counts the times the plans were dropped (the fleet changed)
         self._lock = threading.Lock()
         self._plans: Dict[int, List[Shard]] = {}
         self._recheck_at = 0.0  # while a plan fails: when every member is asked GetModel again
@@ -299,18 +300,24 @@ class Fleet:
                 m.error = error
                 self._down(m, now)
                 if first and not self.fingerprint:
-                    self._drop_plans()  # the fleet's model may have waited on this one
+                    self._plans.clear()  # the fleet's model may have waited on this one
                 return
             fp = info.model_fingerprint
             foreign = bool(self.fingerprint and fp and fp != self.fingerprint)
             if m.info is None or _holdings(m.info) != _holdings(info) or foreign != m.foreign:
-                self._drop_plans()
+                self._plans.clear()
             # one serving another model is asked again (0.5 s doubling to 5 s) until it serves ours
             m.info, m.check, m.foreign = info, foreign, foreign
             m.error = (f"serves another model: fingerprint {fp:016x}, the fleet's is {self.fingerprint:016x}"
                        if foreign else "answering")
             if foreign:
                 self._down(m, now)
+
+    def unsettled(self) -> bool:
+        """Whether the fleet's model waits on a daemon never asked yet (calls wait for its
+        GetModel: a daemon of another model must refuse the fleet before any call is answered)."""
+        with self._lock:
+            return not self.fingerprint and not all(m.heard or m.retired for m in self.members)
 
     def plan(self, layer: int) -> Tuple[Optional[List[Shard]], Optional[MoEError]]:
         """The layer's shards, or the gap that stands in the way (asking GetModel again may close
@@ -378,7 +385,7 @@ class Fleet:
                 m.retired = True
             self.members.extend(new)
             if new or gone:
-                self._drop_plans()
+                self._plans.clear()
             return bool(new or gone)
 
     def revive(self, shard: Shard, now: float) -> None:
@@ -390,10 +397,6 @@ class Fleet:
     def _down(self, m: Member, now: float) -> None:
         m.down_for = min(max(2 * m.down_for, DOWN_MIN), DOWN_MAX)
         m.down_until = now + m.down_for
-
-    def _drop_plans(self) -> None:
-        self._plans.clear()
-        self.generation += 1
 
     def _stale(self, now: float) -> None:
         """A plan failed: every member is asked GetModel again, first after DOWN_MIN."""
@@ -757,6 +760,8 @@ class FleetClient(MoEClient):
         """The layer's shards. Members that need GetModel are asked in the background; the call
         waits for them only when the layer cannot be planned now (asking again may put it right)."""
         self._probe(self.fleet.to_probe(self.fleet.members, time.monotonic()))
+        if self.fleet.unsettled():
+            self._learn(self.fleet.members, deadline)
         shards, err = _try_plan(self.fleet, layer)
         if err is not None:
             self._regroup()
@@ -945,6 +950,8 @@ class AioFleetClient(aio.MoEClient):
 
     async def _shards(self, layer: int, deadline: Optional[float]) -> List[Shard]:
         self._probe(self.fleet.to_probe(self.fleet.members, time.monotonic()))
+        if self.fleet.unsettled():
+            await self._learn(self.fleet.members, deadline)
         shards, err = _try_plan(self.fleet, layer)
         if err is not None:
             await self._regroup()
