@@ -33,6 +33,7 @@
 #include <time.h>
 
 #define PROBE_TIMEOUT_S 5.0 /* GetModel of one daemon, at most */
+#define CONNECT_S       1.0 /* how long asking again waits for the connection it makes */
 #define REPROBE_S       1.0 /* a daemon that never answered is asked again at most this often */
 #define DOWN_MIN_S      0.5 /* a replica turned away is passed over this long, doubling ... */
 #define DOWN_MAX_S      5.0 /* ... up to this */
@@ -586,7 +587,7 @@ static void learn(moedc_fleet *f)
         if (!ask) continue;
         moedc_model_info info;
         moedc_error err;
-        moedc_reconnect_now(m->c); /* a real attempt: not a failure gRPC's backoff remembers */
+        moedc_reconnect_now(m->c, CONNECT_S); /* a real attempt, not a failure gRPC remembers */
         int rc = moedc_info_within(m->c, PROBE_TIMEOUT_S, &info, &err);
         pthread_mutex_lock(&f->mu);
         const bool first = !m->heard;

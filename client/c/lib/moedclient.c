@@ -522,9 +522,28 @@ moedc_fleet_call *moedc_call_fleet(const moedc_call *call)
     return call->fleet;
 }
 
-void moedc_reconnect_now(moedc *c)
+void moedc_reconnect_now(moedc *c, double timeout_s)
 {
+    /* The reset reconnects asynchronously, and a channel that failed stays in TRANSIENT_FAILURE
+     * (calls made meanwhile fail at once) until a connection is READY: so wait for that, or for
+     * the time given, whichever comes first. */
+    grpc_connectivity_state s = grpc_channel_check_connectivity_state(c->channel, 0);
+    if (s == GRPC_CHANNEL_READY) return;
+    grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
+    const gpr_timespec until = after(timeout_s);
+    grpc_channel_watch_connectivity_state(c->channel, s, until, cq, NULL);
     grpc_channel_reset_connect_backoff(c->channel);
+    grpc_channel_check_connectivity_state(c->channel, 1); /* an idle channel connects now */
+    while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).success) {
+        s = grpc_channel_check_connectivity_state(c->channel, 1);
+        if (s == GRPC_CHANNEL_READY || s == GRPC_CHANNEL_SHUTDOWN) break;
+        grpc_channel_watch_connectivity_state(c->channel, s, until, cq, NULL);
+    }
+    grpc_completion_queue_shutdown(cq);
+    while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN) {
+    }
+    grpc_completion_queue_destroy(cq);
 }
 
 int moedc_forward_start_part(moedc *c, const moedc_request *req, const moedc_expect *expect,
