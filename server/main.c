@@ -223,7 +223,8 @@ static int load_layers(moed_daemon *d)
                                .shards = d->shards,
                                .n_layers = n,
                                .max_batch_tokens = d->cfg.max_batch_tokens,
-                               .max_message_bytes = d->cfg.max_message_bytes };
+                               .max_message_bytes = d->cfg.max_message_bytes,
+                               .fingerprint = d->model.fingerprint };
     char list[256], experts[300];
     moed_served_layer_list(&d->served, list, sizeof list);
     held_experts(d, experts, sizeof experts);
@@ -421,9 +422,11 @@ static void ready(moed_daemon *d)
     held_experts(d, experts, sizeof experts);
     moed_rpc_set_serving(d->rpc, true);
     d->serving = true;
-    moed_log_info("ready", "addr=%s backend=%s layers=%s experts=\"%s\" model=\"%s\" version=%s",
+    moed_log_info("ready",
+                  "addr=%s backend=%s layers=%s experts=\"%s\" model=\"%s\" fingerprint=%016llx "
+                  "version=%s",
                   moed_rpc_address(d->rpc), moed_backend_name(d->backend), list, experts,
-                  d->model.source, MOED_VERSION);
+                  d->model.source, (unsigned long long)d->model.fingerprint, MOED_VERSION);
     moed_notify("READY=1\nSTATUS=serving on %s: layers %s of %s, %s backend\nMAINPID=%d",
                 moed_rpc_address(d->rpc), list, d->model.source, moed_backend_name(d->backend),
                 (int)getpid());

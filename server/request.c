@@ -1,9 +1,10 @@
 /*
- * moed_request — ForwardRequest validation: sizes, layer, tensors, routing, gating.
+ * moed_request — ForwardRequest validation: sizes, expectation, layer, tensors, routing, gating.
  *
  * Order matters for the person reading the status: the whole-message limit first (nothing else is
- * worth reading past it), then identity (request_id, layer), then hidden (which fixes T), then the
- * routing tensors, whose shapes are stated relative to T and the layer, then the output's region.
+ * worth reading past it), then identity (request_id, what the caller expects of this daemon,
+ * layer), then hidden (which fixes T), then the routing tensors, whose shapes are stated relative
+ * to T and the layer, then the output's region.
  * Small tensors (ids, weights, logits) are copied out of the slices or their region into aligned
  * memory here; hidden is copied into a staging-pool buffer (or, when the pool is full, stays a span
  * until the worker copies it into staging memory), or read where its region has it.
@@ -32,6 +33,21 @@ void moed_served_layer_list(const moed_served *s, char *buf, size_t n)
         if (w < 0) break;
         at += (size_t)w;
     }
+}
+
+int moed_served_held(const moed_served *s, int i, uint32_t *lo, uint32_t *hi, int cap)
+{
+    if (s->shards) return moed_shard_range_list(&s->shards[i], lo, hi, cap);
+    if (cap > 0) {
+        lo[0] = 0;
+        hi[0] = (uint32_t)s->layers[i]->info.n_experts - 1;
+    }
+    return 1;
+}
+
+bool moed_served_adds_shared(const moed_served *s, int i)
+{
+    return !s->shards || s->shards[i].adds_shared;
 }
 
 /* proto3 strings must be UTF-8; a client library would refuse to build such a response. */
@@ -72,6 +88,77 @@ static int check_request_id(const moed_wire_request *q, moed_work *w, moed_error
         return moed_fail(err, MOED_EINVAL,
                          "request_id is not valid UTF-8 (proto3 strings must be)");
     return 0;
+}
+
+/* ---- what the caller expects ------------------------------------------------------------- */
+
+/* The first `shown` of n ranges as "0-3,6", and how many more there are. */
+static void ranges_text(const uint32_t *lo, const uint32_t *hi, uint32_t n, uint32_t shown,
+                        char *buf, size_t size)
+{
+    size_t at = 0;
+    buf[0] = 0;
+    for (uint32_t i = 0; i < n && i < shown && at < size; i++)
+        at += (size_t)(lo[i] == hi[i]
+                           ? snprintf(buf + at, size - at, "%s%u", i ? "," : "", lo[i])
+                           : snprintf(buf + at, size - at, "%s%u-%u", i ? "," : "", lo[i], hi[i]));
+    if (n > shown && at < size) snprintf(buf + at, size - at, " and %u more ranges", n - shown);
+}
+
+/* The request's expect against what this daemon serves. Checked before the layer, so a daemon
+ * that no longer serves the layer it was expected to hold says so in the same terms. */
+static int check_expect(const moed_served *s, const moed_wire_request *q, moed_error *err)
+{
+    const moed_wire_expect *x = &q->expect;
+    if (!x->present) return 0;
+    int slot = -1;
+    for (int i = 0; i < s->n_layers && slot < 0; i++)
+        if ((uint32_t)s->layers[i]->info.index == q->layer) slot = i;
+    const int n = slot < 0 ? 0 : moed_served_held(s, slot, NULL, NULL, 0);
+    uint32_t *lo = malloc(sizeof *lo * (size_t)(2 * n + 1));
+    if (!lo) return moed_fail(err, MOED_ENOMEM, "no memory to check the request's expect");
+    uint32_t *hi = lo + n;
+    if (slot >= 0) moed_served_held(s, slot, lo, hi, n);
+    uint64_t hash = 0;
+    for (int i = 0; i < n; i++) hash = moed_wire_range_fold(hash, lo[i], hi[i]);
+    /* the shared-experts role changes a reply only where the layer has shared experts */
+    const bool shared = slot < 0 || s->layers[slot]->info.n_shared > 0;
+    const bool adds = slot >= 0 && moed_served_adds_shared(s, slot);
+    const bool model_ok = !x->model || x->model == s->fingerprint;
+    const bool held_ok =
+        !x->n_ranges || (slot >= 0 && (uint32_t)n == x->n_ranges && hash == x->ranges_hash &&
+                         (adds == x->adds_shared || !shared));
+    if (model_ok && held_ok) {
+        free(lo);
+        return 0;
+    }
+    char have[512], want[512], list[256], layers[256];
+    ranges_text(lo, hi, (uint32_t)n, 16, list, sizeof list);
+    free(lo);
+    moed_served_layer_list(s, layers, sizeof layers);
+    if (slot < 0)
+        snprintf(have, sizeof have, "not layer %u (its layers are %s)", q->layer, layers);
+    else
+        snprintf(have, sizeof have, "experts %s of layer %u%s", list, q->layer,
+                 !shared ? ""
+                 : adds  ? ", adding the shared experts"
+                         : ", not adding the shared experts");
+    ranges_text(x->first, x->last, x->n_ranges, MOED_WIRE_SHOWN_RANGES, list, sizeof list);
+    if (x->n_ranges)
+        snprintf(want, sizeof want, "experts %s%s", list,
+                 !shared          ? ""
+                 : x->adds_shared ? ", adding the shared experts"
+                                  : ", not adding the shared experts");
+    else
+        snprintf(want, sizeof want, "any experts");
+    char want_model[40] = "any model";
+    if (x->model)
+        snprintf(want_model, sizeof want_model, "model %016llx", (unsigned long long)x->model);
+    return moed_fail(err, MOED_EPRECOND,
+                     "this daemon is not what the request expects: it serves model %016llx, %s; "
+                     "the request expects %s, %s. It was restarted with other weights, --layers, "
+                     "--experts or --shared-experts since the caller asked its GetModel: ask again",
+                     (unsigned long long)s->fingerprint, have, want_model, want);
 }
 
 static int find_layer(const moed_served *s, uint32_t index, moed_sched_item *it, moed_error *err)
@@ -509,9 +596,10 @@ int moed_request_validate(const moed_served *s, const moed_caller *c, const moed
                          q->bytes, (long long)s->max_message_bytes);
     int rc;
     w->item.copy_in = copy_hidden;
-    if ((rc = check_request_id(q, w, err)) || (rc = find_layer(s, q->layer, &w->item, err)) ||
-        (rc = check_hidden(s, c, q, w, err)) || (rc = check_routing(s, c, q, &w->item, err)) ||
-        (rc = count_pairs(s, &w->item, err)) || (rc = check_output(s, c, q, w, err)))
+    if ((rc = check_request_id(q, w, err)) || (rc = check_expect(s, q, err)) ||
+        (rc = find_layer(s, q->layer, &w->item, err)) || (rc = check_hidden(s, c, q, w, err)) ||
+        (rc = check_routing(s, c, q, &w->item, err)) || (rc = count_pairs(s, &w->item, err)) ||
+        (rc = check_output(s, c, q, w, err)))
         return rc;
     take_buffer(s, w);
     return 0;

@@ -40,6 +40,7 @@ typedef struct moed_served {
     int64_t max_batch_pairs; /* --max-batch-pairs: (token, expert) pairs in one request; 0: none */
     moed_regions *regions;   /* the region registry; NULL: regions are off */
     moed_bufpool *pool;      /* inline hidden rows and replies; NULL: none */
+    uint64_t fingerprint;    /* the model's (ModelInfo.model_fingerprint) */
 } moed_served;
 
 /* Who sent a request: whether it came from this host (loopback or a unix socket), and the
@@ -87,5 +88,11 @@ void moed_work_free(moed_work *w);
 
 /* "0-3,7" for the layers served, for messages and logs. */
 void moed_served_layer_list(const moed_served *s, char *buf, size_t n);
+
+/* Layer slot i's held experts as ranges (LayerInfo.experts_held): up to cap into lo[]/hi[];
+ * returns how many there are (cap 0 counts). */
+int moed_served_held(const moed_served *s, int i, uint32_t *lo, uint32_t *hi, int cap);
+/* Whether layer slot i's replies include the shared experts' term (adds_shared_experts). */
+bool moed_served_adds_shared(const moed_served *s, int i);
 
 #endif

@@ -463,23 +463,12 @@ static void *cq_main(void *arg)
 
 /* ---- GetModel -------------------------------------------------------------------------------- */
 
-/* Layer slot i's held experts as ranges (moed_shard_range_list; every expert without shards). */
-static int held_ranges(const moed_served *s, int i, uint32_t *lo, uint32_t *hi, int cap)
-{
-    if (s->shards) return moed_shard_range_list(&s->shards[i], lo, hi, cap);
-    if (cap > 0) {
-        lo[0] = 0;
-        hi[0] = (uint32_t)s->layers[i]->info.n_experts - 1;
-    }
-    return 1;
-}
-
 /* The experts each layer holds (LayerInfo.experts_held, adds_shared_experts), in one allocation:
  * *out, which the caller frees once the message is packed. */
 static int held_experts(const moed_served *s, Moed__V1__LayerInfo *li, void **out)
 {
     int n = 0;
-    for (int i = 0; i < s->n_layers; i++) n += held_ranges(s, i, NULL, NULL, 0);
+    for (int i = 0; i < s->n_layers; i++) n += moed_served_held(s, i, NULL, NULL, 0);
     const size_t each = sizeof(Moed__V1__ExpertRange) + sizeof(void *) + 2 * sizeof(uint32_t);
     char *block = calloc((size_t)n + 1, each);
     *out = block;
@@ -488,8 +477,8 @@ static int held_experts(const moed_served *s, Moed__V1__LayerInfo *li, void **ou
     Moed__V1__ExpertRange **rp = (Moed__V1__ExpertRange **)(r + n + 1);
     uint32_t *lo = (uint32_t *)(rp + n + 1), *hi = lo + n + 1;
     for (int i = 0, at = 0; i < s->n_layers; i++) {
-        const int k = held_ranges(s, i, lo + at, hi + at, n - at);
-        li[i].adds_shared_experts = !s->shards || s->shards[i].adds_shared;
+        const int k = moed_served_held(s, i, lo + at, hi + at, n - at);
+        li[i].adds_shared_experts = moed_served_adds_shared(s, i);
         li[i].n_experts_held = (size_t)k;
         li[i].experts_held = rp + at;
         for (int j = at; j < at + k; j++) {
@@ -606,6 +595,7 @@ static grpc_byte_buffer *model_info(moed_rpc *r)
     mi.version = MOED_VERSION;
     mi.max_message_bytes = (uint64_t)r->cfg.max_message_bytes;
     mi.max_batch_tokens = (uint32_t)s->max_batch_tokens;
+    mi.model_fingerprint = s->fingerprint;
     Moed__V1__RegionLimits rl = MOED__V1__REGION_LIMITS__INIT;
     static const char *const modes[] = { "off", "local", "any" };
     rl.mode = (char *)modes[moed_regions_mode(s->regions)];

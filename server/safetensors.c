@@ -617,11 +617,20 @@ int moed_st_find(moed_st_dir *d, const char *name, const moed_st_tensor **t, moe
 
 int moed_st_read(const moed_st_dir *d, const moed_st_tensor *t, void *dst, moed_error *err)
 {
+    return moed_st_read_part(d, t, 0, t->nbytes, dst, err);
+}
+
+int moed_st_read_part(const moed_st_dir *d, const moed_st_tensor *t, uint64_t at, uint64_t n,
+                      void *dst, moed_error *err)
+{
     st_entry key = { .name = t->name };
     const st_entry *e = bsearch(&key, d->entries, (size_t)d->n_entries, sizeof key, cmp_entry);
     if (!e || e->t != t)
         return moed_fail(err, MOED_EINTERNAL, "tensor %s was not found in %s", t->name, d->dir);
-    return read_at(&d->files[e->file], dst, t->nbytes, t->offset, err);
+    if (at > t->nbytes || n > t->nbytes - at)
+        return moed_fail(err, MOED_EINTERNAL, "bytes %llu + %llu of tensor %s are past its end",
+                         (unsigned long long)at, (unsigned long long)n, t->name);
+    return read_at(&d->files[e->file], dst, n, t->offset + at, err);
 }
 
 int moed_st_dir_check(const moed_st_dir *d, moed_error *err)

@@ -86,6 +86,9 @@ int moed_st_dir_mapped(const moed_st_dir *d);
 /* Copies tensor t (found in d) into dst (t->nbytes) with pread, not through the mapping: a file
  * that shrank gives MOED_EIO naming it instead of a fault. */
 int moed_st_read(const moed_st_dir *d, const moed_st_tensor *t, void *dst, moed_error *err);
+/* The same for n bytes from byte `at` of t's data (within it). */
+int moed_st_read_part(const moed_st_dir *d, const moed_st_tensor *t, uint64_t at, uint64_t n,
+                      void *dst, moed_error *err);
 
 /* MOED_EIO naming the first file opened from d whose size or modification time is no longer what
  * it was when opened (it was written while moed read it), else 0. */

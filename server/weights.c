@@ -20,6 +20,7 @@
  */
 #include "weights.h"
 
+#include "fingerprint.h"
 #include "hf.h"
 #include "moed_dtype.h"
 #include "moed_fp8.h"
@@ -100,6 +101,7 @@ int moed_weights_synthetic_held(const char *spec, int wdtype, const moed_expert_
         m->n_layers++;
     }
     moed_synth_format(&s, m->source, sizeof m->source);
+    m->fingerprint = moed_fingerprint_synthetic(m->source);
     snprintf(m->arch, sizeof m->arch, "synthetic");
     return 0;
 err:
@@ -623,7 +625,10 @@ int moed_weights_checkpoint_held(const char *dir, const char *only_layers, moed_
                   .priv = p,
                   .err = err,
                   .held = held };
-    if ((rc = load_layers(&ld, hold, m)) || (rc = moed_st_dir_check(p->st, err))) goto err;
+    if ((rc = load_layers(&ld, hold, m))) goto err;
+    /* the fingerprint reads the files too: the check after it covers its reads as well */
+    m->fingerprint = moed_fingerprint_checkpoint(p->st, &cfg, cfg.fp8 ? 0 : ld.quantize);
+    if ((rc = moed_st_dir_check(p->st, err))) goto err;
     if (ld.copy) { /* nothing points into the files now */
         moed_st_dir_close(p->st);
         p->st = NULL;

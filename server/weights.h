@@ -21,12 +21,15 @@
 #include "moed_err.h"
 #include "moed_model.h"
 
+#include <stdint.h>
+
 typedef struct moed_model {
     char source[512]; /* the checkpoint folder, or the canonical synthetic spec */
     char arch[64];    /* "synthetic", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3" */
-    int n_layers;     /* MoE layers held */
-    moed_layer *layers; /* by increasing info.index */
-    void *priv;         /* mappings and allocations */
+    uint64_t fingerprint; /* the model's identity (fingerprint.h) */
+    int n_layers;         /* MoE layers held */
+    moed_layer *layers;   /* by increasing info.index */
+    void *priv;           /* mappings and allocations */
 } moed_model;
 
 /* --synthetic SPEC (moed_synth.h gives the syntax and the generator); wdtype, if not 0, replaces

@@ -14,6 +14,7 @@
 #include "wire.h"
 
 #include "moed_dtype.h"
+#include "moed_synth.h"
 
 #include <grpc/byte_buffer.h>
 #include <grpc/slice.h>
@@ -367,6 +368,67 @@ static int decode_batch_gating(rd *r, void *obj)
     return 0;
 }
 
+uint64_t moed_wire_range_fold(uint64_t h, uint32_t first, uint32_t last)
+{
+    return moed_splitmix64(h ^ ((uint64_t)first << 32 | last));
+}
+
+static int decode_range(rd *r, void *obj)
+{
+    uint32_t *fl = obj; /* first, last */
+    static const char *const names[] = { "", "first", "last" };
+    while (r->left) {
+        uint32_t f;
+        int wt, rc = rd_tag(r, &f, &wt);
+        uint64_t v;
+        if (rc) return rc;
+        if (f < 1 || f > 2) {
+            if ((rc = skip_field(r, f, wt))) return rc;
+            continue;
+        }
+        if ((rc = expect_wt(r, "ExpertRange", names[f], f, wt, WT_VARINT)) ||
+            (rc = rd_varint(r, &v)))
+            return rc;
+        fl[f - 1] = (uint32_t)v;
+    }
+    return 0;
+}
+
+static int decode_expect(rd *r, void *obj)
+{
+    moed_wire_expect *x = obj;
+    x->present = true;
+    while (r->left) {
+        uint32_t f;
+        int wt, rc = rd_tag(r, &f, &wt);
+        uint64_t v;
+        if (rc) return rc;
+        if (f == 1 || f == 3) {
+            if ((rc = expect_wt(r, "Expectation",
+                                f == 1 ? "model_fingerprint" : "adds_shared_experts", f, wt,
+                                WT_VARINT)) ||
+                (rc = rd_varint(r, &v)))
+                return rc;
+            if (f == 1) x->model = v;
+            if (f == 3) x->adds_shared = v != 0;
+        } else if (f == 2) {
+            uint32_t fl[2] = { 0, 0 };
+            if ((rc = expect_wt(r, "Expectation", "experts_held", f, wt, WT_LEN)) ||
+                (rc = rd_message(r, decode_range, fl)))
+                return rc;
+            if (x->n_ranges < MOED_WIRE_SHOWN_RANGES) {
+                x->first[x->n_ranges] = fl[0];
+                x->last[x->n_ranges] = fl[1];
+            }
+            x->ranges_hash = moed_wire_range_fold(x->ranges_hash, fl[0], fl[1]);
+            if (x->n_ranges < UINT32_MAX) x->n_ranges++;
+        } else if ((rc = skip_field(r, f, wt))) {
+            return rc;
+        }
+    }
+    return 0;
+}
+
 /* A oneof member replaces another member (clearing it) and merges into itself. */
 static void switch_routing(moed_wire_request *q, int routing)
 {
@@ -382,13 +444,13 @@ static int decode_request(rd *r, moed_wire_request *q)
 {
     static const char *const names[] = { "",        "request_id", "layer",         "hidden",
                                          "experts", "logits",     "server_router", "batch_gating",
-                                         "output" };
+                                         "output",  "expect" };
     while (r->left) {
         uint32_t f;
         int wt, rc = rd_tag(r, &f, &wt);
         uint64_t v;
         if (rc) return rc;
-        if (f < 1 || f > 8) {
+        if (f < 1 || f > 9) {
             if ((rc = skip_field(r, f, wt))) return rc;
             continue;
         }
@@ -417,6 +479,9 @@ static int decode_request(rd *r, moed_wire_request *q)
         case 8:
             q->has_output = true;
             if ((rc = rd_message(r, decode_ref, &q->output))) return rc;
+            break;
+        case 9:
+            if ((rc = rd_message(r, decode_expect, &q->expect))) return rc;
             break;
         }
     }

@@ -73,6 +73,22 @@ enum {
     MOED_ROUTING_SERVER = 6
 };
 
+/* ForwardRequest.expect. The ranges are kept as a count and a hash of them all in order
+ * (moed_wire_range_fold from 0), so any number is compared in fixed space; the first few are kept
+ * for messages. */
+#define MOED_WIRE_SHOWN_RANGES 8
+typedef struct moed_wire_expect {
+    bool present;
+    uint64_t model; /* 0: not checked */
+    uint32_t n_ranges;
+    uint64_t ranges_hash;
+    uint32_t first[MOED_WIRE_SHOWN_RANGES], last[MOED_WIRE_SHOWN_RANGES];
+    bool adds_shared;
+} moed_wire_expect;
+
+/* The hash of a list of expert ranges so far, h, with [first, last] appended. */
+uint64_t moed_wire_range_fold(uint64_t h, uint32_t first, uint32_t last);
+
 typedef struct moed_wire_request {
     size_t bytes;         /* the encoded message's size */
     moed_span request_id; /* unchecked bytes (UTF-8 and length are validated later) */
@@ -86,6 +102,7 @@ typedef struct moed_wire_request {
     uint32_t k_batch;
     bool has_output; /* ForwardRequest.output: write the output into this region */
     moed_wire_ref output;
+    moed_wire_expect expect;
 } moed_wire_request;
 
 /* Decodes a ForwardRequest from n slices. The spans in out point into slices, which must outlive

@@ -14,10 +14,17 @@ a "dns:" name with two addresses makes a fleet of its addresses. The C client: m
 against both fleets for every routing kind (the fleet's sums against the CPU reference of the whole
 layer), moed-load losing no call while a replica drains, its tokens per expert equal to the
 daemons' counters, moectl naming a shard that is down.
+A daemon restarted under a client (Python, and C through fleet_driver.c) holding other experts or
+serving another model never makes a call answer OK and wrong, and calls answer again once it is
+back as it was; a fleet of two models is refused. A crashed replica is used again within the
+documented 5 s of its return (C), a shard that is down fails calls only as often as it is tried
+and moed-load counts no bytes for calls it could not start, and the Python RetryPolicy applies to
+a shard whose every replica was passed over.
 """
 
 import asyncio
 import json
+import pathlib
 import signal
 import socket
 import subprocess
@@ -327,6 +334,287 @@ def test_dns_name_with_two_addresses_is_a_fleet(pool, tmp_path, monkeypatch):
     finally:
         for d in shards:
             assert d.stop() == 0, d.log()
+
+
+# ---- daemons that change under a fleet ---------------------------------------------------------
+
+class CFleet:
+    """A C fleet client (moedc_connect_many) kept open while the test changes its daemons: the
+    program tests/e2e/fleet_driver.c, built against the build's library, makes one call per line
+    it reads. call() returns the output, or (status name, message)."""
+
+    def __init__(self, tmp_path, targets, x, ids, weights):
+        from test_c_library import INCLUDE, LIBDIR, sanitizer_flags
+        exe = tmp_path / "fleet_driver"
+        p = subprocess.run(["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", *sanitizer_flags(),
+                            str(pathlib.Path(__file__).parent / "fleet_driver.c"), "-I", str(INCLUDE),
+                            "-L", str(LIBDIR), "-lmoedclient", f"-Wl,-rpath,{LIBDIR}", "-o", str(exe)],
+                           capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        files = []
+        for name, a in (("x", x), ("ids", ids), ("w", weights)):
+            files.append(tmp_path / f"{name}.bin")
+            files[-1].write_bytes(np.ascontiguousarray(a).tobytes())
+        self.shape = x.shape
+        self.proc = subprocess.Popen([str(exe), ",".join(targets), *map(str, files), str(x.shape[0]),
+                                      str(x.shape[1]), str(ids.shape[1])],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.opened = self._answer(self.proc.stdout.readline())
+
+    def _answer(self, line):
+        assert line, "fleet_driver ended"
+        word, _, rest = line.rstrip("\n").partition(" ")
+        if word == "OK":
+            return np.frombuffer(bytes.fromhex(rest), np.float32).reshape(self.shape)
+        if word == "ERR":
+            return tuple(rest.split(" ", 1))
+        return word
+
+    def call(self, layer=0):
+        self.proc.stdin.write(f"call {layer}\n")
+        self.proc.stdin.flush()
+        return self._answer(self.proc.stdout.readline())
+
+    def close(self):
+        """Ends the program; its exit status (0: it ran to the end, 1: the fleet did not open)."""
+        self.proc.stdin.close()
+        return self.proc.wait(60)
+
+
+class PyFleet:
+    """The Python fleet client, answering as CFleet does."""
+
+    def __init__(self, targets, x, ids, weights):
+        self.fl, self.kw = MoEClient(targets, timeout=30), dict(hidden=x, expert_ids=ids, expert_weights=weights)
+
+    def call(self, layer=0):
+        try:
+            return self.fl.forward(layer, **self.kw)
+        except MoEError as e:
+            return e.code_name, e.message
+
+    def close(self):
+        self.fl.close()
+        return 0
+
+
+def fleet_client(kind, tmp_path, targets, x, kw):
+    if kind == "c":
+        return CFleet(tmp_path, targets, x, kw["expert_ids"], kw["expert_weights"])
+    return PyFleet(targets, x, kw["expert_ids"], kw["expert_weights"])
+
+
+def restart(d, tmp_path, name, *flags):
+    """Stops daemon d (it must exit 0) and starts another with these flags at its address."""
+    assert d.stop() == 0, d.log()
+    return Daemon(list(flags), tmp_path / f"moed-{name}.log", port=d.port)
+
+
+def right(answer, want):
+    """The answer is an output equal to want up to float32 summation order (a failure is not)."""
+    if isinstance(answer, tuple):
+        return False
+    worst = np.abs(f32(answer) - want).max()
+    assert worst <= 1e-5 * np.abs(want).max(), f"answered OK but wrong: off by {worst}"
+    return True
+
+
+@pytest.mark.parametrize("kind", ["python", "c"])
+@pytest.mark.parametrize("change", ["experts", "model"])
+def test_a_daemon_restarted_as_something_else_never_answers_wrong(daemon, tmp_path, kind, change):
+    """The daemon of experts 4-7 in a fleet of two is restarted at its address holding experts 0-3
+    (so the fleet lacks 4-7), or serving another model of the same shapes (another seed), while one
+    client of the fleet goes on calling: no call answers OK with a wrong output (each is compared
+    with one daemon holding the whole model), each failure names the daemon, the first one
+    FAILED_PRECONDITION; once the daemon is back as it was, calls answer right again."""
+    a = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3")
+    full = daemon("--synthetic", SPEC, "--threads", "1")
+    flags = ["--synthetic", SPEC, "--threads", "1", "--experts", "4-7"]
+    other = {"experts": ["--synthetic", SPEC, "--threads", "1", "--experts", "0-3"],
+             "model": ["--synthetic", SPEC.replace("seed=5", "seed=6"), "--threads", "1", "--experts", "4-7"]}
+    b = Daemon(flags, tmp_path / "moed-b.log")
+    rng = np.random.default_rng(9)
+    x, kw = hidden(rng, "f32"), _choice(rng)
+    with full.client() as c:
+        want = f32(c.forward(0, x, **kw))
+    fl = fleet_client(kind, tmp_path, [a.address, b.address], x, kw)
+    try:
+        assert right(fl.call(), want)
+        b = restart(b, tmp_path, "b-changed", *other[change])
+        answers = [fl.call() for _ in range(4)]
+        assert not any(right(r, want) for r in answers)  # the fleet lacks experts 4-7 now
+        assert answers[0][0] == "FAILED_PRECONDITION", answers[0]
+        for code, msg in answers:
+            assert code in ("FAILED_PRECONDITION", "UNAVAILABLE") and b.address in msg, (code, msg)
+        b = restart(b, tmp_path, "b-back", *flags)
+        give_up = time.monotonic() + 60  # a hang guard: the client asks again within seconds
+        while not right(answer := fl.call(), want):
+            assert b.address in answer[1] and time.monotonic() < give_up, answer
+            time.sleep(0.05)
+    finally:
+        assert fl.close() == 0
+        assert b.stop() == 0, b.log()
+
+
+@pytest.mark.parametrize("kind", ["python", "c"])
+@pytest.mark.parametrize("layout", [("0-3", "4-7"), ("0-7", "0-7")], ids=["shards", "replicas"])
+def test_a_fleet_of_two_models_is_refused(daemon, tmp_path, kind, layout):
+    """Two daemons of the same shapes but another seed, as two shards or as two replicas: the
+    fleet is refused at once, FAILED_PRECONDITION naming both daemons and their models'
+    fingerprints (whichever answered first)."""
+    a = daemon("--synthetic", SPEC, "--threads", "1", "--experts", layout[0])
+    b = daemon("--synthetic", SPEC.replace("seed=5", "seed=6"), "--threads", "1", "--experts", layout[1])
+    fps = [hex(d.client().info().model_fingerprint)[2:] for d in (a, b)]
+    assert fps[0] != fps[1]
+    rng = np.random.default_rng(9)
+    x, kw = hidden(rng, "f32"), _choice(rng)
+    fl = fleet_client(kind, tmp_path, [a.address, b.address], x, kw)
+    try:
+        answer = fl.opened if kind == "c" else fl.call()
+        assert isinstance(answer, tuple), f"the fleet opened and answered: {type(answer).__name__}"
+        assert answer[0] == "FAILED_PRECONDITION", answer
+        for d, fp in zip((a, b), fps):
+            assert d.address in answer[1] and fp in answer[1], answer
+    finally:
+        fl.close()
+
+
+# ---- daemons that go and come back -------------------------------------------------------------
+
+class Doorstep:
+    """A crashed daemon's port, listening in its place: every connection a client makes is
+    accepted, counted and closed at once (to the client, the daemon is still gone)."""
+
+    def __init__(self, port):
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", port))
+        self.sock.listen(64)
+        self.knocks = 0
+        self.knocked = threading.Condition()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            conn.close()
+            with self.knocked:
+                self.knocks += 1
+                self.knocked.notify_all()
+
+    def wait(self, knocks, timeout):
+        with self.knocked:
+            return self.knocked.wait_for(lambda: self.knocks >= knocks, timeout)
+
+    def close(self):
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self.thread.join(10)
+
+
+DOWN_MAX = 5.0  # README: a replica turned away is passed over 0.5 s, doubling to 5 s
+
+
+def forward_count(port):
+    return scrape(port).get("moed_requests_total", method="Forward", code="OK") or 0
+
+
+def test_c_client_uses_a_replica_again_soon_after_it_is_back(daemon, tmp_path):
+    """Replica r1 of two crashes (SIGKILL) while a C fleet client keeps calling; its port is then
+    held by a Doorstep counting the client's connection attempts. Once the client has tried it 7
+    times (gRPC's own reconnect backoff, 1 s growing by 1.6 to 120 s, would wait 21 s or more before
+    an 8th), r1 comes back on its port: the client sends it a call within the documented 5 s of it
+    serving (plus 5 s for a busy machine), while every call is answered by r2 meanwhile."""
+    flags, mport = metrics_flags()
+    r1 = Daemon(["--synthetic", SPEC, "--threads", "1", *flags], tmp_path / "moed-r1.log")
+    r2 = daemon("--synthetic", SPEC, "--threads", "1")
+    rng = np.random.default_rng(4)
+    x, kw = hidden(rng, "f32"), _choice(rng)
+    with r2.client() as c:
+        want = f32(c.forward(0, x, **kw))
+    fl = CFleet(tmp_path, [r1.address, r2.address], x, kw["expert_ids"], kw["expert_weights"])
+    door = None
+    try:
+        assert r1.stop(signal.SIGKILL) == -signal.SIGKILL
+        door = Doorstep(r1.port)
+        give_up = time.monotonic() + 180  # hang guard
+        while door.knocks < 7:
+            assert right(fl.call(), want)
+            assert time.monotonic() < give_up, f"{door.knocks} connection attempts in 180 s"
+            time.sleep(0.02)
+        door.close()
+        door = None
+        r1 = Daemon(["--synthetic", SPEC, "--threads", "1", *flags], tmp_path / "moed-r1-back.log",
+                    port=r1.port)
+        back = time.monotonic()
+        while forward_count(mport) == 0:
+            assert right(fl.call(), want)
+            assert time.monotonic() < back + 120
+            time.sleep(0.02)
+        took = time.monotonic() - back
+        assert took <= DOWN_MAX + 5, f"the client used r1 again {took:.1f} s after it was back"
+    finally:
+        if door:
+            door.close()
+        assert fl.close() == 0
+        assert r1.returncode is not None or r1.stop() == 0, r1.log()
+
+
+def test_c_client_fails_at_the_rate_of_real_attempts_while_a_shard_is_down(daemon, tmp_path):
+    """The only daemon of experts 4-7 crashes under moed-load: each call fails only after a real
+    attempt on it (its re-probe: 0.5 s doubling to 5 s), not as fast as moed-load can ask (the
+    library used to fail 400,000 a second locally); and what could not be started is not counted as
+    bytes sent."""
+    fa, pa = metrics_flags()
+    a = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3", *fa)
+    b = Daemon(["--synthetic", SPEC, "--threads", "1", "--experts", "4-7"], tmp_path / "moed-b.log")
+    out = tmp_path / "r.json"
+    T, K, C, DURATION = 4, 2, 2, 6.0
+    load = subprocess.Popen([str(LOAD), "--target", f"{a.address},{b.address}", "--no-progress",
+                             "--duration", str(DURATION), "--warmup", "0", "--concurrency", str(C),
+                             "--tokens", str(T), "--dtype", "f32", "--routing", "uniform", "--json", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        give_up = time.monotonic() + 60
+        while forward_count(pa) == 0:  # the run is under way
+            assert time.monotonic() < give_up and load.poll() is None, load.communicate()
+            time.sleep(0.02)
+        assert b.stop(signal.SIGKILL) == -signal.SIGKILL
+        stdout, stderr = load.communicate(timeout=120)
+    finally:
+        if load.poll() is None:
+            load.kill()
+            load.wait()
+    lv = json.loads(out.read_text())["levels"][0]
+    errors, ok = lv["errors_total"], lv["ok"]
+    assert ok > 0 and errors > 0, lv
+    assert errors <= C * (DURATION / 0.5 + 2), (errors, lv["errors"], lv["error_messages"])
+    # every request is T tokens of d_model f32 and T x K ids and weights: bytes sent are those of
+    # the requests that were started
+    started = lv["requests"] - lv["errors"].get("CLIENT", 0)
+    sent = lv["mb_per_s_sent"] * lv["elapsed_s"] * 1e6
+    assert abs(sent - started * (T * D * 4 + T * K * 8)) <= 1e-6 * sent + 1, (sent, started, lv["errors"])
+
+
+def test_python_retries_a_shard_whose_every_replica_is_passed_over(daemon):
+    """The only daemon of experts 4-7 is gone: a call that finds it passed over still makes its
+    RetryPolicy's attempts (each round asks the daemon again), as one that found it up does."""
+    a = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3")
+    b = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "4-7")
+    x = np.zeros((2, D), np.float32)
+    policy = moed.RetryPolicy(max_attempts=4, initial_backoff=0.01, max_backoff=0.02)
+    with MoEClient([a.address, b.address], timeout=30, retry=policy) as fl:
+        fl.forward(0, x)
+        assert b.stop() == 0, b.log()
+        for call in ("found it up", "found it passed over"):
+            with pytest.raises(MoEError) as e:
+                fl.forward(0, x)
+            assert e.value.code_name == "UNAVAILABLE" and b.address in e.value.message, e.value
+            assert e.value.attempts == policy.max_attempts, (call, e.value.attempts, e.value.message)
 
 
 # ---- the C client (libmoedclient's moedc_connect_many, through moed-load and moectl) --------------

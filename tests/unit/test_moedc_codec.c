@@ -29,11 +29,12 @@ static uint8_t *join(const moedc_wire *w, size_t *n)
     return b;
 }
 
-static Moed__V1__ForwardRequest *encode_decode(const moedc_request *req)
+static Moed__V1__ForwardRequest *encode_expecting(const moedc_request *req,
+                                                  const moedc_expect *expect)
 {
     moedc_wire w;
     moedc_error err;
-    int rc = moedc_encode_forward(req, &w, &err);
+    int rc = moedc_encode_forward(req, expect, &w, &err);
     CHECK_MSG(rc == 0, "encode: %s", err.msg);
     if (rc) return NULL;
     /* hidden is sent from where it is, or named in its region */
@@ -45,6 +46,11 @@ static Moed__V1__ForwardRequest *encode_decode(const moedc_request *req)
     free(b);
     moedc_wire_free(&w);
     return m;
+}
+
+static Moed__V1__ForwardRequest *encode_decode(const moedc_request *req)
+{
+    return encode_expecting(req, NULL);
 }
 
 static void check_tensor(const Moed__V1__Tensor *t, int dtype, int64_t r, int64_t c,
@@ -89,7 +95,28 @@ static void test_requests(void)
         CHECK_EQ_INT(m->routing_case, MOED__V1__FORWARD_REQUEST__ROUTING_EXPERTS);
         check_tensor(m->experts->expert_ids, MOED_I32, T, 2, ids, sizeof ids);
         check_tensor(m->experts->expert_weights, MOEDC_F32, T, 2, w, sizeof w);
-        CHECK(m->batch_gating == NULL);
+        CHECK(m->batch_gating == NULL && m->expect == NULL);
+        moed__v1__forward_request__free_unpacked(m, NULL);
+    }
+    /* a fleet's sub-call states what it expects of its daemon */
+    const moedc_expert_range held[2] = { { 0, 3 }, { 6, 6 } };
+    const moedc_expect x = {
+        .fingerprint = 0x8000000000000001ull, .held = held, .n_held = 2, .adds_shared = true
+    };
+    m = encode_expecting(&req, &x);
+    if (m) {
+        check_tensor(m->hidden, MOEDC_F16, T, D, hidden, sizeof hidden);
+        CHECK(m->expect != NULL);
+        if (m->expect) {
+            CHECK(m->expect->model_fingerprint == x.fingerprint);
+            CHECK(m->expect->adds_shared_experts);
+            CHECK_EQ_INT(m->expect->n_experts_held, 2);
+            if (m->expect->n_experts_held == 2)
+                CHECK(m->expect->experts_held[0]->first == 0 &&
+                      m->expect->experts_held[0]->last == 3 &&
+                      m->expect->experts_held[1]->first == 6 &&
+                      m->expect->experts_held[1]->last == 6);
+        }
         moed__v1__forward_request__free_unpacked(m, NULL);
     }
 
@@ -145,26 +172,26 @@ static void test_bad_requests(void)
     moedc_request req = {
         .dtype = MOED_I32, .tokens = 1, .d_model = 4, .hidden = x, .routing = MOEDC_ROUTE_SERVER
     };
-    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOEDC_EINVAL);
+    CHECK_EQ_INT(moedc_encode_forward(&req, NULL, &w, &err), MOEDC_EINVAL);
     CHECK(strstr(err.msg, "i32") != NULL);
     req.dtype = MOEDC_F32;
     req.hidden = NULL;
-    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOEDC_EINVAL);
+    CHECK_EQ_INT(moedc_encode_forward(&req, NULL, &w, &err), MOEDC_EINVAL);
     CHECK(strstr(err.msg, "hidden is NULL") != NULL);
     req.hidden = x;
     req.routing = 9;
-    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOEDC_EINVAL);
+    CHECK_EQ_INT(moedc_encode_forward(&req, NULL, &w, &err), MOEDC_EINVAL);
     CHECK(strstr(err.msg, "routing 9") != NULL);
     req.routing = MOEDC_ROUTE_EXPERTS;
     req.k = 2;
-    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOEDC_EINVAL);
+    CHECK_EQ_INT(moedc_encode_forward(&req, NULL, &w, &err), MOEDC_EINVAL);
     CHECK(strstr(err.msg, "expert_ids is NULL") != NULL);
     req.routing = MOEDC_ROUTE_SERVER;
     req.d_model = -4;
-    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOEDC_EINVAL);
+    CHECK_EQ_INT(moedc_encode_forward(&req, NULL, &w, &err), MOEDC_EINVAL);
     req.d_model = (int64_t)1 << 40;
     req.tokens = (int64_t)1 << 40;
-    CHECK_EQ_INT(moedc_encode_forward(&req, &w, &err), MOEDC_ETOOBIG);
+    CHECK_EQ_INT(moedc_encode_forward(&req, NULL, &w, &err), MOEDC_ETOOBIG);
 }
 
 /* Packs a ForwardResponse with an output of the given dtype and shape. */
@@ -332,6 +359,7 @@ static void test_model_info_and_health(void)
     m.devices = devs;
     m.max_message_bytes = 1 << 20;
     m.max_batch_tokens = 4096;
+    m.model_fingerprint = 0xfedcba9876543210ull;
     size_t n = moed__v1__model_info__get_packed_size(&m);
     uint8_t *b = malloc(n);
     moed__v1__model_info__pack(&m, b);
@@ -341,6 +369,7 @@ static void test_model_info_and_health(void)
     CHECK(!strcmp(info.model, "layers=2") && !strcmp(info.backend, "cpu"));
     CHECK(!strcmp(info.version, "0.1.0"));
     CHECK(info.max_message_bytes == 1 << 20 && info.max_batch_tokens == 4096);
+    CHECK(info.model_fingerprint == 0xfedcba9876543210ull);
     CHECK(info.n_devices == 1 && !strcmp(info.devices[0].name, "cpu"));
     CHECK(info.devices[0].memory_total == 1000 && info.devices[0].memory_used == 10);
     CHECK_EQ_INT(info.n_layers, 2);

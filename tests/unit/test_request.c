@@ -2,7 +2,8 @@
  * test_request — ForwardRequest validation: requests built with protobuf-c (as clients build
  * them), decoded by wire.c, validated against two resident layers. Each mistake gets its status
  * code and a message naming the field and values; good requests give the work the scheduler
- * needs (route, server-logits flag, resolved gating, batch k, copied logits).
+ * needs (route, server-logits flag, resolved gating, batch k, copied logits). A request's expect
+ * is held against what the daemon serves.
  */
 #include "check.h"
 #include "moed_dtype.h"
@@ -21,7 +22,8 @@ static const moed_served served = { .layers = ptrs,
                                     .n_layers = 2,
                                     .max_batch_tokens = 64,
                                     .max_batch_pairs = 100,
-                                    .max_message_bytes = 1 << 20 };
+                                    .max_message_bytes = 1 << 20,
+                                    .fingerprint = 0xabc };
 static float router[1];
 /* No request here names a region: asking for the principal is a failure of the test. */
 static int no_principal(void *ctx, moed_principal *out, moed_error *err)
@@ -381,6 +383,63 @@ static void test_errors(void)
     moed_work_free(&w);
 }
 
+/* ForwardRequest.expect: checked part by part when given, before the layer; a daemon that differs
+ * says what it serves and what was expected. */
+static void test_expect(void)
+{
+    Moed__V1__Expectation x;
+    Moed__V1__ExpertRange r[20], *rp[20];
+    for (int i = 0; i < 20; i++) {
+        moed__v1__expert_range__init(&r[i]);
+        r[i].first = r[i].last = (uint32_t)(2 * i);
+        rp[i] = &r[i];
+    }
+    build b;
+    moed_work w;
+    moed_error err;
+    const struct {
+        uint64_t fp;
+        uint32_t first, last;
+        int n_ranges;
+        bool adds;
+        uint32_t layer;
+        int code;
+        const char *n1, *n2;
+    } cases[] = {
+        { 0xabc, 0, 7, 1, true, 3, 0, "", "" },
+        { 0, 0, 0, 0, false, 3, 0, "", "" },     /* present, nothing to check */
+        { 0xabc, 0, 7, 1, false, 3, 0, "", "" }, /* no shared experts: the role is moot */
+        { 0xabd, 0, 7, 1, true, 3, MOED_EPRECOND,
+          "serves model 0000000000000abc, experts 0-7 of layer 3",
+          "expects model 0000000000000abd" },
+        { 0, 0, 3, 1, true, 3, MOED_EPRECOND, "experts 0-7 of layer 3",
+          "expects any model, experts 0-3" },
+        { 0xabc, 0, 7, 1, true, 5, MOED_EPRECOND, "not layer 5 (its layers are 3,7)",
+          "experts 0-7" },
+        { 0xabc, 0, 0, 20, true, 3, MOED_EPRECOND, "0,2,4,6,8,10,12,14 and 12 more ranges",
+          "ask again" },
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        init_build(&b, cases[i].layer, 2, 8);
+        set_choice(&b, 2, 2);
+        moed__v1__expectation__init(&x);
+        x.model_fingerprint = cases[i].fp;
+        x.adds_shared_experts = cases[i].adds;
+        r[0] = (Moed__V1__ExpertRange)MOED__V1__EXPERT_RANGE__INIT;
+        r[0].first = cases[i].n_ranges == 1 ? cases[i].first : 0;
+        r[0].last = cases[i].n_ranges == 1 ? cases[i].last : 0;
+        x.n_experts_held = (size_t)cases[i].n_ranges;
+        x.experts_held = rp;
+        b.req.expect = &x;
+        if (!cases[i].code) {
+            CHECK_MSG(validate(&b, &w, &err) == 0, "case %zu: %s", i, err.msg);
+            moed_work_free(&w);
+        } else {
+            expect(&b, cases[i].code, cases[i].n1, cases[i].n2, "expect");
+        }
+    }
+}
+
 int main(void)
 {
     for (int i = 0; i < 2; i++)
@@ -401,5 +460,6 @@ int main(void)
     test_good();
     test_errors();
     test_pairs();
+    test_expect();
     return check_status("test_request");
 }

@@ -5,7 +5,7 @@
  * info is compared field by field with what the config says, and each weight pointer with the
  * values written (a pattern keyed by the tensor's name, so a pointer to the wrong tensor shows).
  * Then the ways a checkpoint can be wrong: each must fail with the right code and a message naming
- * the tensor, the key or the layer. And the synthetic model's wiring.
+ * the tensor, the key or the layer. And the synthetic model's wiring, and the model's fingerprint.
  *
  * Both modes load the same values; a copied model keeps them when its files are truncated or
  * rewritten after the load (a mapped one would fault or change: issue 9); a FIFO, directory or
@@ -14,6 +14,7 @@
 #include "check.h"
 #include "moed_dtype.h"
 #include "moed_synth.h"
+#include "safetensors.h"
 #include "st_write.h"
 #include "weights.h"
 
@@ -641,6 +642,72 @@ static void test_synthetic(void)
     CHECK(!m.layers && !m.priv);
 }
 
+/* The model's fingerprint: one per model whatever a daemon holds of it (layers, experts) and
+ * however it reads the files; another for other weights of the same shapes (a seed, one byte of one
+ * expert's matrix this daemon does not even hold) or another weight dtype served. */
+static uint64_t synthetic_fingerprint(const char *spec, int wdtype, const moed_expert_subset *held)
+{
+    moed_model m;
+    moed_error err = { 0 };
+    int rc = moed_weights_synthetic_held(spec, wdtype, held, &m, &err);
+    CHECK_MSG(rc == 0, "%s", err.msg);
+    uint64_t fp = rc ? 0 : m.fingerprint;
+    if (!rc) moed_weights_release(&m);
+    return fp;
+}
+
+static uint64_t checkpoint_fingerprint(const char *dir, const char *only, moed_weights_mode mode,
+                                       const moed_expert_subset *held)
+{
+    moed_model m;
+    moed_error err = { 0 };
+    int rc = moed_weights_checkpoint_held(dir, only, mode, 0, held, &m, &err);
+    CHECK_MSG(rc == 0, "%s", err.msg);
+    uint64_t fp = rc ? 0 : m.fingerprint;
+    if (!rc) moed_weights_release(&m);
+    return fp;
+}
+
+static void test_fingerprint(void)
+{
+    const char *spec = "layers=2,d=16,ff=8,experts=4,topk=2,dtype=bf16,seed=5";
+    const moed_expert_subset low = { (const int[]){ 0, 1 }, 2, true },
+                             high = { (const int[]){ 2, 3 }, 2, false };
+    const uint64_t whole = synthetic_fingerprint(spec, 0, NULL);
+    CHECK(whole != 0);
+    CHECK(synthetic_fingerprint(spec, 0, &low) == whole);
+    CHECK(synthetic_fingerprint(spec, 0, &high) == whole);
+    CHECK(synthetic_fingerprint("layers=2,d=16,ff=8,experts=4,topk=2,dtype=bf16,seed=6", 0, NULL) !=
+          whole);
+    CHECK(synthetic_fingerprint(spec, MOED_FP8, NULL) != whole);
+
+    ck c = mixtral;
+    c.shards = 2;
+    char dir[256], path[512];
+    CHECK(stw_tmpdir(dir, sizeof dir));
+    write_ck(&c, dir);
+    const uint64_t all = checkpoint_fingerprint(dir, NULL, MOED_WEIGHTS_MAP, NULL);
+    CHECK(all != 0 && all != whole);
+    CHECK(checkpoint_fingerprint(dir, NULL, MOED_WEIGHTS_COPY, NULL) == all);
+    CHECK(checkpoint_fingerprint(dir, "1", MOED_WEIGHTS_COPY, &low) == all);
+    CHECK(checkpoint_fingerprint(dir, "0", MOED_WEIGHTS_MAP, &high) == all);
+    /* the last byte of expert 3's w2 in layer 0 (held by `high` only): its end is a piece read */
+    moed_st_file f;
+    moed_error err = { 0 };
+    stw_path(path, sizeof path, dir, "model-00001-of-00002.safetensors");
+    CHECK_MSG(moed_st_file_open(path, &f, &err) == 0, "%s", err.msg);
+    const moed_st_tensor *t =
+        moed_st_file_find(&f, "model.layers.0.block_sparse_moe.experts.3.w2.weight");
+    CHECK(t != NULL);
+    const off_t at = t ? (off_t)(t->offset + t->nbytes - 1) : 0;
+    moed_st_file_close(&f);
+    int fd = open(path, O_WRONLY);
+    CHECK(fd >= 0 && pwrite(fd, "\x7f", 1, at) == 1);
+    close(fd);
+    CHECK(checkpoint_fingerprint(dir, "1", MOED_WEIGHTS_COPY, &low) != all);
+    stw_rmdir(dir);
+}
+
 /* A copied model owns its weights: truncating and rewriting every file after the load changes
  * nothing it reads (through a mapping the first read would fault with SIGBUS). */
 static void test_copies_outlive_the_files(void)
@@ -716,5 +783,6 @@ int main(void)
     test_lazy_shards();
     test_errors();
     test_synthetic();
+    test_fingerprint();
     return check_status("test_weights");
 }

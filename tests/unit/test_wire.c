@@ -445,7 +445,7 @@ static void test_malformed(void)
     expect_format_error(m.d, m.n, "64 bits", "varint over 64 bits");
     expect_format_error((const uint8_t *)"\x00", 1, "field number 0", "field 0");
     expect_format_error((const uint8_t *)"\x0e", 1, "invalid (6)", "known field, wire type 6");
-    expect_format_error((const uint8_t *)"\x4e", 1, "invalid wire type",
+    expect_format_error((const uint8_t *)"\x7e", 1, "invalid wire type",
                         "unknown field, wire type 6");
     expect_format_error((const uint8_t *)"\x0c", 1, "end-group", "stray end group");
     m.n = 0; /* a packed shape whose last varint crosses its end */

@@ -190,15 +190,22 @@ MOEDC_EXTERN int moedc_connect(const char *target, const moedc_opts *opts, moedc
  * Kubernetes headless Service) names one daemon per address. One channel per daemon; every
  * daemon's GetModel is asked now (for at most 5 s each), so what each holds is known: daemons
  * holding the same experts of a layer are replicas of a shard; the shards of a layer must be
- * disjoint and exactly one must add the shared experts, else MOEDC_EPRECOND naming the daemons.
- * A daemon that does not answer is asked again (at most once a second) when a call needs it.
+ * disjoint and exactly one must add the shared experts, and the daemons must serve one model
+ * (equal model_fingerprint), else MOEDC_EPRECOND naming the daemons. The fleet's model is then
+ * fixed: a daemon found serving another later is left out. A daemon that does not answer is asked
+ * again (at most once a second) when a call needs it, one that failed after 0.5 s doubling to 5 s
+ * (a real connection attempt each time), and every daemon while a layer cannot be planned.
  *
  * A Forward goes to one replica of each shard of its layer at once (the one with the fewest calls
- * outstanding from this moedc); a replica answering UNAVAILABLE (draining, queue full,
- * unreachable) is passed over for a while and the call goes to the next replica at once, each
- * replica once per call (no backoff: the asynchronous API has no timers); a shard none of whose
- * replicas answered fails the call UNAVAILABLE naming the layer, the experts and each daemon with
- * what it said. The result is the shards' partial outputs added in float32 in the order of each
+ * outstanding from this moedc), stating the model and experts it expects of it (moed.proto's
+ * ForwardRequest.expect): a daemon restarted as something else refuses it rather than add a wrong
+ * partial. A replica answering UNAVAILABLE (draining, queue full, unreachable) is passed over for a
+ * while, and the call goes to the next replica at once, as it does from one that refused; each
+ * replica once per call. A shard none of whose replicas answered fails the call UNAVAILABLE (one
+ * refused: MOEDC_EPRECOND) naming the layer, the experts and each daemon with what it said. The
+ * start of a call blocks while a daemon's GetModel is asked, and a call that finds no daemon to
+ * try waits (within its deadline) for the next one due to be asked again, and asks it, before it
+ * fails. The result is the shards' partial outputs added in float32 in the order of each
  * shard's lowest expert and rounded once to the request's dtype (moed.proto's "Expert shards"
  * bounds the cost in bf16 and f16); its timings, request_id and expert_set are those of the
  * slowest shard. With one shard the reply is the result, as from one daemon. Batch gating over a
@@ -405,6 +412,9 @@ typedef struct moedc_model_info {
     uint32_t max_regions;
     uint64_t max_region_bytes, max_region_bytes_total;
     bool cuda_regions; /* the server takes CUDA regions (its cuda backend) */
+    /* the model's identity: equal on every daemon serving the same model (0: a moed older than
+     * it; moed.proto's ModelInfo.model_fingerprint) */
+    uint64_t model_fingerprint;
 } moedc_model_info;
 
 /* GetModel. Release with moedc_model_info_free. */

@@ -174,8 +174,9 @@ static int encode_head(const moedc_request *req, uint64_t body_len, moedc_wire *
     return 0;
 }
 
-/* The routing oneof and batch_gating: a ForwardRequest holding only those fields. */
-static int encode_tail(const moedc_request *req, moedc_wire *w, moedc_error *err)
+/* The routing oneof, batch_gating, output and expect: a ForwardRequest holding only those. */
+static int encode_tail(const moedc_request *req, const moedc_expect *expect, moedc_wire *w,
+                       moedc_error *err)
 {
     Moed__V1__ForwardRequest m = MOED__V1__FORWARD_REQUEST__INIT;
     Moed__V1__ExpertChoice experts = MOED__V1__EXPERT_CHOICE__INIT;
@@ -224,10 +225,30 @@ static int encode_tail(const moedc_request *req, moedc_wire *w, moedc_error *err
                (uint64_t)(req->tokens * req->d_model) * moed_dtype_size(req->dtype));
         m.output = &out;
     }
-    return pack(&m.base, &w->tail, &w->tail_len, err);
+    if (!expect) return pack(&m.base, &w->tail, &w->tail_len, err);
+    Moed__V1__Expectation x = MOED__V1__EXPECTATION__INIT;
+    Moed__V1__ExpertRange *r = calloc((size_t)expect->n_held + 1, sizeof *r);
+    Moed__V1__ExpertRange **rp = calloc((size_t)expect->n_held + 1, sizeof *rp);
+    int rc = r && rp ? 0 : moedc_fail(err, MOEDC_ENOMEM, "out of memory encoding a request");
+    for (int i = 0; !rc && i < expect->n_held; i++) {
+        moed__v1__expert_range__init(&r[i]);
+        r[i].first = (uint32_t)expect->held[i].first;
+        r[i].last = (uint32_t)expect->held[i].last;
+        rp[i] = &r[i];
+    }
+    x.model_fingerprint = expect->fingerprint;
+    x.n_experts_held = (size_t)expect->n_held;
+    x.experts_held = rp;
+    x.adds_shared_experts = expect->adds_shared;
+    m.expect = &x;
+    if (!rc) rc = pack(&m.base, &w->tail, &w->tail_len, err);
+    free(r);
+    free(rp);
+    return rc;
 }
 
-int moedc_encode_forward(const moedc_request *req, moedc_wire *out, moedc_error *err)
+int moedc_encode_forward(const moedc_request *req, const moedc_expect *expect, moedc_wire *out,
+                         moedc_error *err)
 {
     memset(out, 0, sizeof *out);
     if (!req) return moedc_fail(err, MOEDC_EINVAL, "no request given");
@@ -238,7 +259,7 @@ int moedc_encode_forward(const moedc_request *req, moedc_wire *out, moedc_error 
                         ? 0
                         : (size_t)(req->tokens * req->d_model) * moed_dtype_size(req->dtype);
     rc = encode_head(req, out->body_len, out, err);
-    if (!rc) rc = encode_tail(req, out, err);
+    if (!rc) rc = encode_tail(req, expect, out, err);
     if (rc) moedc_wire_free(out);
     return rc;
 }
@@ -437,6 +458,7 @@ int moedc_decode_model_info(const uint8_t *buf, size_t n, moedc_model_info *out,
     }
     out->max_message_bytes = m->max_message_bytes;
     out->max_batch_tokens = m->max_batch_tokens;
+    out->model_fingerprint = m->model_fingerprint;
     out->regions_mode = dup_or_empty(m->regions ? m->regions->mode : NULL);
     if (!out->regions_mode) goto err;
     if (m->regions) {

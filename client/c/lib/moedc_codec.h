@@ -5,8 +5,8 @@
  * A ForwardRequest is encoded as three pieces whose concatenation is the message, in field order:
  * head (request_id, layer and the hidden Tensor up to its data's length prefix), body (the caller's
  * hidden bytes, untouched: gRPC sends them from where they are) and tail (the routing oneof,
- * batch_gating and the output's region, packed by protobuf-c). A hidden tensor in a region is
- * all head, and there is no body.
+ * batch_gating, the output's region and a fleet's expect, packed by protobuf-c). A hidden tensor in
+ * a region is all head, and there is no body.
  */
 #ifndef MOEDC_CODEC_H
 #define MOEDC_CODEC_H
@@ -25,9 +25,18 @@ typedef struct moedc_wire {
     size_t tail_len;
 } moedc_wire;
 
-/* Checks req (what the client must know to encode it; the server checks the rest) and encodes it.
- * Release with moedc_wire_free. */
-int moedc_encode_forward(const moedc_request *req, moedc_wire *out, moedc_error *err);
+/* What a fleet's sub-call states it expects of its daemon (ForwardRequest.expect, moed.proto). */
+typedef struct moedc_expect {
+    uint64_t fingerprint; /* ModelInfo.model_fingerprint; 0: not checked */
+    const moedc_expert_range *held;
+    int n_held; /* 0: not checked */
+    bool adds_shared;
+} moedc_expect;
+
+/* Checks req (what the client must know to encode it; the server checks the rest) and encodes it,
+ * with expect in the tail when not NULL. Release with moedc_wire_free. */
+int moedc_encode_forward(const moedc_request *req, const moedc_expect *expect, moedc_wire *out,
+                         moedc_error *err);
 void moedc_wire_free(moedc_wire *w);
 
 /* Decodes a ForwardResponse to a request of dtype [tokens, d_model] into res, checking the output

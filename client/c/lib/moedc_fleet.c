@@ -4,6 +4,10 @@
  * moedclient.h (moedc_connect_many) says what a fleet does; moedc_fleet.h how it plugs into the
  * calls.
  *
+ * Every sub-call states what its part expects of the daemon (the fleet's model, the shard's
+ * experts), so a part's reply is only ever one the plan it was made from accounts for: the sum is
+ * right whatever changed since, and a daemon that changed refuses instead.
+ *
  * Locking: one mutex over the members' state (what they hold, calls outstanding, when they were
  * turned away) and the fleet calls' bookkeeping. It is never held across a wait: GetModel is
  * asked with it released, and a sub-call is started under it (starting only queues a batch), so
@@ -18,6 +22,7 @@
 #include "moed_dtype.h"
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <netdb.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -28,6 +33,7 @@
 #include <time.h>
 
 #define PROBE_TIMEOUT_S 5.0 /* GetModel of one daemon, at most */
+#define CONNECT_S       1.0 /* how long asking again waits for the connection it makes */
 #define REPROBE_S       1.0 /* a daemon that never answered is asked again at most this often */
 #define DOWN_MIN_S      0.5 /* a replica turned away is passed over this long, doubling ... */
 #define DOWN_MAX_S      5.0 /* ... up to this */
@@ -39,11 +45,13 @@ typedef struct member {
     char *target;
     char *name;   /* the dns: target this is one address of, or NULL */
     bool retired; /* its name no longer resolves to it: out of the fleet */
+    bool foreign; /* it serves another model than the fleet's: left out */
+    bool heard;   /* its GetModel answered, or failed, at least once */
     moedc *c;
     moedc_model_info info;
     bool have_info;
     bool check;      /* turned a call away since GetModel answered: ask again before using it */
-    char error[200]; /* what went wrong last */
+    char error[360]; /* what went wrong last */
     int outstanding; /* calls in flight from this fleet */
     double down_until, down_for, asked_at;
 } member;
@@ -76,7 +84,10 @@ struct moedc_fleet {
     char *owned[5];
     plan *plans;
     int n_plans;
-    double timeout_s; /* the moedc's default deadline */
+    double timeout_s;     /* the moedc's default deadline */
+    uint64_t fingerprint; /* the fleet's model, once its daemons agreed on one (0: not yet) */
+    uint64_t agreed;      /* the model those that answered serve, pinned or not (0: none said) */
+    double recheck_at, recheck_for; /* while a plan fails: when every member is asked again */
 };
 
 struct moedc_part {
@@ -87,8 +98,11 @@ struct moedc_part {
     int n_replicas;
     unsigned turn; /* where the replicas' rotation starts for this call */
     unsigned char *tried;
-    int member;      /* of the attempt in flight */
-    moedc_call *sub; /* the attempt in flight, or NULL */
+    int member;               /* of the attempt in flight */
+    moedc_call *sub;          /* the attempt in flight, or NULL */
+    moedc_expect expect;      /* what each attempt states it expects of its daemon */
+    moedc_expert_range *held; /* expect's ranges (the shard's, copied) */
+    bool refused;             /* a replica refused it: it is not what the fleet took it for */
     moedc_result res;
     bool done;
 };
@@ -233,7 +247,7 @@ bool moedc_fleet_wanted(const char *const *targets, int n)
 
 static const moedc_layer_info *layer_of(const member *m, int index)
 {
-    for (int i = 0; m->have_info && !m->retired && i < m->info.n_layers; i++)
+    for (int i = 0; m->have_info && !m->retired && !m->foreign && i < m->info.n_layers; i++)
         if (m->info.layers[i].index == index) return &m->info.layers[i];
     return NULL;
 }
@@ -249,7 +263,7 @@ static bool same_share(const moedc_layer_info *a, const moedc_layer_info *b)
 
 static bool same_holdings(const moedc_model_info *a, const moedc_model_info *b)
 {
-    if (a->n_layers != b->n_layers) return false;
+    if (a->n_layers != b->n_layers || a->model_fingerprint != b->model_fingerprint) return false;
     for (int i = 0; i < a->n_layers; i++)
         if (a->layers[i].index != b->layers[i].index || !same_share(&a->layers[i], &b->layers[i]))
             return false;
@@ -287,8 +301,8 @@ static void members_text(const moedc_fleet *f, char *buf, size_t size)
         const member *m = f->m[i];
         if (m->retired) continue;
         append(buf, size, "%s%s (", shown++ ? "; " : "", m->target);
-        if (!m->have_info) append(buf, size, "%s", m->error);
-        for (int j = 0; m->have_info && j < m->info.n_layers; j++) {
+        if (!m->have_info || m->foreign) append(buf, size, "%s", m->error);
+        for (int j = 0; m->have_info && !m->foreign && j < m->info.n_layers; j++) {
             char r[96];
             ranges_text(m->info.layers[j].held, m->info.layers[j].n_held, r, sizeof r);
             append(buf, size, "%s%d:%s", j ? " " : "layer:experts ", m->info.layers[j].index, r);
@@ -347,6 +361,13 @@ static int group(moedc_fleet *f, plan *p)
     return 0;
 }
 
+static bool any_foreign(const moedc_fleet *f)
+{
+    for (int i = 0; i < f->n; i++)
+        if (f->m[i]->foreign && !f->m[i]->retired) return true;
+    return false;
+}
+
 /* Every expert held once, the shared experts added once. */
 static int check_cover(moedc_fleet *f, plan *p)
 {
@@ -384,6 +405,11 @@ static int check_cover(moedc_fleet *f, plan *p)
     free(owner);
     if (!rc && text[0]) {
         members_text(f, a, sizeof a);
+        if (any_foreign(f))
+            return plan_fail(p, MOEDC_EPRECOND,
+                             "layer %d: experts %s are held by no daemon serving the fleet's model "
+                             "(fingerprint %016llx); targets: %s",
+                             p->layer, text, (unsigned long long)f->fingerprint, a);
         return plan_fail(p, MOEDC_EUNAVAIL,
                          "layer %d: experts %s are held by no reachable daemon of the fleet; "
                          "targets tried: %s",
@@ -407,11 +433,40 @@ static void plan_free(plan *p)
     memset(p, 0, sizeof *p);
 }
 
-/* Rebuilds every layer's plan from what the members hold (under f->mu). */
+/* The fleet's model: until it is known, the daemons that answered must agree on one (else
+ * `differ` names them); once every daemon was asked, it is pinned for the fleet's life, and a
+ * daemon found serving another is left out (learnt). */
+static void pin_model(moedc_fleet *f, char *differ, size_t size)
+{
+    uint64_t fp = 0;
+    bool two = false, all_heard = true;
+    differ[0] = 0;
+    for (int i = 0; i < f->n; i++) {
+        const member *m = f->m[i];
+        all_heard = all_heard && (m->heard || m->retired);
+        if (!m->have_info || m->retired || !m->info.model_fingerprint) continue;
+        two = two || (fp && m->info.model_fingerprint != fp);
+        if (!fp) fp = m->info.model_fingerprint;
+        append(differ, size, "%s%s (fingerprint %016llx)", differ[0] ? "; " : "", m->target,
+               (unsigned long long)m->info.model_fingerprint);
+    }
+    if (!two) differ[0] = 0;
+    f->agreed = two ? 0 : fp;
+    if (!two && all_heard) f->fingerprint = fp;
+}
+
+/* Rebuilds every layer's plan from what the members hold (under f->mu); while one fails, every
+ * member is asked GetModel again (learn), after DOWN_MIN_S doubling to DOWN_MAX_S. */
 static int replan(moedc_fleet *f)
 {
+    char differ[400];
+    bool bad = false;
     for (int i = 0; i < f->n_plans; i++) plan_free(&f->plans[i]);
     f->n_plans = 0;
+    if (!f->fingerprint)
+        pin_model(f, differ, sizeof differ);
+    else
+        differ[0] = 0;
     for (int i = 0; i < f->n; i++)
         for (int j = 0; f->m[i]->have_info && !f->m[i]->retired && j < f->m[i]->info.n_layers;
              j++) {
@@ -424,8 +479,26 @@ static int replan(moedc_fleet *f)
             f->plans = grown;
             plan *p = &f->plans[f->n_plans++];
             *p = (plan){ .layer = index };
-            if (!group(f, p) && p->n_shards) check_cover(f, p);
+            if (differ[0])
+                plan_fail(p, MOEDC_EPRECOND,
+                          "the fleet's daemons serve different models: %s; a fleet serves one "
+                          "model (ModelInfo.model_fingerprint)",
+                          differ);
+            else if (!group(f, p) && !p->n_shards) {
+                members_text(f, differ, sizeof differ);
+                plan_fail(p, MOEDC_EPRECOND,
+                          "layer %d is held by no daemon serving the fleet's model (fingerprint "
+                          "%016llx): %s",
+                          index, (unsigned long long)f->fingerprint, differ);
+            } else if (!p->rc)
+                check_cover(f, p);
+            bad = bad || p->rc;
         }
+    if (!bad) f->recheck_at = f->recheck_for = 0;
+    if (bad && !f->recheck_at) {
+        f->recheck_for = DOWN_MIN_S;
+        f->recheck_at = now_s() + DOWN_MIN_S;
+    }
     return 0;
 }
 
@@ -453,10 +526,52 @@ static void mark_down(member *m, double now)
     m->down_until = now + m->down_for;
 }
 
-/* Asks GetModel of the members that need it (never answered, or turned a call away since), not
- * more often than their wait allows; rebuilds the plans when one holds something new. */
+/* Whether every member is to be asked GetModel again now (a plan fails, and its time came); the
+ * next time is set (under f->mu). */
+static bool recheck_due(moedc_fleet *f, double now)
+{
+    if (!f->recheck_at || now < f->recheck_at) return false;
+    f->recheck_for = f->recheck_for * 2 < DOWN_MAX_S ? f->recheck_for * 2 : DOWN_MAX_S;
+    f->recheck_at = now + f->recheck_for;
+    return true;
+}
+
+/* What GetModel of m answered (under f->mu; info is taken over): a member serving another model
+ * than the fleet's is left out; the plans are rebuilt when anything changed. Otherwise the info
+ * kept is the one the plans point into. */
+static void learnt(moedc_fleet *f, member *m, moedc_model_info *info)
+{
+    const uint64_t fp = info->model_fingerprint;
+    const bool foreign = f->fingerprint && fp && fp != f->fingerprint;
+    const bool changed = !m->have_info || !same_holdings(&m->info, info) || foreign != m->foreign;
+    if (changed) {
+        if (m->have_info) moedc_model_info_free(&m->info);
+        m->info = *info;
+    } else {
+        moedc_model_info_free(info);
+    }
+    m->have_info = true;
+    m->check = foreign; /* asked again, 0.5 s doubling to 5 s, until it serves the fleet's model */
+    m->foreign = foreign;
+    if (foreign) {
+        mark_down(m, now_s());
+        snprintf(m->error, sizeof m->error,
+                 "serves another model: fingerprint %016llx, the fleet's is %016llx",
+                 (unsigned long long)fp, (unsigned long long)f->fingerprint);
+    } else {
+        snprintf(m->error, sizeof m->error, "answering");
+    }
+    if (changed) replan(f);
+}
+
+/* Asks GetModel of the members that need it (never answered, turned a call away since, or any
+ * while a plan fails and its time came), not more often than their wait allows; rebuilds the
+ * plans when one holds something new. */
 static void learn(moedc_fleet *f)
 {
+    pthread_mutex_lock(&f->mu);
+    const bool again = recheck_due(f, now_s());
+    pthread_mutex_unlock(&f->mu);
     for (int i = 0;; i++) {
         pthread_mutex_lock(&f->mu); /* members may join meanwhile (regroup): f->m moves */
         if (i >= f->n) {
@@ -465,27 +580,25 @@ static void learn(moedc_fleet *f)
         }
         member *m = f->m[i];
         double now = now_s();
-        bool ask = (!m->have_info || m->check) && !m->retired && now >= m->down_until &&
+        bool ask = (!m->have_info || m->check || again) && !m->retired && now >= m->down_until &&
                    now >= m->asked_at + (m->have_info ? 0 : REPROBE_S);
         if (ask) m->asked_at = now;
         pthread_mutex_unlock(&f->mu);
         if (!ask) continue;
         moedc_model_info info;
         moedc_error err;
+        moedc_reconnect_now(m->c, CONNECT_S); /* a real attempt, not a failure gRPC remembers */
         int rc = moedc_info_within(m->c, PROBE_TIMEOUT_S, &info, &err);
         pthread_mutex_lock(&f->mu);
+        const bool first = !m->heard;
+        m->heard = true;
         if (rc) {
             snprintf(m->error, sizeof m->error, "%s: %.160s",
                      moedc_grpc_status_name(moedc_code_to_grpc(rc)), err.msg);
             mark_down(m, now_s());
+            if (first && !f->fingerprint) replan(f); /* it may be the last one the model waits on */
         } else {
-            bool changed = !m->have_info || !same_holdings(&m->info, &info);
-            if (m->have_info) moedc_model_info_free(&m->info);
-            m->info = info;
-            m->have_info = true;
-            m->check = false;
-            snprintf(m->error, sizeof m->error, "answering");
-            if (changed) replan(f);
+            learnt(f, m, &info);
         }
         pthread_mutex_unlock(&f->mu);
     }
@@ -690,21 +803,25 @@ static int start_part(moedc_fleet_call *fc, moedc_part *p, moedc_error *err)
         const double left = fc->deadline - now_s();
         req.timeout_s = left > 1e-3 ? left : 1e-3;
     }
-    int rc = moedc_forward_start_part(f->m[i]->c, &req, fc->q, p, &p->sub, err);
+    int rc = moedc_forward_start_part(f->m[i]->c, &req, &p->expect, fc->q, p, &p->sub, err);
     if (rc) return rc;
     p->member = i;
     f->m[i]->outstanding++;
     return 0;
 }
 
-/* The part's shard ran out of replicas: an error naming them and what each said. */
+/* The part's shard ran out of replicas: an error naming them and what each said; when one refused
+ * the call (it is not what the fleet took it for), FAILED_PRECONDITION. */
 static int exhausted(const moedc_fleet_call *fc, const moedc_part *p, moedc_error *err)
 {
-    char said[400] = "";
+    char said[480] = "";
     for (int j = 0; j < p->n_replicas; j++) {
         const member *m = fc->f->m[p->replicas[j]];
         append(said, sizeof said, "%s%s (%s)", j ? "; " : "", m->target, m->error);
     }
+    if (p->refused)
+        return moedc_fail(err, MOEDC_EPRECOND, "%s: no replica is what the fleet took it for: %s",
+                          p->what, said);
     return moedc_fail(err, MOEDC_EUNAVAIL, "%s: no replica answered: %s", p->what, said);
 }
 
@@ -735,16 +852,20 @@ moedc_call *moedc_fleet_part_done(moedc_call *sub, moedc_part *p)
         m->down_for = 0;
         p->res = res;
         p->done = true;
-    } else if (rc == MOEDC_EUNAVAIL) {
-        snprintf(m->error, sizeof m->error, "UNAVAILABLE: %.160s", err.msg);
+    } else if (rc == MOEDC_EUNAVAIL || rc == MOEDC_EPRECOND) {
+        /* unreachable or draining: passed over a while; refused (the daemon is not what the fleet
+         * took it for): never added up. Either way its GetModel is asked before it is used again */
+        snprintf(m->error, sizeof m->error, "%s: %.330s",
+                 rc == MOEDC_EUNAVAIL ? "UNAVAILABLE" : "FAILED_PRECONDITION", err.msg);
         m->check = true;
-        mark_down(m, now_s());
+        if (rc == MOEDC_EUNAVAIL) mark_down(m, now_s());
+        p->refused |= rc == MOEDC_EPRECOND;
         int next = fc->rc ? MOEDC_ECANCELLED : start_part(fc, p, &err);
         if (!next) {
             pthread_mutex_unlock(&f->mu);
             return NULL; /* the part goes on on another replica */
         }
-        if (next == MOEDC_EUNAVAIL) exhausted(fc, p, &err);
+        if (next == MOEDC_EUNAVAIL) next = exhausted(fc, p, &err);
         if (next != MOEDC_ECANCELLED) fail_call(fc, next, &err);
     } else {
         fail_call(fc, rc, &err);
@@ -760,6 +881,7 @@ static void call_free(moedc_fleet_call *fc)
         moedc_result_free(&fc->parts[i].res);
         free(fc->parts[i].replicas);
         free(fc->parts[i].tried);
+        free(fc->parts[i].held);
     }
     free(fc->parts);
     free(fc->ids);
@@ -817,9 +939,15 @@ static int make_parts(moedc_fleet_call *fc, plan *pl, moedc_error *err)
         p->layer = pl->layer;
         p->replicas = malloc(sizeof *p->replicas * (size_t)sh->n_replicas);
         p->tried = calloc((size_t)sh->n_replicas, 1);
-        if (!p->replicas || !p->tried)
+        p->held = malloc(sizeof *p->held * (size_t)sh->li->n_held);
+        if (!p->replicas || !p->tried || !p->held)
             return moedc_fail(err, MOEDC_ENOMEM, "out of memory starting a call");
         memcpy(p->replicas, sh->replicas, sizeof *p->replicas * (size_t)sh->n_replicas);
+        memcpy(p->held, sh->li->held, sizeof *p->held * (size_t)sh->li->n_held);
+        p->expect = (moedc_expect){ .fingerprint = fc->f->agreed,
+                                    .held = p->held,
+                                    .n_held = sh->li->n_held,
+                                    .adds_shared = sh->li->adds_shared };
         p->n_replicas = sh->n_replicas;
         p->turn = sh->turn++;
     }
@@ -832,6 +960,7 @@ static void reset_parts(moedc_fleet_call *fc)
     for (int i = 0; i < fc->n_parts; i++) {
         free(fc->parts[i].replicas);
         free(fc->parts[i].tried);
+        free(fc->parts[i].held);
     }
     free(fc->parts);
     fc->parts = NULL;
@@ -865,6 +994,40 @@ static int start_call(moedc_fleet_call *fc, moedc_error *err)
     return rc;
 }
 
+/* When the next member that might answer where none does now is due to be asked GetModel again
+ * (learn's schedule, or the recheck of a fleet whose plans fail); 0: none is. */
+static double next_chance(moedc_fleet *f)
+{
+    pthread_mutex_lock(&f->mu);
+    double at = f->recheck_at;
+    for (int i = 0; i < f->n; i++) {
+        const member *m = f->m[i];
+        if (m->retired || m->foreign || (m->have_info && !m->check)) continue;
+        double t = m->have_info ? m->down_until : m->asked_at + REPROBE_S;
+        if (t < m->down_until) t = m->down_until;
+        if (!at || t < at) at = t;
+    }
+    pthread_mutex_unlock(&f->mu);
+    return at;
+}
+
+/* A call that found no daemon to try waits for the next one due to be asked again (within its
+ * deadline): it fails after a real attempt, not as fast as its caller can call. False when there
+ * is none to wait for, or the deadline comes first (then it has waited for the deadline). */
+static bool wait_for_chance(moedc_fleet *f, double deadline)
+{
+    const double at = next_chance(f);
+    if (!at) return false;
+    const double until = deadline && deadline < at ? deadline : at, left = until - now_s();
+    if (left > 0) {
+        struct timespec ts = { .tv_sec = (time_t)left,
+                               .tv_nsec = (long)((left - (double)(time_t)left) * 1e9) };
+        while (nanosleep(&ts, &ts) && errno == EINTR) {
+        }
+    }
+    return until == at;
+}
+
 int moedc_fleet_forward_start(moedc_fleet *f, const moedc_request *req, moedc_queue *q, void *user,
                               moedc_call **out, moedc_error *err)
 {
@@ -884,7 +1047,9 @@ int moedc_fleet_forward_start(moedc_fleet *f, const moedc_request *req, moedc_qu
     rc = start_call(fc, err);
     bool started = fc->pending > 0;
     pthread_mutex_unlock(&f->mu);
-    if (rc == MOEDC_EUNAVAIL && !started && regroup(f)) { /* once more, over who is there now */
+    /* once more, over who is there now: after the names were resolved again, or once a daemon
+     * that might answer was asked again */
+    if (rc == MOEDC_EUNAVAIL && !started && (regroup(f) || wait_for_chance(f, fc->deadline))) {
         learn(f);
         pthread_mutex_lock(&f->mu);
         reset_parts(fc);

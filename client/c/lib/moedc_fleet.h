@@ -11,6 +11,7 @@
 #ifndef MOEDC_FLEET_H
 #define MOEDC_FLEET_H
 
+#include "moedc_codec.h"
 #include "moedclient.h"
 
 #include <stdbool.h>
@@ -26,9 +27,14 @@ moedc_call *moedc_call_new_handle(void *user, moedc_fleet_call *fc);
 void moedc_call_free_handle(moedc_call *call);
 /* A handle's fleet call, or NULL for an ordinary call. */
 moedc_fleet_call *moedc_call_fleet(const moedc_call *call);
-/* moedc_forward_start of a fleet's sub-call for part p (tagged before it can complete). */
-int moedc_forward_start_part(moedc *c, const moedc_request *req, moedc_queue *q, moedc_part *p,
-                             moedc_call **out, moedc_error *err);
+/* moedc_forward_start of a fleet's sub-call for part p (tagged before it can complete), stating
+ * what it expects of the daemon. */
+int moedc_forward_start_part(moedc *c, const moedc_request *req, const moedc_expect *expect,
+                             moedc_queue *q, moedc_part *p, moedc_call **out, moedc_error *err);
+/* Makes c's channel try to connect now, whatever gRPC's reconnect backoff (which grows to 120 s)
+ * would wait, and waits until it is connected, at most timeout_s: the fleet asks a daemon again
+ * on its own schedule. */
+void moedc_reconnect_now(moedc *c, double timeout_s);
 /* GetModel and health with a deadline of their own (seconds; < 0: none). */
 int moedc_info_within(moedc *c, double timeout_s, moedc_model_info *out, moedc_error *err);
 int moedc_health_within(moedc *c, const char *service, double timeout_s, int *status,

@@ -333,13 +333,15 @@ static int call_reply(moedc_call *call, grpc_slice *out, moedc_error *err)
     return 0;
 }
 
-/* moedc_forward_start on a channel; part: the fleet's part it is a sub-call of, or NULL. */
+/* moedc_forward_start on a channel; part: the fleet's part it is a sub-call of (stating expect),
+ * or NULL. */
 static int forward_start(moedc *c, const moedc_request *req, moedc_queue *q, void *user,
-                         moedc_part *part, moedc_call **out, moedc_error *err)
+                         moedc_part *part, const moedc_expect *expect, moedc_call **out,
+                         moedc_error *err)
 {
     *out = NULL;
     moedc_wire w;
-    int rc = moedc_encode_forward(req, &w, err);
+    int rc = moedc_encode_forward(req, expect, &w, err);
     if (rc) return rc;
     moedc_call *call = call_new(user);
     if (!call) {
@@ -377,7 +379,7 @@ int moedc_forward_start(moedc *c, const moedc_request *req, moedc_queue *q, void
         *out = NULL;
         return moedc_fleet_forward_start(c->fleet, req, q, user, out, err);
     }
-    return forward_start(c, req, q, user, NULL, out, err);
+    return forward_start(c, req, q, user, NULL, NULL, out, err);
 }
 
 void *moedc_call_user(const moedc_call *call)
@@ -520,10 +522,34 @@ moedc_fleet_call *moedc_call_fleet(const moedc_call *call)
     return call->fleet;
 }
 
-int moedc_forward_start_part(moedc *c, const moedc_request *req, moedc_queue *q, moedc_part *p,
-                             moedc_call **out, moedc_error *err)
+void moedc_reconnect_now(moedc *c, double timeout_s)
 {
-    return forward_start(c, req, q, NULL, p, out, err);
+    /* The reset reconnects asynchronously, and a channel that failed stays in TRANSIENT_FAILURE
+     * (calls made meanwhile fail at once) until a connection is READY: so wait for that, or for
+     * the time given, whichever comes first. */
+    grpc_connectivity_state s = grpc_channel_check_connectivity_state(c->channel, 0);
+    if (s == GRPC_CHANNEL_READY) return;
+    grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
+    const gpr_timespec until = after(timeout_s);
+    grpc_channel_watch_connectivity_state(c->channel, s, until, cq, NULL);
+    grpc_channel_reset_connect_backoff(c->channel);
+    grpc_channel_check_connectivity_state(c->channel, 1); /* an idle channel connects now */
+    while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).success) {
+        s = grpc_channel_check_connectivity_state(c->channel, 1);
+        if (s == GRPC_CHANNEL_READY || s == GRPC_CHANNEL_SHUTDOWN) break;
+        grpc_channel_watch_connectivity_state(c->channel, s, until, cq, NULL);
+    }
+    grpc_completion_queue_shutdown(cq);
+    while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN) {
+    }
+    grpc_completion_queue_destroy(cq);
+}
+
+int moedc_forward_start_part(moedc *c, const moedc_request *req, const moedc_expect *expect,
+                             moedc_queue *q, moedc_part *p, moedc_call **out, moedc_error *err)
+{
+    return forward_start(c, req, q, NULL, p, expect, out, err);
 }
 
 int moedc_list_regions(moedc *c, moedc_region_info **out, int *n, moedc_error *err)

@@ -10,7 +10,7 @@
  *   (the call could not be started), BAD_ACCEPTED (a bad request answered OK);
  *   so sent == ok + expected_errors + errors.
  * - latency, tokens, bytes received and the server's timings are over the ok replies; bytes sent
- *   over every measured request.
+ *   over every measured request that was started (a CLIENT error sent nothing).
  * - verify mismatches are replies that came back OK but differ from the local reference; they are
  *   counted apart from (and in addition to) the above and fail the run as errors do.
  */

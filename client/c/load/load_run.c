@@ -156,13 +156,6 @@ static void build_request(worker *w, call_slot *s, int64_t T, int64_t row)
     }
 }
 
-static void count_error(worker *w, int kind, const char *msg)
-{
-    pthread_mutex_lock(&w->mu);
-    load_stats_error(&w->st, kind, msg);
-    pthread_mutex_unlock(&w->mu);
-}
-
 /* When the next call arrives: open loop, its due time, also when the worker gets to it late (on a
  * busy machine), so which window an arrival counts in, and how many there are, does not depend
  * on the scheduler; closed loop, now. */
@@ -196,17 +189,16 @@ static void start_one(worker *w, int64_t now)
     s->t0 = now_ns();
     moedc *c = p->conns[w->rr++ % (uint64_t)p->n_conns];
     moedc_error err;
-    if (measured) {
+    const bool started = !moedc_forward_start(c, &s->req, w->q, s, &s->call, &err);
+    if (measured) { /* a call that could not be started sent nothing */
         pthread_mutex_lock(&w->mu);
         w->st.sent++;
         w->st.bad_sent += s->bad;
-        w->st.bytes_sent += s->bytes;
+        w->st.bytes_sent += started ? s->bytes : 0;
+        if (!started) load_stats_error(&w->st, LOAD_ERR_CLIENT, err.msg);
         pthread_mutex_unlock(&w->mu);
     }
-    if (moedc_forward_start(c, &s->req, w->q, s, &s->call, &err)) {
-        if (measured) count_error(w, LOAD_ERR_CLIENT, err.msg);
-        return;
-    }
+    if (!started) return;
     s->busy = true;
     w->free_head = s->next_free;
     w->inflight++;

@@ -453,7 +453,8 @@ def model_info(reply: bytes) -> ModelInfo:
     devices = [Device(d["name"], d["memory_total"], d["memory_used"]) for d in m["devices"]]
     return ModelInfo(model=m["model"], layers=layers, backend=m["backend"], devices=devices,
                      version=m["version"], max_message_bytes=m["max_message_bytes"],
-                     max_batch_tokens=m["max_batch_tokens"], regions=region_limits(m["regions"]))
+                     max_batch_tokens=m["max_batch_tokens"], regions=region_limits(m["regions"]),
+                     model_fingerprint=m["model_fingerprint"])
 
 
 def region_limits(r: Optional[Dict[str, Any]]) -> RegionLimits:

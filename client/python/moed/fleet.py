@@ -13,16 +13,28 @@ What the fleet holds is learnt from GetModel of every daemon: per layer, which e
 (LayerInfo.experts_held) and whether it adds the shared experts. Daemons that hold the same experts
 of a layer are replicas of one shard; a layer's shards must be disjoint, cover every expert, and
 exactly one of them must add the shared experts (else FAILED_PRECONDITION, naming the daemons).
+The daemons must serve one model (ModelInfo.model_fingerprint): a call waits until every daemon was
+asked GetModel once (the first call does), and while daemons that answered differ, every call fails
+FAILED_PRECONDITION naming them; once every daemon was asked and they agreed on
+one, the fleet's model is fixed for the client's life, and a daemon found serving another is left
+out (a layer that then lacks experts fails FAILED_PRECONDITION naming it) and asked again until it
+serves the fleet's model. While a layer cannot be planned, every daemon's GetModel is asked again
+(after 0.5 s, doubling to 5 s), so a fleet put right is used again.
 
-A call goes to one replica of each shard of its layer, in parallel (the request is the same for
-every shard: the route is in the whole layer's numbering). The replica is the one with the fewest
-calls outstanding from this client, among those not marked down. A replica answering UNAVAILABLE
-(draining, queue full, unreachable) is marked down for a while (0.5 s, doubling to 5 s) and the
-call goes at once to another replica of the shard; once every replica failed, the client's
+A call goes to one replica of each shard of its layer, in parallel (the route is in the whole
+layer's numbering). Each request states what the client expects of its daemon (ForwardRequest.
+expect: the fleet's model and the shard's experts), so a daemon restarted as something else
+refuses it (FAILED_PRECONDITION) and no partial output that no longer fits is ever added up. The
+replica is the one with the fewest calls outstanding from this client, among those not marked
+down. A replica answering UNAVAILABLE (draining, queue full, unreachable) is marked down for a
+while (0.5 s, doubling to 5 s) and the call goes at once to another replica of the shard; so does
+one that refuses the call, and the call fails FAILED_PRECONDITION naming it when no replica of
+the shard is left. Once every replica failed UNAVAILABLE (or was passed over), the client's
 RetryPolicy says whether and when to try them all again. A replica that failed is asked for its
 GetModel again before it gets more calls, so a daemon restarted with another shard is noticed. A
 shard with no reachable replica fails the call UNAVAILABLE naming the layer, the experts missing
-and every target tried with what it said.
+and every target tried with what it said. Members' channels retry their connection after 0.5 s,
+growing to 5 s (gRPC's reconnect backoff, set so), so a daemon back is found within seconds.
 
 The replies are partial outputs in hidden's dtype. With one shard the reply is the output, as from
 one daemon. With several, they are added in float32 in the order of each shard's lowest expert and
@@ -39,7 +51,7 @@ import asyncio
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
@@ -64,6 +76,7 @@ _SAME = ("d_model", "d_ff", "num_experts", "top_k", "activation", "weight_dtype"
          "norm_topk_prob", "router_rule", "num_shared_experts", "shared_d_ff", "n_group", "topk_group",
          "routed_scaling_factor")
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+_REFUSED = grpc.StatusCode.FAILED_PRECONDITION
 
 
 # ---- targets ------------------------------------------------------------------------------------
@@ -179,6 +192,8 @@ class Member:
         self.down_for = 0.0  # how long it was passed over the last time
         self.named = False  # one of the addresses of a "dns:" name (Names)
         self.retired = False  # its name no longer resolves to it: out of the fleet
+        self.foreign = False  # it serves another model than the fleet's: left out
+        self.heard = False  # its GetModel answered, or failed, at least once
 
     def layer(self, index: int) -> Optional[LayerInfo]:
         if self.info is None:
@@ -197,16 +212,28 @@ class Shard:
     ranges: Tuple[Tuple[int, int], ...]
     adds_shared: bool
     members: List[Member]
+    fingerprint: int = 0  # the fleet's model (0: not known)
     turn: int = 0  # rotates ties between replicas
+    _expect: Optional[bytes] = field(default=None, repr=False, compare=False)
 
     @property
     def lowest(self) -> int:
         return self.ranges[0][0]
 
+    @property
+    def expect(self) -> bytes:
+        """ForwardRequest.expect for this shard's daemons, encoded (a request's bytes plus these
+        are the request with it)."""
+        if self._expect is None:
+            self._expect = wire.encode("moed.v1.ForwardRequest", {"expect": {
+                "model_fingerprint": self.fingerprint, "adds_shared_experts": self.adds_shared,
+                "experts_held": [{"first": a, "last": b} for a, b in self.ranges]}})
+        return self._expect
+
     def holds(self, m: Member) -> bool:
         """Whether m (still) holds this shard: it may have come back with other experts."""
         li = m.layer(self.layer)
-        return (li is not None and not m.retired
+        return (li is not None and not m.retired and not m.foreign
                 and (tuple(li.experts_held), li.adds_shared_experts) == (self.ranges, self.adds_shared))
 
     def describe(self) -> str:
@@ -237,15 +264,22 @@ class Fleet:
 
     def __init__(self, members: List[Member]):
         self.members = members
+        self.fingerprint = 0  # the fleet's model, once every daemon was asked and they agreed
         self._lock = threading.Lock()
         self._plans: Dict[int, List[Shard]] = {}
+        self._recheck_at = 0.0  # while a plan fails: when every member is asked GetModel again
+        self._recheck_for = 0.0
 
     def to_probe(self, members: Sequence[Member], now: float) -> List[Member]:
-        """Of these, the members whose GetModel is to be asked now: never answered, or failed
-        since, not marked down, not being asked already."""
+        """Of these, the members whose GetModel is to be asked now: never answered, failed since,
+        or any while a plan fails and it is time to ask again; not marked down, not being asked
+        already."""
         with self._lock:
-            return [m for m in members
-                    if (m.info is None or m.check) and m.down_until <= now and m.probe is None and not m.retired]
+            again = bool(self._recheck_at) and now >= self._recheck_at
+            if again:
+                self._recheck(now)
+            return [m for m in members if (m.info is None or m.check or again) and m.down_until <= now
+                    and m.probe is None and not m.retired]
 
     def asking(self, m: Member, probe: Any) -> bool:
         """Records that `probe` asks m's GetModel; False if another is on its way already."""
@@ -261,24 +295,48 @@ class Fleet:
         with self._lock:
             if m.probe is not probe:
                 return
-            m.probe = None
+            first, m.probe, m.heard = not m.heard, None, True
             if info is None:
                 m.error = error
                 self._down(m, now)
+                if first and not self.fingerprint:
+                    self._plans.clear()  # the fleet's model may have waited on this one
                 return
-            if m.info is None or _holdings(m.info) != _holdings(info):
+            fp = info.model_fingerprint
+            foreign = bool(self.fingerprint and fp and fp != self.fingerprint)
+            if m.info is None or _holdings(m.info) != _holdings(info) or foreign != m.foreign:
                 self._plans.clear()
-            m.info, m.check, m.error = info, False, "answering"
+            # one serving another model is asked again (0.5 s doubling to 5 s) until it serves ours
+            m.info, m.check, m.foreign = info, foreign, foreign
+            m.error = (f"serves another model: fingerprint {fp:016x}, the fleet's is {self.fingerprint:016x}"
+                       if foreign else "answering")
+            if foreign:
+                self._down(m, now)
+
+    def unsettled(self) -> bool:
+        """Whether the fleet's model waits on a daemon never asked yet (calls wait for its
+        GetModel: a daemon of another model must refuse the fleet before any call is answered)."""
+        with self._lock:
+            return not self.fingerprint and not all(m.heard or m.retired for m in self.members)
 
     def plan(self, layer: int) -> Tuple[Optional[List[Shard]], Optional[MoEError]]:
         """The layer's shards, or the gap that stands in the way (asking GetModel again may close
         it); a configuration error is raised."""
         with self._lock:
             if layer not in self._plans:
-                shards, err = _plan(layer, self.members)
+                try:
+                    fingerprint = self.fingerprint or _one_model(self.members)
+                    if all(m.heard or m.retired for m in self.members):
+                        self.fingerprint = fingerprint  # pinned once every daemon was asked
+                    shards, err = _plan(layer, self.members, fingerprint)
+                except MoEError:
+                    self._stale(time.monotonic())
+                    raise
                 if shards is None:
+                    self._stale(time.monotonic())
                     return None, err
                 self._plans[layer] = shards
+                self._recheck_at = self._recheck_for = 0.0
             return self._plans[layer], None
 
     def pick(self, shard: Shard, tried: Sequence[Member], now: float) -> Optional[Member]:
@@ -298,17 +356,21 @@ class Fleet:
 
     def to_check(self, shard: Shard, tried: Sequence[Member], now: float) -> List[Member]:
         """The shard's replicas that failed before and may be asked GetModel again now."""
-        return self.to_probe([m for m in shard.members if m not in tried and m.check], now)
+        with self._lock:
+            return [m for m in shard.members if m not in tried and m.check and m.down_until <= now
+                    and m.probe is None and not m.retired]
 
     def done(self, m: Member, code: Optional[grpc.StatusCode], details: str, now: float) -> None:
-        """An attempt on m ended with `code` (None: OK); UNAVAILABLE marks it down, to be checked."""
+        """An attempt on m ended with `code` (None: OK); UNAVAILABLE marks it down, to be checked;
+        FAILED_PRECONDITION (m is not what the request expected) marks it to be checked."""
         with self._lock:
             m.outstanding -= 1
             if code is None:
                 m.down_for = 0.0
-            elif code == _UNAVAILABLE:
-                m.error, m.check = f"UNAVAILABLE: {details}", True
-                self._down(m, now)
+            elif code in (_UNAVAILABLE, _REFUSED):
+                m.error, m.check = f"{code.name}: {details}", True
+                if code == _UNAVAILABLE:
+                    self._down(m, now)
 
     def regroup(self, addresses: Sequence[str], make) -> bool:
         """The addresses a fleet's "dns:" names resolve to now: members for the new ones (made by
@@ -336,18 +398,47 @@ class Fleet:
         m.down_for = min(max(2 * m.down_for, DOWN_MIN), DOWN_MAX)
         m.down_until = now + m.down_for
 
+    def _stale(self, now: float) -> None:
+        """A plan failed: every member is asked GetModel again, first after DOWN_MIN."""
+        if not self._recheck_at:
+            self._recheck_for = 0.0
+            self._recheck(now)
+
+    def _recheck(self, now: float) -> None:
+        self._recheck_for = min(max(2 * self._recheck_for, DOWN_MIN), DOWN_MAX)
+        self._recheck_at = now + self._recheck_for
+
 
 def _holdings(info: ModelInfo) -> Any:
-    return [(li.index, tuple(li.experts_held), li.adds_shared_experts) for li in info.layers]
+    return (info.model_fingerprint,
+            [(li.index, tuple(li.experts_held), li.adds_shared_experts) for li in info.layers])
 
 
-def _plan(layer: int, members: Sequence[Member]) -> Tuple[Optional[List[Shard]], Optional[MoEError]]:
-    """Groups the members holding `layer` into shards and checks them (see the module's text)."""
+def _one_model(members: Sequence[Member]) -> int:
+    """The model the members that answered serve (0: none said); FAILED_PRECONDITION naming each
+    of them when they differ."""
     members = [m for m in members if not m.retired]
+    fps = {m.info.model_fingerprint for m in members if m.info is not None and m.info.model_fingerprint}
+    if len(fps) > 1:
+        said = "; ".join(f"{m.target} (fingerprint {m.info.model_fingerprint:016x})" for m in members
+                         if m.info is not None and m.info.model_fingerprint)
+        raise _precondition(f"the fleet's daemons serve different models: {said}; a fleet serves one "
+                            f"model (ModelInfo.model_fingerprint)")
+    return next(iter(fps), 0)
+
+
+def _plan(layer: int, members: Sequence[Member],
+          fingerprint: int = 0) -> Tuple[Optional[List[Shard]], Optional[MoEError]]:
+    """Groups the members holding `layer` into shards and checks them (see the module's text);
+    fingerprint: the fleet's model (0: not known), which members left out as foreign do not
+    serve."""
+    members = [m for m in members if not m.retired]
+    foreign = [m for m in members if m.foreign]
+    members = [m for m in members if not m.foreign]
     holders = [(m, m.layer(layer)) for m in members]
     holders = [(m, li) for m, li in holders if li is not None]
     if not holders:
-        return None, _not_served(layer, members)
+        return None, _foreign_gap(layer, "all", foreign, fingerprint) if foreign else _not_served(layer, members)
     first_m, first = holders[0]
     for m, li in holders[1:]:
         for f in _SAME:
@@ -358,7 +449,7 @@ def _plan(layer: int, members: Sequence[Member]) -> Tuple[Optional[List[Shard]],
     groups: Dict[Tuple[Any, bool], Shard] = {}
     for m, li in holders:
         key = (tuple(li.experts_held), li.adds_shared_experts)
-        groups.setdefault(key, Shard(layer, key[0], key[1], [])).members.append(m)
+        groups.setdefault(key, Shard(layer, key[0], key[1], [], fingerprint)).members.append(m)
     shards = sorted(groups.values(), key=lambda s: s.lowest)
     owner: Dict[int, Shard] = {}
     for s in shards:
@@ -372,7 +463,8 @@ def _plan(layer: int, members: Sequence[Member]) -> Tuple[Optional[List[Shard]],
                 owner[e] = s
     missing = [e for e in range(first.num_experts) if e not in owner]
     if missing:
-        return None, _gap(layer, missing, members)
+        runs = ranges_text(_runs(missing))
+        return None, _foreign_gap(layer, runs, foreign, fingerprint) if foreign else _gap(layer, runs, members)
     adders = [s for s in shards if s.adds_shared]
     if first.num_shared_experts and len(adders) != 1:
         what = ("no shard adds them: start the one holding expert 0 with --shared-experts auto or "
@@ -386,7 +478,7 @@ def _plan(layer: int, members: Sequence[Member]) -> Tuple[Optional[List[Shard]],
 def _members_text(members: Sequence[Member]) -> str:
     out = []
     for m in members:
-        if m.info is None:
+        if m.info is None or m.foreign:
             out.append(m.state())
         else:
             held = [f"{li.index}:{ranges_text(li.experts_held)}" for li in m.info.layers]
@@ -402,15 +494,25 @@ def _not_served(layer: int, members: Sequence[Member]) -> MoEError:
                     grpc.StatusCode.NOT_FOUND)
 
 
-def _gap(layer: int, missing: List[int], members: Sequence[Member]) -> MoEError:
+def _runs(experts: Sequence[int]) -> List[Tuple[int, int]]:
+    """Increasing expert numbers as ranges."""
     runs: List[Tuple[int, int]] = []
-    for e in missing:
+    for e in experts:
         if runs and runs[-1][1] == e - 1:
             runs[-1] = (runs[-1][0], e)
         else:
             runs.append((e, e))
-    return _unavailable(f"layer {layer}: experts {ranges_text(runs)} are held by no reachable daemon "
-                        f"of the fleet; targets tried: {_members_text(members)}")
+    return runs
+
+
+def _gap(layer: int, runs: str, members: Sequence[Member]) -> MoEError:
+    return _unavailable(f"layer {layer}: experts {runs} are held by no reachable daemon of the fleet; "
+                        f"targets tried: {_members_text(members)}")
+
+
+def _foreign_gap(layer: int, runs: str, foreign: Sequence[Member], fingerprint: int) -> MoEError:
+    return _precondition(f"layer {layer}: experts {runs} are held by no daemon serving the fleet's model "
+                         f"(fingerprint {fingerprint:016x}): {'; '.join(m.state() for m in foreign)}")
 
 
 # ---- adding the partial outputs -----------------------------------------------------------------
@@ -458,7 +560,7 @@ def combine(call: C.Call, replies: Sequence[bytes]) -> Any:
 def merged_info(members: Sequence[Member]) -> ModelInfo:
     """One ModelInfo for the fleet: every layer once, with the experts the reachable daemons hold
     between them; the smallest limits; every device."""
-    known = [m.info for m in members if m.info is not None and not m.retired]
+    known = [m.info for m in members if m.info is not None and not m.retired and not m.foreign]
     if not known:
         raise _unavailable(f"no daemon of the fleet answered GetModel: {_members_text(members)}")
     layers: Dict[int, LayerInfo] = {}
@@ -478,7 +580,17 @@ def merged_info(members: Sequence[Member]) -> ModelInfo:
                      backend=",".join(sorted({i.backend for i in known})),
                      devices=[d for i in known for d in i.devices], version=known[0].version,
                      max_message_bytes=min(i.max_message_bytes for i in known),
-                     max_batch_tokens=min(i.max_batch_tokens for i in known))
+                     max_batch_tokens=min(i.max_batch_tokens for i in known),
+                     model_fingerprint=known[0].model_fingerprint)
+
+
+def _try_plan(fleet: Fleet, layer: int) -> Tuple[Optional[List[Shard]], Optional[MoEError]]:
+    """fleet.plan(layer), its configuration errors returned too (GetModel asked again may clear
+    them)."""
+    try:
+        return fleet.plan(layer)
+    except MoEError as e:
+        return None, e
 
 
 def _check_batch_gating(layer: int, shards: List[Shard], batch_gating: bool) -> None:
@@ -494,22 +606,61 @@ def _exhausted(shard: Shard, rounds: int) -> MoEError:
                         f"{'; '.join(m.state() for m in shard.members)}", rounds)
 
 
-class _Try:
-    """One shard's part of a call: the attempt in flight, the replicas tried in this round."""
+def _refused(shard: Shard) -> MoEError:
+    return _precondition(f"layer {shard.layer}: no replica of {shard.describe()} is what the fleet took "
+                         f"it for: {'; '.join(m.state() for m in shard.members)}")
 
-    def __init__(self, shard: Shard):
+
+class _Try:
+    """One shard's part of a call: its request (the call's, with the shard's expect), the attempt
+    in flight, the replicas tried in this round and what came of them."""
+
+    def __init__(self, shard: Shard, payload: bytes):
         self.shard = shard
+        self.payload = payload + shard.expect
         self.member: Optional[Member] = None
         self.attempt: Any = None  # a grpc future (blocking client) or task (asyncio)
         self.tried: List[Member] = []
         self.rounds = 1
-        self.started = 0.0
+        self.started = 0.0  # when the attempt in flight started
+        self.took = 0.0  # how long this round's last attempt took (0: none was made)
+        self.refused = False  # a replica refused it in this round (FAILED_PRECONDITION)
+
+    def failed(self, fleet: "Fleet", e: grpc.RpcError) -> None:
+        """The attempt in flight failed: recorded; raised unless another replica may answer."""
+        now = time.monotonic()
+        fleet.done(self.member, e.code(), e.details(), now)
+        if e.code() not in (_UNAVAILABLE, _REFUSED):
+            raise C.rpc_error(e) from None
+        self.refused |= e.code() == _REFUSED
+        self.tried.append(self.member)
+        self.took, self.attempt = now - self.started, None
+
+    def next_round(self, retry: RetryPolicy, deadline: Optional[float]) -> float:
+        """No replica is left in this round: the wait before the next (the retry policy's, after
+        UNAVAILABLE), or the call's error raised."""
+        if self.refused:
+            raise _refused(self.shard)
+        now = time.monotonic()
+        wait = retry.delay(self.rounds, _UNAVAILABLE, now, deadline, self.took)
+        if wait is None:
+            raise _exhausted(self.shard, self.rounds)
+        self.rounds, self.tried, self.took = self.rounds + 1, [], 0.0
+        return wait
+
+
+# A member's channel retries its connection on the fleet's schedule (gRPC's default starts at 1 s
+# and grows to 120 s: a daemon back would go unnoticed for that long).
+_RECONNECT = [("grpc.initial_reconnect_backoff_ms", int(DOWN_MIN * 1000)),
+              ("grpc.min_reconnect_backoff_ms", int(DOWN_MIN * 1000)),
+              ("grpc.max_reconnect_backoff_ms", int(DOWN_MAX * 1000))]
 
 
 def _member_kwargs(target: str, original: Any, kw: Dict[str, Any]) -> Dict[str, Any]:
-    """A member's client arguments: the fleet client's, without retries (the fleet retries across
-    replicas), with TLS checking the DNS name when the member is one of its addresses."""
-    kw = {**kw, "retry": NO_RETRY, "timeout": None}
+    """A member's client arguments: the fleet client's (its channel options after the reconnect
+    schedule, so they win), without retries (the fleet retries across replicas), with TLS checking
+    the DNS name when the member is one of its addresses."""
+    kw = {**kw, "retry": NO_RETRY, "timeout": None, "options": [*_RECONNECT, *(kw.get("options") or ())]}
     if (kw.get("credentials") is not None and isinstance(original, str) and original.startswith("dns:")
             and target != original):
         host = _dns_host_port(original)[0]
@@ -607,9 +758,11 @@ class FleetClient(MoEClient):
 
     def _shards(self, layer: int, deadline: Optional[float]) -> List[Shard]:
         """The layer's shards. Members that need GetModel are asked in the background; the call
-        waits for them only when the plan has a gap they might fill."""
+        waits for them only when the layer cannot be planned now (asking again may put it right)."""
         self._probe(self.fleet.to_probe(self.fleet.members, time.monotonic()))
-        shards, err = self.fleet.plan(layer)
+        if self.fleet.unsettled():
+            self._learn(self.fleet.members, deadline)
+        shards, err = _try_plan(self.fleet, layer)
         if err is not None:
             self._regroup()
             self._learn(self.fleet.members, deadline)
@@ -620,7 +773,7 @@ class FleetClient(MoEClient):
 
     # -- calls --
 
-    def _begin(self, t: _Try, payload: bytes, deadline: Optional[float]) -> bool:
+    def _begin(self, t: _Try, deadline: Optional[float]) -> bool:
         """Starts t's next attempt; False when no replica is left in this round."""
         while True:
             now = time.monotonic()
@@ -632,12 +785,13 @@ class FleetClient(MoEClient):
                 return False
             self._wait(probes, deadline)
         t.member, t.started = m, now
-        t.attempt = m.client._forward.future(payload, timeout=C.remaining(deadline), metadata=m.client._metadata)
+        t.attempt = m.client._forward.future(t.payload, timeout=C.remaining(deadline),
+                                             metadata=m.client._metadata)
         return True
 
-    def _finish(self, t: _Try, payload: bytes, deadline: Optional[float]) -> bytes:
+    def _finish(self, t: _Try, deadline: Optional[float]) -> bytes:
         """t's reply: its attempt waited for, other replicas (and rounds of them) tried on
-        UNAVAILABLE."""
+        UNAVAILABLE or a refusal."""
         while True:
             if t.attempt is not None:
                 try:
@@ -645,21 +799,12 @@ class FleetClient(MoEClient):
                     self.fleet.done(t.member, None, "", time.monotonic())
                     return reply
                 except grpc.RpcError as e:
-                    self.fleet.done(t.member, e.code(), e.details(), time.monotonic())
-                    if e.code() != _UNAVAILABLE:
-                        raise C.rpc_error(e) from None
-                    t.tried.append(t.member)
-                    t.attempt = None
-            if self._begin(t, payload, deadline):
+                    t.failed(self.fleet, e)
+            if self._begin(t, deadline):
                 continue
             if self._regroup():
                 raise _Replan()
-            now = time.monotonic()
-            wait = self.retry.delay(t.rounds, _UNAVAILABLE, now, deadline, now - t.started)
-            if wait is None:
-                raise _exhausted(t.shard, t.rounds)
-            time.sleep(wait)
-            t.rounds, t.tried = t.rounds + 1, []
+            time.sleep(t.next_round(self.retry, deadline))
             self.fleet.revive(t.shard, time.monotonic())
 
     def forward(self, layer: int, hidden: Any, *, expert_ids=None, expert_weights=None,
@@ -683,11 +828,11 @@ class FleetClient(MoEClient):
     def _fan_out(self, layer: int, call: C.Call, batch_gating: bool, deadline: Optional[float]) -> Any:
         shards = self._shards(layer, deadline)
         _check_batch_gating(layer, shards, batch_gating)
-        tries = [_Try(s) for s in shards]
+        tries = [_Try(s, call.payload) for s in shards]
         try:
             for t in tries:
-                self._begin(t, call.payload, deadline)
-            return combine(call, [self._finish(t, call.payload, deadline) for t in tries])
+                self._begin(t, deadline)
+            return combine(call, [self._finish(t, deadline) for t in tries])
         except BaseException:
             for t in tries:
                 if t.attempt is not None:
@@ -724,7 +869,7 @@ class FleetClient(MoEClient):
                 status[m.target] = C.health_status(f.result())
             except (grpc.RpcError, MoEError):
                 status[m.target] = "UNKNOWN"
-        return fleet_health(self.fleet.members, status)
+        return fleet_health(self.fleet.members, status, self.fleet.fingerprint)
 
 
 def _probe_wait(deadline: Optional[float]) -> float:
@@ -732,13 +877,13 @@ def _probe_wait(deadline: Optional[float]) -> float:
     return PROBE_TIMEOUT if deadline is None else min(PROBE_TIMEOUT, C.remaining(deadline))
 
 
-def fleet_health(members: Sequence[Member], status: Dict[str, str]) -> str:
+def fleet_health(members: Sequence[Member], status: Dict[str, str], fingerprint: int) -> str:
     serving = [m for m in members if status.get(m.target) == "SERVING"]
     layers = {li.index for m in members if m.info for li in m.info.layers}
     if not layers or not serving:
         return "NOT_SERVING"
     try:
-        ok = all(_plan(layer, serving)[0] is not None for layer in layers)
+        ok = all(_plan(layer, serving, fingerprint)[0] is not None for layer in layers)
     except MoEError:
         ok = False
     return "SERVING" if ok else "NOT_SERVING"
@@ -805,7 +950,9 @@ class AioFleetClient(aio.MoEClient):
 
     async def _shards(self, layer: int, deadline: Optional[float]) -> List[Shard]:
         self._probe(self.fleet.to_probe(self.fleet.members, time.monotonic()))
-        shards, err = self.fleet.plan(layer)
+        if self.fleet.unsettled():
+            await self._learn(self.fleet.members, deadline)
+        shards, err = _try_plan(self.fleet, layer)
         if err is not None:
             await self._regroup()
             await self._learn(self.fleet.members, deadline)
@@ -816,7 +963,7 @@ class AioFleetClient(aio.MoEClient):
 
     # -- calls --
 
-    async def _begin(self, t: _Try, payload: bytes, deadline: Optional[float]) -> bool:
+    async def _begin(self, t: _Try, deadline: Optional[float]) -> bool:
         while True:
             now = time.monotonic()
             m = self.fleet.pick(t.shard, t.tried, now)
@@ -828,10 +975,10 @@ class AioFleetClient(aio.MoEClient):
             await asyncio.wait(probes, timeout=_probe_wait(deadline))
         t.member, t.started = m, now
         t.attempt = asyncio.ensure_future(
-            m.client._forward(payload, timeout=C.remaining(deadline), metadata=m.client._metadata))
+            m.client._forward(t.payload, timeout=C.remaining(deadline), metadata=m.client._metadata))
         return True
 
-    async def _finish(self, t: _Try, payload: bytes, deadline: Optional[float]) -> bytes:
+    async def _finish(self, t: _Try, deadline: Optional[float]) -> bytes:
         while True:
             if t.attempt is not None:
                 try:
@@ -839,21 +986,12 @@ class AioFleetClient(aio.MoEClient):
                     self.fleet.done(t.member, None, "", time.monotonic())
                     return reply
                 except grpc.RpcError as e:
-                    self.fleet.done(t.member, e.code(), e.details(), time.monotonic())
-                    if e.code() != _UNAVAILABLE:
-                        raise C.rpc_error(e) from None
-                    t.tried.append(t.member)
-                    t.attempt = None
-            if await self._begin(t, payload, deadline):
+                    t.failed(self.fleet, e)
+            if await self._begin(t, deadline):
                 continue
             if await self._regroup():
                 raise _Replan()
-            now = time.monotonic()
-            wait = self.retry.delay(t.rounds, _UNAVAILABLE, now, deadline, now - t.started)
-            if wait is None:
-                raise _exhausted(t.shard, t.rounds)
-            await asyncio.sleep(wait)
-            t.rounds, t.tried = t.rounds + 1, []
+            await asyncio.sleep(t.next_round(self.retry, deadline))
             self.fleet.revive(t.shard, time.monotonic())
 
     async def forward(self, layer: int, hidden: Any, *, expert_ids=None, expert_weights=None,
@@ -879,11 +1017,11 @@ class AioFleetClient(aio.MoEClient):
                        deadline: Optional[float]) -> Any:
         shards = await self._shards(layer, deadline)
         _check_batch_gating(layer, shards, batch_gating)
-        tries = [_Try(s) for s in shards]
+        tries = [_Try(s, call.payload) for s in shards]
         try:
             for t in tries:
-                await self._begin(t, call.payload, deadline)
-            replies = await asyncio.gather(*(self._finish(t, call.payload, deadline) for t in tries))
+                await self._begin(t, deadline)
+            replies = await asyncio.gather(*(self._finish(t, deadline) for t in tries))
             return combine(call, replies)
         except BaseException:
             for t in tries:
@@ -923,4 +1061,5 @@ class AioFleetClient(aio.MoEClient):
                 return "UNKNOWN"
 
         found = await asyncio.gather(*(one(m) for m in self.fleet.members))
-        return fleet_health(self.fleet.members, {m.target: st for m, st in zip(self.fleet.members, found)})
+        return fleet_health(self.fleet.members, {m.target: st for m, st in zip(self.fleet.members, found)},
+                            self.fleet.fingerprint)

@@ -143,6 +143,9 @@ class ModelInfo:
     max_message_bytes: int
     max_batch_tokens: int
     regions: RegionLimits = field(default_factory=RegionLimits)
+    # The model's identity (moed.proto's ModelInfo.model_fingerprint): equal on every daemon
+    # serving the same model; 0 from a moed older than it.
+    model_fingerprint: int = 0
 
     def layer(self, index: int) -> LayerInfo:
         """The LayerInfo whose index (checkpoint layer number) is `index`; KeyError if not resident."""

@@ -106,6 +106,62 @@ def test_plan_names_what_is_missing():
     assert err.code_name == "UNAVAILABLE"
 
 
+def with_model(m, fingerprint):
+    m.info.model_fingerprint = fingerprint
+    return m
+
+
+def test_one_model_or_refused_then_the_foreign_left_out():
+    """Daemons of two models are refused, naming both; once the fleet's model is known, a member
+    answering with another is left out, named where its experts are then missing, and asked again
+    on the recheck schedule until it serves the fleet's model again."""
+    a = with_model(member("a", layer(held=[(0, 3)])), 0xA)
+    b = with_model(member("b", layer(held=[(4, 7)], shared=False)), 0xB)
+    f = Fleet([a, b])
+    with pytest.raises(MoEError) as e:
+        f.plan(0)
+    assert e.value.code_name == "FAILED_PRECONDITION"
+    assert "a (fingerprint 000000000000000a)" in e.value.message and "b (fingerprint 000000000000000b)" in e.value.message
+    assert f.to_probe([a, b], 0.0) == [] and set(f.to_probe([a, b], 1e9)) == {a, b}  # asked again later
+
+    b2 = member("b2", layer(held=[(4, 7)], shared=False))
+    a.heard = True  # answered: the fleet's model is pinned once b2 did too
+    f = Fleet([a, b2])
+    f.probed(b2, None, b.info, "", 0.0)  # b2 answers: the fleet's model
+    b2.probe = "p"
+    f.probed(b2, "p", with_model(member("x", layer(held=[(4, 7)], shared=False)), 0xA).info, "", 0.0)
+    shards, err = f.plan(0)
+    assert err is None and f.fingerprint == 0xA and [s.fingerprint for s in shards] == [0xA, 0xA]
+    b2.probe = "q"
+    f.probed(b2, "q", with_model(member("x", layer(held=[(4, 7)], shared=False)), 0xB).info, "", 0.0)
+    assert b2.foreign and "fingerprint 000000000000000b, the fleet's is 000000000000000a" in b2.error
+    shards, err = f.plan(0)
+    assert shards is None and err.code_name == "FAILED_PRECONDITION"
+    assert "experts 4-7" in err.message and "b2 (serves another model" in err.message
+    b2.probe = "r"
+    f.probed(b2, "r", with_model(member("x", layer(held=[(4, 7)], shared=False)), 0xA).info, "", 0.0)
+    assert not b2.foreign and f.plan(0)[1] is None
+
+
+def test_each_shard_states_what_it_expects():
+    f = Fleet([with_model(member("a", layer(held=[(0, 2), (6, 6)])), 0xA),
+               with_model(member("b", layer(held=[(3, 5), (7, 7)], shared=False)), 0xA)])
+    shards, _ = f.plan(0)
+    got = [moed.wire.decode("moed.v1.ForwardRequest", s.expect)["expect"] for s in shards]
+    assert [(x["model_fingerprint"], [(r["first"], r["last"]) for r in x["experts_held"]],
+             x["adds_shared_experts"]) for x in got] == [(0xA, [(0, 2), (6, 6)], True),
+                                                           (0xA, [(3, 5), (7, 7)], False)]
+
+
+def test_a_round_without_an_attempt_still_retries():
+    """Every replica was passed over, so no attempt was made in the round: the retry policy waits
+    and tries again (it used to take the time since boot for the attempt's length and give up)."""
+    s = fleet.Shard(0, ((0, 7),), True, [member("a", layer())])
+    t = fleet._Try(s, b"")
+    policy = moed.RetryPolicy(max_attempts=3)
+    assert t.next_round(policy, deadline=fleet.time.monotonic() + 30) >= 0 and t.rounds == 2
+
+
 def test_pick_least_outstanding_in_turn_skipping_the_down():
     a, b, c = member("a", layer()), member("b", layer()), member("c", layer())
     f = Fleet([a, b, c])
