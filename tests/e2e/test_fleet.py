@@ -37,10 +37,10 @@ import pytest
 
 import moed
 import moed.aio
-from conftest import BUILD, Daemon, free_port
+from conftest import BUILD, Daemon, free_port, refused_address
 from daemons import DaemonPool
 from moed import MoEClient, MoEError
-from prod import metrics_flags, scrape
+from prod import metrics_flags, scrape, server_counts
 
 # DeepSeek-V3's rule (sigmoid scores plus a bias, group-limited) and a shared expert: the server
 # router and the layer's own rule are exercised with what a fleet most needs to agree on.
@@ -642,32 +642,54 @@ def test_c_client_fleet_verified(pool, tmp_path, topology, dtype, routings):
                       "--verify", 60, "--concurrency", 4, "--tokens", "1:12", "--warmup", 0, "--json", out)
         assert p.returncode == 0, (routing, p.stdout[-2000:], p.stderr)
         lv = json.loads(out.read_text())["levels"][0]
-        assert lv["ok"] == 60 and lv["verify"]["checked"] == 60 and lv["verify"]["mismatches"] == 0, lv
+        # moed-load's verifier drops replies its queue (32) has no room for, so a slow verifier
+        # checks fewer than were answered: 32 are checked whatever the machine's pace.
+        assert lv["ok"] == 60 and lv["verify"]["checked"] >= 32 and lv["verify"]["mismatches"] == 0, lv
 
 
 def test_c_client_loses_no_call_while_a_replica_drains(daemon, tmp_path):
-    r1 = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3")
-    r2 = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3")
+    """A replica drains (SIGTERM) while moed-load keeps four calls in flight over the fleet: no call
+    fails, none is wrong. The drain starts once r1 has answered calls, and the run is interrupted
+    (SIGINT) only once r2 has answered more after r1 exited, so the drain always falls inside it."""
+    r1 = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3", "--metrics-listen", "127.0.0.1:0")
+    r2 = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3", "--metrics-listen", "127.0.0.1:0")
     s = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "4-7")
     out = tmp_path / "r.json"
     load = subprocess.Popen([str(LOAD), "--target", f"{r1.address},{r2.address},{s.address}", "--no-progress",
-                             "--duration", "2.5", "--warmup", "0", "--concurrency", "4", "--dtype", "f32",
+                             "--duration", "600", "--warmup", "0", "--concurrency", "4", "--dtype", "f32",
                              "--verify", "100", "--json", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(0.8)
-    assert r1.stop() == 0, r1.log()
-    stdout, stderr = load.communicate(timeout=60)
+
+    def answered(d):
+        return sum(v for k, v in server_counts(d.metrics_port).items() if k == "Forward:OK")
+
+    def wait_answered(d, n):
+        deadline = time.monotonic() + 60  # a hang guard, never the thing asserted
+        while answered(d) < n:
+            assert load.poll() is None and time.monotonic() < deadline, (answered(d), load.poll())
+            time.sleep(0.05)
+
+    try:
+        wait_answered(r1, 10)
+        assert r1.stop() == 0, r1.log()
+        wait_answered(r2, answered(r2) + 10)
+        load.send_signal(signal.SIGINT)
+        stdout, stderr = load.communicate(timeout=120)
+    finally:
+        if load.poll() is None:
+            load.kill()
+            load.wait()
     assert load.returncode == 0, stdout[-2000:] + stderr
     lv = json.loads(out.read_text())["levels"][0]
-    assert lv["errors_total"] == 0 and lv["ok"] > 50 and lv["verify"]["mismatches"] == 0, lv
+    assert lv["errors_total"] == 0 and lv["ok"] >= 20 and lv["verify"]["mismatches"] == 0, lv
 
 
 def test_c_client_names_a_shard_that_is_down(daemon, tmp_path):
     a = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3")
-    gone = f"127.0.0.1:{free_port()}"  # nothing listens there
     np.save(tmp_path / "x.npy", np.zeros((2, D), np.float32))
-    p = subprocess.run([str(MOECTL), "--target", f"{a.address},{gone}", "--timeout", "10", "forward",
-                        "--layer", "0", "--hidden", str(tmp_path / "x.npy"), "--server-router",
-                        "--out", str(tmp_path / "y.npy")], capture_output=True, text=True, timeout=60)
+    with refused_address() as gone:  # nothing listens there, nor can while it lasts
+        p = subprocess.run([str(MOECTL), "--target", f"{a.address},{gone}", "--timeout", "10", "forward",
+                            "--layer", "0", "--hidden", str(tmp_path / "x.npy"), "--server-router",
+                            "--out", str(tmp_path / "y.npy")], capture_output=True, text=True, timeout=60)
     assert p.returncode == 1, p
     assert "UNAVAILABLE" in p.stderr and "experts 4-7" in p.stderr and gone in p.stderr, p.stderr
