@@ -254,6 +254,12 @@ class Feed:
             raise self.error
 
 
+def deadline(timeout: Optional[float], default: Optional[float]) -> Optional[float]:
+    """The time.monotonic() deadline of a call given `timeout` (None: the client's `default`)."""
+    timeout = default if timeout is None else timeout
+    return None if timeout is None else time.monotonic() + timeout
+
+
 def remaining(deadline: Optional[float]) -> Optional[float]:
     """Seconds left until a time.monotonic() deadline (None: no deadline)."""
     return None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -296,9 +302,7 @@ class Connection:
         return m.secure_channel(self.target, self._credentials, options=opts)
 
     def _deadline(self, timeout: Optional[float]) -> Optional[float]:
-        """The time.monotonic() deadline of a call given `timeout` (None: the client's)."""
-        timeout = self.timeout if timeout is None else timeout
-        return None if timeout is None else time.monotonic() + timeout
+        return deadline(timeout, self.timeout)
 
 
 class SessionBase:
