@@ -280,7 +280,8 @@ static void test_pick(const cJSON *sc)
     unsigned char tried[MAX_TARGETS] = { 0 };
     cJSON_ArrayForEach(v, field(sc, defaults, "tried"))
     {
-        for (int r = 0; r < p.n; r++) tried[r] |= !strcmp(f.p.m[p.replicas[r]]->target, v->valuestring);
+        for (int r = 0; r < p.n; r++)
+            tried[r] |= !strcmp(f.p.m[p.replicas[r]]->target, v->valuestring);
     }
     const int at = moedc_plan_pick(&f.p, field(sc, defaults, "layer")->valueint, &p.e, p.replicas,
                                    p.n, tried, (unsigned)get(sc, "turn")->valueint,
@@ -337,7 +338,9 @@ static void test_rechecks(void)
 static void test_sum(const cJSON *sc)
 {
     const char *dtype = get(sc, "dtype")->valuestring;
-    const int dt = !strcmp(dtype, "f32") ? MOEDC_F32 : !strcmp(dtype, "f16") ? MOEDC_F16 : MOEDC_BF16;
+    const int dt = !strcmp(dtype, "f32")   ? MOEDC_F32
+                   : !strcmp(dtype, "f16") ? MOEDC_F16
+                                           : MOEDC_BF16;
     const size_t size = dt == MOEDC_F32 ? 4 : 2;
     const cJSON *parts = get(sc, "parts"), *want = get(sc, "sum");
     const int n = cJSON_GetArraySize(parts);
