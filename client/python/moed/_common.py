@@ -17,7 +17,7 @@ from . import wire
 from .retry import NO_RETRY, RetryPolicy
 from .tensors import F32, I32, hidden_input, host_array, wire_tensor
 from .regions import Regions, Steps
-from .transport import NAMES, Prepared, prepare
+from .transport import Prepared, known, prepare
 from .types import (ACTIVATIONS, DTYPES, HEALTH, REGION_KINDS, ROUTER_RULES, Device, ForwardResult,
                     LayerInfo, ModelInfo, MoEError, Region, RegionLimits, Timings, name_of,
                     strategy_value)
@@ -282,9 +282,7 @@ class Connection:
         self._channel = self.new_channel()
         self.timeout = timeout
         self.retry = retry or NO_RETRY
-        if transport not in NAMES:
-            raise ValueError(f"unknown transport {transport!r}: use {', '.join(NAMES)}")
-        self.transport = transport
+        self.transport = known(transport)
         self._metadata = metadata(token)
         self._forward = self._channel.unary_unary(FORWARD)
         self._stream = self._channel.stream_stream(FORWARD_STREAM)

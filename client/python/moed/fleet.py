@@ -62,6 +62,7 @@ from .interface import Client
 from .regions import Registration
 from .retry import NO_RETRY, RetryPolicy
 from .targets import Names, member_kwargs, members
+from .transport import known
 from .types import ModelInfo, MoEError, Region
 
 
@@ -90,7 +91,7 @@ class FleetBase:
                  credentials: Optional[grpc.ChannelCredentials], token: Optional[str],
                  options: Optional[Sequence[Tuple[str, Any]]], keepalive: Optional[float],
                  retry: Optional[RetryPolicy], transport: str):
-        P.inline(transport)  # an unknown name is refused now; shm and cuda by each call
+        known(transport)  # shm and cuda: each call refuses them
         kw = dict(credentials=credentials, token=token, options=options, keepalive=keepalive)
         self.target, self.timeout, self.retry, self.transport = target, timeout, retry or NO_RETRY, transport
         self.transport_calls = {"inline": 0, "shm": 0, "cuda": 0}

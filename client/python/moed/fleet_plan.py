@@ -22,7 +22,7 @@ from . import _common as C
 from . import wire
 from .retry import RetryPolicy
 from .tensors import BF16, WIRE_NP, wire_view
-from .transport import NAMES
+from .transport import known
 from .types import ForwardResult, LayerInfo, ModelInfo, MoEError, Timings
 
 # How long GetModel of one daemon may take (an address that no longer answers must not hold the
@@ -65,9 +65,7 @@ def no_listing() -> MoEError:
 
 def inline(transport: str) -> str:
     """A fleet call's transport: auto and inline are inline; shm and cuda need one daemon."""
-    if transport not in NAMES:
-        raise ValueError(f"unknown transport {transport!r}: use {', '.join(NAMES)}")
-    if transport not in ("auto", "inline"):
+    if known(transport) not in ("auto", "inline"):
         raise needs_one_daemon(f"transport={transport!r}")
     return "inline"
 
@@ -599,21 +597,21 @@ def combine(call: C.Call, replies: Sequence[bytes]) -> Any:
 def merged_info(members: Sequence[Member]) -> ModelInfo:
     """One ModelInfo for the fleet: every layer once, with the experts the daemons serving the
     fleet's model hold between them; the smallest limits; every device."""
-    known = [m.info for m in members if m.info is not None and not m.retired and not m.foreign]
-    if not known:
+    answered = [m.info for m in members if m.info is not None and not m.retired and not m.foreign]
+    if not answered:
         raise unavailable(f"no daemon of the fleet answered GetModel: {members_text(members)}")
     layers: Dict[int, LayerInfo] = {}
     held: Dict[int, set] = {}
-    for info in known:
+    for info in answered:
         for li in info.layers:
             layers.setdefault(li.index, li)
             held.setdefault(li.index, set()).update(e for a, b in li.experts_held for e in range(a, b + 1))
     out = [LayerInfo(**{**layers[i].__dict__, "experts_held": runs(sorted(held[i])),
                         "adds_shared_experts": True, "home_device": 0, "expert_placement": []})
            for i in sorted(layers)]
-    return ModelInfo(model=known[0].model, layers=out,
-                     backend=",".join(sorted({i.backend for i in known})),
-                     devices=[d for i in known for d in i.devices], version=known[0].version,
-                     max_message_bytes=min(i.max_message_bytes for i in known),
-                     max_batch_tokens=min(i.max_batch_tokens for i in known),
-                     model_fingerprint=known[0].model_fingerprint)
+    return ModelInfo(model=answered[0].model, layers=out,
+                     backend=",".join(sorted({i.backend for i in answered})),
+                     devices=[d for i in answered for d in i.devices], version=answered[0].version,
+                     max_message_bytes=min(i.max_message_bytes for i in answered),
+                     max_batch_tokens=min(i.max_batch_tokens for i in answered),
+                     model_fingerprint=answered[0].model_fingerprint)

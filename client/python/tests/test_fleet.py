@@ -142,6 +142,12 @@ def test_a_fleet_refuses_what_needs_one_daemon():
             check_refused(name, e.value)
         with pytest.raises(ValueError, match="unknown transport"):
             c.forward(0, np.zeros((1, 8), np.float32), transport="carrier pigeon")
+    with moed.connect(["127.0.0.1:1", "127.0.0.1:2"], transport="shm") as c:  # a default for calls
+        with pytest.raises(MoEError) as e:
+            c.forward(0, np.zeros((1, 8), np.float32))
+        check_refused("the client's shm", e.value)
+    with pytest.raises(ValueError, match="unknown transport"):
+        moed.connect(["127.0.0.1:1", "127.0.0.1:2"], transport="carrier pigeon")
 
     async def aio():
         async with moed.aio.connect(["127.0.0.1:1", "127.0.0.1:2"]) as c:
