@@ -2,7 +2,9 @@
 C++, given only its own folder), the shared library exports exactly the functions the header marks
 MOEDC_EXTERN and nothing else (no core, protobuf-c or internal symbol), and README's C example
 compiles against the build and gets an answer from a real daemon; so does its region example,
-through shared memory (nothing left in /dev/shm afterwards).
+through shared memory (nothing left in /dev/shm afterwards). Inside it (read from the sources): no
+file includes one that includes it back, and the fleet is a sibling of the one-daemon client:
+moedclient.c calls nothing moedc_fleet.c defines, and no private header declares what both define.
 """
 
 import pathlib
@@ -16,6 +18,7 @@ from conftest import BUILD, ROOT
 INCLUDE = ROOT / "client" / "c" / "include"
 HEADER = INCLUDE / "moedclient.h"
 LIBDIR = BUILD / "client" / "c"
+LIB = ROOT / "client" / "c" / "lib"
 
 
 def sanitizer_flags():
@@ -111,3 +114,45 @@ def test_readme_example_compiles_and_answers(daemon, tmp_path):
     p = subprocess.run([str(exe), with_other_shape.address], capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 1 and p.stderr.startswith("INVALID_ARGUMENT: "), p.stderr
+
+
+def code(path):
+    """A source file without its comments."""
+    return re.sub(r"/\*.*?\*/|//[^\n]*", "", path.read_text(), flags=re.S)
+
+
+def defines(path):
+    """The functions with external linkage a .c file defines."""
+    text, out = code(path), set()
+    for m in re.finditer(r"^([a-z][^;{}()\n#]*?)\b(moedc_\w+)\s*\(", text, re.M):
+        rest = text[m.end():]
+        if not m.group(1).startswith(("static", "typedef")) and rest.find("{") < rest.find(";"):
+            out.add(m.group(2))
+    return out
+
+
+def test_no_file_of_the_library_includes_one_that_includes_it_back():
+    files = {p.name: p for p in [*LIB.glob("*.[ch]"), HEADER]}
+    graph = {n: set(re.findall(r'^#include\s*"([^"]+)"', code(p), re.M)) & set(files) for n, p in files.items()}
+    assert graph["moedc_fleet.c"], "the reading of includes found none"
+
+    def reach(start):
+        seen, todo = set(), [start]
+        while todo:
+            for n in graph[todo.pop()] - seen:
+                seen.add(n)
+                todo.append(n)
+        return seen
+
+    assert not [n for n in graph if n in reach(n)], "include cycles"
+
+
+def test_the_fleet_is_a_sibling_of_the_one_daemon_client():
+    defined = {p.name: defines(p) for p in LIB.glob("*.c")}
+    assert defined["moedc_fleet.c"] and "moedc_forward" in defined["moedclient.c"], "no definitions read"
+    calls = {n for n in defined["moedc_fleet.c"] if re.search(rf"\b{n}\b", code(LIB / "moedclient.c"))}
+    assert not calls, f"moedclient.c calls the fleet's {sorted(calls)}"
+    for h in LIB.glob("*.h"):
+        declared = set(re.findall(r"\b(moedc_\w+)\s*\(", code(h)))
+        both = {c for c in ("moedclient.c", "moedc_fleet.c") if defined[c] & declared}
+        assert len(both) < 2, f"{h.name} declares functions of both moedclient.c and moedc_fleet.c"

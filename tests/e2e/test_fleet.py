@@ -1,4 +1,4 @@
-"""Fleets of daemons behind one client (moed --layers and --experts; moed.MoEClient([...]), and
+"""Fleets of daemons behind one client (moed --layers and --experts; moed.connect([...]), and
 the C client's moedc_connect_many through moed-load and moectl).
 
 Two and three daemons splitting the layers and the experts of a layer (with non-contiguous expert
@@ -126,8 +126,8 @@ def test_fleet_equals_one_daemon(pool, topology, dtype):
     daemons = globals()[topology](pool)
     rng = np.random.default_rng(7)
     with MoEClient(one(pool).address, timeout=30) as c1, \
-            MoEClient([d.address for d in daemons], timeout=30) as fl:
-        assert type(fl).__name__ == "FleetClient"
+            moed.connect([d.address for d in daemons], timeout=30) as fl:
+        assert type(fl) is moed.FleetClient
         for layer in (0, 1):
             holders = [d for d in daemons if layer in [li.index for li in d.client().info().layers]]
             for name, routing in ROUTINGS.items():
@@ -137,6 +137,9 @@ def test_fleet_equals_one_daemon(pool, topology, dtype):
                 y_one = c1.forward(layer, x, **kw)
                 y = fl.forward(layer, x, **kw)
                 assert y.dtype == x.dtype and y.shape == x.shape, name
+                if name == "ids":  # out= is written as a single daemon's client writes it
+                    out = np.empty_like(x)
+                    assert fl.forward(layer, x, **kw, out=out) is out and np.array_equal(f32(out), f32(y))
                 if len(holders) == 1:  # a layer held whole by one daemon: its reply, unchanged
                     assert np.array_equal(f32(y), f32(y_one)), name
                     continue
@@ -153,7 +156,7 @@ def test_getmodel_says_what_each_daemon_holds(pool):
         [(0, [(0, 7)], True)]
     assert [(li.experts_held, li.adds_shared_experts) for li in b.client().info().layers] == [([(0, 2), (6, 6)], True)]
     assert [(li.experts_held, li.adds_shared_experts) for li in c.client().info().layers] == [([(3, 5), (7, 7)], False)]
-    with MoEClient([a.address, b.address, c.address]) as fl:
+    with moed.connect([a.address, b.address, c.address]) as fl:
         info = fl.info()
         assert [(li.index, li.experts_held, li.num_experts) for li in info.layers] == [(0, [(0, 7)], 8), (1, [(0, 7)], 8)]
         assert [m.target for m in fl.members()] == [a.address, b.address, c.address]
@@ -161,7 +164,7 @@ def test_getmodel_says_what_each_daemon_holds(pool):
     p = subprocess.run([sys.executable, "-m", "moed", "--target", f"{b.address},{c.address}", "info"],
                        capture_output=True, text=True, timeout=60)  # the fleet from the command line
     assert p.returncode == 0 and p.stdout.split("\n")[-2].split()[-1] == "0-7+shared", p.stdout + p.stderr
-    with pytest.raises(MoEError) as e, MoEClient([a.address, b.address]) as half:
+    with pytest.raises(MoEError) as e, moed.connect([a.address, b.address]) as half:
         half.forward(1, np.zeros((2, D), np.float32))
     assert e.value.code_name == "UNAVAILABLE" and "experts 3-5,7" in e.value.message, e.value.message
 
@@ -175,15 +178,15 @@ def test_asyncio_and_stream(pool):
     tol = 1e-5 * max(np.abs(w).max() for w in want)
 
     async def run():
-        async with moed.aio.MoEClient([d.address for d in daemons], timeout=30) as fl:
-            assert type(fl).__name__ == "AioFleetClient"
+        async with moed.aio.connect([d.address for d in daemons], timeout=30) as fl:
+            assert type(fl) is moed.aio.FleetClient
             got = await asyncio.gather(*(fl.forward(i % 2, x) for i, x in enumerate(xs)))
             streamed = [y async for y in fl.forward_stream([dict(layer=i % 2, hidden=x) for i, x in enumerate(xs)])]
             return got, streamed, await fl.health()
 
     got, streamed, health = asyncio.run(run())
     assert health == "SERVING"
-    with MoEClient([d.address for d in daemons]) as fl:
+    with moed.connect([d.address for d in daemons]) as fl:
         blocking = list(fl.forward_stream([dict(layer=i % 2, hidden=x) for i, x in enumerate(xs)]))
     for w, g, s, b in zip(want, got, streamed, blocking):
         assert np.abs(g - w).max() <= tol and np.abs(s - w).max() <= tol and np.abs(b - w).max() <= tol
@@ -196,7 +199,7 @@ def test_batch_gating_refused_on_a_shard(pool):
         c.forward(0, x, batch_gating=True)
     assert e.value.code_name == "FAILED_PRECONDITION", e.value
     assert "experts 0-3" in e.value.message and "--experts" in e.value.message, e.value.message
-    with MoEClient([d.address for d in fleet2(pool)]) as fl, pytest.raises(MoEError) as e:
+    with moed.connect([d.address for d in fleet2(pool)]) as fl, pytest.raises(MoEError) as e:
         fl.forward(0, x, batch_gating=True)
     assert e.value.code_name == "FAILED_PRECONDITION" and "2 shards" in e.value.message, e.value.message
     with one(pool).client() as c:  # a daemon holding every expert still gates batches
@@ -219,7 +222,7 @@ def test_replica_drained_mid_run_loses_no_call(daemon):
     states = []
 
     def loop():
-        with MoEClient([r1.address, r2.address, s.address], timeout=30) as fl:
+        with moed.connect([r1.address, r2.address, s.address], timeout=30) as fl:
             after = 0
             while after < 30:  # until 30 calls after r1 has exited
                 try:
@@ -246,7 +249,7 @@ def test_shard_down_is_unavailable_naming_it(daemon):
     a = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3")
     b = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "4-7")
     x = np.zeros((2, D), np.float32)
-    with MoEClient([a.address, b.address], timeout=20) as fl:
+    with moed.connect([a.address, b.address], timeout=20) as fl:
         fl.forward(0, x)
         b.send_signal(signal.SIGTERM)  # draining, then gone: UNAVAILABLE either way
         with pytest.raises(MoEError) as e:
@@ -255,7 +258,7 @@ def test_shard_down_is_unavailable_naming_it(daemon):
     assert e.value.code_name == "UNAVAILABLE", e.value
     assert "experts 4-7" in e.value.message and b.address in e.value.message, e.value.message
     # a fleet that learns what it holds with that daemon already down says the same
-    with MoEClient([a.address, b.address], timeout=20) as fl, pytest.raises(MoEError) as e:
+    with moed.connect([a.address, b.address], timeout=20) as fl, pytest.raises(MoEError) as e:
         fl.forward(1, x)
     assert e.value.code_name == "UNAVAILABLE", e.value
     assert "layer 1: experts 4-7" in e.value.message and b.address in e.value.message, e.value.message
@@ -268,7 +271,7 @@ def test_expert_token_metrics_match_the_routes(daemon, tmp_path):
     b = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "3-5,7", *fb)
     rng = np.random.default_rng(5)
     want = np.zeros((2, E), np.int64)
-    with MoEClient([a.address, b.address], timeout=30) as fl:
+    with moed.connect([a.address, b.address], timeout=30) as fl:
         for layer in (0, 1, 1):
             ids = _ids(rng)
             fl.forward(layer, hidden(rng, "f32"), expert_ids=ids, expert_weights=(ids >= 0).astype(np.float32))
@@ -313,9 +316,9 @@ def test_dns_name_with_two_addresses_is_a_fleet(pool, tmp_path, monkeypatch):
             return real(host, *args, **kw)
 
         monkeypatch.setattr(socket, "getaddrinfo", resolver)
-        monkeypatch.setattr(moed.fleet, "RESOLVE_EVERY", 0.0)  # no waiting between resolutions here
+        monkeypatch.setattr(moed.targets, "RESOLVE_EVERY", 0.0)  # no waiting between resolutions here
         x = hidden(np.random.default_rng(1), "f32")
-        with MoEClient(f"dns:///moed-fleet.test:{port}", timeout=30) as fl, one(pool).client() as c1:
+        with moed.connect(f"dns:///moed-fleet.test:{port}", timeout=30) as fl, one(pool).client() as c1:
             assert [m.target for m in fl.members()] == [f"ipv4:127.0.0.1:{port}", f"ipv4:127.0.0.2:{port}"]
             want = c1.forward(0, x)
             assert np.abs(fl.forward(0, x) - want).max() <= 1e-5 * np.abs(want).max()
@@ -385,7 +388,7 @@ class PyFleet:
     """The Python fleet client, answering as CFleet does."""
 
     def __init__(self, targets, x, ids, weights):
-        self.fl, self.kw = MoEClient(targets, timeout=30), dict(hidden=x, expert_ids=ids, expert_weights=weights)
+        self.fl, self.kw = moed.connect(targets, timeout=30), dict(hidden=x, expert_ids=ids, expert_weights=weights)
 
     def call(self, layer=0):
         try:
@@ -607,7 +610,7 @@ def test_python_retries_a_shard_whose_every_replica_is_passed_over(daemon):
     b = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "4-7")
     x = np.zeros((2, D), np.float32)
     policy = moed.RetryPolicy(max_attempts=4, initial_backoff=0.01, max_backoff=0.02)
-    with MoEClient([a.address, b.address], timeout=30, retry=policy) as fl:
+    with moed.connect([a.address, b.address], timeout=30, retry=policy) as fl:
         fl.forward(0, x)
         assert b.stop() == 0, b.log()
         for call in ("found it up", "found it passed over"):

@@ -210,8 +210,9 @@ MOEDC_EXTERN int moedc_connect(const char *target, const moedc_opts *opts, moedc
  * bounds the cost in bf16 and f16); its timings, request_id and expert_set are those of the
  * slowest shard. With one shard the reply is the result, as from one daemon. Batch gating over a
  * layer split into several shards is MOEDC_EPRECOND. moedc_info answers the fleet's model (each
- * layer once, held: the experts the daemons that answered hold between them; the smallest limits;
- * every device); moedc_health SERVING when every layer has every expert on a SERVING daemon.
+ * layer once, held: the experts the daemons serving it hold between them; the smallest limits;
+ * every device; its fingerprint); moedc_health SERVING when every layer has every expert on a
+ * SERVING daemon. A region session and ListRegions need one daemon: MOEDC_EPRECOND.
  * With n == 1 and a target that is one daemon, this is moedc_connect. */
 MOEDC_EXTERN int moedc_connect_many(const char *const *targets, int n, const moedc_opts *opts,
                                     moedc **out, moedc_error *err);

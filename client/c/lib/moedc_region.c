@@ -9,6 +9,7 @@
  * posted when it opens: a stream the server ended (refused, or draining) shows as a command that
  * gets no event, and its status is the command's error.
  */
+#include "moedc_channel.h"
 #include "moedc_common.h"
 
 #include "moed/v1/moed.pb-c.h"
@@ -141,13 +142,9 @@ static int command(moedc_session *s, Moed__V1__RegionCommand *cmd, Moed__V1__Reg
     return rc;
 }
 
-int moedc_session_open(moedc *c, moedc_session **out, moedc_error *err)
+int moedc_channel_session_open(moedc *c, moedc_session **out, moedc_error *err)
 {
-    *out = NULL;
-    if (c->fleet)
-        return moedc_fail(err, MOEDC_EPRECOND,
-                          "a region session needs one daemon on this host; this moedc is a fleet "
-                          "of several (its calls carry their tensors inline)");
+    const moedc_channel *ch = (const moedc_channel *)c;
     moedc_session *s = calloc(1, sizeof *s);
     if (!s) return moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a region session");
     grpc_init();
@@ -157,18 +154,18 @@ int moedc_session_open(moedc *c, moedc_session **out, moedc_error *err)
     grpc_metadata_array_init(&s->trailing_md);
     s->details = grpc_empty_slice();
     s->cq = grpc_completion_queue_create_for_next(NULL);
-    s->call =
-        grpc_channel_create_registered_call(c->channel, NULL, GRPC_PROPAGATE_DEFAULTS, s->cq,
-                                            c->m_regions, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-    if (c->auth) {
+    s->call = grpc_channel_create_registered_call(ch->channel, NULL, GRPC_PROPAGATE_DEFAULTS, s->cq,
+                                                  ch->m_regions, gpr_inf_future(GPR_CLOCK_REALTIME),
+                                                  NULL);
+    if (ch->auth) {
         s->auth_md.key = grpc_slice_from_static_string("authorization");
-        s->auth_md.value = grpc_slice_from_static_string(c->auth);
+        s->auth_md.value = grpc_slice_from_static_string(ch->auth);
     }
     grpc_op ops[1], st[1];
     memset(ops, 0, sizeof ops);
     memset(st, 0, sizeof st);
     ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-    ops[0].data.send_initial_metadata.count = c->auth ? 1 : 0;
+    ops[0].data.send_initial_metadata.count = ch->auth ? 1 : 0;
     ops[0].data.send_initial_metadata.metadata = &s->auth_md;
     st[0].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
     st[0].data.recv_status_on_client.trailing_metadata = &s->trailing_md;

@@ -1,4 +1,4 @@
-"""python -m moed: a small command line over MoEClient, for poking at a server by hand.
+"""python -m moed: a small command line (moed.connect), to poke at a server or a fleet by hand.
 
     python -m moed [--target ADDR] [--timeout S] health | info | forward [--layer N] [--tokens T]
                    [--dtype f32|f16|bf16] [--strategy S] [--top-k K] [--seed N] [--verify]
@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from . import MoEClient, MoEError
+from . import Client, MoEError, connect
 
 _DTYPES = ("bf16", "f16", "f32")
 
@@ -29,7 +29,7 @@ def _np_dtype(name: str):
     return {"f32": np.float32, "f16": np.float16}[name]
 
 
-def _info(c: MoEClient) -> int:
+def _info(c: Client) -> int:
     m = c.info()
     print(f"model    {m.model}\nbackend  {m.backend}   version {m.version}")
     print(f"limits   {m.max_message_bytes} bytes per message, {m.max_batch_tokens} tokens per request")
@@ -53,7 +53,7 @@ def _info(c: MoEClient) -> int:
     return 0
 
 
-def _verify(c: MoEClient, args, x, logits, y) -> int:
+def _verify(c: Client, args, x, logits, y) -> int:
     from . import reference
 
     m = c.info()
@@ -76,7 +76,7 @@ def _verify(c: MoEClient, args, x, logits, y) -> int:
     return 0 if err <= tol else 1
 
 
-def _forward(c: MoEClient, args) -> int:
+def _forward(c: Client, args) -> int:
     layer = c.info().layer(args.layer)
     rng = np.random.default_rng(args.seed)
     x = rng.standard_normal((args.tokens, layer.d_model)).astype(_np_dtype(args.dtype))
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         several = "," in args.target and not args.target.startswith(("ipv4:", "ipv6:"))
-        with MoEClient(args.target.split(",") if several else args.target, timeout=args.timeout) as c:
+        with connect(args.target.split(",") if several else args.target, timeout=args.timeout) as c:
             if args.cmd == "health":
                 print(c.health())
                 return 0

@@ -17,7 +17,7 @@ from . import wire
 from .retry import NO_RETRY, RetryPolicy
 from .tensors import F32, I32, hidden_input, host_array, wire_tensor
 from .regions import Regions, Steps
-from .transport import NAMES, Prepared, prepare
+from .transport import Prepared, known, prepare
 from .types import (ACTIVATIONS, DTYPES, HEALTH, REGION_KINDS, ROUTER_RULES, Device, ForwardResult,
                     LayerInfo, ModelInfo, MoEError, Region, RegionLimits, Timings, name_of,
                     strategy_value)
@@ -254,6 +254,12 @@ class Feed:
             raise self.error
 
 
+def deadline(timeout: Optional[float], default: Optional[float]) -> Optional[float]:
+    """The time.monotonic() deadline of a call given `timeout` (None: the client's `default`)."""
+    timeout = default if timeout is None else timeout
+    return None if timeout is None else time.monotonic() + timeout
+
+
 def remaining(deadline: Optional[float]) -> Optional[float]:
     """Seconds left until a time.monotonic() deadline (None: no deadline)."""
     return None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -276,9 +282,7 @@ class Connection:
         self._channel = self.new_channel()
         self.timeout = timeout
         self.retry = retry or NO_RETRY
-        if transport not in NAMES:
-            raise ValueError(f"unknown transport {transport!r}: use {', '.join(NAMES)}")
-        self.transport = transport
+        self.transport = known(transport)
         self._metadata = metadata(token)
         self._forward = self._channel.unary_unary(FORWARD)
         self._stream = self._channel.stream_stream(FORWARD_STREAM)
@@ -296,9 +300,7 @@ class Connection:
         return m.secure_channel(self.target, self._credentials, options=opts)
 
     def _deadline(self, timeout: Optional[float]) -> Optional[float]:
-        """The time.monotonic() deadline of a call given `timeout` (None: the client's)."""
-        timeout = self.timeout if timeout is None else timeout
-        return None if timeout is None else time.monotonic() + timeout
+        return deadline(timeout, self.timeout)
 
 
 class SessionBase:

@@ -1,4 +1,5 @@
-"""MoEClient: a blocking client of one moed server (moed.aio.MoEClient is its asyncio twin).
+"""MoEClient: a blocking client of one moed server (moed.aio.MoEClient is its asyncio twin;
+moed.FleetClient the client of several, behind the same interface, moed.interface.Client).
 
 Tensors go as raw little-endian bytes (moed.v1.Tensor.data), never as repeated floats. Requests are
 encoded by moed.wire, not by the generated protobuf classes: a tensor's bytes are written once,
@@ -18,7 +19,9 @@ from typing import Any, Iterable, Iterator, List, Optional
 import grpc
 
 from . import _common as C
+from .interface import Client
 from .regions import LIMITS, LISTING, Registration, Steps
+from .targets import single
 from .types import ModelInfo, MoEError, Region
 
 
@@ -97,7 +100,7 @@ class Session(C.SessionBase):
                 self._channel = self._stub = None
 
 
-class MoEClient(C.Connection):
+class MoEClient(C.Connection, Client):
     """A connection to one moed server; one client may be used from many threads at once.
 
     MoEClient(target, timeout=None, credentials=None, token=None, options=None, keepalive=None,
@@ -119,22 +122,13 @@ class MoEClient(C.Connection):
     transport carried; the region session behind shm and cuda is opened on first use and ended
     by close() (moed.regions).
 
-    A target naming several daemons (a list of targets, or a "dns:" name that resolves to several
-    addresses, as a Kubernetes headless Service does) makes a fleet client (moed.fleet): the same
-    calls, each sent to the daemons holding its layer's experts and their partial outputs added;
-    its tensors travel inline.
+    MoEClient talks to one daemon: a list of targets raises TypeError and a "dns:" name that
+    resolves to several addresses ValueError, each pointing to moed.connect, which makes a fleet
+    client (moed.FleetClient) of several daemons and this client of one.
     """
 
-    def __new__(cls, target: Any = "127.0.0.1:50051", *args, **kwargs):
-        if cls is MoEClient and not (isinstance(target, str) and not target.startswith("dns:")):
-            from .fleet import FleetClient, is_fleet
-
-            if is_fleet(target):
-                cls = FleetClient
-        return super().__new__(cls)
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, target: str = "127.0.0.1:50051", *args, **kwargs):
+        super().__init__(single(target, "moed.MoEClient", "moed.connect"), *args, **kwargs)
         self._session = Session(self)
 
     def close(self) -> None:
@@ -142,12 +136,6 @@ class MoEClient(C.Connection):
         shared-memory arena stay valid) and closes the channel; calls in flight are cancelled."""
         self._session.close()
         self._channel.close()
-
-    def __enter__(self) -> "MoEClient":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def _unary(self, method, payload: bytes, timeout: Optional[float]) -> bytes:
         """One unary call with the retry policy; the reply's bytes."""

@@ -117,6 +117,13 @@ class DevicePrepared(Prepared):
             self.slot.failed(code_name)
 
 
+def known(name: str) -> str:
+    """name, checked to be one of NAMES (ValueError otherwise)."""
+    if name not in NAMES:
+        raise ValueError(f"unknown transport {name!r}: use {', '.join(NAMES)}")
+    return name
+
+
 def inline(inp: Input, out: Any) -> Prepared:
     return Prepared(inp, wire_tensor(inp.host(), inp.wire), None, out)
 
@@ -157,8 +164,7 @@ def cuda(inp: Input, regions: Regions, out: Any) -> Steps:
 def prepare(name: str, inp: Input, regions: Regions, out: Any = None) -> Steps:
     """Steps (moed.regions) that return the Prepared of input `inp` on transport `name` (one of
     NAMES); ValueError for a transport that cannot carry it, MoEError for one the server refuses."""
-    if name not in NAMES:
-        raise ValueError(f"unknown transport {name!r}: use {', '.join(NAMES)}")
+    known(name)
     if out is not None:
         inp.check_out(out)
     if name == "inline" or (name == "auto" and (not regions.local or

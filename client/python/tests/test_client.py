@@ -454,7 +454,7 @@ def test_aio_client_has_the_same_methods(server):
         for y, req in zip(outs, reqs):
             np.testing.assert_array_equal(y, twice(req["hidden"]))
     # s2.. went again on a new stream (or s2 alone as a unary call first, where grpc.aio hid the
-    # stream's status: see moed.aio)
+    # stream's status: see moed.aio_client)
     assert last_stream[-1] == "s4" and last_stream[0] in ("s2", "s3")
     np.testing.assert_array_equal(r.output, twice(reqs[0]["hidden"]))
 
