@@ -24,7 +24,7 @@ static uint8_t *join(const moedc_wire *w, size_t *n)
     *n = w->head_len + w->body_len + w->tail_len;
     uint8_t *b = malloc(*n);
     memcpy(b, w->head, w->head_len);
-    memcpy(b + w->head_len, w->body, w->body_len);
+    if (w->body_len) memcpy(b + w->head_len, w->body, w->body_len); /* no body: body may be NULL */
     memcpy(b + w->head_len + w->body_len, w->tail, w->tail_len);
     return b;
 }
