@@ -359,6 +359,7 @@ static void stream_on_recv(rpc_tag *t, bool ok)
     pthread_mutex_lock(&s->lock);
     grpc_byte_buffer *bb = s->recv_bb;
     s->recv_bb = NULL;
+    if (ok && bb) rpc_call_read(&s->base);
     if (!ok || !bb) {
         s->read = READ_EOF;
         if (bb) grpc_byte_buffer_destroy(bb);

@@ -1,35 +1,89 @@
 /*
- * moed_peers — how many calls each connection has open, so that moed holds every connection to
- * the MAX_CONCURRENT_STREAMS it advertises (--max-streams).
+ * moed_peers — what each connection's calls cost, so that moed holds every connection to the
+ * MAX_CONCURRENT_STREAMS it advertises (--max-streams), and closes those that do not keep to it.
  *
- * Why the count is kept here and not left to gRPC: gRPC core 1.51 enforces the limit only once the
- * peer has acknowledged the SETTINGS frame that carries it, and a peer that never reads never
- * does, so it could open streams without end. gRPC tells the application each call's peer address
- * (ip:port: one per TCP connection), and the count is kept per address.
+ * Why this is kept here and not left to gRPC: gRPC core 1.51 enforces the limit only once the peer
+ * has acknowledged the SETTINGS frame that carries it, and a peer that never reads never does. gRPC
+ * makes a call of every stream such a peer opens, a call held for its request costs about 13 KB,
+ * and with enough such connections gRPC makes them faster than moed can turn them away one by one:
+ * its queue of new calls grows without bound (hundreds of MB a second) and a legitimate call waits
+ * behind all of it. Closing the connection is the one thing that stops gRPC reading it.
  *
- * Thread-safe: one mutex over a hash of the addresses with calls open.
+ * gRPC names each call's peer (ip:port: one per TCP connection). With `limit` = twice the stream
+ * setting, a connection is closed at the call that finds it
+ *  - with `limit` calls open,
+ *  - or with `limit` calls that ended unread (turned away at their headers, or ended by the peer
+ *    before a request of them was read) more than calls read,
+ *  - or, when `limit` calls of all connections together wait for their request (a unary call is let
+ *    in on its headers, then waits for its message), holding the most of them, if more than one: a
+ *    peer that opens calls and never sends them soon holds the most, and a connection with one call
+ *    waiting (a new one) is never closed for it.
+ * Every later call of a closed connection (gRPC delivers those it had read before) is dropped.
+ *
+ * An address is forgotten once it has no call open and nothing against it, or, when it has (it was
+ * closed, or has calls unread), once it has had no call for MOED_PEERS_IDLE_NS: a closed
+ * connection's last calls come within that, and the table keeps no address long after its last
+ * call.
+ *
+ * Thread-safe: one mutex over a hash of the addresses, and lists of them by calls waiting.
  */
 #ifndef MOED_PEERS_H
 #define MOED_PEERS_H
 
+#include "moed_list.h"
+
 #include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define MOED_PEERS_IDLE_NS ((uint64_t)10 * 1000000000)
 
 typedef struct moed_peers moed_peers;
 typedef struct moed_peer moed_peer;
 
-/* NULL when out of memory. */
-moed_peers *moed_peers_create(void);
+/* A call as counted here; kept in the call's own state. Zeroed: not counted. */
+typedef struct moed_peer_call {
+    moed_peer *peer; /* its connection; NULL: not counted */
+    bool read;       /* a request of it was read */
+    bool waiting;    /* it waits for its request */
+} moed_peer_call;
+
+typedef enum moed_peer_verdict {
+    MOED_PEER_ADMIT,  /* counted in *c (unless no memory was left for a new address) */
+    MOED_PEER_CLOSE,  /* its connection is to be closed (moed_peers_disconnect); the call is dropped
+                       */
+    MOED_PEER_CLOSED, /* its connection was closed before: the call is dropped */
+} moed_peer_verdict;
+
+/* `limit` (at least 1): see above. NULL when out of memory. */
+moed_peers *moed_peers_create(int limit);
 void moed_peers_destroy(moed_peers *p);
 
-/* Counts one more call from `addr`, or returns NULL when `addr` has `limit` calls open already
- * (or no memory is left for a new address). */
-moed_peer *moed_peers_enter(moed_peers *p, const char *addr, int limit);
+/* A call from `addr` arrived at `now_ns` (any monotonic clock, the same for every call); `waits`:
+ * it waits for its request (a unary call). When admitting it closes another connection (the one
+ * holding the most calls waiting), that one's address is copied into victim (else victim[0] = 0;
+ * cap must hold an address: 64 bytes do). */
+moed_peer_verdict moed_peers_enter(moed_peers *p, const char *addr, bool waits, uint64_t now_ns,
+                                   moed_peer_call *c, char *victim, size_t cap);
 
-/* The call counted by moed_peers_enter has ended. */
-void moed_peers_leave(moed_peers *p, moed_peer *e);
+/* A request of the call was read (its first: later ones are no-ops). */
+void moed_peers_read(moed_peers *p, moed_peer_call *c);
 
-/* Calls open from `addr` now (for tests). */
+/* The call has ended. */
+void moed_peers_leave(moed_peers *p, moed_peer_call *c, uint64_t now_ns);
+
+/* Of `addr` now: calls open, calls unread, whether it is closed; and calls waiting in all (tests).
+ */
 int moed_peers_count(moed_peers *p, const char *addr);
+int moed_peers_unread(moed_peers *p, const char *addr);
+bool moed_peers_closed(moed_peers *p, const char *addr);
+int moed_peers_waiting(moed_peers *p);
+
+/* Resets the TCP connections of this process whose peer is `addr` (as gRPC names it: "ipv4:a.b.c.d:
+ * port" or "ipv6:[addr]:port") and whose local port is `port`, through their sockets: connect with
+ * AF_UNSPEC aborts the connection and drops what it had not read, and leaves the descriptor to its
+ * owner, gRPC, which sees the connection end. Returns how many it reset. */
+int moed_peers_disconnect(const char *addr, int port);
 
 /* Whether a gRPC peer address ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:/path", ...) is on
  * this host: loopback (127.0.0.0/8, ::1, ::ffff:127.x) or a unix socket. */

@@ -148,6 +148,7 @@ static void on_recv(rpc_tag *t, bool ok)
     grpc_byte_buffer *bb = rc->recv_bb;
     rc->recv_bb = NULL;
     rc->reading = false;
+    if (ok && bb) rpc_call_read(&rc->base);
     int status = 0;
     grpc_byte_buffer *out = ok && bb && !rc->done ? answer(rc, bb, &status) : NULL;
     if (!ok || !bb) {

@@ -6,7 +6,11 @@
  * read tensors straight from the received slices and reply from a slice the output was written
  * into. Why several completion queues: one queue thread tops out near one core of HTTP/2 work;
  * the bare gRPC floor the benchmarks compare against (an echo server with no compute, 8.2 GB/s)
- * was measured with eight.
+ * was measured with eight. Why the threads that run calls never read a connection (their queues
+ * are gRPC's non-polling kind, and other threads poll): gRPC 1.51 reads a connection on, in the
+ * thread that polled it, for as long as its socket has data, so a peer sending streams faster than
+ * they are parsed keeps that thread; a thread that also ran calls then ran none, and 32 such
+ * connections stopped every call, and every decision to close one of them, for seconds.
  */
 #include "rpc_call.h"
 
@@ -70,7 +74,7 @@ void rpc_call_unref(rpc_call *c)
         pthread_mutex_unlock(&r->live_lock);
     }
     if (c->started && c->method->destroy) c->method->destroy(c);
-    if (c->peer) moed_peers_leave(r->peers, c->peer);
+    moed_peers_leave(r->peers, &c->peer, moed_now_ns());
     const bool was_active = c->active;
     if (c->call) grpc_call_unref(c->call);
     grpc_metadata_array_destroy(&c->md);
@@ -81,6 +85,11 @@ void rpc_call_unref(rpc_call *c)
     free(c);
     if (was_active && atomic_fetch_sub(&r->active, 1) == 1 && atomic_load(&r->draining))
         maybe_shutdown(r);
+}
+
+void rpc_call_read(rpc_call *c)
+{
+    moed_peers_read(c->rpc->peers, &c->peer);
 }
 
 /* Takes a reference unless the call is already on its way out (refs at 0). */
@@ -318,25 +327,38 @@ static bool refuse_draining(rpc_call *c)
     return true;
 }
 
+/* Closes a connection found past its limits (moed_peers); counted first, so that whoever sees it
+ * closed finds it counted. */
+static void close_connection(moed_rpc *r, const char *peer)
+{
+    atomic_fetch_add(&r->closed, 1);
+    int n = moed_peers_disconnect(peer, r->port);
+    moed_log_warn("connection closed",
+                  "peer=%s sockets=%d reason=\"past its limits: %d calls open, or ended unread, "
+                  "on it, or the most of the %d calls waiting for their request; "
+                  "MAX_CONCURRENT_STREAMS is %d (--max-streams)\"",
+                  peer, n, 2 * r->cfg.max_streams, 2 * r->cfg.max_streams, r->cfg.max_streams);
+}
+
 /* A connection may hold twice the MAX_CONCURRENT_STREAMS moed advertises (a client that honours
  * the setting never comes near: the slack covers calls whose end the client has seen before this
- * side has freed them); a call past that is refused at once, unread. Unix-socket peers all share
- * one address and are not counted: the socket file's permissions admit them. */
+ * side has freed them), and have as many calls end unread (moed_peers). Its next call closes it:
+ * refusing calls one by one cannot keep up with a peer that opens streams without reading (see
+ * peers.h), and the calls gRPC had already taken from it are dropped as they come. Unix-socket
+ * peers all share one address and are not counted: the socket file's permissions admit them. */
 static bool refuse_crowded(rpc_call *c)
 {
     moed_rpc *r = c->rpc;
-    char *peer = grpc_call_get_peer(c->call);
-    bool counted = peer && strncmp(peer, "unix", 4);
+    char *peer = grpc_call_get_peer(c->call), victim[128] = "";
+    moed_peer_verdict v = MOED_PEER_ADMIT;
     c->local = peer && moed_peer_is_local(peer);
-    if (counted) c->peer = moed_peers_enter(r->peers, peer, 2 * r->cfg.max_streams);
+    if (peer && strncmp(peer, "unix", 4))
+        v = moed_peers_enter(r->peers, peer, c->method->read_payload, c->t_received_ns, &c->peer,
+                             victim, sizeof victim);
+    if (v == MOED_PEER_CLOSE) close_connection(r, peer);
+    if (v == MOED_PEER_ADMIT && victim[0]) close_connection(r, victim);
     gpr_free(peer);
-    if (!counted || c->peer) return false;
-    moed_error err;
-    moed_fail(&err, MOED_ETOOBIG,
-              "%d calls open on this connection; MAX_CONCURRENT_STREAMS is %d (--max-streams)",
-              2 * r->cfg.max_streams, r->cfg.max_streams);
-    refuse(c, &err);
-    return true;
+    return v != MOED_PEER_ADMIT;
 }
 
 static void start_method(rpc_call *c)
@@ -351,6 +373,7 @@ static void on_payload(rpc_tag *t, bool ok)
 {
     rpc_call *c = moed_container_of(t, rpc_call, on_payload);
     moed_error err;
+    if (c->payload) rpc_call_read(c);
     if (!c->payload && (!ok || grpc_call_failed_before_recv_message(c->call)))
         rpc_count(c, GRPC_STATUS_CANCELLED, c->t_received_ns, NULL, NULL);
     else if (rpc_inflate(c->rpc, &c->payload, &err))
@@ -421,8 +444,10 @@ static void request_call(rpc_cq *q, int m)
     }
 }
 
-/* Queue 0's thread also wakes every DRAIN_POLL_MS, so that a drain waiting for callers to go quiet
- * finishes when they have, whether or not any event comes. */
+/* A queue's thread: a call queue's runs its calls' events; a reading queue's thread has none (no
+ * call is bound to it) and does gRPC's reading in grpc_completion_queue_next. Queue 0's thread also
+ * wakes every DRAIN_POLL_MS, so that a drain waiting for callers to go quiet finishes when they
+ * have, whether or not any event comes. */
 static void *cq_main(void *arg)
 {
     rpc_cq *q = arg;
@@ -629,6 +654,7 @@ static void unknown_start(rpc_call *c)
 {
     char msg[400];
     grpc_slice m = c->call_details.method;
+    rpc_call_read(c); /* answered, as a call whose request was read */
     snprintf(msg, sizeof msg,
              "unknown method %.*s: moed serves /moed.v1.Moed/Forward, ForwardStream, GetModel, "
              "Regions and ListRegions, and /grpc.health.v1.Health/Check and Watch",
@@ -668,6 +694,7 @@ static void set_address(moed_rpc *r, int port)
         return;
     }
     int host = colon ? (int)(colon - a) : (int)strlen(a);
+    r->port = port;
     snprintf(r->address, sizeof r->address, "%.*s:%d", host, a, port);
 }
 
@@ -739,8 +766,9 @@ int moed_rpc_start(const moed_rpc_config *cfg, moed_rpc **out, moed_error *err)
     r->serving = HEALTH_NOT_SERVING;
     pthread_mutex_init(&r->live_lock, NULL);
     moed_list_init(&r->live);
-    if (!(r->server = create_server(cfg)) || !(r->peers = moed_peers_create()) ||
-        !(r->cqs = calloc((size_t)cfg->cq_threads, sizeof *r->cqs))) {
+    if (!(r->server = create_server(cfg)) ||
+        !(r->peers = moed_peers_create(2 * cfg->max_streams)) ||
+        !(r->cqs = calloc(2 * (size_t)cfg->cq_threads, sizeof *r->cqs))) {
         rc = moed_fail(err, MOED_ENOMEM, "no memory for the gRPC server");
         goto err;
     }
@@ -748,11 +776,17 @@ int moed_rpc_start(const moed_rpc_config *cfg, moed_rpc **out, moed_error *err)
         if (!methods[m]->generic)
             r->methods[m] = grpc_server_register_method(r->server, methods[m]->path, NULL,
                                                         GRPC_SRM_PAYLOAD_NONE, 0);
-    /* Threads before the port: until grpc_server_start a failure can simply destroy the server. */
-    for (r->n_cqs = 0; r->n_cqs < cfg->cq_threads; r->n_cqs++) {
+    /* Threads before the port: until grpc_server_start a failure can simply destroy the server.
+     * The call queues first (the calls are bound to them), then the reading threads' queues. */
+    for (r->n_cqs = 0; r->n_cqs < 2 * cfg->cq_threads; r->n_cqs++) {
         rpc_cq *q = &r->cqs[r->n_cqs];
+        grpc_completion_queue_attributes attr = {
+            GRPC_CQ_CURRENT_VERSION, GRPC_CQ_NEXT,
+            r->n_cqs < cfg->cq_threads ? GRPC_CQ_NON_POLLING : GRPC_CQ_DEFAULT_POLLING, NULL
+        };
         q->rpc = r;
-        q->cq = grpc_completion_queue_create_for_next(NULL);
+        q->cq =
+            grpc_completion_queue_create(grpc_completion_queue_factory_lookup(&attr), &attr, NULL);
         grpc_server_register_completion_queue(r->server, q->cq, NULL);
         if (pthread_create(&q->thread, NULL, cq_main, q)) {
             r->n_cqs++;
@@ -778,7 +812,7 @@ int moed_rpc_start(const moed_rpc_config *cfg, moed_rpc **out, moed_error *err)
     set_address(r, port);
     grpc_server_start(r->server);
     r->started = true;
-    for (int i = 0; i < r->n_cqs; i++)
+    for (int i = 0; i < cfg->cq_threads; i++) /* the call queues */
         for (int m = 0; m < M_COUNT; m++)
             for (int k = 0; k < prepost[m]; k++) request_call(&r->cqs[i], m);
     *out = r;
@@ -919,4 +953,5 @@ void moed_rpc_get_stats(moed_rpc *r, moed_rpc_stats *out)
     for (int i = 0; i < MOED_GRPC_STATUS_COUNT; i++)
         out->by_status[i] = atomic_load(&r->by_status[i]);
     out->active_calls = atomic_load(&r->active);
+    out->connections_closed = atomic_load(&r->closed);
 }

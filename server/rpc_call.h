@@ -52,7 +52,7 @@ struct moed_rpc {
     moed_rpc_config cfg;
     grpc_server *server;
     void *methods[M_COUNT];
-    rpc_cq *cqs;
+    rpc_cq *cqs; /* --cq-threads call queues, then as many reading threads' queues */
     int n_cqs;
     char address[256];
     bool started;                  /* grpc_server_start ran: destroy only after the shutdown tag */
@@ -66,6 +66,8 @@ struct moed_rpc {
     moed_list live;            /* of rpc_call.live_node */
     int serving;               /* HEALTH_SERVING or HEALTH_NOT_SERVING, under live_lock */
     moed_peers *peers;         /* calls open per connection, held to 2 x --max-streams */
+    int port;                  /* the port listened on (0: a unix socket) */
+    _Atomic uint64_t closed;   /* connections closed for going past their limits */
     _Atomic uint64_t calls[M_COUNT], forwards, by_status[MOED_GRPC_STATUS_COUNT], active;
 };
 
@@ -94,11 +96,11 @@ struct rpc_call {
     grpc_byte_buffer *payload;      /* unary requests: read once the call is let in */
     _Atomic int refs;
     uint64_t t_received_ns;
-    moed_peer *peer; /* its connection's count of open calls, or NULL (not counted) */
-    int principal;   /* the token it carries (moed_security_check_call); 0 without tokens */
-    bool local;      /* its peer is on this host (loopback or a unix socket) */
-    bool active;     /* let in (token, drain and stream count checked): the drain waits for it */
-    bool started;    /* the method's start ran: its destroy must run too */
+    moed_peer_call peer; /* as its connection's calls count it (moed_peers) */
+    int principal;       /* the token it carries (moed_security_check_call); 0 without tokens */
+    bool local;          /* its peer is on this host (loopback or a unix socket) */
+    bool active;  /* let in (token, drain and stream count checked): the drain waits for it */
+    bool started; /* the method's start ran: its destroy must run too */
     rpc_tag on_new, on_payload;
     /* RECV_CLOSE_ON_SERVER */
     rpc_tag on_close;
@@ -133,6 +135,9 @@ void rpc_reply_error(rpc_call *c, const moed_error *err);
 /* Starts a batch of ops on the call with `tag`, taking a reference for it; a refusal (a bug) is
  * logged and answered by cancelling the call. */
 void rpc_start_batch(rpc_call *c, const grpc_op *ops, size_t n, rpc_tag *tag);
+
+/* A request of the call was read (moed_peers counts the calls that end with none). */
+void rpc_call_read(rpc_call *c);
 
 /* Streaming calls: registered on rpc->live while open, so drain and health reach them. */
 void rpc_live_add(rpc_call *c);

@@ -99,38 +99,56 @@ def _frame(kind, flags, sid, payload=b""):
     return struct.pack(">I", len(payload))[1:] + struct.pack(">BBI", kind, flags, sid) + payload
 
 
-def flood(address, seconds, connections=2, per_write=100, reset=False, path=FORWARD, stop=None):
+def flood(address, seconds, connections=2, per_write=100, reset=False, path=FORWARD, stop=None,
+          reconnect=False, closed=None, started=None, min_streams=1):
     """Opens Forward streams on `connections` raw connections for `seconds`: each write carries
     `per_write` streams (HEADERS, then an empty DATA frame; with `reset`, RST_STREAM(CANCEL) after
     them), made by hand so the sender is not the bottleneck. Nothing the server sends is ever read,
-    so its SETTINGS are never acknowledged. Returns the streams sent (a connection the server
-    closes, or whose writes block past the time, stops early; so does every connection once
-    `stop()`, if given, says so)."""
+    so its SETTINGS are never acknowledged. Returns the streams sent. A connection the server
+    closes ends its sender, unless `reconnect`: then it connects again and goes on (`closed`, a
+    list, if given, gets one entry per connection the server closed). Every sender stops when the
+    time is up or once `stop()`, if given, says so; `started`, a threading.Event if given, is set
+    once `min_streams` streams are out."""
     block = hpack.Encoder().encode([hpack.NeverIndexedHeaderTuple(k, v) for k, v in _headers(address, path)])
     opened = [0] * connections
     end = time.monotonic() + seconds
+    going = lambda: time.monotonic() < end and not (stop and stop())
 
     def one(i):
-        try:
-            s, _ = _connect(address)
-        except OSError:
-            return
-        sid = 1
-        try:
-            while time.monotonic() < end and not (stop and stop()):
-                out = []
-                for _ in range(per_write):
-                    out += [_frame(1, 4, sid, block), _frame(0, 0, sid)]  # HEADERS (END_HEADERS), DATA
-                    if reset:
-                        out.append(_frame(3, 0, sid, struct.pack(">I", 8)))  # RST_STREAM(CANCEL)
-                    sid += 2
-                s.settimeout(max(0.01, end - time.monotonic()))
-                s.sendall(b"".join(out))
-                opened[i] += per_write
-        except OSError:
-            pass
-        finally:
-            s.close()
+        while going():
+            try:
+                s, _ = _connect(address)
+            except OSError:
+                return
+            s.setblocking(False)  # a write the server does not read waits, while stop() is watched
+            sid, pending = 1, memoryview(b"")
+            try:
+                while going():
+                    if not pending:
+                        out = []
+                        for _ in range(per_write):
+                            out += [_frame(1, 4, sid, block), _frame(0, 0, sid)]  # HEADERS (END_HEADERS), DATA
+                            if reset:
+                                out.append(_frame(3, 0, sid, struct.pack(">I", 8)))  # RST_STREAM(CANCEL)
+                            sid += 2
+                        pending = memoryview(b"".join(out))
+                    if not select.select([], [s], [], 0.1)[1]:
+                        continue
+                    try:
+                        pending = pending[s.send(pending):]
+                    except BlockingIOError:
+                        continue
+                    if not pending:
+                        opened[i] += per_write
+                        if started is not None and sum(opened) >= min_streams:
+                            started.set()
+            except OSError:  # the server closed the connection
+                if closed is not None:
+                    closed.append(i)
+                if not reconnect:
+                    return
+            finally:
+                s.close()
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(connections)]
     for t in threads:
@@ -200,34 +218,42 @@ def upload(address, body_len, token=None, compressed_body=None, path=FORWARD, ti
     return status, message, max(0, sent - 5)
 
 
-def open_streams(address, n, path=FORWARD, wait=1.0):
+def open_streams(address, n, path=FORWARD, wait=60.0):
     """Opens n streams at once on one connection, headers only (no message), before reading the
-    server's SETTINGS, then reads for `wait` s. Returns ({stream id: (grpc-status, grpc-message)}
-    for the streams the server answered, the SETTINGS it advertised as {code: value}; 3 is
-    MAX_CONCURRENT_STREAMS, 4 INITIAL_WINDOW_SIZE, 6 MAX_HEADER_LIST_SIZE)."""
+    server's SETTINGS, then reads until the server closes the connection (or `wait` s pass: a hang
+    guard). Returns ({stream id: (grpc-status, grpc-message)} for the streams the server answered,
+    the SETTINGS it advertised as {code: value} (3 is MAX_CONCURRENT_STREAMS, 4
+    INITIAL_WINDOW_SIZE, 6 MAX_HEADER_LIST_SIZE), whether the server closed the connection)."""
     s, conn = _connect(address)
-    answered = {}
+    answered, closed = {}, False
     try:
         for _ in range(n):
             conn.send_headers(conn.get_next_available_stream_id(), _headers(address, path))
         s.sendall(conn.data_to_send())
         end = time.monotonic() + wait
-        while time.monotonic() < end:
+        while not closed and time.monotonic() < end:
             if not select.select([s], [], [], 0.05)[0]:
                 continue
-            got = s.recv(1 << 16)
+            try:
+                got = s.recv(1 << 16)
+            except ConnectionResetError:
+                got = b""
             if not got:
+                closed = True
                 break
             for ev in conn.receive_data(got):
                 if isinstance(ev, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
                     h = dict(ev.headers)
                     if "grpc-status" in h:
                         answered[ev.stream_id] = (int(h["grpc-status"]), h.get("grpc-message", ""))
-            s.sendall(conn.data_to_send())
+            try:
+                s.sendall(conn.data_to_send())
+            except OSError:
+                closed = True
         settings = {int(k): v for k, v in conn.remote_settings.items()}
     finally:
         s.close()
-    return answered, settings
+    return answered, settings, closed
 
 
 def reset_mid_upload(address, path=FORWARD, claimed=1 << 20, send=1000, wait=0.3, token=None):
@@ -422,17 +448,52 @@ def _floods(start, tmp):
             p.wait(60)
 
 
-def flood_process(address, seconds, reset=False):
-    """flood() in a process of its own (the attacker is not the callers' process: no shared
-    interpreter lock); wait() on it, and read the streams sent from its stdout."""
+def flood_process(address, connections, reset=False, min_streams=1, guard_s=300):
+    """flood() with `connections` connections, reconnecting to any the server closes, in a process
+    of its own (the attacker is not the callers' process: no shared interpreter lock), until it is
+    sent SIGTERM (or guard_s passes). It prints "flooding" once `min_streams` streams are out (or
+    "stopped" if it ends first), and at its end the streams sent and the connections the server
+    closed (stop_flood reads them)."""
     import subprocess
-    return subprocess.Popen([sys.executable, __file__, "flood", address, str(seconds), "reset" if reset else "open"],
-                            stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, __file__, "flood", address, str(connections), "reset" if reset else "open",
+                             str(min_streams), str(guard_s)], stdout=subprocess.PIPE, text=True)
+
+
+def wait_flooding(p):
+    """Waits until flood_process p has its first `min_streams` out; False if it ended first."""
+    return p.stdout.readline().strip() == "flooding"
+
+
+def stop_flood(p, timeout=60):
+    """Stops flood_process p (if it still runs); returns (streams sent, connections the server
+    closed)."""
+    p.terminate()
+    p.wait(timeout)
+    streams, closed = p.stdout.read().split()[-2:]  # read, not communicate: wait_flooding buffered
+    p.stdout.close()
+    return int(streams), int(closed)
+
+
+def _flood_main(address, connections, how, min_streams, guard_s):
+    import signal
+    stop, started, closed = threading.Event(), threading.Event(), []
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    result = []
+    t = threading.Thread(target=lambda: result.append(flood(
+        address, guard_s, connections=connections, reset=how == "reset", stop=stop.is_set, reconnect=True,
+        closed=closed, started=started, min_streams=min_streams)))
+    t.start()
+    while not started.wait(0.1):
+        if not t.is_alive():
+            break
+    print("flooding" if started.is_set() else "stopped", flush=True)
+    t.join()
+    print(result[0], len(closed), flush=True)
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["flood"]:
-        print(flood(sys.argv[2], float(sys.argv[3]), reset=sys.argv[4] == "reset"))
+        _flood_main(sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), float(sys.argv[6]))
     else:  # hostile.py MOED [bodies|work|flood]...
         _measure(sys.argv[1] if len(sys.argv) > 1 else "build/server/moed", sys.argv[2:] or
                  ("bodies", "work", "flood"))
