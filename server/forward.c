@@ -127,6 +127,7 @@ static void fwd_start(rpc_call *c)
         it->user = f;
         it->t_received_ns = c->t_received_ns;
         it->deadline_ns = rpc_deadline_ns(c);
+        it->owner = rpc_call_owner(c);
         rpc_call_ref(c); /* held by the scheduler until fwd_done */
         if ((rc = moed_sched_submit(r->cfg.sched, it, &err))) rpc_call_unref(c);
     }
@@ -340,6 +341,7 @@ static bool stream_accept(stream_call *s, grpc_byte_buffer *payload)
         it->done = stream_done;
         it->user = e;
         it->deadline_ns = rpc_deadline_ns(&s->base);
+        it->owner = rpc_call_owner(&s->base);
         rpc_call_ref(&s->base);
         if ((rc = moed_sched_submit(r->cfg.sched, it, &e->err))) rpc_call_unref(&s->base);
     }

@@ -92,6 +92,11 @@ void rpc_call_read(rpc_call *c)
     moed_peers_read(c->rpc->peers, &c->peer);
 }
 
+const void *rpc_call_owner(const rpc_call *c)
+{
+    return c->peer.peer ? (const void *)c->peer.peer : (const void *)c;
+}
+
 /* Takes a reference unless the call is already on its way out (refs at 0). */
 static bool ref_if_alive(rpc_call *c)
 {

@@ -139,6 +139,10 @@ void rpc_start_batch(rpc_call *c, const grpc_op *ops, size_t n, rpc_tag *tag);
 /* A request of the call was read (moed_peers counts the calls that end with none). */
 void rpc_call_read(rpc_call *c);
 
+/* Whose requests the call's are, for the scheduler's turns (moed_sched_item.owner): its
+ * connection's, or (a unix-socket peer, not counted per connection) the call's own. */
+const void *rpc_call_owner(const rpc_call *c);
+
 /* Streaming calls: registered on rpc->live while open, so drain and health reach them. */
 void rpc_live_add(rpc_call *c);
 

@@ -78,6 +78,11 @@ def case(T=6, seed=9):
     return x, ids, w, O.forward(x64, SPEC.layer(0), O.choice_route(ids, w), SPEC.act)
 
 
+# A client's own connection: gRPC otherwise shares one between the channels of a process to a
+# target, and the tests here need callers that moed tells apart (and new connections).
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+
+
 def forward_ok(address, timeout=10, **kw):
     x, ids, w, ref = case()
     with MoEClient(address, timeout=timeout, **kw) as c:
@@ -224,7 +229,7 @@ def test_stream_flood_leaves_callers_answered(daemon, tmp_path, variant):
         hostile.wait_flooding(attacker)
         for _ in range(LEGIT_CALLS if not over.is_set() else 0):
             try:
-                forward_ok(d.address, timeout=LEGIT_DEADLINE_S, token=token)
+                forward_ok(d.address, timeout=LEGIT_DEADLINE_S, token=token, options=OWN_CONNECTION)
                 results.append("OK")
             except Exception as e:  # recorded and reported below
                 results.append(repr(e)[:300])
@@ -243,6 +248,50 @@ def test_stream_flood_leaves_callers_answered(daemon, tmp_path, variant):
     assert results == ["OK"] * LEGIT_CALLS, report
     assert closed >= 1, f"moed closed no flooding connection: {report}"
     forward_ok(d.address, token=token)
+
+
+def test_pipelining_client_takes_turns(daemon):
+    """The issue: one client with many requests pipelined kept the FIFO queue for about 13 s while
+    another's request waited behind them all. Connections take turns in a launch now. The queue is
+    held here (--min-batch-requests 8, and a merge window of 60 s as a hang guard) until client
+    A's seven 1-token requests, on one connection, and then client B's 4-token request are queued:
+    the first launch (at most 8 tokens) takes A's oldest, B's, then A's next three, so B is
+    answered at once, merged with A's first four (first come, first served, A's seven went first
+    and B waited alone for the window). SIGTERM closes the window: A's last three are answered,
+    and every output is correct."""
+    mflags, port = metrics_flags()
+    d = daemon("--synthetic", DEFAULT_SPEC, "--threads", "1", "--max-batch-tokens", "8",
+               "--min-batch-requests", "8", "--max-delay-us", "60000000", *mflags)
+    a_cases = [case(T=1, seed=20 + i) for i in range(7)]
+    a_out = [None] * 7
+    with MoEClient(d.address, timeout=120, options=OWN_CONNECTION) as a:
+
+        def call_a(i):
+            x, ids, w, _ = a_cases[i]
+            try:
+                a_out[i] = a.forward(0, x, expert_ids=ids, expert_weights=w)
+            except MoEError as e:
+                a_out[i] = e
+
+        threads = [threading.Thread(target=call_a, args=(i,)) for i in range(7)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60  # a hang guard: A's seven reach the queue
+        while scrape(port).get("moed_queue_requests") != 7:
+            assert time.monotonic() < deadline, scrape(port).samples
+            time.sleep(0.02)
+        x, ids, w, ref = case(T=4, seed=30)
+        with MoEClient(d.address, timeout=30, options=OWN_CONNECTION) as b:
+            got = b.forward(0, x, expert_ids=ids, expert_weights=w, return_info=True)
+        O.check(got.output, ref, "bf16", "B")
+        assert (got.timings.batch_requests, got.timings.batch_tokens) == (5, 8), got.timings
+        d.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+    for i, (x, ids, w, ref) in enumerate(a_cases):
+        assert not isinstance(a_out[i], Exception), a_out[i]
+        O.check(a_out[i], ref, "bf16", f"A {i}")
+    assert wait_exit(d) == 0, log_of(d)
 
 
 # ---- row 3: bounded work ----------------------------------------------------------------------
