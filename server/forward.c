@@ -276,7 +276,10 @@ static void stream_on_send(rpc_tag *t, bool ok)
     stream_call *s = moed_container_of(t, stream_call, on_send);
     pthread_mutex_lock(&s->lock);
     if (s->send == SEND_BUSY) s->send = ok ? SEND_IDLE : SEND_ENDED; /* !ok: the stream broke */
-    if (s->in_flight) grpc_byte_buffer_destroy(s->in_flight);
+    if (s->in_flight) {
+        rpc_hold(&s->base, -(int64_t)grpc_byte_buffer_length(s->in_flight));
+        grpc_byte_buffer_destroy(s->in_flight);
+    }
     s->in_flight = NULL;
     if (s->read == READ_PAUSED && s->open < STREAM_WINDOW && s->send != SEND_ENDED)
         stream_post_recv(s);
@@ -295,6 +298,7 @@ static void stream_done(moed_sched_item *it, const moed_sched_result *res)
     if (bb) {
         e->state = E_READY;
         e->reply = bb;
+        rpc_hold(&s->base, (int64_t)grpc_byte_buffer_length(bb));
     } else {
         e->state = E_FAILED;
         e->err = res->status ? *res->err : err;

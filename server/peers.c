@@ -23,10 +23,13 @@
 #define SWEEP_PER_CALL 2
 
 struct moed_peer {
-    moed_list node;  /* in its bucket */
-    moed_list idle;  /* on the idle list while no call is open (else linked to itself) */
-    moed_list count; /* on by_waiting[waiting] while waiting > 0 (else linked to itself) */
+    moed_list node;   /* in its bucket */
+    moed_list idle;   /* on the idle list while no call is open (else linked to itself) */
+    moed_list count;  /* on by_waiting[waiting] while waiting > 0 (else linked to itself) */
+    moed_list holder; /* on the holders while held > 0 (else linked to itself) */
     uint64_t last_ns;
+    uint64_t taken_ns; /* when it last took a reply, or began to hold one */
+    int64_t held;      /* reply bytes waiting for it to take them */
     int calls, waiting, unread;
     bool closed;
     char addr[];
@@ -35,14 +38,16 @@ struct moed_peer {
 struct moed_peers {
     pthread_mutex_t lock;
     int limit;
-    int n_waiting;         /* calls waiting, of connections not closed */
-    int most;              /* no by_waiting list above this one holds an address */
-    moed_list idle;        /* of moed_peer.idle, oldest first */
-    moed_list *by_waiting; /* [limit + 1]: of moed_peer.count */
+    int64_t held_limit, held; /* reply bytes waiting for their clients: the bound, and now */
+    moed_list holders;        /* of moed_peer.holder */
+    int n_waiting;            /* calls waiting, of connections not closed */
+    int most;                 /* no by_waiting list above this one holds an address */
+    moed_list idle;           /* of moed_peer.idle, oldest first */
+    moed_list *by_waiting;    /* [limit + 1]: of moed_peer.count */
     moed_list buckets[N_BUCKETS];
 };
 
-moed_peers *moed_peers_create(int limit)
+moed_peers *moed_peers_create(int limit, int64_t held_limit)
 {
     moed_peers *p = calloc(1, sizeof *p);
     if (!p || !(p->by_waiting = malloc(((size_t)limit + 1) * sizeof *p->by_waiting))) {
@@ -51,6 +56,8 @@ moed_peers *moed_peers_create(int limit)
     }
     pthread_mutex_init(&p->lock, NULL);
     p->limit = limit;
+    p->held_limit = held_limit;
+    moed_list_init(&p->holders);
     moed_list_init(&p->idle);
     for (int i = 0; i <= limit; i++) moed_list_init(&p->by_waiting[i]);
     for (int i = 0; i < N_BUCKETS; i++) moed_list_init(&p->buckets[i]);
@@ -113,11 +120,28 @@ static moed_peer *most_waiting(moed_peers *p)
     return moed_list_data(moed_list_head(&p->by_waiting[p->most]), moed_peer, count);
 }
 
-/* Marks e closed; its calls wait no more (its connection goes, and they with it). */
+/* Marks e closed; its calls wait, and its replies are held, no more (its connection goes, and they
+ * with it). */
 static void close_peer(moed_peers *p, moed_peer *e)
 {
     set_waiting(p, e, 0);
+    p->held -= e->held;
+    unlink_node(&e->holder);
     e->closed = true;
+}
+
+/* c's connection holds `delta` more reply bytes (under the lock). A closed connection's count no
+ * more in the total: they go with it. */
+static void hold(moed_peers *p, moed_peer_call *c, int64_t delta, uint64_t now_ns)
+{
+    moed_peer *e = c->peer;
+    c->held += delta;
+    if (delta < 0 || !e->held) e->taken_ns = now_ns; /* a reply taken, or the first held */
+    e->held += delta;
+    if (e->closed) return;
+    p->held += delta;
+    unlink_node(&e->holder);
+    if (e->held > 0) moed_list_insert_tail(&p->holders, &e->holder);
 }
 
 /* Drops the addresses idle for long enough (under the lock). */
@@ -141,6 +165,7 @@ static moed_peer *lookup(moed_peers *p, const char *addr)
         moed_list_insert_tail(b, &e->node);
         moed_list_init(&e->idle);
         moed_list_init(&e->count);
+        moed_list_init(&e->holder);
     }
     return e;
 }
@@ -213,6 +238,7 @@ void moed_peers_leave(moed_peers *p, moed_peer_call *c, uint64_t now_ns)
     if (!e) return;
     pthread_mutex_lock(&p->lock);
     stop_waiting(p, c);
+    if (c->held) hold(p, c, -c->held, now_ns);
     e->unread += !c->read;
     e->last_ns = now_ns;
     if (--e->calls == 0) {
@@ -225,6 +251,50 @@ void moed_peers_leave(moed_peers *p, moed_peer_call *c, uint64_t now_ns)
     }
     pthread_mutex_unlock(&p->lock);
     c->peer = NULL;
+}
+
+/* Closes e, copying its address into victim (under the lock). */
+static void close_victim(moed_peers *p, moed_peer *e, char *victim, size_t cap)
+{
+    close_peer(p, e);
+    snprintf(victim, cap, "%s", e->addr);
+}
+
+bool moed_peers_hold(moed_peers *p, moed_peer_call *c, int64_t bytes, uint64_t now_ns, char *victim,
+                     size_t cap)
+{
+    if (cap) victim[0] = 0;
+    if (!c->peer) return false;
+    pthread_mutex_lock(&p->lock);
+    hold(p, c, bytes, now_ns);
+    moed_peer *most = NULL;
+    moed_list *q;
+    if (bytes > 0 && p->held > p->held_limit)
+        moed_list_foreach (q, &p->holders) {
+            moed_peer *e = moed_list_data(q, moed_peer, holder);
+            if (!most || e->held > most->held) most = e;
+        }
+    if (most) close_victim(p, most, victim, cap);
+    pthread_mutex_unlock(&p->lock);
+    return most != NULL;
+}
+
+bool moed_peers_stalled(moed_peers *p, uint64_t now_ns, char *victim, size_t cap)
+{
+    moed_peer *stalled = NULL;
+    moed_list *q;
+    if (cap) victim[0] = 0;
+    pthread_mutex_lock(&p->lock);
+    moed_list_foreach (q, &p->holders) {
+        moed_peer *e = moed_list_data(q, moed_peer, holder);
+        if (now_ns - e->taken_ns >= MOED_PEERS_STALL_NS) {
+            stalled = e;
+            break;
+        }
+    }
+    if (stalled) close_victim(p, stalled, victim, cap);
+    pthread_mutex_unlock(&p->lock);
+    return stalled != NULL;
 }
 
 /* One of the test accessors' fields, for addr (0 when unknown). */

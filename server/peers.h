@@ -20,6 +20,12 @@
  *    waiting (a new one) is never closed for it.
  * Every later call of a closed connection (gRPC delivers those it had read before) is dropped.
  *
+ * Replies count too: a client that reads its socket but grants no HTTP/2 window takes none, and
+ * its replies (and the requests behind them) stay in moed's memory. A connection is closed when
+ * the replies waiting for their clients, of all connections together, pass `held_limit` bytes
+ * (it is the one holding the most), or when it has held some for MOED_PEERS_STALL_NS without
+ * taking one (a client slower than that to take a reply loses its connection).
+ *
  * An address is forgotten once it has no call open and nothing against it, or, when it has (it was
  * closed, or has calls unread), once it has had no call for MOED_PEERS_IDLE_NS: a closed
  * connection's last calls come within that, and the table keeps no address long after its last
@@ -36,7 +42,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define MOED_PEERS_IDLE_NS ((uint64_t)10 * 1000000000)
+#define MOED_PEERS_IDLE_NS  ((uint64_t)10 * 1000000000)
+#define MOED_PEERS_STALL_NS ((uint64_t)20 * 1000000000)
 
 typedef struct moed_peers moed_peers;
 typedef struct moed_peer moed_peer;
@@ -44,6 +51,7 @@ typedef struct moed_peer moed_peer;
 /* A call as counted here; kept in the call's own state. Zeroed: not counted. */
 typedef struct moed_peer_call {
     moed_peer *peer; /* its connection; NULL: not counted */
+    int64_t held;    /* bytes of its replies waiting for the client to take them */
     bool read;       /* a request of it was read */
     bool waiting;    /* it waits for its request */
 } moed_peer_call;
@@ -55,8 +63,8 @@ typedef enum moed_peer_verdict {
     MOED_PEER_CLOSED, /* its connection was closed before: the call is dropped */
 } moed_peer_verdict;
 
-/* `limit` (at least 1): see above. NULL when out of memory. */
-moed_peers *moed_peers_create(int limit);
+/* `limit` (at least 1) and `held_limit`: see above. NULL when out of memory. */
+moed_peers *moed_peers_create(int limit, int64_t held_limit);
 void moed_peers_destroy(moed_peers *p);
 
 /* A call from `addr` arrived at `now_ns` (any monotonic clock, the same for every call); `waits`:
@@ -69,8 +77,18 @@ moed_peer_verdict moed_peers_enter(moed_peers *p, const char *addr, bool waits, 
 /* A request of the call was read (its first: later ones are no-ops). */
 void moed_peers_read(moed_peers *p, moed_peer_call *c);
 
-/* The call has ended. */
+/* The call has ended (what it held is let go). */
 void moed_peers_leave(moed_peers *p, moed_peer_call *c, uint64_t now_ns);
+
+/* The call holds `bytes` more (a reply made; negative: taken by its client, its send complete).
+ * Returns whether that takes the replies held in all past `held_limit`: then the connection
+ * holding the most is closed (its address in victim). */
+bool moed_peers_hold(moed_peers *p, moed_peer_call *c, int64_t bytes, uint64_t now_ns, char *victim,
+                     size_t cap);
+
+/* Whether a connection has held replies for MOED_PEERS_STALL_NS without taking one: then it is
+ * closed (its address in victim). One at a time: call again until false. */
+bool moed_peers_stalled(moed_peers *p, uint64_t now_ns, char *victim, size_t cap);
 
 /* Of `addr` now: calls open, calls unread, whether it is closed; and calls waiting in all (tests).
  */

@@ -34,6 +34,8 @@
 /* The drain's wait for callers to go quiet (maybe_shutdown), and how often it looks. */
 #define DRAIN_QUIET_NS ((uint64_t)250 * 1000000)
 #define DRAIN_POLL_MS  50
+/* How often queue 0's thread looks for connections that take no reply (moed_peers_stalled). */
+#define STALL_POLL_NS ((uint64_t)1000000000)
 
 /* Calls requested in advance per method and queue: enough for a burst of callers to be taken
  * without waiting for a re-arm. */
@@ -92,6 +94,18 @@ void rpc_call_read(rpc_call *c)
     moed_peers_read(c->rpc->peers, &c->peer);
 }
 
+static void close_connection(moed_rpc *r, const char *peer, const char *why);
+
+void rpc_hold(rpc_call *c, int64_t bytes)
+{
+    char victim[128];
+    if (moed_peers_hold(c->rpc->peers, &c->peer, bytes, moed_now_ns(), victim, sizeof victim))
+        close_connection(c->rpc, victim,
+                         "replies waiting for their clients passed --max-grpc-memory, and this "
+                         "connection's were the most: its client takes them too slowly, or "
+                         "grants no HTTP/2 window");
+}
+
 const void *rpc_call_owner(const rpc_call *c)
 {
     return c->peer.peer ? (const void *)c->peer.peer : (const void *)c;
@@ -137,7 +151,9 @@ void rpc_post_close(rpc_call *c, void (*close_fn)(rpc_call *c))
 
 static void on_reply(rpc_tag *t, bool ok)
 {
-    rpc_call_unref(moed_container_of(t, rpc_call, on_reply));
+    rpc_call *c = moed_container_of(t, rpc_call, on_reply);
+    if (c->peer.held) rpc_hold(c, -c->peer.held); /* taken, or the call is over */
+    rpc_call_unref(c);
 }
 
 void rpc_reply(rpc_call *c, grpc_byte_buffer *msg, int grpc_status, const char *details)
@@ -148,6 +164,7 @@ void rpc_reply(rpc_call *c, grpc_byte_buffer *msg, int grpc_status, const char *
     ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
     if (msg) {
         c->reply = msg;
+        rpc_hold(c, (int64_t)grpc_byte_buffer_length(msg));
         ops[n].op = GRPC_OP_SEND_MESSAGE;
         ops[n++].data.send_message.send_message = msg;
     }
@@ -334,15 +351,22 @@ static bool refuse_draining(rpc_call *c)
 
 /* Closes a connection found past its limits (moed_peers); counted first, so that whoever sees it
  * closed finds it counted. */
-static void close_connection(moed_rpc *r, const char *peer)
+static void close_connection(moed_rpc *r, const char *peer, const char *why)
 {
     atomic_fetch_add(&r->closed, 1);
     int n = moed_peers_disconnect(peer, r->port);
-    moed_log_warn("connection closed",
-                  "peer=%s sockets=%d reason=\"past its limits: %d calls open, or ended unread, "
-                  "on it, or the most of the %d calls waiting for their request; "
-                  "MAX_CONCURRENT_STREAMS is %d (--max-streams)\"",
-                  peer, n, 2 * r->cfg.max_streams, 2 * r->cfg.max_streams, r->cfg.max_streams);
+    moed_log_warn("connection closed", "peer=%s sockets=%d reason=\"%s\"", peer, n, why);
+}
+
+/* Why a connection is closed at one of its calls (moed_peers_enter). */
+static void close_crowded(moed_rpc *r, const char *peer)
+{
+    char why[300];
+    snprintf(why, sizeof why,
+             "past its limits: %d calls open, or ended unread, on it, or the most of the %d calls "
+             "waiting for their request; MAX_CONCURRENT_STREAMS is %d (--max-streams)",
+             2 * r->cfg.max_streams, 2 * r->cfg.max_streams, r->cfg.max_streams);
+    close_connection(r, peer, why);
 }
 
 /* A connection may hold twice the MAX_CONCURRENT_STREAMS moed advertises (a client that honours
@@ -360,8 +384,8 @@ static bool refuse_crowded(rpc_call *c)
     if (peer && strncmp(peer, "unix", 4))
         v = moed_peers_enter(r->peers, peer, c->method->read_payload, c->t_received_ns, &c->peer,
                              victim, sizeof victim);
-    if (v == MOED_PEER_CLOSE) close_connection(r, peer);
-    if (v == MOED_PEER_ADMIT && victim[0]) close_connection(r, victim);
+    if (v == MOED_PEER_CLOSE) close_crowded(r, peer);
+    if (v == MOED_PEER_ADMIT && victim[0]) close_crowded(r, victim);
     gpr_free(peer);
     return v != MOED_PEER_ADMIT;
 }
@@ -449,6 +473,20 @@ static void request_call(rpc_cq *q, int m)
     }
 }
 
+/* Closes the connections that hold replies and have taken none for MOED_PEERS_STALL_NS, looking
+ * every STALL_POLL_NS. */
+static void close_stalled(moed_rpc *r)
+{
+    char victim[128];
+    uint64_t now = moed_now_ns();
+    if (now - r->stall_polled_ns < STALL_POLL_NS) return;
+    r->stall_polled_ns = now;
+    while (moed_peers_stalled(r->peers, now, victim, sizeof victim))
+        close_connection(r, victim,
+                         "its client has taken none of its replies for 20 s: it reads its socket "
+                         "but grants no HTTP/2 window, or takes them too slowly");
+}
+
 /* A queue's thread: a call queue's runs its calls' events; a reading queue's thread has none (no
  * call is bound to it) and does gRPC's reading in grpc_completion_queue_next. Queue 0's thread also
  * wakes every DRAIN_POLL_MS, so that a drain waiting for callers to go quiet finishes when they
@@ -466,6 +504,7 @@ static void *cq_main(void *arg)
         if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
         if (ev.type == GRPC_OP_COMPLETE) ((rpc_tag *)ev.tag)->fn(ev.tag, ev.success != 0);
         if (ev.type == GRPC_QUEUE_TIMEOUT && atomic_load(&r->draining)) maybe_shutdown(r);
+        if (polls) close_stalled(r);
     }
     return NULL;
 }
@@ -772,7 +811,7 @@ int moed_rpc_start(const moed_rpc_config *cfg, moed_rpc **out, moed_error *err)
     pthread_mutex_init(&r->live_lock, NULL);
     moed_list_init(&r->live);
     if (!(r->server = create_server(cfg)) ||
-        !(r->peers = moed_peers_create(2 * cfg->max_streams)) ||
+        !(r->peers = moed_peers_create(2 * cfg->max_streams, cfg->max_grpc_memory)) ||
         !(r->cqs = calloc(2 * (size_t)cfg->cq_threads, sizeof *r->cqs))) {
         rc = moed_fail(err, MOED_ENOMEM, "no memory for the gRPC server");
         goto err;

@@ -67,6 +67,7 @@ struct moed_rpc {
     int serving;               /* HEALTH_SERVING or HEALTH_NOT_SERVING, under live_lock */
     moed_peers *peers;         /* calls open per connection, held to 2 x --max-streams */
     int port;                  /* the port listened on (0: a unix socket) */
+    uint64_t stall_polled_ns;  /* queue 0's thread: when it last looked for stalled connections */
     _Atomic uint64_t closed;   /* connections closed for going past their limits */
     _Atomic uint64_t calls[M_COUNT], forwards, by_status[MOED_GRPC_STATUS_COUNT], active;
 };
@@ -138,6 +139,11 @@ void rpc_start_batch(rpc_call *c, const grpc_op *ops, size_t n, rpc_tag *tag);
 
 /* A request of the call was read (moed_peers counts the calls that end with none). */
 void rpc_call_read(rpc_call *c);
+
+/* The call's connection holds `bytes` more of its replies (made; negative: taken by the client,
+ * or given up): past --max-grpc-memory in all, or taken by none for 20 s, a connection is closed
+ * (moed_peers_hold, moed_peers_stalled). A unary reply is counted by rpc_reply. */
+void rpc_hold(rpc_call *c, int64_t bytes);
 
 /* Whose requests the call's are, for the scheduler's turns (moed_sched_item.owner): its
  * connection's, or (a unix-socket peer, not counted per connection) the call's own. */

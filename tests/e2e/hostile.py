@@ -11,6 +11,7 @@ README's security section quotes:
   a token, plain or gzip-compressed (a gzip "bomb": a small body that inflates enormously);
 - open_streams(): many streams at once on one connection, before the server's SETTINGS are read;
 - reset_mid_upload(): a call reset by its client before its message is whole;
+- withhold_window(): ForwardStream requests from a client that reads but grants no HTTP/2 window;
 - Rss: the process's resident memory, sampled, with its peak.
 
 The script also times issue 9's row 3: one request with expert_ids [1, 2M] whose caller gives up
@@ -29,9 +30,11 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.exceptions
+import h2.settings
 import hpack
 
 FORWARD = "/moed.v1.Moed/Forward"
+FORWARD_STREAM = "/moed.v1.Moed/ForwardStream"
 
 
 def _connect(address, timeout=10.0):
@@ -254,6 +257,48 @@ def open_streams(address, n, path=FORWARD, wait=60.0):
     finally:
         s.close()
     return answered, settings, closed
+
+
+def withhold_window(address, request, streams=1, per_stream=1, gzip=False, guard_s=120.0):
+    """A ForwardStream client that reads its socket but grants no HTTP/2 window (its SETTINGS say
+    INITIAL_WINDOW_SIZE 0, and it never sends WINDOW_UPDATE): it opens `streams` streams and sends
+    `per_stream` copies of `request` (a serialized ForwardRequest; with `gzip`, compressed: a
+    small request for a large reply) on each as flow control lets it, then reads until the server
+    closes the connection (or guard_s passes). Returns (whether the server closed it, the requests
+    sent)."""
+    s, conn = _connect(address)
+    conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+    body = zlib.compress(request, 9, wbits=31) if gzip else request
+    msg, sent, closed = grpc_frame(body, compressed=gzip), {}, False
+    try:
+        for _ in range(streams):
+            conn.send_headers(conn.get_next_available_stream_id(),
+                              _headers(address, FORWARD_STREAM, encoding="gzip" if gzip else None))
+        s.sendall(conn.data_to_send())
+        end = time.monotonic() + guard_s
+        while not closed and time.monotonic() < end:
+            for sid in list(conn.streams):
+                try:
+                    while sent.get(sid, 0) < per_stream and conn.local_flow_control_window(sid) >= len(msg):
+                        conn.send_data(sid, msg)
+                        sent[sid] = sent.get(sid, 0) + 1
+                except h2.exceptions.StreamClosedError:  # the server ended it (quota, or an error)
+                    sent[sid] = per_stream
+            try:
+                s.sendall(conn.data_to_send())
+                if not select.select([s], [], [], 0.1)[0]:
+                    continue
+                got = s.recv(1 << 20)
+                if got:
+                    conn.receive_data(got)  # SETTINGS and pings are answered; no window granted
+            except (OSError, h2.exceptions.ProtocolError):  # reset, or ended by a GOAWAY
+                got = b""
+            if not got:
+                closed = True
+                break
+    finally:
+        s.close()
+    return closed, sum(sent.values())
 
 
 def reset_mid_upload(address, path=FORWARD, claimed=1 << 20, send=1000, wait=0.3, token=None):

@@ -294,6 +294,37 @@ def test_pipelining_client_takes_turns(daemon):
     assert wait_exit(d) == 0, log_of(d)
 
 
+@pytest.mark.parametrize("held", ("past_the_bound", "taking_none"))
+def test_client_that_takes_no_reply_is_closed(daemon, held):
+    """The issue: a ForwardStream client that reads its socket but never grants HTTP/2 window held
+    ~1.25 GB for as long as it stayed. The replies waiting for their clients are counted now: when
+    those of all connections pass --max-grpc-memory, the connection holding the most is closed
+    (here 4 streams x 16 replies of 2 MiB against 32 MiB, their requests gzip-compressed so that
+    gRPC's own quota, which counts what it reads, is not what acts: at once); and a connection that
+    has taken none of its replies for 20 s is closed (here one small reply: after 20 s). moed
+    counts it and logs why; another client is answered after."""
+    mflags, port = metrics_flags()
+    d = daemon("--synthetic", DEFAULT_SPEC, "--threads", "1", "--max-grpc-memory", "32MiB",
+               "--accept-compression", "1", *mflags)
+    big = held == "past_the_bound"
+    T = 8192 if big else 1
+    with MoEClient(d.address) as c:
+        request = c.build_request(0, np.zeros((T, SPEC.d), np.float32), expert_ids=np.zeros((T, 2), np.int32),
+                                  expert_weights=np.full((T, 2), 0.5, np.float32)).SerializeToString()
+    # guard_s is a hang guard: the rules close the connection at once, or after 20 s.
+    closed, sent = hostile.withhold_window(d.address, request, streams=4 if big else 1,
+                                           per_stream=16 if big else 1, gzip=big, guard_s=90)
+    assert closed, f"moed kept a connection that took none of its replies ({sent} requests sent)"
+    assert scrape(port).get("moed_connections_closed_total") == 1
+    deadline = time.monotonic() + 30  # a hang guard: the line follows the count
+    while "connection closed" not in d.log():
+        assert time.monotonic() < deadline, d.log()
+        time.sleep(0.02)
+    closes = [line for line in d.log().splitlines() if "connection closed" in line]
+    assert len(closes) == 1 and ("--max-grpc-memory" if big else "for 20 s") in closes[0], closes
+    forward_ok(d.address)
+
+
 # ---- row 3: bounded work ----------------------------------------------------------------------
 
 def test_pairs_are_bounded_per_request(daemon):

@@ -3,7 +3,8 @@
  * connection at the call past it and dropping its later calls, other addresses unaffected; calls
  * ended unread counted against calls read; when `limit` calls wait in all, the connection holding
  * the most closed, never one with a single call waiting; closed and unread addresses forgotten
- * after MOED_PEERS_IDLE_NS; and moed_peers_disconnect resetting exactly the socket gRPC names, an
+ * after MOED_PEERS_IDLE_NS; replies held past the bound or for MOED_PEERS_STALL_NS closing the
+ * connection that holds them; and moed_peers_disconnect resetting exactly the socket gRPC names, an
  * IPv4 peer of a dual-stack listener included.
  */
 #include "check.h"
@@ -48,7 +49,7 @@ static moed_peer_verdict enter(moed_peers *p, const char *addr, bool waits, uint
  * once its calls have ended; another address counts apart. */
 static void test_calls_open(void)
 {
-    moed_peers *p = moed_peers_create(3);
+    moed_peers *p = moed_peers_create(3, 1 << 30);
     moed_peer_call a[3], b, x;
     for (int i = 0; i < 3; i++) CHECK_EQ_INT(enter(p, A, false, 1, &a[i], NULL), MOED_PEER_ADMIT);
     CHECK_EQ_INT(moed_peers_count(p, A), 3);
@@ -70,7 +71,7 @@ static void test_calls_open(void)
  * the next call closes the connection. */
 static void test_unread(void)
 {
-    moed_peers *p = moed_peers_create(3);
+    moed_peers *p = moed_peers_create(3, 1 << 30);
     moed_peer_call c;
     for (int i = 0; i < 2; i++) {
         CHECK_EQ_INT(enter(p, A, true, 1, &c, NULL), MOED_PEER_ADMIT);
@@ -96,7 +97,7 @@ static void test_unread(void)
  * counted as waiting; a connection with one call waiting is never the one. */
 static void test_waiting(void)
 {
-    moed_peers *p = moed_peers_create(4);
+    moed_peers *p = moed_peers_create(4, 1 << 30);
     char victim[64], addr[64];
     moed_peer_call a[3], one[4], x;
     for (int i = 0; i < 3; i++) CHECK_EQ_INT(enter(p, A, true, 1, &a[i], NULL), MOED_PEER_ADMIT);
@@ -137,7 +138,7 @@ static void test_waiting(void)
  * call; an address with calls open is never forgotten. */
 static void test_idle(void)
 {
-    moed_peers *p = moed_peers_create(1);
+    moed_peers *p = moed_peers_create(1, 1 << 30);
     moed_peer_call c, d;
     CHECK_EQ_INT(enter(p, A, false, 1, &c, NULL), MOED_PEER_ADMIT);
     CHECK_EQ_INT(enter(p, A, false, 1, &d, NULL), MOED_PEER_CLOSE);
@@ -150,6 +151,42 @@ static void test_idle(void)
                  MOED_PEER_ADMIT);
     CHECK(!moed_peers_closed(p, A));
     CHECK_EQ_INT(moed_peers_count(p, B), 1);
+    moed_peers_destroy(p);
+}
+
+/* Replies held for their clients: past the bound in all, the connection holding the most is
+ * closed (no longer counted in the total); one that has taken no reply for MOED_PEERS_STALL_NS is
+ * closed too; a call's end lets go of what it held. */
+static void test_held(void)
+{
+    moed_peers *p = moed_peers_create(8, 100);
+    moed_peer_call a, b, b2;
+    char victim[64];
+    CHECK_EQ_INT(enter(p, A, false, 1, &a, NULL), MOED_PEER_ADMIT);
+    CHECK_EQ_INT(enter(p, B, false, 1, &b, NULL), MOED_PEER_ADMIT);
+    CHECK_EQ_INT(enter(p, B, false, 1, &b2, NULL), MOED_PEER_ADMIT);
+    CHECK(!moed_peers_hold(p, &a, 60, 1, victim, sizeof victim) && !victim[0]);
+    CHECK(!moed_peers_hold(p, &b, 30, 1, victim, sizeof victim));
+    CHECK(moed_peers_hold(p, &b2, 20, 2, victim, sizeof victim)); /* 110: A (60) holds the most */
+    CHECK_MSG(!strcmp(victim, A), "victim %s", victim);
+    CHECK(moed_peers_closed(p, A) && !moed_peers_closed(p, B));
+    CHECK(!moed_peers_hold(p, &b, 40, 3, victim, sizeof victim)); /* 90: A's 60 went with it */
+    moed_peers_leave(p, &a, 3);
+    CHECK(!moed_peers_hold(p, &b2, 10, 3, victim, sizeof victim)); /* 100 */
+    /* B took a reply at 4: not stalled until 4 + MOED_PEERS_STALL_NS. */
+    CHECK(!moed_peers_hold(p, &b2, -30, 4, victim, sizeof victim));
+    CHECK(!moed_peers_stalled(p, 4 + MOED_PEERS_STALL_NS - 1, victim, sizeof victim));
+    CHECK(moed_peers_stalled(p, 4 + MOED_PEERS_STALL_NS, victim, sizeof victim));
+    CHECK_MSG(!strcmp(victim, B), "victim %s", victim);
+    CHECK(!moed_peers_stalled(p, 5 + MOED_PEERS_STALL_NS, victim, sizeof victim));
+    moed_peers_leave(p, &b, 5);
+    moed_peers_leave(p, &b2, 5);
+    /* A new connection holding and taking replies is never stalled. */
+    CHECK_EQ_INT(enter(p, "ipv4:127.0.0.1:40002", false, 10, &a, NULL), MOED_PEER_ADMIT);
+    CHECK(!moed_peers_hold(p, &a, 50, 10, victim, sizeof victim));
+    CHECK(!moed_peers_stalled(p, 10 + MOED_PEERS_STALL_NS - 1, victim, sizeof victim));
+    moed_peers_leave(p, &a, 11); /* what it held goes with it */
+    CHECK(!moed_peers_stalled(p, 11 + 2 * MOED_PEERS_STALL_NS, victim, sizeof victim));
     moed_peers_destroy(p);
 }
 
@@ -227,6 +264,7 @@ int main(void)
     test_unread();
     test_waiting();
     test_idle();
+    test_held();
     test_disconnect(AF_INET, false);
     test_disconnect(AF_INET6, false);
     test_disconnect(AF_INET6, true); /* an IPv4 client of a dual-stack listener, as gRPC binds */
