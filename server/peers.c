@@ -25,32 +25,48 @@
 struct moed_peer {
     moed_list node;   /* in its bucket */
     moed_list idle;   /* on the idle list while no call is open (else linked to itself) */
-    moed_list count;  /* on by_waiting[waiting] while waiting > 0 (else linked to itself) */
+    moed_list count;  /* on its pool's by_waiting[waiting] while waiting > 0 (else to itself) */
     moed_list holder; /* on the holders while held > 0 (else linked to itself) */
     uint64_t last_ns;
     uint64_t taken_ns; /* when it last took a reply, or began to hold one */
     int64_t held;      /* reply bytes waiting for it to take them */
+    const void *conn;  /* the connection's identity beside its address (moed_peers_enter) */
     int calls, waiting, unread;
     bool closed;
+    bool seasoned; /* a request of it has been read: its calls waiting count in p->seasoned */
     char addr[];
 };
+
+/* Connections with calls waiting, in lists by how many (LFU-like: the most found in O(1)). */
+typedef struct pool {
+    moed_list *by_waiting; /* [size + 1]: of moed_peer.count */
+    int most;              /* no list above this one holds a connection */
+    int n;                 /* calls waiting */
+} pool;
 
 struct moed_peers {
     pthread_mutex_t lock;
     int limit;
     int64_t held_limit, held; /* reply bytes waiting for their clients: the bound, and now */
     moed_list holders;        /* of moed_peer.holder */
-    int n_waiting;            /* calls waiting, of connections not closed */
-    int most;                 /* no by_waiting list above this one holds an address */
+    pool fresh;               /* connections that have had no request read (at most FRESH each) */
+    pool seasoned;            /* the others (at most `limit` each) */
     moed_list idle;           /* of moed_peer.idle, oldest first */
-    moed_list *by_waiting;    /* [limit + 1]: of moed_peer.count */
     moed_list buckets[N_BUCKETS];
 };
+
+static bool pool_init(pool *l, int size)
+{
+    if (!(l->by_waiting = malloc(((size_t)size + 1) * sizeof *l->by_waiting))) return false;
+    for (int i = 0; i <= size; i++) moed_list_init(&l->by_waiting[i]);
+    return true;
+}
 
 moed_peers *moed_peers_create(int limit, int64_t held_limit)
 {
     moed_peers *p = calloc(1, sizeof *p);
-    if (!p || !(p->by_waiting = malloc(((size_t)limit + 1) * sizeof *p->by_waiting))) {
+    if (!p || !pool_init(&p->fresh, MOED_PEERS_FRESH) || !pool_init(&p->seasoned, limit)) {
+        if (p) free(p->fresh.by_waiting);
         free(p);
         return NULL;
     }
@@ -59,7 +75,6 @@ moed_peers *moed_peers_create(int limit, int64_t held_limit)
     p->held_limit = held_limit;
     moed_list_init(&p->holders);
     moed_list_init(&p->idle);
-    for (int i = 0; i <= limit; i++) moed_list_init(&p->by_waiting[i]);
     for (int i = 0; i < N_BUCKETS; i++) moed_list_init(&p->buckets[i]);
     return p;
 }
@@ -74,7 +89,8 @@ void moed_peers_destroy(moed_peers *p)
             free(moed_list_data(q, moed_peer, node));
         }
     pthread_mutex_destroy(&p->lock);
-    free(p->by_waiting);
+    free(p->fresh.by_waiting);
+    free(p->seasoned.by_waiting);
     free(p);
 }
 
@@ -85,12 +101,13 @@ static moed_list *bucket(moed_peers *p, const char *addr)
     return &p->buckets[h % N_BUCKETS];
 }
 
-static moed_peer *find(moed_list *b, const char *addr)
+/* The entry of addr and conn (any conn, with `any`). */
+static moed_peer *find(moed_list *b, const char *addr, const void *conn, bool any)
 {
     moed_list *q;
     moed_list_foreach (q, b) {
         moed_peer *e = moed_list_data(q, moed_peer, node);
-        if (!strcmp(e->addr, addr)) return e;
+        if ((any || e->conn == conn) && !strcmp(e->addr, addr)) return e;
     }
     return NULL;
 }
@@ -102,22 +119,40 @@ static void unlink_node(moed_list *q)
     moed_list_init(q);
 }
 
-/* e's calls waiting become n, at most its calls open, so at most `limit` (under the lock). */
+static pool *pool_of(moed_peers *p, const moed_peer *e)
+{
+    return e->seasoned ? &p->seasoned : &p->fresh;
+}
+
+/* e's calls waiting become n: at most its calls open, so at most `limit`, and, while it is fresh,
+ * at most FRESH (under the lock). */
 static void set_waiting(moed_peers *p, moed_peer *e, int n)
 {
-    p->n_waiting += n - e->waiting;
+    pool *l = pool_of(p, e);
+    l->n += n - e->waiting;
     e->waiting = n;
     unlink_node(&e->count);
     if (n <= 0) return;
-    moed_list_insert_tail(&p->by_waiting[n], &e->count);
-    if (n > p->most) p->most = n;
+    moed_list_insert_tail(&l->by_waiting[n], &e->count);
+    if (n > l->most) l->most = n;
 }
 
-/* The connection holding the most calls waiting (under the lock; some are). */
-static moed_peer *most_waiting(moed_peers *p)
+/* The connection of l holding the most calls waiting, or NULL (under the lock). */
+static moed_peer *most_waiting(pool *l)
 {
-    while (p->most > 0 && moed_list_empty(&p->by_waiting[p->most])) p->most--;
-    return moed_list_data(moed_list_head(&p->by_waiting[p->most]), moed_peer, count);
+    while (l->most > 0 && moed_list_empty(&l->by_waiting[l->most])) l->most--;
+    return l->most ? moed_list_data(moed_list_head(&l->by_waiting[l->most]), moed_peer, count)
+                   : NULL;
+}
+
+/* e has had a request read: its calls waiting move to the seasoned pool (under the lock). */
+static void season(moed_peers *p, moed_peer *e)
+{
+    if (e->seasoned) return;
+    int n = e->waiting;
+    set_waiting(p, e, 0);
+    e->seasoned = true;
+    set_waiting(p, e, n);
 }
 
 /* Marks e closed; its calls wait, and its replies are held, no more (its connection goes, and they
@@ -156,12 +191,13 @@ static void sweep(moed_peers *p, uint64_t now_ns)
     }
 }
 
-static moed_peer *lookup(moed_peers *p, const char *addr)
+static moed_peer *lookup(moed_peers *p, const char *addr, const void *conn)
 {
     moed_list *b = bucket(p, addr);
-    moed_peer *e = find(b, addr);
+    moed_peer *e = find(b, addr, conn, false);
     if (!e && (e = calloc(1, sizeof *e + strlen(addr) + 1))) {
         strcpy(e->addr, addr);
+        e->conn = conn;
         moed_list_insert_tail(b, &e->node);
         moed_list_init(&e->idle);
         moed_list_init(&e->count);
@@ -170,33 +206,50 @@ static moed_peer *lookup(moed_peers *p, const char *addr)
     return e;
 }
 
+/* Once `size` calls wait in pool l, the connection of l that holds the most of them with this call
+ * of e's (e itself, if the call makes it so), provided that is more than one; else NULL (under the
+ * lock). */
+static moed_peer *over(moed_peers *p, pool *l, int size, moed_peer *e)
+{
+    if (l->n < size) return NULL;
+    moed_peer *most = most_waiting(l);
+    if (pool_of(p, e) == l && (!most || most->waiting < e->waiting + 1)) most = e;
+    if (!most || most->waiting + (most == e) <= 1) return NULL; /* one each: let it in */
+    return most;
+}
+
 /* The verdict on a call of e (under the lock): whether its connection is closed now, or was. */
 static moed_peer_verdict judge(moed_peers *p, moed_peer *e, bool waits, char *victim, size_t cap)
 {
     if (e->closed) return MOED_PEER_CLOSED;
-    if (e->calls >= p->limit || e->unread >= p->limit) {
+    if (e->calls >= p->limit || e->unread >= MOED_PEERS_UNREAD) {
         close_peer(p, e);
-        return MOED_PEER_CLOSE;
+        return e->calls >= p->limit ? MOED_PEER_CLOSE_CALLS : MOED_PEER_CLOSE_UNREAD;
     }
-    if (!waits || p->n_waiting < p->limit) return MOED_PEER_ADMIT;
-    moed_peer *most = most_waiting(p);
-    if (most->waiting < e->waiting + 1) most = e; /* this call would make e the one */
-    if (most->waiting + (most == e) <= 1) return MOED_PEER_ADMIT; /* one each: let it in */
+    if (!waits) return MOED_PEER_ADMIT;
+    /* Fresh connections first: a peer that opens calls and never sends a request holds the most
+     * there long before the bound over all is reached. */
+    moed_peer *most = e->seasoned ? NULL : over(p, &p->fresh, MOED_PEERS_FRESH, e);
+    if (!most && p->fresh.n + p->seasoned.n >= p->limit) {
+        moed_peer *a = over(p, &p->fresh, 0, e), *b = over(p, &p->seasoned, 0, e);
+        most = !a ? b : !b ? a : a->waiting + (a == e) >= b->waiting + (b == e) ? a : b;
+    }
+    if (!most) return MOED_PEER_ADMIT;
     close_peer(p, most);
-    if (most == e) return MOED_PEER_CLOSE;
+    if (most == e) return MOED_PEER_CLOSE_WAITING;
     snprintf(victim, cap, "%s", most->addr);
     return MOED_PEER_ADMIT;
 }
 
-moed_peer_verdict moed_peers_enter(moed_peers *p, const char *addr, bool waits, uint64_t now_ns,
-                                   moed_peer_call *c, char *victim, size_t cap)
+moed_peer_verdict moed_peers_enter(moed_peers *p, const char *addr, const void *conn, bool waits,
+                                   uint64_t now_ns, moed_peer_call *c, char *victim, size_t cap)
 {
     moed_peer_verdict v = MOED_PEER_ADMIT;
     memset(c, 0, sizeof *c);
     if (cap) victim[0] = 0;
     pthread_mutex_lock(&p->lock);
     sweep(p, now_ns);
-    moed_peer *e = lookup(p, addr);
+    moed_peer *e = lookup(p, addr, conn);
     if (e) {
         e->last_ns = now_ns;
         v = judge(p, e, waits, victim, cap);
@@ -228,6 +281,7 @@ void moed_peers_read(moed_peers *p, moed_peer_call *c)
     c->read = true;
     pthread_mutex_lock(&p->lock);
     stop_waiting(p, c);
+    season(p, c->peer);
     if (c->peer->unread > 0) c->peer->unread--;
     pthread_mutex_unlock(&p->lock);
 }
@@ -303,7 +357,7 @@ enum { F_CALLS, F_UNREAD, F_CLOSED };
 static int field(moed_peers *p, const char *addr, int f)
 {
     pthread_mutex_lock(&p->lock);
-    moed_peer *e = find(bucket(p, addr), addr);
+    moed_peer *e = find(bucket(p, addr), addr, NULL, true);
     int n = !e ? 0 : f == F_CALLS ? e->calls : f == F_UNREAD ? e->unread : e->closed;
     pthread_mutex_unlock(&p->lock);
     return n;
@@ -327,7 +381,7 @@ bool moed_peers_closed(moed_peers *p, const char *addr)
 int moed_peers_waiting(moed_peers *p)
 {
     pthread_mutex_lock(&p->lock);
-    int n = p->n_waiting;
+    int n = p->fresh.n + p->seasoned.n;
     pthread_mutex_unlock(&p->lock);
     return n;
 }

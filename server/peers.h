@@ -12,12 +12,16 @@
  * gRPC names each call's peer (ip:port: one per TCP connection). With `limit` = twice the stream
  * setting, a connection is closed at the call that finds it
  *  - with `limit` calls open,
- *  - or with `limit` calls that ended unread (turned away at their headers, or ended by the peer
- *    before a request of them was read) more than calls read,
- *  - or, when `limit` calls of all connections together wait for their request (a unary call is let
- *    in on its headers, then waits for its message), holding the most of them, if more than one: a
- *    peer that opens calls and never sends them soon holds the most, and a connection with one call
- *    waiting (a new one) is never closed for it.
+ *  - or with MOED_PEERS_UNREAD calls that ended unread (turned away at their headers, or ended by
+ *    the peer before a request of them was read) more than calls read: few, since a connection
+ *    sending faster than it is parsed keeps a thread that reads connections until it is closed
+ *    (a reconnecting flood of 32 such connections kept legitimate calls waiting 1.2-1.7 s, median,
+ *    when `limit` was the bound here, and 0.1-0.2 s at 64),
+ *  - or holding the most of the calls waiting for their request (a unary call is let in on its
+ *    headers, then waits for its message), if more than one, when MOED_PEERS_FRESH of them wait
+ *    on connections that have had no request read yet (among those), or `limit` on all: a peer
+ *    that opens calls and never sends them soon holds the most, its connections never having had a
+ *    request read, and a connection with one call waiting (a new one) is never closed for it.
  * Every later call of a closed connection (gRPC delivers those it had read before) is dropped.
  *
  * Replies count too: a client that reads its socket but grants no HTTP/2 window takes none, and
@@ -44,6 +48,8 @@
 
 #define MOED_PEERS_IDLE_NS  ((uint64_t)10 * 1000000000)
 #define MOED_PEERS_STALL_NS ((uint64_t)20 * 1000000000)
+#define MOED_PEERS_UNREAD   64
+#define MOED_PEERS_FRESH    64
 
 typedef struct moed_peers moed_peers;
 typedef struct moed_peer moed_peer;
@@ -58,21 +64,25 @@ typedef struct moed_peer_call {
 
 typedef enum moed_peer_verdict {
     MOED_PEER_ADMIT,  /* counted in *c (unless no memory was left for a new address) */
-    MOED_PEER_CLOSE,  /* its connection is to be closed (moed_peers_disconnect); the call is dropped
-                       */
     MOED_PEER_CLOSED, /* its connection was closed before: the call is dropped */
+    /* Its connection is to be closed (moed_peers_disconnect), and the call dropped, for: */
+    MOED_PEER_CLOSE_CALLS,   /* `limit` calls open */
+    MOED_PEER_CLOSE_UNREAD,  /* MOED_PEERS_UNREAD calls unread */
+    MOED_PEER_CLOSE_WAITING, /* holding the most of the `limit` calls waiting */
 } moed_peer_verdict;
 
 /* `limit` (at least 1) and `held_limit`: see above. NULL when out of memory. */
 moed_peers *moed_peers_create(int limit, int64_t held_limit);
 void moed_peers_destroy(moed_peers *p);
 
-/* A call from `addr` arrived at `now_ns` (any monotonic clock, the same for every call); `waits`:
+/* A call from `addr` arrived at `now_ns` (any monotonic clock, the same for every call); `conn`
+ * tells its connection from an earlier one of the same address (a port the kernel gave again, once
+ * the connection moed closed had gone: its calls must not be dropped as the old one's); `waits`:
  * it waits for its request (a unary call). When admitting it closes another connection (the one
  * holding the most calls waiting), that one's address is copied into victim (else victim[0] = 0;
  * cap must hold an address: 64 bytes do). */
-moed_peer_verdict moed_peers_enter(moed_peers *p, const char *addr, bool waits, uint64_t now_ns,
-                                   moed_peer_call *c, char *victim, size_t cap);
+moed_peer_verdict moed_peers_enter(moed_peers *p, const char *addr, const void *conn, bool waits,
+                                   uint64_t now_ns, moed_peer_call *c, char *victim, size_t cap);
 
 /* A request of the call was read (its first: later ones are no-ops). */
 void moed_peers_read(moed_peers *p, moed_peer_call *c);

@@ -358,14 +358,25 @@ static void close_connection(moed_rpc *r, const char *peer, const char *why)
     moed_log_warn("connection closed", "peer=%s sockets=%d reason=\"%s\"", peer, n, why);
 }
 
-/* Why a connection is closed at one of its calls (moed_peers_enter). */
-static void close_crowded(moed_rpc *r, const char *peer)
+/* Closes a connection for the verdict on one of its calls (moed_peers_enter), saying why. */
+static void close_crowded(moed_rpc *r, const char *peer, moed_peer_verdict v)
 {
     char why[300];
-    snprintf(why, sizeof why,
-             "past its limits: %d calls open, or ended unread, on it, or the most of the %d calls "
-             "waiting for their request; MAX_CONCURRENT_STREAMS is %d (--max-streams)",
-             2 * r->cfg.max_streams, 2 * r->cfg.max_streams, r->cfg.max_streams);
+    const int limit = 2 * r->cfg.max_streams;
+    if (v == MOED_PEER_CLOSE_CALLS)
+        snprintf(why, sizeof why,
+                 "%d calls open on one connection; MAX_CONCURRENT_STREAMS is %d (--max-streams)",
+                 limit, r->cfg.max_streams);
+    else if (v == MOED_PEER_CLOSE_UNREAD)
+        snprintf(why, sizeof why,
+                 "%d more of its calls ended unread (turned away at their headers, or reset before "
+                 "their request) than were read",
+                 MOED_PEERS_UNREAD);
+    else
+        snprintf(why, sizeof why,
+                 "%d calls wait for their request (twice --max-streams), and this connection "
+                 "holds the most of them",
+                 limit);
     close_connection(r, peer, why);
 }
 
@@ -381,11 +392,15 @@ static bool refuse_crowded(rpc_call *c)
     char *peer = grpc_call_get_peer(c->call), victim[128] = "";
     moed_peer_verdict v = MOED_PEER_ADMIT;
     c->local = peer && moed_peer_is_local(peer);
-    if (peer && strncmp(peer, "unix", 4))
-        v = moed_peers_enter(r->peers, peer, c->method->read_payload, c->t_received_ns, &c->peer,
-                             victim, sizeof victim);
-    if (v == MOED_PEER_CLOSE) close_crowded(r, peer);
-    if (v == MOED_PEER_ADMIT && victim[0]) close_crowded(r, victim);
+    if (peer && strncmp(peer, "unix", 4)) {
+        /* gRPC makes one auth context per connection (plaintext too): the connection's identity */
+        grpc_auth_context *conn = grpc_call_auth_context(c->call);
+        v = moed_peers_enter(r->peers, peer, conn, c->method->read_payload, c->t_received_ns,
+                             &c->peer, victim, sizeof victim);
+        grpc_auth_context_release(conn);
+    }
+    if (v >= MOED_PEER_CLOSE_CALLS) close_crowded(r, peer, v);
+    if (v == MOED_PEER_ADMIT && victim[0]) close_crowded(r, victim, MOED_PEER_CLOSE_WAITING);
     gpr_free(peer);
     return v != MOED_PEER_ADMIT;
 }

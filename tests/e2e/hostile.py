@@ -3,10 +3,12 @@ daemon's memory while it does: the hardening tests (test_hardening.py) use these
 counts; run as a script they repeat issue 9's measurements at full size and print the figures that
 README's security section quotes:
 
-    .venv/bin/python tests/e2e/hostile.py build/server/moed [bodies|work|flood]...
+    .venv/bin/python tests/e2e/hostile.py build/server/moed [bodies|work|flood|floodN]...
 
 - flood(): connections that open Forward streams (HEADERS + an empty DATA frame, `per_write` per
-  write), never reading what the server sends (so never acknowledging its SETTINGS either);
+  write), never reading what the server sends (so never acknowledging its SETTINGS either), and
+  reconnecting when closed if asked; flood_process() runs it in a process of its own (32
+  connections for the script's floods, N for floodN);
 - upload(): one request body of any size pushed as fast as flow control lets it, with or without
   a token, plain or gzip-compressed (a gzip "bomb": a small body that inflates enormously);
 - open_streams(): many streams at once on one connection, before the server's SETTINGS are read;
@@ -383,8 +385,9 @@ def _measure(moed_bin, parts=("bodies", "work", "flood")):
         _bodies(start, attack, answers, tmp)
     if "work" in parts:
         _work(start)
-    if "flood" in parts:
-        _floods(start, tmp)
+    for part in parts:  # flood, or floodN: N connections (32)
+        if part.startswith("flood"):
+            _floods(start, tmp, int(part[5:] or 32))
 
 
 def _bodies(start, attack, answers, tmp):
@@ -447,7 +450,10 @@ def _work(start):
     p.wait(60)
 
 
-def _floods(start, tmp):
+def _floods(start, tmp, connections):
+    import collections
+    import statistics
+
     import numpy as np
 
     from moed import MoEClient
@@ -455,40 +461,42 @@ def _floods(start, tmp):
     for flags, what in (((), "no token"), (("--auth-token-file", str(tmp / "token")), "token required")):
         for reset in (False, True):
             p, addr = start(*flags)
-            ok, stop, rss = [0, 0], threading.Event(), Rss(p.pid)
+            took, errors, stop, rss = [], collections.Counter(), threading.Event(), Rss(p.pid)
 
-            def legit():
+            def legit():  # a new client, on a connection of its own, every 0.5 s
                 while not stop.is_set():
                     t0 = time.monotonic()
                     try:
-                        with MoEClient(addr, timeout=2.0, token="s3cret-token") as c:
+                        with MoEClient(addr, timeout=6.0, token="s3cret-token",
+                                       options=[("grpc.use_local_subchannel_pool", 1)]) as c:
                             c.forward(0, np.zeros((4, 256), np.float32), expert_ids=np.zeros((4, 2), np.int32),
                                       expert_weights=np.full((4, 2), 0.5, np.float32))
-                            ok[0] += 1
-                    except Exception:
-                        pass
-                    ok[1] += 1
-                    stop.wait(max(0, 1.6 - (time.monotonic() - t0)))
-
-            def run():
-                lt = threading.Thread(target=legit)
-                lt.start()
-                t0 = time.monotonic()
-                n = flood(addr, 15, connections=2, per_write=100, reset=reset,
-                          stop=lambda: rss.peak > RSS_CAP)
-                took = time.monotonic() - t0
-                stop.set()
-                lt.join()
-                capped = " (stopped at the RSS cap)" if rss.peak > RSS_CAP else ""
-                return (f"{n} streams in {took:.1f} s{capped}; legitimate 2 s calls {ok[0]} of {ok[1]} "
-                        f"answered; moed {'up' if p.poll() is None else 'DEAD'}")
+                        took.append(time.monotonic() - t0)
+                    except Exception as e:
+                        took.append(None)
+                        errors[getattr(e, "code_name", type(e).__name__)] += 1
+                    stop.wait(max(0, 0.5 - (time.monotonic() - t0)))
 
             with rss:
                 before = rss.now()
-                res = run()
+                attacker = flood_process(addr, connections, reset=reset)
+                lt = threading.Thread(target=legit)
+                lt.start()
+                end = time.monotonic() + 15
+                while time.monotonic() < end and rss.peak <= RSS_CAP:
+                    time.sleep(0.05)
+                n, closed = stop_flood(attacker)
+                stop.set()
+                lt.join()
             time.sleep(3)
-            print(f"flood 15 s, 2 connections, {what}{', with resets' if reset else ''}: rss "
-                  f"{before / MIB:.0f} MiB -> peak {rss.peak / MIB:.0f} MiB, 3 s later {rss.now() / MIB:.0f} MiB; {res}")
+            ok = [t for t in took if t is not None]
+            capped = " (stopped at the RSS cap)" if rss.peak > RSS_CAP else ""
+            print(f"flood 15 s, {connections} connections (reconnecting), {what}{', with resets' if reset else ''}: "
+                  f"rss {before / MIB:.0f} MiB -> peak {rss.peak / MIB:.0f} MiB, 3 s later {rss.now() / MIB:.0f} MiB; "
+                  f"{n} streams{capped}, {closed} connections closed by moed; calls from new clients (6 s deadline): "
+                  f"{len(ok)} of {len(took)} answered, median {statistics.median(ok) if ok else 0:.2f} s, "
+                  f"max {max(ok) if ok else 0:.2f} s{'; errors ' + str(dict(errors)) if errors else ''}; "
+                  f"moed {'up' if p.poll() is None else 'DEAD'}")
             p.terminate()
             p.wait(60)
 

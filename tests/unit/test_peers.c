@@ -42,11 +42,12 @@ static moed_peer_verdict enter(moed_peers *p, const char *addr, bool waits, uint
                                moed_peer_call *c, char *victim)
 {
     char none[64];
-    return moed_peers_enter(p, addr, waits, now, c, victim ? victim : none, 64);
+    return moed_peers_enter(p, addr, NULL, waits, now, c, victim ? victim : none, 64);
 }
 
 /* Calls open: `limit` of one address let in, the next closes it and later ones are dropped, even
- * once its calls have ended; another address counts apart. */
+ * once its calls have ended; another address counts apart, and so does a later connection of the
+ * same address. */
 static void test_calls_open(void)
 {
     moed_peers *p = moed_peers_create(3, 1 << 30);
@@ -54,7 +55,7 @@ static void test_calls_open(void)
     for (int i = 0; i < 3; i++) CHECK_EQ_INT(enter(p, A, false, 1, &a[i], NULL), MOED_PEER_ADMIT);
     CHECK_EQ_INT(moed_peers_count(p, A), 3);
     CHECK_EQ_INT(enter(p, B, false, 1, &b, NULL), MOED_PEER_ADMIT);
-    CHECK_EQ_INT(enter(p, A, false, 1, &x, NULL), MOED_PEER_CLOSE);
+    CHECK_EQ_INT(enter(p, A, false, 1, &x, NULL), MOED_PEER_CLOSE_CALLS);
     CHECK(x.peer == NULL && moed_peers_closed(p, A) && !moed_peers_closed(p, B));
     for (int i = 0; i < 3; i++) {
         moed_peers_read(p, &a[i]);
@@ -63,32 +64,37 @@ static void test_calls_open(void)
     CHECK_EQ_INT(moed_peers_count(p, A), 0);
     CHECK_EQ_INT(enter(p, A, false, 3, &x, NULL), MOED_PEER_CLOSED); /* still remembered */
     moed_peers_leave(p, &x, 3);                                      /* not counted: no-op */
+    /* The kernel gives A's port to a new connection: its calls are its own. */
+    int again;
+    char none[64];
+    CHECK_EQ_INT(moed_peers_enter(p, A, &again, false, 3, &x, none, sizeof none), MOED_PEER_ADMIT);
+    moed_peers_leave(p, &x, 3);
     CHECK_EQ_INT(moed_peers_count(p, B), 1);
     moed_peers_destroy(p); /* b is still counted: destroy frees it */
 }
 
-/* Calls ended unread (turned away, or reset before their request) less calls read: at `limit`
- * the next call closes the connection. */
+/* Calls ended unread (turned away, or reset before their request) less calls read: at
+ * MOED_PEERS_UNREAD the next call closes the connection. */
 static void test_unread(void)
 {
     moed_peers *p = moed_peers_create(3, 1 << 30);
     moed_peer_call c;
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < MOED_PEERS_UNREAD - 1; i++) {
         CHECK_EQ_INT(enter(p, A, true, 1, &c, NULL), MOED_PEER_ADMIT);
         moed_peers_leave(p, &c, 1);
     }
-    CHECK_EQ_INT(moed_peers_unread(p, A), 2);
+    CHECK_EQ_INT(moed_peers_unread(p, A), MOED_PEERS_UNREAD - 1);
     CHECK_EQ_INT(moed_peers_waiting(p), 0);
     CHECK_EQ_INT(enter(p, A, true, 1, &c, NULL), MOED_PEER_ADMIT); /* one read takes one back */
     moed_peers_read(p, &c);
     moed_peers_read(p, &c); /* a second request of the call counts nothing */
     moed_peers_leave(p, &c, 1);
-    CHECK_EQ_INT(moed_peers_unread(p, A), 1);
+    CHECK_EQ_INT(moed_peers_unread(p, A), MOED_PEERS_UNREAD - 2);
     for (int i = 0; i < 2; i++) {
         CHECK_EQ_INT(enter(p, A, false, 1, &c, NULL), MOED_PEER_ADMIT);
         moed_peers_leave(p, &c, 1);
     }
-    CHECK_EQ_INT(enter(p, A, false, 1, &c, NULL), MOED_PEER_CLOSE);
+    CHECK_EQ_INT(enter(p, A, false, 1, &c, NULL), MOED_PEER_CLOSE_UNREAD);
     moed_peers_destroy(p);
 }
 
@@ -125,12 +131,33 @@ static void test_waiting(void)
     CHECK(!victim[0]);
     /* B's second waiting call would make it hold the most: B itself is closed. */
     moed_peer_call b2;
-    CHECK_EQ_INT(enter(p, B, true, 1, &b2, victim), MOED_PEER_CLOSE);
+    CHECK_EQ_INT(enter(p, B, true, 1, &b2, victim), MOED_PEER_CLOSE_WAITING);
     CHECK(!victim[0] && moed_peers_closed(p, B));
     CHECK_EQ_INT(moed_peers_waiting(p), 4);
     /* A request read: no longer waiting. */
     moed_peers_read(p, &x);
     CHECK_EQ_INT(moed_peers_waiting(p), 3);
+    moed_peers_destroy(p);
+}
+
+/* Connections that have had no request read: when MOED_PEERS_FRESH of their calls wait, the one
+ * holding the most is closed, long before `limit`; one that has had a request read is judged
+ * with all the others, at `limit`. */
+static void test_fresh(void)
+{
+    moed_peers *p = moed_peers_create(1000, 1 << 30);
+    char victim[64];
+    static moed_peer_call a[MOED_PEERS_FRESH], s[MOED_PEERS_FRESH + 10], b[4], c;
+    CHECK_EQ_INT(enter(p, "ipv4:127.0.0.1:1", true, 1, &s[0], NULL), MOED_PEER_ADMIT);
+    moed_peers_read(p, &s[0]); /* seasoned: its calls waiting are not the fresh ones */
+    for (int i = 1; i < MOED_PEERS_FRESH + 10; i++)
+        CHECK_EQ_INT(enter(p, "ipv4:127.0.0.1:1", true, 1, &s[i], NULL), MOED_PEER_ADMIT);
+    for (int i = 0; i < MOED_PEERS_FRESH - 4; i++)
+        CHECK_EQ_INT(enter(p, A, true, 1, &a[i], NULL), MOED_PEER_ADMIT);
+    for (int i = 0; i < 4; i++) CHECK_EQ_INT(enter(p, B, true, 1, &b[i], NULL), MOED_PEER_ADMIT);
+    CHECK_EQ_INT(enter(p, "ipv4:127.0.0.1:2", true, 1, &c, victim), MOED_PEER_ADMIT);
+    CHECK_MSG(!strcmp(victim, A), "victim %s", victim);
+    CHECK(!moed_peers_closed(p, B) && !moed_peers_closed(p, "ipv4:127.0.0.1:1"));
     moed_peers_destroy(p);
 }
 
@@ -141,7 +168,7 @@ static void test_idle(void)
     moed_peers *p = moed_peers_create(1, 1 << 30);
     moed_peer_call c, d;
     CHECK_EQ_INT(enter(p, A, false, 1, &c, NULL), MOED_PEER_ADMIT);
-    CHECK_EQ_INT(enter(p, A, false, 1, &d, NULL), MOED_PEER_CLOSE);
+    CHECK_EQ_INT(enter(p, A, false, 1, &d, NULL), MOED_PEER_CLOSE_CALLS);
     moed_peers_read(p, &c);
     moed_peers_leave(p, &c, 100);
     CHECK_EQ_INT(enter(p, B, false, 100, &d, NULL), MOED_PEER_ADMIT); /* B stays open */
@@ -263,6 +290,7 @@ int main(void)
     test_calls_open();
     test_unread();
     test_waiting();
+    test_fresh();
     test_idle();
     test_held();
     test_disconnect(AF_INET, false);
