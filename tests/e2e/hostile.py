@@ -3,7 +3,7 @@ daemon's memory while it does: the hardening tests (test_hardening.py) use these
 counts; run as a script they repeat issue 9's measurements at full size and print the figures that
 README's security section quotes:
 
-    .venv/bin/python tests/e2e/hostile.py build/server/moed [bodies|work|flood|floodN]...
+    .venv/bin/python tests/e2e/hostile.py build/server/moed [bodies|work|flood|floodN|window]...
 
 - flood(): connections that open Forward streams (HEADERS + an empty DATA frame, `per_write` per
   write), never reading what the server sends (so never acknowledging its SETTINGS either), and
@@ -341,7 +341,7 @@ MIB = 1 << 20
 RSS_CAP = 6 << 30  # a flood is stopped here: the machine running it is shared
 
 
-def _measure(moed_bin, parts=("bodies", "work", "flood")):
+def _measure(moed_bin, parts=("bodies", "work", "flood", "window")):
     import pathlib
     import subprocess
     import tempfile
@@ -388,6 +388,8 @@ def _measure(moed_bin, parts=("bodies", "work", "flood")):
     for part in parts:  # flood, or floodN: N connections (32)
         if part.startswith("flood"):
             _floods(start, tmp, int(part[5:] or 32))
+    if "window" in parts:
+        _window(start)
 
 
 def _bodies(start, attack, answers, tmp):
@@ -501,6 +503,30 @@ def _floods(start, tmp, connections):
             p.wait(60)
 
 
+def _window(start):
+    """A ForwardStream client that grants no HTTP/2 window: 50 streams x 16 requests of 2048
+    tokens (2 MiB replies), for at most 60 s."""
+    import numpy as np
+
+    from moed import MoEClient
+
+    p, addr = start()
+    with MoEClient(addr) as c:
+        request = c.build_request(0, np.zeros((2048, 256), np.float32), expert_ids=np.zeros((2048, 2), np.int32),
+                                  expert_weights=np.full((2048, 2), 0.5, np.float32)).SerializeToString()
+    with Rss(p.pid) as rss:
+        before, t0 = rss.now(), time.monotonic()
+        closed, sent = withhold_window(addr, request, streams=50, per_stream=16, guard_s=60)
+        took = time.monotonic() - t0
+        at_end = rss.now()
+    time.sleep(3)
+    print(f"a client granting no window, 50 streams x 16 requests of 2048 tokens: rss {before / MIB:.0f} MiB -> "
+          f"peak {rss.peak / MIB:.0f} MiB, {at_end / MIB:.0f} MiB at the end, 3 s later {rss.now() / MIB:.0f} MiB; "
+          f"{sent} requests sent; {'closed by moed after' if closed else 'still open after'} {took:.1f} s")
+    p.terminate()
+    p.wait(60)
+
+
 def flood_process(address, connections, reset=False, min_streams=1, guard_s=300):
     """flood() with `connections` connections, reconnecting to any the server closes, in a process
     of its own (the attacker is not the callers' process: no shared interpreter lock), until it is
@@ -549,4 +575,4 @@ if __name__ == "__main__":
         _flood_main(sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), float(sys.argv[6]))
     else:  # hostile.py MOED [bodies|work|flood]...
         _measure(sys.argv[1] if len(sys.argv) > 1 else "build/server/moed", sys.argv[2:] or
-                 ("bodies", "work", "flood"))
+                 ("bodies", "work", "flood", "window"))
