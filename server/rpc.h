@@ -11,11 +11,10 @@
  *
  * Admission: a call is let in on its headers (its connection within its limits, the bearer token,
  * not draining) and only then is its request read; one turned away gets its status with a stream
- * reset, unread. A connection past its limits (twice --max-streams calls open, or ended unread; or
- * the most of the calls waiting for their request when that many wait in all: moed_peers) is
- * closed, and the calls gRPC had read from it before are dropped. The transport's limits (stream
- * count, header size, pings, compression, gRPC's resource quota) are set where the server is
- * created (rpc.c).
+ * reset, unread. A connection past its limits (calls open, calls ended unread, calls waiting for
+ * their request, replies its client does not take: moed_peers) is closed, and the calls gRPC had
+ * read from it before are dropped. The transport's limits (stream count, header size, pings,
+ * compression, gRPC's resource quota) are set where the server is created (rpc.c).
  *
  * Life cycle: moed_rpc_start (bound and serving, health NOT_SERVING) → moed_rpc_set_serving(true)
  * → moed_rpc_drain (SIGTERM: merge windows flushed, NOT_SERVING, new Forward calls answered

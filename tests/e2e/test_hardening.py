@@ -49,8 +49,8 @@ FLOOD_CONNECTIONS = 32
 # --max-streams 16: what moed lets in per connection (twice it) and in all stays small beside the
 # bound, and flooding connections are closed often.
 FLOOD_FLAGS = ("--cq-threads", "2", "--max-streams", "16")
-# The calls start once this many streams are out: gRPC has then read and made calls of hundreds of
-# MB of them, before the fix.
+# The calls start once this many streams are out: by then, before the fix, gRPC had made hundreds
+# of MB of calls of them.
 FLOOD_MIN_STREAMS = 1_000_000
 # Legitimate calls made during the flood, one after another, each from a new client (a new
 # connection: the worst case). Their deadline is a hang guard only, far beyond the few
