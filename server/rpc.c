@@ -382,17 +382,19 @@ static void close_crowded(moed_rpc *r, const char *peer, moed_peer_verdict v)
 
 /* A connection may hold twice the MAX_CONCURRENT_STREAMS moed advertises (a client that honours
  * the setting never comes near: the slack covers calls whose end the client has seen before this
- * side has freed them), and have as many calls end unread (moed_peers). Its next call closes it:
- * refusing calls one by one cannot keep up with a peer that opens streams without reading (see
- * peers.h), and the calls gRPC had already taken from it are dropped as they come. Unix-socket
- * peers all share one address and are not counted: the socket file's permissions admit them. */
+ * side has freed them), within moed_peers' bounds on calls ended unread and calls waiting for
+ * their request. The call that finds it past them closes it: refusing calls one by one cannot
+ * keep up with a peer that opens streams without reading (see peers.h), and the calls gRPC had
+ * already taken from it are dropped as they come. Only TCP peers
+ * are counted: unix-socket peers all share one address, and the socket file's permissions admit
+ * them. */
 static bool refuse_crowded(rpc_call *c)
 {
     moed_rpc *r = c->rpc;
     char *peer = grpc_call_get_peer(c->call), victim[128] = "";
     moed_peer_verdict v = MOED_PEER_ADMIT;
     c->local = peer && moed_peer_is_local(peer);
-    if (peer && strncmp(peer, "unix", 4)) {
+    if (peer && (!strncmp(peer, "ipv4:", 5) || !strncmp(peer, "ipv6:", 5))) {
         /* gRPC makes one auth context per connection (plaintext too): the connection's identity */
         grpc_auth_context *conn = grpc_call_auth_context(c->call);
         v = moed_peers_enter(r->peers, peer, conn, c->method->read_payload, c->t_received_ns,
