@@ -12,6 +12,7 @@ README's security section quotes:
 - upload(): one request body of any size pushed as fast as flow control lets it, with or without
   a token, plain or gzip-compressed (a gzip "bomb": a small body that inflates enormously);
 - open_streams(): many streams at once on one connection, before the server's SETTINGS are read;
+  server_settings(): the SETTINGS it advertises;
 - reset_mid_upload(): a call reset by its client before its message is whole;
 - withhold_window(): ForwardStream requests from a client that reads but grants no HTTP/2 window;
 - Rss: the process's resident memory, sampled, with its peak.
@@ -223,12 +224,31 @@ def upload(address, body_len, token=None, compressed_body=None, path=FORWARD, ti
     return status, message, max(0, sent - 5)
 
 
+def server_settings(address, wait=60.0):
+    """The SETTINGS the server advertises, as {code: value} (3 is MAX_CONCURRENT_STREAMS, 4
+    INITIAL_WINDOW_SIZE, 6 MAX_HEADER_LIST_SIZE), read on a connection that sends nothing else
+    (`wait` s: a hang guard)."""
+    s, conn = _connect(address)
+    try:
+        end = time.monotonic() + wait
+        while time.monotonic() < end:
+            if not select.select([s], [], [], 0.05)[0]:
+                continue
+            got = s.recv(1 << 16)
+            if not got:
+                break
+            if any(isinstance(ev, h2.events.RemoteSettingsChanged) for ev in conn.receive_data(got)):
+                return {int(k): v for k, v in conn.remote_settings.items()}
+    finally:
+        s.close()
+    raise AssertionError("the server sent no SETTINGS")
+
+
 def open_streams(address, n, path=FORWARD, wait=60.0):
     """Opens n streams at once on one connection, headers only (no message), before reading the
     server's SETTINGS, then reads until the server closes the connection (or `wait` s pass: a hang
     guard). Returns ({stream id: (grpc-status, grpc-message)} for the streams the server answered,
-    the SETTINGS it advertised as {code: value} (3 is MAX_CONCURRENT_STREAMS, 4
-    INITIAL_WINDOW_SIZE, 6 MAX_HEADER_LIST_SIZE), whether the server closed the connection)."""
+    whether the server closed the connection)."""
     s, conn = _connect(address)
     answered, closed = {}, False
     try:
@@ -255,10 +275,11 @@ def open_streams(address, n, path=FORWARD, wait=60.0):
                 s.sendall(conn.data_to_send())
             except OSError:
                 closed = True
-        settings = {int(k): v for k, v in conn.remote_settings.items()}
+    except OSError:  # reset while the streams went out
+        closed = True
     finally:
         s.close()
-    return answered, settings, closed
+    return answered, closed
 
 
 def withhold_window(address, request, streams=1, per_stream=1, gzip=False, guard_s=120.0):

@@ -183,8 +183,9 @@ def test_http2_limits_are_advertised_and_held(daemon):
     unaffected."""
     mflags, port = metrics_flags()
     d = daemon("--synthetic", DEFAULT_SPEC, "--threads", "1", "--max-streams", "4", *mflags)
-    answered, settings, closed = hostile.open_streams(d.address, 12)
+    settings = hostile.server_settings(d.address)
     assert settings.get(3) == 4 and settings.get(6) == 16384, settings
+    answered, closed = hostile.open_streams(d.address, 12)
     assert closed and not answered, (closed, answered)
     assert scrape(port).get("moed_connections_closed_total") == 1
     deadline = time.monotonic() + 30  # a hang guard: the line follows the count
@@ -214,7 +215,8 @@ def test_stream_flood_leaves_callers_answered(daemon, tmp_path, variant):
     with hostile.Rss(d.proc.pid) as rss:
         before = rss.now()
         attacker = hostile.flood_process(d.address, FLOOD_CONNECTIONS, reset=variant == "reset",
-                                         min_streams=FLOOD_MIN_STREAMS)
+                                         min_streams=FLOOD_MIN_STREAMS,
+                                         guard_s=LEGIT_CALLS * LEGIT_DEADLINE_S + 120)
         over = threading.Event()
 
         def watch():  # stops the flood as soon as RSS passes the cap
@@ -299,12 +301,12 @@ def test_client_that_takes_no_reply_is_closed(daemon, held):
     """The issue: a ForwardStream client that reads its socket but never grants HTTP/2 window held
     ~1.25 GB for as long as it stayed. The replies waiting for their clients are counted now: when
     those of all connections pass --max-grpc-memory, the connection holding the most is closed
-    (here 4 streams x 16 replies of 2 MiB against 32 MiB, their requests gzip-compressed so that
+    (here 4 streams x 16 replies of 2 MiB against 16 MiB, their requests gzip-compressed so that
     gRPC's own quota, which counts what it reads, is not what acts: at once); and a connection that
     has taken none of its replies for 20 s is closed (here one small reply: after 20 s). moed
     counts it and logs why; another client is answered after."""
     mflags, port = metrics_flags()
-    d = daemon("--synthetic", DEFAULT_SPEC, "--threads", "1", "--max-grpc-memory", "32MiB",
+    d = daemon("--synthetic", DEFAULT_SPEC, "--threads", "1", "--max-grpc-memory", "16MiB",
                "--accept-compression", "1", *mflags)
     big = held == "past_the_bound"
     T = 8192 if big else 1
