@@ -69,7 +69,7 @@ static int local_uid(rpc_call *c, uint32_t *uid, moed_error *err)
     int rc = 0;
     if (!peer)
         rc = moed_fail(err, MOED_ENOMEM, "no memory for the peer's address");
-    else if (moed_unix_uid(r->unix_listener, peer, uid))
+    else if (moed_unix_uid(r->unix_listener, peer, uid, NULL))
         rc = 0;
     else if (!c->local)
         rc = moed_fail(err, MOED_EPRECOND, "it connects from beyond this host");

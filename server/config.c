@@ -79,7 +79,7 @@ static const opt opts[] = {
       "split every layer's experts over the devices (CUDA; a layer larger than one GPU is split "
       "without it)" },
     { "cq-threads", OPT_INT, OFF(cq_threads), 1, 256, "N",
-      "gRPC completion queues, one thread each" },
+      "threads running gRPC calls (a completion queue each), and as many reading connections" },
     { "max-message-bytes", OPT_BYTES, OFF(max_message_bytes), 4096, INT_MAX, "BYTES",
       "largest request accepted (suffixes KiB, MiB, GiB)" },
     { "max-batch-tokens", OPT_I64, OFF(max_batch_tokens), 1, 1 << 24, "N",

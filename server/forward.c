@@ -132,6 +132,7 @@ static void fwd_start(rpc_call *c)
         it->user = f;
         it->t_received_ns = c->t_received_ns;
         it->deadline_ns = rpc_deadline_ns(c);
+        it->owner = rpc_call_owner(c);
         rpc_call_ref(c); /* held by the scheduler until fwd_done */
         if ((rc = moed_sched_submit(r->cfg.sched, it, &err))) rpc_call_unref(c);
     }
@@ -280,7 +281,10 @@ static void stream_on_send(rpc_tag *t, bool ok)
     stream_call *s = moed_container_of(t, stream_call, on_send);
     pthread_mutex_lock(&s->lock);
     if (s->send == SEND_BUSY) s->send = ok ? SEND_IDLE : SEND_ENDED; /* !ok: the stream broke */
-    if (s->in_flight) grpc_byte_buffer_destroy(s->in_flight);
+    if (s->in_flight) {
+        rpc_hold(&s->base, -(int64_t)grpc_byte_buffer_length(s->in_flight));
+        grpc_byte_buffer_destroy(s->in_flight);
+    }
     s->in_flight = NULL;
     if (s->read == READ_PAUSED && s->open < STREAM_WINDOW && s->send != SEND_ENDED)
         stream_post_recv(s);
@@ -299,6 +303,7 @@ static void stream_done(moed_sched_item *it, const moed_sched_result *res)
     if (bb) {
         e->state = E_READY;
         e->reply = bb;
+        rpc_hold(&s->base, (int64_t)grpc_byte_buffer_length(bb));
     } else {
         e->state = E_FAILED;
         e->err = res->status ? *res->err : err;
@@ -345,6 +350,7 @@ static bool stream_accept(stream_call *s, grpc_byte_buffer *payload)
         it->done = stream_done;
         it->user = e;
         it->deadline_ns = rpc_deadline_ns(&s->base);
+        it->owner = rpc_call_owner(&s->base);
         rpc_call_ref(&s->base);
         if ((rc = moed_sched_submit(r->cfg.sched, it, &e->err))) rpc_call_unref(&s->base);
     }
@@ -364,6 +370,7 @@ static void stream_on_recv(rpc_tag *t, bool ok)
     pthread_mutex_lock(&s->lock);
     grpc_byte_buffer *bb = s->recv_bb;
     s->recv_bb = NULL;
+    if (ok && bb) rpc_call_read(&s->base);
     if (!ok || !bb) {
         s->read = READ_EOF;
         if (bb) grpc_byte_buffer_destroy(bb);

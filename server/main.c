@@ -351,6 +351,7 @@ static void metrics_page(moed_daemon *d, moed_http_reply *out)
     moed_metrics_gauges g = { .serving = d->serving && !d->draining,
                               .queue_requests = ss.queued,
                               .calls_active = rs.active_calls,
+                              .connections_closed = rs.connections_closed,
                               .exec_busy = ss.running,
                               .exec_size = (uint64_t)moed_backend_n_exec(d->backend),
                               .devices = dev,

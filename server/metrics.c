@@ -408,6 +408,9 @@ char *moed_metrics_render(const moed_metrics *m, const moed_metrics_gauges *g, s
     for (int h = 0; h < H_COUNT; h++) histogram(&t, m, h);
     gauge(&t, "moed_queue_requests", "Requests waiting in the scheduler's queues.",
           (double)g->queue_requests);
+    counter(&t, "moed_connections_closed_total",
+            "gRPC connections closed for going past their limits (--max-streams).",
+            g->connections_closed);
     gauge(&t, "moed_calls_active", "gRPC calls open (unary calls in progress and open streams).",
           (double)g->calls_active);
     gauge(&t, "moed_stream_pool_busy",

@@ -73,6 +73,8 @@ typedef struct moed_metrics_gauges {
     uint64_t calls_active;   /* gRPC calls open */
     uint64_t exec_busy;      /* execution slots (stream pool) running a launch */
     uint64_t exec_size;      /* execution slots in all */
+    /* gRPC connections closed for going past their limits (moed_peers), in all */
+    uint64_t connections_closed;
     const moed_device_info *devices;
     int n_devices;
     const char *version, *backend;

@@ -149,6 +149,7 @@ static void on_recv(rpc_tag *t, bool ok)
     grpc_byte_buffer *bb = rc->recv_bb;
     rc->recv_bb = NULL;
     rc->reading = false;
+    if (ok && bb) rpc_call_read(&rc->base);
     int status = 0;
     moed_error err;
     const bool unread = ok && bb && !rc->done && rpc_inflate(&rc->base, &bb, &err);

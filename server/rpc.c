@@ -6,7 +6,11 @@
  * read tensors straight from the received slices and reply from a slice the output was written
  * into. Why several completion queues: one queue thread tops out near one core of HTTP/2 work;
  * the bare gRPC floor the benchmarks compare against (an echo server with no compute, 8.2 GB/s)
- * was measured with eight.
+ * was measured with eight. Why the threads that run calls never read a connection (their queues
+ * are gRPC's non-polling kind, and other threads poll): gRPC 1.51 reads a connection on, in the
+ * thread that polled it, for as long as its socket has data, so a peer sending streams faster than
+ * they are parsed keeps that thread; a thread that also ran calls then ran none, and 32 such
+ * connections stopped every call, and every decision to close one of them, for seconds.
  */
 #include "rpc_call.h"
 
@@ -30,6 +34,8 @@
 /* The drain's wait for callers to go quiet (maybe_shutdown), and how often it looks. */
 #define DRAIN_QUIET_NS ((uint64_t)250 * 1000000)
 #define DRAIN_POLL_MS  50
+/* How often queue 0's thread looks for connections that take no reply (moed_peers_stalled). */
+#define STALL_POLL_NS ((uint64_t)1000000000)
 
 /* Calls requested in advance per method and queue: enough for a burst of callers to be taken
  * without waiting for a re-arm. */
@@ -70,7 +76,7 @@ void rpc_call_unref(rpc_call *c)
         pthread_mutex_unlock(&r->live_lock);
     }
     if (c->started && c->method->destroy) c->method->destroy(c);
-    if (c->peer) moed_peers_leave(r->peers, c->peer);
+    moed_peers_leave(r->peers, &c->peer, moed_now_ns());
     const bool was_active = c->active;
     if (c->call) grpc_call_unref(c->call);
     grpc_metadata_array_destroy(&c->md);
@@ -81,6 +87,28 @@ void rpc_call_unref(rpc_call *c)
     free(c);
     if (was_active && atomic_fetch_sub(&r->active, 1) == 1 && atomic_load(&r->draining))
         maybe_shutdown(r);
+}
+
+void rpc_call_read(rpc_call *c)
+{
+    moed_peers_read(c->rpc->peers, &c->peer);
+}
+
+static void close_connection(moed_rpc *r, const char *peer, const char *why);
+
+void rpc_hold(rpc_call *c, int64_t bytes)
+{
+    char victim[128];
+    if (moed_peers_hold(c->rpc->peers, &c->peer, bytes, moed_now_ns(), victim, sizeof victim))
+        close_connection(c->rpc, victim,
+                         "replies waiting for their clients passed --max-grpc-memory, and this "
+                         "connection's were the most: its client takes them too slowly, or "
+                         "grants no HTTP/2 window");
+}
+
+const void *rpc_call_owner(const rpc_call *c)
+{
+    return c->peer.peer ? (const void *)c->peer.peer : (const void *)c;
 }
 
 /* Takes a reference unless the call is already on its way out (refs at 0). */
@@ -123,7 +151,9 @@ void rpc_post_close(rpc_call *c, void (*close_fn)(rpc_call *c))
 
 static void on_reply(rpc_tag *t, bool ok)
 {
-    rpc_call_unref(moed_container_of(t, rpc_call, on_reply));
+    rpc_call *c = moed_container_of(t, rpc_call, on_reply);
+    if (c->peer.held) rpc_hold(c, -c->peer.held); /* taken, or the call is over */
+    rpc_call_unref(c);
 }
 
 void rpc_reply(rpc_call *c, grpc_byte_buffer *msg, int grpc_status, const char *details)
@@ -134,6 +164,7 @@ void rpc_reply(rpc_call *c, grpc_byte_buffer *msg, int grpc_status, const char *
     ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
     if (msg) {
         c->reply = msg;
+        rpc_hold(c, (int64_t)grpc_byte_buffer_length(msg));
         ops[n].op = GRPC_OP_SEND_MESSAGE;
         ops[n++].data.send_message.send_message = msg;
     }
@@ -338,26 +369,74 @@ static bool refuse_draining(rpc_call *c)
     return true;
 }
 
+/* Closes a connection found past its limits (moed_peers); counted first, so that whoever sees it
+ * closed finds it counted. */
+static void close_connection(moed_rpc *r, const char *peer, const char *why)
+{
+    atomic_fetch_add(&r->closed, 1);
+    int n = moed_peers_disconnect(peer, r->port);
+    moed_log_warn("connection closed", "peer=%s sockets=%d reason=\"%s\"", peer, n, why);
+}
+
+/* Closes a connection for the verdict on one of its calls (moed_peers_enter), saying why. */
+static void close_crowded(moed_rpc *r, const char *peer, moed_peer_verdict v)
+{
+    char why[300];
+    const int limit = 2 * r->cfg.max_streams;
+    if (v == MOED_PEER_CLOSE_CALLS)
+        snprintf(why, sizeof why,
+                 "%d calls open on one connection; MAX_CONCURRENT_STREAMS is %d (--max-streams)",
+                 limit, r->cfg.max_streams);
+    else if (v == MOED_PEER_CLOSE_UNREAD)
+        snprintf(why, sizeof why,
+                 "%d more of its calls ended unread (turned away at their headers, or reset before "
+                 "their request) than were read",
+                 MOED_PEERS_UNREAD);
+    else
+        snprintf(why, sizeof why,
+                 "%d calls wait for their request (twice --max-streams), and this connection "
+                 "holds the most of them",
+                 limit);
+    close_connection(r, peer, why);
+}
+
 /* A connection may hold twice the MAX_CONCURRENT_STREAMS moed advertises (a client that honours
  * the setting never comes near: the slack covers calls whose end the client has seen before this
- * side has freed them); a call past that is refused at once, unread. Connections of moed's own
- * unix listener have a peer each ("fd:N"); those of gRPC's (TLS on a unix socket) all share one
- * and are not counted: the socket file's permissions admit them. */
+ * side has freed them), within moed_peers' bounds on calls ended unread and calls waiting for
+ * their request. The call that finds it past them closes it: refusing calls one by one cannot
+ * keep up with a peer that opens streams without reading (see peers.h), and the calls gRPC had
+ * already taken from it are dropped as they come. TCP peers are counted by address, and the
+ * connections of moed's own unix listener by their descriptor ("fd:N"); those of gRPC's unix
+ * listener (TLS on a unix socket) all share one name and are not counted: the socket file's
+ * permissions admit them. */
 static bool refuse_crowded(rpc_call *c)
 {
     moed_rpc *r = c->rpc;
-    char *peer = grpc_call_get_peer(c->call);
-    bool counted = peer && strncmp(peer, "unix", 4);
+    char *peer = grpc_call_get_peer(c->call), victim[128] = "", key[64];
+    const char *addr = NULL; /* as moed_peers counts it; NULL: not counted */
+    uint64_t seq;
+    moed_peer_verdict v = MOED_PEER_ADMIT;
     c->local = peer && moed_peer_is_local(peer);
-    if (counted) c->peer = moed_peers_enter(r->peers, peer, 2 * r->cfg.max_streams);
+    if (peer && (!strncmp(peer, "ipv4:", 5) || !strncmp(peer, "ipv6:", 5)))
+        addr = peer;
+    else if (peer && moed_unix_uid(r->unix_listener, peer, NULL, &seq)) {
+        /* a later connection may get the same descriptor: its number in accept order tells them
+         * apart */
+        snprintf(key, sizeof key, "%s/%llu", peer, (unsigned long long)seq);
+        addr = key;
+    }
+    if (addr) {
+        /* gRPC makes one auth context per TCP connection (plaintext too): the connection's
+         * identity beside its address */
+        grpc_auth_context *conn = grpc_call_auth_context(c->call);
+        v = moed_peers_enter(r->peers, addr, conn, c->method->read_payload, c->t_received_ns,
+                             &c->peer, victim, sizeof victim);
+        grpc_auth_context_release(conn);
+    }
+    if (v >= MOED_PEER_CLOSE_CALLS) close_crowded(r, addr, v);
+    if (v == MOED_PEER_ADMIT && victim[0]) close_crowded(r, victim, MOED_PEER_CLOSE_WAITING);
     gpr_free(peer);
-    if (!counted || c->peer) return false;
-    moed_error err;
-    moed_fail(&err, MOED_ETOOBIG,
-              "%d calls open on this connection; MAX_CONCURRENT_STREAMS is %d (--max-streams)",
-              2 * r->cfg.max_streams, r->cfg.max_streams);
-    refuse(c, &err);
-    return true;
+    return v != MOED_PEER_ADMIT;
 }
 
 static void start_method(rpc_call *c)
@@ -372,6 +451,7 @@ static void on_payload(rpc_tag *t, bool ok)
 {
     rpc_call *c = moed_container_of(t, rpc_call, on_payload);
     moed_error err;
+    if (c->payload) rpc_call_read(c);
     if (!c->payload && (!ok || grpc_call_failed_before_recv_message(c->call)))
         rpc_count(c, GRPC_STATUS_CANCELLED, c->t_received_ns, NULL, NULL);
     else if (rpc_inflate(c, &c->payload, &err))
@@ -442,8 +522,24 @@ static void request_call(rpc_cq *q, int m)
     }
 }
 
-/* Queue 0's thread also wakes every DRAIN_POLL_MS, so that a drain waiting for callers to go quiet
- * finishes when they have, whether or not any event comes. */
+/* Closes the connections that hold replies and have taken none for MOED_PEERS_STALL_NS, looking
+ * every STALL_POLL_NS. */
+static void close_stalled(moed_rpc *r)
+{
+    char victim[128];
+    uint64_t now = moed_now_ns();
+    if (now - r->stall_polled_ns < STALL_POLL_NS) return;
+    r->stall_polled_ns = now;
+    while (moed_peers_stalled(r->peers, now, victim, sizeof victim))
+        close_connection(r, victim,
+                         "its client has taken none of its replies for 20 s: it reads its socket "
+                         "but grants no HTTP/2 window, or takes them too slowly");
+}
+
+/* A queue's thread: a call queue's runs its calls' events; a reading queue's thread has none (no
+ * call is bound to it) and does gRPC's reading in grpc_completion_queue_next. Queue 0's thread also
+ * wakes every DRAIN_POLL_MS, so that a drain waiting for callers to go quiet finishes when they
+ * have, whether or not any event comes. */
 static void *cq_main(void *arg)
 {
     rpc_cq *q = arg;
@@ -457,6 +553,7 @@ static void *cq_main(void *arg)
         if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
         if (ev.type == GRPC_OP_COMPLETE) ((rpc_tag *)ev.tag)->fn(ev.tag, ev.success != 0);
         if (ev.type == GRPC_QUEUE_TIMEOUT && atomic_load(&r->draining)) maybe_shutdown(r);
+        if (polls) close_stalled(r);
     }
     return NULL;
 }
@@ -640,6 +737,7 @@ static void unknown_start(rpc_call *c)
 {
     char msg[400];
     grpc_slice m = c->call_details.method;
+    rpc_call_read(c); /* answered, as a call whose request was read */
     snprintf(msg, sizeof msg,
              "unknown method %.*s: moed serves /moed.v1.Moed/Forward, ForwardStream, GetModel, "
              "Regions and ListRegions, and /grpc.health.v1.Health/Check and Watch",
@@ -679,6 +777,7 @@ static void set_address(moed_rpc *r, int port)
         return;
     }
     int host = colon ? (int)(colon - a) : (int)strlen(a);
+    r->port = port;
     snprintf(r->address, sizeof r->address, "%.*s:%d", host, a, port);
 }
 
@@ -783,8 +882,9 @@ int moed_rpc_start(const moed_rpc_config *cfg, moed_rpc **out, moed_error *err)
     r->serving = HEALTH_NOT_SERVING;
     pthread_mutex_init(&r->live_lock, NULL);
     moed_list_init(&r->live);
-    if (!(r->server = create_server(cfg)) || !(r->peers = moed_peers_create()) ||
-        !(r->cqs = calloc((size_t)cfg->cq_threads, sizeof *r->cqs))) {
+    if (!(r->server = create_server(cfg)) ||
+        !(r->peers = moed_peers_create(2 * cfg->max_streams, cfg->max_grpc_memory)) ||
+        !(r->cqs = calloc(2 * (size_t)cfg->cq_threads, sizeof *r->cqs))) {
         rc = moed_fail(err, MOED_ENOMEM, "no memory for the gRPC server");
         goto err;
     }
@@ -792,11 +892,17 @@ int moed_rpc_start(const moed_rpc_config *cfg, moed_rpc **out, moed_error *err)
         if (!methods[m]->generic)
             r->methods[m] = grpc_server_register_method(r->server, methods[m]->path, NULL,
                                                         GRPC_SRM_PAYLOAD_NONE, 0);
-    /* Threads before the port: until grpc_server_start a failure can simply destroy the server. */
-    for (r->n_cqs = 0; r->n_cqs < cfg->cq_threads; r->n_cqs++) {
+    /* Threads before the port: until grpc_server_start a failure can simply destroy the server.
+     * The call queues first (the calls are bound to them), then the reading threads' queues. */
+    for (r->n_cqs = 0; r->n_cqs < 2 * cfg->cq_threads; r->n_cqs++) {
         rpc_cq *q = &r->cqs[r->n_cqs];
+        grpc_completion_queue_attributes attr = {
+            GRPC_CQ_CURRENT_VERSION, GRPC_CQ_NEXT,
+            r->n_cqs < cfg->cq_threads ? GRPC_CQ_NON_POLLING : GRPC_CQ_DEFAULT_POLLING, NULL
+        };
         q->rpc = r;
-        q->cq = grpc_completion_queue_create_for_next(NULL);
+        q->cq =
+            grpc_completion_queue_create(grpc_completion_queue_factory_lookup(&attr), &attr, NULL);
         grpc_server_register_completion_queue(r->server, q->cq, NULL);
         if (pthread_create(&q->thread, NULL, cq_main, q)) {
             r->n_cqs++;
@@ -810,7 +916,7 @@ int moed_rpc_start(const moed_rpc_config *cfg, moed_rpc **out, moed_error *err)
     grpc_server_start(r->server);
     r->started = true;
     if (r->unix_listener) moed_unix_serve(r->unix_listener, r->server);
-    for (int i = 0; i < r->n_cqs; i++)
+    for (int i = 0; i < cfg->cq_threads; i++) /* the call queues */
         for (int m = 0; m < M_COUNT; m++)
             for (int k = 0; k < prepost[m]; k++) request_call(&r->cqs[i], m);
     *out = r;
@@ -955,4 +1061,5 @@ void moed_rpc_get_stats(moed_rpc *r, moed_rpc_stats *out)
     for (int i = 0; i < MOED_GRPC_STATUS_COUNT; i++)
         out->by_status[i] = atomic_load(&r->by_status[i]);
     out->active_calls = atomic_load(&r->active);
+    out->connections_closed = atomic_load(&r->closed);
 }

@@ -2,15 +2,18 @@
  * moed_rpc — the gRPC front end: moed.v1.Moed (Forward, ForwardStream, GetModel) and
  * grpc.health.v1.Health (Check, Watch) on gRPC C core.
  *
- * Threads: --cq-threads completion queues, each drained by its own thread; every call is bound
- * to the queue that accepted it, so one call's events run in order on one thread. Several calls
- * per method and queue are requested in advance (re-armed as each arrives) so concurrent calls
- * are taken at once. Forward payloads are decoded on the queue thread and queued in the
- * scheduler; replies are sent from the scheduler's worker threads.
+ * Threads: --cq-threads completion queues for calls, each drained by its own thread, and as many
+ * threads that only read the connections (gRPC's polling: sockets, HTTP/2 parsing) on queues no
+ * call is bound to; a call's events run in order on its queue's thread, which never reads a socket
+ * (rpc.c says why). Several calls per method and queue are requested in advance (re-armed as each
+ * arrives) so concurrent calls are taken at once. Forward payloads are decoded on the queue thread
+ * and queued in the scheduler; replies are sent from the scheduler's worker threads.
  *
- * Admission: a call is let in on its headers (its connection under twice --max-streams calls, the
- * bearer token, not draining) and only then is its request read; one turned away gets its status
- * with a stream reset, unread. The transport's limits (stream count, header size, pings,
+ * Admission: a call is let in on its headers (its connection within its limits, the bearer token,
+ * not draining) and only then is its request read; one turned away gets its status with a stream
+ * reset, unread. A connection past its limits (calls open, calls ended unread, calls waiting for
+ * their request, replies its client does not take: moed_peers) is closed, and the calls gRPC had
+ * read from it before are dropped. The transport's limits (stream count, header size, pings,
  * compression, gRPC's resource quota) are set where the server is created (rpc.c).
  *
  * Life cycle: moed_rpc_start (bound and serving, health NOT_SERVING) → moed_rpc_set_serving(true)
@@ -42,9 +45,9 @@ typedef struct moed_rpc_config {
     const char *listen; /* host:port; port 0 picks a free one (see moed_rpc_address) */
     int cq_threads;
     int64_t max_message_bytes; /* our limit; gRPC's own is set above it so ours answers */
-    int max_streams;           /* MAX_CONCURRENT_STREAMS advertised; twice it enforced */
-    int64_t max_grpc_memory;   /* gRPC core's resource quota, bytes */
-    bool accept_compression;   /* compressed requests accepted (else refused at their headers) */
+    int max_streams;         /* MAX_CONCURRENT_STREAMS advertised; twice it enforced (moed_peers) */
+    int64_t max_grpc_memory; /* gRPC core's resource quota, bytes */
+    bool accept_compression; /* compressed requests accepted (else refused at their headers) */
     moed_sched *sched;
     const moed_served *served;
     moed_backend *backend;         /* GetModel: name and devices */
@@ -59,6 +62,7 @@ typedef struct moed_rpc_stats {
     /* Forward answers by gRPC status code (CANCELLED: the caller left) */
     uint64_t by_status[MOED_GRPC_STATUS_COUNT];
     uint64_t active_calls;
+    uint64_t connections_closed; /* for going past their limits (moed_peers) */
 } moed_rpc_stats;
 
 /* Creates the server, binds cfg->listen (MOED_EIO naming the address when it cannot, or when

@@ -54,7 +54,7 @@ struct moed_rpc {
     moed_rpc_config cfg;
     grpc_server *server;
     void *methods[M_COUNT];
-    rpc_cq *cqs;
+    rpc_cq *cqs; /* --cq-threads call queues, then as many reading threads' queues */
     int n_cqs;
     char address[256];
     bool started;                  /* grpc_server_start ran: destroy only after the shutdown tag */
@@ -70,6 +70,9 @@ struct moed_rpc {
     moed_peers *peers;         /* calls open per connection, held to 2 x --max-streams */
     moed_unix *unix_listener;  /* moed's own on a unix socket without TLS, or NULL (gRPC's) */
     moed_tcp_self tcp_self;    /* the one loopback address gRPC's TCP listener serves, if it is */
+    int port;                  /* the port listened on (0: a unix socket) */
+    uint64_t stall_polled_ns;  /* queue 0's thread: when it last looked for stalled connections */
+    _Atomic uint64_t closed;   /* connections closed for going past their limits */
     _Atomic uint64_t calls[M_COUNT], forwards, by_status[MOED_GRPC_STATUS_COUNT], active;
 };
 
@@ -98,7 +101,7 @@ struct rpc_call {
     grpc_byte_buffer *payload;      /* unary requests: read once the call is let in */
     _Atomic int refs;
     uint64_t t_received_ns;
-    moed_peer *peer;          /* its connection's count of open calls, or NULL (not counted) */
+    moed_peer_call peer;      /* as its connection's calls count it (moed_peers) */
     int token;                /* the token it carries, 1..n (moed_security_check_call); 0: none */
     bool has_principal;       /* principal found (rpc_principal asks once per call) */
     moed_principal principal; /* whose regions it may use */
@@ -139,6 +142,18 @@ void rpc_reply_error(rpc_call *c, const moed_error *err);
 /* Starts a batch of ops on the call with `tag`, taking a reference for it; a refusal (a bug) is
  * logged and answered by cancelling the call. */
 void rpc_start_batch(rpc_call *c, const grpc_op *ops, size_t n, rpc_tag *tag);
+
+/* A request of the call was read (moed_peers counts the calls that end with none). */
+void rpc_call_read(rpc_call *c);
+
+/* The call's connection holds `bytes` more of its replies (made; negative: taken by the client,
+ * or given up): past --max-grpc-memory in all, or taken by none for 20 s, a connection is closed
+ * (moed_peers_hold, moed_peers_stalled). A unary reply is counted by rpc_reply. */
+void rpc_hold(rpc_call *c, int64_t bytes);
+
+/* Whose requests the call's are, for the scheduler's turns (moed_sched_item.owner): its
+ * connection's, or (a unix-socket peer, not counted per connection) the call's own. */
+const void *rpc_call_owner(const rpc_call *c);
 
 /* Streaming calls: registered on rpc->live while open, so drain and health reach them. */
 void rpc_live_add(rpc_call *c);

@@ -34,10 +34,11 @@ enum { ST_NEW = 0, ST_QUEUED, ST_RUNNING, ST_DONE };
 typedef struct queue {
     int slot, dtype, k_batch; /* the merge key */
     moed_list items;          /* of moed_sched_item.node, in arrival order */
-    int64_t tokens;           /* queued in this queue */
-    int64_t n;                /* requests queued in this queue */
-    int in_flight;            /* launches of this queue running now */
-    moed_list active_node;    /* on s->active while items is not empty */
+    moed_list turns; /* of moed_sched_item.turn_node: each owner's oldest, the next to go first */
+    int64_t tokens;  /* queued in this queue */
+    int64_t n;       /* requests queued in this queue */
+    int in_flight;   /* launches of this queue running now */
+    moed_list active_node; /* on s->active while items is not empty */
 } queue;
 
 typedef struct worker {
@@ -78,6 +79,7 @@ struct moed_sched {
     int n_queues, cap_queues;
     moed_list active; /* of queue.active_node: the non-empty queues */
     int64_t queued;
+    uint64_t seq; /* arrivals so far: moed_sched_item.seq */
     bool draining;
     bool flushing; /* merge windows are closed: see moed_sched_flush */
     worker *workers;
@@ -110,6 +112,7 @@ static queue *find_queue(moed_sched *s, const moed_sched_item *it)
     q->dtype = it->dtype;
     q->k_batch = it->k_batch;
     moed_list_init(&q->items);
+    moed_list_init(&q->turns);
     s->queues[s->n_queues++] = q;
     return q;
 }
@@ -119,20 +122,61 @@ static moed_sched_item *oldest(const queue *q)
     return moed_list_data(moed_list_head(&q->items), moed_sched_item, node);
 }
 
+/* Each owner's requests in a queue take turns with other owners' (see take_batch): the owner's
+ * oldest stands in q->turns, and its others follow it on a ring of their own (owner_node, no
+ * list head: the one in q->turns is the first). An owner with no request queued has no place, so
+ * nothing is allocated. NULL owners each stand alone. */
+static moed_sched_item *turn_of(const queue *q, const void *owner)
+{
+    moed_list *n;
+    if (owner)
+        moed_list_foreach (n, &q->turns) {
+            moed_sched_item *it = moed_list_data(n, moed_sched_item, turn_node);
+            if (it->owner == owner) return it;
+        }
+    return NULL;
+}
+
+/* it leaves its owner's requests; the next of them takes its place in q->turns, or the last place
+ * when `rotate` (it had its turn). */
+static void leave_turn(queue *q, moed_sched_item *it, bool rotate)
+{
+    moed_list *next = it->owner_node.next;
+    moed_list_remove(&it->owner_node);
+    if (moed_list_empty(&it->turn_node)) return; /* not its owner's oldest */
+    moed_list *at = rotate ? &q->turns : it->turn_node.next;
+    moed_list_remove(&it->turn_node);
+    moed_list_init(&it->turn_node);
+    if (next == &it->owner_node) return; /* its owner had no other */
+    moed_sched_item *n = moed_list_data(next, moed_sched_item, owner_node);
+    moed_list_insert_tail(at, &n->turn_node); /* before `at`: in its place, or last */
+}
+
 static void push(moed_sched *s, queue *q, moed_sched_item *it)
 {
     if (moed_list_empty(&q->items)) moed_list_insert_head(&s->active, &q->active_node);
     it->queue = q;
+    it->seq = s->seq++;
     moed_list_insert_tail(&q->items, &it->node);
+    moed_sched_item *first = turn_of(q, it->owner);
+    moed_list_init(&it->turn_node);
+    if (first) {
+        moed_list_insert_tail(&first->owner_node, &it->owner_node); /* last of its owner's */
+    } else {
+        moed_list_init(&it->owner_node);
+        moed_list_insert_tail(&q->turns, &it->turn_node); /* a new owner goes last */
+    }
     q->tokens += it->T;
     q->n++;
     s->queued++;
 }
 
-static void unlink_item(moed_sched *s, moed_sched_item *it)
+/* Out of its queue; `took`: taken into a launch (its owner had its turn). */
+static void unlink_item(moed_sched *s, moed_sched_item *it, bool took)
 {
     queue *q = it->queue;
     moed_list_remove(&it->node);
+    leave_turn(q, it, took);
     q->tokens -= it->T;
     q->n--;
     s->queued--;
@@ -169,25 +213,34 @@ static queue *pick_queue(moed_sched *s, int exec, uint64_t now, uint64_t *wake_a
     return best;
 }
 
-/* Takes the queue's requests in order while they fit in one launch (tokens and pairs; the first
- * always goes, a request never being larger than the limits allow); those whose deadline has
- * passed are moved to `expired` instead. Returns the number taken into items. */
+static int by_arrival(const void *a, const void *b)
+{
+    uint64_t x = (*(moed_sched_item *const *)a)->seq, y = (*(moed_sched_item *const *)b)->seq;
+    return (x > y) - (x < y);
+}
+
+/* Takes the queue's requests while they fit in one launch (tokens and pairs; the first always
+ * goes, a request never being larger than the limits allow), owners taking turns: each owner's
+ * oldest request in the order of q->turns, an owner going last once its request is taken, until
+ * the next in turn does not fit (it goes first next time: a large request is never passed over
+ * for smaller ones). So one owner (a connection: see moed_sched_item.owner) with many requests
+ * queued holds a launch no longer than any other. Those whose deadline has passed are moved to
+ * `expired` instead. The launch has them in arrival order, as it would have without turns. Returns
+ * the number taken into items. */
 static int take_batch(moed_sched *s, queue *q, uint64_t now, moed_sched_item **items,
                       moed_list *expired)
 {
     int n = 0;
     int64_t tokens = 0, pairs = 0;
-    moed_list *node = moed_list_head(&q->items);
-    while (node != &q->items && n < s->max_items) {
-        moed_sched_item *it = moed_list_data(node, moed_sched_item, node);
-        node = node->next; /* before it leaves the queue */
+    while (!moed_list_empty(&q->turns) && n < s->max_items) {
+        moed_sched_item *it = moed_list_data(moed_list_head(&q->turns), moed_sched_item, turn_node);
         if (it->deadline_ns && now >= it->deadline_ns) {
-            unlink_item(s, it);
+            unlink_item(s, it, false);
             it->state = ST_DONE;
             moed_list_insert_tail(expired, &it->node);
         } else if (tokens + it->T <= s->cfg.max_batch_tokens &&
                    (!n || pairs + it->pairs <= s->cfg.max_batch_pairs)) {
-            unlink_item(s, it);
+            unlink_item(s, it, true);
             it->state = ST_RUNNING;
             atomic_store(&it->cancelled, false);
             tokens += it->T;
@@ -197,6 +250,7 @@ static int take_batch(moed_sched *s, queue *q, uint64_t now, moed_sched_item **i
             break;
         }
     }
+    qsort(items, (size_t)n, sizeof *items, by_arrival);
     return n;
 }
 
@@ -677,7 +731,7 @@ void moed_sched_cancel(moed_sched *s, moed_sched_item *it)
     pthread_mutex_lock(&s->lock);
     bool queued = it->state == ST_QUEUED;
     if (queued) {
-        unlink_item(s, it);
+        unlink_item(s, it, false);
         it->state = ST_DONE;
     } else if (it->state == ST_RUNNING) {
         atomic_store(&it->cancelled, true); /* the worker drops it if the backend has not got it */

@@ -5,8 +5,10 @@
  * Requests queue by merge key (layer slot, dtype, batch-gating k): only requests with the same key
  * can share a launch. A free worker takes the ready queue whose oldest request has waited longest;
  * a queue is ready when its requests fill --max-batch-tokens or its oldest has waited
- * --max-delay-us (0: at once, merging only what is already queued). A launch takes requests in
- * arrival order while they fit, never splitting one. The worker has each request copy its hidden
+ * --max-delay-us (0: at once, merging only what is already queued). A launch takes requests while
+ * they fit, never splitting one, owners (connections) taking turns, one request each, so that a
+ * client with many requests queued holds a launch no longer than any other; within an owner, and
+ * within the launch, requests keep their arrival order. The worker has each request copy its hidden
  * rows into its staging buffer, computes server-router logits and gates where asked, renumbers the
  * routes for an expert shard (shard.h), concatenates them, runs the backend, and hands each
  * request its rows.
@@ -88,11 +90,17 @@ struct moed_sched_item {
     moed_sched_copy_fn copy_in;
     moed_sched_done_fn done;
     void *user;
+    /* Whose request it is (a connection): an owner's requests take turns with other owners' in a
+     * queue (see moed_sched); NULL: its own. Compared, never dereferenced. */
+    const void *owner;
     uint64_t t_received_ns; /* moed_now_ns() when the call arrived: total_us counts from it */
     uint64_t deadline_ns;   /* moed_now_ns() clock; 0: none */
 
     /* The scheduler's own. */
-    moed_list node; /* on its queue while queued */
+    moed_list node;       /* on its queue while queued, in arrival order */
+    moed_list turn_node;  /* on its queue's turns while its owner's oldest */
+    moed_list owner_node; /* among its owner's requests queued */
+    uint64_t seq;         /* its place in the arrival order */
     void *queue;
     int state;
     _Atomic bool cancelled; /* the caller went while its launch was being assembled */

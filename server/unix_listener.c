@@ -41,8 +41,13 @@ struct moed_unix {
     pthread_cond_t go_cond;
     grpc_server *server;
     bool go;
-    int64_t *uids; /* by descriptor: the uid of the connection accepted on it, or -1 */
+    /* by descriptor: the connection accepted on it (uid -1: none), numbered in accept order */
+    struct accepted {
+        int64_t uid;
+        uint64_t seq;
+    } * uids;
     size_t n_uids;
+    uint64_t accepts;
     pending *waiting;   /* [MOED_UNIX_PENDING]: accepted, no byte received yet (the thread's) */
     struct pollfd *fds; /* [2 + MOED_UNIX_PENDING] */
 };
@@ -116,31 +121,33 @@ static int remember(moed_unix *u, int fd, uint32_t uid)
     if ((size_t)fd >= u->n_uids) {
         size_t n = u->n_uids ? u->n_uids : 256;
         while (n <= (size_t)fd) n *= 2;
-        int64_t *a = realloc(u->uids, n * sizeof *a);
+        struct accepted *a = realloc(u->uids, n * sizeof *a);
         if (!a) {
             pthread_mutex_unlock(&u->lock);
             return MOED_ENOMEM;
         }
-        for (size_t i = u->n_uids; i < n; i++) a[i] = -1;
+        for (size_t i = u->n_uids; i < n; i++) a[i].uid = -1;
         u->uids = a;
         u->n_uids = n;
     }
-    u->uids[fd] = uid;
+    u->uids[fd] = (struct accepted){ .uid = uid, .seq = ++u->accepts };
     pthread_mutex_unlock(&u->lock);
     return 0;
 }
 
-bool moed_unix_uid(moed_unix *u, const char *peer, uint32_t *uid)
+bool moed_unix_uid(moed_unix *u, const char *peer, uint32_t *uid, uint64_t *seq)
 {
     if (!u || strncmp(peer, "fd:", 3)) return false;
     char *end;
     long fd = strtol(peer + 3, &end, 10);
     if (*end || fd < 0) return false;
     pthread_mutex_lock(&u->lock);
-    int64_t v = (size_t)fd < u->n_uids ? u->uids[fd] : -1;
+    struct accepted a = (size_t)fd < u->n_uids ? u->uids[fd] : (struct accepted){ .uid = -1 };
     pthread_mutex_unlock(&u->lock);
-    if (v >= 0) *uid = (uint32_t)v;
-    return v >= 0;
+    if (a.uid < 0) return false;
+    if (uid) *uid = (uint32_t)a.uid;
+    if (seq) *seq = a.seq;
+    return true;
 }
 
 /* ---- the accept thread ----------------------------------------------------------------------- */

@@ -61,8 +61,9 @@ void moed_unix_stop(moed_unix *u);
 /* Stops (if need be) and frees; NULL: nothing. */
 void moed_unix_free(moed_unix *u);
 
-/* The uid of the process that opened the connection of a call whose peer is "fd:N"; false for any
- * other peer. */
-bool moed_unix_uid(moed_unix *u, const char *peer, uint32_t *uid);
+/* The uid of the process that opened the connection of a call whose peer is "fd:N", and the
+ * connection's number in accept order (which tells it from an earlier connection on the same
+ * descriptor); false for any other peer. uid or seq may be NULL. */
+bool moed_unix_uid(moed_unix *u, const char *peer, uint32_t *uid, uint64_t *seq);
 
 #endif

@@ -3,14 +3,18 @@ daemon's memory while it does: the hardening tests (test_hardening.py) use these
 counts; run as a script they repeat issue 9's measurements at full size and print the figures that
 README's security section quotes:
 
-    .venv/bin/python tests/e2e/hostile.py build/server/moed [bodies|work|flood]...
+    .venv/bin/python tests/e2e/hostile.py build/server/moed [bodies|work|flood|floodN|window]...
 
 - flood(): connections that open Forward streams (HEADERS + an empty DATA frame, `per_write` per
-  write), never reading what the server sends (so never acknowledging its SETTINGS either);
+  write), never reading what the server sends (so never acknowledging its SETTINGS either), and
+  reconnecting when closed if asked; flood_process() runs it in a process of its own (32
+  connections for the script's floods, N for floodN);
 - upload(): one request body of any size pushed as fast as flow control lets it, with or without
   a token, plain or gzip-compressed (a gzip "bomb": a small body that inflates enormously);
 - open_streams(): many streams at once on one connection, before the server's SETTINGS are read;
+  server_settings(): the SETTINGS it advertises;
 - reset_mid_upload(): a call reset by its client before its message is whole;
+- withhold_window(): ForwardStream requests from a client that reads but grants no HTTP/2 window;
 - Rss: the process's resident memory, sampled, with its peak.
 
 The script also times issue 9's row 3: one request with expert_ids [1, 2M] whose caller gives up
@@ -29,9 +33,11 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.exceptions
+import h2.settings
 import hpack
 
 FORWARD = "/moed.v1.Moed/Forward"
+FORWARD_STREAM = "/moed.v1.Moed/ForwardStream"
 
 
 def _connect(address, timeout=10.0):
@@ -105,38 +111,56 @@ def _frame(kind, flags, sid, payload=b""):
     return struct.pack(">I", len(payload))[1:] + struct.pack(">BBI", kind, flags, sid) + payload
 
 
-def flood(address, seconds, connections=2, per_write=100, reset=False, path=FORWARD, stop=None):
+def flood(address, seconds, connections=2, per_write=100, reset=False, path=FORWARD, stop=None,
+          reconnect=False, closed=None, started=None, min_streams=1):
     """Opens Forward streams on `connections` raw connections for `seconds`: each write carries
     `per_write` streams (HEADERS, then an empty DATA frame; with `reset`, RST_STREAM(CANCEL) after
     them), made by hand so the sender is not the bottleneck. Nothing the server sends is ever read,
-    so its SETTINGS are never acknowledged. Returns the streams sent (a connection the server
-    closes, or whose writes block past the time, stops early; so does every connection once
-    `stop()`, if given, says so)."""
+    so its SETTINGS are never acknowledged. Returns the streams sent. A connection the server
+    closes ends its sender, unless `reconnect`: then it connects again and goes on (`closed`, a
+    list, if given, gets one entry per connection the server closed). Every sender stops when the
+    time is up or once `stop()`, if given, says so; `started`, a threading.Event if given, is set
+    once `min_streams` streams are out."""
     block = hpack.Encoder().encode([hpack.NeverIndexedHeaderTuple(k, v) for k, v in _headers(address, path)])
     opened = [0] * connections
     end = time.monotonic() + seconds
+    going = lambda: time.monotonic() < end and not (stop and stop())
 
     def one(i):
-        try:
-            s, _ = _connect(address)
-        except OSError:
-            return
-        sid = 1
-        try:
-            while time.monotonic() < end and not (stop and stop()):
-                out = []
-                for _ in range(per_write):
-                    out += [_frame(1, 4, sid, block), _frame(0, 0, sid)]  # HEADERS (END_HEADERS), DATA
-                    if reset:
-                        out.append(_frame(3, 0, sid, struct.pack(">I", 8)))  # RST_STREAM(CANCEL)
-                    sid += 2
-                s.settimeout(max(0.01, end - time.monotonic()))
-                s.sendall(b"".join(out))
-                opened[i] += per_write
-        except OSError:
-            pass
-        finally:
-            s.close()
+        while going():
+            try:
+                s, _ = _connect(address)
+            except OSError:
+                return
+            s.setblocking(False)  # a write the server does not read waits, while stop() is watched
+            sid, pending = 1, memoryview(b"")
+            try:
+                while going():
+                    if not pending:
+                        out = []
+                        for _ in range(per_write):
+                            out += [_frame(1, 4, sid, block), _frame(0, 0, sid)]  # HEADERS (END_HEADERS), DATA
+                            if reset:
+                                out.append(_frame(3, 0, sid, struct.pack(">I", 8)))  # RST_STREAM(CANCEL)
+                            sid += 2
+                        pending = memoryview(b"".join(out))
+                    if not select.select([], [s], [], 0.1)[1]:
+                        continue
+                    try:
+                        pending = pending[s.send(pending):]
+                    except BlockingIOError:
+                        continue
+                    if not pending:
+                        opened[i] += per_write
+                        if started is not None and sum(opened) >= min_streams:
+                            started.set()
+            except OSError:  # the server closed the connection
+                if closed is not None:
+                    closed.append(i)
+                if not reconnect:
+                    return
+            finally:
+                s.close()
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(connections)]
     for t in threads:
@@ -207,17 +231,12 @@ def upload(address, body_len, token=None, compressed_body=None, path=FORWARD, ti
     return status, message, max(0, sent - 5)
 
 
-def open_streams(address, n, path=FORWARD, wait=1.0):
-    """Opens n streams at once on one connection, headers only (no message), before reading the
-    server's SETTINGS, then reads for `wait` s. Returns ({stream id: (grpc-status, grpc-message)}
-    for the streams the server answered, the SETTINGS it advertised as {code: value}; 3 is
-    MAX_CONCURRENT_STREAMS, 4 INITIAL_WINDOW_SIZE, 6 MAX_HEADER_LIST_SIZE)."""
+def server_settings(address, wait=60.0):
+    """The SETTINGS the server advertises, as {code: value} (3 is MAX_CONCURRENT_STREAMS, 4
+    INITIAL_WINDOW_SIZE, 6 MAX_HEADER_LIST_SIZE), read on a connection that sends nothing else
+    (`wait` s: a hang guard)."""
     s, conn = _connect(address)
-    answered = {}
     try:
-        for _ in range(n):
-            conn.send_headers(conn.get_next_available_stream_id(), _headers(address, path))
-        s.sendall(conn.data_to_send())
         end = time.monotonic() + wait
         while time.monotonic() < end:
             if not select.select([s], [], [], 0.05)[0]:
@@ -225,16 +244,91 @@ def open_streams(address, n, path=FORWARD, wait=1.0):
             got = s.recv(1 << 16)
             if not got:
                 break
+            if any(isinstance(ev, h2.events.RemoteSettingsChanged) for ev in conn.receive_data(got)):
+                return {int(k): v for k, v in conn.remote_settings.items()}
+    finally:
+        s.close()
+    raise AssertionError("the server sent no SETTINGS")
+
+
+def open_streams(address, n, path=FORWARD, wait=60.0):
+    """Opens n streams at once on one connection, headers only (no message), before reading the
+    server's SETTINGS, then reads until the server closes the connection (or `wait` s pass: a hang
+    guard). Returns ({stream id: (grpc-status, grpc-message)} for the streams the server answered,
+    whether the server closed the connection)."""
+    s, conn = _connect(address)
+    answered, closed = {}, False
+    try:
+        for _ in range(n):
+            conn.send_headers(conn.get_next_available_stream_id(), _headers(address, path))
+        s.sendall(conn.data_to_send())
+        end = time.monotonic() + wait
+        while not closed and time.monotonic() < end:
+            if not select.select([s], [], [], 0.05)[0]:
+                continue
+            try:
+                got = s.recv(1 << 16)
+            except ConnectionResetError:
+                got = b""
+            if not got:
+                closed = True
+                break
             for ev in conn.receive_data(got):
                 if isinstance(ev, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
                     h = dict(ev.headers)
                     if "grpc-status" in h:
                         answered[ev.stream_id] = (int(h["grpc-status"]), h.get("grpc-message", ""))
-            s.sendall(conn.data_to_send())
-        settings = {int(k): v for k, v in conn.remote_settings.items()}
+            try:
+                s.sendall(conn.data_to_send())
+            except OSError:
+                closed = True
+    except OSError:  # reset while the streams went out
+        closed = True
     finally:
         s.close()
-    return answered, settings
+    return answered, closed
+
+
+def withhold_window(address, request, streams=1, per_stream=1, gzip=False, guard_s=120.0):
+    """A ForwardStream client that reads its socket but grants no HTTP/2 window (its SETTINGS say
+    INITIAL_WINDOW_SIZE 0, and it never sends WINDOW_UPDATE): it opens `streams` streams and sends
+    `per_stream` copies of `request` (a serialized ForwardRequest; with `gzip`, compressed: a
+    small request for a large reply) on each as flow control lets it, then reads until the server
+    closes the connection (or guard_s passes). Returns (whether the server closed it, the requests
+    sent)."""
+    s, conn = _connect(address)
+    conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+    body = zlib.compress(request, 9, wbits=31) if gzip else request
+    msg, sent, closed = grpc_frame(body, compressed=gzip), {}, False
+    try:
+        for _ in range(streams):
+            conn.send_headers(conn.get_next_available_stream_id(),
+                              _headers(address, FORWARD_STREAM, encoding="gzip" if gzip else None))
+        s.sendall(conn.data_to_send())
+        end = time.monotonic() + guard_s
+        while not closed and time.monotonic() < end:
+            for sid in list(conn.streams):
+                try:
+                    while sent.get(sid, 0) < per_stream and conn.local_flow_control_window(sid) >= len(msg):
+                        conn.send_data(sid, msg)
+                        sent[sid] = sent.get(sid, 0) + 1
+                except h2.exceptions.StreamClosedError:  # the server ended it (quota, or an error)
+                    sent[sid] = per_stream
+            try:
+                s.sendall(conn.data_to_send())
+                if not select.select([s], [], [], 0.1)[0]:
+                    continue
+                got = s.recv(1 << 20)
+                if got:
+                    conn.receive_data(got)  # SETTINGS and pings are answered; no window granted
+            except (OSError, h2.exceptions.ProtocolError):  # reset, or ended by a GOAWAY
+                got = b""
+            if not got:
+                closed = True
+                break
+    finally:
+        s.close()
+    return closed, sum(sent.values())
 
 
 def reset_mid_upload(address, path=FORWARD, claimed=1 << 20, send=1000, wait=0.3, token=None):
@@ -275,7 +369,7 @@ MIB = 1 << 20
 RSS_CAP = 6 << 30  # a flood is stopped here: the machine running it is shared
 
 
-def _measure(moed_bin, parts=("bodies", "work", "flood")):
+def _measure(moed_bin, parts=("bodies", "work", "flood", "window")):
     import pathlib
     import subprocess
     import tempfile
@@ -319,8 +413,11 @@ def _measure(moed_bin, parts=("bodies", "work", "flood")):
         _bodies(start, attack, answers, tmp)
     if "work" in parts:
         _work(start)
-    if "flood" in parts:
-        _floods(start, tmp)
+    for part in parts:  # flood, or floodN: N connections (32)
+        if part.startswith("flood"):
+            _floods(start, tmp, int(part[5:] or 32))
+    if "window" in parts:
+        _window(start)
 
 
 def _bodies(start, attack, answers, tmp):
@@ -383,7 +480,10 @@ def _work(start):
     p.wait(60)
 
 
-def _floods(start, tmp):
+def _floods(start, tmp, connections):
+    import collections
+    import statistics
+
     import numpy as np
 
     from moed import MoEClient
@@ -391,55 +491,116 @@ def _floods(start, tmp):
     for flags, what in (((), "no token"), (("--auth-token-file", str(tmp / "token")), "token required")):
         for reset in (False, True):
             p, addr = start(*flags)
-            ok, stop, rss = [0, 0], threading.Event(), Rss(p.pid)
+            took, errors, stop, rss = [], collections.Counter(), threading.Event(), Rss(p.pid)
 
-            def legit():
+            def legit():  # a new client, on a connection of its own, every 0.5 s
                 while not stop.is_set():
                     t0 = time.monotonic()
                     try:
-                        with MoEClient(addr, timeout=2.0, token="s3cret-token") as c:
+                        with MoEClient(addr, timeout=6.0, token="s3cret-token",
+                                       options=[("grpc.use_local_subchannel_pool", 1)]) as c:
                             c.forward(0, np.zeros((4, 256), np.float32), expert_ids=np.zeros((4, 2), np.int32),
                                       expert_weights=np.full((4, 2), 0.5, np.float32))
-                            ok[0] += 1
-                    except Exception:
-                        pass
-                    ok[1] += 1
-                    stop.wait(max(0, 1.6 - (time.monotonic() - t0)))
-
-            def run():
-                lt = threading.Thread(target=legit)
-                lt.start()
-                t0 = time.monotonic()
-                n = flood(addr, 15, connections=2, per_write=100, reset=reset,
-                          stop=lambda: rss.peak > RSS_CAP)
-                took = time.monotonic() - t0
-                stop.set()
-                lt.join()
-                capped = " (stopped at the RSS cap)" if rss.peak > RSS_CAP else ""
-                return (f"{n} streams in {took:.1f} s{capped}; legitimate 2 s calls {ok[0]} of {ok[1]} "
-                        f"answered; moed {'up' if p.poll() is None else 'DEAD'}")
+                        took.append(time.monotonic() - t0)
+                    except Exception as e:
+                        took.append(None)
+                        errors[getattr(e, "code_name", type(e).__name__)] += 1
+                    stop.wait(max(0, 0.5 - (time.monotonic() - t0)))
 
             with rss:
                 before = rss.now()
-                res = run()
+                attacker = flood_process(addr, connections, reset=reset)
+                lt = threading.Thread(target=legit)
+                lt.start()
+                end = time.monotonic() + 15
+                while time.monotonic() < end and rss.peak <= RSS_CAP:
+                    time.sleep(0.05)
+                n, closed = stop_flood(attacker)
+                stop.set()
+                lt.join()
             time.sleep(3)
-            print(f"flood 15 s, 2 connections, {what}{', with resets' if reset else ''}: rss "
-                  f"{before / MIB:.0f} MiB -> peak {rss.peak / MIB:.0f} MiB, 3 s later {rss.now() / MIB:.0f} MiB; {res}")
+            ok = [t for t in took if t is not None]
+            capped = " (stopped at the RSS cap)" if rss.peak > RSS_CAP else ""
+            print(f"flood 15 s, {connections} connections (reconnecting), {what}{', with resets' if reset else ''}: "
+                  f"rss {before / MIB:.0f} MiB -> peak {rss.peak / MIB:.0f} MiB, 3 s later {rss.now() / MIB:.0f} MiB; "
+                  f"{n} streams{capped}, {closed} connections closed by moed; calls from new clients (6 s deadline): "
+                  f"{len(ok)} of {len(took)} answered, median {statistics.median(ok) if ok else 0:.2f} s, "
+                  f"max {max(ok) if ok else 0:.2f} s{'; errors ' + str(dict(errors)) if errors else ''}; "
+                  f"moed {'up' if p.poll() is None else 'DEAD'}")
             p.terminate()
             p.wait(60)
 
 
-def flood_process(address, seconds, reset=False):
-    """flood() in a process of its own (the attacker is not the callers' process: no shared
-    interpreter lock); wait() on it, and read the streams sent from its stdout."""
+def _window(start):
+    """A ForwardStream client that grants no HTTP/2 window: 50 streams x 16 requests of 2048
+    tokens (2 MiB replies), for at most 60 s."""
+    import numpy as np
+
+    from moed import MoEClient
+
+    p, addr = start()
+    with MoEClient(addr) as c:
+        request = c.build_request(0, np.zeros((2048, 256), np.float32), expert_ids=np.zeros((2048, 2), np.int32),
+                                  expert_weights=np.full((2048, 2), 0.5, np.float32)).SerializeToString()
+    with Rss(p.pid) as rss:
+        before, t0 = rss.now(), time.monotonic()
+        closed, sent = withhold_window(addr, request, streams=50, per_stream=16, guard_s=60)
+        took = time.monotonic() - t0
+        at_end = rss.now()
+    time.sleep(3)
+    print(f"a client granting no window, 50 streams x 16 requests of 2048 tokens: rss {before / MIB:.0f} MiB -> "
+          f"peak {rss.peak / MIB:.0f} MiB, {at_end / MIB:.0f} MiB at the end, 3 s later {rss.now() / MIB:.0f} MiB; "
+          f"{sent} requests sent; {'closed by moed after' if closed else 'still open after'} {took:.1f} s")
+    p.terminate()
+    p.wait(60)
+
+
+def flood_process(address, connections, reset=False, min_streams=1, guard_s=300):
+    """flood() with `connections` connections, reconnecting to any the server closes, in a process
+    of its own (the attacker is not the callers' process: no shared interpreter lock), until it is
+    sent SIGTERM (or guard_s passes). It prints "flooding" once `min_streams` streams are out (or
+    "stopped" if it ends first), and at its end the streams sent and the connections the server
+    closed (stop_flood reads them)."""
     import subprocess
-    return subprocess.Popen([sys.executable, __file__, "flood", address, str(seconds), "reset" if reset else "open"],
-                            stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, __file__, "flood", address, str(connections), "reset" if reset else "open",
+                             str(min_streams), str(guard_s)], stdout=subprocess.PIPE, text=True)
+
+
+def wait_flooding(p):
+    """Waits until flood_process p has its first `min_streams` out; False if it ended first."""
+    return p.stdout.readline().strip() == "flooding"
+
+
+def stop_flood(p, timeout=60):
+    """Stops flood_process p (if it still runs); returns (streams sent, connections the server
+    closed)."""
+    p.terminate()
+    p.wait(timeout)
+    streams, closed = p.stdout.read().split()[-2:]  # read, not communicate: wait_flooding buffered
+    p.stdout.close()
+    return int(streams), int(closed)
+
+
+def _flood_main(address, connections, how, min_streams, guard_s):
+    import signal
+    stop, started, closed = threading.Event(), threading.Event(), []
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    result = []
+    t = threading.Thread(target=lambda: result.append(flood(
+        address, guard_s, connections=connections, reset=how == "reset", stop=stop.is_set, reconnect=True,
+        closed=closed, started=started, min_streams=min_streams)))
+    t.start()
+    while not started.wait(0.1):
+        if not t.is_alive():
+            break
+    print("flooding" if started.is_set() else "stopped", flush=True)
+    t.join()
+    print(result[0], len(closed), flush=True)
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["flood"]:
-        print(flood(sys.argv[2], float(sys.argv[3]), reset=sys.argv[4] == "reset"))
+        _flood_main(sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), float(sys.argv[6]))
     else:  # hostile.py MOED [bodies|work|flood]...
         _measure(sys.argv[1] if len(sys.argv) > 1 else "build/server/moed", sys.argv[2:] or
-                 ("bodies", "work", "flood"))
+                 ("bodies", "work", "flood", "window"))

@@ -38,7 +38,7 @@ NAMES = {
     "moed_request_duration_seconds": "histogram", "moed_queue_duration_seconds": "histogram",
     "moed_compute_duration_seconds": "histogram", "moed_batch_tokens": "histogram",
     "moed_batch_requests": "histogram", "moed_queue_requests": "gauge",
-    "moed_calls_active": "gauge", "moed_stream_pool_busy": "gauge",
+    "moed_calls_active": "gauge", "moed_connections_closed_total": "counter", "moed_stream_pool_busy": "gauge",
     "moed_stream_pool_size": "gauge", "moed_device_memory_used_bytes": "gauge",
     "moed_device_memory_total_bytes": "gauge", "moed_http_connections": "gauge",
     "moed_http_refused_total": "counter",

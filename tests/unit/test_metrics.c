@@ -60,6 +60,7 @@ static char *render(moed_metrics *m)
     moed_metrics_gauges g = { .serving = true,
                               .queue_requests = 7,
                               .calls_active = 3,
+                              .connections_closed = 2,
                               .exec_busy = 1,
                               .exec_size = 4,
                               .devices = dev,
@@ -122,6 +123,7 @@ static void test_concurrent_counts(void)
     CHECK_NEAR(sample(text, "moed_serving"), 1, 0);
     CHECK_NEAR(sample(text, "moed_queue_requests"), 7, 0);
     CHECK_NEAR(sample(text, "moed_calls_active"), 3, 0);
+    CHECK_NEAR(sample(text, "moed_connections_closed_total"), 2, 0);
     CHECK_NEAR(sample(text, "moed_stream_pool_busy"), 1, 0);
     CHECK_NEAR(sample(text, "moed_stream_pool_size"), 4, 0);
     CHECK_NEAR(sample(text, "moed_http_connections"), 5, 0);
@@ -166,8 +168,8 @@ static void test_buckets(void)
         if (!strncmp(line, "# TYPE ", 7)) types++;
         CHECK(line[0] == '#' || (line[0] >= 'a' && line[0] <= 'z'));
     }
-    CHECK_EQ_INT(helps, 26);
-    CHECK_EQ_INT(types, 26);
+    CHECK_EQ_INT(helps, 27);
+    CHECK_EQ_INT(types, 27);
     /* the data plane's gauges, by region kind */
     CHECK_NEAR(sample(text, "moed_regions{kind=\"host\"}"), 2, 0);
     CHECK_NEAR(sample(text, "moed_regions{kind=\"cuda\"}"), 1, 0);

@@ -2,8 +2,8 @@
  * test_sched — the scheduler against a fake backend whose forward can be held, so the test decides
  * what is queued when a worker becomes free: merging, the token bound, the merge window, the queue
  * bound, cancellation, deadlines, ordering across queues, merge keys, server-side routing with a
- * request that fails alone, a request whose copy-in fails, batch-level gating, drain, and one
- * launch per queue at a time.
+ * request that fails alone, a request whose copy-in fails, batch-level gating, drain, one launch
+ * per queue at a time, and owners (connections) taking turns.
  *
  * The fake computes y[t][j] = sum over the token's pairs of w * ((e + 1) * x[t][j] + e), so every
  * output names the experts and weights its token was routed to; the test computes the same from
@@ -1012,6 +1012,97 @@ static void test_flush(void)
     moed_sched_destroy(s);
 }
 
+/* Owners take turns: one connection's six requests queued before another's one do not keep it
+ * waiting for all of them (the FIFO before turns ran [4 4] [4 4] [4 4] [4]); each owner's requests
+ * keep their order; a large request next in turn is not passed over for a smaller one behind it;
+ * a cancelled oldest request's place goes to its owner's next. */
+static void test_turns(void)
+{
+    moed_sched *s = start(1, 8, 0, 64);
+    int x_owner, y_owner; /* owners are compared, never read */
+    hold(1);
+    req *a = make_req(0, 1, 1), *x[6], *y;
+    submit_ok(s, a);
+    wait_in_forward(1);
+    for (int i = 0; i < 6; i++) {
+        x[i] = make_req(0, 4, 60 + i);
+        x[i]->it.owner = &x_owner;
+        submit_ok(s, x[i]);
+    }
+    y = make_req(0, 4, 70);
+    y->it.owner = &y_owner;
+    submit_ok(s, y);
+    hold(0);
+    wait_done(8);
+    /* [1] [x0 y] [x1 x2] [x3 x4] [x5] */
+    CHECK_EQ_INT(fk.n_jobs, 5);
+    int64_t want[5] = { 1, 8, 8, 8, 4 };
+    for (int i = 0; i < 5 && i < fk.n_jobs; i++) CHECK_EQ_INT(fk.job_T[i], want[i]);
+    expect_ok(y);
+    CHECK_EQ_INT(y->tm.batch_requests, 2);
+    for (int i = 0; i < 6; i++) {
+        expect_ok(x[i]);
+        CHECK_EQ_INT(x[i]->tm.batch_requests, i == 5 ? 1 : 2);
+        free_req(x[i]);
+    }
+    free_req(y);
+    free_req(a);
+    moed_sched_destroy(s);
+
+    /* x: 8 then 1, y: 1 then 1. Turns: x's 8 alone (y's 1 does not fit beside it, nor is it let
+     * past), then y's 1, x's 1, y's 1. */
+    s = start(1, 8, 0, 64);
+    hold(1);
+    a = make_req(0, 1, 1);
+    submit_ok(s, a);
+    wait_in_forward(1);
+    int64_t T[4] = { 8, 1, 1, 1 };
+    req *q[4];
+    for (int i = 0; i < 4; i++) {
+        q[i] = make_req(0, T[i], 80 + i);
+        q[i]->it.owner = i == 0 || i == 2 ? (void *)&x_owner : (void *)&y_owner;
+        submit_ok(s, q[i]);
+    }
+    hold(0);
+    wait_done(5);
+    CHECK_EQ_INT(fk.n_jobs, 3);
+    CHECK_EQ_INT(fk.job_T[1], 8);
+    CHECK_EQ_INT(fk.job_T[2], 3);
+    for (int i = 0; i < 4; i++) {
+        expect_ok(q[i]);
+        free_req(q[i]);
+    }
+    free_req(a);
+    moed_sched_destroy(s);
+
+    /* x0 (4), x1 (3), y0 (4), at most 4 tokens a launch; x0 cancelled: x1 takes its turn, before
+     * y0. */
+    s = start(1, 4, 0, 64);
+    hold(1);
+    a = make_req(0, 1, 1);
+    submit_ok(s, a);
+    wait_in_forward(1);
+    int64_t T2[3] = { 4, 3, 4 };
+    for (int i = 0; i < 3; i++) {
+        q[i] = make_req(0, T2[i], 90 + i);
+        q[i]->it.owner = i < 2 ? (void *)&x_owner : (void *)&y_owner;
+        submit_ok(s, q[i]);
+    }
+    moed_sched_cancel(s, &q[0]->it);
+    CHECK_EQ_INT(q[0]->status, MOED_ECANCELLED);
+    hold(0);
+    wait_done(4);
+    CHECK_EQ_INT(fk.n_jobs, 3);
+    CHECK_EQ_INT(fk.job_T[1], 3);
+    CHECK_EQ_INT(fk.job_T[2], 4);
+    for (int i = 0; i < 3; i++) {
+        if (i) expect_ok(q[i]);
+        free_req(q[i]);
+    }
+    free_req(a);
+    moed_sched_destroy(s);
+}
+
 int main(void)
 {
     init_layers();
@@ -1035,5 +1126,6 @@ int main(void)
     test_server_gate_over_pairs();
     test_gone_while_assembling();
     test_flush();
+    test_turns();
     return check_status("test_sched");
 }
