@@ -17,7 +17,7 @@
 #include "http.h"
 #include "log.h"
 #include "metrics.h"
-#include "moed_backend.h"
+#include "moed_registry.h"
 #include "moed_dtype.h"
 #include "notify.h"
 #include "region.h"

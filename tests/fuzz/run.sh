@@ -43,14 +43,12 @@ protoc-c --c_out="$build/proto" -I proto proto/moed/v1/moed.proto
 # CPU GEMM's feature checks need a newer clang than Debian 12's, and the fuzzers need none of it.)
 sources_request() {
     echo server/wire.c server/request.c server/shard.c server/region.c server/guard.c server/bufpool.c
-    echo kernels/moed_backend.c
-    echo common/{moed_err,moed_dtype,moed_fp8,moed_model,moed_route,moed_synth,moed_pool}.c
+    echo kernels/moed_backend.c common/*.c
 }
 libs_request() { pkg-config --cflags --libs grpc libprotobuf-c; }
 sources_region() {
     echo server/region_cmd.c server/region.c server/wire.c server/guard.c server/log.c
-    echo "$build/proto/moed/v1/moed.pb-c.c" kernels/moed_backend.c common/moed_err.c
-    echo common/moed_dtype.c
+    echo "$build/proto/moed/v1/moed.pb-c.c" kernels/moed_backend.c common/*.c
 }
 libs_region() { pkg-config --cflags --libs grpc libprotobuf-c; }
 # Inputs up to 8 KiB reach every field and limit of a request, a header and a .npy; an HTTP head

@@ -7,8 +7,8 @@
  */
 #include "check.h"
 #include "config.h"
+#include "cpu_backend.h"
 #include "metrics.h"
-#include "moed_backend.h"
 #include "moed_dtype.h"
 #include "moed_synth.h"
 #include "shard.h"
@@ -170,7 +170,7 @@ static moed_backend *open_backend(const moed_layer *const *views, moed_error *er
 {
     moed_backend_config bc = { .threads = 1, .max_tokens = 16 };
     moed_backend *b;
-    if (moed_backend_open("cpu", &bc, &b, err)) return NULL;
+    if (moed_backend_cpu_open(&bc, &b, err)) return NULL;
     for (int i = 0; i < 3; i++) CHECK_EQ_INT(moed_backend_load_layer(b, i, views[i], err), 0);
     CHECK_EQ_INT(moed_backend_start(b, err), 0);
     return b;

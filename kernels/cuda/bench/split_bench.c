@@ -16,7 +16,7 @@
  * within the first GPU. Prints a markdown table; --json writes the figures.
  */
 #include "cli_opt.h"
-#include "moed_backend.h"
+#include "cuda_backend.h"
 #include "moed_dtype.h"
 #include "moed_route.h"
 #include "moed_synth.h"
@@ -199,7 +199,7 @@ static moed_backend *open_on(const moed_layer *l, const int *dev, int n, int64_t
     };
     moed_backend *b = NULL;
     moed_error err;
-    int rc = moed_backend_open("cuda", &cfg, &b, &err);
+    int rc = moed_backend_cuda_open(&cfg, &b, &err);
     if (!rc) rc = moed_backend_load_layer(b, 0, l, &err);
     if (!rc) rc = moed_backend_start(b, &err);
     if (rc) {
