@@ -165,7 +165,7 @@ static int check_layer_list(moed_daemon *d)
 
 /* Layer l's shard into the backend as `slot`: its view of the experts this daemon holds. The log
  * says where it went (experts@device, devices as GetModel numbers them). */
-static int load_layer(moed_daemon *d, int slot, const moed_layer *l, moed_error *err)
+static int load_shard(moed_daemon *d, int slot, const moed_layer *l, moed_error *err)
 {
     int rc = moed_shard_make(l, &d->held, &d->shards[slot], err);
     if (!rc) rc = moed_backend_load_layer(d->backend, slot, &d->shards[slot].view, err);
@@ -210,7 +210,7 @@ static int load_layers(moed_daemon *d)
     for (int i = 0; i < d->model.n_layers; i++) {
         const moed_layer *l = &d->model.layers[i];
         if (!moed_config_wants_layer(&d->cfg, l->info.index)) continue;
-        if (load_layer(d, n, l, &err)) return fail("load layers", &err);
+        if (load_shard(d, n, l, &err)) return fail("load layers", &err);
         d->resident[n] = l;
         bytes += moed_layer_bytes(&d->shards[n++].view.info);
     }

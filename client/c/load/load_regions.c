@@ -168,7 +168,7 @@ void load_regions_close(load_regions *r)
 void load_regions_refer(const load_regions *r, const load_plan *p, int layer, int64_t row, int slot,
                         moedc_request *req)
 {
-    const load_layer *l = &p->layers[layer];
+    const load_dest *l = &p->layers[layer];
     req->hidden_at = (moedc_ref){ r->hidden, (uint64_t)((size_t)req->hidden - (size_t)p->hidden) };
     req->output_at = (moedc_ref){ r->out, (uint64_t)slot * r->stride };
     if (req->routing == MOEDC_ROUTE_EXPERTS && req->expert_ids == l->ids + row * l->cols) {

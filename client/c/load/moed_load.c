@@ -225,7 +225,7 @@ typedef struct run {
     int n_conns;
     moedc_model_info info;
     bool have_info;
-    load_layer *layers;
+    load_dest *layers;
     void *hidden;
     float *logits;
     int64_t pool_rows;
@@ -426,7 +426,7 @@ static int fill_pools(run *r)
     }
     if (r->routing.kind > LOAD_ROUTE_ONE) return 0;
     for (int i = 0; i < r->n_layer_list; i++) {
-        load_layer *l = &r->layers[i];
+        load_dest *l = &r->layers[i];
         size_t m = (size_t)r->pool_rows * (size_t)l->cols;
         l->ids = malloc(m * sizeof *l->ids);
         l->weights = malloc(m * sizeof *l->weights);
