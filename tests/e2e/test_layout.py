@@ -100,7 +100,7 @@ def test_one_option_engine_parses_every_command_line():
 
 
 def test_tests_benchmarks_and_gpu_scripts_live_apart():
-    gpu = sorted(p.name for p in (ROOT / "tests" / "gpu").iterdir())
+    gpu = sorted(p.name for p in (ROOT / "tests" / "gpu").iterdir() if p.is_file())
     others = [n for n in gpu if not (n.startswith("test_") or n == "CMakeLists.txt")]
     assert not others, f"tests/gpu holds more than tests: {others}"
     for path in ("bench/kernels/moe_bench.c", "bench/kernels/report.py", "bench/daemon/bench_daemon.py",
