@@ -1,11 +1,11 @@
 /*
- * test_cli_opt — client/c/cli/cli_opt.c, the option table of moectl and moed-load: defaults are
+ * test_opt — common/moed_opt.c, the option table of every program: defaults are
  * stored before argv, every kind of value is parsed and bounded, "--name=value" and unique prefixes
  * work, each bad word is a usage error (exit 2) whose message names the flag, options are tied to
  * their command, and --help is printed from the same rows (defaults, sections, continuation lines).
  */
 #include "check.h"
-#include "cli_opt.h"
+#include "moed_opt.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -29,39 +29,39 @@ static int parse_parity(const char *v, void *field)
 
 #define F(m) offsetof(args, m)
 
-static const cli_opt options[] = {
-    CLI_SECTION_ROW("general:", NULL),
-    CLI_STR_OPT("name", F(name), "N", "anon", NULL, "who"),
-    CLI_INT_OPT("count", F(count), "C", 1, 10, "3", "give 1 to 10", NULL, "how many"),
-    CLI_NUM_OPT("ratio", F(ratio), "R", 0, 1, NULL, "give a share in [0, 1]", NULL,
-                "a share\nover two lines"),
-    CLI_FLAG_OPT("fast", F(fast), 7, NULL, "go fast"),
-    CLI_HELP_OPT("this text"),
-    CLI_INT_OPT("layer", F(layer), "L", 0, 99, NULL, "give 0 to 99", "run", "one layer"),
-    CLI_INT_OPT("layers", F(layers), "L", 0, 99, NULL, "give 0 to 99", "run", "more layers"),
-    CLI_CUSTOM_OPT("parity", F(parity), "P", parse_parity, NULL, "use even or odd", "run",
-                   "even or odd"),
-    CLI_STR_OPT("mode", F(mode), "M", "a-rather-long-default-value-that-does-not-fit-the-line",
-                "run", "a mode whose help and default together run past the width"),
+static const moed_opt options[] = {
+    MOED_OPT_SECTION_ROW("general:", NULL),
+    MOED_OPT_STR_ROW("name", F(name), "N", "anon", NULL, "who"),
+    MOED_OPT_I64_ROW("count", F(count), "C", 1, 10, "3", "give 1 to 10", NULL, "how many"),
+    MOED_OPT_NUM_ROW("ratio", F(ratio), "R", 0, 1, NULL, "give a share in [0, 1]", NULL,
+                     "a share\nover two lines"),
+    MOED_OPT_FLAG_ROW("fast", F(fast), 7, NULL, "go fast"),
+    MOED_OPT_HELP_ROW("this text"),
+    MOED_OPT_I64_ROW("layer", F(layer), "L", 0, 99, NULL, "give 0 to 99", "run", "one layer"),
+    MOED_OPT_I64_ROW("layers", F(layers), "L", 0, 99, NULL, "give 0 to 99", "run", "more layers"),
+    MOED_OPT_CUSTOM_ROW("parity", F(parity), "P", parse_parity, NULL, "use even or odd", "run",
+                        "even or odd"),
+    MOED_OPT_STR_ROW("mode", F(mode), "M", "a-rather-long-default-value-that-does-not-fit-the-line",
+                     "run", "a mode whose help and default together run past the width"),
 };
 
-static const cli_cmd commands[] = {
+static const moed_opt_cmd commands[] = {
     { .name = NULL, .head = "usage: tool COMMAND\n", .tail = "bye\n" },
     { .name = "run", .head = "usage: tool run\n" },
     { .name = "stop", .head = "usage: tool stop\n" },
 };
 
-static const cli_spec spec = { .prog = "tool",
-                               .hint = "tool --help",
-                               .opts = options,
-                               .n_opts = sizeof options / sizeof options[0],
-                               .cmds = commands,
-                               .n_cmds = sizeof commands / sizeof commands[0] };
+static const moed_opt_spec spec = { .prog = "tool",
+                                    .hint = "tool --help",
+                                    .opts = options,
+                                    .n_opts = sizeof options / sizeof options[0],
+                                    .cmds = commands,
+                                    .n_cmds = sizeof commands / sizeof commands[0] };
 
 static char stderr_text[4096];
 
-/* Parses the words (argv[0] added); what cli_parse printed on stderr lands in stderr_text. */
-static bool parse(args *a, cli_parsed *p, int *rc, int n, const char *const *words)
+/* Parses the words (argv[0] added); what moed_opt_parse printed on stderr lands in stderr_text. */
+static bool parse(args *a, moed_opt_parsed *p, int *rc, int n, const char *const *words)
 {
     char *argv[16] = { "tool" };
     for (int i = 0; i < n; i++) argv[i + 1] = (char *)words[i];
@@ -70,7 +70,7 @@ static bool parse(args *a, cli_parsed *p, int *rc, int n, const char *const *wor
     FILE *cap = tmpfile();
     int saved = dup(2);
     dup2(fileno(cap), 2);
-    bool ok = cli_parse(&spec, n + 1, argv, a, p, rc);
+    bool ok = moed_opt_parse(&spec, n + 1, argv, a, p, rc);
     fflush(stderr);
     dup2(saved, 2);
     close(saved);
@@ -88,26 +88,26 @@ static bool parse(args *a, cli_parsed *p, int *rc, int n, const char *const *wor
 static void test_values_and_defaults(void)
 {
     args a;
-    cli_parsed p;
+    moed_opt_parsed p;
     int rc = -1;
     CHECK(PARSE(&a, &p, &rc, "run"));
     CHECK(!strcmp(p.command, "run"));
     CHECK(!strcmp(a.name, "anon") && a.count == 3 && a.ratio == 0 && !a.fast);
-    CHECK(!cli_given(&spec, &p, "count") && !cli_given(&spec, &p, "name"));
+    CHECK(!moed_opt_given(&spec, &p, "count") && !moed_opt_given(&spec, &p, "name"));
 
     CHECK(PARSE(&a, &p, &rc, "--name", "-x", "--count=10", "run", "--ratio", "0.25", "--fast",
                 "--parity", "odd", "--layers", "4"));
     CHECK(!strcmp(a.name, "-x")); /* a value may start with '-' */
     CHECK(a.count == 10 && a.ratio == 0.25 && a.fast == 7 && a.parity == 1 && a.layers == 4);
-    CHECK(cli_given(&spec, &p, "count") && cli_given(&spec, &p, "fast"));
-    CHECK(!cli_given(&spec, &p, "layer") && cli_given(&spec, &p, "layers"));
+    CHECK(moed_opt_given(&spec, &p, "count") && moed_opt_given(&spec, &p, "fast"));
+    CHECK(!moed_opt_given(&spec, &p, "layer") && moed_opt_given(&spec, &p, "layers"));
 
     /* a unique prefix stands for its option; an exact name wins over a longer one */
     CHECK(PARSE(&a, &p, &rc, "run", "--cou", "2", "--layer", "5", "--par=even"));
     CHECK(a.count == 2 && a.layer == 5 && a.layers == 0 && a.parity == 0);
     /* after "--" every word is positional */
     CHECK(!PARSE(&a, &p, &rc, "--", "--fast"));
-    CHECK_EQ_INT(rc, CLI_EXIT_USAGE);
+    CHECK_EQ_INT(rc, MOED_OPT_EXIT_USAGE);
     CHECK(strstr(stderr_text, "unknown command '--fast'"));
 }
 
@@ -136,19 +136,19 @@ static void test_usage_errors(void)
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         args a;
-        cli_parsed p;
+        moed_opt_parsed p;
         int rc = -1;
         CHECK_MSG(!parse(&a, &p, &rc, cases[i].n, cases[i].words), "case %zu", i);
-        CHECK_EQ_INT(rc, CLI_EXIT_USAGE);
+        CHECK_EQ_INT(rc, MOED_OPT_EXIT_USAGE);
         CHECK_MSG(strstr(stderr_text, cases[i].says), "case %zu: %s", i, stderr_text);
         CHECK_MSG(strstr(stderr_text, "(tool --help)\n"), "case %zu: no hint", i);
     }
     /* no command: the main help on stderr, exit 2 */
     args a;
-    cli_parsed p;
+    moed_opt_parsed p;
     int rc = -1;
     CHECK(!parse(&a, &p, &rc, 0, NULL));
-    CHECK_EQ_INT(rc, CLI_EXIT_USAGE);
+    CHECK_EQ_INT(rc, MOED_OPT_EXIT_USAGE);
     CHECK(strstr(stderr_text, "usage: tool COMMAND\n"));
 }
 
@@ -157,7 +157,7 @@ static char *help_of(const char *command)
     char *text = NULL;
     size_t n = 0;
     FILE *f = open_memstream(&text, &n);
-    cli_help(&spec, command, f);
+    moed_opt_help(&spec, command, f);
     fclose(f);
     return text;
 }
@@ -196,5 +196,5 @@ int main(void)
     test_values_and_defaults();
     test_usage_errors();
     test_help();
-    return check_status("test_cli_opt");
+    return check_status("test_opt");
 }
