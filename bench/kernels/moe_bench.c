@@ -556,8 +556,9 @@ typedef struct shape_list {
     shape v[MAX_SHAPES];
 } shape_list;
 
-static int add_shape(const char *value, void *field)
+static int add_shape(const char *value, void *field, moed_error *err)
 {
+    (void)err; /* the row's want says what is wrong */
     shape_list *l = field;
     if (l->n >= MAX_SHAPES) return -1;
     shape *s = &l->v[l->n];

@@ -27,13 +27,13 @@ static void test_flags(void)
     moed_error err = { 0 };
     char *argv[] = { "moed", "--experts", "4-5,0,9", "--shared-experts", "off", NULL };
     CHECK_EQ_INT(moed_config_load(&c, 5, argv, stdout, &err), MOED_CONFIG_RUN);
-    CHECK(c.n_expert_list == 4 && c.expert_list[0] == 0 && c.expert_list[1] == 4 &&
-          c.expert_list[3] == 9 && !strcmp(c.experts, "4-5,0,9"));
-    CHECK(!strcmp(c.shared_experts, "off") && !c.layers);
+    CHECK(c.experts.n == 4 && c.experts.v[0] == 0 && c.experts.v[1] == 4 && c.experts.v[3] == 9 &&
+          !strcmp(c.experts.text, "4-5,0,9"));
+    CHECK(!strcmp(c.shared_experts, "off") && !c.layers.text);
     moed_config_free(&c);
     char *plain[] = { "moed", NULL };
     CHECK_EQ_INT(moed_config_load(&c, 1, plain, stdout, &err), MOED_CONFIG_RUN);
-    CHECK(!c.experts && !c.expert_list && !strcmp(c.shared_experts, "auto"));
+    CHECK(!c.experts.text && !c.experts.v && !strcmp(c.shared_experts, "auto"));
     moed_config_free(&c);
     char *bad[] = { "moed", "--experts", "3-1", NULL };
     CHECK_EQ_INT(moed_config_load(&c, 3, bad, stdout, &err), MOED_EINVAL);

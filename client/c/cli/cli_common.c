@@ -91,16 +91,18 @@ int cli_connect(const cli_conn *c, const moedc_opts *o, moedc **out, moedc_error
     return rc;
 }
 
-int cli_parse_strategy(const char *value, void *field)
+int cli_parse_strategy(const char *value, void *field, moed_error *err)
 {
+    (void)err; /* the row's want says what is wrong */
     int s = moed_gate_strategy_parse(value);
     if (s < 0) return -1;
     *(int *)field = s;
     return 0;
 }
 
-int cli_parse_on_off(const char *value, void *field)
+int cli_parse_on_off(const char *value, void *field, moed_error *err)
 {
+    (void)err;
     if (strcmp(value, "on") && strcmp(value, "off")) return -1;
     *(int *)field = !strcmp(value, "on") ? MOEDC_RENORM_ON : MOEDC_RENORM_OFF;
     return 0;

@@ -60,7 +60,7 @@ int cli_connect(const cli_conn *c, const moedc_opts *o, moedc **out, moedc_error
 
 /* MOED_OPT_CUSTOM parsers into an int: a gating strategy's name (model, topk, sigmoid, ...), and
  * on|off for renormalisation (MOEDC_RENORM_ON / _OFF). */
-int cli_parse_strategy(const char *value, void *field);
-int cli_parse_on_off(const char *value, void *field);
+int cli_parse_strategy(const char *value, void *field, moed_error *err);
+int cli_parse_on_off(const char *value, void *field, moed_error *err);
 
 #endif

@@ -25,7 +25,7 @@ typedef struct args {
     cli_conn conn;
     double timeout_s;
     const char *service;
-    long long layer, top_k, k_batch;
+    int64_t layer, top_k, k_batch;
     const char *hidden, *ids, *weights, *logits, *out, *dtype, *request_id;
     int server_router, strategy, renormalize;
     double threshold;

@@ -41,7 +41,7 @@ typedef struct args {
     const char *metrics, *metrics_token_file;
     char *metrics_token;
     double duration_s, warmup_s, deadline_ms, bad_fraction;
-    long long requests, verify, seed, connections, threads, max_inflight, top_k, k_batch;
+    int64_t requests, verify, seed, connections, threads, max_inflight, top_k, k_batch;
     int strategy;
     int progress; /* -1: when stderr is a terminal */
     bool batch_gating;
