@@ -1,8 +1,8 @@
 /*
- * moed_backend — choosing a backend by name, and the calls every caller makes: each forwards to the
- * implementation's table and supplies the default where the implementation leaves a slot empty,
- * so no caller tests a slot. Each implementation lives in its own folder (cpu/, cuda/); this file
- * only dispatches, so the daemon never names an implementation.
+ * moed_backend — the calls every caller makes: each forwards to the implementation's table and
+ * supplies the default where the implementation leaves a slot empty, so no caller tests a slot.
+ * Each implementation lives in its own folder (cpu/, cuda/) and the registry (moed_registry.c)
+ * opens one by name; this file only dispatches, so it names no implementation.
  */
 #include "moed_backend_impl.h"
 
@@ -11,35 +11,6 @@
 
 /* Alignment of the default host memory: a cache line, and enough for any vector load. */
 #define HOST_ALIGN 64
-
-#ifndef MOED_HAVE_CUDA
-int moed_backend_cuda_open(const moed_backend_config *cfg, moed_backend **out, moed_error *err)
-{
-    (void)cfg;
-    *out = NULL;
-    return moed_fail(err, MOED_EUNSUPPORTED,
-                     "this moed was built without CUDA (nvcc was not found at build time); "
-                     "use --backend cpu, or rebuild on a machine with the CUDA toolkit");
-}
-
-int moed_backend_cuda_available(void)
-{
-    return 0;
-}
-#endif
-
-int moed_backend_open(const char *name, const moed_backend_config *cfg, moed_backend **out,
-                      moed_error *err)
-{
-    *out = NULL;
-    if (!strcmp(name, "cpu")) return moed_backend_cpu_open(cfg, out, err);
-    if (!strcmp(name, "cuda")) return moed_backend_cuda_open(cfg, out, err);
-    if (!strcmp(name, "auto")) {
-        if (moed_backend_cuda_available()) return moed_backend_cuda_open(cfg, out, err);
-        return moed_backend_cpu_open(cfg, out, err);
-    }
-    return moed_fail(err, MOED_EINVAL, "unknown backend '%s': use cpu, cuda or auto", name);
-}
 
 const char *moed_backend_name(const moed_backend *b)
 {

@@ -4,12 +4,12 @@
  * caller uses only the functions below, which supply the default of any call an implementation
  * leaves out (moed_backend_impl.h, the implementations' side, says which may be left out).
  *
- * Life cycle: moed_backend_open → load_layer for every layer → start → (forward | router_logits)*
- * → destroy. A backend offers n_exec execution slots (CUDA: one per stream of the pool, each with
- * its own pinned staging and device workspace; CPU: one, running on all its threads). Calls on
- * different slots may run concurrently from different threads; calls on one slot must not.
- * forward and router_logits return when the result is complete where the job said it goes (host
- * or device memory) and visible to any reader there.
+ * Life cycle: open (by name through moed_registry.h, or one backend's own constructor) → load_layer
+ * for every layer → start → (forward | router_logits)* → destroy. A backend offers n_exec execution
+ * slots (CUDA: one per stream of the pool, each with its own pinned staging and device workspace;
+ * CPU: one, running on all its threads). Calls on different slots may run concurrently from
+ * different threads; calls on one slot must not. forward and router_logits return when the result
+ * is complete where the job said it goes (host or device memory) and visible to any reader there.
  *
  * A job's tokens come in parts (moed_part): the rows of each merged request lie where that request
  * keeps them — staging memory, a client's shared memory, a client's GPU memory — and its output
@@ -112,15 +112,6 @@ typedef struct moed_device_info {
     uint64_t memory_total; /* bytes */
     uint64_t memory_used;  /* bytes */
 } moed_device_info;
-
-/* Opens a backend by name: "cpu", "cuda", or "auto" (cuda where it was built and a device is
- * present, else cpu). MOED_ENODEV if "cuda" is asked for and cannot run, MOED_EUNSUPPORTED if
- * moed was built without CUDA. */
-int moed_backend_open(const char *name, const moed_backend_config *cfg, moed_backend **out,
-                      moed_error *err);
-
-/* True when the CUDA backend was compiled in and at least one device answers. */
-int moed_backend_cuda_available(void);
 
 /* "cpu", "cuda". */
 const char *moed_backend_name(const moed_backend *b);

@@ -56,8 +56,4 @@ struct moed_backend {
     int n_devices; /* entries device_info answers for */
 };
 
-/* Each implementation's constructor (called by moed_backend_open). */
-int moed_backend_cpu_open(const moed_backend_config *cfg, moed_backend **out, moed_error *err);
-int moed_backend_cuda_open(const moed_backend_config *cfg, moed_backend **out, moed_error *err);
-
 #endif

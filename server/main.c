@@ -17,7 +17,7 @@
 #include "http.h"
 #include "log.h"
 #include "metrics.h"
-#include "moed_backend.h"
+#include "moed_registry.h"
 #include "moed_dtype.h"
 #include "notify.h"
 #include "region.h"
@@ -105,8 +105,8 @@ static int open_backend(moed_daemon *d)
     moed_error err = { 0 };
     moed_backend_config bc = { .threads = d->cfg.threads,
                                .streams = d->cfg.streams,
-                               .devices = d->cfg.n_devices ? d->cfg.devices : NULL,
-                               .n_devices = d->cfg.n_devices,
+                               .devices = d->cfg.devices.n ? d->cfg.devices.v : NULL,
+                               .n_devices = d->cfg.devices.n,
                                .max_tokens = d->cfg.max_batch_tokens,
                                .expert_parallel = d->cfg.expert_parallel };
     if (moed_backend_open(d->cfg.backend, &bc, &d->backend, &err)) return fail("backend", &err);
@@ -120,15 +120,15 @@ static int load_weights(moed_daemon *d)
     moed_error err = { 0 };
     const int wdtype = strcmp(d->cfg.weights, "fp8") ? 0 : MOED_FP8;
     int rc;
-    d->held = moed_shard_subset(d->cfg.expert_list, d->cfg.n_expert_list, d->cfg.shared_experts);
+    d->held = moed_shard_subset(d->cfg.experts.v, d->cfg.experts.n, d->cfg.shared_experts);
     if (d->cfg.model) {
         moed_log_info("loading checkpoint", "dir=\"%s\" layers=%s", d->cfg.model,
-                      d->cfg.layers ? d->cfg.layers : "all");
+                      d->cfg.layers.text ? d->cfg.layers.text : "all");
         /* A backend that computes from the host weights for as long as moed runs must not find
          * them in a file that can change; one that copies them to its devices while loading can
          * read them from the mapping. */
         rc = moed_weights_checkpoint_held(
-            d->cfg.model, d->cfg.layers,
+            d->cfg.model, d->cfg.layers.text,
             moed_backend_computes_from_host(d->backend) ? MOED_WEIGHTS_COPY : MOED_WEIGHTS_MAP,
             wdtype, &d->held, &d->model, &err);
     } else {
@@ -138,7 +138,7 @@ static int load_weights(moed_daemon *d)
         rc = moed_weights_synthetic_held(d->cfg.synthetic ? d->cfg.synthetic : "", wdtype, &d->held,
                                          &d->model, &err);
     }
-    if (rc && d->cfg.experts) moed_error_prefix(&err, "--experts %s", d->cfg.experts);
+    if (rc && d->cfg.experts.text) moed_error_prefix(&err, "--experts %s", d->cfg.experts.text);
     if (rc) return fail("weights", &err);
     d->have_model = true;
     moed_log_info("weights loaded", "model=\"%s\" arch=%s moe_layers=%d", d->model.source,
@@ -149,13 +149,13 @@ static int load_weights(moed_daemon *d)
 /* Every --layers entry must exist in the model: serving fewer layers than asked is a mistake. */
 static int check_layer_list(moed_daemon *d)
 {
-    for (int i = 0; i < d->cfg.n_layer_list; i++)
-        if (!moed_model_layer(&d->model, d->cfg.layer_list[i], NULL)) {
+    for (int i = 0; i < d->cfg.layers.n; i++)
+        if (!moed_model_layer(&d->model, d->cfg.layers.v[i], NULL)) {
             moed_error err;
             moed_fail(&err, MOED_ENOTFOUND,
                       "--layers names layer %d, which is not a MoE layer of %s (it has %d MoE "
                       "layers, from %d to %d)",
-                      d->cfg.layer_list[i], d->model.source, d->model.n_layers,
+                      d->cfg.layers.v[i], d->model.source, d->model.n_layers,
                       d->model.n_layers ? d->model.layers[0].info.index : -1,
                       d->model.n_layers ? d->model.layers[d->model.n_layers - 1].info.index : -1);
             return fail("layers", &err);
@@ -165,7 +165,7 @@ static int check_layer_list(moed_daemon *d)
 
 /* Layer l's shard into the backend as `slot`: its view of the experts this daemon holds. The log
  * says where it went (experts@device, devices as GetModel numbers them). */
-static int load_layer(moed_daemon *d, int slot, const moed_layer *l, moed_error *err)
+static int load_shard(moed_daemon *d, int slot, const moed_layer *l, moed_error *err)
 {
     int rc = moed_shard_make(l, &d->held, &d->shards[slot], err);
     if (!rc) rc = moed_backend_load_layer(d->backend, slot, &d->shards[slot].view, err);
@@ -185,7 +185,7 @@ static int load_layer(moed_daemon *d, int slot, const moed_layer *l, moed_error 
 /* What the log says the daemon holds of each layer's experts: "all", or "0-31 shared=off". */
 static void held_experts(const moed_daemon *d, char *buf, size_t n)
 {
-    if (!d->served.n_layers || (!d->cfg.experts && d->held.shared)) {
+    if (!d->served.n_layers || (!d->cfg.experts.text && d->held.shared)) {
         snprintf(buf, n, "all");
         return;
     }
@@ -210,7 +210,7 @@ static int load_layers(moed_daemon *d)
     for (int i = 0; i < d->model.n_layers; i++) {
         const moed_layer *l = &d->model.layers[i];
         if (!moed_config_wants_layer(&d->cfg, l->info.index)) continue;
-        if (load_layer(d, n, l, &err)) return fail("load layers", &err);
+        if (load_shard(d, n, l, &err)) return fail("load layers", &err);
         d->resident[n] = l;
         bytes += moed_layer_bytes(&d->shards[n++].view.info);
     }
@@ -653,7 +653,7 @@ int main(int argc, char **argv)
     moed_error err = { 0 };
     int rc = moed_config_load(&d.cfg, argc, argv, stdout, &err);
     if (rc != MOED_CONFIG_RUN) {
-        if (rc < 0) fprintf(stderr, "moed: %s\n", err.msg);
+        if (rc < 0) moed_config_usage(&err);
         moed_config_free(&d.cfg);
         return rc < 0 ? 2 : 0;
     }

@@ -10,6 +10,7 @@
  * so every job's routing is its host route: a part with routing in device memory never reaches it
  * (moed_backend_forward refuses it, MOED_EPRECOND).
  */
+#include "cpu_backend.h"
 #include "cpu_ctx.h"
 
 #include "moed_dtype.h"

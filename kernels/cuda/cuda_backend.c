@@ -7,6 +7,7 @@
  * Open checks the devices (sm_80 or newer, the ones --devices names) and records their free
  * memory for the placement of the layers that load_layer then receives; start sizes the slots.
  */
+#include "cuda_backend.h"
 #include "cuda_ctx.h"
 
 #include <stdio.h>

@@ -5,7 +5,7 @@ health check says SERVING, and at teardown stops each with SIGTERM and asserts a
 every test also checks that the daemon survived what the test did to it. The build folder is
 $MOED_BUILD_DIR (default: build/ at the top of the tree); $MOED_BIN overrides the daemon's path.
 
-$MOED_TEST_COMPUTE set (the GPU machine's run, tests/gpu/run-on-gpu.sh) means the daemons must
+$MOED_TEST_COMPUTE set (the GPU machine's run, tools/gpu/run-on-gpu.sh) means the daemons must
 compute on the GPU: each one, once serving, must report the cuda backend in GetModel, or a broken
 CUDA setup would fall back to the CPU and every test would pass on it.
 """

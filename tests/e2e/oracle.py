@@ -1,14 +1,14 @@
 """The end-to-end tests' own float64 numpy model of what moed computes.
 
 Written here, from the written definitions (the comments of proto/moed/v1/moed.proto and the
-generator documented in kernels/core/moed_synth.h), and deliberately NOT from moed.reference or the C code:
+generator documented in common/moed_synth.h), and deliberately NOT from moed.reference or the C code:
 a test that compared the daemon with a reference sharing its author's reading of the definition
 would only check the code against itself. test_forward.py cross-checks this module against
 moed.reference, so a disagreement between the two readings shows up as a failure too.
 
 Contents: the seeded synthetic generator (Spec, synth_layer), bf16 rounding by bit manipulation,
 e4m3 rounding from the OCP FP8 table and the 128 x 128 block quantization of FP8 weights
-(fp8_quantize, fp8_dequantize: the rule of kernels/core/moed_fp8.h, written here again without
+(fp8_quantize, fp8_dequantize: the rule of common/moed_fp8.h, written here again without
 ml_dtypes), the expert MLPs and the combine (forward), the five gating strategies and DeepSeek-V3's
 rule (gate), batch-level gating (batch_gate), and a per-token comparison with a tolerance suited to
 each dtype (check).
@@ -22,7 +22,7 @@ import ml_dtypes
 
 import numpy as np
 
-# Tensor numbers of the generator (kernels/core/moed_synth.h).
+# Tensor numbers of the generator (common/moed_synth.h).
 T_W1, T_W3, T_W2, T_ROUTER, T_SW1, T_SW3, T_SW2, T_BIAS = range(8)
 
 # Largest error allowed in one token's output (one row), relative to that token's own largest

@@ -1,6 +1,6 @@
 """The kernel benchmarks' command lines (moe-bench, moe-split-bench), parsed by the same option table
 as moectl and moed-load: --help lists every option with its default, every bad word is a usage error
-(exit 2) naming the flag, and the command lines tests/gpu/ gives them parse. Nothing here needs a
+(exit 2) naming the flag, and the command lines tools/gpu/ and bench/ give them parse. Nothing here needs a
 GPU: the run lines are given with CUDA_VISIBLE_DEVICES empty, so a line that parses ends at "no CUDA
 device" (moe-bench: exit 1; moe-split-bench: skipped, 77) and one that does not, at exit 2.
 """
@@ -12,8 +12,8 @@ import pytest
 
 from conftest import BUILD
 
-BENCH = BUILD / "kernels" / "cuda" / "moe-bench"
-SPLIT = BUILD / "kernels" / "cuda" / "moe-split-bench"
+BENCH = BUILD / "bench" / "moe-bench"
+SPLIT = BUILD / "bench" / "moe-split-bench"
 
 pytestmark = pytest.mark.skipif(not BENCH.exists(),
                                 reason=f"{BENCH} is not built (a build without nvcc has no benchmarks)")
@@ -38,7 +38,7 @@ def test_help_lists_every_option_with_its_default():
         assert opt in p.stdout, (opt, p.stdout)
 
 
-# The lines tests/gpu/run-on-gpu.sh and bench_*.py run.
+# The lines tools/gpu/run-on-gpu.sh and bench/daemon/bench_*.py run.
 RUN_LINES = [
     ["--tokens", "8,64,512,4096,16384", "--json", "moe.json"],
     ["--tokens", "64,4096", "--routing", "zipf,hot,empty"],

@@ -1,4 +1,4 @@
-"""kernels/cuda/bench/report.py, the GPU benchmark's table and targets, checked here without a GPU on
+"""bench/kernels/report.py, the GPU benchmark's table and targets, checked here without a GPU on
 JSON made to the formats of moe-bench, torch_ref.py and sonic_ref.py: rows of a --shape layer join
 the references whichever way moe-bench names them, the model's name labels them, the ratios and the
 issue's targets come out of the figures (graph-replayed rows speaking for small T), a peer that did
@@ -14,7 +14,7 @@ import pytest
 
 from conftest import ROOT
 
-BENCH = ROOT / "kernels" / "cuda" / "bench"
+BENCH = ROOT / "bench" / "kernels"
 MM, COPY = 800.0, 4000.0  # the ceilings of the made-up run
 
 
@@ -101,7 +101,7 @@ def test_run_on_gpu_benchmarks_the_models_torch_ref_names():
     tree = ast.parse((BENCH / "torch_ref.py").read_text())
     models = next(ast.literal_eval(n.value) for n in tree.body
                   if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "MODELS")
-    script = (ROOT / "tests" / "gpu" / "run-on-gpu.sh").read_text()
+    script = (ROOT / "tools" / "gpu" / "run-on-gpu.sh").read_text()
     listed = re.search(r"^MODEL_SHAPES=\(([^)]*)\)", script, re.M).group(1).split()
     assert sorted(",".join(map(str, v)) for v in models.values()) == sorted(listed)
     assert len(models) >= 5

@@ -349,11 +349,12 @@ def test_readme_python_examples(shared_daemon, capsys):
 
 
 def test_bench_runs(shared_daemon, tmp_path):
-    """python -m moed.bench (the Python client beside moed-load) gives its figures."""
+    """bench/daemon/bench_client.py (the Python client beside moed-load) gives its figures."""
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "moed.bench", "--target", shared_daemon.address,
-                        "--load", str(BUILD / "client" / "c" / "moed-load"), "--tokens", "4", "--requests",
-                        "30", "--rounds", "1", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "daemon" / "bench_client.py"), "--target",
+                        shared_daemon.address, "--load", str(BUILD / "client" / "c" / "moed-load"), "--tokens",
+                        "4", "--requests", "30", "--rounds", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     (row,) = json.loads(out.read_text())
     assert row["tokens"] == 4 and row["moed_load_p50_ms"] > 0 and row["python_p50_ms"] > 0

@@ -1,4 +1,4 @@
-"""tests/gpu/run-on-gpu.sh, the GPU machine's test run, checked here without a GPU: its stages run
+"""tools/gpu/run-on-gpu.sh, the GPU machine's test run, checked here without a GPU: its stages run
 against stand-in programs (MOED_GPU_DIR: a test_cuda_backend that exits as told, an nvidia-smi and
 a compute-sanitizer on PATH) so that a failing, skipping or missing program must show in the summary
 and the exit status; and its pytest stage against the real daemon, which serves on the CPU here, so
@@ -13,7 +13,7 @@ import pytest
 
 from conftest import MOED_BIN, ROOT
 
-SCRIPT = ROOT / "tests" / "gpu" / "run-on-gpu.sh"
+SCRIPT = ROOT / "tools" / "gpu" / "run-on-gpu.sh"
 
 
 def fake(path, rc, out=""):

@@ -2,8 +2,8 @@
  * fuzz_fake.h — what the region-aware fuzz targets link instead of the real thing, in the one
  * translation unit of each target: a getrandom(2) that hands out 8-byte ids 1, 2, 3, ... and every
  * other request (a challenge) as bytes of 0xab, so seeds and the fuzzer can name regions and never
- * confirm by luck; a CPU backend that is not there; and a backend with no devices and no DMA
- * (moed_backend.c's defaults for every hook).
+ * confirm by luck; and a backend with no devices and no DMA (moed_backend.c's defaults for every
+ * hook).
  */
 #ifndef MOED_FUZZ_FAKE_H
 #define MOED_FUZZ_FAKE_H
@@ -24,13 +24,6 @@ ssize_t getrandom(void *buf, size_t n, unsigned int flags)
         memcpy(buf, &id, 8);
     }
     return (ssize_t)n;
-}
-
-int moed_backend_cpu_open(const moed_backend_config *cfg, moed_backend **out, moed_error *err)
-{
-    (void)cfg;
-    *out = NULL;
-    return moed_fail(err, MOED_EUNSUPPORTED, "not in the fuzzer");
 }
 
 static const moed_backend_ops fake_ops = { .name = "fuzz" };

@@ -33,7 +33,7 @@ if ! command -v clang >/dev/null || ! ls /usr/lib/llvm-*/lib/clang/*/lib/linux/l
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends clang libclang-rt-dev
 fi
 
-incs=(-Iserver -Iclient/c/cli -Ikernels/core -Ikernels -I"$build/proto")
+incs=(-Iserver -Iclient/c/cli -Icommon -Ikernels -I"$build/proto")
 
 # The protocol's protobuf-c code (region commands are decoded with it).
 mkdir -p "$build/proto"
@@ -43,14 +43,12 @@ protoc-c --c_out="$build/proto" -I proto proto/moed/v1/moed.proto
 # CPU GEMM's feature checks need a newer clang than Debian 12's, and the fuzzers need none of it.)
 sources_request() {
     echo server/wire.c server/request.c server/shard.c server/region.c server/guard.c server/bufpool.c
-    echo kernels/moed_backend.c
-    echo kernels/core/{moed_err,moed_dtype,moed_fp8,moed_model,moed_route,moed_synth,moed_pool}.c
+    echo kernels/moed_backend.c common/*.c
 }
 libs_request() { pkg-config --cflags --libs grpc libprotobuf-c; }
 sources_region() {
     echo server/region_cmd.c server/region.c server/wire.c server/guard.c server/log.c
-    echo "$build/proto/moed/v1/moed.pb-c.c" kernels/moed_backend.c kernels/core/moed_err.c
-    echo kernels/core/moed_dtype.c
+    echo "$build/proto/moed/v1/moed.pb-c.c" kernels/moed_backend.c common/*.c
 }
 libs_region() { pkg-config --cflags --libs grpc libprotobuf-c; }
 # Inputs up to 8 KiB reach every field and limit of a request, a header and a .npy; an HTTP head
@@ -59,11 +57,11 @@ maxlen() { [ "$1" = http ] && echo 10240 || echo 8192; }
 sources_http() { echo server/http_parse.c; }
 libs_http() { :; }
 sources_safetensors() {
-    echo server/safetensors.c server/file.c kernels/core/moed_err.c kernels/core/moed_dtype.c
+    echo server/safetensors.c server/file.c common/moed_err.c common/moed_dtype.c
 }
 libs_safetensors() { pkg-config --cflags --libs libcjson; }
 sources_npy() {
-    echo client/c/cli/npy.c kernels/core/moed_err.c kernels/core/moed_dtype.c
+    echo client/c/cli/npy.c common/moed_err.c common/moed_dtype.c
 }
 libs_npy() { :; }
 

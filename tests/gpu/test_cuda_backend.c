@@ -37,7 +37,7 @@
 #include "check.h"
 #include "tok_ref.h"
 
-#include "moed_backend.h"
+#include "moed_registry.h"
 #include "moed_dtype.h"
 #include "moed_fp8.h"
 #include "moed_route.h"

@@ -12,7 +12,7 @@
  */
 #include "check.h"
 
-#include "moed_backend.h"
+#include "cuda_backend.h"
 #include "moed_dtype.h"
 #include "moed_route.h"
 #include "moed_synth.h"
@@ -37,7 +37,7 @@ static moed_backend *open_gpu(int device)
     };
     moed_backend *b = NULL;
     moed_error err;
-    int rc = moed_backend_open("cuda", &cfg, &b, &err);
+    int rc = moed_backend_cuda_open(&cfg, &b, &err);
     if (!rc) rc = moed_backend_load_layer(b, 0, &layer, &err);
     if (!rc) rc = moed_backend_start(b, &err);
     CHECK_MSG(!rc, "cuda backend on GPU %d: %s", device, err.msg);

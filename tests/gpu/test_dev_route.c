@@ -21,7 +21,7 @@
  */
 #include "check.h"
 
-#include "moed_backend.h"
+#include "cuda_backend.h"
 #include "moed_dtype.h"
 #include "moed_route.h"
 #include "moed_synth.h"
@@ -143,7 +143,7 @@ static layer_run *open_layer(int l)
     if (lc->kernel) setenv("MOED_CUDA_KERNEL", lc->kernel, 1);
     int rc = moed_synth_parse(lc->spec, &spec, &err);
     if (!rc) rc = moed_synth_layer(&spec, 0, &lr->layer, &err);
-    if (!rc) rc = moed_backend_open("cuda", &cfg, &lr->b, &err);
+    if (!rc) rc = moed_backend_cuda_open(&cfg, &lr->b, &err);
     if (!rc) rc = moed_backend_load_layer(lr->b, 0, &lr->layer, &err);
     if (!rc) rc = moed_backend_start(lr->b, &err);
     unsetenv("MOED_CUDA_KERNEL");
@@ -396,7 +396,7 @@ static void test_other_gpu(void)
     moed_backend *b = NULL;
     int rc = moed_synth_parse(layers[L_BF16].spec, &spec, &err);
     if (!rc) rc = moed_synth_layer(&spec, 0, &layer, &err);
-    if (!rc) rc = moed_backend_open("cuda", &cfg, &b, &err);
+    if (!rc) rc = moed_backend_cuda_open(&cfg, &b, &err);
     if (!rc) rc = moed_backend_load_layer(b, 0, &layer, &err);
     if (!rc) rc = moed_backend_start(b, &err);
     CHECK_MSG(!rc, "two GPUs: %s", err.msg);

@@ -1,4 +1,4 @@
-"""The Python client with torch on the GPU machine (issue 12): torch CPU and CUDA tensors in f32,
+"""The Python client with torch on the GPU machine: torch CPU and CUDA tensors in f32,
 f16 and bf16 through every transport (inline, shm, cuda, auto) give, bit for bit, what the numpy
 inline path gives, from the blocking and the asyncio client and through forward_stream; the CUDA
 path goes through a CUDA region with no tensor byte in the messages (the daemon's
@@ -9,7 +9,7 @@ before the call (the client must wait for it); timed-out calls give their device
 once the server holds them no more; a CPU-backend daemon refuses the cuda transport with its
 FAILED_PRECONDITION and auto falls back to shared memory there.
 
-    python3 tests/gpu/test_python_torch.py --bin .gpu/bin     (tests/gpu/run-on-gpu.sh python)
+    python3 tests/gpu/test_python_torch.py --bin .gpu/bin     (tools/gpu/run-on-gpu.sh python)
 
 Exits 77 (skipped) when torch, a GPU or the daemon is missing; otherwise pytest's status.
 """

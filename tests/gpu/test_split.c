@@ -18,7 +18,7 @@
  */
 #include "check.h"
 
-#include "moed_backend.h"
+#include "cuda_backend.h"
 #include "moed_dtype.h"
 #include "moed_route.h"
 #include "moed_synth.h"
@@ -164,7 +164,7 @@ static moed_backend *open_cuda(const scase *sc, const moed_layer *l, const int *
         setenv("MOED_CUDA_KERNEL", sc->kernel, 1);
     else
         unsetenv("MOED_CUDA_KERNEL");
-    int rc = moed_backend_open("cuda", &cfg, &b, &err);
+    int rc = moed_backend_cuda_open(&cfg, &b, &err);
     if (!rc) rc = moed_backend_load_layer(b, 0, l, &err);
     if (!rc) rc = moed_backend_start(b, &err);
     if (rc) {

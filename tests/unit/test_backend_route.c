@@ -9,6 +9,7 @@
  * leaving its tokens with no pair, and a failed read failing the call.
  */
 #include "check.h"
+#include "cpu_backend.h"
 #include "moed_backend_impl.h" /* the fake is a backend: it fills the table the wrappers call */
 #include "moed_dtype.h"
 #include "moed_synth.h"
@@ -50,7 +51,7 @@ static void test_cpu_refuses(void)
     moed_backend_config cfg = { .threads = 1, .max_tokens = 8 };
     CHECK(moed_synth_parse("layers=1,d=16,ff=32,experts=4,topk=2,seed=1", &spec, &err) == 0);
     CHECK(moed_synth_layer(&spec, 0, &layer, &err) == 0);
-    CHECK(moed_backend_open("cpu", &cfg, &cpu, &err) == 0);
+    CHECK(moed_backend_cpu_open(&cfg, &cpu, &err) == 0);
     CHECK(moed_backend_load_layer(cpu, 0, &layer, &err) == 0);
     CHECK(moed_backend_start(cpu, &err) == 0);
     float x[4 * 16] = { 0 }, y[4 * 16];

@@ -7,7 +7,7 @@
  * MOED_CPU_ISA=generic so the portable kernel is checked too.
  */
 #include "check.h"
-#include "moed_backend.h"
+#include "cpu_backend.h"
 #include "moed_dtype.h"
 #include "moed_fp8.h"
 #include "moed_synth.h"
@@ -174,7 +174,7 @@ static moed_backend *open_cpu(int threads, int64_t max_tokens, const moed_layer 
     moed_backend *b;
     moed_error err = { 0 };
     moed_backend_config cfg = { .threads = threads, .max_tokens = max_tokens };
-    if (moed_backend_open("cpu", &cfg, &b, &err)) {
+    if (moed_backend_cpu_open(&cfg, &b, &err)) {
         CHECK_MSG(0, "open: %s", err.msg);
         return NULL;
     }
@@ -442,7 +442,7 @@ static void test_errors(void)
     CHECK_EQ_INT(moed_synth_layer(&s, 0, &l, &err), 0);
     moed_backend *b;
     moed_backend_config cfg = { .threads = 2, .max_tokens = 8 };
-    CHECK_EQ_INT(moed_backend_open("cpu", &cfg, &b, &err), 0);
+    CHECK_EQ_INT(moed_backend_cpu_open(&cfg, &b, &err), 0);
     CHECK_EQ_INT(moed_backend_start(b, &err), MOED_EINVAL); /* nothing loaded */
     CHECK_EQ_INT(moed_backend_load_layer(b, 1, &l, &err), MOED_EINVAL);
     CHECK(strstr(err.msg, "next slot is 0") != NULL);

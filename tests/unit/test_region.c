@@ -10,6 +10,7 @@
  */
 #include "bufpool.h"
 #include "check.h"
+#include "cpu_backend.h"
 #include "guard.h"
 #include "region.h"
 
@@ -317,7 +318,7 @@ int main(void)
 {
     moed_backend_config bc = { .threads = 1, .max_tokens = 8 };
     moed_error err;
-    CHECK_EQ_INT(moed_backend_open("cpu", &bc, &cpu, &err), 0);
+    CHECK_EQ_INT(moed_backend_cpu_open(&bc, &cpu, &err), 0);
     test_names();
     test_register_and_use();
     test_shrunk();

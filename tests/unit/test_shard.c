@@ -7,8 +7,8 @@
  */
 #include "check.h"
 #include "config.h"
+#include "cpu_backend.h"
 #include "metrics.h"
-#include "moed_backend.h"
 #include "moed_dtype.h"
 #include "moed_synth.h"
 #include "shard.h"
@@ -27,13 +27,13 @@ static void test_flags(void)
     moed_error err = { 0 };
     char *argv[] = { "moed", "--experts", "4-5,0,9", "--shared-experts", "off", NULL };
     CHECK_EQ_INT(moed_config_load(&c, 5, argv, stdout, &err), MOED_CONFIG_RUN);
-    CHECK(c.n_expert_list == 4 && c.expert_list[0] == 0 && c.expert_list[1] == 4 &&
-          c.expert_list[3] == 9 && !strcmp(c.experts, "4-5,0,9"));
-    CHECK(!strcmp(c.shared_experts, "off") && !c.layers);
+    CHECK(c.experts.n == 4 && c.experts.v[0] == 0 && c.experts.v[1] == 4 && c.experts.v[3] == 9 &&
+          !strcmp(c.experts.text, "4-5,0,9"));
+    CHECK(!strcmp(c.shared_experts, "off") && !c.layers.text);
     moed_config_free(&c);
     char *plain[] = { "moed", NULL };
     CHECK_EQ_INT(moed_config_load(&c, 1, plain, stdout, &err), MOED_CONFIG_RUN);
-    CHECK(!c.experts && !c.expert_list && !strcmp(c.shared_experts, "auto"));
+    CHECK(!c.experts.text && !c.experts.v && !strcmp(c.shared_experts, "auto"));
     moed_config_free(&c);
     char *bad[] = { "moed", "--experts", "3-1", NULL };
     CHECK_EQ_INT(moed_config_load(&c, 3, bad, stdout, &err), MOED_EINVAL);
@@ -170,7 +170,7 @@ static moed_backend *open_backend(const moed_layer *const *views, moed_error *er
 {
     moed_backend_config bc = { .threads = 1, .max_tokens = 16 };
     moed_backend *b;
-    if (moed_backend_open("cpu", &bc, &b, err)) return NULL;
+    if (moed_backend_cpu_open(&bc, &b, err)) return NULL;
     for (int i = 0; i < 3; i++) CHECK_EQ_INT(moed_backend_load_layer(b, i, views[i], err), 0);
     CHECK_EQ_INT(moed_backend_start(b, err), 0);
     return b;

@@ -12,7 +12,7 @@
 #include "check.h"
 #include "tok_ref.h"
 
-#include "moed_backend.h"
+#include "cpu_backend.h"
 #include "moed_synth.h"
 
 #include <stdio.h>
@@ -95,7 +95,7 @@ int main(void)
 
     moed_backend_config cfg = { .max_tokens = TOKENS };
     moed_backend *cpu = NULL;
-    CHECK(!moed_backend_open("cpu", &cfg, &cpu, &err) &&
+    CHECK(!moed_backend_cpu_open(&cfg, &cpu, &err) &&
           !moed_backend_load_layer(cpu, 0, &layer, &err) && !moed_backend_start(cpu, &err));
     moed_job job = { .slot = 0, .dtype = MOED_BF16, .T = TOKENS, .x = x, .y = y, .route = &route };
     CHECK(!moed_backend_forward(cpu, 0, &job, &err));

@@ -7,7 +7,7 @@
  * could not be written), 2 the command line or an input file is wrong, with the reason on stderr.
  */
 #include "cli_common.h"
-#include "cli_opt.h"
+#include "moed_opt.h"
 #include "moedclient.h"
 #include "moed_dtype.h"
 #include "moed_route.h"
@@ -18,14 +18,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { EXIT_RPC = 1, EXIT_USAGE = CLI_EXIT_USAGE };
+enum { EXIT_RPC = 1, EXIT_USAGE = MOED_OPT_EXIT_USAGE };
 
 /* Everything the command line says. */
 typedef struct args {
     cli_conn conn;
     double timeout_s;
     const char *service;
-    long long layer, top_k, k_batch;
+    int64_t layer, top_k, k_batch;
     const char *hidden, *ids, *weights, *logits, *out, *dtype, *request_id;
     int server_router, strategy, renormalize;
     double threshold;
@@ -35,55 +35,58 @@ typedef struct args {
 
 #define F(member) offsetof(args, member)
 
-static const cli_opt options[] = {
-    CLI_SECTION_ROW("options:", NULL),
+static const moed_opt options[] = {
+    MOED_OPT_SECTION_ROW("options:", NULL),
     CLI_CONN_OPTS(args),
-    CLI_NUM_OPT("timeout", F(timeout_s), "S", 1e-6, 1e9, NULL, "give seconds > 0", NULL,
-                "deadline of the call in seconds (default: none)"),
-    CLI_HELP_OPT("this text; COMMAND --help for a command's"),
+    MOED_OPT_NUM_ROW("timeout", F(timeout_s), "S", 1e-6, 1e9, NULL, "give seconds > 0", NULL,
+                     "deadline of the call in seconds (default: none)"),
+    MOED_OPT_HELP_ROW("this text; COMMAND --help for a command's"),
 
-    CLI_STR_OPT("service", F(service), "NAME", NULL, "health",
-                "the service to ask about (default \"\": the server as a whole)"),
+    MOED_OPT_STR_ROW("service", F(service), "NAME", NULL, "health",
+                     "the service to ask about (default \"\": the server as a whole)"),
 
-    CLI_INT_OPT("layer", F(layer), "N", 0, 1 << 30, NULL, "give a layer index >= 0", "forward",
-                "the layer to compute (as moectl info lists them)"),
-    CLI_STR_OPT("hidden", F(hidden), "x.npy", NULL, "forward",
-                "hidden states [T, d_model]: float32, float16 or bfloat16"),
-    CLI_STR_OPT("out", F(out), "y.npy", NULL, "forward", "where the output goes"),
-    CLI_SECTION_ROW("ROUTING, one of:", "forward"),
-    CLI_STR_OPT("ids", F(ids), "i.npy", NULL, "forward",
-                "your routing: expert ids [T, k] int32/int64, with --weights\n"
-                "(id -1 with weight 0 pads a row)"),
-    CLI_STR_OPT("weights", F(weights), "w.npy", NULL, "forward",
-                "your routing: their weights [T, k] float, with --ids"),
-    CLI_STR_OPT("logits", F(logits), "l.npy", NULL, "forward",
-                "router logits [T, experts] float, gated by the server"),
-    CLI_FLAG_OPT("server-router", F(server_router), 1, "forward",
-                 "the layer's own router on the server"),
-    CLI_SECTION_ROW("gating (with --logits or --server-router):", "forward"),
-    CLI_CUSTOM_OPT("strategy", F(strategy), "S", cli_parse_strategy, NULL,
-                   "use model, topk, sigmoid, sparsemax, quadratic or pioneer", "forward",
-                   "model (default: the layer's rule), topk, sigmoid, sparsemax,\n"
-                   "quadratic, pioneer"),
-    CLI_INT_OPT("top-k", F(top_k), "K", 0, 65535, NULL, "give a count >= 0", "forward",
-                "experts per token for topk/quadratic/pioneer (0: the layer's)"),
-    CLI_CUSTOM_OPT("renormalize", F(renormalize), "on|off", cli_parse_on_off, NULL, "use on or off",
-                   "forward", "renormalise the top-k weights (default: the layer's)"),
-    CLI_NUM_OPT("threshold", F(threshold), "P", -INFINITY, INFINITY, NULL,
-                "give a number in (0, 1)", "forward", "sigmoid threshold in (0, 1) (default 0.5)"),
-    CLI_INT_OPT("batch-gating", F(k_batch), "K", 0, 65535, NULL, "give a set size >= 0", "forward",
-                "batch-level dynamic gating with a set of K experts (0: the layer's\n"
-                "top_k); prints the set S"),
-    CLI_SECTION_ROW("options:", "forward"),
-    CLI_STR_OPT("dtype", F(dtype), "bf16", NULL, "forward",
-                "take a uint16 --hidden as bf16 bit patterns"),
-    CLI_STR_OPT("request-id", F(request_id), "ID", NULL, "forward", "echoed by the server"),
-    CLI_FLAG_OPT("shm", F(shm), 1, "forward",
-                 "send hidden and take the output through a shared-memory region\n"
-                 "(on the server's host): no tensor bytes on the wire"),
+    MOED_OPT_I64_ROW("layer", F(layer), "N", 0, 1 << 30, NULL, "give a layer index >= 0", "forward",
+                     "the layer to compute (as moectl info lists them)"),
+    MOED_OPT_STR_ROW("hidden", F(hidden), "x.npy", NULL, "forward",
+                     "hidden states [T, d_model]: float32, float16 or bfloat16"),
+    MOED_OPT_STR_ROW("out", F(out), "y.npy", NULL, "forward", "where the output goes"),
+    MOED_OPT_SECTION_ROW("ROUTING, one of:", "forward"),
+    MOED_OPT_STR_ROW("ids", F(ids), "i.npy", NULL, "forward",
+                     "your routing: expert ids [T, k] int32/int64, with --weights\n"
+                     "(id -1 with weight 0 pads a row)"),
+    MOED_OPT_STR_ROW("weights", F(weights), "w.npy", NULL, "forward",
+                     "your routing: their weights [T, k] float, with --ids"),
+    MOED_OPT_STR_ROW("logits", F(logits), "l.npy", NULL, "forward",
+                     "router logits [T, experts] float, gated by the server"),
+    MOED_OPT_FLAG_ROW("server-router", F(server_router), 1, "forward",
+                      "the layer's own router on the server"),
+    MOED_OPT_SECTION_ROW("gating (with --logits or --server-router):", "forward"),
+    MOED_OPT_CUSTOM_ROW("strategy", F(strategy), "S", cli_parse_strategy, NULL,
+                        "use model, topk, sigmoid, sparsemax, quadratic or pioneer", "forward",
+                        "model (default: the layer's rule), topk, sigmoid, sparsemax,\n"
+                        "quadratic, pioneer"),
+    MOED_OPT_I64_ROW("top-k", F(top_k), "K", 0, 65535, NULL, "give a count >= 0", "forward",
+                     "experts per token for topk/quadratic/pioneer (0: the layer's)"),
+    MOED_OPT_CUSTOM_ROW("renormalize", F(renormalize), "on|off", cli_parse_on_off, NULL,
+                        "use on or off", "forward",
+                        "renormalise the top-k weights (default: the layer's)"),
+    MOED_OPT_NUM_ROW("threshold", F(threshold), "P", -INFINITY, INFINITY, NULL,
+                     "give a number in (0, 1)", "forward",
+                     "sigmoid threshold in (0, 1) (default 0.5)"),
+    MOED_OPT_I64_ROW("batch-gating", F(k_batch), "K", 0, 65535, NULL, "give a set size >= 0",
+                     "forward",
+                     "batch-level dynamic gating with a set of K experts (0: the layer's\n"
+                     "top_k); prints the set S"),
+    MOED_OPT_SECTION_ROW("options:", "forward"),
+    MOED_OPT_STR_ROW("dtype", F(dtype), "bf16", NULL, "forward",
+                     "take a uint16 --hidden as bf16 bit patterns"),
+    MOED_OPT_STR_ROW("request-id", F(request_id), "ID", NULL, "forward", "echoed by the server"),
+    MOED_OPT_FLAG_ROW("shm", F(shm), 1, "forward",
+                      "send hidden and take the output through a shared-memory region\n"
+                      "(on the server's host): no tensor bytes on the wire"),
 };
 
-static const cli_cmd commands[] = {
+static const moed_opt_cmd commands[] = {
     { .name = NULL,
       .head = "usage: moectl [--target ADDR] [--timeout S] [--token T] COMMAND [options]\n"
               "\n"
@@ -126,7 +129,7 @@ static const cli_cmd commands[] = {
               "\n" },
 };
 
-static const cli_spec command_line = {
+static const moed_opt_spec command_line = {
     .prog = "moectl",
     .hint = "moectl --help, or moectl COMMAND --help",
     .opts = options,
@@ -266,18 +269,18 @@ static int load_matrix(const char *flag, const char *path, int dtype, int64_t ro
 static int check_forward_args(const args *a)
 {
     int routes = (a->ids || a->weights) + !!a->logits + a->server_router;
-    if (a->layer < 0) return cli_usage_error(&command_line, "forward needs --layer N");
-    if (!a->hidden) return cli_usage_error(&command_line, "forward needs --hidden x.npy");
-    if (!a->out) return cli_usage_error(&command_line, "forward needs --out y.npy");
+    if (a->layer < 0) return moed_opt_usage(&command_line, "forward needs --layer N");
+    if (!a->hidden) return moed_opt_usage(&command_line, "forward needs --hidden x.npy");
+    if (!a->out) return moed_opt_usage(&command_line, "forward needs --out y.npy");
     if (routes != 1)
-        return cli_usage_error(
+        return moed_opt_usage(
             &command_line, "forward needs exactly one routing: --ids with --weights, --logits, or "
                            "--server-router");
     if ((a->ids != NULL) != (a->weights != NULL))
-        return cli_usage_error(&command_line, "--ids and --weights go together");
+        return moed_opt_usage(&command_line, "--ids and --weights go together");
     if (a->dtype && moed_dtype_parse(a->dtype) != MOED_BF16)
-        return cli_usage_error(&command_line, "--dtype %s: only bf16 is needed (for uint16 input)",
-                               a->dtype);
+        return moed_opt_usage(&command_line, "--dtype %s: only bf16 is needed (for uint16 input)",
+                              a->dtype);
     return 0;
 }
 
@@ -413,11 +416,11 @@ out:
 static bool parse_args(int argc, char **argv, args *a, const char **command, int *rc)
 {
     memset(a, 0, sizeof *a);
-    cli_parsed p;
-    if (!cli_parse(&command_line, argc, argv, a, &p, rc)) return false;
+    moed_opt_parsed p;
+    if (!moed_opt_parse(&command_line, argc, argv, a, &p, rc)) return false;
     *command = p.command;
-    a->batch_gating = cli_given(&command_line, &p, "batch-gating");
-    if (!cli_given(&command_line, &p, "layer")) a->layer = -1;
+    a->batch_gating = moed_opt_given(&command_line, &p, "batch-gating");
+    if (!moed_opt_given(&command_line, &p, "layer")) a->layer = -1;
     return true;
 }
 

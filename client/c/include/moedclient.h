@@ -256,8 +256,11 @@ MOEDC_EXTERN void moedc_session_close(moedc_session *s);
 MOEDC_EXTERN int moedc_region_create_host(moedc_session *s, size_t bytes, unsigned mode,
                                           moedc_region **out, moedc_error *err);
 /* Registers `bytes` of CUDA device memory from dev_ptr (cudaMalloc'd, by this process), sent as
- * a cudaIpcMemHandle_t of its allocation, the offset of dev_ptr in it and the GPU's UUID.
- * MOEDC_EUNSUPPORTED when libmoedclient was built without CUDA. */
+ * a cudaIpcMemHandle_t of its allocation, the offset of dev_ptr in it and the GPU's UUID. The
+ * client links no CUDA library: it asks the process's CUDA driver (libcuda.so.1, opened at the
+ * first such call), so any CUDA runtime the program uses will do. MOEDC_EUNSUPPORTED where no
+ * driver can be loaded (a machine without an NVIDIA driver), MOEDC_EINVAL for memory that is not
+ * the device memory of this process. */
 MOEDC_EXTERN int moedc_region_register_cuda(moedc_session *s, void *dev_ptr, size_t bytes,
                                             moedc_region **out, moedc_error *err);
 /* Unregisters r and frees it (HOST: unmaps it here; CUDA: the memory stays the caller's). The

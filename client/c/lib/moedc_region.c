@@ -1,7 +1,8 @@
 /*
  * moedc_region — region sessions: the moed.v1.Moed/Regions stream, host regions in POSIX shared
- * memory with the server's challenge, CUDA regions by IPC handle (moedclient.h states the
- * contract; moed.proto the rules the server keeps).
+ * memory with the server's challenge, CUDA regions by IPC handle, described through the driver
+ * moedc_cuda loads at run time (moedclient.h states the contract; moed.proto the rules the server
+ * keeps).
  *
  * A session is one call on the channel with a completion queue of its own. Each command is one
  * batch (send the command, receive its event) waited for under the session's mutex, so commands
@@ -11,6 +12,7 @@
  */
 #include "moedc_channel.h"
 #include "moedc_common.h"
+#include "moedc_cuda.h"
 
 #include "moed/v1/moed.pb-c.h"
 
@@ -26,11 +28,6 @@
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-#ifdef MOED_HAVE_CUDA
-#include <cuda.h>
-#include <cuda_runtime_api.h>
-#endif
 
 /* How long a command may take when the channel sets no deadline. */
 #define COMMAND_TIMEOUT_S 60.0
@@ -353,85 +350,33 @@ int moedc_region_create_host(moedc_session *s, size_t bytes, unsigned mode, moed
 /* ---- CUDA regions ------------------------------------------------------------------------------
  */
 
-#ifdef MOED_HAVE_CUDA
-typedef CUresult (*get_range_fn)(CUdeviceptr *base, size_t *size, CUdeviceptr p);
-
-static int cuda_fail(moedc_error *err, cudaError_t e, const char *what)
-{
-    cudaGetLastError();
-    return moedc_fail(err, e == cudaErrorInvalidValue ? MOEDC_EINVAL : MOEDC_EDEVICE, "%s: %s (%s)",
-                      what, cudaGetErrorName(e), cudaGetErrorString(e));
-}
-
-/* The register_cuda command for `bytes` at p: its allocation's IPC handle, p's offset in it, the
- * device's UUID. */
-static int describe(void *p, size_t bytes, moedc_region *r, cudaIpcMemHandle_t *h, char uuid[48],
-                    uint64_t *offset, moedc_error *err)
-{
-    struct cudaPointerAttributes a;
-    cudaError_t e = cudaPointerGetAttributes(&a, p);
-    if (e != cudaSuccess) return cuda_fail(err, e, "cudaPointerGetAttributes");
-    if (a.type != cudaMemoryTypeDevice)
-        return moedc_fail(err, MOEDC_EINVAL,
-                          "%p is not device memory (cudaMalloc it; managed and host memory have no "
-                          "IPC handle)",
-                          p);
-    r->device = a.device;
-    void *fn = NULL;
-    enum cudaDriverEntryPointQueryResult q;
-    CUdeviceptr base = 0;
-    size_t size = 0;
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault,
-                                         &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess ||
-        ((get_range_fn)fn)(&base, &size, (CUdeviceptr)(uintptr_t)p) != CUDA_SUCCESS)
-        return moedc_fail(err, MOEDC_EDEVICE, "cuMemGetAddressRange failed on %p", p);
-    *offset = (uint64_t)((uintptr_t)p - (uintptr_t)base);
-    if (bytes > size - *offset)
-        return moedc_fail(err, MOEDC_EINVAL,
-                          "%zu bytes from %p run past its allocation (%zu bytes from its start)",
-                          bytes, p, size - (size_t)*offset);
-    if ((e = cudaIpcGetMemHandle(h, (void *)(uintptr_t)base)) != cudaSuccess)
-        return cuda_fail(err, e, "cudaIpcGetMemHandle");
-    struct cudaDeviceProp prop;
-    if ((e = cudaGetDeviceProperties(&prop, a.device)) != cudaSuccess)
-        return cuda_fail(err, e, "cudaGetDeviceProperties");
-    const unsigned char *b = (const unsigned char *)prop.uuid.bytes;
-    snprintf(uuid, 48, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
-             b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
-             b[14], b[15]);
-    return 0;
-}
-#endif
-
 int moedc_region_register_cuda(moedc_session *s, void *dev_ptr, size_t bytes, moedc_region **out,
                                moedc_error *err)
 {
     *out = NULL;
-#ifdef MOED_HAVE_CUDA
+    moedc_cuda_region where;
+    int rc = moedc_cuda_describe(dev_ptr, bytes, &where, err);
+    if (rc) return rc;
     moedc_region *r = calloc(1, sizeof *r);
     if (!r) return moedc_fail(err, MOEDC_ENOMEM, "out of memory for a region");
     r->kind = MOEDC_REGION_CUDA;
     r->ptr = dev_ptr;
     r->bytes = bytes;
     r->session = s;
-    cudaIpcMemHandle_t h;
-    char uuid[48];
-    uint64_t offset = 0;
-    int rc = describe(dev_ptr, bytes, r, &h, uuid, &offset, err);
+    r->device = where.device;
     Moed__V1__RegionCommand cmd = MOED__V1__REGION_COMMAND__INIT;
     Moed__V1__RegisterCudaRegion g = MOED__V1__REGISTER_CUDA_REGION__INIT;
     Moed__V1__RegionEvent *ev = NULL;
-    g.ipc_handle.data = (uint8_t *)&h;
-    g.ipc_handle.len = sizeof h;
-    g.device_uuid = uuid;
-    g.device = (uint32_t)r->device;
+    g.ipc_handle.data = where.handle;
+    g.ipc_handle.len = sizeof where.handle;
+    g.device_uuid = where.uuid;
+    g.device = (uint32_t)where.device;
     g.bytes = bytes;
-    g.offset = offset;
+    g.offset = where.offset;
     cmd.command_case = MOED__V1__REGION_COMMAND__COMMAND_REGISTER_CUDA;
     cmd.register_cuda = &g;
     pthread_mutex_lock(&s->mu);
-    if (!rc) rc = command(s, &cmd, &ev, err);
+    rc = command(s, &cmd, &ev, err);
     if (!rc && !ev->region)
         rc =
             moedc_fail(err, MOEDC_EFORMAT, "the server's answer to register_cuda lacks the region");
@@ -447,11 +392,4 @@ int moedc_region_register_cuda(moedc_session *s, void *dev_ptr, size_t bytes, mo
     }
     *out = r;
     return 0;
-#else
-    (void)s;
-    (void)dev_ptr;
-    (void)bytes;
-    return moedc_fail(err, MOEDC_EUNSUPPORTED,
-                      "this libmoedclient was built without CUDA: register a host region instead");
-#endif
 }

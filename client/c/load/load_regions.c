@@ -8,13 +8,11 @@
 #include "load_regions.h"
 
 #include "moed_dtype.h"
+#include "moedc_cuda.h"
 
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-#ifdef MOED_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
 
 #define MAX_LAYERS 64
 
@@ -33,18 +31,10 @@ int load_transport_parse(const char *s, int *transport, moed_error *err)
         *transport = LOAD_TRANSPORT_INLINE;
     else if (!strcmp(s, "shm"))
         *transport = LOAD_TRANSPORT_SHM;
-#ifdef MOED_HAVE_CUDA
     else if (!strcmp(s, "cuda"))
         *transport = LOAD_TRANSPORT_CUDA;
-#endif
     else
-        return moed_fail(err, MOED_EINVAL, "--transport %s: use inline, shm%s", s,
-#ifdef MOED_HAVE_CUDA
-                         " or cuda"
-#else
-                         " (this moed-load was built without CUDA, so not cuda)"
-#endif
-        );
+        return moed_fail(err, MOED_EINVAL, "--transport %s: use inline, shm or cuda", s);
     return 0;
 }
 
@@ -56,6 +46,37 @@ static size_t up64(size_t n)
 static int client_error(const char *what, const moedc_error *e, moed_error *err)
 {
     return moed_fail(err, e->code, "%s: %s", what, e->msg);
+}
+
+/* `bytes` of GPU 0's memory in *dev holding `n` bytes of src at its start, through the driver
+ * (moedc_cuda): moed-load links no CUDA library either. */
+static int device_alloc(const void *src, size_t n, size_t bytes, void **dev, moed_error *err)
+{
+    moedc_error e;
+    const moedc_cuda_table *cu = moedc_cuda_api(&e);
+    if (!cu || moedc_cuda_enter(cu, 0, &e)) return client_error("--transport cuda", &e, err);
+    moedc_cu_ptr p = 0;
+    int rc = cu->cuMemAlloc(&p, bytes);
+    const char *call = "cuMemAlloc";
+    if (!rc && n && (rc = cu->cuMemcpyHtoD(p, src, n))) call = "cuMemcpyHtoD";
+    if (rc && p) cu->cuMemFree(p);
+    moedc_cuda_leave(cu, 0);
+    if (rc) {
+        moedc_cuda_fail(cu, rc, call, &e);
+        return moed_fail(err, MOED_ENOMEM, "could not allocate and fill %zu bytes on GPU 0: %s",
+                         bytes, e.msg);
+    }
+    *dev = (void *)(uintptr_t)p;
+    return 0;
+}
+
+static void device_free(void *dev)
+{
+    moedc_error e;
+    const moedc_cuda_table *cu = dev ? moedc_cuda_api(&e) : NULL;
+    if (!cu || moedc_cuda_enter(cu, 0, &e)) return;
+    cu->cuMemFree((moedc_cu_ptr)(uintptr_t)dev);
+    moedc_cuda_leave(cu, 0);
 }
 
 /* A region of `bytes` holding `n` bytes of src at its start: host memory, or (cuda) device
@@ -70,19 +91,10 @@ static int place(load_regions *r, bool on_device, const void *src, size_t n, siz
         if (n) memcpy((*out)->ptr, src, n);
         return 0;
     }
-#ifdef MOED_HAVE_CUDA
-    if (cudaMalloc(dev, bytes) != cudaSuccess ||
-        (n && cudaMemcpy(*dev, src, n, cudaMemcpyHostToDevice) != cudaSuccess)) {
-        cudaGetLastError();
-        return moed_fail(err, MOED_ENOMEM, "could not allocate and fill %zu bytes on GPU 0", bytes);
-    }
-    if (moedc_region_register_cuda(r->session, *dev, bytes, out, &e))
-        return client_error("registering a CUDA region", &e, err);
-    return 0;
-#else
-    (void)dev;
-    return moed_fail(err, MOED_EUNSUPPORTED, "built without CUDA");
-#endif
+    int rc = device_alloc(src, n, bytes, dev, err);
+    if (!rc && moedc_region_register_cuda(r->session, *dev, bytes, out, &e))
+        rc = client_error("registering a CUDA region", &e, err);
+    return rc;
 }
 
 /* The routing pools, one after the other, in one host region. */
@@ -148,17 +160,15 @@ void load_regions_close(load_regions *r)
 {
     if (!r) return;
     moedc_session_close(r->session); /* frees the regions here and releases them there */
-#ifdef MOED_HAVE_CUDA
-    cudaFree(r->dev_hidden);
-    cudaFree(r->dev_out);
-#endif
+    device_free(r->dev_hidden);
+    device_free(r->dev_out);
     free(r);
 }
 
 void load_regions_refer(const load_regions *r, const load_plan *p, int layer, int64_t row, int slot,
                         moedc_request *req)
 {
-    const load_layer *l = &p->layers[layer];
+    const load_dest *l = &p->layers[layer];
     req->hidden_at = (moedc_ref){ r->hidden, (uint64_t)((size_t)req->hidden - (size_t)p->hidden) };
     req->output_at = (moedc_ref){ r->out, (uint64_t)slot * r->stride };
     if (req->routing == MOEDC_ROUTE_EXPERTS && req->expert_ids == l->ids + row * l->cols) {
@@ -180,11 +190,13 @@ void *load_regions_copy_output(const load_regions *r, const moedc_result *res)
         memcpy(copy, res->output, res->output_bytes);
         return copy;
     }
-#ifdef MOED_HAVE_CUDA
-    if (cudaMemcpy(copy, res->output, res->output_bytes, cudaMemcpyDeviceToHost) == cudaSuccess)
-        return copy;
-    cudaGetLastError();
-#endif
+    moedc_error e;
+    const moedc_cuda_table *cu = moedc_cuda_api(&e);
+    if (cu && !moedc_cuda_enter(cu, 0, &e)) {
+        int rc = cu->cuMemcpyDtoH(copy, (moedc_cu_ptr)(uintptr_t)res->output, res->output_bytes);
+        moedc_cuda_leave(cu, 0);
+        if (!rc) return copy;
+    }
     free(copy);
     return NULL;
 }

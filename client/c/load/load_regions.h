@@ -19,8 +19,9 @@
 
 enum { LOAD_TRANSPORT_INLINE = 0, LOAD_TRANSPORT_SHM = 1, LOAD_TRANSPORT_CUDA = 2 };
 
-/* "inline", "shm" or "cuda" into *transport; MOED_EINVAL names the choices (cuda only when built
- * with CUDA). */
+/* "inline", "shm" or "cuda" into *transport; MOED_EINVAL names the choices. cuda needs the CUDA
+ * driver, found at run time (moedc_cuda.h): without one, load_regions_open fails with
+ * MOED_EUNSUPPORTED and says so. */
 int load_transport_parse(const char *s, int *transport, moed_error *err);
 
 /* Registers the plan's pools (hidden, and the routing ones) and `slots` output slots of up to

@@ -96,7 +96,7 @@ typedef struct worker {
 /* ---- starting a call ---- */
 
 /* The route of a deliberately bad request: valid ids but one, which is n_experts (out of range). */
-static void bad_route(worker *w, const load_layer *l, int64_t T, moedc_request *req)
+static void bad_route(worker *w, const load_dest *l, int64_t T, moedc_request *req)
 {
     const int E = l->info.n_experts, k = l->info.top_k;
     for (int64_t t = 0; t < T; t++)
@@ -115,7 +115,7 @@ static void bad_route(worker *w, const load_layer *l, int64_t T, moedc_request *
 static void build_request(worker *w, call_slot *s, int64_t T, int64_t row)
 {
     const load_plan *p = w->p;
-    const load_layer *l = &p->layers[s->layer];
+    const load_dest *l = &p->layers[s->layer];
     const int d = l->info.d_model, E = l->info.n_experts;
     const size_t es = moed_dtype_size(p->dtype);
     moedc_request *r = &s->req;

@@ -27,13 +27,13 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-/* A layer the run sends to, with its pool of client routes. */
-typedef struct load_layer {
+/* A destination of the run: a layer it sends to, with its pool of client routes. */
+typedef struct load_dest {
     moed_layer_info info;
     int cols;       /* columns of a client route (MOEDC_ROUTE_EXPERTS) */
     int32_t *ids;   /* [pool_rows, cols], or NULL when the server routes */
     float *weights; /* [pool_rows, cols] */
-} load_layer;
+} load_dest;
 
 /* The pools and outputs in tensor regions (load_regions.h); NULL: every tensor inline. */
 typedef struct load_regions load_regions;
@@ -42,7 +42,7 @@ typedef struct load_plan {
     moedc *const *conns;
     int n_conns;
     int threads;
-    const load_layer *layers; /* requests go to them round-robin */
+    const load_dest *layers; /* requests go to them round-robin */
     int n_layers;
     /* Pools the requests take windows of rows from (never written during the run): hidden is
      * [pool_rows, d] for a layer of d_model d, logits [pool_rows, E] for one of E experts. */

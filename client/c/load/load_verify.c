@@ -1,13 +1,14 @@
 /*
  * load_verify — the reference check of moed-load's --verify (load_verify.h states the contract).
  *
- * The reference is moed_core's own CPU backend and gating code on weights rebuilt from the
- * synthetic spec, so it follows the protocol's definitions exactly; a CPU server must agree with
- * it to rounding, a CUDA server to its compute type. One thread with one backend slot does the
- * work: the point is to catch wrong, lost or swapped rows under load, not to keep up with it.
+ * The reference is the CPU backend (moed_cpu) and the gating code of common/ on weights rebuilt
+ * from the synthetic spec, so it follows the protocol's definitions exactly; a CPU server must
+ * agree with it to rounding, a CUDA server to its compute type. One thread with one backend slot
+ * does the work: the point is to catch wrong, lost or swapped rows under load, not to keep up with
+ * it.
  */
 #include "load_verify.h"
-#include "moed_backend.h"
+#include "cpu_backend.h"
 #include "moed_dtype.h"
 
 #include <math.h>
@@ -317,7 +318,7 @@ int load_verify_open(const moed_synth_spec *spec, const moed_layer_info *served,
     v->layers = calloc((size_t)n, sizeof *v->layers);
     if (!v->layers) goto nomem;
     moed_backend_config cfg = { .threads = 1, .max_tokens = max_tokens };
-    rc = moed_backend_open("cpu", &cfg, &v->cpu, err);
+    rc = moed_backend_cpu_open(&cfg, &v->cpu, err);
     if (rc) goto err;
     for (int i = 0; i < n; i++) {
         if (served[i].index < 0 || served[i].index >= spec->layers) {

@@ -1,6 +1,6 @@
 /*
- * load_verify — moed-load's --verify: recompute a sample of replies with the CPU backend of
- * moed_core on the same synthetic weights, and count those that differ.
+ * load_verify — moed-load's --verify: recompute a sample of replies with the CPU backend
+ * (moed_cpu) on the same synthetic weights, and count those that differ.
  *
  * The check runs on a thread of its own so it never holds up the calls being measured: workers
  * offer replies (load_verify_offer), and the verifier takes them while fewer than the level's

@@ -12,7 +12,7 @@
  * verified reply matched; 1 otherwise (or the server could not be reached); 2 bad usage.
  */
 #include "cli_common.h"
-#include "cli_opt.h"
+#include "moed_opt.h"
 #include "load_gen.h"
 #include "load_metrics.h"
 #include "load_regions.h"
@@ -32,7 +32,7 @@
 #include <string.h>
 #include <unistd.h>
 
-enum { EXIT_FAILED = 1 }; /* and CLI_EXIT_USAGE for the command line */
+enum { EXIT_FAILED = 1 }; /* and MOED_OPT_EXIT_USAGE for the command line */
 
 typedef struct args {
     cli_conn conn;
@@ -41,7 +41,7 @@ typedef struct args {
     const char *metrics, *metrics_token_file;
     char *metrics_token;
     double duration_s, warmup_s, deadline_ms, bad_fraction;
-    long long requests, verify, seed, connections, threads, max_inflight, top_k, k_batch;
+    int64_t requests, verify, seed, connections, threads, max_inflight, top_k, k_batch;
     int strategy;
     int progress; /* -1: when stderr is a terminal */
     bool batch_gating;
@@ -50,92 +50,96 @@ typedef struct args {
 
 #define F(member) offsetof(args, member)
 
-static const cli_opt options[] = {
-    CLI_SECTION_ROW("target:", NULL),
+static const moed_opt options[] = {
+    MOED_OPT_SECTION_ROW("target:", NULL),
     CLI_CONN_OPTS(args),
-    CLI_STR_OPT("layer", F(layer), "N", NULL, NULL,
-                "the layer to call (default: the first the server holds)"),
-    CLI_STR_OPT("layers", F(layers), "LIST", NULL, NULL,
-                "layers to call round-robin, e.g. 0,1,3 (repeats weight a layer)"),
-    CLI_STR_OPT("dtype", F(dtype), "T", NULL, NULL,
-                "f32, f16 or bf16 activations (default: the layer's weight dtype)"),
-    CLI_NUM_OPT("deadline", F(deadline_ms), "MS", 1e-3, 1e9, NULL, "give milliseconds > 0", NULL,
-                "deadline of each call in milliseconds (default: none)"),
-    CLI_SECTION_ROW("load (one of; a sweep a:b:step runs one level per value, each with its own "
-                    "report):",
-                    NULL),
-    CLI_STR_OPT("concurrency", F(concurrency), "N", "1", NULL,
-                "closed loop: N calls in flight, or a sweep 1:16:4"),
-    CLI_STR_OPT("rate", F(rate), "R", NULL, NULL,
-                "open loop: R requests per second, or a sweep 100:1000:100"),
-    CLI_STR_OPT("arrival", F(arrival), "A", "constant", NULL,
-                "open loop arrivals: constant or poisson"),
-    CLI_INT_OPT("max-inflight", F(max_inflight), "N", 1, 1 << 20, "4096", "give 1 to 1048576", NULL,
-                "open loop: the most calls in flight"),
-    CLI_SECTION_ROW("how long (per level):", NULL),
-    CLI_NUM_OPT("duration", F(duration_s), "S", 1e-3, 1e7, "10", "give seconds > 0", NULL,
-                "measure for S seconds"),
-    CLI_INT_OPT("requests", F(requests), "N", 1, 1LL << 50, NULL, "give a count >= 1", NULL,
-                "measure N requests instead"),
-    CLI_NUM_OPT("warmup", F(warmup_s), "S", 0, 1e7, "1", "give seconds >= 0", NULL,
-                "seconds of load before measuring, not counted"),
-    CLI_SECTION_ROW("requests:", NULL),
-    CLI_STR_OPT("tokens", F(tokens), "SPEC", "8", NULL,
-                "tokens per request: 8, or a range 4:64 drawn uniformly"),
-    CLI_STR_OPT("tokens-file", F(tokens_file), "F", NULL, NULL,
-                "token counts sampled from F, one integer per line"),
-    CLI_STR_OPT("routing", F(routing), "R", "uniform", NULL,
-                "uniform | zipf:S | one: expert choice from the client, top_k of the\n"
-                "layer (zipf: P(e) ~ 1/(e+1)^S; one: every token on expert 0);\n"
-                "logits: random router logits, gated by the server;\n"
-                "server: the layer's router on the server"),
-    CLI_CUSTOM_OPT("strategy", F(strategy), "S", cli_parse_strategy, NULL,
-                   "use model, topk, sigmoid, sparsemax, quadratic or pioneer", NULL,
-                   "gating for logits/server: model (default), topk, sigmoid, sparsemax,\n"
-                   "quadratic, pioneer"),
-    CLI_INT_OPT("top-k", F(top_k), "K", 0, 65535, NULL, "give a count >= 0", NULL,
-                "experts per token for topk/quadratic/pioneer (0: the layer's)"),
-    CLI_INT_OPT("batch-gating", F(k_batch), "K", 0, 65535, NULL, "give a set size >= 0", NULL,
-                "batch-level dynamic gating with a set of K experts (logits/server;\n"
-                "0: the layer's top_k)"),
-    CLI_NUM_OPT("bad-fraction", F(bad_fraction), "P", 0, 1, NULL, "give a share in [0, 1]", NULL,
-                "send that share of requests with an out-of-range expert id; they\n"
-                "must fail INVALID_ARGUMENT and count as expected errors"),
-    CLI_INT_OPT("seed", F(seed), "S", 0, 1LL << 62, "1", "give an integer >= 0", NULL,
-                "random seed"),
-    CLI_SECTION_ROW("checking:", NULL),
-    CLI_INT_OPT("verify", F(verify), "N", 1, 1LL << 50, NULL, "give a count of replies >= 1", NULL,
-                "check N replies per level against moed's own CPU backend (linked\n"
-                "in) on the same synthetic weights (the server must serve\n"
-                "--synthetic); a mistake the server shares with that backend\n"
-                "passes unseen"),
-    CLI_STR_OPT("synthetic", F(synthetic), "SPEC", NULL, NULL,
-                "the server's spec, checked against what it reports (default: taken\n"
-                "from the server)"),
-    CLI_STR_OPT("metrics", F(metrics), "ADDRS", NULL, NULL,
-                "the daemons' metrics endpoints (--metrics-listen), comma-separated:\n"
-                "report tokens per expert as they counted them (any routing)"),
-    CLI_STR_OPT("metrics-token-file", F(metrics_token_file), "FILE", NULL, NULL,
-                "the bearer token of their /metrics (--metrics-token-file)"),
-    CLI_SECTION_ROW("transport:", NULL),
-    CLI_INT_OPT("connections", F(connections), "C", 1, 1024, "1", "give 1 to 1024", NULL,
-                "TCP connections to spread the calls over"),
-    CLI_INT_OPT("threads", F(threads), "W", 1, 256, "1", "give 1 to 256", NULL,
-                "worker threads, each with its own completion queue"),
-    CLI_STR_OPT("transport", F(transport), "T", "inline", NULL,
-                "how tensors travel: inline (in the messages), shm (shared-memory\n"
-                "regions: the server's host only), cuda (GPU memory of this process,\n"
-                "by CUDA IPC; builds with CUDA)"),
-    CLI_SECTION_ROW("output:", NULL),
-    CLI_STR_OPT("json", F(json), "FILE", NULL, NULL, "the report as JSON (one object per level)"),
-    CLI_STR_OPT("csv", F(csv), "FILE", NULL, NULL, "one row per level"),
-    CLI_FLAG_OPT("progress", F(progress), 1, NULL,
-                 "the live progress line even when stderr is not a terminal"),
-    CLI_FLAG_OPT("no-progress", F(progress), 0, NULL, "never the progress line"),
-    CLI_HELP_OPT("this text"),
+    MOED_OPT_STR_ROW("layer", F(layer), "N", NULL, NULL,
+                     "the layer to call (default: the first the server holds)"),
+    MOED_OPT_STR_ROW("layers", F(layers), "LIST", NULL, NULL,
+                     "layers to call round-robin, e.g. 0,1,3 (repeats weight a layer)"),
+    MOED_OPT_STR_ROW("dtype", F(dtype), "T", NULL, NULL,
+                     "f32, f16 or bf16 activations (default: the layer's weight dtype)"),
+    MOED_OPT_NUM_ROW("deadline", F(deadline_ms), "MS", 1e-3, 1e9, NULL, "give milliseconds > 0",
+                     NULL, "deadline of each call in milliseconds (default: none)"),
+    MOED_OPT_SECTION_ROW(
+        "load (one of; a sweep a:b:step runs one level per value, each with its own "
+        "report):",
+        NULL),
+    MOED_OPT_STR_ROW("concurrency", F(concurrency), "N", "1", NULL,
+                     "closed loop: N calls in flight, or a sweep 1:16:4"),
+    MOED_OPT_STR_ROW("rate", F(rate), "R", NULL, NULL,
+                     "open loop: R requests per second, or a sweep 100:1000:100"),
+    MOED_OPT_STR_ROW("arrival", F(arrival), "A", "constant", NULL,
+                     "open loop arrivals: constant or poisson"),
+    MOED_OPT_I64_ROW("max-inflight", F(max_inflight), "N", 1, 1 << 20, "4096", "give 1 to 1048576",
+                     NULL, "open loop: the most calls in flight"),
+    MOED_OPT_SECTION_ROW("how long (per level):", NULL),
+    MOED_OPT_NUM_ROW("duration", F(duration_s), "S", 1e-3, 1e7, "10", "give seconds > 0", NULL,
+                     "measure for S seconds"),
+    MOED_OPT_I64_ROW("requests", F(requests), "N", 1, 1LL << 50, NULL, "give a count >= 1", NULL,
+                     "measure N requests instead"),
+    MOED_OPT_NUM_ROW("warmup", F(warmup_s), "S", 0, 1e7, "1", "give seconds >= 0", NULL,
+                     "seconds of load before measuring, not counted"),
+    MOED_OPT_SECTION_ROW("requests:", NULL),
+    MOED_OPT_STR_ROW("tokens", F(tokens), "SPEC", "8", NULL,
+                     "tokens per request: 8, or a range 4:64 drawn uniformly"),
+    MOED_OPT_STR_ROW("tokens-file", F(tokens_file), "F", NULL, NULL,
+                     "token counts sampled from F, one integer per line"),
+    MOED_OPT_STR_ROW("routing", F(routing), "R", "uniform", NULL,
+                     "uniform | zipf:S | one: expert choice from the client, top_k of the\n"
+                     "layer (zipf: P(e) ~ 1/(e+1)^S; one: every token on expert 0);\n"
+                     "logits: random router logits, gated by the server;\n"
+                     "server: the layer's router on the server"),
+    MOED_OPT_CUSTOM_ROW("strategy", F(strategy), "S", cli_parse_strategy, NULL,
+                        "use model, topk, sigmoid, sparsemax, quadratic or pioneer", NULL,
+                        "gating for logits/server: model (default), topk, sigmoid, sparsemax,\n"
+                        "quadratic, pioneer"),
+    MOED_OPT_I64_ROW("top-k", F(top_k), "K", 0, 65535, NULL, "give a count >= 0", NULL,
+                     "experts per token for topk/quadratic/pioneer (0: the layer's)"),
+    MOED_OPT_I64_ROW("batch-gating", F(k_batch), "K", 0, 65535, NULL, "give a set size >= 0", NULL,
+                     "batch-level dynamic gating with a set of K experts (logits/server;\n"
+                     "0: the layer's top_k)"),
+    MOED_OPT_NUM_ROW("bad-fraction", F(bad_fraction), "P", 0, 1, NULL, "give a share in [0, 1]",
+                     NULL,
+                     "send that share of requests with an out-of-range expert id; they\n"
+                     "must fail INVALID_ARGUMENT and count as expected errors"),
+    MOED_OPT_I64_ROW("seed", F(seed), "S", 0, 1LL << 62, "1", "give an integer >= 0", NULL,
+                     "random seed"),
+    MOED_OPT_SECTION_ROW("checking:", NULL),
+    MOED_OPT_I64_ROW("verify", F(verify), "N", 1, 1LL << 50, NULL, "give a count of replies >= 1",
+                     NULL,
+                     "check N replies per level against moed's own CPU backend (linked\n"
+                     "in) on the same synthetic weights (the server must serve\n"
+                     "--synthetic); a mistake the server shares with that backend\n"
+                     "passes unseen"),
+    MOED_OPT_STR_ROW("synthetic", F(synthetic), "SPEC", NULL, NULL,
+                     "the server's spec, checked against what it reports (default: taken\n"
+                     "from the server)"),
+    MOED_OPT_STR_ROW("metrics", F(metrics), "ADDRS", NULL, NULL,
+                     "the daemons' metrics endpoints (--metrics-listen), comma-separated:\n"
+                     "report tokens per expert as they counted them (any routing)"),
+    MOED_OPT_STR_ROW("metrics-token-file", F(metrics_token_file), "FILE", NULL, NULL,
+                     "the bearer token of their /metrics (--metrics-token-file)"),
+    MOED_OPT_SECTION_ROW("transport:", NULL),
+    MOED_OPT_I64_ROW("connections", F(connections), "C", 1, 1024, "1", "give 1 to 1024", NULL,
+                     "TCP connections to spread the calls over"),
+    MOED_OPT_I64_ROW("threads", F(threads), "W", 1, 256, "1", "give 1 to 256", NULL,
+                     "worker threads, each with its own completion queue"),
+    MOED_OPT_STR_ROW("transport", F(transport), "T", "inline", NULL,
+                     "how tensors travel: inline (in the messages), shm (shared-memory\n"
+                     "regions: the server's host only), cuda (GPU memory of this process,\n"
+                     "by CUDA IPC; builds with CUDA)"),
+    MOED_OPT_SECTION_ROW("output:", NULL),
+    MOED_OPT_STR_ROW("json", F(json), "FILE", NULL, NULL,
+                     "the report as JSON (one object per level)"),
+    MOED_OPT_STR_ROW("csv", F(csv), "FILE", NULL, NULL, "one row per level"),
+    MOED_OPT_FLAG_ROW("progress", F(progress), 1, NULL,
+                      "the live progress line even when stderr is not a terminal"),
+    MOED_OPT_FLAG_ROW("no-progress", F(progress), 0, NULL, "never the progress line"),
+    MOED_OPT_HELP_ROW("this text"),
 };
 
-static const cli_cmd tool = {
+static const moed_opt_cmd tool = {
     .head = "usage: moed-load [options]\n"
             "\n"
             "Loads a moed daemon with Forward calls and reports rates, errors and latencies.\n",
@@ -145,7 +149,7 @@ static const cli_cmd tool = {
             "usage\n",
 };
 
-static const cli_spec command_line = CLI_TOOL_SPEC("moed-load", options, tool);
+static const moed_opt_spec command_line = MOED_OPT_TOOL_SPEC("moed-load", options, tool);
 
 static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
@@ -157,7 +161,7 @@ static int usage_error(const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    return cli_usage_error(&command_line, "%s", msg);
+    return moed_opt_usage(&command_line, "%s", msg);
 }
 
 static int failure(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -175,9 +179,9 @@ static int failure(const char *fmt, ...)
 }
 
 /* Options that exclude or need each other. */
-static int check_combinations(const args *a, const cli_parsed *p)
+static int check_combinations(const args *a, const moed_opt_parsed *p)
 {
-#define GIVEN(name) cli_given(&command_line, p, name)
+#define GIVEN(name) moed_opt_given(&command_line, p, name)
     if (a->layer && a->layers) return usage_error("give --layer or --layers, not both");
     if (GIVEN("concurrency") && a->rate)
         return usage_error("give --concurrency (closed loop) or --rate (open loop), not both");
@@ -200,9 +204,9 @@ static bool parse_args(int argc, char **argv, args *a, int *rc)
 {
     memset(a, 0, sizeof *a);
     a->progress = -1;
-    cli_parsed p;
-    if (!cli_parse(&command_line, argc, argv, a, &p, rc)) return false;
-    a->batch_gating = cli_given(&command_line, &p, "batch-gating");
+    moed_opt_parsed p;
+    if (!moed_opt_parse(&command_line, argc, argv, a, &p, rc)) return false;
+    a->batch_gating = moed_opt_given(&command_line, &p, "batch-gating");
     a->gating = (moedc_gating){ .strategy = a->strategy, .top_k = (int)a->top_k };
     *rc = check_combinations(a, &p);
     return !*rc;
@@ -225,7 +229,7 @@ typedef struct run {
     int n_conns;
     moedc_model_info info;
     bool have_info;
-    load_layer *layers;
+    load_dest *layers;
     void *hidden;
     float *logits;
     int64_t pool_rows;
@@ -426,7 +430,7 @@ static int fill_pools(run *r)
     }
     if (r->routing.kind > LOAD_ROUTE_ONE) return 0;
     for (int i = 0; i < r->n_layer_list; i++) {
-        load_layer *l = &r->layers[i];
+        load_dest *l = &r->layers[i];
         size_t m = (size_t)r->pool_rows * (size_t)l->cols;
         l->ids = malloc(m * sizeof *l->ids);
         l->weights = malloc(m * sizeof *l->weights);

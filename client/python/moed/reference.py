@@ -1,13 +1,13 @@
 """An independent float64 numpy reference for what a moed server computes.
 
-Written from the written definitions (proto/moed/v1/moed.proto and kernels/core/moed_synth.h), not
+Written from the written definitions (proto/moed/v1/moed.proto and common/moed_synth.h), not
 from the C code, so that tests comparing the server with it check the C code against the definition
 rather than against itself. Three parts:
 
 * synthetic_weights(spec, layer): the seeded generator of `moed --synthetic SPEC`, bit for bit,
   vectorised with uint64 numpy arithmetic. The arrays hold the stored values (after rounding to the
   layer's weight dtype; for dtype=fp8 the dequantized weights, e4m3 code times block scale) as
-  float64. quantize_fp8 and dequantize_fp8 are the block-scaled FP8 rule of kernels/core/moed_fp8.h
+  float64. quantize_fp8 and dequantize_fp8 are the block-scaled FP8 rule of common/moed_fp8.h
   (`--weights fp8`), with ml_dtypes.float8_e4m3fn.
 * gate(...) and batch_gate(...): router logits -> a route, one (expert ids, weights) pair of arrays
   per token, experts in the order the server sums them (decreasing score, ties to the lower index).
@@ -31,7 +31,7 @@ from .types import ACTIVATIONS, STRATEGIES, LayerInfo, dtype_name, strategy_valu
 
 Route = List[Tuple[np.ndarray, np.ndarray]]  # per token: (int32 expert ids, float64 weights)
 
-# Tensor ids of kernels/core/moed_synth.h.
+# Tensor ids of common/moed_synth.h.
 W1, W3, W2, ROUTER, SHARED_W1, SHARED_W3, SHARED_W2, BIAS = range(8)
 
 _M64 = (1 << 64) - 1
@@ -81,7 +81,7 @@ FP8_MAX = 448.0
 
 
 def quantize_fp8(values) -> Tuple[np.ndarray, np.ndarray]:
-    """A [rows, cols] matrix to block-scaled FP8 (kernels/core/moed_fp8.h): per 128 x 128 block,
+    """A [rows, cols] matrix to block-scaled FP8 (common/moed_fp8.h): per 128 x 128 block,
     scale = amax / 448 in float32 (1 where that is 0), codes = the float32 quotients rounded to
     nearest-even e4m3, saturating at +-448. Returns (codes as ml_dtypes.float8_e4m3fn [rows, cols],
     scales float32 [ceil(rows/128), ceil(cols/128)]). ValueError for NaN or infinity."""

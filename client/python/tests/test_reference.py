@@ -14,7 +14,7 @@ from moed.types import LayerInfo
 M64 = (1 << 64) - 1
 
 
-# --- a scalar, pure-Python transcription of kernels/core/moed_synth.h -------------------------
+# --- a scalar, pure-Python transcription of common/moed_synth.h -------------------------
 
 def splitmix64_scalar(x):
     z = (x + 0x9E3779B97F4A7C15) & M64
@@ -281,7 +281,7 @@ def test_router_logits_follow_the_models_rounding():
                           ref.router_logits(x.astype(ml_dtypes.bfloat16), soft))
 
 
-# --- block-scaled FP8 (kernels/core/moed_fp8.h) --------------------------------------------------
+# --- block-scaled FP8 (common/moed_fp8.h) --------------------------------------------------
 
 def test_quantize_fp8_follows_the_rule():
     rng = np.random.default_rng(5)

@@ -1,10 +1,10 @@
-"""Benchmarks through the daemon on loopback, on the GPU machine (tests/gpu/run-on-gpu.sh e2e|merge).
+"""Benchmarks through the daemon on loopback, on the GPU machine (tools/gpu/run-on-gpu.sh e2e|merge).
 
-transport (the CUDA issue): the mixtral shape at T = 8, 128, 2048 with 1 and 8 concurrent callers,
+transport (the CUDA backend through gRPC): the mixtral shape at T = 8, 128, 2048 with 1 and 8 concurrent callers,
 merging off (--max-batch-tokens T: one request per launch), beside the kernel-only time of the same T
 from moe-bench (graph-replayed where the backend replays graphs). Tokens/s, p50/p99 latency.
 
-merging (the batching issue): the mixtral shape, T = 8 per request, 1 / 8 / 32 / 64 callers, with
+merging (requests merged into launches): the mixtral shape, T = 8 per request, 1 / 8 / 32 / 64 callers, with
 merging off, merging on, and merging on with batch-level gating.
 
 multi (expert parallelism, on two GPUs): DeepSeek-V3's layer (d 7168, ff 2048, 256 experts, top-8,

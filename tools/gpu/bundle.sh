@@ -2,9 +2,10 @@
 # Builds moed with CUDA here and assembles .gpu/ for the GPU machine, which has the CUDA driver and
 # toolkit but none of our C libraries and no package registry: the binaries, the shared libraries
 # they need that it lacks, and the Python client. The device tool carries .gpu/ (git-ignored) with
-# the working tree, 64 MiB in all: every program holds the kernels' fatbin (about 7 MiB), so the
-# bundle is one gzipped archive, .gpu/bundle.tgz (about 27 MB), which tests/gpu/run-on-gpu.sh
-# unpacks there before it runs.
+# the working tree, 64 MiB in all: the daemon, the benchmarks and the GPU tests each hold the
+# kernels' fatbin (about 11 MB; moectl and moed-load hold none), so the bundle is one gzipped
+# archive, .gpu/bundle.tgz (about 36 MB), which tools/gpu/run-on-gpu.sh unpacks there before it
+# runs.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -27,8 +28,8 @@ cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DMOED_BUILD_TESTS=ON >/dev/n
 cmake --build build-gpu -j2
 rm -rf .gpu
 mkdir -p .gpu/bin .gpu/lib .gpu/py
-cp build-gpu/server/moed build-gpu/client/c/moectl build-gpu/kernels/cuda/moe-bench \
-   build-gpu/kernels/cuda/moe-split-bench build-gpu/tests/gpu/test_cuda_backend build-gpu/tests/gpu/test_cuda_parts \
+cp build-gpu/server/moed build-gpu/client/c/moectl build-gpu/bench/moe-bench \
+   build-gpu/bench/moe-split-bench build-gpu/tests/gpu/test_cuda_backend build-gpu/tests/gpu/test_cuda_parts \
    build-gpu/tests/gpu/test_ipc build-gpu/tests/gpu/test_split build-gpu/tests/gpu/test_dev_route \
    build-gpu/tests/gpu/test_route_pack .gpu/bin/
 [ -x build-gpu/client/c/moed-load ] && cp build-gpu/client/c/moed-load .gpu/bin/

@@ -4,7 +4,7 @@
  * through the CUDA backend as the daemon drives it (x from pinned host memory, y back to it), and
  * the peer bandwidth between the first two GPUs beside it, in the same run.
  *
- * The command line is one cli_opt table (`moe-split-bench --help` prints it).
+ * The command line is one moed_opt table (`moe-split-bench --help` prints it).
  *
  * The layer is the synthetic SPEC (default: DeepSeek-V3's shape, d 7168, ff 2048, 256 experts,
  * top-8, one shared expert of 2048), routed uniformly (8 distinct experts a token). For each T: the
@@ -15,8 +15,8 @@
  * where the GPUs allow it; "staged" where not, the driver copying through the host), beside a copy
  * within the first GPU. Prints a markdown table; --json writes the figures.
  */
-#include "cli_opt.h"
-#include "moed_backend.h"
+#include "moed_opt.h"
+#include "cuda_backend.h"
 #include "moed_dtype.h"
 #include "moed_route.h"
 #include "moed_synth.h"
@@ -40,21 +40,22 @@ typedef struct args {
 } args;
 
 #define F(x) offsetof(args, x)
-static const cli_opt options[] = {
-    CLI_STR_OPT("spec", F(spec), "SPEC", DSV3, NULL,
-                "the synthetic layer (moed --synthetic's syntax); the default is DeepSeek-V3's\n"
-                "shape with one shared expert"),
-    CLI_STR_OPT("tokens", F(tokens), "LIST", "8,4096", NULL, "batch sizes T, at most 16"),
-    CLI_STR_OPT("devices", F(devices), "LIST", "0,1", NULL,
-                "GPUs: the layer whole on the first, split over all (two or more)"),
-    CLI_NUM_OPT("min-ms", F(min_ms), "MS", 1e-3, 1e7, "300", "give milliseconds > 0", NULL,
-                "time each figure for at least MS milliseconds"),
-    CLI_STR_OPT("json", F(json), "FILE", NULL, NULL, "write the figures here"),
-    CLI_HELP_OPT("this text"),
+static const moed_opt options[] = {
+    MOED_OPT_STR_ROW(
+        "spec", F(spec), "SPEC", DSV3, NULL,
+        "the synthetic layer (moed --synthetic's syntax); the default is DeepSeek-V3's\n"
+        "shape with one shared expert"),
+    MOED_OPT_STR_ROW("tokens", F(tokens), "LIST", "8,4096", NULL, "batch sizes T, at most 16"),
+    MOED_OPT_STR_ROW("devices", F(devices), "LIST", "0,1", NULL,
+                     "GPUs: the layer whole on the first, split over all (two or more)"),
+    MOED_OPT_NUM_ROW("min-ms", F(min_ms), "MS", 1e-3, 1e7, "300", "give milliseconds > 0", NULL,
+                     "time each figure for at least MS milliseconds"),
+    MOED_OPT_STR_ROW("json", F(json), "FILE", NULL, NULL, "write the figures here"),
+    MOED_OPT_HELP_ROW("this text"),
 };
 #undef F
 
-static const cli_cmd tool = {
+static const moed_opt_cmd tool = {
     .head = "usage: moe-split-bench [options]\n"
             "\n"
             "A layer whole on one GPU against the same layer split over several, through the\n"
@@ -62,7 +63,7 @@ static const cli_cmd tool = {
     .tail = "exit codes: 0 done; 1 a run failed; 2 bad usage; 77 too few GPUs here\n",
 };
 
-static const cli_spec command_line = CLI_TOOL_SPEC("moe-split-bench", options, tool);
+static const moed_opt_spec command_line = MOED_OPT_TOOL_SPEC("moe-split-bench", options, tool);
 
 static double now_ms(void)
 {
@@ -199,7 +200,7 @@ static moed_backend *open_on(const moed_layer *l, const int *dev, int n, int64_t
     };
     moed_backend *b = NULL;
     moed_error err;
-    int rc = moed_backend_open("cuda", &cfg, &b, &err);
+    int rc = moed_backend_cuda_open(&cfg, &b, &err);
     if (!rc) rc = moed_backend_load_layer(b, 0, l, &err);
     if (!rc) rc = moed_backend_start(b, &err);
     if (rc) {
@@ -338,16 +339,16 @@ static void report(const args *a, const int *dev, int n, const row *rows, int nr
 int main(int argc, char **argv)
 {
     args a = { 0 };
-    cli_parsed parsed;
+    moed_opt_parsed parsed;
     int rc, dev[16], n = 0, count = 0;
-    if (!cli_parse(&command_line, argc, argv, &a, &parsed, &rc)) return rc;
+    if (!moed_opt_parse(&command_line, argc, argv, &a, &parsed, &rc)) return rc;
     for (const char *p = a.devices; n < 16 && *p; p += strcspn(p, ","), p += *p == ',')
         dev[n++] = atoi(p);
-    if (n < 2) return cli_usage_error(&command_line, "--devices needs two or more entries");
+    if (n < 2) return moed_opt_usage(&command_line, "--devices needs two or more entries");
     moed_synth_spec spec;
     moed_error err;
     if (moed_synth_parse(a.spec, &spec, &err))
-        return cli_usage_error(&command_line, "--spec: %s", err.msg);
+        return moed_opt_usage(&command_line, "--spec: %s", err.msg);
     if (cudaGetDeviceCount(&count) != cudaSuccess || count < 1) {
         fprintf(stderr, "moe-split-bench: no CUDA device: skipped\n");
         return 77;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Packs the peer the benchmark measures moed against beside torch._grouped_mm — SonicMoE
-# (kernels/cuda/bench/sonic_ref.py) — for the GPU machine, which has torch, triton, einops, numpy
+# (bench/kernels/sonic_ref.py) — for the GPU machine, which has torch, triton, einops, numpy
 # and cuda-bindings but no SonicMoE and no internet. Run here (where PyPI answers), in the top of the
 # tree: downloads the wheels SonicMoE needs beyond what the GPU machine has, for its Python 3.12 on
 # x86-64, unpacks them into one site folder, drops what a forward pass never loads, and packs it as

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine, over a copy of the tree with .gpu/ carried (tests/gpu/bundle.sh builds it):
+# Runs on the GPU machine, over a copy of the tree with .gpu/ carried (tools/gpu/bundle.sh builds it):
 # the stages named as arguments, in order, each logging to $OUT.
 #   tests     the CUDA-vs-CPU suite (tests/gpu/test_cuda_backend), every case
 #   sanitize  compute-sanitizer memcheck and racecheck on the quick cases
 #   bench     the kernel benchmark (moe-bench) and the torch._grouped_mm reference, same run, and the
-#             merged table (kernels/cuda/bench/report.py)
+#             merged table (bench/kernels/report.py)
 #   sonic     SonicMoE (the fastest published MoE forward on Hopper) alone, for a call that carries
-#             .whl (tests/gpu/peer-wheels.sh) and not .gpu, the two being over the device tool's size
-#             limit together: kernels/cuda/bench/sonic_ref.py on the standard shapes and MODEL_SHAPES
+#             .whl (tools/gpu/peer-wheels.sh) and not .gpu, the two being over the device tool's size
+#             limit together: bench/kernels/sonic_ref.py on the standard shapes and MODEL_SHAPES
 #             at T = 8 .. 16384, its JSON in sonic.json (for peers' SONIC_JSON); it leaves the unpacked
 #             site and QuACK's compiled kernels and tunings on the machine for a peers call that follows
-#   peers     moed beside torch._grouped_mm and SonicMoE (issue 16): moe-bench on the standard shapes
+#   peers     moed beside torch._grouped_mm and SonicMoE: moe-bench on the standard shapes
 #             and the real models' layers (MODEL_SHAPES) at T = 8 .. 16384 (graph-replayed at T <= 64),
 #             torch_ref.py and sonic_ref.py on the same, and report.py's table and targets in peers.md
 #             (one short line a row on stdout). SonicMoE's rows come from sonic_ref.py here where its
@@ -18,30 +18,30 @@
 #             from SONIC_JSON where that names a file (an earlier sonic call's), else they say why not.
 #             (On an H200: the sonic stage 5 minutes, QuACK compiling and tuning; peers with
 #             SONIC_JSON about a minute.)
-#   e2e       the daemon benchmark on loopback (tests/gpu/bench_daemon.py), transport suite
+#   e2e       the daemon benchmark on loopback (bench/daemon/bench_daemon.py), transport suite
 #   merge     the same, merging suite (merging off / on / batch gating at T=8)
 #   pytest    end-to-end tests through a CUDA daemon: every dtype, activation and gating against
 #             numpy token by token, merged requests bit-identical to the same requests alone,
 #             batch gating across merged callers; MOED_TEST_COMPUTE makes every daemon prove it
 #             serves on the cuda backend (tests/e2e/conftest.py)
-#   fp8       FP8 weights (issue 13): the suite's FP8 cases (every shape class on the FP8 Tensor
+#   fp8       FP8 weights: the suite's FP8 cases (every shape class on the FP8 Tensor
 #             Cores and on the portable path, against the CPU; FP8 against bf16 on one model),
 #             compute-sanitizer memcheck and racecheck on the quick FP8 cases
 #   fp8-bench moe-bench with bf16 and FP8 weights side by side (standard shapes, T = 8 .. 16384,
 #             graph-replayed small batches, two padded --shape ones) with both matmul ceilings
-#   dataplane tensor regions (issue 11): the backend's parts against inline (test_cuda_parts), CUDA
+#   dataplane tensor regions: the backend's parts against inline (test_cuda_parts), CUDA
 #             IPC from a second process against inline (test_ipc), then the data-plane benchmark
-#             (tests/gpu/bench_dataplane.py: T 8..8192 x callers 1, 8 x inline/shm/cuda on the
+#             (bench/daemon/bench_dataplane.py: T 8..8192 x callers 1, 8 x inline/shm/cuda on the
 #             mixtral and qwen3-30b-a3b shapes, kernel-only and the RPC floor in the same run),
 #             its table in dataplane.md; 48 loads of 1 s warm-up + 1.5 s measured, 8 daemons'
 #             starts and 8 moe-bench runs: about 4 minutes on an H200
-#   python    the Python client with torch (issue 12): torch CPU and CUDA tensors in every dtype
+#   python    the Python client with torch: torch CPU and CUDA tensors in every dtype
 #             through every transport against the numpy inline path, CUDA calls through a CUDA region
 #             with no tensor byte in the messages (tests/gpu/test_python_torch.py), then the
 #             data-plane benchmark with the Python client's rows beside moed-load's, same daemon,
 #             same run (bench_dataplane.py --python: a Python load of 0.5 s warm-up + 1.5 s after
 #             each moed-load), its tables in python.md: about 7 minutes on an H200
-#   router    the server router (issue 8): the CUDA-vs-CPU router cases of the suite, the
+#   router    the server router: the CUDA-vs-CPU router cases of the suite, the
 #             checkpoints written by transformers served by a CUDA daemon against transformers'
 #             own outputs (recomputed live by the torch and transformers installed there), and the
 #             table of relative errors per checkpoint and routing (hf-table.md)
@@ -49,17 +49,17 @@
 #             every case bit-identical to the same launch routed on the host, statuses and messages
 #             as the host check words them; the packed route's host side, test_route_pack), then
 #             compute-sanitizer memcheck and racecheck on its quick cases (not yet timed)
-#   split     expert parallelism on one GPU (issue 14): tests/gpu/test_split with two placements
+#   split     expert parallelism on one GPU: tests/gpu/test_split with two placements
 #             on GPU 0 (--devices 0,0), every case bit-identical to the layer unsplit, and
 #             compute-sanitizer memcheck on its quick cases
-#   two-gpu   expert parallelism on two GPUs (issue 15; skipped, exit 77, with fewer): test_split
+#   two-gpu   expert parallelism on two GPUs (skipped, exit 77, with fewer): test_split
 #             over GPUs 0,1 with peer access, and its quick cases again through landing buffers
 #             (MOED_CUDA_NO_PEER=1);
 #             moe-bench's DeepSeek-V3 layer on one GPU; moe-split-bench (the layer whole on GPU 0
 #             and split over 0,1 at T = 8 and 4096, and the peer bandwidth); and the daemons
 #             (bench_daemon.py --suite multi: the layer split, two layers one per GPU, each beside
 #             the same on GPU 0, replies compared byte for byte, moed-load at T = 8 and 4096). The
-#             tables go to two-gpu.md. tests/gpu/two_gpu.sh runs split and two-gpu.
+#             tables go to two-gpu.md. tools/gpu/two_gpu.sh runs split and two-gpu.
 #
 # Every command of a stage counts: a stage passed when all of them exited 0, was skipped when one
 # reported exit 77 (no GPU answered) and none failed, and failed otherwise (a missing program too).
@@ -91,7 +91,7 @@ RAW=$OUT/raw # JSON and long logs; packed into raw.tgz at the end (the device to
 STAGES=(tests sanitize bench sonic peers e2e merge pytest fp8 fp8-bench dataplane python router droute
     split two-gpu)
 PEERS=${MOED_PEERS_SITE:-/tmp/moed-peers}
-# Real models' MoE layers as d,ff,E,k (kernels/cuda/bench/torch_ref.py's MODELS, which a CI test keeps
+# Real models' MoE layers as d,ff,E,k (bench/kernels/torch_ref.py's MODELS, which a CI test keeps
 # equal to this): gpt-oss-120b, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, Phi-3.5-MoE, DBRX.
 # shellcheck disable=SC2054  # each element is one d,ff,E,k
 MODEL_SHAPES=(2880,2880,128,4 2048,1408,60,4 2048,1024,64,8 4096,6400,16,2 6144,10752,16,4)
@@ -159,12 +159,12 @@ stage_bench() {
     logged "$RAW/moe-kernels.txt" "$B/moe-bench" --tokens 4096,16384 --kernel sm80,sm90,sm90p --cublas \
         --json "$RAW/moe-kernels.json"
     cat "$RAW/moe-graph.txt" "$RAW/moe-skew.txt" "$RAW/moe-kernels.txt" >>"$OUT/moe.txt"
-    step "$PY" kernels/cuda/bench/torch_ref.py --tokens 8,64,512,4096,16384 --json "$RAW/torch.json"
-    step "$PY" kernels/cuda/bench/torch_ref.py --tokens 64,4096 --routing zipf,hot,empty \
+    step "$PY" bench/kernels/torch_ref.py --tokens 8,64,512,4096,16384 --json "$RAW/torch.json"
+    step "$PY" bench/kernels/torch_ref.py --tokens 64,4096 --routing zipf,hot,empty \
         --json "$RAW/torch-skew.json"
-    step "$PY" kernels/cuda/bench/report.py "$RAW/torch.json" "$RAW/moe.json" "$RAW/moe-graph.json" \
+    step "$PY" bench/kernels/report.py "$RAW/torch.json" "$RAW/moe.json" "$RAW/moe-graph.json" \
         --out "$OUT/report.md"
-    step "$PY" kernels/cuda/bench/report.py "$RAW/torch-skew.json" "$RAW/moe-skew.json" \
+    step "$PY" bench/kernels/report.py "$RAW/torch-skew.json" "$RAW/moe-skew.json" \
         --out "$OUT/report-skew.md"
 }
 
@@ -184,9 +184,9 @@ peers_site() {
     if [ -f .whl/peers.tar.xz ] && [ ! -f "$PEERS/.unpacked" ]; then
         mkdir -p "$PEERS" && tar xJf .whl/peers.tar.xz -C "$PEERS" && touch "$PEERS/.unpacked"
     fi
-    [ -d "$PEERS/sonicmoe" ] || echo "run-on-gpu: no SonicMoE in $PEERS (carry .whl: tests/gpu/peer-wheels.sh)"
+    [ -d "$PEERS/sonicmoe" ] || echo "run-on-gpu: no SonicMoE in $PEERS (carry .whl: tools/gpu/peer-wheels.sh)"
     SONIC=(env "PYTHONPATH=$PEERS:$PEERS/nvidia_cutlass_dsl/python_packages:$PYTHONPATH"
-        QUACK_CACHE_AUTOTUNING=1 "$PY" kernels/cuda/bench/sonic_ref.py)
+        QUACK_CACHE_AUTOTUNING=1 "$PY" bench/kernels/sonic_ref.py)
 }
 
 stage_sonic() {
@@ -204,7 +204,7 @@ stage_peers() {
     quiet "$RAW/moe-peers-graph.txt" timeout 120 "$B/moe-bench" "${shapes[@]}" --tokens 8,64 --graph \
         --min-ms 100 --json "$RAW/moe-peers-graph.json"
     cat "$RAW/moe-peers-graph.txt" >>"$OUT/moe-peers.txt"
-    quiet "$RAW/torch-peers.txt" timeout 180 "$PY" kernels/cuda/bench/torch_ref.py "${shapes[@]}" \
+    quiet "$RAW/torch-peers.txt" timeout 180 "$PY" bench/kernels/torch_ref.py "${shapes[@]}" \
         --tokens "$PEER_TOKENS" --min-ms 100 --json "$RAW/torch-peers.json"
     peers_site
     if [ ! -d "$PEERS/sonicmoe" ] && [ -n "${SONIC_JSON:-}" ]; then
@@ -216,17 +216,17 @@ stage_peers() {
             >"$RAW/sonic-peers.txt" 2>&1 || echo "run-on-gpu: sonic_ref.py exited $?"
         grep -m3 'failed' "$RAW/sonic-peers.txt"
     fi
-    step "$PY" kernels/cuda/bench/report.py "$RAW/torch-peers.json" "$RAW/moe-peers.json" \
+    step "$PY" bench/kernels/report.py "$RAW/torch-peers.json" "$RAW/moe-peers.json" \
         "$RAW/moe-peers-graph.json" --peer "$sonic" --out "$OUT/peers.md" --brief
 }
 
 stage_e2e() {
-    logged "$OUT/daemon.txt" "$PY" tests/gpu/bench_daemon.py --bin "$B" --suite transport \
+    logged "$OUT/daemon.txt" "$PY" bench/daemon/bench_daemon.py --bin "$B" --suite transport \
         --json "$RAW/daemon.json" --logs "$RAW"
 }
 
 stage_merge() {
-    logged "$OUT/merge.txt" "$PY" tests/gpu/bench_daemon.py --bin "$B" --suite merging \
+    logged "$OUT/merge.txt" "$PY" bench/daemon/bench_daemon.py --bin "$B" --suite merging \
         --json "$RAW/merge.json" --logs "$RAW"
 }
 
@@ -255,7 +255,7 @@ stage_fp8-bench() {
         --shape 2880,2880,128,4 --weights bf16,fp8 --tokens 64,4096 --min-ms 100 \
         --json "$RAW/moe-fp8-shapes.json"
     cat "$RAW/moe-fp8-graph.txt" "$RAW/moe-fp8-shapes.txt" >>"$OUT/moe-fp8.txt"
-    step "$PY" kernels/cuda/bench/report.py --fp8 "$RAW/moe-fp8.json" "$RAW/moe-fp8-graph.json" \
+    step "$PY" bench/kernels/report.py --fp8 "$RAW/moe-fp8.json" "$RAW/moe-fp8-graph.json" \
         "$RAW/moe-fp8-shapes.json" --out "$OUT/report-fp8.md"
 }
 
@@ -264,7 +264,7 @@ stage_dataplane() {
     logged "$OUT/gpu-parts.log" "$B/test_cuda_parts"
     logged "$OUT/gpu-ipc.log" "$B/test_ipc" "$B/moed"
     # shellcheck disable=SC2086  # DATAPLANE_ARGS is a list of arguments
-    logged "$OUT/dataplane.txt" timeout 420 "$PY" tests/gpu/bench_dataplane.py --bin "$B" \
+    logged "$OUT/dataplane.txt" timeout 420 "$PY" bench/daemon/bench_dataplane.py --bin "$B" \
         --duration 1.5 --md "$OUT/dataplane.md" --json "$RAW/dataplane.json" --logs "$RAW" \
         ${DATAPLANE_ARGS:-}
 }
@@ -273,7 +273,7 @@ stage_python() {
     logged "$OUT/python-torch.log" "$PY" tests/gpu/test_python_torch.py --bin "$B"
     [ "$stage_rc" -ne 77 ] || return 0 # no torch or no GPU: nothing to measure either
     # shellcheck disable=SC2086  # DATAPLANE_ARGS is a list of arguments
-    logged "$OUT/python.txt" timeout 540 "$PY" tests/gpu/bench_dataplane.py --bin "$B" --python \
+    logged "$OUT/python.txt" timeout 540 "$PY" bench/daemon/bench_dataplane.py --bin "$B" --python \
         --duration 1.5 --python-duration 1.5 --md "$OUT/python.md" --json "$RAW/python.json" \
         --logs "$RAW" ${DATAPLANE_ARGS:-}
 }
@@ -332,7 +332,7 @@ stage_two-gpu() {
         cat "$RAW/moe-deepseek.txt"
         printf '```\n\n## Through the daemons (moed-load on loopback)\n\n'
     } >>"$md"
-    logged "$RAW/multi.md" timeout 420 "$PY" tests/gpu/bench_daemon.py --bin "$B" --suite multi \
+    logged "$RAW/multi.md" timeout 420 "$PY" bench/daemon/bench_daemon.py --bin "$B" --suite multi \
         --duration 4 --json "$RAW/multi.json" --logs "$RAW"
     cat "$RAW/multi.md" >>"$md"
 }

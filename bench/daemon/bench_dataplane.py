@@ -1,4 +1,5 @@
-"""The data-plane benchmark (issue 11), on the GPU machine (tests/gpu/run-on-gpu.sh dataplane).
+"""The data-plane benchmark (tensor regions against inline), on the GPU machine
+(tools/gpu/run-on-gpu.sh dataplane).
 
 For the mixtral (d 4096, ff 14336, 8 experts, top-2) and qwen3-30b-a3b (d 2048, ff 768, 128
 experts, top-8) shapes in bf16: T in {8, 128, 2048, 8192} x callers {1, 8} x transport {inline, shm,
@@ -7,7 +8,7 @@ alone), load from moed-load on loopback; beside it, in the same run, the kernel-
 same T (moe-bench, graph-replayed where the daemon replays a graph), the RPC floor (T = 1 on a tiny
 layer, inline, one caller) and the pinned PCIe bandwidth (cudaMemcpy of 16 MiB each way, through
 ctypes). Reports p50, p99, tokens/s, their ratio to kernel-only, the server's compute span, and the
-issue's targets met or missed; writes the table as markdown (--md) and every figure as JSON.
+data plane's targets met or missed; writes the table as markdown (--md) and every figure as JSON.
 
 usage: python3 bench_dataplane.py --bin .gpu/bin [--md FILE] [--json FILE] [--logs DIR]
        [--duration S] [--shapes mixtral,qwen3-30b-a3b] [--tokens 8,128,2048,8192]
@@ -105,7 +106,7 @@ def run_shape(a, shape, kms, rows):
 
 
 def targets(rows, h2d, d2h):
-    """The issue's targets on the mixtral shape: (what, value, bound, met)."""
+    """The data plane's targets on the mixtral shape: (what, value, bound, met)."""
     def row(T, callers, tr):
         return next((r for r in rows if r["shape"] == "mixtral" and r["T"] == T and
                      r["callers"] == callers and r["transport"] == tr), None)

@@ -8,7 +8,7 @@ moe_TC_softmax_topk_layer after the router (no router GEMM, no top-k): the routi
 into its epilogue (gathering token rows), the down projection, and the weighted sum over each
 token's k experts. bf16, inference mode (the pre-activation not stored), under torch.no_grad().
 QuACK autotunes each GEMM per problem (its default, as SonicMoE publishes its figures) where
-T >= SONIC_TUNE_MIN_T (default 4096: the rows the issue's targets compare); below, it runs QuACK's
+T >= SONIC_TUNE_MIN_T (default 4096: the rows the targets compare); below, it runs QuACK's
 default tile config (what tuned=False runs), since tuning every T of every shape would take most of
 a device call (about 60 tile configs timed per GEMM and problem). Each row says which ("autotuned").
 Its public entry for given routing, moe_general_routing_inputs, takes a variable number of experts

@@ -10,11 +10,11 @@
  * minimum bytes = the weights of every expert that received a token (FP8: one byte each, and their
  * scales) + activations in and out. The %mm column compares with the ceiling of the weights' type.
  *
- * The command line is one cli_opt table (`moe-bench --help` prints it). Prints one table row per
+ * The command line is one moed_opt table (`moe-bench --help` prints it). Prints one table row per
  * run; --json writes every figure, the stage times included.
  */
 #include "bench.h"
-#include "cli_opt.h"
+#include "moed_opt.h"
 #include "moed_cuda.h"
 
 #include "moed_dtype.h"
@@ -556,8 +556,9 @@ typedef struct shape_list {
     shape v[MAX_SHAPES];
 } shape_list;
 
-static int add_shape(const char *value, void *field)
+static int add_shape(const char *value, void *field, moed_error *err)
 {
+    (void)err; /* the row's want says what is wrong */
     shape_list *l = field;
     if (l->n >= MAX_SHAPES) return -1;
     shape *s = &l->v[l->n];
@@ -578,39 +579,40 @@ typedef struct bench_args {
 } bench_args;
 
 #define F(x) offsetof(bench_args, x)
-static const cli_opt options[] = {
-    CLI_SECTION_ROW("what to run:", NULL),
-    CLI_STR_OPT("shapes", F(shapes), "LIST", "mixtral,qwen3-30b-a3b,deepseek-v3", NULL,
-                "standard shapes: mixtral (d 4096, ff 14336, E 8, k 2), qwen3-30b-a3b\n"
-                "(2048, 768, 128, 8), deepseek-v3 (7168, 2048, 256, 8); given with --shape,\n"
-                "these run first"),
-    CLI_CUSTOM_OPT("shape", F(custom), "d,ff,E,k", add_shape, NULL,
-                   "give d,ff,E,k with 1 <= k <= E, at most 16 times", NULL,
-                   "any layer, d and ff padded to 128 as the backend pads them; repeatable;\n"
-                   "alone (without --shapes) it runs just these"),
-    CLI_STR_OPT("weights", F(weights), "LIST", "bf16", NULL, "bf16, fp8 or bf16,fp8"),
-    CLI_STR_OPT("tokens", F(tokens), "LIST", "8,64,512,4096,16384", NULL, "batch sizes T"),
-    CLI_STR_OPT("routing", F(routing), "LIST", "uniform", NULL,
-                "uniform, zipf (P(e) ~ 1/(e+1)^1.2), hot (every token's first choice\n"
-                "expert 0), empty (half the experts get none)"),
-    CLI_STR_OPT("kernel", F(kernel), "LIST", "auto", NULL,
-                "auto (the heuristic table), sm80, sm90, sm90p; for FP8 weights sm80 is the\n"
-                "portable path and sm90 the FP8 Tensor Core kernel"),
-    CLI_SECTION_ROW("how:", NULL),
-    CLI_NUM_OPT("min-ms", F(min_ms), "MS", 1e-3, 1e7, "200", "give milliseconds > 0", NULL,
-                "time each row for at least MS milliseconds"),
-    CLI_FLAG_OPT("cublas", F(cublas), 1, NULL,
-                 "add the headroom line (bf16 weights): the same per-expert GEMMs through\n"
-                 "cuBLAS on pre-permuted rows, no epilogues"),
-    CLI_FLAG_OPT("graph", F(graph), 1, NULL,
-                 "time the pipeline captured as a CUDA graph and replayed (what the backend\n"
-                 "does for small batches)"),
-    CLI_STR_OPT("json", F(json), "FILE", NULL, NULL, "write every figure, stage times included"),
-    CLI_HELP_OPT("this text"),
+static const moed_opt options[] = {
+    MOED_OPT_SECTION_ROW("what to run:", NULL),
+    MOED_OPT_STR_ROW("shapes", F(shapes), "LIST", "mixtral,qwen3-30b-a3b,deepseek-v3", NULL,
+                     "standard shapes: mixtral (d 4096, ff 14336, E 8, k 2), qwen3-30b-a3b\n"
+                     "(2048, 768, 128, 8), deepseek-v3 (7168, 2048, 256, 8); given with --shape,\n"
+                     "these run first"),
+    MOED_OPT_CUSTOM_ROW("shape", F(custom), "d,ff,E,k", add_shape, NULL,
+                        "give d,ff,E,k with 1 <= k <= E, at most 16 times", NULL,
+                        "any layer, d and ff padded to 128 as the backend pads them; repeatable;\n"
+                        "alone (without --shapes) it runs just these"),
+    MOED_OPT_STR_ROW("weights", F(weights), "LIST", "bf16", NULL, "bf16, fp8 or bf16,fp8"),
+    MOED_OPT_STR_ROW("tokens", F(tokens), "LIST", "8,64,512,4096,16384", NULL, "batch sizes T"),
+    MOED_OPT_STR_ROW("routing", F(routing), "LIST", "uniform", NULL,
+                     "uniform, zipf (P(e) ~ 1/(e+1)^1.2), hot (every token's first choice\n"
+                     "expert 0), empty (half the experts get none)"),
+    MOED_OPT_STR_ROW("kernel", F(kernel), "LIST", "auto", NULL,
+                     "auto (the heuristic table), sm80, sm90, sm90p; for FP8 weights sm80 is the\n"
+                     "portable path and sm90 the FP8 Tensor Core kernel"),
+    MOED_OPT_SECTION_ROW("how:", NULL),
+    MOED_OPT_NUM_ROW("min-ms", F(min_ms), "MS", 1e-3, 1e7, "200", "give milliseconds > 0", NULL,
+                     "time each row for at least MS milliseconds"),
+    MOED_OPT_FLAG_ROW("cublas", F(cublas), 1, NULL,
+                      "add the headroom line (bf16 weights): the same per-expert GEMMs through\n"
+                      "cuBLAS on pre-permuted rows, no epilogues"),
+    MOED_OPT_FLAG_ROW("graph", F(graph), 1, NULL,
+                      "time the pipeline captured as a CUDA graph and replayed (what the backend\n"
+                      "does for small batches)"),
+    MOED_OPT_STR_ROW("json", F(json), "FILE", NULL, NULL,
+                     "write every figure, stage times included"),
+    MOED_OPT_HELP_ROW("this text"),
 };
 #undef F
 
-static const cli_cmd tool = {
+static const moed_opt_cmd tool = {
     .head = "usage: moe-bench [options]\n"
             "\n"
             "Times the CUDA backend's expert pipeline (route prep, up GEMM, down GEMM, combine)\n"
@@ -618,7 +620,7 @@ static const cli_cmd tool = {
     .tail = "exit codes: 0 done; 1 no CUDA device or a CUDA call failed; 2 bad usage\n",
 };
 
-static const cli_spec command_line = CLI_TOOL_SPEC("moe-bench", options, tool);
+static const moed_opt_spec command_line = MOED_OPT_TOOL_SPEC("moe-bench", options, tool);
 
 /* The shapes to run: the named ones, then the --shape ones; 0 after a usage error printed. */
 static int pick_shapes(char *names, const shape_list *custom, shape *out)
@@ -630,7 +632,7 @@ static int pick_shapes(char *names, const shape_list *custom, shape *out)
         for (size_t j = 0; j < sizeof shapes / sizeof shapes[0]; j++)
             if (!strcmp(sh[i], shapes[j].name)) s = &shapes[j];
         if (!s) {
-            cli_usage_error(&command_line, "unknown shape %s in --shapes", sh[i]);
+            moed_opt_usage(&command_line, "unknown shape %s in --shapes", sh[i]);
             return 0;
         }
         out[n++] = *s;
@@ -642,13 +644,13 @@ static int pick_shapes(char *names, const shape_list *custom, shape *out)
 int main(int argc, char **argv)
 {
     bench_args o = { 0 };
-    cli_parsed p;
+    moed_opt_parsed p;
     int rc;
-    if (!cli_parse(&command_line, argc, argv, &o, &p, &rc)) return rc;
+    if (!moed_opt_parse(&command_line, argc, argv, &o, &p, &rc)) return rc;
     /* strtok writes into the lists: copies of the words */
     char shapes_arg[256], tokens_arg[256], routing_arg[128], kernel_arg[64], weights_arg[32];
     snprintf(shapes_arg, sizeof shapes_arg, "%s",
-             o.custom.n && !cli_given(&command_line, &p, "shapes") ? "" : o.shapes);
+             o.custom.n && !moed_opt_given(&command_line, &p, "shapes") ? "" : o.shapes);
     snprintf(tokens_arg, sizeof tokens_arg, "%s", o.tokens);
     snprintf(routing_arg, sizeof routing_arg, "%s", o.routing);
     snprintf(kernel_arg, sizeof kernel_arg, "%s", o.kernel);
@@ -658,29 +660,29 @@ int main(int argc, char **argv)
     const int with_cublas = o.cublas, graph = o.graph;
     shape sel[MAX_SHAPES];
     const int nsh = pick_shapes(shapes_arg, &o.custom, sel);
-    if (!nsh) return CLI_EXIT_USAGE;
+    if (!nsh) return MOED_OPT_EXIT_USAGE;
     char *tk[16], *rt[8], *kn[4], *wt[2];
     const int ntk = split(tokens_arg, tk, 16), nrt = split(routing_arg, rt, 8),
               nkn = split(kernel_arg, kn, 4), nwt = split(weights_arg, wt, 2);
     for (int i = 0; i < nwt; i++)
         if (moed_dtype_parse(wt[i]) != MOED_BF16 && moed_dtype_parse(wt[i]) != MOED_FP8)
-            return cli_usage_error(&command_line, "--weights %s: use bf16, fp8 or both", wt[i]);
+            return moed_opt_usage(&command_line, "--weights %s: use bf16, fp8 or both", wt[i]);
     for (int i = 0; i < ntk; i++) {
         char *end;
         const long long t = strtoll(tk[i], &end, 10);
         if (*end || t < 1 || t > (1 << 20))
-            return cli_usage_error(&command_line, "--tokens %s: give batch sizes 1 to 1048576",
-                                   tk[i]);
+            return moed_opt_usage(&command_line, "--tokens %s: give batch sizes 1 to 1048576",
+                                  tk[i]);
     }
     for (int i = 0; i < nrt; i++)
         if (strcmp(rt[i], "uniform") && strcmp(rt[i], "zipf") && strcmp(rt[i], "hot") &&
             strcmp(rt[i], "empty"))
-            return cli_usage_error(&command_line, "--routing %s: use uniform, zipf, hot or empty",
-                                   rt[i]);
+            return moed_opt_usage(&command_line, "--routing %s: use uniform, zipf, hot or empty",
+                                  rt[i]);
     for (int i = 0; i < nkn; i++)
         if (strcmp(kn[i], "auto") && !moed_cuda_kernel_parse(kn[i]))
-            return cli_usage_error(&command_line, "--kernel %s: use auto, sm80, sm90 or sm90p",
-                                   kn[i]);
+            return moed_opt_usage(&command_line, "--kernel %s: use auto, sm80, sm90 or sm90p",
+                                  kn[i]);
     int dev = 0;
     struct cudaDeviceProp prop;
     if (cudaGetDeviceProperties(&prop, dev) != cudaSuccess) {

@@ -9,8 +9,8 @@ Both send bf16 hidden states with uniform expert choice (the layer's top_k) to t
 daemon holds. The Python input kind is --input: numpy (ml_dtypes.bfloat16), torch (a CPU tensor)
 or torch-cuda.
 
-usage: python -m moed.bench --target ADDR --load PATH/moed-load [--tokens 8,2048] [--requests 2000]
-                           [--rounds 3] [--input numpy|torch|torch-cuda] [--json FILE]
+usage: python3 bench/daemon/bench_client.py --target ADDR --load PATH/moed-load [--tokens 8,2048]
+                           [--requests 2000] [--rounds 3] [--input numpy|torch|torch-cuda] [--json FILE]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from . import MoEClient
+from moed import MoEClient
 
 
 def load_p50(load: str, target: str, tokens: int, requests: int) -> dict:

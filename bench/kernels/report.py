@@ -11,7 +11,7 @@ usage: python3 report.py torch.json moe.json [moe-graph.json ...] [--peer sonic.
 --brief prints one short line per row and target instead of the markdown (which --out still gets).
 
 --fp8: moe-bench runs with bf16 and FP8 weights side by side (--weights bf16,fp8), as the FP8
-table and the FP8 issue's targets: at T <= 64 FP8 weight bytes at >= 85% of copy bandwidth; at
+table and the FP8 targets: at T <= 64 FP8 weight bytes at >= 85% of copy bandwidth; at
 T >= 4096 >= 1.5x the bf16 path; at T = 16384 >= 60% of the FP8 matmul ceiling.
 """
 import argparse
@@ -80,7 +80,7 @@ def fmt(ms, sp):
 
 
 def targets(r, graphed, sp_t, sp_s, sonic_err, mm, cp):
-    """The issue's targets a moed row speaks for: [(target, met: True/False/None, figure)]."""
+    """The targets a moed row speaks for: [(target, met: True/False/None, figure)]."""
     name, T, out = r["label"], r["T"], []
     if r["routing"] != "uniform" or r["kernel"] not in ("auto", "auto+g"):
         return out

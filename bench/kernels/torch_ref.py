@@ -25,7 +25,7 @@ SHAPES = {  # d, ff, E, k: moe-bench's named shapes
     "deepseek-v3": (7168, 2048, 256, 8),
 }
 
-# Real models' MoE layers beyond SHAPES, run as --shape d,ff,E,k (tests/gpu/run-on-gpu.sh's peers
+# Real models' MoE layers beyond SHAPES, run as --shape d,ff,E,k (tools/gpu/run-on-gpu.sh's peers
 # stage lists the same; a CI test keeps the two equal). From each model's config.json: hidden size,
 # the expert's intermediate size, routed experts, experts per token. Together they cover other d
 # (2048, 2880, 4096, 6144), d_ff not a multiple of 128 (2880) and E not a power of two (60).

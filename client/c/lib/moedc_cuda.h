@@ -1,0 +1,76 @@
+/*
+ * moedc_cuda — the CUDA driver, reached at run time. libmoedclient links no CUDA library: the first
+ * call that needs a GPU opens libcuda.so.1 (dlopen) and resolves the entry points below into one
+ * table, kept for the life of the process. So one build of the client serves machines with and
+ * without a GPU, beside whatever CUDA runtime the calling process loaded (torch's): the driver is
+ * one per process, and the primary contexts it keeps are the ones every runtime uses.
+ *
+ * Contract:
+ * - moedc_cuda_api() answers the table, or NULL and MOEDC_EUNSUPPORTED with a message saying why
+ *   (no driver on this machine, or one too old to have an entry point); the answer never changes
+ *   within a process.
+ * - A driver call's failure becomes moedc_cuda_fail: MOEDC_EINVAL for an invalid value,
+ *   MOEDC_EDEVICE otherwise, the message naming the call and the driver's error name.
+ * - Calls that need a context run between moedc_cuda_enter and moedc_cuda_leave: the primary
+ *   context of the device (created by the caller's runtime already, so retaining it creates
+ *   nothing) made current on this thread, and the thread's own context current again after.
+ * - The types are the driver's, written here so the client builds without the CUDA toolkit:
+ *   CUresult is an int (0 success), CUdevice an int ordinal, CUdeviceptr 64 bits.
+ */
+#ifndef MOEDC_CUDA_H
+#define MOEDC_CUDA_H
+
+#include "moedclient.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define MOEDC_CUDA_IPC_HANDLE_BYTES 64 /* CU_IPC_HANDLE_SIZE */
+
+typedef uint64_t moedc_cu_ptr; /* CUdeviceptr */
+
+/* The entry points resolved (by their versioned names where the driver has several), each as
+ * cuda.h declares it. */
+typedef struct moedc_cuda_table {
+    int (*cuInit)(unsigned flags);
+    int (*cuGetErrorName)(int result, const char **name);
+    int (*cuDeviceGet)(int *device, int ordinal);
+    int (*cuDeviceGetCount)(int *count);
+    int (*cuDeviceGetUuid)(unsigned char uuid[16], int device);
+    int (*cuDevicePrimaryCtxGetState)(int device, unsigned *flags, int *active);
+    int (*cuDevicePrimaryCtxRetain)(void **ctx, int device);
+    int (*cuDevicePrimaryCtxRelease)(int device);
+    int (*cuCtxPushCurrent)(void *ctx);
+    int (*cuCtxPopCurrent)(void **ctx);
+    int (*cuPointerGetAttributes)(unsigned n, int *attributes, void **data, moedc_cu_ptr ptr);
+    int (*cuMemGetAddressRange)(moedc_cu_ptr *base, size_t *bytes, moedc_cu_ptr ptr);
+    int (*cuIpcGetMemHandle)(unsigned char handle[MOEDC_CUDA_IPC_HANDLE_BYTES], moedc_cu_ptr ptr);
+    int (*cuMemAlloc)(moedc_cu_ptr *ptr, size_t bytes);
+    int (*cuMemFree)(moedc_cu_ptr ptr);
+    int (*cuMemcpyHtoD)(moedc_cu_ptr dst, const void *src, size_t bytes);
+    int (*cuMemcpyDtoH)(void *dst, moedc_cu_ptr src, size_t bytes);
+} moedc_cuda_table;
+
+const moedc_cuda_table *moedc_cuda_api(moedc_error *err);
+
+/* err from a driver call's result rc; returns the code. */
+int moedc_cuda_fail(const moedc_cuda_table *cu, int rc, const char *call, moedc_error *err);
+
+/* The device ordinal's primary context, current on this thread until moedc_cuda_leave. */
+int moedc_cuda_enter(const moedc_cuda_table *cu, int ordinal, moedc_error *err);
+void moedc_cuda_leave(const moedc_cuda_table *cu, int ordinal);
+
+/* What the server needs to open device memory p .. p + bytes of this process: its allocation's IPC
+ * handle, p's offset in that allocation, the device's ordinal and UUID ("GPU-xxxxxxxx-..."). */
+typedef struct moedc_cuda_region {
+    unsigned char handle[MOEDC_CUDA_IPC_HANDLE_BYTES];
+    uint64_t offset;
+    int device;
+    char uuid[48];
+} moedc_cuda_region;
+
+/* MOEDC_EINVAL when p is not device memory of this process (host or managed memory have no IPC
+ * handle) or the bytes run past its allocation. */
+int moedc_cuda_describe(const void *p, size_t bytes, moedc_cuda_region *out, moedc_error *err);
+
+#endif
