@@ -146,8 +146,10 @@ static void take(const place *p, void *dst, int64_t rows)
 static void drop(place *p)
 {
     if (gpu_of(p->kind) != MOED_HOST_MEM) {
+        cudaSetDevice(gpu_of(p->kind));
         cudaFree(p->x);
         cudaFree(p->y);
+        cudaSetDevice(0);
     } else if (p->kind == PINNED) {
         moed_backend_host_free(gpu, p->x);
         moed_backend_host_free(gpu, p->y);
