@@ -63,7 +63,7 @@ typedef struct moed_region_info {
     int kind;
     char name[MOED_REGION_NAME_MAX + 1];
     uint64_t bytes;
-    int device; /* CUDA: the server's ordinal */
+    int device; /* CUDA: its GPU's CUDA ordinal here, computed on or not */
     bool ready, broken;
     uint32_t requests; /* references held by requests now (one per tensor naming it) */
 } moed_region_info;
