@@ -1,5 +1,5 @@
-"""Issue 9's hostile peers and lifecycle faults, bounded for CI, against real daemons on loopback
-(hostile.py speaks the raw HTTP/2 that a gRPC client cannot make):
+"""Hostile peers and lifecycle faults (docs/security.md, "Hostile peers"), bounded for CI, against
+real daemons on loopback (hostile.py speaks the raw HTTP/2 that a gRPC client cannot make):
 
 - nothing is read before the token: 400 MiB bodies without it are refused at their headers, RSS
   flat; compressed requests are refused unless --accept-compression, and with it moed inflates
