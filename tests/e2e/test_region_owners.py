@@ -34,7 +34,7 @@ from moed._proto.moed.v1 import moed_pb2 as pb
 
 NOBODY = 65534
 HERE = os.path.dirname(os.path.abspath(__file__))
-# 1000.0f: the word the message gave back, 1148846080 as an int32
+# 1000.0f: the word the leaking message gave back, 1148846080 as an int32
 SECRET = np.full(1024, 1000.0, np.float32)
 SECRET_WORD = str(SECRET[:1].view(np.int32)[0])
 
