@@ -1,4 +1,4 @@
-"""The Python client's region transports (issue 12) against real daemons on the CPU backend: the
+"""The Python client's region transports (docs/regions.md) against real daemons on the CPU backend: the
 shm transport gives, bit for bit, what inline gives, for every routing kind (expert choice,
 router logits under each gating strategy, the server's router, batch gating) in f32, f16 and bf16,
 from the blocking and the asyncio client and through forward_stream; auto takes shared memory for

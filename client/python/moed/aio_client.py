@@ -94,7 +94,7 @@ class Session(C.SessionBase):
 
 def _status_hidden(e: grpc.RpcError) -> bool:
     """Whether grpc.aio replaced a stream's status by its own INTERNAL: it does when a request
-    write races the server's end of the stream (grpc/grpc issue 36066), so a stream the server
+    write races the server's end of the stream (a fault of grpc.aio's own), so a stream the server
     ended with UNAVAILABLE or NOT_FOUND may report "Internal error from Core" instead."""
     return e.code() == grpc.StatusCode.INTERNAL and e.details() == "Internal error from Core"
 
