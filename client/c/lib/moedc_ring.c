@@ -375,6 +375,34 @@ static int pin(moedc_ring *r, const moedc_cuda_table *cu, void *ctx, moedc_error
     return 0;
 }
 
+/* The region's address for streams of context ctx, page-locking it first if need be. */
+static int device_base(moedc_ring *r, const moedc_cuda_table *cu, void *ctx, moedc_cu_ptr *base,
+                       moedc_error *err)
+{
+    pthread_mutex_lock(&r->cuda_mu);
+    int rc = 0;
+    if (!r->dev_base || r->dev_ctx != ctx) {
+        void *popped;
+        if ((rc = cu->cuCtxPushCurrent(ctx))) {
+            rc = moedc_cuda_fail(cu, rc, "cuCtxPushCurrent", err);
+        } else {
+            rc = pin(r, cu, ctx, err);
+            moedc_cu_ptr p = 0;
+            int drc = rc ? 0 : cu->cuMemHostGetDevicePointer(&p, r->region->ptr, 0);
+            if (drc)
+                rc = moedc_cuda_fail(cu, drc, "cuMemHostGetDevicePointer", err);
+            else if (!rc) {
+                r->dev_base = p;
+                r->dev_ctx = ctx;
+            }
+            cu->cuCtxPopCurrent(&popped);
+        }
+    }
+    *base = r->dev_base;
+    pthread_mutex_unlock(&r->cuda_mu);
+    return rc;
+}
+
 int moedc_ring_open(moedc_session *s, uint32_t slots, moedc_ring **out, moedc_error *err)
 {
     *out = NULL;
@@ -417,12 +445,13 @@ int moedc_ring_open(moedc_session *s, uint32_t slots, moedc_ring **out, moedc_er
         rc = moedc_fail(err, MOEDC_ENOMEM, "could not start the ring's watchdog thread");
     r->watching = !rc;
     if (!rc) rc = moedc_session_add_ring(s, r, err);
+    /* page-locked and addressed now where a context is current, so that a stream call captured
+     * first (where registering memory is not allowed) only reads what is known */
     const moedc_cuda_table *cu = rc ? NULL : driver_in_use();
     void *ctx = NULL;
-    if (cu && !cu->cuCtxGetCurrent(&ctx) && ctx) {
-        moedc_error ignored; /* a stream call pins it later, or says why it cannot */
-        pin(r, cu, ctx, &ignored);
-    }
+    moedc_cu_ptr base;
+    moedc_error ignored; /* a stream call tries again, and says why it cannot */
+    if (cu && !cu->cuCtxGetCurrent(&ctx) && ctx) device_base(r, cu, ctx, &base, &ignored);
     if (rc) {
         moedc_session_remove_ring(s, r);
         moedc_ring_close(r);
@@ -511,34 +540,6 @@ int moedc_ring_wait(moedc_ring *r, const moedc_ring_ticket *t, double timeout_s,
 
 /* ---- stream calls -----------------------------------------------------------------------------
  */
-
-/* The region's address for streams of context ctx, page-locking it first if need be. */
-static int device_base(moedc_ring *r, const moedc_cuda_table *cu, void *ctx, moedc_cu_ptr *base,
-                       moedc_error *err)
-{
-    pthread_mutex_lock(&r->cuda_mu);
-    int rc = 0;
-    if (!r->dev_base || r->dev_ctx != ctx) {
-        void *popped;
-        if ((rc = cu->cuCtxPushCurrent(ctx))) {
-            rc = moedc_cuda_fail(cu, rc, "cuCtxPushCurrent", err);
-        } else {
-            rc = pin(r, cu, ctx, err);
-            moedc_cu_ptr p = 0;
-            int drc = rc ? 0 : cu->cuMemHostGetDevicePointer(&p, r->region->ptr, 0);
-            if (drc)
-                rc = moedc_cuda_fail(cu, drc, "cuMemHostGetDevicePointer", err);
-            else if (!rc) {
-                r->dev_base = p;
-                r->dev_ctx = ctx;
-            }
-            cu->cuCtxPopCurrent(&popped);
-        }
-    }
-    *base = r->dev_base;
-    pthread_mutex_unlock(&r->cuda_mu);
-    return rc;
-}
 
 int moedc_ring_enqueue(moedc_ring *r, const moedc_ring_call *call, void *cuda_stream,
                        moedc_ring_ticket *t, moedc_error *err)

@@ -29,7 +29,8 @@ struct load_regions {
     int n_rings;
 };
 
-static const char *const names[] = { "inline", "shm", "cuda", "doorbell", "doorbell-stream" };
+static const char *const names[] = { "inline",   "shm",           "cuda",
+                                     "doorbell", "doorbell-cuda", "doorbell-stream" };
 
 int load_transport_parse(const char *s, int *transport, moed_error *err)
 {
@@ -39,7 +40,9 @@ int load_transport_parse(const char *s, int *transport, moed_error *err)
             return 0;
         }
     return moed_fail(err, MOED_EINVAL,
-                     "--transport %s: use inline, shm, cuda, doorbell or doorbell-stream", s);
+                     "--transport %s: use inline, shm, cuda, doorbell, doorbell-cuda or "
+                     "doorbell-stream",
+                     s);
 }
 
 const char *load_transport_name(int transport)
@@ -49,12 +52,12 @@ const char *load_transport_name(int transport)
 
 bool load_transport_rings(int transport)
 {
-    return transport == LOAD_TRANSPORT_DOORBELL || transport == LOAD_TRANSPORT_DOORBELL_STREAM;
+    return transport >= LOAD_TRANSPORT_DOORBELL;
 }
 
 static bool on_device(int transport)
 {
-    return transport == LOAD_TRANSPORT_CUDA || transport == LOAD_TRANSPORT_DOORBELL_STREAM;
+    return transport == LOAD_TRANSPORT_CUDA || transport > LOAD_TRANSPORT_DOORBELL;
 }
 
 static size_t up64(size_t n)
@@ -75,9 +78,7 @@ static int device_alloc(const load_regions *r, const void *src, size_t n, size_t
     moedc_error e;
     const moedc_cuda_table *cu = moedc_cuda_api(&e);
     if (!cu || moedc_cuda_enter(cu, r->device, &e))
-        return client_error(r->transport == LOAD_TRANSPORT_CUDA ? "--transport cuda"
-                                                                : "--transport doorbell-stream",
-                            &e, err);
+        return client_error(load_transport_name(r->transport), &e, err);
     moedc_cu_ptr p = 0;
     int rc = cu->cuMemAlloc(&p, bytes);
     const char *call = "cuMemAlloc";
@@ -120,8 +121,8 @@ static int place(load_regions *r, bool on_device, const void *src, size_t n, siz
     return rc;
 }
 
-/* The routing pools, one after the other, in one region: on the device for doorbell-stream (where
- * the server reads them), in shared memory otherwise. */
+/* The routing pools, one after the other, in one region: on the device for the doorbell's CUDA
+ * transports (where the server reads them), in shared memory otherwise. */
 static int place_routing(load_regions *r, const load_plan *p, moed_error *err)
 {
     size_t at = 0;
@@ -147,8 +148,8 @@ static int place_routing(load_regions *r, const load_plan *p, moed_error *err)
             memcpy(base + r->weights_at[i], p->layers[i].weights, n);
         }
     if (p->logits) memcpy(base + r->logits_at, p->logits, (size_t)p->pool_rows * max_e * 4);
-    int rc = place(r, r->transport == LOAD_TRANSPORT_DOORBELL_STREAM, base, at, at ? at : 64,
-                   &r->routing, &r->dev_routing, err);
+    int rc = place(r, r->transport > LOAD_TRANSPORT_DOORBELL, base, at, at ? at : 64, &r->routing,
+                   &r->dev_routing, err);
     free(base);
     return rc;
 }
@@ -163,7 +164,7 @@ static int open_rings(load_regions *r, int n, moed_error *err)
     const moedc_cuda_table *cu = NULL;
     if (r->transport == LOAD_TRANSPORT_DOORBELL_STREAM &&
         (!(cu = moedc_cuda_api(&e)) || moedc_cuda_enter(cu, r->device, &e)))
-        return client_error("--transport doorbell-stream", &e, err);
+        return client_error(load_transport_name(r->transport), &e, err);
     int rc = 0, drc;
     for (; r->n_rings < n && !rc; r->n_rings++) {
         /* the ring is opened with the GPU's context current: page-locked for its streams now */

@@ -9,9 +9,10 @@
  * output rows (its slot), so no reply overwrites another's.
  *
  * doorbell: as shm, and the calls go through doorbell rings (moedc_ring) on the same session, one
- * ring per worker, each worker one call at a time. doorbell-stream: every pool and the outputs in
- * device memory of GPU --device (routing too: the server reads it there), and each worker enqueues
- * its calls on a CUDA stream of its own, which it synchronises.
+ * ring per worker, each worker one call at a time, rung and waited for from the host.
+ * doorbell-cuda: the same calls with every pool and the outputs in device memory of GPU --device
+ * (routing too: the server reads it there). doorbell-stream: as doorbell-cuda, and each worker
+ * enqueues its calls on a CUDA stream of its own, which it synchronises.
  */
 #ifndef LOAD_REGIONS_H
 #define LOAD_REGIONS_H
@@ -27,13 +28,15 @@ enum {
     LOAD_TRANSPORT_INLINE = 0,
     LOAD_TRANSPORT_SHM = 1,
     LOAD_TRANSPORT_CUDA = 2,
-    LOAD_TRANSPORT_DOORBELL = 3,
-    LOAD_TRANSPORT_DOORBELL_STREAM = 4,
+    LOAD_TRANSPORT_DOORBELL = 3, /* the ring transports: from here on */
+    LOAD_TRANSPORT_DOORBELL_CUDA = 4,
+    LOAD_TRANSPORT_DOORBELL_STREAM = 5,
 };
 
-/* "inline", "shm", "cuda", "doorbell" or "doorbell-stream" into *transport; MOED_EINVAL names the
- * choices. cuda and doorbell-stream need the CUDA driver, found at run time (moedc_cuda.h):
- * without one, load_regions_open fails with MOED_EUNSUPPORTED and says so. */
+/* "inline", "shm", "cuda", "doorbell", "doorbell-cuda" or "doorbell-stream" into *transport;
+ * MOED_EINVAL names the choices. cuda, doorbell-cuda and doorbell-stream need the CUDA driver,
+ * found at run time (moedc_cuda.h): without one, load_regions_open fails with MOED_EUNSUPPORTED
+ * and says so. */
 int load_transport_parse(const char *s, int *transport, moed_error *err);
 /* The transport's name, as parsed. */
 const char *load_transport_name(int transport);

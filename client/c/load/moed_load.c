@@ -130,11 +130,12 @@ static const moed_opt options[] = {
                      "regions: the server's host only), cuda (GPU memory of this process,\n"
                      "by CUDA IPC; needs the CUDA driver); doorbell (shared memory, each\n"
                      "call rung in a doorbell ring, not sent: one ring and one thread per\n"
-                     "unit of --concurrency), doorbell-stream (as doorbell, tensors in GPU\n"
-                     "memory, each call enqueued on a CUDA stream of the thread's)"),
+                     "unit of --concurrency), doorbell-cuda (as doorbell, tensors in GPU\n"
+                     "memory), doorbell-stream (as doorbell-cuda, each call enqueued on a\n"
+                     "CUDA stream of the thread's)"),
     MOED_OPT_I64_ROW("device", F(device), "N", 0, 1023, "0", "give a GPU ordinal >= 0", NULL,
-                     "the GPU of --transport cuda and doorbell-stream (as\n"
-                     "CUDA_VISIBLE_DEVICES numbers them)"),
+                     "the GPU of the transports' GPU memory (as CUDA_VISIBLE_DEVICES\n"
+                     "numbers them)"),
     MOED_OPT_SECTION_ROW("output:", NULL),
     MOED_OPT_STR_ROW("json", F(json), "FILE", NULL, NULL,
                      "the report as JSON (one object per level)"),
