@@ -702,6 +702,7 @@ static grpc_byte_buffer *model_info(moed_rpc *r)
         rl.max_region_bytes = (uint64_t)lim->max_bytes;
         rl.max_region_bytes_total = (uint64_t)lim->max_total_bytes;
         rl.cuda = moed_backend_host_dma(b);
+        rl.max_rings = (uint32_t)moed_doorbell_max_rings(r->cfg.doorbell);
     }
     mi.regions = &rl;
     bb = moed_wire_pack(&mi.base);
