@@ -602,10 +602,13 @@ static int open_regions(run *r, load_plan *p)
     for (int i = 0; i < r->n_levels; i++)
         if (r->closed && r->levels[i] > slots) slots = (int)r->levels[i];
     if (!r->closed) slots = (int)r->a.max_inflight;
+    /* a worker's output slots start at its number times (calls it keeps / workers + 1): a worker
+     * per ring takes up to twice the concurrency */
     const int rings = load_transport_rings(r->transport) ? slots : 0;
+    const int outputs = slots + (rings ? rings : (int)r->a.threads);
     moed_error err;
-    if (load_regions_open(r->transport, r->conns[0], p, slots + (int)r->a.threads, rings,
-                          r->tokens.hi, max_d, (int)r->a.device, &r->regions, &err))
+    if (load_regions_open(r->transport, r->conns[0], p, outputs, rings, r->tokens.hi, max_d,
+                          (int)r->a.device, &r->regions, &err))
         return failure("--transport %s: %s", r->a.transport, err.msg);
     return 0;
 }
