@@ -14,6 +14,9 @@
  * it is captured: "CAPTURED" replay              the capture run on the stream, synchronised: one
  * line per call, as wait release             the captured calls' slots released: "RELEASED"
  *   failures            "FAILURES n" (moedc_ring_failures)
+ *   threads N M         N threads at once on the ring, M host calls each, each thread's output in
+ *                       a part of its own: "THREADS ok" with every output the same bytes, or
+ *                       "ERR ..." naming the first that was not
  * Streams come from the CUDA driver found at run time (libcuda.so.1; the tests give it
  * tests/unit/fake_libcuda.c, whose fake_cuda_capture and fake_cuda_replay capture and replay).
  * Built by the e2e tests against the build's library.
@@ -21,6 +24,7 @@
 #include "moedclient.h"
 
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -238,6 +242,65 @@ static void do_release(void)
     printf("RELEASED\n");
 }
 
+typedef struct thread_arg {
+    uint32_t part, calls;
+    char error[512];
+} thread_arg;
+
+/* M calls from one of several threads, each output compared with the first thread's first. */
+static void *calls_thread(void *p)
+{
+    thread_arg *a = p;
+    const char *y = (const char *)output->ptr + a->part * out_bytes();
+    for (uint32_t i = 0; i < a->calls && !a->error[0]; i++) {
+        moedc_ring_call call = the_call(a->part);
+        moedc_ring_ticket t;
+        moedc_ring_result res;
+        moedc_error err;
+        memset((void *)y, 0, out_bytes());
+        if (moedc_ring_start(ring, &call, &t, &err))
+            snprintf(a->error, sizeof a->error, "start: %s", err.msg);
+        else if (moedc_ring_wait(ring, &t, 60, &res, &err) != 1 || res.status)
+            snprintf(a->error, sizeof a->error, "wait: %s", res.status ? res.message : err.msg);
+        else if (memcmp(y, output->ptr, out_bytes()))
+            snprintf(a->error, sizeof a->error, "call %u of part %u differs", i, a->part);
+    }
+    return NULL;
+}
+
+static void do_threads(uint32_t n, uint32_t m)
+{
+    thread_arg args[64];
+    pthread_t th[64];
+    if (n < 2 || n > 64 || n > n_parts) {
+        printf("ERR INVALID_ARGUMENT threads: 2 to 64, at most the slots\n");
+        return;
+    }
+    /* part 0's output first: what every other must equal */
+    moedc_ring_call call = the_call(0);
+    moedc_ring_ticket t;
+    moedc_ring_result res;
+    moedc_error err;
+    if (moedc_ring_start(ring, &call, &t, &err) || moedc_ring_wait(ring, &t, 60, &res, &err) != 1 ||
+        res.status) {
+        printf("ERR INTERNAL the first call failed\n");
+        return;
+    }
+    for (uint32_t i = 0; i < n - 1; i++) {
+        args[i] = (thread_arg){ .part = i + 1, .calls = m };
+        pthread_create(&th[i], NULL, calls_thread, &args[i]);
+    }
+    const char *bad = NULL;
+    for (uint32_t i = 0; i < n - 1; i++) {
+        pthread_join(th[i], NULL);
+        if (!bad && args[i].error[0]) bad = args[i].error;
+    }
+    if (bad)
+        printf("ERR INTERNAL %s\n", bad);
+    else
+        printf("THREADS ok\n");
+}
+
 static void find_driver(void)
 {
     void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
@@ -298,6 +361,8 @@ int main(int argc, char **argv)
             do_replay();
         else if (!strcmp(line, "release\n"))
             do_release();
+        else if (sscanf(line, "threads %u %u", &a, &b) == 2)
+            do_threads(a, b);
         else if (!strcmp(line, "failures\n"))
             printf("FAILURES %u\n", moedc_ring_failures(ring));
         else

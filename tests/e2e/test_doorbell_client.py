@@ -53,7 +53,8 @@ class Ring:
             p = subprocess.run(["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", *sanitizer_flags(),
                                 str(os.path.join(os.path.dirname(__file__), "ring_driver.c")), "-I",
                                 str(INCLUDE), "-L", str(LIBDIR), "-lmoedclient", "-ldl",
-                                f"-Wl,-rpath,{LIBDIR}", "-o", str(exe)], capture_output=True, text=True)
+                                "-lpthread", f"-Wl,-rpath,{LIBDIR}", "-o", str(exe)],
+                               capture_output=True, text=True)
             assert p.returncode == 0, p.stderr
         self.x, self.ids, self.w = inputs(seed)
         files = []
@@ -130,6 +131,18 @@ def test_full_ring_refuses_at_once(daemon, tmp_path):
         assert r.send(f"wait {t[1]} {t[2]}").tobytes() == want.tobytes()
     stale = r.send(f"wait {a[1]} {a[2]}")
     assert stale[:2] == ("ERR", "INVALID_ARGUMENT") and "not a host call in flight" in stale[2], stale
+    r.close()
+
+
+def test_threads_share_a_ring(daemon, tmp_path):
+    """Five threads at once on one ring of six slots (the first call alone, then four threads of 40
+    host calls): every output is the same bytes as the gRPC path's, no call getting another's slot
+    or completion."""
+    d = daemon("--synthetic", SPEC)
+    r = Ring(tmp_path, d.address, 6)
+    assert r.send("threads 5 40") == ("THREADS", "ok")
+    assert r.send("call").tobytes() == grpc_output(d, r.x, r.ids, r.w).tobytes()
+    assert r.send("failures") == ("FAILURES", "0")
     r.close()
 
 
