@@ -177,7 +177,8 @@ def floor_and_idle(a, placements):
                 continue
             f = json.load(open(path))
             g = graph(a, m.addr, 1, 1, device, 0.005, f"floor-{device}")
-            f.update(graph_p50_ms=g.get("p50_ms", float("nan")), graph_p99_ms=g.get("p99_ms", float("nan")))
+            nan = float("nan")
+            f.update(graph_p50_ms=g.get("p50_ms", nan), graph_p99_ms=g.get("p99_ms", nan))
             out["floor"].append(f)
         out["grpc_floor"] = load(a, m.addr, "cuda", 1, 0, "floor-grpc")[0]
         out["idle"] = idle_cpu(a, m)
@@ -189,7 +190,8 @@ def floor_and_idle(a, placements):
 def idle_cpu(a, m, seconds=3.0):
     """Share of one core the daemon used over `seconds` with 8 rings open and no calls."""
     p = subprocess.Popen([os.path.join(a.bin, "doorbell-graph"), "--target", m.addr, "--mode", "idle",
-                          "--callers", "8", "--seconds", str(seconds + 2)], stdout=subprocess.PIPE, text=True)
+                          "--callers", "8", "--seconds", str(seconds + 2)], stdout=subprocess.PIPE,
+                         text=True)
     try:
         if "idle" not in p.stdout.readline():
             return None
@@ -276,18 +278,26 @@ def main():
     mps = mps_state()  # after a daemon ran: a server exists once a client came
     print(f"MPS: {mps}", flush=True)
     rows = []
+
+    def write(done):
+        md = markdown(rows, extra, device, mps, n_gpus)
+        md += f"\n(layers {done} of {a.layers} measured in {time.monotonic() - t0:.0f} s)\n"
+        if a.md:  # after each layer: a run cut short still leaves what it measured
+            open(a.md, "w").write(md)
+        if a.json:
+            json.dump(dict(device=device, mps=mps, gpus=n_gpus, rows=rows, **extra), open(a.json, "w"),
+                      indent=1)
+        return md
+
+    done = []
     for name in a.layers.split(","):
         kms = kernel_ms(a, name, a.tokens)
         print(f"{name}: kernel " + ", ".join(f"T={T} {ms:.3f} ms" for T, ms in sorted(kms.items())),
               flush=True)
         run_layer(a, name, kms, placements, rows)
-    md = markdown(rows, extra, device, mps, n_gpus)
-    md += f"\n(grid run in {time.monotonic() - t0:.0f} s)\n"
+        done.append(name)
+        md = write(",".join(done))
     print(md)
-    if a.md:
-        open(a.md, "w").write(md)
-    if a.json:
-        json.dump(dict(device=device, mps=mps, gpus=n_gpus, rows=rows, **extra), open(a.json, "w"), indent=1)
     return 0
 
 

@@ -352,7 +352,7 @@ stage_doorbell() {
         echo "run-on-gpu: MPS not started: callers on the daemon's GPU share it by time slices"
     fi
     logged "$OUT/gpu-ring.log" timeout 300 "$B/test_ring_stream" "$B/moed"
-    logged "$OUT/doorbell.txt" timeout 540 "$PY" bench/daemon/bench_doorbell.py --bin "$B" \
+    logged "$OUT/doorbell.txt" timeout 520 "$PY" bench/daemon/bench_doorbell.py --bin "$B" \
         --md "$OUT/doorbell.md" --json "$RAW/doorbell.json" --logs "$RAW"
     [ "$mps" -eq 0 ] || echo quit | nvidia-cuda-mps-control
 }
