@@ -64,7 +64,7 @@
 #             stopped after; doorbell.md says whether it was on): test_ring_stream (stream-ordered
 #             calls and a CUDA graph of them against the same calls from the host, bit for bit, the
 #             caller on GPU 0 and on GPU 1 where there is one), then the benchmark grid
-#             (bench/daemon/bench_doorbell.py: four layers x T 1..2048 x 1 and 8 callers x the
+#             (bench/daemon/doorbell_grid.py: four layers x T 1..2048 x 1 and 8 callers x the
 #             caller's GPU x start/wait, stream, a 60-call graph, gRPC beside moe-bench, the floor,
 #             the idle CPU), its table and targets in doorbell.md: about 8 minutes on an H200
 #
@@ -352,7 +352,7 @@ stage_doorbell() {
         echo "run-on-gpu: MPS not started: callers on the daemon's GPU share it by time slices"
     fi
     logged "$OUT/gpu-ring.log" timeout 300 "$B/test_ring_stream" "$B/moed"
-    logged "$OUT/doorbell.txt" timeout 520 "$PY" bench/daemon/bench_doorbell.py --bin "$B" \
+    logged "$OUT/doorbell.txt" timeout 520 "$PY" bench/daemon/doorbell_grid.py --bin "$B" \
         --md "$OUT/doorbell.md" --json "$RAW/doorbell.json" --logs "$RAW"
     [ "$mps" -eq 0 ] || echo quit | nvidia-cuda-mps-control
 }

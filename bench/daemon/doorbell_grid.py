@@ -22,7 +22,7 @@ It must fit in a few device minutes (about 8 on an H200): moed-load measures 1 a
 process (two levels of 0.1 s warm-up and 0.25 s measured), each graph cell as many replays as fill
 about half a second (at least 3).
 
-usage: python3 bench_doorbell.py --bin .gpu/bin --md OUT/doorbell.md [--json FILE] [--logs DIR]
+usage: python3 doorbell_grid.py --bin .gpu/bin --md OUT/doorbell.md [--json FILE] [--logs DIR]
        [--layers mixtral,...] [--tokens 1,8,...] [--duration S] [--warmup S]
 """
 import argparse
