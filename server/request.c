@@ -219,23 +219,21 @@ static moed_region *region_for(const moed_served *s, const moed_caller *c, uint6
 static void *tensor_copy(const moed_served *s, const moed_caller *c, const moed_wire_tensor *t,
                          const char *name, int dtype, uint64_t need, moed_error *err)
 {
-    void *p = malloc(need ? need : 1);
-    if (!p) {
-        moed_fail(err, MOED_ENOMEM, "no memory to copy %llu bytes of the request",
-                  (unsigned long long)need);
-        return NULL;
-    }
-    if (!t->in_region) {
-        moed_span_copy(&t->data, p);
-        return p;
-    }
-    moed_region *g = region_for(s, c, t->region.region, name, err);
-    void *at;
+    /* A region's reference is checked first: need, which the shape says, is then bytes the
+     * caller holds, not a size it only named. */
+    moed_region *g = t->in_region ? region_for(s, c, t->region.region, name, err) : NULL;
+    void *at = NULL, *p = NULL;
     int dev;
-    int rc = !g ? err->code
-                : moed_region_resolve(g, t->region.offset, t->region.length, need,
-                                      moed_dtype_size(dtype), name, &at, &dev, err);
-    if (!rc && (rc = moed_region_copy_in(s->regions, g, p, at, (size_t)need, err)))
+    int rc = t->in_region && !g ? err->code
+             : g                ? moed_region_resolve(g, t->region.offset, t->region.length, need,
+                                                      moed_dtype_size(dtype), name, &at, &dev, err)
+                                : 0;
+    if (!rc && !(p = malloc(need ? need : 1)))
+        rc = moed_fail(err, MOED_ENOMEM, "no memory to copy %llu bytes of the request",
+                       (unsigned long long)need);
+    if (!rc && !g)
+        moed_span_copy(&t->data, p);
+    else if (!rc && (rc = moed_region_copy_in(s->regions, g, p, at, (size_t)need, err)))
         moed_error_prefix(err, "%s", name); /* as region_for names it when the region is broken */
     moed_region_release(s->regions, g);
     if (!rc) return p;

@@ -274,6 +274,12 @@ static void test_descriptor(void)
     d.top_k = 3; /* the lengths say 2 */
     expect_desc(&d, MOED_EINVAL, "expert_ids.region.length is 16");
     d = good_desc();
+    d.tokens = 64; /* T x k x 4 is a terabyte: the reference is checked before anything is copied */
+    d.top_k = UINT32_MAX;
+    d.hidden.length = d.output.length = 64 * 16;
+    d.output.offset = 8192;
+    expect_desc(&d, MOED_EINVAL, "expert_ids.region.length is 16");
+    d = good_desc();
     d.hidden.offset = 1026;
     expect_desc(&d, MOED_EINVAL, "hidden.region.offset 1026 is not a multiple of 4");
     d = good_desc();
