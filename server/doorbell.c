@@ -20,6 +20,7 @@
 #include "moed_list.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,7 +28,7 @@
 #include <sys/random.h>
 #include <time.h>
 
-#define SPIN_NS      2000000u /* the poller spins this long after the last call it took */
+#define SPIN_NS      2000000u /* the poller spins while calls run, and this long after the last */
 #define SLEEP_MIN_NS 50000u   /* then sleeps this long, doubling each time up to SLEEP_MAX_NS */
 #define SLEEP_MAX_NS 1000000u
 
@@ -71,6 +72,8 @@ struct moed_doorbell {
     moed_list rings;      /* of ring.node */
     uint64_t n_rings;
     int drain; /* 0; 1 asked; 2 the calls rung before it are taken and the rings say DRAINING */
+    _Atomic int64_t running;       /* calls taken and not completed */
+    _Atomic uint64_t last_done_ns; /* when the latest call completed */
     bool stop;
     bool started;
     pthread_t thread;
@@ -204,6 +207,8 @@ static void complete(call *c, int code, const moed_error *err, const moed_sched_
     moed_work_free(&c->work);
     atomic_store(&c->busy, false);
     atomic_store(&r->rescan, true);
+    atomic_store(&db->last_done_ns, now_ns());
+    atomic_fetch_sub(&db->running, 1);
     ring_unref(r); /* the call's */
 }
 
@@ -239,6 +244,7 @@ static void submit(moed_doorbell *db, ring *r, call *c, bool draining)
     moed_wire_request q;
     int rc;
     ring_ref(r); /* the call's */
+    atomic_fetch_add(&db->running, 1);
     c->t_taken_ns = now_ns();
     memset(&c->work, 0, sizeof c->work);
     if (draining)
@@ -323,17 +329,27 @@ static void *poller_main(void *arg)
             if (drain == 1) ring_set_state(held[i], MOED_RING_DRAINING);
             ring_unref(held[i]);
         }
-        const uint64_t now = now_ns();
-        if (taken) {
-            last_call = now;
-            sleep_ns = SLEEP_MIN_NS;
-        }
+        const uint64_t done = atomic_load(&db->last_done_ns), now = now_ns();
+        if (taken) last_call = now;
+        if (done > last_call) last_call = done;
+        /* A caller rings again as soon as its call completes: the poller is there while calls
+         * run, not asleep in a step of its backoff. */
+        const bool busy = atomic_load(&db->running) > 0 || now - last_call < SPIN_NS;
+        if (busy) sleep_ns = SLEEP_MIN_NS;
         pthread_mutex_lock(&db->lock);
         if (drain == 1) {
             db->drain = 2;
             pthread_cond_broadcast(&db->wake);
         }
-        if (db->stop || db->drain == 1 || now - last_call < SPIN_NS) continue;
+        if (db->stop || db->drain == 1) continue;
+        if (busy) {
+            /* Spinning, but a thread that wants this core (the CPU backend's compute, the
+             * caller's) gets it first. */
+            pthread_mutex_unlock(&db->lock);
+            sched_yield();
+            pthread_mutex_lock(&db->lock);
+            continue;
+        }
         const uint64_t at = now + sleep_ns;
         struct timespec ts = { (time_t)(at / 1000000000u), (long)(at % 1000000000u) };
         pthread_cond_timedwait(&db->wake, &db->lock, &ts);

@@ -19,9 +19,10 @@
  * is completed at once with its status and message; a computed one when its launch is done: the
  * completion half, the slot's completions, the header's completed and failures, and `done` stored
  * last. Every access to a ring's memory is guarded (guard.h): a ring whose object shrank under the
- * server is closed, its region marked broken. The poller spins while calls come (a few ms after
- * the last one), then sleeps in growing steps up to 1 ms: an idle daemon with open rings costs
- * little, and a call after a pause waits at most one step. It never waits for a client.
+ * server is closed, its region marked broken. The poller spins while calls run and for a few ms
+ * after the last one (yielding the core to any thread that wants it), then sleeps in growing steps
+ * up to 1 ms: an idle daemon with open rings costs little, and a call after a pause waits at most
+ * one step. It never waits for a client.
  *
  * Drain (SIGTERM): moed_doorbell_drain takes every call rung by then, then writes DRAINING to every
  * open ring; calls rung after that complete UNAVAILABLE, also on rings whose session the drain
