@@ -176,7 +176,7 @@ class MoEClient(C.Connection, AioClient):
         """moed.MoEClient.forward_stream as an async generator: `requests` is an async iterable
         (or a plain iterable) of dicts of forward()'s keyword arguments; yields the outputs in
         order. Use `async for y in c.forward_stream(requests)`."""
-        source = requests.__aiter__() if hasattr(requests, "__aiter__") else iter(requests)
+        source = requests.__aiter__() if hasattr(requests, "__aiter__") else C.requests_of(requests)
         feed = C.Feed(source, transport or self.transport, self._session.regions)
         pull_lock = asyncio.Lock()
         deadline = self._deadline(timeout)

@@ -122,9 +122,9 @@ class MoEClient(C.Connection, Client):
     transport carried; the region session behind shm and cuda is opened on first use and ended
     by close() (moed.regions).
 
-    MoEClient talks to one daemon: a list of targets raises TypeError and a "dns:" name that
-    resolves to several addresses ValueError, each pointing to moed.connect, which makes a fleet
-    client (moed.FleetClient) of several daemons and this client of one.
+    MoEClient talks to one daemon: a list of targets, or a "dns:" name that resolves to several
+    addresses, raises InvalidArgument pointing to moed.connect, which makes a fleet client
+    (moed.FleetClient) of several daemons and this client of one.
     """
 
     def __init__(self, target: str = "127.0.0.1:50051", *args, **kwargs):
@@ -203,7 +203,8 @@ class MoEClient(C.Connection, Client):
         returned; a CUDA out that lies in a registered tensor (register()) is written by the
         server itself, and with hidden registered too the call copies nothing.
         timeout: seconds, None for the client's default.
-        Raises MoEError on a failed call and ValueError on arguments that cannot be sent.
+        Raises MoEError: the server's status, or the client's own (moed.types.MoEError says which),
+        INVALID_ARGUMENT for arguments that cannot be sent, found before anything is sent.
         """
         for again in (False, True):
             call = self._session.run(C.prepare_forward(
@@ -247,12 +248,12 @@ class MoEClient(C.Connection, Client):
         """forward() over one ForwardStream, for workers that call every layer: `requests` is an
         iterable of dicts of forward()'s keyword arguments (layer and hidden required; not
         timeout), consumed as the stream sends; yields each output (or ForwardResult) in order, as
-        forward() returns it. A bad item raises its ValueError after the outputs before it.
+        forward() returns it. A bad item raises its InvalidArgument after the outputs before it.
         timeout covers the whole stream. A stream failing UNAVAILABLE is retried: the requests not
         yet answered are sent again on a new stream (the retry count restarts with each reply).
         Stopping the iteration early cancels the stream.
         """
-        feed = C.Feed(iter(requests), transport or self.transport, self._session.regions)
+        feed = C.Feed(C.requests_of(requests), transport or self.transport, self._session.regions)
         pull_lock = threading.Lock()
         deadline = self._deadline(timeout)
         failures = 0

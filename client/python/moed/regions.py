@@ -68,7 +68,7 @@ from typing import Any, Dict, Generator, List, Optional, Tuple
 
 import numpy as np
 
-from .types import MoEError
+from .types import InvalidArgument, MoEError, local_failure
 
 ALIGN = 256  # slot offsets and sizes: any dtype's alignment, and a GPU cache line
 MIB = 1 << 20
@@ -179,7 +179,10 @@ class HostChunk(Chunk):
     def __init__(self, size: int):
         self.name = f"/moed-py-{os.getpid()}-{secrets.token_hex(8)}"
         path = "/dev/shm" + self.name
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        except OSError as e:  # no /dev/shm, no descriptor left
+            raise self.failure(e, size) from e
         try:
             os.ftruncate(fd, size)
             # The pages now, or ENOSPC now: a tmpfs that fills later (a container's 64 MiB
@@ -188,15 +191,18 @@ class HostChunk(Chunk):
             self.map = mmap.mmap(fd, size)
         except OSError as e:
             os.unlink(path)
-            raise OSError(e.errno, f"cannot make {size} bytes of shared memory in /dev/shm "
-                                   f"({e.strerror}): enlarge it (docker run --shm-size) or use "
-                                   f"transport='inline'") from None
+            raise self.failure(e, size) from e
         except BaseException:
             os.unlink(path)
             raise
         finally:
             os.close(fd)
         super().__init__(size)
+
+    @staticmethod
+    def failure(e: OSError, size: int) -> MoEError:
+        return local_failure(e, f"cannot make {size} bytes of shared memory in /dev/shm ({e.strerror}): "
+                                f"enlarge it (docker run --shm-size) or use transport='inline'")
 
     def register(self) -> Steps:
         """The two steps: the server maps it and answers a challenge, written here, then confirmed."""
@@ -492,10 +498,10 @@ class Regions:
     def register(self, tensor: Any) -> Steps:
         """Registers a caller's CUDA tensor; returns its Registration."""
         if type(tensor).__module__.split(".")[0] != "torch" or tensor.device.type != "cuda":
-            raise ValueError("register() takes a torch CUDA tensor (host tensors go through the "
+            raise InvalidArgument("register() takes a torch CUDA tensor (host tensors go through the "
                              "client's shared-memory arena)")
         if not self.local:
-            raise ValueError(remote_message("register()", self.target))
+            raise InvalidArgument(remote_message("register()", self.target))
         command, base = cuda_command(tensor.data_ptr(), tensor.device.index)
         alloc = next((a for a in self.allocations if a.device == tensor.device.index and a.base == base),
                      None)
@@ -509,6 +515,8 @@ class Regions:
 
     def unregister(self, reg: Registration) -> Steps:
         """Ends a registration made by register(); the region goes with the last in its allocation."""
+        if not isinstance(reg, Registration):
+            raise InvalidArgument(f"unregister() takes what register() returned, not {type(reg).__name__}")
         alloc = reg.allocation
         i = next((i for i, t in enumerate(alloc.tensors) if t is reg.tensor), None)
         if i is not None:
@@ -537,13 +545,17 @@ class _CUipcMemHandle(ctypes.Structure):
 
 
 _driver: Any = None
+_CUDA_ERROR_OUT_OF_MEMORY = 2
 
 
 def _cuda() -> Any:
     """libcuda, loaded once (the driver is there wherever torch sees a GPU)."""
     global _driver
     if _driver is None:
-        lib = ctypes.CDLL("libcuda.so.1")
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise local_failure(e, f"no CUDA driver: libcuda.so.1 cannot be loaded ({e})") from e
         u64, p = ctypes.c_uint64, ctypes.POINTER
         for name, args in (("cuInit", [ctypes.c_uint]), ("cuDeviceGet", [p(ctypes.c_int), ctypes.c_int]),
                            ("cuDeviceGetUuid_v2", [p(_CUuuid), ctypes.c_int]),
@@ -567,7 +579,8 @@ def _check(rc: int, what: str) -> None:
         _cuda().cuGetErrorName(rc, ctypes.byref(name))
         hint = (" (torch's expandable segments allocate memory without IPC handles: unset "
                 "expandable_segments in PYTORCH_CUDA_ALLOC_CONF)" if what == "cuIpcGetMemHandle" else "")
-        raise MoEError("FAILED_PRECONDITION", f"{what}: {(name.value or b'?').decode()} ({rc}){hint}")
+        code = "RESOURCE_EXHAUSTED" if rc == _CUDA_ERROR_OUT_OF_MEMORY else "FAILED_PRECONDITION"
+        raise MoEError(code, f"{what}: {(name.value or b'?').decode()} ({rc}){hint}")
 
 
 def _in_context(device: int, fn) -> Any:

@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .types import DTYPES, MoEError, dtype_name, name_of
+from .types import DTYPES, InvalidArgument, MoEError, dtype_name, name_of
 
 F32, F16, BF16, I32 = DTYPES["f32"], DTYPES["f16"], DTYPES["bf16"], DTYPES["i32"]
 # numpy dtype of each wire dtype: little-endian, bf16 as its uint16 bit pattern.
@@ -57,13 +57,13 @@ def _wire_dtype(name: str, dtype: Optional[str], what: str) -> int:
     """The wire dtype of a hidden tensor whose dtype is called `name` ("float32", "uint16", ...)."""
     if name == "uint16":
         if dtype is None or dtype_name(dtype) != "bf16":
-            raise ValueError(f"{what} is a uint16 array: pass dtype='bf16' if it holds bf16 bit patterns")
+            raise InvalidArgument(f"{what} is a uint16 array: pass dtype='bf16' if it holds bf16 bit patterns")
         return BF16
     if name not in _HIDDEN:
-        raise ValueError(f"{what} has dtype {name}: use float32, float16 or bfloat16 (numpy: "
+        raise InvalidArgument(f"{what} has dtype {name}: use float32, float16 or bfloat16 (numpy: "
                          f"ml_dtypes.bfloat16, or uint16 bf16 bits with dtype='bf16')")
     if dtype is not None and dtype_name(dtype) != _HIDDEN[name]:
-        raise ValueError(f"dtype={dtype!r} does not match {what}'s dtype {name}")
+        raise InvalidArgument(f"dtype={dtype!r} does not match {what}'s dtype {name}")
     return DTYPES[_HIDDEN[name]]
 
 
@@ -71,12 +71,12 @@ def _from_dlpack(x: Any, what: str) -> np.ndarray:
     """A host __dlpack__ object as a numpy array over its memory."""
     device = x.__dlpack_device__() if hasattr(x, "__dlpack_device__") else (_KDL_CPU, 0)
     if int(device[0]) != _KDL_CPU:
-        raise ValueError(f"{what} is a DLPack tensor on device {tuple(device)}, not on the host: pass a "
+        raise InvalidArgument(f"{what} is a DLPack tensor on device {tuple(device)}, not on the host: pass a "
                          f"torch tensor (CUDA works) or copy it to the host first")
     try:
         return np.from_dlpack(x)
     except (BufferError, RuntimeError, TypeError) as e:
-        raise ValueError(f"{what}: numpy cannot read this __dlpack__ object ({e}); pass a numpy "
+        raise InvalidArgument(f"{what}: numpy cannot read this __dlpack__ object ({e}); pass a numpy "
                          f"array or a torch tensor") from None
 
 
@@ -123,7 +123,7 @@ class Input:
         raise NotImplementedError
 
     def check_out(self, out: Any) -> None:
-        """ValueError unless `out` can take the output: of the input's kind, dtype, shape (and
+        """InvalidArgument unless `out` can take the output: of the input's kind, dtype, shape (and
         device), C-contiguous and writable."""
         raise NotImplementedError
 
@@ -152,7 +152,7 @@ class NumpyInput(Input):
     def check_out(self, out: Any) -> None:
         if not (isinstance(out, np.ndarray) and out.dtype == self.obj.dtype and out.shape == self.shape
                 and out.flags.c_contiguous and out.flags.writeable):
-            raise ValueError(f"out must be a writable C-contiguous numpy array of hidden's dtype "
+            raise InvalidArgument(f"out must be a writable C-contiguous numpy array of hidden's dtype "
                              f"{self.obj.dtype} and shape {list(self.shape)}")
 
     def into(self, out: Any, y: Any) -> Any:
@@ -195,7 +195,7 @@ class TorchInput(Input):
     def check_out(self, out: Any) -> None:
         if not (is_torch(out) and out.dtype == self.obj.dtype and tuple(out.shape) == self.shape
                 and out.device == self.obj.device and out.is_contiguous()):
-            raise ValueError(f"out must be a contiguous torch tensor of hidden's dtype {self.obj.dtype}, "
+            raise InvalidArgument(f"out must be a contiguous torch tensor of hidden's dtype {self.obj.dtype}, "
                              f"shape {list(self.shape)} and device {self.obj.device}")
 
     def into(self, out: Any, y: Any) -> Any:
@@ -220,29 +220,42 @@ class TorchInput(Input):
         return host.clone() if copy else host
 
 
+def _asarray(x: Any, what: str) -> np.ndarray:
+    try:
+        return np.asarray(x)
+    except (TypeError, ValueError) as e:  # ragged nested lists, objects numpy refuses
+        raise InvalidArgument(f"{what} is no array numpy can read: {e}") from None
+
+
 def hidden_input(x: Any, dtype: Optional[str] = None, what: str = "hidden") -> Input:
     """x (numpy, torch, __dlpack__, or anything numpy.asarray takes) as a 2-D Input."""
     if type(x) is not np.ndarray and is_torch(x):
         inp: Input = TorchInput(x, _wire_dtype(str(x.dtype).rpartition(".")[2], dtype, what), tuple(x.shape))
     else:
         if not isinstance(x, np.ndarray):
-            x = _from_dlpack(x, what) if hasattr(x, "__dlpack__") else np.asarray(x)
+            x = _from_dlpack(x, what) if hasattr(x, "__dlpack__") else _asarray(x, what)
         inp = NumpyInput(x, _wire_dtype(_np_name(x.dtype), dtype, what), x.shape)
     if len(inp.shape) != 2:
-        raise ValueError(f"{what} must be [T, d_model], not shape {list(inp.shape)}")
+        raise InvalidArgument(f"{what} must be [T, d_model], not shape {list(inp.shape)}")
     return inp
 
 
 def host_array(x: Any, wire: int, what: str) -> np.ndarray:
     """A routing tensor (ids, weights, logits) as a C-contiguous little-endian host array of the
-    wire dtype's numpy type; converted from any dtype, copied from any device."""
-    if type(x) is np.ndarray:
-        return x.astype(WIRE_NP[wire], order="C", copy=False)
-    if is_torch(x):
-        t = x.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        x = t.float().numpy() if str(t.dtype) == "torch.bfloat16" else t.numpy()
-    elif not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__"):
-        x = _from_dlpack(x, what)
-    return np.asarray(x).astype(WIRE_NP[wire], order="C", copy=False)
+    wire dtype's numpy type; converted from any dtype, copied from any device; InvalidArgument for
+    what holds no such numbers."""
+    try:
+        if type(x) is np.ndarray:
+            return x.astype(WIRE_NP[wire], order="C", copy=False)
+        if is_torch(x):
+            t = x.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            x = t.float().numpy() if str(t.dtype) == "torch.bfloat16" else t.numpy()
+        elif not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__"):
+            x = _from_dlpack(x, what)
+        return np.asarray(x).astype(WIRE_NP[wire], order="C", copy=False)
+    except InvalidArgument:
+        raise
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"{what} cannot be read as {name_of(DTYPES, wire)} numbers: {e}") from None
