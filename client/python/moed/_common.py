@@ -266,6 +266,16 @@ class Feed:
             raise self.error
 
 
+_COUNTING = threading.Lock()  # every client's transport_calls increments: each is over at once
+
+
+def count(client: Any, transport: str) -> None:
+    """One more Forward call carried by `transport` in client.transport_calls. Under a lock: a
+    client is used from many threads at once, and += on a dict's item reads, then writes."""
+    with _COUNTING:
+        client.transport_calls[transport] += 1
+
+
 def seconds(value: Any, what: str) -> Optional[float]:
     """value, checked to be None or a number of seconds (InvalidArgument otherwise)."""
     if value is None or type(value) in (int, float) and value == value:

@@ -105,7 +105,7 @@ class FleetBase:
 
     def _prepare(self, layer: int, hidden: Any, transport: Optional[str], **kw) -> C.Call:
         call = C.now(C.prepare_forward(layer, hidden, transport=P.inline(transport or self.transport), **kw))
-        self.transport_calls["inline"] += 1
+        C.count(self, call.transport)
         return call
 
     def _try_plan(self, layer: int) -> Tuple[Optional[List[P.Shard]], Optional[MoEError]]:

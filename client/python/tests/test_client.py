@@ -6,6 +6,7 @@ The real daemon is tested by tests/e2e."""
 import asyncio
 import subprocess
 import sys
+import threading
 
 import grpc
 import ml_dtypes
@@ -320,6 +321,42 @@ def test_stopping_a_stream_early_cancels_it(server):
                 break
         assert c.health() == "SERVING"
     assert len(fake.streams) == 1 and len(fake.streams[0]) >= 5
+
+
+class RacyCounts(dict):
+    """transport_calls whose reads wait (up to a second) for a second thread to read too: two
+    increments that are not serialised then both read the old count and one is lost."""
+
+    def __init__(self, counts):
+        super().__init__(counts)
+        self.both = threading.Barrier(2)
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        try:
+            self.both.wait(timeout=1)
+        except threading.BrokenBarrierError:  # the other thread could not read meanwhile
+            pass
+        return value
+
+
+COUNTED = {"forward": lambda c, x: c.forward(0, x, **CHOICE),
+           "stream": lambda c, x: list(c.forward_stream([dict(layer=0, hidden=x, **CHOICE)]))}
+
+
+@pytest.mark.parametrize("fleet", [False, True], ids=["one", "fleet"])
+@pytest.mark.parametrize("call", sorted(COUNTED))
+def test_transport_calls_count_every_call_from_every_thread(server, call, fleet):
+    fake, target = server
+    x = np.ones((5, 8), np.float32)
+    with moed.connect([target, target] if fleet else target, timeout=60) as c:
+        c.transport_calls = RacyCounts(c.transport_calls)
+        threads = [threading.Thread(target=COUNTED[call], args=(c, x)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert dict(c.transport_calls) == {"inline": 2, "shm": 0, "cuda": 0}, "a count was lost"
 
 
 # ---- retries, deadlines, options ---------------------------------------------------------------
