@@ -6,7 +6,8 @@ moed_request_bytes_total and moed_response_bytes_total grow by less than one hid
 the calls, ListRegions lists a CUDA region on the device); tensors the caller registered are read
 and written in place (no device arena is ever made); the input is produced by GPU work queued just
 before the call (the client must wait for it); timed-out calls give their device regions back
-once the server holds them no more; a CPU-backend daemon refuses the cuda transport with its
+once the server holds them no more; an out= on the device is written once, with no device
+tensor made on the way; a CPU-backend daemon refuses the cuda transport with its
 FAILED_PRECONDITION and auto falls back to shared memory there.
 
     python3 tests/gpu/test_python_torch.py --bin .gpu/bin     (tools/gpu/run-on-gpu.sh python)
@@ -193,6 +194,22 @@ def test_streams_and_aio_with_cuda_tensors(cuda_daemon):
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
     for outputs in asyncio.run(run()):
         assert all(np.array_equal(a, b) for a, b in zip(outputs, want))
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_a_cuda_out_is_written_once(cuda_daemon, transport):
+    """out= on the device takes the output straight from the host bytes (the reply, or the shared
+    memory arena): no device tensor is made on the way (torch's allocator serves nothing during
+    the call), and out holds what the numpy path gives."""
+    with cuda_daemon.client(timeout=60) as c:
+        x, kw = hidden(64, torch.bfloat16, "cuda", 50), routing(64, 50)
+        want = reference(c, x, kw)
+        out = torch.empty_like(x)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        y = c.forward(0, x, out=out, transport=transport, **kw)
+        assert torch.cuda.memory_stats()["allocation.all.allocated"] == before, "a device tensor was made"
+        assert y is out and np.array_equal(raw(out), want)
 
 
 def test_timed_out_cuda_calls_give_their_device_regions_back(tmp_path):

@@ -183,11 +183,12 @@ class MoEClient(C.Connection, Client):
         hidden: a numpy array, a torch tensor (CPU or CUDA), or another object with __dlpack__ on
         the host; float32, float16 or bfloat16 (numpy: ml_dtypes.bfloat16), or uint16 bf16 bit
         patterns with dtype="bf16" (the output is then uint16 too). The output is a numpy array
-        (torch tensor in: a torch tensor on the same device). It is a view of the reply's bytes:
-        read-only for numpy; copy=True gives one that owns its memory (moed.tensors says what
-        each kind costs). A non-contiguous hidden is copied once. On the shm transport the output
-        is a view of the client's shared-memory arena instead, valid as long as it is referenced
-        (moed.regions); a CUDA output is a new tensor on hidden's device.
+        (torch tensor in: a torch tensor on the same device). A numpy output is a read-only view
+        of the reply's bytes (copy=True gives one that owns its memory), a torch one memory of its
+        own (moed.tensors says what each kind costs). A non-contiguous hidden is copied once. On
+        the shm transport the output is a view of the client's shared-memory arena instead (torch:
+        writable), valid as long as it is referenced (moed.regions); a CUDA output is a new tensor
+        on hidden's device.
         Routing, one of:
           * expert_ids int32 [T, k] and expert_weights float32 [T, k] (id -1 with weight 0 pads);
           * router_logits float32 [T, num_experts], gated by the server with `strategy`;

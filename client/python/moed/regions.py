@@ -15,10 +15,10 @@ them its own way (a Driver, blocking or awaiting).
 Host arena: POSIX shared memory the client creates (/dev/shm/moed-py-PID-RANDOM, mode 0600; so
 Linux), registered with the server's challenge and unlinked at once, so a client that dies leaves
 no name behind. A call copies hidden into a slot (the one copy), the server computes in place and
-writes the output over it, and the output is a read-only view of the slot. A slot is reused only
-once nothing references its output (the array, or anything made from it, keeps it): an output
-stays valid as long as it lives, across later calls and after close(). copy=True copies it out and
-frees the slot at once.
+writes the output over it, and the output is a view of the slot (read-only for numpy; torch's is
+writable: the slot is the output's while it lives). A slot is reused only once nothing references
+its output (the array, or anything made from it, keeps it): an output stays valid as long as it
+lives, across later calls and after close(). copy=True copies it out and frees the slot at once.
 
 Device arena, one per CUDA device: device memory of its own (cuMemAlloc, seen by torch as a uint8
 tensor through __cuda_array_interface__), registered by CUDA IPC handle, all through the CUDA
@@ -291,12 +291,13 @@ class Slot:
         self.chunk.pool.give(self.off, self.n)
         self.arena.ended(self.chunk)
 
-    def lent(self) -> np.ndarray:
-        """A read-only host view of the slot that gives it back when the last array made from it
-        is dropped (host chunks). numpy makes `a` the base of every view made from it (its own base
-        is the mapping, not an array, so the chain of bases stops there), and torch.frombuffer holds
-        it: the slot is in use exactly as long as something can see it."""
-        a = self.chunk.bytes_at(self.off, self.n, False)
+    def lent(self, writable: bool = False) -> np.ndarray:
+        """A host view of the slot (read-only unless `writable`: the server is done writing it, and
+        nothing else will until it is given back) that gives it back when the last array made from
+        it is dropped (host chunks). numpy makes `a` the base of every view made from it (its own
+        base is the mapping, not an array, so the chain of bases stops there), and torch.frombuffer
+        holds it: the slot is in use exactly as long as something can see it."""
+        a = self.chunk.bytes_at(self.off, self.n, writable)
         weakref.finalize(a, self.chunk.pool.give, self.off, self.n)
         self.arena.ended(self.chunk)
         return a

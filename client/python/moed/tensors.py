@@ -10,12 +10,13 @@ by whoever made the tensor, is taken from sys.modules.
 Copies, on the inline transport: a contiguous little-endian host tensor is read where it lies
 (wire.py writes its bytes into the message: the one copy); a non-contiguous one is first made
 contiguous (one more copy, on the tensor's own device); a CUDA tensor is copied to the host once.
-The output is a view of the reply's bytes: numpy arrays are read-only views (copy=True gives a
-writable array of their own); torch CPU tensors share the reply's buffer too (torch has no
-read-only tensors: nothing else uses that buffer, but pass copy=True for a tensor that owns its
-memory); CUDA outputs are one host-to-device copy. On the shm transport the one copy is into the
-client's shared memory (write(), from any layout or device) and the output views that memory
-instead of the reply; the cuda transport is moed.transport's and moed.regions' business.
+The output: numpy arrays are read-only views of the reply's bytes (copy=True gives a writable
+array of their own); torch tensors, which cannot be read-only, are memory of their own, one copy
+out of the reply (copy=True adds none); CUDA outputs are one host-to-device copy. An out= is
+written once, from the reply's bytes. On the shm transport the one copy in is into the client's
+shared memory (write(), from any layout or device) and the output views the memory the server
+wrote it to, the client's while the output lives (read-only for numpy, writable for torch); the
+cuda transport is moed.transport's and moed.regions' business.
 """
 
 from __future__ import annotations
@@ -100,6 +101,9 @@ class Input:
     host (host()), and how to make an output like it (output()). obj is the caller's tensor."""
 
     __slots__ = ("obj", "wire", "shape")
+    # Whether a view of memory the client lends an output (a shared-memory slot) must be writable:
+    # numpy's can be read-only, torch has no read-only tensors.
+    writable_views = False
 
     def __init__(self, obj: Any, wire: int, shape: Tuple[int, ...]):
         self.obj, self.wire, self.shape = obj, wire, shape
@@ -127,12 +131,10 @@ class Input:
         device), C-contiguous and writable."""
         raise NotImplementedError
 
-    def into(self, out: Any, y: Any) -> Any:
-        """Copies output y into out (checked); returns out."""
-        raise NotImplementedError
-
-    def output(self, data: memoryview, shape: Sequence[int], copy: bool) -> Any:
-        """An output of the input's kind from the reply's bytes (already checked against shape)."""
+    def output(self, data: Any, shape: Sequence[int], copy: bool, out: Any = None) -> Any:
+        """An output of the input's kind from its bytes (already checked against shape): the
+        reply's (read-only), or a slot of shared memory lent to it (writable if writable_views),
+        which the output may view; written into `out` (checked) when given, and returned."""
         raise NotImplementedError
 
 
@@ -152,26 +154,24 @@ class NumpyInput(Input):
     def check_out(self, out: Any) -> None:
         if not (isinstance(out, np.ndarray) and out.dtype == self.obj.dtype and out.shape == self.shape
                 and out.flags.c_contiguous and out.flags.writeable):
-            raise InvalidArgument(f"out must be a writable C-contiguous numpy array of hidden's dtype "
-                             f"{self.obj.dtype} and shape {list(self.shape)}")
+            raise InvalidArgument(f"out must be a writable C-contiguous numpy array of hidden's "
+                                  f"dtype {self.obj.dtype} and shape {list(self.shape)}")
 
-    def into(self, out: Any, y: Any) -> Any:
-        np.copyto(out, y)
-        return out
-
-    def output(self, data: memoryview, shape: Sequence[int], copy: bool) -> np.ndarray:
+    def output(self, data: Any, shape: Sequence[int], copy: bool, out: Any = None) -> np.ndarray:
         like = self.obj.dtype if self.wire == BF16 else self.obj.dtype.newbyteorder("=")
         a = wire_view(data, self.wire, shape)
-        if _BIG_ENDIAN:
-            return a.astype(like)
-        a = a.view(like)
-        return a.copy() if copy else a
+        y = a.astype(like) if _BIG_ENDIAN else a.view(like)  # big-endian: converted, a copy
+        if out is not None:
+            np.copyto(out, y)
+            return out
+        return y.copy() if copy and not _BIG_ENDIAN else y
 
 
 class TorchInput(Input):
     """A torch tensor on the CPU or a CUDA device; the output is a torch tensor on that device."""
 
     __slots__ = ()
+    writable_views = True
 
     def host(self) -> np.ndarray:
         t = self.obj.detach()
@@ -195,16 +195,14 @@ class TorchInput(Input):
     def check_out(self, out: Any) -> None:
         if not (is_torch(out) and out.dtype == self.obj.dtype and tuple(out.shape) == self.shape
                 and out.device == self.obj.device and out.is_contiguous()):
-            raise InvalidArgument(f"out must be a contiguous torch tensor of hidden's dtype {self.obj.dtype}, "
-                             f"shape {list(self.shape)} and device {self.obj.device}")
+            raise InvalidArgument(f"out must be a contiguous torch tensor of hidden's dtype "
+                                  f"{self.obj.dtype}, shape {list(self.shape)} and device {self.obj.device}")
 
-    def into(self, out: Any, y: Any) -> Any:
-        return out.copy_(y)
-
-    def output(self, data: memoryview, shape: Sequence[int], copy: bool) -> Any:
+    def output(self, data: Any, shape: Sequence[int], copy: bool, out: Any = None) -> Any:
         torch = sys.modules["torch"]
         dtype, shape = self.obj.dtype, tuple(shape)
         a = wire_view(data, self.wire, shape)
+        own = True  # whether `host` is memory of its own
         if a.size == 0:
             host = torch.empty(shape, dtype=dtype)
         elif _BIG_ENDIAN:  # torch holds native byte order: convert (a copy)
@@ -212,12 +210,16 @@ class TorchInput(Input):
             host = torch.from_numpy(a.view(np.int16) if self.wire == BF16 else a).view(dtype)
         else:
             with warnings.catch_warnings():
-                # torch warns that the buffer is read-only; the module's docstring says what that means.
+                # torch warns of a read-only buffer: the reply's bytes are only read (below)
                 warnings.simplefilter("ignore", UserWarning)
                 host = torch.frombuffer(data, dtype=dtype).view(shape)
+            own = not memoryview(data).readonly  # a slot lent writable: the output's own
+        if out is not None:
+            return out.copy_(host)
         if self.obj.device.type != "cpu":
             return torch.empty(shape, dtype=dtype, device=self.obj.device).copy_(host)
-        return host.clone() if copy else host
+        # The reply's bytes are an immutable object: an in-place op on a view would write into it.
+        return host.clone() if copy or not own else host
 
 
 def _asarray(x: Any, what: str) -> np.ndarray:

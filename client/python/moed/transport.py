@@ -52,8 +52,7 @@ class Prepared:
         self.input, self.tensor, self.output, self.out = inp, tensor, output, out
 
     def finish(self, reply_tensor: Dict[str, Any], copy: bool) -> Any:
-        y = self.input.output(reply_tensor["data"], reply_tensor["shape"], copy and self.out is None)
-        return y if self.out is None else self.input.into(self.out, y)
+        return self.input.output(reply_tensor["data"], reply_tensor["shape"], copy, self.out)
 
     def failed(self, code_name: str) -> None:
         pass
@@ -77,8 +76,8 @@ class HostPrepared(Prepared):
 
     def finish(self, reply_tensor: Dict[str, Any], copy: bool) -> Any:
         self._check_ref(reply_tensor)
-        y = self.input.output(self.slot.lent(), reply_tensor["shape"], copy and self.out is None)
-        return y if self.out is None else self.input.into(self.out, y)
+        lent = self.slot.lent(self.input.writable_views)
+        return self.input.output(lent, reply_tensor["shape"], copy, self.out)
 
     def failed(self, code_name: str) -> None:
         self.slot.failed(code_name)
