@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator, List, Optional
 import grpc
 
 from . import _common as C
+from .handover import Desk
 from .interface import Client
 from .regions import LIMITS, LISTING, Registration, Steps
 from .targets import single
@@ -253,35 +254,51 @@ class MoEClient(C.Connection, Client):
         timeout covers the whole stream. A stream failing UNAVAILABLE is retried: the requests not
         yet answered are sent again on a new stream (the retry count restarts with each reply).
         Stopping the iteration early cancels the stream.
+        The iterable is pulled by gRPC's request thread (so a generator may wait for the outputs
+        before it: a queue the loop feeds works), but each item is prepared, its tensors read, on
+        the thread iterating this generator while it waits for an output, as forward() would
+        read them there: a CUDA tensor after the work queued on that thread's current stream.
+        Keep the stream that wrote the tensors current while iterating (moed.handover).
         """
         feed = C.Feed(C.requests_of(requests), transport or self.transport, self._session.regions)
+        desk = Desk(lambda item: self._prepare_item(feed, item))
         pull_lock = threading.Lock()
         deadline = self._deadline(timeout)
         failures = 0
-        while True:
-            call = self._stream(self._requests(feed, pull_lock), timeout=C.remaining(deadline),
-                                metadata=self._metadata)
-            try:
-                for reply in call:
-                    failures = 0
-                    yield feed.answer(reply)
-                break
-            except grpc.RpcError as e:
-                failures += 1
-                wait = self.retry.delay(failures, e.code(), time.monotonic(), deadline)
-                if wait is None:
-                    feed.abandon(e.code().name)
-                    raise C.rpc_error(e, failures) from None
-            except GeneratorExit:
-                feed.abandon("CANCELLED")
-                raise
-            finally:
-                call.cancel()  # a no-op once the stream ended; stops it if the caller stopped early
-            time.sleep(wait)
-        feed.end()
+        try:
+            while True:
+                call = self._stream(self._requests(feed, pull_lock, desk), timeout=C.remaining(deadline),
+                                    metadata=self._metadata)
+                try:
+                    for reply in desk.replies(call):
+                        failures = 0
+                        yield feed.answer(reply)
+                    break
+                except grpc.RpcError as e:
+                    failures += 1
+                    wait = self.retry.delay(failures, e.code(), time.monotonic(), deadline)
+                    if wait is None:
+                        feed.abandon(e.code().name)
+                        raise C.rpc_error(e, failures) from None
+                except GeneratorExit:
+                    feed.abandon("CANCELLED")
+                    raise
+                finally:
+                    call.cancel()  # a no-op once the stream ended; stops it if the caller stopped early
+                time.sleep(wait)
+            feed.end()
+        finally:
+            desk.close()
 
-    def _requests(self, feed: C.Feed, pull_lock: threading.Lock) -> Iterator[bytes]:
-        """The payloads of one attempt of a stream (gRPC iterates this on its own thread)."""
+    def _prepare_item(self, feed: C.Feed, item: Any) -> C.Call:
+        """A stream's item prepared (on the thread iterating the stream) and counted."""
+        call = self._session.run(feed.steps(item))
+        C.count(self, call.transport)
+        return call
+
+    def _requests(self, feed: C.Feed, pull_lock: threading.Lock, desk: Desk) -> Iterator[bytes]:
+        """The payloads of one attempt of a stream (gRPC iterates this on its own thread; each item
+        it pulls is prepared at the desk)."""
         attempt, seq = feed.start()
         while True:
             payload = feed.payload(attempt, seq)
@@ -300,11 +317,12 @@ class MoEClient(C.Connection, Client):
                             feed.stop(e)
                             return
                         try:
-                            call = self._session.run(feed.steps(item))
+                            call = desk.hand_over(item)
                         except Exception as e:  # a bad item: raised in order
                             feed.stop(e)
                             return
-                        C.count(self, call.transport)
+                        if call is None:  # the iteration has ended
+                            return
                         payload = feed.pulled(call)
             if payload is C.STALE:
                 return
