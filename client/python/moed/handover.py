@@ -14,8 +14,6 @@ import queue
 import threading
 from typing import Any, Callable, Iterator
 
-import grpc
-
 _ITEM, _REPLY = object(), object()  # what comes to the desk
 _END = object()  # a stream's end, OK
 
@@ -46,7 +44,8 @@ class Desk:
 
     def replies(self, call: Any) -> Iterator[bytes]:
         """On the iterating thread: the replies of `call` (one attempt of the stream), items handed
-        over meanwhile prepared as they come; its failure raised as gRPC raised it."""
+        over meanwhile prepared as they come; its failure (a grpc.RpcError) raised as gRPC raised
+        it."""
         attempt = object()
         threading.Thread(target=self._read, args=(call, attempt), daemon=True, name="moed-stream").start()
         while True:
@@ -56,7 +55,7 @@ class Desk:
             elif key is attempt:
                 if value is _END:
                     return
-                if isinstance(value, grpc.RpcError):
+                if isinstance(value, BaseException):
                     raise value
                 yield value
             # else what an earlier attempt's reader read after that attempt was given up
@@ -66,7 +65,7 @@ class Desk:
             for reply in call:
                 self._inbox.put((_REPLY, attempt, reply))
             self._inbox.put((_REPLY, attempt, _END))
-        except grpc.RpcError as e:
+        except BaseException as e:  # noqa: B902: the stream's failure (an RpcError), raised there
             self._inbox.put((_REPLY, attempt, e))
 
     def _serve(self, box: "queue.SimpleQueue", item: Any) -> None:

@@ -499,8 +499,8 @@ class Regions:
     def register(self, tensor: Any) -> Steps:
         """Registers a caller's CUDA tensor; returns its Registration."""
         if type(tensor).__module__.split(".")[0] != "torch" or tensor.device.type != "cuda":
-            raise InvalidArgument("register() takes a torch CUDA tensor (host tensors go through the "
-                             "client's shared-memory arena)")
+            raise InvalidArgument("register() takes a torch CUDA tensor (host tensors go through "
+                                  "the client's shared-memory arena)")
         if not self.local:
             raise InvalidArgument(remote_message("register()", self.target))
         command, base = cuda_command(tensor.data_ptr(), tensor.device.index)

@@ -58,11 +58,12 @@ def _wire_dtype(name: str, dtype: Optional[str], what: str) -> int:
     """The wire dtype of a hidden tensor whose dtype is called `name` ("float32", "uint16", ...)."""
     if name == "uint16":
         if dtype is None or dtype_name(dtype) != "bf16":
-            raise InvalidArgument(f"{what} is a uint16 array: pass dtype='bf16' if it holds bf16 bit patterns")
+            raise InvalidArgument(f"{what} is a uint16 array: pass dtype='bf16' if it holds bf16 bit "
+                                  f"patterns")
         return BF16
     if name not in _HIDDEN:
         raise InvalidArgument(f"{what} has dtype {name}: use float32, float16 or bfloat16 (numpy: "
-                         f"ml_dtypes.bfloat16, or uint16 bf16 bits with dtype='bf16')")
+                              f"ml_dtypes.bfloat16, or uint16 bf16 bits with dtype='bf16')")
     if dtype is not None and dtype_name(dtype) != _HIDDEN[name]:
         raise InvalidArgument(f"dtype={dtype!r} does not match {what}'s dtype {name}")
     return DTYPES[_HIDDEN[name]]
@@ -72,13 +73,13 @@ def _from_dlpack(x: Any, what: str) -> np.ndarray:
     """A host __dlpack__ object as a numpy array over its memory."""
     device = x.__dlpack_device__() if hasattr(x, "__dlpack_device__") else (_KDL_CPU, 0)
     if int(device[0]) != _KDL_CPU:
-        raise InvalidArgument(f"{what} is a DLPack tensor on device {tuple(device)}, not on the host: pass a "
-                         f"torch tensor (CUDA works) or copy it to the host first")
+        raise InvalidArgument(f"{what} is a DLPack tensor on device {tuple(device)}, not on the host: "
+                              f"pass a torch tensor (CUDA works) or copy it to the host first")
     try:
         return np.from_dlpack(x)
     except (BufferError, RuntimeError, TypeError) as e:
-        raise InvalidArgument(f"{what}: numpy cannot read this __dlpack__ object ({e}); pass a numpy "
-                         f"array or a torch tensor") from None
+        raise InvalidArgument(f"{what}: numpy cannot read this __dlpack__ object ({e}); pass a "
+                              f"numpy array or a torch tensor") from None
 
 
 def wire_tensor(a: np.ndarray, wire: int) -> Dict[str, Any]:
@@ -196,7 +197,8 @@ class TorchInput(Input):
         if not (is_torch(out) and out.dtype == self.obj.dtype and tuple(out.shape) == self.shape
                 and out.device == self.obj.device and out.is_contiguous()):
             raise InvalidArgument(f"out must be a contiguous torch tensor of hidden's dtype "
-                                  f"{self.obj.dtype}, shape {list(self.shape)} and device {self.obj.device}")
+                                  f"{self.obj.dtype}, shape {list(self.shape)} and device "
+                                  f"{self.obj.device}")
 
     def output(self, data: Any, shape: Sequence[int], copy: bool, out: Any = None) -> Any:
         torch = sys.modules["torch"]

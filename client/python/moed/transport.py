@@ -184,6 +184,8 @@ def prepare(name: str, inp: Input, regions: Regions, out: Any = None) -> Steps:
             return inline(inp, out)
         else:
             prepared = yield from shm(inp, regions, out)
+    except InvalidArgument:  # the caller's to mend, not a region that cannot be had
+        raise
     except MoEError as e:  # no session, no region, or no shared memory to be had
         return fallback(regions, inp, out, str(e), logging.WARNING)
     if regions.inline_why is not None:

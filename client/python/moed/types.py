@@ -43,8 +43,8 @@ def dtype_name(name: str) -> str:
     key = str(name).lower()
     key = DTYPE_ALIASES.get(key, key)
     if key not in DTYPES:
-        raise InvalidArgument(f"unknown dtype {name!r}: use one of f32, f16, bf16 (or float32, float16, "
-                         f"bfloat16), or fp8 for weights")
+        raise InvalidArgument(f"unknown dtype {name!r}: use one of f32, f16, bf16 (or float32, "
+                              f"float16, bfloat16), or fp8 for weights")
     return key
 
 
@@ -56,7 +56,8 @@ def strategy_value(strategy) -> int:
         return int(strategy)
     key = str(strategy).lower()
     if key not in STRATEGIES:
-        raise InvalidArgument(f"unknown gating strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
+        raise InvalidArgument(f"unknown gating strategy {strategy!r}: use one of "
+                              f"{', '.join(STRATEGIES)}")
     return STRATEGIES[key]
 
 
