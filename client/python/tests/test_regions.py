@@ -173,8 +173,9 @@ def test_shared_memory_that_cannot_be_had_is_refused_up_front():
     import glob
     import os
 
-    with pytest.raises(OSError, match="/dev/shm"):
+    with pytest.raises(MoEError, match="/dev/shm") as e:
         regions.HostChunk(1 << 50)
+    assert e.value.code_name == "RESOURCE_EXHAUSTED"
     assert not glob.glob(f"/dev/shm/moed-py-{os.getpid()}-*")
     c = regions.HostChunk(1 << 20)
     c.unlink()
