@@ -9,13 +9,17 @@ that records them, against the tests' own float64 model (oracle.py).
 
 import concurrent.futures
 import csv
+import fcntl
 import json
 import math
 import os
+import pty
 import re
 import select
 import signal
+import struct
 import subprocess
+import termios
 import time
 
 import grpc
@@ -161,6 +165,44 @@ def test_progress_line(shared_daemon):
     assert b"req/s" in lines[1] and b"p99" in lines[-2], lines
     assert lines[-1].startswith(b"\x1b[K") and b"interrupted" in lines[-1]  # cleared at the end
     assert b"ok" in out
+
+
+def test_progress_on_a_terminal_only(shared_daemon):
+    """Without --progress or --no-progress the line shows only where stderr is a terminal: on a
+    pipe moed-load writes none; on a terminal of 60 columns it says which level of the sweep runs
+    and how far its window is, and keeps to one row (59 columns), so \r rewrites it. The terminal's
+    run lasts until the test has seen such a line and interrupts it."""
+    quiet = subprocess.run([str(LOAD), "--target", shared_daemon.address, "--concurrency", "1:3:2",
+                            "--requests", "20", "--warmup", "0"], capture_output=True, timeout=120)
+    assert quiet.returncode == 0 and b"\r" not in quiet.stderr and b"\x1b[K" not in quiet.stderr, quiet.stderr
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 60, 0, 0))
+    p = subprocess.Popen([str(LOAD), "--target", shared_daemon.address, "--concurrency", "1:3:2",
+                          "--duration", "600", "--warmup", "0"], stdout=subprocess.PIPE, stderr=slave)
+    os.close(slave)
+    err = b""
+    try:
+        deadline = time.monotonic() + 60
+        while not re.search(rb"\[1/2 c=1\] \d+\.\d/600\.0 s \(\d+%\)  \d+ req/s", err):
+            assert time.monotonic() < deadline and p.poll() is None, err
+            if select.select([master], [], [], 1.0)[0]:
+                err += os.read(master, 65536)
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=120)
+        while select.select([master], [], [], 0.5)[0]:
+            try:
+                err += os.read(master, 65536)
+            except OSError:  # the terminal closed with its last writer
+                break
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        os.close(master)
+    assert p.returncode == 0, err
+    lines = [seg.split(b"\x1b[K")[0] for seg in err.split(b"\r") if b"req/s" in seg]
+    assert lines and all(len(line) <= 59 for line in lines), lines
+    assert b"[2/2" not in err  # interrupted in the first level: the second never ran
 
 
 def test_deadline_errors_are_counted_by_status(daemon, tmp_path):

@@ -639,6 +639,8 @@ static int run_levels(run *r, const load_setup *s)
         else
             lv->rate = r->levels[i];
         r->n_results++; /* counted at once: run_free frees what the level allocated */
+        p.level = i;
+        p.n_levels = r->n_levels;
         if (run_level(r, &p, lv)) return EXIT_FAILED;
         fprintf(stdout, "\n");
         load_report_text(stdout, s, lv);
