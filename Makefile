@@ -4,17 +4,22 @@
 #   make demo    install what is missing, build, start moed with a synthetic model, call it from
 #                Python and C, print what came back, stop it
 #   make test    install what is missing, build, run every test (ctest, then pytest)
+#   make report  a load sweep (T and transports) against a local synthetic moed, as one HTML page
+#                and its screenshot in build/report/ (bench/daemon/sweep_report.sh)
 
 BUILD_DIR ?= build
 export BUILD_DIR
 
-.PHONY: demo test deps build unit e2e readme-flags clean
+.PHONY: demo test report deps build unit e2e readme-flags clean
 
 demo:
 	bash client/demo.sh
 
 test:
 	bash tests/run-all.sh
+
+report: build
+	bash bench/daemon/sweep_report.sh
 
 # Helpers: one stage of tests/run-all.sh each.
 deps:

@@ -3,10 +3,14 @@
  * routing and weight dtype, the experts it holds (experts_held, adds_shared_experts: a shard of a
  * fleet holds some) and where they live (home_device, expert_placement, in the whole layer's
  * numbering); the backend, its devices and their memory now; the version, the limits, the tensor
- * regions' mode and caps, and the model's fingerprint. Answered to every caller let in, draining
- * or not; out of memory while building it is RESOURCE_EXHAUSTED.
+ * regions' mode and caps, and the model's fingerprint. While the weights still load: the model as
+ * given, the backend, its devices, the version and the message limit, and how far the load has
+ * come (ModelInfo.loading), nothing of what is not loaded yet. Answered to every caller let in,
+ * loading, draining or not; out of memory while building it is RESOURCE_EXHAUSTED.
  */
 #include "rpc_call.h"
+
+#include "loading.h"
 
 #include "wire.h"
 
@@ -91,9 +95,28 @@ static int expert_places(const moed_served *s, moed_backend *b, Moed__V1__LayerI
     return 0;
 }
 
+/* ModelInfo.loading from the load's state. */
+static void load_progress(const moed_loading_state *s, Moed__V1__LoadProgress *p)
+{
+    p->phase = (char *)s->phase;
+    p->phase_number = (uint32_t)s->phase_no;
+    p->phases = (uint32_t)s->phases;
+    p->layer = s->layer;
+    p->layers_done = (uint32_t)s->layers_done;
+    p->layers_total = (uint32_t)s->layers_total;
+    p->bytes_done = s->bytes_done;
+    p->bytes_total = s->bytes_total;
+    p->percent = (float)s->percent;
+    p->elapsed_seconds = (float)s->elapsed_s;
+    p->bytes_per_second = (float)s->rate_bps;
+    p->eta_seconds = (float)s->eta_s;
+}
+
 static grpc_byte_buffer *model_info(moed_rpc *r)
 {
-    const moed_served *s = r->cfg.served;
+    static const moed_served none; /* what is served while the weights load */
+    const bool loaded = atomic_load(&r->loaded);
+    const moed_served *s = loaded ? r->cfg.served : &none;
     moed_backend *b = r->cfg.backend;
     grpc_byte_buffer *bb = NULL;
     int nd = moed_backend_n_devices(b);
@@ -137,7 +160,14 @@ static grpc_byte_buffer *model_info(moed_rpc *r)
         dp[n] = &dv[n];
         n++;
     }
-    mi.model = (char *)r->cfg.model;
+    moed_loading_state load = { .phase = "" };
+    Moed__V1__LoadProgress lp_ = MOED__V1__LOAD_PROGRESS__INIT;
+    if (!loaded) {
+        moed_loading_get(&load);
+        load_progress(&load, &lp_);
+        mi.loading = &lp_;
+    }
+    mi.model = loaded ? (char *)r->cfg.model : load.what;
     mi.n_layers = (size_t)s->n_layers;
     mi.layers = lp;
     mi.backend = (char *)moed_backend_name(b);
@@ -156,9 +186,9 @@ static grpc_byte_buffer *model_info(moed_rpc *r)
         rl.max_region_bytes = (uint64_t)lim->max_bytes;
         rl.max_region_bytes_total = (uint64_t)lim->max_total_bytes;
         rl.cuda = moed_backend_host_dma(b);
-        rl.max_rings = (uint32_t)moed_doorbell_max_rings(r->cfg.doorbell);
+        rl.max_rings = loaded ? (uint32_t)moed_doorbell_max_rings(r->cfg.doorbell) : 0;
     }
-    mi.regions = &rl;
+    mi.regions = loaded ? &rl : NULL;
     bb = moed_wire_pack(&mi.base);
 out:
     free(ranges);

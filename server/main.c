@@ -6,7 +6,9 @@
  * 0 after a drain (clean, or cut short by --drain-timeout), 1 when start-up fails (TLS files,
  * weights, backend, binding), 2 on bad usage. The slow steps (backend, weights, scheduler, gRPC)
  * run on libuv's thread pool while the loop already answers the metrics endpoint
- * (/healthz says 503 until the weights are resident). The heavy threads (completion queues,
+ * (/healthz says 503 until the weights are resident). gRPC listens from before the weights load:
+ * health says NOT_SERVING and GetModel how far the load has come (moed_loading), which the log
+ * also says every LOAD_LOG_MS, until every layer is resident. The heavy threads (completion queues,
  * scheduler workers, backend threads) are started by the steps; the main thread only waits in the
  * loop, woken by signals, timers, metrics scrapes, the end of the start-up steps, and the gRPC side
  * (uv_async_send) when the drain has finished every call. Under systemd (Type=notify) the service
@@ -16,6 +18,7 @@
 #include "config.h"
 #include "doorbell.h"
 #include "http.h"
+#include "loading.h"
 #include "log.h"
 #include "metrics.h"
 #include "moed_registry.h"
@@ -39,6 +42,7 @@
 #include <uv.h>
 
 #define STATS_PERIOD_MS 10000
+#define LOAD_LOG_MS     5000
 
 typedef struct moed_daemon {
     moed_config cfg;
@@ -61,7 +65,7 @@ typedef struct moed_daemon {
     uv_loop_t loop;
     uv_signal_t sigterm, sigint, sighup;
     uv_async_t drained;
-    uv_timer_t stats, drain_timer;
+    uv_timer_t stats, drain_timer, load_timer;
     uv_work_t start;
     int start_status; /* of the steps on the thread pool; read on the loop once they are done */
     bool serving, draining;
@@ -117,6 +121,17 @@ static int open_backend(moed_daemon *d)
     return 0;
 }
 
+/* The load's progress is kept from here on (moed_loading): reading or generating the layers, then
+ * placing them in the backend. */
+static int begin_load(moed_daemon *d)
+{
+    moed_loading_begin(d->cfg.model       ? d->cfg.model
+                       : d->cfg.synthetic ? d->cfg.synthetic
+                                          : "the default synthetic model",
+                       2);
+    return 0;
+}
+
 static int load_weights(moed_daemon *d)
 {
     moed_error err = { 0 };
@@ -165,16 +180,18 @@ static int check_layer_list(moed_daemon *d)
     return 0;
 }
 
-/* Layer l's shard into the backend as `slot`: its view of the experts this daemon holds. The log
- * says where it went (experts@device, devices as GetModel numbers them). */
+/* Layer l's shard (its view of the experts this daemon holds, made before) into the backend as
+ * `slot`. The log says where it went (experts@device, devices as GetModel numbers them). */
 static int load_shard(moed_daemon *d, int slot, const moed_layer *l, moed_error *err)
 {
-    int rc = moed_shard_make(l, &d->held, &d->shards[slot], err);
-    if (!rc) rc = moed_backend_load_layer(d->backend, slot, &d->shards[slot].view, err);
+    moed_loading_layer(l->info.index);
+    int rc = moed_backend_load_layer(d->backend, slot, &d->shards[slot].view, err);
     if (rc) {
         moed_error_prefix(err, "layer %d", l->info.index);
         return rc;
     }
+    moed_loading_bytes(moed_layer_bytes(&d->shards[slot].view.info));
+    moed_loading_layer_done();
     moed_layer_place p;
     char where[512];
     if (moed_backend_layer_place(d->backend, slot, &p)) return 0;
@@ -209,13 +226,19 @@ static int load_layers(moed_daemon *d)
     }
     int n = 0;
     uint64_t bytes = 0;
-    for (int i = 0; i < d->model.n_layers; i++) {
+    for (int i = 0; i < d->model.n_layers; i++) { /* the shards first: the phase's size */
         const moed_layer *l = &d->model.layers[i];
         if (!moed_config_wants_layer(&d->cfg, l->info.index)) continue;
-        if (load_shard(d, n, l, &err)) return fail("load layers", &err);
+        if (moed_shard_make(l, &d->held, &d->shards[n], &err)) {
+            moed_error_prefix(&err, "layer %d", l->info.index);
+            return fail("load layers", &err);
+        }
         d->resident[n] = l;
         bytes += moed_layer_bytes(&d->shards[n++].view.info);
     }
+    moed_loading_phase("placing", n, bytes);
+    for (int slot = 0; slot < n; slot++)
+        if (load_shard(d, slot, d->resident[slot], &err)) return fail("load layers", &err);
     if (!n) {
         moed_fail(&err, MOED_ENOTFOUND, "no MoE layer to serve in %s", d->model.source);
         return fail("load layers", &err);
@@ -236,7 +259,17 @@ static int load_layers(moed_daemon *d)
     return 0;
 }
 
-/* The limits whose defaults (0) follow from others and from the layers served; logged as used. */
+/* The gRPC server's limits whose defaults (0) follow from other flags: set before it starts. */
+static int derive_rpc_limits(moed_daemon *d)
+{
+    moed_config *c = &d->cfg;
+    if (!c->max_streams)
+        c->max_streams = c->max_queue_requests < (1 << 20) ? (int)c->max_queue_requests : 1 << 20;
+    if (!c->max_grpc_memory) c->max_grpc_memory = 4 * c->max_message_bytes + ((int64_t)256 << 20);
+    return 0;
+}
+
+/* The limits whose defaults (0) follow from the layers served; logged with the others as used. */
 static int derive_limits(moed_daemon *d)
 {
     moed_config *c = &d->cfg;
@@ -244,9 +277,6 @@ static int derive_limits(moed_daemon *d)
     for (int i = 0; i < d->served.n_layers; i++)
         if (d->served.layers[i]->info.top_k > top_k) top_k = d->served.layers[i]->info.top_k;
     if (!c->max_batch_pairs) c->max_batch_pairs = 2 * c->max_batch_tokens * top_k;
-    if (!c->max_streams)
-        c->max_streams = c->max_queue_requests < (1 << 20) ? (int)c->max_queue_requests : 1 << 20;
-    if (!c->max_grpc_memory) c->max_grpc_memory = 4 * c->max_message_bytes + ((int64_t)256 << 20);
     d->served.max_batch_pairs = c->max_batch_pairs;
     moed_log_info("limits",
                   "max_batch_tokens=%lld max_batch_pairs=%lld max_streams=%d max_grpc_memory=%lld "
@@ -286,12 +316,22 @@ static int start_data_plane(moed_daemon *d)
     return 0;
 }
 
+/* The counters, from the first call (GetModel and health are answered while the weights load);
+ * their per-expert table once the layers are known (start_scheduler). */
+static int create_metrics(moed_daemon *d)
+{
+    moed_error err = { 0 };
+    if (d->cfg.metrics_listen && !(d->metrics = moed_metrics_create())) {
+        moed_fail(&err, MOED_ENOMEM, "no memory for the metrics");
+        return fail("metrics", &err);
+    }
+    return 0;
+}
+
 static int start_scheduler(moed_daemon *d)
 {
     moed_error err = { 0 };
-    if (d->cfg.metrics_listen &&
-        (!(d->metrics = moed_metrics_create()) ||
-         moed_metrics_set_layers(d->metrics, d->shards, d->served.n_layers))) {
+    if (d->metrics && moed_metrics_set_layers(d->metrics, d->shards, d->served.n_layers)) {
         moed_fail(&err, MOED_ENOMEM, "no memory for the metrics");
         return fail("metrics", &err);
     }
@@ -332,19 +372,28 @@ static int start_rpc(moed_daemon *d)
                            .max_streams = d->cfg.max_streams,
                            .max_grpc_memory = d->cfg.max_grpc_memory,
                            .accept_compression = d->cfg.accept_compression,
-                           .sched = d->sched,
                            .served = &d->served,
                            .backend = d->backend,
                            .model = d->model.source,
                            .security = &d->security,
-                           .metrics = d->metrics,
-                           .doorbell = d->doorbell };
+                           .metrics = d->metrics };
     if (moed_rpc_start(&rc, &d->rpc, &err)) return fail("grpc", &err);
+    /* health says NOT_SERVING until the weights are resident (ready) */
+    moed_log_info("grpc listening", "addr=%s health=NOT_SERVING", moed_rpc_address(d->rpc));
     if (!moed_listen_is_loopback(d->cfg.listen) && !d->security.cert_pem && !d->security.n_tokens)
         moed_log_warn("listening beyond this host without TLS or a token: anyone who can reach "
                       "the port can call moed and read its traffic; set --tls-cert/--tls-key "
                       "and --auth-token-file (or keep it behind a firewall)",
                       "addr=%s", d->cfg.listen);
+    return 0;
+}
+
+/* Every method is served from now on; health says SERVING once the loop has made the daemon
+ * ready. */
+static int serve_calls(moed_daemon *d)
+{
+    moed_rpc_loaded(d->rpc, d->sched, d->doorbell);
+    moed_loading_end();
     return 0;
 }
 
@@ -591,15 +640,37 @@ static void watch_signals(moed_daemon *d)
 static void start_steps(uv_work_t *w)
 {
     moed_daemon *d = w->data;
-    d->start_status = open_backend(d) || load_weights(d) || load_layers(d) || derive_limits(d) ||
-                      start_data_plane(d) || start_scheduler(d) || start_doorbell(d) ||
-                      start_rpc(d);
+    d->start_status = open_backend(d) || begin_load(d) || create_metrics(d) ||
+                      derive_rpc_limits(d) || start_rpc(d) || load_weights(d) || load_layers(d) ||
+                      derive_limits(d) || start_data_plane(d) || start_scheduler(d) ||
+                      start_doorbell(d) || serve_calls(d);
+    if (d->start_status) moed_loading_end();
+}
+
+/* On the loop, every LOAD_LOG_MS while the weights load: how far it has come, in the log and in
+ * systemd's STATUS. */
+static void on_load_tick(uv_timer_t *t)
+{
+    moed_loading_state s;
+    char how[300];
+    moed_loading_get(&s);
+    if (!s.active) return;
+    moed_loading_describe(&s, how, sizeof how);
+    moed_log_info("loading",
+                  "phase=%s phase_no=%d phases=%d layer=%d layers_done=%d layers=%d bytes=%llu "
+                  "bytes_total=%llu percent=%.1f rate_mib_s=%.1f eta_s=%.0f elapsed_s=%.1f",
+                  s.phase[0] ? s.phase : "starting", s.phase_no, s.phases, s.layer, s.layers_done,
+                  s.layers_total, (unsigned long long)s.bytes_done,
+                  (unsigned long long)s.bytes_total, s.percent, s.rate_bps / (1 << 20), s.eta_s,
+                  s.elapsed_s);
+    moed_notify("STATUS=loading weights: %s", how);
 }
 
 /* Back on the loop: serve, or stop after a failed start. */
 static void started(uv_work_t *w, int cancelled)
 {
     moed_daemon *d = w->data;
+    uv_timer_stop(&d->load_timer);
     if (d->start_status) {
         stop_loop(d);
         return;
@@ -621,6 +692,9 @@ static int run_loop(moed_daemon *d)
     d->drain_timer.data = d;
     uv_async_init(&d->loop, &d->drained, on_drained);
     d->drained.data = d;
+    uv_timer_init(&d->loop, &d->load_timer);
+    d->load_timer.data = d;
+    uv_timer_start(&d->load_timer, on_load_tick, LOAD_LOG_MS, LOAD_LOG_MS);
     d->start.data = d;
     /* The pool's threads, created here, and the ones the steps start inherit a mask that keeps
      * the stop signals out of them: the loop's thread takes those, and teardown holds them there

@@ -16,6 +16,7 @@
  */
 #include "rpc_call.h"
 
+#include "loading.h"
 #include "log.h"
 
 #include <grpc/compression.h>
@@ -63,6 +64,8 @@ void rpc_call_ref(rpc_call *c)
 }
 
 static void maybe_shutdown(moed_rpc *r);
+static void shutdown_now(moed_rpc *r);
+static void on_shutdown(rpc_tag *t, bool ok);
 
 void rpc_call_unref(rpc_call *c)
 {
@@ -354,6 +357,24 @@ static bool refuse_unauthenticated(rpc_call *c)
     return true;
 }
 
+/* While the weights load, only GetModel and Health are answered: every other call gets UNAVAILABLE
+ * saying how far the load has come, at its headers. */
+static bool refuse_loading(rpc_call *c)
+{
+    moed_error err;
+    moed_loading_state s;
+    char how[300];
+    if (atomic_load(&c->rpc->loaded) || c->method_id == M_GETMODEL || c->method_id == M_CHECK ||
+        c->method_id == M_WATCH || c->method_id == M_UNKNOWN)
+        return false;
+    moed_loading_get(&s);
+    moed_loading_describe(&s, how, sizeof how);
+    moed_fail(&err, MOED_EUNAVAIL,
+              "moed is loading its weights (%s): retry once its health says SERVING", how);
+    refuse(c, &err);
+    return true;
+}
+
 /* While draining, a new Forward gets a clear UNAVAILABLE (the gRPC server keeps accepting until
  * the calls in flight are done; see moed_rpc_drain). Health and GetModel still answer. */
 static bool refuse_draining(rpc_call *c)
@@ -471,7 +492,7 @@ static void on_new(rpc_tag *t, bool ok)
     c->t_received_ns = moed_now_ns();
     atomic_store(&r->last_call_ns, c->t_received_ns);
     atomic_fetch_add(&r->calls[c->method_id], 1);
-    if (refuse_crowded(c) || refuse_unauthenticated(c) || refuse_draining(c)) {
+    if (refuse_crowded(c) || refuse_unauthenticated(c) || refuse_loading(c) || refuse_draining(c)) {
         rpc_call_unref(c);
         return;
     }
@@ -706,7 +727,9 @@ int moed_rpc_start(const moed_rpc_config *cfg, moed_rpc **out, moed_error *err)
     int rc = 0;
     r->cfg = *cfg;
     r->serving = HEALTH_NOT_SERVING;
+    r->shutdown_tag.fn = on_shutdown;
     pthread_mutex_init(&r->live_lock, NULL);
+    pthread_cond_init(&r->shut_cond, NULL);
     moed_list_init(&r->live);
     if (!(r->server = create_server(cfg)) ||
         !(r->peers = moed_peers_create(2 * cfg->max_streams, cfg->max_grpc_memory)) ||
@@ -795,6 +818,14 @@ static void tell_drain(rpc_call *c, int unused)
     if (c->method->drain) c->method->drain(c);
 }
 
+void moed_rpc_loaded(moed_rpc *r, moed_sched *sched, moed_doorbell *doorbell)
+{
+    r->cfg.sched = sched;
+    r->cfg.doorbell = doorbell;
+    atomic_store(&r->loaded, true); /* publishes cfg.sched, cfg.doorbell and *served to the queue
+                                       threads */
+}
+
 void moed_rpc_set_serving(moed_rpc *r, bool serving)
 {
     int s = serving ? HEALTH_SERVING : HEALTH_NOT_SERVING;
@@ -808,6 +839,10 @@ void moed_rpc_set_serving(moed_rpc *r, bool serving)
 static void on_shutdown(rpc_tag *t, bool ok)
 {
     moed_rpc *r = moed_container_of(t, moed_rpc, shutdown_tag);
+    pthread_mutex_lock(&r->live_lock);
+    r->shut_down = true;
+    pthread_cond_broadcast(&r->shut_cond);
+    pthread_mutex_unlock(&r->live_lock);
     if (r->on_drained) r->on_drained(r->drained_arg);
 }
 
@@ -845,11 +880,10 @@ void moed_rpc_drain(moed_rpc *r, void (*on_drained)(void *arg), void *arg)
     moed_rpc_set_serving(r, false);
     r->on_drained = on_drained;
     r->drained_arg = arg;
-    r->shutdown_tag.fn = on_shutdown;
     /* Streams first: region sessions end (no more command is answered) before a request that
      * waited in a merge window is answered, so no caller sees its session outlive the drain. */
     for_each_live(r, tell_drain, 0);
-    moed_sched_flush(r->cfg.sched); /* calls waiting in a merge window are launched now */
+    if (r->cfg.sched) moed_sched_flush(r->cfg.sched); /* calls in a merge window launch now */
     maybe_shutdown(r);
 }
 
@@ -861,8 +895,15 @@ void moed_rpc_cancel_all(moed_rpc *r)
 void moed_rpc_destroy(moed_rpc *r)
 {
     if (!r) return;
-    /* Started servers come here after the shutdown tag; unstarted ones have no calls. Then each
+    /* Started servers come here after the shutdown tag, or (a start that failed while the weights
+     * loaded: nothing drained them) are shut down now; unstarted ones have no calls. Then each
      * queue hands back its last events (unfilled requests) before its thread ends. */
+    if (r->started) {
+        shutdown_now(r);
+        pthread_mutex_lock(&r->live_lock);
+        while (!r->shut_down) pthread_cond_wait(&r->shut_cond, &r->live_lock);
+        pthread_mutex_unlock(&r->live_lock);
+    }
     if (r->server) grpc_server_destroy(r->server);
     for (int i = 0; i < r->n_cqs; i++) grpc_completion_queue_shutdown(r->cqs[i].cq);
     for (int i = 0; i < r->n_cqs; i++) {
@@ -876,6 +917,7 @@ void moed_rpc_destroy(moed_rpc *r)
     moed_unix_free(r->unix_listener);
     moed_peers_destroy(r->peers);
     pthread_mutex_destroy(&r->live_lock);
+    pthread_cond_destroy(&r->shut_cond);
     free(r);
     grpc_shutdown();
 }

@@ -16,11 +16,14 @@
  * read from it before are dropped. The transport's limits (stream count, header size, pings,
  * compression, gRPC's resource quota) are set where the server is created (rpc.c).
  *
- * Life cycle: moed_rpc_start (bound and serving, health NOT_SERVING) → moed_rpc_set_serving(true)
- * → moed_rpc_drain (SIGTERM: merge windows flushed, NOT_SERVING, new Forward calls answered
+ * Life cycle: moed_rpc_start (bound while the weights still load: health NOT_SERVING, GetModel
+ * answers with the load's progress, every other method UNAVAILABLE saying how far it has come) →
+ * moed_rpc_loaded (the scheduler: every method served) → moed_rpc_set_serving(true) →
+ * moed_rpc_drain (SIGTERM: merge windows flushed, NOT_SERVING, new Forward calls answered
  * UNAVAILABLE, open streams and watches ended once their requests are answered; once no call is
  * open and none has arrived for a moment, gRPC stops listening and every connection is closed, and
- * on_drained fires when every call is finished) → the scheduler drains → moed_rpc_destroy.
+ * on_drained fires when every call is finished) → the scheduler drains → moed_rpc_destroy (which,
+ * after a start that failed, shuts the server down itself).
  *
  * Listening: host:port through gRPC; a unix socket through moed's own listener (moed_unix), or
  * gRPC's with TLS. Who a call's principal is (its token, or the local user who connected) is
@@ -49,13 +52,14 @@ typedef struct moed_rpc_config {
     int max_streams;         /* MAX_CONCURRENT_STREAMS advertised; twice it enforced (moed_peers) */
     int64_t max_grpc_memory; /* gRPC core's resource quota, bytes */
     bool accept_compression; /* compressed requests accepted (else refused at their headers) */
-    moed_sched *sched;
-    const moed_served *served;
-    moed_backend *backend;         /* GetModel: name and devices */
-    const char *model;             /* GetModel: the checkpoint folder or the synthetic spec */
+    moed_sched *sched;       /* NULL until moed_rpc_loaded */
+    const moed_served *served; /* read only once loaded */
+    moed_backend *backend;     /* GetModel: name and devices */
+    const char *model; /* GetModel once loaded: the checkpoint folder or the synthetic spec */
     const moed_security *security; /* TLS and the bearer token; NULL: plaintext, no token */
     moed_metrics *metrics;         /* requests, durations and bytes are recorded here; or NULL */
-    moed_doorbell *doorbell;       /* the Regions stream's rings; NULL: the doorbell is off */
+    moed_doorbell *doorbell;       /* the Regions stream's rings (NULL until moed_rpc_loaded, and
+                                      NULL after it when the doorbell is off) */
 } moed_rpc_config;
 
 typedef struct moed_rpc_stats {
@@ -74,6 +78,11 @@ int moed_rpc_start(const moed_rpc_config *cfg, moed_rpc **out, moed_error *err);
 
 /* The address actually bound ("127.0.0.1:50051"; with port 0, the port chosen). */
 const char *moed_rpc_address(const moed_rpc *r);
+
+/* The weights are resident and *served is whole: Forward, ForwardStream, Regions and ListRegions
+ * are served from now on, through sched, and rings through doorbell (NULL: no doorbell); before,
+ * they are answered UNAVAILABLE. */
+void moed_rpc_loaded(moed_rpc *r, moed_sched *sched, moed_doorbell *doorbell);
 
 /* Health status of "" and "moed.v1.Moed": SERVING or NOT_SERVING; Watch streams are told. */
 void moed_rpc_set_serving(moed_rpc *r, bool serving);

@@ -58,11 +58,14 @@ struct moed_rpc {
     rpc_cq *cqs; /* --cq-threads call queues, then as many reading threads' queues */
     int n_cqs;
     char address[256];
-    bool started;                  /* grpc_server_start ran: destroy only after the shutdown tag */
-    _Atomic bool draining;         /* new Forward calls are answered UNAVAILABLE */
-    _Atomic bool shutting;         /* grpc_server_shutdown_and_notify called: no new calls at all */
+    bool started;          /* grpc_server_start ran: destroy only after the shutdown tag */
+    _Atomic bool loaded;   /* the weights are resident: cfg.sched is set (moed_rpc_loaded) */
+    _Atomic bool draining; /* new Forward calls are answered UNAVAILABLE */
+    _Atomic bool shutting; /* grpc_server_shutdown_and_notify called: no new calls at all */
     _Atomic uint64_t last_call_ns; /* when the latest call arrived (moed_now_ns) */
     rpc_tag shutdown_tag;
+    bool shut_down;           /* the shutdown tag came back (under live_lock) */
+    pthread_cond_t shut_cond; /* signalled then */
     void (*on_drained)(void *arg);
     void *drained_arg;
     pthread_mutex_t live_lock; /* the streaming calls (streams, watches), for drain and health */

@@ -14,14 +14,18 @@
  * (the server router computes from it as stored); only the DeepSeek router bias, when not
  * float32, is converted into a buffer this module owns.
  *
- * Missing tensors are collected over every held layer and reported together, because a user who
- * fixes one missing name at a time would otherwise restart the daemon once per name; any other
- * problem (a wrong shape or dtype) stops the load at the first tensor that shows it.
+ * Every held layer's tensors are looked up before any is read: missing ones are reported together
+ * (a user who fixes one missing name at a time would otherwise restart the daemon once per name)
+ * and before a byte of a large checkpoint is read, and the load knows how many bytes it will take
+ * (moed_loading: "reading", counted per tensor taken, copied or mapped; "generating" for synthetic
+ * layers). Any other problem (a wrong shape or dtype) stops the load at the first tensor that
+ * shows it.
  */
 #include "weights.h"
 
 #include "fingerprint.h"
 #include "hf.h"
+#include "loading.h"
 #include "moed_dtype.h"
 #include "moed_fp8.h"
 #include "moed_synth.h"
@@ -79,6 +83,20 @@ int moed_weights_synthetic(const char *spec, int wdtype, moed_model *m, moed_err
     return moed_weights_synthetic_held(spec, wdtype, NULL, m, err);
 }
 
+/* The bytes of a layer of li of which `held` is held (NULL: all of it). */
+static uint64_t held_bytes(const moed_layer_info *li, const moed_expert_subset *held)
+{
+    int n = 0;
+    for (int e = 0; e < li->n_experts; e++) n += moed_expert_subset_has(held, e);
+    uint64_t b = moed_layer_bytes(li) - (uint64_t)(li->n_experts - n) * moed_layer_expert_bytes(li);
+    if (!moed_expert_subset_shared(held)) {
+        moed_layer_info none = *li;
+        none.n_shared = none.shared_d_ff = 0;
+        b -= moed_layer_bytes(li) - moed_layer_bytes(&none);
+    }
+    return b;
+}
+
 int moed_weights_synthetic_held(const char *spec, int wdtype, const moed_expert_subset *held,
                                 moed_model *m, moed_error *err)
 {
@@ -95,10 +113,15 @@ int moed_weights_synthetic_held(const char *spec, int wdtype, const moed_expert_
         goto err;
     }
     p->synthetic = true;
+    const uint64_t layer_bytes = held_bytes(&s.layer, held);
+    moed_loading_phase("generating", s.layers, layer_bytes * (uint64_t)s.layers);
     for (int i = 0; i < s.layers; i++) {
+        moed_loading_layer(i);
         rc = moed_synth_layer_held(&s, i, held, &m->layers[i], err);
         if (rc) goto err;
         m->n_layers++;
+        moed_loading_bytes(layer_bytes);
+        moed_loading_layer_done();
     }
     moed_synth_format(&s, m->source, sizeof m->source);
     m->fingerprint = moed_fingerprint_synthetic(m->source);
@@ -326,10 +349,12 @@ static int tensor_data(loader *ld, const moed_st_tensor *t, const void **out)
     int rc;
     if (!ld->copy) {
         *out = t->data;
+        moed_loading_bytes(t->nbytes);
         return 0;
     }
     if ((rc = read_copy(ld, t, &copy)) || (rc = own(ld, copy, ld->err))) return rc;
     *out = copy;
+    moed_loading_bytes(t->nbytes);
     return 0;
 }
 
@@ -357,14 +382,15 @@ static int as_dtype(loader *ld, const moed_st_tensor *t, int dtype, const void *
     }
     if ((rc = own(ld, buf, ld->err))) return rc;
     *out = buf;
+    moed_loading_bytes(t->nbytes);
     return 0;
 }
 
-/* Looks up every tensor of layer L; returns 0 with *complete false if some are missing. */
-static int find_layer(loader *ld, int L, const moed_st_tensor **t, bool *complete)
+/* Looks up every tensor of layer L into t; a missing one is recorded (need) and left NULL. */
+static int find_layer(loader *ld, int L, const moed_st_tensor **t)
 {
     const moed_layer_info *li = &ld->cfg->layer;
-    int before = ld->n_missing, rc;
+    int rc;
     const moed_st_tensor *gate;
     char name[256];
     if (moed_hf_tensor_name(ld->cfg, L, MOED_HF_SHARED_GATE, 0, name, sizeof name)) {
@@ -384,7 +410,25 @@ static int find_layer(loader *ld, int L, const moed_st_tensor **t, bool *complet
     for (int e = 0; e < li->n_experts; e++)
         for (int k = 0; moed_expert_subset_has(ld->held, e) && k < 3; k++)
             if ((rc = need(ld, L, MOED_SYNTH_W1 + k, e, &t[SLOT_EXPERTS + 3 * e + k]))) return rc;
-    *complete = ld->n_missing == before;
+    return 0;
+}
+
+/* The bytes a layer's load takes of the files: its n tensors t (NULL: not held) and, for FP8
+ * matrices, their block scales. */
+static int layer_bytes(loader *ld, const moed_st_tensor **t, size_t n, uint64_t *bytes)
+{
+    for (size_t i = 0; i < n; i++) {
+        char name[300];
+        const moed_st_tensor *scale = NULL;
+        if (!t[i]) continue;
+        *bytes += t[i]->nbytes;
+        snprintf(name, sizeof name, "%s_scale_inv", t[i]->name);
+        int rc = i >= SLOT_SHARED && t[i]->mdtype == MOED_FP8 && ld->cfg->fp8
+                     ? moed_st_find(ld->st, name, &scale, ld->err)
+                     : 0;
+        if (rc) return rc;
+        if (scale) *bytes += scale->nbytes;
+    }
     return 0;
 }
 
@@ -463,6 +507,7 @@ static int quantize_matrix(loader *ld, const moed_st_tensor *t, int rows, int co
     if (rc) return rc;
     *q_out = q;
     *s_out = s;
+    moed_loading_bytes(t->nbytes);
     return 0;
 }
 
@@ -557,22 +602,27 @@ static int build_layer(loader *ld, int L, const moed_st_tensor **t, moed_layer *
     return rc;
 }
 
-/* Every held layer into m->layers; missing tensors are reported once, after all were looked up. */
+/* Every held layer into m->layers: all are looked up first (missing tensors reported once, before
+ * anything is read), then read. */
 static int load_layers(loader *ld, const unsigned char *hold, moed_model *m)
 {
-    int rc = 0;
+    int rc = 0, n_held = 0, i = 0;
+    uint64_t bytes = 0;
     size_t n = SLOT_EXPERTS + 3 * (size_t)ld->cfg->layer.n_experts;
-    const moed_st_tensor **t = malloc(n * sizeof *t);
+    for (int L = 0; L < ld->cfg->n_layers; L++) n_held += hold[L] != 0;
+    const moed_st_tensor **t = calloc(n * (size_t)(n_held ? n_held : 1), sizeof *t);
     if (!t) return moed_fail(ld->err, MOED_ENOMEM, "no memory for the tensor list");
-    for (int L = 0; L < ld->cfg->n_layers && !rc; L++) {
-        bool complete = false;
+    for (int L = 0; L < ld->cfg->n_layers && !rc; L++)
+        if (hold[L] && !(rc = find_layer(ld, L, t + n * (size_t)i)))
+            rc = layer_bytes(ld, t + n * (size_t)i++, n, &bytes);
+    if (!rc && !ld->n_missing) moed_loading_phase("reading", n_held, bytes);
+    for (int L = 0, j = 0; L < ld->cfg->n_layers && !rc && !ld->n_missing; L++) {
         if (!hold[L]) continue;
-        memset(t, 0, n * sizeof *t);
-        rc = find_layer(ld, L, t, &complete);
-        if (!rc && complete) {
-            rc = build_layer(ld, L, t, &m->layers[m->n_layers]);
-            if (!rc) m->n_layers++;
-        }
+        moed_loading_layer(L);
+        rc = build_layer(ld, L, t + n * (size_t)j++, &m->layers[m->n_layers]);
+        if (rc) break;
+        m->n_layers++;
+        moed_loading_layer_done();
     }
     free(t);
     if (!rc && ld->n_missing) {

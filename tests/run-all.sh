@@ -2,7 +2,8 @@
 # The whole test suite, as `make test` and CI run it: install what is missing, build, unit tests
 # (ctest: the C units, and the GPU tests where CUDA is built, which report themselves skipped
 # without a GPU), the end-to-end tests against real moed processes, the Python client's own tests,
-# the deployment files' checks, bounded fuzzing runs over what comes from outside (requests, the
+# moed-load's HTML report rendered in a headless browser, the deployment files' checks, bounded
+# fuzzing runs over what comes from outside (requests, the
 # metrics endpoint's HTTP, safetensors headers, .npy files), and the end-to-end
 # suite again against an ASan/UBSan build.
 #
@@ -23,7 +24,7 @@ cd "$(dirname "$0")/.." || exit 2
 BUILD_DIR=${BUILD_DIR:-build}
 JOBS=${JOBS:-$(nproc)}
 PY=.venv/bin/python
-STAGES=(deps format build client unit e2e python deploy fuzz asan)
+STAGES=(deps format build client unit e2e python report deploy fuzz asan)
 SETUP_STAGES=" deps build client "
 
 stage_deps() {
@@ -72,6 +73,20 @@ stage_e2e() {
 stage_python() {
     # shellcheck disable=SC2086
     $PY -m pytest -q -rfEsxX -p no:cacheprovider client/python/tests ${PYTEST_ARGS:-}
+}
+
+stage_report() {
+    # moed-load's --report page opened in Debian's chromium. The browser is this stage's own
+    # dependency, installed here on first use (not by install-deps.sh: make demo needs none).
+    command -v chromium >/dev/null || {
+        sudo=""
+        [ "$(id -u)" -eq 0 ] || sudo=sudo
+        echo "report: installing chromium"
+        $sudo apt-get update -qq &&
+            DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends chromium
+    } || return 1
+    # shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
+    MOED_BUILD_DIR="$PWD/$BUILD_DIR" $PY -m pytest -q -rfEsxX -p no:cacheprovider tests/report ${PYTEST_ARGS:-}
 }
 
 stage_deploy() {

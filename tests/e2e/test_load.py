@@ -9,13 +9,17 @@ that records them, against the tests' own float64 model (oracle.py).
 
 import concurrent.futures
 import csv
+import fcntl
 import json
 import math
 import os
+import pty
 import re
 import select
 import signal
+import struct
 import subprocess
+import termios
 import time
 
 import grpc
@@ -161,6 +165,44 @@ def test_progress_line(shared_daemon):
     assert b"req/s" in lines[1] and b"p99" in lines[-2], lines
     assert lines[-1].startswith(b"\x1b[K") and b"interrupted" in lines[-1]  # cleared at the end
     assert b"ok" in out
+
+
+def test_progress_on_a_terminal_only(shared_daemon):
+    """Without --progress or --no-progress the line shows only where stderr is a terminal: on a
+    pipe moed-load writes none; on a terminal of 60 columns it says which level of the sweep runs
+    and how far its window is, and keeps to one row (59 columns), so \r rewrites it. The terminal's
+    run lasts until the test has seen such a line and interrupts it."""
+    quiet = subprocess.run([str(LOAD), "--target", shared_daemon.address, "--concurrency", "1:3:2",
+                            "--requests", "20", "--warmup", "0"], capture_output=True, timeout=120)
+    assert quiet.returncode == 0 and b"\r" not in quiet.stderr and b"\x1b[K" not in quiet.stderr, quiet.stderr
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 60, 0, 0))
+    p = subprocess.Popen([str(LOAD), "--target", shared_daemon.address, "--concurrency", "1:3:2",
+                          "--duration", "600", "--warmup", "0"], stdout=subprocess.PIPE, stderr=slave)
+    os.close(slave)
+    err = b""
+    try:
+        deadline = time.monotonic() + 60
+        while not re.search(rb"\[1/2 c=1\] \d+\.\d/600\.0 s \(\d+%\)  \d+ req/s", err):
+            assert time.monotonic() < deadline and p.poll() is None, err
+            if select.select([master], [], [], 1.0)[0]:
+                err += os.read(master, 65536)
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=120)
+        while select.select([master], [], [], 0.5)[0]:
+            try:
+                err += os.read(master, 65536)
+            except OSError:  # the terminal closed with its last writer
+                break
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        os.close(master)
+    assert p.returncode == 0, err
+    lines = [seg.split(b"\x1b[K")[0] for seg in err.split(b"\r") if b"req/s" in seg]
+    assert lines and all(len(line) <= 59 for line in lines), lines
+    assert b"[2/2" not in err  # interrupted in the first level: the second never ran
 
 
 def test_deadline_errors_are_counted_by_status(daemon, tmp_path):
@@ -427,3 +469,74 @@ def test_replies_to_moed_load_match_the_oracle(liar, tmp_path, args):
     for req, reply in pairs[::4]:
         ref, dtype = oracle_reference(req, spec)
         O.check(tensor(reply.output), ref, dtype, f"moed-load's request to layer {req.layer}")
+
+
+# ---- the HTML report (its rendering in a browser: tests/report) -------------------------------
+
+def page_runs(page):
+    """The runs a --report page carries, from its moed-runs block."""
+    block = re.search(r'<script id="moed-runs" type="application/json">(.*?)</script>', page, re.S)
+    assert block, "the page has no moed-runs block"
+    return json.loads(block.group(1))["runs"]
+
+
+def test_report_page_is_the_run_and_needs_no_network(shared_daemon, tmp_path):
+    """--report writes one page holding the run's --json document, Chart.js and the page's own
+    script inline: nothing is fetched (no src=, href= or url( to anywhere)."""
+    page = tmp_path / "run.html"
+    p, r = load_json(tmp_path, shared_daemon.address, "--concurrency", "1:3:2", "--requests", 40,
+                     "--warmup", 0, "--report", page)
+    assert p.returncode == 0, p.stdout + p.stderr
+    text = page.read_text()
+    runs = page_runs(text)
+    assert len(runs) == 1 and runs[0] == r and r["transport"] == "inline"
+    assert [lv["concurrency"] for lv in r["levels"]] == [1, 3]
+    assert "Chart.js v3.9.1" in text and "Released under the MIT License" in text
+    assert not re.search(r"<script[^>]+src=|<link|href=|url\(", text)
+
+
+def test_report_from_earlier_runs(shared_daemon, tmp_path):
+    """--from draws earlier runs' --json files on one page, each named by its file; no load runs
+    (no --target is needed). A model name that holds markup stays text: '<' is escaped in the
+    data block, so the block ends where the page ends it."""
+    files = []
+    for tokens in (4, 16):
+        p, r = load_json(tmp_path, shared_daemon.address, "--requests", 20, "--tokens", tokens)
+        assert p.returncode == 0, p.stderr
+        r["model"] = '</script><script id="injected">alert(1)</script>'
+        files.append(tmp_path / f"t{tokens}.json")
+        files[-1].write_text(json.dumps(r))
+    page = tmp_path / "both.html"
+    p = subprocess.run([str(LOAD), "--report", str(page), "--from", ",".join(map(str, files))],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "(2 runs)" in p.stderr, p.stderr
+    text = page.read_text()
+    runs = page_runs(text)
+    assert [r["tokens"] for r in runs] == ["4", "16"]
+    assert [r["source"] for r in runs] == list(map(str, files))
+    assert runs[0]["model"].startswith("</script>")
+    assert 'id="injected"' not in text and text.count("</script>") == 3
+
+
+@pytest.mark.parametrize("content,says", [
+    (None, "cannot open it"),
+    ("not json", "not a moed-load --json report"),
+    ('{"levels": []}', "not a moed-load --json report"),
+    ('{"levels": [{"latency_ms": {}}]}', "level 1 lacks server"),
+    ("dir", "not a regular file"),
+])
+def test_report_from_bad_files_exit_2(tmp_path, content, says):
+    f = tmp_path / "run.json"
+    if content == "dir":
+        f.mkdir()
+    elif content is not None:
+        f.write_text(content)
+    p = subprocess.run([str(LOAD), "--report", str(tmp_path / "r.html"), "--from", str(f)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert f"--from {f}: {says}" in p.stderr and not (tmp_path / "r.html").exists()
+
+
+def test_report_from_needs_report():
+    p = subprocess.run([str(LOAD), "--from", "a.json"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "give --report FILE.html" in p.stderr, p.stderr

@@ -1,11 +1,13 @@
 /*
  * test_load_stats — moed-load's pure logic: the histogram's counts and percentiles against exact
  * sorted samples, merging, the 1-2-5 display buckets, arrival gaps, token counts, sweeps, routing
- * draws (distinct, in range, weights summing to 1, Zipf skew), and the exact share of bad requests.
+ * draws (distinct, in range, weights summing to 1, Zipf skew), the exact share of bad requests,
+ * and the progress line (the level of the run, where it is, the time left, one terminal row).
  */
 #include "check.h"
 #include "load_gen.h"
 #include "load_hist.h"
+#include "load_progress.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -269,8 +271,68 @@ static void test_bad_share(void)
     }
 }
 
+#define CHECK_STR_HAS(s, part) CHECK_MSG(strstr(s, part), "'%s' lacks '%s'", s, part)
+
+/* The second of three levels of a sweep at concurrency 8, 4 s into its 10 s window: 60% of it
+ * and two levels of 1 + 10 s left; the line cut to the terminal's row. */
+static void test_progress_line(void)
+{
+    char line[400];
+    load_progress g = { .level = 1,
+                        .n_levels = 3,
+                        .concurrency = 8,
+                        .phase = LOAD_MEASURE,
+                        .elapsed_s = 4,
+                        .warmup_s = 1,
+                        .duration_s = 10,
+                        .rps = 1234.4,
+                        .ok = 4000,
+                        .errors = 2,
+                        .expected_errors = 5,
+                        .p50_ms = 1.5,
+                        .p99_ms = 4.25 };
+    CHECK_NEAR(load_progress_left_s(&g), 6 + 11, 1e-9);
+    load_progress_text(&g, 0, line, sizeof line);
+    CHECK_STR_HAS(line, "[2/3 c=8] 4.0/10.0 s (40%)  1234 req/s  ok 4000  errors 2 (+5 expected)");
+    CHECK_STR_HAS(line, "p50 1.500 ms  p99 4.250 ms  run ends in 17 s");
+    load_progress_text(&g, 40, line, sizeof line);
+    CHECK_EQ_INT(strlen(line), 39);
+    CHECK_MSG(!strncmp(line, "[2/3 c=8] 4.0/10.0 s (40%)", 26), "%s", line);
+
+    g.phase = LOAD_WARMUP; /* 0.5 s into its warm-up */
+    g.elapsed_s = 0.5;
+    g.p50_ms = -1;
+    CHECK_NEAR(load_progress_left_s(&g), 0.5 + 10 + 11, 1e-9);
+    load_progress_text(&g, 0, line, sizeof line);
+    CHECK_STR_HAS(line, "[2/3 c=8] warm-up 0.5/1.0 s");
+    CHECK_MSG(!strstr(line, "p50"), "%s", line);
+
+    /* open loop, --requests 500: 200 started at 100 req/s, so 3 s and one more level of 6 s */
+    g = (load_progress){ .level = 0,
+                         .n_levels = 2,
+                         .rate = 100,
+                         .phase = LOAD_MEASURE,
+                         .warmup_s = 1,
+                         .requests = 500,
+                         .started = 200,
+                         .rps = 100,
+                         .p50_ms = -1 };
+    CHECK_NEAR(load_progress_left_s(&g), 3 + 1 + 5, 1e-9);
+    load_progress_text(&g, 0, line, sizeof line);
+    CHECK_STR_HAS(line, "[1/2 100/s] 200/500 requests (40%)");
+    g.rps = 0; /* no rate yet: the time left is not known, and not said */
+    CHECK(load_progress_left_s(&g) < 0);
+    load_progress_text(&g, 0, line, sizeof line);
+    CHECK_MSG(!strstr(line, "run ends"), "%s", line);
+
+    g.phase = LOAD_FINISH;
+    load_progress_text(&g, 0, line, sizeof line);
+    CHECK_STR_HAS(line, "[1/2 100/s] finishing the calls in flight");
+}
+
 int main(void)
 {
+    test_progress_line();
     test_hist_percentiles();
     test_hist_small_and_display();
     test_hist_merge();

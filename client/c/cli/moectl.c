@@ -94,7 +94,8 @@ static const moed_opt_cmd commands[] = {
               "\n"
               "commands:\n"
               "  health    print the server's health status (exit 0 only when SERVING)\n"
-              "  info      print the resident layers, backend, devices and limits\n"
+              "  info      print the resident layers, backend, devices and limits (while the\n"
+              "            weights load: how far the load has come)\n"
               "  regions   list this token's tensor regions on the server\n"
               "  forward   compute one MoE layer over a .npy batch (moectl forward --help)\n",
       .tail = "exit codes: 0 ok, 1 the call failed (code and message printed), 2 bad usage or "
@@ -191,22 +192,40 @@ static void print_layers(const moedc_model_info *m)
     }
 }
 
+/* A daemon still loading its weights: how far it has come, one line. */
+static void print_loading(const moedc_load_progress *l)
+{
+    printf("loading   %s", l->phase[0] ? l->phase : "starting");
+    if (l->layer >= 0) printf(" layer %d", l->layer);
+    printf(" (%d of %d layers done): %.1f%%", l->layers_done, l->layers_total, l->percent);
+    if (l->bytes_total)
+        printf(" of %.2f GiB at %.0f MiB/s", (double)l->bytes_total / (1 << 30),
+               l->bytes_per_s / (1 << 20));
+    if (l->eta_s >= 0) printf(", about %.0f s left", l->eta_s);
+    printf("; phase %d of %d, %.1f s since the load began\n", l->phase_number, l->phases,
+           l->elapsed_s);
+}
+
 static int cmd_info(moedc *c)
 {
     moedc_error err;
     moedc_model_info m;
     if (moedc_info(c, &m, &err)) return rpc_error("GetModel", &err);
     printf("model     %s\nbackend   %s\nversion   %s\n", m.model, m.backend, m.version);
-    printf("limits    %llu bytes per message, %u tokens per request\n",
-           (unsigned long long)m.max_message_bytes, m.max_batch_tokens);
-    printf("regions   %s: %u per token, %llu bytes per token, %llu in all%s\n", m.regions_mode,
-           m.max_regions, (unsigned long long)m.max_region_bytes,
-           (unsigned long long)m.max_region_bytes_total, m.cuda_regions ? ", CUDA too" : "");
+    if (m.is_loading) { /* no layers, limits or regions yet */
+        print_loading(&m.loading);
+    } else {
+        printf("limits    %llu bytes per message, %u tokens per request\n",
+               (unsigned long long)m.max_message_bytes, m.max_batch_tokens);
+        printf("regions   %s: %u per token, %llu bytes per token, %llu in all%s\n", m.regions_mode,
+               m.max_regions, (unsigned long long)m.max_region_bytes,
+               (unsigned long long)m.max_region_bytes_total, m.cuda_regions ? ", CUDA too" : "");
+    }
     for (int i = 0; i < m.n_devices; i++)
         printf("device    %s: %.0f of %.0f MiB used\n", m.devices[i].name,
                (double)m.devices[i].memory_used / (1 << 20),
                (double)m.devices[i].memory_total / (1 << 20));
-    print_layers(&m);
+    if (!m.is_loading) print_layers(&m);
     moedc_model_info_free(&m);
     return 0;
 }

@@ -509,6 +509,19 @@ typedef struct moedc_device {
     uint64_t memory_total, memory_used;
 } moedc_device;
 
+/* How far a daemon still loading its weights has come (moed.proto's LoadProgress): the phase in
+ * hand ("reading", "generating", "placing"), its layers and bytes, and its percent, rate and time
+ * left. */
+typedef struct moedc_load_progress {
+    char phase[16];
+    int phase_number, phases;
+    int layer; /* the layer in hand; -1 between layers */
+    int layers_done, layers_total;
+    uint64_t bytes_done, bytes_total; /* bytes_total 0: the phase counts layers only */
+    double percent, elapsed_s, bytes_per_s;
+    double eta_s; /* < 0: not known yet */
+} moedc_load_progress;
+
 typedef struct moedc_model_info {
     char *model;   /* the checkpoint folder, or the synthetic spec */
     char *backend; /* "cpu" or "cuda" */
@@ -527,6 +540,10 @@ typedef struct moedc_model_info {
     /* the model's identity: equal on every daemon serving the same model (0: a moed older than
      * it; moed.proto's ModelInfo.model_fingerprint) */
     uint64_t model_fingerprint;
+    /* true while the daemon loads its weights (health NOT_SERVING): `loading` says how far it has
+     * come, and model, backend, devices, version and max_message_bytes are all else there is */
+    bool is_loading;
+    moedc_load_progress loading;
 } moedc_model_info;
 
 /* GetModel. Release with moedc_model_info_free. */

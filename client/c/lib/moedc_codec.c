@@ -459,6 +459,22 @@ int moedc_decode_model_info(const uint8_t *buf, size_t n, moedc_model_info *out,
     out->max_message_bytes = m->max_message_bytes;
     out->max_batch_tokens = m->max_batch_tokens;
     out->model_fingerprint = m->model_fingerprint;
+    if ((out->is_loading = m->loading != NULL)) {
+        const Moed__V1__LoadProgress *p = m->loading;
+        moedc_load_progress *l = &out->loading;
+        snprintf(l->phase, sizeof l->phase, "%s", p->phase ? p->phase : "");
+        l->phase_number = (int)p->phase_number;
+        l->phases = (int)p->phases;
+        l->layer = p->layer;
+        l->layers_done = (int)p->layers_done;
+        l->layers_total = (int)p->layers_total;
+        l->bytes_done = p->bytes_done;
+        l->bytes_total = p->bytes_total;
+        l->percent = p->percent;
+        l->elapsed_s = p->elapsed_seconds;
+        l->bytes_per_s = p->bytes_per_second;
+        l->eta_s = p->eta_seconds;
+    }
     out->regions_mode = dup_or_empty(m->regions ? m->regions->mode : NULL);
     if (!out->regions_mode) goto err;
     if (m->regions) {

@@ -219,6 +219,11 @@ static void learn(fleet *f)
         /* a real attempt, not a failure the connection remembers */
         if (m->c->ops->reconnect) m->c->ops->reconnect(m->c, MOEDC_PLAN_CONNECT_S);
         int rc = m->c->ops->info(m->c, MOEDC_PLAN_PROBE_TIMEOUT_S, &info, &err);
+        if (!rc && info.is_loading) { /* it serves nothing yet: as a daemon not up */
+            rc = moedc_fail(&err, MOEDC_EUNAVAIL, "loading its weights (%s, %.0f%%)",
+                            info.loading.phase, info.loading.percent);
+            moedc_model_info_free(&info);
+        }
         pthread_mutex_lock(&f->mu);
         if (rc) {
             char why[200];

@@ -9,8 +9,6 @@
 #include "load_report.h"
 #include "moedclient.h"
 
-#include <cjson/cJSON.h>
-
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -383,22 +381,21 @@ static cJSON *json_level(const load_setup *s, const load_level *l)
     return o;
 }
 
-static int write_file(const char *path, const char *text, const char *what, moed_error *err)
+int load_write_file(const char *path, const char *text, size_t n, const char *what, moed_error *err)
 {
     FILE *f = fopen(path, "w");
     if (!f)
         return moed_fail(err, MOED_EIO, "%s %s: cannot write it: %s", what, path, strerror(errno));
-    fputs(text, f);
-    if (fclose(f))
+    bool written = fwrite(text, 1, n, f) == n;
+    if (fclose(f) || !written)
         return moed_fail(err, MOED_EIO, "%s %s: write failed: %s", what, path, strerror(errno));
     return 0;
 }
 
-int load_report_json(const char *path, const load_setup *s, const load_level *levels, int n,
-                     moed_error *err)
+cJSON *load_report_doc(const load_setup *s, const load_level *levels, int n)
 {
     cJSON *root = cJSON_CreateObject();
-    if (!root) return moed_fail(err, MOED_ENOMEM, "out of memory writing --json %s", path);
+    if (!root) return NULL;
     cJSON_AddStringToObject(root, "target", s->target);
     cJSON_AddStringToObject(root, "model", s->model);
     cJSON_AddStringToObject(root, "backend", s->backend);
@@ -406,6 +403,7 @@ int load_report_json(const char *path, const load_setup *s, const load_level *le
     cJSON_AddStringToObject(root, "dtype", s->dtype);
     cJSON_AddStringToObject(root, "tokens", s->tokens);
     cJSON_AddStringToObject(root, "routing", s->routing);
+    cJSON_AddStringToObject(root, "transport", s->transport);
     cJSON_AddStringToObject(root, "mode", levels[0].concurrency ? "closed" : "open");
     cJSON_AddStringToObject(root, "arrival", s->arrival);
     cJSON_AddNumberToObject(root, "connections", s->connections);
@@ -422,10 +420,17 @@ int load_report_json(const char *path, const load_setup *s, const load_level *le
         pass = pass && !load_stats_errors(&levels[i].st) && !levels[i].st.mismatches;
     }
     cJSON_AddBoolToObject(root, "pass", pass);
-    char *text = cJSON_Print(root);
+    return root;
+}
+
+int load_report_json(const char *path, const load_setup *s, const load_level *levels, int n,
+                     moed_error *err)
+{
+    cJSON *root = load_report_doc(s, levels, n);
+    char *text = root ? cJSON_Print(root) : NULL;
     cJSON_Delete(root);
     if (!text) return moed_fail(err, MOED_ENOMEM, "out of memory writing --json %s", path);
-    int rc = write_file(path, text, "--json", err);
+    int rc = load_write_file(path, text, strlen(text), "--json", err);
     cJSON_free(text);
     return rc;
 }

@@ -20,6 +20,8 @@
 #include "load_hist.h"
 #include "moed_err.h"
 
+#include <cjson/cJSON.h>
+
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -88,7 +90,7 @@ typedef struct load_level {
 /* The run's fixed settings, as the report states them. */
 typedef struct load_setup {
     const char *target, *model, *backend;
-    const char *dtype, *tokens, *routing, *arrival, *layers;
+    const char *dtype, *tokens, *routing, *arrival, *layers, *transport;
     int connections, threads;
     double warmup_s, duration_s, deadline_ms, bad_fraction;
     uint64_t requests; /* --requests, or 0 with --duration */
@@ -97,9 +99,16 @@ typedef struct load_setup {
 } load_setup;
 
 void load_report_text(FILE *f, const load_setup *s, const load_level *l);
-/* A JSON document with the setup and one object per level; 0 or a negative MOED_E* code. */
+/* The run as a JSON document: the setup and one object per level (what --json writes and the HTML
+ * report draws); NULL when out of memory. n >= 1. */
+cJSON *load_report_doc(const load_setup *s, const load_level *levels, int n);
+/* load_report_doc written to path; 0 or a negative MOED_E* code. */
 int load_report_json(const char *path, const load_setup *s, const load_level *levels, int n,
                      moed_error *err);
+/* Writes n bytes of text to path, the file of option `what` (named in the message); 0 or
+ * MOED_EIO. */
+int load_write_file(const char *path, const char *text, size_t n, const char *what,
+                    moed_error *err);
 /* A header row naming the columns, then one row per level. */
 int load_report_csv(const char *path, const load_level *levels, int n, moed_error *err);
 

@@ -17,6 +17,7 @@
  * which requests are deliberately bad, identically whatever the number of threads.
  */
 #include "load_run.h"
+#include "load_progress.h"
 #include "load_regions.h"
 #include "moed_dtype.h"
 
@@ -26,8 +27,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <time.h>
+#include <unistd.h>
 
 static atomic_int interrupted;
 
@@ -469,10 +472,17 @@ static int worker_init(worker *w, const load_plan *p, level_clock *clock, atomic
     return 0;
 }
 
-/* The line on stderr while a level runs: where it is, the rate of the last interval, errors and
- * latency percentiles of the measured window so far. */
-static void progress_line(worker *ws, int n, const level_clock *clock, uint64_t *last_done,
-                          int64_t *last_t)
+/* The terminal's width, to keep the progress line on one row (a line that wraps cannot be
+ * rewritten with \r); 0 when stderr is no terminal or does not say. */
+static int terminal_width(void)
+{
+    struct winsize w;
+    return !ioctl(STDERR_FILENO, TIOCGWINSZ, &w) ? w.ws_col : 0;
+}
+
+/* The progress line on stderr (load_progress.h), cut to the terminal's width. */
+static void progress_line(const load_plan *p, const load_level *lv, worker *ws, int n,
+                          const level_clock *clock, uint64_t *last_done, int64_t *last_t)
 {
     load_stats st;
     load_stats_init(&st);
@@ -483,26 +493,38 @@ static void progress_line(worker *ws, int n, const level_clock *clock, uint64_t 
         done += ws[i].completed;
         pthread_mutex_unlock(&ws[i].mu);
     }
-    int64_t now = now_ns();
-    double rate = now > *last_t ? (double)(done - *last_done) * 1e9 / (double)(now - *last_t) : 0;
+    const int64_t now = now_ns();
+    load_progress g = {
+        .level = p->level,
+        .n_levels = p->n_levels,
+        .concurrency = lv->concurrency,
+        .rate = lv->rate,
+        .warmup_s = p->warmup_s,
+        .duration_s = p->requests ? 0 : p->duration_s,
+        .requests = p->requests,
+        .started = atomic_load(&clock->tickets),
+        .rps = now > *last_t ? (double)(done - *last_done) * 1e9 / (double)(now - *last_t) : 0,
+        .ok = st.ok,
+        .errors = load_stats_errors(&st),
+        .expected_errors = st.expected_errors,
+        .p50_ms = st.latency.n ? (double)load_hist_quantile(&st.latency, 0.5) / 1e6 : -1,
+        .p99_ms = st.latency.n ? (double)load_hist_quantile(&st.latency, 0.99) / 1e6 : -1,
+    };
+    g.phase = now < clock->t_measure                                         ? LOAD_WARMUP
+              : (p->requests ? g.started < p->requests : now < clock->t_end) ? LOAD_MEASURE
+                                                                             : LOAD_FINISH;
+    g.elapsed_s = (double)(now - (g.phase == LOAD_WARMUP ? clock->t0 : clock->t_measure)) / 1e9;
     *last_done = done;
     *last_t = now;
-    fprintf(stderr,
-            "\r%6.1fs %s %8.0f req/s  sent %llu  ok %llu  expected errors %llu  errors %llu",
-            (double)(now - clock->t0) / 1e9, now < clock->t_measure ? "warm-up" : "       ", rate,
-            (unsigned long long)st.sent, (unsigned long long)st.ok,
-            (unsigned long long)st.expected_errors, (unsigned long long)load_stats_errors(&st));
-    if (st.latency.n)
-        fprintf(stderr, "  p50 %.3f ms  p99 %.3f ms",
-                (double)load_hist_quantile(&st.latency, 0.5) / 1e6,
-                (double)load_hist_quantile(&st.latency, 0.99) / 1e6);
-    fprintf(stderr, "\033[K");
+    char line[400];
+    load_progress_text(&g, terminal_width(), line, sizeof line);
+    fprintf(stderr, "\r%s\033[K", line);
     fflush(stderr);
 }
 
 /* Waits for the workers, printing the progress line every 0.5 s when asked to. */
-static void watch(const load_plan *p, worker *ws, int n, const level_clock *clock,
-                  atomic_int *running)
+static void watch(const load_plan *p, const load_level *lv, worker *ws, int n,
+                  const level_clock *clock, atomic_int *running)
 {
     uint64_t last_done = 0;
     int64_t last_t = clock->t0, next = clock->t0 + 500000000;
@@ -510,7 +532,7 @@ static void watch(const load_plan *p, worker *ws, int n, const level_clock *cloc
         struct timespec ts = { 0, 20000000 };
         nanosleep(&ts, NULL);
         if (p->progress && now_ns() >= next) {
-            progress_line(ws, n, clock, &last_done, &last_t);
+            progress_line(p, lv, ws, n, clock, &last_done, &last_t);
             next += 500000000;
         }
     }
@@ -553,7 +575,7 @@ int load_run_level(const load_plan *p, load_level *lv, moed_error *err)
             break;
         }
     }
-    watch(p, ws, n, &clock, &running);
+    watch(p, lv, ws, n, &clock, &running);
     for (int i = 0; i < started; i++) pthread_join(ws[i].thread, NULL);
     if (load_plan_experts(p, &lv->sent)) {
         rc = moed_fail(err, MOED_ENOMEM, "out of memory counting tokens per expert");

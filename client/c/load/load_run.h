@@ -5,7 +5,9 @@
  * Threads: plan->threads workers, each with its own completion queue, keeping its share of the
  * calls in flight through libmoedclient's asynchronous API; calls go round-robin over the plan's
  * connections (each its own TCP connection, since one HTTP/2 connection is a bottleneck for large
- * messages). The calling thread prints the progress line and collects the workers.
+ * messages). The calling thread prints the progress line (which level of the run, how far its
+ * warm-up or window is, rates, errors, latency, the time the run has left; one terminal row) and
+ * collects the workers.
  *
  * A level: warm-up (calls started in it are not counted, but for the tokens per expert of
  * lv->sent, which counts every ok client route as the daemons' counters do), then the measured
@@ -65,7 +67,8 @@ typedef struct load_plan {
     uint64_t seed;
     load_verify *verify; /* NULL without --verify */
     uint64_t verify_n;
-    bool progress;
+    bool progress;       /* the progress line on stderr */
+    int level, n_levels; /* this level's place in the run (0-based), for the progress line */
     const load_regions *regions;
 } load_plan;
 

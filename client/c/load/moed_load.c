@@ -7,13 +7,15 @@
  * from what GetModel says, and can verify the numbers as well as count the calls.
  *
  * This file is the command line and the set-up (connections, what the server serves, the request
- * pools); load_run.c runs the load, load_report.c writes the report, load_verify.c checks replies,
- * load_gen.c holds the random choices. Exit codes: 0 every call ended as expected and every
- * verified reply matched; 1 otherwise (or the server could not be reached); 2 bad usage.
+ * pools); load_run.c runs the load, load_report.c writes the report (load_html.c its HTML page),
+ * load_verify.c checks replies, load_gen.c holds the random choices. Exit codes: 0 every call ended
+ * as expected and every verified reply matched; 1 otherwise (or the server could not be reached); 2
+ * bad usage.
  */
 #include "cli_common.h"
 #include "moed_opt.h"
 #include "load_gen.h"
+#include "load_html.h"
 #include "load_metrics.h"
 #include "load_regions.h"
 #include "load_report.h"
@@ -37,7 +39,7 @@ enum { EXIT_FAILED = 1 }; /* and MOED_OPT_EXIT_USAGE for the command line */
 typedef struct args {
     cli_conn conn;
     const char *layer, *layers, *dtype, *concurrency, *rate, *arrival;
-    const char *tokens, *tokens_file, *routing, *synthetic, *json, *csv, *transport;
+    const char *tokens, *tokens_file, *routing, *synthetic, *json, *csv, *report, *from, *transport;
     const char *metrics, *metrics_token_file;
     char *metrics_token;
     double duration_s, warmup_s, deadline_ms, bad_fraction;
@@ -140,6 +142,11 @@ static const moed_opt options[] = {
     MOED_OPT_STR_ROW("json", F(json), "FILE", NULL, NULL,
                      "the report as JSON (one object per level)"),
     MOED_OPT_STR_ROW("csv", F(csv), "FILE", NULL, NULL, "one row per level"),
+    MOED_OPT_STR_ROW("report", F(report), "FILE", NULL, NULL,
+                     "the report as one HTML page with plots (it opens without a network)"),
+    MOED_OPT_STR_ROW("from", F(from), "FILES", NULL, NULL,
+                     "run no load: make --report from earlier runs' --json files,\n"
+                     "comma-separated (a sweep over T and transports: one run each)"),
     MOED_OPT_FLAG_ROW("progress", F(progress), 1, NULL,
                       "the live progress line even when stderr is not a terminal"),
     MOED_OPT_FLAG_ROW("no-progress", F(progress), 0, NULL, "never the progress line"),
@@ -202,6 +209,10 @@ static int check_combinations(const args *a, const moed_opt_parsed *p)
         return usage_error("--synthetic is for --verify: it names the server's weights");
     if (a->metrics_token_file && !a->metrics)
         return usage_error("--metrics-token-file goes with --metrics");
+    if (a->from && !a->report)
+        return usage_error("--from makes a --report page: give --report FILE.html");
+    if (a->from && (a->json || a->csv))
+        return usage_error("--from runs no load: --json and --csv have nothing to write");
     return 0;
 #undef GIVEN
 }
@@ -557,6 +568,7 @@ static void describe(const run *r, load_setup *s, char *layers, size_t n, char *
                    : r->arrival == LOAD_ARRIVAL_POISSON ? "poisson"
                                                         : "constant",
         .layers = layers,
+        .transport = r->a.transport,
         .connections = (int)r->a.connections,
         .threads = (int)r->a.threads,
         .warmup_s = r->a.warmup_s,
@@ -660,6 +672,8 @@ static int run_levels(run *r, const load_setup *s)
         else
             lv->rate = r->levels[i];
         r->n_results++; /* counted at once: run_free frees what the level allocated */
+        p.level = i;
+        p.n_levels = r->n_levels;
         if (run_level(r, &p, lv)) return EXIT_FAILED;
         fprintf(stdout, "\n");
         load_report_text(stdout, s, lv);
@@ -667,6 +681,58 @@ static int run_levels(run *r, const load_setup *s)
     }
     if (load_run_interrupted())
         fprintf(stderr, "moed-load: interrupted: the report covers the calls made until then\n");
+    return 0;
+}
+
+/* --report: this run's page. */
+static int write_report(const run *r, const load_setup *s)
+{
+    moed_error err;
+    cJSON *doc = load_report_doc(s, r->results, r->n_results);
+    int rc = doc ? load_html_write(r->a.report, &doc, NULL, 1, &err)
+                 : moed_fail(&err, MOED_ENOMEM, "out of memory writing --report %s", r->a.report);
+    cJSON_Delete(doc);
+    if (rc) return failure("%s", err.msg);
+    fprintf(stderr, "moed-load: wrote the report %s\n", r->a.report);
+    return 0;
+}
+
+/* --from: the page of earlier runs' --json files, each named by its file. */
+static int report_from(const args *a)
+{
+    moed_error err = { 0 };
+    char *list = strdup(a->from), *save = NULL;
+    int n = 0, cap = 8, rc = 0;
+    cJSON **runs = malloc((size_t)cap * sizeof *runs);
+    const char **names = malloc((size_t)cap * sizeof *names);
+    if (!list || !runs || !names) rc = moed_fail(&err, MOED_ENOMEM, "out of memory reading --from");
+    for (char *f = list ? strtok_r(list, ",", &save) : NULL; f && !rc;
+         f = strtok_r(NULL, ",", &save)) {
+        if (n == cap) {
+            cap *= 2;
+            cJSON **r2 = realloc(runs, (size_t)cap * sizeof *runs);
+            if (r2) runs = r2;
+            const char **n2 = r2 ? realloc(names, (size_t)cap * sizeof *names) : NULL;
+            if (n2) names = n2;
+            if (!r2 || !n2) {
+                rc = moed_fail(&err, MOED_ENOMEM, "out of memory reading --from");
+                break;
+            }
+        }
+        names[n] = f;
+        if (!(rc = load_html_read_run(f, &runs[n], &err))) n++;
+    }
+    if (!rc && !n) rc = moed_fail(&err, MOED_EINVAL, "--from names no file");
+    /* a file of the command line that cannot be used is the user's to fix (exit 2) */
+    const bool usage = rc && rc != MOED_ENOMEM;
+    if (!rc) rc = load_html_write(a->report, runs, names, n, &err);
+    for (int i = 0; i < n; i++) cJSON_Delete(runs[i]);
+    free(runs);
+    free(names);
+    free(list);
+    if (usage) return usage_error("%s", err.msg);
+    if (rc) return failure("%s", err.msg);
+    fprintf(stderr, "moed-load: wrote the report %s (%d runs)\n", a->report, n);
     return 0;
 }
 
@@ -702,6 +768,7 @@ int main(int argc, char **argv)
     memset(&r, 0, sizeof r);
     int rc;
     if (!parse_args(argc, argv, &r.a, &rc)) return rc;
+    if (r.a.from) return report_from(&r.a);
     rc = parse_specs(&r);
     if (!rc) rc = connect_all(&r);
     if (!rc) rc = resolve_layers(&r);
@@ -720,6 +787,7 @@ int main(int argc, char **argv)
         rc = failure("%s", err.msg);
     if (!rc && r.a.csv && load_report_csv(r.a.csv, r.results, r.n_results, &err))
         rc = failure("%s", err.msg);
+    if (!rc && r.a.report && write_report(&r, &setup)) rc = EXIT_FAILED;
     for (int i = 0; !rc && i < r.n_results; i++)
         if (load_stats_errors(&r.results[i].st) || r.results[i].st.mismatches) rc = EXIT_FAILED;
     run_free(&r);

@@ -488,6 +488,11 @@ def _check_held(l: Dict[str, Any]) -> None:
 def model_info(reply: bytes) -> ModelInfo:
     """A GetModel reply as ModelInfo."""
     m = decode("moed.v1.ModelInfo", reply)
+    if m["loading"] is not None:  # nothing is served yet: as a daemon not yet up, to every caller
+        p = m["loading"]
+        raise MoEError("UNAVAILABLE", f"the server is loading its weights ({p['phase'] or 'starting'}, "
+                                      f"{p['percent']:.1f}% of phase {p['phase_number']} of {p['phases']}): "
+                                      f"retry once its health says SERVING")
     for l in m["layers"]:
         _check_held(l)
     layers = [LayerInfo(index=l["index"], d_model=l["d_model"], d_ff=l["d_ff"], num_experts=l["num_experts"],
