@@ -104,11 +104,17 @@ def test_metrics_are_on_loopback_by_default():
 
 # ---- systemd -------------------------------------------------------------------------------------
 
-def unit():
+def unit(name="moed.service"):
     cp = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",))
     cp.optionxform = str  # keys are case-sensitive
-    cp.read(DEPLOY / "moed.service")
+    cp.read(DEPLOY / name)
     return cp
+
+
+def unit_env(name):
+    """Every Environment= of a unit file (configparser keeps only the last)."""
+    lines = (DEPLOY / name).read_text().splitlines()
+    return dict(l.split("=", 1)[1].split("=", 1) for l in lines if l.startswith("Environment="))
 
 
 def seconds(value):
@@ -133,17 +139,45 @@ def test_unit_is_a_hardened_notify_service():
 
 
 @pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
-def test_systemd_analyze_verify_is_clean(tmp_path):
-    """systemd-analyze verify, with ExecStart pointing at a binary that exists here; any warning
-    about the unit fails (verify itself exits 0 on unknown keys)."""
+@pytest.mark.parametrize("name", ["moed.service", "nvidia-mps.service"])
+def test_systemd_analyze_verify_is_clean(tmp_path, name):
+    """systemd-analyze verify, with ExecStart pointing at a binary that exists here (the MPS
+    daemon's too: this machine has no driver); any warning about the unit fails (verify itself
+    exits 0 on unknown keys). moed's unit is verified with the MPS drop-in beside it."""
     binary = MOED if MOED.exists() else pathlib.Path("/bin/true")
-    text = (DEPLOY / "moed.service").read_text().replace("/usr/local/bin/moed", str(binary))
-    u = tmp_path / "moed.service"
+    text = (DEPLOY / name).read_text().replace("/usr/local/bin/moed", str(binary))
+    text = text.replace("/usr/bin/nvidia-cuda-mps-control", "/bin/true")
+    u = tmp_path / name
     u.write_text(text)
+    if name == "moed.service":
+        (tmp_path / "moed.service.d").mkdir()
+        (tmp_path / "moed.service.d" / "mps.conf").write_text((DEPLOY / "moed-mps.conf").read_text())
+        (tmp_path / "nvidia-mps.service").write_text(
+            (DEPLOY / "nvidia-mps.service").read_text().replace("/usr/bin/nvidia-cuda-mps-control",
+                                                                "/bin/true"))
     p = subprocess.run(["systemd-analyze", "verify", str(u)], capture_output=True, text=True,
                        timeout=60)
-    about_unit = [l for l in (p.stdout + p.stderr).splitlines() if "moed.service" in l]
+    about_unit = [l for l in (p.stdout + p.stderr).splitlines() if name in l]
     assert p.returncode == 0 and not about_unit, p.stdout + p.stderr
+
+
+MPS_PIPES = "/run/nvidia-mps"
+
+
+def test_mps_unit_and_drop_in():
+    """The MPS daemon's unit runs the control daemon in the foreground with the pipe directory it
+    creates; moed's drop-in requires it, names the same directory, may write there, and runs moed
+    as a fixed user (an MPS server serves one user's processes at a time)."""
+    s = unit("nvidia-mps.service")["Service"]
+    assert shlex.split(s["ExecStart"]) == ["/usr/bin/nvidia-cuda-mps-control", "-f"]
+    assert unit_env("nvidia-mps.service")["CUDA_MPS_PIPE_DIRECTORY"] == MPS_PIPES
+    assert "/run/" + s["RuntimeDirectory"] == MPS_PIPES
+    assert unit("nvidia-mps.service")["Unit"]["Before"] == "moed.service"
+    d = unit("moed-mps.conf")
+    assert d["Unit"]["Requires"] == "nvidia-mps.service" == d["Unit"]["After"]
+    assert unit_env("moed-mps.conf")["CUDA_MPS_PIPE_DIRECTORY"] == MPS_PIPES
+    assert d["Service"]["ReadWritePaths"] == MPS_PIPES
+    assert d["Service"]["DynamicUser"] == "no" and d["Service"]["User"]
 
 
 # ---- Kubernetes --------------------------------------------------------------------------------
@@ -389,3 +423,37 @@ def test_containerfile_rules():
                 for src in a.split()[:-1]:
                     assert f"!{src.rstrip('/')}" in ignore.replace("/\n", "\n"), \
                         f"{src} is copied but excluded by Containerfile.dockerignore"
+
+
+MPS = DEPLOY / "k8s" / "mps"
+
+
+def test_mps_overlay():
+    """deploy/k8s/mps: the base plus an MPS control daemon per GPU node, and moed's Deployment
+    patched to join it: the host's IPC namespace (the doorbell's shared memory and MPS's), the
+    pipe directory from the host under the same path and variable as the daemon's, and the
+    daemon running as moed's user."""
+    k = yaml.safe_load((MPS / "kustomization.yaml").read_text())
+    assert k["resources"] == ["..", "daemonset.yaml"]
+    assert [p["path"] for p in k["patches"]] == ["deployment-patch.yaml"]
+    assert {f.name for f in MPS.glob("*.yaml")} == {"kustomization.yaml", "daemonset.yaml",
+                                                    "deployment-patch.yaml"}
+    ds = yaml.safe_load((MPS / "daemonset.yaml").read_text())
+    patch = yaml.safe_load((MPS / "deployment-patch.yaml").read_text())
+    base = manifests()["Deployment"]
+    assert ds["kind"] == "DaemonSet" and patch["kind"] == "Deployment"
+    assert patch["metadata"]["name"] == base["metadata"]["name"]
+    for pod in (ds["spec"]["template"]["spec"], patch["spec"]["template"]["spec"]):
+        assert pod["hostIPC"] is True
+        c = pod["containers"][0]
+        env = {e["name"]: e["value"] for e in c["env"]}
+        assert env["CUDA_MPS_PIPE_DIRECTORY"] == MPS_PIPES
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == MPS_PIPES)
+        vol = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+        assert vol["hostPath"]["path"] == MPS_PIPES
+    assert patch["spec"]["template"]["spec"]["containers"][0]["name"] == \
+        base["spec"]["template"]["spec"]["containers"][0]["name"]
+    ds_pod = ds["spec"]["template"]["spec"]
+    assert ds_pod["containers"][0]["command"] == ["nvidia-cuda-mps-control", "-f"]
+    assert ds_pod["securityContext"]["runAsUser"] == \
+        base["spec"]["template"]["spec"]["securityContext"]["runAsUser"]
