@@ -323,10 +323,11 @@ static void test_map_refusals(int n_gpus)
 }
 
 /* Expert choices kept on GPU 1 (device routing, as a doorbell call's choices in a CUDA region
- * there) for two parts, one with its rows on GPU 1 too and one in host memory: the first gives the
- * bits of the same choice routed on the host, the second's refused pair fails it alone, with the
- * message the host check words. */
-static void test_far_choices(const char *how)
+ * there) for two parts, one with its rows on GPU 1 too (or on GPU 0: x_kind) and one in host
+ * memory: the first gives the bits of the same choice routed on the host, the second's refused pair
+ * (when refuse) fails it alone, with the message the host check words. With n_parts 1, the first
+ * part alone. */
+static void far_choices(const char *how, int x_kind, int n_parts, bool refuse)
 {
     enum { T = 24, K = 2 };
     int32_t ids[T * K];
@@ -336,10 +337,10 @@ static void test_far_choices(const char *how)
         ids[i] = i % 7 == 3 ? -1 : (int32_t)(seed % 8);
         w[i] = ids[i] < 0 ? 0.0f : 0.1f + (float)(seed >> 60) / 16.0f;
     }
-    ids[40] = 8; /* row 20: the second part (rows 12 ..) is refused at its row 8 */
+    if (refuse) ids[40] = 8; /* row 20: the second part (rows 12 ..) is refused at its row 8 */
     void *x = make_x(T), *host_y = malloc((size_t)T * ROW_BYTES);
     place far;
-    put(&far, FAR, x, 12);
+    put(&far, x_kind, x, 12);
     int32_t *d_ids;
     float *d_w;
     cudaSetDevice(1);
@@ -352,26 +353,43 @@ static void test_far_choices(const char *how)
         { .ids = d_ids, .weights = d_w, .k = K, .dev = 1 },
         { .ids = d_ids + 12 * K, .weights = d_w + 12 * K, .k = K, .dev = 1 }
     };
-    moed_part parts[2] = { { 12, far.x, 1, far.y, 1, &pr[0] },
+    moed_part parts[2] = { { 12, far.x, gpu_of(x_kind), far.y, gpu_of(x_kind), &pr[0] },
                            { 12, (char *)x + 12 * ROW_BYTES, MOED_HOST_MEM, host_y, MOED_HOST_MEM,
                              &pr[1] } };
     moed_route none, host;
     moed_error err;
-    moed_route_init(&none, T, 0);
-    moed_job job = { .dtype = MOED_BF16, .T = T, .parts = parts, .n_parts = 2, .route = &none };
+    moed_route_init(&none, 12 * n_parts, 0);
+    moed_job job = {
+        .dtype = MOED_BF16, .T = 12 * n_parts, .parts = parts, .n_parts = n_parts, .route = &none
+    };
     int rc = moed_backend_forward(gpu, 0, &job, &err);
     CHECK_MSG(rc == 0, "choices on GPU 1 (%s): %s", how, err.msg);
     CHECK_MSG(!rc && pr[0].err.code == 0, "part 0 (%s): %s", how, pr[0].err.msg);
     moed_error want_err = { 0 };
     moed_choice_fail(&want_err, moed_choice_check(ids + 12 * K, w + 12 * K, 12, K, 8), K, 8);
-    CHECK_MSG(!rc && pr[1].err.code == MOED_EINVAL && !strcmp(pr[1].err.msg, want_err.msg),
-              "part 1 (%s): '%s', want '%s'", how, pr[1].err.msg, want_err.msg);
+    if (n_parts > 1 && refuse)
+        CHECK_MSG(!rc && pr[1].err.code == MOED_EINVAL && !strcmp(pr[1].err.msg, want_err.msg),
+                  "part 1 (%s): '%s', want '%s'", how, pr[1].err.msg, want_err.msg);
+    else if (n_parts > 1)
+        CHECK_MSG(!rc && pr[1].err.code == 0, "part 1 (%s): %s", how, pr[1].err.msg);
     CHECK(moed_route_from_choice(&host, ids, w, 12, K, 8, &err) == 0);
     void *want = inline_y(x, 12, &host), *got = malloc(12 * ROW_BYTES);
     take(&far, got, 12);
     const bool same = !rc && !memcmp(got, want, 12 * ROW_BYTES);
-    CHECK_MSG(same, "choices on GPU 1 (%s) differ from the host route", how);
-    fprintf(stderr, "  %-58s T=%-4d %s\n", "expert choices on GPU 1", T, same ? "same" : "DIFFERS");
+    int64_t first = -1, n_diff = 0;
+    for (int64_t i = 0; i < 12 * (int64_t)ROW_BYTES / 2; i++)
+        if (((uint16_t *)got)[i] != ((uint16_t *)want)[i]) {
+            if (first < 0) first = i;
+            n_diff++;
+        }
+    char what[96];
+    snprintf(what, sizeof what, "expert choices on GPU 1, rows on %s, %d part%s%s",
+             x_kind == FAR ? "GPU 1" : "GPU 0", n_parts, n_parts > 1 ? "s" : "",
+             refuse ? ", one refused" : "");
+    CHECK_MSG(same, "%s (%s) differ from the host route: %lld of %lld values, first at row %lld",
+              what, how, (long long)n_diff, (long long)(12 * ROW_BYTES / 2),
+              (long long)(first < 0 ? -1 : first / (int64_t)(ROW_BYTES / 2)));
+    fprintf(stderr, "  %-58s T=%-4d %s\n", what, T, same ? "same" : "DIFFERS");
     drop(&far);
     cudaSetDevice(1);
     cudaFree(d_ids);
@@ -401,7 +419,10 @@ static void test_far_parts(const char *how)
     run_parts("output over input: a part on GPU 1, no graph", 400, 2, large, far1, 1, true);
     run_parts("output over input: chunks, a part on GPU 1", 300, 8, chunks, far1, 1, true);
     test_router_parts(FAR);
-    test_far_choices(how);
+    far_choices(how, FAR, 2, true);
+    far_choices(how, FAR, 2, false);
+    far_choices(how, FAR, 1, false);
+    far_choices(how, DEVICE, 1, false);
 }
 
 /* Peer access between GPUs 0 and 1, both ways, as map_device enables it for a region on GPU 1;

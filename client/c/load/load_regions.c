@@ -18,7 +18,8 @@
 
 struct load_regions {
     int transport;
-    int device; /* the GPU of the device memory */
+    int device;    /* the GPU of the device memory */
+    bool ctx_held; /* its primary context retained here, for as long as the memory lives */
     moedc_session *session;
     moedc_region *hidden, *routing, *out;
     void *dev_hidden, *dev_routing, *dev_out; /* this process's allocations behind them */
@@ -68,6 +69,33 @@ static size_t up64(size_t n)
 static int client_error(const char *what, const moedc_error *e, moed_error *err)
 {
     return moed_fail(err, e->code, "%s: %s", what, e->msg);
+}
+
+/* The primary context of the GPU is retained for the whole run: moedc_cuda_leave releases the
+ * reference each call takes, and a primary context whose last reference goes is destroyed with
+ * every allocation and stream made in it (moed-load has no CUDA runtime holding one). */
+static int hold_context(load_regions *r, moed_error *err)
+{
+    moedc_error e;
+    const moedc_cuda_table *cu = moedc_cuda_api(&e);
+    int dev = 0, rc = cu ? cu->cuDeviceGet(&dev, r->device) : 0;
+    void *ctx = NULL;
+    if (!cu) return client_error(load_transport_name(r->transport), &e, err);
+    if (!rc) rc = cu->cuDevicePrimaryCtxRetain(&ctx, dev);
+    if (rc) {
+        moedc_cuda_fail(cu, rc, "cuDevicePrimaryCtxRetain", &e);
+        return moed_fail(err, MOED_EINVAL, "GPU %d: %s", r->device, e.msg);
+    }
+    r->ctx_held = true;
+    return 0;
+}
+
+static void release_context(load_regions *r)
+{
+    moedc_error e;
+    const moedc_cuda_table *cu = moedc_cuda_api(&e);
+    int dev = 0;
+    if (cu && cu->cuDeviceGet(&dev, r->device) == 0) cu->cuDevicePrimaryCtxRelease(dev);
 }
 
 /* `bytes` of the GPU's memory in *dev holding `n` bytes of src at its start, through the driver
@@ -198,7 +226,9 @@ int load_regions_open(int transport, moedc *c, load_plan *plan, int slots, int r
     r->stride = up64((size_t)max_tokens * (size_t)max_d * es);
     const bool dev = on_device(transport);
     moedc_error e;
-    int rc = moedc_session_open(c, &r->session, &e) ? client_error("a region session", &e, err) : 0;
+    int rc = dev ? hold_context(r, err) : 0;
+    if (!rc)
+        rc = moedc_session_open(c, &r->session, &e) ? client_error("a region session", &e, err) : 0;
     if (!rc) rc = place(r, dev, plan->hidden, pool, pool, &r->hidden, &r->dev_hidden, err);
     if (!rc) rc = place_routing(r, plan, err);
     if (!rc) rc = place(r, dev, NULL, 0, r->stride * (size_t)slots, &r->out, &r->dev_out, err);
@@ -224,6 +254,7 @@ void load_regions_close(load_regions *r)
     device_free(r, r->dev_hidden);
     device_free(r, r->dev_routing);
     device_free(r, r->dev_out);
+    if (r->ctx_held) release_context(r);
     free(r->rings);
     free(r->streams);
     free(r);
