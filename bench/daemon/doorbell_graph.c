@@ -231,14 +231,17 @@ static void *graph_caller(void *arg)
     cudaGraphExec_t exec;
     cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
     moedc_ring_ticket *tickets = calloc((size_t)c->n, sizeof *tickets);
-    cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal);
+    /* Thread-local: the other callers' threads make their reference calls and copies meanwhile,
+     * which a global capture would refuse them (and end this one). */
+    cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal);
     for (int i = 0; i < c->n; i++) {
         moedc_ring_call call = call_of(c, i);
         if (moedc_ring_enqueue(c->ring, &call, st, &tickets[i], &err)) fail("enqueue: %s", err.msg);
     }
-    if (cudaStreamEndCapture(st, &graph) != cudaSuccess ||
-        cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
-        fail("capturing the graph failed");
+    cudaError_t ce = cudaStreamEndCapture(st, &graph);
+    if (ce == cudaSuccess) ce = cudaGraphInstantiate(&exec, graph, 0);
+    if (ce != cudaSuccess) {
+        fail("capturing the graph failed: %s", cudaGetErrorString(ce));
         pthread_barrier_wait(c->start);
         return NULL;
     }
