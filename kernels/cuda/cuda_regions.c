@@ -95,21 +95,26 @@ static get_range_fn get_range(void)
  * copies between them then go straight over NVLink or PCIe, and a split layer's parts write their
  * home's memory directly. Without it the driver stages copies through host memory. Set up once a
  * GPU (the first region there, or start for the backend's own); never with MOED_CUDA_NO_PEER=1. */
+/* Peer access is the process's, not a backend's: enabled once per ordered pair of GPUs for every
+ * backend the process opens (enabling it again is an error the sanitizers report). */
+static _Atomic bool peer_enabled[MAX_GPUS][MAX_GPUS];
+
+static void enable_peer(int from, int to)
+{
+    int can = 0;
+    if (from == to || atomic_exchange(&peer_enabled[from][to], true)) return;
+    if (cudaDeviceCanAccessPeer(&can, from, to) != cudaSuccess || !can) return;
+    cudaSetDevice(from);
+    if (cudaDeviceEnablePeerAccess(to, 0) != cudaSuccess) cudaGetLastError();
+}
+
 void cuda_enable_peers(cuda_ctx *c, int gpu)
 {
     if (c->no_peer || gpu < 0 || gpu >= MAX_GPUS || atomic_exchange(&c->peered[gpu], true)) return;
     for (int i = 0; i < c->n_dev; i++) {
-        int to = 0, from = 0;
-        if (c->dev[i] == gpu) continue;
-        if (cudaDeviceCanAccessPeer(&to, c->dev[i], gpu) == cudaSuccess && to) {
-            cudaSetDevice(c->dev[i]);
-            cudaDeviceEnablePeerAccess(gpu, 0);
-        }
-        if (cudaDeviceCanAccessPeer(&from, gpu, c->dev[i]) == cudaSuccess && from) {
-            cudaSetDevice(gpu);
-            cudaDeviceEnablePeerAccess(c->dev[i], 0);
-        }
-        cudaGetLastError(); /* already enabled is fine */
+        if (c->dev[i] < 0 || c->dev[i] >= MAX_GPUS) continue;
+        enable_peer(c->dev[i], gpu);
+        enable_peer(gpu, c->dev[i]);
     }
 }
 
