@@ -27,10 +27,11 @@ from .retry import RetryPolicy
 from .interface import Client
 from .client import MoEClient
 from .fleet import FleetClient
+from .ring import ForwardHandle, RingClient
 from .targets import is_fleet, one
 from . import aio
 
-__all__ = ["connect", "Client", "MoEClient", "FleetClient", "MoEError", "RetryPolicy", "ForwardResult",
+__all__ = ["connect", "Client", "MoEClient", "FleetClient", "RingClient", "ForwardHandle", "MoEError", "RetryPolicy", "ForwardResult",
            "ModelInfo", "LayerInfo", "Device", "Timings", "Region", "RegionLimits", "aio"]
 __version__ = "0.2.0"
 
