@@ -275,12 +275,24 @@ class RingClient:
         return region
 
     def _take_buffer(self, nbytes: int) -> _Buffer:
+        """A free buffer of at least nbytes, made when none is; as many as the ring has slots at
+        most: with every one taken, every slot is, and the call is refused before it costs a region."""
         with self._lock:
             for i, b in enumerate(self._buffers):
                 if b.bytes >= nbytes:
                     return self._buffers.pop(i)
-        size = max(_MIN_BUFFER, 1 << (nbytes - 1).bit_length())
-        b = _Buffer(self._create_host(size))
+            if len(self._all_buffers) - len(self._buffers) >= self._slots:
+                raise _full("every buffer is a call's in flight")
+            if len(self._all_buffers) >= self._slots:  # a free one too small: made anew, larger
+                old = self._buffers.pop(0)
+                self._all_buffers.remove(old)
+                self._lib.moedc_region_free(old.region, ctypes.byref(L.Error()))
+            self._all_buffers.append(None)  # its place, taken while the region is made
+        try:
+            b = _Buffer(self._create_host(max(_MIN_BUFFER, 1 << (nbytes - 1).bit_length())))
+        finally:
+            with self._lock:
+                self._all_buffers.remove(None)
         with self._lock:
             self._all_buffers.append(b)
         return b
@@ -372,9 +384,7 @@ class RingClient:
             rc = self._lib.moedc_ring_enqueue(ring, ctypes.byref(call), stream, ctypes.byref(t),
                                               ctypes.byref(err))
         if rc == L.EFULL:
-            raise MoEError("RESOURCE_EXHAUSTED", f"every slot of the client's ring is taken by a call "
-                                                 f"in flight ({err.msg.decode(errors='replace')}): wait "
-                                                 f"for some, or open the RingClient with more slots")
+            raise _full(err.msg.decode(errors="replace"))
         L.check(rc, err)
         return t
 
@@ -549,6 +559,12 @@ class RingClient:
             return _cuda.relaxed_capture()
         import contextlib
         return contextlib.nullcontext()
+
+
+def _full(why: str) -> MoEError:
+    return MoEError("RESOURCE_EXHAUSTED", f"every slot of the client's ring is taken by a call in "
+                                          f"flight ({why}): wait for some, or open the RingClient "
+                                          f"with more slots")
 
 
 def _refuse_capture() -> None:
