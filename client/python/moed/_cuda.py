@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import threading
 from typing import Iterator, Optional, Tuple
 
 from .types import MoEError
@@ -32,29 +33,37 @@ def driver() -> ctypes.CDLL:
         except OSError as e:
             raise MoEError("FAILED_PRECONDITION", f"the CUDA driver (libcuda.so.1) cannot be loaded: {e}") from None
         cu.cuPointerGetAttributes.restype = ctypes.c_int
-        cu.cuPointerGetAttributes.argtypes = [ctypes.c_uint, ctypes.POINTER(ctypes.c_int),
-                                              ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint64]
+        cu.cuPointerGetAttributes.argtypes = [ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
+                                              ctypes.c_uint64]
         _cu = cu
     return _cu
 
 
+class _Query(threading.local):
+    """cuPointerGetAttributes' arguments, made once per thread (a call costs a microsecond or so)."""
+
+    def __init__(self):
+        self.base, self.size, self.buf = ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_uint64()
+        self.attrs = (ctypes.c_int * 3)(_RANGE_START, _RANGE_SIZE, _BUFFER_ID)
+        self.data = (ctypes.c_void_p * 3)(*(ctypes.addressof(v) for v in (self.base, self.size, self.buf)))
+
+
+_query = _Query()
+
+
 def allocation(ptr: int) -> Tuple[int, int, int]:
     """(base, size, buffer id) of the device allocation holding ptr; MoEError naming the driver's
-    error otherwise (INVALID_CONTEXT when no context is current on this thread: the caller makes
-    its device's current and asks again)."""
-    base, size, buf = ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_uint64()
-    attrs = (ctypes.c_int * 3)(_RANGE_START, _RANGE_SIZE, _BUFFER_ID)
-    data = (ctypes.c_void_p * 3)(ctypes.cast(ctypes.byref(base), ctypes.c_void_p),
-                                 ctypes.cast(ctypes.byref(size), ctypes.c_void_p),
-                                 ctypes.cast(ctypes.byref(buf), ctypes.c_void_p))
-    rc = driver().cuPointerGetAttributes(3, attrs, data, ptr)
+    error otherwise (_NoContext when no context is current on this thread: the caller makes its
+    device's current and asks again)."""
+    q = _query
+    rc = driver().cuPointerGetAttributes(3, q.attrs, q.data, ptr)
     if rc == _INVALID_CONTEXT:
         raise _NoContext()
-    if rc or not size.value:
+    if rc or not q.size.value:
         raise MoEError("INVALID_ARGUMENT", f"the CUDA driver cannot say where the allocation of "
                                            f"{ptr:#x} lies (cuPointerGetAttributes: error {rc}): "
                                            f"is it device memory of this process?")
-    return base.value, size.value, buf.value
+    return q.base.value, q.size.value, q.buf.value
 
 
 class _NoContext(Exception):

@@ -36,13 +36,15 @@ opened it; in a forked child its calls raise FAILED_PRECONDITION (open a new cli
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
 import sys
 import threading
+import time
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -102,7 +104,8 @@ class _Segment:
 
 class ForwardHandle:
     """A call in flight (RingClient.forward_async): wait() returns its output, done() says whether
-    it completed. Wait for every handle (its slot and buffer are the call's until then)."""
+    it completed. Wait for each handle from one thread at a time; a host call's slot and buffer are
+    its own until it is waited for (close() waits for those still in flight)."""
 
     def __init__(self, client: "RingClient", ticket: Any = None, finish: Any = None, event: Any = None,
                  output: Any = None):
@@ -142,7 +145,8 @@ class ForwardHandle:
         if rc == 0:
             return False
         self._over = True
-        c._inflight.discard(self)
+        with c._lock:
+            c._inflight.discard(self)
         if rc < 0:
             self._result = L.failure(rc, err.msg.decode(errors="replace"))
         else:
@@ -156,7 +160,6 @@ class ForwardHandle:
         if timeout is None:
             self._event.synchronize()
         else:
-            import time
             end = time.monotonic() + timeout
             while not self._event.query():
                 if time.monotonic() >= end:
@@ -194,7 +197,7 @@ class RingClient:
         self._segments: Dict[int, _Segment] = {}  # by base
         self._pending: List[Any] = []  # eager stream calls not yet seen past
         self._captured: List[Any] = []  # tickets of captured calls
-        self._inflight: "weakref.WeakSet[ForwardHandle]" = weakref.WeakSet()
+        self._inflight: Set[ForwardHandle] = set()  # host calls not waited for yet
         self._failures_seen = 0
         self._forked = False
         self._conn = self._session = self._ring = self._capture_ring = None
@@ -437,7 +440,8 @@ class RingClient:
                 self._give_buffer(buf)
 
         h = ForwardHandle(self, ticket=ticket, finish=finish)
-        self._inflight.add(h)
+        with self._lock:
+            self._inflight.add(h)
         return h
 
     def _in_region(self, t: Any, nbytes: int, wire: int) -> Optional[Tuple[Any, int]]:
@@ -476,7 +480,8 @@ class RingClient:
         if out is not None:
             inp.check_out(out)
         self._reap()
-        with torch.cuda.device(dev):
+        here = dev.index is None or dev.index == torch.cuda.current_device()
+        with contextlib.nullcontext() if here else torch.cuda.device(dev):
             capturing = torch.cuda.is_current_stream_capturing()
             x = hidden if hidden.is_contiguous() else hidden.contiguous()
             ids = ids.to(torch.int32).contiguous()  # no-ops when they already are
@@ -516,10 +521,8 @@ class RingClient:
             seg = self._segments.get(base)
             if seg is not None and seg.size == size and seg.buffer_id == buf_id:
                 return L.Ref(seg.region, ptr - base)
+            self._prune()
             err = L.Error()
-            for old in [s for s in self._segments.values() if s.base < base + size and base < s.base + s.size]:
-                del self._segments[old.base]  # its memory was freed: the server lets it go
-                self._lib.moedc_region_free(old.region, ctypes.byref(err))
             region = ctypes.POINTER(L.Region)()
             with self._maybe_relaxed(capturing):
                 L.check(self._lib.moedc_region_register_cuda(self._session, ctypes.c_void_p(base), size,
@@ -527,28 +530,44 @@ class RingClient:
             self._segments[base] = _Segment(base, size, buf_id, region)
             return L.Ref(region, ptr - base)
 
+    def _prune(self) -> None:
+        """Lets go of the regions of segments the allocator has freed since (a rare event, when a
+        segment is registered: the driver asked once for each held)."""
+        err = L.Error()
+        for seg in list(self._segments.values()):
+            try:
+                live = _cuda.allocation(seg.base) == (seg.base, seg.size, seg.buffer_id)
+            except (MoEError, _cuda._NoContext):
+                live = False
+            if not live:
+                del self._segments[seg.base]  # the server unmaps it once no call holds it
+                self._lib.moedc_region_free(seg.region, ctypes.byref(err))
+
     @property
     def segments(self) -> int:
         """How many CUDA allocator segments the client holds registered."""
         return len(self._segments)
 
     def _reap(self) -> None:
-        """Raises the first failure among eager stream calls the stream has passed."""
+        """Raises the first failure among eager stream calls the stream has passed. They are looked
+        at oldest first, up to the first one still ahead of its stream (a stream passes its calls
+        in order), so a call costs one look however far its stream runs behind."""
         if not self._pending:
             return
         res, err = L.RingResult(), L.Error()
         failed = None
         with self._lock:
-            keep = []
+            n = 0
             for t in self._pending:
                 rc = self._lib.moedc_ring_stream_result(self._ring, ctypes.byref(t), ctypes.byref(res),
                                                         ctypes.byref(err))
                 if rc == 0:
-                    keep.append(t)
-                elif rc == 1 and res.status and failed is None:
+                    break
+                n += 1
+                if rc == 1 and res.status and failed is None:
                     failed = L.failure(res.status, "an earlier stream call failed: " +
                                        res.message.decode(errors="replace"))
-            self._pending = keep
+            del self._pending[:n]
         if failed is not None:
             raise failed
 
@@ -557,7 +576,6 @@ class RingClient:
         torch = sys.modules.get("torch")
         if capturing and torch is not None and torch.cuda.is_initialized():
             return _cuda.relaxed_capture()
-        import contextlib
         return contextlib.nullcontext()
 
 
