@@ -183,7 +183,10 @@ def run_layer(a, torch, moed, name, rows, steps):
     shape = grid.LAYERS[name]
     kms = grid.kernel_ms(a, name, a.tokens)
     print(f"{name}: kernel " + ", ".join(f"T={T} {ms:.3f} ms" for T, ms in sorted(kms.items())), flush=True)
-    m = Moed(a.bin, ["--backend", "cuda", "--devices", "0", "--synthetic", grid.spec(shape)],
+    # rings and regions (rings, buffers, the allocators' segments) of 8 processes, this one and
+    # moed-load's 8 callers at once
+    m = Moed(a.bin, ["--backend", "cuda", "--devices", "0", "--max-rings", "64", "--max-regions", "1024",
+                     "--synthetic", grid.spec(shape)],
              os.path.join(a.logs, f"moed-torch-{name}.log"))
     procs = Processes(m.addr, shape, a.duration)
     try:

@@ -56,7 +56,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 @pytest.fixture(scope="module")
 def cuda_daemon(tmp_path_factory):
-    d = Daemon(["--backend", "cuda", "--synthetic", SPEC], tmp_path_factory.mktemp("moed") / "moed.log")
+    d = Daemon(["--backend", "cuda", "--max-regions", "1024", "--synthetic", SPEC], tmp_path_factory.mktemp("moed") / "moed.log")
     yield d
     assert d.stop() == 0, d.log()
 

@@ -53,21 +53,18 @@ _query = _Query()
 
 def allocation(ptr: int) -> Tuple[int, int, int]:
     """(base, size, buffer id) of the device allocation holding ptr; MoEError naming the driver's
-    error otherwise (_NoContext when no context is current on this thread: the caller makes its
-    device's current and asks again)."""
+    error otherwise. The caller's torch calls just before (the stream's capture state, the output's
+    allocation) made the device's context current on this thread."""
     q = _query
     rc = driver().cuPointerGetAttributes(3, q.attrs, q.data, ptr)
     if rc == _INVALID_CONTEXT:
-        raise _NoContext()
+        raise MoEError("FAILED_PRECONDITION", "no CUDA context is current on this thread: make the "
+                                              "tensors' device current (torch.cuda.set_device) first")
     if rc or not q.size.value:
         raise MoEError("INVALID_ARGUMENT", f"the CUDA driver cannot say where the allocation of "
                                            f"{ptr:#x} lies (cuPointerGetAttributes: error {rc}): "
                                            f"is it device memory of this process?")
     return q.base.value, q.size.value, q.buf.value
-
-
-class _NoContext(Exception):
-    pass
 
 
 @contextlib.contextmanager

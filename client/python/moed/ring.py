@@ -326,11 +326,11 @@ class RingClient:
         ids, w = self._routing(topk_ids, topk_weights, expert_ids, expert_weights)
         if is_torch(hidden) and hidden.device.type == "cuda":
             torch = sys.modules["torch"]
-            y = self._stream_call(int(layer), hidden, ids, w, out)
-            if torch.cuda.is_current_stream_capturing():
-                raise MoEError("FAILED_PRECONDITION", "forward_async cannot be captured (its handle "
-                                                      "waits on the host): use forward while capturing")
             with torch.cuda.device(hidden.device):
+                if torch.cuda.is_current_stream_capturing():
+                    raise MoEError("FAILED_PRECONDITION", "forward_async cannot be captured (its handle "
+                                                          "waits on the host): use forward while capturing")
+                y = self._stream_call(int(layer), hidden, ids, w, out)
                 event = torch.cuda.Event()
                 event.record()
             return ForwardHandle(self, event=event, output=y)
@@ -488,16 +488,38 @@ class RingClient:
             w = w.to(torch.float32).contiguous()
             y = torch.empty_like(x) if out is None else out
             call = self._call(layer, inp.wire, (T, d), ids.shape[1])
-            call.hidden = self._segment_ref(x.data_ptr(), capturing)
-            call.expert_ids = self._segment_ref(ids.data_ptr(), capturing)
-            call.expert_weights = self._segment_ref(w.data_ptr(), capturing)
-            call.output = self._segment_ref(y.data_ptr(), capturing)
+            with self._maybe_relaxed(capturing):
+                call.hidden = self._segment_ref(x.data_ptr())
+                call.expert_ids = self._segment_ref(ids.data_ptr())
+                call.expert_weights = self._segment_ref(w.data_ptr())
+                call.output = self._segment_ref(y.data_ptr())
             stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-            ring = self._ring_for_capture() if capturing else self._ring
-            ticket = self._start(ring, call, stream)
+            if capturing:
+                ticket = self._start(self._ring_for_capture(), call, stream)
+            else:
+                ticket = self._start_stream(call, stream)
         with self._lock:
             (self._captured if capturing else self._pending).append(ticket)
         return y
+
+    def _start_stream(self, call: L.RingCall, stream: Any) -> Any:
+        """An eager stream call; with every slot taken by calls the streams have not passed yet, it
+        waits for the oldest to be passed (the streams run on without the host), then tries again."""
+        while True:
+            try:
+                return self._start(self._ring, call, stream)
+            except MoEError as e:
+                if e.code_name != "RESOURCE_EXHAUSTED" or not self._pending:
+                    raise
+            oldest, res, err = self._pending[0], L.RingResult(), L.Error()
+            end = time.monotonic() + 600  # a hang guard only: a stream passes its calls
+            while self._lib.moedc_ring_stream_result(self._ring, ctypes.byref(oldest), ctypes.byref(res),
+                                                     ctypes.byref(err)) == 0:
+                if time.monotonic() > end:
+                    raise MoEError("RESOURCE_EXHAUSTED", "every slot of the client's ring is taken by "
+                                                         "stream calls that no stream passed in 600 s")
+                time.sleep(2e-5)
+            self._reap()
 
     def _ring_for_capture(self) -> Any:
         with self._lock:
@@ -510,13 +532,9 @@ class RingClient:
                 self._failures_seen = 0
             return self._capture_ring
 
-    def _segment_ref(self, ptr: int, capturing: bool) -> L.Ref:
+    def _segment_ref(self, ptr: int) -> L.Ref:
         """The CUDA region (registered once per allocator segment) and offset of device pointer ptr."""
-        try:
-            base, size, buf_id = _cuda.allocation(ptr)
-        except _cuda._NoContext:
-            sys.modules["torch"].cuda.current_stream()  # makes the device's context current
-            base, size, buf_id = _cuda.allocation(ptr)
+        base, size, buf_id = _cuda.allocation(ptr)
         with self._lock:
             seg = self._segments.get(base)
             if seg is not None and seg.size == size and seg.buffer_id == buf_id:
@@ -524,9 +542,8 @@ class RingClient:
             self._prune()
             err = L.Error()
             region = ctypes.POINTER(L.Region)()
-            with self._maybe_relaxed(capturing):
-                L.check(self._lib.moedc_region_register_cuda(self._session, ctypes.c_void_p(base), size,
-                                                             ctypes.byref(region), ctypes.byref(err)), err)
+            L.check(self._lib.moedc_region_register_cuda(self._session, ctypes.c_void_p(base), size,
+                                                         ctypes.byref(region), ctypes.byref(err)), err)
             self._segments[base] = _Segment(base, size, buf_id, region)
             return L.Ref(region, ptr - base)
 
@@ -537,7 +554,7 @@ class RingClient:
         for seg in list(self._segments.values()):
             try:
                 live = _cuda.allocation(seg.base) == (seg.base, seg.size, seg.buffer_id)
-            except (MoEError, _cuda._NoContext):
+            except MoEError:
                 live = False
             if not live:
                 del self._segments[seg.base]  # the server unmaps it once no call holds it
