@@ -29,7 +29,6 @@ from moed import MoEClient, MoEError, RingClient
 SPEC = "layers=2,d=64,ff=96,experts=8,topk=2,act=swiglu,dtype=bf16,seed=7"
 D, E = 64, 8
 NP = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
-FAKE_CUDA = BUILD / "tests" / "fake-cuda"
 
 
 def client_library():
@@ -322,9 +321,15 @@ def test_stream_binding_over_the_fake_driver(served, tmp_path):
     """moedc_ring_enqueue, stream_result, release and failures through the ctypes binding, over
     the fake driver (a stream call, then one captured and replayed three times): the gRPC path's
     output each time, the captured slot released, no failure counted."""
+    # built here without the build's sanitizer flags: Python loads it (and the library) as they are
+    fake = tmp_path / "fake-cuda"
+    fake.mkdir()
+    p = subprocess.run(["cc", "-std=c11", "-shared", "-fPIC", str(ROOT / "tests" / "unit" / "fake_libcuda.c"),
+                        "-o", str(fake / "libcuda.so.1"), "-lpthread"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
     script = tmp_path / "stream.py"
     script.write_text(STREAM_SCRIPT)
-    env = dict(os.environ, LD_LIBRARY_PATH=f"{FAKE_CUDA}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{fake}:{os.environ.get('LD_LIBRARY_PATH', '')}")
     p = subprocess.run([sys.executable, str(script), served.address], capture_output=True, text=True,
                        env=env, timeout=300)
     assert p.returncode == 0 and "STREAM OK" in p.stdout, p.stdout + p.stderr
