@@ -107,6 +107,22 @@ def test_side_stream_calls_equal_the_host_path(rc, dtype):
     rc.check()
 
 
+def test_regions_are_the_allocators_segments(cuda_daemon, rc):
+    """Every CUDA region the client registered is one segment of torch's caching allocator, address
+    and size: nothing of the client's own in device memory; the daemon lists as many. (Before any
+    graph or empty_cache: no segment has been freed yet.)"""
+    for T in (1, 100, 2000):
+        x, ids, w = inputs(T, 2, torch.float16, seed=T)
+        rc.forward(0, x, ids, w)
+    torch.cuda.synchronize()
+    segments = {(s["address"], s["total_size"]) for s in torch.cuda.memory_snapshot()}
+    mine = {(s.base, s.size) for s in rc._segments.values()}
+    assert mine and mine <= segments, (mine, segments)
+    with MoEClient(cuda_daemon.address) as c:
+        cuda_regions = [r for r in c.regions() if r.kind == "cuda"]
+    assert len(cuda_regions) == len(mine)
+
+
 def test_forward_async_waits_on_the_stream(rc):
     x, ids, w = inputs(64, 2, torch.bfloat16, seed=3)
     want = host_path(rc, 0, x, ids, w)
@@ -147,21 +163,6 @@ def test_graph_of_layers_replays_the_eager_calls(rc):
     assert rc.release_captured() == held + LAYERS and rc.captured == 0
 
 
-def test_regions_are_the_allocators_segments(cuda_daemon, rc):
-    """Every CUDA region the client registered is one segment of torch's caching allocator, address
-    and size: nothing of the client's own in device memory; the daemon lists as many."""
-    for T in (1, 100, 2000):
-        x, ids, w = inputs(T, 2, torch.float16, seed=T)
-        rc.forward(0, x, ids, w)
-    torch.cuda.synchronize()
-    segments = {(s["address"], s["total_size"]) for s in torch.cuda.memory_snapshot()}
-    mine = {(s.base, s.size) for s in rc._segments.values()}
-    assert mine and mine <= segments, (mine, segments)
-    with MoEClient(cuda_daemon.address) as c:
-        cuda_regions = [r for r in c.regions() if r.kind == "cuda"]
-    assert len(cuda_regions) == len(mine)
-
-
 def test_new_segments_after_empty_cache(cuda_daemon, rc):
     """hidden carved from a 64 MiB tensor (a segment of its own); after torch.cuda.empty_cache()
     the same carving lies in a new segment (maybe at the same address): it is registered anew, the
@@ -195,9 +196,9 @@ def test_new_segments_after_empty_cache(cuda_daemon, rc):
 
 
 def test_host_tensors_while_capturing_are_refused(rc):
-    x, ids, w = inputs(4, 2, torch.float32, seed=9)
+    x, ids, w = (t.cpu() for t in inputs(4, 2, torch.float32, seed=9))
     g = torch.cuda.CUDAGraph()
     with pytest.raises(MoEError) as e:
         with torch.cuda.graph(g):
-            rc.forward(0, x.cpu(), ids.cpu(), w.cpu())
+            rc.forward(0, x, ids, w)
     assert e.value.code_name == "FAILED_PRECONDITION" and "captured" in e.value.message, e.value
