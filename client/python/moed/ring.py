@@ -511,7 +511,11 @@ class RingClient:
             except MoEError as e:
                 if e.code_name != "RESOURCE_EXHAUSTED" or not self._pending:
                     raise
-            oldest, res, err = self._pending[0], L.RingResult(), L.Error()
+            with self._lock:
+                oldest = self._pending[0] if self._pending else None
+            if oldest is None:  # another thread reaped them meanwhile: slots are free again
+                continue
+            res, err = L.RingResult(), L.Error()
             end = time.monotonic() + 600  # a hang guard only: a stream passes its calls
             while self._lib.moedc_ring_stream_result(self._ring, ctypes.byref(oldest), ctypes.byref(res),
                                                      ctypes.byref(err)) == 0:
