@@ -3,7 +3,7 @@ backend: the ctypes structs equal the header's as the C compiler lays them out; 
 gRPC path's (MoEClient, grpcio, in the same process) bit for bit over f32, f16 and bf16, k 1..4
 with padding, T 1..300, tensors copied in or named in place, out= written; bad inputs raise
 MoEError with a status and a message and the daemon goes on; a daemon killed with a call rung
-answers UNAVAILABLE, never hangs; many threads at once; two calls in flight at once from one
+answers UNAVAILABLE, never hangs; the GIL is released while a call is waited for; many threads at once; two calls in flight at once from one
 thread (forward_async); a full ring refuses a call at once; a client across fork refuses; an
 install without the library says how to get one; and the stream calls' binding (enqueue,
 stream_result, release, failures) over the fake CUDA driver of tests/unit.
@@ -205,6 +205,30 @@ def test_async_calls_overlap(daemon):
         assert hb.wait().tobytes() == want[1].tobytes()
         assert ha.wait().tobytes() == want[0].tobytes()
         assert ha.done() and ha.timings.compute_us > 0
+
+
+def test_the_gil_is_released_while_waiting(daemon):
+    """A thread waiting for a call (the daemon stopped, so it surely waits) leaves the GIL to the
+    others: this thread runs Python meanwhile and finds the waiter still waiting. (Were the GIL
+    held, this thread would run only once the wait had ended: its timeout, a hang guard.)"""
+    d = daemon("--synthetic", SPEC)
+    x, ids, w = inputs(np.random.default_rng(13), 3, 2)
+    want = grpc_output(d.address, 0, x, ids, w)
+    with RingClient(d.address) as rc:
+        rc.forward(0, x, ids, w)
+        d.send_signal(signal.SIGSTOP)
+        got = []
+        try:
+            h = rc.forward_async(0, x, ids, w)
+            waiter = threading.Thread(target=lambda: got.append(h.wait(timeout=120)))
+            waiter.start()
+            while "_wait_host" not in repr(sys._current_frames().get(waiter.ident)):
+                pass  # until the waiter is in the wait (in the frame that calls moedc_ring_wait)
+            assert sum(range(200000)) > 0 and waiter.is_alive() and not got
+        finally:
+            d.send_signal(signal.SIGCONT)
+        waiter.join()
+        assert got[0].tobytes() == want.tobytes()
 
 
 def test_full_ring_refuses_at_once(daemon):
