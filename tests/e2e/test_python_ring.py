@@ -220,9 +220,9 @@ def test_the_gil_is_released_while_waiting(daemon):
         got = []
         try:
             h = rc.forward_async(0, x, ids, w)
-            waiter = threading.Thread(target=lambda: got.append(h.wait(timeout=120)))
+            waiter = threading.Thread(target=lambda: got.append(h.wait(timeout=20)))
             waiter.start()
-            while "_wait_host" not in repr(sys._current_frames().get(waiter.ident)):
+            while waiter.is_alive() and "_wait_host" not in repr(sys._current_frames().get(waiter.ident)):
                 pass  # until the waiter is in the wait (in the frame that calls moedc_ring_wait)
             assert sum(range(200000)) > 0 and waiter.is_alive() and not got
         finally:
