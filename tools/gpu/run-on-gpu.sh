@@ -78,7 +78,7 @@
 #             stream, a CUDA graph of several layers, the allocator's segments registered), then
 #             bench/daemon/bench_torch_op.py (the op eager and in a graph beside the C doorbell path
 #             and the kernel at T 1..2048, a 60-call decode step in one graph, 8 threads and 8
-#             processes beside moed-load), its table and targets in torch-op.md: about 5 minutes
+#             processes beside moed-load), its table and targets in torch-op.md: at most 7.5 minutes
 #
 # Every command of a stage counts: a stage passed when all of them exited 0, was skipped when one
 # reported exit 77 (no GPU answered) and none failed, and failed otherwise (a missing program too).
@@ -389,10 +389,10 @@ stage_doorbell() {
 }
 
 torch_op_runs() {
-    logged "$OUT/gpu-ring-torch.log" timeout 240 "$PY" tests/gpu/test_ring_torch.py --bin "$B"
+    logged "$OUT/gpu-ring-torch.log" timeout 150 "$PY" tests/gpu/test_ring_torch.py --bin "$B"
     [ "$stage_rc" -ne 77 ] || return 0 # no torch or no GPU: nothing to measure either
-    logged "$OUT/torch-op.txt" timeout 330 "$PY" bench/daemon/bench_torch_op.py --bin "$B" \
-        --md "$OUT/torch-op.md" --json "$RAW/torch-op.json" --logs "$RAW" --budget 270
+    logged "$OUT/torch-op.txt" timeout 300 "$PY" bench/daemon/bench_torch_op.py --bin "$B" \
+        --md "$OUT/torch-op.md" --json "$RAW/torch-op.json" --logs "$RAW" --budget 240
 }
 
 stage_torch-op() {
