@@ -477,6 +477,9 @@ class RingClient:
         if ids.dim() != 2 or ids.shape[0] != T or tuple(w.shape) != tuple(ids.shape):
             raise InvalidArgument(f"topk_ids and topk_weights must both be [T, k] with hidden's T = {T}, "
                                   f"not {list(ids.shape)} and {list(w.shape)}")
+        if not T or not d or not ids.shape[1]:  # no memory to name (a null pointer)
+            raise InvalidArgument(f"a call needs T, d_model and k of at least 1, not {T}, {d} and "
+                                  f"{ids.shape[1]}")
         if out is not None:
             inp.check_out(out)
         self._reap()
