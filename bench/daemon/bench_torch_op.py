@@ -126,8 +126,8 @@ def threads_tokens(torch, rc, T, shape, seconds, n=8):
     return sum(counts) * T / (time.perf_counter() - t0)
 
 
-def _process(addr, shape, seconds, todo, barrier, results):
-    """One of the 8 processes: a RingClient of its own; for each T from `todo`, warm up, start with
+def _process(addr, shape, seconds, work, barrier, results):
+    """One of the 8 processes: a RingClient of its own; for each T from `work`, warm up, start with
     the others (barrier), call for `seconds`, report its calls."""
     import torch
 
@@ -135,7 +135,7 @@ def _process(addr, shape, seconds, todo, barrier, results):
     import moed.torch_op  # noqa: F401
     rc = moed.RingClient(addr)
     s = torch.cuda.current_stream()
-    for T in iter(todo.get, None):
+    for T in iter(work.get, None):
         x, ids, w = tensors(torch, T, shape)
         out = torch.empty_like(x)
         for _ in range(5):
@@ -158,14 +158,14 @@ class Processes:
     def __init__(self, addr, shape, seconds, n=8):
         ctx = mp.get_context("spawn")  # CUDA in the parent: children must not fork it
         self.n, self.barrier, self.results = n, ctx.Barrier(n + 1), ctx.Queue()
-        self.todo = [ctx.Queue() for _ in range(n)]
+        self.work = [ctx.Queue() for _ in range(n)]
         self.ps = [ctx.Process(target=_process, args=(addr, shape, seconds, q, self.barrier, self.results))
-                   for q in self.todo]
+                   for q in self.work]
         for p in self.ps:
             p.start()
 
     def tokens(self, T):
-        for q in self.todo:
+        for q in self.work:
             q.put(T)
         self.barrier.wait(timeout=300)
         t0 = time.perf_counter()
@@ -173,7 +173,7 @@ class Processes:
         return total * T / (time.perf_counter() - t0)
 
     def close(self):
-        for q in self.todo:
+        for q in self.work:
             q.put(None)
         for p in self.ps:
             p.join(60)
