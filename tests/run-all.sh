@@ -52,8 +52,11 @@ stage_build() {
 unset MAKEFLAGS MFLAGS MAKELEVEL
 
 stage_client() {
-    # Reinstalled every run, so the tests never use stubs generated from an older proto.
-    .venv/bin/pip install -q --no-build-isolation --force-reinstall --no-deps ./client/python
+    # Reinstalled every run, so the tests never use stubs generated from an older proto; with the
+    # build's libmoedclient packaged (the doorbell's), not one built again for the package.
+    local lib="$PWD/$BUILD_DIR/client/c/libmoedclient.so"
+    [ -f "$lib" ] || lib=""
+    MOED_CLIENT_LIB=$lib .venv/bin/pip install -q --no-build-isolation --force-reinstall --no-deps ./client/python
 }
 
 stage_unit() {

@@ -7,11 +7,20 @@ moed/_proto/ (git-ignored) before the usual build. The descriptors keep their ca
 protos in one process; only the generated gRPC modules' imports are rewritten to point inside
 moed._proto, because `moed.v1` would resolve to this package and `grpc.health.v1` to grpcio.
 An sdist carries the generated files, so building from it needs no ../../proto.
+
+The doorbell (moed.ring) calls libmoedclient, the C client, through ctypes: build_py puts a copy
+into moed/_lib/. $MOED_CLIENT_LIB, when set at build time, names a library to copy (a build's
+build/client/c/libmoedclient.so); else, in the repository with cmake on the PATH, the library is
+built with CMake into ../../build-python (kept, so a reinstall rebuilds only what changed). Where
+neither works (no cmake, no gRPC development files) the package installs without it, and the
+doorbell says at run time how to get one.
 """
 
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 
 from setuptools import setup
@@ -23,6 +32,8 @@ PROTOS = ["moed/v1/moed.proto", "grpc/health/v1/health.proto"]
 OUT_DIR = os.path.join(HERE, "moed", "_proto")
 PACKAGES = ["moed", "moed._proto", "moed._proto.moed", "moed._proto.moed.v1", "moed._proto.grpc",
             "moed._proto.grpc.health", "moed._proto.grpc.health.v1"]
+ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
+LIB = "libmoedclient.so"
 IMPORT_RE = re.compile(r"^from (moed\.v1|grpc\.health\.v1) import ", re.M)
 
 
@@ -53,12 +64,45 @@ def generate_stubs():
                     f.write(text)
 
 
+def client_library():
+    """The path of a libmoedclient to package, or None (saying why on stderr)."""
+    given = os.environ.get("MOED_CLIENT_LIB")
+    if given:
+        if not os.path.isfile(given):
+            raise RuntimeError(f"moed-client: $MOED_CLIENT_LIB names {given}, which is no file")
+        return given
+    if not os.path.isfile(os.path.join(ROOT, "client", "c", "CMakeLists.txt")) or not shutil.which("cmake"):
+        print("moed-client: no libmoedclient packaged (needs the moed repository and cmake): the "
+              "doorbell (moed.RingClient) will need $MOED_CLIENT_LIB", file=sys.stderr)
+        return None
+    build = os.path.join(ROOT, "build-python")
+    steps = [["cmake", "-S", ROOT, "-B", build, "-DMOED_WITH_CUDA=OFF", "-DMOED_BUILD_TESTS=OFF",
+              "-DCMAKE_BUILD_TYPE=Release"],
+             ["cmake", "--build", build, "--target", "moedclient", "-j", str(os.cpu_count() or 2)]]
+    for cmd in steps:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if p.returncode:
+            print(f"moed-client: building libmoedclient failed ({' '.join(cmd)}):\n{p.stdout[-3000:]}\n"
+                  f"the package installs without it: the doorbell (moed.RingClient) will need "
+                  f"$MOED_CLIENT_LIB", file=sys.stderr)
+            return None
+    return os.path.join(build, "client", "c", LIB)
+
+
 class BuildPyWithStubs(build_py):
     # finalize_options, not run: egg_info and sdist list the package files through build_py
     # before any run(), and the _proto packages must exist by then.
     def finalize_options(self):
         generate_stubs()
         super().finalize_options()
+
+    def run(self):
+        super().run()
+        lib = client_library()
+        if lib:
+            dest = os.path.join(self.build_lib, "moed", "_lib")
+            os.makedirs(dest, exist_ok=True)
+            shutil.copy(lib, os.path.join(dest, LIB))  # follows the soname link: the file itself
 
 
 setup(packages=PACKAGES, cmdclass={"build_py": BuildPyWithStubs})

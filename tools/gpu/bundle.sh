@@ -34,8 +34,12 @@ cp build-gpu/server/moed build-gpu/client/c/moectl build-gpu/bench/moe-bench \
    build-gpu/tests/gpu/test_route_pack build-gpu/tests/gpu/test_ring_stream build-gpu/bench/doorbell-graph \
    .gpu/bin/
 [ -x build-gpu/client/c/moed-load ] && cp build-gpu/client/c/moed-load .gpu/bin/
-bundle_libs .gpu/lib .gpu/bin/*
-.venv/bin/pip install -q --no-deps --no-build-isolation --target .gpu/py ./client/python
+# The Python client with libmoedclient inside (the doorbell's, moed.RingClient): this build's copy,
+# its gRPC C core and the rest into .gpu/lib beside the binaries' (run-on-gpu.sh puts it on
+# LD_LIBRARY_PATH).
+MOED_CLIENT_LIB=$PWD/build-gpu/client/c/libmoedclient.so \
+    .venv/bin/pip install -q --no-deps --no-build-isolation --target .gpu/py ./client/python
+bundle_libs .gpu/lib .gpu/bin/* .gpu/py/moed/_lib/libmoedclient.so
 tar czf .gpu/bundle.tgz -C .gpu bin lib py
 rm -rf .gpu/bin .gpu/lib .gpu/py
 du -sh .gpu/bundle.tgz

@@ -73,6 +73,12 @@
 #             (bench/daemon/doorbell_grid.py: four layers x T 1..2048 x 1 and 8 callers x the
 #             caller's GPU x start/wait, stream, a 60-call graph, gRPC beside moe-bench, the floor,
 #             the idle CPU), its table and targets in doorbell.md: about 8 minutes on an H200
+#   torch-op  the Python caller on the doorbell, under MPS as doorbell: tests/gpu/test_ring_torch.py
+#             (torch CUDA tensors through moed.RingClient and torch.ops.moed.forward on a side
+#             stream, a CUDA graph of several layers, the allocator's segments registered), then
+#             bench/daemon/bench_torch_op.py (the op eager and in a graph beside the C doorbell path
+#             and the kernel at T 1..2048, a 60-call decode step in one graph, 8 threads and 8
+#             processes beside moed-load), its table and targets in torch-op.md: at most 7.5 minutes
 #
 # Every command of a stage counts: a stage passed when all of them exited 0, was skipped when one
 # reported exit 77 (no GPU answered) and none failed, and failed otherwise (a missing program too).
@@ -102,7 +108,7 @@ export PATH=$PATH:/usr/local/cuda/bin
 OUT=${OUT:-/tmp/moed-out}
 RAW=$OUT/raw # JSON and long logs; packed into raw.tgz at the end (the device tool returns 8 files)
 STAGES=(tests sanitize bench sonic peers e2e merge pytest fp8 fp8-bench dataplane python router droute
-    split two-gpu other-gpu doorbell)
+    split two-gpu other-gpu doorbell torch-op)
 PEERS=${MOED_PEERS_SITE:-/tmp/moed-peers}
 # Real models' MoE layers as d,ff,E,k (bench/kernels/torch_ref.py's MODELS, which a CI test keeps
 # equal to this): gpt-oss-120b, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, Phi-3.5-MoE, DBRX.
@@ -360,17 +366,37 @@ stage_other-gpu() {
     tail -4 "$RAW/sanitize-other-parts.log"
 }
 
-stage_doorbell() {
+# MPS on while "$@" runs (callers on the daemon's GPU share one context with it), stopped after.
+with_mps() {
     local mps=0
     if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
         mps=1
     else
         echo "run-on-gpu: MPS not started: callers on the daemon's GPU share it by time slices"
     fi
+    "$@"
+    [ "$mps" -eq 0 ] || echo quit | nvidia-cuda-mps-control
+}
+
+doorbell_runs() {
     logged "$OUT/gpu-ring.log" timeout 300 "$B/test_ring_stream" "$B/moed"
     logged "$OUT/doorbell.txt" timeout 520 "$PY" bench/daemon/doorbell_grid.py --bin "$B" \
         --md "$OUT/doorbell.md" --json "$RAW/doorbell.json" --logs "$RAW"
-    [ "$mps" -eq 0 ] || echo quit | nvidia-cuda-mps-control
+}
+
+stage_doorbell() {
+    with_mps doorbell_runs
+}
+
+torch_op_runs() {
+    logged "$OUT/gpu-ring-torch.log" timeout 150 "$PY" tests/gpu/test_ring_torch.py --bin "$B"
+    [ "$stage_rc" -ne 77 ] || return 0 # no torch or no GPU: nothing to measure either
+    logged "$OUT/torch-op.txt" timeout 300 "$PY" bench/daemon/bench_torch_op.py --bin "$B" \
+        --md "$OUT/torch-op.md" --json "$RAW/torch-op.json" --logs "$RAW" --budget 240
+}
+
+stage_torch-op() {
+    with_mps torch_op_runs
 }
 
 run_stage() {

@@ -10,7 +10,9 @@ connect() makes the client a target needs: MoEClient for one daemon, FleetClient
 list of targets, or a "dns:" name with several addresses: daemons that split the layers and experts,
 moed.fleet); both answer one interface (moed.interface.Client): forward(), forward_stream(), info(),
 health(), register() and regions() (a fleet refuses the last two: MoEError FAILED_PRECONDITION).
-moed.aio has their asyncio twins. RetryPolicy for calls answered UNAVAILABLE; the data types they
+moed.aio has their asyncio twins. RingClient makes same-host calls through the doorbell
+(libmoedclient's rings, no grpcio on a call's path; numpy, torch CPU and CUDA tensors, stream-ordered
+and capturable), and `import moed.torch_op` registers torch.ops.moed.forward on it (docs/engines.md). RetryPolicy for calls answered UNAVAILABLE; the data types they
 return (ModelInfo, LayerInfo, ForwardResult, Timings, Device, RegionLimits, Region); MoEError for
 failed calls. moed.tensors says what kinds of tensors go in and come out and what each costs;
 moed.transport how they travel (inline, or shared or device memory when the server is on this
@@ -27,10 +29,11 @@ from .retry import RetryPolicy
 from .interface import Client
 from .client import MoEClient
 from .fleet import FleetClient
+from .ring import ForwardHandle, RingClient
 from .targets import is_fleet, one
 from . import aio
 
-__all__ = ["connect", "Client", "MoEClient", "FleetClient", "MoEError", "RetryPolicy", "ForwardResult",
+__all__ = ["connect", "Client", "MoEClient", "FleetClient", "RingClient", "ForwardHandle", "MoEError", "RetryPolicy", "ForwardResult",
            "ModelInfo", "LayerInfo", "Device", "Timings", "Region", "RegionLimits", "aio"]
 __version__ = "0.2.0"
 
