@@ -186,6 +186,26 @@ class Daemon:
     def send_signal(self, sig):
         self.proc.send_signal(sig)
 
+    def pause(self, hang_guard_s=60.0):
+        """SIGSTOP, and back once every thread of the daemon is stopped: the signal is delivered
+        asynchronously, so a thread (the doorbell's poller, say) may otherwise still take a call
+        after send_signal returns."""
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + hang_guard_s
+        task = f"/proc/{self.proc.pid}/task"
+        while True:
+            states = []
+            for t in os.listdir(task):
+                try:
+                    with open(f"{task}/{t}/stat") as f:
+                        states.append(f.read().rsplit(")", 1)[1].split()[0])
+                except FileNotFoundError:  # a thread that ended meanwhile
+                    pass
+            if states and all(st in ("T", "t") for st in states):
+                return
+            assert time.monotonic() < deadline, f"moed's threads did not stop: {states}"
+            time.sleep(0.001)
+
     def stop(self, sig=signal.SIGTERM, timeout=60.0):
         """Sends sig and waits; returns the exit code (the process is killed if it hangs)."""
         if self.returncode is not None:

@@ -152,7 +152,7 @@ def test_daemon_killed_with_a_call_rung(daemon, tmp_path):
     failure is counted."""
     d = daemon("--synthetic", SPEC)
     r = Ring(tmp_path, d.address, 2)
-    d.send_signal(signal.SIGSTOP)
+    d.pause()
     t = r.send("start")
     assert t[0] == "TICKET", t
     d.stop(signal.SIGKILL)

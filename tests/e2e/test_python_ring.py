@@ -150,7 +150,7 @@ def test_killed_daemon_answers_unavailable(daemon):
     x, ids, w = inputs(np.random.default_rng(5), 3, 2)
     with RingClient(d.address) as rc:
         rc.forward(0, x, ids, w)
-        d.send_signal(signal.SIGSTOP)
+        d.pause()
         h = rc.forward_async(0, x, ids, w)
         assert not h.done()
         assert d.stop(signal.SIGKILL) == -signal.SIGKILL
@@ -196,7 +196,7 @@ def test_async_calls_overlap(daemon):
     with RingClient(d.address) as rc:
         ha, hb = rc.forward_async(0, *a), rc.forward_async(1, *b)  # the two calls' buffers, made
         ha.wait(), hb.wait()                                       # while the daemon answers
-        d.send_signal(signal.SIGSTOP)
+        d.pause()
         try:
             ha, hb = rc.forward_async(0, *a), rc.forward_async(1, *b)
             assert not ha.done() and not hb.done()
@@ -216,7 +216,7 @@ def test_the_gil_is_released_while_waiting(daemon):
     want = grpc_output(d.address, 0, x, ids, w)
     with RingClient(d.address) as rc:
         rc.forward(0, x, ids, w)
-        d.send_signal(signal.SIGSTOP)
+        d.pause()
         got = []
         try:
             h = rc.forward_async(0, x, ids, w)
@@ -239,7 +239,7 @@ def test_full_ring_refuses_at_once(daemon):
     want = grpc_output(d.address, 0, x, ids, w)
     with RingClient(d.address, slots=2) as rc:
         [h.wait() for h in [rc.forward_async(0, x, ids, w) for _ in range(2)]]  # two buffers made
-        d.send_signal(signal.SIGSTOP)
+        d.pause()
         try:
             hs = [rc.forward_async(0, x, ids, w) for _ in range(2)]
             with pytest.raises(MoEError) as e:
