@@ -26,7 +26,7 @@ unit:
 e2e:
 	bash tests/run-all.sh client e2e
 
-# Rewrites the `moed --help` block that README.md carries under "Flags" (a test checks it).
+# Rewrites the `moed --help` block that docs/operations.md carries under "Flags" (a test checks it).
 readme-flags: build
 	.venv/bin/python tests/readme_flags.py $(BUILD_DIR)/server/moed
 

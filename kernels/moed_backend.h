@@ -17,7 +17,8 @@
  * pages, device to device or peer from other GPUs, nothing at all for a lone part already on the
  * layer's GPU) and never assumes the parts lie side by side. Memory of other processes comes in
  * through the region hooks at the end (host_register, map_device), called when a region is
- * registered, never per job.
+ * registered, never per job; a CUDA region may lie on any GPU the process sees, also one the
+ * backend does not compute on, whose parts it moves by copies alone.
  *
  * Contract on results: a token's output depends only on its own row of x and its own pairs of the
  * route, in their order — never on T or on the other tokens of the job — so merged requests are
@@ -57,21 +58,21 @@ typedef struct moed_backend_config {
                              refused by a backend with one device */
 } moed_backend_config;
 
-/* Where a part's memory is: host memory, or device memory of the backend's device ordinal. */
+/* Where a part's memory is: host memory, or device memory of a GPU, by its CUDA ordinal as the
+ * process sees it (CUDA_VISIBLE_DEVICES applied: the numbering of moed_backend_config.devices). */
 #define MOED_HOST_MEM (-1)
 
 /* A part's expert choice in device memory: ids int32 [rows, k] and weights float32 [rows, k],
- * row-major, on device `dev` (one of the backend's devices; its own memory or mapped by
- * map_device), k >= 1. Its pairs are exactly those moed_route_from_choice makes of the same ids
- * and weights, in their order (padding, id -1 with weight 0, left out; a repeated id adds), so the
- * part's outputs are the same bits as with those pairs in the job's route. The choice is checked
- * by moed_choice_rule's rules; the first refused pair (row-major) fails the part: err.code
- * MOED_EINVAL, err.msg naming the pair's row (within the part) and column and the rule broken,
- * never a value. A refused pair counts as no pair, so it touches no other part: every other
- * part's output is the same bits as the same launch without this part. A failed part's rows of y
- * are written, with unspecified values. Each token counts k pairs (padding included) toward the
- * workspace, which runs a job in chunks of what it holds (MOED_ETOOBIG for the job when one
- * token's k is over it). */
+ * row-major, on GPU `dev` (as moed_part's memory may be), k >= 1. Its pairs are exactly those
+ * moed_route_from_choice makes of the same ids and weights, in their order (padding, id -1 with
+ * weight 0, left out; a repeated id adds), so the part's outputs are the same bits as with those
+ * pairs in the job's route. The choice is checked by moed_choice_rule's rules; the first refused
+ * pair (row-major) fails the part: err.code MOED_EINVAL, err.msg naming the pair's row (within the
+ * part) and column and the rule broken, never a value. A refused pair counts as no pair, so it
+ * touches no other part: every other part's output is the same bits as the same launch without this
+ * part. A failed part's rows of y are written, with unspecified values. Each token counts k pairs
+ * (padding included) toward the workspace, which runs a job in chunks of what it holds
+ * (MOED_ETOOBIG for the job when one token's k is over it). */
 typedef struct moed_part_route {
     const int32_t *ids;
     const float *weights;
@@ -82,7 +83,8 @@ typedef struct moed_part_route {
 
 /* One run of consecutive tokens of a job: where its rows of x come from and where its rows of y
  * go. Host memory may be pageable, pinned (host_alloc) or registered (host_register); device
- * memory must be the backend's own or mapped by map_device. */
+ * memory must be the backend's own (on one of its devices) or mapped by map_device (on any GPU the
+ * process sees: one the backend does not compute on is reached by copies alone). */
 typedef struct moed_part {
     int64_t rows;  /* tokens in this part, >= 1 */
     const void *x; /* [rows, d_model] */
@@ -188,23 +190,27 @@ void moed_backend_host_unregister(moed_backend *b, void *p);
 
 /* Opens another process's device memory: an IPC handle (handle_len bytes: cudaIpcMemHandle_t) of
  * an allocation on the GPU named by device_uuid ("GPU-...", as nvidia-smi -L prints it; NULL or
- * "": the backend's ordinal `device`). Checks that offset + bytes lie within the allocation and
- * returns the pointer to its byte `offset` in *ptr, the device ordinal in *dev and what to hand
- * unmap_device in *base. MOED_EPRECOND on a backend without devices ("this server runs the cpu
- * backend; ...") or for a GPU it does not use; MOED_EINVAL for a handle that does not open or an
- * allocation too small. */
+ * "": the GPU of CUDA ordinal `device`), any GPU the process sees, whether the backend computes on
+ * it or not. Checks that offset + bytes lie within the allocation and returns the pointer to its
+ * byte `offset` in *ptr, the GPU's ordinal in *dev and what to hand unmap_device in *base. CUDA
+ * opens it in that GPU's primary context and, the first time a GPU is mapped, enables peer access
+ * between it and the backend's GPUs where they allow it (none with MOED_CUDA_NO_PEER=1), so jobs
+ * copy over NVLink or PCIe, else staged through host memory. MOED_EPRECOND on a backend without
+ * devices ("this server runs the cpu backend; ...") or for a GPU the process does not see (the
+ * message lists those it sees); MOED_EINVAL for a handle that does not open or an allocation too
+ * small. */
 int moed_backend_map_device(moed_backend *b, const void *handle, size_t handle_len,
                             const char *device_uuid, int device, uint64_t bytes, uint64_t offset,
                             void **ptr, int *dev, void **base, moed_error *err);
 void moed_backend_unmap_device(moed_backend *b, void *base, int dev);
 
-/* Copies bytes from device memory (of device dev) to host memory, synchronously: routing tensors
- * that a client keeps on its GPU. */
+/* Copies bytes from device memory (of GPU dev: the backend's own, or mapped by map_device) to host
+ * memory, synchronously: routing tensors that a client keeps on its GPU. */
 int moed_backend_read_device(moed_backend *b, void *dst, const void *src, int dev, size_t bytes,
                              moed_error *err);
 
-/* The device's UUID as "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", for region listings; "" when
- * the backend has no devices. */
+/* GPU dev's UUID (any GPU the process sees) as "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", for
+ * region listings; "" when the backend has no devices or the process no such GPU. */
 void moed_backend_device_uuid(moed_backend *b, int dev, char out[48]);
 
 /* Frees everything; b may be NULL. */

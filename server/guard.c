@@ -44,7 +44,7 @@ void moed_guard_init(void)
     pthread_once(&once, install);
 }
 
-int moed_guard_copy(void *dst, const void *src, size_t n)
+int moed_guard_run(void (*fn)(void *arg), void *arg)
 {
     sigjmp_buf jb;
     moed_guard_init();
@@ -55,9 +55,27 @@ int moed_guard_copy(void *dst, const void *src, size_t n)
     else {
         recovery = &jb;
         atomic_signal_fence(memory_order_seq_cst);
-        memcpy(dst, src, n);
+        fn(arg);
         atomic_signal_fence(memory_order_seq_cst);
     }
     recovery = NULL;
     return faulted ? MOED_EPRECOND : 0;
+}
+
+typedef struct copy_args {
+    void *dst;
+    const void *src;
+    size_t n;
+} copy_args;
+
+static void copy(void *arg)
+{
+    const copy_args *a = arg;
+    memcpy(a->dst, a->src, a->n);
+}
+
+int moed_guard_copy(void *dst, const void *src, size_t n)
+{
+    copy_args a = { dst, src, n };
+    return moed_guard_run(copy, &a);
 }

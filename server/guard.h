@@ -22,4 +22,9 @@ void moed_guard_init(void);
  * then partly written). */
 int moed_guard_copy(void *dst, const void *src, size_t n);
 
+/* fn(arg) under the same recovery point: 0, or MOED_EPRECOND when it faulted, cut short where it
+ * was (so fn takes no lock and allocates nothing: a fault skips whatever it would have done next).
+ * For code that reads and writes several words of shared memory in a row (the doorbell's rings). */
+int moed_guard_run(void (*fn)(void *arg), void *arg);
+
 #endif

@@ -14,6 +14,7 @@
  * way. Nothing is printed on stdout except --help and --version.
  */
 #include "config.h"
+#include "doorbell.h"
 #include "http.h"
 #include "log.h"
 #include "metrics.h"
@@ -51,6 +52,7 @@ typedef struct moed_daemon {
     moed_regions *regions;
     moed_bufpool *pool;
     moed_sched *sched;
+    moed_doorbell *doorbell; /* NULL: regions off or --max-rings 0 */
     moed_rpc *rpc;
     moed_security security;
     moed_metrics *metrics; /* NULL without --metrics-listen: nothing is recorded */
@@ -307,6 +309,20 @@ static int start_scheduler(moed_daemon *d)
     return 0;
 }
 
+/* The same-host data path: rings in regions, and the thread that polls them. */
+static int start_doorbell(moed_daemon *d)
+{
+    moed_error err = { 0 };
+    if (!d->regions || !d->cfg.max_rings) return 0;
+    moed_doorbell_config dc = { .served = &d->served,
+                                .sched = d->sched,
+                                .metrics = d->metrics,
+                                .max_rings = d->cfg.max_rings };
+    if (moed_doorbell_create(&dc, &d->doorbell, &err)) return fail("doorbell", &err);
+    moed_log_info("doorbell", "max_rings=%lld", (long long)d->cfg.max_rings);
+    return 0;
+}
+
 static int start_rpc(moed_daemon *d)
 {
     moed_error err = { 0 };
@@ -321,7 +337,8 @@ static int start_rpc(moed_daemon *d)
                            .backend = d->backend,
                            .model = d->model.source,
                            .security = &d->security,
-                           .metrics = d->metrics };
+                           .metrics = d->metrics,
+                           .doorbell = d->doorbell };
     if (moed_rpc_start(&rc, &d->rpc, &err)) return fail("grpc", &err);
     if (!moed_listen_is_loopback(d->cfg.listen) && !d->security.cert_pem && !d->security.n_tokens)
         moed_log_warn("listening beyond this host without TLS or a token: anyone who can reach "
@@ -362,7 +379,8 @@ static void metrics_page(moed_daemon *d, moed_http_reply *out)
                               .http_connections = hs.open,
                               .http_refused = hs.refused,
                               .staging_pool_used = moed_bufpool_used(d->pool),
-                              .staging_pool_bytes = moed_bufpool_size(d->pool) };
+                              .staging_pool_bytes = moed_bufpool_size(d->pool),
+                              .rings = moed_doorbell_rings(d->doorbell) };
     moed_regions_stats rs_;
     moed_regions_get_stats(d->regions, &rs_);
     for (int k = 0; k < 2; k++) {
@@ -484,6 +502,7 @@ static void on_stop_signal(uv_signal_t *h, int signum)
     moed_notify("STOPPING=1\nSTATUS=draining after %s: %llu calls open (cancelled if still open "
                 "in %d s)",
                 sig, (unsigned long long)rs.active_calls, d->cfg.drain_timeout_s);
+    moed_doorbell_drain(d->doorbell); /* before the sessions end: what rings hold is taken */
     moed_rpc_drain(d->rpc, on_rpc_drained, d);
     uv_timer_start(&d->drain_timer, on_drain_timeout, (uint64_t)d->cfg.drain_timeout_s * 1000u, 0);
 }
@@ -573,7 +592,8 @@ static void start_steps(uv_work_t *w)
 {
     moed_daemon *d = w->data;
     d->start_status = open_backend(d) || load_weights(d) || load_layers(d) || derive_limits(d) ||
-                      start_data_plane(d) || start_scheduler(d) || start_rpc(d);
+                      start_data_plane(d) || start_scheduler(d) || start_doorbell(d) ||
+                      start_rpc(d);
 }
 
 /* Back on the loop: serve, or stop after a failed start. */
@@ -618,7 +638,8 @@ static int run_loop(moed_daemon *d)
 static void teardown(moed_daemon *d)
 {
     if (d->sched) moed_sched_drain(d->sched); /* nothing is left once every call is answered */
-    moed_rpc_destroy(d->rpc);
+    moed_rpc_destroy(d->rpc);                 /* every session closed: rings left are the drain's */
+    moed_doorbell_destroy(d->doorbell);       /* before the scheduler it submits to */
     moed_sched_destroy(d->sched);
     moed_bufpool_destroy(d->pool);    /* every call is gone: no reply holds a buffer */
     moed_regions_destroy(d->regions); /* every session closed with its call */

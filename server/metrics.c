@@ -25,7 +25,7 @@
 #define SHARDS      16
 #define MAX_BUCKETS 20
 
-enum { H_REQUEST, H_QUEUE, H_COMPUTE, H_BATCH_TOKENS, H_BATCH_REQUESTS, H_COUNT };
+enum { H_REQUEST, H_DOORBELL, H_QUEUE, H_COMPUTE, H_BATCH_TOKENS, H_BATCH_REQUESTS, H_COUNT };
 
 typedef struct hist_def {
     const char *name, *help;
@@ -46,6 +46,13 @@ static const hist_def hists[H_COUNT] = {
     [H_REQUEST] = { "moed_request_duration_seconds",
                     "Forward requests: time from arrival to the reply, in seconds.",
                     DURATION_BOUNDS },
+    [H_DOORBELL] = { "moed_doorbell_request_duration_seconds",
+                     "Doorbell calls: time from the server taking the call to its completion, in "
+                     "seconds.",
+                     BOUNDS(10000, 25000, 50000, 100000, 250000, 500000, 1000000, 2500000, 5000000,
+                            10000000, 25000000, 50000000, 100000000, 250000000, 1000000000,
+                            10000000000),
+                     1e-9 },
     [H_QUEUE] = { "moed_queue_duration_seconds",
                   "Forward requests: time waiting in the scheduler's queue before a launch, in "
                   "seconds.",
@@ -67,6 +74,7 @@ typedef struct hist {
 
 typedef struct shard {
     _Alignas(64) _Atomic uint64_t requests[MOED_METHOD_COUNT][MOED_GRPC_STATUS_COUNT];
+    _Atomic uint64_t doorbell[MOED_GRPC_STATUS_COUNT];
     _Atomic uint64_t forwards, tokens, request_bytes, response_bytes;
     hist h[H_COUNT];
 } shard;
@@ -158,6 +166,15 @@ void moed_metrics_forward(moed_metrics *m, uint64_t duration_ns, uint64_t reques
     observe(s, H_REQUEST, duration_ns);
 }
 
+void moed_metrics_doorbell(moed_metrics *m, int grpc_status, uint64_t duration_ns)
+{
+    if (!m) return;
+    if (grpc_status < 0 || grpc_status >= MOED_GRPC_STATUS_COUNT) grpc_status = 2; /* UNKNOWN */
+    shard *s = my_shard(m);
+    add(&s->doorbell[grpc_status], 1);
+    observe(s, H_DOORBELL, duration_ns);
+}
+
 void moed_metrics_queue_wait(moed_metrics *m, uint64_t queue_ns)
 {
     if (m) observe(my_shard(m), H_QUEUE, queue_ns);
@@ -218,6 +235,7 @@ void moed_metrics_get_totals(const moed_metrics *m, moed_metrics_totals *out)
     for (int i = 0; i < MOED_METHOD_COUNT; i++)
         for (int c = 0; c < MOED_GRPC_STATUS_COUNT; c++)
             out->requests[i][c] = SUM(m, requests[i][c]);
+    for (int c = 0; c < MOED_GRPC_STATUS_COUNT; c++) out->doorbell[c] = SUM(m, doorbell[c]);
     out->forwards = SUM(m, forwards);
     out->tokens = SUM(m, tokens);
     out->request_bytes = SUM(m, request_bytes);
@@ -332,6 +350,19 @@ static void requests(text *t, const moed_metrics *m)
         }
 }
 
+static void doorbell(text *t, const moed_metrics *m)
+{
+    family(t, "moed_doorbell_requests_total", "counter",
+           "Doorbell calls (same-host calls through a ring in shared memory) answered, by status "
+           "code.");
+    for (int c = 0; c < MOED_GRPC_STATUS_COUNT; c++) {
+        uint64_t v = SUM(m, doorbell[c]);
+        if (v || c == 0)
+            put(t, "moed_doorbell_requests_total{code=\"%s\"} %llu\n", moed_grpc_status_name(c),
+                (unsigned long long)v);
+    }
+}
+
 static void expert_tokens(text *t, const moed_metrics *m)
 {
     family(t, "moed_expert_tokens_total", "counter",
@@ -398,6 +429,7 @@ char *moed_metrics_render(const moed_metrics *m, const moed_metrics_gauges *g, s
     gauge(&t, "moed_serving", "1 while the health status is SERVING, 0 before and while draining.",
           g->serving);
     requests(&t, m);
+    doorbell(&t, m);
     counter(&t, "moed_tokens_total", "Tokens computed (rows of hidden, over every launch).",
             SUM(m, tokens));
     expert_tokens(&t, m);
@@ -419,6 +451,8 @@ char *moed_metrics_render(const moed_metrics *m, const moed_metrics_gauges *g, s
           (double)g->exec_size);
     devices(&t, g);
     regions(&t, g);
+    gauge(&t, "moed_rings_open", "Doorbell rings open (registered and not closed).",
+          (double)g->rings);
     gauge(&t, "moed_staging_pool_used_bytes",
           "Bytes of the staging pool (--staging-pool) holding requests' rows and replies now.",
           (double)g->staging_pool_used);

@@ -51,6 +51,10 @@ void moed_metrics_request(moed_metrics *m, moed_method method, int grpc_status);
 void moed_metrics_forward(moed_metrics *m, uint64_t duration_ns, uint64_t request_bytes,
                           uint64_t response_bytes);
 
+/* One answered doorbell call (doorbell.h): its status and its duration from the poller taking it
+ * to its completion: moed_doorbell_requests_total, moed_doorbell_request_duration_seconds. */
+void moed_metrics_doorbell(moed_metrics *m, int grpc_status, uint64_t duration_ns);
+
 /* A request left its queue for a launch after waiting queue_ns. */
 void moed_metrics_queue_wait(moed_metrics *m, uint64_t queue_ns);
 
@@ -83,6 +87,7 @@ typedef struct moed_metrics_gauges {
     uint64_t http_refused;     /* of them answered 503 (over a limit) or 408 (too slow), in all */
     uint64_t regions[2], region_bytes[2]; /* registered now: host, cuda */
     uint64_t staging_pool_used, staging_pool_bytes;
+    uint64_t rings; /* doorbell rings open */
 } moed_metrics_gauges;
 
 /* The exposition text (malloc'd, *len bytes, NUL-terminated), or NULL when out of memory. */
@@ -92,6 +97,7 @@ char *moed_metrics_render(const moed_metrics *m, const moed_metrics_gauges *g, s
 typedef struct moed_metrics_totals {
     uint64_t requests[MOED_METHOD_COUNT][MOED_GRPC_STATUS_COUNT];
     uint64_t forwards, tokens, request_bytes, response_bytes, launches, queue_waits;
+    uint64_t doorbell[MOED_GRPC_STATUS_COUNT]; /* doorbell calls by status */
 } moed_metrics_totals;
 
 void moed_metrics_get_totals(const moed_metrics *m, moed_metrics_totals *out);

@@ -41,7 +41,8 @@ struct moed_region {
     int device;
     bool ready, pinned, listed;
     _Atomic bool broken;
-    int refs; /* under the registry's lock */
+    int refs;  /* under the registry's lock */
+    int rings; /* open doorbell rings in it (under the lock): it cannot be unregistered meanwhile */
     uint8_t challenge[MOED_REGION_CHALLENGE];
     moed_list by_id, in_session;
 };
@@ -245,6 +246,11 @@ moed_region_session *moed_regions_open_session(moed_regions *r, moed_principal p
     return s;
 }
 
+moed_principal moed_region_session_principal(const moed_region_session *s)
+{
+    return s->principal;
+}
+
 void moed_regions_close_session(moed_regions *r, moed_region_session *s)
 {
     if (!s) return;
@@ -285,13 +291,19 @@ int moed_regions_unregister(moed_regions *r, moed_region_session *s, uint64_t id
 {
     pthread_mutex_lock(&r->lock);
     moed_region *g = own(s, id);
+    const int rings = g ? g->rings : 0;
     bool last = false;
-    if (g) {
+    if (g && !rings) {
         info_of(g, out);
         last = leave(r, g);
     }
     pthread_mutex_unlock(&r->lock);
     if (!g) return not_own(id, err);
+    if (rings)
+        return moed_fail(err, MOED_EPRECOND,
+                         "region %llu holds %d open doorbell ring%s: unregister_ring %s first",
+                         (unsigned long long)id, rings, rings == 1 ? "" : "s",
+                         rings == 1 ? "it" : "them");
     if (last) unmap(r, g);
     return 0;
 }
@@ -392,7 +404,7 @@ int moed_regions_register_host(moed_regions *r, moed_region_session *s, const ch
     return rc;
 }
 
-static int shrank(moed_region *g, moed_error *err)
+int moed_region_broken(moed_region *g, moed_error *err)
 {
     atomic_store(&g->broken, true);
     return moed_fail(err, MOED_EPRECOND,
@@ -420,7 +432,7 @@ int moed_regions_confirm_host(moed_regions *r, moed_region_session *s, uint64_t 
     if (rc) return rc;
     uint8_t seen[MOED_REGION_CHALLENGE];
     if (moed_guard_copy(seen, g->mem, sizeof seen))
-        rc = shrank(g, err);
+        rc = moed_region_broken(g, err);
     else if (memcmp(seen, g->challenge, sizeof seen))
         rc = moed_fail(err, MOED_EPRECOND,
                        "the first %d bytes of %s are not the challenge: write "
@@ -469,6 +481,41 @@ int moed_regions_register_cuda(moed_regions *r, moed_region_session *s, const vo
     return rc;
 }
 
+/* ---- rings ---------------------------------------------------------------------------------- */
+
+moed_region *moed_regions_hold_ring(moed_regions *r, moed_region_session *s, uint64_t id,
+                                    void **mem, uint64_t *bytes, moed_error *err)
+{
+    pthread_mutex_lock(&r->lock);
+    moed_region *g = own(s, id);
+    int rc = !g ? not_own(id, err)
+             : g->kind != MOED_REGION_HOST
+                 ? moed_fail(err, MOED_EPRECOND,
+                             "region %llu is a CUDA region: a ring lies in a host region (shared "
+                             "memory the server's CPU polls)",
+                             (unsigned long long)id)
+             : !g->ready ? moed_fail(err, MOED_EPRECOND,
+                                     "region %llu is not confirmed yet: confirm_host it first",
+                                     (unsigned long long)id)
+                         : 0;
+    if (!rc && atomic_load(&g->broken)) rc = moed_region_broken(g, err);
+    if (!rc) {
+        g->refs++;
+        g->rings++;
+        *mem = g->mem;
+        *bytes = g->bytes;
+    }
+    pthread_mutex_unlock(&r->lock);
+    return rc ? NULL : g;
+}
+
+void moed_region_unring(moed_regions *r, moed_region *g)
+{
+    pthread_mutex_lock(&r->lock);
+    g->rings--;
+    pthread_mutex_unlock(&r->lock);
+}
+
 /* ---- requests ------------------------------------------------------------------------------ */
 
 moed_region *moed_regions_acquire(moed_regions *r, moed_principal principal, uint64_t id,
@@ -487,7 +534,7 @@ moed_region *moed_regions_acquire(moed_regions *r, moed_principal principal, uin
         return NULL;
     }
     if (atomic_load(&g->broken)) {
-        shrank(g, err);
+        moed_region_broken(g, err);
         moed_region_release(r, g);
         return NULL;
     }
@@ -536,14 +583,14 @@ int moed_region_copy_in(moed_regions *r, moed_region *g, void *dst, const void *
 {
     if (g->kind == MOED_REGION_CUDA)
         return moed_backend_read_device(r->cfg.backend, dst, p, g->device, n, err);
-    return moed_guard_copy(dst, p, n) ? shrank(g, err) : 0;
+    return moed_guard_copy(dst, p, n) ? moed_region_broken(g, err) : 0;
 }
 
 int moed_region_copy_out(moed_regions *r, moed_region *g, void *p, const void *src, size_t n,
                          moed_error *err)
 {
     (void)r;
-    return moed_guard_copy(p, src, n) ? shrank(g, err) : 0;
+    return moed_guard_copy(p, src, n) ? moed_region_broken(g, err) : 0;
 }
 
 /* ---- listings ------------------------------------------------------------------------------ */

@@ -9,6 +9,8 @@
  *              registered it; a lookup by another principal finds nothing, exactly as for an id
  *              that never existed; ids are random 64-bit numbers from getrandom(2), never 0;
  *   leases     closing a session releases every region it registered;
+ *   rings      a region that holds open doorbell rings cannot be unregistered (a ring keeps a
+ *              reference until its calls finish);
  *   references a request takes a region with moed_regions_acquire and lets go with
  *              moed_region_release; unregistering (or a session's end) makes the id unknown at
  *              once, and the memory is unmapped (munmap, cudaHostUnregister, cudaIpcCloseMemHandle)
@@ -63,7 +65,7 @@ typedef struct moed_region_info {
     int kind;
     char name[MOED_REGION_NAME_MAX + 1];
     uint64_t bytes;
-    int device; /* CUDA: the server's ordinal */
+    int device; /* CUDA: its GPU's CUDA ordinal here, computed on or not */
     bool ready, broken;
     uint32_t requests; /* references held by requests now (one per tensor naming it) */
 } moed_region_info;
@@ -86,6 +88,8 @@ moed_region_session *moed_regions_open_session(moed_regions *r, moed_principal p
 /* Releases every region the session registered (unmapped once no request holds it) and frees
  * the session. */
 void moed_regions_close_session(moed_regions *r, moed_region_session *s);
+
+moed_principal moed_region_session_principal(const moed_region_session *s);
 
 /* Step 1 of a host region: opens the POSIX shared-memory object `name` read-write, checks it (a
  * regular file of at least `bytes`), maps it, and fills the region's id and the challenge the
@@ -133,6 +137,20 @@ int moed_region_copy_in(moed_regions *r, moed_region *g, void *dst, const void *
                         moed_error *err);
 int moed_region_copy_out(moed_regions *r, moed_region *g, void *p, const void *src, size_t n,
                          moed_error *err);
+
+/* Marks a host region broken after an access to its memory faulted (it shrank under the server):
+ * MOED_EPRECOND and the message every later use of it gets. */
+int moed_region_broken(moed_region *g, moed_error *err);
+
+/* ---- rings (the doorbell: doorbell.h) ---- */
+
+/* The session's confirmed host region `id` for a doorbell ring: held (a reference) and in use by a
+ * ring, which keeps moed_regions_unregister from it (FAILED_PRECONDITION) until moed_region_unring;
+ * its memory in *mem, *bytes. NOT_FOUND (not the session's), FAILED_PRECONDITION (CUDA, not yet
+ * confirmed, broken). The ring lets go with moed_region_unring, then moed_region_release. */
+moed_region *moed_regions_hold_ring(moed_regions *r, moed_region_session *s, uint64_t id,
+                                    void **mem, uint64_t *bytes, moed_error *err);
+void moed_region_unring(moed_regions *r, moed_region *g);
 
 /* ---- listings ---- */
 

@@ -27,9 +27,17 @@ void moed_region_to_proto(const moed_region_info *i, Moed__V1__Region *out)
     out->requests = i->requests;
 }
 
-/* Carries out one decoded command; fills *info (and the challenge) for the event. */
-static int run(moed_regions *r, moed_region_session *s, const Moed__V1__RegionCommand *cmd,
-               moed_region_info *info, uint8_t *challenge, bool *has_challenge, moed_error *err)
+static int no_doorbell(moed_error *err)
+{
+    return moed_fail(err, MOED_EPRECOND,
+                     "this server has the doorbell off (--max-rings 0): send Forward calls over "
+                     "gRPC");
+}
+
+/* Carries out one decoded command; fills *info (and the challenge) or *ring for the event. */
+static int run(moed_regions *r, moed_doorbell *db, moed_region_session *s,
+               const Moed__V1__RegionCommand *cmd, moed_region_info *info, moed_ring_info *ring,
+               uint8_t *challenge, bool *has_challenge, moed_error *err)
 {
     switch (cmd->command_case) {
     case MOED__V1__REGION_COMMAND__COMMAND_REGISTER_HOST: {
@@ -51,19 +59,29 @@ static int run(moed_regions *r, moed_region_session *s, const Moed__V1__RegionCo
     }
     case MOED__V1__REGION_COMMAND__COMMAND_UNREGISTER:
         return moed_regions_unregister(r, s, cmd->unregister->region, info, err);
+    case MOED__V1__REGION_COMMAND__COMMAND_REGISTER_RING: {
+        const Moed__V1__RegisterRing *g = cmd->register_ring;
+        return db ? moed_doorbell_register(db, s, g->region, g->offset, g->slots, ring, err)
+                  : no_doorbell(err);
+    }
+    case MOED__V1__REGION_COMMAND__COMMAND_UNREGISTER_RING:
+        return db ? moed_doorbell_unregister(db, s, cmd->unregister_ring->ring, ring, err)
+                  : no_doorbell(err);
     default:
         return moed_fail(err, MOED_EINVAL,
-                         "the command sets none of register_host, confirm_host, register_cuda or "
-                         "unregister");
+                         "the command sets none of register_host, confirm_host, register_cuda, "
+                         "unregister, register_ring or unregister_ring");
     }
 }
 
-uint8_t *moed_region_command(moed_regions *r, moed_region_session *s, const uint8_t *buf, size_t n,
-                             size_t *out_len, int *status)
+uint8_t *moed_region_command(moed_regions *r, moed_doorbell *db, moed_region_session *s,
+                             const uint8_t *buf, size_t n, size_t *out_len, int *status)
 {
     Moed__V1__RegionEvent ev = MOED__V1__REGION_EVENT__INIT;
     Moed__V1__Region region;
+    Moed__V1__Ring ring_msg = MOED__V1__RING__INIT;
     moed_region_info info;
+    moed_ring_info ring = { 0 };
     uint8_t challenge[MOED_REGION_CHALLENGE];
     bool has_challenge = false;
     moed_error err = { 0 };
@@ -75,13 +93,21 @@ uint8_t *moed_region_command(moed_regions *r, moed_region_session *s, const uint
                        MOED_REGION_CMD_MAX, n);
     else if (!(rc = moed_wire_unpack_bytes(&moed__v1__region_command__descriptor, buf, n,
                                            (ProtobufCMessage **)&cmd, &err)))
-        rc = run(r, s, cmd, &info, challenge, &has_challenge, &err);
+        rc = run(r, db, s, cmd, &info, &ring, challenge, &has_challenge, &err);
     /* One that does not parse still names its seq when it got that far: the caller can tell
      * which command failed. */
     ev.seq = cmd ? cmd->seq : moed_wire_find_uint(buf, n, 1);
     if (info.id) {
         moed_region_to_proto(&info, &region);
         ev.region = &region;
+    }
+    if (ring.id) {
+        ring_msg.id = ring.id;
+        ring_msg.region = ring.region;
+        ring_msg.offset = ring.offset;
+        ring_msg.slots = ring.slots;
+        ring_msg.version = MOED_RING_VERSION;
+        ev.ring = &ring_msg;
     }
     *status = moed_err_grpc_status(rc);
     ev.code = *status;

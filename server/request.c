@@ -219,23 +219,21 @@ static moed_region *region_for(const moed_served *s, const moed_caller *c, uint6
 static void *tensor_copy(const moed_served *s, const moed_caller *c, const moed_wire_tensor *t,
                          const char *name, int dtype, uint64_t need, moed_error *err)
 {
-    void *p = malloc(need ? need : 1);
-    if (!p) {
-        moed_fail(err, MOED_ENOMEM, "no memory to copy %llu bytes of the request",
-                  (unsigned long long)need);
-        return NULL;
-    }
-    if (!t->in_region) {
-        moed_span_copy(&t->data, p);
-        return p;
-    }
-    moed_region *g = region_for(s, c, t->region.region, name, err);
-    void *at;
+    /* A region's reference is checked first: need, which the shape says, is then bytes the
+     * caller holds, not a size it only named. */
+    moed_region *g = t->in_region ? region_for(s, c, t->region.region, name, err) : NULL;
+    void *at = NULL, *p = NULL;
     int dev;
-    int rc = !g ? err->code
-                : moed_region_resolve(g, t->region.offset, t->region.length, need,
-                                      moed_dtype_size(dtype), name, &at, &dev, err);
-    if (!rc && (rc = moed_region_copy_in(s->regions, g, p, at, (size_t)need, err)))
+    int rc = t->in_region && !g ? err->code
+             : g                ? moed_region_resolve(g, t->region.offset, t->region.length, need,
+                                                      moed_dtype_size(dtype), name, &at, &dev, err)
+                                : 0;
+    if (!rc && !(p = malloc(need ? need : 1)))
+        rc = moed_fail(err, MOED_ENOMEM, "no memory to copy %llu bytes of the request",
+                       (unsigned long long)need);
+    if (!rc && !g)
+        moed_span_copy(&t->data, p);
+    else if (!rc && (rc = moed_region_copy_in(s->regions, g, p, at, (size_t)need, err)))
         moed_error_prefix(err, "%s", name); /* as region_for names it when the region is broken */
     moed_region_release(s->regions, g);
     if (!rc) return p;
@@ -410,6 +408,13 @@ static bool gate_varies(const moed_gate_params *g)
 static int count_pairs(const moed_served *s, moed_sched_item *it, moed_error *err)
 {
     const moed_layer_info *li = &it->layer->info;
+    if (it->mem.route) {
+        it->pairs = it->T * it->mem.route->k;
+        return it->pairs > pair_limit(s)
+                   ? too_many_pairs(it->pairs, pair_limit(s),
+                                    " (T x k: on the GPU every column counts)", err)
+                   : 0;
+    }
     if (it->route.off) {
         it->pairs = it->route.off[it->T];
         return it->pairs > pair_limit(s) ? too_many_pairs(it->pairs, pair_limit(s), "", err) : 0;
@@ -422,9 +427,49 @@ static int count_pairs(const moed_served *s, moed_sched_item *it, moed_error *er
     return 0;
 }
 
-static int route_from_choice(const moed_served *s, const moed_caller *c, const moed_wire_request *q,
-                             moed_sched_item *it, moed_error *err)
+/* Expert choices whose ids and weights both lie in CUDA regions of one GPU stay there (request.h),
+ * when each token's k columns fit the backend's workspace (k <= the layer's experts: a longer row
+ * is padding or repeats, and is read to the host instead). *taken says whether they did; when not,
+ * nothing is held and the caller copies them. Each token counts k pairs, padding included. */
+static int choice_on_device(const moed_served *s, const moed_caller *c, const moed_wire_request *q,
+                            moed_work *w, int64_t k, uint64_t n_ids, uint64_t n_wt, bool *taken,
+                            moed_error *err)
 {
+    moed_sched_item *it = &w->item;
+    const moed_wire_ref *ri = &q->expert_ids.region, *rw = &q->expert_weights.region;
+    void *ids, *wt;
+    int dev_i, dev_w;
+    *taken = false;
+    if (!q->expert_ids.in_region || !q->expert_weights.in_region || k > it->layer->info.n_experts)
+        return 0;
+    if (!(w->ids_region = region_for(s, c, ri->region, "experts.expert_ids", err)) ||
+        !(w->weights_region = region_for(s, c, rw->region, "experts.expert_weights", err)))
+        return err->code;
+    int rc = moed_region_resolve(w->ids_region, ri->offset, ri->length, n_ids, 4,
+                                 "experts.expert_ids", &ids, &dev_i, err);
+    if (!rc)
+        rc = moed_region_resolve(w->weights_region, rw->offset, rw->length, n_wt, 4,
+                                 "experts.expert_weights", &wt, &dev_w, err);
+    if (rc) return rc;
+    if (dev_i == MOED_HOST_MEM || dev_i != dev_w) {
+        moed_region_release(s->regions, w->ids_region);
+        moed_region_release(s->regions, w->weights_region);
+        w->ids_region = w->weights_region = NULL;
+        return 0;
+    }
+    if (moed_route_init(&it->route, it->T, 0))
+        return moed_fail(err, MOED_ENOMEM, "no memory for a route of %lld tokens",
+                         (long long)it->T);
+    w->route = (moed_part_route){ .ids = ids, .weights = wt, .k = (int)k, .dev = dev_i };
+    it->mem.route = &w->route;
+    *taken = true;
+    return 0;
+}
+
+static int route_from_choice(const moed_served *s, const moed_caller *c, const moed_wire_request *q,
+                             moed_work *w, moed_error *err)
+{
+    moed_sched_item *it = &w->item;
     const moed_layer_info *li = &it->layer->info;
     char hint[160];
     uint64_t n_ids, n_wt;
@@ -435,8 +480,10 @@ static int route_from_choice(const moed_served *s, const moed_caller *c, const m
     int64_t k = q->expert_ids.shape[1];
     snprintf(hint, sizeof hint, "[T = %lld, k = %lld] F32 weights, like expert_ids",
              (long long)it->T, (long long)k);
+    bool on_device;
     if ((rc = check_matrix(&q->expert_weights, "experts.expert_weights", MOED_F32, it->T, k, hint,
-                           &n_wt, err)))
+                           &n_wt, err)) ||
+        (rc = choice_on_device(s, c, q, w, k, n_ids, n_wt, &on_device, err)) || on_device)
         return rc;
     int32_t *ids = tensor_copy(s, c, &q->expert_ids, "experts.expert_ids", MOED_I32, n_ids, err);
     if (!ids) return err->code;
@@ -540,8 +587,9 @@ static int check_batch_gating(const moed_served *s, const moed_sched_item *it, m
 }
 
 static int check_routing(const moed_served *s, const moed_caller *c, const moed_wire_request *q,
-                         moed_sched_item *it, moed_error *err)
+                         moed_work *w, moed_error *err)
 {
+    moed_sched_item *it = &w->item;
     const moed_layer_info *li = &it->layer->info;
     if (q->batch_gating) {
         int rc = resolve_k_batch(q, it, err);
@@ -554,7 +602,7 @@ static int check_routing(const moed_served *s, const moed_caller *c, const moed_
             return moed_fail(err, MOED_EINVAL,
                              "batch_gating needs router logits (logits or server_router); it "
                              "cannot be combined with experts, which already fix the route");
-        return route_from_choice(s, c, q, it, err);
+        return route_from_choice(s, c, q, w, err);
     case MOED_ROUTING_LOGITS:
         return route_from_logits(s, c, q, it, err);
     case MOED_ROUTING_SERVER:
@@ -598,10 +646,47 @@ int moed_request_validate(const moed_served *s, const moed_caller *c, const moed
     w->item.copy_in = copy_hidden;
     if ((rc = check_request_id(q, w, err)) || (rc = check_expect(s, q, err)) ||
         (rc = find_layer(s, q->layer, &w->item, err)) || (rc = check_hidden(s, c, q, w, err)) ||
-        (rc = check_routing(s, c, q, &w->item, err)) || (rc = count_pairs(s, &w->item, err)) ||
+        (rc = check_routing(s, c, q, w, err)) || (rc = count_pairs(s, &w->item, err)) ||
         (rc = check_output(s, c, q, w, err)))
         return rc;
     take_buffer(s, w);
+    return 0;
+}
+
+/* A tensor of a ring descriptor: [rows, cols] of dtype in the region `r` names. */
+static void ring_tensor(moed_wire_tensor *t, uint32_t dtype, int64_t rows, int64_t cols,
+                        const moed_ring_ref *r)
+{
+    *t = (moed_wire_tensor){ .present = true,
+                             .dtype = (int32_t)dtype,
+                             .n_shape = 2,
+                             .shape = { rows, cols },
+                             .in_region = true,
+                             .region = { r->region, r->offset, r->length } };
+}
+
+int moed_request_from_ring(const moed_served *s, const moed_ring_request *d, moed_wire_request *q,
+                           moed_error *err)
+{
+    memset(q, 0, sizeof *q);
+    if (d->flags)
+        return moed_fail(err, MOED_EINVAL,
+                         "flags = 0x%x: no flag is defined in ring layout version %d; write 0",
+                         d->flags, MOED_RING_VERSION);
+    if (d->reserved)
+        return moed_fail(err, MOED_EINVAL, "the reserved word at +28 is %u; write 0", d->reserved);
+    /* hidden's width is the layer's own: the descriptor names none (an unknown layer fails first)
+     */
+    int64_t d_model = 0;
+    for (int i = 0; i < s->n_layers; i++)
+        if ((uint32_t)s->layers[i]->info.index == d->layer) d_model = s->layers[i]->info.d_model;
+    q->layer = d->layer;
+    ring_tensor(&q->hidden, d->dtype, d->tokens, d_model, &d->hidden);
+    q->routing = MOED_ROUTING_EXPERTS;
+    ring_tensor(&q->expert_ids, MOED_I32, d->tokens, d->top_k, &d->expert_ids);
+    ring_tensor(&q->expert_weights, MOED_F32, d->tokens, d->top_k, &d->expert_weights);
+    q->has_output = true;
+    q->output = (moed_wire_ref){ d->output.region, d->output.offset, d->output.length };
     return 0;
 }
 
@@ -633,7 +718,10 @@ void moed_work_free(moed_work *w)
     w->item.logits = NULL;
     moed_region_release(w->regions, w->hidden_region);
     moed_region_release(w->regions, w->out_region);
-    w->hidden_region = w->out_region = NULL;
+    moed_region_release(w->regions, w->ids_region);
+    moed_region_release(w->regions, w->weights_region);
+    w->hidden_region = w->out_region = w->ids_region = w->weights_region = NULL;
+    w->item.mem.route = NULL;
     moed_bufpool_put(w->buf);
     w->buf = NULL;
 }

@@ -11,9 +11,17 @@
  * Where the tensors are is settled here too. Inline hidden rows are copied once, now, into a
  * buffer of the staging pool (the backend reads them from there and writes the output into the
  * same buffer, which becomes the reply); without room in the pool they stay in the message and the
- * worker copies them. Tensors in regions are bounds-checked and their regions held (routing
- * tensors copied out at once, guarded); hidden and the output are handed to the backend where
- * they lie when it may touch that memory (moed_region_direct), else copied under moed_guard.
+ * worker copies them. Tensors in regions are bounds-checked and their regions held; hidden and the
+ * output are handed to the backend where they lie when it may touch that memory
+ * (moed_region_direct), else copied under moed_guard. Routing tensors are copied out at once
+ * (guarded, or read from the GPU) and checked here, except expert choices whose ids and weights
+ * both lie in CUDA regions of one GPU: those stay there, their regions held, and go to the backend
+ * as the item's device routing (moed_part_route), which the backend checks where they lie; the
+ * item's host route then has T tokens and no pair.
+ *
+ * A doorbell call (doorbell.h) is the same Forward in another encoding: moed_request_from_ring
+ * turns a ring descriptor into the request it stands for, and moed_request_validate checks it by
+ * the same rules, with the ring's principal.
  */
 #ifndef MOED_REQUEST_H
 #define MOED_REQUEST_H
@@ -21,6 +29,7 @@
 #include "bufpool.h"
 #include "moed_err.h"
 #include "moed_model.h"
+#include "moed_ring.h"
 #include "region.h"
 #include "scheduler.h"
 #include "shard.h"
@@ -65,7 +74,9 @@ typedef struct moed_work {
     moed_region *out_region;    /* the output's region, held; or NULL */
     void *out_at;               /* where in it the output goes */
     moed_wire_ref out_ref;      /* as the request named it (the reply names it back) */
-    void *buf;                  /* staging-pool buffer: hidden rows, then the output; or NULL */
+    moed_region *ids_region, *weights_region; /* device routing's regions, held; or NULL */
+    moed_part_route route; /* device routing (item.mem.route points here when it is used) */
+    void *buf;             /* staging-pool buffer: hidden rows, then the output; or NULL */
     /* Ready to submit once the caller sets done, user and the times. */
     moed_sched_item item;
 } moed_work;
@@ -76,6 +87,14 @@ typedef struct moed_work {
  * the fix. */
 int moed_request_validate(const moed_served *s, const moed_caller *c, const moed_wire_request *q,
                           moed_work *w, moed_error *err);
+
+/* The ForwardRequest a ring descriptor stands for (a copy the caller can no longer change): layer,
+ * hidden [tokens, d_model] of dtype, expert_ids [tokens, top_k] I32 and expert_weights [tokens,
+ * top_k] F32, the output, each in the region it names; the request's spans are empty. Only what
+ * has no ForwardRequest field is checked here (flags and reserved must be 0, MOED_EINVAL); the rest
+ * is moed_request_validate's. */
+int moed_request_from_ring(const moed_served *s, const moed_ring_request *d, moed_wire_request *q,
+                           moed_error *err);
 
 /* Puts a computed output where the request asked (res->y is the scheduler's result): nothing to
  * do when the backend wrote it there; for a host region it could not write, a guarded copy. Then

@@ -29,6 +29,7 @@
 #ifndef MOED_RPC_H
 #define MOED_RPC_H
 
+#include "doorbell.h"
 #include "metrics.h"
 #include "moed_backend.h"
 #include "moed_err.h"
@@ -54,6 +55,7 @@ typedef struct moed_rpc_config {
     const char *model;             /* GetModel: the checkpoint folder or the synthetic spec */
     const moed_security *security; /* TLS and the bearer token; NULL: plaintext, no token */
     moed_metrics *metrics;         /* requests, durations and bytes are recorded here; or NULL */
+    moed_doorbell *doorbell;       /* the Regions stream's rings; NULL: the doorbell is off */
 } moed_rpc_config;
 
 typedef struct moed_rpc_stats {

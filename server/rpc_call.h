@@ -1,6 +1,7 @@
 /*
- * rpc_call — what the front end's files (rpc.c, forward.c, health.c) share: the server object,
- * the per-call state every method starts from, and the helpers that post and finish calls.
+ * rpc_call — what the front end's files (rpc.c and the methods' forward.c, getmodel.c, health.c,
+ * region_rpc.c) share: the server object, the per-call state every method starts from, and the
+ * helpers that post and finish calls.
  *
  * Every completion-queue tag is an rpc_tag inside a call's state; the queue thread calls its fn.
  * A call's state is reference counted: one reference per operation batch in flight, one per
@@ -123,8 +124,8 @@ struct rpc_call {
     bool live;
 };
 
-extern const rpc_method moed_forward_method, moed_stream_method, moed_check_method,
-    moed_watch_method, moed_regions_method, moed_list_regions_method;
+extern const rpc_method moed_forward_method, moed_stream_method, moed_getmodel_method,
+    moed_check_method, moed_watch_method, moed_regions_method, moed_list_regions_method;
 
 void rpc_call_ref(rpc_call *c);
 void rpc_call_unref(rpc_call *c);

@@ -18,13 +18,18 @@
  * of the staging and done to take its output. An item whose rows lie in memory the backend may
  * use as it is (a buffer of the staging pool, a client's region) names it in `mem`, and the backend
  * copies from and to it directly; otherwise copy_in fills the worker's staging and done gets the
- * output from it. Each item is one part of the backend's job (moed_part). So where hidden lives
- * (in a message's slices, a pinned buffer, shared or GPU memory) and where the output goes is the
- * submitter's business alone.
+ * output from it. Each item is one part of the backend's job (moed_part). An item whose expert
+ * choice stays in device memory names it in mem.route (its route then has T tokens and no pair):
+ * the backend checks it where it lies and a refused one fails that item alone (INVALID_ARGUMENT
+ * with the backend's message); for an expert shard, whose routes are renumbered on the host, the
+ * worker reads it to the host first (moed_backend_host_route). Each such item counts T x k pairs
+ * toward the launch. So where hidden lives (in a message's slices, a pinned buffer, shared or GPU
+ * memory) and where the output goes is the submitter's business alone.
  *
- * Threads: submit and cancel come from the gRPC completion-queue threads; copy_in runs on a
- * worker; `done` is called on a worker thread (or on the thread that cancelled) exactly once for
- * every item that submit accepted. After done returns, the scheduler no longer touches the item.
+ * Threads: submit and cancel come from the gRPC completion-queue threads and the doorbell's poller
+ * (doorbell.h); copy_in runs on a worker; `done` is called on a worker thread (or on the thread
+ * that cancelled) exactly once for every item that submit accepted. After done returns, the
+ * scheduler no longer touches the item.
  */
 #ifndef MOED_SCHEDULER_H
 #define MOED_SCHEDULER_H

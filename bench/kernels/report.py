@@ -1,5 +1,5 @@
 """Merges moe-bench's, torch_ref.py's and (--peer) sonic_ref.py's JSON from one GPU run into the
-benchmark table (markdown), and checks the bf16 kernel targets (kernels/cuda/NOTES.md, "The bf16
+benchmark table (markdown), and checks the bf16 kernel targets (docs/kernels-notes.md, "The bf16
 kernel push") against it: at T >= 4096 >= 1.15x torch._grouped_mm and SonicMoE on every layer; at
 T = 16384 >= 75% of the matmul ceiling; at T <= 64 weights streamed at >= 90% of copy bandwidth. Small-T targets use the graph-replayed
 pipeline (kernel "auto+g", what the backend runs for small batches) where the run has it. Rows of a

@@ -5,7 +5,8 @@
  * cuda_forward.c, memory regions in cuda_regions.c; cuda_ctx.h holds what they share.
  *
  * Open checks the devices (sm_80 or newer, the ones --devices names) and records their free
- * memory for the placement of the layers that load_layer then receives; start sizes the slots.
+ * memory for the placement of the layers that load_layer then receives, and the UUID of every GPU
+ * the process sees (a region may lie on one it does not compute on); start sizes the slots.
  */
 #include "cuda_backend.h"
 #include "cuda_ctx.h"
@@ -130,6 +131,16 @@ int moed_backend_cuda_open(const moed_backend_config *cfg, moed_backend **out, m
     c->cfg = *cfg;
     c->max_tokens = cfg->max_tokens > 0 ? cfg->max_tokens : 8192;
     c->force_kernel = moed_cuda_kernel_parse(getenv("MOED_CUDA_KERNEL"));
+    const char *no_peer = getenv("MOED_CUDA_NO_PEER");
+    c->no_peer = no_peer && *no_peer == '1';
+    c->n_gpus = n < MAX_GPUS ? n : MAX_GPUS;
+    for (int i = 0; i < c->n_gpus; i++) { /* a GPU that does not answer keeps a UUID of zeros */
+        struct cudaDeviceProp pr;
+        if (cudaGetDeviceProperties(&pr, i) == cudaSuccess)
+            c->gpu_uuid[i] = pr.uuid;
+        else
+            cudaGetLastError();
+    }
     const int listed = cfg->devices && cfg->n_devices > 0;
     const int want = listed ? cfg->n_devices : n;
     for (int i = 0; i < want && c->n_dev < MAX_DEVICES; i++) {

@@ -12,10 +12,12 @@
 #include "moed_place.h"
 
 #include <cuda_runtime_api.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
 #define MAX_DEVICES MOED_PLACE_MAX
+#define MAX_GPUS    64 /* GPUs of the host a region may lie on: CUDA ordinals below this */
 
 /* One set of experts as resident: the routed ones (E of them), or the shared experts (one). */
 typedef struct dev_set {
@@ -116,6 +118,12 @@ typedef struct cuda_ctx {
     /* entry i's GPU writes entry j's memory directly (the same GPU, or peer access enabled) */
     bool direct[MAX_DEVICES][MAX_DEVICES];
     bool landing; /* some part of a split layer cannot reach its home directly */
+    /* Every GPU the process sees (CUDA ordinals 0 .. n_gpus - 1), computed on or not: a client's
+     * memory may lie on any of them (map_device), and parts there are moved by copies alone. */
+    int n_gpus;
+    cudaUUID_t gpu_uuid[MAX_GPUS];
+    bool no_peer;                  /* MOED_CUDA_NO_PEER=1: no peer access is ever enabled */
+    _Atomic bool peered[MAX_GPUS]; /* peer access with GPU g was set up (cuda_enable_peers) */
 } cuda_ctx;
 
 /* Rows of the widest layer that a slot's Y holds past the max_pairs rows batches write: zeros,
@@ -165,7 +173,7 @@ int cuda_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err
 int cuda_router_logits(moed_backend *b, int exec, const moed_job *job, float *logits,
                        moed_error *err);
 
-/* cuda_regions.c: the ops table's region calls, and peer access to a GPU from the others. */
+/* cuda_regions.c: the ops table's region calls, and peer access between a GPU and the backend's. */
 int cuda_host_register(moed_backend *b, void *p, size_t bytes, moed_error *err);
 void cuda_host_unregister(moed_backend *b, void *p);
 void cuda_device_uuid(moed_backend *b, int dev, char out[48]);
@@ -175,6 +183,6 @@ int cuda_map_device(moed_backend *b, const void *handle, size_t handle_len, cons
 void cuda_unmap_device(moed_backend *b, void *base, int dev);
 int cuda_read_device(moed_backend *b, void *dst, const void *src, int dev, size_t bytes,
                      moed_error *err);
-void cuda_enable_peers(const cuda_ctx *c, int dev);
+void cuda_enable_peers(cuda_ctx *c, int gpu);
 
 #endif

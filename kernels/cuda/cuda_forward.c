@@ -4,15 +4,17 @@
  *
  * A job's tokens come in parts (moed_backend.h), each copied in and out where it lies: host memory
  * by DMA (straight from pinned or registered pages), device memory device to device, another
- * GPU's memory by a peer copy. A lone part already on the layer's GPU is not copied at all: the
- * convert stage reads it and the combine writes the part's output in place (except for batches a
- * graph replays, whose buffers are captured: there the part costs one small device copy). When a
- * batch runs in chunks (more pairs than the workspace holds), the next chunk's rows come in on the
- * slot's copy stream while the current chunk computes, and the route staging alternates between
- * two halves, so chunks never wait for the host; tokens are independent, so chunks change nothing
- * in the result. Everything a batch does is queued on its slot's stream with no device-to-host
- * synchronisation until the output copy; slots run concurrently, so one batch's copies overlap
- * another's kernels.
+ * GPU's memory (another of the backend's, or one it does not compute on, where a client's region
+ * lies) by a peer copy, which goes over NVLink or PCIe where peer access is enabled
+ * (cuda_regions.c) and is staged through host memory by the driver where not. A lone part already
+ * on the layer's GPU is not copied at all: the convert stage reads it and the combine writes the
+ * part's output in place (except for batches a graph replays, whose buffers are captured: there the
+ * part costs one small device copy). When a batch runs in chunks (more pairs than the workspace
+ * holds), the next chunk's rows come in on the slot's copy stream while the current chunk
+ * computes, and the route staging alternates between two halves, so chunks never wait for the
+ * host; tokens are independent, so chunks change nothing in the result. Everything a batch does is
+ * queued on its slot's stream with no device-to-host synchronisation until the output copy; slots
+ * run concurrently, so one batch's copies overlap another's kernels.
  *
  * A split layer's home slot runs its jobs: each job's x is copied to every part's device (a peer
  * copy), each part computes its own pairs' rows in a workspace of its own, gathers them in its pair
@@ -23,9 +25,9 @@
  * Parts that bring their routing in device memory (moed_part_route): the host packs the job's host
  * pairs and the offsets of every token, k slots for each device-routed one, and after the upload a
  * route_choice kernel per such part and chunk checks and packs its choice into its slots where it
- * lies (a choice on another of the backend's GPUs is first copied into those slots). Each part's
- * status word comes back with the outputs, before the one synchronisation at the end. A split
- * layer splits its pairs on the host, so there the choices are read to the host first
+ * lies (a choice on another GPU, the backend's or not, is first copied into those slots). Each
+ * part's status word comes back with the outputs, before the one synchronisation at the end. A
+ * split layer splits its pairs on the host, so there the choices are read to the host first
  * (moed_backend_host_route: the one place this file allocates during a job).
  */
 #include "cuda_ctx.h"
@@ -368,11 +370,9 @@ static int job_route(moed_backend *b, cuda_exec *x, const cuda_layer *L, const m
     for (int64_t i = 0, t = 0; i < job->n_parts; t += job->parts[i++].rows) {
         const moed_part_route *pr = job->parts[i].route;
         if (!pr) continue;
-        bool ours = false;
-        for (int d = 0; d < c->n_dev; d++) ours |= c->dev[d] == pr->dev;
-        if (!ours)
+        if (pr->dev < 0 || pr->dev >= c->n_gpus)
             return moed_fail(err, MOED_EINVAL,
-                             "part %lld's routing lies on GPU %d, which this backend does not use",
+                             "part %lld's routing lies on GPU %d, which this process does not see",
                              (long long)i, pr->dev);
         x->runs[src->n_runs++] =
             (moed_cuda_drun){ t, job->parts[i].rows, pr->k, pr->ids, pr->weights, pr->dev };

@@ -160,21 +160,18 @@ static uint64_t exec_bytes(const cuda_ctx *c, bool part)
     return b + (uint64_t)T * c->max_router_e * sizeof(float);
 }
 
-void cuda_enable_peers(const cuda_ctx *c, int dev);
-
 /* Peer access between every two GPUs of the entries (unless MOED_CUDA_NO_PEER=1), and whether a
  * split layer has a part that cannot write its home's memory directly. */
 static void plan_peers(cuda_ctx *c)
 {
-    const char *no = getenv("MOED_CUDA_NO_PEER");
-    const bool off = no && *no == '1';
-    for (int j = 0; j < c->n_dev && !off; j++) cuda_enable_peers(c, c->dev[j]);
+    for (int j = 0; j < c->n_dev; j++) cuda_enable_peers(c, c->dev[j]);
     for (int i = 0; i < c->n_dev; i++)
         for (int j = 0; j < c->n_dev; j++) {
             int can = 0;
             c->direct[i][j] =
                 c->dev[i] == c->dev[j] ||
-                (!off && cudaDeviceCanAccessPeer(&can, c->dev[i], c->dev[j]) == cudaSuccess && can);
+                (!c->no_peer &&
+                 cudaDeviceCanAccessPeer(&can, c->dev[i], c->dev[j]) == cudaSuccess && can);
         }
     for (int l = 0; l < c->n_layers; l++) {
         const cuda_layer *L = &c->layers[l];

@@ -1,14 +1,18 @@
 /*
  * cuda_regions — memory a client shares with the backend: host regions page-locked for the GPU's
- * copies, and GPU regions another process exports by CUDA IPC, opened on the device the client
- * names (by UUID, or by the server's ordinal) and checked against the exported allocation's bounds
- * before any byte of it is used. Also peer access between the backend's GPUs, which both IPC
- * regions and split layers need.
+ * copies, and GPU regions another process exports by CUDA IPC, opened on the GPU the client names
+ * (by UUID, or by CUDA ordinal as this process sees it) and checked against the exported
+ * allocation's bounds before any byte of it is used. That GPU may be any the process sees, also one
+ * the backend does not compute on (attention on one GPU, the experts on another): the handle is
+ * opened in that GPU's primary context, and jobs move its memory by copies (cuda_forward.c), over
+ * peer access where the GPUs have it, else staged through host memory by the driver. Also peer
+ * access between GPUs, which those regions and split layers need.
  */
 #include "cuda_ctx.h"
 
 #include <cuda.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 
@@ -41,28 +45,30 @@ void cuda_device_uuid(moed_backend *b, int dev, char out[48])
 {
     const cuda_ctx *c = b->ctx;
     out[0] = 0;
-    for (int i = 0; i < c->n_dev; i++)
-        if (c->dev[i] == dev) uuid_str(&c->prop[i].uuid, out);
+    if (dev >= 0 && dev < c->n_gpus) uuid_str(&c->gpu_uuid[dev], out);
 }
 
-/* Which of the backend's devices a client means: by UUID, or else by the server's ordinal. */
-static int find_device(const cuda_ctx *c, const char *uuid, int device, moed_error *err)
+/* The GPU (CUDA ordinal) a client means, among every GPU this process sees: by UUID, or else by
+ * ordinal. Refusals name the GPUs it sees, so the caller can tell a hidden GPU from a typo. */
+static int find_gpu(const cuda_ctx *c, const char *uuid, int device, moed_error *err)
 {
-    char have[MAX_DEVICES * 50] = "", one[48];
-    for (int i = 0; i < c->n_dev; i++) {
-        uuid_str(&c->prop[i].uuid, one);
-        if (uuid && *uuid ? !strcasecmp(one, uuid) : c->dev[i] == device) return i;
-        snprintf(have + strlen(have), sizeof have - strlen(have), "%s%d %s", i ? ", " : "",
-                 c->dev[i], one);
+    char seen[MAX_GPUS * 50] = "", one[48];
+    for (int g = 0; g < c->n_gpus; g++) {
+        uuid_str(&c->gpu_uuid[g], one);
+        if (uuid && *uuid ? !strcasecmp(one, uuid) : g == device) return g;
+        snprintf(seen + strlen(seen), sizeof seen - strlen(seen), "%s%d %s", g ? ", " : "", g, one);
     }
+    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+    char why[200] = "";
+    if (vis) snprintf(why, sizeof why, "; CUDA_VISIBLE_DEVICES=%.120s", vis);
     if (uuid && *uuid)
         return moed_fail(err, MOED_EPRECOND,
-                         "GPU %.60s is not one this server computes on (its GPUs: %s); register "
-                         "memory on one of them, or a host region",
-                         uuid, have);
+                         "GPU %.60s is not visible to this server (it sees %d GPU%s: %s%s): make "
+                         "that GPU visible to moed, or register a host region",
+                         uuid, c->n_gpus, c->n_gpus == 1 ? "" : "s", seen, why);
     return moed_fail(err, MOED_EPRECOND,
-                     "this server has no GPU %d (its GPUs: %s); give the device's UUID", device,
-                     have);
+                     "this server sees no GPU %d (it sees %d GPU%s: %s%s); give the device's UUID",
+                     device, c->n_gpus, c->n_gpus == 1 ? "" : "s", seen, why);
 }
 
 typedef CUresult (*get_range_fn)(CUdeviceptr *base, size_t *size, CUdeviceptr p);
@@ -85,17 +91,24 @@ static get_range_fn get_range(void)
     return fn;
 }
 
-/* Lets the backend's other GPUs copy from and to dev directly (peer copies work without it, more
- * slowly, through the host). */
-void cuda_enable_peers(const cuda_ctx *c, int dev)
+/* Peer access between GPU `gpu` and each of the backend's GPUs, both ways, where the two allow it:
+ * copies between them then go straight over NVLink or PCIe, and a split layer's parts write their
+ * home's memory directly. Without it the driver stages copies through host memory. Set up once a
+ * GPU (the first region there, or start for the backend's own); never with MOED_CUDA_NO_PEER=1. */
+void cuda_enable_peers(cuda_ctx *c, int gpu)
 {
+    if (c->no_peer || gpu < 0 || gpu >= MAX_GPUS || atomic_exchange(&c->peered[gpu], true)) return;
     for (int i = 0; i < c->n_dev; i++) {
-        int can = 0;
-        if (c->dev[i] == dev || cudaDeviceCanAccessPeer(&can, c->dev[i], dev) != cudaSuccess ||
-            !can)
-            continue;
-        cudaSetDevice(c->dev[i]);
-        cudaDeviceEnablePeerAccess(dev, 0);
+        int to = 0, from = 0;
+        if (c->dev[i] == gpu) continue;
+        if (cudaDeviceCanAccessPeer(&to, c->dev[i], gpu) == cudaSuccess && to) {
+            cudaSetDevice(c->dev[i]);
+            cudaDeviceEnablePeerAccess(gpu, 0);
+        }
+        if (cudaDeviceCanAccessPeer(&from, gpu, c->dev[i]) == cudaSuccess && from) {
+            cudaSetDevice(gpu);
+            cudaDeviceEnablePeerAccess(c->dev[i], 0);
+        }
         cudaGetLastError(); /* already enabled is fine */
     }
 }
@@ -110,19 +123,20 @@ int cuda_map_device(moed_backend *b, const void *handle, size_t handle_len, cons
                          "ipc_handle is %zu bytes; a cudaIpcMemHandle_t is %zu (send the bytes "
                          "cudaIpcGetMemHandle wrote)",
                          handle_len, sizeof(cudaIpcMemHandle_t));
-    const int di = find_device(c, device_uuid, device, err);
-    if (di < 0) return di;
+    const int g = find_gpu(c, device_uuid, device, err);
+    if (g < 0) return g;
+    cuda_enable_peers(c, g);
     cudaIpcMemHandle_t h;
     memcpy(&h, handle, sizeof h);
     void *p = NULL;
-    cudaSetDevice(c->dev[di]);
+    cudaSetDevice(g); /* its primary context, which the backend's copies from and to it use */
     cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
     if (e != cudaSuccess) {
         cudaGetLastError();
         return moed_fail(err, MOED_EINVAL,
                          "the IPC handle does not open on GPU %d: %s (%s); send a handle of a live "
                          "allocation on that GPU, made by another process",
-                         c->dev[di], cudaGetErrorName(e), cudaGetErrorString(e));
+                         g, cudaGetErrorName(e), cudaGetErrorString(e));
     }
     CUdeviceptr abase = 0;
     size_t asize = 0;
@@ -139,9 +153,8 @@ int cuda_map_device(moed_backend *b, const void *handle, size_t handle_len, cons
                          "offset %llu + bytes %llu run past the exported allocation (%zu bytes)",
                          (unsigned long long)offset, (unsigned long long)bytes, asize);
     }
-    cuda_enable_peers(c, c->dev[di]);
     *ptr = (char *)p + offset;
-    *dev = c->dev[di];
+    *dev = g;
     *base = p;
     return 0;
 }

@@ -7,7 +7,7 @@
  * starts its next tile; a TMA store cannot mask rows, so an expert's last, partial rows leave by
  * 16-byte stores from the buffer instead (the rows after them are the next expert's). Either way a
  * warp writes whole 128-byte lines, where stores from the wgmma registers wrote 16 bytes into each
- * of 8 rows (kernels/cuda/NOTES.md, "a TMA-store epilogue").
+ * of 8 rows (docs/kernels-notes.md, "a TMA-store epilogue").
  *
  * The buffer holds MOED_CUDA_EPI_COLS output columns of the 64 rows, as boxes of 64 x 64 elements
  * with 128-byte swizzled rows: the layout the TMA store reads, and the swizzle puts a warp's 8 rows
@@ -81,7 +81,7 @@ __device__ __forceinline__ void moed_cuda_wgmma_pairs(const float *acc, F &&put)
 
 /* The epilogue straight from the wgmma registers to C, each warp store 16 bytes into each of 8
  * rows: for a kernel whose one consumer should not wait on a staging round (the FP8 kernel at bm
- * 64, where staging cost up to 7%: kernels/cuda/NOTES.md, "a TMA-store epilogue"). rbase is the row
+ * 64, where staging cost up to 7%: docs/kernels-notes.md, "a TMA-store epilogue"). rbase is the row
  * of h = 0 (the warpgroup's first row + 16*(warp%4) + lane/4), n0 the tile's first column of B;
  * rows at or past row_end are not stored. */
 template <typename T, int EPI, int BN>

@@ -55,7 +55,7 @@ template <int BM> struct tile_cfg {
     static constexpr int CONSUMERS = BM / WGMMA_M;
     static constexpr int STAGES = BM == 64 ? 8 : 6;
     /* The staged epilogue at BM = 128 (+0.6..+9% at T >= 4096 against the direct one); at BM = 64
-     * its one consumer waiting on each staging round cost 0.4-7% (kernels/cuda/NOTES.md, "a
+     * its one consumer waiting on each staging round cost 0.4-7% (docs/kernels-notes.md, "a
      * TMA-store epilogue"). */
     static constexpr bool STAGED = BM == 128;
     static constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 232 : 224;

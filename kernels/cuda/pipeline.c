@@ -78,7 +78,7 @@ static int expert_gemms(const moed_cuda_layer_dev *L, const moed_cuda_route_dev 
      * GEMM reads nothing before route prep is done, since its tiles are route prep's; the
      * shared experts' tiles need no table, so they load weights at once, as the down GEMM does.
      * The Hopper kernels start plainly: started early, the large batches they run were slower
-     * (deepseek-v3 T=16384 by about 15%: kernels/cuda/NOTES.md, "each small-batch kernel starts
+     * (deepseek-v3 T=16384 by about 15%: docs/kernels-notes.md, "each small-batch kernel starts
      * while the one before drains"). Both GEMMs of a batch share bm, hence the kernel family. */
     const int early = cfg.kernel == MOED_CUDA_KERNEL_SM80;
     g.overlap = !early ? MOED_CUDA_OVERLAP_NONE

@@ -194,7 +194,7 @@ struct moed_cuda_sm90_ring {
 
     /* A consumer warp's release of stage s, on the barrier of every CTA of the cluster. One lane
      * arrives on all of them: a lane-dependent target would move the stage barriers out of uniform
-     * registers (kernels/cuda/NOTES.md, "two-CTA clusters share the weight tile"). */
+     * registers (docs/kernels-notes.md, "two-CTA clusters share the weight tile"). */
     __device__ __forceinline__ void release(int s, int lane) const
     {
         if (lane != 0) return;
@@ -366,7 +366,7 @@ int moed_cuda_sm90_maps(const moed_cuda_gemm *g, int tm, CUtensorMap *tm_b, CUte
 /* Starts KERN, a kernel over ring R, for g on s: its maps (moed_cuda_sm90_maps), then as many
  * clusters as are resident at once, never more than the units (MC consecutive m-tiles at one
  * n-tile), walk the units. Plainly, never early: started early, the large batches the Hopper
- * kernels run were slower (kernels/cuda/NOTES.md, "each small-batch kernel starts while the one
+ * kernels run were slower (docs/kernels-notes.md, "each small-batch kernel starts while the one
  * before drains"). */
 template <auto KERN, class R, bool GATHER, bool C_MAP>
 int moed_cuda_sm90_launch(const moed_cuda_gemm *g, int tm, moed_cuda_stream s)

@@ -28,7 +28,7 @@
  * faster, other layers at T >= 4096 within -2%..+4%); at bn 128 alone (gpt-oss's down GEMM, N =
  * 2944, was 12% slower in clusters).
  *
- * The runs behind each line, dated: kernels/cuda/NOTES.md, "The heuristic table".
+ * The runs behind each line, dated: docs/kernels-notes.md, "The heuristic table".
  *
  * FP8 (block-scaled e4m3) weights on Hopper always run on the FP8 kernel, so every batch size
  * rounds alike (a token alone and the same token in a large batch give the same bits):

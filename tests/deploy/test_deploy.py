@@ -95,8 +95,8 @@ def test_config_starts_the_daemon(tmp_path):
 
 
 def test_metrics_are_on_loopback_by_default():
-    """Issue 9: the shipped files bound /metrics to 0.0.0.0:9400, reachable without a token and on
-    dcgm-exporter's port."""
+    """The shipped files once bound /metrics to 0.0.0.0:9400, reachable without a token and on
+    dcgm-exporter's port (docs/operations.md, "Metrics", says why 8464 on loopback)."""
     assert METRICS_LOOPBACK, conf()["metrics-listen"]
     assert METRICS_PORT not in EXPORTER_PORTS and not 9100 <= METRICS_PORT <= 9999, METRICS_PORT
     assert METRICS_PORT != GRPC_PORT

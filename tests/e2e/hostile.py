@@ -1,7 +1,7 @@
 """What a hostile peer does to the gRPC port, spoken as raw HTTP/2 (the `h2` package), and the
 daemon's memory while it does: the hardening tests (test_hardening.py) use these with small, bounded
-counts; run as a script they repeat issue 9's measurements at full size and print the figures that
-README's security section quotes:
+counts; run as a script they repeat the measurements at full size and print the figures that
+docs/security.md quotes ("Hostile peers"):
 
     .venv/bin/python tests/e2e/hostile.py build/server/moed [bodies|work|flood|floodN|window]...
 
@@ -17,8 +17,8 @@ README's security section quotes:
 - withhold_window(): ForwardStream requests from a client that reads but grants no HTTP/2 window;
 - Rss: the process's resident memory, sampled, with its peak.
 
-The script also times issue 9's row 3: one request with expert_ids [1, 2M] whose caller gives up
-after 2 s, beside three other callers with 2 s deadlines.
+The script also times the case of docs/security.md's "Bounded work": one request with expert_ids
+[1, 2M] whose caller gives up after 2 s, beside three other callers with 2 s deadlines.
 """
 
 import select
@@ -363,7 +363,7 @@ def parallel(fn, n):
     return out
 
 
-# ---- issue 9's measurements, full size --------------------------------------------------------
+# ---- the measurements of docs/security.md, full size ------------------------------------------
 
 MIB = 1 << 20
 RSS_CAP = 6 << 30  # a flood is stopped here: the machine running it is shared

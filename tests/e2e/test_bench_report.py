@@ -1,7 +1,7 @@
 """bench/kernels/report.py, the GPU benchmark's table and targets, checked here without a GPU on
 JSON made to the formats of moe-bench, torch_ref.py and sonic_ref.py: rows of a --shape layer join
 the references whichever way moe-bench names them, the model's name labels them, the ratios and the
-issue's targets come out of the figures (graph-replayed rows speaking for small T), a peer that did
+kernel targets come out of the figures (graph-replayed rows speaking for small T), a peer that did
 not run leaves its targets unmet-but-unjudged; and run-on-gpu.sh runs the layers torch_ref.py names.
 """
 import ast

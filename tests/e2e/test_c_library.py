@@ -1,8 +1,8 @@
 """libmoedclient as a program outside this tree sees it: the public header compiles alone (C11 and
 C++, given only its own folder), the shared library exports exactly the functions the header marks
 MOEDC_EXTERN and nothing else (no core, protobuf-c or internal symbol), and README's C example
-compiles against the build and gets an answer from a real daemon; so does its region example,
-through shared memory (nothing left in /dev/shm afterwards). Inside it (read from the sources): no
+compiles against the build and gets an answer from a real daemon; so does the region example of
+docs/regions.md, through shared memory (nothing left in /dev/shm afterwards). Inside it (read from the sources): no
 file includes one that includes it back, and the fleet is a sibling of the one-daemon client:
 moedclient.c calls nothing moedc_fleet.c defines, and no private header declares what both define.
 """
@@ -73,10 +73,10 @@ def test_shared_library_exports_exactly_the_public_api():
                                     f"public but not exported: {sorted(declared() - exported)}")
 
 
-def readme_example(lead=r"C \(`libmoedclient`, public header"):
-    text = (ROOT / "README.md").read_text()
+def doc_example(page="README.md", lead=r"C \(`libmoedclient`, public header"):
+    text = (ROOT / page).read_text()
     m = re.search(r"^" + lead + r".*?```c\n(.*?)```", text, re.S | re.M)
-    assert m, f"README.md has no C example after '{lead}'"
+    assert m, f"{page} has no C example after '{lead}'"
     return m.group(1)
 
 
@@ -91,8 +91,8 @@ def build_example(tmp_path, source):
     return exe
 
 
-def test_readme_region_example_answers_through_shared_memory(daemon, tmp_path):
-    exe = build_example(tmp_path, readme_example(r"C \(`libmoedclient`\): open a session"))
+def test_docs_region_example_answers_through_shared_memory(daemon, tmp_path):
+    exe = build_example(tmp_path, doc_example("docs/regions.md", r"C \(`libmoedclient`\): open a session"))
     d = daemon("--synthetic", "layers=1,d=256,ff=64,experts=8,topk=2,dtype=f32", "--threads", "1")
     before = set(p.name for p in pathlib.Path("/dev/shm").iterdir())
     p = subprocess.run([str(exe), d.address], capture_output=True, text=True, timeout=60)
@@ -104,7 +104,7 @@ def test_readme_region_example_answers_through_shared_memory(daemon, tmp_path):
 
 
 def test_readme_example_compiles_and_answers(daemon, tmp_path):
-    exe = build_example(tmp_path, readme_example())
+    exe = build_example(tmp_path, doc_example())
     # the example's shapes: d_model 256, experts 0..7, f32 hidden states of zeros
     d = daemon("--synthetic", "layers=1,d=256,ff=64,experts=8,topk=2,dtype=f32", "--threads", "1")
     p = subprocess.run([str(exe), d.address], capture_output=True, text=True, timeout=60)

@@ -4,7 +4,7 @@ with an index. Each loads, GetModel describes it as its config says, and its out
 own router and client routes) match the numpy model computed from the weights as written. A broken
 checkpoint makes moed exit 1 with a message naming what is wrong.
 
-The checkpoint changing under a serving daemon (issue 9): truncated, or rewritten in place with the
+The checkpoint changing under a serving daemon (docs/weights.md): truncated, or rewritten in place with the
 same size, moed keeps answering with the weights it loaded (it served from a mapping, and died of
 SIGBUS or silently changed its outputs). A FIFO in place of config.json, the index or a
 .safetensors file fails the start at once, naming the file (it blocked forever).

@@ -1,7 +1,7 @@
 """The command lines: moed's flags, usage errors and exit codes, its config file; moectl's health,
 info and forward over .npy files (outputs compared with the numpy model), its exit codes and a usage
 error (exit 2, naming the flag) for every kind of bad word; a Unix-socket target; and that the
-README's flag list is `moed --help` word for word.
+flag list of docs/operations.md is `moed --help` word for word.
 """
 
 import os
@@ -51,14 +51,14 @@ def test_version():
     assert re.fullmatch(r"moed \d+\.\d+\.\d+\n", p.stdout), p.stdout
 
 
-def test_readme_flags_are_moed_help():
-    """README.md carries `moed --help` verbatim; `make readme-flags` rewrites it."""
+def test_documented_flags_are_moed_help():
+    """docs/operations.md carries `moed --help` verbatim; `make readme-flags` rewrites it."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from readme_flags import flags_block
+    from readme_flags import PAGE, flags_block
 
-    block = flags_block((ROOT / "README.md").read_text())
-    assert block is not None, "README.md lacks the marked `moed --help` block"
-    assert block == moed("--help").stdout, "README.md's flags differ from `moed --help`: run make readme-flags"
+    block = flags_block(PAGE.read_text())
+    assert block is not None, "docs/operations.md lacks the marked `moed --help` block"
+    assert block == moed("--help").stdout, "docs/operations.md's flags differ from `moed --help`: run make readme-flags"
 
 
 BAD_VALUES = [
@@ -72,14 +72,14 @@ BAD_VALUES = [
     (["--layers", "3-1"], ["--layers", "3-1"]),
     (["--cq-threads", "0"], ["--cq-threads", "0"]),
     (["--config", "/nonexistent/moed.conf"], ["--config", "/nonexistent/moed.conf"]),
-    # Issue 9, row 8: refused at once (a directory was read as empty, /dev/zero spun forever), and
-    # ports past 65535 were taken modulo 65536.
+    # Refused at once (a directory was read as empty, /dev/zero spun forever), and ports past 65535
+    # were taken modulo 65536 (docs/security.md: files and addresses).
     (["--config", "/tmp"], ["--config", "/tmp", "a directory"]),
     (["--config", "/dev/zero"], ["--config", "/dev/zero", "character device"]),
     (["--listen", "127.0.0.1:70000"], ["--listen", "70000", "1 to 65535"]),
     (["--metrics-listen", "127.0.0.1:70000"], ["--metrics-listen", "70000", "1 to 65535"]),
     (["--listen", "127.0.0.1"], ["--listen", "host:port"]),
-    # Issue 25: forms gRPC's server cannot bind ended with its raw reason and exit 1.
+    # Forms gRPC's server cannot bind ended with its raw reason and exit 1: usage errors now.
     (["--listen", "ipv4:127.0.0.1:0"], ["--listen", "ipv4:", "host:port"]),
     (["--listen", "dns:///localhost:0"], ["--listen", "dns:", "host:port"]),
     (["--listen", ":0"], ["--listen", "':0'", "host"]),
@@ -140,7 +140,7 @@ def test_config_file_error_names_file_and_line(tmp_path):
 
 
 def test_config_fifo_fails_at_once(tmp_path):
-    """A FIFO with no writer blocked the start forever (issue 9): now refused without waiting."""
+    """A FIFO with no writer blocked the start forever: now refused without waiting."""
     fifo = tmp_path / "moed.conf"
     os.mkfifo(fifo)
     p = moed("--config", fifo, timeout=10)

@@ -260,7 +260,7 @@ class RawSession:
 
 
 def test_an_idle_session_does_not_hold_the_exit(daemon):
-    """Issue 25: an idle Regions session held SIGTERM's exit. Its client here keeps the session and
+    """An idle Regions session held SIGTERM's exit. Its client here keeps the session and
     its connection open, ends neither, and reads nothing once the session has answered a command
     (so the session is open on the server, and idle): as a client process busy elsewhere, or an
     idle gRPC channel that nobody polls, reads nothing. moed used to wait for such a connection

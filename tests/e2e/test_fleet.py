@@ -519,7 +519,7 @@ class Doorstep:
         self.thread.join(10)
 
 
-DOWN_MAX = 5.0  # README: a replica turned away is passed over 0.5 s, doubling to 5 s
+DOWN_MAX = 5.0  # docs/fleets.md: a replica turned away is passed over 0.5 s, doubling to 5 s
 
 
 def forward_count(port):

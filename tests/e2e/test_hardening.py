@@ -1,5 +1,5 @@
-"""Issue 9's hostile peers and lifecycle faults, bounded for CI, against real daemons on loopback
-(hostile.py speaks the raw HTTP/2 that a gRPC client cannot make):
+"""Hostile peers and lifecycle faults (docs/security.md, "Hostile peers"), bounded for CI, against
+real daemons on loopback (hostile.py speaks the raw HTTP/2 that a gRPC client cannot make):
 
 - nothing is read before the token: 400 MiB bodies without it are refused at their headers, RSS
   flat; compressed requests are refused unless --accept-compression, and with it moed inflates
@@ -43,7 +43,7 @@ SANITIZED = "ASAN_OPTIONS" in os.environ
 # the fix gRPC read a connection that sends faster than it is parsed on and on in the thread that
 # polled it, which was also a thread that ran calls: with more such connections than threads, no
 # call ran, gRPC's queue of new calls grew by hundreds of MB a second and callers waited out the
-# flood (8 connections against four threads did in most of the issue's runs; 32 against two took RSS
+# flood (8 connections against four threads did in most runs before the fix; 32 against two took RSS
 # past the bound below in every run here).
 FLOOD_CONNECTIONS = 32
 # --max-streams 16: what moed lets in per connection (twice it) and in all stays small beside the
@@ -53,7 +53,7 @@ FLOOD_FLAGS = ("--cq-threads", "2", "--max-streams", "16")
 # of MB of calls of them.
 FLOOD_MIN_STREAMS = 1_000_000
 # Legitimate calls made during the flood, one after another, each from a new client (a new
-# connection: the issue's worst case). Their deadline is a hang guard only, far beyond the few
+# connection: the worst case measured). Their deadline is a hang guard only, far beyond the few
 # seconds one takes under the flood: what is asserted is that each is answered, correctly.
 LEGIT_CALLS = 4
 LEGIT_DEADLINE_S = 120.0
@@ -98,7 +98,7 @@ def token_daemon(daemon, tmp_path, *flags):
 # ---- row 1: nothing read before the token -----------------------------------------------------
 
 def test_unauthenticated_bodies_are_not_read(daemon, tmp_path):
-    """The issue: 6 x 400 MiB requests without the token took RSS to 781 MB (683 MB kept). Now
+    """Before: 6 x 400 MiB requests without the token took RSS to 781 MB (683 MB kept). Now
     each is refused at its headers; the peer gets to send at most the HTTP/2 window (about 4 MiB,
     dropped with the stream) and RSS does not move."""
     d = token_daemon(daemon, tmp_path)
@@ -112,7 +112,7 @@ def test_unauthenticated_bodies_are_not_read(daemon, tmp_path):
 
 
 def test_compressed_requests_refused_by_default(daemon):
-    """The issue: 8 gzip bodies of 0.5 MB (500 MiB inflated) took RSS to 6.3 GB. Compression is
+    """Before: 8 gzip bodies of 0.5 MB (500 MiB inflated) took RSS to 6.3 GB. Compression is
     off by default: gRPC core refuses the call at its headers, before any byte is inflated."""
     d = daemon("--synthetic", DEFAULT_SPEC, "--threads", "1")
     bomb = hostile.gzip_bomb(64 * MIB)
@@ -218,7 +218,7 @@ def test_http2_limits_are_advertised_and_held(daemon):
 
 @pytest.mark.parametrize("variant", ("open", "reset", "token"))
 def test_stream_flood_leaves_callers_answered(daemon, tmp_path, variant):
-    """The issue: 8 connections opening Forward streams (HEADERS + an empty DATA frame, 100 per
+    """Before: 8 connections opening Forward streams (HEADERS + an empty DATA frame, 100 per
     write, never reading) starved legitimate callers (one on a new connection waited out the whole
     flood) and sometimes took RSS past --max-grpc-memory at 450 MB/s; under ASan 2 connections did.
     Here FLOOD_CONNECTIONS of them (also with every stream reset, and against a daemon that requires
@@ -273,7 +273,7 @@ def test_stream_flood_leaves_callers_answered(daemon, tmp_path, variant):
 
 
 def test_pipelining_client_takes_turns(daemon):
-    """The issue: one client with many requests pipelined kept the FIFO queue for about 13 s while
+    """Before: one client with many requests pipelined kept the FIFO queue for about 13 s while
     another's request waited behind them all. Connections take turns in a launch now. The queue is
     held here (--min-batch-requests 8, and a merge window of 60 s as a hang guard) until client
     A's seven 1-token requests, on one connection, and then client B's 4-token request are queued:
@@ -318,7 +318,7 @@ def test_pipelining_client_takes_turns(daemon):
 
 @pytest.mark.parametrize("held", ("past_the_bound", "taking_none"))
 def test_client_that_takes_no_reply_is_closed(daemon, held):
-    """The issue: a ForwardStream client that reads its socket but never grants HTTP/2 window held
+    """Before: a ForwardStream client that reads its socket but never grants HTTP/2 window held
     ~1.25 GB for as long as it stayed. The replies waiting for their clients are counted now: when
     those of all connections pass --max-grpc-memory, the connection holding the most is closed
     (here 4 streams x 16 replies of 2 MiB against 16 MiB, their requests gzip-compressed so that
@@ -350,7 +350,7 @@ def test_client_that_takes_no_reply_is_closed(daemon, held):
 # ---- row 3: bounded work ----------------------------------------------------------------------
 
 def test_pairs_are_bounded_per_request(daemon):
-    """The issue: expert_ids of shape [1, 2M] held the execution slot for about 20 s. A request
+    """Before: expert_ids of shape [1, 2M] held the execution slot for about 20 s. A request
     routing more (token, expert) pairs than --max-batch-pairs is refused at once, naming the flag:
     client choices with a huge k, and the server router's sigmoid gating that keeps every expert
     (found on the worker: that request alone fails, the next one computes)."""
@@ -414,7 +414,7 @@ def test_callers_gone_compute_nothing(daemon):
 # ---- row 7: the drain -------------------------------------------------------------------------
 
 def test_drain_flushes_merge_windows(daemon):
-    """The issue: calls waiting in a merge window were cancelled 30 s after SIGTERM. The window
+    """Before: calls waiting in a merge window were cancelled 30 s after SIGTERM. The window
     closes at the signal: the calls are launched and answered at once, and moed exits 0."""
     d = daemon("--synthetic", DEFAULT_SPEC, "--threads", "1", "--max-delay-us", "60000000",
                "--min-batch-requests", "100")
@@ -442,7 +442,7 @@ def test_drain_flushes_merge_windows(daemon):
 
 
 def test_drain_storm_never_cancels(daemon):
-    """The issue: under a 200-caller storm, 3 of 5 SIGTERM runs gave 1-34 calls CANCELLED. Every
+    """Before: under a 200-caller storm, 3 of 5 SIGTERM runs gave 1-34 calls CANCELLED. Every
     call open at the stop must end answered or UNAVAILABLE: the gRPC server shuts down only once
     callers have gone quiet, so gRPC core cancels nothing on its way in."""
     x = np.zeros((8, SPEC.d), np.float32)
@@ -480,7 +480,7 @@ def test_drain_storm_never_cancels(daemon):
 
 
 def test_sighup_during_startup_is_harmless(daemon):
-    """The issue: SIGHUP before the weights were loaded killed moed (status 129), and the systemd
+    """Before: SIGHUP before the weights were loaded killed moed (status 129), and the systemd
     unit's reload sends SIGHUP. Signals from main()'s first line on, through a start of about a
     second (400 MB of synthetic weights), and after: moed serves, then drains and exits 0."""
     big = "layers=2,d=1024,ff=2048,experts=16,topk=2,act=swiglu,dtype=bf16,seed=3"
@@ -503,7 +503,7 @@ def test_sighup_during_startup_is_harmless(daemon):
 # ---- row 9: metrics truth ---------------------------------------------------------------------
 
 def test_client_resets_count_as_cancelled(daemon):
-    """The issue: a client that cancels mid-upload, or resets its stream, was counted
+    """Before: a client that cancels mid-upload, or resets its stream, was counted
     INVALID_ARGUMENT. A Forward whose client resets it before its message is whole counts
     CANCELLED; an empty message is still the client's error (INVALID_ARGUMENT, answered)."""
     mflags, port = metrics_flags()

@@ -3,7 +3,8 @@ the C client's programs carry neither CUDA nor kernel code (moectl and libmoedcl
 all, moed-load the CPU backend alone, for --verify); only the backend registry knows whether CUDA
 was built; nothing under kernels/ or common/ includes a client header; one option engine parses
 every program's command line; tests/gpu holds tests, bench/ the benchmarks and tools/gpu the GPU
-machine's scripts; and the name load_layer means the backend's call alone.
+machine's scripts; the name load_layer means the backend's call alone; and each method of the
+protocol is answered from a file of its own, rpc.c keeping the server's life cycle.
 """
 
 import re
@@ -118,3 +119,17 @@ def test_load_layer_names_the_backend_call_alone():
                              text, re.M):
             found.append(f"{p.relative_to(ROOT)}: {m.group(0).strip()}")
     assert not found, found
+
+
+def test_each_method_handler_lives_beside_the_others():
+    """rpc.c keeps the server's life cycle and the calls' shared plumbing; every method of the
+    protocol is answered from a file of its own (forward.c, getmodel.c, health.c, region_rpc.c)."""
+    paths = {}
+    for p in sources("server", exts=(".c",)):
+        for m in re.finditer(r'\.path\s*=\s*"(/[\w.]+/\w+)"', p.read_text()):
+            paths[m.group(1)] = p.name
+    for method in ("/moed.v1.Moed/Forward", "/moed.v1.Moed/ForwardStream", "/moed.v1.Moed/GetModel",
+                   "/moed.v1.Moed/Regions", "/moed.v1.Moed/ListRegions", "/grpc.health.v1.Health/Check",
+                   "/grpc.health.v1.Health/Watch"):
+        assert method in paths, f"no handler defines {method}"
+        assert paths[method] != "rpc.c", f"{method} is answered in rpc.c, not beside the other methods"

@@ -192,7 +192,7 @@ def test_drain_timeout_zero_cancels_at_once(daemon, tmp_path):
 
 
 def test_second_sigterm_cancels_at_once(daemon, tmp_path):
-    """A second SIGTERM cuts the drain short (README): the calls still open (the held one) are
+    """A second SIGTERM cuts the drain short (docs/operations.md): the calls still open (the held one) are
     cancelled, the log says why, and moed exits 0 at once, not after the drain timeout (600 s
     here: Drained.finish waits 120 s at most); the calls answered are correct."""
     d = daemon("--config", config_file(tmp_path / "moed.conf", drain_timeout=600, **HOLD))

@@ -1,4 +1,4 @@
-"""Log forging (issue 9, row 5): values that came from a client are escaped by the log module, so a
+"""Log forging (docs/security.md, "Logs"): values that came from a client are escaped by the log module, so a
 request_id holding quotes, newlines, control bytes or bytes that are not UTF-8 stays inside its
 field of one line at --log-level debug, and no line the client wrote appears in the log.
 

@@ -1,11 +1,11 @@
-"""The Prometheus endpoint (--metrics-listen): every metric the README lists is there, in the text
+"""The Prometheus endpoint (--metrics-listen): every metric docs/operations.md lists is there, in the text
 format (parsed strictly), with values that match exactly what the test sent — requests by method
 and status code, tokens, request and response bytes (measured on the wire with raw gRPC calls),
 the latency and batch-size histograms — and gauges that describe the daemon. /healthz answers 200
 while serving. Malformed HTTP gets 400 (or 404/405/431) and the daemon keeps serving gRPC and
 metrics. The option works from a config file as from the command line.
 
-What issue 9 found, measured again: with 100+ idle sockets open a scrape is still answered (200),
+What docs/security.md measures, again: with 100+ idle sockets open a scrape is still answered (200),
 and no socket is reset (those over the limits are answered 503); scrapes at a high rate are all
 answered; a client that closes is released at once (moed_http_connections back down); a request
 head that trickles is cut off with 408; --metrics-token-file guards /metrics but not /healthz.
@@ -205,7 +205,7 @@ def test_parser_rejects_what_prometheus_would():
             parse_exposition(bad)
 
 
-# ---- limits (issue 9, row 4) -------------------------------------------------------------------
+# ---- limits (docs/security.md, "The metrics endpoint") -----------------------------------------
 
 # server/http.c: connections from one address that may wait for their request; how old a waiting
 # one must be before a newcomer may take its place; how long one may take to send its head; how

@@ -1,4 +1,4 @@
-"""The Python client's region transports (issue 12) against real daemons on the CPU backend: the
+"""The Python client's region transports (docs/regions.md) against real daemons on the CPU backend: the
 shm transport gives, bit for bit, what inline gives, for every routing kind (expert choice,
 router logits under each gating strategy, the server's router, batch gating) in f32, f16 and bf16,
 from the blocking and the asyncio client and through forward_stream; auto takes shared memory for
@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -144,6 +145,27 @@ def non_loopback_address():
 
 
 BIG_T = transport.SHM_MIN_BYTES // (SPEC.d * 4)  # f32 rows: auto's least for shared memory
+
+
+def test_torch_cpu_outputs_view_the_arena_and_are_writable(served):
+    """A torch CPU output through shm is the slot the server wrote (no copy out), writable (torch
+    has no read-only tensors), and the slot stays the output's: later calls leave it alone. Skipped
+    without torch (CI's venv); the GPU machine has it."""
+    torch = pytest.importorskip("torch")
+    d, _ = served
+    kw = request("experts", np.random.default_rng(9), 6, "f32")
+    x = torch.from_numpy(kw.pop("hidden"))
+    with d.client(timeout=30) as c:
+        want = c.forward(hidden=x, **kw, transport="inline")
+        y = c.forward(hidden=x, **kw, transport="shm")
+        chunk = c._session.regions.host.chunks[-1]
+        start = np.frombuffer(chunk.map, np.uint8).ctypes.data
+        assert start <= y.data_ptr() < start + chunk.size, "the output was copied out of the arena"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            y.add_(1)
+        again = c.forward(hidden=x, **kw, transport="shm")
+        assert torch.equal(again, want) and torch.equal(y, want + 1)
 
 
 def test_auto_takes_shm_on_this_host_and_inline_otherwise(served, daemon, tmp_path):

@@ -3,7 +3,7 @@ local user who connected, as the kernel reports it (SO_PEERCRED on moed's unix s
 a loopback TCP peer's socket); a caller moed cannot place gets no regions at all. And no error
 message echoes a value it read from a tensor.
 
-Issue 25's reproduction, in the default configuration (no token, loopback): a process of uid 65534
+The case that made the rule, in the default configuration (no token, loopback): a process of uid 65534
 listed a root-owned mode-0600 region, overwrote it with zeros by naming it as `output`, and read its
 words back from the message of a request that named it as `expert_ids` ("expert_ids[0][0] =
 1148846080 is out of range"). Here that process (other_user.py, started as uid 65534: the tests
@@ -34,7 +34,7 @@ from moed._proto.moed.v1 import moed_pb2 as pb
 
 NOBODY = 65534
 HERE = os.path.dirname(os.path.abspath(__file__))
-# 1000.0f: the word the issue's message gave back, 1148846080 as an int32
+# 1000.0f: the word the leaking message gave back, 1148846080 as an int32
 SECRET = np.full(1024, 1000.0, np.float32)
 SECRET_WORD = str(SECRET[:1].view(np.int32)[0])
 

@@ -1,4 +1,4 @@
-"""Tensor regions (issue 11) on the CPU backend: a request whose tensors and output lie in shared
+"""Tensor regions (docs/regions.md) on the CPU backend: a request whose tensors and output lie in shared
 memory gets, bit for bit, what the same request sent inline gets, for every routing kind, alone and
 merged with others; and every rule of moed.proto's list holds: bounds (overflow too) and alignment,
 ownership by token (another token's region is NOT_FOUND exactly as an unknown one), names, caps,

@@ -217,7 +217,7 @@ def test_bad_token_file_stops_the_start(daemon, tmp_path, content, says):
 
 @pytest.mark.parametrize("flag", ["--auth-token-file", "--tls-cert"])
 def test_fifo_for_a_secret_fails_at_once(daemon, tmp_path, certs, flag):
-    """Issue 25: a FIFO as --auth-token-file hung the start (opening it waits for a writer), where
+    """A FIFO as --auth-token-file hung the start (opening it waits for a writer), where
     --metrics-token-file refuses one. Now refused at once naming it, as every file moed reads at
     start is (refused_start's wait is the hang guard)."""
     fifo = tmp_path / "secret"

@@ -2,7 +2,7 @@
 which accepts connections itself to learn who connected (SO_PEERCRED) and hands them to gRPC: it
 must keep what gRPC's listener gave a connection, and never take a live socket over.
 
-- Issue 25: a second moed on the path of a live socket took it over and the first silently lost its
+- A second moed on the path of a live socket took it over and the first silently lost its
   clients; now the second refuses to start. A socket nobody answers on (its moed was killed) is
   stale and replaced; a file that is no socket is left alone; the socket goes with its daemon.
 - HTTP/2 limits per connection: MAX_CONCURRENT_STREAMS and the header list size advertised, calls

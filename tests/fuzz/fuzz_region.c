@@ -2,16 +2,18 @@
  * fuzz_region — libFuzzer target over what a Regions stream does to its messages: each input is a
  * sequence of RegionCommands (each a 2-byte little-endian length, then its bytes; at most 8) run
  * on a fresh session of a registry (region_cmd.c: protobuf-c decoding, then region.c: names,
- * sizes, caps, the challenge, unregistering), with the session closed at the end.
+ * sizes, caps, the challenge, unregistering; doorbell.c: registering and closing rings, without
+ * a poller), with the session closed at the end.
  *
  * Promises checked: every command gets an event that parses, with the command's seq when the
  * command parsed (unknown groups dropped: moed_wire_unpack_bytes; whatever protobuf-c parses as it
  * is parses so too), and a status code a caller can cause (never INTERNAL, UNKNOWN or OK for a
- * command that failed); and closing the session leaves nothing registered. The object
- * /moed-fuzz-region-PID exists (4 KiB), so registrations of it (the seeds name it) get past the
- * name and reach mapping, the challenge and confirmation; this harness's getrandom gives every
- * challenge as 16 bytes of 0xab, so a fuzzer that writes nothing never confirms, and ids count 1,
- * 2, 3, ...
+ * command that failed); and closing the session leaves nothing registered and no ring open. The
+ * object /moed-fuzz-region-PID exists (4 KiB), so registrations of it (the seeds name it) get past
+ * the name and reach mapping, the challenge and confirmation; this harness's getrandom gives every
+ * challenge as 16 bytes of 0xab, so a fuzzer that writes nothing never confirms it, and ids count
+ * 1, 2, 3, ... The object /moed-fuzz-rings-PID (4 KiB) holds the challenge already and a ring
+ * header of 4 slots at offset 256, so its registrations confirm and rings can be registered in it.
  */
 #include "fuzz_fake.h"
 #include "moed_backend_impl.h"
@@ -26,18 +28,34 @@
 #include <unistd.h>
 
 static moed_regions *registry;
-static char object[64];
+static moed_doorbell *doorbell;
+static moed_served served;
+static char object[64], rings_object[64];
 
 static void gone(void)
 {
     shm_unlink(object);
+    shm_unlink(rings_object);
 }
 
 static void setup(void)
 {
     snprintf(object, sizeof object, "/moed-fuzz-region-%07d", (int)getpid() % 10000000);
+    snprintf(rings_object, sizeof rings_object, "/moed-fuzz-rings--%07d", (int)getpid() % 10000000);
     int fd = shm_open(object, O_CREAT | O_RDWR, 0600);
     if (fd < 0 || ftruncate(fd, 4096)) abort();
+    close(fd);
+    fd = shm_open(rings_object, O_CREAT | O_RDWR, 0600);
+    if (fd < 0 || ftruncate(fd, 4096)) abort();
+    unsigned char *m = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) abort();
+    memset(m, 0xab, MOED_REGION_CHALLENGE);
+    *(moed_ring_header *)(m + 256) = (moed_ring_header){ .magic = MOED_RING_MAGIC,
+                                                         .version = MOED_RING_VERSION,
+                                                         .header_bytes = MOED_RING_HEADER_BYTES,
+                                                         .slot_bytes = MOED_RING_SLOT_BYTES,
+                                                         .n_slots = 4 };
+    munmap(m, 4096);
     close(fd);
     atexit(gone);
     moed_regions_config rc = { .backend = &fake,
@@ -47,6 +65,9 @@ static void setup(void)
                                .max_total_bytes = 1 << 20 };
     moed_error err;
     if (moed_regions_create(&rc, &registry, &err)) abort();
+    served.regions = registry;
+    moed_doorbell_config dc = { .served = &served, .max_rings = 2 };
+    if (moed_doorbell_create(&dc, &doorbell, &err)) abort();
 }
 
 static void die(const char *why)
@@ -55,14 +76,19 @@ static void die(const char *why)
     abort();
 }
 
-/* The name in the seeds, "/moed-fuzz-region", stands for this process's object. */
+/* The names in the seeds, "/moed-fuzz-region-0000000" and "/moed-fuzz-rings--0000000", stand
+ * for this process's objects. */
 static void name_object(uint8_t *cmd, size_t n)
 {
-    static const char seed_name[] = "/moed-fuzz-region-0000000";
-    for (size_t i = 0; i + sizeof seed_name - 1 <= n; i++)
-        if (!memcmp(cmd + i, seed_name, sizeof seed_name - 1) &&
-            strlen(object) == sizeof seed_name - 1)
-            memcpy(cmd + i, object, sizeof seed_name - 1);
+    static const char *const seed_names[2] = { "/moed-fuzz-region-0000000",
+                                               "/moed-fuzz-rings--0000000" };
+    const char *ours[2] = { object, rings_object };
+    for (int k = 0; k < 2; k++) {
+        const size_t len = strlen(seed_names[k]);
+        for (size_t i = 0; i + len <= n; i++)
+            if (!memcmp(cmd + i, seed_names[k], len) && strlen(ours[k]) == len)
+                memcpy(cmd + i, ours[k], len);
+    }
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -87,7 +113,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         size -= n;
         size_t len;
         int status;
-        uint8_t *ev = moed_region_command(registry, s, cmd, n, &len, &status);
+        uint8_t *ev = moed_region_command(registry, doorbell, s, cmd, n, &len, &status);
         if (!ev) die("no event");
         Moed__V1__RegionEvent *e = moed__v1__region_event__unpack(NULL, len, ev);
         Moed__V1__RegionCommand *plain = moed__v1__region_command__unpack(NULL, n, cmd), *c;
@@ -108,6 +134,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         free(ev);
         free(cmd);
     }
+    moed_doorbell_close_session(doorbell, s);
+    if (moed_doorbell_rings(doorbell)) die("closing the session left a ring open");
     moed_regions_close_session(registry, s);
     moed_regions_stats st;
     moed_regions_get_stats(registry, &st);

@@ -1,4 +1,4 @@
-"""Writes the seed corpus of one fuzzer (tests/fuzz/run.sh): KIND is request, region, http,
+"""Writes the seed corpus of one fuzzer (tests/fuzz/run.sh): KIND is request, region, ring, http,
 safetensors or npy.
 
 request: ForwardRequests encoded by the Python client (as callers send them) for the fuzzer's served
@@ -129,6 +129,10 @@ def region_seeds():
 
     C = pb.RegionCommand
     reg = C(seq=1, register_host=pb.RegisterHostRegion(name=name, bytes=4096))
+    rings_reg = C(seq=1, register_host=pb.RegisterHostRegion(name="/moed-fuzz-rings--0000000", bytes=4096))
+
+    def ring(seq, region, offset, slots):
+        return C(seq=seq, register_ring=pb.RegisterRing(region=region, offset=offset, slots=slots))
     return {
         "register-confirm-unregister": frame(reg, C(seq=2, confirm_host=pb.ConfirmHostRegion(region=1)),
                                              C(seq=3, unregister=pb.UnregisterRegion(region=1))),
@@ -144,6 +148,46 @@ def region_seeds():
         # the register_host sub-message: field 9 start, a varint, field 9 end
         "groups": frame(b"\x08\x01\x4b\x4b\x08\x07\x4c\x4c" + reg.SerializeToString()[2:],
                         b"\x08\x02\x2a\x06\x4b\x08\x01\x4c\x08\x4d"),
+        # rings in the object that confirms (a ring header of 4 slots at 256): register, a second
+        # over the cap of 2... , unregister, a bad offset, slots that disagree
+        "rings": frame(rings_reg, C(seq=2, confirm_host=pb.ConfirmHostRegion(region=1)),
+                       ring(3, 1, 256, 4), ring(4, 1, 256, 4), ring(5, 1, 256, 4),
+                       C(seq=6, unregister=pb.UnregisterRegion(region=1)),
+                       C(seq=7, unregister_ring=pb.UnregisterRing(ring=2)), ring(8, 1, 320, 4)),
+        "ring-bad": frame(rings_reg, C(seq=2, confirm_host=pb.ConfirmHostRegion(region=1)),
+                          ring(3, 1, 256, 3), ring(4, 1, 100, 4), ring(5, 1, 3840, 4), ring(6, 7, 256, 4),
+                          C(seq=7, unregister_ring=pb.UnregisterRing(ring=99))),
+    }
+
+
+def ring_seeds():
+    """fuzz_ring.c's inputs: a ring header, the slots and bytes register_ring gives, then call
+    descriptors naming the harness's regions (1 and 2 the caller's host regions, 3 another
+    principal's, 4 shrunk, 5 and 6 CUDA regions of devices 0 and 1) for its layers 0 (d=8, 8
+    experts) and 3 (d=16, 16 experts): valid ones, host and device routed, and a few mistakes."""
+    import struct
+
+    def header(slots=8, magic=0x4752444D, version=1):
+        return struct.pack("<IHHII", magic, version, 256, 512, slots).ljust(256, b"\0")
+
+    def desc(layer=0, dtype=1, T=2, k=2, hidden=(1, 0), ids=(1, 4096), weights=(1, 16), out=(2, 0),
+             d=8, flags=0, deadline=0):
+        size = {1: 4, 2: 2, 3: 2}.get(dtype, 4)
+        b = struct.pack("<IIIIIIIIQ", 1, flags, layer, dtype, T, k, deadline, 0, 42)
+        for (region, off), n in ((hidden, T * d * size), (ids, T * k * 4), (weights, T * k * 4),
+                                 (out, T * d * size)):
+            b += struct.pack("<QQQ", region, off, n)
+        return b.ljust(256, b"\0")
+
+    good = header() + struct.pack("<IQ", 8, 1 << 20)
+    return {
+        "host": good + desc() + desc(dtype=3, T=3) + desc(layer=3, d=16, T=1, k=4),
+        "device": good + desc(ids=(5, 4), weights=(5, 2048)) + desc(ids=(5, 4), weights=(6, 2048)),
+        "mistakes": good + desc(layer=1) + desc(T=0) + desc(hidden=(3, 0)) + desc(hidden=(4, 0)),
+        "more-mistakes": good + desc(flags=1) + desc(k=0) + desc(out=(1, 2 ** 64 - 64)) + desc(dtype=4),
+        "huge-k": good + desc(k=2 ** 31) + desc(T=64, k=2 ** 32 - 1, ids=(5, 0), weights=(5, 0)),
+        "bad-header": header(magic=0) + struct.pack("<IQ", 8, 4096) + desc(deadline=5),
+        "big-ring": header(4096) + struct.pack("<IQ", 4096, 2 ** 64 - 1),
     }
 
 
@@ -213,7 +257,7 @@ def npy_seeds():
     }
 
 
-KINDS = {"request": lambda: seeds(), "region": region_seeds, "http": http_seeds,
+KINDS = {"request": lambda: seeds(), "region": region_seeds, "ring": ring_seeds, "http": http_seeds,
          "safetensors": safetensors_seeds, "npy": npy_seeds}
 
 

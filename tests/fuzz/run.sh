@@ -2,18 +2,22 @@
 # Builds the fuzzers with clang (-fsanitize=fuzzer,address,undefined) and runs each for a bounded
 # time; exits non-zero if one finds a crash, a sanitizer report or a broken invariant.
 #
-#   tests/fuzz/run.sh [SECONDS]        default 60: fuzz_request runs SECONDS, the others half
+#   tests/fuzz/run.sh [SECONDS]        default 60: fuzz_request runs SECONDS, region and ring a
+#                                      quarter of it, the others half
 #
 # The targets — everything that reaches moed from outside and is parsed before anything else:
 #   fuzz_request       a Forward request's decoding and validation (server/wire.c, request.c),
 #                      region references included (server/region.c)
-#   fuzz_region        a Regions stream's commands (server/region_cmd.c, wire.c, region.c)
+#   fuzz_region        a Regions stream's commands (server/region_cmd.c, wire.c, region.c,
+#                      doorbell.c's rings)
+#   fuzz_ring          a doorbell ring's header check and call descriptors as the poller takes
+#                      them (common/moed_ring.c, server/request.c)
 #   fuzz_http          the metrics endpoint's request parser (server/http_parse.c)
 #   fuzz_safetensors   a checkpoint file's header (server/safetensors.c)
 #   fuzz_npy           the .npy files moectl and moed-load read (client/c/npy.c)
 #
 # Environment: FUZZ_BUILD_DIR (default build-fuzz), FUZZ_JOBS (parallel fuzzing processes per
-# target, default 1), FUZZ_TARGETS (default all five). Each target's working corpus persists in
+# target, default 1), FUZZ_TARGETS (default all six). Each target's working corpus persists in
 # $FUZZ_BUILD_DIR/corpus-NAME between runs (it starts from the seeds make_seeds.py writes); a
 # crashing input is saved as $FUZZ_BUILD_DIR/artifacts/NAME-crash-* and reproduces with
 # `$FUZZ_BUILD_DIR/NAME FILE`.
@@ -22,7 +26,7 @@ cd "$(dirname "$0")/../.."
 secs=${1:-60}
 build=${FUZZ_BUILD_DIR:-build-fuzz}
 jobs=${FUZZ_JOBS:-1}
-targets=(${FUZZ_TARGETS:-request region http safetensors npy})
+targets=(${FUZZ_TARGETS:-request region ring http safetensors npy})
 
 # clang and libFuzzer's runtime (libclang-rt-14-dev on Debian 12) if missing.
 if ! command -v clang >/dev/null || ! ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1; then
@@ -48,9 +52,15 @@ sources_request() {
 libs_request() { pkg-config --cflags --libs grpc libprotobuf-c; }
 sources_region() {
     echo server/region_cmd.c server/region.c server/wire.c server/guard.c server/log.c
-    echo "$build/proto/moed/v1/moed.pb-c.c" kernels/moed_backend.c common/*.c
+    echo server/doorbell.c server/request.c server/scheduler.c server/metrics.c server/shard.c
+    echo server/bufpool.c "$build/proto/moed/v1/moed.pb-c.c" kernels/moed_backend.c common/*.c
 }
 libs_region() { pkg-config --cflags --libs grpc libprotobuf-c; }
+sources_ring() {
+    echo server/request.c server/wire.c server/shard.c server/region.c server/guard.c
+    echo server/bufpool.c kernels/moed_backend.c common/*.c
+}
+libs_ring() { pkg-config --cflags --libs grpc libprotobuf-c; }
 # Inputs up to 8 KiB reach every field and limit of a request, a header and a .npy; an HTTP head
 # is refused past 8 KiB, so its inputs go a little further.
 maxlen() { [ "$1" = http ] && echo 10240 || echo 8192; }
@@ -83,6 +93,7 @@ for t in "${targets[@]}"; do
     run=$secs
     [ "$t" = request ] || run=$((secs / 2))
     [ "$t" = region ] && run=$((secs / 4))
+    [ "$t" = ring ] && run=$((secs / 4))
     echo "fuzz: running $name for ${run}s (jobs=$jobs)"
     # -timeout: one input must never take seconds; a leak is a failure too (detect_leaks is on
     # under libFuzzer by default); -error_exitcode: 1, not libFuzzer's 77, which test runners

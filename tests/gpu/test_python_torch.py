@@ -6,8 +6,10 @@ moed_request_bytes_total and moed_response_bytes_total grow by less than one hid
 the calls, ListRegions lists a CUDA region on the device); tensors the caller registered are read
 and written in place (no device arena is ever made); the input is produced by GPU work queued just
 before the call (the client must wait for it); timed-out calls give their device regions back
-once the server holds them no more; a CPU-backend daemon refuses the cuda transport with its
-FAILED_PRECONDITION and auto falls back to shared memory there.
+once the server holds them no more; forward_stream() items made on a side stream are read after
+its work; an out= on the device is written once, with no device tensor made on the way; a
+CPU-backend daemon refuses the cuda transport with its FAILED_PRECONDITION and auto falls back to
+shared memory there.
 
     python3 tests/gpu/test_python_torch.py --bin .gpu/bin     (tools/gpu/run-on-gpu.sh python)
 
@@ -193,6 +195,43 @@ def test_streams_and_aio_with_cuda_tensors(cuda_daemon):
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
     for outputs in asyncio.run(run()):
         assert all(np.array_equal(a, b) for a, b in zip(outputs, want))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_stream_items_are_read_after_the_callers_stream(cuda_daemon, transport):
+    """Items written on a side stream that the caller iterates forward_stream() on are read after
+    that stream's work: the GPU is kept busy on it before each is written, so a read ordered on any
+    other stream (gRPC's request thread has the default one) would see zeros."""
+    side = torch.cuda.Stream()
+    with cuda_daemon.client(timeout=60) as c:
+        values = [hidden(8, torch.bfloat16, "cuda", 60 + i) for i in range(4)]
+        kws = [routing(8, 60 + i) for i in range(4)]
+        want = [reference(c, v, kw) for v, kw in zip(values, kws)]
+        xs = [torch.zeros_like(v) for v in values]
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            for x, v in zip(xs, values):
+                torch.cuda._sleep(100_000_000)  # tens of milliseconds of GPU time on the side stream
+                x.copy_(v)
+            items = [dict(layer=0, hidden=x, transport=transport, **kw) for x, kw in zip(xs, kws)]
+            got = [raw(y) for y in c.forward_stream(items)]
+    assert all(np.array_equal(a, b) for a, b in zip(got, want)), transport
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_a_cuda_out_is_written_once(cuda_daemon, transport):
+    """out= on the device takes the output straight from the host bytes (the reply, or the shared
+    memory arena): no device tensor is made on the way (torch's allocator serves nothing during
+    the call), and out holds what the numpy path gives."""
+    with cuda_daemon.client(timeout=60) as c:
+        x, kw = hidden(64, torch.bfloat16, "cuda", 50), routing(64, 50)
+        want = reference(c, x, kw)
+        out = torch.empty_like(x)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        y = c.forward(0, x, out=out, transport=transport, **kw)
+        assert torch.cuda.memory_stats()["allocation.all.allocated"] == before, "a device tensor was made"
+        assert y is out and np.array_equal(raw(out), want)
 
 
 def test_timed_out_cuda_calls_give_their_device_regions_back(tmp_path):

@@ -5,11 +5,18 @@
  * allocation (ordinal 1, whose primary context is active; device 0's is not) and one managed one;
  * every other address is host memory. Its counters (fake_cuda, found by dlsym) let the test check
  * that each retained context is released and each push popped.
+ *
+ * Streams are threads that run their memory operations in order: a write stores the value, a wait
+ * polls its word until it equals the value (as cuStreamWaitValue32 with EQ). A device pointer of
+ * host memory is the host address. So a test can make the ring's stream calls on a machine without
+ * a GPU, against a daemon on the CPU backend, and capture and replay them (fake_cuda_capture).
  */
 #include "fake_libcuda.h"
 
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define INVALID_VALUE   1
 #define INVALID_CONTEXT 201
@@ -155,4 +162,183 @@ int cuMemcpyDtoH_v2(void *dst, uint64_t src, size_t bytes)
 {
     memcpy(dst, (const void *)(uintptr_t)src, bytes);
     return 0;
+}
+
+int cuCtxGetCurrent(void **ctx)
+{
+    *ctx = fake_cuda.depth ? &fake_cuda.retained[1] : NULL;
+    return 0;
+}
+
+int cuCtxGetDevice(int *device)
+{
+    *device = 1;
+    return fake_cuda.depth ? 0 : INVALID_CONTEXT;
+}
+
+int cuMemHostRegister_v2(void *p, size_t bytes, unsigned flags)
+{
+    if (!fake_cuda.depth) return INVALID_CONTEXT;
+    fake_cuda.host_registered++;
+    return p && bytes && flags <= 0xf ? 0 : INVALID_VALUE;
+}
+
+int cuMemHostUnregister(void *p)
+{
+    fake_cuda.host_registered--;
+    return p ? 0 : INVALID_VALUE;
+}
+
+int cuMemHostGetDevicePointer_v2(uint64_t *dev, void *p, unsigned flags)
+{
+    if (!fake_cuda.depth) return INVALID_CONTEXT;
+    *dev = (uintptr_t)p;
+    return flags ? INVALID_VALUE : 0;
+}
+
+/* ---- streams ---- */
+
+typedef struct op {
+    int wait; /* 0: store value; 1: poll until *addr == value */
+    uint32_t *addr;
+    uint32_t value;
+} op;
+
+typedef struct ops {
+    op *v;
+    size_t n, cap;
+} ops;
+
+typedef struct stream {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    ops queue, graph;
+    size_t head; /* queue[head ..] is still to run */
+    int busy, stop, capturing;
+    pthread_t thread;
+} stream;
+
+static void push(ops *o, op x)
+{
+    if (o->n == o->cap) {
+        o->cap = o->cap ? 2 * o->cap : 64;
+        o->v = realloc(o->v, o->cap * sizeof *o->v);
+        if (!o->v) abort();
+    }
+    o->v[o->n++] = x;
+}
+
+static void *stream_main(void *arg)
+{
+    stream *s = arg;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (s->head == s->queue.n && !s->stop) pthread_cond_wait(&s->cv, &s->mu);
+        if (s->head == s->queue.n) break;
+        op x = s->queue.v[s->head++];
+        s->busy = 1;
+        pthread_mutex_unlock(&s->mu);
+        if (!x.wait) {
+            __atomic_store_n(x.addr, x.value, __ATOMIC_RELEASE);
+        } else {
+            while (__atomic_load_n(x.addr, __ATOMIC_ACQUIRE) != x.value) {
+                struct timespec ts = { 0, 20000 };
+                nanosleep(&ts, NULL);
+            }
+        }
+        pthread_mutex_lock(&s->mu);
+        s->busy = 0;
+        pthread_cond_broadcast(&s->cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+int cuStreamCreate(void **out, unsigned flags)
+{
+    stream *s = calloc(1, sizeof *s);
+    if (!s || flags > 1) return INVALID_VALUE;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    pthread_create(&s->thread, NULL, stream_main, s);
+    *out = s;
+    return 0;
+}
+
+int cuStreamSynchronize(void *stream_)
+{
+    stream *s = stream_;
+    if (!s) return INVALID_VALUE;
+    pthread_mutex_lock(&s->mu);
+    while (s->head < s->queue.n || s->busy) pthread_cond_wait(&s->cv, &s->mu);
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+}
+
+int cuStreamDestroy_v2(void *stream_)
+{
+    stream *s = stream_;
+    if (!s) return INVALID_VALUE;
+    pthread_mutex_lock(&s->mu);
+    s->stop = 1;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    pthread_join(s->thread, NULL);
+    free(s->queue.v);
+    free(s->graph.v);
+    free(s);
+    return 0;
+}
+
+int cuStreamGetCtx(void *stream_, void **ctx)
+{
+    *ctx = &fake_cuda.retained[1];
+    return stream_ ? 0 : INVALID_VALUE;
+}
+
+int cuStreamIsCapturing(void *stream_, int *status)
+{
+    stream *s = stream_;
+    if (!s) return INVALID_VALUE;
+    *status = s->capturing;
+    return 0;
+}
+
+static int enqueue(void *stream_, uint64_t addr, uint32_t value, int wait)
+{
+    stream *s = stream_;
+    if (!s || !addr) return INVALID_VALUE;
+    pthread_mutex_lock(&s->mu);
+    push(s->capturing ? &s->graph : &s->queue, (op){ wait, (uint32_t *)(uintptr_t)addr, value });
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+}
+
+int cuStreamWriteValue32_v2(void *stream_, uint64_t addr, uint32_t value, unsigned flags)
+{
+    return flags ? INVALID_VALUE : enqueue(stream_, addr, value, 0);
+}
+
+int cuStreamWaitValue32_v2(void *stream_, uint64_t addr, uint32_t value, unsigned flags)
+{
+    return flags != 1 ? INVALID_VALUE : enqueue(stream_, addr, value, 1); /* EQ only */
+}
+
+void fake_cuda_capture(void *stream_, int on)
+{
+    stream *s = stream_;
+    pthread_mutex_lock(&s->mu);
+    if (on) s->graph.n = 0;
+    s->capturing = on;
+    pthread_mutex_unlock(&s->mu);
+}
+
+void fake_cuda_replay(void *stream_)
+{
+    stream *s = stream_;
+    pthread_mutex_lock(&s->mu);
+    for (size_t i = 0; i < s->graph.n; i++) push(&s->queue, s->graph.v[i]);
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
 }

@@ -1,6 +1,7 @@
 /*
  * fake_libcuda — the fake CUDA driver's exports (fake_libcuda.c says what it fakes): the entry
- * points libmoedclient resolves, as cuda.h declares them, and the state test_moedc_cuda reads.
+ * points libmoedclient resolves, as cuda.h declares them, the state test_moedc_cuda reads, and the
+ * fake's own capture of a stream (fake_cuda_capture, fake_cuda_replay) for the ring's tests.
  */
 #ifndef FAKE_LIBCUDA_H
 #define FAKE_LIBCUDA_H
@@ -15,11 +16,17 @@ typedef struct fake_cuda_state {
     int pushes, pops, depth;      /* contexts made current on the calling thread */
     int need_context;             /* cuPointerGetAttributes refuses without a current context */
     int ipc_fails;                /* cuIpcGetMemHandle answers CUDA_ERROR_NOT_SUPPORTED */
+    int host_registered;          /* cuMemHostRegister calls not undone */
 } fake_cuda_state;
 
 extern fake_cuda_state fake_cuda;
 void *fake_cuda_device_mem(void);
 void *fake_cuda_managed_mem(void);
+/* Starts (on) or ends (off) capturing `stream`: while it captures, its memory operations are
+ * recorded instead of run, and cuStreamIsCapturing says so; ending forgets the earlier capture. */
+void fake_cuda_capture(void *stream, int on);
+/* Runs what the stream's last capture recorded, on the stream (as a graph launch would). */
+void fake_cuda_replay(void *stream);
 
 int cuInit(unsigned flags);
 int cuGetErrorName(int result, const char **name);
@@ -38,5 +45,17 @@ int cuMemAlloc_v2(uint64_t *ptr, size_t bytes);
 int cuMemFree_v2(uint64_t ptr);
 int cuMemcpyHtoD_v2(uint64_t dst, const void *src, size_t bytes);
 int cuMemcpyDtoH_v2(void *dst, uint64_t src, size_t bytes);
+int cuCtxGetCurrent(void **ctx);
+int cuCtxGetDevice(int *device);
+int cuMemHostRegister_v2(void *p, size_t bytes, unsigned flags);
+int cuMemHostUnregister(void *p);
+int cuMemHostGetDevicePointer_v2(uint64_t *dev, void *p, unsigned flags);
+int cuStreamCreate(void **stream, unsigned flags);
+int cuStreamDestroy_v2(void *stream);
+int cuStreamSynchronize(void *stream);
+int cuStreamGetCtx(void *stream, void **ctx);
+int cuStreamIsCapturing(void *stream, int *status);
+int cuStreamWriteValue32_v2(void *stream, uint64_t addr, uint32_t value, unsigned flags);
+int cuStreamWaitValue32_v2(void *stream, uint64_t addr, uint32_t value, unsigned flags);
 
 #endif

@@ -72,6 +72,7 @@ static char *render(moed_metrics *m)
                               .regions = { 2, 1 },
                               .region_bytes = { 4096, 1 << 20 },
                               .staging_pool_used = 512,
+                              .rings = 3,
                               .staging_pool_bytes = 8192 };
     size_t len = 0;
     char *t = moed_metrics_render(m, &g, &len);
@@ -168,8 +169,8 @@ static void test_buckets(void)
         if (!strncmp(line, "# TYPE ", 7)) types++;
         CHECK(line[0] == '#' || (line[0] >= 'a' && line[0] <= 'z'));
     }
-    CHECK_EQ_INT(helps, 27);
-    CHECK_EQ_INT(types, 27);
+    CHECK_EQ_INT(helps, 30);
+    CHECK_EQ_INT(types, 30);
     /* the data plane's gauges, by region kind */
     CHECK_NEAR(sample(text, "moed_regions{kind=\"host\"}"), 2, 0);
     CHECK_NEAR(sample(text, "moed_regions{kind=\"cuda\"}"), 1, 0);
@@ -179,8 +180,35 @@ static void test_buckets(void)
     moed_metrics_destroy(m);
 }
 
+/* Doorbell calls by code and their durations, apart from gRPC's; the rings open. */
+static void test_doorbell(void)
+{
+    moed_metrics *m = moed_metrics_create();
+    moed_metrics_doorbell(m, 0, 20000);     /* 20 us */
+    moed_metrics_doorbell(m, 0, 2000000);   /* 2 ms */
+    moed_metrics_doorbell(m, 3, 5000);      /* INVALID_ARGUMENT, 5 us */
+    moed_metrics_doorbell(m, 77, 10000000); /* not a code: UNKNOWN */
+    char *text = render(m);
+    CHECK_NEAR(sample(text, "moed_doorbell_requests_total{code=\"OK\"}"), 2, 0);
+    CHECK_NEAR(sample(text, "moed_doorbell_requests_total{code=\"INVALID_ARGUMENT\"}"), 1, 0);
+    CHECK_NEAR(sample(text, "moed_doorbell_requests_total{code=\"UNKNOWN\"}"), 1, 0);
+    CHECK_NEAR(sample(text, "moed_doorbell_request_duration_seconds_bucket{le=\"1e-05\"}"), 1, 0);
+    CHECK_NEAR(sample(text, "moed_doorbell_request_duration_seconds_bucket{le=\"2.5e-05\"}"), 2, 0);
+    CHECK_NEAR(sample(text, "moed_doorbell_request_duration_seconds_count"), 4, 0);
+    CHECK_NEAR(sample(text, "moed_doorbell_request_duration_seconds_sum"), 0.012025, 1e-9);
+    CHECK_NEAR(sample(text, "moed_request_duration_seconds_count"), 0, 0);
+    CHECK_NEAR(sample(text, "moed_rings_open"), 3, 0);
+    moed_metrics_totals t;
+    moed_metrics_get_totals(m, &t);
+    CHECK_EQ_INT(t.doorbell[0], 2);
+    CHECK_EQ_INT(t.forwards, 0);
+    free(text);
+    moed_metrics_destroy(m);
+}
+
 static void test_null(void)
 {
+    moed_metrics_doorbell(NULL, 0, 1);
     moed_metrics_request(NULL, MOED_METHOD_FORWARD, 0);
     moed_metrics_forward(NULL, 1, 2, 3);
     moed_metrics_queue_wait(NULL, 1);
@@ -610,6 +638,7 @@ static void test_endpoint(void)
 int main(void)
 {
     test_concurrent_counts();
+    test_doorbell();
     test_buckets();
     test_null();
     test_endpoint();

@@ -67,18 +67,45 @@ static int fake_forward(moed_backend *b, int exec, const moed_job *job, moed_err
     int d = 4; /* every test layer has d_model 4 */
     const moed_route *r = job->route;
     CHECK_EQ_INT(r->T, job->T);
+    /* Device routing as the CUDA backend takes it: checked part by part, a refused part counting
+     * no pair; its pairs those of moed_route_from_choice over its own ids and weights. */
+    moed_route own[8] = { 0 };
+    for (int i = 0; i < job->n_parts && i < 8; i++) {
+        moed_part_route *pr = job->parts[i].route;
+        if (!pr) continue;
+        const int64_t bad = moed_choice_check(pr->ids, pr->weights, job->parts[i].rows, pr->k, 8);
+        memset(&pr->err, 0, sizeof pr->err);
+        if (bad >= 0) moed_choice_fail(&pr->err, bad, pr->k, 8);
+        moed_error e;
+        CHECK_EQ_INT(bad >= 0 ? moed_route_init(&own[i], job->parts[i].rows, 0)
+                              : moed_route_from_choice(&own[i], pr->ids, pr->weights,
+                                                       job->parts[i].rows, pr->k, 8, &e),
+                     0);
+    }
     for (int64_t t = 0; t < job->T; t++) {
         int64_t row;
         const moed_part *pt = part_of(job, t, &row);
+        const moed_route *rt = pt->route ? &own[pt - job->parts] : r;
+        const int64_t u = pt->route ? row : t;
         const float *x = (const float *)pt->x + row * d;
         float *y = (float *)pt->y + row * d;
+        CHECK(!pt->route || r->off[t + 1] == r->off[t]);
         for (int j = 0; j < d; j++) {
             float acc = 0;
-            for (int64_t p = r->off[t]; p < r->off[t + 1]; p++)
-                acc += r->weight[p] * ((float)(r->expert[p] + 1) * x[j] + (float)r->expert[p]);
+            for (int64_t p = rt->off[u]; p < rt->off[u + 1]; p++)
+                acc += rt->weight[p] * ((float)(rt->expert[p] + 1) * x[j] + (float)rt->expert[p]);
             y[j] = acc;
         }
     }
+    for (int i = 0; i < 8; i++) moed_route_free(&own[i]);
+    return 0;
+}
+
+/* "Device memory" is the test's own host memory. */
+static int fake_read_device(moed_backend *b, void *dst, const void *src, int dev, size_t bytes,
+                            moed_error *err)
+{
+    memcpy(dst, src, bytes);
     return 0;
 }
 
@@ -103,7 +130,8 @@ static int fake_exec_accepts(moed_backend *b, int exec, int slot)
 static const moed_backend_ops fake_ops = { .name = "fake",
                                            .forward = fake_forward,
                                            .router_logits = fake_router,
-                                           .exec_accepts = fake_exec_accepts };
+                                           .exec_accepts = fake_exec_accepts,
+                                           .read_device = fake_read_device };
 
 static void hold(int on)
 {
@@ -1103,6 +1131,84 @@ static void test_turns(void)
     moed_sched_destroy(s);
 }
 
+/* Device routing: a request's expert choice in "device memory" (mem.route) goes to the backend
+ * as its part's routing; in a launch that mixes host and device routes, a refused choice fails
+ * its request alone (INVALID_ARGUMENT, the backend's message), and the others get what they get
+ * alone. For an expert shard the worker reads the choice to the host (renumbered there), and a
+ * refused one fails there, alone again. */
+static req *make_device_req(int slot, int64_t T, int seed, int32_t bad_id)
+{
+    req *q = make_req(slot, T, seed);
+    moed_route_free(&q->it.route);
+    moed_route_init(&q->it.route, T, 0);
+    if (bad_id) q->ids[1] = bad_id;
+    static moed_part_route routes[16];
+    static int n;
+    moed_part_route *pr = &routes[n++ % 16];
+    *pr = (moed_part_route){ .ids = q->ids, .weights = q->w, .k = 2, .dev = 0 };
+    q->it.mem.route = pr;
+    q->it.pairs = T * 2;
+    return q;
+}
+
+/* What the request gets alone: its choice as a host route (in the shard's numbering when given). */
+static void expect_choice(req *q, const int32_t *local_of)
+{
+    moed_route r;
+    moed_error err;
+    CHECK_EQ_INT(moed_route_from_choice(&r, q->ids, q->w, q->it.T, 2, 8, &err), 0);
+    if (local_of) moed_route_localize(&r, local_of);
+    CHECK_MSG(q->done && q->status == 0, "status %d: %s", q->status, q->msg);
+    if (q->done && !q->status) expect_route(q, &r);
+    moed_route_free(&r);
+}
+
+static void test_device_routing(void)
+{
+    for (int sharded = 0; sharded < 2; sharded++) {
+        static int32_t local_of[8] = { 0, 1, 2, 3, -1, -1, -1, -1 }, global_of[4] = { 0, 1, 2, 3 };
+        moed_shard shards[2] = { { .full = &layers[0], .view = layers[0], .n_held = 8 },
+                                 { .full = &layers[1], .view = layers[1], .n_held = 8 } };
+        if (sharded) {
+            shards[0].local_of = local_of;
+            shards[0].global_of = global_of;
+            shards[0].n_held = 4;
+        }
+        moed_sched *s =
+            start_cfg(1, (moed_sched_config){
+                             .max_batch_tokens = 64, .max_queue_requests = 64, .shards = shards });
+        hold(1);
+        req *first = make_req(0, 1, 9);
+        submit_ok(s, first);
+        wait_in_forward(1);
+        req *a = make_req(0, 3, 1), *b = make_device_req(0, 4, 2, 0),
+            *c = make_device_req(0, 2, 3, 8), *e = make_device_req(0, 2, 4, 0);
+        submit_ok(s, a);
+        submit_ok(s, b);
+        submit_ok(s, c);
+        submit_ok(s, e);
+        hold(0);
+        wait_done(5);
+        pthread_mutex_lock(&fk.m);
+        CHECK_EQ_INT(fk.n_jobs, 2);
+        CHECK_EQ_INT(fk.job_T[1], 3 + 4 + (sharded ? 0 : 2) + 2); /* c leaves before, or runs */
+        CHECK_EQ_INT(fk.job_parts[1], sharded ? 3 : 4);
+        pthread_mutex_unlock(&fk.m);
+        CHECK_EQ_INT(c->status, MOED_EINVAL);
+        CHECK_MSG(strstr(c->msg, "expert_ids[0][1]") != NULL, "c: %s", c->msg);
+        expect_ok(a);
+        expect_choice(b, sharded ? local_of : NULL);
+        expect_choice(e, sharded ? local_of : NULL);
+        CHECK(sharded ? b->it.mem.route == NULL : b->it.mem.route != NULL);
+        free_req(first);
+        free_req(a);
+        free_req(b);
+        free_req(c);
+        free_req(e);
+        moed_sched_destroy(s);
+    }
+}
+
 int main(void)
 {
     init_layers();
@@ -1127,5 +1233,6 @@ int main(void)
     test_gone_while_assembling();
     test_flush();
     test_turns();
+    test_device_routing();
     return check_status("test_sched");
 }

@@ -8,8 +8,9 @@
  * the tensor, the key or the layer. And the synthetic model's wiring, and the model's fingerprint.
  *
  * Both modes load the same values; a copied model keeps them when its files are truncated or
- * rewritten after the load (a mapped one would fault or change: issue 9); a FIFO, directory or
- * device in place of config.json, the index or a .safetensors file fails at once, naming it.
+ * rewritten after the load (a mapped one would fault or change: docs/weights.md); a FIFO,
+ * directory or device in place of config.json, the index or a .safetensors file fails at once,
+ * naming it.
  */
 #include "check.h"
 #include "moed_dtype.h"

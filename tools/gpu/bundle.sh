@@ -31,7 +31,8 @@ mkdir -p .gpu/bin .gpu/lib .gpu/py
 cp build-gpu/server/moed build-gpu/client/c/moectl build-gpu/bench/moe-bench \
    build-gpu/bench/moe-split-bench build-gpu/tests/gpu/test_cuda_backend build-gpu/tests/gpu/test_cuda_parts \
    build-gpu/tests/gpu/test_ipc build-gpu/tests/gpu/test_split build-gpu/tests/gpu/test_dev_route \
-   build-gpu/tests/gpu/test_route_pack .gpu/bin/
+   build-gpu/tests/gpu/test_route_pack build-gpu/tests/gpu/test_ring_stream build-gpu/bench/doorbell-graph \
+   .gpu/bin/
 [ -x build-gpu/client/c/moed-load ] && cp build-gpu/client/c/moed-load .gpu/bin/
 bundle_libs .gpu/lib .gpu/bin/*
 .venv/bin/pip install -q --no-deps --no-build-isolation --target .gpu/py ./client/python

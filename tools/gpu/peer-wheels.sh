@@ -9,7 +9,8 @@
 #
 # Size: the CuTe DSL compiler (nvidia-cutlass-dsl-libs-base, one 144 MB shared library) packs to
 # about 50 MB, more than the device tool's 64 MiB a call leaves beside .gpu/bundle.tgz: carry .whl
-# in a call of its own (run-on-gpu.sh sonic), then .gpu in the next (README "Benchmarks").
+# in a call of its own (run-on-gpu.sh sonic), then .gpu in the next (docs/benchmarks.md, "How the
+# kernels are compared with their peers").
 #
 # The versions are pinned together: sonic-moe 0.1.2.post1 pins nvidia-cutlass-dsl 4.4.2;
 # quack-kernels 0.3.11 (released with it, the oldest it accepts) has every QuACK name it imports.

@@ -59,7 +59,20 @@
 #             and split over 0,1 at T = 8 and 4096, and the peer bandwidth); and the daemons
 #             (bench_daemon.py --suite multi: the layer split, two layers one per GPU, each beside
 #             the same on GPU 0, replies compared byte for byte, moed-load at T = 8 and 4096). The
-#             tables go to two-gpu.md. tools/gpu/two_gpu.sh runs split and two-gpu.
+#             tables go to two-gpu.md.
+#   other-gpu CUDA regions on a GPU moed does not compute on (skipped, exit 77, with fewer than two
+#             GPUs): test_cuda_parts (the backend on GPU 0, parts and expert choices on GPU 1, the
+#             copies staged through host memory, then with peer access), test_ipc two-gpu (moed
+#             --devices 1, the caller's memory on GPU 0: with peer access, then MOED_CUDA_NO_PEER=1;
+#             moed seeing GPU 1 alone refuses it by name), compute-sanitizer memcheck on
+#             test_cuda_parts. tools/gpu/two_gpu.sh runs split, two-gpu and other-gpu.
+#   doorbell  the doorbell, under MPS (started here with nvidia-cuda-mps-control -d where it can be,
+#             stopped after; doorbell.md says whether it was on): test_ring_stream (stream-ordered
+#             calls and a CUDA graph of them against the same calls from the host, bit for bit, the
+#             caller on GPU 0 and on GPU 1 where there is one), then the benchmark grid
+#             (bench/daemon/doorbell_grid.py: four layers x T 1..2048 x 1 and 8 callers x the
+#             caller's GPU x start/wait, stream, a 60-call graph, gRPC beside moe-bench, the floor,
+#             the idle CPU), its table and targets in doorbell.md: about 8 minutes on an H200
 #
 # Every command of a stage counts: a stage passed when all of them exited 0, was skipped when one
 # reported exit 77 (no GPU answered) and none failed, and failed otherwise (a missing program too).
@@ -89,7 +102,7 @@ export PATH=$PATH:/usr/local/cuda/bin
 OUT=${OUT:-/tmp/moed-out}
 RAW=$OUT/raw # JSON and long logs; packed into raw.tgz at the end (the device tool returns 8 files)
 STAGES=(tests sanitize bench sonic peers e2e merge pytest fp8 fp8-bench dataplane python router droute
-    split two-gpu)
+    split two-gpu other-gpu doorbell)
 PEERS=${MOED_PEERS_SITE:-/tmp/moed-peers}
 # Real models' MoE layers as d,ff,E,k (bench/kernels/torch_ref.py's MODELS, which a CI test keeps
 # equal to this): gpt-oss-120b, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, Phi-3.5-MoE, DBRX.
@@ -335,6 +348,29 @@ stage_two-gpu() {
     logged "$RAW/multi.md" timeout 420 "$PY" bench/daemon/bench_daemon.py --bin "$B" --suite multi \
         --duration 4 --json "$RAW/multi.json" --logs "$RAW"
     cat "$RAW/multi.md" >>"$md"
+}
+
+stage_other-gpu() {
+    step gpus_at_least 2
+    [ "$stage_rc" -eq 0 ] || return
+    logged "$OUT/gpu-other-parts.log" timeout 300 "$B/test_cuda_parts"
+    logged "$OUT/gpu-other-ipc.log" timeout 300 "$B/test_ipc" "$B/moed" two-gpu
+    quiet "$RAW/sanitize-other-parts.log" timeout 300 compute-sanitizer --tool memcheck \
+        --error-exitcode 9 "$B/test_cuda_parts"
+    tail -4 "$RAW/sanitize-other-parts.log"
+}
+
+stage_doorbell() {
+    local mps=0
+    if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
+        mps=1
+    else
+        echo "run-on-gpu: MPS not started: callers on the daemon's GPU share it by time slices"
+    fi
+    logged "$OUT/gpu-ring.log" timeout 300 "$B/test_ring_stream" "$B/moed"
+    logged "$OUT/doorbell.txt" timeout 520 "$PY" bench/daemon/doorbell_grid.py --bin "$B" \
+        --md "$OUT/doorbell.md" --json "$RAW/doorbell.json" --logs "$RAW"
+    [ "$mps" -eq 0 ] || echo quit | nvidia-cuda-mps-control
 }
 
 run_stage() {

@@ -244,7 +244,8 @@ typedef struct moedc_region {
  * another host (unless the server runs --regions any), or to a server with regions off, fails
  * there with MOEDC_EPRECOND. */
 MOEDC_EXTERN int moedc_session_open(moedc *c, moedc_session **out, moedc_error *err);
-/* Frees every region still registered on s and ends the session (the server releases them). */
+/* Closes the rings still open on s (moedc_ring_close), frees every region still registered on s
+ * and ends the session (the server releases them). */
 MOEDC_EXTERN void moedc_session_close(moedc_session *s);
 
 /* Creates `bytes` (at least 16) of POSIX shared memory, maps it, and registers it with the
@@ -351,6 +352,113 @@ MOEDC_EXTERN void *moedc_call_user(const moedc_call *call);
 MOEDC_EXTERN void moedc_call_cancel(moedc_call *call);
 /* Turns a finished call (from moedc_queue_next) into a result or an error, and frees the call. */
 MOEDC_EXTERN int moedc_call_finish(moedc_call *call, moedc_result *res, moedc_error *err);
+
+/* ---- the doorbell: calls through a ring in shared memory ---- */
+
+/* A ring (moed.proto's RegisterRing): call slots in shared memory on a region session, through
+ * which a caller on the server's host makes a Forward without a message: it writes the call into a
+ * slot and rings, the server computes it like any other call (merged with gRPC calls alike), and
+ * writes the completion into the slot. Every tensor of a ring call is in a registered region (host
+ * or CUDA), routing is the caller's expert choices, and the output goes into a region.
+ *
+ * Two ways to call:
+ * - from the host: moedc_ring_start, then moedc_ring_wait (it spins a while, then sleeps);
+ * - on a CUDA stream: moedc_ring_enqueue writes the call now and puts the doorbell and the wait for
+ *   its completion on the caller's stream (cuStreamWriteValue32 / cuStreamWaitValue32), so work
+ *   queued after it on the stream sees the output. A stream being captured into a CUDA graph
+ *   captures that too: each replay of the graph makes the same call again. A captured call keeps
+ *   its slot until moedc_ring_release; a call enqueued on a stream that is not capturing frees its
+ *   slot by itself once the stream has passed it.
+ *
+ * Slots: a slot holds one call at a time and is free again when its call is over: a host call once
+ * moedc_ring_wait returned its completion, a stream call once the stream passed it, a captured call
+ * once released. When no slot is free, start and enqueue answer MOEDC_EFULL at once (nothing
+ * waits): wait for a call, or open the ring with more slots. A caller that never waits its calls
+ * fills its own ring and nothing else.
+ *
+ * Failures: a call's own failure (a bad reference, a deadline, the server draining) is its status.
+ * A ring whose server closed it (the session ended, unregistered, or the daemon stopped) or whose
+ * session's stream ended (the daemon died, the connection dropped) is dead: the library completes
+ * the caller's calls still in it as UNAVAILABLE itself, so no host waiter and no stream waits for
+ * ever, and later starts and enqueues answer MOEDC_EUNAVAIL. After a daemon died or a connection
+ * dropped, a call that daemon had taken may still be written by it if it lives: the output region
+ * is the server's until every call naming it is over (moedc_region_free's event says when).
+ * A graph that replays stream calls checks moedc_ring_failures after synchronising: it counts the
+ * ring's calls that completed with a status other than OK, those the library completed included.
+ *
+ * Threads: any number of threads may start, enqueue, wait and release on one ring at once (each
+ * ticket waited for by one thread); moedc_ring_close must come after every other call on the ring
+ * has returned. Each ring has a watchdog thread of its own, which looks every 2 ms whether the
+ * ring is still served.
+ *
+ * Without a CUDA driver the host calls work as everywhere (host regions), and stream calls answer
+ * MOEDC_EUNSUPPORTED saying why: the library links no CUDA library (moedc_region_register_cuda). */
+typedef struct moedc_ring moedc_ring;
+
+/* One Forward through a ring: expert choices (padding: id -1 with weight 0) and every tensor in a
+ * region of the ring's principal (hidden [tokens, d_model] of dtype, expert_ids [tokens, k] int32,
+ * expert_weights [tokens, k] float32, output [tokens, d_model] of dtype). */
+typedef struct moedc_ring_call {
+    uint32_t layer;
+    int dtype; /* MOEDC_F32, MOEDC_F16 or MOEDC_BF16 */
+    int64_t tokens, d_model;
+    int k;
+    moedc_ref hidden, expert_ids, expert_weights, output; /* region set in each */
+    double timeout_s; /* the server's deadline, counted from when it takes the call; 0: the moedc's
+                         default; < 0: none */
+    uint64_t tag;     /* the caller's, in the server's logs */
+} moedc_ring_call;
+
+/* A call in a ring: its slot and its ticket (the number that rang it). */
+typedef struct moedc_ring_ticket {
+    uint32_t slot, ticket;
+} moedc_ring_ticket;
+
+typedef struct moedc_ring_result {
+    int status;            /* MOEDC_OK or the call's failure as a code (moedc_code_from_grpc) */
+    char message[224];     /* why, when status is not OK */
+    moedc_timings timings; /* total_us: from the start to the completion seen (host calls) */
+} moedc_ring_result;
+
+/* Opens a ring of `slots` (1 .. 4096) on session s: shared memory of its own, registered as a host
+ * region of s, the ring's header written, and the ring registered with the server (MOEDC_EPRECOND
+ * from a server without the doorbell, or RESOURCE_EXHAUSTED as MOEDC_ETOOBIG over its rings per
+ * principal). A ring lives until moedc_ring_close or the session's close. */
+MOEDC_EXTERN int moedc_ring_open(moedc_session *s, uint32_t slots, moedc_ring **out,
+                                 moedc_error *err);
+/* Rings a call from the host into a free slot; *t is the ticket to wait for. MOEDC_EINVAL for a
+ * call that does not describe its tensors (a region missing, sizes that overflow or run past their
+ * region), MOEDC_EFULL when no slot is free, MOEDC_EUNAVAIL on a dead ring. */
+MOEDC_EXTERN int moedc_ring_start(moedc_ring *r, const moedc_ring_call *call, moedc_ring_ticket *t,
+                                  moedc_error *err);
+/* Waits up to timeout_s (< 0: for ever) for the host call t. Returns 1 when it completed (res
+ * filled; the ticket is used up and its slot free), 0 when timeout_s passed first (it is still in
+ * flight: wait again), MOEDC_EINVAL for a ticket that is not a host call in flight on r. */
+MOEDC_EXTERN int moedc_ring_wait(moedc_ring *r, const moedc_ring_ticket *t, double timeout_s,
+                                 moedc_ring_result *res, moedc_error *err);
+/* Enqueues a call on cuda_stream (a CUstream or cudaStream_t; NULL: the legacy default stream) of
+ * the current or any context: the call is written now, and the stream rings it and waits for its
+ * completion. Tensors in CUDA regions are read and written by the server in stream order only
+ * through this wait: work enqueued before the call is finished before it is rung, work after it
+ * starts after the completion. *t names the call (for moedc_ring_release and
+ * moedc_ring_stream_result). MOEDC_EUNSUPPORTED without a CUDA driver (or one older than CUDA
+ * 11.7); otherwise as moedc_ring_start, and MOEDC_EDEVICE naming the driver call that failed. */
+MOEDC_EXTERN int moedc_ring_enqueue(moedc_ring *r, const moedc_ring_call *call, void *cuda_stream,
+                                    moedc_ring_ticket *t, moedc_error *err);
+/* The completion of stream call t as the ring holds it: its status, message and the server's
+ * timings (a captured call: its latest replay's). Returns 1 once the stream passed the call (after
+ * synchronising it), 0 while it has not, MOEDC_EINVAL once the slot holds another call. */
+MOEDC_EXTERN int moedc_ring_stream_result(moedc_ring *r, const moedc_ring_ticket *t,
+                                          moedc_ring_result *res, moedc_error *err);
+/* Frees the slot of the captured call t, for a graph that will not be launched again and whose
+ * launches have all finished (destroy the graph's executable first). MOEDC_EINVAL for a ticket
+ * that is not a captured call of r. */
+MOEDC_EXTERN int moedc_ring_release(moedc_ring *r, const moedc_ring_ticket *t, moedc_error *err);
+/* The ring's calls completed with a status other than OK so far (wrapping at 2^32). */
+MOEDC_EXTERN uint32_t moedc_ring_failures(const moedc_ring *r);
+/* Unregisters the ring and frees its memory. Every host call must have been waited for, every
+ * stream that enqueued calls synchronised, and every graph that captured some destroyed. */
+MOEDC_EXTERN void moedc_ring_close(moedc_ring *r);
 
 /* ---- model information and health ---- */
 

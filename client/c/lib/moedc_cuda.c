@@ -27,14 +27,19 @@ static bool loaded;
 static moedc_error why; /* why not, when not loaded */
 
 /* Each entry point by the name the driver exports: the versioned one where cuda.h maps the call
- * to it (cuMemAlloc is cuMemAlloc_v2, and so on). */
+ * to it (cuMemAlloc is cuMemAlloc_v2, and so on). The optional ones may be missing. */
 static const struct {
     const char *name;
     size_t at;
+    bool optional;
 } entries[] = {
 #define ENTRY(FIELD, NAME)                                                                         \
     {                                                                                              \
-        NAME, offsetof(moedc_cuda_table, FIELD)                                                    \
+        NAME, offsetof(moedc_cuda_table, FIELD), false                                             \
+    }
+#define OPTIONAL(FIELD, NAME)                                                                      \
+    {                                                                                              \
+        NAME, offsetof(moedc_cuda_table, FIELD), true                                              \
     }
     ENTRY(cuInit, "cuInit"),
     ENTRY(cuGetErrorName, "cuGetErrorName"),
@@ -53,6 +58,19 @@ static const struct {
     ENTRY(cuMemFree, "cuMemFree_v2"),
     ENTRY(cuMemcpyHtoD, "cuMemcpyHtoD_v2"),
     ENTRY(cuMemcpyDtoH, "cuMemcpyDtoH_v2"),
+    ENTRY(cuCtxGetCurrent, "cuCtxGetCurrent"),
+    ENTRY(cuCtxGetDevice, "cuCtxGetDevice"),
+    ENTRY(cuMemHostRegister, "cuMemHostRegister_v2"),
+    ENTRY(cuMemHostUnregister, "cuMemHostUnregister"),
+    ENTRY(cuMemHostGetDevicePointer, "cuMemHostGetDevicePointer_v2"),
+    ENTRY(cuStreamCreate, "cuStreamCreate"),
+    ENTRY(cuStreamDestroy, "cuStreamDestroy_v2"),
+    ENTRY(cuStreamSynchronize, "cuStreamSynchronize"),
+    ENTRY(cuStreamGetCtx, "cuStreamGetCtx"),
+    ENTRY(cuStreamIsCapturing, "cuStreamIsCapturing"),
+    OPTIONAL(cuStreamWriteValue32, "cuStreamWriteValue32_v2"),
+    OPTIONAL(cuStreamWaitValue32, "cuStreamWaitValue32_v2"),
+#undef OPTIONAL
 #undef ENTRY
 };
 
@@ -68,6 +86,7 @@ static void load(void)
     }
     for (size_t i = 0; i < sizeof entries / sizeof entries[0]; i++) {
         void *fn = dlsym(lib, entries[i].name);
+        if (!fn && entries[i].optional) continue;
         if (!fn) {
             moedc_fail(&why, MOEDC_EUNSUPPORTED,
                        "the CUDA driver lacks %s (it is older than CUDA 11.4): update the NVIDIA "
@@ -96,6 +115,31 @@ const moedc_cuda_table *moedc_cuda_api(moedc_error *err)
     if (loaded) return &table;
     *err = why;
     return NULL;
+}
+
+bool moedc_cuda_loaded(void)
+{
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+    if (lib) dlclose(lib); /* the reference RTLD_NOLOAD took */
+    return lib != NULL;
+}
+
+const moedc_cuda_table *moedc_cuda_streams(moedc_error *err)
+{
+    const moedc_cuda_table *cu = moedc_cuda_api(err);
+    if (cu && (!cu->cuStreamWriteValue32 || !cu->cuStreamWaitValue32)) {
+        moedc_fail(err, MOEDC_EUNSUPPORTED,
+                   "the CUDA driver lacks cuStreamWriteValue32_v2 (it is older than CUDA 11.7): "
+                   "update the NVIDIA driver for stream-ordered calls, or call from the host");
+        return NULL;
+    }
+    if (!cu) { /* say what a stream-ordered call needs, beside why there is no driver */
+        char why_not[sizeof err->msg];
+        snprintf(why_not, sizeof why_not, "%s", err->msg);
+        moedc_fail(err, MOEDC_EUNSUPPORTED, "stream-ordered calls need the CUDA driver: %s",
+                   why_not);
+    }
+    return cu;
 }
 
 int moedc_cuda_fail(const moedc_cuda_table *cu, int rc, const char *call, moedc_error *err)

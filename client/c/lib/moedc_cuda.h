@@ -15,13 +15,18 @@
  *   context of the device (created by the caller's runtime already, so retaining it creates
  *   nothing) made current on this thread, and the thread's own context current again after.
  * - The types are the driver's, written here so the client builds without the CUDA toolkit:
- *   CUresult is an int (0 success), CUdevice an int ordinal, CUdeviceptr 64 bits.
+ *   CUresult is an int (0 success), CUdevice an int ordinal, CUdeviceptr 64 bits, CUcontext and
+ *   CUstream pointers.
+ * - The stream memory operations (cuStreamWriteValue32, cuStreamWaitValue32: the doorbell's
+ *   stream-ordered calls) came with CUDA 11.7's driver: an older driver still serves CUDA regions,
+ *   and moedc_cuda_streams() says why stream-ordered calls are not offered.
  */
 #ifndef MOEDC_CUDA_H
 #define MOEDC_CUDA_H
 
 #include "moedclient.h"
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -49,9 +54,35 @@ typedef struct moedc_cuda_table {
     int (*cuMemFree)(moedc_cu_ptr ptr);
     int (*cuMemcpyHtoD)(moedc_cu_ptr dst, const void *src, size_t bytes);
     int (*cuMemcpyDtoH)(void *dst, moedc_cu_ptr src, size_t bytes);
+    int (*cuCtxGetCurrent)(void **ctx);
+    int (*cuCtxGetDevice)(int *device);
+    int (*cuMemHostRegister)(void *p, size_t bytes, unsigned flags);
+    int (*cuMemHostUnregister)(void *p);
+    int (*cuMemHostGetDevicePointer)(moedc_cu_ptr *dev, void *p, unsigned flags);
+    int (*cuStreamCreate)(void **stream, unsigned flags);
+    int (*cuStreamDestroy)(void *stream);
+    int (*cuStreamSynchronize)(void *stream);
+    int (*cuStreamGetCtx)(void *stream, void **ctx);
+    int (*cuStreamIsCapturing)(void *stream, int *status);
+    /* the stream memory operations: NULL from a driver older than CUDA 11.7 */
+    int (*cuStreamWriteValue32)(void *stream, moedc_cu_ptr addr, uint32_t value, unsigned flags);
+    int (*cuStreamWaitValue32)(void *stream, moedc_cu_ptr addr, uint32_t value, unsigned flags);
 } moedc_cuda_table;
 
+#define MOEDC_CU_MEMHOSTREGISTER_PORTABLE  0x01
+#define MOEDC_CU_MEMHOSTREGISTER_DEVICEMAP 0x02
+#define MOEDC_CU_STREAM_WAIT_VALUE_EQ      0x1
+#define MOEDC_CU_STREAM_CAPTURE_ACTIVE     1 /* CUstreamCaptureStatus */
+
 const moedc_cuda_table *moedc_cuda_api(moedc_error *err);
+
+/* Whether this process loaded the CUDA driver already (its CUDA runtime did, or a call here),
+ * without loading it. */
+bool moedc_cuda_loaded(void);
+
+/* The table when it has the stream memory operations too; NULL and MOEDC_EUNSUPPORTED saying why
+ * (no driver, or one older than CUDA 11.7) otherwise. */
+const moedc_cuda_table *moedc_cuda_streams(moedc_error *err);
 
 /* err from a driver call's result rc; returns the code. */
 int moedc_cuda_fail(const moedc_cuda_table *cu, int rc, const char *call, moedc_error *err);

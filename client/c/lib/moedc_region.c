@@ -8,11 +8,14 @@
  * batch (send the command, receive its event) waited for under the session's mutex, so commands
  * from several threads go one at a time, each answered in order. A receive of the call's status is
  * posted when it opens: a stream the server ended (refused, or draining) shows as a command that
- * gets no event, and its status is the command's error.
+ * gets no event, and its status is the command's error. Between commands nothing but that status
+ * can arrive on the queue, so moedc_session_ended looks for it without waiting whenever no command
+ * holds the mutex (one that does records it itself).
  */
 #include "moedc_channel.h"
 #include "moedc_common.h"
 #include "moedc_cuda.h"
+#include "moedc_session.h"
 
 #include "moed/v1/moed.pb-c.h"
 
@@ -41,11 +44,14 @@ struct moedc_session {
     grpc_metadata_array initial_md, trailing_md;
     grpc_status_code status;
     grpc_slice details;
-    bool md_received, status_in, ended;
+    bool md_received, status_in, ended; /* status_in: read by moedc_session_ended too (atomic) */
     uint64_t seq;
     char tag_open, tag_cmd, tag_status, tag_close; /* their addresses are the batches' tags */
     moedc_region **regions;                        /* registered here and not yet freed */
     int n_regions, cap_regions;
+    pthread_mutex_t rings_mu; /* the rings on it (moedc_ring.c) */
+    moedc_ring **rings;
+    int n_rings, cap_rings;
 };
 
 /* Waits for the batch tagged `tag` (the status receive may complete meanwhile). False on timeout:
@@ -64,7 +70,7 @@ static bool wait_for(moedc_session *s, void *tag, double timeout_s)
             in_time = false;
             continue;
         }
-        if (ev.tag == &s->tag_status) s->status_in = true;
+        if (ev.tag == &s->tag_status) __atomic_store_n(&s->status_in, true, __ATOMIC_RELEASE);
         if (ev.tag == tag) return in_time;
     }
 }
@@ -139,6 +145,61 @@ static int command(moedc_session *s, Moed__V1__RegionCommand *cmd, Moed__V1__Reg
     return rc;
 }
 
+int moedc_session_command(moedc_session *s, Moed__V1__RegionCommand *cmd,
+                          Moed__V1__RegionEvent **out, moedc_error *err)
+{
+    pthread_mutex_lock(&s->mu);
+    int rc = command(s, cmd, out, err);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+bool moedc_session_ended(moedc_session *s)
+{
+    if (__atomic_load_n(&s->status_in, __ATOMIC_ACQUIRE)) return true;
+    if (pthread_mutex_trylock(&s->mu)) return false; /* a command runs: it will see the status */
+    if (!s->status_in) {
+        grpc_event ev = grpc_completion_queue_next(s->cq, gpr_inf_past(GPR_CLOCK_MONOTONIC), NULL);
+        if (ev.type == GRPC_OP_COMPLETE && ev.tag == &s->tag_status)
+            __atomic_store_n(&s->status_in, true, __ATOMIC_RELEASE);
+    }
+    bool ended = s->status_in || s->ended;
+    pthread_mutex_unlock(&s->mu);
+    return ended;
+}
+
+double moedc_session_timeout(const moedc_session *s)
+{
+    return s->c->timeout_s;
+}
+
+int moedc_session_add_ring(moedc_session *s, moedc_ring *r, moedc_error *err)
+{
+    pthread_mutex_lock(&s->rings_mu);
+    int rc = 0;
+    if (s->n_rings == s->cap_rings) {
+        int cap = s->cap_rings ? 2 * s->cap_rings : 4;
+        moedc_ring **g = realloc(s->rings, (size_t)cap * sizeof *g);
+        if (g) {
+            s->rings = g;
+            s->cap_rings = cap;
+        } else {
+            rc = moedc_fail(err, MOEDC_ENOMEM, "out of memory for a ring");
+        }
+    }
+    if (!rc) s->rings[s->n_rings++] = r;
+    pthread_mutex_unlock(&s->rings_mu);
+    return rc;
+}
+
+void moedc_session_remove_ring(moedc_session *s, moedc_ring *r)
+{
+    pthread_mutex_lock(&s->rings_mu);
+    for (int i = 0; i < s->n_rings; i++)
+        if (s->rings[i] == r) s->rings[i] = s->rings[--s->n_rings];
+    pthread_mutex_unlock(&s->rings_mu);
+}
+
 int moedc_channel_session_open(moedc *c, moedc_session **out, moedc_error *err)
 {
     const moedc_channel *ch = (const moedc_channel *)c;
@@ -147,6 +208,7 @@ int moedc_channel_session_open(moedc *c, moedc_session **out, moedc_error *err)
     grpc_init();
     s->c = c;
     pthread_mutex_init(&s->mu, NULL);
+    pthread_mutex_init(&s->rings_mu, NULL);
     grpc_metadata_array_init(&s->initial_md);
     grpc_metadata_array_init(&s->trailing_md);
     s->details = grpc_empty_slice();
@@ -236,6 +298,13 @@ int moedc_region_free(moedc_region *r, moedc_error *err)
 void moedc_session_close(moedc_session *s)
 {
     if (!s) return;
+    for (;;) { /* its rings first: each unregisters itself and frees its region */
+        pthread_mutex_lock(&s->rings_mu);
+        moedc_ring *r = s->n_rings ? s->rings[0] : NULL;
+        pthread_mutex_unlock(&s->rings_mu);
+        if (!r) break;
+        moedc_ring_close(r);
+    }
     pthread_mutex_lock(&s->mu);
     while (s->n_regions) drop(s, s->regions[0]); /* the stream's end releases them there */
     if (s->call && !s->ended) {
@@ -255,7 +324,9 @@ void moedc_session_close(moedc_session *s)
     grpc_metadata_array_destroy(&s->trailing_md);
     grpc_slice_unref(s->details);
     pthread_mutex_destroy(&s->mu);
+    pthread_mutex_destroy(&s->rings_mu);
     free(s->regions);
+    free(s->rings);
     free(s);
     grpc_shutdown();
 }

@@ -8,6 +8,9 @@
  * the library's encoding of the small routing tensors, and the gRPC call; the hidden rows are sent
  * zero-copy from the pool, which stays valid for the whole run.
  *
+ * A worker of a ring transport (load_regions.h) instead rings its own ring, one call at a time, and
+ * waits for the completion in the ring (host calls) or synchronises its CUDA stream (stream calls).
+ *
  * Counting is per worker, under a mutex only the progress line contends for, so the report is
  * exact without making the workers share a cache line per call. Requests of the measured window
  * take numbers from one atomic counter: it decides --requests, the round-robin over layers and
@@ -62,6 +65,7 @@ typedef struct level_clock {
 /* One call in flight: what it sent, so its reply can be counted and verified. */
 typedef struct call_slot {
     moedc_call *call;
+    moedc_ring_ticket ticket; /* a ring transport's call */
     moedc_request req;
     int64_t t0;
     int layer; /* index into plan->layers */
@@ -75,6 +79,8 @@ typedef struct worker {
     level_clock *clock;
     atomic_int *running; /* workers not yet done; the last one to finish ends the watch */
     moedc_queue *q;
+    moedc_ring *ring; /* a ring transport: the worker's ring, and its stream for stream calls */
+    void *stream;
     load_rng rng;
     int cap;       /* calls in flight at most */
     int slot_base; /* its slots' numbers among all workers' (their output rows in a region) */
@@ -164,6 +170,30 @@ static int64_t arrival(const worker *w, int64_t now)
     return w->rate ? w->next_due : now;
 }
 
+/* The ring call of a request whose tensors are all in regions (build_request made it so). */
+static moedc_ring_call ring_call(const moedc_request *r)
+{
+    return (moedc_ring_call){ .layer = r->layer,
+                              .dtype = r->dtype,
+                              .tokens = r->tokens,
+                              .d_model = r->d_model,
+                              .k = r->k,
+                              .hidden = r->hidden_at,
+                              .expert_ids = r->expert_ids_at,
+                              .expert_weights = r->expert_weights_at,
+                              .output = r->output_at,
+                              .timeout_s = r->timeout_s };
+}
+
+/* Starts s's call on connection c, or on the worker's ring. */
+static int start_call(worker *w, call_slot *s, moedc *c, moedc_error *err)
+{
+    if (!w->ring) return moedc_forward_start(c, &s->req, w->q, s, &s->call, err);
+    moedc_ring_call call = ring_call(&s->req);
+    return w->stream ? moedc_ring_enqueue(w->ring, &call, w->stream, &s->ticket, err)
+                     : moedc_ring_start(w->ring, &call, &s->ticket, err);
+}
+
 /* Starts the next request; sets w->exhausted instead when --requests have all been started. */
 static void start_one(worker *w, int64_t now)
 {
@@ -189,7 +219,7 @@ static void start_one(worker *w, int64_t now)
     s->t0 = now_ns();
     moedc *c = p->conns[w->rr++ % (uint64_t)p->n_conns];
     moedc_error err;
-    const bool started = !moedc_forward_start(c, &s->req, w->q, s, &s->call, &err);
+    const bool started = !start_call(w, s, c, &err);
     if (measured) { /* a call that could not be started sent nothing */
         pthread_mutex_lock(&w->mu);
         w->st.sent++;
@@ -250,40 +280,81 @@ static void count_experts(worker *w, const call_slot *s)
         load_experts_add(&w->experts, (int)r->layer, r->expert_ids[i], 1);
 }
 
-static void complete(worker *w, moedc_call *call)
+/* Counts and verifies call s, which ended with rc (res or err). */
+static void finish(worker *w, call_slot *s, int rc, moedc_result *res, const moedc_error *err)
 {
-    call_slot *s = moedc_call_user(call);
-    moedc_result res;
-    moedc_error err;
-    int rc = moedc_call_finish(call, &res, &err);
     if (!rc && !s->bad) count_experts(w, s);
     int64_t now = now_ns();
     pthread_mutex_lock(&w->mu);
-    if (s->measured) count_reply(w, s, rc, &res, &err, now);
+    if (s->measured) count_reply(w, s, rc, res, err, now);
     w->completed++;
     pthread_mutex_unlock(&w->mu);
     if (!rc && s->measured && !s->bad && w->p->verify) {
         load_verify_item it = { .layer = w->p->layers[s->layer].info.index,
                                 .req = s->req,
-                                .res = res };
+                                .res = *res };
         /* an output in a region: the slot's next call writes there, so the check gets a copy */
-        if (w->p->regions && (it.output_copy = load_regions_copy_output(w->p->regions, &res)))
+        if (w->p->regions && (it.output_copy = load_regions_copy_output(w->p->regions, res)))
             it.res.output = it.output_copy;
         if (load_verify_offer(w->p->verify, &it))
-            memset(&res, 0, sizeof res);
+            memset(res, 0, sizeof *res);
         else
             free(it.output_copy);
     }
-    moedc_result_free(&res);
+    moedc_result_free(res);
     s->busy = false;
     s->next_free = w->free_head;
     w->free_head = (int)(s - w->slots);
     w->inflight--;
 }
 
+static void complete(worker *w, moedc_call *call)
+{
+    call_slot *s = moedc_call_user(call);
+    moedc_result res;
+    moedc_error err;
+    int rc = moedc_call_finish(call, &res, &err);
+    finish(w, s, rc, &res, &err);
+}
+
+/* Waits up to wait_s for the worker's ring call (its one call in flight) and finishes it. */
+static void complete_ring(worker *w, double wait_s)
+{
+    call_slot *s = &w->slots[0];
+    moedc_ring_result rr;
+    moedc_error err;
+    moed_error serr;
+    int rc;
+    if (!w->stream) {
+        rc = moedc_ring_wait(w->ring, &s->ticket, wait_s, &rr, &err);
+    } else if (load_regions_sync(w->p->regions, w->stream, &serr)) {
+        rc = err.code = serr.code; /* the stream is broken: its call will not be seen through */
+        memcpy(err.msg, serr.msg, sizeof err.msg);
+    } else {
+        rc = moedc_ring_stream_result(w->ring, &s->ticket, &rr, &err);
+    }
+    if (rc == 0) return; /* still in flight */
+    if (rc < 0) rr = (moedc_ring_result){ .status = rc };
+    if (rc > 0 && rr.status) snprintf(err.msg, sizeof err.msg, "%s", rr.message);
+    const moedc_request *q = &s->req;
+    moedc_result res = { .dtype = q->dtype,
+                         .tokens = q->tokens,
+                         .d_model = q->d_model,
+                         .output = (const char *)q->output_at.region->ptr + q->output_at.offset,
+                         .output_bytes =
+                             (size_t)(q->tokens * q->d_model) * moed_dtype_size(q->dtype),
+                         .timings = rr.timings };
+    finish(w, s, rr.status, &res, &err);
+}
+
 static void cancel_all(worker *w)
 {
-    for (int i = 0; i < w->cap; i++)
+    if (w->ring && w->inflight) { /* a ring call cannot be taken back: it is given up on */
+        moedc_result res = { 0 };
+        moedc_error err = { MOEDC_ECANCELLED, "no completion in the ring in time: given up" };
+        finish(w, &w->slots[0], MOEDC_ECANCELLED, &res, &err);
+    }
+    for (int i = 0; i < w->cap && !w->ring; i++)
         if (w->slots[i].busy) moedc_call_cancel(w->slots[i].call);
     w->cancelled = true;
 }
@@ -322,7 +393,10 @@ static void *worker_main(void *arg)
         if (more && w->clock->t_end > now && w->clock->t_end < until) until = w->clock->t_end;
         moedc_call *call;
         double wait = until > now ? (double)(until - now) / 1e9 : 0;
-        if (moedc_queue_next(w->q, wait, &call)) complete(w, call);
+        if (w->ring)
+            complete_ring(w, wait);
+        else if (moedc_queue_next(w->q, wait, &call))
+            complete(w, call);
     }
     atomic_fetch_sub(w->running, 1);
     return NULL;
@@ -376,6 +450,10 @@ static int worker_init(worker *w, const load_plan *p, level_clock *clock, atomic
         w->next_due = clock->t0 + (int64_t)(first * 1e9);
     }
     if (w->cap < 1) w->cap = 1;
+    if (load_regions_rings(p->regions)) { /* one ring per worker, one call each */
+        w->ring = load_regions_ring(p->regions, id, &w->stream);
+        w->cap = 1;
+    }
     int max_k = 1;
     for (int i = 0; i < p->n_layers; i++)
         if (p->layers[i].info.top_k > max_k) max_k = p->layers[i].info.top_k;
@@ -442,6 +520,7 @@ static void watch(const load_plan *p, worker *ws, int n, const level_clock *cloc
 int load_run_level(const load_plan *p, load_level *lv, moed_error *err)
 {
     int n = lv->concurrency && lv->concurrency < p->threads ? lv->concurrency : p->threads;
+    if (load_regions_rings(p->regions)) n = lv->concurrency; /* a worker per ring */
     worker *ws = calloc((size_t)n, sizeof *ws);
     level_clock clock;
     atomic_int running;

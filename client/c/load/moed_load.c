@@ -41,7 +41,7 @@ typedef struct args {
     const char *metrics, *metrics_token_file;
     char *metrics_token;
     double duration_s, warmup_s, deadline_ms, bad_fraction;
-    int64_t requests, verify, seed, connections, threads, max_inflight, top_k, k_batch;
+    int64_t requests, verify, seed, connections, threads, max_inflight, top_k, k_batch, device;
     int strategy;
     int progress; /* -1: when stderr is a terminal */
     bool batch_gating;
@@ -128,7 +128,14 @@ static const moed_opt options[] = {
     MOED_OPT_STR_ROW("transport", F(transport), "T", "inline", NULL,
                      "how tensors travel: inline (in the messages), shm (shared-memory\n"
                      "regions: the server's host only), cuda (GPU memory of this process,\n"
-                     "by CUDA IPC; builds with CUDA)"),
+                     "by CUDA IPC; needs the CUDA driver); doorbell (shared memory, each\n"
+                     "call rung in a doorbell ring, not sent: one ring and one thread per\n"
+                     "unit of --concurrency), doorbell-cuda (as doorbell, tensors in GPU\n"
+                     "memory), doorbell-stream (as doorbell-cuda, each call enqueued on a\n"
+                     "CUDA stream of the thread's)"),
+    MOED_OPT_I64_ROW("device", F(device), "N", 0, 1023, "0", "give a GPU ordinal >= 0", NULL,
+                     "the GPU of the transports' GPU memory (as CUDA_VISIBLE_DEVICES\n"
+                     "numbers them)"),
     MOED_OPT_SECTION_ROW("output:", NULL),
     MOED_OPT_STR_ROW("json", F(json), "FILE", NULL, NULL,
                      "the report as JSON (one object per level)"),
@@ -241,6 +248,27 @@ typedef struct run {
     int n_results;
 } run;
 
+/* What a ring transport cannot do: a ring call carries expert choices, every tensor in a region,
+ * and a worker per ring rings one call at a time. */
+static int check_rings(const run *r, bool client_route)
+{
+    const args *a = &r->a;
+    if (!load_transport_rings(r->transport)) return 0;
+    if (!client_route)
+        return usage_error("--transport %s takes the client's expert choices: use --routing "
+                           "uniform, zipf:S or one",
+                           a->transport);
+    if (!r->closed)
+        return usage_error("--transport %s runs a closed loop (a ring per unit of --concurrency): "
+                           "give --concurrency, not --rate",
+                           a->transport);
+    if (a->bad_fraction > 0)
+        return usage_error("--bad-fraction sends its bad routes inline; --transport %s takes "
+                           "every tensor from a region",
+                           a->transport);
+    return 0;
+}
+
 static int parse_specs(run *r)
 {
     const args *a = &r->a;
@@ -277,7 +305,7 @@ static int parse_specs(run *r)
                            a->routing);
     if (a->layer && r->n_layer_list != 1)
         return usage_error("--layer takes one layer; use --layers for a list");
-    return 0;
+    return check_rings(r, client_route);
 }
 
 /* Opens the connections, makes sure each reaches a serving server, and asks what it serves. */
@@ -564,7 +592,8 @@ static int run_level(run *r, const load_plan *p, load_level *lv)
     return rc;
 }
 
-/* --transport shm|cuda: the pools and every call's output in regions. */
+/* --transport shm|cuda|doorbell|doorbell-stream: the pools and every call's output in regions
+ * (and the rings). */
 static int open_regions(run *r, load_plan *p)
 {
     int max_d = 1, slots = 1;
@@ -573,9 +602,13 @@ static int open_regions(run *r, load_plan *p)
     for (int i = 0; i < r->n_levels; i++)
         if (r->closed && r->levels[i] > slots) slots = (int)r->levels[i];
     if (!r->closed) slots = (int)r->a.max_inflight;
+    /* a worker's output slots start at its number times (calls it keeps / workers + 1): a worker
+     * per ring takes up to twice the concurrency */
+    const int rings = load_transport_rings(r->transport) ? slots : 0;
+    const int outputs = slots + (rings ? rings : (int)r->a.threads);
     moed_error err;
-    if (load_regions_open(r->transport, r->conns[0], p, slots + (int)r->a.threads, r->tokens.hi,
-                          max_d, &r->regions, &err))
+    if (load_regions_open(r->transport, r->conns[0], p, outputs, rings, r->tokens.hi, max_d,
+                          (int)r->a.device, &r->regions, &err))
         return failure("--transport %s: %s", r->a.transport, err.msg);
     return 0;
 }

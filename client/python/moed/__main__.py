@@ -16,6 +16,7 @@ import sys
 import numpy as np
 
 from . import Client, MoEError, connect
+from .types import InvalidArgument
 
 _DTYPES = ("bf16", "f16", "f32")
 
@@ -123,6 +124,9 @@ def main(argv=None) -> int:
             if args.cmd == "info":
                 return _info(c)
             return _forward(c, args)
+    except InvalidArgument as e:  # what the client refused to send: a usage error
+        print(f"moed: {e.message}", file=sys.stderr)
+        return 2
     except MoEError as e:
         print(f"moed: {e.code_name}: {e.message}", file=sys.stderr)
         return 1

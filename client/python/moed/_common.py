@@ -5,6 +5,8 @@ Nothing here does I/O, so each client adds only its own way of waiting.
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 import time
 from collections import deque
@@ -19,8 +21,8 @@ from .tensors import F32, I32, hidden_input, host_array, wire_tensor
 from .regions import Regions, Steps
 from .transport import Prepared, known, prepare
 from .types import (ACTIVATIONS, DTYPES, HEALTH, REGION_KINDS, ROUTER_RULES, Device, ForwardResult,
-                    LayerInfo, ModelInfo, MoEError, Region, RegionLimits, Timings, name_of,
-                    strategy_value)
+                    InvalidArgument, LayerInfo, ModelInfo, MoEError, Region, RegionLimits, Timings,
+                    name_of, strategy_value)
 
 FORWARD = "/moed.v1.Moed/Forward"
 FORWARD_STREAM = "/moed.v1.Moed/ForwardStream"
@@ -44,7 +46,7 @@ _STATUS = {c.value[0]: c for c in grpc.StatusCode}
 def _matrix(name: str, x: Any, wire_dtype: int, T: int) -> np.ndarray:
     a = host_array(x, wire_dtype, name)
     if a.ndim != 2 or a.shape[0] != T:
-        raise ValueError(f"{name} must be [T={T}, n], not shape {list(a.shape)}")
+        raise InvalidArgument(f"{name} must be [T={T}, n], not shape {list(a.shape)}")
     return a
 
 
@@ -52,17 +54,18 @@ def _routing(T: int, expert_ids, expert_weights, router_logits, strategy, top_k,
              threshold, batch_gating, k_batch) -> Dict[str, Any]:
     """The routing fields of a ForwardRequest (as a dict for wire.encode)."""
     if (expert_ids is None) != (expert_weights is None):
-        raise ValueError("client routing needs both expert_ids and expert_weights")
+        raise InvalidArgument("client routing needs both expert_ids and expert_weights")
     if expert_ids is not None:
         if router_logits is not None or batch_gating:
-            raise ValueError("expert_ids/expert_weights exclude router_logits and batch_gating")
+            raise InvalidArgument("expert_ids/expert_weights exclude router_logits and batch_gating")
         ids = _matrix("expert_ids", expert_ids, I32, T)
         w = _matrix("expert_weights", expert_weights, F32, T)
         if ids.shape != w.shape:
-            raise ValueError(f"expert_ids {list(ids.shape)} and expert_weights {list(w.shape)} differ in shape")
+            raise InvalidArgument(f"expert_ids {list(ids.shape)} and expert_weights {list(w.shape)} "
+                                  f"differ in shape")
         return {"experts": {"expert_ids": wire_tensor(ids, I32), "expert_weights": wire_tensor(w, F32)}}
     if renormalize not in _RENORMALIZE:
-        raise ValueError(f"renormalize={renormalize!r}: use None (the layer's), True or False")
+        raise InvalidArgument(f"renormalize={renormalize!r}: use None (the layer's), True or False")
     gating = {"strategy": strategy_value(strategy), "top_k": top_k,
               "renormalize": _RENORMALIZE[renormalize], "threshold": threshold or 0.0}
     fields: Dict[str, Any] = {"batch_gating": {"k_batch": k_batch} if batch_gating else None}
@@ -129,13 +132,13 @@ def prepare_forward(layer: int, hidden: Any, *, expert_ids=None, expert_weights=
                     copy: bool = False, transport: str = "auto", out: Any = None,
                     regions: Optional[Regions] = None) -> Steps:
     """Steps (moed.regions) that return the Call for forward()'s arguments (see
-    MoEClient.forward); ValueError for what cannot be sent. regions: the client's (None: inline
+    MoEClient.forward); InvalidArgument for what cannot be sent. regions: the client's (None: inline
     only)."""
     inp = hidden_input(hidden, dtype)
     fields = _routing(inp.shape[0], expert_ids, expert_weights, router_logits, strategy, top_k,
                       renormalize, threshold, batch_gating, k_batch)
     if regions is None and transport != "inline":
-        raise ValueError(f"transport={transport!r} needs the client's regions")
+        raise InvalidArgument(f"transport={transport!r} needs the client's regions")
     prepared = yield from prepare(transport, inp, regions, out)
     fields.update(request_id=request_id, layer=layer, hidden=prepared.tensor, output=prepared.output)
     return Call(wire.encode("moed.v1.ForwardRequest", fields), prepared, return_info, copy)
@@ -157,18 +160,27 @@ def prepare_item(item: Any, transport: str, regions: Regions) -> Steps:
     return prepare_forward(**{"transport": transport, **item, "regions": regions})
 
 
+def requests_of(requests: Any) -> Any:
+    """An iterator over forward_stream()'s requests (InvalidArgument for what is no iterable)."""
+    try:
+        return iter(requests)
+    except TypeError:
+        raise InvalidArgument(f"forward_stream() takes an iterable of dicts of forward()'s keyword "
+                              f"arguments, not {type(requests).__name__}") from None
+
+
 def check_item(item: Any) -> None:
-    """TypeError or ValueError unless item is a dict of forward()'s keyword arguments (a
+    """InvalidArgument unless item is a dict of forward()'s keyword arguments (a
     forward_stream() item)."""
     if not isinstance(item, dict):
-        raise TypeError(f"forward_stream() takes dicts of forward()'s keyword arguments, not "
-                        f"{type(item).__name__}")
+        raise InvalidArgument(f"forward_stream() takes dicts of forward()'s keyword arguments, "
+                              f"not {type(item).__name__}")
     unknown = set(item) - STREAM_ITEM_ARGS
     if unknown:
-        raise ValueError(f"forward_stream() item has unknown argument(s) {sorted(unknown)} (timeout "
-                         f"is the stream's: pass it to forward_stream)")
+        raise InvalidArgument(f"forward_stream() item has unknown argument(s) {sorted(unknown)} "
+                              f"(timeout is the stream's: pass it to forward_stream)")
     if "layer" not in item or "hidden" not in item:
-        raise ValueError("forward_stream() item needs layer and hidden")
+        raise InvalidArgument("forward_stream() item needs layer and hidden")
 
 
 STALE = object()  # Feed.payload(): this attempt of the stream is over
@@ -254,9 +266,35 @@ class Feed:
             raise self.error
 
 
+_COUNTING = threading.Lock()  # every client's transport_calls increments: each is over at once
+
+
+def count(client: Any, transport: str) -> None:
+    """One more Forward call carried by `transport` in client.transport_calls. Under a lock: a
+    client is used from many threads at once, and += on a dict's item reads, then writes."""
+    with _COUNTING:
+        client.transport_calls[transport] += 1
+
+
+def seconds(value: Any, what: str) -> Optional[float]:
+    """value, checked to be None or a number of seconds (InvalidArgument otherwise)."""
+    if value is None or type(value) in (int, float) and value == value:
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+        raise InvalidArgument(f"{what}={value!r}: give a number of seconds, or None")
+    return float(value)
+
+
+def retry_policy(retry: Any) -> RetryPolicy:
+    """A client's retry argument, checked (None: NO_RETRY)."""
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        raise InvalidArgument(f"retry={retry!r}: give a moed.RetryPolicy, or None for no retries")
+    return retry or NO_RETRY
+
+
 def deadline(timeout: Optional[float], default: Optional[float]) -> Optional[float]:
     """The time.monotonic() deadline of a call given `timeout` (None: the client's `default`)."""
-    timeout = default if timeout is None else timeout
+    timeout = default if timeout is None else seconds(timeout, "timeout")
     return None if timeout is None else time.monotonic() + timeout
 
 
@@ -277,13 +315,16 @@ class Connection:
                  credentials: Optional[grpc.ChannelCredentials] = None, token: Optional[str] = None,
                  options: Optional[Sequence[Tuple[str, Any]]] = None, keepalive: Optional[float] = None,
                  retry: Optional[RetryPolicy] = RetryPolicy(), transport: str = "auto"):
+        if credentials is not None and not isinstance(credentials, grpc.ChannelCredentials):
+            raise InvalidArgument(f"credentials={credentials!r}: give grpc.ChannelCredentials (e.g. "
+                                  f"grpc.ssl_channel_credentials()), or None for plaintext")
         self._opts, self._credentials = channel_options(options, keepalive), credentials
-        self.target = target
-        self._channel = self.new_channel()
-        self.timeout = timeout
-        self.retry = retry or NO_RETRY
+        self.timeout = seconds(timeout, "timeout")
+        self.retry = retry_policy(retry)
         self.transport = known(transport)
         self._metadata = metadata(token)
+        self.target = target
+        self._channel = self.new_channel()
         self._forward = self._channel.unary_unary(FORWARD)
         self._stream = self._channel.stream_stream(FORWARD_STREAM)
         self._get_model = self._channel.unary_unary(GET_MODEL)
@@ -391,18 +432,31 @@ def channel_options(options: Optional[Sequence[Tuple[str, Any]]], keepalive: Opt
         "grpc.http2.max_frame_size": 1 << 20, "grpc.http2.lookahead_bytes": 8 << 20,
     }
     if keepalive is not None:
-        if not keepalive >= 10:
-            raise ValueError(f"keepalive={keepalive}: at least 10 seconds (moed refuses pings more "
-                             f"often than every 10 s on an idle connection)")
+        if not seconds(keepalive, "keepalive") >= 10:
+            raise InvalidArgument(f"keepalive={keepalive}: at least 10 seconds (moed refuses pings "
+                                  f"more often than every 10 s on an idle connection)")
         ms = int(keepalive * 1000)
         merged.update({"grpc.keepalive_time_ms": ms, "grpc.keepalive_timeout_ms": min(ms, 20000),
                        "grpc.keepalive_permit_without_calls": 1, "grpc.http2.max_pings_without_data": 0})
-    for name, value in options or ():
-        merged[name] = value
+    merged.update(_pairs(options))
     return list(merged.items())
 
 
+def _pairs(options: Any) -> List[Tuple[str, Any]]:
+    """The caller's channel arguments, checked to be (name, value) pairs."""
+    try:
+        pairs = [(name, value) for name, value in options or ()]
+    except (TypeError, ValueError):  # not iterable, or an item that is no pair
+        pairs = None
+    if pairs is None or not all(isinstance(name, str) for name, _ in pairs):
+        raise InvalidArgument(f"options={options!r}: give a list of (name, value) pairs, gRPC "
+                              f"channel arguments such as ('grpc.enable_retries', 0)")
+    return pairs
+
+
 def metadata(token: Optional[str]) -> Optional[Tuple[Tuple[str, str], ...]]:
+    if token is not None and not isinstance(token, str):
+        raise InvalidArgument(f"token: give the bearer token as a str, not {type(token).__name__}")
     return (("authorization", f"Bearer {token}"),) if token else None
 
 

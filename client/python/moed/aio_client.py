@@ -94,7 +94,7 @@ class Session(C.SessionBase):
 
 def _status_hidden(e: grpc.RpcError) -> bool:
     """Whether grpc.aio replaced a stream's status by its own INTERNAL: it does when a request
-    write races the server's end of the stream (grpc/grpc issue 36066), so a stream the server
+    write races the server's end of the stream (a fault of grpc.aio's own), so a stream the server
     ended with UNAVAILABLE or NOT_FOUND may report "Internal error from Core" instead."""
     return e.code() == grpc.StatusCode.INTERNAL and e.details() == "Internal error from Core"
 
@@ -149,7 +149,7 @@ class MoEClient(C.Connection, AioClient):
                 threshold=threshold, batch_gating=batch_gating, k_batch=k_batch, dtype=dtype,
                 request_id=request_id, return_info=return_info, copy=copy,
                 transport=transport or self.transport, out=out, regions=self._session.regions))
-            self.transport_calls[call.transport] += 1
+            C.count(self, call.transport)
             try:
                 reply = await self._unary(self._forward, call.payload, timeout)
             except (MoEError, asyncio.CancelledError) as e:
@@ -176,7 +176,7 @@ class MoEClient(C.Connection, AioClient):
         """moed.MoEClient.forward_stream as an async generator: `requests` is an async iterable
         (or a plain iterable) of dicts of forward()'s keyword arguments; yields the outputs in
         order. Use `async for y in c.forward_stream(requests)`."""
-        source = requests.__aiter__() if hasattr(requests, "__aiter__") else iter(requests)
+        source = requests.__aiter__() if hasattr(requests, "__aiter__") else C.requests_of(requests)
         feed = C.Feed(source, transport or self.transport, self._session.regions)
         pull_lock = asyncio.Lock()
         deadline = self._deadline(timeout)
@@ -239,7 +239,7 @@ class MoEClient(C.Connection, AioClient):
                         except Exception as e:  # a bad item: raised in order
                             feed.stop(e)
                             return
-                        self.transport_calls[call.transport] += 1
+                        C.count(self, call.transport)
                         payload = feed.pulled(call)
             if payload is C.STALE:
                 return

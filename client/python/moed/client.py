@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator, List, Optional
 import grpc
 
 from . import _common as C
+from .handover import Desk
 from .interface import Client
 from .regions import LIMITS, LISTING, Registration, Steps
 from .targets import single
@@ -122,9 +123,9 @@ class MoEClient(C.Connection, Client):
     transport carried; the region session behind shm and cuda is opened on first use and ended
     by close() (moed.regions).
 
-    MoEClient talks to one daemon: a list of targets raises TypeError and a "dns:" name that
-    resolves to several addresses ValueError, each pointing to moed.connect, which makes a fleet
-    client (moed.FleetClient) of several daemons and this client of one.
+    MoEClient talks to one daemon: a list of targets, or a "dns:" name that resolves to several
+    addresses, raises InvalidArgument pointing to moed.connect, which makes a fleet client
+    (moed.FleetClient) of several daemons and this client of one.
     """
 
     def __init__(self, target: str = "127.0.0.1:50051", *args, **kwargs):
@@ -183,11 +184,12 @@ class MoEClient(C.Connection, Client):
         hidden: a numpy array, a torch tensor (CPU or CUDA), or another object with __dlpack__ on
         the host; float32, float16 or bfloat16 (numpy: ml_dtypes.bfloat16), or uint16 bf16 bit
         patterns with dtype="bf16" (the output is then uint16 too). The output is a numpy array
-        (torch tensor in: a torch tensor on the same device). It is a view of the reply's bytes:
-        read-only for numpy; copy=True gives one that owns its memory (moed.tensors says what
-        each kind costs). A non-contiguous hidden is copied once. On the shm transport the output
-        is a view of the client's shared-memory arena instead, valid as long as it is referenced
-        (moed.regions); a CUDA output is a new tensor on hidden's device.
+        (torch tensor in: a torch tensor on the same device). A numpy output is a read-only view
+        of the reply's bytes (copy=True gives one that owns its memory), a torch one memory of its
+        own (moed.tensors says what each kind costs). A non-contiguous hidden is copied once. On
+        the shm transport the output is a view of the client's shared-memory arena instead (torch:
+        writable), valid as long as it is referenced (moed.regions); a CUDA output is a new tensor
+        on hidden's device.
         Routing, one of:
           * expert_ids int32 [T, k] and expert_weights float32 [T, k] (id -1 with weight 0 pads);
           * router_logits float32 [T, num_experts], gated by the server with `strategy`;
@@ -203,7 +205,8 @@ class MoEClient(C.Connection, Client):
         returned; a CUDA out that lies in a registered tensor (register()) is written by the
         server itself, and with hidden registered too the call copies nothing.
         timeout: seconds, None for the client's default.
-        Raises MoEError on a failed call and ValueError on arguments that cannot be sent.
+        Raises MoEError: the server's status, or the client's own (moed.types.MoEError says which),
+        INVALID_ARGUMENT for arguments that cannot be sent, found before anything is sent.
         """
         for again in (False, True):
             call = self._session.run(C.prepare_forward(
@@ -212,7 +215,7 @@ class MoEClient(C.Connection, Client):
                 threshold=threshold, batch_gating=batch_gating, k_batch=k_batch, dtype=dtype,
                 request_id=request_id, return_info=return_info, copy=copy,
                 transport=transport or self.transport, out=out, regions=self._session.regions))
-            self.transport_calls[call.transport] += 1
+            C.count(self, call.transport)
             try:
                 reply = self._unary(self._forward, call.payload, timeout)
             except MoEError as e:
@@ -247,39 +250,55 @@ class MoEClient(C.Connection, Client):
         """forward() over one ForwardStream, for workers that call every layer: `requests` is an
         iterable of dicts of forward()'s keyword arguments (layer and hidden required; not
         timeout), consumed as the stream sends; yields each output (or ForwardResult) in order, as
-        forward() returns it. A bad item raises its ValueError after the outputs before it.
+        forward() returns it. A bad item raises its InvalidArgument after the outputs before it.
         timeout covers the whole stream. A stream failing UNAVAILABLE is retried: the requests not
         yet answered are sent again on a new stream (the retry count restarts with each reply).
         Stopping the iteration early cancels the stream.
+        The iterable is pulled by gRPC's request thread (so a generator may wait for the outputs
+        before it: a queue the loop feeds works), but each item is prepared, its tensors read, on
+        the thread iterating this generator while it waits for an output, as forward() would
+        read them there: a CUDA tensor after the work queued on that thread's current stream.
+        Keep the stream that wrote the tensors current while iterating (moed.handover).
         """
-        feed = C.Feed(iter(requests), transport or self.transport, self._session.regions)
+        feed = C.Feed(C.requests_of(requests), transport or self.transport, self._session.regions)
+        desk = Desk(lambda item: self._prepare_item(feed, item))
         pull_lock = threading.Lock()
         deadline = self._deadline(timeout)
         failures = 0
-        while True:
-            call = self._stream(self._requests(feed, pull_lock), timeout=C.remaining(deadline),
-                                metadata=self._metadata)
-            try:
-                for reply in call:
-                    failures = 0
-                    yield feed.answer(reply)
-                break
-            except grpc.RpcError as e:
-                failures += 1
-                wait = self.retry.delay(failures, e.code(), time.monotonic(), deadline)
-                if wait is None:
-                    feed.abandon(e.code().name)
-                    raise C.rpc_error(e, failures) from None
-            except GeneratorExit:
-                feed.abandon("CANCELLED")
-                raise
-            finally:
-                call.cancel()  # a no-op once the stream ended; stops it if the caller stopped early
-            time.sleep(wait)
-        feed.end()
+        try:
+            while True:
+                call = self._stream(self._requests(feed, pull_lock, desk), timeout=C.remaining(deadline),
+                                    metadata=self._metadata)
+                try:
+                    for reply in desk.replies(call):
+                        failures = 0
+                        yield feed.answer(reply)
+                    break
+                except grpc.RpcError as e:
+                    failures += 1
+                    wait = self.retry.delay(failures, e.code(), time.monotonic(), deadline)
+                    if wait is None:
+                        feed.abandon(e.code().name)
+                        raise C.rpc_error(e, failures) from None
+                except GeneratorExit:
+                    feed.abandon("CANCELLED")
+                    raise
+                finally:
+                    call.cancel()  # a no-op once the stream ended; stops it if the caller stopped early
+                time.sleep(wait)
+            feed.end()
+        finally:
+            desk.close()
 
-    def _requests(self, feed: C.Feed, pull_lock: threading.Lock) -> Iterator[bytes]:
-        """The payloads of one attempt of a stream (gRPC iterates this on its own thread)."""
+    def _prepare_item(self, feed: C.Feed, item: Any) -> C.Call:
+        """A stream's item prepared (on the thread iterating the stream) and counted."""
+        call = self._session.run(feed.steps(item))
+        C.count(self, call.transport)
+        return call
+
+    def _requests(self, feed: C.Feed, pull_lock: threading.Lock, desk: Desk) -> Iterator[bytes]:
+        """The payloads of one attempt of a stream (gRPC iterates this on its own thread; each item
+        it pulls is prepared at the desk)."""
         attempt, seq = feed.start()
         while True:
             payload = feed.payload(attempt, seq)
@@ -298,11 +317,12 @@ class MoEClient(C.Connection, Client):
                             feed.stop(e)
                             return
                         try:
-                            call = self._session.run(feed.steps(item))
+                            call = desk.hand_over(item)
                         except Exception as e:  # a bad item: raised in order
                             feed.stop(e)
                             return
-                        self.transport_calls[call.transport] += 1
+                        if call is None:  # the iteration has ended
+                            return
                         payload = feed.pulled(call)
             if payload is C.STALE:
                 return

@@ -60,7 +60,7 @@ from . import fleet_plan as P
 from .client import MoEClient
 from .interface import Client
 from .regions import Registration
-from .retry import NO_RETRY, RetryPolicy
+from .retry import RetryPolicy
 from .targets import Names, member_kwargs, members
 from .transport import known
 from .types import ModelInfo, MoEError, Region
@@ -77,7 +77,7 @@ def probe_wait(deadline: Optional[float]) -> float:
 
 def stream_items(requests: Iterable[dict]) -> Iterator[dict]:
     """forward_stream()'s items, checked as a single daemon's stream checks them."""
-    for item in requests:
+    for item in C.requests_of(requests):
         C.check_item(item)
         yield item
 
@@ -93,7 +93,8 @@ class FleetBase:
                  retry: Optional[RetryPolicy], transport: str):
         known(transport)  # shm and cuda: each call refuses them
         kw = dict(credentials=credentials, token=token, options=options, keepalive=keepalive)
-        self.target, self.timeout, self.retry, self.transport = target, timeout, retry or NO_RETRY, transport
+        self.target, self.transport = target, transport
+        self.timeout, self.retry = C.seconds(timeout, "timeout"), C.retry_policy(retry)
         self.transport_calls = {"inline": 0, "shm": 0, "cuda": 0}
         self._make = lambda t: single(t, **member_kwargs(t, target, kw))
         self._names = Names(target)
@@ -104,7 +105,7 @@ class FleetBase:
 
     def _prepare(self, layer: int, hidden: Any, transport: Optional[str], **kw) -> C.Call:
         call = C.now(C.prepare_forward(layer, hidden, transport=P.inline(transport or self.transport), **kw))
-        self.transport_calls["inline"] += 1
+        C.count(self, call.transport)
         return call
 
     def _try_plan(self, layer: int) -> Tuple[Optional[List[P.Shard]], Optional[MoEError]]:

@@ -15,10 +15,10 @@ them its own way (a Driver, blocking or awaiting).
 Host arena: POSIX shared memory the client creates (/dev/shm/moed-py-PID-RANDOM, mode 0600; so
 Linux), registered with the server's challenge and unlinked at once, so a client that dies leaves
 no name behind. A call copies hidden into a slot (the one copy), the server computes in place and
-writes the output over it, and the output is a read-only view of the slot. A slot is reused only
-once nothing references its output (the array, or anything made from it, keeps it): an output
-stays valid as long as it lives, across later calls and after close(). copy=True copies it out and
-frees the slot at once.
+writes the output over it, and the output is a view of the slot (read-only for numpy; torch's is
+writable: the slot is the output's while it lives). A slot is reused only once nothing references
+its output (the array, or anything made from it, keeps it): an output stays valid as long as it
+lives, across later calls and after close(). copy=True copies it out and frees the slot at once.
 
 Device arena, one per CUDA device: device memory of its own (cuMemAlloc, seen by torch as a uint8
 tensor through __cuda_array_interface__), registered by CUDA IPC handle, all through the CUDA
@@ -68,7 +68,7 @@ from typing import Any, Dict, Generator, List, Optional, Tuple
 
 import numpy as np
 
-from .types import MoEError
+from .types import InvalidArgument, MoEError, local_failure
 
 ALIGN = 256  # slot offsets and sizes: any dtype's alignment, and a GPU cache line
 MIB = 1 << 20
@@ -179,7 +179,10 @@ class HostChunk(Chunk):
     def __init__(self, size: int):
         self.name = f"/moed-py-{os.getpid()}-{secrets.token_hex(8)}"
         path = "/dev/shm" + self.name
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        except OSError as e:  # no /dev/shm, no descriptor left
+            raise self.failure(e, size) from e
         try:
             os.ftruncate(fd, size)
             # The pages now, or ENOSPC now: a tmpfs that fills later (a container's 64 MiB
@@ -188,15 +191,18 @@ class HostChunk(Chunk):
             self.map = mmap.mmap(fd, size)
         except OSError as e:
             os.unlink(path)
-            raise OSError(e.errno, f"cannot make {size} bytes of shared memory in /dev/shm "
-                                   f"({e.strerror}): enlarge it (docker run --shm-size) or use "
-                                   f"transport='inline'") from None
+            raise self.failure(e, size) from e
         except BaseException:
             os.unlink(path)
             raise
         finally:
             os.close(fd)
         super().__init__(size)
+
+    @staticmethod
+    def failure(e: OSError, size: int) -> MoEError:
+        return local_failure(e, f"cannot make {size} bytes of shared memory in /dev/shm ({e.strerror}): "
+                                f"enlarge it (docker run --shm-size) or use transport='inline'")
 
     def register(self) -> Steps:
         """The two steps: the server maps it and answers a challenge, written here, then confirmed."""
@@ -285,12 +291,13 @@ class Slot:
         self.chunk.pool.give(self.off, self.n)
         self.arena.ended(self.chunk)
 
-    def lent(self) -> np.ndarray:
-        """A read-only host view of the slot that gives it back when the last array made from it
-        is dropped (host chunks). numpy makes `a` the base of every view made from it (its own base
-        is the mapping, not an array, so the chain of bases stops there), and torch.frombuffer holds
-        it: the slot is in use exactly as long as something can see it."""
-        a = self.chunk.bytes_at(self.off, self.n, False)
+    def lent(self, writable: bool = False) -> np.ndarray:
+        """A host view of the slot (read-only unless `writable`: the server is done writing it, and
+        nothing else will until it is given back) that gives it back when the last array made from
+        it is dropped (host chunks). numpy makes `a` the base of every view made from it (its own
+        base is the mapping, not an array, so the chain of bases stops there), and torch.frombuffer
+        holds it: the slot is in use exactly as long as something can see it."""
+        a = self.chunk.bytes_at(self.off, self.n, writable)
         weakref.finalize(a, self.chunk.pool.give, self.off, self.n)
         self.arena.ended(self.chunk)
         return a
@@ -492,10 +499,10 @@ class Regions:
     def register(self, tensor: Any) -> Steps:
         """Registers a caller's CUDA tensor; returns its Registration."""
         if type(tensor).__module__.split(".")[0] != "torch" or tensor.device.type != "cuda":
-            raise ValueError("register() takes a torch CUDA tensor (host tensors go through the "
-                             "client's shared-memory arena)")
+            raise InvalidArgument("register() takes a torch CUDA tensor (host tensors go through "
+                                  "the client's shared-memory arena)")
         if not self.local:
-            raise ValueError(remote_message("register()", self.target))
+            raise InvalidArgument(remote_message("register()", self.target))
         command, base = cuda_command(tensor.data_ptr(), tensor.device.index)
         alloc = next((a for a in self.allocations if a.device == tensor.device.index and a.base == base),
                      None)
@@ -509,6 +516,8 @@ class Regions:
 
     def unregister(self, reg: Registration) -> Steps:
         """Ends a registration made by register(); the region goes with the last in its allocation."""
+        if not isinstance(reg, Registration):
+            raise InvalidArgument(f"unregister() takes what register() returned, not {type(reg).__name__}")
         alloc = reg.allocation
         i = next((i for i, t in enumerate(alloc.tensors) if t is reg.tensor), None)
         if i is not None:
@@ -537,13 +546,17 @@ class _CUipcMemHandle(ctypes.Structure):
 
 
 _driver: Any = None
+_CUDA_ERROR_OUT_OF_MEMORY = 2
 
 
 def _cuda() -> Any:
     """libcuda, loaded once (the driver is there wherever torch sees a GPU)."""
     global _driver
     if _driver is None:
-        lib = ctypes.CDLL("libcuda.so.1")
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise local_failure(e, f"no CUDA driver: libcuda.so.1 cannot be loaded ({e})") from e
         u64, p = ctypes.c_uint64, ctypes.POINTER
         for name, args in (("cuInit", [ctypes.c_uint]), ("cuDeviceGet", [p(ctypes.c_int), ctypes.c_int]),
                            ("cuDeviceGetUuid_v2", [p(_CUuuid), ctypes.c_int]),
@@ -567,7 +580,8 @@ def _check(rc: int, what: str) -> None:
         _cuda().cuGetErrorName(rc, ctypes.byref(name))
         hint = (" (torch's expandable segments allocate memory without IPC handles: unset "
                 "expandable_segments in PYTORCH_CUDA_ALLOC_CONF)" if what == "cuIpcGetMemHandle" else "")
-        raise MoEError("FAILED_PRECONDITION", f"{what}: {(name.value or b'?').decode()} ({rc}){hint}")
+        code = "RESOURCE_EXHAUSTED" if rc == _CUDA_ERROR_OUT_OF_MEMORY else "FAILED_PRECONDITION"
+        raise MoEError(code, f"{what}: {(name.value or b'?').decode()} ({rc}){hint}")
 
 
 def _in_context(device: int, fn) -> Any:

@@ -8,11 +8,15 @@ request or the deadline that another attempt would not change.
 
 from __future__ import annotations
 
+import math
+import numbers
 import random
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import grpc
+
+from .types import InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -35,12 +39,16 @@ class RetryPolicy:
     multiplier: float = 2.0
 
     def __post_init__(self) -> None:
+        for name in ("max_attempts", "initial_backoff", "max_backoff", "multiplier"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+                raise InvalidArgument(f"{name} = {value!r}: give a number")
         if self.max_attempts < 1:
-            raise ValueError(f"max_attempts = {self.max_attempts}: at least 1 (the first attempt)")
+            raise InvalidArgument(f"max_attempts = {self.max_attempts}: at least 1 (the first attempt)")
         if not (self.initial_backoff > 0 and self.max_backoff >= self.initial_backoff):
-            raise ValueError("backoffs must satisfy 0 < initial_backoff <= max_backoff")
+            raise InvalidArgument("backoffs must satisfy 0 < initial_backoff <= max_backoff")
         if not self.multiplier >= 1:
-            raise ValueError(f"multiplier = {self.multiplier}: at least 1")
+            raise InvalidArgument(f"multiplier = {self.multiplier}: at least 1")
 
     def delay(self, failures: int, code: Optional[grpc.StatusCode], now: float, deadline: Optional[float],
               took: float = 0.0, rand: Callable[[], float] = random.random) -> Optional[float]:

@@ -11,24 +11,23 @@ from typing import Any, Dict, List, Tuple
 
 from .fleet_plan import DOWN_MAX, DOWN_MIN, RESOLVE_EVERY, Member
 from .retry import NO_RETRY
+from .types import InvalidArgument, MoEError
 
 
 def resolve(target: Any) -> List[str]:
     """The daemons a target names: a list or tuple of targets (each resolved in turn), a "dns:"
     name (one target per address it resolves to; itself when it resolves to one), or any other
-    gRPC target (itself)."""
+    gRPC target (itself). InvalidArgument for what is no target; MoEError UNAVAILABLE for a "dns:"
+    name that does not resolve (now)."""
     if not isinstance(target, str):
-        out = [t for one in target for t in resolve(one)]
-        if not out:
-            raise ValueError("the target list is empty: name at least one daemon")
-        return out
+        return [t for one in leaves(target) for t in resolve(one)]
     if not target.startswith("dns:"):
         return [target]
     host, port = dns_host_port(target)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
-        raise ValueError(f"{target}: {host} does not resolve ({e})") from None
+        raise MoEError("UNAVAILABLE", f"{target}: {host} does not resolve ({e})") from None
     addrs = sorted({(fam, sa[0]) for fam, _, _, _, sa in infos})
     if len(addrs) == 1:
         return [target]
@@ -47,11 +46,11 @@ def dns_host_port(target: str) -> Tuple[str, int]:
     else:
         host, _, port = rest.rpartition(":") if rest.count(":") == 1 else (rest, "", "")
     if not host:
-        raise ValueError(f"{target}: no host name (use dns:///NAME:PORT)")
+        raise InvalidArgument(f"{target}: no host name (use dns:///NAME:PORT)")
     try:
         return host, int(port) if port else 443
     except ValueError:
-        raise ValueError(f"{target}: port {port!r} is not a number") from None
+        raise InvalidArgument(f"{target}: port {port!r} is not a number") from None
 
 
 def is_fleet(target: Any) -> bool:
@@ -62,7 +61,7 @@ def is_fleet(target: Any) -> bool:
         return False
     try:
         return len(resolve(target)) > 1
-    except ValueError:
+    except MoEError:
         return False
 
 
@@ -72,7 +71,19 @@ def one(target: Any) -> str:
 
 
 def leaves(target: Any) -> List[str]:
-    return [target] if isinstance(target, str) else [t for one in target for t in leaves(one)]
+    """The targets a target lists, "dns:" names unresolved; InvalidArgument for what is neither a
+    str nor a list of them, and for a list of none."""
+    if isinstance(target, str):
+        return [target]
+    try:
+        parts = list(target)
+    except TypeError:
+        raise InvalidArgument(f"a target is a str (\"HOST:PORT\", \"unix:/PATH\", \"dns:///NAME:PORT\") "
+                              f"or a list of them, not {type(target).__name__}") from None
+    out = [t for one in parts for t in leaves(one)]
+    if not out:
+        raise InvalidArgument("the target list is empty: name at least one daemon")
+    return out
 
 
 class Names:
@@ -93,7 +104,7 @@ class Names:
         for n in self.names:
             try:
                 out += resolve(n)
-            except ValueError:  # a name that does not resolve now holds nobody
+            except MoEError:  # a name that does not resolve now holds nobody
                 pass
         return out
 
@@ -132,14 +143,15 @@ def members(target: Any, make) -> List[Member]:
 
 def single(target: Any, client: str, connect: str) -> str:
     """target, checked to name one daemon for a client of one (`client`, made by `connect` for a
-    fleet): TypeError for a list, ValueError for a "dns:" name of several addresses."""
+    fleet): InvalidArgument for a list or a "dns:" name of several addresses."""
     if not isinstance(target, str):
-        raise TypeError(f"{client} talks to one daemon, and its target is a {type(target).__name__}: "
-                        f"{connect}(targets) makes the client several targets need (a fleet client, "
-                        f"or this one for a list of one)")
+        raise InvalidArgument(f"{client} talks to one daemon, and its target is a {type(target).__name__}: "
+                              f"{connect}(targets) makes the client several targets need (a fleet "
+                              f"client, or this one for a list of one)")
     if target.startswith("dns:") and is_fleet(target):
         daemons = resolve(target)
-        raise ValueError(f"{target} names {len(daemons)} daemons ({', '.join(daemons)}) and {client} "
-                         f"talks to one: {connect}({target!r}) makes a fleet client of them; "
-                         f"\"HOST:PORT\" without \"dns:\" is one channel to one of its addresses")
+        raise InvalidArgument(f"{target} names {len(daemons)} daemons ({', '.join(daemons)}) and "
+                              f"{client} talks to one: {connect}({target!r}) makes a fleet client of "
+                              f"them; \"HOST:PORT\" without \"dns:\" is one channel to one of its "
+                              f"addresses")
     return target

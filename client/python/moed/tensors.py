@@ -10,12 +10,13 @@ by whoever made the tensor, is taken from sys.modules.
 Copies, on the inline transport: a contiguous little-endian host tensor is read where it lies
 (wire.py writes its bytes into the message: the one copy); a non-contiguous one is first made
 contiguous (one more copy, on the tensor's own device); a CUDA tensor is copied to the host once.
-The output is a view of the reply's bytes: numpy arrays are read-only views (copy=True gives a
-writable array of their own); torch CPU tensors share the reply's buffer too (torch has no
-read-only tensors: nothing else uses that buffer, but pass copy=True for a tensor that owns its
-memory); CUDA outputs are one host-to-device copy. On the shm transport the one copy is into the
-client's shared memory (write(), from any layout or device) and the output views that memory
-instead of the reply; the cuda transport is moed.transport's and moed.regions' business.
+The output: numpy arrays are read-only views of the reply's bytes (copy=True gives a writable
+array of their own); torch tensors, which cannot be read-only, are memory of their own, one copy
+out of the reply (copy=True adds none); CUDA outputs are one host-to-device copy. An out= is
+written once, from the reply's bytes. On the shm transport the one copy in is into the client's
+shared memory (write(), from any layout or device) and the output views the memory the server
+wrote it to, the client's while the output lives (read-only for numpy, writable for torch); the
+cuda transport is moed.transport's and moed.regions' business.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .types import DTYPES, MoEError, dtype_name, name_of
+from .types import DTYPES, InvalidArgument, MoEError, dtype_name, name_of
 
 F32, F16, BF16, I32 = DTYPES["f32"], DTYPES["f16"], DTYPES["bf16"], DTYPES["i32"]
 # numpy dtype of each wire dtype: little-endian, bf16 as its uint16 bit pattern.
@@ -57,13 +58,14 @@ def _wire_dtype(name: str, dtype: Optional[str], what: str) -> int:
     """The wire dtype of a hidden tensor whose dtype is called `name` ("float32", "uint16", ...)."""
     if name == "uint16":
         if dtype is None or dtype_name(dtype) != "bf16":
-            raise ValueError(f"{what} is a uint16 array: pass dtype='bf16' if it holds bf16 bit patterns")
+            raise InvalidArgument(f"{what} is a uint16 array: pass dtype='bf16' if it holds bf16 bit "
+                                  f"patterns")
         return BF16
     if name not in _HIDDEN:
-        raise ValueError(f"{what} has dtype {name}: use float32, float16 or bfloat16 (numpy: "
-                         f"ml_dtypes.bfloat16, or uint16 bf16 bits with dtype='bf16')")
+        raise InvalidArgument(f"{what} has dtype {name}: use float32, float16 or bfloat16 (numpy: "
+                              f"ml_dtypes.bfloat16, or uint16 bf16 bits with dtype='bf16')")
     if dtype is not None and dtype_name(dtype) != _HIDDEN[name]:
-        raise ValueError(f"dtype={dtype!r} does not match {what}'s dtype {name}")
+        raise InvalidArgument(f"dtype={dtype!r} does not match {what}'s dtype {name}")
     return DTYPES[_HIDDEN[name]]
 
 
@@ -71,13 +73,13 @@ def _from_dlpack(x: Any, what: str) -> np.ndarray:
     """A host __dlpack__ object as a numpy array over its memory."""
     device = x.__dlpack_device__() if hasattr(x, "__dlpack_device__") else (_KDL_CPU, 0)
     if int(device[0]) != _KDL_CPU:
-        raise ValueError(f"{what} is a DLPack tensor on device {tuple(device)}, not on the host: pass a "
-                         f"torch tensor (CUDA works) or copy it to the host first")
+        raise InvalidArgument(f"{what} is a DLPack tensor on device {tuple(device)}, not on the host: "
+                              f"pass a torch tensor (CUDA works) or copy it to the host first")
     try:
         return np.from_dlpack(x)
     except (BufferError, RuntimeError, TypeError) as e:
-        raise ValueError(f"{what}: numpy cannot read this __dlpack__ object ({e}); pass a numpy "
-                         f"array or a torch tensor") from None
+        raise InvalidArgument(f"{what}: numpy cannot read this __dlpack__ object ({e}); pass a "
+                              f"numpy array or a torch tensor") from None
 
 
 def wire_tensor(a: np.ndarray, wire: int) -> Dict[str, Any]:
@@ -100,6 +102,9 @@ class Input:
     host (host()), and how to make an output like it (output()). obj is the caller's tensor."""
 
     __slots__ = ("obj", "wire", "shape")
+    # Whether a view of memory the client lends an output (a shared-memory slot) must be writable:
+    # numpy's can be read-only, torch has no read-only tensors.
+    writable_views = False
 
     def __init__(self, obj: Any, wire: int, shape: Tuple[int, ...]):
         self.obj, self.wire, self.shape = obj, wire, shape
@@ -123,16 +128,14 @@ class Input:
         raise NotImplementedError
 
     def check_out(self, out: Any) -> None:
-        """ValueError unless `out` can take the output: of the input's kind, dtype, shape (and
+        """InvalidArgument unless `out` can take the output: of the input's kind, dtype, shape (and
         device), C-contiguous and writable."""
         raise NotImplementedError
 
-    def into(self, out: Any, y: Any) -> Any:
-        """Copies output y into out (checked); returns out."""
-        raise NotImplementedError
-
-    def output(self, data: memoryview, shape: Sequence[int], copy: bool) -> Any:
-        """An output of the input's kind from the reply's bytes (already checked against shape)."""
+    def output(self, data: Any, shape: Sequence[int], copy: bool, out: Any = None) -> Any:
+        """An output of the input's kind from its bytes (already checked against shape): the
+        reply's (read-only), or a slot of shared memory lent to it (writable if writable_views),
+        which the output may view; written into `out` (checked) when given, and returned."""
         raise NotImplementedError
 
 
@@ -152,26 +155,24 @@ class NumpyInput(Input):
     def check_out(self, out: Any) -> None:
         if not (isinstance(out, np.ndarray) and out.dtype == self.obj.dtype and out.shape == self.shape
                 and out.flags.c_contiguous and out.flags.writeable):
-            raise ValueError(f"out must be a writable C-contiguous numpy array of hidden's dtype "
-                             f"{self.obj.dtype} and shape {list(self.shape)}")
+            raise InvalidArgument(f"out must be a writable C-contiguous numpy array of hidden's "
+                                  f"dtype {self.obj.dtype} and shape {list(self.shape)}")
 
-    def into(self, out: Any, y: Any) -> Any:
-        np.copyto(out, y)
-        return out
-
-    def output(self, data: memoryview, shape: Sequence[int], copy: bool) -> np.ndarray:
+    def output(self, data: Any, shape: Sequence[int], copy: bool, out: Any = None) -> np.ndarray:
         like = self.obj.dtype if self.wire == BF16 else self.obj.dtype.newbyteorder("=")
         a = wire_view(data, self.wire, shape)
-        if _BIG_ENDIAN:
-            return a.astype(like)
-        a = a.view(like)
-        return a.copy() if copy else a
+        y = a.astype(like) if _BIG_ENDIAN else a.view(like)  # big-endian: converted, a copy
+        if out is not None:
+            np.copyto(out, y)
+            return out
+        return y.copy() if copy and not _BIG_ENDIAN else y
 
 
 class TorchInput(Input):
     """A torch tensor on the CPU or a CUDA device; the output is a torch tensor on that device."""
 
     __slots__ = ()
+    writable_views = True
 
     def host(self) -> np.ndarray:
         t = self.obj.detach()
@@ -195,16 +196,15 @@ class TorchInput(Input):
     def check_out(self, out: Any) -> None:
         if not (is_torch(out) and out.dtype == self.obj.dtype and tuple(out.shape) == self.shape
                 and out.device == self.obj.device and out.is_contiguous()):
-            raise ValueError(f"out must be a contiguous torch tensor of hidden's dtype {self.obj.dtype}, "
-                             f"shape {list(self.shape)} and device {self.obj.device}")
+            raise InvalidArgument(f"out must be a contiguous torch tensor of hidden's dtype "
+                                  f"{self.obj.dtype}, shape {list(self.shape)} and device "
+                                  f"{self.obj.device}")
 
-    def into(self, out: Any, y: Any) -> Any:
-        return out.copy_(y)
-
-    def output(self, data: memoryview, shape: Sequence[int], copy: bool) -> Any:
+    def output(self, data: Any, shape: Sequence[int], copy: bool, out: Any = None) -> Any:
         torch = sys.modules["torch"]
         dtype, shape = self.obj.dtype, tuple(shape)
         a = wire_view(data, self.wire, shape)
+        own = True  # whether `host` is memory of its own
         if a.size == 0:
             host = torch.empty(shape, dtype=dtype)
         elif _BIG_ENDIAN:  # torch holds native byte order: convert (a copy)
@@ -212,12 +212,23 @@ class TorchInput(Input):
             host = torch.from_numpy(a.view(np.int16) if self.wire == BF16 else a).view(dtype)
         else:
             with warnings.catch_warnings():
-                # torch warns that the buffer is read-only; the module's docstring says what that means.
+                # torch warns of a read-only buffer: the reply's bytes are only read (below)
                 warnings.simplefilter("ignore", UserWarning)
                 host = torch.frombuffer(data, dtype=dtype).view(shape)
+            own = not memoryview(data).readonly  # a slot lent writable: the output's own
+        if out is not None:
+            return out.copy_(host)
         if self.obj.device.type != "cpu":
             return torch.empty(shape, dtype=dtype, device=self.obj.device).copy_(host)
-        return host.clone() if copy else host
+        # The reply's bytes are an immutable object: an in-place op on a view would write into it.
+        return host.clone() if copy or not own else host
+
+
+def _asarray(x: Any, what: str) -> np.ndarray:
+    try:
+        return np.asarray(x)
+    except (TypeError, ValueError) as e:  # ragged nested lists, objects numpy refuses
+        raise InvalidArgument(f"{what} is no array numpy can read: {e}") from None
 
 
 def hidden_input(x: Any, dtype: Optional[str] = None, what: str = "hidden") -> Input:
@@ -226,23 +237,29 @@ def hidden_input(x: Any, dtype: Optional[str] = None, what: str = "hidden") -> I
         inp: Input = TorchInput(x, _wire_dtype(str(x.dtype).rpartition(".")[2], dtype, what), tuple(x.shape))
     else:
         if not isinstance(x, np.ndarray):
-            x = _from_dlpack(x, what) if hasattr(x, "__dlpack__") else np.asarray(x)
+            x = _from_dlpack(x, what) if hasattr(x, "__dlpack__") else _asarray(x, what)
         inp = NumpyInput(x, _wire_dtype(_np_name(x.dtype), dtype, what), x.shape)
     if len(inp.shape) != 2:
-        raise ValueError(f"{what} must be [T, d_model], not shape {list(inp.shape)}")
+        raise InvalidArgument(f"{what} must be [T, d_model], not shape {list(inp.shape)}")
     return inp
 
 
 def host_array(x: Any, wire: int, what: str) -> np.ndarray:
     """A routing tensor (ids, weights, logits) as a C-contiguous little-endian host array of the
-    wire dtype's numpy type; converted from any dtype, copied from any device."""
-    if type(x) is np.ndarray:
-        return x.astype(WIRE_NP[wire], order="C", copy=False)
-    if is_torch(x):
-        t = x.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        x = t.float().numpy() if str(t.dtype) == "torch.bfloat16" else t.numpy()
-    elif not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__"):
-        x = _from_dlpack(x, what)
-    return np.asarray(x).astype(WIRE_NP[wire], order="C", copy=False)
+    wire dtype's numpy type; converted from any dtype, copied from any device; InvalidArgument for
+    what holds no such numbers."""
+    try:
+        if type(x) is np.ndarray:
+            return x.astype(WIRE_NP[wire], order="C", copy=False)
+        if is_torch(x):
+            t = x.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            x = t.float().numpy() if str(t.dtype) == "torch.bfloat16" else t.numpy()
+        elif not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__"):
+            x = _from_dlpack(x, what)
+        return np.asarray(x).astype(WIRE_NP[wire], order="C", copy=False)
+    except InvalidArgument:
+        raise
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"{what} cannot be read as {name_of(DTYPES, wire)} numbers: {e}") from None

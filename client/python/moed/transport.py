@@ -31,7 +31,7 @@ from typing import Any, Dict, Optional
 
 from .regions import LIMITS, Regions, Slot, Steps, remote_message
 from .tensors import Input, wire_tensor
-from .types import MoEError
+from .types import InvalidArgument, MoEError
 
 NAMES = ("auto", "inline", "shm", "cuda")
 SHM_MIN_BYTES = 64 << 10  # auto's least hidden for shared memory (mixtral's d 4096 in bf16: T = 8)
@@ -52,8 +52,7 @@ class Prepared:
         self.input, self.tensor, self.output, self.out = inp, tensor, output, out
 
     def finish(self, reply_tensor: Dict[str, Any], copy: bool) -> Any:
-        y = self.input.output(reply_tensor["data"], reply_tensor["shape"], copy and self.out is None)
-        return y if self.out is None else self.input.into(self.out, y)
+        return self.input.output(reply_tensor["data"], reply_tensor["shape"], copy, self.out)
 
     def failed(self, code_name: str) -> None:
         pass
@@ -77,8 +76,8 @@ class HostPrepared(Prepared):
 
     def finish(self, reply_tensor: Dict[str, Any], copy: bool) -> Any:
         self._check_ref(reply_tensor)
-        y = self.input.output(self.slot.lent(), reply_tensor["shape"], copy and self.out is None)
-        return y if self.out is None else self.input.into(self.out, y)
+        lent = self.slot.lent(self.input.writable_views)
+        return self.input.output(lent, reply_tensor["shape"], copy, self.out)
 
     def failed(self, code_name: str) -> None:
         self.slot.failed(code_name)
@@ -118,9 +117,9 @@ class DevicePrepared(Prepared):
 
 
 def known(name: str) -> str:
-    """name, checked to be one of NAMES (ValueError otherwise)."""
+    """name, checked to be one of NAMES (InvalidArgument otherwise)."""
     if name not in NAMES:
-        raise ValueError(f"unknown transport {name!r}: use {', '.join(NAMES)}")
+        raise InvalidArgument(f"unknown transport {name!r}: use {', '.join(NAMES)}")
     return name
 
 
@@ -140,7 +139,7 @@ def shm(inp: Input, regions: Regions, out: Any) -> Steps:
 
 def cuda(inp: Input, regions: Regions, out: Any) -> Steps:
     if not inp.cuda:
-        raise ValueError("transport='cuda' takes torch CUDA tensors: hidden is on the host (use shm)")
+        raise InvalidArgument("transport='cuda' takes torch CUDA tensors: hidden is on the host (use shm)")
     torch, x = sys.modules["torch"], inp.obj.detach()
     ref = yield from regions.registered(x)
     out_ref = None if out is None else (yield from regions.registered(out))
@@ -163,7 +162,8 @@ def cuda(inp: Input, regions: Regions, out: Any) -> Steps:
 
 def prepare(name: str, inp: Input, regions: Regions, out: Any = None) -> Steps:
     """Steps (moed.regions) that return the Prepared of input `inp` on transport `name` (one of
-    NAMES); ValueError for a transport that cannot carry it, MoEError for one the server refuses."""
+    NAMES); InvalidArgument for a transport that cannot carry it, another MoEError for one that
+    cannot be had (the server refuses it, or no shared memory)."""
     known(name)
     if out is not None:
         inp.check_out(out)
@@ -171,7 +171,7 @@ def prepare(name: str, inp: Input, regions: Regions, out: Any = None) -> Steps:
                                                 (not inp.cuda and inp.nbytes < SHM_MIN_BYTES))):
         return inline(inp, out)
     if not regions.local:
-        raise ValueError(remote_message(f"transport={name!r}", regions.target))
+        raise InvalidArgument(remote_message(f"transport={name!r}", regions.target))
     if name != "auto":
         return (yield from (cuda if name == "cuda" else shm)(inp, regions, out))
     try:
@@ -184,7 +184,9 @@ def prepare(name: str, inp: Input, regions: Regions, out: Any = None) -> Steps:
             return inline(inp, out)
         else:
             prepared = yield from shm(inp, regions, out)
-    except (MoEError, OSError) as e:  # no session, no region, or no shared memory to be had
+    except InvalidArgument:  # the caller's to mend, not a region that cannot be had
+        raise
+    except MoEError as e:  # no session, no region, or no shared memory to be had
         return fallback(regions, inp, out, str(e), logging.WARNING)
     if regions.inline_why is not None:
         regions.inline_why = None

@@ -8,9 +8,11 @@ names to the wire values of proto/moed/v1/moed.proto in one place.
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass, field
 from typing import Any, List, Tuple
 
+import grpc
 import numpy as np
 
 # moed.v1.DType (fp8: block-scaled e4m3 weights; never a request's tensor)
@@ -36,13 +38,13 @@ def name_of(table: dict, value: int, default: str = "unspecified") -> str:
 
 
 def dtype_name(name: str) -> str:
-    """Canonical dtype name ("f32", "f16", "bf16", "i32", "fp8") for a name or alias; ValueError if
-    unknown."""
+    """Canonical dtype name ("f32", "f16", "bf16", "i32", "fp8") for a name or alias;
+    InvalidArgument if unknown."""
     key = str(name).lower()
     key = DTYPE_ALIASES.get(key, key)
     if key not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}: use one of f32, f16, bf16 (or float32, float16, "
-                         f"bfloat16), or fp8 for weights")
+        raise InvalidArgument(f"unknown dtype {name!r}: use one of f32, f16, bf16 (or float32, "
+                              f"float16, bfloat16), or fp8 for weights")
     return key
 
 
@@ -54,7 +56,8 @@ def strategy_value(strategy) -> int:
         return int(strategy)
     key = str(strategy).lower()
     if key not in STRATEGIES:
-        raise ValueError(f"unknown gating strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
+        raise InvalidArgument(f"unknown gating strategy {strategy!r}: use one of "
+                              f"{', '.join(STRATEGIES)}")
     return STRATEGIES[key]
 
 
@@ -183,13 +186,44 @@ class ForwardResult:
 
 class MoEError(Exception):
     """A failed call: .code is the grpc.StatusCode, .code_name its name ("INVALID_ARGUMENT"),
-    .message the server's status message (written for a person), .attempts how many attempts were
-    made (more than 1 when UNAVAILABLE was retried; see RetryPolicy)."""
+    .message the status message (written for a person), .attempts how many attempts were made
+    (more than 1 when UNAVAILABLE was retried; see RetryPolicy).
+
+    Raised with the server's status, and with the client's own where the client finds the fault:
+    arguments it cannot send are INVALID_ARGUMENT (InvalidArgument, also a ValueError and a
+    TypeError, as these were before), a reply unlike its request INTERNAL, a local resource that
+    cannot be had (shared memory, the CUDA driver) RESOURCE_EXHAUSTED or FAILED_PRECONDITION
+    (local_failure), a call a fleet cannot serve FAILED_PRECONDITION. .code is set on every one."""
 
     def __init__(self, code_name: str, message: str, code=None, attempts: int = 1):
         after = f" (after {attempts} attempts)" if attempts > 1 else ""
         super().__init__(f"{code_name}: {message}{after}")
         self.code_name = code_name
         self.message = message
-        self.code = code
+        self.code = status_code(code_name) if code is None else code
         self.attempts = attempts
+
+
+class InvalidArgument(MoEError, ValueError, TypeError):
+    """MoEError INVALID_ARGUMENT: an argument the client cannot send, found before anything is
+    sent. Also a ValueError and a TypeError, which the same calls raised before."""
+
+    def __init__(self, message: str):
+        super().__init__("INVALID_ARGUMENT", message)
+
+
+# errno values that say a local resource is used up (RESOURCE_EXHAUSTED); any other is
+# FAILED_PRECONDITION: this host lacks what the call needs (no /dev/shm, no CUDA driver).
+_EXHAUSTED = frozenset((errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EMFILE, errno.ENFILE,
+                        errno.EDQUOT))
+
+
+def local_failure(e: OSError, message: str) -> MoEError:
+    """An OSError of a local resource as the MoEError that says what it means for the call
+    (raise it from e, which keeps the errno)."""
+    return MoEError("RESOURCE_EXHAUSTED" if e.errno in _EXHAUSTED else "FAILED_PRECONDITION", message)
+
+
+def status_code(name: str) -> Any:
+    """The grpc.StatusCode called `name` (UNKNOWN for a name that is none)."""
+    return grpc.StatusCode.__members__.get(name, grpc.StatusCode.UNKNOWN)

@@ -26,6 +26,8 @@ import math
 import struct
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
+from .types import InvalidArgument
+
 Buffer = Union[bytes, bytearray, memoryview]
 
 
@@ -40,7 +42,8 @@ class Field(NamedTuple):
 
 
 class WireError(ValueError):
-    """A message that does not parse (truncated, a bad length or wire type, invalid UTF-8)."""
+    """A message that does not parse (truncated, a bad length or wire type, invalid UTF-8). A value
+    that cannot be encoded is moed.types.InvalidArgument instead: it is the caller's argument."""
 
 
 # Scalar kinds -> (wire type, integer width in bits, signed); floats have width 0.
@@ -104,19 +107,25 @@ SCHEMAS: Dict[str, Dict[int, Field]] = dict([
            ("regions", 8, "moed.v1.RegionLimits"), ("model_fingerprint", 9, "uint64")),
     _table("moed.v1.RegionLimits", ("mode", 1, "string"), ("max_regions", 2, "uint32"),
            ("max_region_bytes", 3, "uint64"), ("max_region_bytes_total", 4, "uint64"),
-           ("cuda", 5, "bool")),
+           ("cuda", 5, "bool"), ("max_rings", 6, "uint32")),
     _table("moed.v1.RegionCommand", ("seq", 1, "uint64"),
            ("register_host", 2, "moed.v1.RegisterHostRegion", "command"),
            ("confirm_host", 3, "moed.v1.ConfirmHostRegion", "command"),
            ("register_cuda", 4, "moed.v1.RegisterCudaRegion", "command"),
-           ("unregister", 5, "moed.v1.UnregisterRegion", "command")),
+           ("unregister", 5, "moed.v1.UnregisterRegion", "command"),
+           ("register_ring", 6, "moed.v1.RegisterRing", "command"),
+           ("unregister_ring", 7, "moed.v1.UnregisterRing", "command")),
     _table("moed.v1.RegisterHostRegion", ("name", 1, "string"), ("bytes", 2, "uint64")),
     _table("moed.v1.ConfirmHostRegion", ("region", 1, "uint64")),
     _table("moed.v1.RegisterCudaRegion", ("ipc_handle", 1, "bytes"), ("device_uuid", 2, "string"),
            ("device", 3, "uint32"), ("bytes", 4, "uint64"), ("offset", 5, "uint64")),
     _table("moed.v1.UnregisterRegion", ("region", 1, "uint64")),
+    _table("moed.v1.RegisterRing", ("region", 1, "uint64"), ("offset", 2, "uint64"), ("slots", 3, "uint32")),
+    _table("moed.v1.UnregisterRing", ("ring", 1, "uint64")),
+    _table("moed.v1.Ring", ("id", 1, "uint64"), ("region", 2, "uint64"), ("offset", 3, "uint64"),
+           ("slots", 4, "uint32"), ("version", 5, "uint32")),
     _table("moed.v1.RegionEvent", ("seq", 1, "uint64"), ("code", 2, "int32"), ("message", 3, "string"),
-           ("region", 4, "moed.v1.Region"), ("challenge", 5, "bytes")),
+           ("region", 4, "moed.v1.Region"), ("challenge", 5, "bytes"), ("ring", 6, "moed.v1.Ring")),
     _table("moed.v1.Region", ("id", 1, "uint64"), ("kind", 2, "enum"), ("name", 3, "string"),
            ("bytes", 4, "uint64"), ("device", 5, "uint32"), ("ready", 6, "bool"), ("broken", 7, "bool"),
            ("requests", 8, "uint32")),
@@ -151,37 +160,39 @@ def varint(n: int) -> bytes:
 
 
 def _bits(f: Field, v: Any) -> int:
-    """v as the unsigned integer its varint carries; TypeError/ValueError when it does not fit f."""
+    """v as the unsigned integer its varint carries; InvalidArgument when it does not fit f."""
     if isinstance(v, float) or not hasattr(v, "__index__"):
-        raise TypeError(f"{f.name} must be an integer, not {type(v).__name__}")
+        raise InvalidArgument(f"{f.name} must be an integer, not {type(v).__name__}")
     n = v.__index__()
     _, width, signed = SCALARS[f.kind]
     lo, hi = (-(1 << (width - 1)), 1 << (width - 1)) if signed else (0, 1 << width)
     if f.kind == "bool":
         lo, hi = 0, 2
     if not lo <= n < hi:
-        raise ValueError(f"{f.name} = {n} is out of range for {f.kind}")
+        raise InvalidArgument(f"{f.name} = {n} is out of range for {f.kind}")
     return n & _U64  # negative: 64-bit two's complement, as protobuf writes int32
 
 
-def _f32(v: Any) -> bytes:
+def _f32(f: Field, v: Any) -> bytes:
     """v rounded to float32, little-endian; beyond float32's range it is +-inf, as protobuf does."""
     try:
         return _F32.pack(v)
     except OverflowError:
         return _F32.pack(math.copysign(math.inf, v))
+    except struct.error:
+        raise InvalidArgument(f"{f.name} must be a number, not {type(v).__name__}") from None
 
 
 def _utf8(f: Field, v: Any) -> bytes:
     """A string field's value that is not a str (a subclass is encoded; anything else refused)."""
     if not isinstance(v, str):
-        raise TypeError(f"{f.name} must be a str, not {type(v).__name__}")
+        raise InvalidArgument(f"{f.name} must be a str, not {type(v).__name__}")
     return v.encode("utf-8")
 
 
 def _buffer(f: Field, v: Any) -> None:
     """Refuses a bytes field's value that is not one contiguous buffer."""
-    raise ValueError(f"{f.name} must be contiguous memory")
+    raise InvalidArgument(f"{f.name} must be contiguous memory")
 
 
 def _int_fast(f: Field) -> str:
@@ -211,7 +222,7 @@ def _encode_field(f: Field) -> List[str]:
             return ["for x in x:"] + ["    " + line for line in raw + put]
         return raw + ([f"if n:"] + ["    " + line for line in put] if implicit else put)
     if f.kind == "float":
-        value, default = "_f32(x)", b"\0\0\0\0"  # -0.0 differs from the default: it is written
+        value, default = f"_f32({F}, x)", b"\0\0\0\0"  # -0.0 differs from the default: it is written
     else:
         value = (f"(_SMALL[x] if 0 <= x < 128 else varint(x & {_U64})) if {_int_fast(f)} "
                  f"else varint(_bits({F}, x))")
@@ -239,11 +250,11 @@ def _compile_encoder(msg: str):
     src.append("    return size")
 
     def unknown(v):
-        raise ValueError(f"{msg} has no field {sorted(set(v) - names)[0]!r}")
+        raise InvalidArgument(f"{msg} has no field {sorted(set(v) - names)[0]!r}")
 
     def two_members(oneof, v, members):
         set_ = [m for m in members if v.get(m) is not None]
-        raise ValueError(f"{msg}: {' and '.join(set_)} are members of oneof {oneof}: set one")
+        raise InvalidArgument(f"{msg}: {' and '.join(set_)} are members of oneof {oneof}: set one")
 
     names = frozenset(f.name for f in fields)
     return _exec(src, "enc", _NAMES=names, _unknown=unknown, _two_members=two_members,
@@ -357,14 +368,20 @@ _F32 = struct.Struct("<f")
 
 def encode_parts(msg: str, value: Dict[str, Any], out: List[Any]) -> int:
     """Appends the encoding of `value` (a dict) as message `msg` to `out`; returns its size.
-    Buffers in `out` are the caller's memory (bytes fields): join them while it is unchanged."""
-    return _ENCODERS[msg](value, out)
+    Buffers in `out` are the caller's memory (bytes fields): join them while it is unchanged.
+    A value that cannot be encoded is InvalidArgument."""
+    try:
+        return _ENCODERS[msg](value, out)
+    except InvalidArgument:
+        raise
+    except (TypeError, ValueError) as e:  # a bytes field that is no buffer, a str that is no UTF-8
+        raise InvalidArgument(f"cannot encode {msg}: {e}") from None
 
 
 def encode(msg: str, value: Dict[str, Any]) -> bytes:
     """Message `msg` with the fields of `value`, serialized; a bytes field's memory is copied once."""
     parts: List[Any] = []
-    _ENCODERS[msg](value, parts)
+    encode_parts(msg, value, parts)
     return b"".join(parts)
 
 

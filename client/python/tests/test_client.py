@@ -4,8 +4,10 @@ kinds of tensors taken, streams, retries of UNAVAILABLE, channel options, and ho
 The real daemon is tested by tests/e2e."""
 
 import asyncio
+import queue
 import subprocess
 import sys
+import threading
 
 import grpc
 import ml_dtypes
@@ -320,6 +322,97 @@ def test_stopping_a_stream_early_cancels_it(server):
                 break
         assert c.health() == "SERVING"
     assert len(fake.streams) == 1 and len(fake.streams[0]) >= 5
+
+
+class ReadsRecorded(DLPackOnly):
+    """A host tensor offered through DLPack that notes the thread each read of it runs on."""
+
+    def __init__(self, a, reads):
+        super().__init__(a)
+        self.reads = reads
+
+    def __dlpack__(self, **kw):
+        self.reads.append(threading.get_ident())
+        return super().__dlpack__(**kw)
+
+
+def test_forward_stream_reads_each_item_on_the_iterating_thread(server):
+    """Each item's tensors are read where forward() would read them: on the thread iterating the
+    stream (for CUDA tensors, after the work queued on that thread's current stream), not on
+    gRPC's request thread, whose current CUDA stream is the default one."""
+    fake, target = server
+    rng = np.random.default_rng(6)
+    xs = [rng.standard_normal((1 + i % 3, 8)).astype((np.float32, np.float16)[i % 2]) for i in range(6)]
+    reads = []
+    reqs = [dict(layer=0, hidden=ReadsRecorded(x, reads), expert_ids=ReadsRecorded(np.zeros((len(x), 1)), reads),
+                 expert_weights=ReadsRecorded(np.ones((len(x), 1)), reads)) for x in xs]
+    with moed.MoEClient(target, timeout=60) as c:
+        outs = list(c.forward_stream(reqs))
+    assert len(outs) == 6 and len(reads) == 18
+    assert set(reads) == {threading.get_ident()}, "an item was read on another thread"
+    for y, x in zip(outs, xs):
+        np.testing.assert_array_equal(y, twice(x))
+
+
+def test_forward_stream_pulls_items_as_the_stream_sends(server):
+    """The iterable is pulled lazily: a generator that waits for the output before it (a worker
+    feeding each layer its previous output) gets it; the stream's deadline is a hang guard."""
+    fake, target = server
+    todo = queue.SimpleQueue()
+    x = np.ones((2, 8), np.float32)
+    todo.put(dict(layer=0, hidden=x, **{k: v[:2] for k, v in CHOICE.items()}))
+    got = []
+    with moed.MoEClient(target) as c:
+        for y in c.forward_stream(iter(todo.get, None), timeout=60):
+            got.append(y)
+            todo.put(dict(layer=0, hidden=y, **{k: v[:2] for k, v in CHOICE.items()}) if len(got) < 4 else None)
+    assert [float(y[0, 0]) for y in got] == [2, 4, 8, 16]
+
+
+class RacyCounts(dict):
+    """transport_calls whose reads wait (up to a second) for a second thread to read too: two
+    increments that are not serialised then both read the old count and one is lost."""
+
+    def __init__(self, counts):
+        super().__init__(counts)
+        self.both = threading.Barrier(2)
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        try:
+            self.both.wait(timeout=1)
+        except threading.BrokenBarrierError:  # the other thread could not read meanwhile
+            pass
+        return value
+
+
+COUNTED = {"forward": lambda c, x: c.forward(0, x, **CHOICE),
+           "stream": lambda c, x: list(c.forward_stream([dict(layer=0, hidden=x, **CHOICE)]))}
+
+
+@pytest.mark.parametrize("fleet", [False, True], ids=["one", "fleet"])
+@pytest.mark.parametrize("call", sorted(COUNTED))
+def test_transport_calls_count_every_call_from_every_thread(server, call, fleet):
+    fake, target = server
+    x = np.ones((5, 8), np.float32)
+    failed = []
+
+    def one_call(c):
+        try:
+            COUNTED[call](c, x)
+        except Exception as e:  # noqa: B902: reported below
+            failed.append(e)
+
+    with moed.connect([target, target] if fleet else target, timeout=60) as c:
+        c.info()  # a fleet learns its daemons first (its first calls from two threads race there)
+        c.transport_calls = RacyCounts(c.transport_calls)
+        threads = [threading.Thread(target=one_call, args=(c,)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not failed, failed
+        assert dict(c.transport_calls) == {"inline": 2, "shm": 0, "cuda": 0}, "a count was lost"
 
 
 # ---- retries, deadlines, options ---------------------------------------------------------------

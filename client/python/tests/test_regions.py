@@ -1,15 +1,20 @@
 """moed.regions without a server: which targets count as this host, the slot allocator (first fit,
 freed ranges merged, any order), slots given back when the last array viewing them goes, and
-retired regions after a call that failed without the server saying it never took it. The region
-session against real daemons: tests/e2e/test_python_regions.py."""
+retired regions after a call that failed without the server saying it never took it; auto's
+warning when the server refuses a CUDA region. The region session against real daemons:
+tests/e2e/test_python_regions.py."""
 
 import gc
+import logging
 import mmap
+import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from moed import regions, types
+from moed import regions, tensors, transport, types
+from moed.types import MoEError
 
 
 @pytest.mark.parametrize("target,local", [
@@ -168,9 +173,67 @@ def test_shared_memory_that_cannot_be_had_is_refused_up_front():
     import glob
     import os
 
-    with pytest.raises(OSError, match="/dev/shm"):
+    with pytest.raises(MoEError, match="/dev/shm") as e:
         regions.HostChunk(1 << 50)
+    assert e.value.code_name == "RESOURCE_EXHAUSTED"
     assert not glob.glob(f"/dev/shm/moed-py-{os.getpid()}-*")
     c = regions.HostChunk(1 << 20)
     c.unlink()
     assert c.pool.take(1 << 20) == 0 and len(c.map) == 1 << 20
+
+
+class DeviceArray(np.ndarray):
+    """A CUDA tensor as transport.cuda() sees one, on GPU 0 (its bytes on the host here)."""
+
+    device = SimpleNamespace(type="cuda", index=0)
+
+    def detach(self):
+        return self
+
+
+class CudaInput(tensors.NumpyInput):
+    __slots__ = ()
+    cuda = True
+
+
+# What the cuda backend answers for a region on a GPU its process does not see (kernels/cuda).
+REFUSAL = ("GPU GPU-0a1b2c3d-0000-0000-0000-000000000000 is not visible to this server (it sees 1 "
+           "GPU: 0 GPU-0a1b2c3d-1111-1111-1111-111111111111; CUDA_VISIBLE_DEVICES=1): make that GPU "
+           "visible to moed, or register a host region")
+
+
+def test_auto_says_why_when_the_server_refuses_a_cuda_region(monkeypatch, caplog):
+    """A CUDA tensor whose device region the server refuses (FAILED_PRECONDITION: a GPU the server
+    does not see) goes inline, with a warning on moed.transport carrying the server's message:
+    once, not for every call while it lasts; the refused region is let go."""
+    monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch") or SimpleNamespace())
+    regs = regions.Regions("unix:/run/moed.sock")
+    arena = regs.devices[0] = regions.Arena(FakeDeviceChunk, 4096)
+    x = np.arange(8 * 64, dtype=np.float32).reshape(8, 64).view(DeviceArray)
+    sent = []
+
+    def run(steps):
+        answer, error = None, None
+        while True:
+            try:
+                op = steps.send(answer) if error is None else steps.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            answer, error = None, None
+            sent.append(op)
+            if op is regions.LIMITS:
+                answer = types.RegionLimits(mode="local", cuda=True)
+            else:
+                error = MoEError("FAILED_PRECONDITION", REFUSAL)
+
+    with caplog.at_level(logging.INFO, logger="moed"):
+        for _ in range(2):
+            p = run(transport.prepare("auto", CudaInput(x, tensors.F32, x.shape), regs))
+            assert p.transport == "inline" and p.output is None
+            assert np.array_equal(p.tensor["data"], x)
+    assert [op for op in sent if op is not regions.LIMITS] == [{"register": 1 << 20}] * 2
+    warned = [r for r in caplog.records if r.name.startswith("moed")]
+    assert len(warned) == 1 and warned[0].name == "moed.transport", warned
+    assert warned[0].levelno == logging.WARNING and "inline" in warned[0].getMessage()
+    assert REFUSAL in warned[0].getMessage()
+    assert REFUSAL in regs.inline_why and arena.chunks == [] and arena.retired == []

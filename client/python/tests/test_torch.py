@@ -48,20 +48,33 @@ def test_torch_in_torch_out_same_dtype_and_device_as_numpy(server, dtype, device
     assert fake.last.hidden.dtype == {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}[dtype]
 
 
-def test_cpu_output_shares_the_reply_unless_copied():
+def test_cpu_output_is_memory_of_its_own():
+    """A CPU output is writable memory the caller owns: an in-place op on it leaves the reply (an
+    immutable bytes object) as it came; one copy out of the reply, copy=True or not."""
     x = torch.arange(32, dtype=torch.float32).reshape(4, 8)
     call = _common.now(_common.prepare_forward(0, x, strategy="topk", transport="inline"))
     assert np.shares_memory(call.prepared.tensor["data"], x.numpy())  # written from x's own memory
     reply = wire.encode("moed.v1.ForwardResponse", {"output": {"dtype": 1, "shape": [4, 8], "data": x.numpy() * 3}})
-    start = np.frombuffer(reply, np.uint8).ctypes.data
-    y = call.result(reply)
-    assert start <= y.data_ptr() < start + len(reply)  # a view of the reply
-    assert torch.equal(y, x * 3)
-    call.copy = True
-    z = call.result(reply)
-    assert not start <= z.data_ptr() < start + len(reply)
-    z += 1  # its own memory: the reply is untouched
-    assert torch.equal(call.result(reply), x * 3)
+    sent = bytes(bytearray(reply))  # an equal object of its own
+    for copy in (False, True):
+        call.copy = copy
+        y = call.result(reply)
+        assert torch.equal(y, x * 3)
+        y += 1  # an in-place op: on the caller's memory
+        assert reply == sent, f"copy={copy}: the output wrote into the reply's bytes"
+        assert torch.equal(call.result(reply), x * 3)
+
+
+def test_outputs_through_the_client_are_writable(server):
+    fake, target = server
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(3))
+    with moed.MoEClient(target) as c:
+        y = c.forward(0, x, **routing(6))
+        y.mul_(0.5)  # the caller's own memory: no warning, no effect on anything else
+        assert torch.equal(y, x)
+        ys = list(c.forward_stream([dict(layer=0, hidden=x, **routing(6))] * 2))
+        ys[0].zero_()
+        assert torch.equal(ys[1], x * 2)
 
 
 @pytest.mark.parametrize("device", DEVICES)

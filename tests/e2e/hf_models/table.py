@@ -1,4 +1,4 @@
-"""Prints the table of issue 8 for one backend: the relative Frobenius error of moed's layer output
+"""Prints a table for one backend: the relative Frobenius error of moed's layer output
 against transformers' own MoE block output, per checkpoint (hf_models/*) and way of routing.
 
     python tests/e2e/hf_models/table.py [--build-dir build] [--backend cpu|cuda|auto]
