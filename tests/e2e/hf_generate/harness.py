@@ -7,17 +7,16 @@
 What an engine does with moed: each MoE block's router runs in transformers (the block's gate, the
 model's own code) and the experts (DeepSeek-V3's shared expert with them) are one call to a moed
 serving the same checkpoint (moed --model FOLDER), given the router's topk_ids and topk_weights.
-Every MoE call of the generation goes through MoedCall.__call__; the line in it that calls moed is
-the one to change for the torch op (torch.ops.moed.forward).
+Every MoE call goes through MoedCall.__call__: via="client" the Python client's forward (torch
+tensors in and out, CPU or CUDA), via="op" the torch op torch.ops.moed.forward(hidden, topk_ids,
+topk_weights, layer, client) of moed.torch, client then the op's integer handle.
 
-CUDA graphs: generate(..., cache="static") decodes over transformers' StaticCache, the fixed shapes
-a captured decode step needs; with the model on a GPU, transformers compiles each decode step and
-captures it in a CUDA graph when compile_config allows (CompileConfig(fullgraph=True) once the MoE
-call is the torch op, a leaf the graph can hold; until then the call is Python and compiling is
-off: COMPILE_OFF).
+generate() is transformers' own generate(); generate_static() the same greedy decoding written out
+over transformers' StaticCache, one decode step of fixed shapes that graph=True captures in one
+CUDA graph and replays for every token (the MoE call inside it must then be the op).
 
 record() captures what transformers' own MoE blocks receive and return during its own generation
-(make_generation.py writes it into the references CI replays); needs torch and transformers.
+(make_generation.py writes it into the references CI replays). Needs torch and transformers.
 """
 
 import contextlib
@@ -25,15 +24,12 @@ import pathlib
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, StaticCache
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from hf_models.make_hf_checkpoints import DTYPES, moe_blocks  # noqa: E402
 
 NEW_TOKENS = 32
-# transformers compiles a decode step over a StaticCache on a GPU unless told not to; the Python
-# client cannot be compiled into a graph (the torch op can: pass a CompileConfig then).
-COMPILE_OFF = {"disable_compile": True}
 
 
 def load(folder, kind, device="cpu"):
@@ -49,15 +45,30 @@ def route(block, x):
     return topk_ids, topk_weights
 
 
-class MoedCall:
-    """The MoE call: a moed client's forward of one layer with the router's routing; the output
-    has hidden_states' dtype, device and shape (the client converts the routing: int64 ids,
-    float32 or bf16 weights)."""
+def op_available():
+    """Whether moed.torch imports and registers torch.ops.moed.forward."""
+    try:
+        import moed.torch  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(torch.ops, "moed") and hasattr(torch.ops.moed, "forward")
 
-    def __init__(self, client):
-        self.client = client
+
+class MoedCall:
+    """The MoE call: moed's experts for one layer with the router's routing; the output has
+    hidden_states' dtype, device and shape. via="client": client is a moed.MoEClient (it converts
+    the routing: int64 ids, float32 or bf16 weights); via="op": client is the op's handle."""
+
+    def __init__(self, client, via="client"):
+        if via == "op":
+            import moed.torch  # noqa: F401  (registers torch.ops.moed)
+        elif via != "client":
+            raise ValueError(f"via must be 'client' or 'op', not {via!r}")
+        self.client, self.via = client, via
 
     def __call__(self, hidden_states, topk_ids, topk_weights, layer):
+        if self.via == "op":
+            return torch.ops.moed.forward(hidden_states, topk_ids, topk_weights, layer, self.client)
         return self.client.forward(layer, hidden_states, expert_ids=topk_ids, expert_weights=topk_weights)
 
 
@@ -80,21 +91,60 @@ def served(model, call):
             del block.forward
 
 
-def generate(model, prompt, cache="dynamic", **options):
+def generate(model, prompt):
     """transformers' greedy generation of NEW_TOKENS tokens after prompt (token ids): (tokens
     [NEW_TOKENS] int64, logits [NEW_TOKENS, vocab] float32: each step's, before the argmax), on the
-    CPU. cache: "dynamic" (transformers' default) or "static" (a StaticCache; COMPILE_OFF unless
-    options say otherwise). No end-of-sequence token stops it (the checkpoints have none)."""
-    if cache == "static":
-        options = {"cache_implementation": "static", **COMPILE_OFF, **options}
+    CPU. No end-of-sequence token stops it (the checkpoints have none)."""
     ids = torch.tensor([list(prompt)], device=model.device)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, **options)
+                             return_dict_in_generate=True)
     tokens = out.sequences[0, len(prompt):].cpu()
     logits = torch.cat(out.logits).float().cpu()
     assert tokens.shape == (NEW_TOKENS,), f"generated {tokens.shape[0]} tokens, not {NEW_TOKENS}"
     return tokens, logits
+
+
+def generate_static(model, prompt, graph=False):
+    """generate()'s greedy decoding written out: the prompt in one forward, then each token by one
+    decode step over a StaticCache of fixed length, fed from two fixed tensors (the last token and
+    its position); same return. graph=True (model on a GPU) captures the decode step once in a CUDA
+    graph, after one eager run of it (allocations, the cache's first use), and replays the graph
+    for every token; the eager run computes the same step, so it writes the same cache entries."""
+    dev, n = model.device, len(prompt)
+    cache = StaticCache(config=model.config, max_cache_len=n + NEW_TOKENS)
+    token = torch.zeros((1, 1), dtype=torch.long, device=dev)
+    position = torch.zeros(1, dtype=torch.long, device=dev)
+
+    def step():
+        return model(input_ids=token, past_key_values=cache, cache_position=position,
+                     use_cache=True).logits[0, -1]
+
+    with torch.no_grad():
+        logits = [model(input_ids=torch.tensor([list(prompt)], device=dev), past_key_values=cache,
+                        cache_position=torch.arange(n, device=dev), use_cache=True).logits[0, -1]]
+        decode = step
+        if graph:
+            token.copy_(logits[0].argmax().view(1, 1))
+            position.fill_(n)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            captured = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(captured):
+                out = step()
+
+            def decode():
+                captured.replay()
+                return out
+        for i in range(1, NEW_TOKENS):
+            token.copy_(logits[-1].argmax().view(1, 1))
+            position.fill_(n + i - 1)
+            logits.append(decode().clone())
+    logits = torch.stack(logits).float().cpu()
+    return logits.argmax(-1), logits
 
 
 def record(model, prompt):
