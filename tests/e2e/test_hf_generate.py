@@ -16,8 +16,11 @@ in float32 and in bf16, sent to a moed serving the checkpoint:
 Live (torch and transformers importing, else skipped, only this): the whole generation with
 moed in the loop (harness.served) gives transformers' own 32 tokens, through generate() and
 through the static-cache decode step (harness.generate_static) that the GPU run captures in a
-CUDA graph.
+CUDA graph; the MoE call through the Python client, and through the torch op where moed.torch
+registers it.
 """
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -103,8 +106,9 @@ def test_replayed_calls_match_transformers(served, kind):
     assert calls == 32 * len(layers)
 
 
+@pytest.mark.parametrize("via", ("client", "op"))
 @pytest.mark.parametrize("kind", replay.KINDS)
-def test_generation_with_moed_in_the_loop(served, kind):
+def test_generation_with_moed_in_the_loop(served, kind, via):
     pytest.importorskip("torch", reason=LIVE_REASON)
     pytest.importorskip("transformers", reason=LIVE_REASON)
     if not tokens_decidable_at(kind):
@@ -112,12 +116,17 @@ def test_generation_with_moed_in_the_loop(served, kind):
                     f"finer than that")
     from hf_generate import harness
 
+    if via == "op" and harness.import_op() is None:
+        pytest.skip("needs torch.ops.moed (moed.torch)")
     arch, refs, d = served
     prompt = refs["prompt"].tolist()
     model = harness.load(replay.HERE / arch, kind)
     own, _ = harness.generate(model, prompt)
     own_static, _ = harness.generate_static(model, prompt)
-    with d.client(timeout=60) as c, harness.served(model, harness.MoedCall(c)):
+    with contextlib.ExitStack() as stack:
+        client = stack.enter_context(d.client(timeout=60) if via == "client" else
+                                     harness.op_client(d.address))
+        stack.enter_context(harness.served(model, harness.MoedCall(client, via=via)))
         moed, _ = harness.generate(model, prompt)
         moed_static, _ = harness.generate_static(model, prompt)
     recorded = refs[f"{kind}.tokens"].tolist()

@@ -9,7 +9,7 @@ model's own code) and the experts (DeepSeek-V3's shared expert with them) are on
 serving the same checkpoint (moed --model FOLDER), given the router's topk_ids and topk_weights.
 Every MoE call goes through MoedCall.__call__: via="client" the Python client's forward (torch
 tensors in and out, CPU or CUDA), via="op" the torch op torch.ops.moed.forward(hidden, topk_ids,
-topk_weights, layer, client) of moed.torch, client then the op's integer handle.
+topk_weights, layer, client), client then the op's integer handle (op_client()).
 
 generate() is transformers' own generate(); generate_static() the same greedy decoding written out
 over transformers' StaticCache, one decode step of fixed shapes that graph=True captures in one
@@ -20,6 +20,7 @@ record() captures what transformers' own MoE blocks receive and return during it
 """
 
 import contextlib
+import importlib
 import pathlib
 import sys
 
@@ -45,24 +46,39 @@ def route(block, x):
     return topk_ids, topk_weights
 
 
-def op_available():
-    """Whether moed.torch imports and registers torch.ops.moed.forward."""
-    try:
-        import moed.torch  # noqa: F401
-    except ImportError:
-        return False
-    return hasattr(torch.ops, "moed") and hasattr(torch.ops.moed, "forward")
+# The module that registers torch.ops.moed: moed.torch, or moed.torch_op as it was first written.
+OP_MODULES = ("moed.torch", "moed.torch_op")
+
+
+def import_op():
+    """Imports the module that registers torch.ops.moed.forward; None where there is none."""
+    for name in OP_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    return None
+
+
+@contextlib.contextmanager
+def op_client(address):
+    """The op's client handle for the moed at address (a doorbell client: moed.RingClient)."""
+    import moed
+
+    with moed.RingClient(address) as ring:
+        yield ring.handle
 
 
 class MoedCall:
     """The MoE call: moed's experts for one layer with the router's routing; the output has
     hidden_states' dtype, device and shape. via="client": client is a moed.MoEClient (it converts
-    the routing: int64 ids, float32 or bf16 weights); via="op": client is the op's handle."""
+    the routing: int64 ids, float32 or bf16 weights); via="op": client is the op's handle
+    (op_client())."""
 
     def __init__(self, client, via="client"):
-        if via == "op":
-            import moed.torch  # noqa: F401  (registers torch.ops.moed)
-        elif via != "client":
+        if via == "op" and import_op() is None:
+            raise ImportError(f"via='op' needs torch.ops.moed ({' or '.join(OP_MODULES)})")
+        if via not in ("client", "op"):
             raise ValueError(f"via must be 'client' or 'op', not {via!r}")
         self.client, self.via = client, via
 
