@@ -75,14 +75,15 @@ class Head:
         return self.round(self.lm_head @ h)
 
 
-# The top logit's lead over the next a step needs for its token to be decided by the computation
-# rather than by the last rounding: in float32, 1e-3 (CPU float32 moves a logit of these models
-# by about 1e-6); in bf16, two rounding steps (ulps) at the top logit's magnitude. moed computes a
-# block's bf16 output in float32 and rounds it once where transformers rounds each intermediate, so
-# its output is a rounding step or so away from transformers' (hf_models' bounds), which moves the
-# logits by up to one ulp (measured on the CPU backend): at a smaller lead another correct
-# computation may choose the other token, and a bf16 generation has one or two such steps in 32 on
-# average. make_generation.py picks prompts whose generations have none.
+# The top logit's lead over the next that a step needs for its token to be decided by the
+# computation rather than by the last rounding: in float32, 1e-3; in bf16, two rounding steps (ulps)
+# at the top logit's magnitude. moed computes a block's bf16 output in float32 and rounds it once
+# where transformers rounds each intermediate, so its output is a rounding step or so away from
+# transformers' (hf_models' bounds); through the last layer that moves the top logit's lead by one
+# ulp at most (the CPU backend, every step of the three generations; in float32 by 1e-6). At a
+# smaller lead another correct computation may choose the other token, and a bf16 generation has
+# one or two such steps in 32 on average: make_generation.py picks prompts whose generations have
+# none.
 MARGIN = {"f32": 1e-3, "bf16": 2.0}
 
 
