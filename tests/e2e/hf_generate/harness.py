@@ -171,6 +171,7 @@ def record(model, prompt):
     to before the final norm and the LM head)."""
     blocks = moe_blocks(model)
     last = max(blocks)
+    assert last == len(model.model.layers) - 1, "tail is the last layer's: its block must be MoE"
     calls, tail, step = [], [], [0]
 
     def block_hook(block, layer):
