@@ -115,3 +115,12 @@ def test_python_stage_skips_where_torch_or_a_gpu_is_missing(gpu):
     code, out, summary = gpu("python")
     assert code == 77 and result(summary, "python") == "skipped", out
     assert "test_python_torch: skipped" in out and "bench_dataplane" not in out, out
+
+
+def test_generate_stage_fails_on_a_daemon_that_fell_back_to_the_cpu(gpu):
+    """The replayed generations must come from a CUDA daemon; the run with the model on cuda skips
+    itself without torch and a GPU (CI has neither)."""
+    code, out, summary = gpu("generate")
+    assert code == 1 and result(summary, "generate") == "FAILED", out
+    assert "moed serves on the cpu backend" in out, out[-3000:]
+    assert "generate: skipped (needs torch and transformers" in out, out[-3000:]

@@ -45,6 +45,11 @@
 #             checkpoints written by transformers served by a CUDA daemon against transformers'
 #             own outputs (recomputed live by the torch and transformers installed there), and the
 #             table of relative errors per checkpoint and routing (hf-table.md)
+#   generate  transformers' Mixtral, Qwen3-MoE and DeepSeek-V3 generating 32 tokens with a CUDA moed
+#             serving their MoE blocks: the recorded generations replayed (test_hf_generate, the
+#             live tests with the model on the CPU), then tests/e2e/hf_generate/run_gpu.py with the
+#             model on cuda: transformers' own tokens against the Python client's and the torch
+#             op's, its decode step captured in one CUDA graph too, into generate.md
 #   droute    routing kept in GPU memory, read and checked on the device (tests/gpu/test_dev_route:
 #             every case bit-identical to the same launch routed on the host, statuses and messages
 #             as the host check words them; the packed route's host side, test_route_pack), then
@@ -107,8 +112,8 @@ export PYTHONUNBUFFERED=1
 export PATH=$PATH:/usr/local/cuda/bin
 OUT=${OUT:-/tmp/moed-out}
 RAW=$OUT/raw # JSON and long logs; packed into raw.tgz at the end (the device tool returns 8 files)
-STAGES=(tests sanitize bench sonic peers e2e merge pytest fp8 fp8-bench dataplane python router droute
-    split two-gpu other-gpu doorbell torch-op)
+STAGES=(tests sanitize bench sonic peers e2e merge pytest fp8 fp8-bench dataplane python router generate
+    droute split two-gpu other-gpu doorbell torch-op)
 PEERS=${MOED_PEERS_SITE:-/tmp/moed-peers}
 # Real models' MoE layers as d,ff,E,k (bench/kernels/torch_ref.py's MODELS, which a CI test keeps
 # equal to this): gpt-oss-120b, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, Phi-3.5-MoE, DBRX.
@@ -303,6 +308,13 @@ stage_router() {
         "$PY" -m pytest -q -rfEsxX -p no:cacheprovider tests/e2e/test_hf_models.py
     logged "$OUT/hf-table.md" "$PY" tests/e2e/hf_models/table.py --moed "$B/moed" --backend cuda \
         --logs "$RAW"
+}
+
+stage_generate() {
+    MOED_BIN=$B/moed MOED_TEST_COMPUTE=bf16 logged "$OUT/pytest-generate.log" \
+        "$PY" -m pytest -q -rfEsxX -p no:cacheprovider tests/e2e/test_hf_generate.py
+    logged "$OUT/generate.txt" timeout 480 "$PY" tests/e2e/hf_generate/run_gpu.py --moed "$B/moed" \
+        --md "$OUT/generate.md" --logs "$RAW"
 }
 
 stage_droute() {

@@ -32,20 +32,25 @@ SEED = 8
 COMMON = dict(vocab_size=32, hidden_size=64, intermediate_size=16, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
               bos_token_id=1, eos_token_id=2, pad_token_id=0, num_experts_per_tok=2)
+# Each takes overrides of these (the generation checkpoints, tests/e2e/hf_generate, have more
+# layers and tokens).
 CONFIGS = {
     # renormalised softmax top-k (always, whatever the config says)
-    "mixtral": lambda: MixtralConfig(num_hidden_layers=1, num_local_experts=8, **COMMON),
+    "mixtral": lambda **kw: MixtralConfig(**{**COMMON, "num_hidden_layers": 1, "num_local_experts": 8,
+                                             **kw}),
     # softmax top-k renormalised (norm_topk_prob), routing weights cast to the activation dtype
-    "qwen3_moe": lambda: Qwen3MoeConfig(num_hidden_layers=1, moe_intermediate_size=16, num_experts=8,
-                                        norm_topk_prob=True, head_dim=16, **COMMON),
+    "qwen3_moe": lambda **kw: Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 1,
+                                                "moe_intermediate_size": 16, "num_experts": 8,
+                                                "norm_topk_prob": True, "head_dim": 16, **kw}),
     # softmax top-k, not renormalised
-    "olmoe": lambda: OlmoeConfig(num_hidden_layers=1, num_experts=8, norm_topk_prob=False, **COMMON),
+    "olmoe": lambda **kw: OlmoeConfig(**{**COMMON, "num_hidden_layers": 1, "num_experts": 8,
+                                         "norm_topk_prob": False, **kw}),
     # sigmoid + correction bias, 4 groups of 2 with 2 kept, scaled, one shared expert; layer 0 dense
-    "deepseek_v3": lambda: DeepseekV3Config(
-        num_hidden_layers=2, first_k_dense_replace=1, moe_intermediate_size=16, n_routed_experts=8,
-        n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-        q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-        **COMMON),
+    "deepseek_v3": lambda **kw: DeepseekV3Config(**{
+        **COMMON, "num_hidden_layers": 2, "first_k_dense_replace": 1, "moe_intermediate_size": 16,
+        "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "q_lora_rank": None,
+        "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, **kw}),
 }
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
