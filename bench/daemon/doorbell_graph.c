@@ -111,7 +111,8 @@ typedef struct caller {
     moedc_ring *ring;
     char *dev;
     moedc_region *region;
-    size_t rows; /* bytes of a call's hidden (or output) */
+    size_t rows; /* bytes a call's hidden (or output) takes in the region: out_bytes, rounded */
+    size_t out_bytes; /* bytes of a call's output: what a call writes and is compared by */
     size_t route;
     int n;       /* calls */
     void **want; /* the host calls' outputs */
@@ -140,7 +141,7 @@ static int caller_open(caller *c, int n_calls)
 {
     moedc_error err;
     c->n = n_calls;
-    c->rows = (size_t)o.tokens * (size_t)layer.d_model * 2;
+    c->out_bytes = c->rows = (size_t)o.tokens * (size_t)layer.d_model * 2;
     c->route = ((size_t)o.tokens * (size_t)layer.top_k * 4 + 255) / 256 * 256;
     c->rows = (c->rows + 255) / 256 * 256;
     const size_t per = 2 * c->rows + 2 * c->route, bytes = per * (size_t)n_calls;
@@ -223,8 +224,8 @@ static void *graph_caller(void *arg)
     for (int i = 0; i < c->n; i++) { /* the reference: one by one from the host */
         if (host_call(c, i)) break;
         moedc_ring_call call = call_of(c, i);
-        c->want[i] = malloc(c->rows);
-        cudaMemcpy(c->want[i], c->dev + call.output.offset, c->rows, cudaMemcpyDeviceToHost);
+        c->want[i] = malloc(c->out_bytes);
+        cudaMemcpy(c->want[i], c->dev + call.output.offset, c->out_bytes, cudaMemcpyDeviceToHost);
     }
     cudaStream_t st;
     cudaGraph_t graph;
@@ -259,10 +260,10 @@ static void *graph_caller(void *arg)
         c->times[c->n_times++] = now_us() - t0;
     }
     if (moedc_ring_failures(c->ring) != failures) fail("calls of the graph failed");
-    void *got = malloc(c->rows);
+    void *got = malloc(c->out_bytes);
     for (int i = 0; i < c->n; i++) {
-        cudaMemcpy(got, c->dev + call_of(c, i).output.offset, c->rows, cudaMemcpyDeviceToHost);
-        if (!c->want[i] || memcmp(got, c->want[i], c->rows))
+        cudaMemcpy(got, c->dev + call_of(c, i).output.offset, c->out_bytes, cudaMemcpyDeviceToHost);
+        if (!c->want[i] || memcmp(got, c->want[i], c->out_bytes))
             fail("call %d: the graph's output differs from the same call made from the host", i);
     }
     free(got);

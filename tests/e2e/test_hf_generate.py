@@ -117,12 +117,12 @@ def test_generation_with_moed_in_the_loop(served, kind, via):
     from hf_generate import harness
 
     if via == "op" and harness.import_op() is None:
-        pytest.skip("needs torch.ops.moed (moed.torch)")
+        pytest.skip("needs torch.ops.moed (moed.torch_op)")
     arch, refs, d = served
     prompt = refs["prompt"].tolist()
     model = harness.load(replay.HERE / arch, kind)
-    own, _ = harness.generate(model, prompt)
-    own_static, _ = harness.generate_static(model, prompt)
+    own, own_logits = harness.generate(model, prompt)
+    own_static, own_static_logits = harness.generate_static(model, prompt)
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(d.client(timeout=60) if via == "client" else
                                      harness.op_client(d.address))
@@ -133,6 +133,26 @@ def test_generation_with_moed_in_the_loop(served, kind, via):
     assert own.tolist() == recorded, (
         f"{arch} {kind}: this transformers generates {own.tolist()}, the references say {recorded}: "
         f"regenerate them (tests/e2e/hf_generate/make_generation.py)")
-    assert moed.tolist() == own.tolist(), f"{arch} {kind}: {moed.tolist()} with moed"
-    assert moed_static.tolist() == own_static.tolist(), (
-        f"{arch} {kind}, static cache: {moed_static.tolist()} with moed, {own_static.tolist()} without")
+    same_tokens(arch, kind, "generate()", moed, own, own_logits)
+    same_tokens(arch, kind, "static cache", moed_static, own_static, own_static_logits)
+
+
+# A CUDA backend multiplies in bf16 with sums in another order than transformers' kernels, and a
+# generation feeds each step's small differences into the next (the KV cache): 32 steps on, a lead
+# this small is decided by rounding. Measured on an H200: DeepSeek-V3's step 31 (bf16) leads by 14
+# ulps, and transformers' own generation on the GPU picks the other token there too (16 ulps on
+# the CPU). The CPU backend computes as transformers does (replay's margin: 2 ulps) and must match.
+COMPOUNDED_MARGIN = 20.0
+
+
+def same_tokens(arch, kind, how, got, want, want_logits):
+    """got equals want; on a bf16-computing backend, up to a step where want's lead is under
+    COMPOUNDED_MARGIN (the tokens after it follow from it)."""
+    got, want = got.tolist(), want.tolist()
+    if got == want:
+        return
+    step = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    lead = float(replay.leads(want_logits[step].float().numpy(), kind))
+    assert O.COMPUTE == "bf16" and lead < COMPOUNDED_MARGIN, (
+        f"{arch} {kind}, {how}: {got} with moed, {want} without: step {step} differs, where "
+        f"transformers leads by {lead:.3g}{' ulps' if kind == 'bf16' else ''}")
