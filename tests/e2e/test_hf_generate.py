@@ -137,22 +137,14 @@ def test_generation_with_moed_in_the_loop(served, kind, via):
     same_tokens(arch, kind, "static cache", moed_static, own_static, own_static_logits)
 
 
-# A CUDA backend multiplies in bf16 with sums in another order than transformers' kernels, and a
-# generation feeds each step's small differences into the next (the KV cache): 32 steps on, a lead
-# this small is decided by rounding. Measured on an H200: DeepSeek-V3's step 31 (bf16) leads by 14
-# ulps, and transformers' own generation on the GPU picks the other token there too (16 ulps on
-# the CPU). The CPU backend computes as transformers does (replay's margin: 2 ulps) and must match.
-COMPOUNDED_MARGIN = 20.0
-
-
 def same_tokens(arch, kind, how, got, want, want_logits):
     """got equals want; on a bf16-computing backend, up to a step where want's lead is under
-    COMPOUNDED_MARGIN (the tokens after it follow from it)."""
+    replay.COMPOUNDED_MARGIN (the tokens after it follow from it)."""
     got, want = got.tolist(), want.tolist()
     if got == want:
         return
     step = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
     lead = float(replay.leads(want_logits[step].float().numpy(), kind))
-    assert O.COMPUTE == "bf16" and lead < COMPOUNDED_MARGIN, (
+    assert O.COMPUTE == "bf16" and lead < replay.COMPOUNDED_MARGIN, (
         f"{arch} {kind}, {how}: {got} with moed, {want} without: step {step} differs, where "
         f"transformers leads by {lead:.3g}{' ulps' if kind == 'bf16' else ''}")
