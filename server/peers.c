@@ -473,9 +473,15 @@ int moed_peers_disconnect(const char *addr, int port)
         long fd = strtol(de->d_name, &stop, 10);
         if (*stop || fd == self) continue;
         struct sockaddr_storage ps, ls;
-        socklen_t pl = sizeof ps, ll = sizeof ls;
-        if (getpeername((int)fd, (struct sockaddr *)&ps, &pl) ||
-            getsockname((int)fd, (struct sockaddr *)&ls, &ll) || !from_sockaddr(&ps, &peer) ||
+        socklen_t ll = sizeof ls;
+        if (getsockname((int)fd, (struct sockaddr *)&ls, &ll)) continue;
+        socklen_t pl = ll;
+        /* SO_PEERNAME, not getpeername: it also names the peer of a connection the peer has
+         * already reset, which getpeername refuses (ENOTCONN). Linux keeps what such a connection
+         * had sent readable, and gRPC would parse all of it (megabytes of a flood's streams, for
+         * seconds each, with a reading thread held) unless the reset here drops it. It takes a
+         * length no longer than the address (else EINVAL): the local one's, of the same family. */
+        if (getsockopt((int)fd, SOL_SOCKET, SO_PEERNAME, &ps, &pl) || !from_sockaddr(&ps, &peer) ||
             !from_sockaddr(&ls, &local) || local.port != port || peer.port != want.port ||
             peer.family != want.family || memcmp(peer.a, want.a, sizeof peer.a))
             continue;

@@ -5,7 +5,8 @@
  * the most closed, never one with a single call waiting; closed and unread addresses forgotten
  * after MOED_PEERS_IDLE_NS; replies held past the bound or for MOED_PEERS_STALL_NS closing the
  * connection that holds them; and moed_peers_disconnect resetting exactly the socket gRPC names, an
- * IPv4 peer of a dual-stack listener included.
+ * IPv4 peer of a dual-stack listener included, and one its peer has already reset, whose unread
+ * bytes it drops.
  */
 #include "check.h"
 #include "peers.h"
@@ -14,6 +15,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -284,6 +286,34 @@ static void test_disconnect(int family, bool dual)
     close(lfd);
 }
 
+/* A connection its client has reset (close with a zero linger) with bytes moed had not read: the
+ * kernel keeps them readable, and getpeername no longer names the peer. It is found all the same,
+ * and reset: what it had not read is dropped, so its reader sees the end at once. */
+static void test_disconnect_reset_by_peer(int family, bool dual)
+{
+    int lfd = -1, cfd = -1, sfd = -1;
+    char peer[64];
+    int port = connected(family, dual, &lfd, &cfd, &sfd, peer, sizeof peer);
+    CHECK_MSG(port > 0, "family %d dual %d: %s", family, dual, strerror(errno));
+    if (port <= 0) return;
+    struct linger abort_close = { .l_onoff = 1, .l_linger = 0 };
+    CHECK(send(cfd, "flood", 5, 0) == 5);
+    CHECK(!setsockopt(cfd, SOL_SOCKET, SO_LINGER, &abort_close, sizeof abort_close));
+    close(cfd);
+    /* Waits for the reset to arrive (POLLHUP; 10 s: a hang guard only). */
+    struct pollfd pf = { .fd = sfd };
+    CHECK_MSG(poll(&pf, 1, 10000) == 1 && (pf.revents & POLLHUP), "revents %#x", pf.revents);
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof ss;
+    CHECK(getpeername(sfd, (struct sockaddr *)&ss, &len) == -1 && errno == ENOTCONN);
+    CHECK_EQ_INT(moed_peers_disconnect(peer, port), 1);
+    char buf[8];
+    ssize_t n = recv(sfd, buf, sizeof buf, MSG_DONTWAIT);
+    CHECK_MSG(n <= 0, "recv = %zd: the peer's unread bytes were not dropped", n);
+    close(sfd);
+    close(lfd);
+}
+
 int main(void)
 {
     test_local();
@@ -296,5 +326,8 @@ int main(void)
     test_disconnect(AF_INET, false);
     test_disconnect(AF_INET6, false);
     test_disconnect(AF_INET6, true); /* an IPv4 client of a dual-stack listener, as gRPC binds */
+    test_disconnect_reset_by_peer(AF_INET, false);
+    test_disconnect_reset_by_peer(AF_INET6, false);
+    test_disconnect_reset_by_peer(AF_INET6, true);
     return check_status("test_peers");
 }
