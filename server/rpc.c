@@ -493,9 +493,15 @@ static void on_new(rpc_tag *t, bool ok)
     }
     if (!atomic_load(&r->shutting)) request_call(c->cq, c->method_id);
     c->t_received_ns = moed_now_ns();
-    atomic_store(&r->last_call_ns, c->t_received_ns);
     atomic_fetch_add(&r->calls[c->method_id], 1);
-    if (refuse_crowded(c) || refuse_unauthenticated(c) || refuse_loading(c) || refuse_draining(c)) {
+    if (refuse_crowded(c)) { /* dropped: its connection is closed, no caller waits on it */
+        rpc_call_unref(c);
+        return;
+    }
+    /* a caller is still sending (the drain waits for callers to go quiet): not a closed
+     * connection's backlog, which gRPC may go on delivering for seconds */
+    atomic_store(&r->last_call_ns, c->t_received_ns);
+    if (refuse_unauthenticated(c) || refuse_loading(c) || refuse_draining(c)) {
         rpc_call_unref(c);
         return;
     }
@@ -896,7 +902,12 @@ void moed_rpc_drain(moed_rpc *r, void (*on_drained)(void *arg), void *arg)
 
 void moed_rpc_cancel_all(moed_rpc *r)
 {
-    if (atomic_load(&r->draining)) shutdown_now(r); /* which cancels every call */
+    if (!atomic_load(&r->draining)) return;
+    shutdown_now(r); /* which cancels every call */
+    /* gRPC's reading threads may still be parsing what flooding connections sent (they leave a
+     * connection only once it is closed), and the server cannot finish shutting down meanwhile */
+    int n = r->port > 0 ? moed_peers_disconnect(NULL, r->port) : 0;
+    if (n) moed_log_info("connections reset", "reason=\"drain cut short\" connections=%d", n);
 }
 
 void moed_rpc_destroy(moed_rpc *r)

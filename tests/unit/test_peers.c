@@ -314,6 +314,42 @@ static void test_disconnect_reset_by_peer(int family, bool dual)
     close(lfd);
 }
 
+/* Every connection of a listening port at once (a drain cut short): both clients' connections
+ * are reset, the listener itself is left alone, and another port's connection too. */
+static void test_disconnect_all(void)
+{
+    int lfd = -1, cfd = -1, sfd = -1, lfd2 = -1, cfd2 = -1, sfd2 = -1;
+    char peer[64], peer2[64];
+    int port = connected(AF_INET, false, &lfd, &cfd, &sfd, peer, sizeof peer);
+    int port2 = connected(AF_INET, false, &lfd2, &cfd2, &sfd2, peer2, sizeof peer2);
+    CHECK_MSG(port > 0 && port2 > 0, "%s", strerror(errno));
+    if (port <= 0 || port2 <= 0) return;
+    struct sockaddr_in to = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port) };
+    to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    int cfd3 = socket(AF_INET, SOCK_STREAM, 0);
+    CHECK(cfd3 >= 0 && !connect(cfd3, (struct sockaddr *)&to, sizeof to));
+    int sfd3 = accept(lfd, NULL, NULL);
+    CHECK(sfd3 >= 0);
+    CHECK_EQ_INT(moed_peers_disconnect(NULL, port), 2);
+    char buf[8];
+    for (int i = 0; i < 2; i++) {
+        errno = 0;
+        ssize_t n = recv(i ? cfd3 : cfd, buf, sizeof buf, 0);
+        CHECK_MSG(n == -1 && errno == ECONNRESET, "client %d: recv = %zd (%s)", i, n,
+                  strerror(errno));
+    }
+    errno = 0;
+    CHECK_MSG(recv(cfd2, buf, sizeof buf, MSG_DONTWAIT) == -1 && errno == EAGAIN,
+              "another port's connection: %s", strerror(errno));
+    int c4 = socket(AF_INET, SOCK_STREAM, 0); /* the listener still accepts */
+    CHECK(c4 >= 0 && !connect(c4, (struct sockaddr *)&to, sizeof to));
+    int s4 = accept(lfd, NULL, NULL);
+    CHECK(s4 >= 0);
+    int fds[] = { cfd, sfd, lfd, cfd2, sfd2, lfd2, cfd3, sfd3, c4, s4 };
+    for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)
+        if (fds[i] >= 0) close(fds[i]);
+}
+
 int main(void)
 {
     test_local();
@@ -329,5 +365,6 @@ int main(void)
     test_disconnect_reset_by_peer(AF_INET, false);
     test_disconnect_reset_by_peer(AF_INET6, false);
     test_disconnect_reset_by_peer(AF_INET6, true);
+    test_disconnect_all();
     return check_status("test_peers");
 }
