@@ -455,7 +455,7 @@ static bool from_peer(const char *peer, sock_addr *out)
 int moed_peers_disconnect(const char *addr, int port)
 {
     sock_addr want, peer, local;
-    if (!strncmp(addr, "fd:", 3)) { /* "fd:N/SEQ": moed's own unix listener handed gRPC this
+    if (addr && !strncmp(addr, "fd:", 3)) { /* "fd:N/SEQ": moed's own unix listener handed gRPC this
                                        descriptor, which stays open while a call of its connection
                                        is alive */
         char *stop;
@@ -463,7 +463,7 @@ int moed_peers_disconnect(const char *addr, int port)
         return (!*stop || *stop == '/') && fd >= 0 && fd <= INT_MAX &&
                shutdown((int)fd, SHUT_RDWR) == 0;
     }
-    if (!from_peer(addr, &want)) return 0;
+    if (addr && !from_peer(addr, &want)) return 0;
     DIR *d = opendir("/proc/self/fd");
     if (!d) return 0;
     int n = 0, self = dirfd(d);
@@ -473,11 +473,18 @@ int moed_peers_disconnect(const char *addr, int port)
         long fd = strtol(de->d_name, &stop, 10);
         if (*stop || fd == self) continue;
         struct sockaddr_storage ps, ls;
-        socklen_t pl = sizeof ps, ll = sizeof ls;
-        if (getpeername((int)fd, (struct sockaddr *)&ps, &pl) ||
-            getsockname((int)fd, (struct sockaddr *)&ls, &ll) || !from_sockaddr(&ps, &peer) ||
-            !from_sockaddr(&ls, &local) || local.port != port || peer.port != want.port ||
-            peer.family != want.family || memcmp(peer.a, want.a, sizeof peer.a))
+        socklen_t ll = sizeof ls;
+        if (getsockname((int)fd, (struct sockaddr *)&ls, &ll)) continue;
+        socklen_t pl = ll;
+        /* SO_PEERNAME, not getpeername: it also names the peer of a connection the peer has
+         * already reset, which getpeername refuses (ENOTCONN). Linux keeps what such a connection
+         * had sent readable, and gRPC would parse all of it (megabytes of a flood's streams, for
+         * seconds each, with a reading thread held) unless the reset here drops it. It takes a
+         * length no longer than the address (else EINVAL): the local one's, of the same family. */
+        if (getsockopt((int)fd, SOL_SOCKET, SO_PEERNAME, &ps, &pl) || !from_sockaddr(&ps, &peer) ||
+            !from_sockaddr(&ls, &local) || local.port != port ||
+            (addr && (peer.port != want.port || peer.family != want.family ||
+                      memcmp(peer.a, want.a, sizeof peer.a))))
             continue;
         /* Checked and reset back to back: gRPC could close this descriptor between the two, and a
          * new connection take its number, only if the peer went at that very moment. */

@@ -110,10 +110,12 @@ int moed_peers_waiting(moed_peers *p);
 
 /* Resets the TCP connections of this process whose peer is `addr` (as gRPC names it: "ipv4:a.b.c.d:
  * port" or "ipv6:[addr]:port") and whose local port is `port`, through their sockets: connect with
- * AF_UNSPEC aborts the connection and drops what it had not read, and leaves the descriptor to its
- * owner, gRPC, which sees the connection end. A connection moed's unix listener handed gRPC
- * ("fd:N/SEQ", SEQ its number in accept order) is shut down through descriptor N. Returns how many
- * it reset. */
+ * AF_UNSPEC aborts the connection and drops what it had not read (also once the peer has reset it:
+ * then only that), and leaves the descriptor to its owner, gRPC, which sees the connection end. A
+ * connection moed's unix listener handed gRPC ("fd:N/SEQ", SEQ its number in accept order) is shut
+ * down through descriptor N. addr NULL: every TCP connection whose local port is `port` (a drain
+ * cut short: what flooding connections had sent and gRPC had not parsed yet is dropped, so its
+ * reading threads are free to shut down). Returns how many it reset. */
 int moed_peers_disconnect(const char *addr, int port);
 
 /* Whether a gRPC peer address ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:/path", ...) is on

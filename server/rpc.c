@@ -33,6 +33,9 @@
 /* The drain's wait for callers to go quiet (maybe_shutdown), and how often it looks. */
 #define DRAIN_QUIET_NS ((uint64_t)250 * 1000000)
 #define DRAIN_POLL_MS  50
+/* moed's pings: every KEEPALIVE_MS, answered within KEEPALIVE_TIMEOUT_MS. */
+#define KEEPALIVE_MS         60000
+#define KEEPALIVE_TIMEOUT_MS 20000
 /* How often queue 0's thread looks for connections that take no reply (moed_peers_stalled). */
 #define STALL_POLL_NS ((uint64_t)1000000000)
 
@@ -490,9 +493,15 @@ static void on_new(rpc_tag *t, bool ok)
     }
     if (!atomic_load(&r->shutting)) request_call(c->cq, c->method_id);
     c->t_received_ns = moed_now_ns();
-    atomic_store(&r->last_call_ns, c->t_received_ns);
     atomic_fetch_add(&r->calls[c->method_id], 1);
-    if (refuse_crowded(c) || refuse_unauthenticated(c) || refuse_loading(c) || refuse_draining(c)) {
+    if (refuse_crowded(c)) { /* dropped: its connection is closed, no caller waits on it */
+        rpc_call_unref(c);
+        return;
+    }
+    /* a caller is still sending (the drain waits for callers to go quiet): not a closed
+     * connection's backlog, which gRPC may go on delivering for seconds */
+    atomic_store(&r->last_call_ns, c->t_received_ns);
+    if (refuse_unauthenticated(c) || refuse_loading(c) || refuse_draining(c)) {
         rpc_call_unref(c);
         return;
     }
@@ -659,12 +668,16 @@ static grpc_server *create_server(const moed_rpc_config *cfg)
           { .integer = 10000 } },
         { GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_MAX_PING_STRIKES, { .integer = 2 } },
         /* Peers that vanished without closing are found by our pings within 80 s; a connection
-         * that never finishes its handshake is dropped after 10 s (gRPC's default: 120 s). */
-        { GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_TIME_MS, { .integer = 60000 } },
-        { GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_TIMEOUT_MS, { .integer = 20000 } },
+         * that never finishes its handshake is dropped after as long. Not sooner: gRPC's
+         * deadline runs from the accept until the client's SETTINGS have been read, which counts
+         * the time the connection waits for a reading thread, and a flood of streams makes that
+         * wait seconds long (at 10 s, new clients were cut off, each of their attempts in
+         * turn). A client that sent its SETTINGS and then nothing is held that long anyway. */
+        { GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_TIME_MS, { .integer = KEEPALIVE_MS } },
+        { GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_TIMEOUT_MS, { .integer = KEEPALIVE_TIMEOUT_MS } },
         { GRPC_ARG_INTEGER,
           GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
-          { .integer = MOED_HANDSHAKE_MS } },
+          { .integer = KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS } },
         { GRPC_ARG_INTEGER, GRPC_ARG_MAX_CONCURRENT_STREAMS, { .integer = cfg->max_streams } },
         /* Headers: the token (at most 4 KiB) and gRPC's own fit with room to spare. */
         { GRPC_ARG_INTEGER, GRPC_ARG_MAX_METADATA_SIZE, { .integer = 16 << 10 } },
@@ -889,7 +902,12 @@ void moed_rpc_drain(moed_rpc *r, void (*on_drained)(void *arg), void *arg)
 
 void moed_rpc_cancel_all(moed_rpc *r)
 {
-    if (atomic_load(&r->draining)) shutdown_now(r); /* which cancels every call */
+    if (!atomic_load(&r->draining)) return;
+    shutdown_now(r); /* which cancels every call */
+    /* gRPC's reading threads may still be parsing what flooding connections sent (they leave a
+     * connection only once it is closed), and the server cannot finish shutting down meanwhile */
+    int n = r->port > 0 ? moed_peers_disconnect(NULL, r->port) : 0;
+    if (n) moed_log_info("connections reset", "reason=\"drain cut short\" connections=%d", n);
 }
 
 void moed_rpc_destroy(moed_rpc *r)

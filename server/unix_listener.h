@@ -35,7 +35,8 @@
 #include <stdint.h>
 
 #define MOED_UNIX_PENDING 1024
-/* A new connection's deadline: for its first bytes here, for its handshake in gRPC's listener. */
+/* A new connection's deadline for its first bytes here (this thread polls it at once: no reading of
+ * other connections delays it). */
 #define MOED_HANDSHAKE_MS 10000
 
 typedef struct moed_unix moed_unix;

@@ -40,8 +40,9 @@ FORWARD = "/moed.v1.Moed/Forward"
 FORWARD_STREAM = "/moed.v1.Moed/ForwardStream"
 
 
-def _connect(address, timeout=10.0):
-    """host:port, or unix:PATH."""
+def _connect(address, timeout=10.0, silent_s=0.0):
+    """host:port, or unix:PATH; the HTTP/2 preface and SETTINGS are sent `silent_s` s after the
+    connection is made."""
     if address.startswith("unix:"):
         s = socket.socket(socket.AF_UNIX)
         s.settimeout(timeout)
@@ -50,6 +51,7 @@ def _connect(address, timeout=10.0):
         host, port = address.rsplit(":", 1)
         s = socket.create_connection((host, int(port)), timeout=timeout)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    time.sleep(silent_s)
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
     conn.initiate_connection()
     s.sendall(conn.data_to_send())
@@ -187,11 +189,12 @@ def gzip_bomb(inflated_bytes, chunk=1 << 20):
 
 
 def upload(address, body_len, token=None, compressed_body=None, path=FORWARD, timeout=30.0,
-           encoding="gzip"):
+           encoding="gzip", silent_s=0.0):
     """One unary call whose message claims `body_len` bytes (zeros, sent as fast as flow control
     allows), or carries `compressed_body` (flagged compressed, with grpc-encoding `encoding`; None:
-    no such header). Returns (grpc-status or None, grpc-message, message bytes the server let us
-    send) once the server has answered or reset the stream, or the time is up."""
+    no such header), on a connection silent for its first `silent_s` s. Returns (grpc-status or
+    None, grpc-message, message bytes the server let us send) once the server has answered or reset
+    the stream, or the time is up."""
     if compressed_body is not None:
         data = grpc_frame(compressed_body, compressed=True)
         piece, total = (lambda off, n: data[off:off + n]), len(data)
@@ -199,7 +202,7 @@ def upload(address, body_len, token=None, compressed_body=None, path=FORWARD, ti
         prefix = struct.pack(">BI", 0, body_len)
         piece = lambda off, n: prefix[off:off + n] + bytes(n - len(prefix[off:off + n]))
         total = body_len + 5
-    s, conn = _connect(address, timeout)
+    s, conn = _connect(address, timeout, silent_s)
     sid = conn.get_next_available_stream_id()
     conn.send_headers(sid, _headers(address, path, token, encoding if compressed_body is not None else None))
     sent, status, message, done = 0, None, "", False

@@ -5,7 +5,8 @@
  * the most closed, never one with a single call waiting; closed and unread addresses forgotten
  * after MOED_PEERS_IDLE_NS; replies held past the bound or for MOED_PEERS_STALL_NS closing the
  * connection that holds them; and moed_peers_disconnect resetting exactly the socket gRPC names, an
- * IPv4 peer of a dual-stack listener included.
+ * IPv4 peer of a dual-stack listener included, and one its peer has already reset, whose unread
+ * bytes it drops.
  */
 #include "check.h"
 #include "peers.h"
@@ -14,6 +15,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -284,6 +286,70 @@ static void test_disconnect(int family, bool dual)
     close(lfd);
 }
 
+/* A connection its client has reset (close with a zero linger) with bytes moed had not read: the
+ * kernel keeps them readable, and getpeername no longer names the peer. It is found all the same,
+ * and reset: what it had not read is dropped, so its reader sees the end at once. */
+static void test_disconnect_reset_by_peer(int family, bool dual)
+{
+    int lfd = -1, cfd = -1, sfd = -1;
+    char peer[64];
+    int port = connected(family, dual, &lfd, &cfd, &sfd, peer, sizeof peer);
+    CHECK_MSG(port > 0, "family %d dual %d: %s", family, dual, strerror(errno));
+    if (port <= 0) return;
+    struct linger abort_close = { .l_onoff = 1, .l_linger = 0 };
+    CHECK(send(cfd, "flood", 5, 0) == 5);
+    CHECK(!setsockopt(cfd, SOL_SOCKET, SO_LINGER, &abort_close, sizeof abort_close));
+    close(cfd);
+    /* Waits for the reset to arrive (POLLHUP; 10 s: a hang guard only). */
+    struct pollfd pf = { .fd = sfd };
+    CHECK_MSG(poll(&pf, 1, 10000) == 1 && (pf.revents & POLLHUP), "revents %#x", pf.revents);
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof ss;
+    CHECK(getpeername(sfd, (struct sockaddr *)&ss, &len) == -1 && errno == ENOTCONN);
+    CHECK_EQ_INT(moed_peers_disconnect(peer, port), 1);
+    char buf[8];
+    ssize_t n = recv(sfd, buf, sizeof buf, MSG_DONTWAIT);
+    CHECK_MSG(n <= 0, "recv = %zd: the peer's unread bytes were not dropped", n);
+    close(sfd);
+    close(lfd);
+}
+
+/* Every connection of a listening port at once (a drain cut short): both clients' connections
+ * are reset, the listener itself is left alone, and another port's connection too. */
+static void test_disconnect_all(void)
+{
+    int lfd = -1, cfd = -1, sfd = -1, lfd2 = -1, cfd2 = -1, sfd2 = -1;
+    char peer[64], peer2[64];
+    int port = connected(AF_INET, false, &lfd, &cfd, &sfd, peer, sizeof peer);
+    int port2 = connected(AF_INET, false, &lfd2, &cfd2, &sfd2, peer2, sizeof peer2);
+    CHECK_MSG(port > 0 && port2 > 0, "%s", strerror(errno));
+    if (port <= 0 || port2 <= 0) return;
+    struct sockaddr_in to = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port) };
+    to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    int cfd3 = socket(AF_INET, SOCK_STREAM, 0);
+    CHECK(cfd3 >= 0 && !connect(cfd3, (struct sockaddr *)&to, sizeof to));
+    int sfd3 = accept(lfd, NULL, NULL);
+    CHECK(sfd3 >= 0);
+    CHECK_EQ_INT(moed_peers_disconnect(NULL, port), 2);
+    char buf[8];
+    for (int i = 0; i < 2; i++) {
+        errno = 0;
+        ssize_t n = recv(i ? cfd3 : cfd, buf, sizeof buf, 0);
+        CHECK_MSG(n == -1 && errno == ECONNRESET, "client %d: recv = %zd (%s)", i, n,
+                  strerror(errno));
+    }
+    errno = 0;
+    CHECK_MSG(recv(cfd2, buf, sizeof buf, MSG_DONTWAIT) == -1 && errno == EAGAIN,
+              "another port's connection: %s", strerror(errno));
+    int c4 = socket(AF_INET, SOCK_STREAM, 0); /* the listener still accepts */
+    CHECK(c4 >= 0 && !connect(c4, (struct sockaddr *)&to, sizeof to));
+    int s4 = accept(lfd, NULL, NULL);
+    CHECK(s4 >= 0);
+    int fds[] = { cfd, sfd, lfd, cfd2, sfd2, lfd2, cfd3, sfd3, c4, s4 };
+    for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)
+        if (fds[i] >= 0) close(fds[i]);
+}
+
 int main(void)
 {
     test_local();
@@ -296,5 +362,9 @@ int main(void)
     test_disconnect(AF_INET, false);
     test_disconnect(AF_INET6, false);
     test_disconnect(AF_INET6, true); /* an IPv4 client of a dual-stack listener, as gRPC binds */
+    test_disconnect_reset_by_peer(AF_INET, false);
+    test_disconnect_reset_by_peer(AF_INET6, false);
+    test_disconnect_reset_by_peer(AF_INET6, true);
+    test_disconnect_all();
     return check_status("test_peers");
 }
