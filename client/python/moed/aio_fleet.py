@@ -41,19 +41,14 @@ class FleetClient(FleetBase, AioClient):
 
     # -- learning the fleet --
 
-    def _probe(self, members: Sequence[P.Member]) -> List[asyncio.Future]:
-        probes = []
-        for m in members:
-            task = asyncio.ensure_future(self._ask(m))
-            if not self.fleet.asking(m, task):
-                task.cancel()
-                continue
-            probes.append(task)
-        return probes
+    def _start(self, m: P.Member) -> asyncio.Future:
+        """m's probe (the fleet's to_probe and to_check make it under their lock): a task that
+        records its answer when it comes."""
+        return asyncio.ensure_future(self._ask(m))
 
     async def _ask(self, m: P.Member) -> None:
         """One probe: m's GetModel, recorded when it comes (the task is the probe)."""
-        me = asyncio.current_task()  # _probe recorded it as m's probe before it first runs
+        me = asyncio.current_task()  # the fleet recorded it as m's probe before it first runs
         try:
             reply = await m.client._get_model(b"", timeout=P.PROBE_TIMEOUT, metadata=m.client._metadata)
             self.fleet.probed(m, me, C.model_info(reply), "", time.monotonic())
@@ -66,13 +61,13 @@ class FleetClient(FleetBase, AioClient):
             raise
 
     async def _learn(self, members: Sequence[P.Member], deadline: Optional[float]) -> None:
-        probes = self._probe(self.fleet.to_probe(members, time.monotonic()))
-        probes += [m.probe for m in members if m.probe is not None and m.probe not in probes]
+        probes = [f for _, f in self.fleet.to_probe(members, time.monotonic(), self._start)]
+        probes += [f for m in members for f in [m.probe] if f is not None and f not in probes]
         if probes:
             await asyncio.wait(probes, timeout=probe_wait(deadline))
 
     async def _shards(self, layer: int, deadline: Optional[float]) -> List[P.Shard]:
-        self._probe(self.fleet.to_probe(self.fleet.members, time.monotonic()))
+        self.fleet.to_probe(self.fleet.members, time.monotonic(), self._start)
         if self.fleet.unsettled():
             await self._learn(self.fleet.members, deadline)
         shards, err = self._try_plan(layer)
@@ -92,7 +87,7 @@ class FleetClient(FleetBase, AioClient):
             m = self.fleet.pick(t.shard, t.tried, now)
             if m is not None:
                 break
-            probes = self._probe(self.fleet.to_check(t.shard, t.tried, now))
+            probes = [f for _, f in self.fleet.to_check(t.shard, t.tried, now, self._start)]
             if not probes:
                 return False
             await asyncio.wait(probes, timeout=probe_wait(deadline))

@@ -123,7 +123,8 @@ class FleetBase:
 class FleetClient(FleetBase, Client):
     """A blocking client of several daemons (see the module's text); moed.connect(targets) makes
     one. Arguments as moed.MoEClient's, target naming several daemons. It makes no threads: calls
-    and GetModel probes are gRPC futures. members() tells each daemon's GetModel."""
+    and GetModel probes are gRPC futures, shared by the threads calling it (a call that needs a
+    daemon another call is asking waits for that answer). members() tells each daemon's GetModel."""
 
     def __init__(self, target: Any = "127.0.0.1:50051", timeout: Optional[float] = None,
                  credentials: Optional[grpc.ChannelCredentials] = None, token: Optional[str] = None,
@@ -142,17 +143,15 @@ class FleetClient(FleetBase, Client):
 
     # -- learning the fleet --
 
-    def _probe(self, members: Sequence[P.Member]) -> List[Tuple[P.Member, Any]]:
-        """Asks these members' GetModel (as fleet.to_probe chose them): the probes, which record
-        their answers when they come."""
-        probes = []
-        for m in members:
-            f = m.client._get_model.future(b"", timeout=P.PROBE_TIMEOUT, metadata=m.client._metadata)
-            if not self.fleet.asking(m, f):
-                f.cancel()
-                continue
+    @staticmethod
+    def _start(m: P.Member) -> Any:
+        """m's GetModel started (the fleet's to_probe and to_check call it under their lock)."""
+        return m.client._get_model.future(b"", timeout=P.PROBE_TIMEOUT, metadata=m.client._metadata)
+
+    def _probe(self, probes: List[Tuple[P.Member, Any]]) -> List[Tuple[P.Member, Any]]:
+        """The probes to_probe or to_check started, each to record its answer when it comes."""
+        for m, f in probes:
             f.add_done_callback(lambda f, m=m: self._probed(m, f))
-            probes.append((m, f))
         return probes
 
     def _probed(self, m: P.Member, f) -> None:
@@ -178,14 +177,14 @@ class FleetClient(FleetBase, Client):
 
     def _learn(self, members: Sequence[P.Member], deadline: Optional[float]) -> None:
         """GetModel of those of these members that need it (and those being asked), waited for."""
-        probes = self._probe(self.fleet.to_probe(members, time.monotonic()))
-        probes += [(m, m.probe) for m in members if m.probe is not None and (m, m.probe) not in probes]
+        probes = self._probe(self.fleet.to_probe(members, time.monotonic(), self._start))
+        probes += [(m, f) for m in members for f in [m.probe] if f is not None and (m, f) not in probes]
         self._wait(probes, deadline)
 
     def _shards(self, layer: int, deadline: Optional[float]) -> List[P.Shard]:
         """The layer's shards. Members that need GetModel are asked in the background; the call
         waits for them only when the layer cannot be planned now (asking again may put it right)."""
-        self._probe(self.fleet.to_probe(self.fleet.members, time.monotonic()))
+        self._probe(self.fleet.to_probe(self.fleet.members, time.monotonic(), self._start))
         if self.fleet.unsettled():
             self._learn(self.fleet.members, deadline)
         shards, err = self._try_plan(layer)
@@ -206,7 +205,7 @@ class FleetClient(FleetBase, Client):
             m = self.fleet.pick(t.shard, t.tried, now)
             if m is not None:
                 break
-            probes = self._probe(self.fleet.to_check(t.shard, t.tried, now))
+            probes = self._probe(self.fleet.to_check(t.shard, t.tried, now, self._start))
             if not probes:
                 return False
             self._wait(probes, deadline)

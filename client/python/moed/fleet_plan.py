@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import grpc
 import numpy as np
@@ -188,6 +188,11 @@ def choose(shard: Shard, tried: Sequence[Member], turn: int, now: float) -> Opti
     return best
 
 
+# What a fleet client gives to_probe and to_check: starts m's GetModel and returns the probe (what
+# the client waits on and reports to probed: a grpc future, an asyncio task).
+Start = Callable[[Member], Any]
+
+
 class Fleet:
     """The members and, per layer, its shards; the choice of replicas. Thread-safe (the clients'
     calls and probes tell it what came of them from several threads or tasks)."""
@@ -200,15 +205,25 @@ class Fleet:
         self._recheck_at = 0.0  # while a plan fails: when every member is asked GetModel again
         self._recheck_for = 0.0
 
-    def to_probe(self, members: Sequence[Member], now: float) -> List[Member]:
-        """Of these, the members whose GetModel is to be asked now (to_ask; any while a plan fails
-        and it is time to ask again), not being asked already; each counts as asked now."""
+    def to_probe(self, members: Sequence[Member], now: float, start: Start) -> List[Tuple[Member, Any]]:
+        """Starts GetModel of those of these members to be asked now (to_ask; any while a plan
+        fails and it is time to ask again) and not being asked already; each counts as asked now.
+        start(m) makes m's probe, recorded as m.probe at once (see _start). The probes started."""
         with self._lock:
             again = self._recheck_due(now)
             out = [m for m in members if to_ask(m, again, now) and m.probe is None]
             for m in out:
                 m.asked_at = now
-            return out
+            return self._start(out, start)
+
+    def _start(self, members: Sequence[Member], start: Start) -> List[Tuple[Member, Any]]:
+        """Each member's probe made by start(m) and recorded, under the lock that chose them: a
+        member is never seen chosen (counted as asked, or as checked) with no probe on its way, so
+        every other call needing it finds the probe (m.probe) and waits for its answer. start must
+        not report the probe's end itself before it returns (probed takes the lock)."""
+        for m in members:
+            m.probe = start(m)
+        return [(m, m.probe) for m in members]
 
     def recheck_due(self, now: float) -> bool:
         """Whether every member is to be asked GetModel again now (a plan fails, and its time
@@ -221,14 +236,6 @@ class Fleet:
             return False
         self._recheck(now)
         return True
-
-    def asking(self, m: Member, probe: Any) -> bool:
-        """Records that `probe` asks m's GetModel; False if another is on its way already."""
-        with self._lock:
-            if m.probe is not None:
-                return False
-            m.probe = probe
-            return True
 
     def probed(self, m: Member, probe: Any, info: Optional[ModelInfo], error: str, now: float) -> None:
         """What `probe` (m's GetModel) came to: an answer, or (info None) why none came. Only the
@@ -318,11 +325,13 @@ class Fleet:
                 m.outstanding += 1
             return m
 
-    def to_check(self, shard: Shard, tried: Sequence[Member], now: float) -> List[Member]:
-        """The shard's replicas that failed before and may be asked GetModel again now."""
+    def to_check(self, shard: Shard, tried: Sequence[Member], now: float,
+                 start: Start) -> List[Tuple[Member, Any]]:
+        """Starts GetModel (start(m), as to_probe) of the shard's replicas that failed before and
+        may be asked again now. The probes started."""
         with self._lock:
-            return [m for m in shard.members if m not in tried and m.check and m.down_until <= now
-                    and m.probe is None and not m.retired]
+            return self._start([m for m in shard.members if m not in tried and m.check
+                                and m.down_until <= now and m.probe is None and not m.retired], start)
 
     def done(self, m: Member, code: Optional[grpc.StatusCode], details: str, now: float) -> bool:
         """An attempt on m ended with `code` (None: OK): UNAVAILABLE passes m over, and it and

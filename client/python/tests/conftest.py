@@ -1,7 +1,8 @@
 """An in-process fake moed (a grpcio server with the generated servicer) for the client's own tests:
 Forward and ForwardStream answer hidden * 2 (decoded and re-encoded in the same dtype) and record
 what they got; layer 7 is 'not resident'; the next N unary calls, or a stream after its Nth
-request, can be made to fail UNAVAILABLE. The real daemon is tested by tests/e2e."""
+request, can be made to fail UNAVAILABLE. Two more (fake_halves) split layer 0's experts between
+them, a fleet's shards. The real daemon is tested by tests/e2e."""
 
 import threading
 from concurrent import futures
@@ -26,7 +27,8 @@ def doubled(h):
 
 
 class FakeMoed(moed_pb2_grpc.MoedServicer):
-    def __init__(self):
+    def __init__(self, held=None):
+        self.held = held  # (first, last): the experts of layer 0 it says it holds (None: all)
         self.reset()
 
     def reset(self):
@@ -74,7 +76,7 @@ class FakeMoed(moed_pb2_grpc.MoedServicer):
             yield self.reply(request, context)
 
     def GetModel(self, request, context):
-        return moed_pb2.ModelInfo(
+        info = moed_pb2.ModelInfo(
             model="layers=1", backend="cpu", version="0.1.0", max_message_bytes=1 << 26,
             max_batch_tokens=4096, devices=[moed_pb2.Device(name="cpu", memory_total=10, memory_used=1)],
             layers=[moed_pb2.LayerInfo(index=0, d_model=8, d_ff=16, num_experts=4, top_k=2,
@@ -83,6 +85,10 @@ class FakeMoed(moed_pb2_grpc.MoedServicer):
                                        router_rule=moed_pb2.DEEPSEEK_V3, num_shared_experts=1,
                                        shared_d_ff=16, n_group=2, topk_group=1,
                                        routed_scaling_factor=2.5)])
+        if self.held:
+            info.layers[0].experts_held.add(first=self.held[0], last=self.held[1])
+            info.layers[0].adds_shared_experts = self.held[0] == 0
+        return info
 
 
 class FakeHealth(health_pb2_grpc.HealthServicer):
@@ -123,16 +129,32 @@ def fake_clock(server, monkeypatch):
     return (*server, clock)
 
 
-@pytest.fixture(scope="session")
-def fake_server():
+def serve(fake):
+    """A started server of `fake`; (server, target)."""
     srv = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    fake = FakeMoed()
     moed_pb2_grpc.add_MoedServicer_to_server(fake, srv)
     health_pb2_grpc.add_HealthServicer_to_server(FakeHealth(), srv)
     port = srv.add_insecure_port("127.0.0.1:0")
     srv.start()
-    yield fake, f"127.0.0.1:{port}"
+    return srv, f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="session")
+def fake_server():
+    fake = FakeMoed()
+    srv, target = serve(fake)
+    yield fake, target
     srv.stop(None)
+
+
+@pytest.fixture(scope="session")
+def fake_halves():
+    """Two fakes holding experts 0-1 (adding the shared experts) and 2-3 of layer 0: a fleet of two
+    shards, whose sum of replies is hidden * 4; their targets."""
+    servers = [serve(FakeMoed(held)) for held in ((0, 1), (2, 3))]
+    yield [target for _, target in servers]
+    for srv, _ in servers:
+        srv.stop(None)
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ against ml_dtypes. Fleets of real daemons are tested by tests/e2e/test_fleet.py.
 import asyncio
 import inspect
 import socket
+import threading
 
 import grpc
 import ml_dtypes
@@ -168,6 +169,85 @@ def test_a_fleet_writes_out(server):
         y = fl.forward(0, x, expert_ids=np.zeros((2, 1), np.int32), expert_weights=np.ones((2, 1), np.float32),
                        out=out)
         assert y is out and np.array_equal(out, 2 * x) and fl.transport_calls["inline"] == 1
+
+
+class Watched:
+    """A lock that sets `contended` (a threading.Event) when a thread finds it held."""
+
+    def __init__(self, lock, contended):
+        self.lock, self.contended = lock, contended
+
+    def acquire(self, blocking=True, timeout=-1):
+        if self.lock.acquire(False):
+            return True
+        self.contended.set()
+        return self.lock.acquire(blocking, timeout)
+
+    def release(self):
+        self.lock.release()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+class HeldProbe:
+    """A member's GetModel whose first future() is made only once `go` is set: the thread that
+    counted the member as asked is held between that and its probe's start for as long as a
+    scheduler could hold it (a channel's first call starts a thread, which gives others the
+    interpreter: that was enough to lose the race most times)."""
+
+    def __init__(self, rpc, go):
+        self.rpc, self.go, self.first = rpc, go, True
+
+    def future(self, *args, **kw):
+        if self.first:
+            self.first = False
+            assert self.go.wait(60), "hang guard: the other call neither ended nor waited on the fleet"
+        return self.rpc.future(*args, **kw)
+
+
+def first_calls(fl, x, ids, w):
+    """Two threads' first calls on fl at once: what each came to (an output or a MoEError)."""
+    start, got = threading.Barrier(2), [None, None]
+
+    def call(i):
+        start.wait()
+        try:
+            got[i] = fl.forward(0, x, expert_ids=ids, expert_weights=w, timeout=60)
+        except MoEError as e:
+            got[i] = e
+        finally:
+            fl.test_ended.set()
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got
+
+
+def test_threads_first_calls_wait_for_the_probes_another_started(fake_halves):
+    """A call that finds a member counted as asked by another thread's call waits for that probe
+    and uses its answer (it used to plan at once, with the member unheard, and fail UNAVAILABLE
+    "not asked yet"). First the window held open: the first probe starts only once the other call
+    ended or waits on the fleet (found its lock held); then fresh clients as they come."""
+    x = np.arange(16, dtype=np.float32).reshape(2, 8)
+    ids, w = np.array([[0, 3], [2, 1]], np.int32), np.full((2, 2), 0.5, np.float32)
+    for n in range(21):
+        with moed.connect(fake_halves) as fl:
+            fl.test_ended = threading.Event()
+            if n == 0:
+                fl.fleet._lock = Watched(fl.fleet._lock, fl.test_ended)
+                m = fl.fleet.members[0]
+                m.client._get_model = HeldProbe(m.client._get_model, fl.test_ended)
+            for y in first_calls(fl, x, ids, w):
+                assert not isinstance(y, MoEError), f"client {n}: {y}"
+                np.testing.assert_array_equal(y, 4 * x)  # each shard's fake answers hidden * 2
 
 
 def test_each_shard_states_what_it_expects():
