@@ -186,6 +186,16 @@ class Daemon:
     def send_signal(self, sig):
         self.proc.send_signal(sig)
 
+    def begin_drain(self, hang_guard_s=60.0):
+        """SIGTERM, and back once moed drains (health NOT_SERVING, or no answer: it is gone): the
+        signal is handled asynchronously, so a call made right after send_signal may still be
+        answered as before it."""
+        self.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + hang_guard_s
+        while self.serving():
+            assert time.monotonic() < deadline, f"moed still SERVING after SIGTERM:\n{self.log()}"
+            time.sleep(0.01)
+
     def pause(self, hang_guard_s=60.0):
         """SIGSTOP, and back once every thread of the daemon is stopped: the signal is delivered
         asynchronously, so a thread (the doorbell's poller, say) may otherwise still take a call

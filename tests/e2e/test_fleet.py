@@ -251,7 +251,7 @@ def test_shard_down_is_unavailable_naming_it(daemon):
     x = np.zeros((2, D), np.float32)
     with moed.connect([a.address, b.address], timeout=20) as fl:
         fl.forward(0, x)
-        b.send_signal(signal.SIGTERM)  # draining, then gone: UNAVAILABLE either way
+        b.begin_drain()  # draining, then gone: UNAVAILABLE either way
         with pytest.raises(MoEError) as e:
             fl.forward(0, x)
     assert b.stop() == 0, b.log()
