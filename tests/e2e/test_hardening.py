@@ -405,24 +405,32 @@ def test_callers_gone_compute_nothing(daemon):
     mflags, port = metrics_flags()
     d = daemon("--synthetic", str(slow), "--threads", "1", *mflags)
     rng = np.random.default_rng(5)
-    big, _ = O.hidden(rng, 2048, slow.d, "bf16")  # about a second on one thread
+    big, _ = O.hidden(rng, 4096, slow.d, "bf16")  # about two seconds on one thread
     small, _ = O.hidden(rng, 7, slow.d, "bf16")
     ids = lambda T: np.tile(np.array([[0, 1]], np.int32), (T, 1))
     w = lambda T: np.full((T, 2), 0.5, np.float32)
+
+    def until(what, ok):  # 60 s: a hang guard
+        deadline = time.monotonic() + 60
+        while not ok():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.005)
+
     with MoEClient(d.address, timeout=60) as c:
-        t = threading.Thread(target=c.forward, args=(0, big), kwargs=dict(expert_ids=ids(2048), expert_weights=w(2048)))
+        t = threading.Thread(target=c.forward, args=(0, big), kwargs=dict(expert_ids=ids(4096), expert_weights=w(4096)))
         t.start()
-        time.sleep(0.1)
-        with pytest.raises(MoEError) as e:
+        until("the big launch to run", lambda: (scrape(port).get("moed_stream_pool_busy") or 0) >= 1)
+        with pytest.raises(MoEError) as e:  # queued behind the big launch, which outlasts it
             c.forward(0, small, expert_ids=ids(7), expert_weights=w(7), timeout=0.2)
         assert e.value.code_name == "DEADLINE_EXCEEDED"
         with d.channel() as ch:
             req = c.build_request(0, small, expert_ids=ids(7), expert_weights=w(7))
             fut = moed_pb2_grpc.MoedStub(ch).Forward.future(req, timeout=60)
-            time.sleep(0.05)
+            # the big call, the expired one (dropped only when the big launch ends) and this one
+            until("the second small call to be open", lambda: (scrape(port).get("moed_calls_active") or 0) >= 3)
             fut.cancel()
         t.join(60)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         e = scrape(port)
         gone = sum(e.get("moed_requests_total", method="Forward", code=k) or 0 for k in ("CANCELLED", "DEADLINE_EXCEEDED"))
@@ -430,7 +438,7 @@ def test_callers_gone_compute_nothing(daemon):
             break
         time.sleep(0.05)
     assert gone == 2, e.samples
-    assert e.get("moed_tokens_total") == 2048, "a request whose caller had gone was computed"
+    assert e.get("moed_tokens_total") == 4096, "a request whose caller had gone was computed"
 
 
 # ---- row 7: the drain -------------------------------------------------------------------------
