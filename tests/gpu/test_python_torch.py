@@ -23,24 +23,10 @@ import sys
 import time
 
 if __name__ == "__main__":  # the stage's entry: the daemon's folder, or exit 77
-    import argparse
-    import importlib.util
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "gpu"))
+    from torch_stage import run_stage
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--bin", required=True, help="the folder of moed")
-    a, rest = ap.parse_known_args()
-    os.environ["MOED_BIN"] = os.path.join(os.path.abspath(a.bin), "moed")
-    if importlib.util.find_spec("torch") is None or not os.access(os.environ["MOED_BIN"], os.X_OK):
-        print("test_python_torch: skipped (needs torch and the daemon)")
-        sys.exit(77)
-    import torch
-
-    if not torch.cuda.is_available():
-        print("test_python_torch: skipped (no GPU answered torch.cuda.is_available())")
-        sys.exit(77)
-    import pytest
-
-    sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-rsx", os.path.abspath(__file__), *rest]))
+    run_stage(__file__)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
