@@ -52,6 +52,11 @@ typedef struct moed_layer_info {
      * n_experts; more than n_experts in the layer a backend gets from a daemon holding an expert
      * shard (moed --experts), whose router stays whole while it holds fewer experts. */
     int router_experts;
+    /* Every routed expert's matrices are 2:4 sparse along K, zeros in place (moed_sp24.h): a
+     * pruned layer (moed --weights sparse24) or a compressed-tensors 2:4 checkpoint. The shared
+     * experts and the router stay dense. Backends with sparse Tensor Cores compute such a layer
+     * from its compressed form; the others as any layer, with the same results on the zeros. */
+    bool sparse24;
 } moed_layer_info;
 
 /* One expert's three matrices (w3 is NULL unless the activation is SwiGLU), and for FP8 weights
