@@ -1,0 +1,63 @@
+/*
+ * moed_prune — how much pruning a layer to 2:4 (moed --weights sparse24, moed_sp24.h's rule)
+ * changes what it computes: ||y_pruned - y_dense|| / ||y_dense|| over a fixed batch, computed here
+ * in double precision from the host weights, independently of any backend, so the number the log
+ * states does not depend on the code it judges.
+ *
+ * The batch: MOED_PRUNE_TOKENS tokens of values uniform in [-1, 1), a counter-based function of
+ * (MOED_PRUNE_SEED, layer, token, channel) (moed_prune_token_value), routed by the layer's own rule
+ * from its router when it has one (logits summed in double, gated by moed_gate), else by the top_k
+ * of seeded logits. Only the experts this batch routes to are computed, twice each (dense, then
+ * pruned), so the cost is at most tokens x top_k expert evaluations per layer however many experts
+ * it has. The shared experts (never pruned) add the same term to both sides.
+ *
+ * The loader feeds the probe expert by expert while it holds the dense values (moed_prune_expert
+ * with pruned false, then prunes them in place and feeds them again with pruned true), so no
+ * second copy of the layer is kept. An expert shard (moed --experts) feeds the experts it holds:
+ * its error is that of its partial sum.
+ */
+#ifndef MOED_PRUNE_H
+#define MOED_PRUNE_H
+
+#include "moed_err.h"
+#include "moed_model.h"
+#include "moed_route.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+enum { MOED_PRUNE_TOKENS = 32 };
+#define MOED_PRUNE_SEED 0x5ba4542c0ffeeULL
+
+typedef struct moed_prune_probe {
+    moed_layer_info info; /* the layer's (wdtype: its matrices' dtype) */
+    int T;
+    double *x;        /* [T, d_model] */
+    moed_route route; /* the batch's pairs, weights with routed_scale in them */
+    double *y_dense;  /* [T, d_model] */
+    double *y_pruned; /* [T, d_model] */
+    bool failed;      /* memory ran out computing a term: the error is NaN */
+} moed_prune_probe;
+
+/* Token t's channel i of layer `layer`'s batch: uniform in [-1, 1). */
+double moed_prune_token_value(int layer, int t, int i);
+
+/* The batch for layer l (its info, router, router_dtype and router_bias; experts not read). */
+int moed_prune_probe_init(moed_prune_probe *p, const moed_layer *l, moed_error *err);
+void moed_prune_probe_free(moed_prune_probe *p);
+
+/* Whether the batch routes any token to expert e. */
+bool moed_prune_touches(const moed_prune_probe *p, int e);
+
+/* Adds expert e's weighted term (w in the layer's wdtype: F32, F16 or BF16) to y_pruned or
+ * y_dense. */
+void moed_prune_expert(moed_prune_probe *p, int e, const moed_expert_w *w, bool pruned);
+
+/* Adds the shared experts' term (w [shared_d_ff, ...]) to both sides. */
+void moed_prune_shared(moed_prune_probe *p, const moed_expert_w *w);
+
+/* ||y_pruned - y_dense|| / ||y_dense|| (Frobenius over the batch): 0 when both are 0, infinity
+ * when only y_dense is, NaN when a term could not be computed (no memory). */
+double moed_prune_error(const moed_prune_probe *p);
+
+#endif
