@@ -110,8 +110,8 @@ static void prune_expert(moed_prune_probe *pr, int e, moed_expert_w *w)
 static int refuse_fp8(moed_error *err, const char *what)
 {
     return moed_fail(err, MOED_EUNSUPPORTED,
-                     "%s: --weights sparse24 prunes BF16, F16 or F32 expert weights; 2:4 sparsity "
-                     "over FP8 weights is not supported yet (docs/weights.md), so serve this "
+                     "%s: --weights sparse24 prunes BF16, F16 or F32 expert weights; FP8 weights "
+                     "with 2:4 sparsity are not supported yet (docs/weights.md), so serve this "
                      "model dense or from BF16 weights",
                      what);
 }
