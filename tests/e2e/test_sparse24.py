@@ -20,6 +20,7 @@ import pathlib
 import re
 import struct
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -221,6 +222,20 @@ def test_weights_sparse24_prunes_a_synthetic_model(daemon):
     errors = logged_errors(d.log())
     for layer in range(2):
         assert errors[layer] == pytest.approx(pruning_error(spec.layer(layer), spec, layer), rel=1e-3)
+
+
+def test_info_tables_show_2_4(daemon):
+    """moectl info and python -m moed info: the dtype column says bf16/2:4 for a pruned layer."""
+    d = daemon("--synthetic", "layers=2,d=64,ff=32,experts=4,topk=2,dtype=bf16", "--threads", "1",
+               "--weights", "sparse24")
+    tables = [subprocess.run([str(MOED_BIN.parent.parent / "client" / "c" / "moectl"), "--target",
+                              d.address, "info"], capture_output=True, text=True, timeout=60),
+              subprocess.run([sys.executable, "-m", "moed", "--target", d.address, "--timeout", "30",
+                              "info"], capture_output=True, text=True, timeout=60)]
+    for p in tables:
+        assert p.returncode == 0, p.stderr
+        rows = [l.split() for l in p.stdout.splitlines() if re.match(r"\s+[01] ", l)]
+        assert len(rows) == 2 and all("bf16/2:4" in r for r in rows), p.stdout
 
 
 def test_dense_layers_say_not_sparse(daemon):
