@@ -11,16 +11,17 @@
  * pruned), so the cost is at most tokens x top_k expert evaluations per layer however many experts
  * it has. The shared experts (never pruned) add the same term to both sides.
  *
- * The loader feeds the probe expert by expert while it holds the dense values (moed_prune_expert
- * with pruned false, then prunes them in place and feeds them again with pruned true), so no
- * second copy of the layer is kept. An expert shard (moed --experts) feeds the experts it holds:
- * its error is that of its partial sum.
+ * The loader feeds the probe each expert the batch reaches while it holds the dense values
+ * (moed_prune_expert computes both sides, pruning each row's float32 copy by moed_sp24_prune),
+ * then prunes them in place: no second copy of the layer is kept. An expert shard (moed --experts)
+ * feeds the experts it holds: its error is that of its partial sum.
  */
 #ifndef MOED_PRUNE_H
 #define MOED_PRUNE_H
 
 #include "moed_err.h"
 #include "moed_model.h"
+#include "moed_pool.h"
 #include "moed_route.h"
 
 #include <stdbool.h>
@@ -37,6 +38,7 @@ typedef struct moed_prune_probe {
     double *y_dense;  /* [T, d_model] */
     double *y_pruned; /* [T, d_model] */
     bool failed;      /* memory ran out computing a term: the error is NaN */
+    moed_pool *pool;  /* the threads the terms are computed on; NULL: the caller's alone */
 } moed_prune_probe;
 
 /* Token t's channel i of layer `layer`'s batch: uniform in [-1, 1). */
@@ -49,9 +51,13 @@ void moed_prune_probe_free(moed_prune_probe *p);
 /* Whether the batch routes any token to expert e. */
 bool moed_prune_touches(const moed_prune_probe *p, int e);
 
-/* Adds expert e's weighted term (w in the layer's wdtype: F32, F16 or BF16) to y_pruned or
- * y_dense. */
-void moed_prune_expert(moed_prune_probe *p, int e, const moed_expert_w *w, bool pruned);
+/* Adds expert e's weighted term to y_dense, and the same with its matrices pruned by
+ * moed_sp24_prune to y_pruned; w: the dense matrices, in the layer's wdtype (F32, F16 or BF16). */
+void moed_prune_expert(moed_prune_probe *p, int e, const moed_expert_w *w);
+
+/* Matrix w (rows x cols of dtype, memory the caller may write) pruned in place by
+ * moed_sp24_prune, its rows in bands over the probe's threads. */
+void moed_prune_matrix(moed_prune_probe *p, void *w, int dtype, int64_t rows, int64_t cols);
 
 /* Adds the shared experts' term (w [shared_d_ff, ...]) to both sides. */
 void moed_prune_shared(moed_prune_probe *p, const moed_expert_w *w);

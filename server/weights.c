@@ -92,18 +92,16 @@ int moed_weights_synthetic(const char *spec, int wdtype, moed_model *m, moed_err
     return moed_weights_synthetic_held(spec, wdtype, NULL, m, err);
 }
 
-/* Expert e's matrices (memory the model owns) pruned to 2:4 in place; the probe, if the batch
- * reaches the expert, sees them before and after. */
+/* Expert e's matrices (memory the model owns) pruned to 2:4 in place, the probe first fed its
+ * dense values if the batch reaches it. */
 static void prune_expert(moed_prune_probe *pr, int e, moed_expert_w *w)
 {
     const moed_layer_info *li = &pr->info;
-    const bool seen = moed_prune_touches(pr, e);
-    if (seen) moed_prune_expert(pr, e, w, false);
+    if (moed_prune_touches(pr, e)) moed_prune_expert(pr, e, w);
     /* owned buffers the loader filled: writable, though the layer shows them const */
-    moed_sp24_prune((void *)w->w1, li->wdtype, li->d_ff, li->d_model);
-    if (w->w3) moed_sp24_prune((void *)w->w3, li->wdtype, li->d_ff, li->d_model);
-    moed_sp24_prune((void *)w->w2, li->wdtype, li->d_model, li->d_ff);
-    if (seen) moed_prune_expert(pr, e, w, true);
+    moed_prune_matrix(pr, (void *)w->w1, li->wdtype, li->d_ff, li->d_model);
+    if (w->w3) moed_prune_matrix(pr, (void *)w->w3, li->wdtype, li->d_ff, li->d_model);
+    moed_prune_matrix(pr, (void *)w->w2, li->wdtype, li->d_model, li->d_ff);
 }
 
 /* --weights sparse24 over FP8 expert weights: refused, naming where the FP8 comes from. */
