@@ -164,10 +164,18 @@ static int load_weights(moed_daemon *d)
     moed_log_info("weights loaded", "model=\"%s\" arch=%s moe_layers=%d", d->model.source,
                   d->model.arch, d->model.n_layers);
     /* Pruning changes the model: say by how much, layer by layer, where an operator reads it. */
-    for (int i = 0; d->model.pruned_error && i < d->model.n_layers; i++)
-        moed_log_warn("pruned to 2:4 (--weights sparse24 changes the model)",
-                      "layer=%d relative_error=%.4g tokens=%d against=dense",
-                      d->model.layers[i].info.index, d->model.pruned_error[i], MOED_PRUNE_TOKENS);
+    for (int i = 0; d->model.pruned && i < d->model.n_layers; i++) {
+        const struct moed_pruned *pr = &d->model.pruned[i];
+        if (pr->pairs)
+            moed_log_warn("pruned to 2:4 (--weights sparse24 changes the model)",
+                          "layer=%d relative_error=%.4g tokens=%d pairs=%d against=dense",
+                          d->model.layers[i].info.index, pr->error, MOED_PRUNE_TOKENS, pr->pairs);
+        else /* an expert shard whose experts the batch does not reach */
+            moed_log_warn("pruned to 2:4 (--weights sparse24 changes the model)",
+                          "layer=%d relative_error=none tokens=%d pairs=0 note=%s",
+                          d->model.layers[i].info.index, MOED_PRUNE_TOKENS,
+                          "the batch reached none of the experts held");
+    }
     return 0;
 }
 

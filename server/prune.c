@@ -261,6 +261,7 @@ void moed_prune_expert(moed_prune_probe *p, int e, const moed_expert_w *w)
                     wt[n++] = p->route.weight[j];
                 }
         if (n) add_term(p, w, p->info.d_ff, true, tok, wt, n);
+        p->pairs += n;
     }
     free(tok);
     free(wt);
@@ -314,6 +315,5 @@ double moed_prune_error(const moed_prune_probe *p)
         diff += a * a;
         ref += p->y_dense[i] * p->y_dense[i];
     }
-    if (p->failed) return NAN;
-    return ref > 0 ? sqrt(diff / ref) : diff > 0 ? INFINITY : 0.0;
+    return p->failed || !(ref > 0) ? NAN : sqrt(diff / ref);
 }

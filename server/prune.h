@@ -38,6 +38,7 @@ typedef struct moed_prune_probe {
     double *y_dense;  /* [T, d_model] */
     double *y_pruned; /* [T, d_model] */
     bool failed;      /* memory ran out computing a term: the error is NaN */
+    int pairs;        /* the (token, expert) pairs computed (moed_prune_expert) */
     moed_pool *pool;  /* the threads the terms are computed on; NULL: the caller's alone */
 } moed_prune_probe;
 
@@ -62,8 +63,9 @@ void moed_prune_matrix(moed_prune_probe *p, void *w, int dtype, int64_t rows, in
 /* Adds the shared experts' term (w [shared_d_ff, ...]) to both sides. */
 void moed_prune_shared(moed_prune_probe *p, const moed_expert_w *w);
 
-/* ||y_pruned - y_dense|| / ||y_dense|| (Frobenius over the batch): 0 when both are 0, infinity
- * when only y_dense is, NaN when a term could not be computed (no memory). */
+/* ||y_pruned - y_dense|| / ||y_dense|| (Frobenius over the batch); NaN when y_dense is 0 (the
+ * batch reached none of the experts fed, and there are no shared experts) or a term could not be
+ * computed (no memory). */
 double moed_prune_error(const moed_prune_probe *p);
 
 #endif

@@ -60,7 +60,7 @@ void moed_weights_release(moed_model *m)
             free(m->layers[i].experts);
     }
     free(m->layers);
-    free(m->pruned_error);
+    free(m->pruned);
     if (p) {
         for (int i = 0; i < p->n_owned; i++) free(p->owned[i]);
         free(p->owned);
@@ -114,8 +114,8 @@ static int refuse_fp8(moed_error *err, const char *what)
                      what);
 }
 
-/* Synthetic layer l (its memory its own) pruned, the error against its dense self in *error. */
-static int prune_synthetic(moed_layer *l, double *error, moed_error *err)
+/* Synthetic layer l (its memory its own) pruned, the error against its dense self in *out. */
+static int prune_synthetic(moed_layer *l, struct moed_pruned *out, moed_error *err)
 {
     moed_prune_probe pr;
     int rc = moed_prune_probe_init(&pr, l, err);
@@ -123,7 +123,7 @@ static int prune_synthetic(moed_layer *l, double *error, moed_error *err)
     if (l->shared.w1) moed_prune_shared(&pr, &l->shared);
     for (int e = 0; e < l->info.n_experts; e++)
         if (l->experts[e].w1) prune_expert(&pr, e, &l->experts[e]);
-    *error = moed_prune_error(&pr);
+    *out = (struct moed_pruned){ moed_prune_error(&pr), pr.pairs };
     moed_prune_probe_free(&pr);
     l->info.sparse24 = true;
     return 0;
@@ -157,8 +157,8 @@ int moed_weights_synthetic_held(const char *spec, int wdtype, const moed_expert_
     weights_priv *p = calloc(1, sizeof *p);
     m->priv = p;
     m->layers = calloc((size_t)s.layers + 1, sizeof *m->layers);
-    if (prune) m->pruned_error = calloc((size_t)s.layers + 1, sizeof *m->pruned_error);
-    if (!p || !m->layers || (prune && !m->pruned_error)) {
+    if (prune) m->pruned = calloc((size_t)s.layers + 1, sizeof *m->pruned);
+    if (!p || !m->layers || (prune && !m->pruned)) {
         rc = moed_fail(err, MOED_ENOMEM, "no memory for %d synthetic layers", s.layers);
         goto err;
     }
@@ -170,7 +170,7 @@ int moed_weights_synthetic_held(const char *spec, int wdtype, const moed_expert_
         rc = moed_synth_layer_held(&s, i, held, &m->layers[i], err);
         if (rc) goto err;
         m->n_layers++;
-        if (prune && (rc = prune_synthetic(&m->layers[i], &m->pruned_error[i], err))) goto err;
+        if (prune && (rc = prune_synthetic(&m->layers[i], &m->pruned[i], err))) goto err;
         moed_loading_bytes(layer_bytes);
         moed_loading_layer_done();
     }
@@ -251,7 +251,7 @@ typedef struct loader {
     bool copy;    /* MOED_WEIGHTS_COPY */
     int quantize; /* MOED_FP8: float expert matrices are quantized at load; 0: kept as stored */
     bool prune;   /* MOED_WEIGHTS_SPARSE24: routed expert matrices pruned to 2:4 */
-    double *pruned_error; /* with prune: where build_layer states the layer's error */
+    struct moed_pruned *pruned; /* with prune: where build_layer states the layer's error */
     const moed_hf_config *cfg;
     moed_st_dir *st;
     weights_priv *priv;
@@ -864,7 +864,7 @@ static int build_layer(loader *ld, int L, const moed_st_tensor **t, moed_layer *
         if (!rc && ld->prune) prune_expert(&pr, e, &out->experts[e]);
     }
     if (!rc && ld->prune) {
-        *ld->pruned_error = moed_prune_error(&pr);
+        *ld->pruned = (struct moed_pruned){ moed_prune_error(&pr), pr.pairs };
         out->info.sparse24 = true;
     } else if (!rc && ld->cfg->sparse24) { /* 2:4 if every routed matrix is, compressed or not */
         out->info.sparse24 = true;
@@ -902,7 +902,7 @@ static int load_layers(loader *ld, const unsigned char *hold, moed_model *m)
     for (int L = 0, j = 0; L < ld->cfg->n_layers && !rc && !ld->n_missing; L++) {
         if (!hold[L]) continue;
         moed_loading_layer(L);
-        if (m->pruned_error) ld->pruned_error = &m->pruned_error[m->n_layers];
+        if (m->pruned) ld->pruned = &m->pruned[m->n_layers];
         rc = build_layer(ld, L, t + n * (size_t)j++, &m->layers[m->n_layers]);
         if (rc) break;
         m->n_layers++;
@@ -966,7 +966,7 @@ int moed_weights_checkpoint_held(const char *dir, const char *only_layers, moed_
         goto err;
     }
     if (wdtype == MOED_WEIGHTS_SPARSE24 &&
-        !(m->pruned_error = calloc((size_t)cfg.n_layers, sizeof *m->pruned_error))) {
+        !(m->pruned = calloc((size_t)cfg.n_layers, sizeof *m->pruned))) {
         rc = moed_fail(err, MOED_ENOMEM, "no memory to load %s", dir);
         goto err;
     }

@@ -30,8 +30,12 @@ typedef struct moed_model {
     int n_layers;         /* MoE layers held */
     moed_layer *layers;   /* by increasing info.index */
     /* With MOED_WEIGHTS_SPARSE24, per layer: the relative error of the pruned layer against its
-     * dense weights on moed_prune's batch (prune.h); NULL otherwise. */
-    double *pruned_error;
+     * dense weights on moed_prune's batch (prune.h) and the (token, expert) pairs it was measured
+     * on (0: the batch reached none of the experts held, the error NaN); NULL otherwise. */
+    struct moed_pruned {
+        double error;
+        int pairs;
+    } * pruned;
     void *priv; /* mappings and allocations */
 } moed_model;
 
@@ -39,7 +43,7 @@ typedef struct moed_model {
  * to 2:4 at load (moed_sp24_prune, into memory the model owns: never into a file's mapping) and
  * its layers are marked sparse24; the shared experts and the router stay dense. FP8 expert
  * weights are refused (2:4 over FP8 is not supported yet). Pruning changes the model, so each
- * layer's error against the dense weights is measured (pruned_error). */
+ * layer's error against the dense weights is measured (pruned). */
 enum { MOED_WEIGHTS_SPARSE24 = 24 };
 
 /* --synthetic SPEC (moed_synth.h gives the syntax and the generator); wdtype, if not 0, replaces

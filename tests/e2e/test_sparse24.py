@@ -173,20 +173,36 @@ def token_value(layer, t, i):
     return (h >> np.uint64(11)).astype(np.float64) * 2.0 ** -52 - 1.0
 
 
-def pruning_error(w, spec, layer, tokens=32):
-    """||y_pruned - y_dense|| / ||y_dense|| on prune.h's batch, routed by the layer's router."""
+def pruning_error(w, spec, layer, tokens=32, held=None):
+    """(||y_pruned - y_dense|| / ||y_dense||, pairs) on prune.h's batch, routed by the layer's
+    router; an expert shard's over the pairs that reach the experts it holds (none: no error)."""
     d = w["w1"].shape[2]
     x = np.stack([token_value(layer, t, np.arange(d)) for t in range(tokens)])
     logits = (x @ w["router"].T).astype(np.float32)
-    route = O.gate(logits, "model", spec, bias=w["bias"])
+    route = [[(e, g) for e, g in pairs if held is None or e in held]
+             for pairs in O.gate(logits, "model", spec, bias=w["bias"])]
     dense, sparse = O.forward(x, w, route, "swiglu"), O.forward(x, pruned(w), route, "swiglu")
-    return np.linalg.norm(sparse - dense) / np.linalg.norm(dense)
+    n = sum(map(len, route))
+    return (np.linalg.norm(sparse - dense) / np.linalg.norm(dense) if n else None), n
 
 
 def logged_errors(log):
-    return {int(m.group(1)): float(m.group(2)) for m in re.finditer(
-        r'msg="pruned to 2:4 \(--weights sparse24 changes the model\)" layer=(\d+) '
-        r"relative_error=(\S+) tokens=32", log)}
+    """{layer: (error or None, pairs)} from the log's lines."""
+    return {int(m.group(1)): (None if m.group(2) == "none" else float(m.group(2)), int(m.group(3)))
+            for m in re.finditer(r'msg="pruned to 2:4 \(--weights sparse24 changes the model\)" '
+                                 r"layer=(\d+) relative_error=(\S+) tokens=32 pairs=(\d+)", log)}
+
+
+def check_logged(log, want):
+    """The log's error and pairs per layer against {layer: (error, pairs)} computed here."""
+    got = logged_errors(log)
+    assert sorted(got) == sorted(want), log
+    for layer, (error, pairs) in want.items():
+        assert got[layer][1] == pairs, (layer, got[layer], want[layer])
+        if error is None:
+            assert got[layer][0] is None, (layer, got[layer])
+        else:
+            assert got[layer][0] == pytest.approx(error, rel=1e-3), (layer, got[layer], error)
 
 
 @pytest.mark.parametrize("name", ["mixtral_bf16", "deepseek_v3_f32"])
@@ -202,11 +218,9 @@ def test_weights_sparse24_prunes_a_dense_checkpoint(daemon, name):
             assert li.sparse24
             w = layer_weights(t, cfg, li.index)
             check_layer(c, li.index, pruned(w), routing(cfg, li.num_experts), rng, f"{name} layer {li.index}")
-    errors = logged_errors(d.log())
-    assert sorted(errors) == [li.index for li in info.layers], d.log()
-    for li in info.layers:
-        want = pruning_error(layer_weights(t, cfg, li.index), routing(cfg, li.num_experts), li.index)
-        assert errors[li.index] == pytest.approx(want, rel=1e-3), (li.index, errors[li.index], want)
+    check_logged(d.log(), {li.index: pruning_error(layer_weights(t, cfg, li.index),
+                                                   routing(cfg, li.num_experts), li.index)
+                           for li in info.layers})
 
 
 def test_weights_sparse24_prunes_a_synthetic_model(daemon):
@@ -219,9 +233,17 @@ def test_weights_sparse24_prunes_a_synthetic_model(daemon):
             assert li.sparse24
             w = spec.layer(li.index)
             check_layer(c, li.index, pruned(w), spec, rng, f"synthetic layer {li.index}")
-    errors = logged_errors(d.log())
-    for layer in range(2):
-        assert errors[layer] == pytest.approx(pruning_error(spec.layer(layer), spec, layer), rel=1e-3)
+    check_logged(d.log(), {layer: pruning_error(spec.layer(layer), spec, layer) for layer in range(2)})
+
+
+def test_an_expert_shard_states_the_error_of_what_it_holds(daemon):
+    """--experts 0-1 of 64 experts, top-1: the error over the batch's pairs that reach experts 0
+    and 1 (here 2 pairs in layer 0, none in layer 1: no error stated)."""
+    spec = O.Spec(layers=2, d=64, ff=32, experts=64, topk=1, dtype="bf16", seed=1)
+    d = daemon("--synthetic", str(spec), "--threads", "1", "--weights", "sparse24", "--experts", "0-1")
+    want = {layer: pruning_error(spec.layer(layer), spec, layer, held={0, 1}) for layer in range(2)}
+    assert want[0][1] > 0 and want[1][1] == 0, want  # both cases, as the docstring says
+    check_logged(d.log(), want)
 
 
 def test_info_tables_show_2_4(daemon):

@@ -902,10 +902,10 @@ static void test_prune_synthetic(void)
     moed_error err = { 0 };
     CHECK_MSG(moed_weights_synthetic(spec, 0, &dense, &err) == 0, "%s", err.msg);
     CHECK_MSG(moed_weights_synthetic(spec, MOED_WEIGHTS_SPARSE24, &pr, &err) == 0, "%s", err.msg);
-    CHECK(!dense.pruned_error && pr.pruned_error);
+    CHECK(!dense.pruned && pr.pruned);
     CHECK(pr.fingerprint != dense.fingerprint);
     float f[16 * 12];
-    for (int L = 0; L < 2 && pr.pruned_error; L++) {
+    for (int L = 0; L < 2 && pr.pruned; L++) {
         const moed_layer *a = &dense.layers[L], *b = &pr.layers[L];
         CHECK(!a->info.sparse24 && b->info.sparse24);
         CHECK(!memcmp(a->router, b->router, 4 * 16 * 2));
@@ -920,8 +920,8 @@ static void test_prune_synthetic(void)
             }
         }
         const double want = ref_error(a, b);
-        CHECK_MSG(want > 0.01 && fabs(pr.pruned_error[L] - want) <= 1e-12 * want,
-                  "layer %d: error %.17g, computed here %.17g", L, pr.pruned_error[L], want);
+        CHECK_MSG(want > 0.01 && fabs(pr.pruned[L].error - want) <= 1e-12 * want,
+                  "layer %d: error %.17g, computed here %.17g", L, pr.pruned[L].error, want);
     }
     const moed_expert_subset held = { (const int[]){ 1, 2 }, 2, false };
     moed_model part;
@@ -929,7 +929,7 @@ static void test_prune_synthetic(void)
               "%s", err.msg);
     CHECK(!part.layers[0].experts[0].w1 && !part.layers[0].shared.w1);
     CHECK(!memcmp(part.layers[0].experts[2].w2, pr.layers[0].experts[2].w2, 16 * 12 * 2));
-    CHECK(part.layers[0].info.sparse24 && part.pruned_error[0] > 0);
+    CHECK(part.layers[0].info.sparse24 && part.pruned[0].pairs > 0 && part.pruned[0].error > 0);
     moed_weights_release(&part);
     moed_weights_release(&dense);
     moed_weights_release(&pr);
@@ -948,6 +948,56 @@ static unsigned char *file_bytes(const char *path, size_t *n)
     *n = fp ? fread(b, 1, 1 << 20, fp) : 0;
     if (fp) fclose(fp);
     return b;
+}
+
+/* Layer 1 of the deepseek checkpoint in dir, pruned by expert shards: one holding an expert the
+ * error's batch reaches and one it does not, then one holding only experts it does not reach. Each
+ * prunes what it holds, reads no other expert, and states the error over the batch's pairs that
+ * reach its experts: none, no error (NaN). */
+static void prune_shards(const char *dir)
+{
+    moed_model m;
+    moed_error err = { 0 };
+    char n[128];
+    int rc = moed_weights_checkpoint(dir, "1", MOED_WEIGHTS_MAP, MOED_WEIGHTS_SPARSE24, &m, &err);
+    CHECK_MSG(rc == 0, "%s", err.msg);
+    if (rc) return;
+    moed_prune_probe probe;
+    CHECK(moed_prune_probe_init(&probe, &m.layers[0], &err) == 0);
+    int count[8] = { 0 }, reached = -1, missed = -1;
+    for (int64_t j = 0; j < probe.route.off[probe.T]; j++) count[probe.route.expert[j]]++;
+    moed_prune_probe_free(&probe);
+    for (int e = 0; e < 8; e++) {
+        if (count[e] && reached < 0) reached = e;
+        if (!count[e] && missed < 0) missed = e;
+    }
+    CHECK_MSG(reached >= 0 && missed >= 0, "reached %d, missed %d", reached, missed);
+    const int ff = deepseek.ff, d = deepseek.d;
+    float f[64];
+    for (int k = 0; k < 2 && reached >= 0 && missed >= 0; k++) {
+        int ids[2] = { reached < missed ? reached : missed, reached < missed ? missed : reached };
+        const moed_expert_subset held = { k ? &missed : ids, k ? 1 : 2, false };
+        moed_model part;
+        rc = moed_weights_checkpoint_held(dir, "1", MOED_WEIGHTS_MAP, MOED_WEIGHTS_SPARSE24, &held,
+                                          &part, &err);
+        CHECK_MSG(rc == 0, "%s", err.msg);
+        if (rc) continue;
+        const moed_layer *l = &part.layers[0];
+        CHECK(l->info.sparse24 && !l->shared.w1);
+        for (int e = 0; e < 8; e++) {
+            const bool has = e == missed || (!k && e == reached);
+            CHECK_MSG(!l->experts[e].w1 == !has, "expert %d held %d", e, has);
+            if (!has) continue;
+            expert_name(&deepseek, 1, e, 2, n);
+            for (int j = 0; j < ff * d; j++) f[j] = pattern(n, (uint64_t)j);
+            check_pruned(l->experts[e].w2, MOED_BF16, f, d, ff, n);
+        }
+        CHECK_EQ_INT(part.pruned[0].pairs, k ? 0 : count[reached]);
+        CHECK_MSG(k ? isnan(part.pruned[0].error) : part.pruned[0].error > 0, "shard %d: %g", k,
+                  part.pruned[0].error);
+        moed_weights_release(&part);
+    }
+    moed_weights_release(&m);
 }
 
 /* --weights sparse24 on a checkpoint, copied or mapped: routed matrices pruned, the router, bias
@@ -974,8 +1024,8 @@ static void test_prune_checkpoint(void)
             const moed_layer *l = &m.layers[s];
             const int L = l->info.index;
             CHECK(l->info.sparse24);
-            CHECK_MSG(m.pruned_error[s] > 0 && m.pruned_error[s] < 10, "layer %d: error %g", L,
-                      m.pruned_error[s]);
+            CHECK_MSG(m.pruned[s].error > 0 && m.pruned[s].error < 10, "layer %d: error %g", L,
+                      m.pruned[s].error);
             for (int e = 0; e < deepseek.E; e++) {
                 const void *p[3] = { l->experts[e].w1, l->experts[e].w3, l->experts[e].w2 };
                 for (int k = 0; k < 3; k++) {
@@ -992,6 +1042,7 @@ static void test_prune_checkpoint(void)
         }
         moed_weights_release(&m);
     }
+    prune_shards(dir);
     unsigned char *after = file_bytes(path, &after_n);
     CHECK(before_n == after_n && before_n > 0 && !memcmp(before, after, before_n));
     free(before);
@@ -1154,7 +1205,7 @@ static void ct_expect_load(int dense_one, bool want_sparse)
         const moed_layer *l = &md.layers[0];
         CHECK_EQ_INT(l->info.wdtype, MOED_BF16);
         CHECK_EQ_INT(l->info.sparse24, want_sparse);
-        CHECK(!md.pruned_error);
+        CHECK(!md.pruned);
         for (int i = 0; i < CT_N; i++) {
             int rows, cols;
             ct_dims(i, &rows, &cols);
@@ -1242,7 +1293,7 @@ static void test_compressed_checkpoint(void)
     rc = moed_weights_checkpoint(dir, NULL, MOED_WEIGHTS_MAP, MOED_WEIGHTS_SPARSE24, &md, &err);
     CHECK_MSG(rc == 0, "%s", err.msg);
     if (!rc) {
-        CHECK(md.layers[0].info.sparse24 && md.pruned_error[0] == 0.0);
+        CHECK(md.layers[0].info.sparse24 && md.pruned[0].error == 0.0);
         moed_weights_release(&md);
     }
     stw_rmdir(dir);
