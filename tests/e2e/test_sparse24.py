@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import oracle as O
-from conftest import MOED_BIN
+from conftest import BUILD, MOED_BIN
 
 HERE = pathlib.Path(__file__).resolve().parent
 SPARSE = HERE / "hf_sparse24"
@@ -250,8 +250,8 @@ def test_info_tables_show_2_4(daemon):
     """moectl info and python -m moed info: the dtype column says bf16/2:4 for a pruned layer."""
     d = daemon("--synthetic", "layers=2,d=64,ff=32,experts=4,topk=2,dtype=bf16", "--threads", "1",
                "--weights", "sparse24")
-    tables = [subprocess.run([str(MOED_BIN.parent.parent / "client" / "c" / "moectl"), "--target",
-                              d.address, "info"], capture_output=True, text=True, timeout=60),
+    tables = [subprocess.run([str(BUILD / "client" / "c" / "moectl"), "--target", d.address, "info"],
+                             capture_output=True, text=True, timeout=60),
               subprocess.run([sys.executable, "-m", "moed", "--target", d.address, "--timeout", "30",
                               "info"], capture_output=True, text=True, timeout=60)]
     for p in tables:
