@@ -260,6 +260,17 @@ def test_info_tables_show_2_4(daemon):
         assert len(rows) == 2 and all("bf16/2:4" in r for r in rows), p.stdout
 
 
+def test_python_verify_knows_a_pruned_model(daemon):
+    """python -m moed forward --verify rebuilds the spec's weights and, for a layer GetModel says
+    is 2:4, prunes them (moed.reference.sparse24_weights) before comparing."""
+    d = daemon("--synthetic", "layers=1,d=64,ff=40,experts=6,topk=2,dtype=f32,shared=1,shared_ff=8",
+               "--threads", "1", "--weights", "sparse24")
+    p = subprocess.run([sys.executable, "-m", "moed", "--target", d.address, "--timeout", "30",
+                        "forward", "--layer", "0", "--tokens", "5", "--dtype", "f32", "--verify"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "verify:" in p.stdout, (p.stdout, p.stderr)
+
+
 def test_dense_layers_say_not_sparse(daemon):
     d = daemon("--model", DENSE / "mixtral_bf16", "--threads", "1")
     with d.client(timeout=30) as c:

@@ -69,6 +69,8 @@ def _verify(c: Client, args, x, logits, y) -> int:
         print(f"verify: the server's layer {args.layer} is not what its spec {m.model!r} describes: "
               f"{[(k, getattr(served, k), getattr(rebuilt, k)) for k in keys]}")
         return 1
+    if served.sparse24:  # moed --weights sparse24: the spec's weights, pruned as the server did
+        weights = reference.sparse24_weights(weights)
     route = reference.gate(logits, args.strategy, args.top_k, info=weights.info, bias=weights.bias)
     ref = reference.forward(x, weights, route)
     err = np.abs(y.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30)
