@@ -18,6 +18,7 @@ Committed files only: no torch, no transformers, no compressed-tensors.
 import json
 import pathlib
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -276,6 +277,24 @@ def test_dense_layers_say_not_sparse(daemon):
     with d.client(timeout=30) as c:
         assert not any(li.sparse24 for li in c.info().layers)
     assert "pruned to 2:4" not in d.log()
+
+
+def test_a_bitmask_that_is_not_2_4_stops_the_start(tmp_path):
+    """One byte of one expert's bitmask in a copy of a committed checkpoint given a third bit in a
+    group: moed exits 1 naming that tensor."""
+    folder = tmp_path / "broken"
+    shutil.copytree(SPARSE / "mixtral_bf16", folder)
+    path = folder / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    n = struct.unpack("<Q", raw[:8])[0]
+    name = "model.layers.0.block_sparse_moe.experts.5.w3.bitmask"
+    at = 8 + n + json.loads(raw[8:8 + n])[name]["data_offsets"][0]
+    raw[at] |= 0x0F  # the first four columns of row 0 all kept
+    path.write_bytes(bytes(raw))
+    p = subprocess.run([str(MOED_BIN), "--listen", "127.0.0.1:0", "--threads", "1", "--model", str(folder)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1, p.stderr
+    assert f"tensor {name} is not 2:4: row 0, columns 0 to 3" in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("args, says", [
