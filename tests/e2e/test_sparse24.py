@@ -9,8 +9,10 @@ exactly the weights it holds:
   * `--weights sparse24` on a dense checkpoint and on a synthetic model: the oracle on weights
     pruned by this file's own numpy reading of the rule (two of largest magnitude per aligned group
     of four along a row, ties to the lower index), and the error the log states for each layer
-    equals the one computed here from prune.h's definition of the batch;
-  * FP8 with 2:4 refused at start, naming why.
+    equals the one computed here from prune.h's definition of the batch (an expert shard's over
+    the pairs reaching its experts); python -m moed forward --verify and the info tables know it;
+  * a bitmask that is not 2:4 stops the start naming the tensor; FP8 with 2:4 is refused at start,
+    naming why.
 
 Committed files only: no torch, no transformers, no compressed-tensors.
 """
