@@ -178,12 +178,16 @@ def token_value(layer, t, i):
 
 def pruning_error(w, spec, layer, tokens=32, held=None):
     """(||y_pruned - y_dense|| / ||y_dense||, pairs) on prune.h's batch, routed by the layer's
-    router; an expert shard's over the pairs that reach the experts it holds (none: no error)."""
-    d = w["w1"].shape[2]
+    router (without one: the top-k of seeded logits, value (layer, tokens + t, e) of the same
+    function); an expert shard's over the pairs that reach the experts it holds (none: no error)."""
+    d, E = w["w1"].shape[2], w["w1"].shape[0]
     x = np.stack([token_value(layer, t, np.arange(d)) for t in range(tokens)])
-    logits = (x @ w["router"].T).astype(np.float32)
-    route = [[(e, g) for e, g in pairs if held is None or e in held]
-             for pairs in O.gate(logits, "model", spec, bias=w["bias"])]
+    if w["router"] is not None:
+        route = O.gate((x @ w["router"].T).astype(np.float32), "model", spec, bias=w["bias"])
+    else:
+        seeded = np.stack([token_value(layer, tokens + t, np.arange(E)) for t in range(tokens)])
+        route = O.gate(seeded.astype(np.float32), "topk", spec)
+    route = [[(e, g) for e, g in pairs if held is None or e in held] for pairs in route]
     dense, sparse = O.forward(x, w, route, "swiglu"), O.forward(x, pruned(w), route, "swiglu")
     n = sum(map(len, route))
     return (np.linalg.norm(sparse - dense) / np.linalg.norm(dense) if n else None), n
@@ -237,6 +241,14 @@ def test_weights_sparse24_prunes_a_synthetic_model(daemon):
             w = spec.layer(li.index)
             check_layer(c, li.index, pruned(w), spec, rng, f"synthetic layer {li.index}")
     check_logged(d.log(), {layer: pruning_error(spec.layer(layer), spec, layer) for layer in range(2)})
+
+
+def test_a_layer_without_router_is_measured_on_a_seeded_route(daemon):
+    spec = O.Spec(layers=1, d=64, ff=40, experts=6, topk=2, dtype="f32", seed=3, router=0)
+    d = daemon("--synthetic", str(spec), "--threads", "1", "--weights", "sparse24")
+    with d.client(timeout=30) as c:
+        assert c.info().layer(0).sparse24 and not c.info().layer(0).has_router
+    check_logged(d.log(), {0: pruning_error(spec.layer(0), spec, 0)})
 
 
 def test_an_expert_shard_states_the_error_of_what_it_holds(daemon):
