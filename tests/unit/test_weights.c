@@ -1289,11 +1289,27 @@ static void test_compressed_checkpoint(void)
     CHECK_MSG(rc == MOED_EUNSUPPORTED && strstr(err.msg, "--weights fp8") &&
                   strstr(err.msg, "FP8 weights with 2:4 sparsity are not supported yet"),
               "rc %d: %s", rc, err.msg);
+    /* the fingerprint reads the compressed values: their last byte changed, it changes */
+    const uint64_t before = checkpoint_fingerprint(dir, NULL, MOED_WEIGHTS_COPY, NULL);
+    char path[512];
+    moed_st_file f;
+    stw_path(path, sizeof path, dir, "model.safetensors");
+    CHECK_MSG(moed_st_file_open(path, &f, &err) == 0, "%s", err.msg);
+    const moed_st_tensor *t =
+        moed_st_file_find(&f, "model.layers.0.block_sparse_moe.experts.1.w2.compressed");
+    CHECK(t != NULL);
+    const off_t at = t ? (off_t)(t->offset + t->nbytes - 1) : 0;
+    moed_st_file_close(&f);
+    int fd = open(path, O_WRONLY);
+    CHECK(fd >= 0 && pwrite(fd, "\x7f", 1, at) == 1);
+    close(fd);
+    CHECK(checkpoint_fingerprint(dir, NULL, MOED_WEIGHTS_COPY, NULL) != before);
     /* --weights sparse24 over it: already 2:4, so pruning changes nothing */
     rc = moed_weights_checkpoint(dir, NULL, MOED_WEIGHTS_MAP, MOED_WEIGHTS_SPARSE24, &md, &err);
     CHECK_MSG(rc == 0, "%s", err.msg);
     if (!rc) {
         CHECK(md.layers[0].info.sparse24 && md.pruned[0].error == 0.0);
+        CHECK(md.fingerprint != checkpoint_fingerprint(dir, NULL, MOED_WEIGHTS_COPY, NULL));
         moed_weights_release(&md);
     }
     stw_rmdir(dir);
