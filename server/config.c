@@ -256,10 +256,12 @@ static const moed_opt options[] = {
                         "whether this daemon adds the shared experts' term; auto: when it holds "
                         "expert 0 (one shard of a fleet must)"),
     MOED_OPT_CHOICE_ROW("backend", F(backend), "cpu|cuda|auto", "auto", NULL, "compute backend"),
-    MOED_OPT_CHOICE_ROW("weights", F(weights), "stored|fp8", "stored", NULL,
+    MOED_OPT_CHOICE_ROW("weights", F(weights), "stored|fp8|sparse24", "stored", NULL,
                         "expert weights as stored, or fp8: quantized at load to e4m3 in 128 x 128 "
                         "blocks (an FP8 checkpoint is served as it ships either way; with "
-                        "--synthetic, the spec's dtype=fp8)"),
+                        "--synthetic, the spec's dtype=fp8), or sparse24: routed experts pruned "
+                        "at load to 2:4 (two of every four weights along a row zeroed), which "
+                        "changes the model: the log states each layer's error against dense"),
     MOED_OPT_INT_ROW("threads", F(threads), "N", 0, 4096, "0", NULL, NULL,
                      "CPU backend threads, 0 = one per core"),
     MOED_OPT_INT_ROW("streams", F(streams), "N", 0, 256, "0", NULL, NULL,

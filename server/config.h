@@ -50,7 +50,7 @@ typedef struct moed_config {
     moed_config_list experts;    /* --experts LIST: hold only these experts of each layer */
     const char *shared_experts;  /* auto | on | off: this daemon adds the shared experts' term */
     const char *backend;         /* cpu | cuda | auto */
-    const char *weights;         /* stored | fp8 */
+    const char *weights;         /* stored | fp8 | sparse24 */
     int threads;                 /* CPU worker threads, 0 = one per core */
     int streams;                 /* CUDA streams per device, 0 = the backend's default */
     moed_config_devices devices; /* --devices LIST */

@@ -68,6 +68,19 @@ static uint64_t fold_tensor(uint64_t h, moed_st_dir *st, const char *name)
     moed_error err;
     h = fold_str(h, name);
     if (moed_st_find(st, name, &t, &err)) return fold_str(h, "unreadable");
+    const size_t len = strlen(name);
+    if (!t && len > 7 && !strcmp(name + len - 7, ".weight")) {
+        /* a compressed-tensors 2:4 matrix (hf.h): its kept values and where they lie */
+        char piece[300];
+        snprintf(piece, sizeof piece, "%.*s.compressed", (int)(len - 7), name);
+        if (moed_st_find(st, piece, &t, &err)) return fold_str(h, "unreadable");
+        if (t) {
+            snprintf(piece, sizeof piece, "%.*s.compressed", (int)(len - 7), name);
+            h = fold_tensor(h, st, piece);
+            snprintf(piece, sizeof piece, "%.*s.bitmask", (int)(len - 7), name);
+            return fold_tensor(h, st, piece);
+        }
+    }
     if (!t) return fold_str(h, "absent");
     h = fold_str(h, t->dtype);
     for (int i = 0; i < t->ndim; i++) h = fold_u64(h, t->shape[i]);

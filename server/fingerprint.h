@@ -11,7 +11,9 @@
  * every tensor of every MoE layer moed would read (routers, DeepSeek's bias, shared and routed
  * experts' matrices and FP8 block scales, whether this daemon holds them or not), its name, dtype,
  * shape and four 64-byte pieces of its data (at its start, a third, two thirds and its end), read
- * with pread: a few kilobytes per layer, however large the model.
+ * with pread: a few kilobytes per layer, however large the model. A matrix stored 2:4 compressed
+ * (compressed-tensors, hf.h) counts by its `.compressed` values and its `.bitmask`; served pruned
+ * (moed --weights sparse24), a model is another model: wdtype says so.
  */
 #ifndef MOED_FINGERPRINT_H
 #define MOED_FINGERPRINT_H
@@ -25,10 +27,10 @@
 uint64_t moed_fingerprint_synthetic(const char *spec);
 
 /* The fingerprint of checkpoint folder st, whose config.json says cfg, served in weight dtype
- * wdtype (0: as stored; MOED_FP8: quantized at load). Opens the files it needs (with an index,
- * every shard holding a MoE layer's tensors). A tensor it cannot read (say a broken shard of a
- * layer this daemon does not hold, which its load does not need) counts as unreadable: it changes
- * the fingerprint rather than failing the load. */
+ * wdtype (0: as stored; MOED_FP8: quantized at load; MOED_WEIGHTS_SPARSE24: pruned at load). Opens
+ * the files it needs (with an index, every shard holding a MoE layer's tensors). A tensor it cannot
+ * read (say a broken shard of a layer this daemon does not hold, which its load does not need)
+ * counts as unreadable: it changes the fingerprint rather than failing the load. */
 uint64_t moed_fingerprint_checkpoint(moed_st_dir *st, const moed_hf_config *cfg, int wdtype);
 
 #endif

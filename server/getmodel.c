@@ -139,6 +139,7 @@ static grpc_byte_buffer *model_info(moed_rpc *r)
         li[i].activation = (Moed__V1__Activation)x->act;
         li[i].weight_dtype = (Moed__V1__DType)x->wdtype;
         li[i].has_router = x->has_router && s->layers[i]->router;
+        li[i].sparse24 = x->sparse24;
         li[i].norm_topk_prob = x->norm_topk;
         li[i].router_rule = (Moed__V1__RouterRule)x->rule;
         li[i].num_shared_experts = (uint32_t)x->n_shared;

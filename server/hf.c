@@ -125,9 +125,56 @@ static int quant_str(const cfg *c, const cJSON *q, const char *key, const char *
         cJSON_IsString(v) ? "\"" : "", want, why);
 }
 
+/* quantization_config of quant_method "compressed-tensors": 2:4 sparsity alone, stored as
+ * compressed-tensors' sparse-24-bitmask format (hf.h). Its quantization (config_groups) and other
+ * sparsity formats are refused naming the field: the weights would be misread. */
+static int read_compressed_tensors(const cfg *c, const cJSON *q, moed_hf_config *h)
+{
+    const cJSON *groups = cJSON_GetObjectItemCaseSensitive(q, "config_groups");
+    const cJSON *s = cJSON_GetObjectItemCaseSensitive(q, "sparsity_config");
+    const bool sparse = s && !cJSON_IsNull(s);
+    if (groups && !cJSON_IsNull(groups) && cJSON_GetArraySize(groups) > 0)
+        return moed_fail(c->err, MOED_EUNSUPPORTED,
+                         "%s: quantization_config.config_groups says the weights are quantized by "
+                         "compressed-tensors: %s; moed loads compressed-tensors checkpoints of "
+                         "BF16, F16 or F32 weights with 2:4 sparsity (sparse-24-bitmask) only",
+                         c->path,
+                         sparse ? "FP8 (or other quantized) weights with 2:4 sparsity are not "
+                                  "supported yet (docs/weights.md)"
+                                : "dequantize the checkpoint (e.g. to bf16) first");
+    if (!sparse)
+        return moed_fail(
+            c->err, MOED_EUNSUPPORTED,
+            "%s: quantization_config (quant_method \"compressed-tensors\") has neither "
+            "config_groups nor sparsity_config: nothing says how the weights are "
+            "stored",
+            c->path);
+    if (!cJSON_IsObject(s))
+        return moed_fail(c->err, MOED_EFORMAT,
+                         "%s: quantization_config.sparsity_config must be an object", c->path);
+    const cJSON *f = cJSON_GetObjectItemCaseSensitive(s, "format");
+    const cJSON *st = cJSON_GetObjectItemCaseSensitive(s, "sparsity_structure");
+    if (!cJSON_IsString(f) || strcmp(f->valuestring, "sparse-24-bitmask"))
+        return moed_fail(c->err, MOED_EUNSUPPORTED,
+                         "%s: quantization_config.sparsity_config.format is \"%s\": moed loads "
+                         "compressed-tensors' \"sparse-24-bitmask\" (2:4 sparse weights) only; "
+                         "decompress this checkpoint to dense weights first",
+                         c->path, cJSON_IsString(f) ? f->valuestring : "(missing)");
+    if (st && !cJSON_IsNull(st) && !(cJSON_IsString(st) && !strcmp(st->valuestring, "2:4")))
+        return moed_fail(c->err, MOED_EUNSUPPORTED,
+                         "%s: quantization_config.sparsity_config.sparsity_structure is %s%s%s, "
+                         "not \"2:4\": the sparse-24-bitmask format holds 2:4 sparse weights",
+                         c->path, cJSON_IsString(st) ? "\"" : "",
+                         cJSON_IsString(st) ? st->valuestring : "not a string",
+                         cJSON_IsString(st) ? "\"" : "");
+    h->sparse24 = true;
+    return 0;
+}
+
 /* quantization_config: absent, or block-scaled FP8 as DeepSeek-V3 and the Qwen3 -FP8 releases
  * write it (quant_method "fp8", fmt "e4m3", activation_scheme "dynamic", weight_block_size
- * [128, 128]); any other scheme is refused naming the field that differs. */
+ * [128, 128]), or compressed-tensors 2:4 sparsity (read_compressed_tensors); any other scheme is
+ * refused naming the field that differs. */
 static int read_quantization(const cfg *c, moed_hf_config *h)
 {
     const cJSON *q = cJSON_GetObjectItemCaseSensitive(c->root, "quantization_config");
@@ -136,11 +183,14 @@ static int read_quantization(const cfg *c, moed_hf_config *h)
         return moed_fail(c->err, MOED_EFORMAT, "%s: quantization_config must be an object",
                          c->path);
     const cJSON *m = cJSON_GetObjectItemCaseSensitive(q, "quant_method");
+    if (cJSON_IsString(m) && !strcmp(m->valuestring, "compressed-tensors"))
+        return read_compressed_tensors(c, q, h);
     if (!cJSON_IsString(m) || strcmp(m->valuestring, "fp8"))
         return moed_fail(c->err, MOED_EUNSUPPORTED,
                          "%s: quantization_config.quant_method is \"%s\": moed loads block-scaled "
-                         "FP8 checkpoints (quant_method \"fp8\", weight_block_size [128, 128]) "
-                         "and unquantized BF16, F16 or F32 ones; dequantize this one first",
+                         "FP8 checkpoints (quant_method \"fp8\", weight_block_size [128, 128]), "
+                         "compressed-tensors 2:4 sparse ones (sparse-24-bitmask) and unquantized "
+                         "BF16, F16 or F32 ones; dequantize this one first",
                          c->path, cJSON_IsString(m) ? m->valuestring : "(missing)");
     int rc;
     if ((rc = quant_str(c, q, "fmt", "e4m3", "moed loads e4m3 weights")) ||

@@ -22,7 +22,15 @@
  * checkpoint computes what it computes in transformers. A quantization_config must be block-scaled
  * FP8 (quant_method "fp8", weight_block_size [128, 128], e4m3, dynamic activations: DeepSeek-V3,
  * R1, Kimi-K2, Qwen3 -FP8); its expert matrices then come as F8_E4M3 with a `<name>_scale_inv`
- * beside each. Any other quantization is refused, naming the field.
+ * beside each. Or it is compressed-tensors 2:4 sparsity without quantization (quant_method
+ * "compressed-tensors", sparsity_config format "sparse-24-bitmask", sparsity_structure "2:4", no
+ * config_groups), as llm-compressor writes it and vLLM loads it: a matrix the compressor took is
+ * stored as `<name without .weight>.compressed` (its kept values, [rows, cols / 2], the weight's
+ * dtype), `.bitmask` (U8 [rows, ceil(cols / 8)], bit c % 8 of byte c / 8 of a row set where column
+ * c holds a kept value: numpy.packbits' little bit order) and `.shape` (the dense [rows, cols], an
+ * integer tensor), any other as a plain `.weight` (weights.c reads both). Quantized compressed
+ * tensors (FP8 with 2:4 too) and unstructured sparsity are refused. Any other quantization is
+ * refused, naming the field.
  */
 #ifndef MOED_HF_H
 #define MOED_HF_H
@@ -45,6 +53,7 @@ typedef struct moed_hf_config {
     unsigned char *is_moe; /* n_layers flags: which layers are MoE */
     moed_layer_info layer; /* what every MoE layer is; index 0 and wdtype NONE (the tensors say) */
     bool fp8;              /* quantization_config says block-scaled FP8 */
+    bool sparse24;         /* quantization_config says compressed-tensors sparse-24-bitmask */
 } moed_hf_config;
 
 /* Reads dir/config.json. Errors: MOED_ENOTFOUND (no config.json), MOED_EFORMAT (a key missing or

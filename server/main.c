@@ -30,6 +30,7 @@
 #include "scheduler.h"
 #include "security.h"
 #include "shard.h"
+#include "prune.h"
 #include "weights.h"
 
 #include <pthread.h>
@@ -135,7 +136,9 @@ static int begin_load(moed_daemon *d)
 static int load_weights(moed_daemon *d)
 {
     moed_error err = { 0 };
-    const int wdtype = strcmp(d->cfg.weights, "fp8") ? 0 : MOED_FP8;
+    const int wdtype = !strcmp(d->cfg.weights, "fp8")        ? MOED_FP8
+                       : !strcmp(d->cfg.weights, "sparse24") ? MOED_WEIGHTS_SPARSE24
+                                                             : 0;
     int rc;
     d->held = moed_shard_subset(d->cfg.experts.v, d->cfg.experts.n, d->cfg.shared_experts);
     if (d->cfg.model) {
@@ -160,6 +163,19 @@ static int load_weights(moed_daemon *d)
     d->have_model = true;
     moed_log_info("weights loaded", "model=\"%s\" arch=%s moe_layers=%d", d->model.source,
                   d->model.arch, d->model.n_layers);
+    /* Pruning changes the model: say by how much, layer by layer, where an operator reads it. */
+    for (int i = 0; d->model.pruned && i < d->model.n_layers; i++) {
+        const struct moed_pruned *pr = &d->model.pruned[i];
+        if (pr->pairs)
+            moed_log_warn("pruned to 2:4 (--weights sparse24 changes the model)",
+                          "layer=%d relative_error=%.4g tokens=%d pairs=%d against=dense",
+                          d->model.layers[i].info.index, pr->error, MOED_PRUNE_TOKENS, pr->pairs);
+        else /* an expert shard whose experts the batch does not reach */
+            moed_log_warn("pruned to 2:4 (--weights sparse24 changes the model)",
+                          "layer=%d relative_error=none tokens=%d pairs=0 note=%s",
+                          d->model.layers[i].info.index, MOED_PRUNE_TOKENS,
+                          "the batch reached none of the experts held");
+    }
     return 0;
 }
 

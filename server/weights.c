@@ -14,6 +14,12 @@
  * (the server router computes from it as stored); only the DeepSeek router bias, when not
  * float32, is converted into a buffer this module owns.
  *
+ * 2:4 (MOED_WEIGHTS_SPARSE24): every routed expert matrix is pruned where the model owns it (a
+ * synthetic layer's buffers, a checkpoint's copies; with MOED_WEIGHTS_MAP the expert matrices are
+ * copied out of the mapping first, since a mapping is never written), one expert at a time right
+ * after it is read, its dense values first fed to the layer's moed_prune probe: the error the log
+ * states costs no second copy of the layer.
+ *
  * Every held layer's tensors are looked up before any is read: missing ones are reported together
  * (a user who fixes one missing name at a time would otherwise restart the daemon once per name)
  * and before a byte of a large checkpoint is read, and the load knows how many bytes it will take
@@ -28,7 +34,9 @@
 #include "loading.h"
 #include "moed_dtype.h"
 #include "moed_fp8.h"
+#include "moed_sp24.h"
 #include "moed_synth.h"
+#include "prune.h"
 #include "safetensors.h"
 
 #include <stdio.h>
@@ -52,6 +60,7 @@ void moed_weights_release(moed_model *m)
             free(m->layers[i].experts);
     }
     free(m->layers);
+    free(m->pruned);
     if (p) {
         for (int i = 0; i < p->n_owned; i++) free(p->owned[i]);
         free(p->owned);
@@ -83,6 +92,43 @@ int moed_weights_synthetic(const char *spec, int wdtype, moed_model *m, moed_err
     return moed_weights_synthetic_held(spec, wdtype, NULL, m, err);
 }
 
+/* Expert e's matrices (memory the model owns) pruned to 2:4 in place, the probe first fed its
+ * dense values if the batch reaches it. */
+static void prune_expert(moed_prune_probe *pr, int e, moed_expert_w *w)
+{
+    const moed_layer_info *li = &pr->info;
+    if (moed_prune_touches(pr, e)) moed_prune_expert(pr, e, w);
+    /* owned buffers the loader filled: writable, though the layer shows them const */
+    moed_prune_matrix(pr, (void *)w->w1, li->wdtype, li->d_ff, li->d_model);
+    if (w->w3) moed_prune_matrix(pr, (void *)w->w3, li->wdtype, li->d_ff, li->d_model);
+    moed_prune_matrix(pr, (void *)w->w2, li->wdtype, li->d_model, li->d_ff);
+}
+
+/* --weights sparse24 over FP8 expert weights: refused, naming where the FP8 comes from. */
+static int refuse_fp8(moed_error *err, const char *what)
+{
+    return moed_fail(err, MOED_EUNSUPPORTED,
+                     "%s: --weights sparse24 prunes BF16, F16 or F32 expert weights; FP8 weights "
+                     "with 2:4 sparsity are not supported yet (docs/weights.md), so serve this "
+                     "model dense or from BF16 weights",
+                     what);
+}
+
+/* Synthetic layer l (its memory its own) pruned, the error against its dense self in *out. */
+static int prune_synthetic(moed_layer *l, struct moed_pruned *out, moed_error *err)
+{
+    moed_prune_probe pr;
+    int rc = moed_prune_probe_init(&pr, l, err);
+    if (rc) return rc;
+    if (l->shared.w1) moed_prune_shared(&pr, &l->shared);
+    for (int e = 0; e < l->info.n_experts; e++)
+        if (l->experts[e].w1) prune_expert(&pr, e, &l->experts[e]);
+    *out = (struct moed_pruned){ moed_prune_error(&pr), pr.pairs };
+    moed_prune_probe_free(&pr);
+    l->info.sparse24 = true;
+    return 0;
+}
+
 /* The bytes of a layer of li of which `held` is held (NULL: all of it). */
 static uint64_t held_bytes(const moed_layer_info *li, const moed_expert_subset *held)
 {
@@ -104,11 +150,15 @@ int moed_weights_synthetic_held(const char *spec, int wdtype, const moed_expert_
     moed_synth_spec s;
     int rc = moed_synth_parse(spec, &s, err);
     if (rc) return rc;
-    if (wdtype) s.layer.wdtype = wdtype;
+    const bool prune = wdtype == MOED_WEIGHTS_SPARSE24;
+    if (prune && s.layer.wdtype == MOED_FP8)
+        return refuse_fp8(err, "the synthetic spec says dtype=fp8");
+    if (wdtype && !prune) s.layer.wdtype = wdtype;
     weights_priv *p = calloc(1, sizeof *p);
     m->priv = p;
     m->layers = calloc((size_t)s.layers + 1, sizeof *m->layers);
-    if (!p || !m->layers) {
+    if (prune) m->pruned = calloc((size_t)s.layers + 1, sizeof *m->pruned);
+    if (!p || !m->layers || (prune && !m->pruned)) {
         rc = moed_fail(err, MOED_ENOMEM, "no memory for %d synthetic layers", s.layers);
         goto err;
     }
@@ -120,11 +170,15 @@ int moed_weights_synthetic_held(const char *spec, int wdtype, const moed_expert_
         rc = moed_synth_layer_held(&s, i, held, &m->layers[i], err);
         if (rc) goto err;
         m->n_layers++;
+        if (prune && (rc = prune_synthetic(&m->layers[i], &m->pruned[i], err))) goto err;
         moed_loading_bytes(layer_bytes);
         moed_loading_layer_done();
     }
     moed_synth_format(&s, m->source, sizeof m->source);
-    m->fingerprint = moed_fingerprint_synthetic(m->source);
+    /* the pruned model is another model: the spec alone would name the dense one */
+    char named[sizeof m->source + 16];
+    snprintf(named, sizeof named, "%s%s", m->source, prune ? " sparse24" : "");
+    m->fingerprint = moed_fingerprint_synthetic(named);
     snprintf(m->arch, sizeof m->arch, "synthetic");
     return 0;
 err:
@@ -196,6 +250,8 @@ typedef struct loader {
     const char *dir;
     bool copy;    /* MOED_WEIGHTS_COPY */
     int quantize; /* MOED_FP8: float expert matrices are quantized at load; 0: kept as stored */
+    bool prune;   /* MOED_WEIGHTS_SPARSE24: routed expert matrices pruned to 2:4 */
+    struct moed_pruned *pruned; /* with prune: where build_layer states the layer's error */
     const moed_hf_config *cfg;
     moed_st_dir *st;
     weights_priv *priv;
@@ -209,13 +265,123 @@ typedef struct loader {
 enum { SLOT_ROUTER, SLOT_BIAS, SLOT_SHARED, SLOT_EXPERTS = SLOT_SHARED + 3 };
 #define MISSING_LISTED 4
 
-/* Looks up tensor id of layer L; a missing one is recorded for the report and leaves *t NULL. */
+/* ---- compressed-tensors 2:4 (hf.h gives the format) ---- */
+
+static int check_dtype(loader *ld, const moed_st_tensor *t, bool matrix);
+static void *owned_buffer(loader *ld, size_t bytes, const char *what);
+
+/* Whether t is the `.compressed` piece of a 2:4 compressed matrix (need() stands it for the
+ * matrix). */
+static bool is_compressed(const loader *ld, const moed_st_tensor *t)
+{
+    static const char suffix[] = ".compressed";
+    const size_t n = strlen(t->name);
+    return ld->cfg->sparse24 && n > sizeof suffix - 1 &&
+           !strcmp(t->name + n - (sizeof suffix - 1), suffix);
+}
+
+/* The sibling `piece` ("bitmask", "shape") of compressed piece t, or NULL; its name in name. */
+static int sibling(loader *ld, const moed_st_tensor *t, const char *piece, char *name, size_t n,
+                   const moed_st_tensor **out)
+{
+    snprintf(name, n, "%.*s.%s", (int)(strlen(t->name) - strlen(".compressed")), t->name, piece);
+    return moed_st_find(ld->st, name, out, ld->err);
+}
+
+/* The three pieces of compressed matrix t checked against the dense [rows, cols] config.json
+ * gives, before anything is read but the few bytes of `.shape`: the values in a weight dtype, the
+ * bitmask U8 [rows, ceil(cols / 8)], `.shape` an integer tensor of two elements equal to
+ * [rows, cols]. *bitmask_out: the bitmask. */
+static int check_compressed(loader *ld, const moed_st_tensor *t, uint64_t rows, uint64_t cols,
+                            const char *dims, const moed_st_tensor **bitmask_out)
+{
+    char bname[300], sname[300], have[160];
+    const moed_st_tensor *bm, *sh;
+    int rc;
+    if (t->mdtype == MOED_FP8)
+        return moed_fail(ld->err, MOED_EUNSUPPORTED,
+                         "%s: tensor %s is F8_E4M3: FP8 weights with 2:4 sparsity are not "
+                         "supported yet (docs/weights.md); moed loads 2:4 compressed BF16, F16 "
+                         "or F32 weights",
+                         t->file, t->name);
+    if ((rc = check_dtype(ld, t, true))) return rc;
+    if ((rc = sibling(ld, t, "bitmask", bname, sizeof bname, &bm)) ||
+        (rc = sibling(ld, t, "shape", sname, sizeof sname, &sh)))
+        return rc;
+    if (!bm || !sh)
+        return moed_fail(ld->err, MOED_ENOTFOUND,
+                         "%s: tensor %s (2:4 compressed values) comes without %s: a "
+                         "sparse-24-bitmask matrix is stored as .compressed, .bitmask and .shape",
+                         t->file, t->name, !bm ? bname : sname);
+    if (t->ndim != 2 || t->shape[0] != rows)
+        return moed_fail(ld->err, MOED_EFORMAT,
+                         "%s: tensor %s has shape %s; the 2:4 compressed values of a %s = [%llu, "
+                         "%llu] matrix from config.json are [%llu, kept values per row]",
+                         t->file, t->name, moed_st_shape_str(t, have, sizeof have), dims,
+                         (unsigned long long)rows, (unsigned long long)cols,
+                         (unsigned long long)rows);
+    if (strcmp(bm->dtype, "U8") || bm->ndim != 2 || bm->shape[0] != rows ||
+        bm->shape[1] != (cols + 7) / 8)
+        return moed_fail(ld->err, MOED_EFORMAT,
+                         "%s: tensor %s is %s %s; the bitmask of a %s = [%llu, %llu] matrix from "
+                         "config.json is U8 [%llu, %llu] (one bit per weight, 8 to a byte)",
+                         bm->file, bm->name, bm->dtype, moed_st_shape_str(bm, have, sizeof have),
+                         dims, (unsigned long long)rows, (unsigned long long)cols,
+                         (unsigned long long)rows, (unsigned long long)((cols + 7) / 8));
+    int64_t v[2] = { -1, -1 };
+    const bool i64 = !strcmp(sh->dtype, "I64"), i32 = !strcmp(sh->dtype, "I32");
+    const uint64_t n_el = sh->nbytes / (i64 ? 8 : 4);
+    if ((i64 || i32) && n_el == 2) {
+        unsigned char raw[16];
+        if ((rc = moed_st_read_part(ld->st, sh, 0, sh->nbytes, raw, ld->err))) return rc;
+        for (int i = 0; i < 2; i++) {
+            int32_t x32;
+            if (i64) {
+                memcpy(&v[i], raw + 8 * i, 8);
+            } else {
+                memcpy(&x32, raw + 4 * i, 4);
+                v[i] = x32;
+            }
+        }
+    }
+    if (v[0] < 0 || (uint64_t)v[0] != rows || (uint64_t)v[1] != cols)
+        return moed_fail(ld->err, MOED_EFORMAT,
+                         "%s: tensor %s %s; config.json gives the matrix %s = [%llu, %llu]",
+                         sh->file, sh->name,
+                         (i64 || i32) && n_el == 2 ? "says another dense shape"
+                                                   : "is not two integers (I64 or I32)",
+                         dims, (unsigned long long)rows, (unsigned long long)cols);
+    if (t->offset % moed_dtype_size(t->mdtype))
+        return moed_fail(ld->err, MOED_EFORMAT,
+                         "%s: tensor %s starts at byte %llu, not a multiple of its %zu-byte "
+                         "elements; rewrite the file with the safetensors package, which aligns "
+                         "tensors",
+                         t->file, t->name, (unsigned long long)t->offset,
+                         moed_dtype_size(t->mdtype));
+    if (bitmask_out) *bitmask_out = bm;
+    return 0;
+}
+
+/* Looks up tensor id of layer L; a missing one is recorded for the report and leaves *t NULL. In
+ * a compressed-tensors 2:4 checkpoint a matrix missing as `.weight` may be there compressed: its
+ * `.compressed` piece then stands for it (the others are found when it is checked). */
 static int need(loader *ld, int layer, int tensor, int expert, const moed_st_tensor **t)
 {
     char name[256];
     moed_hf_tensor_name(ld->cfg, layer, tensor, expert, name, sizeof name);
     int rc = moed_st_find(ld->st, name, t, ld->err);
     if (rc || *t) return rc;
+    const size_t n = strlen(name);
+    if (ld->cfg->sparse24 && n > 7 && !strcmp(name + n - 7, ".weight")) {
+        char piece[280];
+        const moed_st_tensor *bm;
+        snprintf(piece, sizeof piece, "%.*s.compressed", (int)(n - 7), name);
+        if ((rc = moed_st_find(ld->st, piece, t, ld->err)) || *t) return rc;
+        snprintf(piece, sizeof piece, "%.*s.bitmask", (int)(n - 7), name);
+        if ((rc = moed_st_find(ld->st, piece, &bm, ld->err))) return rc;
+        if (bm) /* compressed without its values: that is what is missing */
+            snprintf(name, sizeof name, "%.*s.compressed", (int)(n - 7), piece);
+    }
     if (ld->n_missing++ < MISSING_LISTED) {
         size_t at = strlen(ld->missing);
         snprintf(ld->missing + at, sizeof ld->missing - at, "%s%s", at ? ", " : "", name);
@@ -270,6 +436,8 @@ static int check_tensor(loader *ld, const moed_st_tensor *t, bool matrix, int nd
                         const uint64_t *want, const char *dims)
 {
     char have[160];
+    if (ndim == 2 && is_compressed(ld, t))
+        return check_compressed(ld, t, want[0], want[1], dims, NULL);
     int rc = check_dtype(ld, t, matrix);
     if (rc) return rc;
     bool same = t->ndim == ndim;
@@ -358,6 +526,82 @@ static int tensor_data(loader *ld, const moed_st_tensor *t, const void **out)
     return 0;
 }
 
+/* t's bytes as read: the mapping, or (MOED_WEIGHTS_COPY) a copy in *tmp for the caller to free. */
+static int read_bytes(loader *ld, const moed_st_tensor *t, const void **p, void **tmp)
+{
+    *tmp = NULL;
+    *p = t->data;
+    if (!ld->copy) return 0;
+    int rc = read_copy(ld, t, tmp);
+    if (!rc) *p = *tmp;
+    return rc;
+}
+
+/* Compressed matrix t (dense [rows, cols], checked by check_compressed) into a zeroed buffer the
+ * model owns: each set bit of the bitmask, row-major, takes the next value. A bitmask with more
+ * than two bits in an aligned group of four along a row (not 2:4), a bit past a row's end, or
+ * set bits that do not count the values is refused, naming the tensor. */
+static int decompress(loader *ld, const moed_st_tensor *t, uint64_t rows, uint64_t cols,
+                      const void **out)
+{
+    const moed_st_tensor *bm = NULL;
+    int rc = check_compressed(ld, t, rows, cols, "the matrix", &bm);
+    if (rc) return rc;
+    const size_t es = moed_dtype_size(t->mdtype);
+    const uint64_t n_values = t->nbytes / es, bpr = (cols + 7) / 8;
+    const void *vp, *bp;
+    void *vtmp = NULL, *btmp = NULL;
+    unsigned char *dense = owned_buffer(ld, (size_t)(rows * cols * es), t->name);
+    if (!dense) return ld->err->code;
+    memset(dense, 0, (size_t)(rows * cols * es));
+    if ((rc = read_bytes(ld, t, &vp, &vtmp)) || (rc = read_bytes(ld, bm, &bp, &btmp))) goto out;
+    const unsigned char *mask = bp, *values = vp;
+    uint64_t k = 0;
+    for (uint64_t r = 0; r < rows && !rc; r++) {
+        const unsigned char *row = mask + r * bpr;
+        for (uint64_t c = 0; c < bpr * 8 && !rc; c += 4) {
+            int bits = 0;
+            for (uint64_t j = c; j < c + 4; j++) {
+                if (!(row[j / 8] >> (j % 8) & 1)) continue;
+                if (j >= cols)
+                    rc = moed_fail(ld->err, MOED_EFORMAT,
+                                   "%s: tensor %s sets bit %llu of row %llu, past the row's %llu "
+                                   "columns",
+                                   bm->file, bm->name, (unsigned long long)j, (unsigned long long)r,
+                                   (unsigned long long)cols);
+                else if (++bits > 2)
+                    rc = moed_fail(ld->err, MOED_EFORMAT,
+                                   "%s: tensor %s is not 2:4: row %llu, columns %llu to %llu keep "
+                                   "more than two values",
+                                   bm->file, bm->name, (unsigned long long)r, (unsigned long long)c,
+                                   (unsigned long long)c + 3);
+                else if (k < n_values)
+                    memcpy(dense + (r * cols + j) * es, values + k * es, es);
+                k += !rc;
+            }
+        }
+    }
+    if (!rc && k != n_values)
+        rc = moed_fail(ld->err, MOED_EFORMAT,
+                       "%s: tensor %s holds %llu values but its bitmask %s sets %llu bits: each "
+                       "kept weight is one value",
+                       t->file, t->name, (unsigned long long)n_values, bm->name,
+                       (unsigned long long)k);
+    if (!rc) moed_loading_bytes(t->nbytes + bm->nbytes);
+out:
+    free(vtmp);
+    free(btmp);
+    if (!rc) *out = dense;
+    return rc;
+}
+
+/* A matrix's data as computed from ([rows, cols]): tensor_data, or decompressed. */
+static int dense_data(loader *ld, const moed_st_tensor *t, uint64_t rows, uint64_t cols,
+                      const void **out)
+{
+    return is_compressed(ld, t) ? decompress(ld, t, rows, cols, out) : tensor_data(ld, t, out);
+}
+
 /* t's data in dtype: as tensor_data, or converted into a buffer the model owns. */
 static int as_dtype(loader *ld, const moed_st_tensor *t, int dtype, const void **out)
 {
@@ -422,6 +666,14 @@ static int layer_bytes(loader *ld, const moed_st_tensor **t, size_t n, uint64_t 
         const moed_st_tensor *scale = NULL;
         if (!t[i]) continue;
         *bytes += t[i]->nbytes;
+        if (is_compressed(ld, t[i])) { /* and its bitmask */
+            char bname[300];
+            const moed_st_tensor *bm;
+            int rc = sibling(ld, t[i], "bitmask", bname, sizeof bname, &bm);
+            if (rc) return rc;
+            if (bm) *bytes += bm->nbytes;
+            continue;
+        }
         snprintf(name, sizeof name, "%s_scale_inv", t[i]->name);
         int rc = i >= SLOT_SHARED && t[i]->mdtype == MOED_FP8 && ld->cfg->fp8
                      ? moed_st_find(ld->st, name, &scale, ld->err)
@@ -524,27 +776,38 @@ static int check_codes(loader *ld, const moed_st_tensor *t, const uint8_t *q, in
     return 0;
 }
 
-/* One expert matrix as served: as stored (FP8 with its scales), or quantized at load. */
-static int matrix_data(loader *ld, const moed_st_tensor *t, int rows, int cols, const void **p,
-                       const float **scale)
+/* One expert matrix as served: as stored (FP8 with its scales), or quantized at load; `own`: in a
+ * buffer the model owns even with MOED_WEIGHTS_MAP (it is to be pruned in place). */
+static int matrix_data(loader *ld, const moed_st_tensor *t, int rows, int cols, bool own_it,
+                       const void **p, const float **scale)
 {
     *scale = NULL;
     if (t->mdtype != MOED_FP8 && ld->quantize == MOED_FP8)
         return quantize_matrix(ld, t, rows, cols, p, scale);
+    if (is_compressed(ld, t)) return decompress(ld, t, (uint64_t)rows, (uint64_t)cols, p);
+    if (own_it && !ld->copy) {
+        void *buf = owned_buffer(ld, t->nbytes, t->name);
+        if (!buf) return ld->err->code;
+        memcpy(buf, t->data, t->nbytes);
+        *p = buf;
+        moed_loading_bytes(t->nbytes);
+        return 0;
+    }
     int rc = tensor_data(ld, t, p);
     if (!rc && t->mdtype == MOED_FP8 && !(rc = check_codes(ld, t, *p, cols)))
         rc = scale_table(ld, t, rows, cols, scale);
     return rc;
 }
 
-/* An expert's three matrices (w1, w3, w2 in t[0..2]; W1 and W3 are [ff, d], W2 [d, ff]). */
-static int matrices(loader *ld, const moed_st_tensor **t, int ff, moed_expert_w *out)
+/* An expert's three matrices (w1, w3, w2 in t[0..2]; W1 and W3 are [ff, d], W2 [d, ff]), in
+ * buffers the model owns if own_it. */
+static int matrices(loader *ld, const moed_st_tensor **t, int ff, bool own_it, moed_expert_w *out)
 {
     const int d = ld->cfg->layer.d_model;
     const void *p[3];
     const float *s[3];
     for (int k = 0; k < 3; k++) {
-        int rc = matrix_data(ld, t[k], k < 2 ? ff : d, k < 2 ? d : ff, &p[k], &s[k]);
+        int rc = matrix_data(ld, t[k], k < 2 ? ff : d, k < 2 ? d : ff, own_it, &p[k], &s[k]);
         if (rc) return rc;
     }
     *out = (moed_expert_w){ p[0], p[1], p[2], s[0], s[1], s[2] };
@@ -581,7 +844,7 @@ static int build_layer(loader *ld, int L, const moed_st_tensor **t, moed_layer *
     out->info.index = L;
     out->info.wdtype = ld->quantize ? ld->quantize : ld->first->mdtype;
     const void *router = NULL;
-    if ((rc = tensor_data(ld, t[SLOT_ROUTER], &router))) return rc;
+    if ((rc = dense_data(ld, t[SLOT_ROUTER], (uint64_t)E, (uint64_t)d, &router))) return rc;
     out->router = router;
     out->router_dtype = t[SLOT_ROUTER]->mdtype;
     if (t[SLOT_BIAS]) {
@@ -589,12 +852,32 @@ static int build_layer(loader *ld, int L, const moed_st_tensor **t, moed_layer *
         if ((rc = as_dtype(ld, t[SLOT_BIAS], MOED_F32, &bias))) return rc;
         out->router_bias = bias;
     }
-    if (t[SLOT_SHARED] && (rc = matrices(ld, &t[SLOT_SHARED], sff, &out->shared))) return rc;
+    if (t[SLOT_SHARED] && (rc = matrices(ld, &t[SLOT_SHARED], sff, false, &out->shared))) return rc;
+    moed_prune_probe pr = { 0 };
+    if (ld->prune && (rc = moed_prune_probe_init(&pr, out, ld->err))) return rc;
+    if (ld->prune && out->shared.w1) moed_prune_shared(&pr, &out->shared);
     out->experts = calloc((size_t)E, sizeof *out->experts);
-    if (!out->experts) return moed_fail(ld->err, MOED_ENOMEM, "no memory for layer %d", L);
-    for (int e = 0; e < E && !rc; e++)
-        if (t[SLOT_EXPERTS + 3 * e])
-            rc = matrices(ld, &t[SLOT_EXPERTS + 3 * e], ff, &out->experts[e]);
+    if (!out->experts) rc = moed_fail(ld->err, MOED_ENOMEM, "no memory for layer %d", L);
+    for (int e = 0; e < E && !rc; e++) {
+        if (!t[SLOT_EXPERTS + 3 * e]) continue;
+        rc = matrices(ld, &t[SLOT_EXPERTS + 3 * e], ff, ld->prune, &out->experts[e]);
+        if (!rc && ld->prune) prune_expert(&pr, e, &out->experts[e]);
+    }
+    if (!rc && ld->prune) {
+        *ld->pruned = (struct moed_pruned){ moed_prune_error(&pr), pr.pairs };
+        out->info.sparse24 = true;
+    } else if (!rc && ld->cfg->sparse24) { /* 2:4 if every routed matrix is, compressed or not */
+        out->info.sparse24 = true;
+        for (int e = 0; e < E && out->info.sparse24; e++) {
+            const moed_expert_w *w = &out->experts[e];
+            if (!w->w1) continue;
+            out->info.sparse24 =
+                moed_sp24_check(w->w1, out->info.wdtype, ff, d, NULL, NULL) &&
+                (!w->w3 || moed_sp24_check(w->w3, out->info.wdtype, ff, d, NULL, NULL)) &&
+                moed_sp24_check(w->w2, out->info.wdtype, d, ff, NULL, NULL);
+        }
+    }
+    moed_prune_probe_free(&pr);
     if (rc) { /* the layer is not counted, so release would not free this */
         free(out->experts);
         out->experts = NULL;
@@ -619,6 +902,7 @@ static int load_layers(loader *ld, const unsigned char *hold, moed_model *m)
     for (int L = 0, j = 0; L < ld->cfg->n_layers && !rc && !ld->n_missing; L++) {
         if (!hold[L]) continue;
         moed_loading_layer(L);
+        if (m->pruned) ld->pruned = &m->pruned[m->n_layers];
         rc = build_layer(ld, L, t + n * (size_t)j++, &m->layers[m->n_layers]);
         if (rc) break;
         m->n_layers++;
@@ -666,10 +950,31 @@ int moed_weights_checkpoint_held(const char *dir, const char *only_layers, moed_
     if ((rc = select_layers(only_layers, &cfg, hold, err)) ||
         (rc = moed_expert_subset_check(held, &cfg.layer, err)))
         goto err;
+    if (wdtype == MOED_WEIGHTS_SPARSE24 && cfg.fp8) {
+        char what[4200];
+        snprintf(what, sizeof what,
+                 "%s/config.json: quantization_config says block-scaled FP8 expert weights", dir);
+        rc = refuse_fp8(err, what);
+        goto err;
+    }
+    if (wdtype == MOED_FP8 && cfg.sparse24) {
+        rc = moed_fail(err, MOED_EUNSUPPORTED,
+                       "%s/config.json: a compressed-tensors 2:4 sparse checkpoint: --weights fp8 "
+                       "would quantize its 2:4 sparse weights, and FP8 weights with 2:4 sparsity "
+                       "are not supported yet (docs/weights.md); serve it as stored",
+                       dir);
+        goto err;
+    }
+    if (wdtype == MOED_WEIGHTS_SPARSE24 &&
+        !(m->pruned = calloc((size_t)cfg.n_layers, sizeof *m->pruned))) {
+        rc = moed_fail(err, MOED_ENOMEM, "no memory to load %s", dir);
+        goto err;
+    }
     if ((rc = moed_st_dir_open(dir, &p->st, err))) goto err;
     loader ld = { .dir = dir,
                   .copy = mode == MOED_WEIGHTS_COPY,
                   .quantize = wdtype == MOED_FP8 ? MOED_FP8 : 0,
+                  .prune = wdtype == MOED_WEIGHTS_SPARSE24,
                   .cfg = &cfg,
                   .st = p->st,
                   .priv = p,
@@ -677,7 +982,10 @@ int moed_weights_checkpoint_held(const char *dir, const char *only_layers, moed_
                   .held = held };
     if ((rc = load_layers(&ld, hold, m))) goto err;
     /* the fingerprint reads the files too: the check after it covers its reads as well */
-    m->fingerprint = moed_fingerprint_checkpoint(p->st, &cfg, cfg.fp8 ? 0 : ld.quantize);
+    m->fingerprint = moed_fingerprint_checkpoint(p->st, &cfg,
+                                                 cfg.fp8       ? 0
+                                                 : ld.quantize ? ld.quantize
+                                                               : wdtype);
     if ((rc = moed_st_dir_check(p->st, err))) goto err;
     if (ld.copy) { /* nothing points into the files now */
         moed_st_dir_close(p->st);

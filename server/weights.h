@@ -29,11 +29,25 @@ typedef struct moed_model {
     uint64_t fingerprint; /* the model's identity (fingerprint.h) */
     int n_layers;         /* MoE layers held */
     moed_layer *layers;   /* by increasing info.index */
-    void *priv;           /* mappings and allocations */
+    /* With MOED_WEIGHTS_SPARSE24, per layer: the relative error of the pruned layer against its
+     * dense weights on moed_prune's batch (prune.h) and the (token, expert) pairs it was measured
+     * on (0: the batch reached none of the experts held, the error NaN); NULL otherwise. */
+    struct moed_pruned {
+        double error;
+        int pairs;
+    } * pruned;
+    void *priv; /* mappings and allocations */
 } moed_model;
 
+/* A wdtype that is not a dtype: every routed expert matrix of a BF16, F16 or F32 model is pruned
+ * to 2:4 at load (moed_sp24_prune, into memory the model owns: never into a file's mapping) and
+ * its layers are marked sparse24; the shared experts and the router stay dense. FP8 expert
+ * weights are refused (2:4 over FP8 is not supported yet). Pruning changes the model, so each
+ * layer's error against the dense weights is measured (pruned). */
+enum { MOED_WEIGHTS_SPARSE24 = 24 };
+
 /* --synthetic SPEC (moed_synth.h gives the syntax and the generator); wdtype, if not 0, replaces
- * the spec's dtype (`--weights fp8` is dtype=fp8). */
+ * the spec's dtype (`--weights fp8` is dtype=fp8), or is MOED_WEIGHTS_SPARSE24. */
 int moed_weights_synthetic(const char *spec, int wdtype, moed_model *m, moed_error *err);
 
 typedef enum moed_weights_mode { MOED_WEIGHTS_COPY, MOED_WEIGHTS_MAP } moed_weights_mode;
@@ -41,8 +55,9 @@ typedef enum moed_weights_mode { MOED_WEIGHTS_COPY, MOED_WEIGHTS_MAP } moed_weig
 /* --model DIR: config.json plus model.safetensors or model.safetensors.index.json and its shards.
  * only_layers, if not NULL, is a list like "0-3,7" of checkpoint layer numbers to hold (the others
  * are not read). wdtype 0 serves the expert matrices as stored (block-scaled F8_E4M3 ones with
- * their scales); MOED_FP8 quantizes float ones at load (moed_fp8.h's rule; the router stays as
- * stored). Every problem (missing file, missing or misshapen tensor or block scales, a scale that
+ * their scales; a compressed-tensors 2:4 checkpoint's decompressed, hf.h); MOED_FP8 quantizes
+ * float ones at load (moed_fp8.h's rule; the router stays as stored); MOED_WEIGHTS_SPARSE24 prunes
+ * them. Every problem (missing file, missing or misshapen tensor or block scales, a scale that
  * is not a finite number > 0 or is over moed_fp8_scale_max, unsupported dtype, quantization or
  * architecture, a file that is not a regular file or changed while read) fails with one message
  * naming the file and tensor and what was expected. */

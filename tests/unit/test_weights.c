@@ -15,11 +15,13 @@
 #include "check.h"
 #include "moed_dtype.h"
 #include "moed_synth.h"
+#include "prune.h"
 #include "safetensors.h"
 #include "st_write.h"
 #include "weights.h"
 
 #include <fcntl.h>
+#include <math.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -776,6 +778,543 @@ static void test_non_regular_files(void)
     expect_refused(&mixtral, "config.json", true, "directory");
 }
 
+/* ---- 2:4 sparse weights: --weights sparse24, compressed-tensors checkpoints ---- */
+
+/* |v| with NaN above every number: the rule's ordering, spelled out again here. */
+static double magnitude(float v)
+{
+    return v != v ? INFINITY : fabs((double)v);
+}
+
+/* The 2:4 rule of moed_sp24.h, written here apart from common/moed_sp24.c: per aligned group of
+ * four along a row (a short last group as if padded with zeros), the two of largest magnitude
+ * stay, the first of equals winning; keep[i] says which. */
+static void ref_keep(const float *v, int rows, int cols, bool *keep)
+{
+    for (int r = 0; r < rows; r++)
+        for (int g = 0; g < cols; g += 4) {
+            int first = -1, second = -1;
+            for (int j = g; j < g + 4 && j < cols; j++)
+                if (first < 0 || magnitude(v[r * cols + j]) > magnitude(v[r * cols + first]))
+                    first = j;
+            for (int j = g; j < g + 4 && j < cols; j++)
+                if (j != first &&
+                    (second < 0 || magnitude(v[r * cols + j]) > magnitude(v[r * cols + second])))
+                    second = j;
+            for (int j = g; j < g + 4 && j < cols; j++)
+                keep[r * cols + j] = j == first || j == second;
+        }
+}
+
+/* Matrix p ([rows, cols] of dtype) equals dense (float32) pruned by ref_keep. */
+static void check_pruned(const void *p, int dtype, const float *dense, int rows, int cols,
+                         const char *what)
+{
+    const size_t n = (size_t)rows * (size_t)cols;
+    float *got = malloc(n * sizeof *got);
+    bool *keep = malloc(n);
+    moed_to_f32(dtype, p, got, n);
+    ref_keep(dense, rows, cols, keep);
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) bad += got[i] != (keep[i] ? dense[i] : 0.0f);
+    CHECK_MSG(!bad, "%s: %zu of %zu values are not the pruned ones", what, bad, n);
+    free(got);
+    free(keep);
+}
+
+/* One expert's term for token x in double, written here apart from server/prune.c. */
+static void ref_expert(const moed_layer_info *li, const moed_expert_w *w, const double *x,
+                       double *y, double g)
+{
+    const int d = li->d_model, ff = li->d_ff;
+    float *m1 = malloc(sizeof(float) * (size_t)d * ff),
+          *m3 = malloc(sizeof(float) * (size_t)d * ff),
+          *m2 = malloc(sizeof(float) * (size_t)d * ff);
+    double *h = malloc(sizeof(double) * (size_t)ff);
+    moed_to_f32(li->wdtype, w->w1, m1, (size_t)d * ff);
+    moed_to_f32(li->wdtype, w->w3, m3, (size_t)d * ff);
+    moed_to_f32(li->wdtype, w->w2, m2, (size_t)d * ff);
+    for (int r = 0; r < ff; r++) {
+        double a = 0, b = 0;
+        for (int i = 0; i < d; i++) {
+            a += (double)m1[r * d + i] * x[i];
+            b += (double)m3[r * d + i] * x[i];
+        }
+        h[r] = a / (1.0 + exp(-a)) * b;
+    }
+    for (int r = 0; r < d; r++) {
+        double a = 0;
+        for (int i = 0; i < ff; i++) a += (double)m2[r * ff + i] * h[i];
+        y[r] += g * a;
+    }
+    free(m1);
+    free(m3);
+    free(m2);
+    free(h);
+}
+
+/* The pruned layer's error against dense, computed here on the probe's batch and route (the
+ * shared experts, never pruned, in both). */
+static double ref_error(const moed_layer *dense, const moed_layer *pruned)
+{
+    moed_prune_probe p;
+    moed_error err = { 0 };
+    CHECK_MSG(moed_prune_probe_init(&p, dense, &err) == 0, "%s", err.msg);
+    const int d = dense->info.d_model;
+    double num = 0, den = 0, *yd = calloc((size_t)d, sizeof *yd),
+           *yp = calloc((size_t)d, sizeof *yp);
+    for (int t = 0; t < p.T; t++) {
+        CHECK_NEAR(p.x[(size_t)t * d + 3], moed_prune_token_value(dense->info.index, t, 3), 0);
+        memset(yd, 0, sizeof *yd * (size_t)d);
+        memset(yp, 0, sizeof *yp * (size_t)d);
+        if (dense->shared.w1) { /* dense on both sides: weight 1 */
+            moed_layer_info si = dense->info;
+            si.d_ff = si.shared_d_ff;
+            ref_expert(&si, &dense->shared, &p.x[(size_t)t * d], yd, 1.0);
+            ref_expert(&si, &pruned->shared, &p.x[(size_t)t * d], yp, 1.0);
+        }
+        for (int64_t j = p.route.off[t]; j < p.route.off[t + 1]; j++) {
+            const int e = p.route.expert[j];
+            ref_expert(&dense->info, &dense->experts[e], &p.x[(size_t)t * d], yd,
+                       p.route.weight[j]);
+            ref_expert(&pruned->info, &pruned->experts[e], &p.x[(size_t)t * d], yp,
+                       p.route.weight[j]);
+        }
+        for (int i = 0; i < d; i++) {
+            num += (yp[i] - yd[i]) * (yp[i] - yd[i]);
+            den += yd[i] * yd[i];
+        }
+    }
+    free(yd);
+    free(yp);
+    moed_prune_probe_free(&p);
+    return sqrt(num / den);
+}
+
+/* --weights sparse24 on a synthetic model: every routed matrix is the dense one pruned by the
+ * rule, the router and the shared experts unchanged, the layer marked, its error the one computed
+ * here; an expert shard prunes what it holds; FP8 is refused. */
+static void test_prune_synthetic(void)
+{
+    const char *spec = "layers=2,d=16,ff=12,experts=4,topk=2,dtype=bf16,seed=7,shared=1,"
+                       "shared_ff=8";
+    moed_model dense, pr;
+    moed_error err = { 0 };
+    CHECK_MSG(moed_weights_synthetic(spec, 0, &dense, &err) == 0, "%s", err.msg);
+    CHECK_MSG(moed_weights_synthetic(spec, MOED_WEIGHTS_SPARSE24, &pr, &err) == 0, "%s", err.msg);
+    CHECK(!dense.pruned && pr.pruned);
+    CHECK(pr.fingerprint != dense.fingerprint);
+    float f[16 * 12];
+    for (int L = 0; L < 2 && pr.pruned; L++) {
+        const moed_layer *a = &dense.layers[L], *b = &pr.layers[L];
+        CHECK(!a->info.sparse24 && b->info.sparse24);
+        CHECK(!memcmp(a->router, b->router, 4 * 16 * 2));
+        CHECK(!memcmp(a->shared.w2, b->shared.w2, 16 * 8 * 2));
+        for (int e = 0; e < 4; e++) {
+            const void *da[3] = { a->experts[e].w1, a->experts[e].w3, a->experts[e].w2 };
+            const void *pb[3] = { b->experts[e].w1, b->experts[e].w3, b->experts[e].w2 };
+            for (int k = 0; k < 3; k++) {
+                const int rows = k < 2 ? 12 : 16, cols = k < 2 ? 16 : 12;
+                moed_to_f32(MOED_BF16, da[k], f, 16 * 12);
+                check_pruned(pb[k], MOED_BF16, f, rows, cols, "synthetic expert matrix");
+            }
+        }
+        const double want = ref_error(a, b);
+        CHECK_MSG(want > 0.01 && fabs(pr.pruned[L].error - want) <= 1e-12 * want,
+                  "layer %d: error %.17g, computed here %.17g", L, pr.pruned[L].error, want);
+    }
+    const moed_expert_subset held = { (const int[]){ 1, 2 }, 2, false };
+    moed_model part;
+    CHECK_MSG(moed_weights_synthetic_held(spec, MOED_WEIGHTS_SPARSE24, &held, &part, &err) == 0,
+              "%s", err.msg);
+    CHECK(!part.layers[0].experts[0].w1 && !part.layers[0].shared.w1);
+    CHECK(!memcmp(part.layers[0].experts[2].w2, pr.layers[0].experts[2].w2, 16 * 12 * 2));
+    CHECK(part.layers[0].info.sparse24 && part.pruned[0].pairs > 0 && part.pruned[0].error > 0);
+    moed_weights_release(&part);
+    moed_weights_release(&dense);
+    moed_weights_release(&pr);
+    int rc = moed_weights_synthetic("layers=1,d=16,ff=8,experts=4,topk=2,dtype=fp8",
+                                    MOED_WEIGHTS_SPARSE24, &pr, &err);
+    CHECK_MSG(rc == MOED_EUNSUPPORTED && strstr(err.msg, "dtype=fp8") &&
+                  strstr(err.msg, "FP8 weights with 2:4 sparsity are not supported yet"),
+              "rc %d: %s", rc, err.msg);
+}
+
+/* The bytes of file path, for a check that a load did not write them. */
+static unsigned char *file_bytes(const char *path, size_t *n)
+{
+    FILE *fp = fopen(path, "rb");
+    unsigned char *b = malloc(1 << 20);
+    *n = fp ? fread(b, 1, 1 << 20, fp) : 0;
+    if (fp) fclose(fp);
+    return b;
+}
+
+/* Layer 1 of the deepseek checkpoint in dir, pruned by expert shards: one holding an expert the
+ * error's batch reaches and one it does not, then one holding only experts it does not reach. Each
+ * prunes what it holds, reads no other expert, and states the error over the batch's pairs that
+ * reach its experts: none, no error (NaN). */
+static void prune_shards(const char *dir)
+{
+    moed_model m;
+    moed_error err = { 0 };
+    char n[128];
+    int rc = moed_weights_checkpoint(dir, "1", MOED_WEIGHTS_MAP, MOED_WEIGHTS_SPARSE24, &m, &err);
+    CHECK_MSG(rc == 0, "%s", err.msg);
+    if (rc) return;
+    moed_prune_probe probe;
+    CHECK(moed_prune_probe_init(&probe, &m.layers[0], &err) == 0);
+    int count[8] = { 0 }, reached = -1, missed = -1;
+    for (int64_t j = 0; j < probe.route.off[probe.T]; j++) count[probe.route.expert[j]]++;
+    moed_prune_probe_free(&probe);
+    for (int e = 0; e < 8; e++) {
+        if (count[e] && reached < 0) reached = e;
+        if (!count[e] && missed < 0) missed = e;
+    }
+    CHECK_MSG(reached >= 0 && missed >= 0, "reached %d, missed %d", reached, missed);
+    const int ff = deepseek.ff, d = deepseek.d;
+    float f[64];
+    for (int k = 0; k < 2 && reached >= 0 && missed >= 0; k++) {
+        int ids[2] = { reached < missed ? reached : missed, reached < missed ? missed : reached };
+        const moed_expert_subset held = { k ? &missed : ids, k ? 1 : 2, false };
+        moed_model part;
+        rc = moed_weights_checkpoint_held(dir, "1", MOED_WEIGHTS_MAP, MOED_WEIGHTS_SPARSE24, &held,
+                                          &part, &err);
+        CHECK_MSG(rc == 0, "%s", err.msg);
+        if (rc) continue;
+        const moed_layer *l = &part.layers[0];
+        CHECK(l->info.sparse24 && !l->shared.w1);
+        for (int e = 0; e < 8; e++) {
+            const bool has = e == missed || (!k && e == reached);
+            CHECK_MSG(!l->experts[e].w1 == !has, "expert %d held %d", e, has);
+            if (!has) continue;
+            expert_name(&deepseek, 1, e, 2, n);
+            for (int j = 0; j < ff * d; j++) f[j] = pattern(n, (uint64_t)j);
+            check_pruned(l->experts[e].w2, MOED_BF16, f, d, ff, n);
+        }
+        CHECK_EQ_INT(part.pruned[0].pairs, k ? 0 : count[reached]);
+        CHECK_MSG(k ? isnan(part.pruned[0].error) : part.pruned[0].error > 0, "shard %d: %g", k,
+                  part.pruned[0].error);
+        moed_weights_release(&part);
+    }
+    moed_weights_release(&m);
+}
+
+/* --weights sparse24 on a checkpoint, copied or mapped: routed matrices pruned, the router, bias
+ * and shared experts as written, the file itself unchanged (a mapping is never written); an FP8
+ * checkpoint refused before anything is read. */
+static void test_prune_checkpoint(void)
+{
+    char dir[256], path[512], n[128];
+    CHECK(stw_tmpdir(dir, sizeof dir));
+    write_ck(&deepseek, dir);
+    stw_path(path, sizeof path, dir, "model.safetensors");
+    size_t before_n, after_n;
+    unsigned char *before = file_bytes(path, &before_n);
+    const moed_weights_mode modes[] = { MOED_WEIGHTS_COPY, MOED_WEIGHTS_MAP };
+    const int ff = deepseek.ff, d = deepseek.d;
+    float *f = malloc(sizeof(float) * (size_t)ff * (size_t)d);
+    for (int i = 0; i < 2; i++) {
+        moed_model m;
+        moed_error err = { 0 };
+        int rc = moed_weights_checkpoint(dir, NULL, modes[i], MOED_WEIGHTS_SPARSE24, &m, &err);
+        CHECK_MSG(rc == 0, "%s", err.msg);
+        if (rc) continue;
+        for (int s = 0; s < m.n_layers; s++) {
+            const moed_layer *l = &m.layers[s];
+            const int L = l->info.index;
+            CHECK(l->info.sparse24);
+            CHECK_MSG(m.pruned[s].error > 0 && m.pruned[s].error < 10, "layer %d: error %g", L,
+                      m.pruned[s].error);
+            for (int e = 0; e < deepseek.E; e++) {
+                const void *p[3] = { l->experts[e].w1, l->experts[e].w3, l->experts[e].w2 };
+                for (int k = 0; k < 3; k++) {
+                    expert_name(&deepseek, L, e, k, n);
+                    for (int j = 0; j < ff * d; j++) f[j] = pattern(n, (uint64_t)j);
+                    check_pruned(p[k], MOED_BF16, f, k < 2 ? ff : d, k < 2 ? d : ff, n);
+                }
+            }
+            check_values(l->router, MOED_BF16, router_name(&deepseek, L, n), 8 * 8);
+            check_values(l->router_bias, MOED_F32, bias_name(L, n), 8);
+            const void *sh[3] = { l->shared.w1, l->shared.w3, l->shared.w2 };
+            for (int k = 0; k < 3; k++)
+                check_values(sh[k], MOED_BF16, shared_name(&deepseek, L, k, n), 8 * 8);
+        }
+        moed_weights_release(&m);
+    }
+    prune_shards(dir);
+    unsigned char *after = file_bytes(path, &after_n);
+    CHECK(before_n == after_n && before_n > 0 && !memcmp(before, after, before_n));
+    free(before);
+    free(after);
+    free(f);
+    stw_rmdir(dir);
+
+    ck c = mixtral;
+    c.config =
+        ",\"quantization_config\":{\"quant_method\":\"fp8\",\"weight_block_size\":[128,128]}";
+    CHECK(stw_tmpdir(dir, sizeof dir));
+    write_ck(&c, dir);
+    moed_model m;
+    moed_error err = { 0 };
+    int rc = moed_weights_checkpoint(dir, NULL, MOED_WEIGHTS_COPY, MOED_WEIGHTS_SPARSE24, &m, &err);
+    CHECK_MSG(rc == MOED_EUNSUPPORTED && strstr(err.msg, "config.json") &&
+                  strstr(err.msg, "FP8 weights with 2:4 sparsity are not supported yet"),
+              "rc %d: %s", rc, err.msg);
+    stw_rmdir(dir);
+}
+
+/* A compressed-tensors 2:4 Mixtral checkpoint as its compressor writes one (hf.h): one layer,
+ * d_model 8, 2 experts of width 12 (so W2's rows of 12 end inside a bitmask byte), BF16; each
+ * matrix's dense values are pattern(<m>.weight), pruned by ref_keep and stored as <m>.compressed
+ * (kept values, [rows, cols / 2]), <m>.bitmask (U8 [rows, ceil(cols / 8)], numpy.packbits' little
+ * bit order) and <m>.shape (I64 [2, 1]). The router is compressed too. `broken` names one piece
+ * and `how` what is wrong with it. */
+enum { CT_D = 8, CT_FF = 12, CT_E = 2, CT_N = 1 + 3 * CT_E };
+enum ct_how {
+    CT_OK,
+    CT_DENSE,      /* the matrix stored as a plain dense .weight (not 2:4) */
+    CT_THREE,      /* a group with three bits set (and a value for each) */
+    CT_PAST_END,   /* a bit set past the row's end */
+    CT_COUNT,      /* one bit fewer than values */
+    CT_SHAPE,      /* .shape says another dense shape */
+    CT_NO_BITMASK, /* .bitmask left out */
+    CT_NO_VALUES,  /* .compressed left out */
+    CT_BITMASK_I8, /* .bitmask of another dtype */
+};
+
+static const char *ct_matrix(int i, char *buf)
+{
+    static const char *const k[] = { "w1", "w3", "w2" };
+    if (i == 0)
+        sprintf(buf, "model.layers.0.block_sparse_moe.gate");
+    else
+        sprintf(buf, "model.layers.0.block_sparse_moe.experts.%d.%s", (i - 1) / 3, k[(i - 1) % 3]);
+    return buf;
+}
+
+static void ct_dims(int i, int *rows, int *cols)
+{
+    *rows = i == 0 ? CT_E : (i - 1) % 3 < 2 ? CT_FF : CT_D;
+    *cols = i == 0 ? CT_D : (i - 1) % 3 < 2 ? CT_D : CT_FF;
+}
+
+/* The tensors write_ct gathers: each one's name and data owned here. */
+typedef struct ct_list {
+    stw_tensor t[4 * CT_N];
+    char names[4 * CT_N][160];
+    int n;
+} ct_list;
+
+static void ct_push(ct_list *l, const char *name, const char *dtype, uint64_t rows, uint64_t cols,
+                    void *data, size_t nbytes)
+{
+    snprintf(l->names[l->n], sizeof l->names[l->n], "%s", name);
+    l->t[l->n] = (stw_tensor){ l->names[l->n], dtype, 2, { rows, cols }, data, nbytes };
+    l->n++;
+}
+
+static void write_ct(const char *dir, const char *quant, int broken, enum ct_how how)
+{
+    char path[512], cfg[1024], name[160];
+    snprintf(cfg, sizeof cfg,
+             "{\"model_type\":\"mixtral\",\"num_hidden_layers\":1,\"hidden_size\":%d,"
+             "\"num_experts_per_tok\":1,\"num_local_experts\":%d,\"intermediate_size\":%d,"
+             "\"quantization_config\":%s}",
+             CT_D, CT_E, CT_FF,
+             quant ? quant
+                   : "{\"quant_method\":\"compressed-tensors\",\"version\":\"0.10.2\","
+                     "\"sparsity_config\":{\"format\":\"sparse-24-bitmask\",\"sparsity_structure\":"
+                     "\"2:4\",\"targets\":[\"Linear\"],\"ignore\":[\"lm_head\"]}}");
+    CHECK(!stw_text(stw_path(path, sizeof path, dir, "config.json"), cfg));
+    ct_list *l = calloc(1, sizeof *l);
+    for (int i = 0; i < CT_N; i++) {
+        char m[128];
+        int rows, cols;
+        ct_dims(i, &rows, &cols);
+        ct_matrix(i, m);
+        snprintf(name, sizeof name, "%s.weight", m);
+        const int bpr = (cols + 7) / 8, cnt = rows * cols;
+        const bool mine = i == broken;
+        float *dense = malloc(sizeof(float) * (size_t)cnt);
+        bool *keep = malloc((size_t)cnt);
+        uint16_t *vals = calloc((size_t)cnt, 2);
+        uint8_t *mask = calloc((size_t)(rows * bpr), 1);
+        int64_t *shape = malloc(16);
+        for (int j = 0; j < cnt; j++) dense[j] = pattern(name, (uint64_t)j);
+        ref_keep(dense, rows, cols, keep);
+        if (mine && how == CT_THREE) { /* three in row 0's first group, one in its second */
+            keep[0] = keep[1] = keep[2] = keep[4] = true;
+            keep[3] = keep[5] = keep[6] = keep[7] = false;
+        }
+        int k = 0;
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < cols; c++)
+                if (keep[r * cols + c]) {
+                    vals[k++] = moed_f32_to_bf16(dense[r * cols + c]);
+                    mask[r * bpr + c / 8] |= (uint8_t)(1u << (c % 8));
+                }
+        if (mine && how == CT_PAST_END) mask[bpr - 1] |= 0x80;
+        if (mine && how == CT_COUNT) mask[0] &= (uint8_t)(mask[0] - 1); /* its lowest bit off */
+        shape[0] = rows;
+        shape[1] = cols + (mine && how == CT_SHAPE ? 4 : 0);
+        if (mine && how == CT_DENSE) { /* every value, as a plain .weight */
+            for (int j = 0; j < cnt; j++) vals[j] = moed_f32_to_bf16(dense[j]);
+            ct_push(l, name, "BF16", (uint64_t)rows, (uint64_t)cols, vals, (size_t)cnt * 2);
+            free(mask);
+            free(shape);
+        } else {
+            snprintf(name, sizeof name, "%s.compressed", m);
+            if (mine && how == CT_NO_VALUES)
+                free(vals);
+            else /* [rows, kept per row] */
+                ct_push(l, name, "BF16", (uint64_t)rows, (uint64_t)(k / rows), vals, (size_t)k * 2);
+            snprintf(name, sizeof name, "%s.bitmask", m);
+            if (mine && how == CT_NO_BITMASK)
+                free(mask);
+            else
+                ct_push(l, name, mine && how == CT_BITMASK_I8 ? "I8" : "U8", (uint64_t)rows,
+                        (uint64_t)bpr, mask, (size_t)(rows * bpr));
+            snprintf(name, sizeof name, "%s.shape", m);
+            ct_push(l, name, "I64", 2, 1, shape, 16);
+        }
+        free(dense);
+        free(keep);
+    }
+    CHECK(!stw_file(stw_path(path, sizeof path, dir, "model.safetensors"), l->t, l->n));
+    for (int i = 0; i < l->n; i++) free((void *)l->t[i].data);
+    free(l);
+}
+
+/* Loads a written compressed checkpoint both ways: every matrix (the router too) is its dense
+ * pattern pruned by ref_keep, except a CT_DENSE one, which is as written; sparse24 says whether
+ * every routed matrix is 2:4. */
+static void ct_expect_load(int dense_one, bool want_sparse)
+{
+    char dir[256], m[128], name[160];
+    CHECK(stw_tmpdir(dir, sizeof dir));
+    write_ct(dir, NULL, dense_one, dense_one >= 0 ? CT_DENSE : CT_OK);
+    float f[CT_FF * CT_D];
+    const moed_weights_mode modes[] = { MOED_WEIGHTS_COPY, MOED_WEIGHTS_MAP };
+    for (int mode = 0; mode < 2; mode++) {
+        moed_model md;
+        moed_error err = { 0 };
+        int rc = moed_weights_checkpoint(dir, NULL, modes[mode], 0, &md, &err);
+        CHECK_MSG(rc == 0, "%s", err.msg);
+        if (rc) continue;
+        const moed_layer *l = &md.layers[0];
+        CHECK_EQ_INT(l->info.wdtype, MOED_BF16);
+        CHECK_EQ_INT(l->info.sparse24, want_sparse);
+        CHECK(!md.pruned);
+        for (int i = 0; i < CT_N; i++) {
+            int rows, cols;
+            ct_dims(i, &rows, &cols);
+            snprintf(name, sizeof name, "%s.weight", ct_matrix(i, m));
+            const moed_expert_w *w = i ? &l->experts[(i - 1) / 3] : NULL;
+            const void *p = i == 0             ? l->router
+                            : (i - 1) % 3 == 0 ? w->w1
+                            : (i - 1) % 3 == 1 ? w->w3
+                                               : w->w2;
+            if (i == dense_one) {
+                check_values(p, MOED_BF16, name, (uint64_t)(rows * cols));
+                continue;
+            }
+            for (int j = 0; j < rows * cols; j++) f[j] = pattern(name, (uint64_t)j);
+            check_pruned(p, MOED_BF16, f, rows, cols, name);
+        }
+        moed_weights_release(&md);
+    }
+    stw_rmdir(dir);
+}
+
+/* Writes a broken compressed checkpoint and expects code with a message holding both needles. */
+static void ct_expect_fail(const char *quant, int broken, enum ct_how how, int code,
+                           const char *needle, const char *needle2)
+{
+    char dir[256];
+    CHECK(stw_tmpdir(dir, sizeof dir));
+    write_ct(dir, quant, broken, how);
+    moed_model md;
+    moed_error err = { 0 };
+    int rc = moed_weights_checkpoint(dir, NULL, MOED_WEIGHTS_COPY, 0, &md, &err);
+    CHECK_MSG(rc == code && strstr(err.msg, needle) && (!needle2 || strstr(err.msg, needle2)),
+              "case %d/%d: rc %d (want %d): %s", broken, (int)how, rc, code, err.msg);
+    if (!rc) moed_weights_release(&md);
+    stw_rmdir(dir);
+}
+
+/* compressed-tensors sparse-24-bitmask checkpoints: decompressed to the values written, router
+ * included, in both modes; a dense routed matrix among compressed ones leaves the layer unmarked;
+ * --weights fp8 and quantized or unstructured compressed-tensors configs refused; each malformed
+ * piece refused naming its tensor. */
+static void test_compressed_checkpoint(void)
+{
+    ct_expect_load(-1, true);
+    ct_expect_load(0, true);  /* a dense router changes nothing */
+    ct_expect_load(5, false); /* expert 1's w3 dense and not 2:4 */
+
+    ct_expect_fail(NULL, 3, CT_THREE, MOED_EFORMAT, "experts.0.w2.bitmask is not 2:4",
+                   "row 0, columns 0 to 3");
+    ct_expect_fail(NULL, 3, CT_PAST_END, MOED_EFORMAT, "experts.0.w2.bitmask sets bit 15",
+                   "past the row's 12 columns");
+    ct_expect_fail(NULL, 2, CT_COUNT, MOED_EFORMAT, "experts.0.w3.compressed holds 48 values",
+                   "experts.0.w3.bitmask sets 47 bits");
+    ct_expect_fail(NULL, 1, CT_SHAPE, MOED_EFORMAT, "experts.0.w1.shape says another dense shape",
+                   "[12, 8]");
+    ct_expect_fail(NULL, 3, CT_NO_BITMASK, MOED_ENOTFOUND, "experts.0.w2.compressed",
+                   "comes without model.layers.0.block_sparse_moe.experts.0.w2.bitmask");
+    ct_expect_fail(NULL, 3, CT_NO_VALUES, MOED_ENOTFOUND, "lacks 1 tensor",
+                   "experts.0.w2.compressed");
+    ct_expect_fail(NULL, 0, CT_BITMASK_I8, MOED_EFORMAT, "block_sparse_moe.gate.bitmask is I8",
+                   "U8 [2, 1]");
+    ct_expect_fail("{\"quant_method\":\"compressed-tensors\",\"config_groups\":{\"group_0\":"
+                   "{\"weights\":{\"num_bits\":8,\"type\":\"float\"}}},\"sparsity_config\":"
+                   "{\"format\":\"sparse-24-bitmask\",\"sparsity_structure\":\"2:4\"}}",
+                   -1, CT_OK, MOED_EUNSUPPORTED, "quantization_config.config_groups",
+                   "FP8 (or other quantized) weights with 2:4 sparsity are not supported yet");
+    ct_expect_fail("{\"quant_method\":\"compressed-tensors\",\"sparsity_config\":"
+                   "{\"format\":\"sparse-bitmask\",\"sparsity_structure\":\"unstructured\"}}",
+                   -1, CT_OK, MOED_EUNSUPPORTED, "sparsity_config.format is \"sparse-bitmask\"",
+                   NULL);
+    ct_expect_fail("{\"quant_method\":\"compressed-tensors\",\"sparsity_config\":"
+                   "{\"format\":\"sparse-24-bitmask\",\"sparsity_structure\":\"4:8\"}}",
+                   -1, CT_OK, MOED_EUNSUPPORTED, "sparsity_structure is \"4:8\"", NULL);
+
+    char dir[256];
+    CHECK(stw_tmpdir(dir, sizeof dir));
+    write_ct(dir, NULL, -1, CT_OK);
+    moed_model md;
+    moed_error err = { 0 };
+    int rc = moed_weights_checkpoint(dir, NULL, MOED_WEIGHTS_COPY, MOED_FP8, &md, &err);
+    CHECK_MSG(rc == MOED_EUNSUPPORTED && strstr(err.msg, "--weights fp8") &&
+                  strstr(err.msg, "FP8 weights with 2:4 sparsity are not supported yet"),
+              "rc %d: %s", rc, err.msg);
+    /* the fingerprint reads the compressed values: their last byte changed, it changes */
+    const uint64_t before = checkpoint_fingerprint(dir, NULL, MOED_WEIGHTS_COPY, NULL);
+    char path[512];
+    moed_st_file f;
+    stw_path(path, sizeof path, dir, "model.safetensors");
+    CHECK_MSG(moed_st_file_open(path, &f, &err) == 0, "%s", err.msg);
+    const moed_st_tensor *t =
+        moed_st_file_find(&f, "model.layers.0.block_sparse_moe.experts.1.w2.compressed");
+    CHECK(t != NULL);
+    const off_t at = t ? (off_t)(t->offset + t->nbytes - 1) : 0;
+    moed_st_file_close(&f);
+    int fd = open(path, O_WRONLY);
+    CHECK(fd >= 0 && pwrite(fd, "\x7f", 1, at) == 1);
+    close(fd);
+    CHECK(checkpoint_fingerprint(dir, NULL, MOED_WEIGHTS_COPY, NULL) != before);
+    /* --weights sparse24 over it: already 2:4, so pruning changes nothing */
+    rc = moed_weights_checkpoint(dir, NULL, MOED_WEIGHTS_MAP, MOED_WEIGHTS_SPARSE24, &md, &err);
+    CHECK_MSG(rc == 0, "%s", err.msg);
+    if (!rc) {
+        CHECK(md.layers[0].info.sparse24 && md.pruned[0].error == 0.0);
+        CHECK(md.fingerprint != checkpoint_fingerprint(dir, NULL, MOED_WEIGHTS_COPY, NULL));
+        moed_weights_release(&md);
+    }
+    stw_rmdir(dir);
+}
+
 int main(void)
 {
     test_layouts();
@@ -785,5 +1324,8 @@ int main(void)
     test_errors();
     test_synthetic();
     test_fingerprint();
+    test_prune_synthetic();
+    test_prune_checkpoint();
+    test_compressed_checkpoint();
     return check_status("test_weights");
 }

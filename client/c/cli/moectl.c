@@ -165,9 +165,11 @@ static void print_layers(const moedc_model_info *m)
            "scale", "held");
     for (int i = 0; i < m->n_layers; i++) {
         const moedc_layer_info *l = &m->layers[i];
-        char shared[32], groups[32], held[200] = "";
+        char shared[32], groups[32], dtype[32], held[200] = "";
         snprintf(shared, sizeof shared, "%dx%d", l->n_shared, l->shared_d_ff);
         snprintf(groups, sizeof groups, "%d/%d", l->n_group, l->topk_group);
+        snprintf(dtype, sizeof dtype, "%s%s", moed_dtype_name(l->wdtype),
+                 l->sparse24 ? "/2:4" : "");
         for (int r = 0; r < l->n_held; r++) /* the experts this daemon holds (--experts) */
             snprintf(held + strlen(held), sizeof held - strlen(held),
                      l->held[r].first == l->held[r].last ? "%s%d" : "%s%d-%d", r ? "," : "",
@@ -185,8 +187,8 @@ static void print_layers(const moedc_model_info *m)
                      l->placed[r].first, l->placed[r].last, l->placed[r].device,
                      r == l->n_placed - 1 ? ")" : "");
         printf("%5d %7d %6d %7d %5d %6s %5s %6s %4d %12s %9s %6s %5g %s\n", l->index, l->d_model,
-               l->d_ff, l->n_experts, l->top_k, moed_act_name((moed_act)l->act),
-               moed_dtype_name(l->wdtype), l->has_router ? "yes" : "no", l->norm_topk,
+               l->d_ff, l->n_experts, l->top_k, moed_act_name((moed_act)l->act), dtype,
+               l->has_router ? "yes" : "no", l->norm_topk,
                l->rule >= 0 && l->rule <= 2 ? rules[l->rule] : "?", shared, groups,
                (double)l->routed_scale, held);
     }

@@ -502,6 +502,9 @@ typedef struct moedc_layer_info {
     int home_device;
     moedc_expert_place *placed;
     int n_placed;
+    /* Every routed expert's matrices are 2:4 sparse, the zeros part of the weights served (moed
+     * --weights sparse24, or a compressed-tensors 2:4 checkpoint); false from an older moed. */
+    bool sparse24;
 } moedc_layer_info;
 
 typedef struct moedc_device {

@@ -397,6 +397,7 @@ static bool layer_info_from(const Moed__V1__LayerInfo *l, moedc_layer_info *li)
     li->routed_scale = l->routed_scaling_factor;
     li->n_shared = (int)l->num_shared_experts;
     li->shared_d_ff = (int)l->shared_d_ff;
+    li->sparse24 = l->sparse24;
     /* a moed older than these fields holds every expert and adds the shared ones */
     li->n_held = l->n_experts_held ? (int)l->n_experts_held : 1;
     li->adds_shared = l->adds_shared_experts || !l->n_experts_held;

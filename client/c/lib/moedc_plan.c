@@ -108,6 +108,7 @@ static const char *differs(const moedc_layer_info *a, const moedc_layer_info *b)
     SAME(n_group, "n_group");
     SAME(topk_group, "topk_group");
     SAME(routed_scale, "routed_scaling_factor");
+    SAME(sparse24, "sparse24");
 #undef SAME
     return NULL;
 }

@@ -48,7 +48,7 @@ def _info(c: Client) -> int:
             held += f" (home device {l.home_device}; " + ",".join(
                 f"{a}-{b}@{dev}" for a, b, dev in l.expert_placement) + ")"
         print(f"{l.index:>5} {l.d_model:>7} {l.d_ff:>6} {l.num_experts:>7} {l.top_k:>5} {l.activation:>6} "
-              f"{l.weight_dtype:>5} {'yes' if l.has_router else 'no':>6} {int(l.norm_topk_prob):>4} "
+              f"{l.weight_dtype + ('/2:4' if l.sparse24 else ''):>5} {'yes' if l.has_router else 'no':>6} {int(l.norm_topk_prob):>4} "
               f"{l.router_rule:>12} {l.num_shared_experts}x{l.shared_d_ff:<4} "
               f"{l.n_group}/{l.topk_group:<4} {l.routed_scaling_factor:>5g} {held}")
     return 0
@@ -69,6 +69,8 @@ def _verify(c: Client, args, x, logits, y) -> int:
         print(f"verify: the server's layer {args.layer} is not what its spec {m.model!r} describes: "
               f"{[(k, getattr(served, k), getattr(rebuilt, k)) for k in keys]}")
         return 1
+    if served.sparse24:  # moed --weights sparse24: the spec's weights, pruned as the server did
+        weights = reference.sparse24_weights(weights)
     route = reference.gate(logits, args.strategy, args.top_k, info=weights.info, bias=weights.bias)
     ref = reference.forward(x, weights, route)
     err = np.abs(y.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30)

@@ -509,7 +509,8 @@ def model_info(reply: bytes) -> ModelInfo:
                         adds_shared_experts=l["adds_shared_experts"] or not l["experts_held"],
                         home_device=l["home_device"],
                         expert_placement=[(r["first"], r["last"], r["device"])
-                                          for r in l["expert_placement"]])
+                                          for r in l["expert_placement"]],
+                        sparse24=l["sparse24"])
               for l in m["layers"]]
     devices = [Device(d["name"], d["memory_total"], d["memory_used"]) for d in m["devices"]]
     return ModelInfo(model=m["model"], layers=layers, backend=m["backend"], devices=devices,

@@ -37,7 +37,7 @@ RESOLVE_EVERY = 5.0
 # LayerInfo fields every daemon holding part of a layer must agree on (moed.proto's names).
 SAME = ("d_model", "d_ff", "num_experts", "top_k", "activation", "weight_dtype", "has_router",
         "norm_topk_prob", "router_rule", "num_shared_experts", "shared_d_ff", "n_group", "topk_group",
-        "routed_scaling_factor")
+        "routed_scaling_factor", "sparse24")
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 REFUSED = grpc.StatusCode.FAILED_PRECONDITION
 

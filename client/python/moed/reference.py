@@ -112,6 +112,30 @@ def dequantize_fp8(codes, scales) -> np.ndarray:
     return (q.astype(np.float32) * per).astype(np.float64)
 
 
+def prune_24(values) -> np.ndarray:
+    """A [rows, cols] matrix pruned to 2:4 (common/moed_sp24.h, moed --weights sparse24): in each
+    aligned group of four along a row (a short last group as if padded with zeros), the two values
+    of largest magnitude stay, a NaN above every number and ties to the lower index; the others
+    become +0. Returns float64."""
+    v = np.array(values, dtype=np.float64)
+    rows, cols = v.shape
+    g = np.zeros((rows, -(-cols // 4) * 4))
+    g[:, :cols] = v
+    g = g.reshape(rows, -1, 4)
+    rank = np.argsort(-np.where(np.isnan(g), np.inf, np.abs(g)), axis=2, kind="stable")
+    keep = np.zeros(g.shape, dtype=bool)
+    np.put_along_axis(keep, rank[:, :, :2], True, axis=2)
+    return np.where(keep, g, 0.0).reshape(rows, -1)[:, :cols]
+
+
+def sparse24_weights(weights: "LayerWeights") -> "LayerWeights":
+    """weights as a daemon started with --weights sparse24 serves them: every routed expert matrix
+    pruned by prune_24, the router and the shared experts as they are, info.sparse24 set."""
+    prune = lambda m: None if m is None else np.stack([prune_24(x) for x in m])  # noqa: E731
+    return replace(weights, info=replace(weights.info, sparse24=True), w1=prune(weights.w1),
+                   w3=prune(weights.w3), w2=prune(weights.w2))
+
+
 def synth_matrix(seed: int, layer: int, tensor: int, expert: int, rows: int, cols: int,
                  wdtype: str) -> np.ndarray:
     """One [rows, cols] weight matrix of the generator, as stored (fan_in = cols); dtype fp8: its

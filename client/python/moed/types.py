@@ -91,6 +91,9 @@ class LayerInfo:
     # (moed --expert-parallel). Empty from a server older than these fields.
     home_device: int = 0
     expert_placement: List[Tuple[int, int, int]] = field(default_factory=list)
+    # Every routed expert's matrices are 2:4 sparse, the zeros part of the weights served (moed
+    # --weights sparse24 pruned them, or a compressed-tensors 2:4 checkpoint; docs/weights.md).
+    sparse24: bool = False
 
 
 @dataclass

@@ -95,7 +95,7 @@ SCHEMAS: Dict[str, Dict[int, Field]] = dict([
            ("shared_d_ff", 12, "uint32"), ("n_group", 13, "uint32"), ("topk_group", 14, "uint32"),
            ("routed_scaling_factor", 15, "float"), ("experts_held", 16, "moed.v1.ExpertRange*"),
            ("adds_shared_experts", 17, "bool"), ("home_device", 18, "uint32"),
-           ("expert_placement", 19, "moed.v1.ExpertPlacement*")),
+           ("expert_placement", 19, "moed.v1.ExpertPlacement*"), ("sparse24", 20, "bool")),
     _table("moed.v1.ExpertRange", ("first", 1, "uint32"), ("last", 2, "uint32")),
     _table("moed.v1.ExpertPlacement", ("first", 1, "uint32"), ("last", 2, "uint32"),
            ("device", 3, "uint32")),

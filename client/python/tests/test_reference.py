@@ -315,3 +315,28 @@ def test_synthetic_fp8_layer():
     v = ((2.0 * u - 1.0) * math.sqrt(3.0 / 136)).astype(np.float32).reshape(40, 136)
     assert np.array_equal(w.w1[1], ref.dequantize_fp8(*ref.quantize_fp8(v)))
     assert np.array_equal(w.router, ref.synth_matrix(9, 0, ref.ROUTER, 0, 2, 136, "bf16"))
+
+
+# --- 2:4 pruning ---------------------------------------------------------------------------
+
+def test_prune_24_keeps_two_of_largest_magnitude_per_group_of_four():
+    row = [1, -3, 2, 0.5, 7, 7, 7, 1, math.nan, 0, 5, -5, 1, 2]  # the last group is short: both stay
+    got = ref.prune_24(np.array([row, [0.0] * 14]))
+    want = [0, -3, 2, 0, 7, 7, 0, 0, math.nan, 0, 5, 0, 1, 2]  # ties to the lower index, NaN kept
+    np.testing.assert_array_equal(got[0], want)
+    assert not np.any(got[1]) and got.dtype == np.float64
+
+
+def test_sparse24_weights_prunes_the_routed_experts_only():
+    w = ref.synthetic_weights("layers=1,d=8,ff=12,experts=3,topk=2,dtype=f32,shared=1,shared_ff=4", 0)
+    p = ref.sparse24_weights(w)
+    assert p.info.sparse24 and not w.info.sparse24
+    for name in ("w1", "w3", "w2"):
+        dense, pruned = getattr(w, name), getattr(p, name)
+        assert pruned.shape == dense.shape
+        for e in range(3):
+            np.testing.assert_array_equal(pruned[e], ref.prune_24(dense[e]))
+            groups = pruned[e].reshape(pruned.shape[1], -1, 4)
+            assert (np.count_nonzero(groups, axis=2) == 2).all()  # random values: no zero among them
+    for name in ("router", "shared_w1", "shared_w3", "shared_w2"):
+        np.testing.assert_array_equal(getattr(p, name), getattr(w, name))
