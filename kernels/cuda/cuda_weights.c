@@ -120,7 +120,7 @@ static int upload_sparse(const cuda_layer *L, const dev_set *ds, int e, int e_gl
                          void *stage, int64_t rows, int64_t k, moed_error *err)
 {
     uint16_t *vals = (uint16_t *)((char *)stage + moed_cuda_cbytes(rows * k));
-    uint32_t *meta = (uint32_t *)(vals + rows * k / 2);
+    uint16_t *meta = vals + rows * k / 2;
     int64_t bad_r = 0, bad_c = 0;
     if (moed_cuda_sp24_pack(stage, rows, k, vals, meta, &bad_r, &bad_c)) {
         const char *m = source_row(L, dn, &bad_r);

@@ -39,13 +39,14 @@
  * padding stays groups of zeros: per [n, k] matrix the kept values [n, k/2] (the two of each group
  * of four along K, in order) and 2-bit metadata, n·k/8 bytes, 0.5625 of the dense bytes in all.
  * The metadata is laid out as mma.sp m16n8k32's fragments read it, one uint2 a lane per 16 rows
- * and 128 of K (moed_cuda_sp24_meta_at below): for rows 16·rb .. 16·rb+15 and K block kb (128
- * deep) the 64 words at ((rb·(k/128) + kb)·32 + lane)·2 + j hold, for lane = 4·g + t, the
- * metadata of row 16·rb + g + 8·(t & 1) over K 128·kb + 32·(2j + (t >> 1)) .. +31. mma.sp takes a
- * row's word from thread t = 0 (row g) and 1 (row g + 8) of each four under sparsity selector 0,
- * from 2 and 3 under selector 1, so one uint2 a lane serves the four K steps of the block. In a
- * word, bits 4q .. 4q+3 describe the group of columns 4q .. 4q+3 of those 32: the index of its
- * first kept value in the low two bits, of its second in the high two, first < second. The
+ * and 128 of K (moed_cuda_sp24_meta_at below). Four groups (16 of K) of one row take 16 bits: the
+ * index of each group's first kept value in its low two bits, of its second (the greater) in the
+ * high two, group q at bits 4q. An mma.sp (16 rows, 32 of K) takes from threads 2·sel and 2·sel+1
+ * of each four (sel: its sparsity selector) one 32-bit word each: thread 2·sel + h holds K 16h ..
+ * 16h+15 of row g (low half) and of row g + 8 (high half), g = lane / 4. So for rows 16·rb ..
+ * 16·rb+15 and K block kb (128 deep), the uint2 of lane 4g + t at word ((rb·(k/128) + kb)·32 +
+ * lane)·2 holds in word j the K step 2j + (t >> 1) (run under selector t >> 1), half t & 1: one
+ * 8-byte load a lane serves the block's four K steps. The
  * kernel (gemm_sp_sm80.cu) runs them on the Sparse Tensor Cores with the weights as the sparse A
  * operand, C^T = W · X^T; the shared experts stay dense.
  */
@@ -316,23 +317,24 @@ void moed_cuda_fp8_pack_down(void *dst, float *scale, const struct moed_expert_w
 
 /* 2:4 compression (sp24_pack.c) of a [rows, k] matrix of 16-bit values (bf16 or f16 bits; rows a
  * multiple of 16, k of 128), row-major: the kept values into vals [rows, k/2] and the metadata into
- * meta (MOED_CUDA_SP24_META_WORDS words, the layout above). A group keeps its non-zeros (a zero of
- * either sign counting as zero) and, where it has fewer than two, zeros beside them: the lowest
- * free positions. Returns 0, or MOED_EINVAL with the first group (row-major) of three or more
- * non-zeros in *bad_row and *bad_col (its first column), leaving vals and meta partly written. */
+ * meta (MOED_CUDA_SP24_META_WORDS 32-bit words, as the 16-bit halves of the layout above). A group
+ * keeps its non-zeros (a zero of either sign counting as zero) and, where it has fewer than two,
+ * zeros beside them: the lowest free positions. Returns 0, or MOED_EINVAL with the first group
+ * (row-major) of three or more non-zeros in *bad_row and *bad_col (its first column), leaving vals
+ * and meta partly written. */
 #define MOED_CUDA_SP24_META_WORDS(rows, k) ((size_t)(rows) * (size_t)(k) / 32)
-int moed_cuda_sp24_pack(const uint16_t *w, int64_t rows, int64_t k, uint16_t *vals, uint32_t *meta,
+int moed_cuda_sp24_pack(const uint16_t *w, int64_t rows, int64_t k, uint16_t *vals, uint16_t *meta,
                         int64_t *bad_row, int64_t *bad_col);
 /* The inverse: the dense [rows, k] matrix the packed one stands for, +0 where nothing is kept. */
-void moed_cuda_sp24_unpack(const uint16_t *vals, const uint32_t *meta, int64_t rows, int64_t k,
+void moed_cuda_sp24_unpack(const uint16_t *vals, const uint16_t *meta, int64_t rows, int64_t k,
                            uint16_t *w);
-/* Where the metadata word of row r for the 32-deep K step s (K 32·s .. 32·s+31) lies in a [rows,
- * k] matrix's metadata (the layout above). */
-static inline size_t moed_cuda_sp24_meta_at(int64_t r, int64_t s, int64_t k)
+/* Which 16-bit half of a [rows, k] matrix's metadata holds row r's K 16·c .. 16·c+15 (the layout
+ * above; a 32-bit word's low half first, as the GPU reads it). */
+static inline size_t moed_cuda_sp24_meta_at(int64_t r, int64_t c, int64_t k)
 {
-    const int64_t rb = r / 16, rr = r % 16, kb = s / 4, s4 = s % 4;
-    const int64_t lane = 4 * (rr % 8) + 2 * (s4 % 2) + rr / 8;
-    return (size_t)(((rb * (k / 128) + kb) * 32 + lane) * 2 + s4 / 2);
+    const int64_t rb = r / 16, rr = r % 16, s = c / 2, kb = s / 4, s4 = s % 4;
+    const int64_t lane = 4 * (rr % 8) + 2 * (s4 % 2) + c % 2;
+    return (size_t)((((rb * (k / 128) + kb) * 32 + lane) * 2 + s4 / 2) * 2 + rr / 8);
 }
 
 /* A layer resident on one device, in the kernels' layout (padded, W1|W3 interleaved). */

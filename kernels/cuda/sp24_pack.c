@@ -13,16 +13,16 @@ static int is_zero(uint16_t v)
     return (v & 0x7fffu) == 0; /* +0 or -0, in bf16 and f16 alike */
 }
 
-int moed_cuda_sp24_pack(const uint16_t *w, int64_t rows, int64_t k, uint16_t *vals, uint32_t *meta,
+int moed_cuda_sp24_pack(const uint16_t *w, int64_t rows, int64_t k, uint16_t *vals, uint16_t *meta,
                         int64_t *bad_row, int64_t *bad_col)
 {
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *row = w + r * k;
         uint16_t *out = vals + r * (k / 2);
-        for (int64_t s = 0; s < k / 32; s++) {
-            uint32_t word = 0;
-            for (int q = 0; q < 8; q++) {
-                const int64_t c0 = 32 * s + 4 * q;
+        for (int64_t c = 0; c < k / 16; c++) {
+            uint16_t bits = 0;
+            for (int q = 0; q < 4; q++) {
+                const int64_t c0 = 16 * c + 4 * q;
                 int idx[2], n = 0;
                 for (int i = 0; i < 4; i++)
                     if (!is_zero(row[c0 + i])) {
@@ -47,26 +47,26 @@ int moed_cuda_sp24_pack(const uint16_t *w, int64_t rows, int64_t k, uint16_t *va
                 }
                 out[c0 / 2] = row[c0 + idx[0]];
                 out[c0 / 2 + 1] = row[c0 + idx[1]];
-                word |= (uint32_t)(idx[0] | idx[1] << 2) << (4 * q);
+                bits |= (uint16_t)((idx[0] | idx[1] << 2) << (4 * q));
             }
-            meta[moed_cuda_sp24_meta_at(r, s, k)] = word;
+            meta[moed_cuda_sp24_meta_at(r, c, k)] = bits;
         }
     }
     return 0;
 }
 
-void moed_cuda_sp24_unpack(const uint16_t *vals, const uint32_t *meta, int64_t rows, int64_t k,
+void moed_cuda_sp24_unpack(const uint16_t *vals, const uint16_t *meta, int64_t rows, int64_t k,
                            uint16_t *w)
 {
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t s = 0; s < k / 32; s++) {
-            const uint32_t word = meta[moed_cuda_sp24_meta_at(r, s, k)];
-            for (int q = 0; q < 8; q++) {
-                const int64_t c0 = 32 * s + 4 * q;
+        for (int64_t c = 0; c < k / 16; c++) {
+            const unsigned bits = meta[moed_cuda_sp24_meta_at(r, c, k)];
+            for (int q = 0; q < 4; q++) {
+                const int64_t c0 = 16 * c + 4 * q;
                 uint16_t *dst = w + r * k + c0;
                 dst[0] = dst[1] = dst[2] = dst[3] = 0;
-                dst[(word >> (4 * q)) & 3u] = vals[r * (k / 2) + c0 / 2];
-                dst[(word >> (4 * q + 2)) & 3u] = vals[r * (k / 2) + c0 / 2 + 1];
+                dst[(bits >> (4 * q)) & 3u] = vals[r * (k / 2) + c0 / 2];
+                dst[(bits >> (4 * q + 2)) & 3u] = vals[r * (k / 2) + c0 / 2 + 1];
             }
         }
 }

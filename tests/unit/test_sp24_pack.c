@@ -3,9 +3,10 @@
  * bf16 and f16 matrices (moed_sp24_prune, with groups of no, one and two non-zeros at every
  * position mixed in) packed, then read back two ways: moed_cuda_sp24_unpack must give the pruned
  * matrix bit for bit, and an independent reading of the metadata in the order the kernel's lanes
- * take it (moed_cuda.h: 16 rows and 128 of K a block, a uint2 a lane, lane 4g + t holding row g +
- * 8(t & 1) for the K steps of selector t >> 1) must find every non-zero at its place, with indices
- * that increase within each group; a group of three non-zeros must be refused where it is.
+ * hand it to mma.sp (moed_cuda.h: 16 rows and 128 of K a block, a uint2 a lane; lane 4g + t's word
+ * j is K step 2j + (t >> 1), its 16-wide half t & 1, rows g and g + 8 in its low and high halves)
+ * must find every non-zero at its place, with indices that increase within each group; a group of
+ * three non-zeros must be refused where it is.
  */
 #include "check.h"
 #include "moed_cuda.h"
@@ -50,42 +51,44 @@ static void make_pruned(int dtype, uint16_t *w)
     }
 }
 
-/* The metadata read as the kernel's lanes read it, independently of moed_cuda_sp24_meta_at: the
- * values each word places must be the row's non-zeros and nothing else. */
-static void check_lane_order(const uint16_t *w, const uint16_t *vals, const uint32_t *meta)
+/* The metadata read as mma.sp takes it from the kernel's lanes, independently of
+ * moed_cuda_sp24_meta_at: the values each 16-bit half places must be the row's non-zeros and
+ * nothing else. */
+static void check_lane_order(const uint16_t *w, const uint16_t *vals, const uint16_t *meta)
 {
     int bad = 0;
-    size_t at = 0;
+    size_t at = 0; /* 32-bit words */
     for (int rb = 0; rb < ROWS / 16; rb++)
         for (int kb = 0; kb < K / 128; kb++)
             for (int lane = 0; lane < 32; lane++)
-                for (int j = 0; j < 2; j++, at++) {
-                    const int g = lane / 4, t = lane % 4;
-                    const int row = 16 * rb + g + 8 * (t & 1), step = 4 * kb + 2 * j + t / 2;
-                    const uint32_t word = meta[at];
-                    for (int q = 0; q < 8; q++) {
-                        const int c0 = 32 * step + 4 * q;
-                        const unsigned i0 = (word >> (4 * q)) & 3u, i1 = (word >> (4 * q + 2)) & 3u;
-                        const uint16_t *grp = w + (size_t)row * K + c0;
-                        const uint16_t *kept = vals + (size_t)row * (K / 2) + c0 / 2;
-                        int ok = i0 < i1 && kept[0] == grp[i0] && kept[1] == grp[i1];
-                        for (unsigned i = 0; i < 4; i++)
-                            if (i != i0 && i != i1 && (grp[i] & 0x7fffu)) ok = 0;
-                        if (!ok && bad++ < 5)
-                            fprintf(stderr,
-                                    "lane %d word %d (row %d, K %d..%d): group %d reads "
-                                    "indices %u, %u\n",
-                                    lane, j, row, c0, c0 + 3, q, i0, i1);
+                for (int j = 0; j < 2; j++, at++)
+                    for (int half = 0; half < 2; half++) {
+                        const int g = lane / 4, t = lane % 4;
+                        const int row = 16 * rb + g + 8 * half, step = 4 * kb + 2 * j + t / 2;
+                        const unsigned bits = meta[2 * at + half];
+                        for (int q = 0; q < 4; q++) {
+                            const int c0 = 32 * step + 16 * (t & 1) + 4 * q;
+                            const unsigned i0 = (bits >> (4 * q)) & 3u,
+                                           i1 = (bits >> (4 * q + 2)) & 3u;
+                            const uint16_t *grp = w + (size_t)row * K + c0;
+                            const uint16_t *kept = vals + (size_t)row * (K / 2) + c0 / 2;
+                            int ok = i0 < i1 && kept[0] == grp[i0] && kept[1] == grp[i1];
+                            for (unsigned i = 0; i < 4; i++)
+                                if (i != i0 && i != i1 && (grp[i] & 0x7fffu)) ok = 0;
+                            if (!ok && bad++ < 5)
+                                fprintf(stderr,
+                                        "lane %d word %d half %d (row %d, K %d..%d) reads "
+                                        "indices %u, %u\n",
+                                        lane, j, half, row, c0, c0 + 3, i0, i1);
+                        }
                     }
-                }
     CHECK_EQ_INT(at, MOED_CUDA_SP24_META_WORDS(ROWS, K));
     CHECK_EQ_INT(bad, 0);
 }
 
 static void test_round_trip(int dtype)
 {
-    static uint16_t w[ROWS * K], back[ROWS * K], vals[ROWS * K / 2];
-    static uint32_t meta[ROWS * K / 32];
+    static uint16_t w[ROWS * K], back[ROWS * K], vals[ROWS * K / 2], meta[ROWS * K / 16];
     make_pruned(dtype, w);
     CHECK(moed_sp24_check(w, dtype, ROWS, K, NULL, NULL));
     int64_t br = -1, bc = -1;
@@ -100,8 +103,7 @@ static void test_round_trip(int dtype)
  * zero. */
 static void test_refused(void)
 {
-    static uint16_t w[ROWS * K], vals[ROWS * K / 2];
-    static uint32_t meta[ROWS * K / 32];
+    static uint16_t w[ROWS * K], vals[ROWS * K / 2], meta[ROWS * K / 16];
     make_pruned(MOED_BF16, w);
     uint16_t *q = w + 17 * K + 64;
     q[0] = 0x3f80; /* 1.0 */

@@ -4,9 +4,10 @@
  * fragment as mma.sync m16n8k16's A), a dense 32 x 8 B (column-major: two m16n8k16 B fragments,
  * K 0-15 then 16-31) and fp32 accumulators. The metadata word e says where each kept value sits;
  * the sparsity selector SEL names the threads of each group of four that hold it (0: threads 0
- * and 1, for rows g and g + 8; 1: threads 2 and 3), so one register of metadata a thread serves
- * two MMAs. ::ordered_metadata: each group's two indices increase (moed_cuda.h's layout keeps them
- * so); the plain form is slower on newer GPUs by ptxas's own advice.
+ * and 1, for K 0-15 and 16-31, each rows g and g + 8 in its low and high half; 1: threads 2 and
+ * 3), so threads 2 and 3 can hold the next MMA's metadata meanwhile (moed_cuda.h's layout).
+ * ::ordered_metadata: each group's two indices increase (the layout keeps them so); the plain
+ * form is slower on newer GPUs by ptxas's own advice.
  */
 #ifndef MOED_PTX_MMA_SP_SM80_CUH
 #define MOED_PTX_MMA_SP_SM80_CUH
