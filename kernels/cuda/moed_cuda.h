@@ -39,7 +39,7 @@
  * padding stays groups of zeros: per [n, k] matrix the kept values [n, k/2] (the two of each group
  * of four along K, in order) and 2-bit metadata, n·k/8 bytes, 0.5625 of the dense bytes in all.
  * The metadata is laid out as mma.sp m16n8k32's fragments read it, one uint2 a lane per 16 rows
- * and 128 of K (moed_cuda_sp24_meta_at below). Four groups (16 of K) of one row take 16 bits: the
+ * and 128 of K (sp24_pack.c writes it). Four groups (16 of K) of one row take 16 bits: the
  * index of each group's first kept value in its low two bits, of its second (the greater) in the
  * high two, group q at bits 4q. An mma.sp (16 rows, 32 of K) takes from threads 2·sel and 2·sel+1
  * of each four (sel: its sparsity selector) one 32-bit word each: thread 2·sel + h holds K 16h ..
@@ -328,15 +328,6 @@ int moed_cuda_sp24_pack(const uint16_t *w, int64_t rows, int64_t k, uint16_t *va
 /* The inverse: the dense [rows, k] matrix the packed one stands for, +0 where nothing is kept. */
 void moed_cuda_sp24_unpack(const uint16_t *vals, const uint16_t *meta, int64_t rows, int64_t k,
                            uint16_t *w);
-/* Which 16-bit half of a [rows, k] matrix's metadata holds row r's K 16·c .. 16·c+15 (the layout
- * above; a 32-bit word's low half first, as the GPU reads it). */
-static inline size_t moed_cuda_sp24_meta_at(int64_t r, int64_t c, int64_t k)
-{
-    const int64_t rb = r / 16, rr = r % 16, s = c / 2, kb = s / 4, s4 = s % 4;
-    const int64_t lane = 4 * (rr % 8) + 2 * (s4 % 2) + c % 2;
-    return (size_t)((((rb * (k / 128) + kb) * 32 + lane) * 2 + s4 / 2) * 2 + rr / 8);
-}
-
 /* A layer resident on one device, in the kernels' layout (padded, W1|W3 interleaved). */
 typedef struct moed_cuda_layer_dev {
     int cdtype; /* MOED_BF16 or MOED_F16: activations (bf16 for FP8 layers), and weights unless */

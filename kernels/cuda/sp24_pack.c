@@ -8,6 +8,15 @@
 
 #include "moed_err.h"
 
+/* Which 16-bit half of a [rows, k] matrix's metadata holds row r's K 16·c .. 16·c+15 (moed_cuda.h's
+ * layout; a 32-bit word's low half first, as the GPU reads it). */
+static size_t meta_at(int64_t r, int64_t c, int64_t k)
+{
+    const int64_t rb = r / 16, rr = r % 16, s = c / 2, kb = s / 4, s4 = s % 4;
+    const int64_t lane = 4 * (rr % 8) + 2 * (s4 % 2) + c % 2;
+    return (size_t)((((rb * (k / 128) + kb) * 32 + lane) * 2 + s4 / 2) * 2 + rr / 8);
+}
+
 static int is_zero(uint16_t v)
 {
     return (v & 0x7fffu) == 0; /* +0 or -0, in bf16 and f16 alike */
@@ -49,7 +58,7 @@ int moed_cuda_sp24_pack(const uint16_t *w, int64_t rows, int64_t k, uint16_t *va
                 out[c0 / 2 + 1] = row[c0 + idx[1]];
                 bits |= (uint16_t)((idx[0] | idx[1] << 2) << (4 * q));
             }
-            meta[moed_cuda_sp24_meta_at(r, c, k)] = bits;
+            meta[meta_at(r, c, k)] = bits;
         }
     }
     return 0;
@@ -60,7 +69,7 @@ void moed_cuda_sp24_unpack(const uint16_t *vals, const uint16_t *meta, int64_t r
 {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t c = 0; c < k / 16; c++) {
-            const unsigned bits = meta[moed_cuda_sp24_meta_at(r, c, k)];
+            const unsigned bits = meta[meta_at(r, c, k)];
             for (int q = 0; q < 4; q++) {
                 const int64_t c0 = 16 * c + 4 * q;
                 uint16_t *dst = w + r * k + c0;

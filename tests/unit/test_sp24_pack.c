@@ -52,7 +52,7 @@ static void make_pruned(int dtype, uint16_t *w)
 }
 
 /* The metadata read as mma.sp takes it from the kernel's lanes, independently of
- * moed_cuda_sp24_meta_at: the values each 16-bit half places must be the row's non-zeros and
+ * sp24_pack.c's own indexing: the values each 16-bit half places must be the row's non-zeros and
  * nothing else. */
 static void check_lane_order(const uint16_t *w, const uint16_t *vals, const uint16_t *meta)
 {
