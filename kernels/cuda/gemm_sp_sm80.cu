@@ -266,7 +266,8 @@ int launch(const moed_cuda_gemm *g, moed_cuda_stream s)
 
 /* The shapes the table picks (tile_config.c): bm tokens a CTA, always BW = 128 features.
  *   bm  16: 2 warps (64 x 16 each), 5 stages of 22.5 KB: weight streaming, two CTAs an SM on
- *           Hopper, so about 200 KB of weights in flight an SM
+ *           Hopper, so about 150 KB of weights in flight an SM; 3 stages (three CTAs an SM) when
+ *           K <= 1024, where CTAs are short-lived
  *   bm  32: 4 warps (64 x 16), 4 stages of 26.5 KB
  *   bm  64: 4 warps (64 x 32), 4 stages of 34.5 KB
  *   bm 128: 8 warps (64 x 32), 3 stages of 50.5 KB (compute-bound; mma.sync's ceiling) */
@@ -279,8 +280,8 @@ template <typename T> int dispatch(const moed_cuda_gemm *g, moed_cuda_stream s)
         return launch<T, 64, 2, 4>(g, s);
     case 32:
         return launch<T, 32, 2, 4>(g, s);
-    case 16:
-        return launch<T, 16, 1, 5>(g, s);
+    case 16: /* short K: a third CTA an SM beats a deeper pipeline */
+        return g->k <= 1024 ? launch<T, 16, 1, 3>(g, s) : launch<T, 16, 1, 5>(g, s);
     }
     return MOED_EINVAL;
 }
