@@ -88,8 +88,9 @@ static size_t wbytes(const cuda_layer *L, int64_t n)
     return L->k.wdtype == MOED_FP8 ? (size_t)n : moed_cuda_cbytes(n);
 }
 
-/* Bytes of one matrix of set ds as resident: [rows, k] weights, or for 2:4 sparse ones their kept
- * values (half the elements) and metadata (k/8 bytes a row), 0.5625 of the dense bytes. */
+/* Bytes of one [rows, k] matrix's weights in set ds as resident; for a 2:4 sparse set its kept
+ * values, half the elements (its metadata, k/8 bytes a row, is allocated apart: 0.5625 of the
+ * dense bytes together). */
 static size_t mbytes(const cuda_layer *L, const dev_set *ds, int64_t rows, int64_t k)
 {
     return ds->sparse ? moed_cuda_cbytes(rows * k / 2) : wbytes(L, rows * k);
