@@ -3,12 +3,15 @@
  * (moed_cuda_pipeline: route prep → up GEMM → down GEMM → combine) on device-resident data, for the
  * standard shapes (mixtral d 4096 ff 14336 E 8 k 2; qwen3-30b-a3b d 2048 ff 768 E 128 k 8;
  * deepseek-v3 d 7168 ff 2048 E 256 k 8) or any --shape d,ff,E,k (d and ff padded to 128 as the
- * backend pads them), bf16 and/or block-scaled FP8 weights, and T = 8 to 16384, timed with CUDA
+ * backend pads them), bf16, block-scaled FP8 and/or 2:4 sparse (sparse24: the routed experts
+ * compressed as the backend holds them, on the Sparse Tensor Cores) weights, and T = 8 to 16384,
+ * timed with CUDA
  * events (median of many runs after warm-up) on random, never-zero data, beside the ceilings
  * measured in the same run: large cuBLAS bf16 and cuBLASLt FP8 (e4m3, bf16 out) 8192³ matmuls and a
  * large device-to-device copy (bytes read plus written). Counted work: FLOPs = 2·pairs·d·3·ff;
  * minimum bytes = the weights of every expert that received a token (FP8: one byte each, and their
- * scales) + activations in and out. The %mm column compares with the ceiling of the weights' type.
+ * scales; sparse24: the kept values and their metadata, 0.5625 of bf16's) + activations in and
+ * out. The %mm column compares with the ceiling of the weights' type.
  *
  * The command line is one moed_opt table (`moe-bench --help` prints it). Prints one table row per
  * run; --json writes every figure, the stage times included.
@@ -317,7 +320,7 @@ static void bench_one(const shape *s, const moed_cuda_layer_dev *L, int sm, int6
     }
     off[T] = P;
 
-    const int bm = moed_cuda_tile_bm(sm, P, active, L->wdtype, force);
+    const int bm = moed_cuda_tile_bm(sm, P, active, moed_cuda_routed_wfmt(L), force);
     const size_t words =
         moed_cuda_route_words(T, P, E, moed_cuda_route_max_tiles((int32_t)P, E, bm));
     int32_t *hroute = malloc(4 * moed_cuda_route_in_words(T, P)), *droute;
@@ -404,7 +407,8 @@ static void bench_one(const shape *s, const moed_cuda_layer_dev *L, int sm, int6
     snprintf(out->shape, sizeof out->shape, "%s", s->name);
     snprintf(out->routing, sizeof out->routing, "%s", routing);
     snprintf(out->kernel, sizeof out->kernel, "%s%s", kernel, graph ? "+g" : "");
-    snprintf(out->weights, sizeof out->weights, "%s", moed_dtype_name(L->wdtype));
+    snprintf(out->weights, sizeof out->weights, "%s",
+             L->sparse24 ? "sp24" : moed_dtype_name(L->wdtype));
     out->T = T;
     out->P = P;
     out->active = active;
@@ -412,11 +416,13 @@ static void bench_one(const shape *s, const moed_cuda_layer_dev *L, int sm, int6
     out->ms = median(tot, n);
     for (int i = 0; i < 6; i++) out->stage_ms[i] = median(stage[i], n);
     const double flops = 2.0 * P * s->d * 3.0 * s->ff;
-    const double wb = L->wdtype == MOED_FP8 ? 1.0 + 4.0 / (128.0 * 128.0) : 2.0;
+    const double wb = L->wdtype == MOED_FP8 ? 1.0 + 4.0 / (128.0 * 128.0)
+                      : L->sparse24         ? 2.0 * 0.5625
+                                            : 2.0;
     const double bytes = (double)active * 3.0 * s->ff * s->d * wb + 2.0 * T * s->d * 2;
     out->tflops = flops / (out->ms * 1e-3) / 1e12;
     out->gbs = bytes / (out->ms * 1e-3) / 1e9;
-    if (with_cublas && L->wdtype != MOED_FP8) {
+    if (with_cublas && L->wdtype != MOED_FP8 && !L->sparse24) {
         int64_t *counts = calloc((size_t)E, sizeof *counts);
         for (int64_t p = 0; p < P; p++) counts[ex[p]]++;
         void *hh, *yy; /* cuBLAS writes both halves of the up output, then [P, d] */
@@ -456,15 +462,33 @@ static int split(char *s, char **out, int max)
     return n;
 }
 
-/* Device weights of one shape in the backend's layout (d and ff padded to MOED_CUDA_PAD, W1|W3
- * interleaved, SwiGLU), bf16 or FP8 (random codes, scales that make them uniform in the same
- * range as the bf16 ones). */
-static void make_layer(const shape *s, int wdtype, moed_cuda_layer_dev *L)
+/* Random metadata for n words of 2:4 metadata: every group one of the six valid position pairs
+ * (first index below the second). One expert's worth is made on the host and copied to each. */
+static void fill_meta(uint32_t *dev, int E, size_t per_expert)
 {
-    const int pad = MOED_CUDA_PAD, fp8 = wdtype == MOED_FP8;
+    static const uint32_t pairs[6] = { 0x4, 0x8, 0xc, 0x9, 0xd, 0xe };
+    uint32_t *h = malloc(4 * per_expert);
+    for (size_t i = 0; i < per_expert; i++) {
+        uint32_t w = 0;
+        for (int q = 0; q < 8; q++) w |= pairs[(int)(urand() * 6)] << (4 * q);
+        h[i] = w;
+    }
+    for (int e = 0; e < E; e++)
+        CK(cudaMemcpy(dev + (size_t)e * per_expert, h, 4 * per_expert, cudaMemcpyHostToDevice));
+    free(h);
+}
+
+/* Device weights of one shape in the backend's layout (d and ff padded to MOED_CUDA_PAD, W1|W3
+ * interleaved, SwiGLU): bf16, FP8 (random codes, scales that make them uniform in the same range
+ * as the bf16 ones), or 2:4 sparse (wfmt MOED_CUDA_SP24: random kept values in the same range,
+ * random valid metadata). */
+static void make_layer(const shape *s, int wfmt, moed_cuda_layer_dev *L)
+{
+    const int pad = MOED_CUDA_PAD, fp8 = wfmt == MOED_FP8, sp = wfmt == MOED_CUDA_SP24;
     memset(L, 0, sizeof *L);
     L->cdtype = MOED_BF16;
-    L->wdtype = wdtype;
+    L->wdtype = sp ? MOED_BF16 : wfmt;
+    L->sparse24 = sp;
     L->act = 1; /* SwiGLU */
     L->d = s->d;
     L->d_pad = (s->d + pad - 1) / pad * pad;
@@ -472,10 +496,21 @@ static void make_layer(const shape *s, int wdtype, moed_cuda_layer_dev *L)
     L->ff_pad = (s->ff + pad - 1) / pad * pad;
     L->n_up = 2 * L->ff_pad;
     const size_t n13 = (size_t)s->E * L->n_up * L->d_pad, n2 = (size_t)s->E * L->d_pad * L->ff_pad;
+    const size_t eb = fp8 ? 1 : 2, kept = sp ? 2 : 1; /* bytes an element; 1 in kept stored */
     void *w13, *w2;
-    CK(cudaMalloc(&w13, n13 * (fp8 ? 1 : 2)));
-    CK(cudaMalloc(&w2, n2 * (fp8 ? 1 : 2)));
-    if (fp8) {
+    CK(cudaMalloc(&w13, n13 / kept * eb));
+    CK(cudaMalloc(&w2, n2 / kept * eb));
+    if (sp) {
+        uint32_t *m13, *m2;
+        CK(cudaMalloc((void **)&m13, 4 * MOED_CUDA_SP24_META_WORDS(n13, 1)));
+        CK(cudaMalloc((void **)&m2, 4 * MOED_CUDA_SP24_META_WORDS(n2, 1)));
+        fill_meta(m13, s->E, MOED_CUDA_SP24_META_WORDS(n13 / s->E, 1));
+        fill_meta(m2, s->E, MOED_CUDA_SP24_META_WORDS(n2 / s->E, 1));
+        bench_fill(w13, MOED_BF16, n13 / 2, 11, sqrtf(6.0f / s->d));
+        bench_fill(w2, MOED_BF16, n2 / 2, 12, sqrtf(6.0f / s->ff));
+        L->w13_meta = m13;
+        L->w2_meta = m2;
+    } else if (fp8) {
         float *s13, *s2;
         const size_t c13 = n13 / (MOED_CUDA_FP8_K * MOED_CUDA_FP8_SROWS),
                      c2 = n2 / (MOED_CUDA_FP8_K * MOED_CUDA_FP8_SROWS);
@@ -501,6 +536,8 @@ static void free_layer(moed_cuda_layer_dev *L)
     cudaFree((void *)L->w2);
     cudaFree((void *)L->w13_scale);
     cudaFree((void *)L->w2_scale);
+    cudaFree((void *)L->w13_meta);
+    cudaFree((void *)L->w2_meta);
 }
 
 static void print_run(const run *r, const shape *s)
@@ -589,7 +626,9 @@ static const moed_opt options[] = {
                         "give d,ff,E,k with 1 <= k <= E, at most 16 times", NULL,
                         "any layer, d and ff padded to 128 as the backend pads them; repeatable;\n"
                         "alone (without --shapes) it runs just these"),
-    MOED_OPT_STR_ROW("weights", F(weights), "LIST", "bf16", NULL, "bf16, fp8 or bf16,fp8"),
+    MOED_OPT_STR_ROW("weights", F(weights), "LIST", "bf16", NULL,
+                     "bf16, fp8, sparse24 (2:4 sparse, compressed, on the Sparse Tensor Cores)\n"
+                     "or a list of them, each timed on the same shapes and T"),
     MOED_OPT_STR_ROW("tokens", F(tokens), "LIST", "8,64,512,4096,16384", NULL, "batch sizes T"),
     MOED_OPT_STR_ROW("routing", F(routing), "LIST", "uniform", NULL,
                      "uniform, zipf (P(e) ~ 1/(e+1)^1.2), hot (every token's first choice\n"
@@ -661,12 +700,15 @@ int main(int argc, char **argv)
     shape sel[MAX_SHAPES];
     const int nsh = pick_shapes(shapes_arg, &o.custom, sel);
     if (!nsh) return MOED_OPT_EXIT_USAGE;
-    char *tk[16], *rt[8], *kn[4], *wt[2];
+    char *tk[16], *rt[8], *kn[4], *wt[3];
     const int ntk = split(tokens_arg, tk, 16), nrt = split(routing_arg, rt, 8),
-              nkn = split(kernel_arg, kn, 4), nwt = split(weights_arg, wt, 2);
-    for (int i = 0; i < nwt; i++)
-        if (moed_dtype_parse(wt[i]) != MOED_BF16 && moed_dtype_parse(wt[i]) != MOED_FP8)
-            return moed_opt_usage(&command_line, "--weights %s: use bf16, fp8 or both", wt[i]);
+              nkn = split(kernel_arg, kn, 4), nwt = split(weights_arg, wt, 3);
+    int wfmt[3];
+    for (int i = 0; i < nwt; i++) {
+        wfmt[i] = !strcmp(wt[i], "sparse24") ? MOED_CUDA_SP24 : moed_dtype_parse(wt[i]);
+        if (wfmt[i] != MOED_BF16 && wfmt[i] != MOED_FP8 && wfmt[i] != MOED_CUDA_SP24)
+            return moed_opt_usage(&command_line, "--weights %s: use bf16, fp8, sparse24", wt[i]);
+    }
     for (int i = 0; i < ntk; i++) {
         char *end;
         const long long t = strtoll(tk[i], &end, 10);
@@ -707,7 +749,7 @@ int main(int argc, char **argv)
         for (int w = 0; w < nwt; w++) {
             const shape *s = &sel[i];
             moed_cuda_layer_dev L;
-            make_layer(s, moed_dtype_parse(wt[w]), &L);
+            make_layer(s, wfmt[w], &L);
             for (int a = 0; a < ntk; a++)
                 for (int b = 0; b < nrt; b++)
                     for (int c = 0; c < nkn && nruns < 512; c++) {

@@ -8,51 +8,67 @@ pipeline (kernel "auto+g", what the backend runs for small batches) where the ru
 usage: python3 report.py torch.json moe.json [moe-graph.json ...] [--peer sonic.json] [--brief]
                          [--out report.md]
        python3 report.py --fp8 moe.json [moe-graph.json ...] [--out report.md]
+       python3 report.py --sparse moe.json [moe-graph.json ...] [--peer torch-sp24.json] [--out sparse.md]
 --brief prints one short line per row and target instead of the markdown (which --out still gets).
 
 --fp8: moe-bench runs with bf16 and FP8 weights side by side (--weights bf16,fp8), as the FP8
 table and the FP8 targets: at T <= 64 FP8 weight bytes at >= 85% of copy bandwidth; at
 T >= 4096 >= 1.5x the bf16 path; at T = 16384 >= 60% of the FP8 matmul ceiling.
+--sparse: the same for --weights bf16,sparse24, with torch's semi-structured sparse matmul
+(torch_sparse_ref.py's JSON as --peer) beside it, and the 2:4 targets: >= 1.6x the bf16 path at
+T <= 64, >= 1.4x at T >= 4096 (an aim for a wgmma.sp kernel; mma.sp is not expected to meet it).
 """
 import argparse
 import json
 import re
 
 
-def fp8_report(paths):
-    """The FP8-beside-bf16 table and its targets, from moe-bench JSON files of one run."""
+def weights_report(paths, kind, peer=None):
+    """The table of one weight kind beside bf16 (kind "fp8" or "sp24", as moe-bench names them) and
+    its targets, from moe-bench JSON files of one run; for sp24, torch_sparse_ref.py's JSON (peer)
+    adds torch's semi-structured sparse matmul on the same layers and T."""
     runs = [json.load(open(f)) for f in paths]
     moe = dict(runs[0], runs=[r for m in runs for r in m["runs"]])
     mm, mm8, cp = moe["matmul_tflops"], moe.get("fp8_matmul_tflops", 0), moe["copy_gbs"]
+    ceil, label = (mm8, "fp8 matmul") if kind == "fp8" else (mm, "bf16 matmul")
+    ref = by_layer(json.load(open(peer))) if peer else {}
     by = {(r["shape"], r["T"], r["routing"], r["kernel"], r["weights"]): r for r in moe["runs"]}
     lines = [f"Device: {moe['device']} (sm_{moe['sm']}). Ceilings measured in this run: {mm:.0f} "
              f"TFLOP/s (cuBLAS bf16 8192³), {mm8:.0f} TFLOP/s (cuBLASLt FP8 e4m3 8192³), {cp:.0f} GB/s "
              "(device-to-device copy, read+write).", "",
-             "| shape | T | kernel | bf16 ms | fp8 ms | fp8 speedup | fp8 TFLOP/s | % fp8 matmul | "
-             "fp8 weights+act GB/s | % copy |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"| shape | T | kernel | bf16 ms | {kind} ms | {kind} speedup | "
+             + ("torch sparse ms | x torch sparse | " if kind == "sp24" else "")
+             + f"{kind} TFLOP/s | % {label} | {kind} weights+act GB/s | % copy |",
+             "|---|---|---|---|---|---|" + ("---|---|" if kind == "sp24" else "") + "---|---|---|---|"]
     checks = []
     for (shape, T, routing, kernel, w), r in by.items():
-        if w != "fp8":
+        if w != kind:
             continue
         b = by.get((shape, T, routing, kernel, "bf16"))
         sp = b["ms"] / r["ms"] if b else None
+        torch_cols = (fmt(*ratio(ref.get((layer_key(shape), T, routing)), r)) + " | "
+                      if kind == "sp24" else "")
         lines.append(f"| {shape} | {T} | {kernel} (bm {r['bm']}) | "
                      + (f"{b['ms']:.3f}" if b else "-") + f" | {r['ms']:.3f} | "
-                     + (f"{sp:.2f}x" if sp else "-")
-                     + f" | {r['tflops']:.0f} | {100 * r['tflops'] / mm8 if mm8 else 0:.0f}% | "
+                     + (f"{sp:.2f}x" if sp else "-") + " | " + torch_cols
+                     + f"{r['tflops']:.0f} | {100 * r['tflops'] / ceil if ceil else 0:.0f}% | "
                      f"{r['gbs']:.0f} | {100 * r['gbs'] / cp:.0f}% |")
         if routing != "uniform" or kernel not in ("auto", "auto+g"):
             continue
-        graphed = (shape, T, routing, "auto+g", "fp8") in by
-        if T <= 64 and (kernel == "auto+g" or not graphed):
-            checks.append((f"{shape} T={T}: fp8 weights at >= 85% of copy", r["gbs"] >= 0.85 * cp,
-                           f"{100 * r['gbs'] / cp:.0f}%"))
-        if T >= 4096 and sp is not None:
-            checks.append((f"{shape} T={T}: fp8 >= 1.5x bf16", sp >= 1.5, f"{sp:.2f}x"))
-        if T == 16384 and mm8:
-            checks.append((f"{shape} T={T}: >= 60% of the FP8 matmul ceiling",
-                           r["tflops"] >= 0.6 * mm8, f"{100 * r['tflops'] / mm8:.0f}%"))
+        graphed = (shape, T, routing, "auto+g", kind) in by
+        small = T <= 64 and (kernel == "auto+g" or not graphed)
+        if kind == "fp8":
+            if small:
+                checks.append((f"{shape} T={T}: fp8 weights at >= 85% of copy",
+                               r["gbs"] >= 0.85 * cp, f"{100 * r['gbs'] / cp:.0f}%"))
+            if T >= 4096 and sp is not None:
+                checks.append((f"{shape} T={T}: fp8 >= 1.5x bf16", sp >= 1.5, f"{sp:.2f}x"))
+            if T == 16384 and mm8:
+                checks.append((f"{shape} T={T}: >= 60% of the FP8 matmul ceiling",
+                               r["tflops"] >= 0.6 * mm8, f"{100 * r['tflops'] / mm8:.0f}%"))
+        elif sp is not None and (small or T >= 4096):
+            want = 1.6 if T <= 64 else 1.4
+            checks.append((f"{shape} T={T}: sp24 >= {want}x bf16", sp >= want, f"{sp:.2f}x"))
     lines += ["", "| target | met | figure |", "|---|---|---|"]
     lines += [f"| {n} | {'yes' if ok else 'NO'} | {fig} |" for n, ok, fig in checks]
     return "\n".join(lines)
@@ -156,14 +172,17 @@ def bf16_report(torch_path, moe_paths, peer_path):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--fp8", action="store_true", help="the FP8-beside-bf16 table (no torch file)")
+    ap.add_argument("--sparse", action="store_true",
+                    help="the 2:4-sparse-beside-bf16 table (no torch file; --peer: torch_sparse_ref.py's)")
     ap.add_argument("torch")
     ap.add_argument("moe", nargs="*")
-    ap.add_argument("--peer", help="sonic_ref.py's JSON of the same run: SonicMoE's columns and targets")
+    ap.add_argument("--peer", help="sonic_ref.py's JSON of the same run: SonicMoE's columns and targets"
+                    " (with --sparse: torch_sparse_ref.py's)")
     ap.add_argument("--brief", action="store_true", help="print one line per row and target")
     ap.add_argument("--out")
     a = ap.parse_args()
-    if a.fp8:
-        text = brief = fp8_report([a.torch] + a.moe)
+    if a.fp8 or a.sparse:
+        text = brief = weights_report([a.torch] + a.moe, "fp8" if a.fp8 else "sp24", a.peer)
     else:
         text, brief = bf16_report(a.torch, a.moe, a.peer)
     print(brief if a.brief else text)

@@ -23,7 +23,9 @@
 typedef struct dev_set {
     void *w13, *w2;
     float *w13_scale, *w2_scale;
+    uint32_t *w13_meta, *w2_meta; /* 2:4 sparse: w13, w2 hold the kept values */
     int E, ff, ff_pad, n_up;
+    bool sparse; /* the routed experts of a 2:4 sparse layer (moed_cuda.h's compressed form) */
 } dev_set;
 
 /* A split layer's range of experts on one device: their weights, and the kernels' view of them
@@ -42,6 +44,7 @@ typedef struct cuda_layer {
     void *w13, *w2;        /* the allocations behind k (k's pointers are const) */
     void *s13, *s2;
     float *w13_scale, *w2_scale, *s13_scale, *s2_scale; /* FP8 layers */
+    uint32_t *w13_meta, *w2_meta;                       /* 2:4 sparse layers */
     void *router; /* [E][d] in router_dtype, as the checkpoint stores it; NULL if none */
     int router_dtype;
     /* split: the parts (place.n_parts of them), each expert's part, and each part's first expert */

@@ -216,7 +216,8 @@ static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_
     const int n_act = active_experts(src, t0, t1, E);
     const int sm = c->sm[cuda_dev_index(c, x->device)];
     stage_route(x, chunk & 1, src, t0, t1, E,
-                moed_cuda_tile_bm(sm, P, n_act, L->k.wdtype, c->force_kernel), NULL);
+                moed_cuda_tile_bm(sm, P, n_act, moed_cuda_routed_wfmt(&L->k), c->force_kernel),
+                NULL);
     x->r.null_row = cuda_null_row(c, L->k.d_pad);
     const void *xin = io->x_direct ? io->x_direct : (char *)x->x_in + (size_t)t0 * io->rb;
     void *out = io->y_direct ? io->y_direct : (char *)x->out + (size_t)t0 * io->rb;
@@ -259,7 +260,8 @@ static int run_part(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, int i, int c
     cudaStreamWaitEvent(q->stream, x->ready, 0);
     copy_async(q->x_in, q->device, xin, x->device, xb, q->stream);
     stage_route(q, chunk & 1, &src, 0, T, pt->k.E,
-                moed_cuda_tile_bm(sm, P, n_act, pt->k.wdtype, c->force_kernel), NULL);
+                moed_cuda_tile_bm(sm, P, n_act, moed_cuda_routed_wfmt(&pt->k), c->force_kernel),
+                NULL);
     int rc = P ? moed_cuda_pipeline_routed(&pt->k, &q->r, &q->w, q->x_in, dtype, sm, n_act,
                                            c->force_kernel, q->stream)
                : 0;

@@ -4,9 +4,13 @@
  * Weights are converted once at load into the layout the kernels want: the compute type (bf16, or
  * f16 for f16 checkpoints), d and d_ff padded to MOED_CUDA_PAD with zeros, and for SwiGLU W1|W3
  * fused into one interleaved matrix (moed_cuda.h says why). FP8 layers keep the checkpoint's e4m3
- * codes and their scales in the kernels' tables. The router stays as the checkpoint stores it:
- * router.cu computes logits from it and the request's hidden as they are, and the logits then
- * follow the layer's rounding rule (moed_router_round_logits), as on the CPU.
+ * codes and their scales in the kernels' tables. A 2:4 sparse layer (moed_layer_info.sparse24, not
+ * FP8) has its routed experts' matrices built the same way and then compressed (sp24_pack.c): the
+ * kept values and their metadata are all it holds on the device; its shared experts stay dense.
+ * (FP8 layers that are also 2:4 sparse run as any FP8 layer: there is no sparse FP8 kernel.) The
+ * router stays as the checkpoint stores it: router.cu computes logits from it and the request's
+ * hidden as they are, and the logits then follow the layer's rounding rule
+ * (moed_router_round_logits), as on the CPU.
  *
  * Placement (moed_place.h): whole layers by bytes over the devices; a layer split over them when
  * asked (expert_parallel) or when it fits no device whole. A split layer's home device holds its
@@ -84,6 +88,14 @@ static size_t wbytes(const cuda_layer *L, int64_t n)
     return L->k.wdtype == MOED_FP8 ? (size_t)n : moed_cuda_cbytes(n);
 }
 
+/* Bytes of one [rows, k] matrix's weights in set ds as resident; for a 2:4 sparse set its kept
+ * values, half the elements (its metadata, k/8 bytes a row, is allocated apart: 0.5625 of the
+ * dense bytes together). */
+static size_t mbytes(const cuda_layer *L, const dev_set *ds, int64_t rows, int64_t k)
+{
+    return ds->sparse ? moed_cuda_cbytes(rows * k / 2) : wbytes(L, rows * k);
+}
+
 /* Floats of an FP8 [rows, k] matrix's scales in the kernels' tables (0 for other layers). */
 static size_t wscales(const cuda_layer *L, int64_t rows, int64_t k)
 {
@@ -91,16 +103,57 @@ static size_t wscales(const cuda_layer *L, int64_t rows, int64_t k)
     return (size_t)(k / MOED_CUDA_FP8_K) * (size_t)(rows / MOED_CUDA_FP8_SROWS);
 }
 
-/* Expert e's up and down matrices into set ds: converted to the compute type, or (FP8) the e4m3
- * codes as they are with their scales, whose per-expert tables [K/128][N/32] become columns of
- * the set's [K/128][E·N/32] table. stage is pinned staging for the largest matrix and its
- * scales; tmp a row of floats. */
-static int upload_expert(const cuda_layer *L, const dev_set *ds, int e, const moed_expert_w *x,
-                         void *stage, float *tmp, moed_error *err)
+/* The matrix a row of expert e's up matrix (dn: down) came from, and its row there: W13
+ * interleaves W1 and W3 in blocks of MOED_CUDA_GLU_BLOCK rows. */
+static const char *source_row(const cuda_layer *L, bool dn, int64_t *row)
+{
+    if (dn) return "w2";
+    if (L->k.act != MOED_ACT_SWIGLU) return "w1";
+    const int64_t blk = *row / (2 * MOED_CUDA_GLU_BLOCK), in = *row % (2 * MOED_CUDA_GLU_BLOCK);
+    *row = blk * MOED_CUDA_GLU_BLOCK + in % MOED_CUDA_GLU_BLOCK;
+    return in < MOED_CUDA_GLU_BLOCK ? "w1" : "w3";
+}
+
+/* The dense [rows, k] matrix in stage compressed (into the staging after it) and uploaded as
+ * expert e's kept values and metadata in ds. A group of more than two non-zeros fails the load:
+ * the loaders check the layer (moed_sp24_check), so only a broken one gets here. */
+static int upload_sparse(const cuda_layer *L, const dev_set *ds, int e, int e_global, bool dn,
+                         void *stage, int64_t rows, int64_t k, moed_error *err)
+{
+    uint16_t *vals = (uint16_t *)((char *)stage + moed_cuda_cbytes(rows * k));
+    uint16_t *meta = vals + rows * k / 2;
+    int64_t bad_r = 0, bad_c = 0;
+    if (moed_cuda_sp24_pack(stage, rows, k, vals, meta, &bad_r, &bad_c)) {
+        const char *m = source_row(L, dn, &bad_r);
+        return moed_fail(err, MOED_EINVAL,
+                         "layer %d, expert %d: %s is not 2:4 sparse (row %lld has more than two "
+                         "non-zeros in columns %lld..%lld)",
+                         L->info.index, e_global, m, (long long)bad_r, (long long)bad_c,
+                         (long long)bad_c + 3);
+    }
+    const size_t vb = moed_cuda_cbytes(rows * k / 2), mw = MOED_CUDA_SP24_META_WORDS(rows, k);
+    int rc = upload((char *)(dn ? ds->w2 : ds->w13) + vb * e, vals, vb, err);
+    if (!rc) rc = upload((dn ? ds->w2_meta : ds->w13_meta) + mw * e, meta, mw * 4, err);
+    return rc;
+}
+
+/* Expert e (e_global in the layer) up and down matrices into set ds: converted to the compute type
+ * (and for a sparse set compressed), or (FP8) the e4m3 codes as they are with their scales, whose
+ * per-expert tables [K/128][N/32] become columns of the set's [K/128][E·N/32] table. stage is
+ * pinned staging for the largest matrix and its scales or compressed form; tmp a row of floats. */
+static int upload_expert(const cuda_layer *L, const dev_set *ds, int e, int e_global,
+                         const moed_expert_w *x, void *stage, float *tmp, moed_error *err)
 {
     const int glu = L->k.act == MOED_ACT_SWIGLU, dp = L->k.d_pad;
     const size_t up_b = wbytes(L, (int64_t)ds->n_up * dp),
                  dn_b = wbytes(L, (int64_t)dp * ds->ff_pad);
+    if (ds->sparse) {
+        pack_up(stage, L, x->w1, glu ? x->w3 : NULL, ds->ff, ds->n_up, tmp);
+        int rc = upload_sparse(L, ds, e, e_global, false, stage, ds->n_up, dp, err);
+        if (rc) return rc;
+        pack_down(stage, L, x->w2, ds->ff, ds->ff_pad, tmp);
+        return upload_sparse(L, ds, e, e_global, true, stage, dp, ds->ff_pad, err);
+    }
     if (L->k.wdtype != MOED_FP8) {
         pack_up(stage, L, x->w1, glu ? x->w3 : NULL, ds->ff, ds->n_up, tmp);
         int rc = upload((char *)ds->w13 + up_b * e, stage, up_b, err);
@@ -126,13 +179,19 @@ static int upload_expert(const cuda_layer *L, const dev_set *ds, int e, const mo
     return ce == cudaSuccess ? 0 : cuda_fail(err, ce, "weight scale upload");
 }
 
-/* Allocates set ds on the device and uploads its experts x[0 .. E-1]. */
-static int upload_set(const cuda_layer *L, dev_set *ds, const moed_expert_w *x, void *stage,
+/* Allocates set ds on the device and uploads its experts x[0 .. E-1], the layer's e0 onwards. */
+static int upload_set(const cuda_layer *L, dev_set *ds, const moed_expert_w *x, int e0, void *stage,
                       float *tmp, moed_error *err)
 {
     const int dp = L->k.d_pad;
-    cudaError_t ce = cudaMalloc(&ds->w13, wbytes(L, (int64_t)ds->n_up * dp) * ds->E);
-    if (ce == cudaSuccess) ce = cudaMalloc(&ds->w2, wbytes(L, (int64_t)dp * ds->ff_pad) * ds->E);
+    const int64_t up = (int64_t)ds->n_up * dp, dn = (int64_t)dp * ds->ff_pad;
+    cudaError_t ce = cudaMalloc(&ds->w13, mbytes(L, ds, ds->n_up, dp) * ds->E);
+    if (ce == cudaSuccess) ce = cudaMalloc(&ds->w2, mbytes(L, ds, dp, ds->ff_pad) * ds->E);
+    if (ce == cudaSuccess && ds->sparse) {
+        ce = cudaMalloc((void **)&ds->w13_meta, 4 * MOED_CUDA_SP24_META_WORDS(up, 1) * ds->E);
+        if (ce == cudaSuccess)
+            ce = cudaMalloc((void **)&ds->w2_meta, 4 * MOED_CUDA_SP24_META_WORDS(dn, 1) * ds->E);
+    }
     if (ce == cudaSuccess && L->k.wdtype == MOED_FP8) {
         ce = cudaMalloc((void **)&ds->w13_scale,
                         sizeof(float) * wscales(L, (int64_t)ds->n_up * ds->E, dp));
@@ -142,7 +201,7 @@ static int upload_set(const cuda_layer *L, dev_set *ds, const moed_expert_w *x, 
     }
     if (ce != cudaSuccess) return cuda_fail(err, ce, "weight allocation");
     for (int e = 0; e < ds->E; e++) {
-        int rc = upload_expert(L, ds, e, &x[e], stage, tmp, err);
+        int rc = upload_expert(L, ds, e, e0 + e, &x[e], stage, tmp, err);
         if (rc) return rc;
     }
     return 0;
@@ -164,7 +223,9 @@ static moed_place_need layer_need(const cuda_layer *L, const moed_layer *l, bool
     const int64_t up = (int64_t)L->k.n_up * dp, dn = dp * L->k.ff_pad;
     const int64_t sup = (int64_t)L->k.sn_up * dp, sdn = dp * L->k.sff_pad;
     moed_place_need n = { .n_experts = L->info.n_experts, .split = split };
-    n.expert = wbytes(L, up + dn) +
+    const dev_set routed = { .sparse = L->k.sparse24 };
+    n.expert = mbytes(L, &routed, L->k.n_up, dp) + mbytes(L, &routed, dp, L->k.ff_pad) +
+               4 * (L->k.sparse24 ? MOED_CUDA_SP24_META_WORDS(up + dn, 1) : 0) +
                sizeof(float) * (wscales(L, L->k.n_up, dp) + wscales(L, dp, L->k.ff_pad));
     n.base = wbytes(L, sup + sdn) +
              sizeof(float) * (wscales(L, L->k.sn_up, dp) + wscales(L, dp, L->k.sff_pad)) +
@@ -189,7 +250,7 @@ int cuda_check_free(int device, uint64_t need, const char *what, moed_error *err
 
 static void set_free(dev_set *ds)
 {
-    void *p[] = { ds->w13, ds->w2, ds->w13_scale, ds->w2_scale };
+    void *p[] = { ds->w13, ds->w2, ds->w13_scale, ds->w2_scale, ds->w13_meta, ds->w2_meta };
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) cudaFree(p[i]);
 }
 
@@ -201,8 +262,8 @@ void cuda_layer_free(cuda_layer *L)
         set_free(&L->parts[i].set);
     }
     cudaSetDevice(L->device);
-    void *p[] = { L->w13,      L->w2,        L->s13,      L->s2,    L->w13_scale,
-                  L->w2_scale, L->s13_scale, L->s2_scale, L->router };
+    void *p[] = { L->w13,       L->w2,       L->s13,      L->s2,      L->w13_scale, L->w2_scale,
+                  L->s13_scale, L->s2_scale, L->w13_meta, L->w2_meta, L->router };
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) cudaFree(p[i]);
     free(L->parts);
     free(L->part_of);
@@ -216,6 +277,7 @@ static void layer_shapes(cuda_layer *L, const moed_layer *l)
     L->info = *li;
     L->k.cdtype = li->wdtype == MOED_F16 ? MOED_F16 : MOED_BF16;
     L->k.wdtype = li->wdtype == MOED_FP8 ? MOED_FP8 : L->k.cdtype;
+    L->k.sparse24 = li->sparse24 && L->k.wdtype != MOED_FP8;
     L->k.act = li->act;
     L->k.d = li->d_model;
     L->k.E = li->n_experts;
@@ -237,7 +299,10 @@ static int staging(const cuda_layer *L, void **stage, float **tmp, moed_error *e
                   ks[4] = { dp, L->k.ff_pad, dp, L->k.sff_pad };
     size_t stage_b = 0;
     for (int i = 0; i < 4; i++) {
-        const size_t need = wbytes(L, rows[i] * ks[i]) + sizeof(float) * wscales(L, rows[i], ks[i]);
+        size_t need = wbytes(L, rows[i] * ks[i]) + sizeof(float) * wscales(L, rows[i], ks[i]);
+        if (i < 2 && L->k.sparse24) /* the routed matrix, then its kept values and metadata */
+            need += moed_cuda_cbytes(rows[i] * ks[i] / 2) +
+                    4 * MOED_CUDA_SP24_META_WORDS(rows[i], ks[i]);
         if (need > stage_b) stage_b = need;
     }
     int widest = li->d_model > li->d_ff ? li->d_model : li->d_ff; /* put_rows: rows of d or ff */
@@ -252,15 +317,19 @@ static int staging(const cuda_layer *L, void **stage, float **tmp, moed_error *e
 static int upload_whole(cuda_layer *L, const moed_layer *l, void *stage, float *tmp,
                         moed_error *err)
 {
-    dev_set routed = {
-        .E = L->info.n_experts, .ff = L->info.d_ff, .ff_pad = L->k.ff_pad, .n_up = L->k.n_up
-    };
+    dev_set routed = { .E = L->info.n_experts,
+                       .ff = L->info.d_ff,
+                       .ff_pad = L->k.ff_pad,
+                       .n_up = L->k.n_up,
+                       .sparse = L->k.sparse24 };
     cudaSetDevice(L->device);
-    const int rc = upload_set(L, &routed, l->experts, stage, tmp, err);
+    const int rc = upload_set(L, &routed, l->experts, 0, stage, tmp, err);
     L->k.w13 = L->w13 = routed.w13;
     L->k.w2 = L->w2 = routed.w2;
     L->k.w13_scale = L->w13_scale = routed.w13_scale;
     L->k.w2_scale = L->w2_scale = routed.w2_scale;
+    L->k.w13_meta = L->w13_meta = routed.w13_meta;
+    L->k.w2_meta = L->w2_meta = routed.w2_meta;
     return rc;
 }
 
@@ -279,11 +348,13 @@ static int upload_parts(cuda_ctx *c, cuda_layer *L, const moed_layer *l, void *s
         L->part_first[i] = pp->first;
         P->entry = pp->dev;
         P->device = c->dev[pp->dev];
-        P->set = (dev_set){
-            .E = pp->count, .ff = L->info.d_ff, .ff_pad = L->k.ff_pad, .n_up = L->k.n_up
-        };
+        P->set = (dev_set){ .E = pp->count,
+                            .ff = L->info.d_ff,
+                            .ff_pad = L->k.ff_pad,
+                            .n_up = L->k.n_up,
+                            .sparse = L->k.sparse24 };
         cudaSetDevice(P->device);
-        const int rc = upload_set(L, &P->set, l->experts + pp->first, stage, tmp, err);
+        const int rc = upload_set(L, &P->set, l->experts + pp->first, pp->first, stage, tmp, err);
         if (rc) return rc;
         P->k = L->k;
         P->k.E = pp->count;
@@ -291,6 +362,8 @@ static int upload_parts(cuda_ctx *c, cuda_layer *L, const moed_layer *l, void *s
         P->k.w2 = P->set.w2;
         P->k.w13_scale = P->set.w13_scale;
         P->k.w2_scale = P->set.w2_scale;
+        P->k.w13_meta = P->set.w13_meta;
+        P->k.w2_meta = P->set.w2_meta;
         P->k.sff_pad = P->k.sn_up = 0;
         P->k.s13 = P->k.s2 = NULL;
         P->k.s13_scale = P->k.s2_scale = NULL;
@@ -307,7 +380,7 @@ static int upload_home(cuda_layer *L, const moed_layer *l, void *stage, float *t
         dev_set shared = {
             .E = 1, .ff = L->info.shared_d_ff, .ff_pad = L->k.sff_pad, .n_up = L->k.sn_up
         };
-        rc = upload_set(L, &shared, &l->shared, stage, tmp, err);
+        rc = upload_set(L, &shared, &l->shared, 0, stage, tmp, err);
         L->k.s13 = L->s13 = shared.w13;
         L->k.s2 = L->s2 = shared.w2;
         L->k.s13_scale = L->s13_scale = shared.w13_scale;

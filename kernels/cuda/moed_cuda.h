@@ -33,6 +33,22 @@
  * gemm_fp8_sm90.cu promotes the products through both scales every 128 of K. Elsewhere the
  * portable GEMM dequantizes the weights as it loads them and multiplies bf16. The combine is the
  * same for both, so merged requests stay bit-identical to the same requests alone.
+ *
+ * 2:4 sparse layers (moed_layer_info.sparse24, bf16/f16 compute) keep their routed experts'
+ * matrices compressed (sp24_pack.c), after the same padding and interleaving as dense ones, so
+ * padding stays groups of zeros: per [n, k] matrix the kept values [n, k/2] (the two of each group
+ * of four along K, in order) and 2-bit metadata, n·k/8 bytes, 0.5625 of the dense bytes in all.
+ * The metadata is laid out as mma.sp m16n8k32's fragments read it, one uint2 a lane per 16 rows
+ * and 128 of K (sp24_pack.c writes it). Four groups (16 of K) of one row take 16 bits: the
+ * index of each group's first kept value in its low two bits, of its second (the greater) in the
+ * high two, group q at bits 4q. An mma.sp (16 rows, 32 of K) takes from threads 2·sel and 2·sel+1
+ * of each four (sel: its sparsity selector) one 32-bit word each: thread 2·sel + h holds K 16h ..
+ * 16h+15 of row g (low half) and of row g + 8 (high half), g = lane / 4. So for rows 16·rb ..
+ * 16·rb+15 and K block kb (128 deep), the uint2 of lane 4g + t at word ((rb·(k/128) + kb)·32 +
+ * lane)·2 holds in word j the K step 2j + (t >> 1) (run under selector t >> 1), half t & 1: one
+ * 8-byte load a lane serves the block's four K steps. The
+ * kernel (gemm_sp_sm80.cu) runs them on the Sparse Tensor Cores with the weights as the sparse A
+ * operand, C^T = W · X^T; the shared experts stay dense.
  */
 #ifndef MOED_CUDA_H
 #define MOED_CUDA_H
@@ -147,6 +163,9 @@ typedef struct moed_cuda_gemm {
     int64_t a_rows_total;  /* rows of A that exist (loads past it are zero-filled) */
     const void *b;         /* expert e's [n, k] matrix starts at b + e·b_estride elements */
     int64_t b_estride;     /* = n·k: the experts are contiguous (the TMA path maps them as one) */
+    /* 2:4 sparse B (gemm_sp_sm80.cu): b holds the kept values, [n, k/2] an expert (b_estride =
+     * n·k/2), and b_meta their metadata, n·k/32 words an expert; NULL for dense B */
+    const uint32_t *b_meta;
     int32_t b_experts;
     int n, k; /* multiples of MOED_CUDA_PAD */
     void *c;  /* C rows, ldc elements apart */
@@ -165,12 +184,21 @@ typedef struct moed_cuda_gemm {
 
 /* The kernel family and tile shape chosen by the heuristic table (tile_config.c). */
 typedef struct moed_cuda_tile_cfg {
-    int kernel; /* MOED_CUDA_KERNEL_SM80 (mma.sync), _SM90 (wgmma + TMA), _SM90_FP8 (e4m3 wgmma) */
+    int kernel; /* MOED_CUDA_KERNEL_SM80 (mma.sync), _SM90 (wgmma + TMA), _SM90_FP8 (e4m3 wgmma),
+                 * _SM80_SP (mma.sp on 2:4 sparse weights) */
     int bm, bn;
     int gather;  /* up projection: gather token rows in the A load (1) or pre-permute them (0) */
     int cluster; /* _SM90: CTAs a cluster along M (1 or 2), sharing weight tiles by multicast */
 } moed_cuda_tile_cfg;
-enum { MOED_CUDA_KERNEL_SM80 = 80, MOED_CUDA_KERNEL_SM90 = 90, MOED_CUDA_KERNEL_SM90_FP8 = 92 };
+enum {
+    MOED_CUDA_KERNEL_SM80 = 80,
+    MOED_CUDA_KERNEL_SM80_SP = 81,
+    MOED_CUDA_KERNEL_SM90 = 90,
+    MOED_CUDA_KERNEL_SM90_FP8 = 92
+};
+/* The table's weight format for the routed experts of a 2:4 sparse layer (beside the moed dtypes
+ * MOED_BF16, MOED_F16 and MOED_FP8, whose values it does not take). */
+#define MOED_CUDA_SP24 0x524
 /* force_kernel values: 0 (the table decides), MOED_CUDA_KERNEL_SM80, MOED_CUDA_KERNEL_SM90 (gather
  * in the A load), MOED_CUDA_KERNEL_SM90P (Hopper with pre-permuted rows). For FP8 layers sm80 is
  * the portable path and sm90/sm90p the FP8 Hopper kernel. MOED_CUDA_KERNEL=sm80|sm90|sm90p sets
@@ -179,8 +207,9 @@ enum { MOED_CUDA_KERNEL_SM90P = 91 };
 int moed_cuda_kernel_parse(const char *name);
 
 /* The table: the tile for a batch of P pairs over n_active experts that have rows, on a device of
- * compute capability sm (80, 90, ...), for an N x K GEMM of weights in wdtype (the compute type, or
- * MOED_FP8). force_kernel (0 = choose) pins the family, for tests and benchmarks. */
+ * compute capability sm (80, 90, ...), for an N x K GEMM of weights in wdtype (the compute type,
+ * MOED_FP8, or MOED_CUDA_SP24: 2:4 sparse, which has one kernel, so force_kernel leaves it be).
+ * force_kernel (0 = choose) pins the family, for tests and benchmarks. */
 moed_cuda_tile_cfg moed_cuda_tile_choose(int sm, int64_t P, int n_active, int n, int k, int wdtype,
                                          int force_kernel);
 /* The rows per m-tile both GEMMs of a batch use (route prep needs it before either runs). */
@@ -190,6 +219,8 @@ int moed_cuda_tile_bm(int sm, int64_t P, int n_active, int wdtype, int force_ker
 int moed_cuda_fp8_native(int sm, int force_kernel);
 
 int moed_cuda_gemm_sm80(const moed_cuda_gemm *g, int bn, moed_cuda_stream s);
+/* 2:4 sparse B (g->b_meta set), bf16/f16, bm 16, 32, 64 or 128, n a multiple of 128. */
+int moed_cuda_gemm_sp_sm80(const moed_cuda_gemm *g, moed_cuda_stream s);
 /* bn 128 or 256; cluster 1, or 2 at bn 256. */
 int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, int cluster, moed_cuda_stream s);
 /* FP8 A and B (both scales set), bf16 C, bm 64 or 128, bn 128. */
@@ -284,6 +315,19 @@ void moed_cuda_fp8_pack_up(void *dst, float *scale, const struct moed_expert_w *
 void moed_cuda_fp8_pack_down(void *dst, float *scale, const struct moed_expert_w *w, int d, int ff,
                              int d_pad, int ff_pad);
 
+/* 2:4 compression (sp24_pack.c) of a [rows, k] matrix of 16-bit values (bf16 or f16 bits; rows a
+ * multiple of 16, k of 128), row-major: the kept values into vals [rows, k/2] and the metadata into
+ * meta (MOED_CUDA_SP24_META_WORDS 32-bit words, as the 16-bit halves of the layout above). A group
+ * keeps its non-zeros (a zero of either sign counting as zero) and, where it has fewer than two,
+ * zeros beside them: the lowest free positions. Returns 0, or MOED_EINVAL with the first group
+ * (row-major) of three or more non-zeros in *bad_row and *bad_col (its first column), leaving vals
+ * and meta partly written. */
+#define MOED_CUDA_SP24_META_WORDS(rows, k) ((size_t)(rows) * (size_t)(k) / 32)
+int moed_cuda_sp24_pack(const uint16_t *w, int64_t rows, int64_t k, uint16_t *vals, uint16_t *meta,
+                        int64_t *bad_row, int64_t *bad_col);
+/* The inverse: the dense [rows, k] matrix the packed one stands for, +0 where nothing is kept. */
+void moed_cuda_sp24_unpack(const uint16_t *vals, const uint16_t *meta, int64_t rows, int64_t k,
+                           uint16_t *w);
 /* A layer resident on one device, in the kernels' layout (padded, W1|W3 interleaved). */
 typedef struct moed_cuda_layer_dev {
     int cdtype; /* MOED_BF16 or MOED_F16: activations (bf16 for FP8 layers), and weights unless */
@@ -296,7 +340,18 @@ typedef struct moed_cuda_layer_dev {
     const void *s13, *s2; /* [sn_up][d_pad], [d_pad][sff_pad] */
     /* FP8: the scale tables of w13, w2, s13, s2 ([K/128][E·N/MOED_CUDA_FP8_SROWS]); else NULL */
     const float *w13_scale, *w2_scale, *s13_scale, *s2_scale;
+    /* 2:4 sparse routed experts: w13 and w2 hold the kept values ([E][n_up][d_pad/2],
+     * [E][d_pad][ff_pad/2]) and these their metadata (the layout above); else 0 and NULL */
+    int sparse24;
+    const uint32_t *w13_meta, *w2_meta;
 } moed_cuda_layer_dev;
+
+/* The weight format the table is asked about for the layer's routed experts (its shared experts
+ * are always dense: wdtype). */
+static inline int moed_cuda_routed_wfmt(const moed_cuda_layer_dev *L)
+{
+    return L->sparse24 ? MOED_CUDA_SP24 : L->wdtype;
+}
 
 /* Device buffers of one batch (one execution slot's workspace). */
 typedef struct moed_cuda_work_dev {
@@ -315,9 +370,9 @@ typedef struct moed_cuda_work_dev {
 /* The whole pipeline for one batch whose route inputs (tok_off, pair_tok, pair_exp, pair_w, and
  * the scratch pointers) are already on the device: convert x (dtype) into work->xc (or quantize it
  * into work->xq), route prep, up and down GEMMs, shared experts, combine into out [T, d] (dtype).
- * r->bm must be moed_cuda_tile_bm(sm, P, n_active, L->wdtype, force_kernel). If ev is not NULL its
- * 6 events are recorded between the stages (convert | route prep | up | down | shared | combine),
- * for the benchmarks. */
+ * r->bm must be moed_cuda_tile_bm(sm, P, n_active, moed_cuda_routed_wfmt(L), force_kernel). If ev
+ * is not NULL its 6 events are recorded between the stages (convert | route prep | up | down |
+ * shared | combine), for the benchmarks. */
 int moed_cuda_pipeline(const moed_cuda_layer_dev *L, moed_cuda_route_dev *r,
                        const moed_cuda_work_dev *w, const void *x, int dtype, void *out, int sm,
                        int n_active, int force_kernel, moed_cuda_stream s, void *const *ev);

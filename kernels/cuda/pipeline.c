@@ -22,10 +22,18 @@ static void mark(void *const *ev, int i, moed_cuda_stream s)
 /* One set of experts: the routed ones, or the shared experts as one expert of width sff. */
 typedef struct expert_set {
     const void *w13, *w2;
-    const float *w13_scale, *w2_scale; /* FP8 */
+    const float *w13_scale, *w2_scale;  /* FP8 */
+    const uint32_t *w13_meta, *w2_meta; /* 2:4 sparse: w13, w2 hold the kept values */
+    int wfmt;                           /* the table's weight format (moed_cuda_tile_choose) */
     int E, ff_pad, n_up;
     void *h, *y; /* H (bf16/f16) and Y of its rows */
 } expert_set;
+
+/* Elements of one expert's [n, k] matrix as stored: half of them kept where 2:4 sparse. */
+static int64_t expert_elems(const expert_set *es, int64_t n, int64_t k)
+{
+    return es->w13_meta ? n * k / 2 : n * k;
+}
 
 /* Up then down projection of T tokens over the route's m-tiles or, with r NULL, over all T rows in
  * order as one expert (the shared experts). P is the rows H and Y hold. x is the convert stage's
@@ -49,7 +57,7 @@ static int expert_gemms(const moed_cuda_layer_dev *L, const moed_cuda_route_dev 
         g.bm = r->bm;
     } else {
         g.identity_rows = (int32_t)T;
-        g.bm = moed_cuda_tile_bm(sm, T, 1, L->wdtype, force_kernel);
+        g.bm = moed_cuda_tile_bm(sm, T, 1, es->wfmt, force_kernel);
         g.max_tiles = (int32_t)((T + g.bm - 1) / g.bm);
     }
     /* up: A = X rows gathered by token, B = W13 (or W1), SwiGLU/GELU/ReLU epilogue into H */
@@ -59,13 +67,14 @@ static int expert_gemms(const moed_cuda_layer_dev *L, const moed_cuda_route_dev 
     g.a_rows_total = T;
     g.b = es->w13;
     g.b_scale = es->w13_scale;
+    g.b_meta = es->w13_meta;
     if (fp8) {
         g.a_scale = w->xs;
         g.a_scale_ld = w->xs_ld;
     }
     g.n = es->n_up;
     g.k = L->d_pad;
-    g.b_estride = (int64_t)es->n_up * L->d_pad;
+    g.b_estride = expert_elems(es, es->n_up, L->d_pad);
     g.c = es->h;
     g.ldc = es->ff_pad;
     g.c_rows = P; /* H, and Y below, hold P rows */
@@ -73,14 +82,14 @@ static int expert_gemms(const moed_cuda_layer_dev *L, const moed_cuda_route_dev 
             : L->act == MOED_ACT_GELU ? MOED_CUDA_EPI_GELU
                                       : MOED_CUDA_EPI_RELU;
     moed_cuda_tile_cfg cfg =
-        moed_cuda_tile_choose(sm, P, n_active, g.n, g.k, L->wdtype, force_kernel);
+        moed_cuda_tile_choose(sm, P, n_active, g.n, g.k, es->wfmt, force_kernel);
     /* The portable kernel starts while the kernel before drains (moed_cuda.h): the routed up
      * GEMM reads nothing before route prep is done, since its tiles are route prep's; the
      * shared experts' tiles need no table, so they load weights at once, as the down GEMM does.
      * The Hopper kernels start plainly: started early, the large batches they run were slower
      * (deepseek-v3 T=16384 by about 15%: docs/kernels-notes.md, "each small-batch kernel starts
      * while the one before drains"). Both GEMMs of a batch share bm, hence the kernel family. */
-    const int early = cfg.kernel == MOED_CUDA_KERNEL_SM80;
+    const int early = cfg.kernel == MOED_CUDA_KERNEL_SM80 || cfg.kernel == MOED_CUDA_KERNEL_SM80_SP;
     g.overlap = !early ? MOED_CUDA_OVERLAP_NONE
                 : r    ? MOED_CUDA_OVERLAP_LAUNCH
                        : MOED_CUDA_OVERLAP_WEIGHTS;
@@ -109,13 +118,14 @@ static int expert_gemms(const moed_cuda_layer_dev *L, const moed_cuda_route_dev 
     }
     g.b = es->w2;
     g.b_scale = es->w2_scale;
+    g.b_meta = es->w2_meta;
     g.n = L->d_pad;
     g.k = es->ff_pad;
-    g.b_estride = (int64_t)L->d_pad * es->ff_pad;
+    g.b_estride = expert_elems(es, L->d_pad, es->ff_pad);
     g.c = es->y;
     g.ldc = L->d_pad;
     g.epi = MOED_CUDA_EPI_STORE;
-    cfg = moed_cuda_tile_choose(sm, P, n_active, g.n, g.k, L->wdtype, force_kernel);
+    cfg = moed_cuda_tile_choose(sm, P, n_active, g.n, g.k, es->wfmt, force_kernel);
     g.overlap = early ? MOED_CUDA_OVERLAP_WEIGHTS : MOED_CUDA_OVERLAP_NONE;
     return moed_cuda_gemm_run(&g, &cfg, s);
 }
@@ -145,8 +155,18 @@ static int routed_stage(const moed_cuda_layer_dev *L, moed_cuda_route_dev *r,
 {
     int rc = r->P > 0 ? moed_cuda_route_prep(r, s) : 0;
     mark(ev, 1, s);
-    const expert_set routed = { L->w13,    L->w2,   L->w13_scale, L->w2_scale, L->E,
-                                L->ff_pad, L->n_up, w->h,         w->y };
+    const expert_set routed = { L->w13,
+                                L->w2,
+                                L->w13_scale,
+                                L->w2_scale,
+                                L->w13_meta,
+                                L->w2_meta,
+                                moed_cuda_routed_wfmt(L),
+                                L->E,
+                                L->ff_pad,
+                                L->n_up,
+                                w->h,
+                                w->y };
     if (!rc && r->P > 0)
         rc = expert_gemms(L, r, w, xg, fp8, &routed, r->T, r->P, n_active, sm, force_kernel, s,
                           ev ? ev + 2 : NULL);
@@ -160,8 +180,8 @@ static int routed_stage(const moed_cuda_layer_dev *L, moed_cuda_route_dev *r,
 static int shared_stage(const moed_cuda_layer_dev *L, int64_t T, const moed_cuda_work_dev *w,
                         const void *xg, int fp8, int sm, int force_kernel, moed_cuda_stream s)
 {
-    const expert_set shared = { L->s13,     L->s2,    L->s13_scale, L->s2_scale, 1,
-                                L->sff_pad, L->sn_up, w->hs,        w->ys };
+    const expert_set shared = { L->s13,    L->s2, L->s13_scale, L->s2_scale, NULL,  NULL,
+                                L->wdtype, 1,     L->sff_pad,   L->sn_up,    w->hs, w->ys };
     return L->s13 ? expert_gemms(L, NULL, w, xg, fp8, &shared, T, T, 1, sm, force_kernel, s, NULL)
                   : 0;
 }

@@ -40,6 +40,15 @@
  *
  * Elsewhere (and with sm80 forced) FP8 layers take the bf16 rows above on the portable kernel,
  * which dequantizes the weights as it loads them.
+ *
+ * 2:4 sparse routed experts (MOED_CUDA_SP24) run on mma.sp on every GPU, Hopper too (there is no
+ * wgmma.sp kernel yet), the rows of the portable kernel's table; force_kernel does not apply:
+ *
+ *   rows/expert   kernel   bm    bn    why
+ *   >= 96         sm80sp   128   128   compute-bound: 8 warps, 3 stages
+ *   >= 24         sm80sp    64   128
+ *   >= 12         sm80sp    32   128
+ *   <  12         sm80sp    16   128   weight streaming: 5 stages of 0.5625 of the dense bytes
  */
 #include "moed_cuda.h"
 
@@ -83,7 +92,8 @@ int moed_cuda_fp8_native(int sm, int force_kernel)
 
 int moed_cuda_tile_bm(int sm, int64_t P, int n_active, int wdtype, int force_kernel)
 {
-    const int hopper = moed_cuda_fp8_native(sm, force_kernel); /* the Hopper kernels run */
+    /* the Hopper kernels run (2:4 sparse weights: never) */
+    const int hopper = wdtype != MOED_CUDA_SP24 && moed_cuda_fp8_native(sm, force_kernel);
     if (wdtype == MOED_FP8 && hopper) return rows_per_expert_at_least(P, n_active, 96) ? 128 : 64;
     if (hopper && (force_kernel || rows_per_expert_at_least(P, n_active, 56))) return 128;
     if (rows_per_expert_at_least(P, n_active, 96)) return 128;
@@ -100,7 +110,10 @@ moed_cuda_tile_cfg moed_cuda_tile_choose(int sm, int64_t P, int n_active, int n,
     const int hopper = moed_cuda_fp8_native(sm, force_kernel); /* the Hopper kernels run */
     c.gather = 1;
     c.cluster = 1;
-    if (wdtype == MOED_FP8 && hopper) {
+    if (wdtype == MOED_CUDA_SP24) {
+        c.kernel = MOED_CUDA_KERNEL_SM80_SP;
+        c.bn = 128;
+    } else if (wdtype == MOED_FP8 && hopper) {
         c.kernel = MOED_CUDA_KERNEL_SM90_FP8;
         c.bn = 128;
     } else if (hopper && c.bm == 128) {
@@ -119,6 +132,7 @@ moed_cuda_tile_cfg moed_cuda_tile_choose(int sm, int64_t P, int n_active, int n,
 int moed_cuda_gemm_run(const moed_cuda_gemm *g, const moed_cuda_tile_cfg *cfg, moed_cuda_stream s)
 {
     if (cfg->bm != g->bm) return MOED_EINVAL;
+    if (cfg->kernel == MOED_CUDA_KERNEL_SM80_SP) return moed_cuda_gemm_sp_sm80(g, s);
     if (cfg->kernel == MOED_CUDA_KERNEL_SM90_FP8) return moed_cuda_gemm_fp8_sm90(g, s);
     if (cfg->kernel == MOED_CUDA_KERNEL_SM90)
         return moed_cuda_gemm_sm90(g, cfg->bn, cfg->cluster, s);

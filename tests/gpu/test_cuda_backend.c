@@ -25,7 +25,8 @@
  * printed per case and over the run. Exits 77 (skipped) where no CUDA device answers: CI has no
  * GPU, and a skip is not a pass.
  * MOED_GPU_TEST_QUICK=1 runs a few representative cases (for compute-sanitizer);
- * MOED_GPU_TEST_ROUTER_ONLY=1 the server-router cases alone.
+ * MOED_GPU_TEST_ROUTER_ONLY=1 the server-router cases alone; MOED_GPU_TEST_SPARSE_ONLY=1 the 2:4
+ * sparse ones (below).
  *
  * FP8 (block-scaled e4m3 weights, dtype=fp8): every shape class above again, on the FP8 Tensor
  * Cores (Hopper: activations quantized per token per 128 channels) and on the portable path
@@ -33,6 +34,16 @@
  * bound on the whole batch and on every token's own relative error; and the FP8 path against the
  * bf16 path on the same bf16 model quantized at load (--weights fp8), which adds the weights' own
  * rounding to e4m3. The bounds are the ones proto/moed/v1/moed.proto states.
+ *
+ * 2:4 sparse (sparse_cases: every routed expert matrix pruned by moed_sp24_prune and the layer
+ * marked sparse24, so the CUDA backend holds them compressed and runs them on mma.sp; the CPU
+ * computes the same pruned model): the shape classes again — padded d and ff, bf16 and f16 weights
+ * (and f32, computed in bf16), SwiGLU, GELU and ReLU, dense shared experts beside sparse routed
+ * ones, T from 1 to 4096 so every bm of the sparse table runs, one expert over many m-tiles, empty
+ * experts, padded routes, a full-size shape — with the compute type's bounds and the same
+ * determinism check; and a layer claimed sparse24 with one group of three non-zeros must fail to
+ * load, naming the layer, the expert and the matrix. MOED_GPU_TEST_SPARSE_ONLY=1 runs these alone
+ * (with QUICK, a few).
  */
 #include "check.h"
 #include "tok_ref.h"
@@ -41,6 +52,7 @@
 #include "moed_dtype.h"
 #include "moed_fp8.h"
 #include "moed_route.h"
+#include "moed_sp24.h"
 #include "moed_synth.h"
 
 #include <cuda_runtime_api.h>
@@ -283,7 +295,25 @@ static int64_t count_diff(const float *a, const float *b, size_t n)
     return k;
 }
 
-static void run_case(const tcase *tc)
+/* Prunes every routed expert's matrices of l 2:4 along K (the synthetic layer owns them) and
+ * marks it sparse24, as moed --weights sparse24 loads a layer. */
+static int make_sparse(moed_layer *l)
+{
+    const moed_layer_info *li = &l->info;
+    const int64_t d = li->d_model, ff = li->d_ff;
+    int rc = 0;
+    for (int e = 0; e < li->n_experts && !rc; e++) {
+        moed_expert_w *x = &l->experts[e];
+        rc = moed_sp24_prune((void *)x->w1, li->wdtype, ff, d);
+        if (!rc && x->w3) rc = moed_sp24_prune((void *)x->w3, li->wdtype, ff, d);
+        if (!rc) rc = moed_sp24_prune((void *)x->w2, li->wdtype, d, ff);
+    }
+    l->info.sparse24 = true;
+    return rc;
+}
+
+/* sparse: prune the routed experts 2:4 and mark the layer sparse24 first. */
+static void run_case(const tcase *tc, int sparse)
 {
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -295,6 +325,7 @@ static void run_case(const tcase *tc)
         CHECK_MSG(0, "%s: %s", tc->name, err.msg);
         return;
     }
+    if (sparse) CHECK_MSG(make_sparse(&layer) == 0, "%s: pruning failed", tc->name);
     const moed_layer_info *li = &layer.info;
     const int d = li->d_model;
     const size_t es = moed_dtype_size(tc->xdtype), row = (size_t)d * es;
@@ -365,8 +396,10 @@ static void run_case(const tcase *tc)
                 "  %-44s T=%-6lld pairs=%-7lld rel_err=%.2e token_max=%.2e%s; per-token "
                 "error/magnitude: vs cpu p50 %.1e p99 %.1e max %.1e, vs f64 max %.1e  %.1fs\n",
                 tc->name, (long long)T, (long long)route.off[T], e, te,
-                native ? " (fp8 native)" : "", vc.rel_p50, vc.rel_p99, vc.rel_max, vf.rel_max,
-                elapsed_s(t0));
+                native   ? " (fp8 native)"
+                : sparse ? " (2:4 sparse)"
+                         : "",
+                vc.rel_p50, vc.rel_p99, vc.rel_max, vf.rel_max, elapsed_s(t0));
         moed_route_free(&r64);
         free(g);
         free(c);
@@ -775,6 +808,84 @@ static const char *const quick[] = { "mixtral-s T=7",
                                      "odd sizes T=37" };
 static const int fp8_quick[] = { 1, 3, 4, 13, 20, 25 };
 
+/* The shape classes run with 2:4 sparse routed experts (run_case's sparse; the table always picks
+ * mma.sp for them). */
+static const tcase sparse_cases[] = {
+    { "sp mixtral-s T=1", MIX_S, 1, R_TOPK, MOED_BF16, NULL, 0 },
+    { "sp mixtral-s T=7", MIX_S, 7, R_TOPK, MOED_BF16, NULL, 0 },
+    { "sp mixtral-s T=64 (bm 32)", MIX_S, 64, R_TOPK, MOED_BF16, NULL, 0 },
+    { "sp mixtral-s T=128 (bm 64)", MIX_S, 128, R_TOPK, MOED_BF16, NULL, 0 },
+    { "sp mixtral-s T=1000 (bm 128)", MIX_S, 1000, R_TOPK, MOED_BF16, NULL, 0 },
+    { "sp mixtral-s T=4096 f32 in/out", MIX_S, 4096, R_TOPK, MOED_F32, NULL, 0 },
+    { "sp mixtral-s one expert T=1000", MIX_S, 1000, R_ONE_EXPERT, MOED_BF16, NULL, 0 },
+    { "sp mixtral-s empty experts T=128", MIX_S, 128, R_HALF_EXPERTS, MOED_BF16, NULL, 0 },
+    { "sp qwen3-s T=1", QWEN_S, 1, R_TOPK, MOED_BF16, NULL, 0 },
+    { "sp qwen3-s T=1000", QWEN_S, 1000, R_TOPK, MOED_BF16, NULL, 0 },
+    { "sp qwen3-s T=4096", QWEN_S, 4096, R_TOPK, MOED_BF16, NULL, 0 },
+    { "sp qwen3-s padded T=128", QWEN_S, 128, R_PADDED, MOED_BF16, NULL, 0 },
+    { "sp deepseek-s shared T=1", DSV3_S, 1, R_TOPK, MOED_BF16, NULL, 0 },
+    { "sp deepseek-s shared T=1000", DSV3_S, 1000, R_TOPK, MOED_BF16, NULL, 0 },
+    { "sp gelu f16 weights T=7", "layers=1,d=320,ff=200,experts=8,topk=2,act=gelu,dtype=f16,seed=7",
+      7, R_TOPK, MOED_F16, NULL, 0 },
+    { "sp gelu f16 weights T=1000",
+      "layers=1,d=320,ff=200,experts=8,topk=2,act=gelu,dtype=f16,seed=7", 1000, R_TOPK, MOED_F16,
+      NULL, 0 },
+    { "sp swiglu f16 weights T=300",
+      "layers=1,d=512,ff=384,experts=8,topk=2,act=swiglu,dtype=f16,seed=10", 300, R_TOPK, MOED_F16,
+      NULL, 0 },
+    { "sp relu f32 weights T=128",
+      "layers=1,d=200,ff=130,experts=6,topk=2,act=relu,dtype=f32,seed=8", 128, R_TOPK, MOED_F32,
+      NULL, 0 },
+    { "sp odd sizes T=37", "layers=1,d=100,ff=70,experts=5,topk=3,act=swiglu,dtype=bf16,seed=9", 37,
+      R_TOPK, MOED_BF16, NULL, 0 },
+    { "sp qwen3-30b-a3b full T=512",
+      "layers=1,d=2048,ff=768,experts=128,topk=8,act=swiglu,dtype=bf16,seed=12", 512, R_TOPK,
+      MOED_BF16, NULL, 24 },
+};
+static const int sparse_quick[] = { 1, 4, 13, 15, 18 };
+
+/* A layer marked sparse24 whose expert 2 has one group of three non-zeros in W3: the CUDA load
+ * must refuse it (MOED_EINVAL), naming the layer, the expert and the matrix. */
+static void run_sparse_refused(void)
+{
+    moed_synth_spec spec;
+    moed_error err;
+    moed_layer layer;
+    if (moed_synth_parse(MIX_S, &spec, &err) || moed_synth_layer(&spec, 0, &layer, &err)) {
+        CHECK_MSG(0, "sparse refusal: %s", err.msg);
+        return;
+    }
+    CHECK(make_sparse(&layer) == 0);
+    uint16_t *grp = (uint16_t *)layer.experts[2].w3 + 5 * layer.info.d_model + 8;
+    grp[0] = grp[1] = grp[2] = 0x3f80; /* 1.0 in bf16 */
+    moed_backend_config cfg = { .max_tokens = 16, .streams = 1 };
+    moed_backend *b = NULL;
+    unsetenv("MOED_CUDA_KERNEL");
+    int rc = moed_backend_open("cuda", &cfg, &b, &err);
+    CHECK_MSG(rc == 0, "sparse refusal: cuda backend: %s", err.msg);
+    if (!rc) {
+        rc = moed_backend_load_layer(b, 0, &layer, &err);
+        CHECK_MSG(rc == MOED_EINVAL && strstr(err.msg, "layer 0") && strstr(err.msg, "expert 2") &&
+                      strstr(err.msg, "w3") && strstr(err.msg, "row 5"),
+                  "sparse refusal: load returned %d (%s)", rc, rc ? err.msg : "accepted");
+        fprintf(stderr, "  %-44s refused: %s\n", "sp not 2:4", rc ? err.msg : "(accepted)");
+    }
+    moed_backend_destroy(b);
+    moed_synth_free_layer(&layer);
+}
+
+static void run_sparse(int quick_only)
+{
+    if (quick_only) {
+        for (size_t i = 0; i < sizeof sparse_quick / sizeof sparse_quick[0]; i++)
+            run_case(&sparse_cases[sparse_quick[i]], 1);
+    } else {
+        for (size_t i = 0; i < sizeof sparse_cases / sizeof sparse_cases[0]; i++)
+            run_case(&sparse_cases[i], 1);
+    }
+    run_sparse_refused();
+}
+
 /* ---- FP8 against bf16 on the same model --------------------------------------------------- */
 
 /* One matrix of a bf16 layer quantized (moed_fp8.h), into new buffers. */
@@ -876,10 +987,10 @@ static void run_fp8(int quick_only)
     const int n = (int)(sizeof fp8_cases / sizeof fp8_cases[0]);
     if (quick_only) {
         for (size_t i = 0; i < sizeof fp8_quick / sizeof fp8_quick[0]; i++)
-            run_case(&fp8_cases[fp8_quick[i]]);
+            run_case(&fp8_cases[fp8_quick[i]], 0);
         return;
     }
-    for (int i = 0; i < n; i++) run_case(&fp8_cases[i]);
+    for (int i = 0; i < n; i++) run_case(&fp8_cases[i], 0);
     run_vs_bf16("fp8 vs bf16 mixtral-s", MIX_S, 1000);
     run_vs_bf16("fp8 vs bf16 qwen3-s", QWEN_S, 1000);
     run_vs_bf16("fp8 vs bf16 deepseek-s shared", DSV3_S, 1000);
@@ -896,8 +1007,10 @@ int main(void)
     }
     const int n = (int)(sizeof cases / sizeof cases[0]);
     const char *q = getenv("MOED_GPU_TEST_QUICK"), *ro = getenv("MOED_GPU_TEST_ROUTER_ONLY"),
-               *f8 = getenv("MOED_GPU_TEST_FP8_ONLY");
-    if (ro && *ro == '1') {
+               *f8 = getenv("MOED_GPU_TEST_FP8_ONLY"), *sp = getenv("MOED_GPU_TEST_SPARSE_ONLY");
+    if (sp && *sp == '1') {
+        run_sparse(q && *q == '1');
+    } else if (ro && *ro == '1') {
         for (size_t i = 0; i < sizeof router_cases / sizeof router_cases[0]; i++)
             run_router_case(&router_cases[i]);
     } else if (f8 && *f8 == '1') {
@@ -905,12 +1018,14 @@ int main(void)
     } else if (q && *q == '1') {
         for (size_t i = 0; i < sizeof quick / sizeof quick[0]; i++)
             for (int j = 0; j < n; j++)
-                if (!strcmp(cases[j].name, quick[i])) run_case(&cases[j]);
+                if (!strcmp(cases[j].name, quick[i])) run_case(&cases[j], 0);
         run_fp8(1);
+        run_sparse(1);
         run_router_case(&router_cases[0]);
     } else {
-        for (int i = 0; i < n; i++) run_case(&cases[i]);
+        for (int i = 0; i < n; i++) run_case(&cases[i], 0);
         run_fp8(0);
+        run_sparse(0);
         for (size_t i = 0; i < sizeof router_cases / sizeof router_cases[0]; i++)
             run_router_case(&router_cases[i]);
     }

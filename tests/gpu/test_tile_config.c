@@ -1,7 +1,8 @@
 /*
  * test_tile_config — the heuristic table (kernels/cuda/tile_config.c) at each of its boundaries:
  * kernel family, bm, bn, gathered or pre-permuted rows, and clusters, for a batch described by its
- * pairs, active experts and GEMM shape, on Hopper and on an Ampere-class device, chosen or forced.
+ * pairs, active experts and GEMM shape, on Hopper and on an Ampere-class device, chosen or forced,
+ * for bf16, FP8 and 2:4 sparse weights.
  * Needs no GPU: the table is arithmetic on the batch's figures. Every GEMM of a batch must share
  * bm, so the test also checks that moed_cuda_tile_bm agrees with moed_cuda_tile_choose.
  */
@@ -20,7 +21,8 @@ typedef struct tcase {
 } tcase;
 
 enum { S80 = MOED_CUDA_KERNEL_SM80, S90 = MOED_CUDA_KERNEL_SM90, S90P = MOED_CUDA_KERNEL_SM90P };
-enum { S90F = MOED_CUDA_KERNEL_SM90_FP8, BF = MOED_BF16, F8 = MOED_FP8 };
+enum { S90F = MOED_CUDA_KERNEL_SM90_FP8, S80S = MOED_CUDA_KERNEL_SM80_SP };
+enum { BF = MOED_BF16, F8 = MOED_FP8, SP = MOED_CUDA_SP24 };
 
 static const tcase cases[] = {
     /* Hopper, bf16: bm 128 on the Hopper kernel from 56 rows an expert, bm 64 below */
@@ -49,6 +51,12 @@ static const tcase cases[] = {
     { "fp8 96 rows", 90, 96, 8, 28672, 4096, F8, 0, S90F, 128, 128, 1, 1 },
     { "fp8 95 rows", 90, 95, 8, 28672, 4096, F8, 0, S90F, 64, 128, 1, 1 },
     { "fp8 on sm80", 80, 96, 8, 28672, 4096, F8, 0, S80, 128, 128, 1, 1 },
+    /* 2:4 sparse routed experts: mma.sp everywhere, the portable rows, forcing changes nothing */
+    { "sp24 Hopper 56 rows", 90, 56, 128, 1536, 2048, SP, 0, S80S, 64, 128, 1, 1 },
+    { "sp24 Hopper 96 rows", 90, 96, 8, 28672, 4096, SP, 0, S80S, 128, 128, 1, 1 },
+    { "sp24 Hopper 11 rows", 90, 11, 128, 1536, 2048, SP, 0, S80S, 16, 128, 1, 1 },
+    { "sp24 sm80 12 rows", 80, 12, 128, 1536, 2048, SP, 0, S80S, 32, 128, 1, 1 },
+    { "sp24 sm90 forced at 1 row", 90, 1, 128, 1536, 2048, SP, S90, S80S, 16, 128, 1, 1 },
 };
 
 int main(void)

@@ -29,6 +29,11 @@
 #             compute-sanitizer memcheck and racecheck on the quick FP8 cases
 #   fp8-bench moe-bench with bf16 and FP8 weights side by side (standard shapes, T = 8 .. 16384,
 #             graph-replayed small batches, two padded --shape ones) with both matmul ceilings
+#   sparse    2:4 sparse experts on the Sparse Tensor Cores: the suite's sparse cases
+#             (MOED_GPU_TEST_SPARSE_ONLY), compute-sanitizer memcheck on the quick ones, then
+#             moe-bench --weights bf16,sparse24 on the standard shapes and SPARSE_SHAPES at
+#             T = 8 .. 16384 (graph-replayed at T <= 64 too), torch's semi-structured sparse matmul
+#             on the same (bench/kernels/torch_sparse_ref.py), and the table in sparse.md
 #   dataplane tensor regions: the backend's parts against inline (test_cuda_parts), CUDA
 #             IPC from a second process against inline (test_ipc), then the data-plane benchmark
 #             (bench/daemon/bench_dataplane.py: T 8..8192 x callers 1, 8 x inline/shm/cuda on the
@@ -112,7 +117,7 @@ export PYTHONUNBUFFERED=1
 export PATH=$PATH:/usr/local/cuda/bin
 OUT=${OUT:-/tmp/moed-out}
 RAW=$OUT/raw # JSON and long logs; packed into raw.tgz at the end (the device tool returns 8 files)
-STAGES=(tests sanitize bench sonic peers e2e merge pytest fp8 fp8-bench dataplane python router generate
+STAGES=(tests sanitize bench sonic peers e2e merge pytest fp8 fp8-bench sparse dataplane python router generate
     droute split two-gpu other-gpu doorbell torch-op)
 PEERS=${MOED_PEERS_SITE:-/tmp/moed-peers}
 # Real models' MoE layers as d,ff,E,k (bench/kernels/torch_ref.py's MODELS, which a CI test keeps
@@ -120,6 +125,10 @@ PEERS=${MOED_PEERS_SITE:-/tmp/moed-peers}
 # shellcheck disable=SC2054  # each element is one d,ff,E,k
 MODEL_SHAPES=(2880,2880,128,4 2048,1408,60,4 2048,1024,64,8 4096,6400,16,2 6144,10752,16,4)
 PEER_TOKENS=8,64,512,4096,16384
+# The sparse stage's real layers beside the standard shapes: Qwen1.5-MoE-A2.7B (E not a power of
+# two) and gpt-oss-120b (d and ff 2880, padded).
+# shellcheck disable=SC2054  # each element is one d,ff,E,k
+SPARSE_SHAPES=(2048,1408,60,4 2880,2880,128,4)
 
 # The stage running and the worst exit of its commands so far (0, 77, or a failure's code).
 stage_name="" stage_rc=0
@@ -281,6 +290,28 @@ stage_fp8-bench() {
     cat "$RAW/moe-fp8-graph.txt" "$RAW/moe-fp8-shapes.txt" >>"$OUT/moe-fp8.txt"
     step "$PY" bench/kernels/report.py --fp8 "$RAW/moe-fp8.json" "$RAW/moe-fp8-graph.json" \
         "$RAW/moe-fp8-shapes.json" --out "$OUT/report-fp8.md"
+}
+
+stage_sparse() {
+    local s shapes=(--shapes "mixtral,qwen3-30b-a3b,deepseek-v3")
+    for s in "${SPARSE_SHAPES[@]}"; do shapes+=(--shape "$s"); done
+    MOED_GPU_TEST_SPARSE_ONLY=1 logged "$OUT/gpu-sparse.log" timeout 300 "$B/test_cuda_backend"
+    MOED_GPU_TEST_SPARSE_ONLY=1 MOED_GPU_TEST_QUICK=1 quiet "$RAW/sanitize-sparse-memcheck.log" \
+        timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 "$B/test_cuda_backend"
+    tail -4 "$RAW/sanitize-sparse-memcheck.log"
+    logged "$OUT/moe-sparse.txt" timeout 300 "$B/moe-bench" "${shapes[@]}" --weights bf16,sparse24 \
+        --tokens "$PEER_TOKENS" --min-ms 100 --json "$RAW/moe-sparse.json"
+    logged "$RAW/moe-sparse-graph.txt" timeout 120 "$B/moe-bench" "${shapes[@]}" \
+        --weights bf16,sparse24 --tokens 8,64 --graph --min-ms 100 --json "$RAW/moe-sparse-graph.json"
+    cat "$RAW/moe-sparse-graph.txt" >>"$OUT/moe-sparse.txt"
+    quiet "$RAW/torch-sparse.txt" timeout 240 "$PY" bench/kernels/torch_sparse_ref.py "${shapes[@]}" \
+        --tokens "$PEER_TOKENS" --min-ms 100 --json "$RAW/torch-sparse.json"
+    tail -3 "$RAW/torch-sparse.txt"
+    local peer=()
+    [ -f "$RAW/torch-sparse.json" ] && peer=(--peer "$RAW/torch-sparse.json")
+    step "$PY" bench/kernels/report.py --sparse "$RAW/moe-sparse.json" "$RAW/moe-sparse-graph.json" \
+        "${peer[@]}" --out "$OUT/sparse.md"
+    cat "$OUT/sparse.md"
 }
 
 stage_dataplane() {

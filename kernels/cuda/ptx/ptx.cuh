@@ -7,6 +7,7 @@
  *   smem.cuh        shared-memory addresses as the instructions take them
  *   cp_async.cuh    16-byte asynchronous global→shared copies and their groups (sm_80)
  *   mma_sm80.cuh    ldmatrix and mma.sync m16n8k16 (sm_80)
+ *   mma_sp_sm80.cuh mma.sp m16n8k32 on the Sparse Tensor Cores, 2:4 sparse A (sm_80)
  *   mbarrier.cuh    shared-memory transaction barriers (sm_90)
  *   tma.cuh         the tensor memory accelerator's 2-D load (to one CTA or multicast to its
  *                   cluster), its 2-D store and bulk groups, and the async-proxy fence (sm_90)
@@ -29,6 +30,7 @@
 #include "griddep.cuh"
 #include "mbarrier.cuh"
 #include "mma_sm80.cuh"
+#include "mma_sp_sm80.cuh"
 #include "smem.cuh"
 #include "tma.cuh"
 #include "warpgroup.cuh"
