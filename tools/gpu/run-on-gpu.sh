@@ -33,7 +33,9 @@
 #             (MOED_GPU_TEST_SPARSE_ONLY), compute-sanitizer memcheck on the quick ones, then
 #             moe-bench --weights bf16,sparse24 on the standard shapes and SPARSE_SHAPES at
 #             T = 8 .. 16384 (graph-replayed at T <= 64 too), torch's semi-structured sparse matmul
-#             on the same (bench/kernels/torch_sparse_ref.py), and the table in sparse.md
+#             on the same (bench/kernels/torch_sparse_ref.py), and the table in sparse.md; first
+#             the e2e 2:4 tests through a CUDA daemon (tests/e2e/test_sparse24.py: the
+#             compressed-tensors checkpoints and --weights sparse24 against the float64 oracle)
 #   dataplane tensor regions: the backend's parts against inline (test_cuda_parts), CUDA
 #             IPC from a second process against inline (test_ipc), then the data-plane benchmark
 #             (bench/daemon/bench_dataplane.py: T 8..8192 x callers 1, 8 x inline/shm/cuda on the
@@ -295,6 +297,8 @@ stage_fp8-bench() {
 stage_sparse() {
     local s shapes=(--shapes "mixtral,qwen3-30b-a3b,deepseek-v3")
     for s in "${SPARSE_SHAPES[@]}"; do shapes+=(--shape "$s"); done
+    MOED_BIN=$B/moed MOED_TEST_COMPUTE=bf16 logged "$OUT/pytest-sparse24.log" \
+        "$PY" -m pytest -q -rfEsxX -p no:cacheprovider tests/e2e/test_sparse24.py
     MOED_GPU_TEST_SPARSE_ONLY=1 logged "$OUT/gpu-sparse.log" timeout 300 "$B/test_cuda_backend"
     MOED_GPU_TEST_SPARSE_ONLY=1 MOED_GPU_TEST_QUICK=1 quiet "$RAW/sanitize-sparse-memcheck.log" \
         timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 "$B/test_cuda_backend"
