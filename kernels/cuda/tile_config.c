@@ -58,6 +58,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Rows an expert from which 2:4 sparse layers run on wgmma.sp on Hopper (the table above). */
+#define SP24_SM90_ROWS 96
+
 /* MOED_CUDA_NO_CLUSTER=1 runs the Hopper kernel one CTA at a time: the same kernel without the
  * shared weight tiles, for measuring what they buy. */
 static int clusters_off(void)
@@ -68,6 +71,21 @@ static int clusters_off(void)
         off = v && *v == '1';
     }
     return off;
+}
+
+/* MOED_CUDA_SP24_KERNEL=sm80 keeps 2:4 sparse layers on mma.sp whatever the batch, =sm90 runs them
+ * on wgmma.sp (bm 128) for every batch on Hopper, where n allows: for tests and benchmarks. */
+static int sp24_forced(void)
+{
+    static int k = -1; /* every thread computes the same value, so the race is benign */
+    if (k < 0) {
+        const char *v = getenv("MOED_CUDA_SP24_KERNEL");
+        k = !v                   ? 0
+            : !strcmp(v, "sm80") ? MOED_CUDA_KERNEL_SM80
+            : !strcmp(v, "sm90") ? MOED_CUDA_KERNEL_SM90
+                                 : 0;
+    }
+    return k;
 }
 
 static int rows_per_expert_at_least(int64_t P, int n_active, int64_t rows)
@@ -94,6 +112,9 @@ int moed_cuda_tile_bm(int sm, int64_t P, int n_active, int wdtype, int force_ker
 {
     /* the Hopper kernels run (2:4 sparse weights: never) */
     const int hopper = wdtype != MOED_CUDA_SP24 && moed_cuda_fp8_native(sm, force_kernel);
+    if (wdtype == MOED_CUDA_SP24 && sm == 90 && sp24_forced() != MOED_CUDA_KERNEL_SM80 &&
+        (sp24_forced() || rows_per_expert_at_least(P, n_active, SP24_SM90_ROWS)))
+        return 128; /* wgmma.sp */
     if (wdtype == MOED_FP8 && hopper) return rows_per_expert_at_least(P, n_active, 96) ? 128 : 64;
     if (hopper && (force_kernel || rows_per_expert_at_least(P, n_active, 56))) return 128;
     if (rows_per_expert_at_least(P, n_active, 96)) return 128;
@@ -111,8 +132,11 @@ moed_cuda_tile_cfg moed_cuda_tile_choose(int sm, int64_t P, int n_active, int n,
     c.gather = 1;
     c.cluster = 1;
     if (wdtype == MOED_CUDA_SP24) {
-        c.kernel = MOED_CUDA_KERNEL_SM80_SP;
-        c.bn = 128;
+        const int forced = sp24_forced();
+        const int wg = sm == 90 && c.bm == 128 && n % 256 == 0 && forced != MOED_CUDA_KERNEL_SM80;
+        c.kernel = wg ? MOED_CUDA_KERNEL_SM90_SP : MOED_CUDA_KERNEL_SM80_SP;
+        c.bn = wg ? 256 : 128;
+        c.cluster = wg && !clusters_off() ? 2 : 1;
     } else if (wdtype == MOED_FP8 && hopper) {
         c.kernel = MOED_CUDA_KERNEL_SM90_FP8;
         c.bn = 128;
@@ -133,6 +157,7 @@ int moed_cuda_gemm_run(const moed_cuda_gemm *g, const moed_cuda_tile_cfg *cfg, m
 {
     if (cfg->bm != g->bm) return MOED_EINVAL;
     if (cfg->kernel == MOED_CUDA_KERNEL_SM80_SP) return moed_cuda_gemm_sp_sm80(g, s);
+    if (cfg->kernel == MOED_CUDA_KERNEL_SM90_SP) return moed_cuda_gemm_sp_sm90(g, cfg->cluster, s);
     if (cfg->kernel == MOED_CUDA_KERNEL_SM90_FP8) return moed_cuda_gemm_fp8_sm90(g, s);
     if (cfg->kernel == MOED_CUDA_KERNEL_SM90)
         return moed_cuda_gemm_sm90(g, cfg->bn, cfg->cluster, s);
