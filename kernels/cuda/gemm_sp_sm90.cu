@@ -10,6 +10,8 @@
  * row, in moed_cuda.h's layout: the one device format gemm_sp_sm80.cu reads too) and each token
  * row's 128 values as two 128-byte swizzled halves, gathered by the producer warpgroup with
  * cp.async exactly as the dense Hopper kernel gathers them (zero-filled past the expert's rows).
+ * The last n-tile may be half a tile (n a multiple of 128, not 256: the down GEMM of d 2880): its
+ * rows past n are computed from whatever follows them (or TMA's zeros) and never stored.
  *
  * The SwiGLU pairing without leaving registers: wgmma's 64 rows are 8 groups of 8, and a warp's
  * accumulators hold groups 2w and 2w+1. Each wgmma.sp here reads every fourth 8-row group of the
@@ -162,9 +164,12 @@ __device__ __forceinline__ void produce(const R &rg, const moed_cuda_gemm &g,
 #pragma unroll
             for (int c = tid; c < META_CHUNKS; c += MOED_CUDA_SM90_WG) {
                 const int rb = c / (META_BLOCK_BYTES / CHUNK), q = c % (META_BLOCK_BYTES / CHUNK);
+                const bool ok = w.cur.nt * BF + rb * 16 < g.n; /* none past n (a half tile) */
                 ptx::cp_async16(rg.meta_at(s) + c * CHUNK,
-                                meta + ((int64_t)rb * ktiles + kt) * META_WORDS + q * (CHUNK / 4),
-                                CHUNK);
+                                ok ? meta + ((int64_t)rb * ktiles + kt) * META_WORDS +
+                                         q * (CHUNK / 4)
+                                   : g.b_meta,
+                                ok ? CHUNK : 0);
             }
             ptx::cp_async_commit();
             if (kt >= LAG) {
@@ -309,6 +314,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 for (int h = 0; h < 2; h++) {
                     const int n = t.nt * BF + GROUP_ROWS * (o + 2 * SLICES * wq + SLICES * h) +
                                   ((lane >> 2) & ~1);
+                    if (n >= g.n) continue; /* a half tile's rows past n */
                     const float v0 = acc[oo][4 * c8 + 2 * h], v1 = acc[oo][4 * c8 + 2 * h + 1];
                     if constexpr (EPI == MOED_CUDA_EPI_SWIGLU) {
                         if (h == 0)
@@ -337,7 +343,7 @@ template <typename T, int EPI, int MC> int launch(const moed_cuda_gemm *g, moed_
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, R::BYTES) !=
         cudaSuccess)
         return MOED_EDEVICE;
-    const int num_n = g->n / BF;
+    const int num_n = (g->n + BF - 1) / BF;
     const int64_t units = (int64_t)num_n * ((g->max_tiles + MC - 1) / MC);
     if (units <= 0) return 0;
     if (units > 0x7fffffff) return MOED_EINVAL;
@@ -358,7 +364,9 @@ template <typename T> int dispatch(const moed_cuda_gemm *g, int cluster, moed_cu
 
 extern "C" int moed_cuda_gemm_sp_sm90(const moed_cuda_gemm *g, int cluster, moed_cuda_stream s)
 {
-    if (!g->b_meta || g->bm != BT || g->n % BF || g->k % BK || g->lda % 8 || g->a_scale ||
+    /* n a multiple of 128: a half last tile, except for SwiGLU (n_up a multiple of 256) */
+    if (!g->b_meta || g->bm != BT || g->n % (BF / 2) ||
+        (g->epi == MOED_CUDA_EPI_SWIGLU && g->n % BF) || g->k % BK || g->lda % 8 || g->a_scale ||
         g->b_scale || g->b_estride != (int64_t)g->n * (g->k / 2) || (cluster != 1 && cluster != 2))
         return MOED_EINVAL;
     if (g->cdtype == MOED_BF16) return dispatch<__nv_bfloat16>(g, cluster, s);

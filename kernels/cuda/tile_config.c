@@ -59,7 +59,7 @@
 #include <string.h>
 
 /* Rows an expert from which 2:4 sparse layers run on wgmma.sp on Hopper (the table above). */
-#define SP24_SM90_ROWS 96
+#define SP24_SM90_ROWS 32
 
 /* MOED_CUDA_NO_CLUSTER=1 runs the Hopper kernel one CTA at a time: the same kernel without the
  * shared weight tiles, for measuring what they buy. */
@@ -133,7 +133,7 @@ moed_cuda_tile_cfg moed_cuda_tile_choose(int sm, int64_t P, int n_active, int n,
     c.cluster = 1;
     if (wdtype == MOED_CUDA_SP24) {
         const int forced = sp24_forced();
-        const int wg = sm == 90 && c.bm == 128 && n % 256 == 0 && forced != MOED_CUDA_KERNEL_SM80;
+        const int wg = sm == 90 && c.bm == 128 && forced != MOED_CUDA_KERNEL_SM80;
         c.kernel = wg ? MOED_CUDA_KERNEL_SM90_SP : MOED_CUDA_KERNEL_SM80_SP;
         c.bn = wg ? 256 : 128;
         c.cluster = wg && !clusters_off() ? 2 : 1;
