@@ -9,7 +9,10 @@
  * the weights' 64 kept values a row (one 128-byte swizzled row, by TMA), their metadata (16 bytes a
  * row, in moed_cuda.h's layout: the one device format gemm_sp_sm80.cu reads too) and each token
  * row's 128 values as two 128-byte swizzled halves, gathered by the producer warpgroup with
- * cp.async exactly as the dense Hopper kernel gathers them (zero-filled past the expert's rows).
+ * cp.async exactly as the dense Hopper kernel gathers them (zero-filled past the expert's rows),
+ * or, when they are in order (the down GEMM's H rows), by TMA as two boxes of BT rows: rows past
+ * the expert's are then the next expert's (or TMA's zeros), and, being other token columns of the
+ * product, never stored.
  * The last n-tile may be half a tile (n a multiple of 128, not 256: the down GEMM of d 2880): its
  * rows past n are computed from whatever follows them (or TMA's zeros) and never stored.
  *
@@ -106,10 +109,10 @@ constexpr int THREADS = sp_ring<__nv_bfloat16, 1>::THREADS;
  * every thread gathers its chunks of the token rows (chunk kc of both halves of rows tid/8 + 16i)
  * and of the metadata with cp.async, and signals a stage LAG stages later (producer_sm90.cuh
  * explains the lag). */
-template <class R>
+template <class R, bool GATHER>
 __device__ __forceinline__ void produce(const R &rg, const moed_cuda_gemm &g,
-                                        const CUtensorMap *tm_w, moed_cuda_sm90_walk<R::MC> &w,
-                                        int ktiles, int tid)
+                                        const CUtensorMap *tm_w, const CUtensorMap *tm_x,
+                                        moed_cuda_sm90_walk<R::MC> &w, int ktiles, int tid)
 {
     using E = typename R::elem;
     constexpr int MC = R::MC;
@@ -129,11 +132,13 @@ __device__ __forceinline__ void produce(const R &rg, const moed_cuda_gemm &g,
     const int row_in_pass = tid >> MOED_CUDA_SM90_CHUNK_SHIFT;
     int it = 0;
     while (w.have) {
-        int src[PASSES];
+        int src[GATHER ? PASSES : 1];
+        if constexpr (GATHER) {
 #pragma unroll
-        for (int i = 0; i < PASSES; i++)
-            src[i] =
-                moed_cuda_sm90_a_source(g, w.cur, w.cur.row0 + row_in_pass + ROWS_PER_PASS * i);
+            for (int i = 0; i < PASSES; i++)
+                src[i] =
+                    moed_cuda_sm90_a_source(g, w.cur, w.cur.row0 + row_in_pass + ROWS_PER_PASS * i);
+        }
         const int w_row = w.cur.e * g.n + w.cur.nt * BF;
         const uint32_t *meta = g.b_meta + (int64_t)w.cur.e * g.n * (g.k / 32) +
                                (int64_t)w.cur.nt * (BF / 16) * ktiles * META_WORDS;
@@ -141,7 +146,7 @@ __device__ __forceinline__ void produce(const R &rg, const moed_cuda_gemm &g,
             const int s = it % STAGES;
             rg.wait_empty(it);
             if (tid == 0) {
-                ptx::mbar_arrive_expect_tx(rg.full_at(s), R::B_STAGE);
+                ptx::mbar_arrive_expect_tx(rg.full_at(s), R::B_STAGE + (GATHER ? 0 : R::A_STAGE));
                 if (MC == 1 || !w.cur.shared_b) /* the whole tile, for this CTA alone */
                     for (int j = 0; j < MC; j++)
                         ptx::tma_load_2d(rg.b_at(s) + j * R::B_SLICE, tm_w, rg.full_at(s),
@@ -150,10 +155,15 @@ __device__ __forceinline__ void produce(const R &rg, const moed_cuda_gemm &g,
                     ptx::tma_load_2d_multicast(rg.b_at(s) + rg.rank * R::B_SLICE, tm_w,
                                                rg.full_at(s), kt * (BK / 2),
                                                w_row + rg.rank * (BF / MC), (1u << MC) - 1);
+                if constexpr (!GATHER)
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+                        ptx::tma_load_2d(rg.x_at(s, h), tm_x, rg.full_at(s), kt * BK + h * (BK / 2),
+                                         w.cur.row0);
             }
             const E *a = static_cast<const E *>(g.a) + kt * BK + kc * (CHUNK / ELEM);
 #pragma unroll
-            for (int i = 0; i < PASSES; i++) {
+            for (int i = 0; i < (GATHER ? PASSES : 0); i++) {
                 const int row = row_in_pass + ROWS_PER_PASS * i;
                 const E *src_row = a + (int64_t)(src[i] < 0 ? 0 : src[i]) * g.lda;
 #pragma unroll
@@ -190,9 +200,10 @@ __device__ __forceinline__ void produce(const R &rg, const moed_cuda_gemm &g,
 
 /* ---- the kernel ------------------------------------------------------------------------------ */
 
-template <typename T, int EPI, int MC>
+template <typename T, int EPI, int MC, bool GATHER>
 __global__ void __launch_bounds__(THREADS, 1)
-    gemm_sp_sm90_kernel(const __grid_constant__ CUtensorMap tm_w, const moed_cuda_gemm g, int num_n,
+    gemm_sp_sm90_kernel(const __grid_constant__ CUtensorMap tm_w,
+                        const __grid_constant__ CUtensorMap tm_x, const moed_cuda_gemm g, int num_n,
                         int total)
 {
 #ifdef MOED_CUDA_SM90A
@@ -208,7 +219,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     moed_cuda_sm90_walk<MC> w(g, num_n, total, rg.rank);
     if (wg == 0) {
-        produce(rg, g, &tm_w, w, ktiles, tid);
+        produce<R, GATHER>(rg, g, &tm_w, &tm_x, w, ktiles, tid);
         return;
     }
 
@@ -331,15 +342,22 @@ __global__ void __launch_bounds__(THREADS, 1)
 #endif
 }
 
-template <typename T, int EPI, int MC> int launch(const moed_cuda_gemm *g, moed_cuda_stream s)
+/* The token rows come by TMA when they are in order (no a_rows), else gathered (GATHER). */
+template <typename T, int EPI, int MC, bool GATHER>
+int launch(const moed_cuda_gemm *g, moed_cuda_stream s)
 {
     using R = sp_ring<T, MC>;
-    constexpr auto kern = gemm_sp_sm90_kernel<T, EPI, MC>;
-    CUtensorMap tm_w;
-    int rc = moed_cuda_tensor_map(
-        &tm_w, g->cdtype == MOED_BF16 ? MOED_CUDA_TM_BF16 : MOED_CUDA_TM_F16, g->b,
-        (int64_t)g->b_experts * g->n, g->k / 2, g->k / 2, BK / 2, BF / MC, 1);
+    constexpr auto kern = gemm_sp_sm90_kernel<T, EPI, MC, GATHER>;
+    const int tm = g->cdtype == MOED_BF16 ? MOED_CUDA_TM_BF16 : MOED_CUDA_TM_F16;
+    CUtensorMap tm_w, tm_x;
+    int rc = moed_cuda_tensor_map(&tm_w, tm, g->b, (int64_t)g->b_experts * g->n, g->k / 2, g->k / 2,
+                                  BK / 2, BF / MC, 1);
     if (rc) return rc;
+    if (GATHER)
+        tm_x = tm_w; /* not read */
+    else if ((rc = moed_cuda_tensor_map(&tm_x, tm, g->a, g->a_rows_total, g->k, g->lda, BK / 2, BT,
+                                        1)))
+        return rc;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, R::BYTES) !=
         cudaSuccess)
         return MOED_EDEVICE;
@@ -350,13 +368,21 @@ template <typename T, int EPI, int MC> int launch(const moed_cuda_gemm *g, moed_
     moed_cuda_shape sh = { dim3(), dim3(R::THREADS), (size_t)R::BYTES, MC };
     const int resident = moed_cuda_resident_clusters<kern>(sh);
     sh.grid = dim3((unsigned)((units < resident ? units : resident) * MC));
-    return moed_cuda_launch(kern, sh, (cudaStream_t)s, false, tm_w, *g, num_n, (int)units);
+    return moed_cuda_launch(kern, sh, (cudaStream_t)s, false, tm_w, tm_x, *g, num_n, (int)units);
 }
 
 template <typename T> int dispatch(const moed_cuda_gemm *g, int cluster, moed_cuda_stream s)
 {
-    return moed_cuda_epi_dispatch(g->epi, [&]<int EPI>() {
-        return cluster == 2 ? launch<T, EPI, 2>(g, s) : launch<T, EPI, 1>(g, s);
+    const bool gather = g->a_rows != nullptr;
+    return moed_cuda_epi_dispatch(g->epi, [&]<int EPI>() -> int {
+        if constexpr (EPI == MOED_CUDA_EPI_STORE) { /* the down GEMM: H rows in order */
+            if (gather) return MOED_EINVAL;
+            return cluster == 2 ? launch<T, EPI, 2, false>(g, s) : launch<T, EPI, 1, false>(g, s);
+        } else {
+            if (gather)
+                return cluster == 2 ? launch<T, EPI, 2, true>(g, s) : launch<T, EPI, 1, true>(g, s);
+            return cluster == 2 ? launch<T, EPI, 2, false>(g, s) : launch<T, EPI, 1, false>(g, s);
+        }
     });
 }
 
@@ -365,7 +391,7 @@ template <typename T> int dispatch(const moed_cuda_gemm *g, int cluster, moed_cu
 extern "C" int moed_cuda_gemm_sp_sm90(const moed_cuda_gemm *g, int cluster, moed_cuda_stream s)
 {
     /* n a multiple of 128: a half last tile, except for SwiGLU (n_up a multiple of 256) */
-    if (!g->b_meta || g->bm != BT || g->n % (BF / 2) ||
+    if (!g->b_meta || g->bm != BT || (uintptr_t)g->a % 16 || g->n % (BF / 2) ||
         (g->epi == MOED_CUDA_EPI_SWIGLU && g->n % BF) || g->k % BK || g->lda % 8 || g->a_scale ||
         g->b_scale || g->b_estride != (int64_t)g->n * (g->k / 2) || (cluster != 1 && cluster != 2))
         return MOED_EINVAL;

@@ -88,6 +88,19 @@ static int sp24_forced(void)
     return k;
 }
 
+/* Whether wgmma.sp's up GEMM reads token rows pre-permuted (by TMA) rather than gathering them: at
+ * K >= 4096 (the table above). MOED_CUDA_SP24_PREPERMUTE=1 always, =0 never: for tests and
+ * measurements. */
+static int sp24_prepermute(int k)
+{
+    static int v = -2; /* every thread computes the same value, so the race is benign */
+    if (v == -2) {
+        const char *e = getenv("MOED_CUDA_SP24_PREPERMUTE");
+        v = e && *e == '1' ? 1 : e && *e == '0' ? 0 : -1;
+    }
+    return v >= 0 ? v : k >= 4096;
+}
+
 static int rows_per_expert_at_least(int64_t P, int n_active, int64_t rows)
 {
     if (n_active < 1) n_active = 1;
@@ -137,6 +150,7 @@ moed_cuda_tile_cfg moed_cuda_tile_choose(int sm, int64_t P, int n_active, int n,
         c.kernel = wg ? MOED_CUDA_KERNEL_SM90_SP : MOED_CUDA_KERNEL_SM80_SP;
         c.bn = wg ? 256 : 128;
         c.cluster = wg && !clusters_off() ? 2 : 1;
+        c.gather = !(wg && sp24_prepermute(k));
     } else if (wdtype == MOED_FP8 && hopper) {
         c.kernel = MOED_CUDA_KERNEL_SM90_FP8;
         c.bn = 128;
