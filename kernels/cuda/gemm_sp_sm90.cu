@@ -10,11 +10,12 @@
  * row, in moed_cuda.h's layout: the one device format gemm_sp_sm80.cu reads too) and each token
  * row's 128 values as two 128-byte swizzled halves, gathered by the producer warpgroup with
  * cp.async exactly as the dense Hopper kernel gathers them (zero-filled past the expert's rows),
- * or, when they are in order (the down GEMM's H rows), by TMA as two boxes of BT rows: rows past
- * the expert's are then the next expert's (or TMA's zeros), and, being other token columns of the
- * product, never stored.
- * The last n-tile may be half a tile (n a multiple of 128, not 256: the down GEMM of d 2880): its
- * rows past n are computed from whatever follows them (or TMA's zeros) and never stored.
+ * or, when they are in order (the down GEMM's H rows, or rows the table had pre-permuted), by TMA
+ * as two boxes of BT rows: rows past the expert's are then the next expert's (or TMA's zeros), and,
+ * being other token columns of the product, never stored. In clusters of two (tile_config.c) the
+ * two CTAs' m-tiles share the weight tile by multicast, as in gemm_sm90.cu. The last n-tile may be
+ * half a tile (n a multiple of 128, not 256: the down GEMM of d 2880): its rows past n are computed
+ * from whatever follows them (or TMA's zeros) and never stored.
  *
  * The SwiGLU pairing without leaving registers: wgmma's 64 rows are 8 groups of 8, and a warp's
  * accumulators hold groups 2w and 2w+1. Each wgmma.sp here reads every fourth 8-row group of the
@@ -29,7 +30,9 @@
  * mma.sp's (a thread: two tokens of one feature), one shuffle with lane ^ 4 gives a thread two
  * adjacent features of one token, and moed_cuda_epilogue2 writes them. Each output element is one
  * thread's fixed sequence of K-steps of 32 in order, whatever the tile's other rows, so a token's
- * result never depends on its batch.
+ * result never depends on its batch; and it is the same sequence and epilogue as gemm_sp_sm80.cu's,
+ * so the two kernels give a token the same bits (measured: docs/kernels-notes.md, "2:4 sparse
+ * experts on wgmma.sp"), and the table may switch between them by batch size.
  */
 #include "producer_sm90.cuh"
 

@@ -47,8 +47,9 @@
  * 16·rb+15 and K block kb (128 deep), the uint2 of lane 4g + t at word ((rb·(k/128) + kb)·32 +
  * lane)·2 holds in word j the K step 2j + (t >> 1) (run under selector t >> 1), half t & 1: one
  * 8-byte load a lane serves the block's four K steps. The
- * kernel (gemm_sp_sm80.cu) runs them on the Sparse Tensor Cores with the weights as the sparse A
- * operand, C^T = W · X^T; the shared experts stay dense.
+ * kernels (gemm_sp_sm80.cu on mma.sp, gemm_sp_sm90.cu on wgmma.sp, which reads the same layout:
+ * wgmma.sp takes each warp's metadata as mma.sp m16n8k32 does) run them on the Sparse Tensor Cores
+ * with the weights as the sparse A operand, C^T = W · X^T; the shared experts stay dense.
  */
 #ifndef MOED_CUDA_H
 #define MOED_CUDA_H

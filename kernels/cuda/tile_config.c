@@ -41,14 +41,29 @@
  * Elsewhere (and with sm80 forced) FP8 layers take the bf16 rows above on the portable kernel,
  * which dequantizes the weights as it loads them.
  *
- * 2:4 sparse routed experts (MOED_CUDA_SP24) run on mma.sp on every GPU, Hopper too (there is no
- * wgmma.sp kernel yet), the rows of the portable kernel's table; force_kernel does not apply:
+ * 2:4 sparse routed experts (MOED_CUDA_SP24): on Hopper wgmma.sp (gemm_sp_sm90.cu) from 32 rows an
+ * expert, mma.sp below and on other GPUs, the rows of the portable kernel's table; force_kernel
+ * does not apply (MOED_CUDA_SP24_KERNEL=sm80|sm90 pins the family, for tests and benchmarks). The
+ * two kernels give the same bits for a token (the same K-steps of 32 in the same order, the same
+ * epilogue: measured bit-identical), so a token alone on mma.sp and in a batch on wgmma.sp agree:
  *
  *   rows/expert   kernel   bm    bn    why
- *   >= 96         sm80sp   128   128   compute-bound: 8 warps, 3 stages
+ *   >= 32         sm90sp   128   256   (Hopper) wgmma.sp: faster than mma.sp from 32 rows an
+ *                                      expert on every layer measured (deepseek-v3 T=1024 4.02
+ *                                      ms against 4.41, gpt-oss 1.26 against 1.39; at 16 rows
+ *                                      mma.sp is 1.25-1.3x faster), 1.5-1.8x mma.sp at T >= 4096;
+ *                                      clusters of two share the weight tile (mixtral T=16384
+ *                                      16.7 -> 15.5 ms on an H100); the up GEMM's rows
+ *                                      pre-permuted at K >= 4096 (mixtral T=16384 16.19 -> 14.37
+ *                                      ms, deepseek-v3 19.92 -> 18.47; below, gathering is as
+ *                                      fast or faster); a half last n-tile where n is not a
+ *                                      multiple of 256
+ *   >= 96         sm80sp   128   128   (other GPUs) compute-bound: 8 warps, 3 stages
  *   >= 24         sm80sp    64   128
  *   >= 12         sm80sp    32   128
  *   <  12         sm80sp    16   128   weight streaming: 5 stages of 0.5625 of the dense bytes
+ *
+ * The runs: docs/kernels-notes.md, "2:4 sparse experts on wgmma.sp".
  */
 #include "moed_cuda.h"
 
@@ -123,7 +138,7 @@ int moed_cuda_fp8_native(int sm, int force_kernel)
 
 int moed_cuda_tile_bm(int sm, int64_t P, int n_active, int wdtype, int force_kernel)
 {
-    /* the Hopper kernels run (2:4 sparse weights: never) */
+    /* the dense Hopper kernels run (2:4 sparse weights have their own: wgmma.sp, bm 128) */
     const int hopper = wdtype != MOED_CUDA_SP24 && moed_cuda_fp8_native(sm, force_kernel);
     if (wdtype == MOED_CUDA_SP24 && sm == 90 && sp24_forced() != MOED_CUDA_KERNEL_SM80 &&
         (sp24_forced() || rows_per_expert_at_least(P, n_active, SP24_SM90_ROWS)))

@@ -99,7 +99,8 @@ __device__ __forceinline__ void wgmma_m64k32_e4m3(float *acc, uint64_t desc_a, u
 /* acc (64 x N per warpgroup) += A · B^T with A 2:4 sparse along K (64 x 32, its 64 x 16 kept values
  * in shared memory) and B dense (N x 32), T = __nv_bfloat16 or __half. e: this thread's metadata
  * word, read from the threads that selector SEL (0 or 1) names, as mma.sp m16n8k32 reads it per
- * warp of 16 rows (docs/kernels-notes.md, "wgmma.sp"). */
+ * warp of 16 rows (docs/kernels-notes.md, "2:4 sparse experts on
+ * wgmma.sp"). */
 template <typename T, int N, int SEL>
 __device__ __forceinline__ void wgmma_sp_m64k32(float *acc, uint64_t desc_a, uint64_t desc_b,
                                                 uint32_t e)
