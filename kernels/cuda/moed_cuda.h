@@ -47,8 +47,9 @@
  * 16·rb+15 and K block kb (128 deep), the uint2 of lane 4g + t at word ((rb·(k/128) + kb)·32 +
  * lane)·2 holds in word j the K step 2j + (t >> 1) (run under selector t >> 1), half t & 1: one
  * 8-byte load a lane serves the block's four K steps. The
- * kernel (gemm_sp_sm80.cu) runs them on the Sparse Tensor Cores with the weights as the sparse A
- * operand, C^T = W · X^T; the shared experts stay dense.
+ * kernels (gemm_sp_sm80.cu on mma.sp, gemm_sp_sm90.cu on wgmma.sp, which reads the same layout:
+ * wgmma.sp takes each warp's metadata as mma.sp m16n8k32 does) run them on the Sparse Tensor Cores
+ * with the weights as the sparse A operand, C^T = W · X^T; the shared experts stay dense.
  */
 #ifndef MOED_CUDA_H
 #define MOED_CUDA_H
@@ -185,7 +186,7 @@ typedef struct moed_cuda_gemm {
 /* The kernel family and tile shape chosen by the heuristic table (tile_config.c). */
 typedef struct moed_cuda_tile_cfg {
     int kernel; /* MOED_CUDA_KERNEL_SM80 (mma.sync), _SM90 (wgmma + TMA), _SM90_FP8 (e4m3 wgmma),
-                 * _SM80_SP (mma.sp on 2:4 sparse weights) */
+                 * _SM80_SP (mma.sp on 2:4 sparse weights), _SM90_SP (wgmma.sp on them) */
     int bm, bn;
     int gather;  /* up projection: gather token rows in the A load (1) or pre-permute them (0) */
     int cluster; /* _SM90: CTAs a cluster along M (1 or 2), sharing weight tiles by multicast */
@@ -194,7 +195,8 @@ enum {
     MOED_CUDA_KERNEL_SM80 = 80,
     MOED_CUDA_KERNEL_SM80_SP = 81,
     MOED_CUDA_KERNEL_SM90 = 90,
-    MOED_CUDA_KERNEL_SM90_FP8 = 92
+    MOED_CUDA_KERNEL_SM90_FP8 = 92,
+    MOED_CUDA_KERNEL_SM90_SP = 93
 };
 /* The table's weight format for the routed experts of a 2:4 sparse layer (beside the moed dtypes
  * MOED_BF16, MOED_F16 and MOED_FP8, whose values it does not take). */
@@ -221,6 +223,9 @@ int moed_cuda_fp8_native(int sm, int force_kernel);
 int moed_cuda_gemm_sm80(const moed_cuda_gemm *g, int bn, moed_cuda_stream s);
 /* 2:4 sparse B (g->b_meta set), bf16/f16, bm 16, 32, 64 or 128, n a multiple of 128. */
 int moed_cuda_gemm_sp_sm80(const moed_cuda_gemm *g, moed_cuda_stream s);
+/* The same on wgmma.sp (sm_90a): bm 128, n a multiple of 256, the same bits as the above; cluster
+ * 1, or 2 (two m-tiles share the weight tile by multicast). */
+int moed_cuda_gemm_sp_sm90(const moed_cuda_gemm *g, int cluster, moed_cuda_stream s);
 /* bn 128 or 256; cluster 1, or 2 at bn 256. */
 int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, int cluster, moed_cuda_stream s);
 /* FP8 A and B (both scales set), bf16 C, bm 64 or 128, bn 128. */

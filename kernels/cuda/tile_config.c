@@ -41,14 +41,29 @@
  * Elsewhere (and with sm80 forced) FP8 layers take the bf16 rows above on the portable kernel,
  * which dequantizes the weights as it loads them.
  *
- * 2:4 sparse routed experts (MOED_CUDA_SP24) run on mma.sp on every GPU, Hopper too (there is no
- * wgmma.sp kernel yet), the rows of the portable kernel's table; force_kernel does not apply:
+ * 2:4 sparse routed experts (MOED_CUDA_SP24): on Hopper wgmma.sp (gemm_sp_sm90.cu) from 32 rows an
+ * expert, mma.sp below and on other GPUs, the rows of the portable kernel's table; force_kernel
+ * does not apply (MOED_CUDA_SP24_KERNEL=sm80|sm90 pins the family, for tests and benchmarks). The
+ * two kernels give the same bits for a token (the same K-steps of 32 in the same order, the same
+ * epilogue: measured bit-identical), so a token alone on mma.sp and in a batch on wgmma.sp agree:
  *
  *   rows/expert   kernel   bm    bn    why
- *   >= 96         sm80sp   128   128   compute-bound: 8 warps, 3 stages
+ *   >= 32         sm90sp   128   256   (Hopper) wgmma.sp: faster than mma.sp from 32 rows an
+ *                                      expert on every layer measured (deepseek-v3 T=1024 4.02
+ *                                      ms against 4.41, gpt-oss 1.26 against 1.39; at 16 rows
+ *                                      mma.sp is 1.25-1.3x faster), 1.5-1.8x mma.sp at T >= 4096;
+ *                                      clusters of two share the weight tile (mixtral T=16384
+ *                                      16.7 -> 15.5 ms on an H100); the up GEMM's rows
+ *                                      pre-permuted at K >= 4096 (mixtral T=16384 16.19 -> 14.37
+ *                                      ms, deepseek-v3 19.92 -> 18.47; below, gathering is as
+ *                                      fast or faster); a half last n-tile where n is not a
+ *                                      multiple of 256
+ *   >= 96         sm80sp   128   128   (other GPUs) compute-bound: 8 warps, 3 stages
  *   >= 24         sm80sp    64   128
  *   >= 12         sm80sp    32   128
  *   <  12         sm80sp    16   128   weight streaming: 5 stages of 0.5625 of the dense bytes
+ *
+ * The runs: docs/kernels-notes.md, "2:4 sparse experts on wgmma.sp".
  */
 #include "moed_cuda.h"
 
@@ -57,6 +72,9 @@
 
 #include <stdlib.h>
 #include <string.h>
+
+/* Rows an expert from which 2:4 sparse layers run on wgmma.sp on Hopper (the table above). */
+#define SP24_SM90_ROWS 32
 
 /* MOED_CUDA_NO_CLUSTER=1 runs the Hopper kernel one CTA at a time: the same kernel without the
  * shared weight tiles, for measuring what they buy. */
@@ -68,6 +86,34 @@ static int clusters_off(void)
         off = v && *v == '1';
     }
     return off;
+}
+
+/* MOED_CUDA_SP24_KERNEL=sm80 keeps 2:4 sparse layers on mma.sp whatever the batch, =sm90 runs them
+ * on wgmma.sp (bm 128) for every batch on Hopper, where n allows: for tests and benchmarks. */
+static int sp24_forced(void)
+{
+    static int k = -1; /* every thread computes the same value, so the race is benign */
+    if (k < 0) {
+        const char *v = getenv("MOED_CUDA_SP24_KERNEL");
+        k = !v                   ? 0
+            : !strcmp(v, "sm80") ? MOED_CUDA_KERNEL_SM80
+            : !strcmp(v, "sm90") ? MOED_CUDA_KERNEL_SM90
+                                 : 0;
+    }
+    return k;
+}
+
+/* Whether wgmma.sp's up GEMM reads token rows pre-permuted (by TMA) rather than gathering them: at
+ * K >= 4096 (the table above). MOED_CUDA_SP24_PREPERMUTE=1 always, =0 never: for tests and
+ * measurements. */
+static int sp24_prepermute(int k)
+{
+    static int v = -2; /* every thread computes the same value, so the race is benign */
+    if (v == -2) {
+        const char *e = getenv("MOED_CUDA_SP24_PREPERMUTE");
+        v = e && *e == '1' ? 1 : e && *e == '0' ? 0 : -1;
+    }
+    return v >= 0 ? v : k >= 4096;
 }
 
 static int rows_per_expert_at_least(int64_t P, int n_active, int64_t rows)
@@ -92,8 +138,11 @@ int moed_cuda_fp8_native(int sm, int force_kernel)
 
 int moed_cuda_tile_bm(int sm, int64_t P, int n_active, int wdtype, int force_kernel)
 {
-    /* the Hopper kernels run (2:4 sparse weights: never) */
+    /* the dense Hopper kernels run (2:4 sparse weights have their own: wgmma.sp, bm 128) */
     const int hopper = wdtype != MOED_CUDA_SP24 && moed_cuda_fp8_native(sm, force_kernel);
+    if (wdtype == MOED_CUDA_SP24 && sm == 90 && sp24_forced() != MOED_CUDA_KERNEL_SM80 &&
+        (sp24_forced() || rows_per_expert_at_least(P, n_active, SP24_SM90_ROWS)))
+        return 128; /* wgmma.sp */
     if (wdtype == MOED_FP8 && hopper) return rows_per_expert_at_least(P, n_active, 96) ? 128 : 64;
     if (hopper && (force_kernel || rows_per_expert_at_least(P, n_active, 56))) return 128;
     if (rows_per_expert_at_least(P, n_active, 96)) return 128;
@@ -111,8 +160,12 @@ moed_cuda_tile_cfg moed_cuda_tile_choose(int sm, int64_t P, int n_active, int n,
     c.gather = 1;
     c.cluster = 1;
     if (wdtype == MOED_CUDA_SP24) {
-        c.kernel = MOED_CUDA_KERNEL_SM80_SP;
-        c.bn = 128;
+        const int forced = sp24_forced();
+        const int wg = sm == 90 && c.bm == 128 && forced != MOED_CUDA_KERNEL_SM80;
+        c.kernel = wg ? MOED_CUDA_KERNEL_SM90_SP : MOED_CUDA_KERNEL_SM80_SP;
+        c.bn = wg ? 256 : 128;
+        c.cluster = wg && !clusters_off() ? 2 : 1;
+        c.gather = !(wg && sp24_prepermute(k));
     } else if (wdtype == MOED_FP8 && hopper) {
         c.kernel = MOED_CUDA_KERNEL_SM90_FP8;
         c.bn = 128;
@@ -133,6 +186,7 @@ int moed_cuda_gemm_run(const moed_cuda_gemm *g, const moed_cuda_tile_cfg *cfg, m
 {
     if (cfg->bm != g->bm) return MOED_EINVAL;
     if (cfg->kernel == MOED_CUDA_KERNEL_SM80_SP) return moed_cuda_gemm_sp_sm80(g, s);
+    if (cfg->kernel == MOED_CUDA_KERNEL_SM90_SP) return moed_cuda_gemm_sp_sm90(g, cfg->cluster, s);
     if (cfg->kernel == MOED_CUDA_KERNEL_SM90_FP8) return moed_cuda_gemm_fp8_sm90(g, s);
     if (cfg->kernel == MOED_CUDA_KERNEL_SM90)
         return moed_cuda_gemm_sm90(g, cfg->bn, cfg->cluster, s);

@@ -22,6 +22,7 @@ typedef struct tcase {
 
 enum { S80 = MOED_CUDA_KERNEL_SM80, S90 = MOED_CUDA_KERNEL_SM90, S90P = MOED_CUDA_KERNEL_SM90P };
 enum { S90F = MOED_CUDA_KERNEL_SM90_FP8, S80S = MOED_CUDA_KERNEL_SM80_SP };
+enum { S90S = MOED_CUDA_KERNEL_SM90_SP };
 enum { BF = MOED_BF16, F8 = MOED_FP8, SP = MOED_CUDA_SP24 };
 
 static const tcase cases[] = {
@@ -51,17 +52,25 @@ static const tcase cases[] = {
     { "fp8 96 rows", 90, 96, 8, 28672, 4096, F8, 0, S90F, 128, 128, 1, 1 },
     { "fp8 95 rows", 90, 95, 8, 28672, 4096, F8, 0, S90F, 64, 128, 1, 1 },
     { "fp8 on sm80", 80, 96, 8, 28672, 4096, F8, 0, S80, 128, 128, 1, 1 },
-    /* 2:4 sparse routed experts: mma.sp everywhere, the portable rows, forcing changes nothing */
-    { "sp24 Hopper 56 rows", 90, 56, 128, 1536, 2048, SP, 0, S80S, 64, 128, 1, 1 },
-    { "sp24 Hopper 96 rows", 90, 96, 8, 28672, 4096, SP, 0, S80S, 128, 128, 1, 1 },
+    /* 2:4 sparse routed experts: on Hopper wgmma.sp (bm 128, 256 features, clusters of two) from
+     * 32 rows an expert, mma.sp below and elsewhere; pre-permuted rows at K >= 4096; a half last
+     * n-tile where n is not a multiple of 256; force_kernel changes nothing */
+    { "sp24 Hopper 32 rows", 90, 32, 128, 1536, 2048, SP, 0, S90S, 128, 256, 1, 2 },
+    { "sp24 Hopper 31 rows", 90, 31, 128, 1536, 2048, SP, 0, S80S, 64, 128, 1, 1 },
+    { "sp24 mixtral 96 rows (k 4096)", 90, 96, 8, 28672, 4096, SP, 0, S90S, 128, 256, 0, 2 },
+    { "sp24 gpt-oss down 32 rows", 90, 32, 128, 2944, 2944, SP, 0, S90S, 128, 256, 1, 2 },
     { "sp24 Hopper 11 rows", 90, 11, 128, 1536, 2048, SP, 0, S80S, 16, 128, 1, 1 },
     { "sp24 sm80 12 rows", 80, 12, 128, 1536, 2048, SP, 0, S80S, 32, 128, 1, 1 },
+    { "sp24 sm80 96 rows", 80, 96, 8, 28672, 4096, SP, 0, S80S, 128, 128, 1, 1 },
     { "sp24 sm90 forced at 1 row", 90, 1, 128, 1536, 2048, SP, S90, S80S, 16, 128, 1, 1 },
+    { "sp24 sm80 forced at 96 rows", 90, 96, 8, 28672, 4096, SP, S80, S90S, 128, 256, 0, 2 },
 };
 
 int main(void)
 {
-    unsetenv("MOED_CUDA_NO_CLUSTER"); /* the table's own choice of clusters */
+    unsetenv("MOED_CUDA_NO_CLUSTER");  /* the table's own choice of clusters */
+    unsetenv("MOED_CUDA_SP24_KERNEL"); /* and of the 2:4 kernels */
+    unsetenv("MOED_CUDA_SP24_PREPERMUTE");
     const int n = (int)(sizeof cases / sizeof cases[0]);
     for (int i = 0; i < n; i++) {
         const tcase *c = &cases[i];

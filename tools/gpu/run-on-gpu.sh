@@ -30,7 +30,8 @@
 #   fp8-bench moe-bench with bf16 and FP8 weights side by side (standard shapes, T = 8 .. 16384,
 #             graph-replayed small batches, two padded --shape ones) with both matmul ceilings
 #   sparse    2:4 sparse experts on the Sparse Tensor Cores: the suite's sparse cases
-#             (MOED_GPU_TEST_SPARSE_ONLY), compute-sanitizer memcheck on the quick ones, then
+#             (MOED_GPU_TEST_SPARSE_ONLY; again with wgmma.sp for every batch, gathered and
+#             pre-permuted), compute-sanitizer memcheck on the quick ones (table and wgmma.sp), then
 #             moe-bench --weights bf16,sparse24 on the standard shapes and SPARSE_SHAPES at
 #             T = 8 .. 16384 (graph-replayed at T <= 64 too), torch's semi-structured sparse matmul
 #             on the same (bench/kernels/torch_sparse_ref.py), and the table in sparse.md; first
@@ -300,9 +301,18 @@ stage_sparse() {
     MOED_BIN=$B/moed MOED_TEST_COMPUTE=bf16 logged "$OUT/pytest-sparse24.log" \
         "$PY" -m pytest -q -rfEsxX -p no:cacheprovider tests/e2e/test_sparse24.py
     MOED_GPU_TEST_SPARSE_ONLY=1 logged "$OUT/gpu-sparse.log" timeout 300 "$B/test_cuda_backend"
+    # every batch on wgmma.sp (Hopper), gathered and pre-permuted: the table takes it from 32 rows
+    MOED_CUDA_SP24_KERNEL=sm90 MOED_GPU_TEST_SPARSE_ONLY=1 logged "$OUT/gpu-sparse-sm90.log" \
+        timeout 300 "$B/test_cuda_backend"
+    MOED_CUDA_SP24_KERNEL=sm90 MOED_CUDA_SP24_PREPERMUTE=1 MOED_GPU_TEST_SPARSE_ONLY=1 \
+        quiet "$RAW/gpu-sparse-sm90-prepermuted.log" timeout 300 "$B/test_cuda_backend"
     MOED_GPU_TEST_SPARSE_ONLY=1 MOED_GPU_TEST_QUICK=1 quiet "$RAW/sanitize-sparse-memcheck.log" \
         timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 "$B/test_cuda_backend"
     tail -4 "$RAW/sanitize-sparse-memcheck.log"
+    MOED_CUDA_SP24_KERNEL=sm90 MOED_GPU_TEST_SPARSE_ONLY=1 MOED_GPU_TEST_QUICK=1 \
+        quiet "$RAW/sanitize-sparse-sm90-memcheck.log" \
+        timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 "$B/test_cuda_backend"
+    tail -4 "$RAW/sanitize-sparse-sm90-memcheck.log"
     logged "$OUT/moe-sparse.txt" timeout 300 "$B/moe-bench" "${shapes[@]}" --weights bf16,sparse24 \
         --tokens "$PEER_TOKENS" --min-ms 100 --json "$RAW/moe-sparse.json"
     logged "$RAW/moe-sparse-graph.txt" timeout 120 "$B/moe-bench" "${shapes[@]}" \

@@ -2,7 +2,8 @@
  * ptx/wgmma — warpgroup MMA (sm_90a): the shared-memory matrix descriptor, the fences that order
  * accumulator registers and shared memory around asynchronous MMAs, commit/wait of MMA groups, and
  * the wrappers that name the generated instructions (wgmma_ops.cuh) for a type and width: m64nNk16
- * for bf16/f16, m64nNk32 for e4m3. Either way a K step is 32 bytes of a 128-byte swizzled row.
+ * for bf16/f16, m64nNk32 for e4m3, and the sparse m64nNk32 for bf16/f16 (2:4 A). Either way a K
+ * step of A is 32 bytes of a 128-byte swizzled row (for sparse A: of its kept values).
  */
 #ifndef MOED_PTX_WGMMA_CUH
 #define MOED_PTX_WGMMA_CUH
@@ -28,6 +29,14 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr)
 {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) |
            ((uint64_t)(sw128_atom_bytes >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
+/* The same with 8-row groups `sbo` bytes apart (a multiple of sw128_atom_bytes): an operand whose
+ * groups are not adjacent, such as every fourth group of a larger tile. */
+__device__ __forceinline__ uint64_t wgmma_desc_sw128_sbo(uint32_t addr, uint32_t sbo)
+{
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(sbo >> 4) << 32) |
+           ((uint64_t)1 << 62);
 }
 
 /* Before the first MMA that reads registers or shared memory written since the last one. */
@@ -85,6 +94,23 @@ __device__ __forceinline__ void wgmma_m64k32_e4m3(float *acc, uint64_t desc_a, u
 {
     static_assert(N == 128, "wgmma_ops.cuh has the e4m3 instruction for N = 128");
     wgmma_m64n128k32_e4m3(acc, desc_a, desc_b, scale_d);
+}
+
+/* acc (64 x N per warpgroup) += A · B^T with A 2:4 sparse along K (64 x 32, its 64 x 16 kept values
+ * in shared memory) and B dense (N x 32), T = __nv_bfloat16 or __half. e: this thread's metadata
+ * word, read from the threads that selector SEL (0 or 1) names, as mma.sp m16n8k32 reads it per
+ * warp of 16 rows (docs/kernels-notes.md, "2:4 sparse experts on
+ * wgmma.sp"). */
+template <typename T, int N, int SEL>
+__device__ __forceinline__ void wgmma_sp_m64k32(float *acc, uint64_t desc_a, uint64_t desc_b,
+                                                uint32_t e)
+{
+    static_assert(N == 128, "wgmma_ops.cuh has the sparse instruction for N = 128");
+    static_assert(SEL == 0 || SEL == 1, "16-bit types take selectors 0 and 1");
+    if constexpr (std::is_same<T, __nv_bfloat16>::value)
+        wgmma_sp_m64n128k32_bf16<SEL>(acc, desc_a, desc_b, e);
+    else
+        wgmma_sp_m64n128k32_f16<SEL>(acc, desc_a, desc_b, e);
 }
 
 } // namespace moed::ptx
