@@ -265,6 +265,19 @@ typedef struct loader {
 enum { SLOT_ROUTER, SLOT_BIAS, SLOT_SHARED, SLOT_EXPERTS = SLOT_SHARED + 3 };
 #define MISSING_LISTED 4
 
+/* A tensor whose first element is not aligned to its size cannot be read in place: refused. */
+static int check_aligned(loader *ld, const moed_st_tensor *t)
+{
+    if (t->offset % moed_dtype_size(t->mdtype))
+        return moed_fail(ld->err, MOED_EFORMAT,
+                         "%s: tensor %s starts at byte %llu, not a multiple of its %zu-byte "
+                         "elements; rewrite the file with the safetensors package, which aligns "
+                         "tensors",
+                         t->file, t->name, (unsigned long long)t->offset,
+                         moed_dtype_size(t->mdtype));
+    return 0;
+}
+
 /* ---- compressed-tensors 2:4 (hf.h gives the format) ---- */
 
 static int check_dtype(loader *ld, const moed_st_tensor *t, bool matrix);
@@ -351,13 +364,7 @@ static int check_compressed(loader *ld, const moed_st_tensor *t, uint64_t rows, 
                          (i64 || i32) && n_el == 2 ? "says another dense shape"
                                                    : "is not two integers (I64 or I32)",
                          dims, (unsigned long long)rows, (unsigned long long)cols);
-    if (t->offset % moed_dtype_size(t->mdtype))
-        return moed_fail(ld->err, MOED_EFORMAT,
-                         "%s: tensor %s starts at byte %llu, not a multiple of its %zu-byte "
-                         "elements; rewrite the file with the safetensors package, which aligns "
-                         "tensors",
-                         t->file, t->name, (unsigned long long)t->offset,
-                         moed_dtype_size(t->mdtype));
+    if ((rc = check_aligned(ld, t))) return rc;
     if (bitmask_out) *bitmask_out = bm;
     return 0;
 }
@@ -451,13 +458,7 @@ static int check_tensor(loader *ld, const moed_st_tensor *t, bool matrix, int nd
                          t->name, moed_st_shape_str(t, have, sizeof have),
                          moed_st_shape_str(&w, exp, sizeof exp), dims);
     }
-    if (t->offset % moed_dtype_size(t->mdtype))
-        return moed_fail(ld->err, MOED_EFORMAT,
-                         "%s: tensor %s starts at byte %llu, not a multiple of its %zu-byte "
-                         "elements; rewrite the file with the safetensors package, which aligns "
-                         "tensors",
-                         t->file, t->name, (unsigned long long)t->offset,
-                         moed_dtype_size(t->mdtype));
+    if ((rc = check_aligned(ld, t))) return rc;
     return 0;
 }
 
