@@ -1,16 +1,21 @@
 /*
  * split_bench — expert parallelism measured (moe-split-bench): one layer whole on the first listed
  * device against the same layer split over the listed devices (moed --expert-parallel), both
- * through the CUDA backend as the daemon drives it (x from pinned host memory, y back to it), and
- * the peer bandwidth between the first two GPUs beside it, in the same run.
+ * through the CUDA backend as the daemon drives it, and the peer bandwidth between the first two
+ * GPUs beside it, in the same run. x and y lie where `--io` says: on the first GPU (`device`, the
+ * default: a caller's CUDA region or doorbell tensors, read and written in place, so the wire and
+ * the host copies are not what is measured) or in pinned host memory (`host`, an inline call's
+ * staging).
  *
  * The command line is one moed_opt table (`moe-split-bench --help` prints it).
  *
  * The layer is the synthetic SPEC (default: DeepSeek-V3's shape, d 7168, ff 2048, 256 experts,
  * top-8, one shared expert of 2048), routed uniformly (8 distinct experts a token). For each T: the
  * median milliseconds of a forward whole and split, tokens/s, the speedup, the time of x's and
- * y's host copies alone on the first GPU (both layouts pay them once: the split's own traffic is
- * device to device), and whether the split output equals the whole one bit for bit. Peer
+ * y's host copies alone on the first GPU (what `--io host` adds to both layouts: the split's own
+ * traffic is device to device), the split's largest per-token difference from the whole layer (a
+ * token's largest error over its own largest magnitude: docs/cuda.md says why a split sums in
+ * another order) and whether two split runs gave the same bits. Peer
  * bandwidth: cudaMemcpyPeerAsync of 256 MiB each way and both ways at once (peer access enabled
  * where the GPUs allow it; "staged" where not, the driver copying through the host), beside a copy
  * within the first GPU. Prints a markdown table; --json writes the figures.
@@ -22,6 +27,8 @@
 #include "moed_synth.h"
 
 #include <cuda_runtime_api.h>
+#include <math.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,7 +42,7 @@
 #define PEER_MIB 256
 
 typedef struct args {
-    const char *spec, *tokens, *devices, *json;
+    const char *spec, *tokens, *devices, *io, *json;
     double min_ms;
 } args;
 
@@ -48,6 +55,9 @@ static const moed_opt options[] = {
     MOED_OPT_STR_ROW("tokens", F(tokens), "LIST", "8,4096", NULL, "batch sizes T, at most 16"),
     MOED_OPT_STR_ROW("devices", F(devices), "LIST", "0,1", NULL,
                      "GPUs: the layer whole on the first, split over all (two or more)"),
+    MOED_OPT_CHOICE_ROW("io", F(io), "device|host", "device", NULL,
+                        "where x and y lie: device (the first GPU, read and written in place) or\n"
+                        "host (pinned memory, copied in and out)"),
     MOED_OPT_NUM_ROW("min-ms", F(min_ms), "MS", 1e-3, 1e7, "300", "give milliseconds > 0", NULL,
                      "time each figure for at least MS milliseconds"),
     MOED_OPT_STR_ROW("json", F(json), "FILE", NULL, NULL, "write the figures here"),
@@ -241,16 +251,59 @@ static int uniform_route(const moed_layer_info *li, int64_t T, moed_route *r)
 typedef struct row {
     int64_t T;
     double whole_ms, split_ms, copy_ms;
-    int identical;
+    double worst;      /* the split's largest per-token error/magnitude against the whole layer */
+    int deterministic; /* two split runs gave the same bits */
 } row;
 
-/* The layer whole (bw) and split (bs), host buffers for the largest T. */
+/* The layer whole (bw) and split (bs); host buffers for the largest T, and (--io device) x and
+ * both outputs on the first GPU. */
 typedef struct bench {
     moed_backend *bw, *bs;
-    uint16_t *x, *yw, *ys;
-    void *dx;
-    int d;
+    uint16_t *x, *yw, *ys, *ys2;
+    void *dx, *dyw, *dys;
+    int d, dev0, on_device;
 } bench;
+
+/* The job of T tokens whose output goes to y (host) or dy (the first GPU). */
+static moed_job job_of(const bench *B, int64_t T, const moed_route *route, void *y, void *dy,
+                       moed_part *lone)
+{
+    if (!B->on_device)
+        return (moed_job){ .dtype = MOED_BF16, .T = T, .x = B->x, .y = y, .route = route };
+    *lone = (moed_part){ T, B->dx, B->dev0, dy, B->dev0, NULL };
+    return (moed_job){ .dtype = MOED_BF16, .T = T, .parts = lone, .n_parts = 1, .route = route };
+}
+
+/* A token's largest |a - b| over its own largest |b|, the worst over T tokens of d (bf16). */
+static double worst_token(const uint16_t *a, const uint16_t *b, int64_t T, int d)
+{
+    double worst = 0;
+    float *fa = malloc(sizeof(float) * (size_t)d), *fb = malloc(sizeof(float) * (size_t)d);
+    for (int64_t t = 0; t < T; t++) {
+        moed_to_f32(MOED_BF16, a + t * d, fa, (size_t)d);
+        moed_to_f32(MOED_BF16, b + t * d, fb, (size_t)d);
+        double err = 0, mag = 0;
+        for (int c = 0; c < d; c++) {
+            const double e = fabs((double)fa[c] - fb[c]), m = fabs((double)fb[c]);
+            err = e > err || e != e ? e : err;
+            mag = m > mag ? m : mag;
+        }
+        const double r = err != err ? INFINITY : mag > 0 ? err / mag : err;
+        worst = r > worst ? r : worst;
+    }
+    free(fa);
+    free(fb);
+    return worst;
+}
+
+/* The outputs of the last runs into host memory, where --io device left them on the GPU. */
+static void outputs_home(const bench *B, size_t bytes)
+{
+    if (!B->on_device) return;
+    cudaSetDevice(B->dev0);
+    cudaMemcpy(B->yw, B->dyw, bytes, cudaMemcpyDeviceToHost);
+    cudaMemcpy(B->ys, B->dys, bytes, cudaMemcpyDeviceToHost);
+}
 
 /* One T: both backends on the same x and route. */
 static int run_T(bench *B, const moed_layer_info *li, int64_t T, double min_ms, row *out)
@@ -258,41 +311,56 @@ static int run_T(bench *B, const moed_layer_info *li, int64_t T, double min_ms, 
     const size_t bytes = (size_t)T * B->d * 2;
     moed_route route = { 0 };
     if (uniform_route(li, T, &route)) return 1;
-    fwd w = { B->bw, { .dtype = MOED_BF16, .T = T, .x = B->x, .y = B->yw, .route = &route } },
-        sp = { B->bs, { .dtype = MOED_BF16, .T = T, .x = B->x, .y = B->ys, .route = &route } };
+    moed_part pw, ps;
+    fwd w = { B->bw, job_of(B, T, &route, B->yw, B->dyw, &pw) },
+        sp = { B->bs, job_of(B, T, &route, B->ys, B->dys, &ps) };
     copies c = { B->dx, B->x, bytes };
     out->T = T;
     out->whole_ms = time_ms(fwd_once, &w, min_ms);
     out->split_ms = time_ms(fwd_once, &sp, min_ms);
-    out->identical = !memcmp(B->yw, B->ys, bytes);
+    outputs_home(B, bytes);
+    memcpy(B->ys2, B->ys, bytes);
+    const int again = fwd_once(&sp);
+    outputs_home(B, bytes);
+    out->deterministic = !again && !memcmp(B->ys2, B->ys, bytes);
+    out->worst = worst_token(B->ys, B->yw, T, B->d);
     out->copy_ms = time_ms(copies_once, &c, min_ms / 4);
     moed_route_free(&route);
-    return out->whole_ms < 0 || out->split_ms < 0 || out->copy_ms < 0;
+    return out->whole_ms < 0 || out->split_ms < 0 || out->copy_ms < 0 || again;
 }
 
-static int bench_open(bench *B, const moed_layer *l, const int *dev, int n, int64_t max_T)
+static int bench_open(bench *B, const moed_layer *l, const int *dev, int n, int64_t max_T,
+                      bool on_device)
 {
     const size_t bytes = (size_t)max_T * l->info.d_model * 2;
     memset(B, 0, sizeof *B);
     B->d = l->info.d_model;
+    B->dev0 = dev[0];
+    B->on_device = on_device;
     if (!(B->bw = open_on(l, dev, 1, max_T)) || !(B->bs = open_on(l, dev, n, max_T))) return 1;
     B->x = moed_backend_host_alloc(B->bw, bytes);
     B->yw = moed_backend_host_alloc(B->bw, bytes);
     B->ys = moed_backend_host_alloc(B->bw, bytes);
+    B->ys2 = malloc(bytes);
     cudaSetDevice(dev[0]);
-    if (!B->x || !B->yw || !B->ys || cudaMalloc(&B->dx, bytes) != cudaSuccess) return 1;
+    if (!B->x || !B->yw || !B->ys || !B->ys2 || cudaMalloc(&B->dx, bytes) != cudaSuccess ||
+        cudaMalloc(&B->dyw, bytes) != cudaSuccess || cudaMalloc(&B->dys, bytes) != cudaSuccess)
+        return 1;
     uint64_t s = 3;
     for (size_t i = 0; i < bytes / 2; i++) {
         s = moed_splitmix64(s);
         const float v = (float)((double)(s >> 11) / 9007199254740992.0 * 2 - 1);
         moed_from_f32(MOED_BF16, &v, &B->x[i], 1);
     }
-    return 0;
+    return cudaMemcpy(B->dx, B->x, bytes, cudaMemcpyHostToDevice) != cudaSuccess;
 }
 
 static void bench_close(bench *B)
 {
     cudaFree(B->dx);
+    cudaFree(B->dyw);
+    cudaFree(B->dys);
+    free(B->ys2);
     if (B->bw) {
         moed_backend_host_free(B->bw, B->x);
         moed_backend_host_free(B->bw, B->yw);
@@ -305,15 +373,19 @@ static void bench_close(bench *B)
 static void report(const args *a, const int *dev, int n, const row *rows, int nr,
                    const double gbs[4], const char *mode)
 {
+    printf("x and y in %s\n\n",
+           a->io[0] == 'd' ? "device memory of the first GPU" : "pinned host memory");
     printf("| T | whole on GPU %d (ms) | split over %d devices (ms) | speedup | tokens/s whole | "
-           "tokens/s split | x and y host copies (ms) | split bit-identical |\n",
+           "tokens/s split | x and y host copies (ms) | split vs whole, worst token | split "
+           "deterministic |\n",
            dev[0], n);
-    printf("|---|---|---|---|---|---|---|---|\n");
+    printf("|---|---|---|---|---|---|---|---|---|\n");
     for (int i = 0; i < nr; i++)
-        printf("| %lld | %.3f | %.3f | %.2fx | %.0f | %.0f | %.3f | %s |\n", (long long)rows[i].T,
-               rows[i].whole_ms, rows[i].split_ms, rows[i].whole_ms / rows[i].split_ms,
-               rows[i].T / (rows[i].whole_ms / 1e3), rows[i].T / (rows[i].split_ms / 1e3),
-               rows[i].copy_ms, rows[i].identical ? "yes" : "NO");
+        printf("| %lld | %.3f | %.3f | %.2fx | %.0f | %.0f | %.3f | %.1e | %s |\n",
+               (long long)rows[i].T, rows[i].whole_ms, rows[i].split_ms,
+               rows[i].whole_ms / rows[i].split_ms, rows[i].T / (rows[i].whole_ms / 1e3),
+               rows[i].T / (rows[i].split_ms / 1e3), rows[i].copy_ms, rows[i].worst,
+               rows[i].deterministic ? "yes" : "NO");
     printf("\nPeer bandwidth GPU %d <-> GPU %d (%s, %d MiB copies): %.1f GB/s %d->%d, %.1f GB/s "
            "%d->%d, %.1f GB/s both ways at once; within GPU %d: %.1f GB/s (read + written)\n",
            dev[0], dev[1], mode, PEER_MIB, gbs[0], dev[0], dev[1], gbs[1], dev[1], dev[0], gbs[2],
@@ -321,17 +393,17 @@ static void report(const args *a, const int *dev, int n, const row *rows, int nr
     if (!a->json) return;
     FILE *f = fopen(a->json, "w");
     if (!f) return;
-    fprintf(
-        f,
-        "{\"spec\": \"%s\", \"devices\": \"%s\", \"peer\": {\"mode\": \"%s\", \"ab_gbs\": %.2f, "
-        "\"ba_gbs\": %.2f, \"both_gbs\": %.2f, \"local_gbs\": %.2f}, \"rows\": [",
-        a->spec, a->devices, mode, gbs[0], gbs[1], gbs[2], gbs[3]);
+    fprintf(f,
+            "{\"spec\": \"%s\", \"devices\": \"%s\", \"io\": \"%s\", \"peer\": {\"mode\": \"%s\", "
+            "\"ab_gbs\": %.2f, "
+            "\"ba_gbs\": %.2f, \"both_gbs\": %.2f, \"local_gbs\": %.2f}, \"rows\": [",
+            a->spec, a->devices, a->io, mode, gbs[0], gbs[1], gbs[2], gbs[3]);
     for (int i = 0; i < nr; i++)
         fprintf(f,
                 "%s{\"T\": %lld, \"whole_ms\": %.4f, \"split_ms\": %.4f, \"copy_ms\": %.4f, "
-                "\"identical\": %s}",
+                "\"worst_token\": %.3e, \"deterministic\": %s}",
                 i ? ", " : "", (long long)rows[i].T, rows[i].whole_ms, rows[i].split_ms,
-                rows[i].copy_ms, rows[i].identical ? "true" : "false");
+                rows[i].copy_ms, rows[i].worst, rows[i].deterministic ? "true" : "false");
     fprintf(f, "]}\n");
     fclose(f);
 }
@@ -374,11 +446,13 @@ int main(int argc, char **argv)
     row rows[MAX_T];
     int nr = 0;
     bench B;
-    rc = bench_open(&B, &layer, dev, n, max_T);
+    rc = bench_open(&B, &layer, dev, n, max_T, a.io[0] == 'd');
     for (; nr < nt && !rc; nr++) rc = run_T(&B, &layer.info, Ts[nr], a.min_ms, &rows[nr]);
     bench_close(&B);
     if (!rc) report(&a, dev, n, rows, nr, gbs, mode);
     moed_synth_free_layer(&layer);
-    for (int i = 0; i < nr && !rc; i++) rc = !rows[i].identical;
+    /* a split sums a token's terms in another order than the whole layer, then rounds once to
+     * bf16: within two of bf16's roundings of the token's largest magnitude (docs/cuda.md) */
+    for (int i = 0; i < nr && !rc; i++) rc = !rows[i].deterministic || !(rows[i].worst <= 0x1p-7);
     return rc ? 1 : 0;
 }
