@@ -685,25 +685,29 @@ void moed_route_localize(moed_route *r, const int32_t *local_of)
 }
 
 void moed_route_split(const moed_route *r, int64_t t0, int64_t t1, const uint8_t *part_of,
-                      const int *first, int n_parts, moed_route *parts, int32_t *pos)
+                      const int *first, int n_parts, moed_route *parts, int32_t *tok, int32_t *row)
 {
-    const int64_t T = t1 - t0, p0 = r->off[t0];
-    int64_t base[MOED_ROUTE_MAX_PARTS];
+    const int64_t T = t1 - t0;
     for (int q = 0; q < n_parts; q++) {
-        parts[q].T = T;
+        parts[q].T = 0;
         parts[q].off[0] = 0;
     }
-    for (int64_t t = 0; t < T; t++) {
-        for (int q = 0; q < n_parts; q++) parts[q].off[t + 1] = parts[q].off[t];
+    for (int64_t i = 0; i < (int64_t)n_parts * T; i++) row[i] = -1;
+    for (int64_t t = 0; t < T; t++)
         for (int64_t j = r->off[t0 + t]; j < r->off[t0 + t + 1]; j++) {
             const int e = r->expert[j], q = part_of[e];
-            const int64_t k = parts[q].off[t + 1]++;
-            parts[q].expert[k] = e - first[q];
-            parts[q].weight[k] = r->weight[j];
-            pos[j - p0] = (int32_t)k; /* within its part; the parts' bases are added below */
+            moed_route *p = &parts[q];
+            if (row[q * T + t] < 0) { /* the token's first pair in this part opens its row */
+                row[q * T + t] = (int32_t)p->T;
+                tok[q * T + p->T] = (int32_t)t;
+                p->off[p->T + 1] = p->off[p->T];
+                p->T++;
+            }
+            const int64_t k = p->off[p->T]++;
+            p->expert[k] = e - first[q];
+            p->weight[k] = r->weight[j];
         }
-    }
-    int64_t at = 0;
-    for (int q = 0; q < n_parts; at += parts[q++].off[T]) base[q] = at;
-    for (int64_t j = p0; j < r->off[t1]; j++) pos[j - p0] += (int32_t)base[part_of[r->expert[j]]];
+    int32_t base = 0; /* the parts' rows one after another */
+    for (int q = 0; q < n_parts; base += (int32_t)parts[q++].T)
+        for (int64_t i = 0; i < parts[q].T; i++) row[q * T + tok[q * T + i]] += base;
 }

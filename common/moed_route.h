@@ -157,11 +157,13 @@ void moed_route_localize(moed_route *r, const int32_t *local_of);
 
 /* Splits tokens [t0, t1) of r by ranges of experts (a layer's experts over devices): expert e
  * belongs to part part_of[e] (< n_parts <= MOED_ROUTE_MAX_PARTS), whose experts start at
- * first[part]. Part p gets, as its own route over the t1 - t0 tokens (parts[p], with room for
- * them and their pairs), the pairs of its experts in their order, numbered e - first[p]; a token
- * may get no pair. pos[j], for the range's pair j (r's pair off[t0] + j), is where its result lands
- * when the parts' pairs are laid one after another, part 0's first, each part's in its order. */
+ * first[part]. Part p gets, as its own route (parts[p], with room for T = t1 - t0 tokens and their
+ * pairs), only the tokens with a pair of its experts, in their order, each with those pairs in
+ * their order, numbered e - first[p]: parts[p].T tokens, whose numbers in the range are
+ * tok[p * T + i] (i < parts[p].T). row[p * T + t] is where token t's partial row lies when the
+ * parts' rows are laid one after another, part 0's first, each part's in its token order; -1
+ * where token t has no pair in part p. tok and row hold n_parts * T entries. */
 void moed_route_split(const moed_route *r, int64_t t0, int64_t t1, const uint8_t *part_of,
-                      const int *first, int n_parts, moed_route *parts, int32_t *pos);
+                      const int *first, int n_parts, moed_route *parts, int32_t *tok, int32_t *row);
 
 #endif

@@ -684,12 +684,13 @@ static void test_router_rounding(void)
 }
 
 /* moed_route_split: a range of tokens cut by expert ranges (a layer split over devices). Each
- * part's route holds its pairs in their token and order with local ids, and pos puts every pair's
- * result where the parts' pairs laid one after another hold it: each (expert, weight) found there,
- * every slot used once. */
+ * part's route holds exactly the tokens with a pair of its experts, in order, each with its pairs
+ * of those experts in their order and local ids; tok names each part token's place in the range,
+ * and row puts each (token, part) where the parts' rows laid one after another hold it: every row
+ * used once, -1 exactly where the token has no pair in the part. */
 static void test_split(void)
 {
-    enum { T = 50, E = 10, NP = 3, T0 = 5, T1 = 45 };
+    enum { T = 50, E = 10, NP = 3, T0 = 5, T1 = 45, N = T1 - T0 };
     const int first[NP] = { 0, 3, 7 };
     uint8_t part_of[E];
     for (int e = 0; e < E; e++) part_of[e] = e >= 7 ? 2 : e >= 3 ? 1 : 0;
@@ -703,53 +704,48 @@ static void test_split(void)
         }
         if (t + 1 < T) r.off[t + 2] = r.off[t + 1];
     }
-    for (int q = 0; q < NP; q++) moed_route_init(&parts[q], T1 - T0, T * 6);
-    const int64_t P = r.off[T1] - r.off[T0];
-    int32_t *pos = malloc(sizeof(int32_t) * (size_t)(P + 1));
-    moed_route_split(&r, T0, T1, part_of, first, NP, parts, pos);
-    int64_t total = 0;
+    for (int q = 0; q < NP; q++) moed_route_init(&parts[q], N, T * 6);
+    int32_t tok[NP * N], row[NP * N];
+    memset(tok, 0x7f, sizeof tok);
+    moed_route_split(&r, T0, T1, part_of, first, NP, parts, tok, row);
+    int64_t pairs = 0, rows = 0;
     for (int q = 0; q < NP; q++) {
-        CHECK_EQ_INT(parts[q].T, T1 - T0);
-        total += parts[q].off[T1 - T0];
+        pairs += parts[q].off[parts[q].T];
+        rows += parts[q].T;
     }
-    CHECK_EQ_INT(total, P);
-    int32_t *exp_at = malloc(sizeof(int32_t) * (size_t)(P + 1));
-    float *w_at = malloc(sizeof(float) * (size_t)(P + 1));
-    uint8_t *used = calloc((size_t)P + 1, 1);
-    for (int q = 0, at = 0; q < NP; at += (int)parts[q++].off[T1 - T0])
-        for (int64_t k = 0; k < parts[q].off[T1 - T0]; k++) {
-            CHECK(parts[q].expert[k] >= 0 &&
-                  parts[q].expert[k] < (q < NP - 1 ? first[q + 1] : E) - first[q]);
-            exp_at[at + k] = parts[q].expert[k] + first[q];
-            w_at[at + k] = parts[q].weight[k];
+    CHECK_EQ_INT(pairs, r.off[T1] - r.off[T0]);
+    uint8_t used[NP * N] = { 0 };
+    int32_t next[NP] = { 0 }; /* each part's next token */
+    for (int t = 0; t < N; t++) {
+        for (int q = 0, base = 0; q < NP; base += (int)parts[q++].T) {
+            /* the token's pairs of part q, in route order, against the part's next token */
+            int64_t mine = 0;
+            for (int64_t j = r.off[T0 + t]; j < r.off[T0 + t + 1]; j++)
+                mine += part_of[r.expert[j]] == q;
+            if (!mine) {
+                CHECK_EQ_INT(row[q * N + t], -1);
+                continue;
+            }
+            const int32_t i = next[q]++;
+            CHECK(i < parts[q].T);
+            if (i >= parts[q].T) continue;
+            CHECK_EQ_INT(tok[q * N + i], t);
+            CHECK_EQ_INT(row[q * N + t], base + i);
+            CHECK(row[q * N + t] >= 0 && row[q * N + t] < rows && !used[row[q * N + t]]);
+            if (row[q * N + t] >= 0 && row[q * N + t] < rows) used[row[q * N + t]] = 1;
+            CHECK_EQ_INT(parts[q].off[i + 1] - parts[q].off[i], mine);
+            int64_t k = parts[q].off[i];
+            for (int64_t j = r.off[T0 + t]; j < r.off[T0 + t + 1]; j++) {
+                if (part_of[r.expert[j]] != q) continue;
+                CHECK_EQ_INT(parts[q].expert[k] + first[q], r.expert[j]);
+                CHECK(parts[q].weight[k] == r.weight[j]);
+                k++;
+            }
         }
-    for (int t = T0; t < T1; t++) {
-        int64_t seen[NP] = { 0 };
-        for (int64_t j = r.off[t]; j < r.off[t + 1]; j++) {
-            const int32_t at = pos[j - r.off[T0]];
-            CHECK(at >= 0 && at < P && !used[at]);
-            if (at < 0 || at >= P) continue;
-            used[at] = 1;
-            CHECK_EQ_INT(exp_at[at], r.expert[j]);
-            CHECK(w_at[at] == r.weight[j]);
-            seen[part_of[r.expert[j]]]++;
-        }
-        for (int q = 0; q < NP; q++) /* the token's pairs in each part are its own, in order */
-            CHECK_EQ_INT(parts[q].off[t - T0 + 1] - parts[q].off[t - T0], seen[q]);
     }
-    /* in order within a part: positions increase along the route for pairs of one part */
-    int32_t last[NP] = { -1, -1, -1 };
-    for (int64_t j = r.off[T0]; j < r.off[T1]; j++) {
-        const int q = part_of[r.expert[j]];
-        CHECK(pos[j - r.off[T0]] > last[q]);
-        last[q] = pos[j - r.off[T0]];
-    }
+    for (int q = 0; q < NP; q++) CHECK_EQ_INT(next[q], parts[q].T); /* no token made up */
     moed_route_free(&r);
     for (int q = 0; q < NP; q++) moed_route_free(&parts[q]);
-    free(pos);
-    free(exp_at);
-    free(w_at);
-    free(used);
 }
 
 int main(void)
