@@ -39,19 +39,39 @@ static uint64_t free_total(const moed_place_dev *devs, int n)
     return sum;
 }
 
+/* The entry of least expected work among those whose GPU has `bytes` free, ties to the fewest
+ * bytes placed, then to the first listed; -1 if none. */
+static int least_work(const moed_place_dev *devs, const double *load, int n, uint64_t bytes)
+{
+    int best = -1;
+    for (int i = 0; i < n; i++) {
+        if (devs[i].free < bytes) continue;
+        if (best < 0 || load[i] < load[best] ||
+            (load[i] == load[best] && devs[i].placed < devs[best].placed))
+            best = i;
+    }
+    return best;
+}
+
 /* The split: home is the lightest entry with room for the base, then each expert in turn to the
- * entry that is lightest once it holds it; counts become contiguous ranges in entry order. */
+ * entry that is lightest once it holds it, or with home_work, to the entry of least expected work
+ * (the home starting at home_work, each expert adding 1); counts become contiguous ranges in entry
+ * order. */
 static int split(moed_place_dev *devs, int n, const moed_place_need *need, moed_layer_place *out)
 {
     moed_place_dev d[MOED_PLACE_MAX];
     int count[MOED_PLACE_MAX] = { 0 };
+    double load[MOED_PLACE_MAX] = { 0 };
+    const bool by_work = need->home_work > 0;
     memcpy(d, devs, sizeof d[0] * (size_t)n);
     const int home = lightest(d, n, need->base);
     if (home < 0) return -1;
     take(d, n, home, need->base);
+    load[home] = need->home_work;
     for (int e = 0; e < need->n_experts; e++) {
-        const int i = lightest(d, n, need->expert);
+        const int i = by_work ? least_work(d, load, n, need->expert) : lightest(d, n, need->expert);
         if (i < 0) return -1;
+        load[i] += 1;
         take(d, n, i, need->expert);
         count[i]++;
     }

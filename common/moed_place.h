@@ -11,6 +11,17 @@
  * each expert given to the device that is then lightest (the home's share counted), so the bytes
  * even out as far as whole experts allow. A device may get no expert of a small layer.
  *
+ * Bytes are not time, though: the shared experts run for every token, a routed expert only for
+ * the top_k/E of them routed to it, so DeepSeek-V3's one shared expert (256 experts, top 8) does
+ * the work of 32 routed ones, and a split even in bytes leaves the home ~5/9 of the work on 2
+ * GPUs. So when the caller gives the home's work (home_work > 0, in routed experts' expected work),
+ * the split evens the layer's expected work instead: the home's load starts at home_work, the
+ * others' at 0, and each expert in turn goes to the entry of least load among those whose GPU has
+ * room for it (ties: the fewest bytes placed, then the first listed), adding 1; DeepSeek-V3 on 2
+ * GPUs: 112 experts on the home, 144 on the other. The home is still the lightest in bytes with
+ * room for its part, and it may get no routed expert at all. docs/cuda.md ("Several GPUs of a
+ * host") has the numbers.
+ *
  * Devices are the backend's entries in the order given (moed --devices); two entries may be one
  * GPU (--devices 0,0 runs the split on one GPU) and then share its free memory: `gpu` says which.
  * Layers are placed one at a time, in load order; moed_place_layer updates the devices' counts.
@@ -36,6 +47,10 @@ typedef struct moed_place_need {
     uint64_t expert; /* bytes of one routed expert (each the same) */
     int n_experts;
     bool split; /* expert parallelism asked for (moed --expert-parallel) */
+    /* Per-token work of what the home runs besides its routed experts (the shared experts), in
+     * routed experts' expected work under uniform routing: a shared expert as wide as a routed one
+     * in a layer of E experts and top k is E/k. 0: a split evens bytes only. */
+    double home_work;
 } moed_place_need;
 
 /* A range of a layer's experts on one device entry: experts first .. first + count - 1. */

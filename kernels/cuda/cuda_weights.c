@@ -216,7 +216,7 @@ static size_t router_bytes(const cuda_layer *L, const moed_layer *l)
 }
 
 /* What the planner weighs (moed_place.h): device bytes of one routed expert with its scales, and
- * of the rest (shared experts, router). */
+ * of the rest (shared experts, router); and the shared experts' work, for a split. */
 static moed_place_need layer_need(const cuda_layer *L, const moed_layer *l, bool split)
 {
     const int64_t dp = L->k.d_pad;
@@ -230,6 +230,12 @@ static moed_place_need layer_need(const cuda_layer *L, const moed_layer *l, bool
     n.base = wbytes(L, sup + sdn) +
              sizeof(float) * (wscales(L, L->k.sn_up, dp) + wscales(L, dp, L->k.sff_pad)) +
              router_bytes(L, l);
+    /* The shared experts run for every token, a routed expert for top_k of the router's experts
+     * (the whole layer's, also on an expert shard) on average: their GEMM width over a routed
+     * expert's expected one is the home's extra work, which a split evens out (moed_place.h). */
+    if (L->k.sff_pad && L->info.top_k > 0)
+        n.home_work = (double)(L->k.sn_up + L->k.sff_pad) * moed_layer_router_experts(&L->info) /
+                      ((double)(L->k.n_up + L->k.ff_pad) * L->info.top_k);
     return n;
 }
 

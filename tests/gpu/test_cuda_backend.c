@@ -46,6 +46,7 @@
  * (with QUICK, a few).
  */
 #include "check.h"
+#include "tok_gpu.h"
 #include "tok_ref.h"
 
 #include "moed_registry.h"
@@ -158,29 +159,6 @@ static moed_backend *open_backend(const char *name, const char *kernel, const mo
     return b;
 }
 
-/* The sub-route of the given tokens (their pairs, in order), as its own route over len tokens. */
-static void sub_route(const moed_route *r, const int64_t *tok, int64_t len, moed_route *out)
-{
-    int64_t pairs = 0;
-    for (int64_t i = 0; i < len; i++) pairs += r->off[tok[i] + 1] - r->off[tok[i]];
-    moed_route_init(out, len, pairs > 0 ? pairs : 1);
-    int64_t p = 0;
-    for (int64_t i = 0; i < len; i++) {
-        for (int64_t j = r->off[tok[i]]; j < r->off[tok[i] + 1]; j++, p++) {
-            out->expert[p] = r->expert[j];
-            out->weight[p] = r->weight[j];
-        }
-        out->off[i + 1] = p;
-    }
-}
-
-static void gather_rows(const void *x, size_t row_bytes, const int64_t *tok, int64_t len, void *dst)
-{
-    for (int64_t i = 0; i < len; i++)
-        memcpy((char *)dst + (size_t)i * row_bytes, (const char *)x + (size_t)tok[i] * row_bytes,
-               row_bytes);
-}
-
 /* The bounds (relative Frobenius error against the CPU backend; FP8: also per token) that
  * proto/moed/v1/moed.proto states, from this suite's errors on an H100 (FP8 Tensor Cores: 3.6e-2
  * to 4.8e-2 a batch, 7.3e-2 the worst token; portable: at most 5.7e-3; FP8 against bf16 on one
@@ -192,26 +170,15 @@ static void gather_rows(const void *x, size_t row_bytes, const int64_t *tok, int
 #define BOUND_FP8_PORT    1e-2 /* portable: bf16 operands, dequantized weights */
 #define BOUND_FP8_VS_BF16 8e-2 /* FP8 path on a bf16 model quantized at load vs its bf16 path */
 
-/* Per-token bounds (tok_ref.h: a token's largest error over its own largest magnitude, plus
- * TOK_ATOL), by compute type. Measured on an H100 over every case of the tables (the run prints
- * them): bf16 compute at most 8.0e-3 (p99 of a case at most 7.6e-3), f16 9.7e-4, FP8 on the Tensor
- * Cores 9.3e-2 against the CPU and 7.2e-2 against float64 (p99 of a case at most 7.1e-2), the
- * portable FP8 path 1.4e-2 and 9.6e-3; each rtol leaves 2x to 3x of room, and a token dropped is
- * an error of 1. The outputs are about 0.1 to 1 in size, so atol matters only for rows that are
- * (nearly) zero. */
-enum { C_BF16, C_F16, C_FP8, C_FP8_PORT, C_COUNT };
-static const char *const compute_name[C_COUNT] = { "bf16", "f16", "fp8 tensor cores",
-                                                   "fp8 portable" };
-static const double tok_rtol[C_COUNT] = { 2e-2, 3e-3, 2e-1, 3e-2 };
-#define TOK_ATOL 1e-4
-/* Tokens of a case checked against the float64 reference, which costs 3 d_model d_ff per pair: of
- * the full-size shapes (sampled rows), fewer. */
+/* The per-token bounds, by compute type, are tok_ref.h's (tok_rtol, TOK_ATOL; test_split holds
+ * a split layer to them too). Tokens of a case checked against the float64 reference, which costs 3
+ * d_model d_ff per pair: of the full-size shapes (sampled rows), fewer. */
 #define TOK_REF_ROWS      64
 #define TOK_REF_ROWS_FULL 8
 
 /* The largest per-token error/magnitude ratio seen over the run, by compute type and reference (0
  * the CPU backend, 1 float64); -1 where no case ran. */
-static double run_rel_max[C_COUNT][2] = { { -1, -1 }, { -1, -1 }, { -1, -1 }, { -1, -1 } };
+static double run_rel_max[TOK_C_COUNT][2] = { { -1, -1 }, { -1, -1 }, { -1, -1 }, { -1, -1 } };
 
 /* Compares the GPU's rows with a reference token by token; returns the report. */
 static tok_report check_tokens(const tcase *tc, int cls, int against_f64, const double *got,
@@ -250,14 +217,6 @@ static double token_err(int dtype, const void *got, const void *ref, int64_t n, 
     free(g);
     free(r);
     return worst;
-}
-
-/* Whether FP8 layers run on the FP8 Tensor Cores with this kernel choice on device 0. */
-static int fp8_native(const char *kernel)
-{
-    struct cudaDeviceProp p;
-    if (kernel) return strcmp(kernel, "sm80") != 0;
-    return cudaGetDeviceProperties(&p, 0) == cudaSuccess && p.major == 9 && p.minor == 0;
 }
 
 /* Relative Frobenius error of got against ref over n elements; -1 if got has NaN/Inf. */
@@ -355,14 +314,14 @@ static void run_case(const tcase *tc, int sparse)
         CHECK_MSG(rc == 0, "%s: cuda forward: %s", tc->name, err.msg);
 
         moed_route sr = { 0 };
-        sub_route(&route, tok, n_ref, &sr);
-        gather_rows(x, row, tok, n_ref, xs);
-        gather_rows(y, row, tok, n_ref, ys);
+        tok_sub_route(&route, tok, n_ref, &sr);
+        tok_gather_rows(x, row, tok, n_ref, xs);
+        tok_gather_rows(y, row, tok, n_ref, ys);
         moed_job rjob = { .dtype = tc->xdtype, .T = n_ref, .x = xs, .y = yr, .route = &sr };
         rc = moed_backend_forward(cpu, 0, &rjob, &err);
         CHECK_MSG(rc == 0, "%s: cpu forward: %s", tc->name, err.msg);
 
-        const int fp8 = li->wdtype == MOED_FP8, native = fp8 && fp8_native(tc->kernel);
+        const int fp8 = li->wdtype == MOED_FP8, native = fp8 && tok_fp8_native(tc->kernel, 0);
         const double bound = native                   ? BOUND_FP8_NATIVE
                              : fp8                    ? BOUND_FP8_PORT
                              : li->wdtype == MOED_F16 ? BOUND_F16
@@ -379,7 +338,7 @@ static void run_case(const tcase *tc, int sparse)
 
         /* Token by token: against the CPU on every compared row, against float64 on the first
          * TOK_REF_ROWS of them. */
-        const int cls = native ? C_FP8 : fp8 ? C_FP8_PORT : li->wdtype == MOED_F16 ? C_F16 : C_BF16;
+        const int cls = tok_compute_class(li->wdtype, native);
         const int64_t most = tc->sample ? TOK_REF_ROWS_FULL : TOK_REF_ROWS,
                       n64 = n_ref < most ? n_ref : most;
         double *g = malloc(sizeof(double) * (size_t)(n_ref * d)),
@@ -388,7 +347,7 @@ static void run_case(const tcase *tc, int sparse)
         tok_to_f64(tc->xdtype, ys, g, (size_t)(n_ref * d));
         tok_to_f64(tc->xdtype, yr, c, (size_t)(n_ref * d));
         moed_route r64 = { 0 };
-        sub_route(&route, tok, n64, &r64);
+        tok_sub_route(&route, tok, n64, &r64);
         tok_ref_forward(&layer, tc->xdtype, xs, &r64, n64, f);
         const tok_report vc = check_tokens(tc, cls, 0, g, c, n_ref, d),
                          vf = check_tokens(tc, cls, 1, g, f, n64, d);
@@ -424,7 +383,7 @@ static void run_case(const tcase *tc, int sparse)
         /* Determinism: the first sampled token alone must reproduce its row of the batch bit for
          * bit. */
         moed_route one = { 0 };
-        sub_route(&route, tok, 1, &one);
+        tok_sub_route(&route, tok, 1, &one);
         moed_job ojob = { .dtype = tc->xdtype, .T = 1, .x = xs, .y = yr, .route = &one };
         poison(tc->xdtype, yr, (size_t)d);
         rc = moed_backend_forward(gpu, 0, &ojob, &err);
@@ -1029,11 +988,11 @@ int main(void)
         for (size_t i = 0; i < sizeof router_cases / sizeof router_cases[0]; i++)
             run_router_case(&router_cases[i]);
     }
-    for (int k = 0; k < C_COUNT; k++)
+    for (int k = 0; k < TOK_C_COUNT; k++)
         if (run_rel_max[k][0] >= 0)
             fprintf(stderr,
                     "per-token error/magnitude, largest over the run, %s compute: vs cpu %.2e, "
                     "vs f64 %.2e (rtol %g)\n",
-                    compute_name[k], run_rel_max[k][0], run_rel_max[k][1], tok_rtol[k]);
+                    tok_compute_name[k], run_rel_max[k][0], run_rel_max[k][1], tok_rtol[k]);
     return check_status("test_cuda_backend");
 }

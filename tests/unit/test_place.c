@@ -2,7 +2,9 @@
  * test_place — the placement planner (moed_place.h): whole layers by bytes, not round-robin; a
  * split layer's ranges contiguous, covering, and even in bytes; a layer larger than any one device
  * split by itself; one that fits nowhere refused with its size; two entries of one GPU sharing its
- * free memory. The CUDA backend places with this same function.
+ * free memory; with the home's work given (home_work), a split even in expected work instead,
+ * within what each GPU has room for, and exactly the byte split without it. The CUDA backend
+ * places with this same function.
  */
 #include "check.h"
 
@@ -40,7 +42,7 @@ static void test_whole_by_bytes(void)
     moed_error err;
     moed_layer_place p;
     devs_init(d, 2, NULL, 100 * GB);
-    const moed_place_need big = { 0, 1 * GB, 8, false }, small = { 0, 1 * GB, 2, false };
+    const moed_place_need big = { 0, 1 * GB, 8, false, 0 }, small = { 0, 1 * GB, 2, false, 0 };
     CHECK(moed_place_layer(d, 2, &big, &p, &err) == 0);
     CHECK_EQ_INT(p.home, 0);
     CHECK_EQ_INT(p.n_parts, 1);
@@ -66,7 +68,7 @@ static void test_whole_skips_full(void)
     moed_place_dev d[2] = { { 0, 3 * GB, 0 }, { 1, 50 * GB, 10 * GB } };
     moed_error err;
     moed_layer_place p;
-    const moed_place_need l = { 0, 1 * GB, 4, false };
+    const moed_place_need l = { 0, 1 * GB, 4, false, 0 };
     CHECK(moed_place_layer(d, 2, &l, &p, &err) == 0);
     CHECK_EQ_INT(p.home, 1);
     CHECK(!moed_place_is_split(&p));
@@ -80,7 +82,7 @@ static void test_split_asked(void)
     moed_error err;
     moed_layer_place p;
     devs_init(d, 2, NULL, 100 * GB);
-    const moed_place_need l = { 4 * 88 * MB, 88 * MB, 256, true };
+    const moed_place_need l = { 4 * 88 * MB, 88 * MB, 256, true, 0 };
     CHECK(moed_place_layer(d, 2, &l, &p, &err) == 0);
     CHECK(moed_place_is_split(&p));
     CHECK_EQ_INT(p.home, 0);
@@ -103,7 +105,7 @@ static void test_split_when_too_big(void)
     moed_error err;
     moed_layer_place p;
     devs_init(d, 3, NULL, 10 * GB);
-    const moed_place_need l = { 1 * GB, 1 * GB, 24, false }; /* 25 GB over 3 x 10 GB */
+    const moed_place_need l = { 1 * GB, 1 * GB, 24, false, 0 }; /* 25 GB over 3 x 10 GB */
     CHECK(moed_place_layer(d, 3, &l, &p, &err) == 0);
     CHECK(moed_place_is_split(&p));
     CHECK_EQ_INT(p.n_parts, 3);
@@ -116,7 +118,7 @@ static void test_split_when_too_big(void)
     CHECK_EQ_INT(d[1].placed, 8 * GB);
     /* what is left (5 GB) cannot take another 9 GB layer, split or not: refused, nothing counted */
     const moed_place_dev before[3] = { d[0], d[1], d[2] };
-    const moed_place_need l2 = { 1 * GB, 1 * GB, 8, false };
+    const moed_place_need l2 = { 1 * GB, 1 * GB, 8, false, 0 };
     CHECK(moed_place_layer(d, 3, &l2, &p, &err) == MOED_ENOMEM);
     CHECK(strstr(err.msg, "9.00 GiB") != NULL);
     CHECK(strstr(err.msg, "5.00 GiB free") != NULL);
@@ -130,7 +132,7 @@ static void test_one_device(void)
     moed_place_dev d[1] = { { 0, 4 * GB, 0 } };
     moed_error err;
     moed_layer_place p;
-    const moed_place_need big = { 0, 1 * GB, 5, false }, fits = { 0, 1 * GB, 3, true };
+    const moed_place_need big = { 0, 1 * GB, 5, false, 0 }, fits = { 0, 1 * GB, 3, true, 0 };
     CHECK(moed_place_layer(d, 1, &big, &p, &err) == MOED_ENOMEM);
     CHECK(strstr(err.msg, "the device holds") != NULL);
     CHECK(moed_place_layer(d, 1, &fits, &p, &err) == 0);
@@ -147,7 +149,7 @@ static void test_same_gpu_twice(void)
     moed_error err;
     moed_layer_place p;
     devs_init(d, 2, gpu, 10 * GB);
-    const moed_place_need l = { 0, 1 * GB, 6, true };
+    const moed_place_need l = { 0, 1 * GB, 6, true, 0 };
     CHECK(moed_place_layer(d, 2, &l, &p, &err) == 0);
     CHECK_EQ_INT(p.n_parts, 2);
     CHECK_EQ_INT(p.part[0].count, 3);
@@ -155,7 +157,7 @@ static void test_same_gpu_twice(void)
     CHECK_EQ_INT(d[0].free, 4 * GB);
     CHECK_EQ_INT(d[1].free, 4 * GB);
     /* 4 GB left on the GPU, whichever entry: a 5-expert layer fits nowhere */
-    const moed_place_need l2 = { 0, 1 * GB, 5, true };
+    const moed_place_need l2 = { 0, 1 * GB, 5, true, 0 };
     CHECK(moed_place_layer(d, 2, &l2, &p, &err) == MOED_ENOMEM);
     CHECK(strstr(err.msg, "4.00 GiB free") != NULL);
 }
@@ -167,10 +169,182 @@ static void test_few_experts(void)
     moed_error err;
     moed_layer_place p;
     devs_init(d, 4, NULL, 10 * GB);
-    const moed_place_need l = { 0, 1 * GB, 2, true };
+    const moed_place_need l = { 0, 1 * GB, 2, true, 0 };
     CHECK(moed_place_layer(d, 4, &l, &p, &err) == 0);
     CHECK_EQ_INT(p.n_parts, 2);
     check_cover(&p, 2);
+}
+
+/* DeepSeek-V3 (256 experts, top 8, one shared expert as wide as a routed one: 32 experts' work)
+ * asked split over two equal GPUs: the first 32 experts go to the other entry, then they alternate,
+ * the home first (fewer bytes): 112 + 32 = 144 on each. Bytes still counted as ever. */
+static void test_work_two(void)
+{
+    moed_place_dev d[2];
+    moed_error err;
+    moed_layer_place p;
+    devs_init(d, 2, NULL, 100 * GB);
+    const moed_place_need l = { 1 * 88 * MB, 88 * MB, 256, true, 32.0 };
+    CHECK(moed_place_layer(d, 2, &l, &p, &err) == 0);
+    CHECK(moed_place_is_split(&p));
+    CHECK_EQ_INT(p.home, 0);
+    CHECK_EQ_INT(p.n_parts, 2);
+    check_cover(&p, 256);
+    CHECK_EQ_INT(p.part[0].dev, 0);
+    CHECK_EQ_INT(p.part[0].count, 112);
+    CHECK_EQ_INT(p.part[1].dev, 1);
+    CHECK_EQ_INT(p.part[1].count, 144);
+    CHECK_EQ_INT(d[0].placed, 113 * 88 * MB);
+    CHECK_EQ_INT(d[1].placed, 144 * 88 * MB);
+    CHECK_EQ_INT(d[0].free, 100 * GB - 113 * 88 * MB);
+    CHECK_EQ_INT(d[1].free, 100 * GB - 144 * 88 * MB);
+    /* the next layer's home is the lightest in bytes, as ever: entry 0, the same split */
+    CHECK(moed_place_layer(d, 2, &l, &p, &err) == 0);
+    CHECK_EQ_INT(p.home, 0);
+    CHECK_EQ_INT(p.part[0].count, 112);
+    /* with the second GPU lighter in bytes it is the home, and now it gets 112 */
+    devs_init(d, 2, NULL, 100 * GB);
+    d[0].placed = 1;
+    CHECK(moed_place_layer(d, 2, &l, &p, &err) == 0);
+    CHECK_EQ_INT(p.home, 1);
+    check_cover(&p, 256);
+    CHECK_EQ_INT(p.part[0].count, 144);
+    CHECK_EQ_INT(p.part[1].count, 112);
+    /* ties of work go to the fewer bytes, not the first listed: home 1 at 2, entry 0 takes two
+     * (2, 2: to the home, 0 bytes), then entry 0 (3, 3: to the home again): 3 + 2, not 4 + 1 */
+    devs_init(d, 2, NULL, 100 * GB);
+    d[0].placed = 1;
+    const moed_place_need t = { 0, 1 * GB, 5, true, 2.0 };
+    CHECK(moed_place_layer(d, 2, &t, &p, &err) == 0);
+    CHECK_EQ_INT(p.home, 1);
+    check_cover(&p, 5);
+    CHECK_EQ_INT(p.part[0].count, 3);
+    CHECK_EQ_INT(p.part[1].count, 2);
+}
+
+/* home_work 0 is the byte split exactly: test_split_asked's inputs give its 126 + 130 and bytes,
+ * whereas home_work 32 on them gives 112 + 144. */
+static void test_work_zero_is_bytes(void)
+{
+    moed_place_dev d[2], w[2];
+    moed_error err;
+    moed_layer_place p, q;
+    devs_init(d, 2, NULL, 100 * GB);
+    devs_init(w, 2, NULL, 100 * GB);
+    const moed_place_need bytes = {
+        .base = 4 * 88 * MB, .expert = 88 * MB, .n_experts = 256, .split = true, .home_work = 0
+    };
+    moed_place_need work = bytes;
+    work.home_work = 32;
+    for (int rep = 0; rep < 3; rep++) {
+        CHECK(moed_place_layer(d, 2, &bytes, &p, &err) == 0);
+        CHECK_EQ_INT(p.home, 0);
+        CHECK_EQ_INT(p.n_parts, 2);
+        check_cover(&p, 256);
+        CHECK_EQ_INT(p.part[0].count, 126);
+        CHECK_EQ_INT(p.part[1].count, 130);
+        CHECK_EQ_INT(d[0].placed, d[1].placed);
+        CHECK(moed_place_layer(w, 2, &work, &q, &err) == 0);
+        check_cover(&q, 256);
+    }
+    CHECK_EQ_INT(q.home, 0);
+    CHECK_EQ_INT(q.part[0].count, 112);
+    CHECK_EQ_INT(q.part[1].count, 144);
+    CHECK_EQ_INT(w[0].placed, 3 * 116 * 88 * MB);
+    CHECK_EQ_INT(w[1].placed, 3 * 144 * 88 * MB);
+    /* the same bytes placed either way in all */
+    CHECK_EQ_INT(d[0].placed + d[1].placed, w[0].placed + w[1].placed);
+}
+
+/* Four GPUs: the three others take 32 each first, then all four 40 more: home 40 (+32 = 72), the
+ * others 72 each. */
+static void test_work_four(void)
+{
+    moed_place_dev d[4];
+    moed_error err;
+    moed_layer_place p;
+    devs_init(d, 4, NULL, 100 * GB);
+    const moed_place_need l = { 88 * MB, 88 * MB, 256, true, 32.0 };
+    CHECK(moed_place_layer(d, 4, &l, &p, &err) == 0);
+    CHECK_EQ_INT(p.home, 0);
+    CHECK_EQ_INT(p.n_parts, 4);
+    check_cover(&p, 256);
+    CHECK_EQ_INT(p.part[0].count, 40);
+    for (int i = 1; i < 4; i++) {
+        CHECK_EQ_INT(p.part[i].dev, i);
+        CHECK_EQ_INT(p.part[i].count, 72);
+    }
+    /* a fractional home_work, 2.5, and 10 experts: the others take 1, 2, then 3 each (2 < 2.5 <
+     * 3), then the home its one (3.5); with 8 experts the home would get none */
+    devs_init(d, 4, NULL, 100 * GB);
+    const moed_place_need f = { 0, 1 * GB, 10, true, 2.5 };
+    CHECK(moed_place_layer(d, 4, &f, &p, &err) == 0);
+    check_cover(&p, 10);
+    CHECK_EQ_INT(p.home, 0);
+    CHECK_EQ_INT(p.n_parts, 4);
+    CHECK_EQ_INT(p.part[0].count, 1);
+    for (int i = 1; i < 4; i++) CHECK_EQ_INT(p.part[i].count, 3);
+}
+
+/* Room binds: a GPU too small for its share of the work takes what fits, the rest go elsewhere;
+ * and a small home takes only what fits. */
+static void test_work_room(void)
+{
+    moed_place_dev d[2] = { { 0, 300 * GB, 0 }, { 1, 100 * GB, 0 } };
+    moed_error err;
+    moed_layer_place p;
+    const moed_place_need l = { 4 * GB, 1 * GB, 256, true, 32.0 };
+    CHECK(moed_place_layer(d, 2, &l, &p, &err) == 0);
+    CHECK_EQ_INT(p.home, 0);
+    check_cover(&p, 256);
+    CHECK_EQ_INT(p.part[0].count, 156); /* 144 would be even; entry 1 holds only 100 */
+    CHECK_EQ_INT(p.part[1].count, 100);
+    CHECK_EQ_INT(d[1].free, 0);
+    CHECK_EQ_INT(d[0].free, 300 * GB - 160 * GB);
+    /* the home has room for 46 experts past its base, not 112 */
+    moed_place_dev s[2] = { { 0, 50 * GB, 0 }, { 1, 500 * GB, 0 } };
+    CHECK(moed_place_layer(s, 2, &l, &p, &err) == 0);
+    CHECK_EQ_INT(p.home, 0);
+    check_cover(&p, 256);
+    CHECK_EQ_INT(p.part[0].count, 46);
+    CHECK_EQ_INT(p.part[1].count, 210);
+    CHECK_EQ_INT(s[0].free, 0);
+    /* too big for any one GPU, not asked: split by work all the same */
+    moed_place_dev t[2] = { { 0, 200 * GB, 0 }, { 1, 200 * GB, 0 } };
+    const moed_place_need big = { 4 * GB, 1 * GB, 256, false, 32.0 };
+    CHECK(moed_place_layer(t, 2, &big, &p, &err) == 0);
+    CHECK(moed_place_is_split(&p));
+    check_cover(&p, 256);
+    CHECK_EQ_INT(p.part[0].count, 112);
+    CHECK_EQ_INT(p.part[1].count, 144);
+    /* and what fits nowhere is still refused, nothing counted */
+    moed_place_dev u[2] = { { 0, 100 * GB, 0 }, { 1, 100 * GB, 0 } };
+    const moed_place_dev before[2] = { u[0], u[1] };
+    CHECK(moed_place_layer(u, 2, &big, &p, &err) == MOED_ENOMEM);
+    CHECK(!memcmp(before, u, sizeof before));
+}
+
+/* A home busy enough gets no routed expert: its one part is elsewhere, still a split. */
+static void test_work_home_empty(void)
+{
+    moed_place_dev d[2];
+    moed_error err;
+    moed_layer_place p;
+    devs_init(d, 2, NULL, 10 * GB);
+    const moed_place_need l = { 1 * GB, 1 * GB, 6, true, 8.0 };
+    CHECK(moed_place_layer(d, 2, &l, &p, &err) == 0);
+    CHECK_EQ_INT(p.home, 0);
+    CHECK_EQ_INT(p.n_parts, 1);
+    CHECK_EQ_INT(p.part[0].dev, 1);
+    check_cover(&p, 6);
+    CHECK(moed_place_is_split(&p));
+    CHECK_EQ_INT(d[0].placed, 1 * GB);
+    CHECK_EQ_INT(d[1].placed, 6 * GB);
+    /* a whole layer ignores home_work: still placed by bytes */
+    const moed_place_need whole = { 1 * GB, 1 * GB, 2, false, 8.0 };
+    CHECK(moed_place_layer(d, 2, &whole, &p, &err) == 0);
+    CHECK_EQ_INT(p.home, 0);
+    CHECK(!moed_place_is_split(&p));
 }
 
 int main(void)
@@ -182,5 +356,10 @@ int main(void)
     test_one_device();
     test_same_gpu_twice();
     test_few_experts();
+    test_work_two();
+    test_work_zero_is_bytes();
+    test_work_four();
+    test_work_room();
+    test_work_home_empty();
     return check_status("test_place");
 }

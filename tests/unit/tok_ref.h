@@ -1,7 +1,7 @@
 /*
- * tok_ref.h — what the accuracy tests share (test_tok_ref on the CPU, test_cuda_backend on a GPU):
- * a float64 reference of one MoE layer, and a comparison that bounds every token's error by that
- * token's own magnitude.
+ * tok_ref.h — what the accuracy tests share (test_tok_ref on the CPU, test_cuda_backend and
+ * test_split on a GPU): a float64 reference of one MoE layer, and a comparison that bounds every
+ * token's error by that token's own magnitude.
  *
  * The reference follows the definitions of moed_model.h and nothing else: for each (expert,
  * weight) pair of a token's route, weight * W2 act(W1 x) (SwiGLU: W2 (silu(W1 x) * W3 x)), plus
@@ -14,6 +14,10 @@
  * plus atol, and its output is finite. Per token, because a bound over the whole batch lets a token
  * go missing: at T = 4096 a zeroed row moves the batch's relative Frobenius error by
  * 1/sqrt(4096) = 1.6e-2, under the 2e-2 such a bound needs for bf16 compute.
+ *
+ * The per-token bounds against the CPU backend and this reference, by the compute type a layer runs
+ * in on a GPU (tok_rtol, TOK_ATOL), are here too: test_cuda_backend holds the CUDA backend to them,
+ * and test_split a layer split over GPUs.
  */
 #ifndef MOED_TOK_REF_H
 #define MOED_TOK_REF_H
@@ -95,6 +99,54 @@ static inline void tok_ref_forward(const moed_layer *l, int xdtype, const void *
     free(buf);
     free(h);
     free(xt);
+}
+
+/* Per-token bounds (a token's largest error over its own largest magnitude, plus TOK_ATOL), by
+ * compute type. Measured on an H100 over every case of test_cuda_backend's tables (the run prints
+ * them): bf16 compute at most 8.0e-3 (p99 of a case at most 7.6e-3), f16 9.7e-4, FP8 on the Tensor
+ * Cores 9.3e-2 against the CPU and 7.2e-2 against float64 (p99 of a case at most 7.1e-2), the
+ * portable FP8 path 1.4e-2 and 9.6e-3; each rtol leaves 2x to 3x of room, and a token dropped is
+ * an error of 1. The outputs are about 0.1 to 1 in size, so atol matters only for rows that are
+ * (nearly) zero. */
+enum { TOK_C_BF16, TOK_C_F16, TOK_C_FP8, TOK_C_FP8_PORT, TOK_C_COUNT };
+static const char *const tok_compute_name[TOK_C_COUNT] = { "bf16", "f16", "fp8 tensor cores",
+                                                           "fp8 portable" };
+static const double tok_rtol[TOK_C_COUNT] = { 2e-2, 3e-3, 2e-1, 3e-2 };
+#define TOK_ATOL 1e-4
+
+/* The compute type of a layer with weights of wdtype: FP8 on the FP8 Tensor Cores where fp8_native
+ * (the GPU and the kernel choice allow them), else portable; f16 weights in f16; bf16 and f32
+ * weights in bf16. */
+static inline int tok_compute_class(int wdtype, int fp8_native)
+{
+    if (wdtype == MOED_FP8) return fp8_native ? TOK_C_FP8 : TOK_C_FP8_PORT;
+    return wdtype == MOED_F16 ? TOK_C_F16 : TOK_C_BF16;
+}
+
+/* The sub-route of the given tokens (their pairs, in order), as its own route over len tokens. */
+static inline void tok_sub_route(const moed_route *r, const int64_t *tok, int64_t len,
+                                 moed_route *out)
+{
+    int64_t pairs = 0;
+    for (int64_t i = 0; i < len; i++) pairs += r->off[tok[i] + 1] - r->off[tok[i]];
+    moed_route_init(out, len, pairs > 0 ? pairs : 1);
+    int64_t p = 0;
+    for (int64_t i = 0; i < len; i++) {
+        for (int64_t j = r->off[tok[i]]; j < r->off[tok[i] + 1]; j++, p++) {
+            out->expert[p] = r->expert[j];
+            out->weight[p] = r->weight[j];
+        }
+        out->off[i + 1] = p;
+    }
+}
+
+/* Rows tok[0 .. len-1] of x (rows of row_bytes) into dst, in that order. */
+static inline void tok_gather_rows(const void *x, size_t row_bytes, const int64_t *tok, int64_t len,
+                                   void *dst)
+{
+    for (int64_t i = 0; i < len; i++)
+        memcpy((char *)dst + (size_t)i * row_bytes, (const char *)x + (size_t)tok[i] * row_bytes,
+               row_bytes);
 }
 
 /* What a per-token comparison found. rel is a token's largest error over its largest reference
