@@ -78,15 +78,69 @@ __global__ void combine_kernel(moed_cuda_route_dev r, const Tc *y, const Tc *ys,
     }
 }
 
+/* out[t] = Σ_q rows[row[q·T + t]] (the parts in order, rows that are -1 left out), plus ys[t]
+ * when ys is not NULL, in fp32, rounded once. */
+template <typename Tc, typename Tout, bool VEC8>
+__global__ void combine_parts_kernel(const int32_t *row, int n_parts, int T, const float *rows,
+                                     const Tc *ys, int d, int d_pad, Tout *out)
+{
+    __shared__ int32_t at[MOED_CUDA_MAX_PARTS];
+    const int t = blockIdx.x;
+    for (int q = threadIdx.x; q < n_parts; q += blockDim.x) at[q] = row[(int64_t)q * T + t];
+    __syncthreads();
+    Tout *o = out + (int64_t)t * d;
+    constexpr int W = VEC8 ? 8 : 1;
+    for (int c = (blockIdx.y * blockDim.x + threadIdx.x) * W; c < d;
+         c += gridDim.y * blockDim.x * W) {
+        float acc[W];
+#pragma unroll
+        for (int i = 0; i < W; i++) acc[i] = 0.0f;
+        for (int q = 0; q < n_parts; q++) {
+            if (at[q] < 0) continue;
+            const float *p = rows + (int64_t)at[q] * d + c;
+            if constexpr (VEC8) {
+                const float4 u = *reinterpret_cast<const float4 *>(p),
+                             v = *reinterpret_cast<const float4 *>(p + 4);
+                acc[0] += u.x, acc[1] += u.y, acc[2] += u.z, acc[3] += u.w;
+                acc[4] += v.x, acc[5] += v.y, acc[6] += v.z, acc[7] += v.w;
+            } else {
+                acc[0] += p[0];
+            }
+        }
+        if (ys) {
+            const Tc *r = ys + (int64_t)t * d_pad + c;
+            if constexpr (VEC8)
+                fma8<Tc>(acc, r, 1.0f);
+            else
+                acc[0] += moed_cuda_to_f32<Tc>(r[0]);
+        }
+#pragma unroll
+        for (int i = 0; i < W; i++) o[c + i] = moed_cuda_from_f32<Tout>(acc[i]);
+    }
+}
+
+/* The grid both combines take: a block per token, or below SMALL_T tokens also a block per slice
+ * of columns, so a few tokens still spread over many SMs. */
+struct combine_grid {
+    dim3 grid, block;
+    bool small, vec8;
+};
+
+static combine_grid grid_for(int64_t T, int d)
+{
+    const bool small = T < SMALL_T;
+    const int threads = small ? 32 : d >= 1024 ? 128 : 64, w = d % 8 == 0 ? 8 : 1;
+    return { dim3((unsigned)T, small ? (unsigned)((d + threads * w - 1) / (threads * w)) : 1),
+             dim3(threads), small, w == 8 };
+}
+
 template <typename Tc, typename Tout>
 int launch(const moed_cuda_route_dev *r, const void *y, const void *ys, int d, int d_pad, void *out,
            cudaStream_t s)
 {
-    const bool small = r->T < SMALL_T;
-    const int threads = small ? 32 : d >= 1024 ? 128 : 64, w = d % 8 == 0 ? 8 : 1;
-    const dim3 grid((unsigned)r->T, small ? (unsigned)((d + threads * w - 1) / (threads * w)) : 1);
-    auto kern = w == 8 ? combine_kernel<Tc, Tout, true> : combine_kernel<Tc, Tout, false>;
-    return moed_cuda_launch(kern, { grid, dim3(threads), 0, 1 }, s, small, *r, (const Tc *)y,
+    const combine_grid g = grid_for(r->T, d);
+    auto kern = g.vec8 ? combine_kernel<Tc, Tout, true> : combine_kernel<Tc, Tout, false>;
+    return moed_cuda_launch(kern, { g.grid, g.block, 0, 1 }, s, g.small, *r, (const Tc *)y,
                             (const Tc *)ys, d, d_pad, (Tout *)out);
 }
 
@@ -98,7 +152,33 @@ int dispatch_out(const moed_cuda_route_dev *r, const void *y, const void *ys, in
         dtype, [&]<typename Tout>() { return launch<Tc, Tout>(r, y, ys, d, d_pad, out, s); });
 }
 
+template <typename Tc, typename Tout>
+int launch_parts(const int32_t *row, int n_parts, int64_t T, const float *rows, const void *ys,
+                 int d, int d_pad, void *out, cudaStream_t s)
+{
+    const combine_grid g = grid_for(T, d);
+    auto kern =
+        g.vec8 ? combine_parts_kernel<Tc, Tout, true> : combine_parts_kernel<Tc, Tout, false>;
+    return moed_cuda_launch(kern, { g.grid, g.block, 0, 1 }, s, false, row, n_parts, (int)T, rows,
+                            (const Tc *)ys, d, d_pad, (Tout *)out);
+}
+
 } // namespace
+
+extern "C" int moed_cuda_combine_parts(const int32_t *row, int n_parts, int64_t T,
+                                       const float *rows, const void *ys, int cdtype, int d,
+                                       int d_pad, void *out, int dtype, moed_cuda_stream s)
+{
+    if (T <= 0) return 0;
+    if (n_parts < 1 || n_parts > MOED_CUDA_MAX_PARTS || (cdtype != MOED_BF16 && cdtype != MOED_F16))
+        return MOED_EINVAL;
+    return moed_cuda_float_dispatch(dtype, [&]<typename Tout>() {
+        return cdtype == MOED_BF16 ? launch_parts<__nv_bfloat16, Tout>(row, n_parts, T, rows, ys, d,
+                                                                       d_pad, out, (cudaStream_t)s)
+                                   : launch_parts<__half, Tout>(row, n_parts, T, rows, ys, d, d_pad,
+                                                                out, (cudaStream_t)s);
+    });
+}
 
 extern "C" int moed_cuda_combine(const moed_cuda_route_dev *r, const void *y, const void *ys,
                                  int cdtype, int d, int d_pad, void *out, int dtype,

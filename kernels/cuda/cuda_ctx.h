@@ -17,7 +17,9 @@
 #include <stdint.h>
 
 #define MAX_DEVICES MOED_PLACE_MAX
-#define MAX_GPUS    64 /* GPUs of the host a region may lie on: CUDA ordinals below this */
+_Static_assert(MAX_DEVICES <= MOED_CUDA_MAX_PARTS,
+               "a split layer's combine adds every entry's part");
+#define MAX_GPUS 64 /* GPUs of the host a region may lie on: CUDA ordinals below this */
 
 /* One set of experts as resident: the routed ones (E of them), or the shared experts (one). */
 typedef struct dev_set {
@@ -94,12 +96,17 @@ typedef struct cuda_exec {
     unsigned long long *bad, *h_bad;
     graph_entry graphs[GRAPH_CACHE];
     uint64_t graph_clock;
-    /* Split layers. A slot on a home device: a part workspace per device entry (parts[entry]) and
-     * the event its inputs are ready at. A part workspace: its pairs' route on the host, the
-     * landing buffer of its rows where the home GPU is not reachable by peer access, and the
-     * event its rows are home at. */
+    /* Split layers (cuda_forward.c). A slot on a home device: a part workspace per device entry
+     * (parts[entry]), the event its inputs are ready at, each part's tokens of a chunk (ptok, host,
+     * [n_dev][max_tokens]: moed_route_split's tok), the parts' fp32 partial rows (psum, device,
+     * min(max_pairs, n_dev * max_tokens) rows of max_d) and where each token's are (prow, device,
+     * moed_route_split's row). A part workspace: its tokens' route on the host, their numbers on
+     * the device (tok), a landing buffer (max_tokens rows of max_d floats) for x's rows and the
+     * partial rows where the home GPU is not reachable by peer access, and the event its rows are
+     * home at. */
     struct cuda_exec *parts;
-    int32_t *pos; /* [max_pairs] host: where each pair's row is among the parts' blocks */
+    int32_t *ptok, *prow, *tok;
+    float *psum;
     cudaEvent_t ready, done;
     moed_route sub;
     void *landing;

@@ -16,11 +16,14 @@
  * queued on its slot's stream with no device-to-host synchronisation until the output copy; slots
  * run concurrently, so one batch's copies overlap another's kernels.
  *
- * A split layer's home slot runs its jobs: each job's x is copied to every part's device (a peer
- * copy), each part computes its own pairs' rows in a workspace of its own, gathers them in its pair
- * order straight into the home slot's Y (peer access, or the same GPU) or through a landing buffer
- * and a copy (no peer access), and the home combines every pair in route order (moed_cuda.h says
- * why that is bit-identical to unsplit).
+ * A split layer's home slot runs its jobs (moed_cuda.h: the pipeline in two pieces): each part
+ * takes only the rows of x of its own tokens, gathered over peer access from the home slot's x
+ * (or, without peer access, x's rows copied over into a landing buffer and gathered there), runs
+ * its pairs in a workspace of its own and writes one fp32 partial row per token straight into the
+ * home slot's partial rows (or into the landing buffer, then a copy); meanwhile the home runs the
+ * shared experts, then adds each token's partial rows in part order. x always comes into the home
+ * slot's own buffer first (a device copy where it lies on the home GPU), because the parts' kernels
+ * read it over peer access, which covers memory moed allocated but not a client's mapped region.
  *
  * Parts that bring their routing in device memory (moed_part_route): the host packs the job's host
  * pairs and the offsets of every token, k slots for each device-routed one, and after the upload a
@@ -94,9 +97,9 @@ static moed_cuda_route_src host_src(const moed_route *rt)
 
 /* Packs tokens [t0, t1) of the route into half h of the slot's pinned staging (once that half's
  * last upload is done), uploads it, and lays route prep's arrays out behind it for m-tiles of bm
- * rows; with pos (a split layer's home), uploads pos as the pairs' rows too. */
+ * rows; with tok (a split layer's part), uploads its T token numbers into x->tok too. */
 static void stage_route(cuda_exec *x, int h, const moed_cuda_route_src *src, int64_t t0, int64_t t1,
-                        int E, int bm, const int32_t *pos)
+                        int E, int bm, const int32_t *tok)
 {
     const int64_t T = t1 - t0, P = src->lay[t1] - src->lay[t0];
     const size_t in = moed_cuda_route_in_words(T, P);
@@ -104,10 +107,10 @@ static void stage_route(cuda_exec *x, int h, const moed_cuda_route_src *src, int
     moed_cuda_route_pack(x->h_route[h], src, t0, t1);
     moed_cuda_route_layout(&x->r, x->route, T, P, E, bm);
     cudaMemcpyAsync(x->route, x->h_route[h], in * 4, cudaMemcpyHostToDevice, x->stream);
-    if (pos) { /* a split layer's combine: each pair's row, which no route prep computes here */
-        memcpy(x->h_route[h] + in, pos, sizeof *pos * (size_t)P);
-        cudaMemcpyAsync(x->r.pair_slot, x->h_route[h] + in, sizeof *pos * (size_t)P,
-                        cudaMemcpyHostToDevice, x->stream);
+    if (tok) {
+        memcpy(x->h_route[h] + in, tok, sizeof *tok * (size_t)T);
+        cudaMemcpyAsync(x->tok, x->h_route[h] + in, sizeof *tok * (size_t)T, cudaMemcpyHostToDevice,
+                        x->stream);
     }
     cudaEventRecord(x->routed[h], x->stream);
 }
@@ -244,68 +247,79 @@ static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_
     return rc;
 }
 
-/* Part i of split layer L for home slot x, chunk `chunk`: after x's inputs are ready, copies x's
- * rows xin (xb bytes) over, runs the part's pairs (its route in q->sub) and brings their rows, in
- * its pair order, into x's Y from row `base` on; records q->done. */
+/* Part i of split layer L for home slot x, chunk `chunk` of T tokens whose rows (rb bytes each)
+ * are in x->x_in from row t0 on: after x's inputs are ready, takes the rows of the part's tokens
+ * (q->sub, numbered in tok) and runs its pairs, into one fp32 partial row per token at `sums` in
+ * x's partial rows; records q->done. */
 static int run_part(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, int i, int chunk, int dtype,
-                    const void *xin, size_t xb, int64_t base)
+                    int64_t t0, int64_t T, size_t rb, const int32_t *tok, float *sums)
 {
     const cuda_part *pt = &L->parts[i];
     cuda_exec *q = &x->parts[pt->entry];
-    const int64_t T = q->sub.T, P = q->sub.off[T];
+    const int64_t Tp = q->sub.T, P = q->sub.off[Tp];
+    const int d = L->info.d_model;
+    if (!Tp) return 0; /* no pair here: nothing to wait for either */
     const moed_cuda_route_src src = host_src(&q->sub);
-    const int sm = c->sm[pt->entry], n_act = active_experts(&src, 0, T, pt->k.E);
+    const int sm = c->sm[pt->entry], n_act = active_experts(&src, 0, Tp, pt->k.E);
     const bool direct = c->direct[pt->entry][cuda_dev_index(c, x->device)];
+    const char *xin = (const char *)x->x_in + (size_t)t0 * rb;
     cudaSetDevice(q->device);
     cudaStreamWaitEvent(q->stream, x->ready, 0);
-    copy_async(q->x_in, q->device, xin, x->device, xb, q->stream);
-    stage_route(q, chunk & 1, &src, 0, T, pt->k.E,
+    stage_route(q, chunk & 1, &src, 0, Tp, pt->k.E,
                 moed_cuda_tile_bm(sm, P, n_act, moed_cuda_routed_wfmt(&pt->k), c->force_kernel),
-                NULL);
-    int rc = P ? moed_cuda_pipeline_routed(&pt->k, &q->r, &q->w, q->x_in, dtype, sm, n_act,
-                                           c->force_kernel, q->stream)
-               : 0;
-    char *dst = (char *)x->w.y + moed_cuda_cbytes(base * L->k.d_pad);
+                tok);
+    if (!direct) { /* x's rows come over by a copy the driver stages, and are gathered here */
+        copy_async(q->landing, q->device, xin, x->device, (size_t)T * rb, q->stream);
+        xin = q->landing;
+    }
+    int rc = moed_cuda_gather_rows(q->x_in, xin, q->tok, (int)Tp, rb, q->stream);
     if (!rc)
-        rc = moed_cuda_gather_rows(direct ? dst : q->landing, q->w.y, q->r.pair_slot, (int)P,
-                                   L->k.d_pad, q->stream);
+        rc = moed_cuda_pipeline_routed(&pt->k, &q->r, &q->w, q->x_in, dtype, sm, n_act,
+                                       c->force_kernel, q->stream);
+    if (!rc)
+        rc = moed_cuda_combine(&q->r, q->w.y, NULL, L->k.cdtype, d, L->k.d_pad,
+                               direct ? (void *)sums : q->landing, MOED_F32, q->stream);
     if (!rc && !direct)
-        copy_async(dst, x->device, q->landing, q->device, moed_cuda_cbytes(P * L->k.d_pad),
+        copy_async(sums, x->device, q->landing, q->device, sizeof(float) * (size_t)(Tp * d),
                    q->stream);
     cudaEventRecord(q->done, q->stream);
     return rc;
 }
 
 /* Tokens [t0, t1) of a job on split layer L (moed_cuda.h: the pipeline in two pieces), its route
- * rt all on the host, their rows in as for run_chunk: the home slot x uploads the whole route with
- * each pair's row among the parts' blocks, the parts run their pairs, x runs the shared experts
- * meanwhile, then waits for the parts, combines, and queues the outputs' copies. */
+ * rt all on the host, their rows in x->x_in: the home slot x uploads where each token's partial
+ * rows will be, the parts run their pairs, x runs the shared experts meanwhile, then waits for the
+ * parts, adds up each token and queues the outputs' copies. */
 static int run_split_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_job *job,
                            const moed_route *rt, const batch_io *io, int chunk, int64_t t0,
                            int64_t t1)
 {
-    const moed_cuda_route_src src = host_src(rt);
-    const int n = L->place.n_parts, sm = c->sm[cuda_dev_index(c, x->device)];
+    const int n = L->place.n_parts, sm = c->sm[cuda_dev_index(c, x->device)], h = chunk & 1;
     const int64_t T = t1 - t0;
-    const void *xin = io->x_direct ? io->x_direct : (char *)x->x_in + (size_t)t0 * io->rb;
+    const void *xin = (char *)x->x_in + (size_t)t0 * io->rb;
     void *out = io->y_direct ? io->y_direct : (char *)x->out + (size_t)t0 * io->rb;
     moed_route sub[MAX_DEVICES];
     for (int i = 0; i < n; i++) sub[i] = x->parts[L->parts[i].entry].sub;
-    moed_route_split(rt, t0, t1, L->part_of, L->part_first, n, sub, x->pos);
+    cudaEventSynchronize(x->routed[h]); /* the staging half's last upload is done */
+    int32_t *row = x->h_route[h];
+    moed_route_split(rt, t0, t1, L->part_of, L->part_first, n, sub, x->ptok, row);
     for (int i = 0; i < n; i++) x->parts[L->parts[i].entry].sub.T = sub[i].T;
-    stage_route(x, chunk & 1, &src, t0, t1, L->info.n_experts, 16, x->pos);
+    cudaMemcpyAsync(x->prow, row, sizeof *row * (size_t)(n * T), cudaMemcpyHostToDevice, x->stream);
+    cudaEventRecord(x->routed[h], x->stream);
     cudaEventRecord(x->ready, x->stream);
     int rc = 0;
-    for (int i = 0, base = 0; i < n && !rc; base += (int)sub[i++].off[T])
-        rc = run_part(c, x, L, i, chunk, job->dtype, xin, (size_t)T * io->rb, base);
+    float *sums = x->psum;
+    for (int i = 0; i < n && !rc; sums += (size_t)sub[i++].T * L->info.d_model)
+        rc = run_part(c, x, L, i, chunk, job->dtype, t0, T, io->rb, x->ptok + i * T, sums);
     cudaSetDevice(x->device);
     if (!rc)
         rc = moed_cuda_pipeline_shared(&L->k, T, &x->w, xin, job->dtype, sm, c->force_kernel,
                                        x->stream);
-    for (int i = 0; i < n; i++) cudaStreamWaitEvent(x->stream, x->parts[L->parts[i].entry].done, 0);
+    for (int i = 0; i < n; i++)
+        if (sub[i].T) cudaStreamWaitEvent(x->stream, x->parts[L->parts[i].entry].done, 0);
     if (!rc)
-        rc = moed_cuda_combine(&x->r, x->w.y, L->k.s13 ? x->w.ys : NULL, L->k.cdtype,
-                               L->info.d_model, L->k.d_pad, out, job->dtype, x->stream);
+        rc = moed_cuda_combine_parts(x->prow, n, T, x->psum, L->k.s13 ? x->w.ys : NULL, L->k.cdtype,
+                                     L->info.d_model, L->k.d_pad, out, job->dtype, x->stream);
     if (!io->y_direct) parts_copy(x, job, t0, t1, out, io->rb, false, x->stream);
     return rc;
 }
@@ -410,10 +424,11 @@ int cuda_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err
     const int64_t *lay = src.lay;
     cudaSetDevice(x->device);
     const bool one_chunk = lay[job->T] <= c->max_pairs;
-    /* In place only where no graph is replayed: a graph's buffers are the slot's own. */
+    /* In place only where no graph is replayed: a graph's buffers are the slot's own. A split
+     * layer's parts read x from the slot's own buffer (see the top of this file). */
     const bool in_place = one_chunk && lay[job->T] > GRAPH_MAX_PAIRS;
     const batch_io io = { .rb = (size_t)L->info.d_model * moed_dtype_size(job->dtype),
-                          .x_direct = in_place ? lone_x(x, job) : NULL,
+                          .x_direct = in_place && !L->parts ? lone_x(x, job) : NULL,
                           .y_direct = in_place ? lone_y(x, job) : NULL };
     int64_t t1;
     if ((rc = chunk_end(c, lay, job->T, 0, &t1, err))) goto out;

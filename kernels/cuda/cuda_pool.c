@@ -7,7 +7,8 @@
  * workspace holds (sigmoid gating can give a token every expert) runs in token chunks
  * (cuda_forward.c). A slot on a device that is home to a split layer also gets a part workspace on
  * every device entry, and peer access is enabled between the entries (unless
- * MOED_CUDA_NO_PEER=1) so each part can write its rows straight into the home slot's memory.
+ * MOED_CUDA_NO_PEER=1) so each part can read its tokens' rows from the home slot's memory and
+ * write its partial rows straight into it.
  * Every allocation is admitted first against the device's free memory, with a message that says
  * what to lower.
  */
@@ -56,9 +57,33 @@ err:
     return rc;
 }
 
+/* Whether slots on GPU `device` run a split layer (and so need part workspaces). */
+static bool homes_split(const cuda_ctx *c, int device)
+{
+    for (int l = 0; l < c->n_layers; l++)
+        if (c->layers[l].parts && c->layers[l].device == device) return true;
+    return false;
+}
+
+/* Rows of fp32 partial sums a home slot holds: one per (token, part) a chunk can have. */
+static int64_t psum_rows(const cuda_ctx *c)
+{
+    const int64_t all = c->max_tokens * c->n_dev;
+    return all < c->max_pairs ? all : c->max_pairs;
+}
+
+/* Words of a slot's pinned route staging (each half): the packed route and a pair's worth more (a
+ * part's token numbers), or on a split layer's home the parts' rows of every token. */
+static size_t staging_words(const cuda_ctx *c, bool home)
+{
+    const size_t route = moed_cuda_route_in_words(c->max_tokens, c->max_pairs) + c->max_pairs,
+                 rows = (size_t)c->n_dev * (size_t)c->max_tokens;
+    return home && rows > route ? rows : route;
+}
+
 /* A slot's buffers on `device`. A part workspace (part set) has no output, router or shared-expert
- * buffers, but a host route of its own and, where needed, a landing buffer; a home slot's pinned
- * route has room for where each pair's row is when it runs a split layer. */
+ * buffers, but a host route of its own, its tokens' numbers and, where needed, a landing buffer; a
+ * slot on a split layer's home GPU has the parts' partial rows and where each token's are. */
 static int exec_init(cuda_ctx *c, cuda_exec *x, int device, bool part, moed_error *err)
 {
     int rc = 0;
@@ -73,10 +98,10 @@ static int exec_init(cuda_ctx *c, cuda_exec *x, int device, bool part, moed_erro
     CU(cudaEventCreateWithFlags(part ? &x->done : &x->ready, cudaEventDisableTiming),
        "event creation");
     const size_t in_b = (size_t)T * c->max_d * 4;
+    const bool home = !part && homes_split(c, device);
     for (int i = 0; i < 2; i++) {
         CU(cudaEventCreateWithFlags(&x->routed[i], cudaEventDisableTiming), "event creation");
-        CU(cudaMallocHost((void **)&x->h_route[i],
-                          (moed_cuda_route_in_words(T, P) + (size_t)P) * 4),
+        CU(cudaMallocHost((void **)&x->h_route[i], staging_words(c, home) * 4),
            "pinned route staging");
     }
     CU(cudaMalloc(&x->x_in, in_b), "workspace");
@@ -92,11 +117,19 @@ static int exec_init(cuda_ctx *c, cuda_exec *x, int device, bool part, moed_erro
     if (part) {
         if (moed_route_init(&x->sub, T, P))
             return moed_fail(err, MOED_ENOMEM, "out of host memory for a part's route");
-        if (c->landing)
-            CU(cudaMalloc(&x->landing, moed_cuda_cbytes(P * c->max_d_pad)), "workspace");
+        CU(cudaMalloc((void **)&x->tok, sizeof *x->tok * (size_t)T), "workspace");
+        if (c->landing) CU(cudaMalloc(&x->landing, in_b), "workspace");
         return exec_init_fp8(c, x, err);
     }
     CU(cudaMalloc(&x->out, in_b), "workspace");
+    if (home) {
+        const size_t rows = sizeof *x->prow * (size_t)c->n_dev * (size_t)T;
+        x->ptok = malloc(rows);
+        if (!x->ptok) return moed_fail(err, MOED_ENOMEM, "out of host memory");
+        CU(cudaMalloc((void **)&x->prow, rows), "workspace");
+        CU(cudaMalloc((void **)&x->psum, sizeof(float) * (size_t)psum_rows(c) * c->max_d),
+           "workspace");
+    }
     x->lay = malloc(sizeof *x->lay * (size_t)(T + 1));
     x->runs = malloc(sizeof *x->runs * (size_t)T);
     if (!x->lay || !x->runs) return moed_fail(err, MOED_ENOMEM, "out of host memory");
@@ -132,19 +165,20 @@ void cuda_exec_free(cuda_ctx *c, cuda_exec *x)
     free(x->runs);
     if (x->copied) cudaEventDestroy(x->copied);
     if (x->copy) cudaStreamDestroy(x->copy);
-    void *p[] = { x->x_in, x->out,  x->w.xc,       x->w.h,     x->w.y,
-                  x->w.hs, x->w.ys, x->logits,     x->route,   x->w.xq,
-                  x->w.xs, x->w.hq, x->w.hs_scale, x->landing, x->bad };
+    void *p[] = { x->x_in,       x->out,     x->w.xc,  x->w.h,  x->w.y,  x->w.hs,
+                  x->w.ys,       x->logits,  x->route, x->w.xq, x->w.xs, x->w.hq,
+                  x->w.hs_scale, x->landing, x->bad,   x->tok,  x->prow, x->psum };
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) cudaFree(p[i]);
     moed_route_free(&x->sub);
-    free(x->pos);
+    free(x->ptok);
     if (x->ready) cudaEventDestroy(x->ready);
     if (x->done) cudaEventDestroy(x->done);
     cudaStreamDestroy(x->stream);
 }
 
-/* Workspace bytes of one slot (or part workspace), for the admission message. */
-static uint64_t exec_bytes(const cuda_ctx *c, bool part)
+/* Workspace bytes of one slot (or part workspace; home: a slot on a split layer's home GPU), for
+ * the admission message. */
+static uint64_t exec_bytes(const cuda_ctx *c, bool part, bool home)
 {
     const int64_t T = c->max_tokens, P = c->max_pairs;
     uint64_t b = (uint64_t)T * c->max_d * 4 + moed_cuda_cbytes(T * c->max_d_pad);
@@ -154,7 +188,8 @@ static uint64_t exec_bytes(const cuda_ctx *c, bool part)
         4;
     const fp8_sizes z = fp8_buffer_sizes(c);
     b += z.xq + z.xs + z.hq + z.hs;
-    if (part) return b + (c->landing ? moed_cuda_cbytes(P * c->max_d_pad) : 0);
+    if (part) return b + 4 * (uint64_t)T + (c->landing ? (uint64_t)T * c->max_d * 4 : 0);
+    if (home) b += 4 * (uint64_t)c->n_dev * T + sizeof(float) * (uint64_t)psum_rows(c) * c->max_d;
     b += (uint64_t)T * c->max_d * 4 + (uint64_t)T * sizeof(unsigned long long);
     b += moed_cuda_cbytes(T * (c->max_sff_pad + c->max_d_pad * (c->max_sff_pad > 0)));
     return b + (uint64_t)T * c->max_router_e * sizeof(float);
@@ -180,14 +215,6 @@ static void plan_peers(cuda_ctx *c)
     }
 }
 
-/* Whether slots on GPU `device` run a split layer (and so need part workspaces). */
-static bool homes_split(const cuda_ctx *c, int device)
-{
-    for (int l = 0; l < c->n_layers; l++)
-        if (c->layers[l].parts && c->layers[l].device == device) return true;
-    return false;
-}
-
 /* Each slot that runs split layers gets a part workspace on every entry's GPU. */
 static int init_parts(cuda_ctx *c, moed_error *err)
 {
@@ -197,14 +224,14 @@ static int init_parts(cuda_ctx *c, moed_error *err)
         char what[96];
         snprintf(what, sizeof what, "the split layers' part workspaces (%d on this entry)",
                  per_entry);
-        rc = cuda_check_free(c->dev[e], exec_bytes(c, true) * (uint64_t)per_entry, what, err);
+        rc =
+            cuda_check_free(c->dev[e], exec_bytes(c, true, false) * (uint64_t)per_entry, what, err);
     }
     for (int s = 0; s < c->n_exec && !rc; s++) {
         cuda_exec *x = &c->execs[s];
         if (!homes_split(c, x->device)) continue;
         x->parts = calloc((size_t)c->n_dev, sizeof *x->parts);
-        x->pos = malloc(sizeof *x->pos * (size_t)c->max_pairs);
-        if (!x->parts || !x->pos) return moed_fail(err, MOED_ENOMEM, "out of host memory");
+        if (!x->parts) return moed_fail(err, MOED_ENOMEM, "out of host memory");
         for (int e = 0; e < c->n_dev && !rc; e++)
             rc = exec_init(c, &x->parts[e], c->dev[e], true, err);
     }
@@ -244,7 +271,8 @@ int cuda_start(moed_backend *b, moed_error *err)
         char what[96];
         snprintf(what, sizeof what, "the stream pool (%d slots for %lld tokens)", per_dev,
                  (long long)c->max_tokens);
-        if ((rc = cuda_check_free(c->dev[d], exec_bytes(c, false) * per_dev, what, err))) return rc;
+        const uint64_t need = exec_bytes(c, false, homes_split(c, c->dev[d])) * per_dev;
+        if ((rc = cuda_check_free(c->dev[d], need, what, err))) return rc;
         for (int s = 0; s < per_dev; s++)
             if ((rc = exec_init(c, &c->execs[d * per_dev + s], c->dev[d], false, err))) return rc;
     }

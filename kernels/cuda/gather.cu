@@ -1,37 +1,51 @@
 /*
- * gather — copies each sorted row's token row out of X into a contiguous, expert-sorted matrix:
- * xp[s] = xc[slot_tok[s]] (compute-type rows). Only for the Hopper up projection on large experts,
- * where letting TMA stream A in 128-row boxes beats gathering rows with cp.async inside the GEMM by
- * more than this extra pass costs; the heuristic table (tile_config.c) decides, from measurements.
- * 16-byte copies.
+ * gather — copies rows picked by index into a contiguous matrix: dst[s] = src[idx[s]], each row
+ * row_bytes long. Two callers: the Hopper up projection on large experts, whose token rows are
+ * laid out expert-sorted first (xp[s] = xc[slot_tok[s]]) where letting TMA stream A in 128-row
+ * boxes beats gathering rows with cp.async inside the GEMM by more than this extra pass costs (the
+ * heuristic table, tile_config.c, decides from measurements); and a split layer's part, which
+ * takes only the rows of its own tokens from the home GPU's x (over peer access). The widest
+ * copies the row length and addresses allow (16 bytes for every compute-type row).
  */
 #include "moed_cuda.h"
 
 #include "moed_err.h"
 
 #include <cuda_runtime.h>
+#include <stdint.h>
 
 namespace
 {
 
-__global__ void gather_kernel(uint4 *xp, const uint4 *xc, const int32_t *slot_tok, int P, int row16)
+template <typename U>
+__global__ void gather_kernel(U *dst, const U *src, const int32_t *idx, int n, int64_t row_units)
 {
-    for (int s = blockIdx.x; s < P; s += gridDim.x) {
-        const uint4 *src = xc + (int64_t)slot_tok[s] * row16;
-        uint4 *dst = xp + (int64_t)s * row16;
-        for (int c = threadIdx.x; c < row16; c += blockDim.x) dst[c] = src[c];
+    for (int s = blockIdx.x; s < n; s += gridDim.x) {
+        const U *from = src + (int64_t)idx[s] * row_units;
+        U *to = dst + (int64_t)s * row_units;
+        for (int64_t c = threadIdx.x; c < row_units; c += blockDim.x) to[c] = from[c];
     }
+}
+
+template <typename U>
+int launch(void *dst, const void *src, const int32_t *idx, int n, size_t row_bytes, cudaStream_t s)
+{
+    const int grid = n < 65536 ? n : 65536; /* (clang-format misreads a `<` inside <<<...>>>) */
+    gather_kernel<U>
+        <<<grid, 128, 0, s>>>((U *)dst, (const U *)src, idx, n, (int64_t)(row_bytes / sizeof(U)));
+    return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;
 }
 
 } // namespace
 
-extern "C" int moed_cuda_gather_rows(void *xp, const void *xc, const int32_t *slot_tok, int P,
-                                     int d_pad, moed_cuda_stream s)
+extern "C" int moed_cuda_gather_rows(void *dst, const void *src, const int32_t *idx, int n,
+                                     size_t row_bytes, moed_cuda_stream s)
 {
-    if (P <= 0) return 0;
-    const int row16 = (int)moed_cuda_cbytes(d_pad) / 16;
-    const int grid = P < 65536 ? P : 65536; /* (clang-format misreads a `<` inside <<<...>>>) */
-    gather_kernel<<<grid, 128, 0, (cudaStream_t)s>>>((uint4 *)xp, (const uint4 *)xc, slot_tok, P,
-                                                     row16);
-    return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;
+    if (n <= 0) return 0;
+    const uintptr_t a = (uintptr_t)dst | (uintptr_t)src | row_bytes;
+    cudaStream_t st = (cudaStream_t)s;
+    if (a % 16 == 0) return launch<uint4>(dst, src, idx, n, row_bytes, st);
+    if (a % 4 == 0) return launch<uint32_t>(dst, src, idx, n, row_bytes, st);
+    if (a % 2 == 0) return launch<uint16_t>(dst, src, idx, n, row_bytes, st);
+    return launch<uint8_t>(dst, src, idx, n, row_bytes, st);
 }

@@ -135,6 +135,16 @@ int moed_cuda_convert_in(const void *x, int dtype, int64_t T, int d, void *xc, i
 int moed_cuda_combine(const moed_cuda_route_dev *r, const void *y, const void *ys, int cdtype,
                       int d, int d_pad, void *out, int dtype, moed_cuda_stream s);
 
+/* Parts a split layer's combine adds (moed_cuda_pipeline_routed below). */
+#define MOED_CUDA_MAX_PARTS 16
+
+/* out[t, :d] (dtype) = Σ_q rows[row[q·T + t], :d] over the parts q < n_parts in order (a -1 row
+ * left out), plus ys[t, :d] when ys is not NULL, summed in fp32 and rounded once; rows are fp32
+ * [*, d], ys [*, d_pad] of cdtype. */
+int moed_cuda_combine_parts(const int32_t *row, int n_parts, int64_t T, const float *rows,
+                            const void *ys, int cdtype, int d, int d_pad, void *out, int dtype,
+                            moed_cuda_stream s);
+
 /* How a launch may overlap the kernel before it on the same stream (programmatic dependent launch,
  * sm_90 and newer; on older GPUs every launch waits for the one before). The batch's kernels run
  * back to back, so a launch that waits plainly leaves the SMs idle while it starts and while the
@@ -305,9 +315,9 @@ int moed_cuda_route_choice(const moed_cuda_choice *c, const moed_cuda_route_dev 
 int moed_cuda_quant_fp8(const void *x, int dtype, int64_t R, int cols, int64_t ldx, void *q,
                         int cols_pad, float *scale, int64_t scale_ld, moed_cuda_stream s);
 
-/* xp[s] = xc[slot_tok[s]] for s < P, rows of d_pad compute-type elements (xp may be another
- * device's memory where peer access is enabled). */
-int moed_cuda_gather_rows(void *xp, const void *xc, const int32_t *slot_tok, int P, int d_pad,
+/* dst[s] = src[idx[s]] for s < n, rows of row_bytes (src may be another device's memory where
+ * peer access is enabled). */
+int moed_cuda_gather_rows(void *dst, const void *src, const int32_t *idx, int n, size_t row_bytes,
                           moed_cuda_stream s);
 
 struct moed_expert_w;
@@ -383,14 +393,15 @@ int moed_cuda_pipeline(const moed_cuda_layer_dev *L, moed_cuda_route_dev *r,
                        int n_active, int force_kernel, moed_cuda_stream s, void *const *ev);
 
 /* A layer split over devices (expert parallelism) runs the pipeline in two pieces, each stage the
- * same launches as above. On each part (its experts as L, numbered from 0, no shared experts):
- * convert x, route prep and the routed GEMMs of the part's pairs, leaving each pair's row in w->y
- * at r->pair_slot[pair]; those rows are then brought to the home device in the part's pair order
- * (moed_cuda_gather_rows over r->pair_slot), the parts' blocks one after another. On the home
- * device: convert x and the shared experts (nothing when L has none), then moed_cuda_combine over
- * the whole route with pair_slot naming each pair's row among those blocks. The combine sums each
- * token's pairs in route order as unsplit, and a row's bits never depend on the rows computed
- * beside it, so the result is bit-identical to the unsplit layer's. */
+ * same launches as above. On each part (its experts as L, numbered from 0, no shared experts, r
+ * over only the tokens with a pair of its experts): convert x, route prep and the routed GEMMs of
+ * the part's pairs into w->y, then moed_cuda_combine with no shared row into an fp32 partial row
+ * per token (written straight into the home device's memory where peer access allows). On the home
+ * device: convert x and the shared experts (nothing when L has none), then
+ * moed_cuda_combine_parts adds each token's partial rows in part order and its shared row. A
+ * token's bits depend only on its own row and pairs and on the placement (not on the other tokens,
+ * so merged requests stay bit-identical to the same requests alone); against the layer unsplit
+ * only the order of the fp32 sums differs, before the one rounding to the output dtype. */
 int moed_cuda_pipeline_routed(const moed_cuda_layer_dev *L, moed_cuda_route_dev *r,
                               const moed_cuda_work_dev *w, const void *x, int dtype, int sm,
                               int n_active, int force_kernel, moed_cuda_stream s);

@@ -95,7 +95,7 @@ static int expert_gemms(const moed_cuda_layer_dev *L, const moed_cuda_route_dev 
                        : MOED_CUDA_OVERLAP_WEIGHTS;
     int rc = 0;
     if (r && !cfg.gather) { /* rows pre-permuted into y (free until the down GEMM), A by TMA */
-        rc = moed_cuda_gather_rows(es->y, x, r->slot_tok, r->P, L->d_pad, s);
+        rc = moed_cuda_gather_rows(es->y, x, r->slot_tok, r->P, moed_cuda_cbytes(L->d_pad), s);
         g.a = es->y;
         g.a_rows = NULL;
         g.a_rows_total = P;
