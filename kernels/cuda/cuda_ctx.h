@@ -101,9 +101,9 @@ typedef struct cuda_exec {
      * [n_dev][max_tokens]: moed_route_split's tok), the parts' fp32 partial rows (psum, device,
      * min(max_pairs, n_dev * max_tokens) rows of max_d) and where each token's are (prow, device,
      * moed_route_split's row). A part workspace: its tokens' route on the host, their numbers on
-     * the device (tok), a landing buffer (max_tokens rows of max_d floats) for x's rows and the
-     * partial rows where the home GPU is not reachable by peer access, and the event its rows are
-     * home at. */
+     * the device (tok), a landing buffer (max_tokens rows of max_d floats) for its partial rows
+     * where it lies on another GPU than the home (and x's rows where peer access is not enabled),
+     * and the event its rows are home at. */
     struct cuda_exec *parts;
     int32_t *ptok, *prow, *tok;
     float *psum;
@@ -127,7 +127,7 @@ typedef struct cuda_ctx {
     moed_place_dev place[MAX_DEVICES]; /* the planner's counts per entry */
     /* entry i's GPU writes entry j's memory directly (the same GPU, or peer access enabled) */
     bool direct[MAX_DEVICES][MAX_DEVICES];
-    bool landing; /* some part of a split layer cannot reach its home directly */
+    bool landing; /* some part of a split layer lies on another GPU than its home */
     /* Every GPU the process sees (CUDA ordinals 0 .. n_gpus - 1), computed on or not: a client's
      * memory may lie on any of them (map_device), and parts there are moved by copies alone. */
     int n_gpus;

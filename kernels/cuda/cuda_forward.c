@@ -19,8 +19,9 @@
  * A split layer's home slot runs its jobs (moed_cuda.h: the pipeline in two pieces): each part
  * takes only the rows of x of its own tokens, gathered over peer access from the home slot's x
  * (or, without peer access, x's rows copied over into a landing buffer and gathered there), runs
- * its pairs in a workspace of its own and writes one fp32 partial row per token straight into the
- * home slot's partial rows (or into the landing buffer, then a copy); meanwhile the home runs the
+ * its pairs in a workspace of its own and sums one fp32 partial row per token, into the home
+ * slot's partial rows on the home GPU or, on another, into its landing buffer and then by a copy
+ * (run_part says why); meanwhile the home runs the
  * shared experts, then adds each token's partial rows in part order. x always comes into the home
  * slot's own buffer first (a device copy where it lies on the home GPU), because the parts' kernels
  * read it over peer access, which covers memory moed allocated but not a client's mapped region.
@@ -37,6 +38,7 @@
 
 #include "moed_dtype.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 /* ---- parts ------------------------------------------------------------------------------- */
@@ -247,28 +249,40 @@ static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_
     return rc;
 }
 
+/* MOED_CUDA_SPLIT_X=dma: a part's x rows come by a copy of all of x even with peer access (for
+ * measuring against the peer gather). */
+static bool split_x_dma(void)
+{
+    const char *e = getenv("MOED_CUDA_SPLIT_X");
+    return e && !strcmp(e, "dma");
+}
+
 /* Part i of split layer L for home slot x, chunk `chunk` of T tokens whose rows (rb bytes each)
  * are in x->x_in from row t0 on: after x's inputs are ready, takes the rows of the part's tokens
  * (q->sub, numbered in tok) and runs its pairs, into one fp32 partial row per token at `sums` in
- * x's partial rows; records q->done. */
+ * x's partial rows; records q->done. On another GPU the partial rows are summed into the landing
+ * buffer and copied home: a kernel's scattered 4-byte stores cost far more over the link than on
+ * the GPU's own memory, where a copy engine's transfer runs at the link's rate. */
 static int run_part(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, int i, int chunk, int dtype,
                     int64_t t0, int64_t T, size_t rb, const int32_t *tok, float *sums)
 {
     const cuda_part *pt = &L->parts[i];
     cuda_exec *q = &x->parts[pt->entry];
-    const int64_t Tp = q->sub.T, P = q->sub.off[Tp];
+    const int64_t Tp = q->sub.T;
     const int d = L->info.d_model;
     if (!Tp) return 0; /* no pair here: nothing to wait for either */
     const moed_cuda_route_src src = host_src(&q->sub);
+    const int64_t P = src.lay[Tp];
     const int sm = c->sm[pt->entry], n_act = active_experts(&src, 0, Tp, pt->k.E);
-    const bool direct = c->direct[pt->entry][cuda_dev_index(c, x->device)];
+    const bool here = q->device == x->device,
+               peer = c->direct[pt->entry][cuda_dev_index(c, x->device)] && !split_x_dma();
     const char *xin = (const char *)x->x_in + (size_t)t0 * rb;
     cudaSetDevice(q->device);
     cudaStreamWaitEvent(q->stream, x->ready, 0);
     stage_route(q, chunk & 1, &src, 0, Tp, pt->k.E,
                 moed_cuda_tile_bm(sm, P, n_act, moed_cuda_routed_wfmt(&pt->k), c->force_kernel),
                 tok);
-    if (!direct) { /* x's rows come over by a copy the driver stages, and are gathered here */
+    if (!peer) { /* x's rows come over by a copy, and are gathered here */
         copy_async(q->landing, q->device, xin, x->device, (size_t)T * rb, q->stream);
         xin = q->landing;
     }
@@ -278,8 +292,8 @@ static int run_part(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, int i, int c
                                        c->force_kernel, q->stream);
     if (!rc)
         rc = moed_cuda_combine(&q->r, q->w.y, NULL, L->k.cdtype, d, L->k.d_pad,
-                               direct ? (void *)sums : q->landing, MOED_F32, q->stream);
-    if (!rc && !direct)
+                               here ? (void *)sums : q->landing, MOED_F32, q->stream);
+    if (!rc && !here)
         copy_async(sums, x->device, q->landing, q->device, sizeof(float) * (size_t)(Tp * d),
                    q->stream);
     cudaEventRecord(q->done, q->stream);
@@ -307,14 +321,24 @@ static int run_split_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const
     cudaMemcpyAsync(x->prow, row, sizeof *row * (size_t)(n * T), cudaMemcpyHostToDevice, x->stream);
     cudaEventRecord(x->routed[h], x->stream);
     cudaEventRecord(x->ready, x->stream);
+    float *sums[MAX_DEVICES];
+    sums[0] = x->psum;
+    for (int i = 1; i < n; i++) sums[i] = sums[i - 1] + (size_t)sub[i - 1].T * L->info.d_model;
+    /* The host prepares each part's route before launching it (a few tenths of a millisecond at
+     * large T), so the parts on other GPUs, whose rows then travel home, are launched first, then
+     * the shared experts, then the parts on the home GPU. */
     int rc = 0;
-    float *sums = x->psum;
-    for (int i = 0; i < n && !rc; sums += (size_t)sub[i++].T * L->info.d_model)
-        rc = run_part(c, x, L, i, chunk, job->dtype, t0, T, io->rb, x->ptok + i * T, sums);
+    for (int i = 0; i < n && !rc; i++)
+        if (L->parts[i].device != x->device)
+            rc = run_part(c, x, L, i, chunk, job->dtype, t0, T, io->rb, x->ptok + i * T, sums[i]);
     cudaSetDevice(x->device);
     if (!rc)
         rc = moed_cuda_pipeline_shared(&L->k, T, &x->w, xin, job->dtype, sm, c->force_kernel,
                                        x->stream);
+    for (int i = 0; i < n && !rc; i++)
+        if (L->parts[i].device == x->device)
+            rc = run_part(c, x, L, i, chunk, job->dtype, t0, T, io->rb, x->ptok + i * T, sums[i]);
+    cudaSetDevice(x->device);
     for (int i = 0; i < n; i++)
         if (sub[i].T) cudaStreamWaitEvent(x->stream, x->parts[L->parts[i].entry].done, 0);
     if (!rc)

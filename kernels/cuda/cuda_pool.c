@@ -196,7 +196,8 @@ static uint64_t exec_bytes(const cuda_ctx *c, bool part, bool home)
 }
 
 /* Peer access between every two GPUs of the entries (unless MOED_CUDA_NO_PEER=1), and whether a
- * split layer has a part that cannot write its home's memory directly. */
+ * split layer has a part on another GPU than its home (whose partial rows go home by a copy from a
+ * landing buffer, cuda_forward.c). */
 static void plan_peers(cuda_ctx *c)
 {
     for (int j = 0; j < c->n_dev; j++) cuda_enable_peers(c, c->dev[j]);
@@ -211,7 +212,7 @@ static void plan_peers(cuda_ctx *c)
     for (int l = 0; l < c->n_layers; l++) {
         const cuda_layer *L = &c->layers[l];
         for (int i = 0; L->parts && i < L->place.n_parts; i++)
-            if (!c->direct[L->parts[i].entry][L->place.home]) c->landing = true;
+            if (L->parts[i].device != L->device) c->landing = true;
     }
 }
 
