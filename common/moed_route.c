@@ -687,27 +687,35 @@ void moed_route_localize(moed_route *r, const int32_t *local_of)
 void moed_route_split(const moed_route *r, int64_t t0, int64_t t1, const uint8_t *part_of,
                       const int *first, int n_parts, moed_route *parts, int32_t *tok, int32_t *row)
 {
+    /* One pass over the pairs with each part's counts in locals: the host does this before any
+     * part can start, for every batch of a split layer. */
     const int64_t T = t1 - t0;
+    int64_t pairs[MOED_ROUTE_MAX_PARTS], toks[MOED_ROUTE_MAX_PARTS];
     for (int q = 0; q < n_parts; q++) {
-        parts[q].T = 0;
+        pairs[q] = toks[q] = 0;
         parts[q].off[0] = 0;
     }
-    for (int64_t i = 0; i < (int64_t)n_parts * T; i++) row[i] = -1;
-    for (int64_t t = 0; t < T; t++)
+    for (int64_t t = 0; t < T; t++) {
+        uint64_t touched = 0;
         for (int64_t j = r->off[t0 + t]; j < r->off[t0 + t + 1]; j++) {
             const int e = r->expert[j], q = part_of[e];
             moed_route *p = &parts[q];
-            if (row[q * T + t] < 0) { /* the token's first pair in this part opens its row */
-                row[q * T + t] = (int32_t)p->T;
-                tok[q * T + p->T] = (int32_t)t;
-                p->off[p->T + 1] = p->off[p->T];
-                p->T++;
-            }
-            const int64_t k = p->off[p->T]++;
-            p->expert[k] = e - first[q];
-            p->weight[k] = r->weight[j];
+            /* the token's first pair in this part opens its row (no branch: parts come in any
+             * order, so a branch here would be mispredicted half the time) */
+            toks[q] += !(touched >> q & 1);
+            touched |= 1ull << q;
+            tok[q * T + toks[q] - 1] = (int32_t)t;
+            p->expert[pairs[q]] = e - first[q];
+            p->weight[pairs[q]++] = r->weight[j];
+            p->off[toks[q]] = pairs[q];
         }
+        for (int q = 0; q < n_parts; q++)
+            row[q * T + t] = touched >> q & 1 ? (int32_t)toks[q] - 1 : -1;
+    }
     int32_t base = 0; /* the parts' rows one after another */
-    for (int q = 0; q < n_parts; base += (int32_t)parts[q++].T)
-        for (int64_t i = 0; i < parts[q].T; i++) row[q * T + tok[q * T + i]] += base;
+    for (int q = 0; q < n_parts; base += (int32_t)toks[q++]) {
+        parts[q].T = toks[q];
+        if (base)
+            for (int64_t i = 0; i < toks[q]; i++) row[q * T + tok[q * T + i]] += base;
+    }
 }
