@@ -172,8 +172,8 @@ int moed_backend_exec_accepts(moed_backend *b, int exec, int slot);
 
 /* Where layer `slot` lives (moed_place.h): its home device and its experts' ranges, in the
  * backend's numbering of the layer's experts (0 .. n_experts-1) and of devices (device_info's). A
- * split layer's job runs on its home device's slots; the result is bit-identical to the same
- * layer unsplit. */
+ * split layer's job runs on its home device's slots; its result is deterministic for the placement
+ * and within one rounding of the output dtype of the same layer unsplit (docs/cuda.md). */
 int moed_backend_layer_place(moed_backend *b, int slot, moed_layer_place *out);
 /* ---- regions: other processes' memory (registered once, used by many jobs) ---- */
 

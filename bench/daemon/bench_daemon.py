@@ -10,7 +10,9 @@ merging off, merging on, and merging on with batch-level gating.
 multi (expert parallelism, on two GPUs): DeepSeek-V3's layer (d 7168, ff 2048, 256 experts, top-8,
 one shared expert) whole on GPU 0, split over GPUs 0 and 1 (--devices 0,1 --expert-parallel), and
 two such layers on GPU 0 and one per GPU (--devices 0,1): GetModel must say where each layer and
-expert lives, the same fixed requests must get the same bytes back from every layout, and moed-load
+expert lives, the same fixed requests must get the same bytes back from the layouts of whole layers
+and, split, replies within one bf16 rounding of them (docs/cuda.md: a split sums in another order),
+and moed-load
 measures T = 8 (1 caller) and T = 4096 (8 callers) against each, beside moe-bench's kernel-only
 time on one GPU.
 
@@ -160,7 +162,8 @@ def merging(a, results):
 
 def placement_ok(info, want):
     """GetModel's placement: each layer as `want` says, (home, [the devices of its expert ranges]),
-    the ranges covering every expert in order, a split evened out within 2 experts."""
+    the ranges covering every expert in order, a split's expected work evened out within 2 experts
+    (the home's shared experts count as shared_d_ff / d_ff x E / top_k routed experts)."""
     got = {l.index: (l.home_device, [dev for _, _, dev in l.expert_placement]) for l in info.layers}
     ok = got == want
     for l in info.layers:
@@ -168,12 +171,14 @@ def placement_ok(info, want):
         ok = ok and r[0][0] == 0 and r[-1][1] == l.num_experts - 1
         ok = ok and all(r[i][1] + 1 == r[i + 1][0] for i in range(len(r) - 1))
         if len(r) == 2:
-            ok = ok and abs((r[0][1] - r[0][0]) - (r[1][1] - r[1][0])) <= 2
+            home_work = l.shared_d_ff / l.d_ff * l.num_experts / l.top_k if l.shared_d_ff else 0
+            work = [r[i][1] - r[i][0] + 1 + (home_work if r[i][2] == l.home_device else 0) for i in (0, 1)]
+            ok = ok and abs(work[0] - work[1]) <= 2
     return ok, got
 
 
 def fixed_requests(info, c):
-    """The replies to fixed requests (client routing, T = 1, 8, 512 on every layer), as bytes."""
+    """The replies to fixed requests (client routing, T = 1, 8, 512 on every layer), as float32 arrays."""
     import numpy as np
     out = []
     for l in info.layers:
@@ -183,8 +188,25 @@ def fixed_requests(info, c):
             ids = np.stack([rng.choice(l.num_experts, l.top_k, replace=False) for _ in range(T)])
             w = rng.random((T, l.top_k), dtype=np.float32)
             y = c.forward(l.index, x, expert_ids=ids.astype(np.int32), expert_weights=w, timeout=120)
-            out.append(np.asarray(y).tobytes())
+            out.append(np.asarray(y, dtype=np.float32))
     return out
+
+
+def replies_agree(got, ref, split):
+    """Whole layers: the same bytes. Split: each token within 2^-7 of its own largest magnitude (one
+    bf16 rounding: docs/cuda.md)."""
+    import numpy as np
+    if got is None or ref is None or len(got) != len(ref):
+        return False
+    if not split:
+        return all(g.tobytes() == r.tobytes() for g, r in zip(got, ref))
+    for g, r in zip(got, ref):
+        if g.shape != r.shape or not np.isfinite(g).all():
+            return False
+        bound = 2.0 ** -7 * np.abs(r).max(axis=-1, keepdims=True) + 1e-6
+        if (np.abs(g - r) > bound).any():
+            return False
+    return True
 
 
 def multi(a, results):
@@ -224,8 +246,8 @@ def multi(a, results):
                     failures.append(f"{name} T={T}: {r['errors_total']} calls failed")
         finally:
             d.stop()
-    for name, tag, _, _, _, ref in layouts:
-        if ref and replies.get(tag) != replies.get(ref):
+    for name, tag, _, flags, _, ref in layouts:
+        if ref and not replies_agree(replies.get(tag), replies.get(ref), "--expert-parallel" in flags):
             failures.append(f"replies of '{name}' differ from the same requests on GPU 0 alone")
     refs = {l[1]: l[5] or l[1] for l in layouts}
     tps = {(r["tag"], r["T"]): r["tokens_per_s"] for r in rows}
@@ -237,7 +259,8 @@ def multi(a, results):
               f"{r['tokens_per_s'] / tps[(refs[r['tag']], r['T'])]:.2f}x | {r['p50_ms']:.3f} | "
               f"{r['server_compute_ms']:.3f} | {r['kernel_ms']:.3f} | {r['errors']} |")
     same = not any("differ" in f for f in failures)
-    print(f"replies bit-identical to the same requests on GPU 0 alone: {'yes' if same else 'NO'} "
+    print(f"replies as the same requests on GPU 0 alone (whole layers bit-identical, split within one "
+          f"bf16 rounding): {'yes' if same else 'NO'} "
           f"({len(replies.get('one', []))} and {len(replies.get('two-one', []))} fixed requests)")
     results["multi"] = dict(rows=rows, failures=failures)
     for f in failures:

@@ -63,7 +63,8 @@
 #             as the host check words them; the packed route's host side, test_route_pack), then
 #             compute-sanitizer memcheck and racecheck on its quick cases (not yet timed)
 #   split     expert parallelism on one GPU: tests/gpu/test_split with two placements
-#             on GPU 0 (--devices 0,0), every case bit-identical to the layer unsplit, and
+#             on GPU 0 (--devices 0,0), every case within one output rounding of the layer
+#             unsplit per token, against the CPU backend and float64, and deterministic, and
 #             compute-sanitizer memcheck on its quick cases
 #   two-gpu   expert parallelism on two GPUs (skipped, exit 77, with fewer): test_split
 #             over GPUs 0,1 with peer access, and its quick cases again through landing buffers
