@@ -38,7 +38,6 @@
 
 #include "moed_dtype.h"
 
-#include <stdlib.h>
 #include <string.h>
 
 /* ---- parts ------------------------------------------------------------------------------- */
@@ -249,14 +248,6 @@ static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_
     return rc;
 }
 
-/* MOED_CUDA_SPLIT_X=dma: a part's x rows come by a copy of all of x even with peer access (for
- * measuring against the peer gather). */
-static bool split_x_dma(void)
-{
-    const char *e = getenv("MOED_CUDA_SPLIT_X");
-    return e && !strcmp(e, "dma");
-}
-
 /* Part i of split layer L for home slot x, chunk `chunk` of T tokens whose rows (rb bytes each)
  * are in x->x_in from row t0 on: after x's inputs are ready, takes the rows of the part's tokens
  * (q->sub, numbered in tok) and runs its pairs, into one fp32 partial row per token at `sums` in
@@ -275,7 +266,7 @@ static int run_part(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, int i, int c
     const int64_t P = src.lay[Tp];
     const int sm = c->sm[pt->entry], n_act = active_experts(&src, 0, Tp, pt->k.E);
     const bool here = q->device == x->device,
-               peer = c->direct[pt->entry][cuda_dev_index(c, x->device)] && !split_x_dma();
+               peer = c->direct[pt->entry][cuda_dev_index(c, x->device)];
     const char *xin = (const char *)x->x_in + (size_t)t0 * rb;
     cudaSetDevice(q->device);
     cudaStreamWaitEvent(q->stream, x->ready, 0);
