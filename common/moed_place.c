@@ -3,6 +3,7 @@
  */
 #include "moed_place.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 static double gib(uint64_t b)
@@ -41,39 +42,80 @@ static uint64_t free_total(const moed_place_dev *devs, int n)
 
 /* The entry of least expected work among those whose GPU has `bytes` free, ties to the fewest
  * bytes placed, then to the first listed; -1 if none. */
-static int least_work(const moed_place_dev *devs, const double *load, int n, uint64_t bytes)
+/* Whether experts can be cut into contiguous ranges over the entries in order with no entry's
+ * work over `bound` (the home's starting at home_work) and each within its GPU's room; count gets
+ * each entry's experts, taking as many as the bound and the room allow. */
+static bool cut(const moed_place_dev *devs, int n, const moed_place_need *need, int home,
+                const double *w, double bound, int *count)
 {
-    int best = -1;
+    uint64_t room[MOED_PLACE_MAX]; /* by entry, shared between the entries of one GPU below */
+    for (int i = 0; i < n; i++) room[i] = devs[i].free;
+    room[home] -= need->base;
+    for (int i = 0; i < n; i++)
+        if (devs[i].gpu == devs[home].gpu) room[i] = room[home];
+    int e = 0;
     for (int i = 0; i < n; i++) {
-        if (devs[i].free < bytes) continue;
-        if (best < 0 || load[i] < load[best] ||
-            (load[i] == load[best] && devs[i].placed < devs[best].placed))
-            best = i;
+        double work = i == home ? need->home_work : 0;
+        count[i] = 0;
+        while (e < need->n_experts && room[i] >= need->expert && work + w[e] <= bound) {
+            work += w[e++];
+            count[i]++;
+            for (int j = 0; j < n; j++)
+                if (devs[j].gpu == devs[i].gpu) room[j] -= need->expert;
+        }
     }
-    return best;
+    return e == need->n_experts;
 }
 
-/* The split: home is the lightest entry with room for the base, then each expert in turn to the
- * entry that is lightest once it holds it, or with home_work, to the entry of least expected work
- * (the home starting at home_work, each expert adding 1); counts become contiguous ranges in entry
- * order. */
+/* The split by work (moed_place.h): the least bound that cut() meets, by bisection between the
+ * mean share and everything on one entry, then the counts at that bound. */
+static bool split_by_work(const moed_place_dev *devs, int n, const moed_place_need *need, int home,
+                          int *count)
+{
+    double *w = malloc(sizeof *w * (size_t)need->n_experts), total = 0;
+    if (!w) return false;
+    for (int e = 0; e < need->n_experts; e++) total += need->load ? need->load[e] : 1;
+    const double unit = need->load && total > 0 ? total / need->n_experts : 1;
+    double lo = 0, hi = need->home_work;
+    for (int e = 0; e < need->n_experts; e++) {
+        w[e] = need->load && total > 0 ? need->load[e] / unit : 1;
+        hi += w[e];
+    }
+    bool ok = cut(devs, n, need, home, w, hi, count); /* false: no room, whatever the bound */
+    for (int it = 0; ok && it < 64 && hi - lo > 1e-9 * hi; it++) {
+        const double mid = (lo + hi) / 2;
+        if (cut(devs, n, need, home, w, mid, count))
+            hi = mid;
+        else
+            lo = mid;
+    }
+    ok = ok && cut(devs, n, need, home, w, hi, count);
+    free(w);
+    return ok;
+}
+
+/* The split: home is the lightest entry with room for the base; then the experts by work
+ * (split_by_work) or, without loads or home_work, each in turn to the entry that is lightest in
+ * bytes once it holds it; counts become contiguous ranges in entry order. */
 static int split(moed_place_dev *devs, int n, const moed_place_need *need, moed_layer_place *out)
 {
     moed_place_dev d[MOED_PLACE_MAX];
     int count[MOED_PLACE_MAX] = { 0 };
-    double load[MOED_PLACE_MAX] = { 0 };
-    const bool by_work = need->home_work > 0;
     memcpy(d, devs, sizeof d[0] * (size_t)n);
     const int home = lightest(d, n, need->base);
     if (home < 0) return -1;
-    take(d, n, home, need->base);
-    load[home] = need->home_work;
-    for (int e = 0; e < need->n_experts; e++) {
-        const int i = by_work ? least_work(d, load, n, need->expert) : lightest(d, n, need->expert);
-        if (i < 0) return -1;
-        load[i] += 1;
-        take(d, n, i, need->expert);
-        count[i]++;
+    if (need->home_work > 0 || need->load) {
+        if (!split_by_work(d, n, need, home, count)) return -1;
+        take(d, n, home, need->base);
+        for (int i = 0; i < n; i++) take(d, n, i, need->expert * (uint64_t)count[i]);
+    } else {
+        take(d, n, home, need->base);
+        for (int e = 0; e < need->n_experts; e++) {
+            const int i = lightest(d, n, need->expert);
+            if (i < 0) return -1;
+            take(d, n, i, need->expert);
+            count[i]++;
+        }
     }
     memcpy(devs, d, sizeof d[0] * (size_t)n);
     out->home = home;

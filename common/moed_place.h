@@ -14,13 +14,15 @@
  * Bytes are not time, though: the shared experts run for every token, a routed expert only for
  * the top_k/E of them routed to it, so DeepSeek-V3's one shared expert (256 experts, top 8) does
  * the work of 32 routed ones, and a split even in bytes leaves the home ~5/9 of the work on 2
- * GPUs. So when the caller gives the home's work (home_work > 0, in routed experts' expected work),
- * the split evens the layer's expected work instead: the home's load starts at home_work, the
- * others' at 0, and each expert in turn goes to the entry of least load among those whose GPU has
- * room for it (ties: the fewest bytes placed, then the first listed), adding 1; DeepSeek-V3 on 2
- * GPUs: 112 experts on the home, 144 on the other. The home is still the lightest in bytes with
- * room for its part, and it may get no routed expert at all. docs/cuda.md ("Several GPUs of a
- * host") has the numbers.
+ * GPUs; and real routing is skewed, some experts taking many times their share. So when the caller
+ * gives the home's work (home_work > 0, in routed experts' mean work) or the experts' measured
+ * loads (load), the split evens the layer's work instead: each routed expert weighs its load over
+ * the mean load (1 each without loads), the home starts at home_work, and the experts, in order,
+ * are cut into contiguous ranges over the entries in order so that the heaviest entry is as light
+ * as can be, each entry taking as many experts as that bound and its GPU's room allow (entries
+ * whose bound is met take none). DeepSeek-V3 on 2 GPUs, uniform: 112 experts on the home, 144 on
+ * the other. The home is still the lightest in bytes with room for its part, and it may get no
+ * routed expert at all. docs/cuda.md ("Several GPUs of a host") has the numbers.
  *
  * Devices are the backend's entries in the order given (moed --devices); two entries may be one
  * GPU (--devices 0,0 runs the split on one GPU) and then share its free memory: `gpu` says which.
@@ -48,9 +50,12 @@ typedef struct moed_place_need {
     int n_experts;
     bool split; /* expert parallelism asked for (moed --expert-parallel) */
     /* Per-token work of what the home runs besides its routed experts (the shared experts), in
-     * routed experts' expected work under uniform routing: a shared expert as wide as a routed one
-     * in a layer of E experts and top k is E/k. 0: a split evens bytes only. */
+     * routed experts' mean work: a shared expert as wide as a routed one in a layer of E experts
+     * and top k is E/k. */
     double home_work;
+    /* The routed experts' measured loads (n_experts of them, >= 0, any scale), or NULL: each
+     * weighs the mean. With neither loads nor home_work a split evens bytes only. */
+    const double *load;
 } moed_place_need;
 
 /* A range of a layer's experts on one device entry: experts first .. first + count - 1. */

@@ -1,5 +1,5 @@
 /*
- * bench — helpers shared by the kernel benchmarks (device fill, timing statistics).
+ * bench — helpers shared by the kernel benchmarks (device fill, timing statistics, routings).
  */
 #ifndef MOED_CUDA_BENCH_H
 #define MOED_CUDA_BENCH_H
@@ -18,6 +18,12 @@ int bench_fill(void *p, int dtype, size_t n, uint64_t seed, float scale);
 int bench_fill_fp8(void *p, size_t n, uint64_t seed);
 /* n copies of v at p. */
 int bench_fill_value(float *p, size_t n, float v);
+
+/* One token's k distinct experts of E by the routing rule, drawing from the splitmix64 state rng:
+ * uniform; zipf (P(e) ~ 1/(e+1)^1.2, drawn again while a choice repeats); hot (every token's first
+ * choice expert 0, the rest uniform); empty (from the first quarter of the experts, at least k
+ * of them: three quarters idle). Unknown words are uniform. */
+void bench_choose(const char *routing, int E, int k, uint64_t *rng, int32_t *out);
 
 #ifdef __cplusplus
 }

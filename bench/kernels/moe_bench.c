@@ -73,37 +73,6 @@ static double median(double *v, int n)
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-/* One token's k distinct experts by the routing rule. */
-static void choose(const char *routing, int E, int k, int32_t *out)
-{
-    for (int j = 0; j < k; j++) {
-        int32_t e;
-        int dup;
-        do {
-            if (!strcmp(routing, "zipf")) { /* P(e) ∝ 1/(e+1)^1.2, by inversion over the table */
-                double u = urand(), z = 0, acc = 0;
-                for (int i = 0; i < E; i++) z += pow(i + 1, -1.2);
-                e = E - 1;
-                for (int i = 0; i < E; i++)
-                    if ((acc += pow(i + 1, -1.2) / z) >= u) {
-                        e = i;
-                        break;
-                    }
-            } else if (!strcmp(routing, "hot") && j == 0) {
-                e = 0; /* every token sends one pair to expert 0 */
-            } else if (!strcmp(routing, "empty")) {
-                e = (int32_t)(urand() *
-                              (E / 4 > k ? E / 4 : k)); /* three quarters of the experts idle */
-            } else {
-                e = (int32_t)(urand() * E);
-            }
-            dup = 0;
-            for (int i = 0; i < j; i++) dup |= out[i] == e;
-        } while (dup);
-        out[j] = e;
-    }
-}
-
 typedef struct run {
     char shape[48], routing[16], kernel[12], weights[8];
     int64_t T, P;
@@ -309,7 +278,7 @@ static void bench_one(const shape *s, const moed_cuda_layer_dev *L, int sm, int6
     int active = 0;
     for (int64_t t = 0; t < T; t++) {
         off[t] = t * k;
-        choose(routing, E, k, ex + t * k);
+        bench_choose(routing, E, k, &rng, ex + t * k);
         for (int j = 0; j < k; j++) {
             w[t * k + j] = (float)(0.1 + 0.9 * urand());
             if (!seen[ex[t * k + j]]) {

@@ -10,7 +10,10 @@
  * The command line is one moed_opt table (`moe-split-bench --help` prints it).
  *
  * The layer is the synthetic SPEC (default: DeepSeek-V3's shape, d 7168, ff 2048, 256 experts,
- * top-8, one shared expert of 2048), routed uniformly (8 distinct experts a token). For each T: the
+ * top-8, one shared expert of 2048), routed by each of --routing's rules (moe-bench's: uniform, 8
+ * distinct experts a token, by default; zipf, hot, empty), and for each rule but uniform also split
+ * as placed by the measured load of another draw of that rule (moed --expert-load: the placement
+ * a skewed routing gets from its own /metrics). For each rule and T: the
  * median milliseconds of a forward whole and split, tokens/s, the speedup, the time of x's and
  * y's host copies alone on the first GPU (what `--io host` adds to both layouts: the split's own
  * traffic is device to device), the split's largest per-token difference from the whole layer (a
@@ -20,6 +23,7 @@
  * where the GPUs allow it; "staged" where not, the driver copying through the host), beside a copy
  * within the first GPU. Prints a markdown table; --json writes the figures.
  */
+#include "bench.h"
 #include "moed_opt.h"
 #include "cuda_backend.h"
 #include "moed_dtype.h"
@@ -38,11 +42,12 @@
 #define DSV3                                                                                       \
     "layers=1,d=7168,ff=2048,experts=256,topk=8,act=swiglu,dtype=bf16,seed=1,shared=1,"            \
     "shared_ff=2048"
-#define MAX_T    16
-#define PEER_MIB 256
+#define MAX_T        16
+#define MAX_ROUTINGS 4
+#define PEER_MIB     256
 
 typedef struct args {
-    const char *spec, *tokens, *devices, *io, *json;
+    const char *spec, *tokens, *devices, *io, *routing, *json;
     double min_ms;
 } args;
 
@@ -55,6 +60,10 @@ static const moed_opt options[] = {
     MOED_OPT_STR_ROW("tokens", F(tokens), "LIST", "8,4096", NULL, "batch sizes T, at most 16"),
     MOED_OPT_STR_ROW("devices", F(devices), "LIST", "0,1", NULL,
                      "GPUs: the layer whole on the first, split over all (two or more)"),
+    MOED_OPT_STR_ROW("routing", F(routing), "LIST", "uniform", NULL,
+                     "routings, each timed at every T: uniform, zipf, hot, empty (moe-bench's);\n"
+                     "for each but uniform the split is also timed placed by that routing's\n"
+                     "measured load (moed --expert-load)"),
     MOED_OPT_CHOICE_ROW("io", F(io), "device|host", "device", NULL,
                         "where x and y lie: device (the first GPU, read and written in place) or\n"
                         "host (pinned memory, copied in and out)"),
@@ -221,26 +230,22 @@ static moed_backend *open_on(const moed_layer *l, const int *dev, int n, int64_t
     return b;
 }
 
-/* T tokens of k distinct experts each, uniformly, random weights. */
-static int uniform_route(const moed_layer_info *li, int64_t T, moed_route *r)
+/* T tokens of k distinct experts each by the routing (bench.h), random weights; seed picks the
+ * draw (a placement measures one draw and is timed on another). */
+static int make_route(const moed_layer_info *li, const char *routing, uint64_t seed, int64_t T,
+                      moed_route *r)
 {
     const int k = li->top_k, E = li->n_experts;
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)(T * k));
     float *w = malloc(sizeof(float) * (size_t)(T * k));
-    uint64_t s = 7;
-    for (int64_t t = 0; t < T; t++)
+    uint64_t s = seed;
+    for (int64_t t = 0; t < T; t++) {
+        bench_choose(routing, E, k, &s, ids + t * k);
         for (int j = 0; j < k; j++) {
-            int32_t e;
-            bool again;
-            do {
-                s = moed_splitmix64(s);
-                e = (int32_t)(s % (uint64_t)E);
-                again = false;
-                for (int i = 0; i < j; i++) again = again || ids[t * k + i] == e;
-            } while (again);
-            ids[t * k + j] = e;
+            s = moed_splitmix64(s);
             w[t * k + j] = (float)((s >> 40) % 1000 + 1) / 1000.0f;
         }
+    }
     moed_error err;
     const int rc = moed_route_from_choice(r, ids, w, T, k, E, &err);
     free(ids);
@@ -249,8 +254,10 @@ static int uniform_route(const moed_layer_info *li, int64_t T, moed_route *r)
 }
 
 typedef struct row {
+    const char *routing;
     int64_t T;
     double whole_ms, split_ms, copy_ms;
+    double load_ms;    /* the split placed by the routing's measured load; -1 where not timed */
     double worst;      /* the split's largest per-token error/magnitude against the whole layer */
     int deterministic; /* two split runs gave the same bits */
 } row;
@@ -258,7 +265,7 @@ typedef struct row {
 /* The layer whole (bw) and split (bs); host buffers for the largest T, and (--io device) x and
  * both outputs on the first GPU. */
 typedef struct bench {
-    moed_backend *bw, *bs;
+    moed_backend *bw, *bs, *bl; /* bl: the split placed by a routing's measured load, or NULL */
     uint16_t *x, *yw, *ys, *ys2;
     void *dx, *dyw, *dys;
     int d, dev0, on_device;
@@ -306,24 +313,35 @@ static void outputs_home(const bench *B, size_t bytes)
 }
 
 /* One T: both backends on the same x and route. */
-static int run_T(bench *B, const moed_layer_info *li, int64_t T, double min_ms, row *out)
+static int run_T(bench *B, const moed_layer_info *li, const char *routing, int64_t T, double min_ms,
+                 row *out)
 {
     const size_t bytes = (size_t)T * B->d * 2;
     moed_route route = { 0 };
-    if (uniform_route(li, T, &route)) return 1;
+    if (make_route(li, routing, 7, T, &route)) return 1;
     moed_part pw, ps;
     fwd w = { B->bw, job_of(B, T, &route, B->yw, B->dyw, &pw) },
         sp = { B->bs, job_of(B, T, &route, B->ys, B->dys, &ps) };
     copies c = { B->dx, B->x, bytes };
+    out->routing = routing;
     out->T = T;
     out->whole_ms = time_ms(fwd_once, &w, min_ms);
     out->split_ms = time_ms(fwd_once, &sp, min_ms);
     outputs_home(B, bytes);
     memcpy(B->ys2, B->ys, bytes);
-    const int again = fwd_once(&sp);
+    int again = fwd_once(&sp);
     outputs_home(B, bytes);
     out->deterministic = !again && !memcmp(B->ys2, B->ys, bytes);
     out->worst = worst_token(B->ys, B->yw, T, B->d);
+    out->load_ms = -1;
+    if (B->bl && !again) { /* the same routing's split placed by its measured load */
+        sp.b = B->bl;
+        out->load_ms = time_ms(fwd_once, &sp, min_ms);
+        again = out->load_ms < 0;
+        outputs_home(B, bytes);
+        const double worst = worst_token(B->ys, B->yw, T, B->d);
+        out->worst = worst > out->worst || worst != worst ? worst : out->worst;
+    }
     out->copy_ms = time_ms(copies_once, &c, min_ms / 4);
     moed_route_free(&route);
     return out->whole_ms < 0 || out->split_ms < 0 || out->copy_ms < 0 || again;
@@ -375,17 +393,24 @@ static void report(const args *a, const int *dev, int n, const row *rows, int nr
 {
     printf("x and y in %s\n\n",
            a->io[0] == 'd' ? "device memory of the first GPU" : "pinned host memory");
-    printf("| T | whole on GPU %d (ms) | split over %d devices (ms) | speedup | tokens/s whole | "
-           "tokens/s split | x and y host copies (ms) | split vs whole, worst token | split "
-           "deterministic |\n",
-           dev[0], n);
-    printf("|---|---|---|---|---|---|---|---|---|\n");
-    for (int i = 0; i < nr; i++)
-        printf("| %lld | %.3f | %.3f | %.2fx | %.0f | %.0f | %.3f | %.1e | %s |\n",
-               (long long)rows[i].T, rows[i].whole_ms, rows[i].split_ms,
-               rows[i].whole_ms / rows[i].split_ms, rows[i].T / (rows[i].whole_ms / 1e3),
+    printf(
+        "| routing | T | whole on GPU %d (ms) | split over %d devices (ms) | speedup | split "
+        "placed by measured load (ms) | speedup | tokens/s whole | tokens/s split | x and y host "
+        "copies (ms) | splits vs whole, worst token | split deterministic |\n",
+        dev[0], n);
+    printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (int i = 0; i < nr; i++) {
+        char lms[32] = "-", lx[32] = "-";
+        if (rows[i].load_ms > 0) {
+            snprintf(lms, sizeof lms, "%.3f", rows[i].load_ms);
+            snprintf(lx, sizeof lx, "%.2fx", rows[i].whole_ms / rows[i].load_ms);
+        }
+        printf("| %s | %lld | %.3f | %.3f | %.2fx | %s | %s | %.0f | %.0f | %.3f | %.1e | %s |\n",
+               rows[i].routing, (long long)rows[i].T, rows[i].whole_ms, rows[i].split_ms,
+               rows[i].whole_ms / rows[i].split_ms, lms, lx, rows[i].T / (rows[i].whole_ms / 1e3),
                rows[i].T / (rows[i].split_ms / 1e3), rows[i].copy_ms, rows[i].worst,
                rows[i].deterministic ? "yes" : "NO");
+    }
     printf("\nPeer bandwidth GPU %d <-> GPU %d (%s, %d MiB copies): %.1f GB/s %d->%d, %.1f GB/s "
            "%d->%d, %.1f GB/s both ways at once; within GPU %d: %.1f GB/s (read + written)\n",
            dev[0], dev[1], mode, PEER_MIB, gbs[0], dev[0], dev[1], gbs[1], dev[1], dev[0], gbs[2],
@@ -400,10 +425,12 @@ static void report(const args *a, const int *dev, int n, const row *rows, int nr
             a->spec, a->devices, a->io, mode, gbs[0], gbs[1], gbs[2], gbs[3]);
     for (int i = 0; i < nr; i++)
         fprintf(f,
-                "%s{\"T\": %lld, \"whole_ms\": %.4f, \"split_ms\": %.4f, \"copy_ms\": %.4f, "
-                "\"worst_token\": %.3e, \"deterministic\": %s}",
-                i ? ", " : "", (long long)rows[i].T, rows[i].whole_ms, rows[i].split_ms,
-                rows[i].copy_ms, rows[i].worst, rows[i].deterministic ? "true" : "false");
+                "%s{\"routing\": \"%s\", \"T\": %lld, \"whole_ms\": %.4f, \"split_ms\": %.4f, "
+                "\"load_split_ms\": %.4f, \"copy_ms\": %.4f, \"worst_token\": %.3e, "
+                "\"deterministic\": %s}",
+                i ? ", " : "", rows[i].routing, (long long)rows[i].T, rows[i].whole_ms,
+                rows[i].split_ms, rows[i].load_ms, rows[i].copy_ms, rows[i].worst,
+                rows[i].deterministic ? "true" : "false");
     fprintf(f, "]}\n");
     fclose(f);
 }
@@ -421,6 +448,16 @@ int main(int argc, char **argv)
     moed_error err;
     if (moed_synth_parse(a.spec, &spec, &err))
         return moed_opt_usage(&command_line, "--spec: %s", err.msg);
+    char routings[MAX_ROUTINGS][16];
+    int nrt = 0;
+    for (const char *p = a.routing; nrt < MAX_ROUTINGS && *p; p += strcspn(p, ","), p += *p == ',')
+        snprintf(routings[nrt++], sizeof routings[0], "%.*s", (int)strcspn(p, ","), p);
+    for (int r = 0; r < nrt; r++)
+        if (strcmp(routings[r], "uniform") && strcmp(routings[r], "zipf") &&
+            strcmp(routings[r], "hot") && strcmp(routings[r], "empty")) {
+            return moed_opt_usage(&command_line, "--routing %s: use uniform, zipf, hot or empty",
+                                  routings[r]);
+        }
     if (cudaGetDeviceCount(&count) != cudaSuccess || count < 1) {
         fprintf(stderr, "moe-split-bench: no CUDA device: skipped\n");
         return 77;
@@ -443,11 +480,28 @@ int main(int argc, char **argv)
     int nt = 0;
     for (const char *p = a.tokens; nt < MAX_T && *p; p += strcspn(p, ","), p += *p == ',')
         if ((Ts[nt++] = atoll(p)) > max_T) max_T = Ts[nt - 1];
-    row rows[MAX_T];
+    row rows[MAX_T * MAX_ROUTINGS];
     int nr = 0;
     bench B;
-    rc = bench_open(&B, &layer, dev, n, max_T, a.io[0] == 'd');
-    for (; nr < nt && !rc; nr++) rc = run_T(&B, &layer.info, Ts[nr], a.min_ms, &rows[nr]);
+    double *load = calloc((size_t)layer.info.n_experts, sizeof *load);
+    rc = !load || bench_open(&B, &layer, dev, n, max_T, a.io[0] == 'd');
+    for (int r = 0; r < nrt && !rc; r++) {
+        if (strcmp(routings[r], "uniform")) { /* placed by another draw of the same routing */
+            moed_route m = { 0 };
+            rc = make_route(&layer.info, routings[r], 1234, max_T, &m);
+            for (int64_t j = 0; !rc && j < m.off[max_T]; j++) load[m.expert[j]]++;
+            moed_route_free(&m);
+            layer.expert_load = load;
+            rc = rc || !(B.bl = open_on(&layer, dev, n, max_T));
+            layer.expert_load = NULL;
+        }
+        for (int i = 0; i < nt && !rc; i++, nr++)
+            rc = run_T(&B, &layer.info, routings[r], Ts[i], a.min_ms, &rows[nr]);
+        moed_backend_destroy(B.bl);
+        B.bl = NULL;
+        memset(load, 0, sizeof *load * (size_t)layer.info.n_experts);
+    }
+    free(load);
     bench_close(&B);
     if (!rc) report(&a, dev, n, rows, nr, gbs, mode);
     moed_synth_free_layer(&layer);

@@ -222,7 +222,7 @@ static moed_place_need layer_need(const cuda_layer *L, const moed_layer *l, bool
     const int64_t dp = L->k.d_pad;
     const int64_t up = (int64_t)L->k.n_up * dp, dn = dp * L->k.ff_pad;
     const int64_t sup = (int64_t)L->k.sn_up * dp, sdn = dp * L->k.sff_pad;
-    moed_place_need n = { .n_experts = L->info.n_experts, .split = split };
+    moed_place_need n = { .n_experts = L->info.n_experts, .split = split, .load = l->expert_load };
     const dev_set routed = { .sparse = L->k.sparse24 };
     n.expert = mbytes(L, &routed, L->k.n_up, dp) + mbytes(L, &routed, dp, L->k.ff_pad) +
                4 * (L->k.sparse24 ? MOED_CUDA_SP24_META_WORDS(up + dn, 1) : 0) +

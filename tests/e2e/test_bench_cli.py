@@ -34,8 +34,8 @@ def test_help_lists_every_option_with_its_default():
     assert "(default 8,64,512,4096,16384)" in p.stdout and "(default 200)" in p.stdout, p.stdout
     p = run(SPLIT, "--help")
     assert p.returncode == 0, p.stderr
-    for opt in ("--spec SPEC", "--tokens LIST", "--devices LIST", "--io device|host", "--min-ms MS",
-                "--json FILE"):
+    for opt in ("--spec SPEC", "--tokens LIST", "--devices LIST", "--routing LIST", "--io device|host",
+                "--min-ms MS", "--json FILE"):
         assert opt in p.stdout, (opt, p.stdout)
 
 
@@ -83,6 +83,7 @@ def test_split_bench_lines():
     for args, names in ((["--devices", "0"], "--devices needs two or more"),
                         (["--min-ms", "-1"], "--min-ms -1"),
                         (["--io", "pinned"], "--io: 'pinned' is not one of device|host"),
+                        (["--routing", "uniform,skewed"], "--routing skewed"),
                         (["--spec", "layers=1,d=0"], "--spec")):
         p = run(SPLIT, *args)
         assert p.returncode == 2 and names in p.stderr, (args, p.stderr)

@@ -42,7 +42,8 @@ static void test_whole_by_bytes(void)
     moed_error err;
     moed_layer_place p;
     devs_init(d, 2, NULL, 100 * GB);
-    const moed_place_need big = { 0, 1 * GB, 8, false, 0 }, small = { 0, 1 * GB, 2, false, 0 };
+    const moed_place_need big = { 0, 1 * GB, 8, false, 0, NULL },
+                          small = { 0, 1 * GB, 2, false, 0, NULL };
     CHECK(moed_place_layer(d, 2, &big, &p, &err) == 0);
     CHECK_EQ_INT(p.home, 0);
     CHECK_EQ_INT(p.n_parts, 1);
@@ -68,7 +69,7 @@ static void test_whole_skips_full(void)
     moed_place_dev d[2] = { { 0, 3 * GB, 0 }, { 1, 50 * GB, 10 * GB } };
     moed_error err;
     moed_layer_place p;
-    const moed_place_need l = { 0, 1 * GB, 4, false, 0 };
+    const moed_place_need l = { 0, 1 * GB, 4, false, 0, NULL };
     CHECK(moed_place_layer(d, 2, &l, &p, &err) == 0);
     CHECK_EQ_INT(p.home, 1);
     CHECK(!moed_place_is_split(&p));
@@ -82,7 +83,7 @@ static void test_split_asked(void)
     moed_error err;
     moed_layer_place p;
     devs_init(d, 2, NULL, 100 * GB);
-    const moed_place_need l = { 4 * 88 * MB, 88 * MB, 256, true, 0 };
+    const moed_place_need l = { 4 * 88 * MB, 88 * MB, 256, true, 0, NULL };
     CHECK(moed_place_layer(d, 2, &l, &p, &err) == 0);
     CHECK(moed_place_is_split(&p));
     CHECK_EQ_INT(p.home, 0);
@@ -105,7 +106,7 @@ static void test_split_when_too_big(void)
     moed_error err;
     moed_layer_place p;
     devs_init(d, 3, NULL, 10 * GB);
-    const moed_place_need l = { 1 * GB, 1 * GB, 24, false, 0 }; /* 25 GB over 3 x 10 GB */
+    const moed_place_need l = { 1 * GB, 1 * GB, 24, false, 0, NULL }; /* 25 GB over 3 x 10 GB */
     CHECK(moed_place_layer(d, 3, &l, &p, &err) == 0);
     CHECK(moed_place_is_split(&p));
     CHECK_EQ_INT(p.n_parts, 3);
@@ -118,7 +119,7 @@ static void test_split_when_too_big(void)
     CHECK_EQ_INT(d[1].placed, 8 * GB);
     /* what is left (5 GB) cannot take another 9 GB layer, split or not: refused, nothing counted */
     const moed_place_dev before[3] = { d[0], d[1], d[2] };
-    const moed_place_need l2 = { 1 * GB, 1 * GB, 8, false, 0 };
+    const moed_place_need l2 = { 1 * GB, 1 * GB, 8, false, 0, NULL };
     CHECK(moed_place_layer(d, 3, &l2, &p, &err) == MOED_ENOMEM);
     CHECK(strstr(err.msg, "9.00 GiB") != NULL);
     CHECK(strstr(err.msg, "5.00 GiB free") != NULL);
@@ -132,7 +133,8 @@ static void test_one_device(void)
     moed_place_dev d[1] = { { 0, 4 * GB, 0 } };
     moed_error err;
     moed_layer_place p;
-    const moed_place_need big = { 0, 1 * GB, 5, false, 0 }, fits = { 0, 1 * GB, 3, true, 0 };
+    const moed_place_need big = { 0, 1 * GB, 5, false, 0, NULL },
+                          fits = { 0, 1 * GB, 3, true, 0, NULL };
     CHECK(moed_place_layer(d, 1, &big, &p, &err) == MOED_ENOMEM);
     CHECK(strstr(err.msg, "the device holds") != NULL);
     CHECK(moed_place_layer(d, 1, &fits, &p, &err) == 0);
@@ -149,7 +151,7 @@ static void test_same_gpu_twice(void)
     moed_error err;
     moed_layer_place p;
     devs_init(d, 2, gpu, 10 * GB);
-    const moed_place_need l = { 0, 1 * GB, 6, true, 0 };
+    const moed_place_need l = { 0, 1 * GB, 6, true, 0, NULL };
     CHECK(moed_place_layer(d, 2, &l, &p, &err) == 0);
     CHECK_EQ_INT(p.n_parts, 2);
     CHECK_EQ_INT(p.part[0].count, 3);
@@ -157,7 +159,7 @@ static void test_same_gpu_twice(void)
     CHECK_EQ_INT(d[0].free, 4 * GB);
     CHECK_EQ_INT(d[1].free, 4 * GB);
     /* 4 GB left on the GPU, whichever entry: a 5-expert layer fits nowhere */
-    const moed_place_need l2 = { 0, 1 * GB, 5, true, 0 };
+    const moed_place_need l2 = { 0, 1 * GB, 5, true, 0, NULL };
     CHECK(moed_place_layer(d, 2, &l2, &p, &err) == MOED_ENOMEM);
     CHECK(strstr(err.msg, "4.00 GiB free") != NULL);
 }
@@ -169,7 +171,7 @@ static void test_few_experts(void)
     moed_error err;
     moed_layer_place p;
     devs_init(d, 4, NULL, 10 * GB);
-    const moed_place_need l = { 0, 1 * GB, 2, true, 0 };
+    const moed_place_need l = { 0, 1 * GB, 2, true, 0, NULL };
     CHECK(moed_place_layer(d, 4, &l, &p, &err) == 0);
     CHECK_EQ_INT(p.n_parts, 2);
     check_cover(&p, 2);
@@ -184,7 +186,7 @@ static void test_work_two(void)
     moed_error err;
     moed_layer_place p;
     devs_init(d, 2, NULL, 100 * GB);
-    const moed_place_need l = { 1 * 88 * MB, 88 * MB, 256, true, 32.0 };
+    const moed_place_need l = { 1 * 88 * MB, 88 * MB, 256, true, 32.0, NULL };
     CHECK(moed_place_layer(d, 2, &l, &p, &err) == 0);
     CHECK(moed_place_is_split(&p));
     CHECK_EQ_INT(p.home, 0);
@@ -210,16 +212,16 @@ static void test_work_two(void)
     check_cover(&p, 256);
     CHECK_EQ_INT(p.part[0].count, 144);
     CHECK_EQ_INT(p.part[1].count, 112);
-    /* ties of work go to the fewer bytes, not the first listed: home 1 at 2, entry 0 takes two
-     * (2, 2: to the home, 0 bytes), then entry 0 (3, 3: to the home again): 3 + 2, not 4 + 1 */
+    /* where two cuts have the same heaviest entry, the entries listed first take the more: home 1
+     * at 2 of 7, the least bound 4 is 4 + (2 + 1) or 3 + (2 + 2), and entry 0 takes 4 */
     devs_init(d, 2, NULL, 100 * GB);
     d[0].placed = 1;
-    const moed_place_need t = { 0, 1 * GB, 5, true, 2.0 };
+    const moed_place_need t = { 0, 1 * GB, 5, true, 2.0, NULL };
     CHECK(moed_place_layer(d, 2, &t, &p, &err) == 0);
     CHECK_EQ_INT(p.home, 1);
     check_cover(&p, 5);
-    CHECK_EQ_INT(p.part[0].count, 3);
-    CHECK_EQ_INT(p.part[1].count, 2);
+    CHECK_EQ_INT(p.part[0].count, 4);
+    CHECK_EQ_INT(p.part[1].count, 1);
 }
 
 /* home_work 0 is the byte split exactly: test_split_asked's inputs give its 126 + 130 and bytes,
@@ -264,7 +266,7 @@ static void test_work_four(void)
     moed_error err;
     moed_layer_place p;
     devs_init(d, 4, NULL, 100 * GB);
-    const moed_place_need l = { 88 * MB, 88 * MB, 256, true, 32.0 };
+    const moed_place_need l = { 88 * MB, 88 * MB, 256, true, 32.0, NULL };
     CHECK(moed_place_layer(d, 4, &l, &p, &err) == 0);
     CHECK_EQ_INT(p.home, 0);
     CHECK_EQ_INT(p.n_parts, 4);
@@ -277,7 +279,7 @@ static void test_work_four(void)
     /* a fractional home_work, 2.5, and 10 experts: the others take 1, 2, then 3 each (2 < 2.5 <
      * 3), then the home its one (3.5); with 8 experts the home would get none */
     devs_init(d, 4, NULL, 100 * GB);
-    const moed_place_need f = { 0, 1 * GB, 10, true, 2.5 };
+    const moed_place_need f = { 0, 1 * GB, 10, true, 2.5, NULL };
     CHECK(moed_place_layer(d, 4, &f, &p, &err) == 0);
     check_cover(&p, 10);
     CHECK_EQ_INT(p.home, 0);
@@ -293,7 +295,7 @@ static void test_work_room(void)
     moed_place_dev d[2] = { { 0, 300 * GB, 0 }, { 1, 100 * GB, 0 } };
     moed_error err;
     moed_layer_place p;
-    const moed_place_need l = { 4 * GB, 1 * GB, 256, true, 32.0 };
+    const moed_place_need l = { 4 * GB, 1 * GB, 256, true, 32.0, NULL };
     CHECK(moed_place_layer(d, 2, &l, &p, &err) == 0);
     CHECK_EQ_INT(p.home, 0);
     check_cover(&p, 256);
@@ -311,7 +313,7 @@ static void test_work_room(void)
     CHECK_EQ_INT(s[0].free, 0);
     /* too big for any one GPU, not asked: split by work all the same */
     moed_place_dev t[2] = { { 0, 200 * GB, 0 }, { 1, 200 * GB, 0 } };
-    const moed_place_need big = { 4 * GB, 1 * GB, 256, false, 32.0 };
+    const moed_place_need big = { 4 * GB, 1 * GB, 256, false, 32.0, NULL };
     CHECK(moed_place_layer(t, 2, &big, &p, &err) == 0);
     CHECK(moed_place_is_split(&p));
     check_cover(&p, 256);
@@ -331,7 +333,7 @@ static void test_work_home_empty(void)
     moed_error err;
     moed_layer_place p;
     devs_init(d, 2, NULL, 10 * GB);
-    const moed_place_need l = { 1 * GB, 1 * GB, 6, true, 8.0 };
+    const moed_place_need l = { 1 * GB, 1 * GB, 6, true, 8.0, NULL };
     CHECK(moed_place_layer(d, 2, &l, &p, &err) == 0);
     CHECK_EQ_INT(p.home, 0);
     CHECK_EQ_INT(p.n_parts, 1);
@@ -341,10 +343,89 @@ static void test_work_home_empty(void)
     CHECK_EQ_INT(d[0].placed, 1 * GB);
     CHECK_EQ_INT(d[1].placed, 6 * GB);
     /* a whole layer ignores home_work: still placed by bytes */
-    const moed_place_need whole = { 1 * GB, 1 * GB, 2, false, 8.0 };
+    const moed_place_need whole = { 1 * GB, 1 * GB, 2, false, 8.0, NULL };
     CHECK(moed_place_layer(d, 2, &whole, &p, &err) == 0);
     CHECK_EQ_INT(p.home, 0);
     CHECK(!moed_place_is_split(&p));
+}
+
+/* Measured loads: the cut's heaviest entry is the least any contiguous cut over the entries in
+ * order can have (brute force over every cut of 3 entries, home 1 at home_work), on skewed loads
+ * (zipf-like, a hot expert, zeros); the counts do not depend on the loads' scale; equal loads
+ * cut as no loads do. */
+static void test_load(void)
+{
+    enum { E = 40, N = 3 };
+    uint64_t s = 99;
+    for (int rep = 0; rep < 60; rep++) {
+        double load[E], scaled[E], total = 0;
+        for (int e = 0; e < E; e++) {
+            s = s * 6364136223846793005ull + 1442695040888963407ull;
+            const double u = (double)(s >> 11) / 9007199254740992.0;
+            load[e] = rep % 3 == 0   ? 1000.0 / ((e + 1) * (e + 1))   /* zipf-like */
+                      : rep % 3 == 1 ? (e == rep % E ? 5000 : 10 * u) /* one hot expert */
+                                     : (u < 0.3 ? 0 : 100 * u);       /* some never routed */
+            scaled[e] = load[e] * 1e6;
+            total += load[e];
+        }
+        const double unit = total / E, home_work = (double)(rep % 4) * 2;
+        moed_place_dev d[N], d2[N];
+        devs_init(d, N, NULL, 100 * GB);
+        devs_init(d2, N, NULL, 100 * GB);
+        d[0].placed = d[2].placed = d2[0].placed = d2[2].placed = 1; /* home: entry 1 */
+        moed_layer_place p, q;
+        moed_error err;
+        moed_place_need l = { 0, 1 * GB, E, true, home_work, load };
+        CHECK(moed_place_layer(d, N, &l, &p, &err) == 0);
+        CHECK_EQ_INT(p.home, 1);
+        check_cover(&p, E);
+        l.load = scaled;
+        CHECK(moed_place_layer(d2, N, &l, &q, &err) == 0);
+        CHECK(p.n_parts == q.n_parts);
+        for (int i = 0; i < p.n_parts && i < q.n_parts; i++)
+            CHECK(p.part[i].dev == q.part[i].dev && p.part[i].count == q.part[i].count);
+        /* the heaviest entry of this cut, in units of the mean load */
+        double work[N] = { 0, home_work, 0 }, got = 0;
+        for (int i = 0; i < p.n_parts; i++)
+            for (int e = p.part[i].first; e < p.part[i].first + p.part[i].count; e++)
+                work[p.part[i].dev] += load[e] / unit;
+        for (int i = 0; i < N; i++) got = work[i] > got ? work[i] : got;
+        double best = 1e300;
+        for (int a = 0; a <= E; a++)
+            for (int b = a; b <= E; b++) {
+                double w3[N] = { 0, home_work, 0 };
+                for (int e = 0; e < E; e++) w3[e < a ? 0 : e < b ? 1 : 2] += load[e] / unit;
+                const double m = w3[0] > w3[1] ? (w3[0] > w3[2] ? w3[0] : w3[2])
+                                               : (w3[1] > w3[2] ? w3[1] : w3[2]);
+                best = m < best ? m : best;
+            }
+        CHECK_MSG(got <= best * (1 + 1e-6), "rep %d: heaviest entry %.6f, the best cut %.6f", rep,
+                  got, best);
+    }
+    /* equal loads cut as none: DeepSeek-V3's 112 + 144 */
+    double same[256];
+    for (int e = 0; e < 256; e++) same[e] = 7;
+    moed_place_dev d[2];
+    moed_layer_place p;
+    moed_error err;
+    devs_init(d, 2, NULL, 100 * GB);
+    const moed_place_need l = { 88 * MB, 88 * MB, 256, true, 32.0, same };
+    CHECK(moed_place_layer(d, 2, &l, &p, &err) == 0);
+    CHECK_EQ_INT(p.home, 0);
+    CHECK_EQ_INT(p.part[0].count, 112);
+    CHECK_EQ_INT(p.part[1].count, 144);
+    /* a hot first expert alone on its entry, the rest evened out; room still binds */
+    double hot[8] = { 70, 10, 10, 10, 10, 10, 10, 10 };
+    devs_init(d, 2, NULL, 100 * GB);
+    const moed_place_need h = { 0, 1 * GB, 8, true, 0, hot };
+    CHECK(moed_place_layer(d, 2, &h, &p, &err) == 0);
+    CHECK_EQ_INT(p.part[0].count, 1);
+    CHECK_EQ_INT(p.part[1].count, 7);
+    devs_init(d, 2, NULL, 100 * GB);
+    d[1].free = 5 * GB; /* entry 1 holds 5 at most: entry 0 takes three */
+    CHECK(moed_place_layer(d, 2, &h, &p, &err) == 0);
+    CHECK_EQ_INT(p.part[0].count, 3);
+    CHECK_EQ_INT(p.part[1].count, 5);
 }
 
 int main(void)
@@ -361,5 +442,6 @@ int main(void)
     test_work_four();
     test_work_room();
     test_work_home_empty();
+    test_load();
     return check_status("test_place");
 }
