@@ -77,10 +77,11 @@ typedef struct moed_layer {
     const float *router_bias; /* [n_experts] float32 (DeepSeek e_score_correction_bias), or NULL */
     moed_expert_w shared;     /* the shared experts fused along d_ff: [shared_d_ff, d_model] etc. */
     /* A placement hint, not part of the model: the measured load of each of the n_experts (its
-     * (token, expert) pairs over some past run, any scale: moed --expert-load), which a backend
-     * splitting the layer over devices evens out instead of the expected uniform load; NULL for
-     * none. */
+     * (token, expert) pairs over some past run: moed --expert-load) and the layer's launches over
+     * that run (0: unknown), which a backend splitting the layer over devices evens out instead
+     * of the expected uniform load; NULL for none. */
     const double *expert_load;
+    double expert_launches;
 } moed_layer;
 
 /* The experts of a layer a daemon holding an expert shard loads (moed --experts): ids in

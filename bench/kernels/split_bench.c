@@ -12,16 +12,16 @@
  * The layer is the synthetic SPEC (default: DeepSeek-V3's shape, d 7168, ff 2048, 256 experts,
  * top-8, one shared expert of 2048), routed by each of --routing's rules (moe-bench's: uniform, 8
  * distinct experts a token, by default; zipf, hot, empty), and for each rule but uniform also split
- * as placed by the measured load of another draw of that rule (moed --expert-load: the placement
- * a skewed routing gets from its own /metrics). For each rule and T: the
- * median milliseconds of a forward whole and split, tokens/s, the speedup, the time of x's and
- * y's host copies alone on the first GPU (what `--io host` adds to both layouts: the split's own
- * traffic is device to device), the split's largest per-token difference from the whole layer (a
- * token's largest error over its own largest magnitude: docs/cuda.md says why a split sums in
- * another order) and whether two split runs gave the same bits. Peer
- * bandwidth: cudaMemcpyPeerAsync of 256 MiB each way and both ways at once (peer access enabled
- * where the GPUs allow it; "staged" where not, the driver copying through the host), beside a copy
- * within the first GPU. Prints a markdown table; --json writes the figures.
+ * as placed by the measured load of another draw of T tokens by that rule, as one launch (moed
+ * --expert-load: the placement a skewed routing gets from its own /metrics). For each rule and T:
+ * the median milliseconds of a forward whole and split, tokens/s, the speedup, the time of x's
+ * and y's host copies alone on the first GPU (what `--io host` adds to both layouts: the split's
+ * own traffic is device to device), the splits' largest per-token difference from the whole layer
+ * (a token's largest error over its own largest magnitude: docs/cuda.md says why a split sums in
+ * another order) and whether two split runs gave the same bits. Peer bandwidth: cudaMemcpyPeerAsync
+ * of 256 MiB each way and both ways at once (peer access enabled where the GPUs allow it; "staged"
+ * where not, the driver copying through the host), beside a copy within the first GPU. Prints a
+ * markdown table; --json writes the figures.
  */
 #include "bench.h"
 #include "moed_opt.h"
@@ -485,22 +485,23 @@ int main(int argc, char **argv)
     bench B;
     double *load = calloc((size_t)layer.info.n_experts, sizeof *load);
     rc = !load || bench_open(&B, &layer, dev, n, max_T, a.io[0] == 'd');
-    for (int r = 0; r < nrt && !rc; r++) {
-        if (strcmp(routings[r], "uniform")) { /* placed by another draw of the same routing */
-            moed_route m = { 0 };
-            rc = make_route(&layer.info, routings[r], 1234, max_T, &m);
-            for (int64_t j = 0; !rc && j < m.off[max_T]; j++) load[m.expert[j]]++;
-            moed_route_free(&m);
-            layer.expert_load = load;
-            rc = rc || !(B.bl = open_on(&layer, dev, n, max_T));
-            layer.expert_load = NULL;
+    for (int r = 0; r < nrt && !rc; r++)
+        for (int i = 0; i < nt && !rc; i++, nr++) {
+            if (strcmp(routings[r], "uniform")) { /* placed by another draw of T tokens */
+                moed_route m = { 0 };
+                memset(load, 0, sizeof *load * (size_t)layer.info.n_experts);
+                rc = make_route(&layer.info, routings[r], 1234, Ts[i], &m);
+                for (int64_t j = 0; !rc && j < m.off[Ts[i]]; j++) load[m.expert[j]]++;
+                moed_route_free(&m);
+                layer.expert_load = load;
+                layer.expert_launches = 1;
+                rc = rc || !(B.bl = open_on(&layer, dev, n, max_T));
+                layer.expert_load = NULL;
+            }
+            if (!rc) rc = run_T(&B, &layer.info, routings[r], Ts[i], a.min_ms, &rows[nr]);
+            moed_backend_destroy(B.bl);
+            B.bl = NULL;
         }
-        for (int i = 0; i < nt && !rc; i++, nr++)
-            rc = run_T(&B, &layer.info, routings[r], Ts[i], a.min_ms, &rows[nr]);
-        moed_backend_destroy(B.bl);
-        B.bl = NULL;
-        memset(load, 0, sizeof *load * (size_t)layer.info.n_experts);
-    }
     free(load);
     bench_close(&B);
     if (!rc) report(&a, dev, n, rows, nr, gbs, mode);

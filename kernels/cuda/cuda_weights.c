@@ -222,7 +222,7 @@ static moed_place_need layer_need(const cuda_layer *L, const moed_layer *l, bool
     const int64_t dp = L->k.d_pad;
     const int64_t up = (int64_t)L->k.n_up * dp, dn = dp * L->k.ff_pad;
     const int64_t sup = (int64_t)L->k.sn_up * dp, sdn = dp * L->k.sff_pad;
-    moed_place_need n = { .n_experts = L->info.n_experts, .split = split, .load = l->expert_load };
+    moed_place_need n = { .n_experts = L->info.n_experts, .split = split };
     const dev_set routed = { .sparse = L->k.sparse24 };
     n.expert = mbytes(L, &routed, L->k.n_up, dp) + mbytes(L, &routed, dp, L->k.ff_pad) +
                4 * (L->k.sparse24 ? MOED_CUDA_SP24_META_WORDS(up + dn, 1) : 0) +
@@ -237,6 +237,26 @@ static moed_place_need layer_need(const cuda_layer *L, const moed_layer *l, bool
         n.home_work = (double)(L->k.sn_up + L->k.sff_pad) * moed_layer_router_experts(&L->info) /
                       ((double)(L->k.n_up + L->k.ff_pad) * L->info.top_k);
     return n;
+}
+
+/* Rows of a GEMM an H200 computes in the time it streams one expert's weights: DeepSeek-V3's
+ * bf16 expert (88 MB) streams in 21 us at 4.2 TB/s and its rows take 0.163 us each at T = 16384
+ * (docs/benchmarks.md). Half as many bytes (FP8) are twice as many FLOPs a second, so the same. */
+#define STREAM_ROWS 128.0
+
+/* An expert's cost over the run the layer's measured loads come from (moed_layer.expert_load):
+ * its rows, plus its weights streamed once in each launch it had a pair in (of `launches`, at
+ * most one per pair), in rows' time; at small batches the streaming is most of it, at large ones
+ * the rows. Without launches only the rows. NULL without loads. */
+static double *expert_costs(const moed_layer *l)
+{
+    const int E = l->info.n_experts;
+    double *w = l->expert_load ? malloc(sizeof *w * (size_t)E) : NULL;
+    for (int e = 0; w && e < E; e++) {
+        const double pairs = l->expert_load[e], n = l->expert_launches;
+        w[e] = pairs + (n > 0 ? STREAM_ROWS * (pairs < n ? pairs : n) : 0);
+    }
+    return w;
 }
 
 int cuda_check_free(int device, uint64_t need, const char *what, moed_error *err)
@@ -419,10 +439,14 @@ int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_error *
     cuda_layer *L = &c->layers[slot];
     memset(L, 0, sizeof *L);
     layer_shapes(L, l);
-    const moed_place_need need = layer_need(L, l, c->cfg.expert_parallel);
+    double *cost = expert_costs(l);
+    moed_place_need need = layer_need(L, l, c->cfg.expert_parallel);
+    need.load = cost;
     moed_place_dev before[MAX_DEVICES];
     memcpy(before, c->place, sizeof before);
+    if (l->expert_load && !cost) return moed_fail(err, MOED_ENOMEM, "out of host memory");
     int rc = moed_place_layer(c->place, c->n_dev, &need, &L->place, err);
+    free(cost);
     if (rc) return rc;
     L->device = c->dev[L->place.home];
     if (!moed_place_is_split(&L->place)) {
