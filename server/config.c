@@ -272,6 +272,10 @@ static const moed_opt options[] = {
     MOED_OPT_SWITCH_ROW("expert-parallel", F(expert_parallel), "0", NULL,
                         "split every layer's experts over the devices (CUDA; a layer larger than "
                         "one GPU is split without it)"),
+    MOED_OPT_WORD_ROW("expert-load", F(expert_load), "FILE", NULL, NULL,
+                      "place a split layer's experts to even out their measured load: a scrape "
+                      "of a running moed's /metrics (its moed_expert_tokens_total lines; curl -s "
+                      "HOST:PORT/metrics > FILE) instead of uniform routing's"),
     MOED_OPT_INT_ROW("cq-threads", F(cq_threads), "N", 1, 256, "4", NULL, NULL,
                      "threads running gRPC calls (a completion queue each), and as many reading "
                      "connections"),

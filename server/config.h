@@ -55,6 +55,7 @@ typedef struct moed_config {
     int streams;                 /* CUDA streams per device, 0 = the backend's default */
     moed_config_devices devices; /* --devices LIST */
     int expert_parallel;         /* --expert-parallel: split layers over the devices */
+    const char *expert_load;     /* --expert-load FILE: measured load per expert (expert_load.h) */
     int cq_threads;              /* gRPC completion queues, one thread each */
     int64_t max_message_bytes;
     int64_t max_batch_tokens;   /* the most tokens in one launch and in one request */

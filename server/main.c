@@ -17,6 +17,7 @@
  */
 #include "config.h"
 #include "doorbell.h"
+#include "expert_load.h"
 #include "http.h"
 #include "loading.h"
 #include "log.h"
@@ -53,6 +54,9 @@ typedef struct moed_daemon {
     moed_expert_subset held;     /* --experts and --shared-experts */
     const moed_layer **resident; /* by backend slot */
     moed_shard *shards;          /* by backend slot: what the backend holds of each */
+    moed_expert_load load;       /* --expert-load's file, read before anything else */
+    double **loads;              /* by backend slot: its view's expert_load, or NULL */
+    int loads_unused;            /* layers with a load that are not split */
     moed_served served;
     moed_regions *regions;
     moed_bufpool *pool;
@@ -210,10 +214,64 @@ static int load_shard(moed_daemon *d, int slot, const moed_layer *l, moed_error 
     moed_loading_layer_done();
     moed_layer_place p;
     char where[512];
-    if (moed_backend_layer_place(d->backend, slot, &p)) return 0;
+    if (moed_backend_layer_place(d->backend, slot, &p)) {
+        d->loads_unused += d->loads && d->loads[slot];
+        return 0;
+    }
+    d->loads_unused += d->loads && d->loads[slot] && !moed_place_is_split(&p);
     moed_shard_place_text(&d->shards[slot], &p, where, sizeof where);
     moed_log_info("layer placed", "layer=%d home_device=%d split=%d experts=\"%s\"", l->info.index,
                   p.home, moed_place_is_split(&p), where);
+    return 0;
+}
+
+/* --expert-load: each slot's view gets the measured load of its experts (in the view's numbering),
+ * logged layer by layer; a layer the file does not name, or whose held experts all count 0,
+ * keeps the uniform expectation. A layer of the file that is no MoE layer of the model, or an
+ * expert out of a layer's range, fails the start; with --layers, the layers of the file that are
+ * not served are skipped. */
+static int apply_expert_load(moed_daemon *d, int n)
+{
+    moed_error err = { 0 };
+    if (!d->cfg.expert_load) return 0;
+    int *have = malloc(((size_t)d->model.n_layers + 1) * sizeof *have), ignored = 0;
+    if (!(d->loads = calloc((size_t)d->model.n_layers + 1, sizeof *d->loads)) || !have) {
+        free(have);
+        moed_fail(&err, MOED_ENOMEM, "no memory for the expert load");
+        return fail("expert load", &err);
+    }
+    for (int i = 0; i < d->model.n_layers; i++) have[i] = d->model.layers[i].info.index;
+    int rc = moed_expert_load_check(&d->load, have, d->model.n_layers, d->model.source,
+                                    d->cfg.layers.text != NULL, &ignored, &err);
+    free(have);
+    if (rc) return fail("expert load", &err);
+    if (ignored)
+        moed_log_info("expert load: layers not served are skipped", "file=\"%s\" layers=%d",
+                      d->cfg.expert_load, ignored);
+    for (int slot = 0; slot < n; slot++) {
+        moed_shard *sh = &d->shards[slot];
+        const moed_layer_info *li = &sh->full->info;
+        int named;
+        if (moed_expert_load_layer(&d->load, li->index, li->n_experts, sh->global_of, sh->n_held,
+                                   &d->loads[slot], &named, &err))
+            return fail("expert load", &err);
+        const double *v = d->loads[slot];
+        if (!v) {
+            moed_log_info("expert load: none for this layer, its placement stays uniform",
+                          "layer=%d reason=%s", li->index,
+                          named ? "every_held_expert_counts_0" : "not_in_file");
+            continue;
+        }
+        sh->view.expert_load = v;
+        double total = 0;
+        int top = 0;
+        for (int k = 0; k < sh->n_held; k++) {
+            total += v[k];
+            if (v[k] > v[top]) top = k;
+        }
+        moed_log_info("expert load", "layer=%d experts=%d pairs=%.0f top_expert=%d top_share=%.4f",
+                      li->index, sh->n_held, total, moed_shard_global(sh, top), v[top] / total);
+    }
     return 0;
 }
 
@@ -252,6 +310,7 @@ static int load_layers(moed_daemon *d)
         d->resident[n] = l;
         bytes += moed_layer_bytes(&d->shards[n++].view.info);
     }
+    if (apply_expert_load(d, n)) return 1;
     moed_loading_phase("placing", n, bytes);
     for (int slot = 0; slot < n; slot++)
         if (load_shard(d, slot, d->resident[slot], &err)) return fail("load layers", &err);
@@ -259,6 +318,9 @@ static int load_layers(moed_daemon *d)
         moed_fail(&err, MOED_ENOTFOUND, "no MoE layer to serve in %s", d->model.source);
         return fail("load layers", &err);
     }
+    if (d->loads_unused)
+        moed_log_info("expert load unused: the layers are served whole, not split over devices",
+                      "layers=%d backend=%s", d->loads_unused, moed_backend_name(d->backend));
     if (moed_backend_start(d->backend, &err)) return fail("backend start", &err);
     d->served = (moed_served){ .layers = d->resident,
                                .shards = d->shards,
@@ -736,6 +798,9 @@ static void teardown(moed_daemon *d)
     moed_backend_destroy(d->backend); /* before the weights: it may compute from them in place */
     for (int i = 0; d->shards && i < d->model.n_layers; i++) moed_shard_free(&d->shards[i]);
     free(d->shards);
+    for (int i = 0; d->loads && i < d->model.n_layers; i++) free(d->loads[i]);
+    free(d->loads);
+    moed_expert_load_free(&d->load);
     if (d->have_model) moed_weights_release(&d->model);
     free(d->resident);
     /* After a failed start the endpoint may be open; its handles close on one more turn. */
@@ -768,7 +833,15 @@ int main(int argc, char **argv)
         moed_config_free(&d.cfg);
         return rc < 0 ? 2 : 0;
     }
+    /* --expert-load is usage like any flag: a file that cannot be read or parsed ends it here. */
+    if (d.cfg.expert_load && (rc = moed_expert_load_read(d.cfg.expert_load, &d.load, &err))) {
+        moed_config_usage(&err);
+        moed_expert_load_free(&d.load);
+        moed_config_free(&d.cfg);
+        return rc == MOED_ENOMEM ? 1 : 2;
+    }
     if (open_log(&d.cfg)) {
+        moed_expert_load_free(&d.load);
         moed_config_free(&d.cfg);
         return 1;
     }

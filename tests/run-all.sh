@@ -99,8 +99,8 @@ stage_deploy() {
 
 stage_fuzz() {
     # libFuzzer over what comes from outside: Forward requests, the metrics endpoint's HTTP, the
-    # safetensors header, .npy files; bounded (FUZZ_SECONDS, default 60, for the first; half each
-    # for the others).
+    # safetensors header, .npy files, --expert-load files; bounded (FUZZ_SECONDS, default 60, for
+    # the first; half or a quarter each for the others: tests/fuzz/run.sh).
     bash tests/fuzz/run.sh "${FUZZ_SECONDS:-60}"
 }
 

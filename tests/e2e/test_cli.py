@@ -21,7 +21,7 @@ from conftest import BUILD, DEFAULT_SPEC, MOED_BIN, ROOT, refused_address
 MOECTL = BUILD / "client" / "c" / "moectl"
 SPEC = O.Spec.parse(DEFAULT_SPEC)
 FLAGS = ("listen", "model", "synthetic", "layers", "backend", "threads", "streams", "devices",
-         "cq-threads", "max-message-bytes", "max-batch-tokens", "max-delay-us", "max-queue-requests",
+         "expert-load", "cq-threads", "max-message-bytes", "max-batch-tokens", "max-delay-us", "max-queue-requests",
          "log-level", "log-file", "config", "help", "version")
 
 

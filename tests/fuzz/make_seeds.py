@@ -1,5 +1,5 @@
 """Writes the seed corpus of one fuzzer (tests/fuzz/run.sh): KIND is request, region, ring, http,
-safetensors or npy.
+safetensors, npy or expert_load.
 
 request: ForwardRequests encoded by the Python client (as callers send them) for the fuzzer's served
 model (fuzz_request.c: layers 0 and 1 with d=8 and 8 experts,
@@ -17,6 +17,11 @@ safetensors: files written by the `safetensors` package (every weight dtype, 0-d
 metadata), as checkpoints hold them.
 
 npy: arrays saved by numpy (every dtype the tools read, 0-d, empty, format 2.0, Fortran order).
+
+expert_load: /metrics pages as moed writes them (the counters of a few layers among the other
+metrics), with the variations Prometheus text allows (labels in the other order, blanks, a
+trailing comma, floats, a timestamp, CRLF), and a few refusals (a negative, NaN or missing value,
+an unknown label, a duplicate, an expert id past the largest).
 
 usage: python make_seeds.py KIND OUT_DIR
 """
@@ -257,8 +262,39 @@ def npy_seeds():
     }
 
 
+def expert_load_seeds():
+    head = ("# HELP moed_tokens_total Tokens computed (rows of hidden, over every launch).\n"
+            "# TYPE moed_tokens_total counter\nmoed_tokens_total 4096\n"
+            "# HELP moed_expert_tokens_total (token, expert) pairs computed, by layer and expert "
+            "(the whole layer's numbering; a daemon holding an expert shard counts its own "
+            "experts).\n# TYPE moed_expert_tokens_total counter\n")
+    tail = ("# HELP moed_request_bytes_total Bytes of Forward request messages received.\n"
+            "# TYPE moed_request_bytes_total counter\nmoed_request_bytes_total 123\n"
+            'moed_forward_seconds_bucket{le="+Inf"} 3\n')
+    rng = np.random.default_rng(3)
+    page = head + "".join(f'moed_expert_tokens_total{{layer="{layer}",expert="{e}"}} '
+                          f"{int(rng.integers(0, 10 ** 6))}\n"
+                          for layer in (0, 1, 3) for e in range(8)) + tail
+    s = "moed_expert_tokens_total"
+    texts = {
+        "page": page,
+        "page-crlf": page.replace("\n", "\r\n"),
+        "variants": f'{s}{{expert="2",layer="1"}} 1.5e+06\n  {s} {{ layer = "1" ,\texpert="3", }}  7  '
+                    f'1712345678901\n{s}{{layer="1",expert="4"}} 0.25\n{s}{{layer="1",expert="5"}} -0',
+        "zeros": f'{s}{{layer="2",expert="0"}} 0\n{s}{{layer="2",expert="1"}} 0\n',
+        "empty": "",
+        "bad-negative": f'{s}{{layer="0",expert="0"}} -3\n',
+        "bad-nan": f'{s}{{layer="0",expert="0"}} NaN\n',
+        "bad-no-value": f'{s}{{layer="0",expert="0"}}\n',
+        "bad-label": f'{s}{{layer="0",expert="0",instance="h:1"}} 1\n',
+        "bad-duplicate": f'{s}{{layer="0",expert="0"}} 1\n{s}{{expert="0",layer="0"}} 2\n',
+        "bad-id": f'{s}{{layer="0",expert="65536"}} 1\n',
+    }
+    return {name: text.encode() for name, text in texts.items()}
+
+
 KINDS = {"request": lambda: seeds(), "region": region_seeds, "ring": ring_seeds, "http": http_seeds,
-         "safetensors": safetensors_seeds, "npy": npy_seeds}
+         "safetensors": safetensors_seeds, "npy": npy_seeds, "expert_load": expert_load_seeds}
 
 
 def main():

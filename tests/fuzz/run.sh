@@ -2,8 +2,8 @@
 # Builds the fuzzers with clang (-fsanitize=fuzzer,address,undefined) and runs each for a bounded
 # time; exits non-zero if one finds a crash, a sanitizer report or a broken invariant.
 #
-#   tests/fuzz/run.sh [SECONDS]        default 60: fuzz_request runs SECONDS, region and ring a
-#                                      quarter of it, the others half
+#   tests/fuzz/run.sh [SECONDS]        default 60: fuzz_request runs SECONDS, region, ring and
+#                                      expert_load a quarter of it, the others half
 #
 # The targets — everything that reaches moed from outside and is parsed before anything else:
 #   fuzz_request       a Forward request's decoding and validation (server/wire.c, request.c),
@@ -15,9 +15,10 @@
 #   fuzz_http          the metrics endpoint's request parser (server/http_parse.c)
 #   fuzz_safetensors   a checkpoint file's header (server/safetensors.c)
 #   fuzz_npy           the .npy files moectl and moed-load read (client/c/npy.c)
+#   fuzz_expert_load   --expert-load's Prometheus text (server/expert_load.c)
 #
 # Environment: FUZZ_BUILD_DIR (default build-fuzz), FUZZ_JOBS (parallel fuzzing processes per
-# target, default 1), FUZZ_TARGETS (default all six). Each target's working corpus persists in
+# target, default 1), FUZZ_TARGETS (default all seven). Each target's working corpus persists in
 # $FUZZ_BUILD_DIR/corpus-NAME between runs (it starts from the seeds make_seeds.py writes); a
 # crashing input is saved as $FUZZ_BUILD_DIR/artifacts/NAME-crash-* and reproduces with
 # `$FUZZ_BUILD_DIR/NAME FILE`.
@@ -26,7 +27,7 @@ cd "$(dirname "$0")/../.."
 secs=${1:-60}
 build=${FUZZ_BUILD_DIR:-build-fuzz}
 jobs=${FUZZ_JOBS:-1}
-targets=(${FUZZ_TARGETS:-request region ring http safetensors npy})
+targets=(${FUZZ_TARGETS:-request region ring http safetensors npy expert_load})
 
 # clang and libFuzzer's runtime (libclang-rt-14-dev on Debian 12) if missing.
 if ! command -v clang >/dev/null || ! ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1; then
@@ -74,6 +75,8 @@ sources_npy() {
     echo client/c/cli/npy.c common/moed_err.c common/moed_dtype.c
 }
 libs_npy() { :; }
+sources_expert_load() { echo server/expert_load.c server/file.c common/moed_err.c; }
+libs_expert_load() { echo -lm; }
 
 mkdir -p "$build/artifacts"
 py=.venv/bin/python
@@ -94,6 +97,7 @@ for t in "${targets[@]}"; do
     [ "$t" = request ] || run=$((secs / 2))
     [ "$t" = region ] && run=$((secs / 4))
     [ "$t" = ring ] && run=$((secs / 4))
+    [ "$t" = expert_load ] && run=$((secs / 4))
     echo "fuzz: running $name for ${run}s (jobs=$jobs)"
     # -timeout: one input must never take seconds; a leak is a failure too (detect_leaks is on
     # under libFuzzer by default); -error_exitcode: 1, not libFuzzer's 77, which test runners
