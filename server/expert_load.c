@@ -15,7 +15,8 @@
 #include <string.h>
 #include <strings.h>
 
-#define METRIC "moed_expert_tokens_total"
+#define METRIC   "moed_expert_tokens_total"
+#define LAUNCHES "moed_batch_tokens_count"
 
 /* A short excerpt of n bytes at p for a message: at most 24 bytes, printable ASCII as it is and
  * any other byte as '?', "..." when cut. */
@@ -184,8 +185,8 @@ static int sample_labels(const char **pp, const char *end, const char *what, int
     return 0;
 }
 
-/* One line (without its line end): 1 with *e filled for a sample of the metric, 0 for a line to
- * skip, or an error. */
+/* One line (without its line end): 1 with *e filled for a sample of the metric, 2 with e->tokens
+ * and e->line for the launches' count, 0 for a line to skip, or an error. */
 static int parse_line(const char *line, const char *end, const char *what, int no,
                       moed_expert_load_entry *e, moed_error *err)
 {
@@ -193,6 +194,15 @@ static int parse_line(const char *line, const char *end, const char *what, int n
     const char *p = skip_blanks(line, end);
     if (p == end || *p == '#') return 0;
     size_t n = name_span(p, end, true);
+    if (n == strlen(LAUNCHES) && !memcmp(p, LAUNCHES, n)) { /* the launches: one value, no labels */
+        const char *v = skip_blanks(p + n, end), *w = v;
+        while (w < end && !blank(*w)) w++;
+        if (w == v || skip_blanks(w, end) != end)
+            return moed_fail(err, MOED_EINVAL, AT "expected %s COUNT", what, no, LAUNCHES);
+        e->line = no;
+        int rc = sample_value(v, (size_t)(w - v), what, no, &e->tokens, err);
+        return rc ? rc : 2;
+    }
     if (n != strlen(METRIC) || memcmp(p, METRIC, n)) return 0; /* another metric */
     if (end - line > MOED_EXPERT_LOAD_MAX_LINE)
         return moed_fail(err, MOED_EINVAL, AT "%td bytes; a line of %s is at most %d", what, no,
@@ -248,7 +258,13 @@ int moed_expert_load_parse(const char *text, size_t len, const char *what, moed_
         moed_expert_load_entry e;
         int rc = parse_line(line, end, what, no, &e, err);
         if (rc < 0) return rc;
-        if (rc) {
+        if (rc == 2 && out->launches_line)
+            return moed_fail(err, MOED_EINVAL, AT "%s again, first given on line %d", what, no,
+                             LAUNCHES, out->launches_line);
+        if (rc == 2) {
+            out->launches = e.tokens;
+            out->launches_line = no;
+        } else if (rc) {
             if ((size_t)out->n == cap) {
                 size_t want = cap ? 2 * cap : 256;
                 moed_expert_load_entry *v = realloc(out->v, want * sizeof *v);
@@ -287,6 +303,13 @@ int moed_expert_load_read(const char *path, moed_expert_load *out, moed_error *e
     rc = moed_expert_load_parse(text, len, what, out, err);
     free(text);
     return rc;
+}
+
+double moed_expert_load_launches(const moed_expert_load *l)
+{
+    int layers = 0;
+    for (int i = 0; i < l->n; i++) layers += !i || l->v[i - 1].layer != l->v[i].layer;
+    return layers ? l->launches / layers : 0;
 }
 
 void moed_expert_load_free(moed_expert_load *l)

@@ -24,6 +24,11 @@
  * excerpt with anything but printable ASCII replaced by '?'. A file that names no expert is no
  * error: no layer gets a load.
  *
+ * The page's moed_batch_tokens_count line (the launches the scraped daemon ran, over all its
+ * layers: `moed_batch_tokens_count 1234`) is read too, when present: a split layer's placement
+ * counts each expert's weights streamed once a launch (docs/cuda.md), which small batches spend
+ * most of their time on. Given twice, or not a count, it is refused as a line of the metric is.
+ *
  * Whether a layer and an expert exist is known only once the model is: moed_expert_load_check
  * and moed_expert_load_layer check the file's layers and experts against it.
  */
@@ -52,6 +57,8 @@ typedef struct moed_expert_load {
     char *what;                /* "--expert-load PATH": what messages name */
     moed_expert_load_entry *v; /* sorted by layer, then expert: no two alike */
     int n;
+    double launches;   /* moed_batch_tokens_count, or 0 */
+    int launches_line; /* its line, or 0 */
 } moed_expert_load;
 
 /* Parses len bytes of text (need not end in NUL) into out; `what` names the source in messages
@@ -65,6 +72,10 @@ int moed_expert_load_parse(const char *text, size_t len, const char *what, moed_
 /* Reads and parses the file at path (moed_file_read: its errors, a file over
  * MOED_EXPERT_LOAD_MAX_FILE being MOED_ETOOBIG, each naming --expert-load and the path). */
 int moed_expert_load_read(const char *path, moed_expert_load *out, moed_error *err);
+
+/* A layer's launches over the scraped run: the page's launches over the layers it names (each
+ * call of a model's step runs each layer once); 0 when unknown. */
+double moed_expert_load_launches(const moed_expert_load *l);
 
 void moed_expert_load_free(moed_expert_load *l);
 

@@ -263,14 +263,17 @@ static int apply_expert_load(moed_daemon *d, int n)
             continue;
         }
         sh->view.expert_load = v;
+        sh->view.expert_launches = moed_expert_load_launches(&d->load);
         double total = 0;
         int top = 0;
         for (int k = 0; k < sh->n_held; k++) {
             total += v[k];
             if (v[k] > v[top]) top = k;
         }
-        moed_log_info("expert load", "layer=%d experts=%d pairs=%.0f top_expert=%d top_share=%.4f",
-                      li->index, sh->n_held, total, moed_shard_global(sh, top), v[top] / total);
+        moed_log_info("expert load",
+                      "layer=%d experts=%d pairs=%.0f top_expert=%d top_share=%.4f launches=%.0f",
+                      li->index, sh->n_held, total, moed_shard_global(sh, top), v[top] / total,
+                      sh->view.expert_launches);
     }
     return 0;
 }

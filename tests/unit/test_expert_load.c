@@ -125,6 +125,11 @@ static const bad_case bads[] = {
     { "missing expert", S("layer=\"0\"", "1"), 1, "label expert is missing" },
     { "missing layer", "\n" S("expert=\"0\"", "1"), 2, "label layer is missing" },
     { "no labels", "moed_expert_tokens_total 5\n", 1, "without its labels" },
+    { "launches twice", OK "moed_batch_tokens_count 4\nmoed_batch_tokens_count 4\n", 3,
+      "moed_batch_tokens_count again, first given on line 2" },
+    { "launches negative", "moed_batch_tokens_count -4\n", 1, "is negative" },
+    { "launches with labels", "moed_batch_tokens_count{le=\"8\"} 4\n", 1,
+      "expected moed_batch_tokens_count COUNT" },
     { "empty labels", S("", "5"), 1, "label layer is missing" },
     { "label twice", S("layer=\"0\",layer=\"1\",expert=\"0\"", "1"), 1, "given twice" },
     { "layer not a number", S("layer=\"x\",expert=\"0\"", "1"), 1, "layer=\"x\" is not a decimal" },
@@ -201,6 +206,26 @@ static void test_goods(void)
     const char *t = goods[0].text;
     CHECK_EQ_INT(moed_expert_load_parse(t, strlen(t), "x", &l, &err), 0);
     CHECK(l.n == 3 && l.v[0].line == 6 && l.v[1].line == 7 && l.v[2].line == 8);
+    moed_expert_load_free(&l);
+}
+
+/* The launches' count: read from the page's histogram, shared out over the layers it names; 0
+ * without it; the histogram's other lines (buckets, sum) skipped. */
+static void test_launches(void)
+{
+    const char *t = PAGE_HEAD "moed_expert_tokens_total{layer=\"3\",expert=\"0\"} 10\n"
+                              "moed_expert_tokens_total{layer=\"4\",expert=\"0\"} 7\n"
+                              "moed_batch_tokens_bucket{le=\"8\"} 100\n"
+                              "moed_batch_tokens_sum 2400\n"
+                              "moed_batch_tokens_count 120\n";
+    moed_expert_load l;
+    moed_error err = { 0 };
+    CHECK_EQ_INT(moed_expert_load_parse(t, strlen(t), "x", &l, &err), 0);
+    CHECK(l.launches == 120 && l.launches_line == 10);
+    CHECK(moed_expert_load_launches(&l) == 60);
+    moed_expert_load_free(&l);
+    CHECK_EQ_INT(moed_expert_load_parse(goods[0].text, strlen(goods[0].text), "x", &l, &err), 0);
+    CHECK(moed_expert_load_launches(&l) == 0);
     moed_expert_load_free(&l);
 }
 
@@ -377,6 +402,7 @@ int main(void)
     if (!mkdtemp(dir)) return 1;
     test_goods();
     test_bads();
+    test_launches();
     test_nul();
     test_excerpt();
     test_model();
