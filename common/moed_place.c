@@ -125,6 +125,13 @@ static int split(moed_place_dev *devs, int n, const moed_place_need *need, moed_
     return 0;
 }
 
+void moed_place_costs(const double *pairs, int n, double launches, double stream_rows, double *out)
+{
+    for (int e = 0; e < n; e++)
+        out[e] = pairs[e] +
+                 (launches > 0 ? stream_rows * (pairs[e] < launches ? pairs[e] : launches) : 0);
+}
+
 int moed_place_layer(moed_place_dev *devs, int n, const moed_place_need *need,
                      moed_layer_place *out, moed_error *err)
 {

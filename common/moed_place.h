@@ -71,6 +71,14 @@ typedef struct moed_layer_place {
     moed_place_part part[MOED_PLACE_MAX];
 } moed_layer_place;
 
+/* The cost of each of n experts over a run that measured `pairs[e]` (token, expert) pairs in
+ * `launches` launches of the layer (0: unknown), in rows' time, into out: its rows, plus its
+ * weights streamed once in each launch it had a pair in (at most one a pair), each streaming as
+ * long as stream_rows rows take to compute. A small batch spends most of its time streaming, a
+ * large one computing, so rows alone would cut small batches as if they computed. Without
+ * launches only the rows count. out may be the loads a split's moed_place_need takes. */
+void moed_place_costs(const double *pairs, int n, double launches, double stream_rows, double *out);
+
 /* Places one layer over devs[0 .. n-1] (1 <= n <= MOED_PLACE_MAX) and counts its bytes in them.
  * MOED_ENOMEM naming the bytes needed and free when it fits nowhere, not even split. */
 int moed_place_layer(moed_place_dev *devs, int n, const moed_place_need *need,

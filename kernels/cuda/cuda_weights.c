@@ -239,23 +239,19 @@ static moed_place_need layer_need(const cuda_layer *L, const moed_layer *l, bool
     return n;
 }
 
-/* Rows of a GEMM an H200 computes in the time it streams one expert's weights: DeepSeek-V3's
+/* Rows of a GEMM an H200 computes in the time it streams one expert's weights (moed_place_costs'
+ * stream_rows): DeepSeek-V3's
  * bf16 expert (88 MB) streams in 21 us at 4.2 TB/s and its rows take 0.163 us each at T = 16384
  * (docs/benchmarks.md). Half as many bytes (FP8) are twice as many FLOPs a second, so the same. */
 #define STREAM_ROWS 128.0
 
-/* An expert's cost over the run the layer's measured loads come from (moed_layer.expert_load):
- * its rows, plus its weights streamed once in each launch it had a pair in (of `launches`, at
- * most one per pair), in rows' time; at small batches the streaming is most of it, at large ones
- * the rows. Without launches only the rows. NULL without loads. */
+/* Each expert's cost over the run its measured loads come from (moed_place_costs), or NULL
+ * without loads. */
 static double *expert_costs(const moed_layer *l)
 {
     const int E = l->info.n_experts;
     double *w = l->expert_load ? malloc(sizeof *w * (size_t)E) : NULL;
-    for (int e = 0; w && e < E; e++) {
-        const double pairs = l->expert_load[e], n = l->expert_launches;
-        w[e] = pairs + (n > 0 ? STREAM_ROWS * (pairs < n ? pairs : n) : 0);
-    }
+    if (w) moed_place_costs(l->expert_load, E, l->expert_launches, STREAM_ROWS, w);
     return w;
 }
 

@@ -428,6 +428,40 @@ static void test_load(void)
     CHECK_EQ_INT(p.part[1].count, 5);
 }
 
+/* moed_place_costs: rows plus a stream per launch with a pair (at most one a pair); rows alone
+ * without launches. A small batch's loads (a pair or two an expert, one launch) then cut as
+ * evenly by count as no loads do, where rows alone would put the hot experts' side on few experts;
+ * a large batch's (hundreds of rows an expert) cut by rows. */
+static void test_costs(void)
+{
+    const double pairs[5] = { 0, 0.5, 3, 100, 1e6 };
+    double c[5];
+    moed_place_costs(pairs, 5, 10, 128, c);
+    CHECK(c[0] == 0 && c[1] == 0.5 + 64 && c[2] == 3 + 384 && c[3] == 100 + 1280 &&
+          c[4] == 1e6 + 1280);
+    moed_place_costs(pairs, 5, 0, 128, c);
+    for (int e = 0; e < 5; e++) CHECK(c[e] == pairs[e]);
+    /* one launch of 64 tokens, top 8 of 64 experts, zipf-like: the 16 hottest experts hold half
+     * the pairs, the other 48 one or two each */
+    double small[64], cost[64];
+    for (int e = 0; e < 64; e++) small[e] = e < 16 ? 16 : e % 3 ? 1 : 2;
+    moed_place_costs(small, 64, 1, 128, cost);
+    moed_place_dev d[2];
+    moed_layer_place by_rows, by_cost;
+    moed_error err;
+    devs_init(d, 2, NULL, 100 * GB);
+    moed_place_need l = { 0, 1 * GB, 64, true, 0, small };
+    CHECK(moed_place_layer(d, 2, &l, &by_rows, &err) == 0);
+    devs_init(d, 2, NULL, 100 * GB);
+    l.load = cost;
+    CHECK(moed_place_layer(d, 2, &l, &by_cost, &err) == 0);
+    CHECK_MSG(by_rows.part[0].count < 24, "by rows the hot side holds %d experts",
+              by_rows.part[0].count);
+    CHECK_MSG(by_cost.part[0].count >= 30 && by_cost.part[0].count <= 34,
+              "by cost the first device holds %d of 64 experts, not about half",
+              by_cost.part[0].count);
+}
+
 int main(void)
 {
     test_whole_by_bytes();
@@ -443,5 +477,6 @@ int main(void)
     test_work_room();
     test_work_home_empty();
     test_load();
+    test_costs();
     return check_status("test_place");
 }
