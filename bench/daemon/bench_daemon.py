@@ -12,9 +12,9 @@ one shared expert) whole on GPU 0, split over GPUs 0 and 1 (--devices 0,1 --expe
 two such layers on GPU 0 and one per GPU (--devices 0,1): GetModel must say where each layer and
 expert lives, the same fixed requests must get the same bytes back from the layouts of whole layers
 and, split, replies within one bf16 rounding of them (docs/cuda.md: a split sums in another order),
-and moed-load
-measures T = 8 (1 caller) and T = 4096 (8 callers) against each, beside moe-bench's kernel-only
-time on one GPU.
+and moed-load measures T = 8 (1 caller) and T = 4096 (8 callers) against each, inline and through
+CUDA regions (hidden and outputs in the caller's GPU memory: the wire left out), beside moe-bench's
+kernel-only time on one GPU.
 
 Load comes from moed-load (C, many calls in flight per process); every run's JSON is kept.
 
@@ -209,6 +209,10 @@ def replies_agree(got, ref, split):
     return True
 
 
+# The multi suite's loads: (T, callers, moed-load --transport).
+MULTI_LOADS = ((8, 1, "inline"), (4096, 8, "inline"), (8, 1, "cuda"), (4096, 8, "cuda"))
+
+
 def multi(a, results):
     from moed import MoEClient
     print("== multi: DeepSeek-V3's layer on one GPU and split over two; two layers on one GPU and "
@@ -235,29 +239,33 @@ def multi(a, results):
                     failures.append(f"{name}: GetModel placement {got}, wanted {want}")
                 replies[tag] = fixed_requests(info, c)
             layers = ["--layers", "0,1"] if spec == two else []
-            for T, callers in ((8, 1), (4096, 8)):
-                r = load(a.bin, d.addr, callers, T, a.duration, layers,
-                         os.path.join(a.logs, f"load-multi-{tag}-{T}.json"))
-                rows.append(dict(layout=name, tag=tag, T=T, callers=callers, tokens_per_s=r["tokens_per_s"],
-                                 p50_ms=r["latency_ms"]["p50"],
+            # inline (the wire in the measure), then hidden and outputs in this process's GPU memory
+            # (CUDA regions: what a caller on the same host gets, the wire left out)
+            for T, callers, transport in MULTI_LOADS:
+                if transport != "inline" and a.backend != "cuda":
+                    continue
+                r = load(a.bin, d.addr, callers, T, a.duration, [*layers, "--transport", transport],
+                         os.path.join(a.logs, f"load-multi-{tag}-{T}-{transport}.json"))
+                rows.append(dict(layout=name, tag=tag, T=T, callers=callers, transport=transport,
+                                 tokens_per_s=r["tokens_per_s"], p50_ms=r["latency_ms"]["p50"],
                                  server_compute_ms=r["server"]["compute_ms"]["p50"],
                                  errors=r["errors_total"], kernel_ms=kms[T]))
                 if r["errors_total"]:
-                    failures.append(f"{name} T={T}: {r['errors_total']} calls failed")
+                    failures.append(f"{name} T={T} {transport}: {r['errors_total']} calls failed")
         finally:
             d.stop()
     for name, tag, _, flags, _, ref in layouts:
         if ref and not replies_agree(replies.get(tag), replies.get(ref), "--expert-parallel" in flags):
             failures.append(f"replies of '{name}' differ from the same requests on GPU 0 alone")
     refs = {l[1]: l[5] or l[1] for l in layouts}
-    tps = {(r["tag"], r["T"]): r["tokens_per_s"] for r in rows}
-    print("| layout | T | callers | tokens/s | vs the same on GPU 0 | p50 ms | server compute p50 ms | "
-          "kernel-only ms (one layer, one GPU, moe-bench) | calls failed |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    tps = {(r["tag"], r["T"], r["transport"]): r["tokens_per_s"] for r in rows}
+    print("| layout | T | callers | transport | tokens/s | vs the same on GPU 0 | p50 ms | server compute "
+          "p50 ms | kernel-only ms (one layer, one GPU, moe-bench) | calls failed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['layout']} | {r['T']} | {r['callers']} | {r['tokens_per_s']:.0f} | "
-              f"{r['tokens_per_s'] / tps[(refs[r['tag']], r['T'])]:.2f}x | {r['p50_ms']:.3f} | "
-              f"{r['server_compute_ms']:.3f} | {r['kernel_ms']:.3f} | {r['errors']} |")
+        print(f"| {r['layout']} | {r['T']} | {r['callers']} | {r['transport']} | {r['tokens_per_s']:.0f} | "
+              f"{r['tokens_per_s'] / tps[(refs[r['tag']], r['T'], r['transport'])]:.2f}x | "
+              f"{r['p50_ms']:.3f} | {r['server_compute_ms']:.3f} | {r['kernel_ms']:.3f} | {r['errors']} |")
     same = not any("differ" in f for f in failures)
     print(f"replies as the same requests on GPU 0 alone (whole layers bit-identical, split within one "
           f"bf16 rounding): {'yes' if same else 'NO'} "
