@@ -125,6 +125,11 @@ static int split(moed_place_dev *devs, int n, const moed_place_need *need, moed_
     return 0;
 }
 
+double moed_place_shared_work(double width, int E, int k)
+{
+    return k > 0 ? width * ((double)E / k + 1) / 2 : 0;
+}
+
 void moed_place_costs(const double *pairs, int n, double launches, double stream_rows, double *out)
 {
     for (int e = 0; e < n; e++)

@@ -12,15 +12,16 @@
  * even out as far as whole experts allow. A device may get no expert of a small layer.
  *
  * Bytes are not time, though: the shared experts run for every token, a routed expert only for
- * the top_k/E of them routed to it, so DeepSeek-V3's one shared expert (256 experts, top 8) does
- * the work of 32 routed ones, and a split even in bytes leaves the home ~5/9 of the work on 2
- * GPUs; and real routing is skewed, some experts taking many times their share. So when the caller
+ * the top_k/E of them routed to it, so in a large batch DeepSeek-V3's one shared expert (256
+ * experts, top 8) computes as much as 32 routed ones, while a small batch mostly streams weights,
+ * where it costs about one (moed_place_shared_work weighs the two); and real routing is skewed,
+ * some experts taking many times their share. So when the caller
  * gives the home's work (home_work > 0, in routed experts' mean work) or the experts' measured
  * loads (load), the split evens the layer's work instead: each routed expert weighs its load over
  * the mean load (1 each without loads), the home starts at home_work, and the experts, in order,
  * are cut into contiguous ranges over the entries in order so that the heaviest entry is as light
  * as can be, each entry taking as many experts as that bound and its GPU's room allow (entries
- * whose bound is met take none). DeepSeek-V3 on 2 GPUs, uniform: 112 experts on the home, 144 on
+ * whose bound is met take none). DeepSeek-V3 on 2 GPUs, uniform: 120 experts on the home, 136 on
  * the other. The home is still the lightest in bytes with room for its part, and it may get no
  * routed expert at all. docs/cuda.md ("Several GPUs of a host") has the numbers.
  *
@@ -70,6 +71,16 @@ typedef struct moed_layer_place {
     int n_parts;
     moed_place_part part[MOED_PLACE_MAX];
 } moed_layer_place;
+
+/* The home's shared experts in routed experts' mean cost (moed_place_need.home_work), for shared
+ * experts `width` times as wide as a routed one in a layer of E routed experts and top k, costed
+ * as moed_place_costs does (rows, plus the weights streamed once a launch) at the batch where a
+ * routed expert's expected rows take as long as its stream (T = stream_rows x E / k): between
+ * the small batches' width (streaming) and the large ones' width x E / k (rows), at their mean,
+ * width x (E / k + 1) / 2, whatever stream_rows is. DeepSeek-V3: 16.5, and 120 + 136 experts on
+ * two GPUs, which measured as fast as or faster than 32 (112 + 144) and bytes (128 + 128) at
+ * T = 8 to 16384 (docs/benchmarks.md). */
+double moed_place_shared_work(double width, int E, int k);
 
 /* The cost of each of n experts over a run that measured `pairs[e]` (token, expert) pairs in
  * `launches` launches of the layer (0: unknown), in rows' time, into out: its rows, plus its

@@ -163,7 +163,8 @@ def merging(a, results):
 def placement_ok(info, want):
     """GetModel's placement: each layer as `want` says, (home, [the devices of its expert ranges]),
     the ranges covering every expert in order, a split's expected work evened out within 2 experts
-    (the home's shared experts count as shared_d_ff / d_ff x E / top_k routed experts)."""
+    (the home's shared experts count as shared_d_ff / d_ff x (E / top_k + 1) / 2 routed experts,
+    moed_place_shared_work)."""
     got = {l.index: (l.home_device, [dev for _, _, dev in l.expert_placement]) for l in info.layers}
     ok = got == want
     for l in info.layers:
@@ -171,7 +172,7 @@ def placement_ok(info, want):
         ok = ok and r[0][0] == 0 and r[-1][1] == l.num_experts - 1
         ok = ok and all(r[i][1] + 1 == r[i + 1][0] for i in range(len(r) - 1))
         if len(r) == 2:
-            home_work = l.shared_d_ff / l.d_ff * l.num_experts / l.top_k if l.shared_d_ff else 0
+            home_work = l.shared_d_ff / l.d_ff * (l.num_experts / l.top_k + 1) / 2 if l.shared_d_ff else 0
             work = [r[i][1] - r[i][0] + 1 + (home_work if r[i][2] == l.home_device else 0) for i in (0, 1)]
             ok = ok and abs(work[0] - work[1]) <= 2
     return ok, got

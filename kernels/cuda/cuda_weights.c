@@ -231,11 +231,12 @@ static moed_place_need layer_need(const cuda_layer *L, const moed_layer *l, bool
              sizeof(float) * (wscales(L, L->k.sn_up, dp) + wscales(L, dp, L->k.sff_pad)) +
              router_bytes(L, l);
     /* The shared experts run for every token, a routed expert for top_k of the router's experts
-     * (the whole layer's, also on an expert shard) on average: their GEMM width over a routed
-     * expert's expected one is the home's extra work, which a split evens out (moed_place.h). */
-    if (L->k.sff_pad && L->info.top_k > 0)
-        n.home_work = (double)(L->k.sn_up + L->k.sff_pad) * moed_layer_router_experts(&L->info) /
-                      ((double)(L->k.n_up + L->k.ff_pad) * L->info.top_k);
+     * (the whole layer's, also on an expert shard) on average: the home's extra work, which a
+     * split evens out (moed_place.h). */
+    if (L->k.sff_pad)
+        n.home_work =
+            moed_place_shared_work((double)(L->k.sn_up + L->k.sff_pad) / (L->k.n_up + L->k.ff_pad),
+                                   moed_layer_router_experts(&L->info), L->info.top_k);
     return n;
 }
 

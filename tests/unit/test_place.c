@@ -462,6 +462,33 @@ static void test_costs(void)
               by_cost.part[0].count);
 }
 
+/* moed_place_shared_work: width x (E / k + 1) / 2; DeepSeek-V3's cut on two GPUs with it. Checked
+ * against moed_place_costs at the batch it names (T = stream_rows x E / k): a routed expert's
+ * rows and stream there cost 2 x stream_rows, the shared experts' T x width rows and their stream
+ * width x (T + stream_rows). */
+static void test_shared_work(void)
+{
+    CHECK(moed_place_shared_work(1, 256, 8) == 16.5);
+    CHECK(moed_place_shared_work(2, 64, 8) == 9);
+    CHECK(moed_place_shared_work(1, 64, 0) == 0);
+    const double stream = 128, E = 256, k = 8, T = stream * E / k, width = 1.5;
+    double pairs = T * k / E, routed;
+    moed_place_costs(&pairs, 1, 1, stream, &routed);
+    CHECK(routed == 2 * stream);
+    CHECK(moed_place_shared_work(width, 256, 8) == width * (T + stream) / routed);
+    moed_place_dev d[2];
+    moed_layer_place p;
+    moed_error err;
+    devs_init(d, 2, NULL, 100 * GB);
+    const moed_place_need l = {
+        88 * MB, 88 * MB, 256, true, moed_place_shared_work(1, 256, 8), NULL
+    };
+    CHECK(moed_place_layer(d, 2, &l, &p, &err) == 0);
+    CHECK_EQ_INT(p.home, 0);
+    CHECK_EQ_INT(p.part[0].count, 120);
+    CHECK_EQ_INT(p.part[1].count, 136);
+}
+
 int main(void)
 {
     test_whole_by_bytes();
@@ -478,5 +505,6 @@ int main(void)
     test_work_home_empty();
     test_load();
     test_costs();
+    test_shared_work();
     return check_status("test_place");
 }
