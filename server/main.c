@@ -248,6 +248,7 @@ static int apply_expert_load(moed_daemon *d, int n)
     if (ignored)
         moed_log_info("expert load: layers not served are skipped", "file=\"%s\" layers=%d",
                       d->cfg.expert_load, ignored);
+    const double launches = moed_expert_load_launches(&d->load); /* the same for every layer */
     for (int slot = 0; slot < n; slot++) {
         moed_shard *sh = &d->shards[slot];
         const moed_layer_info *li = &sh->full->info;
@@ -263,7 +264,7 @@ static int apply_expert_load(moed_daemon *d, int n)
             continue;
         }
         sh->view.expert_load = v;
-        sh->view.expert_launches = moed_expert_load_launches(&d->load);
+        sh->view.expert_launches = launches;
         double total = 0;
         int top = 0;
         for (int k = 0; k < sh->n_held; k++) {

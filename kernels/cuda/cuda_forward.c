@@ -21,10 +21,10 @@
  * (or, without peer access, x's rows copied over into a landing buffer and gathered there), runs
  * its pairs in a workspace of its own and sums one fp32 partial row per token, into the home
  * slot's partial rows on the home GPU or, on another, into its landing buffer and then by a copy
- * (run_part says why); meanwhile the home runs the
- * shared experts, then adds each token's partial rows in part order. x always comes into the home
- * slot's own buffer first (a device copy where it lies on the home GPU), because the parts' kernels
- * read it over peer access, which covers memory moed allocated but not a client's mapped region.
+ * (run_part says why); meanwhile the home runs the shared experts, then adds each token's partial
+ * rows in part order. x always comes into the home slot's own buffer first (a device copy where
+ * it lies on the home GPU), because the parts' kernels read it over peer access, which covers
+ * memory moed allocated but not a client's mapped region.
  *
  * Parts that bring their routing in device memory (moed_part_route): the host packs the job's host
  * pairs and the offsets of every token, k slots for each device-routed one, and after the upload a
