@@ -64,12 +64,23 @@ typedef struct moed_place_part {
     int dev, first, count;
 } moed_place_part;
 
+#define MOED_PLACE_MAX_REPLICAS 64 /* extra copies of a split layer's experts */
+
+/* An extra copy of expert `expert` on device entry `dev`, beside the one its range puts elsewhere:
+ * a hot expert's pairs are shared among its copies (moed_route_split says how). */
+typedef struct moed_place_replica {
+    int expert, dev;
+} moed_place_replica;
+
 /* Where one layer lives: its home entry and its experts' ranges, contiguous and increasing,
- * covering every expert (one part on the home entry for a whole layer). */
+ * covering every expert (one part on the home entry for a whole layer), and the extra copies of
+ * hot experts a re-placement by measured load made (none otherwise), by expert then entry. */
 typedef struct moed_layer_place {
     int home;
     int n_parts;
     moed_place_part part[MOED_PLACE_MAX];
+    int n_replicas;
+    moed_place_replica replica[MOED_PLACE_MAX_REPLICAS];
 } moed_layer_place;
 
 /* The home's shared experts in routed experts' mean cost (moed_place_need.home_work), for shared

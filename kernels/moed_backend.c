@@ -234,6 +234,18 @@ int moed_backend_layer_place(moed_backend *b, int slot, moed_layer_place *out)
     return b->ops->layer_place(b, slot, out);
 }
 
+int moed_backend_replace_layer(moed_backend *b, int slot, const moed_replace_req *req,
+                               moed_replace_result *res, moed_error *err)
+{
+    *res = (moed_replace_result){ 0 };
+    if (!b->ops->replace_layer)
+        return moed_fail(err, MOED_EPRECOND,
+                         "the %s backend keeps every layer whole on one device: there is no split "
+                         "layer to re-place",
+                         b->ops->name);
+    return b->ops->replace_layer(b, slot, req, res, err);
+}
+
 bool moed_backend_host_dma(const moed_backend *b)
 {
     return b->ops->host_dma;

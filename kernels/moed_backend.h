@@ -175,6 +175,31 @@ int moed_backend_exec_accepts(moed_backend *b, int exec, int slot);
  * split layer's job runs on its home device's slots; its result is deterministic for the placement
  * and within one rounding of the output dtype of the same layer unsplit (docs/cuda.md). */
 int moed_backend_layer_place(moed_backend *b, int slot, moed_layer_place *out);
+
+/* What a re-placement of a split layer by its measured load weighs. */
+typedef struct moed_replace_req {
+    const double *pairs; /* (token, expert) pairs each expert of the layer's view had, n_experts */
+    double launches;     /* launches of the layer over the same period (0: unknown) */
+    int max_replicas;    /* extra copies of hot experts it may make (0: none), memory allowing */
+    double min_gain;     /* applied only if the heaviest device's predicted work drops by at least
+                          * this fraction of it (0.05: 5 %) */
+} moed_replace_req;
+
+typedef struct moed_replace_result {
+    bool changed;         /* the layer now runs on the new placement */
+    double before, after; /* the heaviest device's predicted work under the old and the new
+                           * placement, in rows' time (moed_place_costs) */
+} moed_replace_result;
+
+/* Re-places split layer `slot` by the load in req: a new cut of its experts (and copies of hot
+ * ones) over the same devices, built beside the old one and swapped in between jobs, so no call
+ * fails or waits for more than the swap; the layer's replies stay deterministic for each placement
+ * and within one rounding of the layer unsplit. Unchanged (res->changed false, rc 0) when the gain
+ * is below req->min_gain. MOED_EPRECOND for a layer the backend keeps whole (every layer on the
+ * cpu backend), MOED_ENOMEM (nothing changed) when the new parts do not fit beside the old.
+ * Called from one thread at a time, not from an execution slot's. */
+int moed_backend_replace_layer(moed_backend *b, int slot, const moed_replace_req *req,
+                               moed_replace_result *res, moed_error *err);
 /* ---- regions: other processes' memory (registered once, used by many jobs) ---- */
 
 /* Whether the backend moves host memory only by DMA, never reading or writing it with a CPU (CUDA:

@@ -7,7 +7,8 @@
  * destroy. Optional
  * (NULL), with the default moed_backend.c supplies: host_alloc/host_free (64-byte aligned host
  * memory), exec_accepts (every slot runs every layer), host_register/host_unregister (nothing to
- * do), map_device/unmap_device/read_device/device_uuid (no devices: FAILED_PRECONDITION).
+ * do), map_device/unmap_device/read_device/device_uuid (no devices: FAILED_PRECONDITION),
+ * replace_layer (every layer whole: FAILED_PRECONDITION).
  *
  * forward and router_logits always see job->parts: moed_backend.c turns a job with n_parts == 0
  * into its one part before calling them. forward sees a part with device routing (moed_part.route)
@@ -36,6 +37,8 @@ typedef struct moed_backend_ops {
     int (*device_info)(moed_backend *b, int i, moed_device_info *out);
     int (*exec_accepts)(moed_backend *b, int exec, int slot);
     int (*layer_place)(moed_backend *b, int slot, moed_layer_place *out);
+    int (*replace_layer)(moed_backend *b, int slot, const moed_replace_req *req,
+                         moed_replace_result *res, moed_error *err);
     int (*host_register)(moed_backend *b, void *p, size_t bytes, moed_error *err);
     void (*host_unregister)(moed_backend *b, void *p);
     int (*map_device)(moed_backend *b, const void *handle, size_t handle_len,
