@@ -7,9 +7,10 @@ from moe-bench (graph-replayed where the backend replays graphs). Tokens/s, p50/
 merging (requests merged into launches): the mixtral shape, T = 8 per request, 1 / 8 / 32 / 64 callers, with
 merging off, merging on, and merging on with batch-level gating.
 
-multi (expert parallelism, on two GPUs): DeepSeek-V3's layer (d 7168, ff 2048, 256 experts, top-8,
-one shared expert) whole on GPU 0, split over GPUs 0 and 1 (--devices 0,1 --expert-parallel), and
-two such layers on GPU 0 and one per GPU (--devices 0,1): GetModel must say where each layer and
+multi (expert parallelism, on --gpus N GPUs, 2 by default): DeepSeek-V3's layer (d 7168, ff 2048,
+256 experts, top-8, one shared expert) whole on GPU 0, split over GPUs 0 .. N-1 (--devices 0,..,N-1
+--expert-parallel), and N such layers on GPU 0 and one per GPU (--devices 0,..,N-1): GetModel must
+say where each layer and
 expert lives, the same fixed requests must get the same bytes back from the layouts of whole layers
 and, split, replies within one bf16 rounding of them (docs/cuda.md: a split sums in another order),
 and moed-load measures T = 8 (1 caller) and T = 4096 (8 callers) against each, inline and through
@@ -18,7 +19,7 @@ kernel-only time on one GPU.
 
 Load comes from moed-load (C, many calls in flight per process); every run's JSON is kept.
 
-usage: python3 bench_daemon.py --bin .gpu/bin [--suite transport,merging,multi] [--json FILE] [--logs DIR]
+usage: python3 bench_daemon.py --bin .gpu/bin [--suite transport,merging,multi] [--gpus N] [--json FILE] [--logs DIR]
        [--backend cpu --spec SPEC]   (a quick local check of the script itself, no kernel-only line)
 """
 import argparse
@@ -40,12 +41,12 @@ def free_port():
 
 
 class Moed:
-    def __init__(self, bin_dir, args, log_path):
+    def __init__(self, bin_dir, args, log_path, start_timeout=180):
         self.addr = f"127.0.0.1:{free_port()}"
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen([os.path.join(bin_dir, "moed"), "--listen", self.addr, *args],
                                      stderr=self.log, stdout=subprocess.DEVNULL)
-        deadline = time.time() + 180
+        deadline = time.time() + start_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"moed exited {self.proc.returncode}; see {log_path}")
@@ -54,7 +55,7 @@ class Moed:
             if r.returncode == 0:
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"moed not serving after 180 s; see {log_path}")
+        raise RuntimeError(f"moed not serving after {start_timeout} s; see {log_path}")
 
     def stop(self):
         self.proc.terminate()
@@ -171,10 +172,10 @@ def placement_ok(info, want):
         r = l.expert_placement
         ok = ok and r[0][0] == 0 and r[-1][1] == l.num_experts - 1
         ok = ok and all(r[i][1] + 1 == r[i + 1][0] for i in range(len(r) - 1))
-        if len(r) == 2:
+        if len(r) >= 2:
             home_work = l.shared_d_ff / l.d_ff * (l.num_experts / l.top_k + 1) / 2 if l.shared_d_ff else 0
-            work = [r[i][1] - r[i][0] + 1 + (home_work if r[i][2] == l.home_device else 0) for i in (0, 1)]
-            ok = ok and abs(work[0] - work[1]) <= 2
+            work = [q[1] - q[0] + 1 + (home_work if q[2] == l.home_device else 0) for q in r]
+            ok = ok and max(work) - min(work) <= 2
     return ok, got
 
 
@@ -216,16 +217,18 @@ MULTI_LOADS = ((8, 1, "inline"), (4096, 8, "inline"), (8, 1, "cuda"), (4096, 8, 
 
 def multi(a, results):
     from moed import MoEClient
-    print("== multi: DeepSeek-V3's layer on one GPU and split over two; two layers on one GPU and "
+    n = a.gpus
+    devs, gpus = ",".join(str(i) for i in range(n)), list(range(n))
+    print(f"== multi: DeepSeek-V3's layer on one GPU and split over {n}; {n} layers on one GPU and "
           "one per GPU", flush=True)
-    one, two = a.spec, a.spec.replace("layers=1", "layers=2")
+    one, many = a.spec, a.spec.replace("layers=1", f"layers={n}")
     # name, tag, spec, flags, the placement GetModel must show, the layout it is compared with
     layouts = [("1 layer, GPU 0", "one", one, ["--devices", "0"], {0: (0, [0])}, None),
-               ("1 layer split over GPUs 0,1", "split", one, ["--devices", "0,1", "--expert-parallel"],
-                {0: (0, [0, 1])}, "one"),
-               ("2 layers, GPU 0", "two-one", two, ["--devices", "0"], {0: (0, [0]), 1: (0, [0])}, None),
-               ("2 layers, one per GPU", "two-two", two, ["--devices", "0,1"],
-                {0: (0, [0]), 1: (1, [1])}, "two-one")]
+               (f"1 layer split over GPUs {devs}", "split", one, ["--devices", devs, "--expert-parallel"],
+                {0: (0, gpus)}, "one"),
+               (f"{n} layers, GPU 0", "many-one", many, ["--devices", "0"], {i: (0, [0]) for i in gpus}, None),
+               (f"{n} layers, one per GPU", "many-each", many, ["--devices", devs],
+                {i: (i, [i]) for i in gpus}, "many-one")]
     kms = kernel_ms(a.bin, [8, 4096], os.path.join(a.logs, "kernel-deepseek.json"), a.backend != "cuda",
                     "deepseek-v3", 8)
     rows, replies, failures = [], {}, []
@@ -239,7 +242,7 @@ def multi(a, results):
                 if not ok:
                     failures.append(f"{name}: GetModel placement {got}, wanted {want}")
                 replies[tag] = fixed_requests(info, c)
-            layers = ["--layers", "0,1"] if spec == two else []
+            layers = ["--layers", ",".join(str(i) for i in gpus)] if spec == many else []
             # inline (the wire in the measure), then hidden and outputs in this process's GPU memory
             # (CUDA regions: what a caller on the same host gets, the wire left out)
             for T, callers, transport in MULTI_LOADS:
@@ -270,7 +273,7 @@ def multi(a, results):
     same = not any("differ" in f for f in failures)
     print(f"replies as the same requests on GPU 0 alone (whole layers bit-identical, split within one "
           f"bf16 rounding): {'yes' if same else 'NO'} "
-          f"({len(replies.get('one', []))} and {len(replies.get('two-one', []))} fixed requests)")
+          f"({len(replies.get('one', []))} and {len(replies.get('many-one', []))} fixed requests)")
     results["multi"] = dict(rows=rows, failures=failures)
     for f in failures:
         print(f"FAILED: {f}")
@@ -282,6 +285,7 @@ def main():
     ap.add_argument("--bin", required=True)
     ap.add_argument("--suite", default="transport")
     ap.add_argument("--duration", type=float, default=5)
+    ap.add_argument("--gpus", type=int, default=2, help="multi: the GPUs a layer is split over")
     ap.add_argument("--json")
     ap.add_argument("--logs", default="/tmp")
     ap.add_argument("--backend", default="cuda")

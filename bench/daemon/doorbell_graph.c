@@ -13,9 +13,12 @@
  *                  small its kernel is negligible this is the ring path's own cost.
  *   --mode idle    --callers rings opened and left without calls for --seconds: prints "idle"
  *                  once they are open, so the daemon's CPU time can be read meanwhile.
- * The layer is the daemon's first (GetModel), called with bf16 activations and uniform distinct
- * expert choices. Prints one line and, with --json, the figures as one JSON object. Exits 0 when
- * every call succeeded and every check held, 1 otherwise, 2 for bad usage.
+ * The layer is the daemon's first (GetModel); with --layers all, call i of a graph goes to its
+ * layer i mod n instead (a graph of n calls is a decode step through every layer, as an engine
+ * whose MoE layers are all on this daemon makes it), the layers being of one shape. Calls carry
+ * bf16 activations and uniform distinct expert choices. Prints one line and, with --json, the
+ * figures as one JSON object. Exits 0 when every call succeeded and every check held, 1 otherwise,
+ * 2 for bad usage.
  */
 #include "moed_dtype.h"
 #include "moed_opt.h"
@@ -30,7 +33,7 @@
 #include <time.h>
 
 typedef struct opts {
-    const char *target, *mode, *json;
+    const char *target, *mode, *layers, *json;
     int64_t tokens, calls, callers, replays, requests, device;
     double seconds;
 } opts;
@@ -42,6 +45,9 @@ static const moed_opt options[] = {
     MOED_OPT_CHOICE_ROW("mode", F(mode), "graph|floor|idle", "graph", NULL,
                         "graph: calls captured in a CUDA graph and replayed; floor: one call at a\n"
                         "time from the host and on a stream; idle: rings open, no calls"),
+    MOED_OPT_CHOICE_ROW("layers", F(layers), "first|all", "first", NULL,
+                        "graph: every call to the daemon's first layer, or call i to its layer\n"
+                        "i mod n (a decode step through every layer with --calls n)"),
     MOED_OPT_I64_ROW("tokens", F(tokens), "T", 1, 1 << 20, "8", NULL, NULL, "tokens per call"),
     MOED_OPT_I64_ROW("calls", F(calls), "N", 1, 4096, "60", NULL, NULL, "graph: calls in a graph"),
     MOED_OPT_I64_ROW("callers", F(callers), "C", 1, 64, "1", NULL, NULL,
@@ -66,7 +72,9 @@ static const moed_opt_spec command_line = MOED_OPT_TOOL_SPEC("doorbell-graph", o
 
 static opts o;
 static moedc *conn;
-static moedc_layer_info layer;
+static moedc_layer_info layer;             /* the shape every call has */
+static const moedc_layer_info *layer_list; /* the layers calls go to, in turn */
+static int n_layer_list;
 static int failed; /* any call or check that went wrong (atomic) */
 
 static void fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -125,7 +133,7 @@ static moedc_ring_call call_of(const caller *c, int i)
 {
     const size_t per = 2 * c->rows + 2 * c->route;
     const size_t at = (size_t)i * per;
-    return (moedc_ring_call){ .layer = (uint32_t)layer.index,
+    return (moedc_ring_call){ .layer = (uint32_t)layer_list[i % n_layer_list].index,
                               .dtype = MOEDC_BF16,
                               .tokens = o.tokens,
                               .d_model = layer.d_model,
@@ -301,17 +309,19 @@ static int run_graph(FILE *json)
     double p50 = total ? quantile(all, total, 0.5) : 0,
            p99 = total ? quantile(all, total, 0.99) : 0;
     double tok_s = (double)total * (double)o.calls * (double)o.tokens / (wall / 1e6);
-    printf("graph  T=%lld  %lld calls  %lld callers  replay p50 %.3f ms  p99 %.3f ms  (%.1f us a "
+    printf("graph  T=%lld  %lld calls  %d layers  %lld callers  replay p50 %.3f ms  p99 %.3f ms  "
+           "(%.1f us a "
            "call)  %.0f tokens/s  %s\n",
-           (long long)o.tokens, (long long)o.calls, (long long)o.callers, p50 / 1e3, p99 / 1e3,
-           p50 / (double)o.calls, tok_s, failed ? "FAILED" : "outputs as from the host");
+           (long long)o.tokens, (long long)o.calls, n_layer_list, (long long)o.callers, p50 / 1e3,
+           p99 / 1e3, p50 / (double)o.calls, tok_s, failed ? "FAILED" : "outputs as from the host");
     if (json)
         fprintf(json,
-                "{\"mode\": \"graph\", \"tokens\": %lld, \"calls\": %lld, \"callers\": %lld, "
+                "{\"mode\": \"graph\", \"tokens\": %lld, \"calls\": %lld, \"layers\": %d, "
+                "\"callers\": %lld, "
                 "\"device\": %lld, \"replays\": %zu, \"p50_ms\": %.6f, \"p99_ms\": %.6f, "
                 "\"tokens_per_s\": %.1f, \"verified\": %s}\n",
-                (long long)o.tokens, (long long)o.calls, (long long)o.callers, (long long)o.device,
-                total, p50 / 1e3, p99 / 1e3, tok_s, failed ? "false" : "true");
+                (long long)o.tokens, (long long)o.calls, n_layer_list, (long long)o.callers,
+                (long long)o.device, total, p50 / 1e3, p99 / 1e3, tok_s, failed ? "false" : "true");
     free(all);
     for (int i = 0; i < n; i++) caller_close(&cs[i]);
     pthread_barrier_destroy(&start);
@@ -408,6 +418,19 @@ int main(int argc, char **argv)
         return 1;
     }
     layer = info.layers[0];
+    layer_list = info.layers;
+    n_layer_list = strcmp(o.layers, "all") ? 1 : info.n_layers;
+    for (int i = 1; i < n_layer_list; i++)
+        if (info.layers[i].d_model != layer.d_model || info.layers[i].top_k != layer.top_k ||
+            info.layers[i].n_experts != layer.n_experts) {
+            fprintf(stderr,
+                    "doorbell-graph: --layers all needs layers of one shape: layer %u is d_model "
+                    "%u, top_k %u, %u experts, layer %u d_model %u, top_k %u, %u experts\n",
+                    info.layers[i].index, info.layers[i].d_model, info.layers[i].top_k,
+                    info.layers[i].n_experts, layer.index, layer.d_model, layer.top_k,
+                    layer.n_experts);
+            return 2;
+        }
     cudaSetDevice((int)o.device);
     cudaFree(0); /* the context current: rings are page-locked for streams when they open */
     FILE *json = o.json ? fopen(o.json, "w") : NULL;

@@ -74,6 +74,15 @@
 #             (bench_daemon.py --suite multi: the layer split, two layers one per GPU, each beside
 #             the same on GPU 0, replies compared byte for byte, moed-load at T = 8 and 4096). The
 #             tables go to two-gpu.md.
+#   four-gpu  expert parallelism on four GPUs (skipped, exit 77, with fewer): test_split over
+#             GPUs 0..3 (quick cases); moe-split-bench on DeepSeek-V3's layer and gpt-oss-120b's
+#             (128 experts), whole on GPU 0 and split over 0,1 and over 0..3, uniform and zipf
+#             routing (zipf also placed by its measured load), T = 8 .. 16384; the daemons
+#             (bench_daemon.py --suite multi --gpus 4, moed-load inline and through CUDA regions);
+#             and a whole model on the host (bench/daemon/bench_model.py: DeepSeek-V3's shape in
+#             FP8, MODEL_LAYERS (default 40) layers over the four GPUs, load time and memory per GPU,
+#             a decode step through every layer from one caller at T = 8, 64, 512). Tables in
+#             four-gpu.md: about 9 minutes on 4 x H200.
 #   other-gpu CUDA regions on a GPU moed does not compute on (skipped, exit 77, with fewer than two
 #             GPUs): test_cuda_parts (the backend on GPU 0, parts and expert choices on GPU 1, the
 #             copies staged through host memory, then with peer access), test_ipc two-gpu (moed
@@ -122,7 +131,7 @@ export PATH=$PATH:/usr/local/cuda/bin
 OUT=${OUT:-/tmp/moed-out}
 RAW=$OUT/raw # JSON and long logs; packed into raw.tgz at the end (the device tool returns 8 files)
 STAGES=(tests sanitize bench sonic peers e2e merge pytest fp8 fp8-bench sparse dataplane python router generate
-    droute split two-gpu other-gpu doorbell torch-op)
+    droute split two-gpu four-gpu other-gpu doorbell torch-op)
 PEERS=${MOED_PEERS_SITE:-/tmp/moed-peers}
 # Real models' MoE layers as d,ff,E,k (bench/kernels/torch_ref.py's MODELS, which a CI test keeps
 # equal to this): gpt-oss-120b, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, Phi-3.5-MoE, DBRX.
@@ -412,6 +421,35 @@ stage_two-gpu() {
     logged "$RAW/multi.md" timeout 420 "$PY" bench/daemon/bench_daemon.py --bin "$B" --suite multi \
         --duration 4 --json "$RAW/multi.json" --logs "$RAW"
     cat "$RAW/multi.md" >>"$md"
+}
+
+stage_four-gpu() {
+    step gpus_at_least 4
+    [ "$stage_rc" -eq 0 ] || return
+    local md=$OUT/four-gpu.md name spec devs
+    MOED_SPLIT_DEVICES=0,1,2,3 MOED_GPU_TEST_QUICK=1 logged "$OUT/gpu-split-0123.log" timeout 300 \
+        "$B/test_split"
+    : >"$md"
+    for name in deepseek-v3 gpt-oss-120b; do
+        spec=layers=1,d=7168,ff=2048,experts=256,topk=8,act=swiglu,dtype=bf16,seed=1,shared=1,shared_ff=2048
+        [ "$name" = gpt-oss-120b ] && spec=layers=1,d=2880,ff=2880,experts=128,topk=4,act=swiglu,dtype=bf16,seed=1
+        for devs in 0,1 0,1,2,3; do
+            echo "## moe-split-bench: $name's layer whole on GPU 0 and split over GPUs $devs" >>"$md"
+            logged "$RAW/split-$name-$devs.md" timeout 300 "$B/moe-split-bench" --spec "$spec" \
+                --devices "$devs" --tokens 8,64,4096,16384 --routing uniform,zipf --min-ms 200 \
+                --json "$RAW/split-$name-$devs.json"
+            cat "$RAW/split-$name-$devs.md" >>"$md"
+        done
+    done
+    printf '\n## Through the daemons (moed-load on loopback)\n\n' >>"$md"
+    logged "$RAW/multi4.md" timeout 480 "$PY" bench/daemon/bench_daemon.py --bin "$B" --suite multi \
+        --gpus 4 --duration 3 --json "$RAW/multi4.json" --logs "$RAW"
+    cat "$RAW/multi4.md" >>"$md"
+    printf '\n## A whole model on the host\n\n' >>"$md"
+    logged "$RAW/model.md" timeout 1200 "$PY" bench/daemon/bench_model.py --bin "$B" --gpus 4 \
+        --layers "${MODEL_LAYERS:-40}" --placements "${MODEL_PLACEMENTS:-split,layers}" \
+        --json "$RAW/model.json" --logs "$RAW"
+    cat "$RAW/model.md" >>"$md"
 }
 
 stage_other-gpu() {
