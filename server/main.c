@@ -66,7 +66,7 @@ typedef struct moed_daemon {
     moed_rebalance *rebalance; /* re-placing split layers by measured load (--rebalance) */
     moed_rpc *rpc;
     moed_security security;
-    moed_metrics *metrics; /* NULL without --metrics-listen: nothing is recorded */
+    moed_metrics *metrics; /* NULL without --metrics-listen and --rebalance: nothing recorded */
     moed_http *http;
     double start_time_s;
     uv_loop_t loop;
