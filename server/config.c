@@ -6,6 +6,7 @@
 #include "config.h"
 
 #include "moed_opt.h"
+#include "moed_place.h"
 #include "moed_synth.h"
 
 #include "file.h"
@@ -276,6 +277,22 @@ static const moed_opt options[] = {
                       "place a split layer's experts to even out their measured load: a scrape "
                       "of a running moed's /metrics (its moed_expert_tokens_total lines; curl -s "
                       "HOST:PORT/metrics > FILE) instead of uniform routing's"),
+    MOED_OPT_INT_ROW("rebalance", F(rebalance_s), "SECONDS", 0, 86400, "0", NULL, NULL,
+                     "every SECONDS, re-place each layer split over devices by the load measured "
+                     "since its last placement (new expert ranges and copies of hot experts, "
+                     "swapped in between launches; docs/operations.md); 0: off"),
+    MOED_OPT_INT_ROW("rebalance-replicas", F(rebalance_replicas), "N", 0, MOED_PLACE_MAX_REPLICAS,
+                     "8", NULL, NULL,
+                     "extra copies of hot experts a re-placement may make per split layer, memory "
+                     "allowing (also with --expert-load, applied once at start); 0: none"),
+    MOED_OPT_NUM_ROW("rebalance-min-gain", F(rebalance_min_gain), "FRACTION", 0, 1, "0.05", NULL,
+                     NULL,
+                     "re-place a layer only if its busiest device's predicted work drops by at "
+                     "least this fraction"),
+    MOED_OPT_I64_ROW("rebalance-min-pairs", F(rebalance_min_pairs), "N", 0,
+                     (double)((int64_t)1 << 40), "0", NULL, NULL,
+                     "(token, expert) pairs a layer must have had since its last placement before "
+                     "it is weighed; 0 = 32 per expert held"),
     MOED_OPT_INT_ROW("cq-threads", F(cq_threads), "N", 1, 256, "4", NULL, NULL,
                      "threads running gRPC calls (a completion queue each), and as many reading "
                      "connections"),

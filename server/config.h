@@ -56,6 +56,10 @@ typedef struct moed_config {
     moed_config_devices devices; /* --devices LIST */
     int expert_parallel;         /* --expert-parallel: split layers over the devices */
     const char *expert_load;     /* --expert-load FILE: measured load per expert (expert_load.h) */
+    int rebalance_s;             /* --rebalance SECONDS: re-place split layers by load; 0: off */
+    int rebalance_replicas;      /* --rebalance-replicas N: extra copies of hot experts a layer */
+    double rebalance_min_gain;   /* --rebalance-min-gain FRACTION */
+    int64_t rebalance_min_pairs; /* --rebalance-min-pairs N; 0: 32 per held expert */
     int cq_threads;              /* gRPC completion queues, one thread each */
     int64_t max_message_bytes;
     int64_t max_batch_tokens;   /* the most tokens in one launch and in one request */

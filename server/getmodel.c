@@ -1,16 +1,18 @@
 /*
  * getmodel — moed.v1.Moed/GetModel: the ModelInfo of what this daemon serves. Per layer its sizes,
  * routing and weight dtype, the experts it holds (experts_held, adds_shared_experts: a shard of a
- * fleet holds some) and where they live (home_device, expert_placement, in the whole layer's
- * numbering); the backend, its devices and their memory now; the version, the limits, the tensor
- * regions' mode and caps, and the model's fingerprint. While the weights still load: the model as
- * given, the backend, its devices, the version and the message limit, and how far the load has
- * come (ModelInfo.loading), nothing of what is not loaded yet. Answered to every caller let in,
+ * fleet holds some) and where they live (home_device, expert_placement, expert_replicas, in the
+ * whole layer's numbering, and placement_generation: the re-placements by measured load applied);
+ * the backend, its devices and their memory now; the version, the limits, the tensor regions'
+ * mode and caps, and the model's fingerprint. While the weights still load: the model as given,
+ * the backend, its devices, the version and the message limit, and how far the load has come
+ * (ModelInfo.loading), nothing of what is not loaded yet. Answered to every caller let in,
  * loading, draining or not; out of memory while building it is RESOURCE_EXHAUSTED.
  */
 #include "rpc_call.h"
 
 #include "loading.h"
+#include "rebalance.h"
 
 #include "wire.h"
 
@@ -47,51 +49,69 @@ static int held_experts(const moed_served *s, Moed__V1__LayerInfo *li, void **ou
     return 0;
 }
 
-/* Layer slot i's placement in the whole layer's numbering (moed_shard_place_list; a layer held
- * whole without shards is one shard of itself), from the backend's. */
-static int placed_ranges(const moed_served *s, moed_backend *b, int i, uint32_t *lo, uint32_t *hi,
-                         uint32_t *dev, int cap)
+/* Layer slot i's placement p in the whole layer's numbering (moed_shard_place_list; a layer held
+ * whole without shards is one shard of itself). */
+static int placed_ranges(const moed_served *s, const moed_layer_place *p, int i, uint32_t *lo,
+                         uint32_t *hi, uint32_t *dev, int cap)
 {
-    moed_layer_place p;
-    if (moed_backend_layer_place(b, i, &p)) return 0;
-    if (s->shards) return moed_shard_place_list(&s->shards[i], &p, lo, hi, dev, cap);
+    if (s->shards) return moed_shard_place_list(&s->shards[i], p, lo, hi, dev, cap);
     int n = 0;
-    for (; n < p.n_parts && n < cap; n++) {
-        lo[n] = (uint32_t)p.part[n].first;
-        hi[n] = (uint32_t)(p.part[n].first + p.part[n].count - 1);
-        dev[n] = (uint32_t)p.part[n].dev;
+    for (; n < p->n_parts && n < cap; n++) {
+        lo[n] = (uint32_t)p->part[n].first;
+        hi[n] = (uint32_t)(p->part[n].first + p->part[n].count - 1);
+        dev[n] = (uint32_t)p->part[n].dev;
     }
-    return p.n_parts;
+    return p->n_parts;
 }
 
-/* Where each layer lives (LayerInfo.home_device, expert_placement), in one allocation: *out,
- * which the caller frees once the message is packed. */
+/* Where each layer lives (LayerInfo.home_device, expert_placement, expert_replicas,
+ * placement_generation), in one allocation: *out, which the caller frees once the message is
+ * packed. Each layer's placement is asked for once, here: a re-placement (--rebalance) may swap
+ * it between two calls, and the counts must be those of the placement the ranges come from. */
 static int expert_places(const moed_served *s, moed_backend *b, Moed__V1__LayerInfo *li, void **out)
 {
+    moed_layer_place *pl = calloc((size_t)s->n_layers + 1, sizeof *pl);
+    if (!pl) return MOED_ENOMEM;
     int n = 0;
-    for (int i = 0; i < s->n_layers; i++) n += placed_ranges(s, b, i, NULL, NULL, NULL, 0);
+    for (int i = 0; i < s->n_layers; i++) {
+        li[i].placement_generation = moed_rebalance_generation(s->rebalance, i);
+        if (moed_backend_layer_place(b, i, &pl[i])) pl[i] = (moed_layer_place){ .n_parts = 0 };
+        n += placed_ranges(s, &pl[i], i, NULL, NULL, NULL, 0) + pl[i].n_replicas;
+    }
     const size_t each = sizeof(Moed__V1__ExpertPlacement) + sizeof(void *) + 3 * sizeof(uint32_t);
     char *block = calloc((size_t)n + 1, each);
     *out = block;
-    if (!block) return MOED_ENOMEM;
+    if (!block) {
+        free(pl);
+        return MOED_ENOMEM;
+    }
     Moed__V1__ExpertPlacement *r = (Moed__V1__ExpertPlacement *)block;
     Moed__V1__ExpertPlacement **rp = (Moed__V1__ExpertPlacement **)(r + n + 1);
     uint32_t *lo = (uint32_t *)(rp + n + 1), *hi = lo + n + 1, *dev = hi + n + 1;
     for (int i = 0, at = 0; i < s->n_layers; i++) {
-        moed_layer_place p;
-        li[i].home_device = moed_backend_layer_place(b, i, &p) ? 0 : (uint32_t)p.home;
-        const int k = placed_ranges(s, b, i, lo + at, hi + at, dev + at, n - at);
-        li[i].n_expert_placement = (size_t)k;
-        li[i].expert_placement = rp + at;
-        for (int j = at; j < at + k; j++) {
+        const moed_layer_place *p = &pl[i];
+        li[i].home_device = (uint32_t)p->home;
+        const int k = placed_ranges(s, p, i, lo + at, hi + at, dev + at, n - at);
+        for (int c = 0; c < p->n_replicas; c++) { /* one expert each, after the ranges */
+            const int e = p->replica[c].expert;
+            lo[at + k + c] = hi[at + k + c] =
+                (uint32_t)(s->shards ? moed_shard_global(&s->shards[i], e) : e);
+            dev[at + k + c] = (uint32_t)p->replica[c].dev;
+        }
+        for (int j = at; j < at + k + p->n_replicas; j++) {
             moed__v1__expert_placement__init(&r[j]);
             r[j].first = lo[j];
             r[j].last = hi[j];
             r[j].device = dev[j];
             rp[j] = &r[j];
         }
-        at += k;
+        li[i].n_expert_placement = (size_t)k;
+        li[i].expert_placement = rp + at;
+        li[i].n_expert_replicas = (size_t)p->n_replicas;
+        li[i].expert_replicas = rp + at + k;
+        at += k + p->n_replicas;
     }
+    free(pl);
     return 0;
 }
 

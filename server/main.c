@@ -32,6 +32,7 @@
 #include "security.h"
 #include "shard.h"
 #include "prune.h"
+#include "rebalance.h"
 #include "weights.h"
 
 #include <pthread.h>
@@ -61,10 +62,11 @@ typedef struct moed_daemon {
     moed_regions *regions;
     moed_bufpool *pool;
     moed_sched *sched;
-    moed_doorbell *doorbell; /* NULL: regions off or --max-rings 0 */
+    moed_doorbell *doorbell;   /* NULL: regions off or --max-rings 0 */
+    moed_rebalance *rebalance; /* re-placing split layers by measured load (--rebalance) */
     moed_rpc *rpc;
     moed_security security;
-    moed_metrics *metrics; /* NULL without --metrics-listen: nothing is recorded */
+    moed_metrics *metrics; /* NULL without --metrics-listen and --rebalance: nothing recorded */
     moed_http *http;
     double start_time_s;
     uv_loop_t loop;
@@ -399,11 +401,12 @@ static int start_data_plane(moed_daemon *d)
 }
 
 /* The counters, from the first call (GetModel and health are answered while the weights load);
- * their per-expert table once the layers are known (start_scheduler). */
+ * their per-expert table once the layers are known (start_scheduler). --rebalance weighs the
+ * per-expert counters, so they are kept with it even without the endpoint. */
 static int create_metrics(moed_daemon *d)
 {
     moed_error err = { 0 };
-    if (d->cfg.metrics_listen && !(d->metrics = moed_metrics_create())) {
+    if ((d->cfg.metrics_listen || d->cfg.rebalance_s) && !(d->metrics = moed_metrics_create())) {
         moed_fail(&err, MOED_ENOMEM, "no memory for the metrics");
         return fail("metrics", &err);
     }
@@ -467,6 +470,39 @@ static int start_rpc(moed_daemon *d)
                       "the port can call moed and read its traffic; set --tls-cert/--tls-key "
                       "and --auth-token-file (or keep it behind a firewall)",
                       "addr=%s", d->cfg.listen);
+    return 0;
+}
+
+/* Re-placing split layers by their load: the --expert-load file's once, before the daemon is
+ * ready, when copies of hot experts may be made (--rebalance-replicas > 0; the load already cut
+ * the ranges at load), so they serve from the first call; then every --rebalance seconds by the
+ * load measured, on the module's thread (rebalance.h). */
+static int start_rebalance(moed_daemon *d)
+{
+    moed_error err = { 0 };
+    const bool apply = d->loads && d->cfg.rebalance_replicas > 0;
+    if (!d->cfg.rebalance_s && !apply) return 0;
+    moed_rebalance_config rc = { .backend = d->backend,
+                                 .shards = d->shards,
+                                 .n_slots = d->served.n_layers,
+                                 .metrics = d->metrics,
+                                 .period_s = d->cfg.rebalance_s,
+                                 .max_replicas = d->cfg.rebalance_replicas,
+                                 .min_gain = d->cfg.rebalance_min_gain,
+                                 .min_pairs = d->cfg.rebalance_min_pairs };
+    if (moed_rebalance_create(&rc, &d->rebalance, &err)) return fail("rebalance", &err);
+    d->served.rebalance = d->rebalance;
+    for (int slot = 0; apply && slot < d->served.n_layers; slot++) {
+        moed_layer_place p;
+        bool changed;
+        if (!d->loads[slot] || moed_backend_layer_place(d->backend, slot, &p) ||
+            !moed_place_is_split(&p))
+            continue;
+        /* a failure is logged and leaves the placement made at load: not worth failing the start */
+        moed_rebalance_apply(d->rebalance, slot, d->loads[slot],
+                             moed_expert_load_launches(&d->load), &changed, &err);
+    }
+    if (moed_rebalance_start(d->rebalance, &err)) return fail("rebalance", &err);
     return 0;
 }
 
@@ -633,7 +669,8 @@ static void on_stop_signal(uv_signal_t *h, int signum)
     moed_notify("STOPPING=1\nSTATUS=draining after %s: %llu calls open (cancelled if still open "
                 "in %d s)",
                 sig, (unsigned long long)rs.active_calls, d->cfg.drain_timeout_s);
-    moed_doorbell_drain(d->doorbell); /* before the sessions end: what rings hold is taken */
+    moed_doorbell_drain(d->doorbell);  /* before the sessions end: what rings hold is taken */
+    moed_rebalance_stop(d->rebalance); /* none starts now; one in progress ends in teardown */
     moed_rpc_drain(d->rpc, on_rpc_drained, d);
     uv_timer_start(&d->drain_timer, on_drain_timeout, (uint64_t)d->cfg.drain_timeout_s * 1000u, 0);
 }
@@ -725,7 +762,7 @@ static void start_steps(uv_work_t *w)
     d->start_status = open_backend(d) || begin_load(d) || create_metrics(d) ||
                       derive_rpc_limits(d) || start_rpc(d) || load_weights(d) || load_layers(d) ||
                       derive_limits(d) || start_data_plane(d) || start_scheduler(d) ||
-                      start_doorbell(d) || serve_calls(d);
+                      start_doorbell(d) || start_rebalance(d) || serve_calls(d);
     if (d->start_status) moed_loading_end();
 }
 
@@ -793,6 +830,7 @@ static int run_loop(moed_daemon *d)
 
 static void teardown(moed_daemon *d)
 {
+    moed_rebalance_destroy(d->rebalance);     /* waits for a re-placement in progress (bounded) */
     if (d->sched) moed_sched_drain(d->sched); /* nothing is left once every call is answered */
     moed_rpc_destroy(d->rpc);                 /* every session closed: rings left are the drain's */
     moed_doorbell_destroy(d->doorbell);       /* before the scheduler it submits to */

@@ -87,6 +87,8 @@ struct moed_metrics {
     int n_slots;
     int *first;                      /* [n_slots + 1]: each slot's first counter */
     _Atomic uint64_t *expert_tokens; /* [first[n_slots]] */
+    _Atomic uint64_t *launches;      /* [n_slots]: moed_layer_launches_total */
+    _Atomic uint64_t *rebalances;    /* [n_slots][MOED_REBALANCE_RESULTS] */
 };
 
 static const char *const method_names[MOED_METHOD_COUNT] = {
@@ -109,6 +111,8 @@ void moed_metrics_destroy(moed_metrics *m)
     if (!m) return;
     free(m->first);
     free(m->expert_tokens);
+    free(m->launches);
+    free(m->rebalances);
     free(m);
 }
 
@@ -117,7 +121,10 @@ int moed_metrics_set_layers(moed_metrics *m, const moed_shard *shards, int n_slo
     if (!(m->first = malloc(((size_t)n_slots + 1) * sizeof *m->first))) return MOED_ENOMEM;
     m->first[0] = 0;
     for (int i = 0; i < n_slots; i++) m->first[i + 1] = m->first[i] + shards[i].n_held;
-    if (!(m->expert_tokens = calloc((size_t)m->first[n_slots] + 1, sizeof *m->expert_tokens)))
+    if (!(m->expert_tokens = calloc((size_t)m->first[n_slots] + 1, sizeof *m->expert_tokens)) ||
+        !(m->launches = calloc((size_t)n_slots + 1, sizeof *m->launches)) ||
+        !(m->rebalances =
+              calloc(((size_t)n_slots + 1) * MOED_REBALANCE_RESULTS, sizeof *m->rebalances)))
         return MOED_ENOMEM;
     m->layers = shards;
     m->n_slots = n_slots;
@@ -196,9 +203,31 @@ void moed_metrics_expert_tokens(moed_metrics *m, int slot, const uint64_t *token
     _Atomic uint64_t *c = m->expert_tokens + m->first[slot];
     for (int e = 0; e < n && e < m->first[slot + 1] - m->first[slot]; e++)
         if (tokens[e]) add(&c[e], tokens[e]);
+    add(&m->launches[slot], 1);
+}
+
+void moed_metrics_rebalance(moed_metrics *m, int slot, moed_rebalance_result result)
+{
+    if (!m || slot < 0 || slot >= m->n_slots || (unsigned)result >= MOED_REBALANCE_RESULTS) return;
+    add(&m->rebalances[slot * MOED_REBALANCE_RESULTS + result], 1);
 }
 
 /* ---- reading --------------------------------------------------------------------------------- */
+
+static uint64_t load(const _Atomic uint64_t *c)
+{
+    return atomic_load_explicit((_Atomic uint64_t *)c, memory_order_relaxed);
+}
+
+void moed_metrics_layer_load(const moed_metrics *m, int slot, uint64_t *pairs, int n,
+                             uint64_t *launches)
+{
+    const bool have = m && slot >= 0 && slot < m->n_slots;
+    const int held = have ? m->first[slot + 1] - m->first[slot] : 0;
+    for (int e = 0; e < n; e++)
+        pairs[e] = e < held ? load(&m->expert_tokens[m->first[slot] + e]) : 0;
+    if (launches) *launches = have ? load(&m->launches[slot]) : 0;
+}
 
 /* A field summed over the shards; `field` is the field in shard 0, its place in the others the
  * same distance on. */
@@ -373,9 +402,41 @@ static void expert_tokens(text *t, const moed_metrics *m)
         for (int k = 0; k < sh->n_held; k++)
             put(t, "moed_expert_tokens_total{layer=\"%d\",expert=\"%d\"} %llu\n",
                 sh->full->info.index, moed_shard_global(sh, k),
-                (unsigned long long)atomic_load_explicit(&m->expert_tokens[m->first[i] + k],
-                                                         memory_order_relaxed));
+                (unsigned long long)load(&m->expert_tokens[m->first[i] + k]));
     }
+}
+
+/* Per layer: its launches, and its re-placements by measured load (rebalance.h) by result and as
+ * the generation GetModel reports (LayerInfo.placement_generation). */
+static void layers(text *t, const moed_metrics *m)
+{
+    static const char *const results[MOED_REBALANCE_RESULTS] = {
+        [MOED_REBALANCE_CHANGED] = "changed",
+        [MOED_REBALANCE_UNCHANGED] = "unchanged",
+        [MOED_REBALANCE_FAILED] = "failed",
+    };
+    family(t, "moed_layer_launches_total", "counter",
+           "Launches (merged batches computed), by layer.");
+    for (int i = 0; i < m->n_slots; i++)
+        put(t, "moed_layer_launches_total{layer=\"%d\"} %llu\n", m->layers[i].full->info.index,
+            (unsigned long long)load(&m->launches[i]));
+    family(t, "moed_rebalances_total", "counter",
+           "Re-placements of a split layer by its measured load (--rebalance) the backend weighed, "
+           "by layer and result: changed (a new placement serves), unchanged (gain below "
+           "--rebalance-min-gain), failed (the old placement serves on; the log says why).");
+    for (int i = 0; i < m->n_slots; i++)
+        for (int r = 0; r < MOED_REBALANCE_RESULTS; r++)
+            put(t, "moed_rebalances_total{layer=\"%d\",result=\"%s\"} %llu\n",
+                m->layers[i].full->info.index, results[r],
+                (unsigned long long)load(&m->rebalances[i * MOED_REBALANCE_RESULTS + r]));
+    family(t, "moed_layer_placement_generation", "gauge",
+           "Re-placements applied to each layer since the start (GetModel's "
+           "LayerInfo.placement_generation; 0: the placement made at load).");
+    for (int i = 0; i < m->n_slots; i++)
+        put(t, "moed_layer_placement_generation{layer=\"%d\"} %llu\n",
+            m->layers[i].full->info.index,
+            (unsigned long long)load(
+                &m->rebalances[i * MOED_REBALANCE_RESULTS + MOED_REBALANCE_CHANGED]));
 }
 
 static void devices(text *t, const moed_metrics_gauges *g)
@@ -433,6 +494,7 @@ char *moed_metrics_render(const moed_metrics *m, const moed_metrics_gauges *g, s
     counter(&t, "moed_tokens_total", "Tokens computed (rows of hidden, over every launch).",
             SUM(m, tokens));
     expert_tokens(&t, m);
+    layers(&t, m);
     counter(&t, "moed_request_bytes_total", "Bytes of Forward request messages received.",
             SUM(m, request_bytes));
     counter(&t, "moed_response_bytes_total", "Bytes of Forward response messages sent.",

@@ -67,8 +67,27 @@ void moed_metrics_launch(moed_metrics *m, uint64_t tokens, uint64_t requests, ui
 int moed_metrics_set_layers(moed_metrics *m, const moed_shard *shards, int n_slots);
 
 /* A launch of layer slot `slot` routed tokens[e] (token, expert) pairs to the backend's expert e,
- * 0 <= e < n (the shard's numbering). */
+ * 0 <= e < n (the shard's numbering); it counts as one launch of the layer
+ * (moed_layer_launches_total). */
 void moed_metrics_expert_tokens(moed_metrics *m, int slot, const uint64_t *tokens, int n);
+
+/* Layer slot `slot`'s counters so far: the pairs of each of its held experts (the shard's
+ * numbering, the first n) into pairs, and its launches into *launches (may be NULL). What a
+ * re-placement by measured load weighs (rebalance.h); 0s for a slot out of range. */
+void moed_metrics_layer_load(const moed_metrics *m, int slot, uint64_t *pairs, int n,
+                             uint64_t *launches);
+
+/* How a re-placement of a layer by its measured load ended (moed_rebalances_total's `result`). */
+typedef enum moed_rebalance_result {
+    MOED_REBALANCE_CHANGED,   /* the layer runs on a new placement */
+    MOED_REBALANCE_UNCHANGED, /* the gain was below --rebalance-min-gain */
+    MOED_REBALANCE_FAILED,    /* the backend refused or failed it (the old placement serves on) */
+    MOED_REBALANCE_RESULTS
+} moed_rebalance_result;
+
+/* A re-placement of layer slot `slot` weighed by the backend ended with `result`; CHANGED also
+ * moves moed_layer_placement_generation on. */
+void moed_metrics_rebalance(moed_metrics *m, int slot, moed_rebalance_result result);
 
 /* What is sampled at scrape time. */
 typedef struct moed_metrics_gauges {

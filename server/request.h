@@ -39,6 +39,8 @@
 
 #define MOED_REQUEST_ID_MAX 128
 
+typedef struct moed_rebalance moed_rebalance; /* rebalance.h */
+
 /* What this server serves: the resident layers by backend slot, and the request limits. */
 typedef struct moed_served {
     const moed_layer *const *layers; /* [n_layers], the backend slot is the position */
@@ -50,6 +52,8 @@ typedef struct moed_served {
     moed_regions *regions;   /* the region registry; NULL: regions are off */
     moed_bufpool *pool;      /* inline hidden rows and replies; NULL: none */
     uint64_t fingerprint;    /* the model's (ModelInfo.model_fingerprint) */
+    /* the re-placements by measured load (LayerInfo.placement_generation); NULL: none */
+    const moed_rebalance *rebalance;
 } moed_served;
 
 /* Who sent a request: whether it came from this host (loopback or a unix socket), and the

@@ -169,8 +169,8 @@ static void test_buckets(void)
         if (!strncmp(line, "# TYPE ", 7)) types++;
         CHECK(line[0] == '#' || (line[0] >= 'a' && line[0] <= 'z'));
     }
-    CHECK_EQ_INT(helps, 30);
-    CHECK_EQ_INT(types, 30);
+    CHECK_EQ_INT(helps, 33);
+    CHECK_EQ_INT(types, 33);
     /* the data plane's gauges, by region kind */
     CHECK_NEAR(sample(text, "moed_regions{kind=\"host\"}"), 2, 0);
     CHECK_NEAR(sample(text, "moed_regions{kind=\"cuda\"}"), 1, 0);

@@ -165,7 +165,7 @@ static void print_layers(const moedc_model_info *m)
            "scale", "held");
     for (int i = 0; i < m->n_layers; i++) {
         const moedc_layer_info *l = &m->layers[i];
-        char shared[32], groups[32], dtype[32], held[200] = "";
+        char shared[32], groups[32], dtype[32], held[512] = "";
         snprintf(shared, sizeof shared, "%dx%d", l->n_shared, l->shared_d_ff);
         snprintf(groups, sizeof groups, "%d/%d", l->n_group, l->topk_group);
         snprintf(dtype, sizeof dtype, "%s%s", moed_dtype_name(l->wdtype),
@@ -183,9 +183,15 @@ static void print_layers(const moedc_model_info *m)
             snprintf(held + strlen(held), sizeof held - strlen(held), " (home device %d;",
                      l->home_device);
         for (int r = 0; split && r < l->n_placed; r++)
-            snprintf(held + strlen(held), sizeof held - strlen(held), "%s%d-%d@%d%s", r ? "," : " ",
-                     l->placed[r].first, l->placed[r].last, l->placed[r].device,
-                     r == l->n_placed - 1 ? ")" : "");
+            snprintf(held + strlen(held), sizeof held - strlen(held), "%s%d-%d@%d", r ? "," : " ",
+                     l->placed[r].first, l->placed[r].last, l->placed[r].device);
+        for (int r = 0; split && r < l->n_replicas; r++) /* copies of hot experts (--rebalance) */
+            snprintf(held + strlen(held), sizeof held - strlen(held), "%s%d@%d",
+                     r ? "," : "; copies ", l->replicas[r].expert, l->replicas[r].device);
+        if (split && l->placement_generation)
+            snprintf(held + strlen(held), sizeof held - strlen(held), "; re-placed %ux",
+                     (unsigned)l->placement_generation);
+        if (split) snprintf(held + strlen(held), sizeof held - strlen(held), ")");
         printf("%5d %7d %6d %7d %5d %6s %5s %6s %4d %12s %9s %6s %5g %s\n", l->index, l->d_model,
                l->d_ff, l->n_experts, l->top_k, moed_act_name((moed_act)l->act), dtype,
                l->has_router ? "yes" : "no", l->norm_topk,

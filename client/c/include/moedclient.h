@@ -473,6 +473,12 @@ typedef struct moedc_expert_place {
     int first, last, device;
 } moedc_expert_place;
 
+/* An extra copy of expert `expert` on device `device` (moed.v1.LayerInfo.expert_replicas: an
+ * ExpertPlacement with first == last). */
+typedef struct moedc_expert_copy {
+    int expert, device;
+} moedc_expert_copy;
+
 /* moed.v1.LayerInfo: one resident layer. */
 typedef struct moedc_layer_info {
     int index; /* what requests name */
@@ -505,6 +511,12 @@ typedef struct moedc_layer_info {
     /* Every routed expert's matrices are 2:4 sparse, the zeros part of the weights served (moed
      * --weights sparse24, or a compressed-tensors 2:4 checkpoint); false from an older moed. */
     bool sparse24;
+    /* Extra copies of hot experts of a split layer, by expert then device, and the re-placements
+     * by measured load applied so far (moed --rebalance; 0: the placement made at load). None and
+     * 0 from a moed older than these fields, and in a fleet's merged moedc_model_info. */
+    moedc_expert_copy *replicas;
+    int n_replicas;
+    uint32_t placement_generation;
 } moedc_layer_info;
 
 typedef struct moedc_device {

@@ -374,6 +374,11 @@ static bool ranges_valid(const Moed__V1__LayerInfo *l, size_t n_devices)
             return false;
         next = (int64_t)r->last + 1;
     }
+    for (size_t i = 0; i < l->n_expert_replicas; i++) {
+        const Moed__V1__ExpertPlacement *r = l->expert_replicas[i];
+        if (r->first != r->last || r->last >= l->num_experts || r->device >= n_devices)
+            return false;
+    }
     return l->num_experts <= INT32_MAX &&
            (l->home_device < n_devices || (!l->home_device && !n_devices));
 }
@@ -414,6 +419,13 @@ static bool layer_info_from(const Moed__V1__LayerInfo *l, moedc_layer_info *li)
         li->placed[i] = (moedc_expert_place){ (int)l->expert_placement[i]->first,
                                               (int)l->expert_placement[i]->last,
                                               (int)l->expert_placement[i]->device };
+    li->placement_generation = l->placement_generation;
+    li->n_replicas = (int)l->n_expert_replicas;
+    if (li->n_replicas && !(li->replicas = calloc((size_t)li->n_replicas, sizeof *li->replicas)))
+        return false;
+    for (int i = 0; i < li->n_replicas; i++)
+        li->replicas[i] = (moedc_expert_copy){ (int)l->expert_replicas[i]->first,
+                                               (int)l->expert_replicas[i]->device };
     return true;
 }
 
@@ -443,7 +455,7 @@ int moedc_decode_model_info(const uint8_t *buf, size_t n, moedc_model_info *out,
             return moedc_fail(err, MOEDC_EFORMAT,
                               "the server's ModelInfo is malformed: layer %d's experts_held or "
                               "expert_placement are not increasing ranges of its experts on its "
-                              "devices",
+                              "devices, or its expert_replicas not single experts on them",
                               index);
         }
     for (size_t i = 0; i < m->n_layers; i++) {
@@ -501,6 +513,7 @@ void moedc_model_info_free(moedc_model_info *m)
     for (int i = 0; i < m->n_layers; i++) {
         free(m->layers[i].held);
         free(m->layers[i].placed);
+        free(m->layers[i].replicas);
     }
     free(m->regions_mode);
     free(m->layers);

@@ -598,6 +598,9 @@ static int merge_layers(const moedc_planner *p, moedc_model_info *out)
                 out->layers[k].n_held = 0;
                 out->layers[k].placed = NULL; /* each daemon's devices are its own */
                 out->layers[k].n_placed = 0;
+                out->layers[k].replicas = NULL;
+                out->layers[k].n_replicas = 0;
+                out->layers[k].placement_generation = 0;
                 out->layers[k].home_device = 0;
                 out->layers[k].adds_shared = true;
             }

@@ -46,7 +46,12 @@ def _info(c: Client) -> int:
         held += "+shared" if l.num_shared_experts and l.adds_shared_experts else ""
         if len({dev for _, _, dev in l.expert_placement} | {l.home_device}) > 1:  # split: say where
             held += f" (home device {l.home_device}; " + ",".join(
-                f"{a}-{b}@{dev}" for a, b, dev in l.expert_placement) + ")"
+                f"{a}-{b}@{dev}" for a, b, dev in l.expert_placement)
+            if l.expert_replicas:
+                held += "; copies " + ",".join(f"{e}@{dev}" for e, dev in l.expert_replicas)
+            if l.placement_generation:
+                held += f"; re-placed {l.placement_generation}x"
+            held += ")"
         print(f"{l.index:>5} {l.d_model:>7} {l.d_ff:>6} {l.num_experts:>7} {l.top_k:>5} {l.activation:>6} "
               f"{l.weight_dtype + ('/2:4' if l.sparse24 else ''):>5} {'yes' if l.has_router else 'no':>6} {int(l.norm_topk_prob):>4} "
               f"{l.router_rule:>12} {l.num_shared_experts}x{l.shared_d_ff:<4} "

@@ -510,6 +510,8 @@ def model_info(reply: bytes) -> ModelInfo:
                         home_device=l["home_device"],
                         expert_placement=[(r["first"], r["last"], r["device"])
                                           for r in l["expert_placement"]],
+                        expert_replicas=[(r["first"], r["device"]) for r in l["expert_replicas"]],
+                        placement_generation=l["placement_generation"],
                         sparse24=l["sparse24"])
               for l in m["layers"]]
     devices = [Device(d["name"], d["memory_total"], d["memory_used"]) for d in m["devices"]]

@@ -616,7 +616,8 @@ def merged_info(members: Sequence[Member]) -> ModelInfo:
             layers.setdefault(li.index, li)
             held.setdefault(li.index, set()).update(e for a, b in li.experts_held for e in range(a, b + 1))
     out = [LayerInfo(**{**layers[i].__dict__, "experts_held": runs(sorted(held[i])),
-                        "adds_shared_experts": True, "home_device": 0, "expert_placement": []})
+                        "adds_shared_experts": True, "home_device": 0, "expert_placement": [],
+                        "expert_replicas": [], "placement_generation": 0})
            for i in sorted(layers)]
     return ModelInfo(model=answered[0].model, layers=out,
                      backend=",".join(sorted({i.backend for i in answered})),

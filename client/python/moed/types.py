@@ -91,6 +91,13 @@ class LayerInfo:
     # (moed --expert-parallel). Empty from a server older than these fields.
     home_device: int = 0
     expert_placement: List[Tuple[int, int, int]] = field(default_factory=list)
+    # Extra copies of hot experts of a split layer, as (expert, device) pairs, beside the device
+    # expert_placement puts each on: made by a re-placement by measured load (moed --rebalance;
+    # a token's pairs are shared among an expert's copies by a hash of its own expert ids, so
+    # replies stay deterministic for a placement). placement_generation: the re-placements applied
+    # so far (0: the placement made at load). Empty and 0 from a server older than these fields.
+    expert_replicas: List[Tuple[int, int]] = field(default_factory=list)
+    placement_generation: int = 0
     # Every routed expert's matrices are 2:4 sparse, the zeros part of the weights served (moed
     # --weights sparse24 pruned them, or a compressed-tensors 2:4 checkpoint; docs/weights.md).
     sparse24: bool = False
