@@ -13,7 +13,9 @@
  * top-8, one shared expert of 2048), routed by each of --routing's rules (moe-bench's: uniform, 8
  * distinct experts a token, by default; zipf, hot, empty), and for each rule but uniform also split
  * as placed by the measured load of another draw of T tokens by that rule, as one launch (moed
- * --expert-load: the placement a skewed routing gets from its own /metrics). For each rule and T:
+ * --expert-load: the placement a skewed routing gets from its own /metrics), then re-placed by
+ * that load with up to --replicas copies of hot experts (moed_backend_replace_layer, what moed
+ * --rebalance does while serving). For each rule and T:
  * the median milliseconds of a forward whole and split, tokens/s, the speedup, the time of x's
  * and y's host copies alone on the first GPU (what `--io host` adds to both layouts: the split's
  * own traffic is device to device), the splits' largest per-token difference from the whole layer
@@ -49,6 +51,7 @@
 typedef struct args {
     const char *spec, *tokens, *devices, *io, *routing, *json;
     double min_ms;
+    int64_t replicas;
 } args;
 
 #define F(x) offsetof(args, x)
@@ -64,6 +67,9 @@ static const moed_opt options[] = {
                      "routings, each timed at every T: uniform, zipf, hot, empty (moe-bench's);\n"
                      "for each but uniform the split is also timed placed by that routing's\n"
                      "measured load (moed --expert-load)"),
+    MOED_OPT_I64_ROW("replicas", F(replicas), "N", 0, MOED_PLACE_MAX_REPLICAS, "8", NULL, NULL,
+                     "for each routing but uniform, the load-placed split re-placed with up to N\n"
+                     "copies of hot experts (0: not timed)"),
     MOED_OPT_CHOICE_ROW("io", F(io), "device|host", "device", NULL,
                         "where x and y lie: device (the first GPU, read and written in place) or\n"
                         "host (pinned memory, copied in and out)"),
@@ -258,6 +264,8 @@ typedef struct row {
     int64_t T;
     double whole_ms, split_ms, copy_ms;
     double load_ms;    /* the split placed by the routing's measured load; -1 where not timed */
+    double copies_ms;  /* that split re-placed with copies of hot experts; -1 where not timed */
+    int n_copies;      /* the copies it made */
     double worst;      /* the split's largest per-token error/magnitude against the whole layer */
     int deterministic; /* two split runs gave the same bits */
 } row;
@@ -313,8 +321,32 @@ static void outputs_home(const bench *B, size_t bytes)
 }
 
 /* One T: both backends on the same x and route. */
+/* The load-placed split sp re-placed by `load` with up to `replicas` copies of hot experts, timed
+ * into out (copies_ms -1 where the re-placement did not change it). Non-zero on a failed run. */
+static int time_copies(bench *B, fwd *sp, const double *load, int replicas, double min_ms,
+                       int64_t T, row *out)
+{
+    const moed_replace_req req = { load, 1, replicas, 0 };
+    moed_replace_result res;
+    moed_layer_place p;
+    moed_error err;
+    out->copies_ms = -1;
+    out->n_copies = 0;
+    if (moed_backend_replace_layer(B->bl, 0, &req, &res, &err)) {
+        fprintf(stderr, "moe-split-bench: re-placing with copies: %s\n", err.msg);
+        return 0; /* the column says not timed; the rest stands */
+    }
+    if (!res.changed || moed_backend_layer_place(B->bl, 0, &p)) return 0;
+    out->n_copies = p.n_replicas;
+    out->copies_ms = time_ms(fwd_once, sp, min_ms);
+    outputs_home(B, (size_t)T * B->d * 2);
+    const double worst = worst_token(B->ys, B->yw, T, B->d);
+    out->worst = worst > out->worst || worst != worst ? worst : out->worst;
+    return out->copies_ms < 0;
+}
+
 static int run_T(bench *B, const moed_layer_info *li, const char *routing, int64_t T, double min_ms,
-                 row *out)
+                 const double *load, int replicas, row *out)
 {
     const size_t bytes = (size_t)T * B->d * 2;
     moed_route route = { 0 };
@@ -342,6 +374,8 @@ static int run_T(bench *B, const moed_layer_info *li, const char *routing, int64
         const double worst = worst_token(B->ys, B->yw, T, B->d);
         out->worst = worst > out->worst || worst != worst ? worst : out->worst;
     }
+    out->copies_ms = -1;
+    if (B->bl && !again && replicas) again = time_copies(B, &sp, load, replicas, min_ms, T, out);
     out->copy_ms = time_ms(copies_once, &c, min_ms / 4);
     moed_route_free(&route);
     return out->whole_ms < 0 || out->split_ms < 0 || out->copy_ms < 0 || again;
@@ -393,23 +427,29 @@ static void report(const args *a, const int *dev, int n, const row *rows, int nr
 {
     printf("x and y in %s\n\n",
            a->io[0] == 'd' ? "device memory of the first GPU" : "pinned host memory");
-    printf(
-        "| routing | T | whole on GPU %d (ms) | split over %d devices (ms) | speedup | split "
-        "placed by measured load (ms) | speedup | tokens/s whole | tokens/s split | x and y host "
-        "copies (ms) | splits vs whole, worst token | split deterministic |\n",
-        dev[0], n);
-    printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("| routing | T | whole on GPU %d (ms) | split over %d devices (ms) | speedup | split "
+           "placed by measured load (ms) | speedup | re-placed with copies of hot experts (ms) | "
+           "copies | speedup | tokens/s whole | tokens/s split | x and y host "
+           "copies (ms) | splits vs whole, worst token | split deterministic |\n",
+           dev[0], n);
+    printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (int i = 0; i < nr; i++) {
-        char lms[32] = "-", lx[32] = "-";
+        char lms[32] = "-", lx[32] = "-", cms[32] = "-", cn[16] = "-", cx[32] = "-";
         if (rows[i].load_ms > 0) {
             snprintf(lms, sizeof lms, "%.3f", rows[i].load_ms);
             snprintf(lx, sizeof lx, "%.2fx", rows[i].whole_ms / rows[i].load_ms);
         }
-        printf("| %s | %lld | %.3f | %.3f | %.2fx | %s | %s | %.0f | %.0f | %.3f | %.1e | %s |\n",
+        if (rows[i].copies_ms > 0) {
+            snprintf(cms, sizeof cms, "%.3f", rows[i].copies_ms);
+            snprintf(cn, sizeof cn, "%d", rows[i].n_copies);
+            snprintf(cx, sizeof cx, "%.2fx", rows[i].whole_ms / rows[i].copies_ms);
+        }
+        printf("| %s | %lld | %.3f | %.3f | %.2fx | %s | %s | %s | %s | %s | %.0f | %.0f | %.3f | "
+               "%.1e | %s |\n",
                rows[i].routing, (long long)rows[i].T, rows[i].whole_ms, rows[i].split_ms,
-               rows[i].whole_ms / rows[i].split_ms, lms, lx, rows[i].T / (rows[i].whole_ms / 1e3),
-               rows[i].T / (rows[i].split_ms / 1e3), rows[i].copy_ms, rows[i].worst,
-               rows[i].deterministic ? "yes" : "NO");
+               rows[i].whole_ms / rows[i].split_ms, lms, lx, cms, cn, cx,
+               rows[i].T / (rows[i].whole_ms / 1e3), rows[i].T / (rows[i].split_ms / 1e3),
+               rows[i].copy_ms, rows[i].worst, rows[i].deterministic ? "yes" : "NO");
     }
     printf("\nPeer bandwidth GPU %d <-> GPU %d (%s, %d MiB copies): %.1f GB/s %d->%d, %.1f GB/s "
            "%d->%d, %.1f GB/s both ways at once; within GPU %d: %.1f GB/s (read + written)\n",
@@ -426,11 +466,11 @@ static void report(const args *a, const int *dev, int n, const row *rows, int nr
     for (int i = 0; i < nr; i++)
         fprintf(f,
                 "%s{\"routing\": \"%s\", \"T\": %lld, \"whole_ms\": %.4f, \"split_ms\": %.4f, "
-                "\"load_split_ms\": %.4f, \"copy_ms\": %.4f, \"worst_token\": %.3e, "
-                "\"deterministic\": %s}",
+                "\"load_split_ms\": %.4f, \"copies_split_ms\": %.4f, \"copies\": %d, "
+                "\"copy_ms\": %.4f, \"worst_token\": %.3e, \"deterministic\": %s}",
                 i ? ", " : "", rows[i].routing, (long long)rows[i].T, rows[i].whole_ms,
-                rows[i].split_ms, rows[i].load_ms, rows[i].copy_ms, rows[i].worst,
-                rows[i].deterministic ? "true" : "false");
+                rows[i].split_ms, rows[i].load_ms, rows[i].copies_ms, rows[i].n_copies,
+                rows[i].copy_ms, rows[i].worst, rows[i].deterministic ? "true" : "false");
     fprintf(f, "]}\n");
     fclose(f);
 }
@@ -498,7 +538,9 @@ int main(int argc, char **argv)
                 rc = rc || !(B.bl = open_on(&layer, dev, n, max_T));
                 layer.expert_load = NULL;
             }
-            if (!rc) rc = run_T(&B, &layer.info, routings[r], Ts[i], a.min_ms, &rows[nr]);
+            if (!rc)
+                rc = run_T(&B, &layer.info, routings[r], Ts[i], a.min_ms, load, (int)a.replicas,
+                           &rows[nr]);
             moed_backend_destroy(B.bl);
             B.bl = NULL;
         }
