@@ -519,6 +519,7 @@ static bool setup(const scase *sc, moed_layer *layer, void **x, moed_backend **b
     moed_error err;
     *x = NULL;
     *bw = *bs = *bc = NULL;
+    memset(layer, 0, sizeof *layer); /* teardown frees it whatever happens */
     if (moed_synth_parse(sc->spec, &spec, &err) || moed_synth_layer(&spec, 0, layer, &err)) {
         CHECK_MSG(0, "%s: %s", sc->name, err.msg);
         return false;
@@ -618,7 +619,7 @@ static bool replace_to(const scase *sc, moed_backend *bs, int E, int hot, int ma
                        moed_layer_place *p)
 {
     double *pairs = malloc(sizeof(double) * (size_t)E);
-    for (int e = 0; e < E; e++) pairs[e] = hot < 0 ? 1000 : e == hot ? 1e6 : 100;
+    for (int e = 0; e < E; e++) pairs[e] = hot < 0 ? 1000 : e == hot ? 1e6 : 10;
     const moed_replace_req req = { pairs, 64, max_rep, 0 };
     moed_replace_result res;
     moed_error err;
@@ -706,7 +707,7 @@ static void run_replace_case(const scase *sc)
     moed_layer_place place;
     moed_error err;
     double *pairs = malloc(sizeof(double) * (size_t)E);
-    for (int e = 0; e < E; e++) pairs[e] = e == 0 ? 1e6 : 100;
+    for (int e = 0; e < E; e++) pairs[e] = e == 0 ? 1e6 : 10;
     /* a whole layer cannot be re-placed; a gain below min_gain changes nothing */
     moed_replace_req req = { pairs, 64, 4, 0.999 };
     moed_replace_result res;
