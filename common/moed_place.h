@@ -110,4 +110,68 @@ int moed_place_layer(moed_place_dev *devs, int n, const moed_place_need *need,
  * than its home). */
 bool moed_place_is_split(const moed_layer_place *p);
 
+/* ---- re-placement by measured load, with copies of hot experts ------------------------------
+ *
+ * A split layer already serving is cut again by what its experts cost over a run (the daemon's
+ * measured pairs and launches), its home kept (its slots run the layer's jobs), and then its hot
+ * experts get extra copies, greedily as DeepSeek's EPLB does: take the heaviest entry and, of the
+ * experts it holds, the one whose copy costs most; copy it to the lightest entry that does not
+ * hold it and has room for one expert; keep going while that lowers the heaviest entry's work,
+ * until the budget is spent. Then only the shortest prefix of those copies that reached the
+ * lowest peak is kept, so every copy kept lowered the peak (two entries tied at the peak need a
+ * copy each before the peak drops; a lone one of them would cost memory and help nothing).
+ *
+ * Cost model. An expert's pairs are shared evenly among its copies (moed_route_split_copies), so
+ * each of r copies computes pairs/r rows; but every copy streams the expert's weights once in
+ * each launch it has a pair in, so a copy costs what moed_place_costs gives for pairs/r pairs:
+ * pairs/r + stream_rows x min(pairs/r, launches). A copy thus always saves rows, but at small
+ * batches (pairs below launches) halving the pairs also halves the streams, while at large ones
+ * (each copy still in every launch) only the rows shrink: the stream term stays whole per copy.
+ * The home's own work (the shared experts) is home_work x the mean cost of an expert, as the cut
+ * counts it (moed_place_need.home_work). */
+typedef struct moed_place_load {
+    const double *pairs; /* n_experts: the (token, expert) pairs each expert had over the run */
+    int n_experts;
+    double launches;    /* launches of the layer over the run (0: unknown, rows alone count) */
+    double stream_rows; /* rows computed in the time one expert's weights stream */
+    double home_work;   /* the home's shared experts, in routed experts' mean cost */
+} moed_place_load;
+
+/* The cost of one of `copies` copies of expert e, in rows' time (the cost model above). */
+double moed_place_copy_cost(const moed_place_load *ld, int e, int copies);
+
+/* Each entry's predicted work under placement p, in rows' time, into work[0 .. n-1] (NULL: not
+ * wanted): the home's own work, plus each expert copy it holds; returns the heaviest. */
+double moed_place_peak(const moed_layer_place *p, int n, const moed_place_load *ld, double *work);
+
+/* Cuts a split layer again with its home kept: as moed_place_layer splits (need->load the costs,
+ * need->home_work the home's work; need->base what still has to find room on the home, 0 for a
+ * layer already resident), over devs[0 .. n-1], whose free bytes bound each GPU's experts, and
+ * counts the bytes in them. MOED_ENOMEM naming the bytes when the experts do not fit. */
+int moed_place_recut(moed_place_dev *devs, int n, const moed_place_need *need, int home,
+                     moed_layer_place *out, moed_error *err);
+
+/* Adds up to max_replicas (at most MOED_PLACE_MAX_REPLICAS in all) copies of hot experts to p by
+ * the greedy rule above, each where its GPU's free bytes in devs hold expert_bytes more (counted
+ * in devs), and sorts p's copies by expert then entry. Deterministic: ties go to the lower entry,
+ * then the lower expert. Returns the copies added. */
+int moed_place_replicate(moed_layer_place *p, moed_place_dev *devs, int n, uint64_t expert_bytes,
+                         const moed_place_load *ld, int max_replicas);
+
+/* The parts a split layer runs: the entries that hold any of its experts (a range, copies or
+ * both), in entry order, into dev; returns how many. A part numbers its experts locally: its range
+ * first (expert first + i is i), then its copies in p's order. */
+int moed_place_parts(const moed_layer_place *p, int *dev);
+
+/* Entry dev's experts in its local numbering (moed_place_parts) into ids (room for n_experts);
+ * returns how many. */
+int moed_place_entry_experts(const moed_layer_place *p, int dev, int *ids);
+
+/* Each expert's copies as moed_route_split_copies takes them, over p's parts (moed_place_parts):
+ * expert e's are off[e] .. off[e+1]-1 (off: n_experts + 1), its range's part first, then its
+ * extra copies in increasing entry order, each with its part (part) and local number (local);
+ * both hold n_experts + p->n_replicas. */
+void moed_place_copies(const moed_layer_place *p, int n_experts, int32_t *off, uint8_t *part,
+                       int32_t *local);
+
 #endif

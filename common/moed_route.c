@@ -24,6 +24,7 @@
 
 #include "moed_dtype.h"
 #include "moed_pool.h"
+#include "moed_synth.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -684,11 +685,27 @@ void moed_route_localize(moed_route *r, const int32_t *local_of)
     }
 }
 
-void moed_route_split(const moed_route *r, int64_t t0, int64_t t1, const uint8_t *part_of,
-                      const int *first, int n_parts, moed_route *parts, int32_t *tok, int32_t *row)
+/* moed_route_token_hash: one multiply a pair in the chain, the mixing once a token. */
+static inline uint64_t token_hash(const int32_t *expert, int64_t n)
 {
-    /* One pass over the pairs with each part's counts in locals: the host does this before any
-     * part can start, for every batch of a split layer. */
+    uint64_t h = 0;
+    for (int64_t j = 0; j < n; j++) h = (h ^ (uint32_t)expert[j]) * 0x9E3779B97F4A7C15ull;
+    return moed_splitmix64(h);
+}
+
+uint64_t moed_route_token_hash(const int32_t *expert, int64_t n)
+{
+    return token_hash(expert, n);
+}
+
+/* The split of moed_route_split and moed_route_split_copies, inlined into each so that the first
+ * keeps its one branchless pass (cp NULL folds away): one pass over the pairs with each part's
+ * counts in locals, since the host does this before any part can start, for every batch of a
+ * split layer. With copies each token's hash is taken first (a second read of its few ids). */
+static inline __attribute__((always_inline)) void
+split_route(const moed_route *r, int64_t t0, int64_t t1, const uint8_t *part_of, const int *first,
+            const moed_route_copies *cp, int n_parts, moed_route *parts, int32_t *tok, int32_t *row)
+{
     const int64_t T = t1 - t0;
     int64_t pairs[MOED_ROUTE_MAX_PARTS], toks[MOED_ROUTE_MAX_PARTS];
     for (int q = 0; q < n_parts; q++) {
@@ -697,15 +714,27 @@ void moed_route_split(const moed_route *r, int64_t t0, int64_t t1, const uint8_t
     }
     for (int64_t t = 0; t < T; t++) {
         uint64_t touched = 0;
-        for (int64_t j = r->off[t0 + t]; j < r->off[t0 + t + 1]; j++) {
-            const int e = r->expert[j], q = part_of[e];
+        const int64_t j0 = r->off[t0 + t], j1 = r->off[t0 + t + 1];
+        const uint64_t h = cp ? token_hash(r->expert + j0, j1 - j0) : 0;
+        for (int64_t j = j0; j < j1; j++) {
+            const int e = r->expert[j];
+            int q, local;
+            if (cp) { /* the rule of moed_route_token_hash */
+                const uint64_t r_e = (uint64_t)(cp->off[e + 1] - cp->off[e]);
+                const int32_t c = cp->off[e] + (int32_t)((h >> 32) * r_e >> 32);
+                q = cp->part[c];
+                local = cp->local[c];
+            } else {
+                q = part_of[e];
+                local = e - first[q];
+            }
             moed_route *p = &parts[q];
             /* the token's first pair in this part opens its row (no branch: parts come in any
              * order, so a branch here would be mispredicted half the time) */
             toks[q] += !(touched >> q & 1);
             touched |= 1ull << q;
             tok[q * T + toks[q] - 1] = (int32_t)t;
-            p->expert[pairs[q]] = e - first[q];
+            p->expert[pairs[q]] = local;
             p->weight[pairs[q]++] = r->weight[j];
             p->off[toks[q]] = pairs[q];
         }
@@ -718,4 +747,17 @@ void moed_route_split(const moed_route *r, int64_t t0, int64_t t1, const uint8_t
         if (base)
             for (int64_t i = 0; i < toks[q]; i++) row[q * T + tok[q * T + i]] += base;
     }
+}
+
+void moed_route_split(const moed_route *r, int64_t t0, int64_t t1, const uint8_t *part_of,
+                      const int *first, int n_parts, moed_route *parts, int32_t *tok, int32_t *row)
+{
+    split_route(r, t0, t1, part_of, first, NULL, n_parts, parts, tok, row);
+}
+
+void moed_route_split_copies(const moed_route *r, int64_t t0, int64_t t1,
+                             const moed_route_copies *cp, int n_parts, moed_route *parts,
+                             int32_t *tok, int32_t *row)
+{
+    split_route(r, t0, t1, NULL, NULL, cp, n_parts, parts, tok, row);
 }

@@ -166,4 +166,29 @@ void moed_route_localize(moed_route *r, const int32_t *local_of);
 void moed_route_split(const moed_route *r, int64_t t0, int64_t t1, const uint8_t *part_of,
                       const int *first, int n_parts, moed_route *parts, int32_t *tok, int32_t *row);
 
+/* A split layer's experts over its parts when hot ones have extra copies (moed_place.h): expert
+ * e's copies are off[e] .. off[e+1]-1, the first its range's, then its extra ones in increasing
+ * device entry order, each on part part[c] as its expert local[c] there. */
+typedef struct moed_route_copies {
+    const int32_t *off;
+    const uint8_t *part;
+    const int32_t *local;
+} moed_route_copies;
+
+/* Which copy computes a pair (the rule): a token's pairs are hashed by that token's own expert
+ * ids alone, in route order: h = 0, then h = (h xor id) x 0x9E3779B97F4A7C15 (mod 2^64) for each
+ * id, then h = splitmix64(h) (moed_splitmix64); its pair of an expert with r copies goes to copy
+ * floor((h >> 32) x r / 2^32) (h's top half scaled to [0, r): a division per pair would cost the
+ * split a third of its time). A pair's copy therefore depends only on its token's routing, never
+ * on the other tokens of a batch, so merged requests still equal the same requests alone and every
+ * run gives the same bits; over many tokens a hot expert's pairs spread evenly over its copies.
+ * All of one token's pairs of experts with r copies go to the same copy index. */
+uint64_t moed_route_token_hash(const int32_t *expert, int64_t n);
+
+/* moed_route_split for a layer whose experts may have several copies: the same outputs, with each
+ * pair sent to the part of the copy the rule above picks, numbered as that copy's local id. */
+void moed_route_split_copies(const moed_route *r, int64_t t0, int64_t t1,
+                             const moed_route_copies *cp, int n_parts, moed_route *parts,
+                             int32_t *tok, int32_t *row);
+
 #endif

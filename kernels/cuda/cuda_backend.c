@@ -1,8 +1,9 @@
 /*
  * cuda_backend — the CUDA implementation of moed_backend (host code, C): its life cycle (open, the
  * device query, destroy) and its ops table. The rest lives by job: resident weights and placement
- * in cuda_weights.c, the execution slots in cuda_pool.c, the per-batch pipeline of moed_cuda.h in
- * cuda_forward.c, memory regions in cuda_regions.c; cuda_ctx.h holds what they share.
+ * in cuda_weights.c, re-placing a split layer while it serves in cuda_replace.c, the execution
+ * slots in cuda_pool.c, the per-batch pipeline of moed_cuda.h in cuda_forward.c, memory regions in
+ * cuda_regions.c; cuda_ctx.h holds what they share.
  *
  * Open checks the devices (sm_80 or newer, the ones --devices names) and records their free
  * memory for the placement of the layers that load_layer then receives, and the UUID of every GPU
@@ -47,7 +48,10 @@ static int cuda_layer_place(moed_backend *b, int slot, moed_layer_place *out)
 {
     const cuda_ctx *c = b->ctx;
     if (slot < 0 || slot >= c->n_layers) return MOED_EINVAL;
-    *out = c->layers[slot].place;
+    const cuda_layer *L = &c->layers[slot];
+    pthread_rwlock_rdlock(L->lock); /* a re-placement may be swapping it in */
+    *out = L->sp.place;
+    pthread_rwlock_unlock(L->lock);
     return 0;
 }
 
@@ -101,6 +105,7 @@ static const moed_backend_ops cuda_ops = {
     .device_info = cuda_device_info,
     .exec_accepts = cuda_exec_accepts,
     .layer_place = cuda_layer_place,
+    .replace_layer = cuda_replace_layer,
     .host_register = cuda_host_register,
     .host_unregister = cuda_host_unregister,
     .map_device = cuda_map_device,

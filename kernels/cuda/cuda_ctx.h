@@ -1,8 +1,9 @@
 /*
  * cuda_ctx — the CUDA backend's state, and what its files share: the resident layers
- * (cuda_weights.c loads them), the execution slots (cuda_pool.c makes them at start), the batches
- * that run on them (cuda_forward.c) and the memory regions (cuda_regions.c); cuda_backend.c opens
- * and destroys the backend and fills its ops table. Not a public header.
+ * (cuda_weights.c loads them, cuda_replace.c re-places split ones), the execution slots
+ * (cuda_pool.c makes them at start), the batches that run on them (cuda_forward.c) and the memory
+ * regions (cuda_regions.c); cuda_backend.c opens and destroys the backend and fills its ops table.
+ * Not a public header.
  */
 #ifndef MOED_CUDA_CTX_H
 #define MOED_CUDA_CTX_H
@@ -12,6 +13,7 @@
 #include "moed_place.h"
 
 #include <cuda_runtime_api.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -38,10 +40,31 @@ typedef struct cuda_part {
     moed_cuda_layer_dev k;
 } cuda_part;
 
+/* A split layer's parts as one placement runs them (a re-placement builds another beside it and
+ * swaps it in whole: cuda_replace.c): the placement, its parts (moed_place_parts' entries, each
+ * holding its range and copies, numbered locally as moed_place.h says), and the route split's
+ * tables: without copies each expert's part and each part's first expert (moed_route_split),
+ * with copies each expert's copies (moed_place_copies, moed_route_split_copies). A whole layer has
+ * its placement here and no parts. */
+typedef struct cuda_split {
+    moed_layer_place place;
+    int n;
+    cuda_part *parts;
+    uint8_t *part_of;
+    int first[MAX_DEVICES];
+    int32_t *copy_off, *copy_local;
+    uint8_t *copy_part;
+} cuda_split;
+
 typedef struct cuda_layer {
     moed_layer_info info;
     int device; /* the home GPU: its slots run the layer */
-    moed_layer_place place;
+    /* Held shared by each job on the layer for its whole run (to its final synchronisation), and
+     * exclusively by a re-placement only to swap sp: so no job sees parts being freed. Preferring
+     * writers, so that a swap is not put off for ever by overlapping jobs. Allocated apart: the
+     * layers' array moves as layers load. */
+    pthread_rwlock_t *lock;
+    cuda_split sp;
     moed_cuda_layer_dev k; /* what the kernels see (a split layer: its shared experts alone) */
     void *w13, *w2;        /* the allocations behind k (k's pointers are const) */
     void *s13, *s2;
@@ -49,10 +72,6 @@ typedef struct cuda_layer {
     uint32_t *w13_meta, *w2_meta;                       /* 2:4 sparse layers */
     void *router; /* [E][d] in router_dtype, as the checkpoint stores it; NULL if none */
     int router_dtype;
-    /* split: the parts (place.n_parts of them), each expert's part, and each part's first expert */
-    cuda_part *parts;
-    uint8_t *part_of;
-    int part_first[MAX_DEVICES];
 } cuda_layer;
 
 /* Small batches replay a captured graph of the pipeline instead of launching its kernels one by
@@ -168,9 +187,29 @@ static inline int cuda_dev_index(const cuda_ctx *c, int device)
     return 0;
 }
 
+/* Rows of a GEMM an H200 computes in the time it streams one expert's weights (moed_place_costs'
+ * stream_rows): DeepSeek-V3's bf16 expert (88 MB) streams in 21 us at 4.2 TB/s and its rows take
+ * 0.163 us each at T = 16384 (docs/benchmarks.md). Half as many bytes (FP8) are twice as many FLOPs
+ * a second, so the same. */
+#define STREAM_ROWS 128.0
+
 /* cuda_weights.c: loading a layer (the ops table's load_layer), and freeing what it holds. */
 int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_error *err);
 void cuda_layer_free(cuda_layer *L);
+/* What the planner weighs of L (moed_place_need): its bytes per routed expert, the rest's (router
+ * of router_b bytes, shared experts) and the shared experts' work. */
+moed_place_need cuda_layer_need(const cuda_layer *L, uint64_t router_b, bool split);
+/* The parts of placement sp->place for split layer L: entries, GPUs, shapes and the route split's
+ * tables, their weights not yet allocated (cuda_split_alloc); cuda_split_free frees what is. */
+int cuda_split_init(const cuda_ctx *c, const cuda_layer *L, cuda_split *sp, moed_error *err);
+void cuda_split_free(cuda_split *sp);
+/* Allocates part P's weights on its GPU (the current device) and points its kernels' view at
+ * them. */
+int cuda_part_alloc(const cuda_layer *L, cuda_part *P, moed_error *err);
+
+/* cuda_replace.c: the ops table's replace_layer. */
+int cuda_replace_layer(moed_backend *b, int slot, const moed_replace_req *req,
+                       moed_replace_result *res, moed_error *err);
 /* Whether `need` bytes are free on GPU `device`; else MOED_ENOMEM saying what needed them. */
 int cuda_check_free(int device, uint64_t need, const char *what, moed_error *err);
 

@@ -257,7 +257,7 @@ static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_
 static int run_part(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, int i, int chunk, int dtype,
                     int64_t t0, int64_t T, size_t rb, const int32_t *tok, float *sums)
 {
-    const cuda_part *pt = &L->parts[i];
+    const cuda_part *pt = &L->sp.parts[i];
     cuda_exec *q = &x->parts[pt->entry];
     const int64_t Tp = q->sub.T;
     const int d = L->info.d_model;
@@ -299,16 +299,22 @@ static int run_split_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const
                            const moed_route *rt, const batch_io *io, int chunk, int64_t t0,
                            int64_t t1)
 {
-    const int n = L->place.n_parts, sm = c->sm[cuda_dev_index(c, x->device)], h = chunk & 1;
+    const cuda_split *sp = &L->sp;
+    const int n = sp->n, sm = c->sm[cuda_dev_index(c, x->device)], h = chunk & 1;
     const int64_t T = t1 - t0;
     const void *xin = (char *)x->x_in + (size_t)t0 * io->rb;
     void *out = io->y_direct ? io->y_direct : (char *)x->out + (size_t)t0 * io->rb;
     moed_route sub[MAX_DEVICES];
-    for (int i = 0; i < n; i++) sub[i] = x->parts[L->parts[i].entry].sub;
+    for (int i = 0; i < n; i++) sub[i] = x->parts[sp->parts[i].entry].sub;
     cudaEventSynchronize(x->routed[h]); /* the staging half's last upload is done */
     int32_t *row = x->h_route[h];
-    moed_route_split(rt, t0, t1, L->part_of, L->part_first, n, sub, x->ptok, row);
-    for (int i = 0; i < n; i++) x->parts[L->parts[i].entry].sub.T = sub[i].T;
+    if (sp->copy_off) {
+        const moed_route_copies cp = { sp->copy_off, sp->copy_part, sp->copy_local };
+        moed_route_split_copies(rt, t0, t1, &cp, n, sub, x->ptok, row);
+    } else {
+        moed_route_split(rt, t0, t1, sp->part_of, sp->first, n, sub, x->ptok, row);
+    }
+    for (int i = 0; i < n; i++) x->parts[sp->parts[i].entry].sub.T = sub[i].T;
     cudaMemcpyAsync(x->prow, row, sizeof *row * (size_t)(n * T), cudaMemcpyHostToDevice, x->stream);
     cudaEventRecord(x->routed[h], x->stream);
     cudaEventRecord(x->ready, x->stream);
@@ -320,18 +326,18 @@ static int run_split_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const
      * the shared experts, then the parts on the home GPU. */
     int rc = 0;
     for (int i = 0; i < n && !rc; i++)
-        if (L->parts[i].device != x->device)
+        if (sp->parts[i].device != x->device)
             rc = run_part(c, x, L, i, chunk, job->dtype, t0, T, io->rb, x->ptok + i * T, sums[i]);
     cudaSetDevice(x->device);
     if (!rc)
         rc = moed_cuda_pipeline_shared(&L->k, T, &x->w, xin, job->dtype, sm, c->force_kernel,
                                        x->stream);
     for (int i = 0; i < n && !rc; i++)
-        if (L->parts[i].device == x->device)
+        if (sp->parts[i].device == x->device)
             rc = run_part(c, x, L, i, chunk, job->dtype, t0, T, io->rb, x->ptok + i * T, sums[i]);
     cudaSetDevice(x->device);
     for (int i = 0; i < n; i++)
-        if (sub[i].T) cudaStreamWaitEvent(x->stream, x->parts[L->parts[i].entry].done, 0);
+        if (sub[i].T) cudaStreamWaitEvent(x->stream, x->parts[sp->parts[i].entry].done, 0);
     if (!rc)
         rc = moed_cuda_combine_parts(x->prow, n, T, x->psum, L->k.s13 ? x->w.ys : NULL, L->k.cdtype,
                                      L->info.d_model, L->k.d_pad, out, job->dtype, x->stream);
@@ -389,7 +395,7 @@ static int job_route(moed_backend *b, cuda_exec *x, const cuda_layer *L, const m
     const moed_route *rt = job->route;
     bool any = false;
     for (int i = 0; i < job->n_parts; i++) any |= job->parts[i].route != NULL;
-    if (any && L->parts) {
+    if (any && L->sp.parts) {
         int rc = moed_backend_host_route(b, job, L->info.n_experts, host, err);
         if (rc) return rc;
         rt = host;
@@ -434,7 +440,9 @@ int cuda_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err
     const cuda_layer *L = &c->layers[job->slot];
     moed_cuda_route_src src;
     moed_route host = { 0 };
-    if ((rc = job_route(b, x, L, job, &src, &host, err))) return rc;
+    /* the layer's placement stays as it is until this job's last synchronisation (cuda_ctx.h) */
+    pthread_rwlock_rdlock(L->lock);
+    if ((rc = job_route(b, x, L, job, &src, &host, err))) goto out;
     const moed_route *rt = host.off ? &host : job->route;
     const int64_t *lay = src.lay;
     cudaSetDevice(x->device);
@@ -443,7 +451,7 @@ int cuda_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err
      * layer's parts read x from the slot's own buffer (see the top of this file). */
     const bool in_place = one_chunk && lay[job->T] > GRAPH_MAX_PAIRS;
     const batch_io io = { .rb = (size_t)L->info.d_model * moed_dtype_size(job->dtype),
-                          .x_direct = in_place && !L->parts ? lone_x(x, job) : NULL,
+                          .x_direct = in_place && !L->sp.parts ? lone_x(x, job) : NULL,
                           .y_direct = in_place ? lone_y(x, job) : NULL };
     int64_t t1;
     if ((rc = chunk_end(c, lay, job->T, 0, &t1, err))) goto out;
@@ -457,8 +465,8 @@ int cuda_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err
             parts_copy(x, job, t1, t2, (char *)x->x_in + (size_t)t1 * io.rb, io.rb, true, x->copy);
             cudaEventRecord(x->copied, x->copy);
         }
-        rc = L->parts ? run_split_chunk(c, x, L, job, rt, &io, (int)chunk, t0, t1)
-                      : run_chunk(c, x, L, job, &src, &io, (int)chunk, t0, t1);
+        rc = L->sp.parts ? run_split_chunk(c, x, L, job, rt, &io, (int)chunk, t0, t1)
+                         : run_chunk(c, x, L, job, &src, &io, (int)chunk, t0, t1);
         if (t1 < job->T) cudaStreamWaitEvent(x->stream, x->copied, 0);
         t0 = t1;
         t1 = t2;
@@ -475,6 +483,7 @@ int cuda_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err
     if (!(rc = finish(x, rc, "forward", err)) && src.n_runs)
         part_statuses(x, job, L->info.n_experts);
 out:
+    pthread_rwlock_unlock(L->lock);
     moed_route_free(&host);
     return rc;
 }

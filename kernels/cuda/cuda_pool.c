@@ -61,7 +61,7 @@ err:
 static bool homes_split(const cuda_ctx *c, int device)
 {
     for (int l = 0; l < c->n_layers; l++)
-        if (c->layers[l].parts && c->layers[l].device == device) return true;
+        if (c->layers[l].sp.parts && c->layers[l].device == device) return true;
     return false;
 }
 
@@ -211,8 +211,8 @@ static void plan_peers(cuda_ctx *c)
         }
     for (int l = 0; l < c->n_layers; l++) {
         const cuda_layer *L = &c->layers[l];
-        for (int i = 0; L->parts && i < L->place.n_parts; i++)
-            if (L->parts[i].device != L->device) c->landing = true;
+        for (int i = 0; L->sp.parts && i < L->sp.n; i++)
+            if (L->sp.parts[i].device != L->device) c->landing = true;
     }
 }
 

@@ -14,8 +14,9 @@
  *
  * Placement (moed_place.h): whole layers by bytes over the devices; a layer split over them when
  * asked (expert_parallel) or when it fits no device whole. A split layer's home device holds its
- * router and shared experts, each part's device its range of the routed experts, seen by the
- * kernels as a layer of its own (cuda_part.k). A layer that fails to load leaves nothing placed.
+ * router and shared experts, each part's device its range of the routed experts (and, once a
+ * re-placement made them, copies of hot ones: cuda_replace.c), seen by the kernels as a layer of
+ * its own (cuda_part.k). A layer that fails to load leaves nothing placed.
  */
 #include "cuda_ctx.h"
 
@@ -179,9 +180,8 @@ static int upload_expert(const cuda_layer *L, const dev_set *ds, int e, int e_gl
     return ce == cudaSuccess ? 0 : cuda_fail(err, ce, "weight scale upload");
 }
 
-/* Allocates set ds on the device and uploads its experts x[0 .. E-1], the layer's e0 onwards. */
-static int upload_set(const cuda_layer *L, dev_set *ds, const moed_expert_w *x, int e0, void *stage,
-                      float *tmp, moed_error *err)
+/* Allocates set ds's weights on the current device (what of them was allocated stays in ds). */
+static int set_alloc(const cuda_layer *L, dev_set *ds, moed_error *err)
 {
     const int dp = L->k.d_pad;
     const int64_t up = (int64_t)ds->n_up * dp, dn = (int64_t)dp * ds->ff_pad;
@@ -199,12 +199,20 @@ static int upload_set(const cuda_layer *L, dev_set *ds, const moed_expert_w *x, 
             ce = cudaMalloc((void **)&ds->w2_scale,
                             sizeof(float) * wscales(L, (int64_t)dp * ds->E, ds->ff_pad));
     }
-    if (ce != cudaSuccess) return cuda_fail(err, ce, "weight allocation");
-    for (int e = 0; e < ds->E; e++) {
-        int rc = upload_expert(L, ds, e, e0 + e, &x[e], stage, tmp, err);
-        if (rc) return rc;
+    return ce == cudaSuccess ? 0 : cuda_fail(err, ce, "weight allocation");
+}
+
+/* Allocates set ds on the device and uploads its experts: the layer's experts x[ids[i]] (ids NULL:
+ * x[i]) as its i-th. */
+static int upload_set(const cuda_layer *L, dev_set *ds, const moed_expert_w *x, const int *ids,
+                      void *stage, float *tmp, moed_error *err)
+{
+    int rc = set_alloc(L, ds, err);
+    for (int e = 0; e < ds->E && !rc; e++) {
+        const int g = ids ? ids[e] : e;
+        rc = upload_expert(L, ds, e, g, &x[g], stage, tmp, err);
     }
-    return 0;
+    return rc;
 }
 
 /* Bytes of a layer's router as held on the device (as stored), 0 without one. */
@@ -215,9 +223,7 @@ static size_t router_bytes(const cuda_layer *L, const moed_layer *l)
            moed_dtype_size(L->router_dtype);
 }
 
-/* What the planner weighs (moed_place.h): device bytes of one routed expert with its scales, and
- * of the rest (shared experts, router); and the shared experts' work, for a split. */
-static moed_place_need layer_need(const cuda_layer *L, const moed_layer *l, bool split)
+moed_place_need cuda_layer_need(const cuda_layer *L, uint64_t router_b, bool split)
 {
     const int64_t dp = L->k.d_pad;
     const int64_t up = (int64_t)L->k.n_up * dp, dn = dp * L->k.ff_pad;
@@ -228,8 +234,7 @@ static moed_place_need layer_need(const cuda_layer *L, const moed_layer *l, bool
                4 * (L->k.sparse24 ? MOED_CUDA_SP24_META_WORDS(up + dn, 1) : 0) +
                sizeof(float) * (wscales(L, L->k.n_up, dp) + wscales(L, dp, L->k.ff_pad));
     n.base = wbytes(L, sup + sdn) +
-             sizeof(float) * (wscales(L, L->k.sn_up, dp) + wscales(L, dp, L->k.sff_pad)) +
-             router_bytes(L, l);
+             sizeof(float) * (wscales(L, L->k.sn_up, dp) + wscales(L, dp, L->k.sff_pad)) + router_b;
     /* The shared experts run for every token, a routed expert for top_k of the router's experts
      * (the whole layer's, also on an expert shard) on average: the home's extra work, which a
      * split evens out (moed_place.h). */
@@ -239,12 +244,6 @@ static moed_place_need layer_need(const cuda_layer *L, const moed_layer *l, bool
                                    moed_layer_router_experts(&L->info), L->info.top_k);
     return n;
 }
-
-/* Rows of a GEMM an H200 computes in the time it streams one expert's weights (moed_place_costs'
- * stream_rows): DeepSeek-V3's
- * bf16 expert (88 MB) streams in 21 us at 4.2 TB/s and its rows take 0.163 us each at T = 16384
- * (docs/benchmarks.md). Half as many bytes (FP8) are twice as many FLOPs a second, so the same. */
-#define STREAM_ROWS 128.0
 
 /* Each expert's cost over the run its measured loads come from (moed_place_costs), or NULL
  * without loads. */
@@ -277,19 +276,33 @@ static void set_free(dev_set *ds)
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) cudaFree(p[i]);
 }
 
+void cuda_split_free(cuda_split *sp)
+{
+    for (int i = 0; sp->parts && i < sp->n; i++) {
+        cudaSetDevice(sp->parts[i].device);
+        set_free(&sp->parts[i].set);
+    }
+    free(sp->parts);
+    free(sp->part_of);
+    free(sp->copy_off);
+    free(sp->copy_part);
+    free(sp->copy_local);
+    sp->parts = NULL;
+    sp->part_of = NULL;
+    sp->copy_off = sp->copy_local = NULL;
+    sp->copy_part = NULL;
+}
+
 /* Frees a layer's device memory (what of it was allocated). */
 void cuda_layer_free(cuda_layer *L)
 {
-    for (int i = 0; L->parts && i < L->place.n_parts; i++) {
-        cudaSetDevice(L->parts[i].device);
-        set_free(&L->parts[i].set);
-    }
+    cuda_split_free(&L->sp);
     cudaSetDevice(L->device);
     void *p[] = { L->w13,       L->w2,       L->s13,      L->s2,      L->w13_scale, L->w2_scale,
                   L->s13_scale, L->s2_scale, L->w13_meta, L->w2_meta, L->router };
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) cudaFree(p[i]);
-    free(L->parts);
-    free(L->part_of);
+    if (L->lock) pthread_rwlock_destroy(L->lock);
+    free(L->lock);
 }
 
 /* The layer's shapes as the kernels see them (no weights yet). */
@@ -346,7 +359,7 @@ static int upload_whole(cuda_layer *L, const moed_layer *l, void *stage, float *
                        .n_up = L->k.n_up,
                        .sparse = L->k.sparse24 };
     cudaSetDevice(L->device);
-    const int rc = upload_set(L, &routed, l->experts, 0, stage, tmp, err);
+    const int rc = upload_set(L, &routed, l->experts, NULL, stage, tmp, err);
     L->k.w13 = L->w13 = routed.w13;
     L->k.w2 = L->w2 = routed.w2;
     L->k.w13_scale = L->w13_scale = routed.w13_scale;
@@ -356,42 +369,89 @@ static int upload_whole(cuda_layer *L, const moed_layer *l, void *stage, float *
     return rc;
 }
 
-/* The routed experts split: each part's range onto its device, with its view of them. */
-static int upload_parts(cuda_ctx *c, cuda_layer *L, const moed_layer *l, void *stage, float *tmp,
-                        moed_error *err)
+int cuda_split_init(const cuda_ctx *c, const cuda_layer *L, cuda_split *sp, moed_error *err)
 {
-    const moed_layer_place *pl = &L->place;
-    L->parts = calloc((size_t)pl->n_parts, sizeof *L->parts);
-    L->part_of = malloc((size_t)L->info.n_experts);
-    if (!L->parts || !L->part_of) return moed_fail(err, MOED_ENOMEM, "out of host memory");
-    for (int i = 0; i < pl->n_parts; i++) {
-        const moed_place_part *pp = &pl->part[i];
-        cuda_part *P = &L->parts[i];
-        memset(L->part_of + pp->first, i, (size_t)pp->count);
-        L->part_first[i] = pp->first;
-        P->entry = pp->dev;
-        P->device = c->dev[pp->dev];
-        P->set = (dev_set){ .E = pp->count,
+    const moed_layer_place *pl = &sp->place;
+    const int E = L->info.n_experts, copies = E + pl->n_replicas;
+    int dev[MAX_DEVICES], *ids = malloc(sizeof *ids * (size_t)E);
+    sp->n = moed_place_parts(pl, dev);
+    sp->parts = calloc((size_t)sp->n, sizeof *sp->parts);
+    if (pl->n_replicas) {
+        sp->copy_off = malloc(sizeof *sp->copy_off * (size_t)(E + 1));
+        sp->copy_part = malloc((size_t)copies);
+        sp->copy_local = malloc(sizeof *sp->copy_local * (size_t)copies);
+    } else {
+        sp->part_of = malloc((size_t)E);
+    }
+    if (!ids || !sp->parts ||
+        (pl->n_replicas ? !sp->copy_off || !sp->copy_part || !sp->copy_local : !sp->part_of)) {
+        free(ids);
+        cuda_split_free(sp);
+        return moed_fail(err, MOED_ENOMEM, "out of host memory");
+    }
+    if (pl->n_replicas) {
+        moed_place_copies(pl, E, sp->copy_off, sp->copy_part, sp->copy_local);
+    } else { /* the parts are the ranges, in order (moed_place_parts) */
+        for (int i = 0; i < pl->n_parts; i++) {
+            memset(sp->part_of + pl->part[i].first, i, (size_t)pl->part[i].count);
+            sp->first[i] = pl->part[i].first;
+        }
+    }
+    for (int i = 0; i < sp->n; i++) {
+        cuda_part *P = &sp->parts[i];
+        P->entry = dev[i];
+        P->device = c->dev[dev[i]];
+        P->set = (dev_set){ .E = moed_place_entry_experts(pl, dev[i], ids),
                             .ff = L->info.d_ff,
                             .ff_pad = L->k.ff_pad,
                             .n_up = L->k.n_up,
                             .sparse = L->k.sparse24 };
-        cudaSetDevice(P->device);
-        const int rc = upload_set(L, &P->set, l->experts + pp->first, pp->first, stage, tmp, err);
-        if (rc) return rc;
-        P->k = L->k;
-        P->k.E = pp->count;
-        P->k.w13 = P->set.w13;
-        P->k.w2 = P->set.w2;
-        P->k.w13_scale = P->set.w13_scale;
-        P->k.w2_scale = P->set.w2_scale;
-        P->k.w13_meta = P->set.w13_meta;
-        P->k.w2_meta = P->set.w2_meta;
-        P->k.sff_pad = P->k.sn_up = 0;
-        P->k.s13 = P->k.s2 = NULL;
-        P->k.s13_scale = P->k.s2_scale = NULL;
     }
+    free(ids);
     return 0;
+}
+
+/* Points part P's kernel view at its weights: the layer's shapes, its experts numbered from 0, no
+ * shared experts. */
+static void part_view(const cuda_layer *L, cuda_part *P)
+{
+    P->k = L->k;
+    P->k.E = P->set.E;
+    P->k.w13 = P->set.w13;
+    P->k.w2 = P->set.w2;
+    P->k.w13_scale = P->set.w13_scale;
+    P->k.w2_scale = P->set.w2_scale;
+    P->k.w13_meta = P->set.w13_meta;
+    P->k.w2_meta = P->set.w2_meta;
+    P->k.sff_pad = P->k.sn_up = 0;
+    P->k.s13 = P->k.s2 = NULL;
+    P->k.s13_scale = P->k.s2_scale = NULL;
+}
+
+int cuda_part_alloc(const cuda_layer *L, cuda_part *P, moed_error *err)
+{
+    const int rc = set_alloc(L, &P->set, err);
+    part_view(L, P);
+    return rc;
+}
+
+/* The routed experts split: each part's experts (its range, and copies where a placement has
+ * them) onto its device, with its view of them. */
+static int upload_parts(cuda_ctx *c, cuda_layer *L, const moed_layer *l, void *stage, float *tmp,
+                        moed_error *err)
+{
+    int rc = cuda_split_init(c, L, &L->sp, err);
+    int *ids = rc ? NULL : malloc(sizeof *ids * (size_t)L->info.n_experts);
+    if (!rc && !ids) rc = moed_fail(err, MOED_ENOMEM, "out of host memory");
+    for (int i = 0; i < L->sp.n && !rc; i++) {
+        cuda_part *P = &L->sp.parts[i];
+        moed_place_entry_experts(&L->sp.place, P->entry, ids);
+        cudaSetDevice(P->device);
+        rc = upload_set(L, &P->set, l->experts, ids, stage, tmp, err);
+        part_view(L, P);
+    }
+    free(ids);
+    return rc;
 }
 
 /* The shared experts and the router, on the home GPU. */
@@ -403,7 +463,7 @@ static int upload_home(cuda_layer *L, const moed_layer *l, void *stage, float *t
         dev_set shared = {
             .E = 1, .ff = L->info.shared_d_ff, .ff_pad = L->k.sff_pad, .n_up = L->k.sn_up
         };
-        rc = upload_set(L, &shared, &l->shared, 0, stage, tmp, err);
+        rc = upload_set(L, &shared, &l->shared, NULL, stage, tmp, err);
         L->k.s13 = L->s13 = shared.w13;
         L->k.s2 = L->s2 = shared.w2;
         L->k.s13_scale = L->s13_scale = shared.w13_scale;
@@ -436,17 +496,30 @@ int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_error *
     cuda_layer *L = &c->layers[slot];
     memset(L, 0, sizeof *L);
     layer_shapes(L, l);
+    L->lock = malloc(sizeof *L->lock);
+    pthread_rwlockattr_t attr;
+    pthread_rwlockattr_init(&attr);
+    pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+    if (!L->lock || pthread_rwlock_init(L->lock, &attr)) {
+        free(L->lock);
+        L->lock = NULL;
+        return moed_fail(err, MOED_ENOMEM, "out of host memory");
+    }
     double *cost = expert_costs(l);
-    moed_place_need need = layer_need(L, l, c->cfg.expert_parallel);
+    moed_place_need need = cuda_layer_need(L, router_bytes(L, l), c->cfg.expert_parallel);
     need.load = cost;
     moed_place_dev before[MAX_DEVICES];
     memcpy(before, c->place, sizeof before);
-    if (l->expert_load && !cost) return moed_fail(err, MOED_ENOMEM, "out of host memory");
-    int rc = moed_place_layer(c->place, c->n_dev, &need, &L->place, err);
+    int rc = l->expert_load && !cost
+                 ? moed_fail(err, MOED_ENOMEM, "out of host memory")
+                 : moed_place_layer(c->place, c->n_dev, &need, &L->sp.place, err);
     free(cost);
-    if (rc) return rc;
-    L->device = c->dev[L->place.home];
-    if (!moed_place_is_split(&L->place)) {
+    if (rc) {
+        cuda_layer_free(L);
+        return rc;
+    }
+    L->device = c->dev[L->sp.place.home];
+    if (!moed_place_is_split(&L->sp.place)) {
         char what[64];
         snprintf(what, sizeof what, "layer %d's weights", li->index);
         rc = cuda_check_free(L->device, need.base + need.expert * (uint64_t)li->n_experts, what,
@@ -454,8 +527,8 @@ int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_error *
     }
     if (!rc) rc = staging(L, &stage, &tmp, err);
     if (!rc)
-        rc = moed_place_is_split(&L->place) ? upload_parts(c, L, l, stage, tmp, err)
-                                            : upload_whole(L, l, stage, tmp, err);
+        rc = moed_place_is_split(&L->sp.place) ? upload_parts(c, L, l, stage, tmp, err)
+                                               : upload_whole(L, l, stage, tmp, err);
     if (!rc) rc = upload_home(L, l, stage, tmp, err);
     if (stage) cudaFreeHost(stage);
     free(tmp);

@@ -30,6 +30,13 @@
  *    host memory and half on the other GPU) gives the same bits as the job inline; and the merging
  *    contract: a token alone, and the batch cut in two requests run alone, equal the same rows
  *    inside the split layer's batch (a token's bits never depend on the tokens beside it).
+ * Re-placement (replace_cases, moed_backend_replace_layer): the split layer is re-placed by a load
+ * with one hot expert, which gets a copy on the other entry (its pairs then split between the two
+ * by the token hash, moed_route.h), and checked as above (accuracy, determinism, merged == alone);
+ * re-placed again, with another hot expert, while a second thread keeps calling forward on it:
+ * every call succeeds and gives the old placement's bits or the new one's; then by an even load
+ * with no copies. A whole layer's re-placement fails with FAILED_PRECONDITION, and one whose
+ * predicted gain is below min_gain changes nothing.
  * Outputs are poisoned (NaN) first, so an unwritten row fails. Exits 77 where the CUDA devices it
  * needs do not answer (CI has no GPU). MOED_GPU_TEST_QUICK=1 runs the cases of at most 128 tokens
  * (for compute-sanitizer).
@@ -46,10 +53,13 @@
 
 #include <cuda_runtime_api.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 enum routing {
     R_TOPK,      /* k distinct experts per token, anywhere */
@@ -454,80 +464,304 @@ static void check_accuracy(const scase *sc, const moed_layer *l, const moed_rout
     free(f);
 }
 
-static void run_case(const scase *sc)
+/* The split layer bs on the route against the whole layer bw and the CPU backend bc (accuracy,
+ * token by token), and against itself: the same job again, the job's data where the data plane
+ * puts it, a token alone and the batch in halves, the same bits. The split's output into ys. */
+static void verify(const scase *sc, const moed_layer *l, const moed_route *route,
+                   const moed_layer_place *place, const void *x, moed_backend *bw, moed_backend *bs,
+                   moed_backend *bc, void *ys)
 {
-    moed_synth_spec spec;
-    moed_layer layer;
-    moed_route route = { 0 };
+    const int64_t T = route->T;
+    const size_t row = (size_t)l->info.d_model * moed_dtype_size(sc->xdtype),
+                 bytes = row * (size_t)T;
+    void *yw = malloc(bytes), *ys2 = malloc(bytes), *yc = malloc(bytes);
     moed_error err;
-    if (moed_synth_parse(sc->spec, &spec, &err) || moed_synth_layer(&spec, 0, &layer, &err)) {
-        CHECK_MSG(0, "%s: %s", sc->name, err.msg);
-        return;
-    }
-    const int d = layer.info.d_model, E = layer.info.n_experts;
-    const size_t row = (size_t)d * moed_dtype_size(sc->xdtype);
-    const int64_t T = sc->T;
-    const size_t bytes = row * (size_t)T;
-    void *x = malloc(bytes), *yw = malloc(bytes), *ys = malloc(bytes), *ys2 = malloc(bytes),
-         *yc = malloc(bytes);
-    float *xf = malloc(sizeof(float) * (size_t)d);
-    for (int64_t t = 0; t < T; t++) {
-        for (int c = 0; c < d; c++) xf[c] = (float)(2.0 * urand() - 1.0);
-        moed_from_f32(sc->xdtype, xf, (char *)x + (size_t)t * row, (size_t)d);
-    }
-    moed_backend *bw = open_cuda(sc, &layer, devices, 1, false),
-                 *bs = open_cuda(sc, &layer, devices, 2, true), *bc = open_cpu(sc, &layer);
-    CHECK_MSG(bw && bs && bc, "%s: backends did not open", sc->name);
-    moed_layer_place place;
-    const bool placed = bs && check_place(sc, bs, E, &place);
-    /* R_ONE_PART routes to the first part's experts (to the first half where the placement is
-     * wrong, which has failed already). */
-    int first = E / 2 > 0 ? E / 2 : 1;
-    if (placed && place.part[0].count > 0) first = place.part[0].count;
-    const bool routed = bw && bs && bc && !make_route(&layer, sc->routing, T, first, &route);
-    CHECK_MSG(routed || !(bw && bs && bc), "%s: no route", sc->name);
-    if (routed) {
-        poison(yw, bytes);
-        poison(ys, bytes);
-        poison(ys2, bytes);
-        poison(yc, bytes);
-        moed_job jw = { .dtype = sc->xdtype, .T = T, .x = x, .y = yw, .route = &route },
-                 js = { .dtype = sc->xdtype, .T = T, .x = x, .y = ys, .route = &route },
-                 j2 = { .dtype = sc->xdtype, .T = T, .x = x, .y = ys2, .route = &route },
-                 jc = { .dtype = sc->xdtype, .T = T, .x = x, .y = yc, .route = &route };
-        const int rw = moed_backend_forward(bw, 0, &jw, &err);
-        CHECK_MSG(rw == 0, "%s: whole forward: %s", sc->name, err.msg);
-        const int rs = moed_backend_forward(bs, 0, &js, &err);
-        CHECK_MSG(rs == 0, "%s: split forward: %s", sc->name, err.msg);
-        const int rc = moed_backend_forward(bc, 0, &jc, &err);
-        CHECK_MSG(rc == 0, "%s: cpu forward: %s", sc->name, err.msg);
-        if (!rw && !rs && !rc) check_accuracy(sc, &layer, &route, &place, x, ys, yw, yc);
-        if (!rs) {
-            /* Determinism: the same job again, then the same tokens elsewhere and alone. */
-            const int r2 = moed_backend_forward(bs, 0, &j2, &err);
-            const int64_t again = r2 ? T : rows_differ(ys2, ys, T, row);
-            CHECK_MSG(again == 0, "%s: the split run again: %s (%lld of %lld rows differ)",
-                      sc->name, r2 ? err.msg : "not the same bits", (long long)again, (long long)T);
-            check_parts(sc, bs, &route, x, ys, row);
-            check_alone(sc, bs, &route, x, ys, 0, 1, row);
-            check_alone(sc, bs, &route, x, ys, T - 1, T, row);
-            if (T > 1) {
-                check_alone(sc, bs, &route, x, ys, 0, T / 2, row);
-                check_alone(sc, bs, &route, x, ys, T / 2, T, row);
-            }
+    poison(yw, bytes);
+    poison(ys, bytes);
+    poison(ys2, bytes);
+    poison(yc, bytes);
+    moed_job jw = { .dtype = sc->xdtype, .T = T, .x = x, .y = yw, .route = route },
+             js = { .dtype = sc->xdtype, .T = T, .x = x, .y = ys, .route = route },
+             j2 = { .dtype = sc->xdtype, .T = T, .x = x, .y = ys2, .route = route },
+             jc = { .dtype = sc->xdtype, .T = T, .x = x, .y = yc, .route = route };
+    const int rw = moed_backend_forward(bw, 0, &jw, &err);
+    CHECK_MSG(rw == 0, "%s: whole forward: %s", sc->name, err.msg);
+    const int rs = moed_backend_forward(bs, 0, &js, &err);
+    CHECK_MSG(rs == 0, "%s: split forward: %s", sc->name, err.msg);
+    const int rc = moed_backend_forward(bc, 0, &jc, &err);
+    CHECK_MSG(rc == 0, "%s: cpu forward: %s", sc->name, err.msg);
+    if (!rw && !rs && !rc) check_accuracy(sc, l, route, place, x, ys, yw, yc);
+    if (!rs) {
+        /* Determinism: the same job again, then the same tokens elsewhere and alone. */
+        const int r2 = moed_backend_forward(bs, 0, &j2, &err);
+        const int64_t again = r2 ? T : rows_differ(ys2, ys, T, row);
+        CHECK_MSG(again == 0, "%s: the split run again: %s (%lld of %lld rows differ)", sc->name,
+                  r2 ? err.msg : "not the same bits", (long long)again, (long long)T);
+        check_parts(sc, bs, route, x, ys, row);
+        check_alone(sc, bs, route, x, ys, 0, 1, row);
+        check_alone(sc, bs, route, x, ys, T - 1, T, row);
+        if (T > 1) {
+            check_alone(sc, bs, route, x, ys, 0, T / 2, row);
+            check_alone(sc, bs, route, x, ys, T / 2, T, row);
         }
     }
+    free(yw);
+    free(ys2);
+    free(yc);
+}
+
+/* The case's layer, its input x (T rows of random values) and the three backends: whole, split
+ * and the CPU. False (and the test failed) where any is missing. */
+static bool setup(const scase *sc, moed_layer *layer, void **x, moed_backend **bw,
+                  moed_backend **bs, moed_backend **bc)
+{
+    moed_synth_spec spec;
+    moed_error err;
+    *x = NULL;
+    *bw = *bs = *bc = NULL;
+    memset(layer, 0, sizeof *layer); /* teardown frees it whatever happens */
+    if (moed_synth_parse(sc->spec, &spec, &err) || moed_synth_layer(&spec, 0, layer, &err)) {
+        CHECK_MSG(0, "%s: %s", sc->name, err.msg);
+        return false;
+    }
+    const int d = layer->info.d_model;
+    const size_t row = (size_t)d * moed_dtype_size(sc->xdtype);
+    float *xf = malloc(sizeof(float) * (size_t)d);
+    *x = malloc(row * (size_t)sc->T);
+    for (int64_t t = 0; t < sc->T; t++) {
+        for (int c = 0; c < d; c++) xf[c] = (float)(2.0 * urand() - 1.0);
+        moed_from_f32(sc->xdtype, xf, (char *)*x + (size_t)t * row, (size_t)d);
+    }
+    free(xf);
+    *bw = open_cuda(sc, layer, devices, 1, false);
+    *bs = open_cuda(sc, layer, devices, 2, true);
+    *bc = open_cpu(sc, layer);
+    CHECK_MSG(*bw && *bs && *bc, "%s: backends did not open", sc->name);
+    return *bw && *bs && *bc;
+}
+
+static void teardown(moed_layer *layer, void *x, moed_backend *bw, moed_backend *bs,
+                     moed_backend *bc)
+{
     moed_backend_destroy(bw);
     moed_backend_destroy(bs);
     moed_backend_destroy(bc);
-    moed_route_free(&route);
-    moed_synth_free_layer(&layer);
+    moed_synth_free_layer(layer);
     free(x);
-    free(yw);
+}
+
+static void run_case(const scase *sc)
+{
+    moed_layer layer;
+    moed_route route = { 0 };
+    moed_backend *bw, *bs, *bc;
+    void *x;
+    if (setup(sc, &layer, &x, &bw, &bs, &bc)) {
+        const int E = layer.info.n_experts;
+        moed_layer_place place;
+        const bool placed = check_place(sc, bs, E, &place);
+        /* R_ONE_PART routes to the first part's experts (to the first half where the placement
+         * is wrong, which has failed already). */
+        int first = E / 2 > 0 ? E / 2 : 1;
+        if (placed && place.part[0].count > 0) first = place.part[0].count;
+        const bool routed = !make_route(&layer, sc->routing, sc->T, first, &route);
+        CHECK_MSG(routed, "%s: no route", sc->name);
+        void *ys = malloc((size_t)layer.info.d_model * moed_dtype_size(sc->xdtype) * (size_t)sc->T);
+        if (routed) verify(sc, &layer, &route, &place, x, bw, bs, bc, ys);
+        free(ys);
+    }
+    moed_route_free(&route);
+    teardown(&layer, x, bw, bs, bc);
+}
+
+/* ---- re-placement (moed_backend_replace_layer) --------------------------------------------- */
+
+/* Cases re-placed: the split layer is re-placed by a skewed load (one expert with most pairs),
+ * which copies that expert onto the other entry, and checked as any split; re-placed again while
+ * another thread calls forward; then by an even load with no copies. */
+static const scase replace_cases[] = {
+    { "replace mixtral-s T=128", MIX_S, 128, R_TOPK, MOED_BF16, NULL },
+    { "replace mixtral-s T=1000", MIX_S, 1000, R_TOPK, MOED_BF16, NULL },
+    { "replace deepseek-s shared T=1000", DSV3_S, 1000, R_TOPK, MOED_BF16, NULL },
+    { "replace fp8 deepseek-s shared T=128", DSV3_FP8, 128, R_TOPK, MOED_BF16, NULL },
+    { "replace qwen3-s sigmoid T=1000", QWEN_S, 1000, R_SIGMOID, MOED_BF16, NULL },
+};
+
+/* A placement after a re-placement: contiguous ranges covering every expert on the two entries,
+ * and copies each of an expert on the entry that does not hold its range, by expert then entry. */
+static void check_replicas(const scase *sc, const moed_layer_place *p, int E)
+{
+    int next = 0;
+    for (int i = 0; i < p->n_parts; i++) {
+        CHECK_MSG(p->part[i].first == next && p->part[i].dev >= 0 && p->part[i].dev < 2,
+                  "%s: part %d (entry %d, %d experts from %d) does not follow on", sc->name, i,
+                  p->part[i].dev, p->part[i].count, p->part[i].first);
+        next += p->part[i].count;
+    }
+    CHECK_MSG(next == E, "%s: the ranges cover %d of %d experts", sc->name, next, E);
+    for (int r = 0; r < p->n_replicas; r++) {
+        const moed_place_replica *c = &p->replica[r];
+        bool own = false;
+        for (int i = 0; i < p->n_parts; i++)
+            own |= p->part[i].dev == c->dev && c->expert >= p->part[i].first &&
+                   c->expert < p->part[i].first + p->part[i].count;
+        CHECK_MSG(c->expert >= 0 && c->expert < E && c->dev >= 0 && c->dev < 2 && !own,
+                  "%s: copy %d of expert %d on entry %d", sc->name, r, c->expert, c->dev);
+        CHECK(r == 0 || p->replica[r - 1].expert < c->expert ||
+              (p->replica[r - 1].expert == c->expert && p->replica[r - 1].dev < c->dev));
+    }
+}
+
+/* Re-places bs's layer by a load where expert `hot` has most pairs (hot < 0: all the same), with
+ * up to max_rep copies and no least gain; it must change, lower the predicted peak and leave a
+ * valid placement (into p), with copies where there is a hot expert and copies are allowed. */
+static bool replace_to(const scase *sc, moed_backend *bs, int E, int hot, int max_rep,
+                       moed_layer_place *p)
+{
+    double *pairs = malloc(sizeof(double) * (size_t)E);
+    for (int e = 0; e < E; e++) pairs[e] = hot < 0 ? 1000 : e == hot ? 1e6 : 10;
+    const moed_replace_req req = { pairs, 64, max_rep, 0 };
+    moed_replace_result res;
+    moed_error err;
+    int rc = moed_backend_replace_layer(bs, 0, &req, &res, &err);
+    free(pairs);
+    CHECK_MSG(rc == 0, "%s: re-placing by hot expert %d: %s", sc->name, hot, err.msg);
+    CHECK_MSG(rc || (res.changed && res.after < res.before),
+              "%s: re-placing by hot expert %d: changed %d, predicted peak %g -> %g", sc->name, hot,
+              res.changed, res.before, res.after);
+    memset(p, 0, sizeof *p);
+    if (!rc) rc = moed_backend_layer_place(bs, 0, p);
+    if (!rc) check_replicas(sc, p, E);
+    CHECK_MSG(rc || hot < 0 || !max_rep || p->n_replicas > 0,
+              "%s: hot expert %d got no copy (%d parts)", sc->name, hot, p->n_parts);
+    CHECK_MSG(rc || max_rep || p->n_replicas == 0, "%s: %d copies where none were allowed",
+              sc->name, p->n_replicas);
+    fprintf(stderr,
+            "  %s: re-placed (hot expert %d): %d+%d experts, %d copies, peak %.3g -> %.3g\n",
+            sc->name, hot, p->part[0].count, p->n_parts > 1 ? p->part[1].count : 0, p->n_replicas,
+            res.before, res.after);
+    return rc == 0;
+}
+
+/* A thread calling forward on the split layer over and over while the main thread re-places it:
+ * every call must succeed, and give either the old placement's bits or, once swapped, the new
+ * one's (the first such output is kept to be checked against the new placement after; the two may
+ * be the same bits where every token's terms group alike, e.g. two pairs and no shared expert). */
+typedef struct hammer {
+    moed_backend *b;
+    moed_job job;
+    size_t bytes;
+    const void *y_old;
+    void *y_new;
+    atomic_int stop, calls;
+    int failed, old, fresh, other;
+    bool last_old; /* the last call gave the old placement's bits */
+} hammer;
+
+static void *hammer_run(void *arg)
+{
+    hammer *h = arg;
+    void *y = malloc(h->bytes);
+    moed_job job = h->job;
+    job.y = y;
+    while (!atomic_load(&h->stop)) {
+        moed_error err;
+        poison(y, h->bytes);
+        if (moed_backend_forward(h->b, 0, &job, &err)) {
+            h->failed++;
+            fprintf(stderr, "  forward during a re-placement failed: %s\n", err.msg);
+        } else if ((h->last_old = !memcmp(y, h->y_old, h->bytes))) {
+            h->old++;
+        } else if (!h->fresh) {
+            memcpy(h->y_new, y, h->bytes);
+            h->fresh++;
+        } else {
+            *(memcmp(y, h->y_new, h->bytes) ? &h->other : &h->fresh) += 1;
+        }
+        atomic_fetch_add(&h->calls, 1);
+    }
+    free(y);
+    return NULL;
+}
+
+static void wait_calls(hammer *h, int n)
+{
+    while (atomic_load(&h->calls) < n) {
+        struct timespec ms = { 0, 1000000 };
+        nanosleep(&ms, NULL);
+    }
+}
+
+static void run_replace_case(const scase *sc)
+{
+    moed_layer layer;
+    moed_route route = { 0 };
+    moed_backend *bw, *bs, *bc;
+    void *x;
+    if (!setup(sc, &layer, &x, &bw, &bs, &bc)) {
+        teardown(&layer, x, bw, bs, bc);
+        return;
+    }
+    const int E = layer.info.n_experts;
+    const size_t bytes = (size_t)layer.info.d_model * moed_dtype_size(sc->xdtype) * (size_t)sc->T;
+    moed_layer_place place;
+    moed_error err;
+    double *pairs = malloc(sizeof(double) * (size_t)E);
+    for (int e = 0; e < E; e++) pairs[e] = e == 0 ? 1e6 : 10;
+    /* a whole layer cannot be re-placed; a gain below min_gain changes nothing */
+    moed_replace_req req = { pairs, 64, 4, 0.999 };
+    moed_replace_result res;
+    CHECK_MSG(moed_backend_replace_layer(bw, 0, &req, &res, &err) == MOED_EPRECOND,
+              "%s: re-placing a whole layer did not fail with FAILED_PRECONDITION", sc->name);
+    const int rc = moed_backend_replace_layer(bs, 0, &req, &res, &err);
+    CHECK_MSG(rc == 0 && !res.changed && res.before > 0 && res.after > 0,
+              "%s: re-placing for a gain of 99.9%%: rc %d (%s), changed %d, peak %g -> %g",
+              sc->name, rc, rc ? err.msg : "", res.changed, res.before, res.after);
+    free(pairs);
+    void *ys = malloc(bytes);
+    const bool routed = !make_route(&layer, sc->routing, sc->T, E / 2, &route);
+    CHECK_MSG(routed, "%s: no route", sc->name);
+    if (routed && replace_to(sc, bs, E, 0, 4, &place)) {
+        verify(sc, &layer, &route, &place, x, bw, bs, bc, ys);
+        void *y_old = malloc(bytes);
+        memcpy(y_old, ys, bytes);
+        hammer h = { .b = bs,
+                     .job = { .dtype = sc->xdtype, .T = sc->T, .x = x, .route = &route },
+                     .bytes = bytes,
+                     .y_old = y_old,
+                     .y_new = malloc(bytes) };
+        pthread_t th;
+        pthread_create(&th, NULL, hammer_run, &h);
+        wait_calls(&h, 2);
+        const bool moved = replace_to(sc, bs, E, E - 1, 4, &place);
+        wait_calls(&h, atomic_load(&h.calls) + 3);
+        atomic_store(&h.stop, 1);
+        pthread_join(th, NULL);
+        CHECK_MSG(h.failed == 0 && h.other == 0 && h.old > 0,
+                  "%s: forward beside a re-placement: %d calls failed, %d gave bits of neither "
+                  "placement, %d the old one's, %d the new one's",
+                  sc->name, h.failed, h.other, h.old, h.fresh);
+        if (moved) {
+            verify(sc, &layer, &route, &place, x, bw, bs, bc, ys);
+            const bool differ = memcmp(ys, y_old, bytes) != 0;
+            CHECK_MSG(!h.fresh || !memcmp(ys, h.y_new, bytes),
+                      "%s: calls after the swap differ from the new placement's bits", sc->name);
+            CHECK_MSG(!differ || !h.last_old,
+                      "%s: the last call beside the re-placement still ran on the old placement",
+                      sc->name);
+            fprintf(stderr,
+                    "  %s: beside the re-placement %d calls on the old placement, %d on "
+                    "the new%s\n",
+                    sc->name, h.old, h.fresh, differ ? "" : " (the two give the same bits here)");
+        }
+        free(h.y_new);
+        free(y_old);
+        if (replace_to(sc, bs, E, -1, 0, &place))
+            verify(sc, &layer, &route, &place, x, bw, bs, bc, ys);
+    }
     free(ys);
-    free(ys2);
-    free(yc);
-    free(xf);
+    moed_route_free(&route);
+    teardown(&layer, x, bw, bs, bc);
 }
 
 int main(void)
@@ -551,5 +785,8 @@ int main(void)
     const char *quick = getenv("MOED_GPU_TEST_QUICK");
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         if (!(quick && *quick == '1') || cases[i].T <= 128) run_case(&cases[i]);
+    for (size_t i = 0; i < sizeof replace_cases / sizeof replace_cases[0]; i++)
+        if (!(quick && *quick == '1') || replace_cases[i].T <= 128)
+            run_replace_case(&replace_cases[i]);
     return check_status("test_split");
 }

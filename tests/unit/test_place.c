@@ -3,13 +3,16 @@
  * split layer's ranges contiguous, covering, and even in bytes; a layer larger than any one device
  * split by itself; one that fits nowhere refused with its size; two entries of one GPU sharing its
  * free memory; with the home's work given (home_work), a split even in expected work instead,
- * within what each GPU has room for, and exactly the byte split without it. The CUDA backend
- * places with this same function.
+ * within what each GPU has room for, and exactly the byte split without it; a re-placement's cut
+ * around a kept home, and its copies of hot experts (by hand, and against brute force: only where
+ * they lower the peak, within budget and room), the cost of a copy, the predicted peak, and the
+ * parts' local numbering. The CUDA backend places with these same functions.
  */
 #include "check.h"
 
 #include "moed_place.h"
 
+#include <math.h>
 #include <string.h>
 
 #define GB (1ull << 30)
@@ -489,6 +492,247 @@ static void test_shared_work(void)
     CHECK_EQ_INT(p.part[1].count, 136);
 }
 
+/* A cut of E experts given as counts per entry (0: no part there), with home h. */
+static moed_layer_place cut_of(const int *count, int n, int home)
+{
+    moed_layer_place p = { .home = home };
+    for (int i = 0, first = 0; i < n; first += count[i++])
+        if (count[i]) p.part[p.n_parts++] = (moed_place_part){ i, first, count[i] };
+    return p;
+}
+
+/* moed_place_copy_cost: moed_place_costs of the copy's share of the pairs; moed_place_peak: each
+ * entry's copies and the home's work (home_work x the mean cost of one copy of each expert). */
+static void test_copy_cost_and_peak(void)
+{
+    const double pairs[4] = { 300, 10, 0, 2 };
+    const moed_place_load ld = { pairs, 4, 10, 128, 2.0 };
+    CHECK(moed_place_copy_cost(&ld, 0, 1) == 300 + 1280);
+    CHECK(moed_place_copy_cost(&ld, 0, 2) == 150 + 1280);
+    CHECK(moed_place_copy_cost(&ld, 0, 100) == 3 + 384);
+    CHECK(moed_place_copy_cost(&ld, 2, 3) == 0);
+    const int count[3] = { 1, 0, 3 };
+    moed_layer_place p = cut_of(count, 3, 1);
+    p.replica[p.n_replicas++] = (moed_place_replica){ 0, 1 };
+    double work[3];
+    const double mean = (300 + 1280 + 10 + 1280 + 0 + 2 + 256) / 4.0;
+    const double peak = moed_place_peak(&p, 3, &ld, work);
+    CHECK_NEAR(work[0], 150 + 1280, 1e-9);
+    CHECK_NEAR(work[1], 150 + 1280 + 2 * mean, 1e-9);
+    CHECK_NEAR(work[2], 10 + 1280 + 2 + 256, 1e-9);
+    CHECK_NEAR(peak, work[1], 1e-9);
+}
+
+/* Hand cases of the greedy copies: a hot expert copied to the light entry once (a second copy has
+ * nowhere to go); none without budget or room; two entries tied at the peak get a copy each or,
+ * with a budget of one, none (one copy alone would not lower the peak). */
+static void test_replicate_by_hand(void)
+{
+    const double hot[4] = { 100, 10, 10, 10 };
+    const moed_place_load ld = { hot, 4, 0, 128, 0 };
+    const int count[2] = { 2, 2 };
+    moed_place_dev d[4];
+    devs_init(d, 2, NULL, 100 * GB);
+    moed_layer_place p = cut_of(count, 2, 0);
+    CHECK_NEAR(moed_place_peak(&p, 2, &ld, NULL), 110, 1e-9);
+    CHECK_EQ_INT(moed_place_replicate(&p, d, 2, 1 * GB, &ld, 8), 1);
+    CHECK_EQ_INT(p.n_replicas, 1);
+    CHECK(p.replica[0].expert == 0 && p.replica[0].dev == 1);
+    CHECK_NEAR(moed_place_peak(&p, 2, &ld, NULL), 70, 1e-9);
+    CHECK_EQ_INT(d[1].placed, 1 * GB);
+    CHECK_EQ_INT(d[1].free, 99 * GB);
+    CHECK_EQ_INT(d[0].free, 100 * GB);
+    /* no budget, no room (entry 1's GPU short by a byte), or the only other entry on one GPU with
+     * no room */
+    p = cut_of(count, 2, 0);
+    devs_init(d, 2, NULL, 100 * GB);
+    CHECK_EQ_INT(moed_place_replicate(&p, d, 2, 1 * GB, &ld, 0), 0);
+    d[1].free = 1 * GB - 1;
+    CHECK_EQ_INT(moed_place_replicate(&p, d, 2, 1 * GB, &ld, 8), 0);
+    CHECK_EQ_INT(p.n_replicas, 0);
+    CHECK_EQ_INT(d[1].free, 1 * GB - 1);
+    const int same[2] = { 0, 0 };
+    devs_init(d, 2, same, 100 * GB);
+    d[0].free = d[1].free = 1 * GB;
+    CHECK_EQ_INT(moed_place_replicate(&p, d, 2, 1 * GB, &ld, 8), 1);
+    CHECK_EQ_INT(d[0].free, 0); /* one GPU: both entries' room spent */
+    /* ties: e0 and e1 hot on entries 0 and 1, entries 2 and 3 idle */
+    const double two[4] = { 100, 100, 0, 0 };
+    const moed_place_load l2 = { two, 4, 0, 128, 0 };
+    const int one_each[4] = { 1, 1, 1, 1 };
+    devs_init(d, 4, NULL, 100 * GB);
+    p = cut_of(one_each, 4, 0);
+    CHECK_EQ_INT(moed_place_replicate(&p, d, 4, 1 * GB, &l2, 1), 0);
+    CHECK_EQ_INT(d[2].placed + d[3].placed, 0); /* the copy tried is given back */
+    CHECK_EQ_INT(moed_place_replicate(&p, d, 4, 1 * GB, &l2, 2), 2);
+    CHECK(p.replica[0].expert == 0 && p.replica[0].dev == 2);
+    CHECK(p.replica[1].expert == 1 && p.replica[1].dev == 3);
+    CHECK_NEAR(moed_place_peak(&p, 4, &l2, NULL), 50, 1e-9);
+    /* a copy only where it helps: even load gains nothing from any copy */
+    const double even[4] = { 10, 10, 10, 10 };
+    const moed_place_load le = { even, 4, 0, 128, 0 };
+    devs_init(d, 2, NULL, 100 * GB);
+    p = cut_of(count, 2, 0);
+    CHECK_EQ_INT(moed_place_replicate(&p, d, 2, 1 * GB, &le, 8), 0);
+}
+
+/* The least peak any set of at most `budget` copies reaches within room (brute force over every
+ * (expert, entry) a copy may go to, from the `from`-th on). */
+static double best_copies(moed_layer_place *p, const moed_place_dev *d, int n, uint64_t bytes,
+                          const moed_place_load *ld, int budget, int from)
+{
+    double best = moed_place_peak(p, n, ld, NULL);
+    if (!budget) return best;
+    for (int c = from; c < ld->n_experts * n; c++) {
+        const int e = c / n, i = c % n;
+        bool held = false;
+        for (int q = 0; q < p->n_parts; q++)
+            held |= p->part[q].dev == i && e >= p->part[q].first &&
+                    e < p->part[q].first + p->part[q].count;
+        for (int r = 0; r < p->n_replicas; r++)
+            held |= p->replica[r].expert == e && p->replica[r].dev == i;
+        uint64_t used = bytes; /* this copy and the others on i's GPU */
+        for (int r = 0; r < p->n_replicas; r++)
+            used += d[p->replica[r].dev].gpu == d[i].gpu ? bytes : 0;
+        if (held || used > d[i].free) continue;
+        p->replica[p->n_replicas++] = (moed_place_replica){ e, i };
+        const double m = best_copies(p, d, n, bytes, ld, budget - 1, c + 1);
+        p->n_replicas--;
+        best = m < best ? m : best;
+    }
+    return best;
+}
+
+/* Random loads, cuts and room against brute force: never over the budget or the room (the devs'
+ * counts are the copies' bytes), a copy on an entry that already holds its expert never, sorted,
+ * deterministic; the peak never above the cut's, and copies made only where some set of copies
+ * lowers the peak (strictly lower with them); the greedy's peak against the best set's, reported.
+ */
+static void test_replicate_brute(void)
+{
+    enum { E = 5, N = 3 };
+    uint64_t s = 7;
+    double worst = 1;
+    for (int rep = 0; rep < 300; rep++) {
+        double pairs[E], u[E + N + 2];
+        for (int i = 0; i < E + N + 2; i++) {
+            s = s * 6364136223846793005ull + 1442695040888963407ull;
+            u[i] = (double)(s >> 11) / 9007199254740992.0;
+        }
+        for (int e = 0; e < E; e++)
+            pairs[e] = rep % 2 ? 1000 * u[e] * u[e] * u[e] : (u[e] < 0.3 ? 500 * u[e] : u[e]);
+        const moed_place_load ld = { pairs, E, rep % 3 ? 20 * u[E] : 0, 128, rep % 4 ? 0 : 1.5 };
+        int count[N] = { 0 }, left = E;
+        for (int i = 0; i < N - 1; i++) {
+            count[i] = (int)(u[E + 1 + i] * (left + 1));
+            left -= count[i];
+        }
+        count[N - 1] = left;
+        moed_place_dev d[N], d0[N];
+        const int gpus[N] = { 0, 1, rep % 5 == 0 ? 1 : 2 };
+        devs_init(d, N, gpus, 3 * GB);
+        d[0].free = (uint64_t)(rep % 3) * GB;
+        if (gpus[2] == 1) d[2].free = d[1].free;
+        memcpy(d0, d, sizeof d);
+        const int budget = rep % 3;
+        moed_layer_place p = cut_of(count, N, rep % N), q = p, b = p;
+        const double before = moed_place_peak(&p, N, &ld, NULL);
+        const int added = moed_place_replicate(&p, d, N, 1 * GB, &ld, budget);
+        CHECK(added >= 0 && added <= budget && added == p.n_replicas);
+        moed_place_dev d2[N];
+        memcpy(d2, d0, sizeof d2);
+        CHECK_EQ_INT(moed_place_replicate(&q, d2, N, 1 * GB, &ld, budget), added);
+        CHECK(!memcmp(&p, &q, sizeof p) && !memcmp(d, d2, sizeof d));
+        for (int i = 0; i < N; i++) {
+            uint64_t mine = 0, gpu = 0;
+            for (int r = 0; r < p.n_replicas; r++) {
+                mine += p.replica[r].dev == i ? 1 * GB : 0;
+                gpu += d[p.replica[r].dev].gpu == d[i].gpu ? 1 * GB : 0;
+            }
+            CHECK_EQ_INT(d[i].placed, mine);
+            CHECK(gpu <= d0[i].free && d[i].free == d0[i].free - gpu);
+        }
+        for (int r = 0; r < p.n_replicas; r++) {
+            const moed_place_replica *c = &p.replica[r];
+            for (int k = 0; k < p.n_parts; k++)
+                CHECK(!(p.part[k].dev == c->dev && c->expert >= p.part[k].first &&
+                        c->expert < p.part[k].first + p.part[k].count));
+            if (r)
+                CHECK(p.replica[r - 1].expert < c->expert ||
+                      (p.replica[r - 1].expert == c->expert && p.replica[r - 1].dev < c->dev));
+        }
+        const double after = moed_place_peak(&p, N, &ld, NULL),
+                     best = best_copies(&b, d0, N, 1 * GB, &ld, budget, 0);
+        CHECK(after <= before);
+        CHECK(best <= after * (1 + 1e-12));
+        CHECK_MSG(added == 0 || after < before, "rep %d: %d copies and the peak %g stays %g", rep,
+                  added, after, before);
+        CHECK_MSG(best < before || added == 0, "rep %d: %d copies where none helps", rep, added);
+        if (after > 0 && before > 0) worst = fmax(worst, after / best);
+    }
+    fprintf(stderr, "  greedy copies: peak at most %.3f x the best set's\n", worst);
+}
+
+/* moed_place_recut: the home kept, the cut moed_place_layer makes around that home; room binds;
+ * too little room is MOED_ENOMEM. */
+static void test_recut(void)
+{
+    double load[8] = { 70, 10, 10, 10, 10, 10, 10, 10 };
+    moed_place_dev d[2], d2[2];
+    moed_layer_place p, q;
+    moed_error err;
+    devs_init(d, 2, NULL, 100 * GB);
+    devs_init(d2, 2, NULL, 100 * GB);
+    d[0].placed = 1; /* moed_place_layer's home: entry 1 */
+    const moed_place_need l = { 0, 1 * GB, 8, true, 2.0, load };
+    CHECK(moed_place_layer(d, 2, &l, &p, &err) == 0);
+    CHECK_EQ_INT(p.home, 1);
+    CHECK(moed_place_recut(d2, 2, &l, 1, &q, &err) == 0);
+    CHECK_EQ_INT(q.home, 1);
+    CHECK_EQ_INT(q.n_parts, p.n_parts);
+    for (int i = 0; i < p.n_parts; i++)
+        CHECK(p.part[i].dev == q.part[i].dev && p.part[i].count == q.part[i].count);
+    CHECK_EQ_INT(d2[0].placed + d2[1].placed, 8 * GB);
+    devs_init(d2, 2, NULL, 3 * GB);
+    CHECK(moed_place_recut(d2, 2, &l, 0, &q, &err) == MOED_ENOMEM);
+    CHECK(strstr(err.msg, "8 experts") != NULL);
+    CHECK_EQ_INT(d2[0].placed, 0);
+}
+
+/* The parts a placement runs and their local numbering: entries with a range or copies, in order;
+ * a part's range first, then its copies in placement order; each expert's copies, its range's
+ * first. */
+static void test_parts_and_copies(void)
+{
+    const int count[4] = { 3, 0, 2, 0 };
+    moed_layer_place p = cut_of(count, 4, 0);
+    p.replica[p.n_replicas++] = (moed_place_replica){ 0, 1 };
+    p.replica[p.n_replicas++] = (moed_place_replica){ 0, 2 };
+    p.replica[p.n_replicas++] = (moed_place_replica){ 4, 0 };
+    p.replica[p.n_replicas++] = (moed_place_replica){ 4, 1 };
+    int dev[MOED_PLACE_MAX], ids[8];
+    CHECK_EQ_INT(moed_place_parts(&p, dev), 3);
+    CHECK(dev[0] == 0 && dev[1] == 1 && dev[2] == 2);
+    CHECK_EQ_INT(moed_place_entry_experts(&p, 0, ids), 4);
+    CHECK(ids[0] == 0 && ids[1] == 1 && ids[2] == 2 && ids[3] == 4);
+    CHECK_EQ_INT(moed_place_entry_experts(&p, 1, ids), 2);
+    CHECK(ids[0] == 0 && ids[1] == 4);
+    CHECK_EQ_INT(moed_place_entry_experts(&p, 2, ids), 3);
+    CHECK(ids[0] == 3 && ids[1] == 4 && ids[2] == 0);
+    CHECK_EQ_INT(moed_place_entry_experts(&p, 3, ids), 0);
+    int32_t off[6], local[9];
+    uint8_t part[9];
+    moed_place_copies(&p, 5, off, part, local);
+    const int32_t want_off[6] = { 0, 3, 4, 5, 6, 9 };
+    CHECK(!memcmp(off, want_off, sizeof off));
+    /* expert 0: part 0 (local 0), part 1 (0), part 2 (2); expert 4: part 2 (1), part 0 (3),
+     * part 1 (1) */
+    const uint8_t want_part[9] = { 0, 1, 2, 0, 0, 2, 2, 0, 1 };
+    const int32_t want_local[9] = { 0, 0, 2, 1, 2, 0, 1, 3, 1 };
+    CHECK(!memcmp(part, want_part, sizeof part));
+    CHECK(!memcmp(local, want_local, sizeof local));
+}
+
 int main(void)
 {
     test_whole_by_bytes();
@@ -506,5 +750,10 @@ int main(void)
     test_load();
     test_costs();
     test_shared_work();
+    test_copy_cost_and_peak();
+    test_replicate_by_hand();
+    test_replicate_brute();
+    test_recut();
+    test_parts_and_copies();
     return check_status("test_place");
 }

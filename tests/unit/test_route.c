@@ -1,5 +1,6 @@
 /*
- * test_route — routes from client choices, every gating strategy, batch gating and concat.
+ * test_route — routes from client choices, every gating strategy, batch gating, concat, and the
+ * split of a route over a layer's parts (with copies of hot experts).
  *
  * Each strategy is checked on small cases worked out by hand, then against a second, deliberately
  * plain implementation in this file (full stable sorts, float64) on random logits, including
@@ -7,6 +8,7 @@
  */
 #include "check.h"
 #include "moed_dtype.h"
+#include "moed_place.h"
 #include "moed_route.h"
 
 #include <math.h>
@@ -748,6 +750,154 @@ static void test_split(void)
     for (int q = 0; q < NP; q++) moed_route_free(&parts[q]);
 }
 
+/* The copy rule (moed_route.h) written out plainly: splitmix64 spelled here, the chain, then the
+ * top half of h scaled to the copies. */
+static int ref_copy(const int32_t *ids, int64_t n, int copies)
+{
+    uint64_t h = 0;
+    for (int64_t j = 0; j < n; j++) h = (h ^ (uint32_t)ids[j]) * 0x9E3779B97F4A7C15ull;
+    uint64_t z = h + 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (int)((double)(z >> 32) * copies / 4294967296.0);
+}
+
+/* moed_route_split_copies against a plain reference over random placements with copies of
+ * random experts (moed_place_copies builds the tables): each pair on the part of the copy the
+ * rule picks, as that part's local number of the expert (its range first, then its copies in
+ * placement order), tokens and rows as moed_route_split lays them; a token's pairs split the same
+ * in a range of its own (merged == alone); and with no copies, exactly moed_route_split. */
+static void test_split_copies(void)
+{
+    enum { T = 60, E = 12, N = 4 };
+    for (int rep = 0; rep < 200; rep++) {
+        /* the cut: N entries, some empty; copies on entries other than the range's */
+        moed_layer_place pl = { .home = rep % N };
+        for (int i = 0, first = 0; i < N; i++) {
+            const int count = i == N - 1 ? E - first : (int)(urand() * (E - first + 1) / 2);
+            if (count) pl.part[pl.n_parts++] = (moed_place_part){ i, first, count };
+            first += count;
+        }
+        const int want = rep % 5 == 0 ? 0 : (int)(urand() * 10);
+        for (int e = 0; e < E && pl.n_replicas < want; e++)
+            for (int i = 0; i < N; i++) {
+                int owner = -1;
+                for (int q = 0; q < pl.n_parts; q++)
+                    if (e >= pl.part[q].first && e < pl.part[q].first + pl.part[q].count)
+                        owner = pl.part[q].dev;
+                if (i != owner && urand() < 0.3 && pl.n_replicas < want)
+                    pl.replica[pl.n_replicas++] = (moed_place_replica){ e, i };
+            }
+        int dev[MOED_PLACE_MAX], ids[MOED_PLACE_MAX][E], nid[MOED_PLACE_MAX];
+        const int np = moed_place_parts(&pl, dev);
+        for (int q = 0; q < np; q++) nid[q] = moed_place_entry_experts(&pl, dev[q], ids[q]);
+        int32_t off[E + 1], local[E + MOED_PLACE_MAX_REPLICAS];
+        uint8_t part[E + MOED_PLACE_MAX_REPLICAS];
+        moed_place_copies(&pl, E, off, part, local);
+        const moed_route_copies cp = { off, part, local };
+        /* the reference's copies of e: its range's entry, then its copies' entries, increasing */
+        int cdev[E][MOED_PLACE_MAX], nc[E];
+        for (int e = 0; e < E; e++) {
+            nc[e] = 0;
+            for (int q = 0; q < pl.n_parts; q++)
+                if (e >= pl.part[q].first && e < pl.part[q].first + pl.part[q].count)
+                    cdev[e][nc[e]++] = pl.part[q].dev;
+            for (int i = 0; i < N; i++)
+                for (int c = 0; c < pl.n_replicas; c++)
+                    if (pl.replica[c].expert == e && pl.replica[c].dev == i) cdev[e][nc[e]++] = i;
+            CHECK_EQ_INT(off[e + 1] - off[e], nc[e]);
+        }
+        moed_route r, parts[MOED_PLACE_MAX], alone[MOED_PLACE_MAX];
+        moed_route_init(&r, T, T * 5);
+        for (int t = 0; t < T; t++) {
+            const int n = (int)(urand() * 5);
+            for (int j = 0; j < n; j++) {
+                r.expert[r.off[t + 1]] = (int32_t)(urand() * E);
+                r.weight[r.off[t + 1]++] = (float)urand();
+            }
+            if (t + 1 < T) r.off[t + 2] = r.off[t + 1];
+        }
+        for (int q = 0; q < np; q++) {
+            moed_route_init(&parts[q], T, T * 5);
+            moed_route_init(&alone[q], T, T * 5);
+        }
+        int32_t tok[MOED_PLACE_MAX * T], row[MOED_PLACE_MAX * T];
+        int32_t tok1[MOED_PLACE_MAX * T], row1[MOED_PLACE_MAX * T];
+        moed_route_split_copies(&r, 0, T, &cp, np, parts, tok, row);
+        int64_t next[MOED_PLACE_MAX] = { 0 }, pair[MOED_PLACE_MAX] = { 0 };
+        for (int t = 0; t < T; t++) {
+            const int64_t j0 = r.off[t], j1 = r.off[t + 1];
+            /* the same token split alone: its own pairs go the same way */
+            moed_route_split_copies(&r, t, t + 1, &cp, np, alone, tok1, row1);
+            for (int q = 0, base = 0; q < np; base += (int)parts[q++].T) {
+                int64_t mine = 0;
+                for (int64_t j = j0; j < j1; j++) {
+                    const int e = r.expert[j], d = cdev[e][ref_copy(r.expert + j0, j1 - j0, nc[e])];
+                    if (d != dev[q]) continue;
+                    int l = 0;
+                    while (l < nid[q] && ids[q][l] != e) l++;
+                    CHECK(l < nid[q]);
+                    CHECK_EQ_INT(parts[q].expert[pair[q] + mine], l);
+                    CHECK(parts[q].weight[pair[q] + mine] == r.weight[j]);
+                    CHECK_EQ_INT(alone[q].expert[mine], l);
+                    mine++;
+                }
+                CHECK_EQ_INT(alone[q].T, mine > 0);
+                if (!mine) {
+                    CHECK_EQ_INT(row[q * T + t], -1);
+                    continue;
+                }
+                CHECK_EQ_INT(tok[q * T + next[q]], t);
+                CHECK_EQ_INT(row[q * T + t], base + next[q]);
+                CHECK_EQ_INT(parts[q].off[next[q] + 1] - parts[q].off[next[q]], mine);
+                next[q]++;
+                pair[q] += mine;
+            }
+        }
+        for (int q = 0; q < np; q++) CHECK_EQ_INT(next[q], parts[q].T);
+        if (!pl.n_replicas) { /* no copies: moed_route_split's outputs exactly */
+            uint8_t part_of[E];
+            int first[MOED_PLACE_MAX];
+            for (int q = 0; q < pl.n_parts; q++) {
+                first[q] = pl.part[q].first;
+                memset(part_of + pl.part[q].first, q, (size_t)pl.part[q].count);
+            }
+            moed_route_split(&r, 0, T, part_of, first, np, alone, tok1, row1);
+            CHECK(!memcmp(row, row1, sizeof(int32_t) * (size_t)(np * T)));
+            for (int q = 0; q < np; q++) {
+                CHECK_EQ_INT(alone[q].T, parts[q].T);
+                CHECK(!memcmp(alone[q].off, parts[q].off, sizeof(int64_t) * (size_t)(T + 1)));
+                CHECK(!memcmp(alone[q].expert, parts[q].expert,
+                              sizeof(int32_t) * (size_t)parts[q].off[parts[q].T]));
+                CHECK(!memcmp(tok + q * T, tok1 + q * T, sizeof(int32_t) * (size_t)parts[q].T));
+            }
+        }
+        moed_route_free(&r);
+        for (int q = 0; q < np; q++) {
+            moed_route_free(&parts[q]);
+            moed_route_free(&alone[q]);
+        }
+    }
+}
+
+/* The copy rule spreads a hot expert's pairs about evenly: 4 copies of expert 0 over 40000 tokens
+ * of random routes each take a quarter within 3 % (3.5 standard deviations). */
+static void test_copy_spread(void)
+{
+    int32_t ids[8];
+    int n[4] = { 0 };
+    for (int t = 0; t < 40000; t++) {
+        ids[0] = 0;
+        for (int j = 1; j < 8; j++) ids[j] = 1 + (int32_t)(urand() * 255);
+        const uint64_t h = moed_route_token_hash(ids, 8);
+        n[(h >> 32) * 4 >> 32]++;
+        CHECK_EQ_INT((int)((h >> 32) * 4 >> 32), ref_copy(ids, 8, 4));
+    }
+    for (int c = 0; c < 4; c++)
+        CHECK_MSG(n[c] > 9700 && n[c] < 10300, "copy %d: %d of 40000", c, n[c]);
+}
+
 int main(void)
 {
     test_topk_by_hand();
@@ -763,5 +913,7 @@ int main(void)
     test_concat();
     test_router_rounding();
     test_split();
+    test_split_copies();
+    test_copy_spread();
     return check_status("test_route");
 }
