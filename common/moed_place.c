@@ -143,6 +143,21 @@ void moed_place_costs(const double *pairs, int n, double launches, double stream
                  (launches > 0 ? stream_rows * (pairs[e] < launches ? pairs[e] : launches) : 0);
 }
 
+double moed_place_shared_work_measured(double width, const double *pairs, int n, int E, int k,
+                                       double launches, double stream_rows)
+{
+    double total = 0, cost = 0;
+    for (int e = 0; e < n; e++) {
+        double c;
+        moed_place_costs(&pairs[e], 1, launches, stream_rows, &c);
+        total += pairs[e];
+        cost += c;
+    }
+    if (!(launches > 0) || !(total > 0) || n <= 0 || k <= 0) return -1;
+    const double tokens = total * E / ((double)n * k);
+    return width * (tokens + stream_rows * launches) / (cost / n);
+}
+
 int moed_place_layer(moed_place_dev *devs, int n, const moed_place_need *need,
                      moed_layer_place *out, moed_error *err)
 {

@@ -93,6 +93,16 @@ typedef struct moed_layer_place {
  * T = 8 to 16384 (docs/benchmarks.md). */
 double moed_place_shared_work(double width, int E, int k);
 
+/* The same from a measured run, as moed_place_costs costs the experts: the shared experts' rows
+ * (every token: the n held experts' pairs x E / (n x k), E the router's experts) plus their
+ * weights streamed once a launch, width times a routed expert's, over the mean of the n experts'
+ * costs. What a run of small batches measures is mostly streams, where the shared experts cost
+ * about one routed expert (DeepSeek-V3 at T = 64: about 1.7), and a run of large ones rows (at
+ * T = 16384: about 26), where moed_place_shared_work's mean, not knowing the batch, says 16.5.
+ * -1 where launches are unknown (0) or no pair was measured: then moed_place_shared_work. */
+double moed_place_shared_work_measured(double width, const double *pairs, int n, int E, int k,
+                                       double launches, double stream_rows);
+
 /* The cost of each of n experts over a run that measured `pairs[e]` (token, expert) pairs in
  * `launches` launches of the layer (0: unknown), in rows' time, into out: its rows, plus its
  * weights streamed once in each launch it had a pair in (at most one a pair), each streaming as

@@ -11,8 +11,8 @@
  *
  * The layer is the synthetic SPEC (default: DeepSeek-V3's shape, d 7168, ff 2048, 256 experts,
  * top-8, one shared expert of 2048), routed by each of --routing's rules (moe-bench's: uniform, 8
- * distinct experts a token, by default; zipf, hot, empty), and for each rule but uniform also split
- * as placed by the measured load of another draw of T tokens by that rule, as one launch (moed
+ * distinct experts a token, by default; zipf, hot, empty), and for each rule also split as placed
+ * by the measured load of another draw of T tokens by that rule, as one launch (moed
  * --expert-load: the placement a skewed routing gets from its own /metrics), then re-placed by
  * that load with up to --replicas copies of hot experts (moed_backend_replace_layer, what moed
  * --rebalance does while serving). For each rule and T:
@@ -65,10 +65,10 @@ static const moed_opt options[] = {
                      "GPUs: the layer whole on the first, split over all (two or more)"),
     MOED_OPT_STR_ROW("routing", F(routing), "LIST", "uniform", NULL,
                      "routings, each timed at every T: uniform, zipf, hot, empty (moe-bench's);\n"
-                     "for each but uniform the split is also timed placed by that routing's\n"
-                     "measured load (moed --expert-load)"),
+                     "for each the split is also timed placed by that routing's measured load\n"
+                     "(moed --expert-load)"),
     MOED_OPT_I64_ROW("replicas", F(replicas), "N", 0, MOED_PLACE_MAX_REPLICAS, "8", NULL, NULL,
-                     "for each routing but uniform, the load-placed split re-placed with up to N\n"
+                     "for each routing, the load-placed split re-placed with up to N\n"
                      "copies of hot experts (0: not timed)"),
     MOED_OPT_CHOICE_ROW("io", F(io), "device|host", "device", NULL,
                         "where x and y lie: device (the first GPU, read and written in place) or\n"
@@ -527,17 +527,15 @@ int main(int argc, char **argv)
     rc = !load || bench_open(&B, &layer, dev, n, max_T, a.io[0] == 'd');
     for (int r = 0; r < nrt && !rc; r++)
         for (int i = 0; i < nt && !rc; i++, nr++) {
-            if (strcmp(routings[r], "uniform")) { /* placed by another draw of T tokens */
-                moed_route m = { 0 };
-                memset(load, 0, sizeof *load * (size_t)layer.info.n_experts);
-                rc = make_route(&layer.info, routings[r], 1234, Ts[i], &m);
-                for (int64_t j = 0; !rc && j < m.off[Ts[i]]; j++) load[m.expert[j]]++;
-                moed_route_free(&m);
-                layer.expert_load = load;
-                layer.expert_launches = 1;
-                rc = rc || !(B.bl = open_on(&layer, dev, n, max_T));
-                layer.expert_load = NULL;
-            }
+            moed_route m = { 0 }; /* placed by the measured load of another draw of T tokens */
+            memset(load, 0, sizeof *load * (size_t)layer.info.n_experts);
+            rc = make_route(&layer.info, routings[r], 1234, Ts[i], &m);
+            for (int64_t j = 0; !rc && j < m.off[Ts[i]]; j++) load[m.expert[j]]++;
+            moed_route_free(&m);
+            layer.expert_load = load;
+            layer.expert_launches = 1;
+            rc = rc || !(B.bl = open_on(&layer, dev, n, max_T));
+            layer.expert_load = NULL;
             if (!rc)
                 rc = run_T(&B, &layer.info, routings[r], Ts[i], a.min_ms, load, (int)a.replicas,
                            &rows[nr]);

@@ -197,8 +197,10 @@ static inline int cuda_dev_index(const cuda_ctx *c, int device)
 int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_error *err);
 void cuda_layer_free(cuda_layer *L);
 /* What the planner weighs of L (moed_place_need): its bytes per routed expert, the rest's (router
- * of router_b bytes, shared experts) and the shared experts' work. */
-moed_place_need cuda_layer_need(const cuda_layer *L, uint64_t router_b, bool split);
+ * of router_b bytes, shared experts) and the shared experts' work: as measured where the experts'
+ * pairs over `launches` launches are given (moed_place_shared_work_measured), else expected. */
+moed_place_need cuda_layer_need(const cuda_layer *L, uint64_t router_b, bool split,
+                                const double *pairs, double launches);
 /* The parts of placement sp->place for split layer L: entries, GPUs, shapes and the route split's
  * tables, their weights not yet allocated (cuda_split_alloc); cuda_split_free frees what is. */
 int cuda_split_init(const cuda_ctx *c, const cuda_layer *L, cuda_split *sp, moed_error *err);

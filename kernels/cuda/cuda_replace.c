@@ -5,7 +5,7 @@
  * and swapped in between jobs.
  *
  * The plan: each expert's cost from the request's pairs and launches (moed_place_costs, in rows'
- * time), the home's shared experts counted as at load (cuda_layer_need's home_work); room on each
+ * time), the home's shared experts costed from the same load (cuda_layer_need); room on each
  * GPU its free memory less REPLACE_RESERVE, plus what the layer's parts hold there now (the room
  * the new placement has once the old is freed); then the copies, up to req->max_replicas. The
  * heaviest entry's predicted work before and after (moed_place_peak, the same costs) decides: a
@@ -209,7 +209,7 @@ static int plan(const cuda_ctx *c, const cuda_layer *L, const moed_replace_req *
     double *cost = malloc(sizeof *cost * (size_t)E);
     if (!cost) return moed_fail(err, MOED_ENOMEM, "out of host memory");
     moed_place_costs(req->pairs, E, req->launches, STREAM_ROWS, cost);
-    moed_place_need need = cuda_layer_need(L, 0, true);
+    moed_place_need need = cuda_layer_need(L, 0, true, req->pairs, req->launches);
     need.base = 0; /* the router and shared experts stay where they are */
     need.load = cost;
     int rc = moed_place_recut(devs, c->n_dev, &need, L->sp.place.home, out, err);
@@ -292,7 +292,7 @@ int cuda_replace_layer(moed_backend *b, int slot, const moed_replace_req *req,
             return moed_fail(err, MOED_EINVAL,
                              "re-placing layer %d: expert %d's pairs must be finite and >= 0",
                              L->info.index, e);
-    const moed_place_need need = cuda_layer_need(L, 0, true);
+    const moed_place_need need = cuda_layer_need(L, 0, true, req->pairs, req->launches);
     const moed_place_load ld = { req->pairs, E, req->launches, STREAM_ROWS, need.home_work };
     uint64_t free_b[MAX_DEVICES];
     moed_layer_place np;

@@ -223,7 +223,8 @@ static size_t router_bytes(const cuda_layer *L, const moed_layer *l)
            moed_dtype_size(L->router_dtype);
 }
 
-moed_place_need cuda_layer_need(const cuda_layer *L, uint64_t router_b, bool split)
+moed_place_need cuda_layer_need(const cuda_layer *L, uint64_t router_b, bool split,
+                                const double *pairs, double launches)
 {
     const int64_t dp = L->k.d_pad;
     const int64_t up = (int64_t)L->k.n_up * dp, dn = dp * L->k.ff_pad;
@@ -237,11 +238,15 @@ moed_place_need cuda_layer_need(const cuda_layer *L, uint64_t router_b, bool spl
              sizeof(float) * (wscales(L, L->k.sn_up, dp) + wscales(L, dp, L->k.sff_pad)) + router_b;
     /* The shared experts run for every token, a routed expert for top_k of the router's experts
      * (the whole layer's, also on an expert shard) on average: the home's extra work, which a
-     * split evens out (moed_place.h). */
-    if (L->k.sff_pad)
-        n.home_work =
-            moed_place_shared_work((double)(L->k.sn_up + L->k.sff_pad) / (L->k.n_up + L->k.ff_pad),
-                                   moed_layer_router_experts(&L->info), L->info.top_k);
+     * split evens out (moed_place.h); measured, where the experts' load is. */
+    if (L->k.sff_pad) {
+        const double width = (double)(L->k.sn_up + L->k.sff_pad) / (L->k.n_up + L->k.ff_pad);
+        const int E = moed_layer_router_experts(&L->info);
+        n.home_work = pairs ? moed_place_shared_work_measured(width, pairs, L->info.n_experts, E,
+                                                              L->info.top_k, launches, STREAM_ROWS)
+                            : -1;
+        if (n.home_work < 0) n.home_work = moed_place_shared_work(width, E, L->info.top_k);
+    }
     return n;
 }
 
@@ -506,7 +511,8 @@ int cuda_load_layer(moed_backend *b, int slot, const moed_layer *l, moed_error *
         return moed_fail(err, MOED_ENOMEM, "out of host memory");
     }
     double *cost = expert_costs(l);
-    moed_place_need need = cuda_layer_need(L, router_bytes(L, l), c->cfg.expert_parallel);
+    moed_place_need need = cuda_layer_need(L, router_bytes(L, l), c->cfg.expert_parallel,
+                                           l->expert_load, l->expert_launches);
     need.load = cost;
     moed_place_dev before[MAX_DEVICES];
     memcpy(before, c->place, sizeof before);

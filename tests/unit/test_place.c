@@ -492,6 +492,34 @@ static void test_shared_work(void)
     CHECK_EQ_INT(p.part[1].count, 136);
 }
 
+/* moed_place_shared_work_measured against the arithmetic done by hand: DeepSeek-V3's one shared
+ * expert (256 experts, top 8) over one launch of T = 64 (2 pairs an expert: each costs 2 + 128
+ * rows, the shared one 64 + 128) and of T = 16384 (512 + 128 against 16384 + 128); an expert shard
+ * holding a quarter of the experts counts the tokens of the whole layer; unknown launches or no
+ * pair say -1; and the cut it gives small batches is near the bytes' one. */
+static void test_shared_work_measured(void)
+{
+    double pairs[256];
+    for (int e = 0; e < 256; e++) pairs[e] = 2;
+    CHECK(fabs(moed_place_shared_work_measured(1, pairs, 256, 256, 8, 1, 128) - 192.0 / 130) <
+          1e-12);
+    CHECK(fabs(moed_place_shared_work_measured(1, pairs, 64, 256, 8, 1, 128) - 192.0 / 130) <
+          1e-12);
+    CHECK(moed_place_shared_work_measured(1, pairs, 256, 256, 8, 0, 128) == -1);
+    for (int e = 0; e < 256; e++) pairs[e] = 512;
+    CHECK(fabs(moed_place_shared_work_measured(1, pairs, 256, 256, 8, 1, 128) - 16512.0 / 640) <
+          1e-12);
+    for (int e = 0; e < 256; e++) pairs[e] = 0;
+    CHECK(moed_place_shared_work_measured(1, pairs, 256, 256, 8, 1, 128) == -1);
+    moed_place_dev d[2];
+    moed_layer_place p;
+    moed_error err;
+    devs_init(d, 2, NULL, 100 * GB);
+    const moed_place_need l = { 88 * MB, 88 * MB, 256, true, 192.0 / 130, NULL };
+    CHECK(moed_place_layer(d, 2, &l, &p, &err) == 0);
+    CHECK_EQ_INT(p.part[0].count, 127);
+}
+
 /* A cut of E experts given as counts per entry (0: no part there), with home h. */
 static moed_layer_place cut_of(const int *count, int n, int home)
 {
@@ -750,6 +778,7 @@ int main(void)
     test_load();
     test_costs();
     test_shared_work();
+    test_shared_work_measured();
     test_copy_cost_and_peak();
     test_replicate_by_hand();
     test_replicate_brute();
