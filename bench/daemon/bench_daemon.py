@@ -19,7 +19,13 @@ kernel-only time on one GPU.
 
 Load comes from moed-load (C, many calls in flight per process); every run's JSON is kept.
 
-usage: python3 bench_daemon.py --bin .gpu/bin [--suite transport,merging,multi] [--gpus N] [--json FILE] [--logs DIR]
+rebalance (a split layer re-placed while it serves): DeepSeek-V3's layer split over --gpus GPUs
+(moed --rebalance 10), moed-load with zipf routing at T = 4096, 8 callers through CUDA regions,
+before and after the daemon re-places the layer by the load it measured: tokens/s, GetModel's cut
+and generation, no call failed.
+
+usage: python3 bench_daemon.py --bin .gpu/bin [--suite transport,merging,multi,rebalance] [--gpus N]
+       [--json FILE] [--logs DIR]
        [--backend cpu --spec SPEC]   (a quick local check of the script itself, no kernel-only line)
 """
 import argparse
@@ -280,6 +286,61 @@ def multi(a, results):
     return 1 if failures else 0
 
 
+
+def rebalance(a, results):
+    """A split layer re-placed while it serves (moed --rebalance): DeepSeek-V3's layer split over
+    --gpus GPUs, moed-load with zipf routing (P(e) ~ 1/(e+1)^1.2) at T = 4096, 8 callers through
+    CUDA regions, before and after the daemon re-places the layer by the load it measured, on the
+    same daemon; no call may fail, the placement's generation must go up."""
+    from moed import MoEClient
+    n = a.gpus
+    devs = ",".join(str(i) for i in range(n))
+    period = 10
+    print(f"== rebalance: DeepSeek-V3's layer split over GPUs {devs}, zipf routing, a re-placement "
+          f"by measured load (--rebalance {period})", flush=True)
+    # (a local check of the script runs tests/e2e's moed-split-test as --bin's moed: the cpu
+    # backend, which it reports split)
+    split = ["--devices", devs, "--expert-parallel"] if a.backend == "cuda" else []
+    d = Moed(a.bin, ["--backend", a.backend, "--synthetic", a.spec, "--max-batch-tokens", "4096",
+                     *split, "--rebalance", str(period), "--rebalance-replicas", "0"],
+             os.path.join(a.logs, "moed-rebalance.log"))
+    rows, failures = [], []
+    transport = "cuda" if a.backend == "cuda" else "inline"
+    try:
+        with MoEClient(d.addr) as c:
+            before = c.info().layers[0]
+            # one load that ends before the first pass, whose counts that pass weighs
+            r = load(a.bin, d.addr, 8, 4096, 3, ["--routing", "zipf:1.2", "--transport", transport],
+                     os.path.join(a.logs, "load-rebalance-before.json"))
+            rows.append(("placed at start", before, r))
+            deadline = time.time() + 3 * period
+            while c.info().layers[0].placement_generation == before.placement_generation:
+                if time.time() > deadline:
+                    failures.append(f"no re-placement in {3 * period} s")
+                    break
+                time.sleep(0.5)
+            after = c.info().layers[0]
+            r = load(a.bin, d.addr, 8, 4096, 3, ["--routing", "zipf:1.2", "--transport", transport],
+                     os.path.join(a.logs, "load-rebalance-after.json"))
+            rows.append(("re-placed by its measured load", after, r))
+    finally:
+        d.stop()
+    print("| placement | experts per GPU | generation | tokens/s | p50 ms | calls failed |")
+    print("|---|---|---|---|---|---|")
+    for name, l, r in rows:
+        cut = ", ".join(f"{q[1] - q[0] + 1}@{q[2]}" for q in l.expert_placement)
+        print(f"| {name} | {cut} | {l.placement_generation} | {r['tokens_per_s']:.0f} | "
+              f"{r['latency_ms']['p50']:.3f} | {r['errors_total']} |")
+        if r["errors_total"]:
+            failures.append(f"{name}: {r['errors_total']} calls failed")
+    if len(rows) == 2:
+        print(f"after / before: {rows[1][2]['tokens_per_s'] / rows[0][2]['tokens_per_s']:.2f}x tokens/s")
+    results["rebalance"] = dict(rows=[dict(placement=n_, tokens_per_s=r["tokens_per_s"],
+                                           errors=r["errors_total"]) for n_, _, r in rows], failures=failures)
+    for f in failures:
+        print(f"FAILED: {f}")
+    return 1 if failures else 0
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", required=True)
@@ -292,11 +353,12 @@ def main():
     ap.add_argument("--spec", help="the synthetic model (default: the mixtral shape; multi: "
                                    "DeepSeek-V3's, one layer)")
     a = ap.parse_args()
-    a.spec = a.spec or (DEEPSEEK if a.suite == "multi" else MIXTRAL)
+    a.spec = a.spec or (DEEPSEEK if a.suite in ("multi", "rebalance") else MIXTRAL)
     a.daemon = ["--backend", a.backend, "--synthetic", a.spec]
     results, rc = {}, 0
     for s in a.suite.split(","):
-        rc |= {"transport": transport, "merging": merging, "multi": multi}[s](a, results) or 0
+        rc |= {"transport": transport, "merging": merging, "multi": multi,
+               "rebalance": rebalance}[s](a, results) or 0
     if a.json:
         json.dump(results, open(a.json, "w"), indent=1)
     return rc
