@@ -282,9 +282,10 @@ static const moed_opt options[] = {
                      "since its last placement (new expert ranges and copies of hot experts, "
                      "swapped in between launches; docs/operations.md); 0: off"),
     MOED_OPT_INT_ROW("rebalance-replicas", F(rebalance_replicas), "N", 0, MOED_PLACE_MAX_REPLICAS,
-                     "8", NULL, NULL,
+                     "0", NULL, NULL,
                      "extra copies of hot experts a re-placement may make per split layer, memory "
-                     "allowing (also with --expert-load, applied once at start); 0: none"),
+                     "allowing (also with --expert-load, applied once at start); 0: none (they "
+                     "measured slower than a new cut alone up to four GPUs: docs/operations.md)"),
     MOED_OPT_NUM_ROW("rebalance-min-gain", F(rebalance_min_gain), "FRACTION", 0, 1, "0.05", NULL,
                      NULL,
                      "re-place a layer only if its busiest device's predicted work drops by at "

@@ -163,7 +163,8 @@ def test_measured_load_re_places(tmp_path):
 @needs_split
 def test_expert_shard_numbering(tmp_path):
     d = split_daemon(tmp_path, "--synthetic", SMALL, "--threads", "1", "--experts", "2-5",
-                     "--layers", "0", "--rebalance", "1", "--rebalance-min-pairs", "10")
+                     "--layers", "0", "--rebalance", "1", "--rebalance-min-pairs", "10",
+                     "--rebalance-replicas", "8")
     try:
         with d.client(timeout=10) as c:
             assert layer_info(c, 0).expert_placement == [(2, 3, 0), (4, 5, 1)]
@@ -254,7 +255,8 @@ def test_expert_load_applied_before_ready(tmp_path):
     load.write_text("".join(f'moed_expert_tokens_total{{layer="0",expert="{e}"}} {v}\n'
                             for e, v in enumerate([900, 10, 10, 10, 10, 10, 10, 10])) +
                     "moed_batch_tokens_count 40\n")
-    d = split_daemon(tmp_path, "--synthetic", SMALL, "--threads", "1", "--expert-load", load)
+    d = split_daemon(tmp_path, "--synthetic", SMALL, "--threads", "1", "--expert-load", load,
+                     "--rebalance-replicas", "8")
     try:
         with d.client(timeout=10) as c:
             assert layer_info(c, 0).placement_generation == 1  # already at the first call
