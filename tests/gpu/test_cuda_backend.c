@@ -254,23 +254,6 @@ static int64_t count_diff(const float *a, const float *b, size_t n)
     return k;
 }
 
-/* Prunes every routed expert's matrices of l 2:4 along K (the synthetic layer owns them) and
- * marks it sparse24, as moed --weights sparse24 loads a layer. */
-static int make_sparse(moed_layer *l)
-{
-    const moed_layer_info *li = &l->info;
-    const int64_t d = li->d_model, ff = li->d_ff;
-    int rc = 0;
-    for (int e = 0; e < li->n_experts && !rc; e++) {
-        moed_expert_w *x = &l->experts[e];
-        rc = moed_sp24_prune((void *)x->w1, li->wdtype, ff, d);
-        if (!rc && x->w3) rc = moed_sp24_prune((void *)x->w3, li->wdtype, ff, d);
-        if (!rc) rc = moed_sp24_prune((void *)x->w2, li->wdtype, d, ff);
-    }
-    l->info.sparse24 = true;
-    return rc;
-}
-
 /* sparse: prune the routed experts 2:4 and mark the layer sparse24 first. */
 static void run_case(const tcase *tc, int sparse)
 {
@@ -284,7 +267,7 @@ static void run_case(const tcase *tc, int sparse)
         CHECK_MSG(0, "%s: %s", tc->name, err.msg);
         return;
     }
-    if (sparse) CHECK_MSG(make_sparse(&layer) == 0, "%s: pruning failed", tc->name);
+    if (sparse) CHECK_MSG(tok_make_sparse(&layer) == 0, "%s: pruning failed", tc->name);
     const moed_layer_info *li = &layer.info;
     const int d = li->d_model;
     const size_t es = moed_dtype_size(tc->xdtype), row = (size_t)d * es;
@@ -814,7 +797,7 @@ static void run_sparse_refused(void)
         CHECK_MSG(0, "sparse refusal: %s", err.msg);
         return;
     }
-    CHECK(make_sparse(&layer) == 0);
+    CHECK(tok_make_sparse(&layer) == 0);
     uint16_t *grp = (uint16_t *)layer.experts[2].w3 + 5 * layer.info.d_model + 8;
     grp[0] = grp[1] = grp[2] = 0x3f80; /* 1.0 in bf16 */
     moed_backend_config cfg = { .max_tokens = 16, .streams = 1 };

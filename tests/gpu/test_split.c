@@ -6,7 +6,9 @@
  * the combine run through same-device copies; "0,1" on a machine with two GPUs, through peer
  * copies, or with MOED_CUDA_NO_PEER=1 through the landing buffers); and the CPU backend. The cases:
  * the standard shape classes scaled down, bf16, f16 and FP8 weights, shared experts, every input
- * dtype, each kernel family forced, T = 1 to 4096, routes that leave experts empty, that leave one
+ * dtype, each kernel family forced, 2:4 sparse routed experts (sparse_cases: the parts hold them
+ * compressed; a re-placement copies their metadata with them), T = 1 to 4096, routes that leave
+ * experts empty, that leave one
  * part without a pair, that give tokens no pair at all, variable k from sigmoid gating, and more
  * pairs than the workspace holds (token chunks).
  *
@@ -127,6 +129,15 @@ static const scase cases[] = {
       R_TOPK, MOED_BF16, NULL },
 };
 
+/* 2:4 sparse routed experts (tok_make_sparse): the whole layer and the parts on the Sparse Tensor
+ * Cores, the CPU on the same pruned weights. */
+static const scase sparse_cases[] = {
+    { "sparse mixtral-s T=7", MIX_S, 7, R_TOPK, MOED_BF16, NULL },
+    { "sparse mixtral-s T=1000", MIX_S, 1000, R_TOPK, MOED_BF16, NULL },
+    { "sparse deepseek-s shared T=128", DSV3_S, 128, R_TOPK, MOED_BF16, NULL },
+    { "sparse qwen3-s odd experts empty T=1000", QWEN_S, 1000, R_ODD_EMPTY, MOED_BF16, NULL },
+};
+
 /* Split against whole, per token: the same terms, added in float32 in another order, then rounded
  * once to the output dtype. Each side's float32 sum is within a few float32 roundoffs of the terms
  * (2^-24 = 6e-8 each) of the other's, far less than a unit in the last place (ulp) of a bf16 or
@@ -159,14 +170,25 @@ static double urand(void)
     return (double)(rng_state >> 11) / 9007199254740992.0;
 }
 
-static int devices[2], n_devices;
+#define MAX_ENTRIES 16
+static int devices[MAX_ENTRIES], n_devices;
 
-/* MOED_SPLIT_DEVICES as two ordinals; false when malformed. */
+/* MOED_SPLIT_DEVICES as two to MAX_ENTRIES ordinals; false when malformed. */
 static bool parse_devices(void)
 {
     const char *s = getenv("MOED_SPLIT_DEVICES");
-    n_devices = sscanf(s ? s : "0,0", "%d,%d", &devices[0], &devices[1]);
-    return n_devices == 2 && devices[0] >= 0 && devices[1] >= 0;
+    s = s ? s : "0,0";
+    n_devices = 0;
+    for (;;) {
+        char *end;
+        const long v = strtol(s, &end, 10);
+        if (end == s || v < 0 || v > 1023 || n_devices == MAX_ENTRIES) return false;
+        devices[n_devices++] = (int)v;
+        if (!*end) break;
+        if (*end != ',') return false;
+        s = end + 1;
+    }
+    return n_devices >= 2;
 }
 
 /* Sigmoid gating over random logits (k varies per token). */
@@ -249,23 +271,38 @@ static moed_backend *open_cpu(const scase *sc, const moed_layer *l)
     return start(sc, "cpu", rc, b, l, &err);
 }
 
-/* The split layer's placement: two parts, one per entry, contiguous, covering every expert; the
- * two need not hold as many experts each (the placement evens out work). False when it is not. */
+/* The split layer's placement: contiguous ranges in entry order covering every expert, on
+ * entries that exist, each on its own entry (an entry may hold none of a small layer); they need
+ * not hold as many experts each (the placement evens out work). False when it is not. */
 static bool check_place(const scase *sc, moed_backend *b, int E, moed_layer_place *p)
 {
     memset(p, 0, sizeof *p);
     const int rc = moed_backend_layer_place(b, 0, p);
     CHECK_MSG(rc == 0, "%s: no placement (%d)", sc->name, rc);
-    const bool ok = rc == 0 && p->n_parts == 2 && p->part[0].dev == 0 && p->part[1].dev == 1 &&
-                    p->part[0].first == 0 && p->part[0].count >= 0 && p->part[1].count >= 0 &&
-                    p->part[1].first == p->part[0].count &&
-                    p->part[0].count + p->part[1].count == E;
+    bool ok = rc == 0 && p->n_parts >= 2 && p->n_parts <= n_devices;
+    int next = 0;
+    for (int i = 0; ok && i < p->n_parts; i++) {
+        ok = p->part[i].first == next && p->part[i].count >= 0 &&
+             (i ? p->part[i].dev > p->part[i - 1].dev : p->part[i].dev >= 0) &&
+             p->part[i].dev < n_devices;
+        next += p->part[i].count;
+    }
+    ok = ok && next == E;
     CHECK_MSG(ok,
-              "%s: placement of %d parts (%d+%d experts from %d and %d) is not the two entries' "
-              "contiguous ranges over %d experts",
-              sc->name, p->n_parts, p->part[0].count, p->part[1].count, p->part[0].first,
-              p->part[1].first, E);
+              "%s: placement of %d parts (the first %d experts from %d) is not contiguous ranges "
+              "over the %d entries covering %d experts",
+              sc->name, p->n_parts, p->part[0].count, p->part[0].first, n_devices, E);
     return ok;
+}
+
+/* The parts' expert counts as "a+b+...", for the log. */
+static const char *place_counts(const moed_layer_place *p, char *buf, size_t n)
+{
+    size_t at = 0;
+    buf[0] = 0;
+    for (int i = 0; i < p->n_parts && at < n; i++)
+        at += (size_t)snprintf(buf + at, n - at, "%s%d", i ? "+" : "", p->part[i].count);
+    return buf;
 }
 
 /* Tokens of y [T, d] doubles with an element that is not finite (NaN: unwritten). */
@@ -427,8 +464,9 @@ static void check_accuracy(const scase *sc, const moed_layer *l, const moed_rout
 
     /* Against the CPU and float64: the bounds of the layer's compute type. FP8 on the Tensor Cores
      * where either GPU of the split takes them (the looser bound). */
-    const bool native = l->info.wdtype == MOED_FP8 && (tok_fp8_native(sc->kernel, devices[0]) ||
-                                                       tok_fp8_native(sc->kernel, devices[1]));
+    bool native = false;
+    for (int i = 0; l->info.wdtype == MOED_FP8 && i < n_devices; i++)
+        native |= tok_fp8_native(sc->kernel, devices[i]) != 0;
     const int cls = tok_compute_class(l->info.wdtype, native);
     const tok_report vc =
         check_tokens(sc, "the cpu backend", g, c, T, d, tok_rtol[cls], TOK_ATOL, NULL);
@@ -447,13 +485,14 @@ static void check_accuracy(const scase *sc, const moed_layer *l, const moed_rout
     const tok_report vf =
         check_tokens(sc, "the float64 reference", gs, f, n64, d, tok_rtol[cls], TOK_ATOL, tok);
 
+    char counts[128];
     fprintf(stderr,
-            "  %-42s T=%-5lld pairs=%-7lld experts %d+%d; vs whole: worst error/magnitude %.1e "
+            "  %-42s T=%-5lld pairs=%-7lld experts %s; vs whole: worst error/magnitude %.1e "
             "(rtol %.1e), %lld of %lld tokens bit-identical; vs cpu max %.1e, vs f64 max %.1e "
             "(%s, rtol %g)\n",
-            sc->name, (long long)T, (long long)route->off[T], place->part[0].count,
-            place->part[1].count, vw.rel_max, rtol_w, (long long)same, (long long)T, vc.rel_max,
-            vf.rel_max, tok_compute_name[cls], tok_rtol[cls]);
+            sc->name, (long long)T, (long long)route->off[T],
+            place_counts(place, counts, sizeof counts), vw.rel_max, rtol_w, (long long)same,
+            (long long)T, vc.rel_max, vf.rel_max, tok_compute_name[cls], tok_rtol[cls]);
     moed_route_free(&r64);
     free(g);
     free(w);
@@ -510,9 +549,10 @@ static void verify(const scase *sc, const moed_layer *l, const moed_route *route
     free(yc);
 }
 
-/* The case's layer, its input x (T rows of random values) and the three backends: whole, split
- * and the CPU. False (and the test failed) where any is missing. */
-static bool setup(const scase *sc, moed_layer *layer, void **x, moed_backend **bw,
+/* The case's layer (its routed experts pruned 2:4 with `sparse`), its input x (T rows of random
+ * values) and the three backends: whole, split and the CPU. False (and the test failed) where any
+ * is missing. */
+static bool setup(const scase *sc, bool sparse, moed_layer *layer, void **x, moed_backend **bw,
                   moed_backend **bs, moed_backend **bc)
 {
     moed_synth_spec spec;
@@ -522,6 +562,10 @@ static bool setup(const scase *sc, moed_layer *layer, void **x, moed_backend **b
     memset(layer, 0, sizeof *layer); /* teardown frees it whatever happens */
     if (moed_synth_parse(sc->spec, &spec, &err) || moed_synth_layer(&spec, 0, layer, &err)) {
         CHECK_MSG(0, "%s: %s", sc->name, err.msg);
+        return false;
+    }
+    if (sparse && tok_make_sparse(layer)) {
+        CHECK_MSG(0, "%s: pruning 2:4 failed", sc->name);
         return false;
     }
     const int d = layer->info.d_model;
@@ -534,7 +578,7 @@ static bool setup(const scase *sc, moed_layer *layer, void **x, moed_backend **b
     }
     free(xf);
     *bw = open_cuda(sc, layer, devices, 1, false);
-    *bs = open_cuda(sc, layer, devices, 2, true);
+    *bs = open_cuda(sc, layer, devices, n_devices, true);
     *bc = open_cpu(sc, layer);
     CHECK_MSG(*bw && *bs && *bc, "%s: backends did not open", sc->name);
     return *bw && *bs && *bc;
@@ -550,13 +594,13 @@ static void teardown(moed_layer *layer, void *x, moed_backend *bw, moed_backend 
     free(x);
 }
 
-static void run_case(const scase *sc)
+static void run_case(const scase *sc, bool sparse)
 {
     moed_layer layer;
     moed_route route = { 0 };
     moed_backend *bw, *bs, *bc;
     void *x;
-    if (setup(sc, &layer, &x, &bw, &bs, &bc)) {
+    if (setup(sc, sparse, &layer, &x, &bw, &bs, &bc)) {
         const int E = layer.info.n_experts;
         moed_layer_place place;
         const bool placed = check_place(sc, bs, E, &place);
@@ -586,14 +630,18 @@ static const scase replace_cases[] = {
     { "replace fp8 deepseek-s shared T=128", DSV3_FP8, 128, R_TOPK, MOED_BF16, NULL },
     { "replace qwen3-s sigmoid T=1000", QWEN_S, 1000, R_SIGMOID, MOED_BF16, NULL },
 };
+/* A 2:4 sparse layer re-placed: its parts' compressed weights and metadata copied with them. */
+static const scase replace_sparse = {
+    "replace sparse deepseek-s shared T=128", DSV3_S, 128, R_TOPK, MOED_BF16, NULL
+};
 
-/* A placement after a re-placement: contiguous ranges covering every expert on the two entries,
+/* A placement after a re-placement: contiguous ranges covering every expert on the entries,
  * and copies each of an expert on the entry that does not hold its range, by expert then entry. */
 static void check_replicas(const scase *sc, const moed_layer_place *p, int E)
 {
     int next = 0;
     for (int i = 0; i < p->n_parts; i++) {
-        CHECK_MSG(p->part[i].first == next && p->part[i].dev >= 0 && p->part[i].dev < 2,
+        CHECK_MSG(p->part[i].first == next && p->part[i].dev >= 0 && p->part[i].dev < n_devices,
                   "%s: part %d (entry %d, %d experts from %d) does not follow on", sc->name, i,
                   p->part[i].dev, p->part[i].count, p->part[i].first);
         next += p->part[i].count;
@@ -605,7 +653,7 @@ static void check_replicas(const scase *sc, const moed_layer_place *p, int E)
         for (int i = 0; i < p->n_parts; i++)
             own |= p->part[i].dev == c->dev && c->expert >= p->part[i].first &&
                    c->expert < p->part[i].first + p->part[i].count;
-        CHECK_MSG(c->expert >= 0 && c->expert < E && c->dev >= 0 && c->dev < 2 && !own,
+        CHECK_MSG(c->expert >= 0 && c->expert < E && c->dev >= 0 && c->dev < n_devices && !own,
                   "%s: copy %d of expert %d on entry %d", sc->name, r, c->expert, c->dev);
         CHECK(r == 0 || p->replica[r - 1].expert < c->expert ||
               (p->replica[r - 1].expert == c->expert && p->replica[r - 1].dev < c->dev));
@@ -636,10 +684,10 @@ static bool replace_to(const scase *sc, moed_backend *bs, int E, int hot, int ma
               "%s: hot expert %d got no copy (%d parts)", sc->name, hot, p->n_parts);
     CHECK_MSG(rc || max_rep || p->n_replicas == 0, "%s: %d copies where none were allowed",
               sc->name, p->n_replicas);
-    fprintf(stderr,
-            "  %s: re-placed (hot expert %d): %d+%d experts, %d copies, peak %.3g -> %.3g\n",
-            sc->name, hot, p->part[0].count, p->n_parts > 1 ? p->part[1].count : 0, p->n_replicas,
-            res.before, res.after);
+    char counts[128];
+    fprintf(stderr, "  %s: re-placed (hot expert %d): %s experts, %d copies, peak %.3g -> %.3g\n",
+            sc->name, hot, place_counts(p, counts, sizeof counts), p->n_replicas, res.before,
+            res.after);
     return rc == 0;
 }
 
@@ -692,13 +740,13 @@ static void wait_calls(hammer *h, int n)
     }
 }
 
-static void run_replace_case(const scase *sc)
+static void run_replace_case(const scase *sc, bool sparse)
 {
     moed_layer layer;
     moed_route route = { 0 };
     moed_backend *bw, *bs, *bc;
     void *x;
-    if (!setup(sc, &layer, &x, &bw, &bs, &bc)) {
+    if (!setup(sc, sparse, &layer, &x, &bw, &bs, &bc)) {
         teardown(&layer, x, bw, bs, bc);
         return;
     }
@@ -767,26 +815,34 @@ static void run_replace_case(const scase *sc)
 int main(void)
 {
     if (!parse_devices()) {
-        fprintf(stderr, "test_split: MOED_SPLIT_DEVICES must be two ordinals, like 0,0 or 0,1\n");
+        fprintf(stderr,
+                "test_split: MOED_SPLIT_DEVICES must be 2 to %d ordinals, like 0,0 or "
+                "0,1,2,3\n",
+                MAX_ENTRIES);
         return 1;
     }
-    int n = 0;
-    if (!moed_backend_cuda_available() || cudaGetDeviceCount(&n) != cudaSuccess ||
-        devices[0] >= n || devices[1] >= n) {
-        fprintf(stderr, "test_split: devices %d,%d: no such CUDA devices here (%d): skipped\n",
-                devices[0], devices[1], n);
+    char list[MAX_ENTRIES * 6] = "";
+    int n = 0, missing = 0;
+    for (int i = 0, at = 0; i < n_devices; i++)
+        at += snprintf(list + at, sizeof list - (size_t)at, "%s%d", i ? "," : "", devices[i]);
+    const bool cuda = moed_backend_cuda_available() && cudaGetDeviceCount(&n) == cudaSuccess;
+    for (int i = 0; i < n_devices; i++) missing |= devices[i] >= n;
+    if (!cuda || missing) {
+        fprintf(stderr, "test_split: devices %s: no such CUDA devices here (%d): skipped\n", list,
+                n);
         return CHECK_SKIP;
     }
-    fprintf(stderr, "test_split: whole on GPU %d against split over GPUs %d,%d%s\n", devices[0],
-            devices[0], devices[1],
+    fprintf(stderr, "test_split: whole on GPU %d against split over GPUs %s%s\n", devices[0], list,
             getenv("MOED_CUDA_NO_PEER") && *getenv("MOED_CUDA_NO_PEER") == '1'
                 ? " (no peer access: landing buffers)"
                 : "");
-    const char *quick = getenv("MOED_GPU_TEST_QUICK");
+    const bool quick = getenv("MOED_GPU_TEST_QUICK") && *getenv("MOED_GPU_TEST_QUICK") == '1';
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
-        if (!(quick && *quick == '1') || cases[i].T <= 128) run_case(&cases[i]);
+        if (!quick || cases[i].T <= 128) run_case(&cases[i], false);
+    for (size_t i = 0; i < sizeof sparse_cases / sizeof sparse_cases[0]; i++)
+        if (!quick || sparse_cases[i].T <= 128) run_case(&sparse_cases[i], true);
     for (size_t i = 0; i < sizeof replace_cases / sizeof replace_cases[0]; i++)
-        if (!(quick && *quick == '1') || replace_cases[i].T <= 128)
-            run_replace_case(&replace_cases[i]);
+        if (!quick || replace_cases[i].T <= 128) run_replace_case(&replace_cases[i], false);
+    run_replace_case(&replace_sparse, true);
     return check_status("test_split");
 }
