@@ -2,7 +2,8 @@
  * test_fleet_plan — libmoedclient's fleet planner (moedc_plan) against the table of scenarios the
  * Python client's planner is tested against too ($MOED_TEST_DATA/fleet_scenarios.json, read by
  * client/python/tests/test_fleet_plan.py): the same constants, shards and replicas, the same error
- * codes and texts, replica choice, GetModel schedules, sums bit for bit, and health.
+ * codes and texts, replica choice, GetModel schedules, the tokens each shard gets, sums bit for
+ * bit, and health.
  */
 #include "check.h"
 #include "moedc_plan.h"
@@ -334,6 +335,18 @@ static void test_rechecks(void)
     fleet_free(&f);
 }
 
+/* A table's list of bit patterns as dtype's elements (size bytes each) at out. */
+static void bits_of(const cJSON *list, size_t size, unsigned char *out)
+{
+    for (int j = 0; j < cJSON_GetArraySize(list); j++) {
+        const uint32_t bits = (uint32_t)cJSON_GetArrayItem(list, j)->valuedouble;
+        if (size == 4)
+            memcpy(out + (size_t)j * 4, &bits, 4);
+        else
+            memcpy(out + (size_t)j * 2, &(uint16_t){ (uint16_t)bits }, 2);
+    }
+}
+
 static void test_sum(const cJSON *sc)
 {
     const char *dtype = get(sc, "dtype")->valuestring;
@@ -341,33 +354,74 @@ static void test_sum(const cJSON *sc)
                    : !strcmp(dtype, "f16") ? MOEDC_F16
                                            : MOEDC_BF16;
     const size_t size = dt == MOEDC_F32 ? 4 : 2;
-    const cJSON *parts = get(sc, "parts"), *want = get(sc, "sum");
+    const cJSON *parts = get(sc, "parts"), *want = get(sc, "sum"), *rows = get(sc, "rows");
     const int n = cJSON_GetArraySize(parts);
     const size_t count = (size_t)cJSON_GetArraySize(want);
-    unsigned char *bytes = calloc((size_t)(n + 1) * count, size);
+    /* without rows: every part holds every token, each one element */
+    const int64_t tokens = rows ? get(sc, "tokens")->valueint : (int64_t)count;
+    const int64_t d = (int64_t)count / tokens;
+    unsigned char *bytes = calloc((size_t)(n + 1) * count, size),
+                  *expect = bytes + n * count * size;
     const void *ptrs[MAX_TARGETS];
-    for (int i = 0; i <= n; i++) {
-        const cJSON *list = i < n ? cJSON_GetArrayItem(parts, i) : want;
-        for (size_t j = 0; j < count; j++) {
-            const uint32_t bits = (uint32_t)cJSON_GetArrayItem(list, (int)j)->valuedouble;
-            unsigned char *at = bytes + ((size_t)i * count + j) * size;
-            if (size == 4)
-                memcpy(at, &bits, 4);
-            else
-                memcpy(at, &(uint16_t){ (uint16_t)bits }, 2);
-        }
-        if (i < n) ptrs[i] = bytes + (size_t)i * count * size;
+    int64_t row_lists[MAX_TARGETS][16], n_rows[MAX_TARGETS];
+    const int64_t *row_ptrs[MAX_TARGETS];
+    bool whole = true; /* every part holds every token: the sum may go into the first */
+    for (int i = 0; i < n; i++) {
+        ptrs[i] = bytes + (size_t)i * count * size;
+        bits_of(cJSON_GetArrayItem(parts, i), size, (unsigned char *)ptrs[i]);
+        const cJSON *list = rows ? cJSON_GetArrayItem(rows, i) : NULL;
+        n_rows[i] = list ? cJSON_GetArraySize(list) : tokens;
+        for (int64_t j = 0; list && j < n_rows[i]; j++)
+            row_lists[i][j] = cJSON_GetArrayItem(list, (int)j)->valueint;
+        row_ptrs[i] = list ? row_lists[i] : NULL;
+        whole &= n_rows[i] == tokens;
     }
+    bits_of(want, size, expect);
     unsigned char *out = malloc(count * size);
     moedc_error err;
-    CHECK_EQ_INT(moedc_plan_sum(dt, ptrs, n, count, out, &err), 0);
-    CHECK_MSG(!memcmp(out, bytes + (size_t)n * count * size, count * size), "%s", name_of(sc));
-    /* into the first part itself, as the fleet does (the carrier's output) */
-    CHECK_EQ_INT(moedc_plan_sum(dt, ptrs, n, count, bytes, &err), 0);
-    CHECK_MSG(!memcmp(bytes, bytes + (size_t)n * count * size, count * size), "%s in place",
-              name_of(sc));
+    CHECK_EQ_INT(moedc_plan_sum(dt, ptrs, row_ptrs, n_rows, n, tokens, d, out, &err), 0);
+    CHECK_MSG(!memcmp(out, expect, count * size), "%s", name_of(sc));
+    if (whole) { /* into the first part itself, as the fleet does (the carrier's output) */
+        CHECK_EQ_INT(moedc_plan_sum(dt, ptrs, NULL, NULL, n, tokens, d, bytes, &err), 0);
+        CHECK_MSG(!memcmp(bytes, expect, count * size), "%s in place", name_of(sc));
+    }
     free(out);
     free(bytes);
+}
+
+static void test_slices(const cJSON *sc)
+{
+    fleet f;
+    fleet_of(&f, sc, NULL);
+    moedc_layer_plan none;
+    const moedc_layer_plan *pl = moedc_plan_for(&f.p, 0, &none);
+    CHECK_MSG(!pl->rc, "%s: %s", name_of(sc), pl->msg);
+    const cJSON *ids = get(sc, "ids"), *w = get(sc, "weights"), *k_given = get(sc, "k");
+    const int T = cJSON_GetArraySize(ids);
+    const int k = T ? cJSON_GetArraySize(cJSON_GetArrayItem(ids, 0)) : k_given->valueint;
+    int32_t id[64];
+    float wt[64];
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < k; j++) {
+            id[t * k + j] = cJSON_GetArrayItem(cJSON_GetArrayItem(ids, t), j)->valueint;
+            wt[t * k + j] = w ? (float)cJSON_GetArrayItem(cJSON_GetArrayItem(w, t), j)->valuedouble
+                              : id[t * k + j] != -1;
+        }
+    int64_t *rows[MAX_TARGETS], n_rows[MAX_TARGETS];
+    moedc_error err;
+    CHECK_EQ_INT(moedc_plan_rows(pl, id, wt, T, k, rows, n_rows, &err), 0);
+    const cJSON *want = get(sc, "rows");
+    CHECK_MSG(cJSON_GetArraySize(want) == pl->n_shards, "%s: %d shards", name_of(sc), pl->n_shards);
+    for (int s = 0; s < pl->n_shards && s < cJSON_GetArraySize(want); s++) {
+        const cJSON *list = cJSON_GetArrayItem(want, s);
+        bool same = cJSON_GetArraySize(list) == n_rows[s];
+        for (int64_t j = 0; same && j < n_rows[s]; j++)
+            same = cJSON_GetArrayItem(list, (int)j)->valueint == (rows[s] ? rows[s][j] : j);
+        CHECK_MSG(same, "%s: shard %d gets %lld rows, not the table's", name_of(sc), s,
+                  (long long)n_rows[s]);
+        free(rows[s]);
+    }
+    fleet_free(&f);
 }
 
 /* The code a call the daemon answered with status `name` fails with. */
@@ -457,7 +511,8 @@ int main(void)
     }
     test_constants();
     int n = run("plans", test_plan) + run("picks", test_pick) + run("asks", test_ask) +
-            run("sums", test_sum) + run("exhausted", test_exhausted) + run("health", test_health);
+            run("sums", test_sum) + run("slices", test_slices) + run("exhausted", test_exhausted) +
+            run("health", test_health);
     test_downs();
     test_rechecks();
     fprintf(stderr, "test_fleet_plan: %d scenarios\n", n);

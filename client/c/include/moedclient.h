@@ -197,23 +197,27 @@ MOEDC_EXTERN int moedc_connect(const char *target, const moedc_opts *opts, moedc
  * (a real connection attempt each time), and every daemon while a layer cannot be planned.
  *
  * A Forward goes to one replica of each shard of its layer at once (the one with the fewest calls
- * outstanding from this moedc), stating the model and experts it expects of it (moed.proto's
- * ForwardRequest.expect): a daemon restarted as something else refuses it rather than add a wrong
- * partial. A replica answering UNAVAILABLE (draining, queue full, unreachable) is passed over for a
- * while, and the call goes to the next replica at once, as it does from one that refused; each
- * replica once per call. A shard none of whose replicas answered fails the call UNAVAILABLE (one
- * refused: MOEDC_EPRECOND) naming the layer, the experts and each daemon with what it said. The
- * start of a call blocks while a daemon's GetModel is asked, and a call that finds no daemon to
- * try waits (within its deadline) for the next one due to be asked again, and asks it, before it
- * fails. The result is the shards' partial outputs added in float32 in the order of each
- * shard's lowest expert and rounded once to the request's dtype (moed.proto's "Expert shards"
- * bounds the cost in bf16 and f16); its timings, request_id and expert_set are those of the
- * slowest shard. With one shard the reply is the result, as from one daemon. Batch gating over a
- * layer split into several shards is MOEDC_EPRECOND. moedc_info answers the fleet's model (each
- * layer once, held: the experts the daemons serving it hold between them; the smallest limits;
- * every device; its fingerprint); moedc_health SERVING when every layer has every expert on a
- * SERVING daemon. A region session and ListRegions need one daemon: MOEDC_EPRECOND.
- * With n == 1 and a target that is one daemon, this is moedc_connect. */
+ * outstanding from this moedc); with MOEDC_ROUTE_EXPERTS a shard gets only the tokens with a pair
+ * on an expert it holds (every token for the one adding the shared experts), and one that would
+ * get none gets no call, so a shard that is down fails only the calls that need it. It states the
+ * model and experts it expects of it (moed.proto's ForwardRequest.expect): a daemon restarted as
+ * something else refuses it rather than add a wrong partial. A replica answering UNAVAILABLE
+ * (draining, queue full, unreachable) is passed over for a while, and the call goes to the next
+ * replica at once, as it does from one that refused; each replica once per call. A shard none of
+ * whose replicas answered fails the call UNAVAILABLE (one refused: MOEDC_EPRECOND) naming the
+ * layer, the experts and each daemon with what it said. The start of a call blocks while a daemon's
+ * GetModel is asked, and a call that finds no daemon to try waits (within its deadline) for the
+ * next one due to be asked again, and asks it, before it fails. The result is the shards' partial
+ * outputs added in float32 in the order of each shard's lowest expert and rounded once to the
+ * request's dtype (moed.proto's "Expert shards" bounds the cost in bf16 and f16; a token a shard
+ * did not get adds the +0.0 it would have answered, so the sum's bits are those of every token sent
+ * to every shard); its timings, request_id and expert_set are those of the slowest shard. With one
+ * shard the reply is the result, as from one daemon. Batch gating over a layer split into several
+ * shards is MOEDC_EPRECOND. moedc_info answers the fleet's model (each layer once, held: the
+ * experts the daemons serving it hold between them; the smallest limits; every device; its
+ * fingerprint); moedc_health SERVING when every layer has every expert on a SERVING daemon. A
+ * region session and ListRegions need one daemon: MOEDC_EPRECOND. With n == 1 and a target that is
+ * one daemon, this is moedc_connect. */
 MOEDC_EXTERN int moedc_connect_many(const char *const *targets, int n, const moedc_opts *opts,
                                     moedc **out, moedc_error *err);
 /* Closes the channel. Every call started on it must have been finished. */

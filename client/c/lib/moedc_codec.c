@@ -343,6 +343,18 @@ void moedc_result_free(moedc_result *res)
     memset(res, 0, sizeof *res);
 }
 
+void moedc_result_set_output(moedc_result *res, void *buf, int64_t tokens)
+{
+    Moed__V1__ForwardResponse *r = res->priv;
+    /* free_unpacked frees the reply's bytes with the default allocator, free(): buf's too */
+    free(r->output->data.data);
+    r->output->data.data = buf;
+    res->tokens = tokens;
+    res->output_bytes = (size_t)(tokens * res->d_model) * moed_dtype_size(res->dtype);
+    r->output->data.len = res->output_bytes;
+    res->output = buf;
+}
+
 int moedc_encode_get_model(uint8_t **buf, size_t *n, moedc_error *err)
 {
     Moed__V1__GetModelRequest m = MOED__V1__GET_MODEL_REQUEST__INIT;

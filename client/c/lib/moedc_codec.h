@@ -44,6 +44,11 @@ void moedc_wire_free(moedc_wire *w);
 int moedc_decode_forward(const uint8_t *buf, size_t n, int dtype, int64_t tokens, int64_t d_model,
                          const moedc_ref *out, moedc_result *res, moedc_error *err);
 
+/* Gives res (decoded by moedc_decode_forward, its output in the reply) the output at buf, malloc'd,
+ * tokens x d_model elements of its dtype, which it then owns in place of the reply's: a fleet's
+ * sum over shards that each got fewer tokens. */
+void moedc_result_set_output(moedc_result *res, void *buf, int64_t tokens);
+
 /* GetModelRequest / grpc.health.v1.HealthCheckRequest into malloc'd bytes. */
 int moedc_encode_get_model(uint8_t **buf, size_t *n, moedc_error *err);
 int moedc_encode_health(const char *service, uint8_t **buf, size_t *n, moedc_error *err);

@@ -5,13 +5,14 @@
  * plans them. A fleet is a moedc_impl.h implementation, and drives its daemons' moedcs through
  * that table and the public calls only.
  *
- * A Forward over a fleet is a fleet call (the caller's handle) and one sub-call per shard, started
- * with a done function: the thread that collects a sub-call from the queue runs part_done, which
- * starts another replica or records the part, and hands over the fleet call once every part is
- * in; the caller never sees a sub-call. Every sub-call states what its part expects of the daemon
- * (the fleet's model, the shard's experts), so a part's reply is only ever one the plan it was made
- * from accounts for: the sum is right whatever changed since, and a daemon that changed refuses
- * instead.
+ * A Forward over a fleet is a fleet call (the caller's handle) and one sub-call per shard that gets
+ * tokens (where the client chose the experts, only those with a term on the shard:
+ * moedc_plan_rows), started with a done function: the thread that collects a sub-call from the
+ * queue runs part_done, which starts another replica or records the part, and hands over the fleet
+ * call once every part is in; the caller never sees a sub-call. Every sub-call states what its part
+ * expects of the daemon (the fleet's model, the shard's experts), so a part's reply is only ever
+ * one the plan it was made from accounts for: the sum is right whatever changed since, and a daemon
+ * that changed refuses instead.
  *
  * Locking: one mutex over the planner (the members' state, the plans) and the fleet calls'
  * bookkeeping. It is never held across a wait: GetModel is asked with it released, and a sub-call
@@ -65,7 +66,14 @@ typedef struct part {
     moedc_call *sub;          /* the attempt in flight, or NULL */
     moedc_expect expect;      /* what each attempt states it expects of its daemon */
     moedc_expert_range *held; /* expect's ranges (the shard's, copied) */
-    bool refused;             /* a replica refused it: it is not what the fleet took it for */
+    /* What it sends: the call's request, or, where the client chose the experts, only the tokens
+     * the shard has terms for (moedc_plan_rows): rows lists them (NULL: every token), and the
+     * request carries copies of those rows of hidden, ids and weights. */
+    moedc_request req;
+    int64_t *rows, n_rows;
+    void *hidden, *ids, *weights;
+    bool idle;    /* it gets no token: no call */
+    bool refused; /* a replica refused it: it is not what the fleet took it for */
     moedc_result res;
     bool done;
 } part;
@@ -424,7 +432,7 @@ static int start_part(fleet_call *fc, part *p, moedc_error *err)
     const int i = p->replicas[at];
     member *m = member_at(f, i);
     p->tried[at] = 1;
-    moedc_request req = fc->req;
+    moedc_request req = p->req;
     if (fc->deadline) {
         const double left = fc->deadline - now_s();
         req.timeout_s = left > 1e-3 ? left : 1e-3;
@@ -491,6 +499,10 @@ static void free_parts(fleet_call *fc)
         free(fc->parts[i].replicas);
         free(fc->parts[i].tried);
         free(fc->parts[i].held);
+        free(fc->parts[i].rows);
+        free(fc->parts[i].hidden);
+        free(fc->parts[i].ids);
+        free(fc->parts[i].weights);
     }
     free(fc->parts);
     fc->parts = NULL;
@@ -540,6 +552,65 @@ static int keep_request(fleet_call *fc, const moedc_request *req, moedc_error *e
     return 0;
 }
 
+/* Whether the call's tokens may be sent to each shard apart: the client chose the experts, and
+ * every tensor travels inline. */
+static bool sliceable(const moedc_request *req)
+{
+    return req->routing == MOEDC_ROUTE_EXPERTS && req->tokens > 0 && req->k > 0 &&
+           req->d_model > 0 && req->hidden && req->expert_ids && req->expert_weights &&
+           (req->dtype == MOEDC_F32 || req->dtype == MOEDC_F16 || req->dtype == MOEDC_BF16) &&
+           !req->hidden_at.region && !req->expert_ids_at.region && !req->expert_weights_at.region &&
+           !req->output_at.region;
+}
+
+/* Copies rows[0..n-1] of the [*, cols] matrix at src (elements of size bytes) into a new array. */
+static void *gather(const void *src, size_t cols, size_t size, const int64_t *rows, int64_t n)
+{
+    const size_t row = cols * size;
+    char *out = malloc(row * (size_t)n);
+    for (int64_t j = 0; out && j < n; j++)
+        memcpy(out + row * (size_t)j, (const char *)src + row * (size_t)rows[j], row);
+    return out;
+}
+
+/* Each part's tokens (moedc_plan_rows) and, for a part with some of them, its request for those
+ * rows alone (under f->mu). */
+static int slice_parts(fleet_call *fc, moedc_layer_plan *pl, moedc_error *err)
+{
+    const moedc_request *req = &fc->req;
+    int64_t **rows = calloc((size_t)pl->n_shards, sizeof *rows),
+            *n_rows = calloc((size_t)pl->n_shards, sizeof *n_rows);
+    int rc = rows && n_rows ? moedc_plan_rows(pl, req->expert_ids, req->expert_weights, req->tokens,
+                                              req->k, rows, n_rows, err)
+                            : moedc_fail(err, MOEDC_ENOMEM, "out of memory starting a call");
+    for (int s = 0; !rc && s < fc->n_parts; s++) {
+        part *p = &fc->parts[s];
+        p->rows = rows[s];
+        p->n_rows = n_rows[s];
+        rows[s] = NULL;
+        p->idle = !p->n_rows;
+        if (p->n_rows == req->tokens) { /* every token: the call's own request */
+            free(p->rows);
+            p->rows = NULL;
+        }
+        if (!p->rows || p->idle) continue;
+        const size_t size = moed_dtype_size(req->dtype), k = (size_t)req->k;
+        p->hidden = gather(req->hidden, (size_t)req->d_model, size, p->rows, p->n_rows);
+        p->ids = gather(req->expert_ids, k, sizeof(int32_t), p->rows, p->n_rows);
+        p->weights = gather(req->expert_weights, k, sizeof(float), p->rows, p->n_rows);
+        if (!p->hidden || !p->ids || !p->weights)
+            rc = moedc_fail(err, MOEDC_ENOMEM, "out of memory starting a call");
+        p->req.tokens = p->n_rows;
+        p->req.hidden = p->hidden;
+        p->req.expert_ids = p->ids;
+        p->req.expert_weights = p->weights;
+    }
+    for (int s = 0; rows && s < pl->n_shards; s++) free(rows[s]);
+    free(rows);
+    free(n_rows);
+    return rc;
+}
+
 /* One part per shard of the plan (under f->mu). */
 static int make_parts(fleet_call *fc, moedc_layer_plan *pl, moedc_error *err)
 {
@@ -563,8 +634,9 @@ static int make_parts(fleet_call *fc, moedc_layer_plan *pl, moedc_error *err)
                                     .adds_shared = sh->li->adds_shared };
         p->n_replicas = sh->n_replicas;
         p->turn = sh->turn++;
+        p->req = fc->req;
     }
-    return 0;
+    return sliceable(&fc->req) ? slice_parts(fc, pl, err) : 0;
 }
 
 /* Plans the call and starts its parts (under f->mu). */
@@ -576,9 +648,12 @@ static int start_call(fleet_call *fc, moedc_error *err)
     if (pl->rc) return moedc_fail(err, pl->rc, "%s", pl->msg);
     int rc = fc->req.batch_gating ? moedc_plan_batch_gating(&f->p, pl, err) : 0;
     if (!rc) rc = make_parts(fc, pl, err);
-    for (int i = 0; !rc && i < fc->n_parts; i++) /* every shard has a replica, or none starts */
-        if (pick(f, &fc->parts[i]) < 0) rc = exhausted(fc, &fc->parts[i], err);
+    /* every shard the call needs has a replica, or none starts */
+    for (int i = 0; !rc && i < fc->n_parts; i++)
+        if (!fc->parts[i].idle && pick(f, &fc->parts[i]) < 0)
+            rc = exhausted(fc, &fc->parts[i], err);
     for (int i = 0; !rc && i < fc->n_parts; i++) {
+        if (fc->parts[i].idle) continue;
         rc = start_part(fc, &fc->parts[i], err);
         if (rc == MOEDC_EUNAVAIL) exhausted(fc, &fc->parts[i], err);
         if (!rc) fc->pending++;
@@ -659,25 +734,48 @@ static void fleet_forward_cancel(moedc_call *call)
     pthread_mutex_unlock(&fc->f->mu);
 }
 
-/* The parts' outputs added up (moedc_plan_sum) into the output of the part with the slowest
- * reply, whose result becomes the call's. */
+/* The outputs of the parts that made a call added up (moedc_plan_sum), each over its tokens, into
+ * the result of the part with the slowest reply, which becomes the call's: into its output when
+ * that part got every token, else into an output of every token given to it. */
 static int add_parts(fleet_call *fc, moedc_result *res, moedc_error *err)
 {
-    int carrier = 0;
-    for (int i = 1; i < fc->n_parts; i++)
-        if (fc->parts[i].res.timings.total_us > fc->parts[carrier].res.timings.total_us)
+    int carrier = -1, n = 0;
+    for (int i = 0; i < fc->n_parts; i++)
+        if (!fc->parts[i].idle && (carrier < 0 || fc->parts[i].res.timings.total_us >
+                                                      fc->parts[carrier].res.timings.total_us))
             carrier = i;
     const void **outs = malloc(sizeof *outs * (size_t)fc->n_parts);
-    if (!outs) return moedc_fail(err, MOEDC_ENOMEM, "out of memory adding the shards' outputs");
-    for (int i = 0; i < fc->n_parts; i++) outs[i] = fc->parts[i].res.output;
-    const size_t n = fc->parts[0].res.output_bytes / moed_dtype_size(fc->req.dtype);
+    const int64_t **rows = malloc(sizeof *rows * (size_t)fc->n_parts);
+    int64_t *n_rows = malloc(sizeof *n_rows * (size_t)fc->n_parts);
+    const size_t bytes =
+        (size_t)fc->req.tokens * (size_t)fc->req.d_model * moed_dtype_size(fc->req.dtype);
+    part *c = &fc->parts[carrier];
     /* the decoded reply's output, which the result owns */
-    int rc = moedc_plan_sum(fc->req.dtype, outs, fc->n_parts, n,
-                            (void *)fc->parts[carrier].res.output, err);
+    void *sum = c->rows ? malloc(bytes ? bytes : 1) : (void *)c->res.output;
+    int rc = outs && rows && n_rows && sum
+                 ? 0
+                 : moedc_fail(err, MOEDC_ENOMEM, "out of memory adding the shards' outputs");
+    for (int i = 0; !rc && i < fc->n_parts; i++) {
+        if (fc->parts[i].idle) continue;
+        outs[n] = fc->parts[i].res.output;
+        rows[n] = fc->parts[i].rows;
+        n_rows[n++] = fc->parts[i].n_rows;
+    }
+    if (!rc)
+        rc = moedc_plan_sum(fc->req.dtype, outs, rows, n_rows, n, fc->req.tokens, fc->req.d_model,
+                            sum, err);
     free(outs);
+    free(rows);
+    free(n_rows);
+    if (c->rows) {
+        if (rc)
+            free(sum);
+        else
+            moedc_result_set_output(&c->res, sum, fc->req.tokens);
+    }
     if (rc) return rc;
-    *res = fc->parts[carrier].res;
-    memset(&fc->parts[carrier].res, 0, sizeof *res);
+    *res = c->res;
+    memset(&c->res, 0, sizeof *res);
     return 0;
 }
 

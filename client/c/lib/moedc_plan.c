@@ -8,13 +8,14 @@
 #include "moedc_common.h"
 
 #include "moed_dtype.h"
+#include "moed_route.h"
 
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define SUM_CHUNK 16384 /* elements added at a time */
+#define SUM_CHUNK 16384 /* elements added at a time (at least one row) */
 
 /* printf at the end of a buffer (for messages built in pieces). */
 static void append(char *buf, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -528,27 +529,96 @@ int moedc_plan_exhausted(const moedc_planner *p, int layer, const moedc_expect *
 
 /* ---- the fleet's answers ---- */
 
-int moedc_plan_sum(int dtype, const void *const *parts, int n, size_t count, void *out,
+int moedc_plan_rows(const moedc_layer_plan *pl, const int32_t *ids, const float *w, int64_t T,
+                    int k, int64_t **rows, int64_t *n_rows, moedc_error *err)
+{
+    const int S = pl->n_shards;
+    for (int s = 0; s < S; s++) {
+        rows[s] = NULL;
+        n_rows[s] = T;
+    }
+    if (S < 2) return 0;
+    const int E = pl->shards[0].li->n_experts;
+    for (int64_t i = 0; i < T * k; i++) /* refused: the daemons name its place in the call */
+        if (moed_choice_rule(ids[i], w[i], E) > MOED_CHOICE_PADDING) return 0;
+    int *owner = malloc(sizeof *owner * (size_t)(E > 0 ? E : 1));
+    bool ok = owner != NULL;
+    for (int s = 0; ok && s < S; s++) {
+        const moedc_layer_info *li = pl->shards[s].li;
+        for (int r = 0; r < li->n_held; r++)
+            for (int e = li->held[r].first; e <= li->held[r].last; e++) owner[e] = s;
+        if (li->adds_shared && li->n_shared > 0) continue; /* a term for every token */
+        n_rows[s] = 0;
+        ok = (rows[s] = malloc(sizeof **rows * (size_t)(T > 0 ? T : 1))) != NULL;
+    }
+    for (int64_t t = 0; ok && t < T; t++)
+        for (int j = 0; j < k; j++) {
+            const int32_t e = ids[t * k + j];
+            if (moed_choice_rule(e, w[t * k + j], E) != MOED_CHOICE_VALID) continue;
+            const int s = owner[e];
+            if (rows[s] && (!n_rows[s] || rows[s][n_rows[s] - 1] != t)) rows[s][n_rows[s]++] = t;
+        }
+    bool any = false;
+    for (int s = 0; s < S; s++) any |= n_rows[s] > 0;
+    free(owner);
+    if (!ok || !any) { /* no shard would get a token: every shard gets them all, as before */
+        for (int s = 0; s < S; s++) {
+            free(rows[s]);
+            rows[s] = NULL;
+            n_rows[s] = T;
+        }
+    }
+    return ok ? 0 : moedc_fail(err, MOEDC_ENOMEM, "out of memory planning a call's shards");
+}
+
+int moedc_plan_sum(int dtype, const void *const *parts, const int64_t *const *rows,
+                   const int64_t *n_rows, int n, int64_t tokens, int64_t d, void *out,
                    moedc_error *err)
 {
-    const size_t size = moed_dtype_size(dtype);
-    float *acc = malloc(sizeof *acc * SUM_CHUNK), *part = malloc(sizeof *part * SUM_CHUNK);
-    if (!acc || !part) {
-        free(acc);
-        free(part);
-        return moedc_fail(err, MOEDC_ENOMEM, "out of memory adding the shards' outputs");
-    }
-    for (size_t at = 0; at < count; at += SUM_CHUNK) {
-        const size_t m = count - at < SUM_CHUNK ? count - at : SUM_CHUNK;
-        for (int i = 0; i < n; i++) {
-            moed_to_f32(dtype, (const char *)parts[i] + at * size, i ? part : acc, m);
-            for (size_t j = 0; i && j < m; j++) acc[j] += part[j];
+    const size_t size = moed_dtype_size(dtype), row = d > 0 ? (size_t)d : 0;
+    const int64_t block = row && row < SUM_CHUNK ? (int64_t)(SUM_CHUNK / row) : 1;
+    const size_t floats = (size_t)block * (row ? row : 1);
+    float *acc = malloc(sizeof *acc * floats), *part = malloc(sizeof *part * floats);
+    int *held = malloc(sizeof *held * (size_t)block);
+    int64_t *next = calloc((size_t)(n > 0 ? n : 1), sizeof *next); /* each part's next row */
+    int rc = acc && part && held && next
+                 ? 0
+                 : moedc_fail(err, MOEDC_ENOMEM, "out of memory adding the shards' outputs");
+    int whole = 0; /* parts holding every token */
+    for (int i = 0; i < n; i++) whole += !(rows && rows[i]);
+    for (int64_t r0 = 0; !rc && r0 < tokens; r0 += block) {
+        const int64_t m = tokens - r0 < block ? tokens - r0 : block;
+        for (int64_t j = 0; j < m; j++) held[j] = whole;
+        for (int i = 0; rows && i < n; i++)
+            for (int64_t j = next[i]; rows[i] && j < n_rows[i] && rows[i][j] < r0 + m; j++)
+                held[rows[i][j] - r0]++;
+        for (int64_t j = 0; j < m; j++) {
+            /* A part without the token would have answered +0.0 there; -0.0 is what adding to
+             * leaves alone. Either way the sum is the one over every shard's answer. */
+            const float start = held[j] == n ? -0.0f : 0.0f;
+            for (size_t c = 0; c < row; c++) acc[(size_t)j * row + c] = start;
         }
-        moed_from_f32(dtype, acc, (char *)out + at * size, m);
+        for (int i = 0; i < n; i++) {
+            if (!(rows && rows[i])) {
+                moed_to_f32(dtype, (const char *)parts[i] + (size_t)r0 * row * size, part,
+                            (size_t)m * row);
+                for (size_t c = 0; c < (size_t)m * row; c++) acc[c] += part[c];
+                continue;
+            }
+            for (; next[i] < n_rows[i] && rows[i][next[i]] < r0 + m; next[i]++) {
+                moed_to_f32(dtype, (const char *)parts[i] + (size_t)next[i] * row * size, part,
+                            row);
+                float *a = acc + (size_t)(rows[i][next[i]] - r0) * row;
+                for (size_t c = 0; c < row; c++) a[c] += part[c];
+            }
+        }
+        moed_from_f32(dtype, acc, (char *)out + (size_t)r0 * row * size, (size_t)m * row);
     }
     free(acc);
     free(part);
-    return 0;
+    free(held);
+    free(next);
+    return rc;
 }
 
 /* Adds [first, last] to a layer's held ranges (kept increasing and merged). */

@@ -2,11 +2,11 @@
  * moedc_plan — a fleet's policy, with no I/O (moedclient.h's moedc_connect_many says what a fleet
  * does): what each daemon holds as the fleet learnt it, the fleet's model, the shards of each
  * layer and every reason one cannot be served, when a daemon is asked GetModel again, the choice
- * of replicas, what an attempt's failure does to its daemon, and the sum of the shards' partial
- * outputs. moedc_fleet.c does the I/O (targets, connections, calls, waiting, locking) and tells
- * the planner what came of it. The Python client's moed/fleet_plan.py is the same policy, and both
- * are tested against one table of scenarios (tests/data/fleet_scenarios.json): the texts of the
- * errors are the same in both.
+ * of replicas, what an attempt's failure does to its daemon, which tokens of a call each shard
+ * gets, and the sum of the shards' partial outputs. moedc_fleet.c does the I/O (targets,
+ * connections, calls, waiting, locking) and tells the planner what came of it. The Python client's
+ * moed/fleet_plan.py is the same policy, and both are tested against one table of scenarios
+ * (tests/data/fleet_scenarios.json): the texts of the errors are the same in both.
  *
  * Time is passed in (monotonic seconds) and nothing here locks: the fleet holds its mutex around
  * every call. A planner owns its array of members and its plans, not the members themselves (the
@@ -119,9 +119,27 @@ bool moedc_plan_done(moedc_member *m, int rc, const char *msg, double now);
 int moedc_plan_exhausted(const moedc_planner *p, int layer, const moedc_expect *e,
                          const int *replicas, int n, bool refused, moedc_error *err);
 
-/* The parts' outputs (count elements of dtype each) added in float32 in the order given and
- * rounded once to dtype, into out (which may be one of the parts). MOEDC_ENOMEM. */
-int moedc_plan_sum(int dtype, const void *const *parts, int n, size_t count, void *out,
+/* Which tokens (rows of the call) each shard of pl gets when the client chose the experts, ids and
+ * w [T, k] in the whole layer's numbering: rows[s] lists shard s's, increasing, n_rows[s] of them
+ * (0: it gets no call), or is NULL when it gets every token (n_rows[s] = T); the caller frees each.
+ * A shard's partial output for a token with no pair on an expert it holds is exactly +0.0 (its sum
+ * starts at zero), which moedc_plan_sum counts in without it. The shard that adds the shared
+ * experts gets every token (it has a term for each); another, those with at least one pair the
+ * daemons accept, not padding, on an expert it holds. Every shard gets every token, as for logits
+ * and the server router, when the layer is one shard; when a pair is one the daemons refuse
+ * (moed_choice_rule), so their error names its row in the caller's numbering; and when no shard
+ * would get a token (an empty batch; only padding and no shared experts), so the daemons answer it
+ * as before. MOEDC_ENOMEM. */
+int moedc_plan_rows(const moedc_layer_plan *pl, const int32_t *ids, const float *w, int64_t T,
+                    int k, int64_t **rows, int64_t *n_rows, moedc_error *err);
+/* The parts' outputs, lowest expert first, added in float32 in that order and rounded once to
+ * dtype, into out (tokens x d elements; it may be a part holding every token). Part i holds the
+ * tokens rows[i] lists (increasing, n_rows[i] of them: its rows, in that order), or every token
+ * when rows or rows[i] is NULL. A token some part does not hold starts at +0.0 (what the shard
+ * would have answered for it), one every part holds at -0.0 (which adding leaves alone): the sum
+ * is bit for bit the one over every shard's answer for every token. MOEDC_ENOMEM. */
+int moedc_plan_sum(int dtype, const void *const *parts, const int64_t *const *rows,
+                   const int64_t *n_rows, int n, int64_t tokens, int64_t d, void *out,
                    moedc_error *err);
 /* The fleet's ModelInfo: each layer once, holding what the members that answered hold between
  * them; the smallest limits; every device. MOEDC_EUNAVAIL when none answered. */

@@ -78,12 +78,15 @@ def _routing(T: int, expert_ids, expert_weights, router_logits, strategy, top_k,
 
 
 class Call:
-    """One Forward, prepared: `payload` is the encoded ForwardRequest; result() reads its reply."""
+    """One Forward, prepared: `payload` is the encoded ForwardRequest, `fields` what it encodes (a
+    fleet sends a shard some of its rows: moed.fleet_plan.requests); result() reads its reply."""
 
-    __slots__ = ("payload", "prepared", "return_info", "copy")
+    __slots__ = ("payload", "fields", "prepared", "return_info", "copy")
 
-    def __init__(self, payload: bytes, prepared: Prepared, return_info: bool, copy: bool):
-        self.payload, self.prepared, self.return_info, self.copy = payload, prepared, return_info, copy
+    def __init__(self, payload: bytes, fields: Dict[str, Any], prepared: Prepared, return_info: bool,
+                 copy: bool):
+        self.payload, self.fields, self.prepared = payload, fields, prepared
+        self.return_info, self.copy = return_info, copy
 
     @property
     def transport(self) -> str:
@@ -141,7 +144,7 @@ def prepare_forward(layer: int, hidden: Any, *, expert_ids=None, expert_weights=
         raise InvalidArgument(f"transport={transport!r} needs the client's regions")
     prepared = yield from prepare(transport, inp, regions, out)
     fields.update(request_id=request_id, layer=layer, hidden=prepared.tensor, output=prepared.output)
-    return Call(wire.encode("moed.v1.ForwardRequest", fields), prepared, return_info, copy)
+    return Call(wire.encode("moed.v1.ForwardRequest", fields), fields, prepared, return_info, copy)
 
 
 def now(steps: Steps) -> Any:

@@ -136,12 +136,13 @@ class FleetClient(FleetBase, AioClient):
                        deadline: Optional[float]) -> Any:
         shards = await self._shards(layer, deadline)
         P.check_batch_gating(layer, shards, batch_gating)
-        tries = [P.Attempts(s, call.payload) for s in shards]
+        parts = P.requests(call, shards)
+        tries = [P.Attempts(s, payload) for s, _, payload in parts]
         try:
             for t in tries:
                 await self._begin(t, deadline)
             replies = await asyncio.gather(*(self._finish(t, deadline) for t in tries))
-            return P.combine(call, replies)
+            return P.combine(call, len(shards), [(rows, r) for (_, rows, _), r in zip(parts, replies)])
         except BaseException:
             for t in tries:
                 if t.attempt is not None:

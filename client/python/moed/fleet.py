@@ -25,7 +25,9 @@ serves the fleet's model. While a layer cannot be planned, every daemon's GetMod
 (after 0.5 s, doubling to 5 s), so a fleet put right is used again.
 
 A call goes to one replica of each shard of its layer, in parallel (the route is in the whole
-layer's numbering). Each request states what the client expects of its daemon (ForwardRequest.
+layer's numbering). Where the client chose the experts (expert_ids), a shard gets only the tokens
+with a pair on an expert it holds (all of them for the one adding the shared experts), and one
+that has none gets no call (moed.fleet_plan.token_rows). Each request states what the client expects of its daemon (ForwardRequest.
 expect: the fleet's model and the shard's experts), so a daemon restarted as something else
 refuses it (FAILED_PRECONDITION) and no partial output that no longer fits is ever added up. The
 replica is the one with the fewest calls outstanding from this client, among those not marked
@@ -41,7 +43,8 @@ growing to 5 s (gRPC's reconnect backoff, set so), so a daemon back is found wit
 
 The replies are partial outputs in hidden's dtype. With one shard the reply is the output, as from
 one daemon. With several, they are added in float32 in the order of each shard's lowest expert and
-the sum is rounded once to hidden's dtype (moed.proto's "Expert shards" note bounds what that costs
+the sum is rounded once to hidden's dtype (a shard's partial for a token it did not get counts as
+the +0.0 it would have answered: the sum is the same bits as with every token sent to every shard) (moed.proto's "Expert shards" note bounds what that costs
 in bf16 and f16; in f32 it is float32 summation order only). ForwardResult.timings are those of the
 slowest shard. Batch gating needs one daemon holding every expert of the layer: a layer split over
 several shards refuses it (FAILED_PRECONDITION), here and on the daemons. forward_stream() sends
@@ -254,11 +257,13 @@ class FleetClient(FleetBase, Client):
     def _fan_out(self, layer: int, call: C.Call, batch_gating: bool, deadline: Optional[float]) -> Any:
         shards = self._shards(layer, deadline)
         P.check_batch_gating(layer, shards, batch_gating)
-        tries = [P.Attempts(s, call.payload) for s in shards]
+        parts = P.requests(call, shards)
+        tries = [P.Attempts(s, payload) for s, _, payload in parts]
         try:
             for t in tries:
                 self._begin(t, deadline)
-            return P.combine(call, [self._finish(t, deadline) for t in tries])
+            return P.combine(call, len(shards),
+                             [(rows, self._finish(t, deadline)) for (_, rows, _), t in zip(parts, tries)])
         except BaseException:
             for t in tries:
                 if t.attempt is not None:

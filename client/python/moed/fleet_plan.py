@@ -1,7 +1,7 @@
 """A fleet's policy, with no I/O (moed.fleet says what a fleet does): what each daemon holds as the
 fleet learnt it, the fleet's model, the shards of each layer and every reason one cannot be served,
 when a daemon is asked GetModel again, the choice of replicas, what an attempt's failure does to its
-daemon, and the sum of the shards' partial outputs. The fleet clients (moed.fleet, moed.aio_fleet)
+daemon, which tokens of a call each shard gets, and the sum of the shards' partial outputs. The fleet clients (moed.fleet, moed.aio_fleet)
 ask GetModel and make the calls, and tell the planner what came of them.
 
 libmoedclient's moedc_plan is the same policy in C, and both are tested against one table of
@@ -21,7 +21,7 @@ import numpy as np
 from . import _common as C
 from . import wire
 from .retry import RetryPolicy
-from .tensors import BF16, WIRE_NP, wire_view
+from .tensors import BF16, F32, I32, WIRE_NP, wire_tensor, wire_view
 from .transport import known
 from .types import ForwardResult, LayerInfo, ModelInfo, MoEError, Timings
 
@@ -125,8 +125,15 @@ class Shard:
     adds_shared: bool
     members: List[Member]
     fingerprint: int = 0  # the fleet's model (0: not known)
+    num_experts: int = 0  # the layer's, as its daemons said when it was planned
+    num_shared: int = 0  # the layer's shared experts
     turn: int = 0  # rotates ties between replicas
     _expect: Optional[bytes] = field(default=None, repr=False, compare=False)
+
+    @property
+    def adds_every_token(self) -> bool:
+        """Whether its daemons add the shared experts, a term for every token."""
+        return self.adds_shared and self.num_shared > 0
 
     @property
     def lowest(self) -> int:
@@ -433,7 +440,8 @@ def plan_layer(layer: int, members: Sequence[Member],
     groups: Dict[Tuple[Any, bool], Shard] = {}
     for m, li in holders:
         key = (tuple(li.experts_held), li.adds_shared_experts)
-        groups.setdefault(key, Shard(layer, key[0], key[1], [], fingerprint)).members.append(m)
+        groups.setdefault(key, Shard(layer, key[0], key[1], [], fingerprint, first.num_experts,
+                                     first.num_shared_experts)).members.append(m)
     shards = sorted(groups.values(), key=lambda s: s.lowest)
     owner: Dict[int, Shard] = {}
     for s in shards:
@@ -482,6 +490,61 @@ def check_batch_gating(layer: int, shards: List[Shard], batch_gating: bool) -> N
                            f"this fleet splits them over {len(shards)} shards ("
                            f"{'; '.join(s.describe() for s in shards)}): the expert set would be "
                            f"chosen over a different merged batch on each")
+
+
+# ---- which tokens each shard gets -------------------------------------------------------------
+
+def token_rows(shards: Sequence[Shard], ids: np.ndarray, weights: np.ndarray) -> List[np.ndarray]:
+    """Which tokens (rows of ids and weights [T, k], the client's choice of experts) each of a
+    layer's shards gets, increasing: a shard's partial output for a token with no pair on an
+    expert it holds is exactly +0.0 (its sum starts at zero), which add_up counts in without it.
+    The shard that adds the shared experts gets every token (it has a term for each); another,
+    those with at least one pair the daemons accept, not padding, on an expert it holds (an empty
+    list: it gets no call). Every shard gets every token, as for logits and the server router,
+    when the layer is one shard; when a pair is one the daemons refuse (moed_choice_rule in
+    moed_route.h: an id outside [0, num_experts) but -1, -1 with a weight not 0, a weight NaN,
+    infinite or negative), so their error names its row in the caller's numbering; and when no
+    shard would get a token (an empty batch; only padding and no shared experts), so the daemons
+    answer it (their zeros, or their refusal) as before."""
+    T = ids.shape[0]
+    every = [np.arange(T)] * len(shards)
+    if len(shards) < 2:
+        return every
+    E = shards[0].num_experts
+    pad = ids == -1
+    accepted = (ids >= 0) & (ids < E) & np.isfinite(weights) & (weights >= 0)
+    if not np.all(accepted | (pad & (weights == 0))):
+        return every
+    owner = np.full(E, -1, np.int64)
+    for i, s in enumerate(shards):
+        for a, b in s.ranges:
+            owner[a:b + 1] = i
+    whose = np.where(accepted, owner[np.where(accepted, ids, 0)], -1)
+    rows = [np.arange(T) if s.adds_every_token else np.flatnonzero((whose == i).any(axis=1))
+            for i, s in enumerate(shards)]
+    return rows if any(len(r) for r in rows) else every
+
+
+def requests(call: C.Call, shards: Sequence[Shard]) -> List[Tuple[Shard, np.ndarray, bytes]]:
+    """A call's part for each shard that gets tokens (token_rows, where the client chose the
+    experts; else every token): the shard, its rows, and its request (the call's, with only those
+    rows of hidden, expert_ids and expert_weights where it gets fewer than every token)."""
+    choice = call.fields.get("experts")
+    T = call.prepared.input.shape[0]
+    if choice is None:
+        return [(s, np.arange(T), call.payload) for s in shards]
+    ids, weights = choice["expert_ids"]["data"], choice["expert_weights"]["data"]
+    out = []
+    for s, rows in zip(shards, token_rows(shards, ids, weights)):
+        if len(rows) == T:
+            out.append((s, rows, call.payload))
+        elif len(rows):
+            h = call.fields["hidden"]
+            fields = {**call.fields, "hidden": wire_tensor(h["data"][rows], h["dtype"]),
+                      "experts": {"expert_ids": wire_tensor(ids[rows], I32),
+                                  "expert_weights": wire_tensor(weights[rows], F32)}}
+            out.append((s, rows, wire.encode("moed.v1.ForwardRequest", fields)))
+    return out
 
 
 def exhausted(shard: Shard, refused: bool, rounds: int = 1) -> MoEError:
@@ -569,29 +632,45 @@ def narrow(acc: np.ndarray, wire_dtype: int) -> np.ndarray:
         return acc.astype(WIRE_NP[wire_dtype])
 
 
-def add_up(wire_dtype: int, parts: Sequence[np.ndarray]) -> np.ndarray:
-    """The shards' partial outputs (arrays of the wire dtype) added in float32 in the order given
-    (lowest expert first) and rounded once to the wire dtype."""
-    acc = widen(parts[0], wire_dtype).copy()
+def add_up(wire_dtype: int, parts: Sequence[np.ndarray], rows: Optional[Sequence[np.ndarray]] = None,
+           tokens: Optional[int] = None) -> np.ndarray:
+    """The shards' partial outputs (arrays of the wire dtype, lowest expert first) added in float32
+    in the order given and rounded once to the wire dtype. rows[i]: the tokens (output rows,
+    increasing) part i holds, its rows in that order (None: every part holds all `tokens`). A
+    shard that got no row for a token would have answered +0.0 there, so such a token's sum starts
+    at +0.0; one every part holds starts at -0.0, which adding a part leaves as it is: the sum is
+    bit for bit the one of every shard's answer for every token."""
+    if rows is None:
+        rows, tokens = [None] * len(parts), len(parts[0])
+    held = np.zeros(tokens, np.int64)
+    for r in rows:
+        held[slice(None) if r is None else r] += 1
+    width = parts[0].shape[1:]
+    acc = np.empty((tokens,) + width, np.float32)
+    acc[...] = np.where(held == len(parts), np.float32(-0.0), np.float32(0.0)).reshape((-1,) + (1,) * len(width))
     with np.errstate(over="ignore"):  # past float32's range: inf, as adding says
-        for p in parts[1:]:
-            np.add(acc, widen(p, wire_dtype), out=acc)
+        for p, r in zip(parts, rows):
+            if r is None or len(r) == tokens:
+                np.add(acc, widen(p, wire_dtype), out=acc)
+            else:
+                acc[r] += widen(p, wire_dtype)
     return narrow(acc, wire_dtype)
 
 
-def combine(call: C.Call, replies: Sequence[bytes]) -> Any:
-    """The output of a call from its shards' replies, in shard order; timings, request_id and
-    expert_set those of the slowest shard."""
-    if len(replies) == 1:
-        return call.result(replies[0])
+def combine(call: C.Call, shards: int, replies: Sequence[Tuple[np.ndarray, bytes]]) -> Any:
+    """The output of a call to a layer of `shards` shards from the replies of those that got
+    tokens (their rows, their reply), in shard order; timings, request_id and expert_set those of
+    the slowest reply."""
+    if shards == 1:
+        return call.result(replies[0][1])
     inp = call.prepared.input
-    decoded = [C.decode("moed.v1.ForwardResponse", r) for r in replies]
+    decoded = [C.decode("moed.v1.ForwardResponse", r) for _, r in replies]
     parts = []
-    for r in decoded:
-        t = C.check_output(r["output"], inp.wire, inp.shape)
+    for (rows, _), r in zip(replies, decoded):
+        t = C.check_output(r["output"], inp.wire, (len(rows),) + tuple(inp.shape[1:]))
         parts.append(wire_view(t["data"], t["dtype"], t["shape"]))
     out = {"dtype": inp.wire, "shape": list(inp.shape),
-           "data": memoryview(add_up(inp.wire, parts).tobytes())}
+           "data": memoryview(add_up(inp.wire, parts, [rows for rows, _ in replies], inp.shape[0]).tobytes())}
     y = call.prepared.finish(out, call.copy)
     if not call.return_info:
         return y

@@ -130,8 +130,23 @@ def test_every_daemon_is_asked_again_while_a_plan_fails():
 def test_sum(sc):
     wire, bits, value = WIRE[sc["dtype"]]
     parts = [np.array(p, bits) if value is None else np.array(p, bits).view(value) for p in sc["parts"]]
-    got = P.add_up(wire, parts)
-    assert got.view(bits).tolist() == sc["sum"]
+    if "rows" not in sc:
+        assert P.add_up(wire, parts).view(bits).tolist() == sc["sum"]
+        return
+    d = len(sc["sum"]) // sc["tokens"]
+    rows = [np.array(r, np.int64) for r in sc["rows"]]
+    got = P.add_up(wire, [p.reshape(len(r), d) for p, r in zip(parts, rows)], rows, sc["tokens"])
+    assert got.view(bits).ravel().tolist() == sc["sum"]
+
+
+@named(TABLE["slices"])
+def test_slices(sc):
+    fleet, _ = fleet_of(sc)
+    shards, err = fleet.plan(0, 0.0)
+    assert err is None, err
+    ids = np.array(sc["ids"], np.int32).reshape(-1, sc.get("k", 2))
+    weights = np.array(sc["weights"], np.float32) if "weights" in sc else (ids != -1).astype(np.float32)
+    assert [r.tolist() for r in P.token_rows(shards, ids, weights.reshape(ids.shape))] == sc["rows"]
 
 
 @named(TABLE["exhausted"])
