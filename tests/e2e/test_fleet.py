@@ -20,6 +20,10 @@ back as it was; a fleet of two models is refused. A crashed replica is used agai
 documented 5 s of its return (C), a shard that is down fails calls only as often as it is tried
 and moed-load counts no bytes for calls it could not start, and the Python RetryPolicy applies to
 a shard whose every replica was passed over.
+With expert ids each shard gets only the tokens it has terms for: the sum has the bits of every
+shard answering every token (f32 and bf16, Python blocking, asyncio and streams, and C), each
+daemon's moed_tokens_total grows by its shard's tokens (Python, C, and moed-load --verify), and a
+shard that is down fails only the calls that need one of its experts (Python and C).
 """
 
 import asyncio
@@ -40,7 +44,9 @@ import moed.aio
 from conftest import BUILD, Daemon, free_port, refused_address
 from daemons import DaemonPool
 from moed import MoEClient, MoEError
-from prod import metrics_flags, scrape, server_counts
+from moed import fleet_plan
+from moed.tensors import BF16, F32
+from prod import ANY_METRICS_PORT, metrics_flags, scrape, server_counts
 
 # DeepSeek-V3's rule (sigmoid scores plus a bias, group-limited) and a shared expert: the server
 # router and the layer's own rule are exercised with what a fleet most needs to agree on.
@@ -696,3 +702,179 @@ def test_c_client_names_a_shard_that_is_down(daemon, tmp_path):
                             "--out", str(tmp_path / "y.npy")], capture_output=True, text=True, timeout=60)
     assert p.returncode == 1, p
     assert "UNAVAILABLE" in p.stderr and "experts 4-7" in p.stderr and gone in p.stderr, p.stderr
+
+
+# ---- each shard gets only the tokens it serves (client expert ids) ---------------------------
+
+SPEC_NO_SHARED = SPEC.replace(",shared=1,shared_ff=32", "")
+assert SPEC_NO_SHARED != SPEC
+
+
+def fleet2_no_shared(pool):
+    """Two expert shards of a model with no shared experts: neither gets every token."""
+    return [pool.synthetic(SPEC_NO_SHARED, "--experts", "0-3"), pool.synthetic(SPEC_NO_SHARED, "--experts", "4-7")]
+
+
+# topology: (the daemons, the one daemon holding everything, the layer split, its two shards' experts)
+SLICED = {
+    "fleet2": (fleet2, one, 0, ((0, 1, 2, 3), (4, 5, 6, 7))),
+    "fleet3": (fleet3, one, 1, ((0, 1, 2, 6), (3, 4, 5, 7))),
+    "fleet2-no-shared": (fleet2_no_shared, lambda pool: pool.synthetic(SPEC_NO_SHARED), 0,
+                         ((0, 1, 2, 3), (4, 5, 6, 7))),
+}
+
+
+def sliced_choice(rng, a, b):
+    """Expert ids [T, 2] over shards holding experts a and b: tokens on a's experts alone, on b's
+    alone, on both, of padding alone, one expert and padding, a repeated expert."""
+    pick = lambda held, n: rng.choice(held, n)
+    ids = np.concatenate([np.stack([pick(a, 3), pick(a, 3)], 1), np.stack([pick(b, 3), pick(b, 3)], 1),
+                          np.stack([pick(a, 3), pick(b, 3)], 1), [[-1, -1], [pick(b, 1)[0], -1]],
+                          [[pick(a, 1)[0]] * 2]]).astype(np.int32)
+    assert ids.shape == (T, 2)
+    return dict(expert_ids=ids, expert_weights=np.where(ids >= 0, rng.uniform(0.1, 1, ids.shape), 0).astype(np.float32))
+
+
+def bits(a):
+    """An output's bits: float32 as uint32, bf16 as uint16."""
+    a = np.asarray(a)
+    return a.view(np.uint32) if a.dtype == np.float32 else a.view(np.uint16)
+
+
+def shard_rows(ids, held, adds_every_token):
+    """The rows a shard holding `held` gets (moed.fleet_plan.token_rows, for valid ids)."""
+    if adds_every_token:
+        return list(range(len(ids)))
+    return [t for t, row in enumerate(ids) if any(e in held for e in row if e >= 0)]
+
+
+@pytest.mark.parametrize("topology", list(SLICED))
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_sliced_calls_equal_every_shard_answering_every_token(pool, tmp_path, topology, dtype):
+    """Each shard gets only its tokens, and the sum has the very bits of each shard's answer to
+    the whole call added as before (moed.fleet_plan.add_up of every token's partials), blocking,
+    asyncio and streams (and the C client in f32); against one daemon holding everything it is
+    within the documented bound (f32: float32 summation order); a token of padding alone answers
+    as one daemon does."""
+    make, make_one, layer, (a, b) = SLICED[topology]
+    daemons = make(pool)
+    holders = [d for d in daemons if layer in [li.index for li in d.client().info().layers]]
+    rng = np.random.default_rng(21)
+    x, kw = hidden(rng, dtype), sliced_choice(rng, a, b)
+    with MoEClient(make_one(pool).address, timeout=30) as c1:
+        y_one = c1.forward(layer, x, **kw)
+    partials = []
+    for d in holders:
+        with d.client() as c:
+            partials.append(c.forward(layer, x, **kw))
+    before = fleet_plan.add_up(F32 if dtype == "f32" else BF16,
+                               [f32(p) if dtype == "f32" else bits(p) for p in partials])
+    want = bits(before)
+    targets = [d.address for d in daemons]
+    with moed.connect(targets, timeout=30) as fl:
+        fl.members()  # every daemon's GetModel: the layer is planned
+        shards = fl.fleet.plan(layer, time.monotonic())[0]
+        rows = [r.tolist() for r in fleet_plan.token_rows(shards, kw["expert_ids"], kw["expert_weights"])]
+        assert rows == [shard_rows(kw["expert_ids"], held, s.adds_every_token)
+                        for s, held in zip(shards, (a, b))], rows
+        assert min(len(r) for r in rows) < T  # a shard got fewer than every token
+        blocking = fl.forward(layer, x, **kw)
+        streamed = list(fl.forward_stream([dict(layer=layer, hidden=x, **kw)] * 2))
+
+    async def run():
+        async with moed.aio.connect(targets, timeout=30) as fl:
+            got = await fl.forward(layer, x, **kw)
+            return [got] + [y async for y in fl.forward_stream([dict(layer=layer, hidden=x, **kw)])]
+
+    for y in [blocking, *streamed, *asyncio.run(run())]:
+        assert y.dtype == x.dtype and np.array_equal(bits(y), want)
+    check(blocking, y_one, partials, dtype)
+    padding = 9  # a token of padding alone: the shared experts' term, or zero, as one daemon gives
+    assert np.array_equal(bits(blocking)[padding], bits(y_one)[padding])
+    if dtype == "f32":
+        fl = CFleet(tmp_path, targets, x, kw["expert_ids"], kw["expert_weights"])
+        try:
+            assert np.array_equal(bits(fl.call(layer)), want)
+        finally:
+            assert fl.close() == 0
+
+
+def tokens_computed(d):
+    return scrape(d.metrics_port).get("moed_tokens_total") or 0
+
+
+@pytest.mark.parametrize("kind", ["python", "c"])
+def test_each_daemon_computes_only_its_tokens(daemon, tmp_path, kind):
+    """moed_tokens_total on each daemon grows by the tokens its shard got: every token on the one
+    adding the shared experts, only those with a pair on its experts on the other; its
+    moed_expert_tokens_total still counts exactly the pairs routed to its experts."""
+    a = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3", *ANY_METRICS_PORT)
+    b = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "4-7", *ANY_METRICS_PORT)
+    rng = np.random.default_rng(13)
+    x, kw = hidden(rng, "f32"), sliced_choice(rng, (0, 1, 2, 3), (4, 5, 6, 7))
+    ids = kw["expert_ids"]
+    fl = fleet_client(kind, tmp_path, [a.address, b.address], x, kw)
+    try:
+        start = [tokens_computed(d) for d in (a, b)]
+        assert not isinstance(fl.call(0), tuple)
+        got = [tokens_computed(d) - s for d, s in zip((a, b), start)]
+    finally:
+        assert fl.close() == 0
+    assert got == [T, len(shard_rows(ids, (4, 5, 6, 7), False))] and got[1] < T, got
+    for d, held in ((a, (0, 1, 2, 3)), (b, (4, 5, 6, 7))):
+        m = scrape(d.metrics_port)
+        for e in held:
+            assert (m.get("moed_expert_tokens_total", layer="0", expert=str(e)) or 0) == np.sum(ids == e), (e, kind)
+
+
+def test_moed_load_verified_with_each_shard_given_its_tokens(daemon, tmp_path):
+    """moed-load --verify over a fleet of two expert shards (uniform expert ids, 8 tokens a call):
+    every reply right; the daemon adding the shared expert computed every token sent, the other
+    fewer (only those with a pair on its experts), and at least half its pairs (two a token)."""
+    a = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3", *ANY_METRICS_PORT)
+    b = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "4-7", *ANY_METRICS_PORT)
+    out = tmp_path / "r.json"
+    p = moed_load([a.address, b.address], "--layers", "0,1", "--dtype", "f32", "--routing", "uniform",
+                  "--requests", 60, "--verify", 60, "--concurrency", 4, "--tokens", 8, "--warmup", 0,
+                  "--json", out)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr
+    lv = json.loads(out.read_text())["levels"][0]
+    assert lv["ok"] == 60 and lv["verify"]["checked"] >= 32 and lv["verify"]["mismatches"] == 0, lv
+    sent = 60 * 8
+    m = scrape(b.metrics_port)
+    pairs_b = sum(m.get("moed_expert_tokens_total", layer=str(layer), expert=str(e)) or 0
+                  for layer in (0, 1) for e in range(4, 8))
+    assert tokens_computed(a) == sent
+    assert pairs_b / 2 <= tokens_computed(b) < sent, (tokens_computed(b), pairs_b)
+
+
+@pytest.mark.parametrize("kind", ["python", "c"])
+def test_a_shard_down_fails_only_the_calls_that_need_it(daemon, tmp_path, kind):
+    """The only daemon of experts 4-7 is gone: a call whose tokens have no pair on them is
+    answered (without it, as one daemon answers), and one with a token on expert 5 still fails
+    UNAVAILABLE naming the daemon and its experts."""
+    a = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "0-3")
+    b = daemon("--synthetic", SPEC, "--threads", "1", "--experts", "4-7")
+    full = daemon("--synthetic", SPEC, "--threads", "1")
+    rng = np.random.default_rng(17)
+    x = hidden(rng, "f32")
+    ids = rng.integers(0, 4, (T, 2)).astype(np.int32)
+    ids[3, 1] = -1
+    kw = dict(expert_ids=ids, expert_weights=np.where(ids >= 0, 0.5, 0).astype(np.float32))
+    needs_b = dict(kw, expert_ids=np.where(np.arange(T)[:, None] == 7, 5, ids).astype(np.int32))
+    with full.client() as c:
+        want = [f32(c.forward(0, x, **k)) for k in (kw, needs_b)]
+    clients = []
+    for i, k in enumerate((kw, needs_b)):
+        (tmp_path / str(i)).mkdir()
+        clients.append(fleet_client(kind, tmp_path / str(i), [a.address, b.address], x, k))
+    try:
+        assert right(clients[0].call(), want[0]) and right(clients[1].call(), want[1])
+        assert b.stop() == 0, b.log()
+        for _ in range(3):
+            assert right(clients[0].call(), want[0])
+            code, msg = clients[1].call()
+            assert code == "UNAVAILABLE" and "experts 4-7" in msg and b.address in msg, (code, msg)
+    finally:
+        for fl in clients:
+            assert fl.close() == 0
