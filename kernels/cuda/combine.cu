@@ -28,6 +28,24 @@ template <typename Tc> __device__ __forceinline__ void fma8(float acc[8], const 
     for (int i = 0; i < 8; i++) acc[i] += w * moed_cuda_to_f32<Tc>(v[i]);
 }
 
+/* The end both combines share: token t's shared experts' row (ys, when not NULL) added to acc at
+ * column c, and the W sums rounded once into o. */
+template <typename Tc, typename Tout, bool VEC8>
+__device__ __forceinline__ void finish_columns(float *acc, const Tc *ys, int t, int d_pad, int c,
+                                               Tout *o)
+{
+    constexpr int W = VEC8 ? 8 : 1;
+    if (ys) {
+        const Tc *row = ys + (int64_t)t * d_pad + c;
+        if constexpr (VEC8)
+            fma8<Tc>(acc, row, 1.0f);
+        else
+            acc[0] += moed_cuda_to_f32<Tc>(row[0]);
+    }
+#pragma unroll
+    for (int i = 0; i < W; i++) o[c + i] = moed_cuda_from_f32<Tout>(acc[i]);
+}
+
 constexpr int MAX_STAGED = 256; /* pairs of a token staged in shared memory; more: the slow loop */
 constexpr int SMALL_T = 256;    /* fewer tokens: slices of rows, started early */
 
@@ -66,15 +84,7 @@ __global__ void combine_kernel(moed_cuda_route_dev r, const Tc *y, const Tc *ys,
             else
                 acc[0] += w * moed_cuda_to_f32<Tc>(row[0]);
         }
-        if (ys) {
-            const Tc *row = ys + (int64_t)t * d_pad + c;
-            if constexpr (VEC8)
-                fma8<Tc>(acc, row, 1.0f);
-            else
-                acc[0] += moed_cuda_to_f32<Tc>(row[0]);
-        }
-#pragma unroll
-        for (int i = 0; i < W; i++) o[c + i] = moed_cuda_from_f32<Tout>(acc[i]);
+        finish_columns<Tc, Tout, VEC8>(acc, ys, t, d_pad, c, o);
     }
 }
 
@@ -107,15 +117,7 @@ __global__ void combine_parts_kernel(const int32_t *row, int n_parts, int T, con
                 acc[0] += p[0];
             }
         }
-        if (ys) {
-            const Tc *r = ys + (int64_t)t * d_pad + c;
-            if constexpr (VEC8)
-                fma8<Tc>(acc, r, 1.0f);
-            else
-                acc[0] += moed_cuda_to_f32<Tc>(r[0]);
-        }
-#pragma unroll
-        for (int i = 0; i < W; i++) o[c + i] = moed_cuda_from_f32<Tout>(acc[i]);
+        finish_columns<Tc, Tout, VEC8>(acc, ys, t, d_pad, c, o);
     }
 }
 
