@@ -320,7 +320,17 @@ static void outputs_home(const bench *B, size_t bytes)
     cudaMemcpy(B->ys, B->dys, bytes, cudaMemcpyDeviceToHost);
 }
 
-/* One T: both backends on the same x and route. */
+/* sp timed, its outputs brought home and its worst token against the whole layer's kept in *worst
+ * where worse: the milliseconds, or < 0 when a run failed. */
+static double time_worst(bench *B, fwd *sp, int64_t T, double min_ms, double *worst)
+{
+    const double ms = time_ms(fwd_once, sp, min_ms);
+    outputs_home(B, (size_t)T * B->d * 2);
+    const double w = worst_token(B->ys, B->yw, T, B->d);
+    *worst = w > *worst || w != w ? w : *worst;
+    return ms;
+}
+
 /* The load-placed split sp re-placed by `load` with up to `replicas` copies of hot experts, timed
  * into out (copies_ms -1 where the re-placement did not change it). Non-zero on a failed run. */
 static int time_copies(bench *B, fwd *sp, const double *load, int replicas, double min_ms,
@@ -330,7 +340,6 @@ static int time_copies(bench *B, fwd *sp, const double *load, int replicas, doub
     moed_replace_result res;
     moed_layer_place p;
     moed_error err;
-    out->copies_ms = -1;
     out->n_copies = 0;
     if (moed_backend_replace_layer(B->bl, 0, &req, &res, &err)) {
         fprintf(stderr, "moe-split-bench: re-placing with copies: %s\n", err.msg);
@@ -338,13 +347,11 @@ static int time_copies(bench *B, fwd *sp, const double *load, int replicas, doub
     }
     if (!res.changed || moed_backend_layer_place(B->bl, 0, &p)) return 0;
     out->n_copies = p.n_replicas;
-    out->copies_ms = time_ms(fwd_once, sp, min_ms);
-    outputs_home(B, (size_t)T * B->d * 2);
-    const double worst = worst_token(B->ys, B->yw, T, B->d);
-    out->worst = worst > out->worst || worst != worst ? worst : out->worst;
+    out->copies_ms = time_worst(B, sp, T, min_ms, &out->worst);
     return out->copies_ms < 0;
 }
 
+/* One T: both backends on the same x and route. */
 static int run_T(bench *B, const moed_layer_info *li, const char *routing, int64_t T, double min_ms,
                  const double *load, int replicas, row *out)
 {
@@ -368,11 +375,8 @@ static int run_T(bench *B, const moed_layer_info *li, const char *routing, int64
     out->load_ms = -1;
     if (B->bl && !again) { /* the same routing's split placed by its measured load */
         sp.b = B->bl;
-        out->load_ms = time_ms(fwd_once, &sp, min_ms);
+        out->load_ms = time_worst(B, &sp, T, min_ms, &out->worst);
         again = out->load_ms < 0;
-        outputs_home(B, bytes);
-        const double worst = worst_token(B->ys, B->yw, T, B->d);
-        out->worst = worst > out->worst || worst != worst ? worst : out->worst;
     }
     out->copies_ms = -1;
     if (B->bl && !again && replicas) again = time_copies(B, &sp, load, replicas, min_ms, T, out);
