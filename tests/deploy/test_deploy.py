@@ -270,6 +270,24 @@ def test_fleet_kustomization_lists_every_manifest():
     assert set(k["resources"]) == {f.name for f in FLEET.glob("*.yaml")} - {"kustomization.yaml"}
 
 
+def test_fleet_lets_link_callers_reach_nccl():
+    """Links move tensors over NCCL, whose ports are ephemeral: the fleet's policy must keep gRPC
+    open to the namespace and let labelled callers in on every TCP port, and the pods must name
+    the interface NCCL uses."""
+    docs = fleet()
+    pol, sts = docs["NetworkPolicy"], docs["StatefulSet"]
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert pol["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert pol["spec"]["policyTypes"] == ["Ingress"]
+    grpc_rule, caller_rule = pol["spec"]["ingress"]
+    assert grpc_rule["ports"] == [{"port": GRPC_PORT, "protocol": "TCP"}]
+    assert grpc_rule["from"] == [{"podSelector": {}}]
+    assert "ports" not in caller_rule, "NCCL's ports are ephemeral: the rule must allow them all"
+    assert caller_rule["from"] == [{"podSelector": {"matchLabels": {"moed.io/caller": "true"}}}]
+    _, env = fleet_env()
+    assert env["NCCL_SOCKET_IFNAME"]["value"]
+
+
 def fleet_env():
     c = fleet()["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
     return c, {e["name"]: e for e in c["env"]}
