@@ -1,0 +1,108 @@
+"""A fleet over NCCL links beside the same fleet over gRPC, on the GPU machine (tools/gpu/run-on-gpu.sh links).
+
+DeepSeek-V3's layer (d 7168, ff 2048, 256 experts, top 8, one shared expert, bf16) sharded by experts
+over daemons on GPUs 1 .. N (N = 2 and 3: --experts cut evenly, the shard holding expert 0 adding the
+shared expert), one caller on GPU 0 (tests/gpu/link_driver, C), and the whole layer in one daemon on
+GPU 1 as the reference. For each fleet and T: the links' p50 / p90 latency and tokens/s, the slowest
+shard's compute time as its daemon reports it (the kernel the call waited for), the same calls over
+gRPC (the fleet client's inline path), and whether the two gave the same bits. Then the links to the
+one daemon holding every expert (tokens/s of one GPU), and the 3-shard fleet again with NCCL's socket
+transport forced (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 in every process: the path two hosts take).
+
+usage: python3 bench_links.py --bin .gpu/bin [--tokens 8,128,4096] [--calls 200] [--json FILE] [--logs DIR]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_daemon import DEEPSEEK, Moed  # noqa: E402
+
+EXPERTS = 256
+
+
+def cuts(n):
+    return [f"{i * EXPERTS // n}-{(i + 1) * EXPERTS // n - 1}" for i in range(n)]
+
+
+def driver(a, targets, tokens, env=None, extra=()):
+    cmd = [os.path.join(a.bin, "link_driver"), "--targets", ",".join(targets), "--device", "0",
+           "--layer", "0", "--tokens", str(tokens), "--top-k", "8", "--dtype", "bf16",
+           "--calls", str(a.calls if tokens < 4096 else max(a.calls // 4, 20)), "--warmup", "10",
+           "--seed", "7", *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})},
+                       timeout=300)
+    sys.stderr.write(r.stderr[-2000:])
+    if r.returncode != 0:
+        raise RuntimeError(f"link_driver exited {r.returncode}: {r.stdout[-2000:]} {r.stderr[-2000:]}")
+    return json.loads(r.stdout)
+
+
+def start(a, gpus, experts, name, env=None):
+    args = ["--synthetic", DEEPSEEK, "--backend", "cuda", "--devices", str(gpus)]
+    if experts:
+        args += ["--experts", experts]
+    log = os.path.join(a.logs, f"moed-{name}.log")
+    if env:
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+    try:
+        return Moed(a.bin, args, log, start_timeout=300)
+    finally:
+        if env:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def fleet_rows(a, n, env, label, results):
+    daemons = [start(a, 1 + i, c, f"{label}-{n}-{i}", env) for i, c in enumerate(cuts(n))]
+    try:
+        for t in a.tokens:
+            row = driver(a, [d.addr for d in daemons], t, env, ["--grpc"])
+            row.update(fleet=n, transport=label, tokens=t)
+            results.append(row)
+            print(f"links {label} {n} shards T={t}: p50 {row['links']['p50_us']:.0f} us "
+                  f"(slowest shard's compute p50 {row['links']['compute_p50_us']:.0f} us), "
+                  f"{row['links']['tokens_per_s']:.0f} tok/s; grpc p50 {row['grpc']['p50_us']:.0f} us, "
+                  f"{row['grpc']['tokens_per_s']:.0f} tok/s; same bits {row['same_bits']}", flush=True)
+    finally:
+        for d in daemons:
+            d.stop()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--tokens", default="8,128,4096")
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--json", default="links.json")
+    ap.add_argument("--logs", default=".")
+    a = ap.parse_args()
+    a.tokens = [int(t) for t in a.tokens.split(",")]
+    os.makedirs(a.logs, exist_ok=True)
+    results = []
+    one = start(a, 1, None, "one")
+    try:
+        for t in a.tokens:
+            row = driver(a, [one.addr], t)
+            row.update(fleet=1, transport="nvlink", tokens=t)
+            results.append(row)
+            print(f"links to one daemon T={t}: p50 {row['links']['p50_us']:.0f} us "
+                  f"(compute p50 {row['links']['compute_p50_us']:.0f} us), "
+                  f"{row['links']['tokens_per_s']:.0f} tok/s", flush=True)
+    finally:
+        one.stop()
+    for n in (2, 3):
+        fleet_rows(a, n, None, "nvlink", results)
+    fleet_rows(a, 3, {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}, "socket", results)
+    with open(a.json, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
