@@ -460,8 +460,11 @@ void moedc_links_close(moedc_links *L)
 static int open_all(moedc_links *L, moedc_error *err)
 {
     moedc_model_info info;
-    int rc = moedc_info(L->c, &info, err);
-    if (rc) return rc;
+    moedc_error e;
+    int rc = moedc_info(L->c, &info, &e);
+    if (rc) /* a fleet's message names its daemons; one daemon's does not */
+        return moedc_fail(err, rc, "%s%s%s%s", L->c->name ? "daemon " : "",
+                          L->c->name ? L->c->name : "", L->c->name ? ": " : "", e.msg);
     for (int i = 0; i < info.n_layers; i++)
         if ((uint32_t)info.layers[i].d_model > L->d_model)
             L->d_model = (uint32_t)info.layers[i].d_model;
