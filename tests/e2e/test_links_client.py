@@ -1,7 +1,7 @@
 """The links' client side (moedc_links in libmoedclient, moed.Links over it) where no link can be
 made: against a daemon on the CPU backend moedc_links_open fails with the daemon's own refusal of
 open_link, naming the daemon, and the daemon goes on serving; with MOED_NCCL_LIB naming no library
-it fails FAILED_PRECONDITION-free and at once, naming MOED_NCCL_LIB, before any daemon is asked;
+it fails UNIMPLEMENTED (MOEDC_EUNSUPPORTED) naming MOED_NCCL_LIB, before any daemon is asked;
 moed.open_links logs why links are not used and answers None, so the caller keeps gRPC. The
 ctypes structs are checked against the header with the others (test_python_ring.py, L.STRUCTS).
 """

@@ -10,7 +10,7 @@
  * (moedc_forward with the same tensors from the host). It prints one JSON line: whether the outputs
  * are bit-identical and their largest absolute difference, p50 and p90 latency per call of each
  * transport, and tokens per second; it exits 1 on any mismatch or failure. Not run by ctest: it
- * needs daemons on GPUs (docs/fleets.md, "Over NCCL", says how to run it).
+ * needs daemons on GPUs, started by hand (the usage line above).
  */
 #include "moed_dtype.h"
 #include "moedclient.h"
