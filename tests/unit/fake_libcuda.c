@@ -21,6 +21,7 @@
 #define INVALID_VALUE   1
 #define INVALID_CONTEXT 201
 #define NOT_SUPPORTED   801
+#define NOT_READY       600
 
 fake_cuda_state fake_cuda;
 static _Alignas(256) unsigned char device_mem[FAKE_CUDA_ALLOC];
@@ -301,6 +302,82 @@ int cuStreamIsCapturing(void *stream_, int *status)
     stream *s = stream_;
     if (!s) return INVALID_VALUE;
     *status = s->capturing;
+    return 0;
+}
+
+int cuStreamQuery(void *stream_)
+{
+    stream *s = stream_;
+    if (!s) return 0; /* the legacy stream: nothing is ever queued on it here */
+    pthread_mutex_lock(&s->mu);
+    const int idle = s->head >= s->queue.n && !s->busy;
+    pthread_mutex_unlock(&s->mu);
+    return idle ? 0 : NOT_READY;
+}
+
+/* The fake runs no kernels: a module does not load (a link open says so). */
+int cuModuleLoadData(void **module, const void *image)
+{
+    (void)image;
+    *module = NULL;
+    return NOT_SUPPORTED;
+}
+
+int cuModuleUnload(void *module)
+{
+    return module ? INVALID_VALUE : 0;
+}
+
+int cuModuleGetFunction(void **fn, void *module, const char *name)
+{
+    (void)module, (void)name;
+    *fn = NULL;
+    return NOT_SUPPORTED;
+}
+
+int cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                   unsigned bz, unsigned shared_bytes, void *stream_, void **params, void **extra)
+{
+    return NOT_SUPPORTED;
+}
+
+/* The asynchronous copies: in stream order, done by the time they return. */
+int cuMemcpyHtoDAsync_v2(uint64_t dst, const void *src, size_t bytes, void *stream_)
+{
+    if (stream_) cuStreamSynchronize(stream_);
+    return cuMemcpyHtoD_v2(dst, src, bytes);
+}
+
+int cuMemcpyDtoHAsync_v2(void *dst, uint64_t src, size_t bytes, void *stream_)
+{
+    if (stream_) cuStreamSynchronize(stream_);
+    return cuMemcpyDtoH_v2(dst, src, bytes);
+}
+
+int cuMemcpyDtoDAsync_v2(uint64_t dst, uint64_t src, size_t bytes, void *stream_)
+{
+    if (stream_) cuStreamSynchronize(stream_);
+    memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, bytes);
+    return 0;
+}
+
+int cuMemsetD8Async(uint64_t dst, unsigned char value, size_t bytes, void *stream_)
+{
+    if (stream_) cuStreamSynchronize(stream_);
+    memset((void *)(uintptr_t)dst, value, bytes);
+    return 0;
+}
+
+int cuMemHostAlloc(void **p, size_t bytes, unsigned flags)
+{
+    (void)flags;
+    *p = calloc(1, bytes ? bytes : 1);
+    return *p ? 0 : INVALID_VALUE;
+}
+
+int cuMemFreeHost(void *p)
+{
+    free(p);
     return 0;
 }
 

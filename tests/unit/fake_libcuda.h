@@ -55,6 +55,18 @@ int cuStreamDestroy_v2(void *stream);
 int cuStreamSynchronize(void *stream);
 int cuStreamGetCtx(void *stream, void **ctx);
 int cuStreamIsCapturing(void *stream, int *status);
+int cuStreamQuery(void *stream);
+int cuModuleLoadData(void **module, const void *image);
+int cuModuleUnload(void *module);
+int cuModuleGetFunction(void **fn, void *module, const char *name);
+int cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                   unsigned bz, unsigned shared_bytes, void *stream, void **params, void **extra);
+int cuMemcpyHtoDAsync_v2(uint64_t dst, const void *src, size_t bytes, void *stream);
+int cuMemcpyDtoHAsync_v2(void *dst, uint64_t src, size_t bytes, void *stream);
+int cuMemcpyDtoDAsync_v2(uint64_t dst, uint64_t src, size_t bytes, void *stream);
+int cuMemsetD8Async(uint64_t dst, unsigned char value, size_t bytes, void *stream);
+int cuMemHostAlloc(void **p, size_t bytes, unsigned flags);
+int cuMemFreeHost(void *p);
 int cuStreamWriteValue32_v2(void *stream, uint64_t addr, uint32_t value, unsigned flags);
 int cuStreamWaitValue32_v2(void *stream, uint64_t addr, uint32_t value, unsigned flags);
 

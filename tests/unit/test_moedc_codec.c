@@ -7,6 +7,7 @@
 #include "check.h"
 #include "moed_dtype.h"
 #include "moed_err.h"
+#include "moed_link.h"
 #include "moedc_codec.h"
 
 #include <grpc/health/v1/health.pb-c.h>
@@ -421,6 +422,71 @@ static void test_status_codes(void)
     }
 }
 
+/* The Link of open_link's event, through the wire (packed, then parsed by protobuf-c): its facts,
+ * and each way a server's Link can break moed.proto refused naming the field. */
+static void test_link(void)
+{
+    uint8_t uid[128], key[32], buf[512];
+    for (int i = 0; i < 128; i++) uid[i] = (uint8_t)(i * 7 + 1);
+    for (int i = 0; i < 32; i++) key[i] = (uint8_t)(255 - i);
+    Moed__V1__Link l = MOED__V1__LINK__INIT;
+    Moed__V1__RegionEvent ev = MOED__V1__REGION_EVENT__INIT;
+    l.id = 0x1234567890abcdefull;
+    l.unique_id = (ProtobufCBinaryData){ sizeof uid, uid };
+    l.key = (ProtobufCBinaryData){ sizeof key, key };
+    l.device = 3;
+    l.version = MOED_LINK_VERSION;
+    l.nccl_version = 22703;
+    l.max_payload_bytes = 1 << 20;
+    ev.seq = 9;
+    ev.link = &l;
+    size_t n = moed__v1__region_event__pack(&ev, buf);
+    Moed__V1__RegionEvent *got = moed__v1__region_event__unpack(NULL, n, buf);
+    moedc_link_grant g;
+    moedc_error err;
+    CHECK_EQ_INT(moedc_decode_link(got->link, &g, &err), 0);
+    CHECK(g.id == l.id && g.device == 3 && g.version == 1 && g.nccl_version == 22703);
+    CHECK(g.max_payload_bytes == 1 << 20);
+    CHECK(!memcmp(g.unique_id, uid, sizeof uid) && !memcmp(g.key, key, sizeof key));
+    moed__v1__region_event__free_unpacked(got, NULL);
+
+    CHECK_EQ_INT(moedc_decode_link(NULL, &g, &err), MOEDC_EFORMAT);
+    CHECK(strstr(err.msg, "lacks the link") != NULL);
+    Moed__V1__Link bad = l;
+    bad.id = 0;
+    CHECK_EQ_INT(moedc_decode_link(&bad, &g, &err), MOEDC_EFORMAT);
+    CHECK(strstr(err.msg, "id 0") != NULL);
+    bad = l;
+    bad.unique_id.len = 127;
+    CHECK_EQ_INT(moedc_decode_link(&bad, &g, &err), MOEDC_EFORMAT);
+    CHECK(strstr(err.msg, "unique_id of 127 bytes") != NULL);
+    bad = l;
+    bad.key.len = 16;
+    CHECK_EQ_INT(moedc_decode_link(&bad, &g, &err), MOEDC_EFORMAT);
+    CHECK(strstr(err.msg, "key of 16") != NULL);
+    bad = l;
+    bad.version = 2;
+    CHECK_EQ_INT(moedc_decode_link(&bad, &g, &err), MOEDC_EUNSUPPORTED);
+    CHECK(strstr(err.msg, "version 2") != NULL);
+    bad = l;
+    bad.max_payload_bytes = 0;
+    CHECK_EQ_INT(moedc_decode_link(&bad, &g, &err), MOEDC_EFORMAT);
+    CHECK(strstr(err.msg, "max_payload_bytes") != NULL);
+
+    /* the command: open_link's limits survive the wire under field 8 */
+    Moed__V1__OpenLink ol = MOED__V1__OPEN_LINK__INIT;
+    Moed__V1__RegionCommand cmd = MOED__V1__REGION_COMMAND__INIT;
+    ol.max_tokens = 4096;
+    ol.max_top_k = 8;
+    cmd.command_case = MOED__V1__REGION_COMMAND__COMMAND_OPEN_LINK;
+    cmd.open_link = &ol;
+    n = moed__v1__region_command__pack(&cmd, buf);
+    Moed__V1__RegionCommand *c = moed__v1__region_command__unpack(NULL, n, buf);
+    CHECK(c && c->command_case == MOED__V1__REGION_COMMAND__COMMAND_OPEN_LINK);
+    CHECK(c && c->open_link->max_tokens == 4096 && c->open_link->max_top_k == 8);
+    if (c) moed__v1__region_command__free_unpacked(c, NULL);
+}
+
 int main(void)
 {
     test_requests();
@@ -429,5 +495,6 @@ int main(void)
     test_regions();
     test_model_info_and_health();
     test_status_codes();
+    test_link();
     return check_status("test_moedc_codec");
 }

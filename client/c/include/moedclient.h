@@ -464,6 +464,62 @@ MOEDC_EXTERN uint32_t moedc_ring_failures(const moedc_ring *r);
  * stream that enqueued calls synchronised, and every graph that captured some destroyed. */
 MOEDC_EXTERN void moedc_ring_close(moedc_ring *r);
 
+/* ---- links: Forwards whose tensors move over NCCL ---- */
+
+/* Links (moed.proto's OpenLink; docs/fleets.md, "Over NCCL"): a caller whose tensors are on a GPU
+ * makes its Forwards over NCCL, GPU to GPU, instead of gRPC. c is one daemon or a fleet: a link
+ * per daemon the calls need (one replica of each shard of each layer; another replica, or the same
+ * daemon again, is linked when one fails), each a region session, a two-rank communicator (the
+ * daemon rank 0, this process rank 1 on opts.device) and buffers on that device.
+ *
+ * A call (moedc_links_forward) routes its tokens as the fleet does (the caller's expert choices:
+ * each shard gets the tokens with a pair on an expert it holds, moedc_connect_many), sends each
+ * shard its rows and adds the shards' partial outputs on the GPU by the fleet's rule, so the output
+ * is bit for bit the one moedc_forward gives for the same daemons. Everything runs on the caller's
+ * stream after the work queued there before; the call blocks until the output is written.
+ *
+ * Failures: a call not answered within opts.timeout_s fails MOEDC_EUNAVAIL naming each daemon that
+ * did not answer and its experts; those links are aborted (which frees the stream) and linked
+ * again by a later call. A daemon's refusal fails the call with its code and message, naming it.
+ * A failed call never writes output (so output may be hidden itself, and the caller may make the
+ * call again over gRPC).
+ *
+ * Where links cannot be used, moedc_links_open fails and the caller keeps gRPC: MOEDC_EUNSUPPORTED
+ * without NCCL (libnccl.so.2, or the one MOED_NCCL_LIB names), without a CUDA driver, with a daemon
+ * whose NCCL is another major.minor than this process's (naming both), or from a build without
+ * nvcc (the kernels are compiled at build time); a daemon's refusal of open_link with its code.
+ *
+ * Threads: one call at a time on a moedc_links (others wait). Close the links before c. */
+typedef struct moedc_links moedc_links;
+typedef struct moedc_links_opts {
+    int device;          /* the caller's CUDA ordinal: where its tensors are */
+    uint32_t max_tokens; /* the largest T of a call */
+    uint32_t max_top_k;  /* the largest k (<= 64) */
+    double timeout_s; /* a call not answered within it fails UNAVAILABLE naming the daemons that did
+                         not answer; 0: 30 */
+} moedc_links_opts;
+MOEDC_EXTERN int moedc_links_open(moedc *c, const moedc_links_opts *o, moedc_links **out,
+                                  moedc_error *err);
+typedef struct moedc_link_call {
+    uint32_t layer;
+    int dtype; /* MOEDC_F32, MOEDC_F16 or MOEDC_BF16: hidden's and the output's */
+    int64_t tokens, d_model;
+    int k;
+    const void *hidden;          /* device pointers on opts.device: [T, d_model] of dtype */
+    const int32_t *expert_ids;   /* [T, k] (-1 with weight 0 pads) */
+    const float *expert_weights; /* [T, k] */
+    void *output;                /* [T, d_model] of dtype; may be hidden itself */
+    void *stream; /* the caller's CUstream / cudaStream_t; NULL: the legacy default stream */
+} moedc_link_call;
+/* Blocking: returns once the output is written (work the caller queued on `stream` before is done
+ * first). t (may be NULL): the slowest shard's timings, total_us the call's. */
+MOEDC_EXTERN int moedc_links_forward(moedc_links *l, const moedc_link_call *call, moedc_timings *t,
+                                     moedc_error *err);
+/* A line for logs: "nccl 2.27.3: 3 links (daemons a, b, c)", or why links are not used. */
+MOEDC_EXTERN const char *moedc_links_describe(const moedc_links *l);
+/* Closes every link (close_link, the communicator aborted) and frees l; NULL is a no-op. */
+MOEDC_EXTERN void moedc_links_close(moedc_links *l);
+
 /* ---- model information and health ---- */
 
 /* Experts first .. last, both included (moed.v1.ExpertRange). */

@@ -102,6 +102,7 @@ static void channel_close(moedc *c)
     moedc_channel *ch = (moedc_channel *)c;
     if (ch->channel) grpc_channel_destroy(ch->channel);
     free(ch->auth);
+    free((char *)ch->base.name);
     free(ch);
     grpc_shutdown();
 }
@@ -116,9 +117,10 @@ int moedc_connect(const char *target, const moedc_opts *opts, moedc **out, moedc
     moedc_channel *ch = calloc(1, sizeof *ch);
     if (!ch) return moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a connection");
     grpc_init();
-    ch->base = (moedc){ .ops = &channel_ops, .timeout_s = opts->timeout_s };
+    ch->base = (moedc){ .ops = &channel_ops, .timeout_s = opts->timeout_s, .name = strdup(target) };
     grpc_channel_credentials *creds = NULL;
-    int rc = auth_header(opts->bearer_token, &ch->auth, err);
+    int rc = ch->base.name ? auth_header(opts->bearer_token, &ch->auth, err)
+                           : moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a connection");
     if (!rc) rc = moedc_tls_credentials(opts, &creds, err);
     if (!rc) {
         ch->channel = open_channel(target, creds, opts->tls_server_name);

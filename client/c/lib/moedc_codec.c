@@ -10,6 +10,7 @@
 #include "moedc_codec.h"
 #include "moedc_common.h"
 #include "moed_dtype.h"
+#include "moed_link.h"
 
 #include <grpc/health/v1/health.pb-c.h>
 #include <moed/v1/moed.pb-c.h>
@@ -571,5 +572,35 @@ int moedc_decode_health(const uint8_t *buf, size_t n, int *status, moedc_error *
                           "the server's HealthCheckResponse (%zu bytes) does not parse", n);
     *status = (int)r->status;
     grpc__health__v1__health_check_response__free_unpacked(r, NULL);
+    return 0;
+}
+
+int moedc_decode_link(const Moed__V1__Link *l, moedc_link_grant *out, moedc_error *err)
+{
+    memset(out, 0, sizeof *out);
+    if (!l)
+        return moedc_fail(err, MOEDC_EFORMAT, "the server's answer to open_link lacks the link");
+    if (!l->id) return moedc_fail(err, MOEDC_EFORMAT, "the server's link has id 0");
+    if (l->unique_id.len != sizeof out->unique_id || l->key.len != sizeof out->key)
+        return moedc_fail(
+            err, MOEDC_EFORMAT,
+            "the server's link has a unique_id of %zu bytes and a key of %zu (moed.proto: "
+            "%zu and %zu)",
+            l->unique_id.len, l->key.len, sizeof out->unique_id, sizeof out->key);
+    if (l->version != MOED_LINK_VERSION)
+        return moedc_fail(err, MOEDC_EUNSUPPORTED,
+                          "the server's links speak call layout version %u, this client %d: use "
+                          "gRPC, or a client and daemon of one release",
+                          l->version, MOED_LINK_VERSION);
+    if (!l->max_payload_bytes)
+        return moedc_fail(err, MOEDC_EFORMAT,
+                          "the server's link takes no payload (max_payload_bytes 0)");
+    out->id = l->id;
+    memcpy(out->unique_id, l->unique_id.data, sizeof out->unique_id);
+    memcpy(out->key, l->key.data, sizeof out->key);
+    out->device = l->device;
+    out->version = l->version;
+    out->nccl_version = l->nccl_version;
+    out->max_payload_bytes = l->max_payload_bytes;
     return 0;
 }

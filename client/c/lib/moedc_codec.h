@@ -58,4 +58,20 @@ int moedc_decode_health(const uint8_t *buf, size_t n, int *status, moedc_error *
 int moedc_decode_region_list(const uint8_t *buf, size_t n, moedc_region_info **out, int *count,
                              moedc_error *err);
 
+/* A link the server opened (moed.proto's Link, the event answering open_link), checked. */
+typedef struct moedc_link_grant {
+    uint64_t id;
+    unsigned char unique_id[128]; /* ncclUniqueId: join as rank 1 of 2 */
+    unsigned char key[32];        /* the link's first message */
+    uint32_t device, version, nccl_version;
+    uint64_t max_payload_bytes;
+} moedc_link_grant;
+
+/* The grant of a RegionEvent's link (NULL: the event carries none), or MOEDC_EFORMAT naming the
+ * field that breaks moed.proto's Link (an id of 0, a unique_id of other than 128 bytes, a key of
+ * other than 32, no max_payload_bytes) and MOEDC_EUNSUPPORTED for a call layout other than this
+ * client's (MOED_LINK_VERSION). */
+struct Moed__V1__Link;
+int moedc_decode_link(const struct Moed__V1__Link *l, moedc_link_grant *out, moedc_error *err);
+
 #endif

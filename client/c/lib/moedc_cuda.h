@@ -64,6 +64,21 @@ typedef struct moedc_cuda_table {
     int (*cuStreamSynchronize)(void *stream);
     int (*cuStreamGetCtx)(void *stream, void **ctx);
     int (*cuStreamIsCapturing)(void *stream, int *status);
+    int (*cuStreamQuery)(void *stream);
+    /* what a link call runs on the caller's stream (moedc_link.c): its kernels, loaded from PTX,
+     * and its copies through page-locked host memory */
+    int (*cuModuleLoadData)(void **module, const void *image);
+    int (*cuModuleUnload)(void *module);
+    int (*cuModuleGetFunction)(void **fn, void *module, const char *name);
+    int (*cuLaunchKernel)(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                          unsigned bz, unsigned shared_bytes, void *stream, void **params,
+                          void **extra);
+    int (*cuMemcpyHtoDAsync)(moedc_cu_ptr dst, const void *src, size_t bytes, void *stream);
+    int (*cuMemcpyDtoHAsync)(void *dst, moedc_cu_ptr src, size_t bytes, void *stream);
+    int (*cuMemcpyDtoDAsync)(moedc_cu_ptr dst, moedc_cu_ptr src, size_t bytes, void *stream);
+    int (*cuMemsetD8Async)(moedc_cu_ptr dst, unsigned char value, size_t bytes, void *stream);
+    int (*cuMemHostAlloc)(void **p, size_t bytes, unsigned flags);
+    int (*cuMemFreeHost)(void *p);
     /* the stream memory operations: NULL from a driver older than CUDA 11.7 */
     int (*cuStreamWriteValue32)(void *stream, moedc_cu_ptr addr, uint32_t value, unsigned flags);
     int (*cuStreamWaitValue32)(void *stream, moedc_cu_ptr addr, uint32_t value, unsigned flags);
@@ -73,6 +88,8 @@ typedef struct moedc_cuda_table {
 #define MOEDC_CU_MEMHOSTREGISTER_DEVICEMAP 0x02
 #define MOEDC_CU_STREAM_WAIT_VALUE_EQ      0x1
 #define MOEDC_CU_STREAM_CAPTURE_ACTIVE     1 /* CUstreamCaptureStatus */
+#define MOEDC_CU_STREAM_NON_BLOCKING       0x1
+#define MOEDC_CU_ERROR_NOT_READY           600 /* cuStreamQuery: work still queued */
 
 const moedc_cuda_table *moedc_cuda_api(moedc_error *err);
 

@@ -857,6 +857,30 @@ static int fleet_session_open(moedc *c, moedc_session **out, moedc_error *err)
                       "several (its calls carry their tensors inline)");
 }
 
+static int fleet_layout(moedc *c, int layer, moedc_layout *out, moedc_error *err)
+{
+    fleet *f = (fleet *)c;
+    memset(out, 0, sizeof *out);
+    learn(f); /* as a call's start: daemons to ask are asked first */
+    pthread_mutex_lock(&f->mu);
+    moedc_layer_plan none;
+    const moedc_layer_plan *pl = moedc_plan_for(&f->p, layer, &none);
+    int rc = pl->rc ? moedc_fail(err, pl->rc, "%s", pl->msg) : 0;
+    if (!rc) rc = moedc_plan_copy(pl, &out->plan, err);
+    out->n_daemons = rc ? 0 : f->p.n;
+    out->daemons = rc ? NULL : calloc((size_t)f->p.n, sizeof *out->daemons);
+    out->names = rc ? NULL : calloc((size_t)f->p.n, sizeof *out->names);
+    if (!rc && (!out->daemons || !out->names))
+        rc = moedc_fail(err, MOEDC_ENOMEM, "out of memory copying a layer's plan");
+    for (int i = 0; !rc && i < f->p.n; i++) {
+        out->daemons[i] = member_at(f, i)->c;
+        out->names[i] = member_at(f, i)->pl.target;
+    }
+    pthread_mutex_unlock(&f->mu);
+    if (rc) moedc_layout_free(out);
+    return rc;
+}
+
 static const moedc_ops fleet_ops = {
     .forward_start = fleet_forward_start,
     .forward_finish = fleet_forward_finish,
@@ -865,5 +889,6 @@ static const moedc_ops fleet_ops = {
     .health = fleet_health,
     .list_regions = fleet_list_regions,
     .session_open = fleet_session_open,
+    .layout = fleet_layout,
     .close = fleet_close,
 };

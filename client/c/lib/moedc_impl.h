@@ -6,9 +6,9 @@
  * daemons' moedcs through this table and the public calls alone).
  *
  * A moedc and a moedc_call start with these structs, so an implementation's own handle is
- * (struct theirs *)c. Every slot is required but reconnect (NULL: nothing to do). The dispatch
- * fills the outputs' defaults first (*out NULL, status UNKNOWN, a zeroed model info), so a slot
- * that fails need not.
+ * (struct theirs *)c. Every slot is required but reconnect (NULL: nothing to do) and layout. The
+ * dispatch fills the outputs' defaults first (*out NULL, status UNKNOWN, a zeroed model info), so a
+ * slot that fails need not.
  *
  * A call started with a done function is never handed to moedc_queue_next's caller: the thread
  * that collects it from the queue calls done(call, done_arg) instead, which returns the call to
@@ -19,6 +19,7 @@
 #define MOEDC_IMPL_H
 
 #include "moedc_codec.h"
+#include "moedc_plan.h"
 #include "moedclient.h"
 
 typedef moedc_call *(*moedc_done_fn)(moedc_call *call, void *arg);
@@ -30,6 +31,17 @@ typedef struct moedc_start {
     moedc_done_fn done;         /* NULL: the call is handed to moedc_queue_next's caller */
     void *done_arg;
 } moedc_start;
+
+/* A layer's shards as a link call plans them (moedc_link.c), for use without c's locks: plan is a
+ * copy (moedc_plan_copy) whose replicas index daemons; the daemons and their names are c's own,
+ * valid until moedc_close(c). Free with moedc_layout_free. */
+typedef struct moedc_layout {
+    moedc_layer_plan plan;
+    moedc **daemons;
+    const char **names;
+    int n_daemons;
+} moedc_layout;
+void moedc_layout_free(moedc_layout *l);
 
 typedef struct moedc_ops {
     /* moedc_forward_start: the call, its fields below filled, in *out; nothing started on failure.
@@ -50,6 +62,9 @@ typedef struct moedc_ops {
     /* Tries to connect now, whatever backoff the connection would keep, and waits until it is
      * connected, at most timeout_s: a fleet asks a daemon again on its own schedule. */
     void (*reconnect)(moedc *c, double timeout_s);
+    /* The layout of `layer` (a fleet's plan for it, MOEDC_EUNAVAIL / MOEDC_EPRECOND with why there
+     * is none); NULL: c is one daemon, the layout a single shard of c itself. */
+    int (*layout)(moedc *c, int layer, moedc_layout *out, moedc_error *err);
     /* Frees everything c holds, and c. */
     void (*close)(moedc *c);
 } moedc_ops;
@@ -57,6 +72,7 @@ typedef struct moedc_ops {
 struct moedc {
     const moedc_ops *ops;
     double timeout_s; /* the default deadline of its calls (moedc_opts.timeout_s) */
+    const char *name; /* one daemon: its target, for messages; a fleet: NULL */
 };
 
 struct moedc_call {

@@ -621,6 +621,46 @@ int moedc_plan_sum(int dtype, const void *const *parts, const int64_t *const *ro
     return rc;
 }
 
+int moedc_plan_copy(const moedc_layer_plan *pl, moedc_layer_plan *out, moedc_error *err)
+{
+    *out = *pl;
+    out->shards = calloc((size_t)(pl->n_shards > 0 ? pl->n_shards : 1), sizeof *out->shards);
+    bool ok = out->shards != NULL;
+    for (int s = 0; ok && s < pl->n_shards; s++) {
+        const moedc_shard *from = &pl->shards[s];
+        moedc_shard *to = &out->shards[s];
+        moedc_layer_info *li = malloc(sizeof *li);
+        to->li = li;
+        to->turn = from->turn;
+        ok = li && (to->replicas = malloc(sizeof *to->replicas * (size_t)from->n_replicas));
+        if (!ok) break;
+        to->n_replicas = from->n_replicas;
+        memcpy(to->replicas, from->replicas, sizeof *to->replicas * (size_t)from->n_replicas);
+        *li = *from->li;
+        li->placed = NULL, li->n_placed = 0;
+        li->replicas = NULL, li->n_replicas = 0;
+        li->held = malloc(sizeof *li->held * (size_t)(li->n_held > 0 ? li->n_held : 1));
+        if (!(ok = li->held != NULL)) break;
+        memcpy(li->held, from->li->held, sizeof *li->held * (size_t)li->n_held);
+    }
+    if (ok) return 0;
+    moedc_plan_copy_free(out);
+    return moedc_fail(err, MOEDC_ENOMEM, "out of memory copying a layer's plan");
+}
+
+void moedc_plan_copy_free(moedc_layer_plan *pl)
+{
+    for (int s = 0; pl->shards && s < pl->n_shards; s++) {
+        moedc_layer_info *li = (moedc_layer_info *)pl->shards[s].li; /* this copy's own */
+        if (li) free(li->held);
+        free(li);
+        free(pl->shards[s].replicas);
+    }
+    free(pl->shards);
+    pl->shards = NULL;
+    pl->n_shards = 0;
+}
+
 /* Adds [first, last] to a layer's held ranges (kept increasing and merged). */
 static bool add_range(moedc_layer_info *li, int first, int last)
 {

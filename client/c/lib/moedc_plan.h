@@ -141,6 +141,11 @@ int moedc_plan_rows(const moedc_layer_plan *pl, const int32_t *ids, const float 
 int moedc_plan_sum(int dtype, const void *const *parts, const int64_t *const *rows,
                    const int64_t *n_rows, int n, int64_t tokens, int64_t d, void *out,
                    moedc_error *err);
+/* A copy of pl that outlives the planner's next rebuild (a link call's, moedc_link.c): its shards
+ * and their replicas, each shard's layer info with its held ranges (its other arrays NULL); rc and
+ * msg too. MOEDC_ENOMEM. Free with moedc_plan_copy_free. */
+int moedc_plan_copy(const moedc_layer_plan *pl, moedc_layer_plan *out, moedc_error *err);
+void moedc_plan_copy_free(moedc_layer_plan *pl);
 /* The fleet's ModelInfo: each layer once, holding what the members that answered hold between
  * them; the smallest limits; every device. MOEDC_EUNAVAIL when none answered. */
 int moedc_plan_info(const moedc_planner *p, moedc_model_info *out, moedc_error *err);

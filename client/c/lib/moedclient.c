@@ -6,6 +6,7 @@
  */
 #include "moedc_impl.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 const char *moedc_health_name(int status)
@@ -88,4 +89,12 @@ int moedc_session_open(moedc *c, moedc_session **out, moedc_error *err)
 {
     *out = NULL;
     return c->ops->session_open(c, out, err);
+}
+
+void moedc_layout_free(moedc_layout *l)
+{
+    moedc_plan_copy_free(&l->plan);
+    free(l->daemons);
+    free(l->names);
+    memset(l, 0, sizeof *l);
 }

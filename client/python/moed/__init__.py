@@ -12,7 +12,8 @@ moed.fleet); both answer one interface (moed.interface.Client): forward(), forwa
 health(), register() and regions() (a fleet refuses the last two: MoEError FAILED_PRECONDITION).
 moed.aio has their asyncio twins. RingClient makes same-host calls through the doorbell
 (libmoedclient's rings, no grpcio on a call's path; numpy, torch CPU and CUDA tensors, stream-ordered
-and capturable), and `import moed.torch_op` registers torch.ops.moed.forward on it (docs/engines.md). RetryPolicy for calls answered UNAVAILABLE; the data types they
+and capturable), and `import moed.torch_op` registers torch.ops.moed.forward on it (docs/engines.md). Links
+(moed.links) make Forwards of torch CUDA tensors over NCCL, GPU to GPU. RetryPolicy for calls answered UNAVAILABLE; the data types they
 return (ModelInfo, LayerInfo, ForwardResult, Timings, Device, RegionLimits, Region); MoEError for
 failed calls. moed.tensors says what kinds of tensors go in and come out and what each costs;
 moed.transport how they travel (inline, or shared or device memory when the server is on this
@@ -30,10 +31,11 @@ from .interface import Client
 from .client import MoEClient
 from .fleet import FleetClient
 from .ring import ForwardHandle, RingClient
+from .links import Links, open_links
 from .targets import is_fleet, one
 from . import aio
 
-__all__ = ["connect", "Client", "MoEClient", "FleetClient", "RingClient", "ForwardHandle", "MoEError", "RetryPolicy", "ForwardResult",
+__all__ = ["connect", "Client", "MoEClient", "FleetClient", "RingClient", "ForwardHandle", "Links", "open_links", "MoEError", "RetryPolicy", "ForwardResult",
            "ModelInfo", "LayerInfo", "Device", "Timings", "Region", "RegionLimits", "aio"]
 __version__ = "0.2.0"
 

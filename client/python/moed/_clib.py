@@ -1,4 +1,5 @@
-"""libmoedclient through ctypes: the C client's structs and the calls the doorbell needs.
+"""libmoedclient through ctypes: the C client's structs and the calls the doorbell and the links
+need.
 
 The library is loaded on first use, from $MOED_CLIENT_LIB when it is set (a build's own,
 build/client/c/libmoedclient.so), else from the copy `pip install ./client/python` builds into
@@ -69,10 +70,22 @@ class RingResult(Structure):
     _fields_ = [("status", c_int), ("message", c_char * 224), ("timings", Timings)]
 
 
+class LinksOpts(Structure):
+    _fields_ = [("device", c_int), ("max_tokens", c_uint32), ("max_top_k", c_uint32),
+                ("timeout_s", c_double)]
+
+
+class LinkCall(Structure):
+    _fields_ = [("layer", c_uint32), ("dtype", c_int), ("tokens", c_int64), ("d_model", c_int64),
+                ("k", c_int), ("hidden", c_void_p), ("expert_ids", c_void_p),
+                ("expert_weights", c_void_p), ("output", c_void_p), ("stream", c_void_p)]
+
+
 # What test_python_ring.py checks against the header: each struct's C name and class.
 STRUCTS = {"moedc_error": Error, "moedc_opts": Opts, "moedc_region": Region, "moedc_ref": Ref,
            "moedc_ring_call": RingCall, "moedc_ring_ticket": Ticket, "moedc_timings": Timings,
-           "moedc_ring_result": RingResult}
+           "moedc_ring_result": RingResult, "moedc_links_opts": LinksOpts,
+           "moedc_link_call": LinkCall}
 
 _P = c_void_p
 _ERR = POINTER(Error)
@@ -81,6 +94,7 @@ _PROTOS = {
     "moedc_code_to_grpc": (c_int, [c_int]),
     "moedc_grpc_status_name": (c_char_p, [c_int]),
     "moedc_connect": (c_int, [c_char_p, POINTER(Opts), POINTER(_P), _ERR]),
+    "moedc_connect_many": (c_int, [POINTER(c_char_p), c_int, POINTER(Opts), POINTER(_P), _ERR]),
     "moedc_close": (None, [_P]),
     "moedc_session_open": (c_int, [_P, POINTER(_P), _ERR]),
     "moedc_session_close": (None, [_P]),
@@ -95,6 +109,10 @@ _PROTOS = {
     "moedc_ring_release": (c_int, [_P, POINTER(Ticket), _ERR]),
     "moedc_ring_failures": (c_uint32, [_P]),
     "moedc_ring_close": (None, [_P]),
+    "moedc_links_open": (c_int, [_P, POINTER(LinksOpts), POINTER(_P), _ERR]),
+    "moedc_links_forward": (c_int, [_P, POINTER(LinkCall), POINTER(Timings), _ERR]),
+    "moedc_links_describe": (c_char_p, [_P]),
+    "moedc_links_close": (None, [_P]),
 }
 
 _lib: Optional[ctypes.CDLL] = None

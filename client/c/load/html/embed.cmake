@@ -1,5 +1,6 @@
 # Writes OUT, a C file that holds each file of FILES as a byte array named by the same position in
-# NAMES (with NAME_len its size): how moed-load carries its report page's scripts and style.
+# NAMES (with NAME_len its size), followed by a 0 byte (so text is a C string): how moed-load carries
+# its report page's scripts and style, and libmoedclient its link kernels' PTX.
 #   cmake -DOUT=x.c -DNAMES="a|b" -DFILES="a.js|b.css" -P embed.cmake
 # (lists separated by '|': a ';' would not survive the build tool's command line)
 string(REPLACE "|" ";" NAMES "${NAMES}")

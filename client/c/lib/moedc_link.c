@@ -1,0 +1,881 @@
+/*
+ * moedc_link — links: Forwards over NCCL (moedclient.h states the contract; common/moed_link.h is
+ * the call layout both sides share, moed.proto's OpenLink the protocol).
+ *
+ * A link is one daemon's: a region session of its own (the link closes with it, so dropping a link
+ * is aborting its communicator and closing its session), the communicator joined as rank 1, and
+ * its buffers on the caller's device: the call header, the payload, the reply (moed_link_capacity
+ * for the widest layer in float32, the widest dtype), and page-locked host copies of the header
+ * and the reply's header. Links are kept by daemon (its moedc), so a daemon serving several
+ * layers has one; each layer remembers which link serves each of its shards.
+ *
+ * A call, all on the caller's stream: the expert choices copied to the host (the plan needs them:
+ * moedc_plan_rows, the gRPC fleet's own rule), each shard's rows gathered into its payload (the
+ * gather kernel; plain copies for a shard with every token), its header written and its reply's
+ * header zeroed; one NCCL group of every shard's sends and receive; the combine kernel
+ * (moedc_link_sum.h), which writes the output only when every reply arrived and is OK; each
+ * reply's header copied back. Then the watchdog polls the stream and each communicator until the
+ * stream is done, an NCCL error shows, or the time is up; a link that did not answer is aborted
+ * (its kernels then end, freeing the stream) and dropped, to be linked again by a later call.
+ *
+ * The kernels are link_kernels.cu compiled to PTX at build time (MOEDC_HAVE_LINK_PTX; a build
+ * without nvcc has none and refuses links), loaded on the first join.
+ */
+#include "moedc_common.h"
+#include "moedc_cuda.h"
+#include "moedc_impl.h"
+#include "moedc_link_sum.h"
+#include "moedc_session.h"
+
+#include "moed_dtype.h"
+#include "moed_link.h"
+#include "moed_nccl.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#ifdef MOEDC_HAVE_LINK_PTX
+extern const unsigned char moedc_link_ptx[]; /* NUL-terminated, as cuModuleLoadData reads it */
+#endif
+
+#define DEFAULT_TIMEOUT_S 30.0
+#define DRAIN_S           10.0 /* after aborting, how long the caller's stream gets to drain */
+#define THREADS           256
+#define MAX_BLOCKS        4096
+
+typedef struct link {
+    moedc *daemon;
+    const char *name;
+    moedc_session *s;
+    moed_nccl_comm comm;
+    uint64_t seq; /* of the last call sent */
+    uint64_t max_payload, payload_cap, reply_cap;
+    moedc_cu_ptr d_head, d_payload, d_reply;
+    moed_link_call *h_head;
+    moed_link_reply *h_reply;
+} link;
+
+typedef struct layer_links {
+    int layer;
+    moedc_layout lay;
+    link **by_shard; /* NULL: not linked (yet, or any more) */
+} layer_links;
+
+struct moedc_links {
+    moedc *c;
+    moedc_links_opts o;
+    const moed_nccl *nccl;
+    const moedc_cuda_table *cu; /* once a link joined */
+    void *module, *k_gather, *k_combine;
+    void *watch; /* a stream of ours: the key's send, and replies read while the caller's waits */
+    pthread_mutex_t mu;
+    link **links;
+    int n_links;
+    layer_links *layers;
+    int n_layers;
+    uint32_t d_model; /* the widest layer's */
+    int32_t *h_ids;   /* page-locked [max_tokens * max_top_k] */
+    float *h_w;
+    unsigned char *h_index; /* a call's parts, row lists and row maps, and their device copy */
+    moedc_cu_ptr d_index;
+    size_t index_cap;
+    char line[512];
+};
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Between two polls of the watchdog: a yield first (the reply often is a few microseconds off),
+ * then short sleeps, so a 2-core caller's other threads run. */
+static void nap(unsigned i)
+{
+    if (i < 64) {
+        sched_yield();
+        return;
+    }
+    struct timespec ts = { 0, 20000 };
+    nanosleep(&ts, NULL);
+}
+
+static size_t round_up(size_t x)
+{
+    return (x + MOED_LINK_ALIGN - 1) / MOED_LINK_ALIGN * MOED_LINK_ALIGN;
+}
+
+static int from_moed(const moed_error *e, moedc_error *err)
+{
+    return moedc_fail(err, e->code, "%s", e->msg);
+}
+
+static int nccl_fail(const moedc_links *L, const link *k, int result, const char *call,
+                     moedc_error *err)
+{
+    moed_error e;
+    moed_nccl_fail(L->nccl, result, call, &e);
+    return moedc_fail(err, e.code, "daemon %s: %s", k->name, e.msg);
+}
+
+/* ---- links ---- */
+
+static void link_free(moedc_links *L, link *k)
+{
+    if (!k) return;
+    if (k->comm) L->nccl->comm_abort(k->comm); /* never blocks, whatever the peer does */
+    const moedc_cuda_table *cu = L->cu;
+    if (cu) {
+        if (k->d_head) cu->cuMemFree(k->d_head);
+        if (k->d_payload) cu->cuMemFree(k->d_payload);
+        if (k->d_reply) cu->cuMemFree(k->d_reply);
+        if (k->h_head) cu->cuMemFreeHost(k->h_head);
+        if (k->h_reply) cu->cuMemFreeHost(k->h_reply);
+    }
+    moedc_session_close(k->s); /* the server closes the link with its session */
+    free(k);
+}
+
+/* Polls k's communicator until its operation in progress is done (0), fails, or `until` passes. */
+static int settle(moedc_links *L, link *k, double until, const char *what, moedc_error *err)
+{
+    for (unsigned i = 0;; i++) {
+        int async = 0, r = L->nccl->comm_get_async_error(k->comm, &async);
+        if (r) return nccl_fail(L, k, r, "ncclCommGetAsyncError", err);
+        if (async == MOED_NCCL_SUCCESS) return 0;
+        if (async != MOED_NCCL_IN_PROGRESS) return nccl_fail(L, k, async, what, err);
+        if (now_s() > until)
+            return moedc_fail(err, MOEDC_EUNAVAIL, "daemon %s: %s not done within %.0f s", k->name,
+                              what, L->o.timeout_s);
+        nap(i);
+    }
+}
+
+/* Waits for stream st of ours, watching k's communicator. */
+static int drain_watch(moedc_links *L, link *k, double until, const char *what, moedc_error *err)
+{
+    for (unsigned i = 0;; i++) {
+        int q = L->cu->cuStreamQuery(L->watch);
+        if (q == 0) return 0;
+        if (q != MOEDC_CU_ERROR_NOT_READY) return moedc_cuda_fail(L->cu, q, what, err);
+        int rc = settle(L, k, until, what, err);
+        if (rc) return rc;
+        if (now_s() > until)
+            return moedc_fail(err, MOEDC_EUNAVAIL, "daemon %s: %s not done within %.0f s", k->name,
+                              what, L->o.timeout_s);
+        nap(i);
+    }
+}
+
+/* The caller's device current on this thread (the driver loaded the first time), until leave. */
+static int enter(moedc_links *L, moedc_error *err)
+{
+    if (!L->cu && !(L->cu = moedc_cuda_api(err))) return err->code;
+    return moedc_cuda_enter(L->cu, L->o.device, err);
+}
+
+static void leave(moedc_links *L)
+{
+    moedc_cuda_leave(L->cu, L->o.device);
+}
+
+/* The kernels, on the first join (the caller's device current). */
+static int load_kernels(moedc_links *L, moedc_error *err)
+{
+#ifdef MOEDC_HAVE_LINK_PTX
+    if (L->k_combine) return 0;
+    const moedc_cuda_table *cu = L->cu;
+    int rc = cu->cuModuleLoadData(&L->module, moedc_link_ptx);
+    if (rc) return moedc_cuda_fail(cu, rc, "cuModuleLoadData (the link kernels' PTX)", err);
+    if ((rc = cu->cuModuleGetFunction(&L->k_gather, L->module, "moedc_link_gather")) ||
+        (rc = cu->cuModuleGetFunction(&L->k_combine, L->module, "moedc_link_combine")))
+        return moedc_cuda_fail(cu, rc, "cuModuleGetFunction", err);
+    if ((rc = cu->cuStreamCreate(&L->watch, MOEDC_CU_STREAM_NON_BLOCKING)))
+        return moedc_cuda_fail(cu, rc, "cuStreamCreate", err);
+    return 0;
+#else
+    (void)L;
+    return moedc_fail(err, MOEDC_EUNSUPPORTED,
+                      "libmoedclient was built without nvcc, so it has no link kernels: rebuild it "
+                      "where the CUDA toolkit is installed to use links");
+#endif
+}
+
+static int alloc_buffers(moedc_links *L, link *k, moedc_error *err)
+{
+    const moedc_cuda_table *cu = L->cu;
+    int rc = moed_link_capacity(L->o.max_tokens, L->o.max_top_k, L->d_model, 4, &k->payload_cap,
+                                &k->reply_cap, &(moed_error){ 0 });
+    if (rc)
+        return moedc_fail(err, MOEDC_EINVAL,
+                          "links of %u tokens, top_k %u and d_model %u are too large to lay out",
+                          L->o.max_tokens, L->o.max_top_k, L->d_model);
+    const char *what = "cuMemAlloc (a link's header)";
+    if (!(rc = cu->cuMemAlloc(&k->d_head, MOED_LINK_HEADER_BYTES)) &&
+        (what = "cuMemAlloc (a link's payload)") &&
+        !(rc = cu->cuMemAlloc(&k->d_payload, k->payload_cap)) &&
+        (what = "cuMemAlloc (a link's reply)") &&
+        !(rc = cu->cuMemAlloc(&k->d_reply, k->reply_cap)) && (what = "cuMemHostAlloc") &&
+        !(rc = cu->cuMemHostAlloc((void **)&k->h_head, MOED_LINK_HEADER_BYTES, 0)))
+        rc = cu->cuMemHostAlloc((void **)&k->h_reply, MOED_LINK_HEADER_BYTES, 0);
+    return rc ? moedc_cuda_fail(cu, rc, what, err) : 0;
+}
+
+/* Joins the communicator the daemon made, and sends it the key (the caller's device current: NCCL
+ * takes the current device for its rank). */
+static int join(moedc_links *L, link *k, const moedc_link_grant *g, moedc_error *err)
+{
+    const double until = now_s() + L->o.timeout_s;
+    moed_nccl_unique_id id;
+    memcpy(id.internal, g->unique_id, sizeof id.internal);
+    moed_nccl_config cfg = moed_nccl_config_nonblocking();
+    int r = L->nccl->comm_init_rank_config(&k->comm, 2, id, 1, &cfg);
+    if (r && r != MOED_NCCL_IN_PROGRESS) {
+        k->comm = NULL;
+        return nccl_fail(L, k, r, "ncclCommInitRankConfig", err);
+    }
+    int rc = settle(L, k, until, "joining the link (ncclCommInitRankConfig)", err);
+    if (rc) return rc;
+    memcpy(k->h_head, g->key, MOED_LINK_KEY_BYTES); /* NCCL sends device memory */
+    if ((rc = L->cu->cuMemcpyHtoDAsync(k->d_head, k->h_head, MOED_LINK_KEY_BYTES, L->watch)))
+        return moedc_cuda_fail(L->cu, rc, "cuMemcpyHtoDAsync (the link's key)", err);
+    r = L->nccl->send((const void *)(uintptr_t)k->d_head, MOED_LINK_KEY_BYTES, MOED_NCCL_UINT8, 0,
+                      k->comm, L->watch);
+    if (r && r != MOED_NCCL_IN_PROGRESS) return nccl_fail(L, k, r, "ncclSend (the key)", err);
+    return drain_watch(L, k, until, "sending the link's key", err);
+}
+
+/* A link to daemon `name` (session, open_link, join), or the daemon's refusal naming it. The CUDA
+ * driver is needed only after the daemon granted the link, so a daemon that cannot serve links
+ * says so itself, on any machine. */
+static int link_open(moedc_links *L, moedc *daemon, const char *name, link **out, moedc_error *err)
+{
+    link *k = calloc(1, sizeof *k);
+    if (!k) return moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a link");
+    k->daemon = daemon;
+    k->name = name;
+    Moed__V1__OpenLink ol = MOED__V1__OPEN_LINK__INIT;
+    Moed__V1__RegionCommand cmd = MOED__V1__REGION_COMMAND__INIT;
+    Moed__V1__RegionEvent *ev = NULL;
+    ol.max_tokens = L->o.max_tokens;
+    ol.max_top_k = L->o.max_top_k;
+    cmd.command_case = MOED__V1__REGION_COMMAND__COMMAND_OPEN_LINK;
+    cmd.open_link = &ol;
+    moedc_link_grant g;
+    moedc_error e;
+    int rc = moedc_session_open(daemon, &k->s, &e);
+    if (!rc) rc = moedc_session_command(k->s, &cmd, &ev, &e);
+    if (!rc) rc = moedc_decode_link(ev->link, &g, &e);
+    if (ev) moed__v1__region_event__free_unpacked(ev, NULL);
+    if (!rc && !moed_nccl_versions_match(g.nccl_version, L->nccl->version)) {
+        char theirs[32], ours[32];
+        moed_nccl_version_string((int)g.nccl_version, theirs, sizeof theirs);
+        moed_nccl_version_string(L->nccl->version, ours, sizeof ours);
+        rc =
+            moedc_fail(&e, MOEDC_EUNSUPPORTED,
+                       "its NCCL is %s and this process's %s (%s): one communicator needs the same "
+                       "major.minor on both sides; install a matching NCCL or set MOED_NCCL_LIB",
+                       theirs, ours, L->nccl->path);
+    }
+    const bool entered = !rc && !(rc = enter(L, &e));
+    if (!rc) rc = load_kernels(L, &e);
+    if (!rc) rc = alloc_buffers(L, k, &e);
+    if (!rc) rc = join(L, k, &g, &e);
+    k->max_payload = g.max_payload_bytes;
+    if (entered) leave(L);
+    if (rc) {
+        link_free(L, k);
+        return moedc_fail(err, rc, "daemon %s: %s", name, e.msg);
+    }
+    *out = k;
+    return 0;
+}
+
+/* Drops link k (aborted, its session closed) from L and from every layer it served. */
+static void link_drop(moedc_links *L, link *k)
+{
+    for (int i = 0; i < L->n_layers; i++)
+        for (int s = 0; s < L->layers[i].lay.plan.n_shards; s++)
+            if (L->layers[i].by_shard[s] == k) L->layers[i].by_shard[s] = NULL;
+    for (int i = 0; i < L->n_links; i++)
+        if (L->links[i] == k) L->links[i] = L->links[--L->n_links];
+    link_free(L, k);
+}
+
+/* The experts of a shard, "a-b, c-d" (and "+ shared"), for messages. */
+static void experts_text(const moedc_layer_info *li, char *buf, size_t n)
+{
+    size_t used = 0;
+    buf[0] = 0;
+    for (int r = 0; r < li->n_held && used < n; r++)
+        used += (size_t)snprintf(buf + used, n - used, "%s%d-%d", r ? ", " : "", li->held[r].first,
+                                 li->held[r].last);
+    if (li->adds_shared && li->n_shared > 0 && used < n)
+        snprintf(buf + used, n - used, " + shared");
+}
+
+/* Shard s of ll linked: its link still open, else a replica's (one linked already first, then
+ * each in turn); MOEDC_EUNAVAIL (a single daemon: its own failure) naming each and why. */
+static int link_shard(moedc_links *L, layer_links *ll, int s, moedc_error *err)
+{
+    if (ll->by_shard[s]) return 0;
+    const moedc_shard *sh = &ll->lay.plan.shards[s];
+    for (int r = 0; r < sh->n_replicas; r++)
+        for (int i = 0; i < L->n_links; i++)
+            if (L->links[i]->daemon == ll->lay.daemons[sh->replicas[r]]) {
+                ll->by_shard[s] = L->links[i];
+                return 0;
+            }
+    char why[sizeof err->msg] = "";
+    size_t used = 0;
+    int rc = MOEDC_EUNAVAIL;
+    for (int r = 0; r < sh->n_replicas; r++) {
+        const int d = sh->replicas[r];
+        link *k = NULL;
+        moedc_error e;
+        link **grown = realloc(L->links, sizeof *grown * (size_t)(L->n_links + 1));
+        if (!grown) return moedc_fail(err, MOEDC_ENOMEM, "out of memory opening a link");
+        L->links = grown;
+        rc = link_open(L, ll->lay.daemons[d], ll->lay.names[d], &k, &e);
+        if (!rc) {
+            L->links[L->n_links++] = k;
+            ll->by_shard[s] = k;
+            return 0;
+        }
+        if (used < sizeof why)
+            used +=
+                (size_t)snprintf(why + used, sizeof why - used, "%s%s", used ? "; " : "", e.msg);
+    }
+    if (sh->n_replicas == 1) return moedc_fail(err, rc, "%s", why);
+    char experts[96];
+    experts_text(sh->li, experts, sizeof experts);
+    return moedc_fail(err, MOEDC_EUNAVAIL, "layer %d, experts %s: no daemon could be linked: %s",
+                      ll->layer, experts, why);
+}
+
+/* One daemon's layout: a single shard, c itself (what the fleet's planner gives a layer of one). */
+static int single_layout(moedc *c, int layer, moedc_layout *out, moedc_error *err)
+{
+    memset(out, 0, sizeof *out);
+    moedc_model_info info;
+    int rc = moedc_info(c, &info, err);
+    if (rc) return rc;
+    const moedc_layer_info *li = NULL;
+    for (int i = 0; i < info.n_layers; i++)
+        if (info.layers[i].index == layer) li = &info.layers[i];
+    int replica = 0;
+    moedc_shard one = { .li = li, .replicas = &replica, .n_replicas = 1 };
+    moedc_layer_plan pl = { .layer = layer, .shards = &one, .n_shards = 1 };
+    out->daemons = malloc(sizeof *out->daemons);
+    out->names = malloc(sizeof *out->names);
+    if (!li)
+        rc = moedc_fail(err, MOEDC_ENOTFOUND, "daemon %s serves no layer %d", c->name, layer);
+    else if (!out->daemons || !out->names)
+        rc = moedc_fail(err, MOEDC_ENOMEM, "out of memory planning a link call");
+    else
+        rc = moedc_plan_copy(&pl, &out->plan, err);
+    moedc_model_info_free(&info);
+    if (rc) {
+        moedc_layout_free(out);
+        return rc;
+    }
+    out->daemons[0] = c;
+    out->names[0] = c->name;
+    out->n_daemons = 1;
+    return 0;
+}
+
+/* Layer `layer` as L knows it: planned (the first time) and every shard linked. */
+static int layer_of(moedc_links *L, int layer, layer_links **out, moedc_error *err)
+{
+    layer_links *ll = NULL;
+    for (int i = 0; i < L->n_layers && !ll; i++)
+        if (L->layers[i].layer == layer) ll = &L->layers[i];
+    if (!ll) {
+        layer_links *grown = realloc(L->layers, sizeof *grown * (size_t)(L->n_layers + 1));
+        if (!grown) return moedc_fail(err, MOEDC_ENOMEM, "out of memory planning a link call");
+        L->layers = grown;
+        layer_links fresh = { .layer = layer };
+        int rc = L->c->ops->layout ? L->c->ops->layout(L->c, layer, &fresh.lay, err)
+                                   : single_layout(L->c, layer, &fresh.lay, err);
+        if (rc) return rc;
+        fresh.by_shard = calloc((size_t)fresh.lay.plan.n_shards, sizeof *fresh.by_shard);
+        if (!fresh.by_shard) {
+            moedc_layout_free(&fresh.lay);
+            return moedc_fail(err, MOEDC_ENOMEM, "out of memory planning a link call");
+        }
+        ll = &L->layers[L->n_layers++];
+        *ll = fresh;
+    }
+    *out = ll;
+    return 0;
+}
+
+static void describe(moedc_links *L)
+{
+    char v[32];
+    moed_nccl_version_string(L->nccl->version, v, sizeof v);
+    size_t used =
+        (size_t)snprintf(L->line, sizeof L->line, "nccl %s: %d link%s (daemon%s ", v, L->n_links,
+                         L->n_links == 1 ? "" : "s", L->n_links == 1 ? "" : "s");
+    for (int i = 0; i < L->n_links && used < sizeof L->line; i++)
+        used += (size_t)snprintf(L->line + used, sizeof L->line - used, "%s%s", i ? ", " : "",
+                                 L->links[i]->name);
+    if (used < sizeof L->line) snprintf(L->line + used, sizeof L->line - used, ")");
+}
+
+/* ---- open and close ---- */
+
+void moedc_links_close(moedc_links *L)
+{
+    if (!L) return;
+    moedc_error ignored;
+    const bool entered = L->cu && !enter(L, &ignored);
+    while (L->n_links) link_drop(L, L->links[0]);
+    for (int i = 0; i < L->n_layers; i++) {
+        moedc_layout_free(&L->layers[i].lay);
+        free(L->layers[i].by_shard);
+    }
+    if (L->cu) {
+        if (L->h_ids) L->cu->cuMemFreeHost(L->h_ids);
+        if (L->h_w) L->cu->cuMemFreeHost(L->h_w);
+        if (L->h_index) L->cu->cuMemFreeHost(L->h_index);
+        if (L->d_index) L->cu->cuMemFree(L->d_index);
+        if (L->watch) L->cu->cuStreamDestroy(L->watch);
+        if (L->module) L->cu->cuModuleUnload(L->module);
+    }
+    if (entered) leave(L);
+    free(L->links);
+    free(L->layers);
+    pthread_mutex_destroy(&L->mu);
+    free(L);
+}
+
+/* Every layer of c's model planned and linked, and the staging of a call's choices. */
+static int open_all(moedc_links *L, moedc_error *err)
+{
+    moedc_model_info info;
+    moedc_error e;
+    int rc = moedc_info(L->c, &info, &e);
+    if (rc) /* a fleet's message names its daemons; one daemon's does not */
+        return moedc_fail(err, rc, "%s%s%s%s", L->c->name ? "daemon " : "",
+                          L->c->name ? L->c->name : "", L->c->name ? ": " : "", e.msg);
+    for (int i = 0; i < info.n_layers; i++)
+        if ((uint32_t)info.layers[i].d_model > L->d_model)
+            L->d_model = (uint32_t)info.layers[i].d_model;
+    for (int i = 0; !rc && i < info.n_layers; i++) {
+        layer_links *ll;
+        rc = layer_of(L, info.layers[i].index, &ll, err);
+        for (int s = 0; !rc && s < ll->lay.plan.n_shards; s++) rc = link_shard(L, ll, s, err);
+    }
+    if (!rc && !info.n_layers)
+        rc = moedc_fail(err, MOEDC_EPRECOND, "the daemons serve no layer yet: nothing to link");
+    moedc_model_info_free(&info);
+    return rc;
+}
+
+int moedc_links_open(moedc *c, const moedc_links_opts *o, moedc_links **out, moedc_error *err)
+{
+    *out = NULL;
+    if (!c || !o) return moedc_fail(err, MOEDC_EINVAL, "no client or no options given");
+    if (o->max_tokens < 1 || o->max_top_k < 1 || o->max_top_k > MOED_LINK_MAX_TOP_K ||
+        o->timeout_s < 0)
+        return moedc_fail(err, MOEDC_EINVAL,
+                          "links need max_tokens >= 1, max_top_k 1 .. %d and timeout_s >= 0 (got "
+                          "%u, %u, %g)",
+                          MOED_LINK_MAX_TOP_K, o->max_tokens, o->max_top_k, o->timeout_s);
+    moed_error e;
+    const moed_nccl *nccl = moed_nccl_api(&e); /* before any daemon is asked anything */
+    if (!nccl) return from_moed(&e, err);
+    moedc_links *L = calloc(1, sizeof *L);
+    if (!L) return moedc_fail(err, MOEDC_ENOMEM, "out of memory opening links");
+    L->c = c;
+    L->o = *o;
+    if (!(L->o.timeout_s > 0)) L->o.timeout_s = DEFAULT_TIMEOUT_S;
+    L->nccl = nccl;
+    pthread_mutex_init(&L->mu, NULL);
+    int rc = open_all(L, err);
+    if (rc) {
+        moedc_links_close(L);
+        return rc;
+    }
+    describe(L);
+    *out = L;
+    return 0;
+}
+
+const char *moedc_links_describe(const moedc_links *L)
+{
+    return L ? L->line : "links are not open";
+}
+
+/* ---- calls ---- */
+
+/* A shard of the call: its link, its tokens (rows, NULL: every one) and its payload's layout. */
+typedef struct part {
+    link *k;
+    int shard;
+    int64_t *rows, n_rows;
+    moed_link_payload pay;
+    bool late; /* its reply did not arrive */
+} part;
+
+static int check_call(const moedc_links *L, const moedc_link_call *c, moedc_error *err)
+{
+    if (!c) return moedc_fail(err, MOEDC_EINVAL, "no call given");
+    if (c->dtype != MOEDC_F32 && c->dtype != MOEDC_F16 && c->dtype != MOEDC_BF16)
+        return moedc_fail(err, MOEDC_EINVAL, "dtype %d: use MOEDC_F32, MOEDC_F16 or MOEDC_BF16",
+                          c->dtype);
+    if (c->tokens < 1 || c->tokens > L->o.max_tokens || c->k < 1 || c->k > (int)L->o.max_top_k)
+        return moedc_fail(err, MOEDC_EINVAL,
+                          "tokens %lld and k %d: these links were opened for 1 .. %u tokens and 1 "
+                          ".. %u choices",
+                          (long long)c->tokens, c->k, L->o.max_tokens, L->o.max_top_k);
+    if (c->d_model < 1 || c->d_model > L->d_model)
+        return moedc_fail(err, MOEDC_EINVAL,
+                          "d_model %lld: the widest layer these links were opened for has %u",
+                          (long long)c->d_model, L->d_model);
+    if (!c->hidden || !c->expert_ids || !c->expert_weights || !c->output)
+        return moedc_fail(err, MOEDC_EINVAL,
+                          "hidden, expert_ids, expert_weights and output are each needed");
+    return 0;
+}
+
+/* The index area of a call of S parts and T tokens: the parts, then S row lists of T, then S row
+ * maps of T; grown (page-locked and on the device) when a call needs more. */
+static int index_area(moedc_links *L, int S, int64_t T, size_t *rows_at, size_t *map_at,
+                      moedc_error *err)
+{
+    *rows_at = round_up(sizeof(moedc_link_part) * (size_t)S);
+    *map_at = *rows_at + round_up((size_t)S * (size_t)T * 4);
+    const size_t need = *map_at + (size_t)S * (size_t)T * 4;
+    if (need <= L->index_cap) return 0;
+    const moedc_cuda_table *cu = L->cu;
+    if (L->h_index) cu->cuMemFreeHost(L->h_index);
+    if (L->d_index) cu->cuMemFree(L->d_index);
+    L->h_index = NULL;
+    L->d_index = 0;
+    L->index_cap = 0;
+    int rc = cu->cuMemHostAlloc((void **)&L->h_index, need, 0);
+    if (!rc) rc = cu->cuMemAlloc(&L->d_index, need);
+    if (rc) return moedc_cuda_fail(cu, rc, "allocating a link call's index", err);
+    L->index_cap = need;
+    return 0;
+}
+
+static int launch(const moedc_links *L, void *fn, int64_t total, void *stream, void **params,
+                  const char *what, moedc_error *err)
+{
+    int64_t blocks = (total + THREADS - 1) / THREADS;
+    if (blocks > MAX_BLOCKS) blocks = MAX_BLOCKS;
+    if (blocks < 1) blocks = 1;
+    int rc =
+        L->cu->cuLaunchKernel(fn, (unsigned)blocks, 1, 1, THREADS, 1, 1, 0, stream, params, NULL);
+    return rc ? moedc_cuda_fail(L->cu, rc, what, err) : 0;
+}
+
+/* rows[0..n-1] of the [*, row_bytes] matrix src into dst, on the stream; a plain copy for every
+ * row (rows NULL). */
+static int gather(const moedc_links *L, moedc_cu_ptr src, moedc_cu_ptr dst, size_t row_bytes,
+                  moedc_cu_ptr rows, int64_t n, void *stream, moedc_error *err)
+{
+    if (!rows) {
+        int rc = L->cu->cuMemcpyDtoDAsync(dst, src, row_bytes * (size_t)n, stream);
+        return rc ? moedc_cuda_fail(L->cu, rc, "cuMemcpyDtoDAsync (a shard's payload)", err) : 0;
+    }
+    long long count = n, units = (long long)(row_bytes / 2);
+    void *params[] = { &src, &dst, &rows, &count, &units };
+    return launch(L, L->k_gather, count * units, stream, params, "cuLaunchKernel (gather)", err);
+}
+
+/* Writes part p's payload, header and zeroed reply header on the stream (its rows at d_rows). */
+static int stage(moedc_links *L, const moedc_link_call *c, part *p, moedc_cu_ptr d_rows,
+                 moedc_error *err)
+{
+    link *k = p->k;
+    const size_t elem = moed_dtype_size(c->dtype);
+    moed_error e;
+    /* the daemon's deadline is the call's: it drops what no one waits for any more */
+    const double us = L->o.timeout_s * 1e6;
+    const uint32_t deadline_us = us >= (double)UINT32_MAX ? UINT32_MAX : (uint32_t)us;
+    moed_link_payload *pay = &p->pay;
+    if (moed_link_call_init(k->h_head, k->seq + 1, c->layer, (uint32_t)c->dtype,
+                            (uint32_t)p->n_rows, (uint32_t)c->k, (uint32_t)c->d_model, deadline_us,
+                            0, &e) ||
+        moed_link_layout((uint64_t)p->n_rows, (uint64_t)c->k, (uint64_t)c->d_model, elem, pay, &e))
+        return moedc_fail(err, e.code, "daemon %s: %s", k->name, e.msg);
+    if (pay->total > k->max_payload || pay->total > k->payload_cap)
+        return moedc_fail(err, MOEDC_EINVAL,
+                          "daemon %s: a call's payload of %llu bytes is over its link's %llu",
+                          k->name, (unsigned long long)pay->total,
+                          (unsigned long long)(k->max_payload < k->payload_cap ? k->max_payload
+                                                                               : k->payload_cap));
+    const moedc_cu_ptr rows = p->rows ? d_rows : 0;
+    void *st = c->stream;
+    int rc = gather(L, (moedc_cu_ptr)(uintptr_t)c->hidden, k->d_payload + pay->hidden,
+                    (size_t)c->d_model * elem, rows, p->n_rows, st, err);
+    if (!rc)
+        rc = gather(L, (moedc_cu_ptr)(uintptr_t)c->expert_ids, k->d_payload + pay->ids,
+                    (size_t)c->k * 4, rows, p->n_rows, st, err);
+    if (!rc)
+        rc = gather(L, (moedc_cu_ptr)(uintptr_t)c->expert_weights, k->d_payload + pay->weights,
+                    (size_t)c->k * 4, rows, p->n_rows, st, err);
+    if (rc) return rc;
+    int drc = L->cu->cuMemcpyHtoDAsync(k->d_head, k->h_head, MOED_LINK_HEADER_BYTES, st);
+    if (!drc) drc = L->cu->cuMemsetD8Async(k->d_reply, 0, MOED_LINK_HEADER_BYTES, st);
+    return drc ? moedc_cuda_fail(L->cu, drc, "staging a link call's header", err) : 0;
+}
+
+/* The call's NCCL group: each part's header and payload sent, its reply received. */
+static int exchange(moedc_links *L, const moedc_link_call *c, part *parts, int n, double until,
+                    moedc_error *err)
+{
+    const moed_nccl *x = L->nccl;
+    const size_t elem = moed_dtype_size(c->dtype);
+    int r = x->group_start();
+    if (r) return nccl_fail(L, parts[0].k, r, "ncclGroupStart", err);
+    for (int j = 0; j < n && !r; j++) {
+        link *k = parts[j].k;
+        const uint64_t reply =
+            moed_link_reply_bytes((uint64_t)parts[j].n_rows, (uint64_t)c->d_model, elem);
+        r = x->send((const void *)(uintptr_t)k->d_head, MOED_LINK_HEADER_BYTES, MOED_NCCL_UINT8, 0,
+                    k->comm, c->stream);
+        if (!r || r == MOED_NCCL_IN_PROGRESS)
+            r = x->send((const void *)(uintptr_t)k->d_payload, parts[j].pay.total, MOED_NCCL_UINT8,
+                        0, k->comm, c->stream);
+        if (!r || r == MOED_NCCL_IN_PROGRESS)
+            r = x->recv((void *)(uintptr_t)k->d_reply, reply, MOED_NCCL_UINT8, 0, k->comm,
+                        c->stream);
+        if (r == MOED_NCCL_IN_PROGRESS) r = 0;
+        if (r) {
+            x->group_end();
+            return nccl_fail(L, k, r, "ncclSend / ncclRecv", err);
+        }
+    }
+    r = x->group_end();
+    for (int j = 0; j < n; j++) parts[j].k->seq++; /* the calls are the links' now */
+    if (r && r != MOED_NCCL_IN_PROGRESS) return nccl_fail(L, parts[0].k, r, "ncclGroupEnd", err);
+    for (int j = 0; j < n; j++) {
+        int rc = settle(L, parts[j].k, until, "ncclGroupEnd", err);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* Which replies arrived, read on our own stream (the caller's may be held by a link that will not
+ * answer): parts whose reply header is not their call's are late. */
+static int find_late(moedc_links *L, part *parts, int n, moedc_error *err)
+{
+    int late = 0;
+    for (int j = 0; j < n; j++) {
+        link *k = parts[j].k;
+        int rc = L->cu->cuMemcpyDtoHAsync(k->h_reply, k->d_reply, MOED_LINK_HEADER_BYTES, L->watch);
+        if (!rc) rc = L->cu->cuStreamSynchronize(L->watch);
+        if (rc) return moedc_cuda_fail(L->cu, rc, "reading a link's reply header", err);
+        parts[j].late = !moed_link_reply_matches(k->h_reply, k->seq);
+        late += parts[j].late;
+    }
+    return late;
+}
+
+/* The call failed with late parts: each late link aborted (its kernels end, freeing the caller's
+ * stream) and dropped, the stream given DRAIN_S to pass the rest, and the error naming each. */
+static int fail_late(moedc_links *L, const moedc_link_call *c, layer_links *ll, part *parts, int n,
+                     const char *cause, moedc_error *err)
+{
+    char who[sizeof err->msg] = "";
+    size_t used = 0;
+    int n_late = 0;
+    for (int j = 0; j < n; j++) {
+        if (!parts[j].late) continue;
+        n_late++;
+        char experts[96];
+        experts_text(ll->lay.plan.shards[parts[j].shard].li, experts, sizeof experts);
+        if (used < sizeof who)
+            used += (size_t)snprintf(who + used, sizeof who - used, "%s%s (experts %s)",
+                                     used ? ", " : "", parts[j].k->name, experts);
+        L->nccl->comm_abort(parts[j].k->comm);
+        parts[j].k->comm = NULL;
+    }
+    const double until = now_s() + DRAIN_S;
+    for (unsigned i = 0; L->cu->cuStreamQuery(c->stream) == MOEDC_CU_ERROR_NOT_READY; i++) {
+        if (now_s() > until) break; /* say so below: the caller must not reuse the buffers yet */
+        nap(i);
+    }
+    const bool drained = L->cu->cuStreamQuery(c->stream) == 0;
+    for (int j = 0; j < n; j++)
+        if (parts[j].late) link_drop(L, parts[j].k);
+    describe(L);
+    return moedc_fail(err, MOEDC_EUNAVAIL,
+                      "layer %u: %s from %s: the output was not written, and the link%s aborted "
+                      "(opened again by the next call)%s",
+                      c->layer, cause, who, n_late > 1 ? "s were" : " was",
+                      drained ? "" : "; the caller's stream had not drained 10 s after the abort");
+}
+
+/* Waits for the call on the caller's stream: 0 once done; the failure once an NCCL error shows or
+ * the time is up (then which parts are late). */
+static int watch_call(moedc_links *L, const moedc_link_call *c, layer_links *ll, part *parts, int n,
+                      double until, moedc_error *err)
+{
+    for (unsigned i = 0;; i++) {
+        int q = L->cu->cuStreamQuery(c->stream);
+        if (q == 0) return 0;
+        if (q != MOEDC_CU_ERROR_NOT_READY)
+            return moedc_cuda_fail(L->cu, q, "the call's stream", err);
+        const char *cause = now_s() > until ? "no answer in time" : NULL;
+        char why[200] = "";
+        for (int j = 0; j < n && !cause; j++) {
+            int async = 0;
+            L->nccl->comm_get_async_error(parts[j].k->comm, &async);
+            if (async && async != MOED_NCCL_IN_PROGRESS) {
+                moed_error e;
+                moed_nccl_fail(L->nccl, async, "NCCL", &e);
+                snprintf(why, sizeof why, "%.190s", e.msg);
+                cause = why;
+            }
+        }
+        if (cause) {
+            int late = find_late(L, parts, n, err);
+            if (late < 0) return late;
+            if (!late && now_s() <= until) continue; /* every reply is in: the stream is ending */
+            for (int j = 0; !late && j < n; j++) parts[j].late = true; /* which one holds it? */
+            char what[240];
+            snprintf(what, sizeof what, "%s within %.1f s", cause, L->o.timeout_s);
+            return fail_late(L, c, ll, parts, n, what, err);
+        }
+        nap(i);
+    }
+}
+
+/* The daemons' answers once the stream is done: the first that is not OK fails the call. */
+static int answers(moedc_links *L, part *parts, int n, moedc_timings *t, moedc_error *err)
+{
+    for (int j = 0; j < n; j++) {
+        const link *k = parts[j].k;
+        const moed_link_reply *r = k->h_reply;
+        if (!moed_link_reply_matches(r, k->seq))
+            return moedc_fail(err, MOEDC_EFORMAT,
+                              "daemon %s: its reply to call %llu is not one (the link is out of "
+                              "step)",
+                              k->name, (unsigned long long)k->seq);
+        if (r->status) {
+            char msg[MOED_LINK_MESSAGE_BYTES + 1];
+            snprintf(msg, sizeof msg, "%s", r->message);
+            return moedc_fail(err, moedc_code_from_grpc(r->status), "daemon %s: %s", k->name, msg);
+        }
+        if (t && r->queue_us + r->compute_us >= t->queue_us + t->compute_us)
+            *t = (moedc_timings){ .queue_us = r->queue_us,
+                                  .compute_us = r->compute_us,
+                                  .batch_tokens = r->batch_tokens,
+                                  .batch_requests = r->batch_requests };
+    }
+    return 0;
+}
+
+/* The call, the caller's device current and L locked. */
+static int forward(moedc_links *L, const moedc_link_call *c, moedc_timings *t, moedc_error *err)
+{
+    const double start = now_s(), until = start + L->o.timeout_s;
+    const moedc_cuda_table *cu = L->cu;
+    layer_links *ll;
+    int rc = layer_of(L, (int)c->layer, &ll, err);
+    if (rc) return rc;
+    const int S = ll->lay.plan.n_shards;
+    const int64_t T = c->tokens;
+    const size_t pairs = (size_t)T * (size_t)c->k * 4;
+    if (!L->h_ids && (rc = cu->cuMemHostAlloc((void **)&L->h_ids,
+                                              (size_t)L->o.max_tokens * L->o.max_top_k * 4, 0)))
+        return moedc_cuda_fail(cu, rc, "cuMemHostAlloc (a call's expert choices)", err);
+    if (!L->h_w && (rc = cu->cuMemHostAlloc((void **)&L->h_w,
+                                            (size_t)L->o.max_tokens * L->o.max_top_k * 4, 0)))
+        return moedc_cuda_fail(cu, rc, "cuMemHostAlloc (a call's expert choices)", err);
+    /* the plan needs the choices on the host, once the caller's work that made them is done */
+    int drc =
+        cu->cuMemcpyDtoHAsync(L->h_ids, (moedc_cu_ptr)(uintptr_t)c->expert_ids, pairs, c->stream);
+    if (!drc)
+        drc = cu->cuMemcpyDtoHAsync(L->h_w, (moedc_cu_ptr)(uintptr_t)c->expert_weights, pairs,
+                                    c->stream);
+    if (!drc) drc = cu->cuStreamSynchronize(c->stream);
+    if (drc) return moedc_cuda_fail(cu, drc, "copying the call's expert choices", err);
+    int64_t **rows = calloc((size_t)S, sizeof *rows), *n_rows = calloc((size_t)S, sizeof *n_rows);
+    part *parts = calloc((size_t)S, sizeof *parts);
+    rc = rows && n_rows && parts
+             ? moedc_plan_rows(&ll->lay.plan, L->h_ids, L->h_w, T, c->k, rows, n_rows, err)
+             : moedc_fail(err, MOEDC_ENOMEM, "out of memory planning a call");
+    int n = 0;
+    for (int s = 0; !rc && s < S; s++) {
+        if (!n_rows[s]) continue;
+        rc = link_shard(L, ll, s, err);
+        parts[n] = (part){ .k = ll->by_shard[s], .shard = s, .rows = rows[s], .n_rows = n_rows[s] };
+        n++;
+    }
+    size_t rows_at = 0, map_at = 0;
+    if (!rc) rc = index_area(L, n, T, &rows_at, &map_at, err);
+    for (int j = 0; !rc && j < n; j++) {
+        int32_t *list = (int32_t *)(L->h_index + rows_at) + (size_t)j * (size_t)T;
+        int32_t *map = (int32_t *)(L->h_index + map_at) + (size_t)j * (size_t)T;
+        for (int64_t i = 0; i < T; i++) map[i] = parts[j].rows ? -1 : (int32_t)i;
+        for (int64_t i = 0; parts[j].rows && i < parts[j].n_rows; i++) {
+            list[i] = (int32_t)parts[j].rows[i];
+            map[parts[j].rows[i]] = (int32_t)i;
+        }
+        ((moedc_link_part *)L->h_index)[j] = (moedc_link_part){
+            .reply = (const unsigned char *)(uintptr_t)parts[j].k->d_reply,
+            .row_of = (const int32_t *)(uintptr_t)(L->d_index + map_at + (size_t)j * T * 4),
+            .seq = parts[j].k->seq + 1
+        };
+    }
+    if (!rc && (drc = cu->cuMemcpyHtoDAsync(L->d_index, L->h_index, map_at + (size_t)n * T * 4,
+                                            c->stream)))
+        rc = moedc_cuda_fail(cu, drc, "cuMemcpyHtoDAsync (the call's index)", err);
+    for (int j = 0; !rc && j < n; j++)
+        rc = stage(L, c, &parts[j], L->d_index + rows_at + (size_t)j * T * 4, err);
+    if (!rc && (rc = exchange(L, c, parts, n, until, err))) {
+        for (int j = 0; j < n; j++) parts[j].late = true; /* out of step with their daemons */
+        char cause[sizeof err->msg];
+        snprintf(cause, sizeof cause, "%s", err->msg);
+        rc = fail_late(L, c, ll, parts, n, cause, err);
+    } else if (!rc) {
+        moedc_cu_ptr d_parts = L->d_index;
+        int verbatim = S == 1, dtype = c->dtype;
+        long long tokens = T, d = c->d_model;
+        moedc_cu_ptr out = (moedc_cu_ptr)(uintptr_t)c->output;
+        void *params[] = { &d_parts, &n, &verbatim, &dtype, &tokens, &d, &out };
+        rc =
+            launch(L, L->k_combine, tokens * d, c->stream, params, "cuLaunchKernel (combine)", err);
+    }
+    for (int j = 0; !rc && j < n; j++)
+        if ((drc = cu->cuMemcpyDtoHAsync(parts[j].k->h_reply, parts[j].k->d_reply,
+                                         MOED_LINK_HEADER_BYTES, c->stream)))
+            rc = moedc_cuda_fail(cu, drc, "cuMemcpyDtoHAsync (a reply's header)", err);
+    if (!rc) rc = watch_call(L, c, ll, parts, n, until, err);
+    if (t) memset(t, 0, sizeof *t);
+    if (!rc) rc = answers(L, parts, n, t, err);
+    if (t) t->total_us = (uint64_t)((now_s() - start) * 1e6);
+    for (int s = 0; rows && s < S; s++) free(rows[s]);
+    free(rows);
+    free(n_rows);
+    free(parts);
+    return rc;
+}
+
+int moedc_links_forward(moedc_links *L, const moedc_link_call *call, moedc_timings *t,
+                        moedc_error *err)
+{
+    if (!L) return moedc_fail(err, MOEDC_EINVAL, "no links given");
+    int rc = check_call(L, call, err);
+    if (rc) return rc;
+    pthread_mutex_lock(&L->mu);
+    if (!(rc = enter(L, err))) {
+        rc = forward(L, call, t, err);
+        leave(L);
+    }
+    pthread_mutex_unlock(&L->mu);
+    return rc;
+}

@@ -1,0 +1,157 @@
+/*
+ * moedc_link_sum — a link call's output, one element at a time: the combine kernel
+ * (link_kernels.cu, compiled to PTX) and the host run this same code, so the kernel keeps the
+ * gRPC fleet's sum rule (moedc_plan_sum; docs/fleets.md, "Numerics"): the partials of the shards
+ * that got tokens added in float32 in the order of each shard's lowest expert, starting at -0.0
+ * for a token every such shard got and +0.0 otherwise, rounded once to the dtype. A layer of one
+ * shard answers that shard's reply verbatim, as the gRPC fleet does. tests/unit/test_moedc_link.c
+ * proves the result equal to moedc_plan_sum's over tests/data/fleet_scenarios.json's sums, and the
+ * conversions below equal to common/moed_dtype's (the device cannot call those: they are host
+ * functions).
+ *
+ * A part is one shard's reply as the link received it (moed_link.h: a 256-byte header, then
+ * [rows, d_model] of dtype) and row_of, the reply's row of each token of the call or -1.
+ */
+#ifndef MOEDC_LINK_SUM_H
+#define MOEDC_LINK_SUM_H
+
+#include "moed_dtype.h"
+#include "moed_link.h"
+
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define MOEDC_LINK_FN static inline __host__ __device__
+#else
+#include <string.h>
+#define MOEDC_LINK_FN static inline
+#endif
+
+typedef struct moedc_link_part {
+    const unsigned char *reply; /* the header, then the rows */
+    const int32_t *row_of;      /* [tokens] */
+    uint64_t seq;               /* the call's on this link */
+} moedc_link_part;
+
+MOEDC_LINK_FN uint32_t moedc_link_bits(float f)
+{
+#if defined(__CUDA_ARCH__)
+    return __float_as_uint(f);
+#else
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+#endif
+}
+
+MOEDC_LINK_FN float moedc_link_float(uint32_t u)
+{
+#if defined(__CUDA_ARCH__)
+    return __uint_as_float(u);
+#else
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+/* moed_f16_to_f32 */
+MOEDC_LINK_FN float moedc_link_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0x1f) return moedc_link_float(sign | 0x7f800000u | (man << 13));
+    if (exp) return moedc_link_float(sign | ((exp + 112u) << 23) | (man << 13));
+    if (!man) return moedc_link_float(sign);
+    int e = -1;
+    do {
+        man <<= 1;
+        e++;
+    } while (!(man & 0x400u));
+    return moedc_link_float(sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13));
+}
+
+/* moed_f32_to_f16: to nearest, ties to even */
+MOEDC_LINK_FN uint16_t moedc_link_f32_to_f16(float f)
+{
+    uint32_t u = moedc_link_bits(f), abs = u & 0x7fffffffu;
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    if (abs > 0x7f800000u) return sign | 0x7e00u;
+    if (abs >= 0x477ff000u) return sign | 0x7c00u;
+    if (abs >= 0x38800000u) {
+        uint32_t r = abs - 0x38000000u;
+        r += 0xfffu + ((r >> 13) & 1u);
+        return sign | (uint16_t)(r >> 13);
+    }
+    if (abs < 0x33000000u) return sign;
+    uint32_t man = (abs & 0x7fffffu) | 0x800000u, shift = 126u - (abs >> 23);
+    uint32_t q = man >> shift, rem = man & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (q & 1u))) q++;
+    return sign | (uint16_t)q;
+}
+
+/* moed_f32_to_bf16: to nearest, ties to even; NaN quieted */
+MOEDC_LINK_FN uint16_t moedc_link_f32_to_bf16(float f)
+{
+    uint32_t u = moedc_link_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+MOEDC_LINK_FN float moedc_link_load(int dtype, const void *p, int64_t i)
+{
+    if (dtype == MOED_F32) return ((const float *)p)[i];
+    const uint16_t h = ((const uint16_t *)p)[i];
+    return dtype == MOED_F16 ? moedc_link_f16_to_f32(h) : moedc_link_float((uint32_t)h << 16);
+}
+
+MOEDC_LINK_FN void moedc_link_store(int dtype, void *p, int64_t i, float v)
+{
+    if (dtype == MOED_F32)
+        ((float *)p)[i] = v;
+    else
+        ((uint16_t *)p)[i] =
+            dtype == MOED_F16 ? moedc_link_f32_to_f16(v) : moedc_link_f32_to_bf16(v);
+}
+
+/* Whether every part's reply is the answer to its call, and OK: moed_link_reply_matches, which the
+ * device cannot call, and status 0. The combine writes nothing otherwise, so no output is ever
+ * built from a reply that did not arrive (and hidden, which output may be, stays intact). */
+MOEDC_LINK_FN int moedc_link_replies_ok(const moedc_link_part *parts, int n)
+{
+    for (int s = 0; s < n; s++) {
+        const moed_link_reply *r = (const moed_link_reply *)parts[s].reply;
+        if (r->magic != MOED_LINK_REPLY_MAGIC || r->version != MOED_LINK_VERSION ||
+            r->header_bytes != MOED_LINK_HEADER_BYTES || r->seq != parts[s].seq || r->status)
+            return 0;
+    }
+    return 1;
+}
+
+/* Element (t, c) of the output of n parts, [tokens, d] of dtype; verbatim: the layer is one shard
+ * (its reply's bits are the output). */
+MOEDC_LINK_FN void moedc_link_sum_element(int dtype, const moedc_link_part *parts, int n,
+                                          int verbatim, int64_t t, int64_t d, int64_t c, void *out)
+{
+    if (verbatim) {
+        const unsigned char *rows = parts[0].reply + MOED_LINK_HEADER_BYTES;
+        const int64_t at = (int64_t)parts[0].row_of[t] * d + c;
+        if (dtype == MOED_F32)
+            ((uint32_t *)out)[t * d + c] = ((const uint32_t *)rows)[at];
+        else
+            ((uint16_t *)out)[t * d + c] = ((const uint16_t *)rows)[at];
+        return;
+    }
+    int held = 0;
+    for (int s = 0; s < n; s++) held += parts[s].row_of[t] >= 0;
+    float acc = held == n ? -0.0f : 0.0f; /* a part without t would have answered +0.0 */
+    for (int s = 0; s < n; s++) {
+        const int32_t r = parts[s].row_of[t];
+        if (r >= 0)
+            acc +=
+                moedc_link_load(dtype, parts[s].reply + MOED_LINK_HEADER_BYTES, (int64_t)r * d + c);
+    }
+    moedc_link_store(dtype, out, t * d + c, acc);
+}
+
+#endif
