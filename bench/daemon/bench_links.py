@@ -28,10 +28,10 @@ def cuts(n):
 
 
 def driver(a, targets, tokens, env=None, extra=()):
-    cmd = [os.path.join(a.bin, "link_driver"), "--targets", ",".join(targets), "--device", "0",
-           "--layer", "0", "--tokens", str(tokens), "--top-k", "8", "--dtype", "bf16",
-           "--calls", str(a.calls if tokens < 4096 else max(a.calls // 4, 20)), "--warmup", "10",
-           "--seed", "7", *extra]
+    calls = a.calls if tokens < 4096 else max(a.calls // 4, 20)
+    cmd = [os.path.join(a.bin, "link_driver"), "--target", ",".join(targets), "--device", "0",
+           "--tokens", str(tokens), "--top-k", "8", "--dtype", "bf16", "--calls", str(calls),
+           "--warmup", "10", "--seed", "7", *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})},
                        timeout=300)
     sys.stderr.write(r.stderr[-2000:])

@@ -1,27 +1,76 @@
 /*
- * link_driver — links against gRPC on a GPU machine, for the same daemons and the same inputs:
+ * link_driver — a caller of links on a GPU machine: the same inputs over links and over gRPC for
+ * the same daemons, and against a reference daemon, with the figures as JSON. The GPU tests
+ * (tests/e2e/test_links_gpu.py) and the links benchmark (bench/daemon/bench_links.py) run it
+ * against daemons they start; `link_driver --help` lists its options.
  *
- *   link_driver TARGETS DEVICE LAYER T K DTYPE SEED [N]
- *
- * TARGETS is one daemon or a comma-separated fleet (moedc_connect_many); DEVICE the caller's GPU;
- * DTYPE f32, f16 or bf16. It makes random hidden [T, d_model] and k distinct experts per token
- * (every third token's last pair padding) from SEED, puts them on DEVICE, and makes N calls
- * (default 20) over links (moedc_links_forward on a stream of its own) and N over gRPC
- * (moedc_forward with the same tensors from the host). It prints one JSON line: whether the outputs
- * are bit-identical and their largest absolute difference, p50 and p90 latency per call of each
- * transport, and tokens per second; it exits 1 on any mismatch or failure. Not run by ctest: it
- * needs daemons on GPUs, started by hand (the usage line above).
+ * It makes random hidden [T, d_model] and k distinct experts per token (every third token's last
+ * pair padding) from --seed, puts them on --device, and makes --calls calls over links
+ * (moedc_links_forward on a stream of its own, after --warmup untimed ones). It reports:
+ * - links: calls answered OK and failed (by status, with the first message of each), p50 / p90 /
+ *   p99 latency per call, tokens per second over the timed calls, the slowest daemon's compute
+ *   time per call (p50, as the daemons report it: the kernel a call waited for), and `wrong`: OK
+ *   calls whose output differs in any bit from the first OK call's (the inputs never change, and a
+ *   fleet's sum is deterministic, so any is a wrong answer);
+ * - with --grpc, the same calls over gRPC (moedc_forward, the tensors inline from the host), their
+ *   latency, and whether the two transports gave the same bits;
+ * - with --ref TARGET (one daemon holding the layer's every expert), the largest per-token error of
+ *   the links' output against that daemon's, over the token's largest magnitude.
+ * --keep-going carries on after a failed call (the tests kill a daemon under it); without it the
+ * first failure ends the run. Exit status: 0, or 1 for a failure, a wrong answer, or different
+ * bits between the transports.
  */
 #include "moed_dtype.h"
+#include "moed_opt.h"
 #include "moedclient.h"
 
 #include <cuda_runtime_api.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #define MAX_TARGETS 64
+
+typedef struct opts {
+    const char *target, *ref, *dtype, *json;
+    int64_t device, layer, tokens, top_k, seed, calls, warmup;
+    int grpc, keep_going;
+    double timeout;
+} opts;
+
+#define F(member) offsetof(opts, member)
+
+static const moed_opt options[] = {
+    MOED_OPT_WORD_ROW("target", F(target), "ADDRS", NULL, NULL,
+                      "one daemon, or a fleet as a comma-separated list"),
+    MOED_OPT_STR_ROW("ref", F(ref), "ADDR", NULL, NULL,
+                     "a daemon holding every expert of the layer: the links' output against its"),
+    MOED_OPT_I64_ROW("device", F(device), "N", 0, 1023, "0", NULL, NULL, "the caller's GPU"),
+    MOED_OPT_I64_ROW("layer", F(layer), "L", 0, 1 << 20, "0", NULL, NULL, "the layer called"),
+    MOED_OPT_I64_ROW("tokens", F(tokens), "T", 1, 1 << 20, "128", NULL, NULL, "tokens per call"),
+    MOED_OPT_I64_ROW("top-k", F(top_k), "K", 1, 64, "8", NULL, NULL, "experts per token"),
+    MOED_OPT_CHOICE_ROW("dtype", F(dtype), "f32|f16|bf16", "bf16", NULL, "hidden's dtype"),
+    MOED_OPT_I64_ROW("seed", F(seed), "S", 0, INT64_MAX, "1", NULL, NULL, "the inputs' seed"),
+    MOED_OPT_I64_ROW("calls", F(calls), "N", 1, 1 << 24, "100", NULL, NULL, "timed calls"),
+    MOED_OPT_I64_ROW("warmup", F(warmup), "N", 0, 1 << 20, "5", NULL, NULL, "untimed calls first"),
+    MOED_OPT_FLAG_ROW("grpc", F(grpc), 1, NULL, "the same calls over gRPC, and their bits"),
+    MOED_OPT_FLAG_ROW("keep-going", F(keep_going), 1, NULL, "go on after a failed call"),
+    MOED_OPT_NUM_ROW("timeout", F(timeout), "S", 0, 3600, "0", NULL, NULL,
+                     "the links' timeout (moedc_links_opts.timeout_s; 0: its default)"),
+    MOED_OPT_STR_ROW("json", F(json), "FILE", NULL, NULL, "the figures there, not on stdout"),
+    MOED_OPT_HELP_ROW("this text"),
+};
+
+static const moed_opt_cmd tool = {
+    .head = "usage: link_driver --target ADDRS [options]\n\nCalls a daemon or a fleet over NCCL "
+            "links from a GPU, beside gRPC and a reference.\n",
+};
+
+static const moed_opt_spec command_line = MOED_OPT_TOOL_SPEC("link_driver", options, tool);
+
+static opts o;
 
 static double now_s(void)
 {
@@ -36,8 +85,10 @@ static int cmp_double(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+/* the p-th quantile of v[0..n) (sorts v); 0 for none */
 static double pct(double *v, int n, double p)
 {
+    if (n < 1) return 0;
     qsort(v, (size_t)n, sizeof *v, cmp_double);
     return v[(int)(p * (n - 1))];
 }
@@ -53,26 +104,93 @@ static double uniform(void) /* splitmix64 */
 
 static int die(const char *what, const char *why)
 {
-    printf("{\"error\": \"%s: %s\"}\n", what, why);
+    fprintf(stderr, "link_driver: %s: %s\n", what, why);
+    printf("{\"error\": \"%s\"}\n", what);
     return 1;
+}
+
+/* Failures by status: the count and the first message of each. */
+typedef struct failures {
+    int count[17];
+    char first[17][480];
+    int total;
+} failures;
+
+static void failed(failures *f, const moedc_error *err)
+{
+    int g = moedc_code_to_grpc(err->code);
+    g = g < 0 || g > 16 ? 2 : g;
+    if (!f->count[g]++) snprintf(f->first[g], sizeof f->first[g], "%s", err->msg);
+    f->total++;
+}
+
+static void json_string(FILE *out, const char *s)
+{
+    fputc('"', out);
+    for (; *s; s++) {
+        if (*s == '"' || *s == '\\') fputc('\\', out);
+        if ((unsigned char)*s < 0x20)
+            fprintf(out, "\\u%04x", *s);
+        else
+            fputc(*s, out);
+    }
+    fputc('"', out);
+}
+
+static void json_failures(FILE *out, const failures *f)
+{
+    fprintf(out, "{");
+    int first = 1;
+    for (int g = 0; g < 17; g++)
+        if (f->count[g]) {
+            fprintf(out, "%s\"%s\": {\"count\": %d, \"first\": ", first ? "" : ", ",
+                    moedc_grpc_status_name(g), f->count[g]);
+            json_string(out, f->first[g]);
+            fprintf(out, "}");
+            first = 0;
+        }
+    fprintf(out, "}");
+}
+
+/* The largest per-token |a - b| over the token's largest |b|. */
+static double worst_token(const float *a, const float *b, int64_t T, int64_t d)
+{
+    double worst = 0;
+    for (int64_t t = 0; t < T; t++) {
+        double diff = 0, mag = 0;
+        for (int64_t j = 0; j < d; j++) {
+            const double x = a[t * d + j], y = b[t * d + j];
+            diff = fmax(diff, isnan(x - y) ? INFINITY : fabs(x - y));
+            mag = fmax(mag, fabs(y));
+        }
+        worst = fmax(worst, mag > 0 ? diff / mag : diff);
+    }
+    return worst;
+}
+
+/* One forward over gRPC from the host: into out (hb bytes). */
+static int grpc_call(moedc *c, const moedc_request *req, void *out, size_t hb, moedc_error *err)
+{
+    moedc_result res = { 0 };
+    int rc = moedc_forward(c, req, &res, err);
+    if (!rc && res.output_bytes == hb) memcpy(out, res.output, hb);
+    moedc_result_free(&res);
+    return rc;
 }
 
 int main(int argc, char **argv)
 {
-    if (argc < 8) {
-        fprintf(stderr, "usage: %s TARGETS DEVICE LAYER T K DTYPE SEED [N]\n", argv[0]);
-        return 2;
-    }
+    int rc;
+    moed_opt_parsed p;
+    if (!moed_opt_parse(&command_line, argc, argv, &o, &p, &rc)) return rc;
+    char *list = strdup(o.target);
     const char *targets[MAX_TARGETS];
     int n_targets = 0;
-    for (char *t = strtok(argv[1], ","); t && n_targets < MAX_TARGETS; t = strtok(NULL, ","))
+    for (char *t = strtok(list, ","); t && n_targets < MAX_TARGETS; t = strtok(NULL, ","))
         targets[n_targets++] = t;
-    const int device = atoi(argv[2]), layer = atoi(argv[3]), k = atoi(argv[5]);
-    const int64_t T = atoll(argv[4]);
-    const int dtype = moed_dtype_parse(argv[6]);
-    rng_state = strtoull(argv[7], NULL, 10);
-    const int N = argc > 8 ? atoi(argv[8]) : 20;
-    if (!moed_dtype_is_float(dtype) || T < 1 || k < 1 || N < 1) return die("arguments", "invalid");
+    const int dtype = moed_dtype_parse(o.dtype), k = (int)o.top_k, N = (int)o.calls;
+    const int64_t T = o.tokens;
+    rng_state = (uint64_t)o.seed;
     moedc *c;
     moedc_error err;
     if (moedc_connect_many(targets, n_targets, NULL, &c, &err)) return die("connect", err.msg);
@@ -81,17 +199,18 @@ int main(int argc, char **argv)
     int64_t d = 0;
     int E = 0;
     for (int i = 0; i < info.n_layers; i++)
-        if (info.layers[i].index == layer) d = info.layers[i].d_model, E = info.layers[i].n_experts;
+        if ((int64_t)info.layers[i].index == o.layer)
+            d = info.layers[i].d_model, E = info.layers[i].n_experts;
     moedc_model_info_free(&info);
-    if (!d || E < k) return die("layer", "not served, or fewer experts than k");
+    if (!d || E < k) return die("layer", "not served, or fewer experts than --top-k");
 
     const size_t es = moed_dtype_size(dtype), hb = (size_t)T * (size_t)d * es;
-    const size_t pb = (size_t)T * (size_t)k * 4;
-    float *x32 = malloc((size_t)T * (size_t)d * 4), *w = malloc(pb);
+    const size_t pb = (size_t)T * (size_t)k * 4, n = (size_t)T * (size_t)d;
+    float *x32 = malloc(n * 4), *w = malloc(pb), *a = malloc(n * 4), *b = malloc(n * 4);
     int32_t *ids = malloc(pb);
-    void *x = malloc(hb), *y_link = malloc(hb);
-    for (int64_t i = 0; i < T * d; i++) x32[i] = (float)(uniform() * 2 - 1);
-    moed_from_f32(dtype, x32, x, (size_t)(T * d));
+    void *x = malloc(hb), *y_link = malloc(hb), *y_first = malloc(hb), *y_other = malloc(hb);
+    for (size_t i = 0; i < n; i++) x32[i] = (float)(uniform() * 2 - 1);
+    moed_from_f32(dtype, x32, x, n);
     for (int64_t t = 0; t < T; t++)
         for (int j = 0; j < k; j++) {
             int e, again;
@@ -107,7 +226,7 @@ int main(int argc, char **argv)
 
     void *dx, *dy, *dids, *dw;
     cudaStream_t st;
-    if (cudaSetDevice(device) || cudaMalloc(&dx, hb) || cudaMalloc(&dy, hb) ||
+    if (cudaSetDevice((int)o.device) || cudaMalloc(&dx, hb) || cudaMalloc(&dy, hb) ||
         cudaMalloc(&dids, pb) || cudaMalloc(&dw, pb) || cudaStreamCreate(&st) ||
         cudaMemcpy(dx, x, hb, cudaMemcpyHostToDevice) ||
         cudaMemcpy(dids, ids, pb, cudaMemcpyHostToDevice) ||
@@ -115,11 +234,14 @@ int main(int argc, char **argv)
         return die("CUDA", cudaGetErrorString(cudaGetLastError()));
 
     moedc_links *l;
-    moedc_links_opts o = { .device = device, .max_tokens = (uint32_t)T, .max_top_k = (uint32_t)k };
-    if (moedc_links_open(c, &o, &l, &err)) return die("moedc_links_open", err.msg);
-    double *lat_link = malloc(sizeof(double) * (size_t)N),
-           *lat_grpc = malloc(sizeof(double) * (size_t)N);
-    moedc_link_call call = { .layer = (uint32_t)layer,
+    moedc_links_opts lo = { .device = (int)o.device,
+                            .max_tokens = (uint32_t)T,
+                            .max_top_k = (uint32_t)k,
+                            .timeout_s = o.timeout };
+    double t_open = now_s();
+    if (moedc_links_open(c, &lo, &l, &err)) return die("moedc_links_open", err.msg);
+    t_open = now_s() - t_open;
+    moedc_link_call call = { .layer = (uint32_t)o.layer,
                              .dtype = dtype,
                              .tokens = T,
                              .d_model = d,
@@ -129,15 +251,51 @@ int main(int argc, char **argv)
                              .expert_weights = dw,
                              .output = dy,
                              .stream = st };
-    for (int i = 0; i < N; i++) {
+    double *lat = malloc(sizeof(double) * (size_t)N), *comp = malloc(sizeof(double) * (size_t)N);
+    failures lf = { 0 };
+    int ok = 0, wrong = 0, have_first = 0;
+    double busy = 0;
+    for (int i = -(int)o.warmup; i < N; i++) {
+        moedc_timings tm = { 0 };
         const double t0 = now_s();
-        if (moedc_links_forward(l, &call, NULL, &err)) return die("moedc_links_forward", err.msg);
-        lat_link[i] = now_s() - t0;
+        rc = moedc_links_forward(l, &call, &tm, &err);
+        const double dt = now_s() - t0;
+        if (rc) {
+            if (i < 0 && !o.keep_going) return die("moedc_links_forward (warm-up)", err.msg);
+            if (i >= 0) failed(&lf, &err);
+            if (!o.keep_going) break;
+            continue;
+        }
+        if (cudaMemcpy(y_link, dy, hb, cudaMemcpyDeviceToHost))
+            return die("CUDA", cudaGetErrorString(cudaGetLastError()));
+        if (!have_first) {
+            memcpy(y_first, y_link, hb);
+            have_first = 1;
+        } else if (memcmp(y_first, y_link, hb)) {
+            wrong++;
+        }
+        if (i < 0) continue;
+        lat[ok] = dt;
+        comp[ok] = (double)tm.compute_us * 1e-6;
+        busy += dt;
+        ok++;
     }
-    if (cudaMemcpy(y_link, dy, hb, cudaMemcpyDeviceToHost))
-        return die("CUDA", cudaGetErrorString(cudaGetLastError()));
-
-    moedc_request req = { .layer = (uint32_t)layer,
+    FILE *out = o.json ? fopen(o.json, "w") : stdout;
+    if (!out) return die("--json", "cannot be written");
+    fprintf(out, "{\"transport\": ");
+    json_string(out, moedc_links_describe(l));
+    fprintf(out,
+            ", \"daemons\": %d, \"tokens\": %lld, \"d_model\": %lld, \"k\": %d, \"dtype\": \"%s\", "
+            "\"open_s\": %.3f, \"links\": {\"calls\": %d, \"ok\": %d, \"wrong\": %d, \"failed\": ",
+            n_targets, (long long)T, (long long)d, k, o.dtype, t_open, N, ok, wrong);
+    json_failures(out, &lf);
+    fprintf(out,
+            ", \"p50_us\": %.1f, \"p90_us\": %.1f, \"p99_us\": %.1f, \"compute_p50_us\": %.1f, "
+            "\"tokens_per_s\": %.0f}",
+            pct(lat, ok, 0.5) * 1e6, pct(lat, ok, 0.9) * 1e6, pct(lat, ok, 0.99) * 1e6,
+            pct(comp, ok, 0.5) * 1e6, busy > 0 ? (double)T * ok / busy : 0.0);
+    int same = 1;
+    moedc_request req = { .layer = (uint32_t)o.layer,
                           .dtype = dtype,
                           .tokens = T,
                           .d_model = d,
@@ -146,33 +304,35 @@ int main(int argc, char **argv)
                           .k = k,
                           .expert_ids = ids,
                           .expert_weights = w };
-    moedc_result res = { 0 };
-    int same = 1;
-    double max_diff = 0;
-    for (int i = 0; i < N; i++) {
-        const double t0 = now_s();
-        if (moedc_forward(c, &req, &res, &err)) return die("moedc_forward", err.msg);
-        lat_grpc[i] = now_s() - t0;
-        if (i < N - 1) moedc_result_free(&res);
+    if (o.grpc) {
+        int g_ok = 0;
+        double g_busy = 0;
+        for (int i = -(int)o.warmup; i < N; i++) {
+            const double t0 = now_s();
+            if (grpc_call(c, &req, y_other, hb, &err)) return die("moedc_forward", err.msg);
+            if (i < 0) continue;
+            lat[g_ok] = now_s() - t0;
+            g_busy += lat[g_ok++];
+        }
+        same = have_first && !memcmp(y_first, y_other, hb);
+        fprintf(out,
+                ", \"grpc\": {\"p50_us\": %.1f, \"p90_us\": %.1f, \"tokens_per_s\": %.0f}, "
+                "\"same_bits\": %s",
+                pct(lat, g_ok, 0.5) * 1e6, pct(lat, g_ok, 0.9) * 1e6,
+                g_busy > 0 ? (double)T * g_ok / g_busy : 0.0, same ? "true" : "false");
     }
-    same = res.output_bytes == hb && !memcmp(res.output, y_link, hb);
-    float *a = malloc((size_t)T * (size_t)d * 4), *b = malloc((size_t)T * (size_t)d * 4);
-    moed_to_f32(dtype, y_link, a, (size_t)(T * d));
-    moed_to_f32(dtype, res.output, b, (size_t)(T * d));
-    for (int64_t i = 0; i < T * d; i++) {
-        const double diff = a[i] > b[i] ? a[i] - b[i] : b[i] - a[i];
-        if (diff > max_diff || diff != diff) max_diff = diff;
+    if (o.ref && have_first) {
+        moedc *r;
+        if (moedc_connect(o.ref, NULL, &r, &err) || grpc_call(r, &req, y_other, hb, &err))
+            return die("--ref", err.msg);
+        moedc_close(r);
+        moed_to_f32(dtype, y_first, a, n);
+        moed_to_f32(dtype, y_other, b, n);
+        fprintf(out, ", \"ref_worst_token\": %.3g", worst_token(a, b, T, d));
     }
-    const double p50_link = pct(lat_link, N, 0.5), p50_grpc = pct(lat_grpc, N, 0.5);
-    printf("{\"transport\": \"%s\", \"tokens\": %lld, \"d_model\": %lld, \"k\": %d, \"dtype\": "
-           "\"%s\", \"calls\": %d, \"bit_identical\": %s, \"max_abs_diff\": %g, "
-           "\"link_p50_us\": %.1f, \"link_p90_us\": %.1f, \"grpc_p50_us\": %.1f, "
-           "\"grpc_p90_us\": %.1f, \"link_tokens_per_s\": %.0f, \"grpc_tokens_per_s\": %.0f}\n",
-           moedc_links_describe(l), (long long)T, (long long)d, k, argv[6], N,
-           same ? "true" : "false", max_diff, p50_link * 1e6, pct(lat_link, N, 0.9) * 1e6,
-           p50_grpc * 1e6, pct(lat_grpc, N, 0.9) * 1e6, (double)T / p50_link, (double)T / p50_grpc);
-    moedc_result_free(&res);
+    fprintf(out, "}\n");
+    if (o.json) fclose(out);
     moedc_links_close(l);
     moedc_close(c);
-    return same ? 0 : 1;
+    return lf.total || wrong || !same ? 1 : 0;
 }
