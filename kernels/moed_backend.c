@@ -297,7 +297,8 @@ int moed_backend_device_ordinal(moed_backend *b, int i)
     return b->ops->device_ordinal ? b->ops->device_ordinal(b, i) : MOED_HOST_MEM;
 }
 
-/* ---- links ------------------------------------------------------------------------------------ */
+/* ---- links ------------------------------------------------------------------------------------
+ */
 
 int moed_backend_link_create(moed_backend *b, int device, uint64_t payload_bytes,
                              uint64_t reply_bytes, uint8_t unique_id[MOED_NCCL_UNIQUE_ID_BYTES],
@@ -309,8 +310,8 @@ int moed_backend_link_create(moed_backend *b, int device, uint64_t payload_bytes
                          "links move tensors between GPUs: the %s backend has none; start moed "
                          "with the cuda backend",
                          b->ops->name);
-    const uint64_t reply_at = (payload_bytes + MOED_LINK_ALIGN - 1) / MOED_LINK_ALIGN *
-                              MOED_LINK_ALIGN;
+    const uint64_t reply_at =
+        (payload_bytes + MOED_LINK_ALIGN - 1) / MOED_LINK_ALIGN * MOED_LINK_ALIGN;
     if (payload_bytes > UINT64_MAX / 4 || reply_bytes > UINT64_MAX / 4)
         return moed_fail(err, MOED_EINVAL, "a link's buffer of %llu + %llu bytes is too large",
                          (unsigned long long)payload_bytes, (unsigned long long)reply_bytes);
@@ -349,8 +350,8 @@ int moed_backend_link_recv(moed_backend_link *l, uint64_t offset, uint64_t bytes
 {
     int rc = link_range(l, offset, bytes, err);
     return rc ? rc
-              : l->backend->ops->links->wait(l, MOED_LINK_WAIT_RECV, offset, bytes, timeout_ms, stop,
-                                           err);
+              : l->backend->ops->links->wait(l, MOED_LINK_WAIT_RECV, offset, bytes, timeout_ms,
+                                             stop, err);
 }
 
 int moed_backend_link_send(moed_backend_link *l, uint64_t offset, uint64_t bytes,
@@ -358,8 +359,8 @@ int moed_backend_link_send(moed_backend_link *l, uint64_t offset, uint64_t bytes
 {
     int rc = link_range(l, offset, bytes, err);
     return rc ? rc
-              : l->backend->ops->links->wait(l, MOED_LINK_WAIT_SEND, offset, bytes, timeout_ms, stop,
-                                           err);
+              : l->backend->ops->links->wait(l, MOED_LINK_WAIT_SEND, offset, bytes, timeout_ms,
+                                             stop, err);
 }
 
 int moed_backend_link_read(moed_backend_link *l, void *dst, uint64_t offset, size_t bytes,

@@ -32,8 +32,8 @@ enum { MOED_LINK_WAIT_READY, MOED_LINK_WAIT_RECV, MOED_LINK_WAIT_SEND }; /* link
 typedef struct moed_backend_link_ops {
     int (*create)(moed_backend *b, moed_backend_link *l,
                   uint8_t unique_id[MOED_NCCL_UNIQUE_ID_BYTES], moed_error *err);
-    int (*wait)(moed_backend_link *l, int what, uint64_t offset, uint64_t bytes,
-                int64_t timeout_ms, const _Atomic bool *stop, moed_error *err);
+    int (*wait)(moed_backend_link *l, int what, uint64_t offset, uint64_t bytes, int64_t timeout_ms,
+                const _Atomic bool *stop, moed_error *err);
     int (*copy)(moed_backend_link *l, bool to_host, void *host, uint64_t offset, size_t bytes,
                 moed_error *err);
     void (*abort)(moed_backend_link *l);

@@ -108,7 +108,8 @@ static int cuda_link_wait(moed_backend_link *l, int what, uint64_t offset, uint6
                 : n->recv(p, (size_t)bytes, MOED_NCCL_UINT8, 1, k->comm, k->stream);
     pthread_mutex_unlock(&k->lock);
     if (r < 0) return aborted(err);
-    if (r != MOED_NCCL_SUCCESS && r != MOED_NCCL_IN_PROGRESS) return moed_nccl_fail(n, r, call, err);
+    if (r != MOED_NCCL_SUCCESS && r != MOED_NCCL_IN_PROGRESS)
+        return moed_nccl_fail(n, r, call, err);
     return wait_done(k, n, true, timeout_ms, stop, call, err);
 }
 
@@ -152,7 +153,7 @@ static void cuda_link_destroy(moed_backend_link *l)
 }
 
 static int cuda_link_create(moed_backend *b, moed_backend_link *l,
-                     uint8_t unique_id[MOED_NCCL_UNIQUE_ID_BYTES], moed_error *err)
+                            uint8_t unique_id[MOED_NCCL_UNIQUE_ID_BYTES], moed_error *err)
 {
     (void)b;
     const moed_nccl *n = moed_nccl_api(err);
@@ -196,7 +197,7 @@ err:
 }
 
 const moed_backend_link_ops cuda_link_ops = { .create = cuda_link_create,
-                                               .wait = cuda_link_wait,
-                                               .copy = cuda_link_copy,
-                                               .abort = cuda_link_abort,
-                                               .destroy = cuda_link_destroy };
+                                              .wait = cuda_link_wait,
+                                              .copy = cuda_link_copy,
+                                              .abort = cuda_link_abort,
+                                              .destroy = cuda_link_destroy };
