@@ -16,7 +16,6 @@
 #ifndef MOED_FAKE_LINK_H
 #define MOED_FAKE_LINK_H
 
-#include "cpu_backend.h"
 #include "moed_backend_impl.h"
 #include "moed_list.h"
 
@@ -44,7 +43,7 @@ typedef struct fake_link {
 static fake_link *fake_links[FAKE_MAX_LINKS]; /* by creation, NULL once destroyed */
 static int fake_n_links;
 static const moed_layer *const *fake_layers; /* by slot: the experts a device route is read for */
-static moed_backend_ops fake_ops;
+static moed_backend_ops fake_link_ops_all;
 static const moed_backend_ops *fake_cpu_ops;
 
 static uint64_t fake_now_ms(void)
@@ -225,18 +224,19 @@ static int fake_forward(moed_backend *b, int exec, const moed_job *job, moed_err
     return rc;
 }
 
-/* Takes over the opened CPU backend *cpu: the same handle, now with links and one "GPU" (0). */
+/* Takes over an opened backend's handle (the CPU backend's, or the fuzzer's): the same compute,
+ * now with links and its device 0 a "GPU" (0). */
 static void fake_link_backend(moed_backend *cpu, const moed_layer *const *layers)
 {
     fake_cpu_ops = cpu->ops;
-    fake_ops = *cpu->ops;
-    fake_ops.name = "fake";
-    fake_ops.forward = fake_forward;
-    fake_ops.read_device = fake_read_device;
-    fake_ops.device_ordinal = fake_device_ordinal;
-    fake_ops.links = &fake_link_ops;
+    fake_link_ops_all = *cpu->ops;
+    fake_link_ops_all.name = "fake";
+    fake_link_ops_all.forward = fake_forward;
+    fake_link_ops_all.read_device = fake_read_device;
+    fake_link_ops_all.device_ordinal = fake_device_ordinal;
+    fake_link_ops_all.links = &fake_link_ops;
     fake_layers = layers;
-    cpu->ops = &fake_ops;
+    cpu->ops = &fake_link_ops_all;
 }
 
 /* ---- the caller's side ---- */

@@ -9,6 +9,7 @@
  * region its client cannot unregister; the plain cpu backend answers UNIMPLEMENTED.
  */
 #include "check.h"
+#include "cpu_backend.h"
 #include "fake_link.h"
 #include "link.h"
 #include "log.h"
