@@ -6,6 +6,8 @@
  */
 #include "moed_backend_impl.h"
 
+#include "moed_link.h"
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -288,6 +290,123 @@ void moed_backend_device_uuid(moed_backend *b, int dev, char out[48])
 {
     out[0] = 0;
     if (b->ops->device_uuid) b->ops->device_uuid(b, dev, out);
+}
+
+int moed_backend_device_ordinal(moed_backend *b, int i)
+{
+    return b->ops->device_ordinal ? b->ops->device_ordinal(b, i) : MOED_HOST_MEM;
+}
+
+/* ---- links ------------------------------------------------------------------------------------
+ */
+
+int moed_backend_link_create(moed_backend *b, int device, uint64_t payload_bytes,
+                             uint64_t reply_bytes, uint8_t unique_id[MOED_NCCL_UNIQUE_ID_BYTES],
+                             moed_backend_link **out, moed_error *err)
+{
+    *out = NULL;
+    if (!b->ops->links)
+        return moed_fail(err, MOED_EUNSUPPORTED,
+                         "links move tensors between GPUs: the %s backend has none; start moed "
+                         "with the cuda backend",
+                         b->ops->name);
+    const uint64_t reply_at =
+        (payload_bytes + MOED_LINK_ALIGN - 1) / MOED_LINK_ALIGN * MOED_LINK_ALIGN;
+    if (payload_bytes > UINT64_MAX / 4 || reply_bytes > UINT64_MAX / 4)
+        return moed_fail(err, MOED_EINVAL, "a link's buffer of %llu + %llu bytes is too large",
+                         (unsigned long long)payload_bytes, (unsigned long long)reply_bytes);
+    moed_backend_link *l = calloc(1, sizeof *l);
+    if (!l) return moed_fail(err, MOED_ENOMEM, "no memory for a link");
+    *l = (moed_backend_link){
+        .backend = b, .device = device, .bytes = reply_at + reply_bytes, .reply_at = reply_at
+    };
+    int rc = b->ops->links->create(b, l, unique_id, err);
+    if (rc) {
+        free(l);
+        return rc;
+    }
+    *out = l;
+    return 0;
+}
+
+/* Whether [offset, offset + bytes) lies within the link's buffer. */
+static int link_range(const moed_backend_link *l, uint64_t offset, uint64_t bytes, moed_error *err)
+{
+    if (offset <= l->bytes && bytes <= l->bytes - offset) return 0;
+    return moed_fail(err, MOED_EINVAL,
+                     "bytes %llu .. %llu are outside the link's buffer of %llu bytes",
+                     (unsigned long long)offset, (unsigned long long)(offset + bytes),
+                     (unsigned long long)l->bytes);
+}
+
+int moed_backend_link_ready(moed_backend_link *l, int64_t timeout_ms, const _Atomic bool *stop,
+                            moed_error *err)
+{
+    return l->backend->ops->links->wait(l, MOED_LINK_WAIT_READY, 0, 0, timeout_ms, stop, err);
+}
+
+int moed_backend_link_recv(moed_backend_link *l, uint64_t offset, uint64_t bytes,
+                           int64_t timeout_ms, const _Atomic bool *stop, moed_error *err)
+{
+    int rc = link_range(l, offset, bytes, err);
+    return rc ? rc
+              : l->backend->ops->links->wait(l, MOED_LINK_WAIT_RECV, offset, bytes, timeout_ms,
+                                             stop, err);
+}
+
+int moed_backend_link_send(moed_backend_link *l, uint64_t offset, uint64_t bytes,
+                           int64_t timeout_ms, const _Atomic bool *stop, moed_error *err)
+{
+    int rc = link_range(l, offset, bytes, err);
+    return rc ? rc
+              : l->backend->ops->links->wait(l, MOED_LINK_WAIT_SEND, offset, bytes, timeout_ms,
+                                             stop, err);
+}
+
+int moed_backend_link_read(moed_backend_link *l, void *dst, uint64_t offset, size_t bytes,
+                           moed_error *err)
+{
+    int rc = link_range(l, offset, bytes, err);
+    return rc ? rc : l->backend->ops->links->copy(l, true, dst, offset, bytes, err);
+}
+
+int moed_backend_link_write(moed_backend_link *l, uint64_t offset, const void *src, size_t bytes,
+                            moed_error *err)
+{
+    int rc = link_range(l, offset, bytes, err);
+    return rc ? rc : l->backend->ops->links->copy(l, false, (void *)src, offset, bytes, err);
+}
+
+void *moed_backend_link_mem(const moed_backend_link *l)
+{
+    return l->mem;
+}
+
+int moed_backend_link_device(const moed_backend_link *l)
+{
+    return l->device;
+}
+
+uint64_t moed_backend_link_bytes(const moed_backend_link *l)
+{
+    return l->bytes;
+}
+
+uint64_t moed_backend_link_reply_at(const moed_backend_link *l)
+{
+    return l->reply_at;
+}
+
+void moed_backend_link_abort(moed_backend_link *l)
+{
+    l->backend->ops->links->abort(l);
+}
+
+void moed_backend_link_destroy(moed_backend_link *l)
+{
+    if (!l) return;
+    l->backend->ops->links->destroy(l);
+    free(l);
 }
 
 void moed_backend_destroy(moed_backend *b)

@@ -38,6 +38,7 @@
 
 #include "moed_err.h"
 #include "moed_model.h"
+#include "moed_nccl.h"
 #include "moed_place.h"
 #include "moed_route.h"
 
@@ -237,6 +238,63 @@ int moed_backend_read_device(moed_backend *b, void *dst, const void *src, int de
 /* GPU dev's UUID (any GPU the process sees) as "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", for
  * region listings; "" when the backend has no devices or the process no such GPU. */
 void moed_backend_device_uuid(moed_backend *b, int dev, char out[48]);
+
+/* ---- links: a two-rank NCCL communicator with a buffer of device memory (server/link.h) ---- */
+
+/* A link's end on the server: one device buffer of the payload area at byte 0 and the reply area at
+ * moed_backend_link_reply_at, a stream of its own, and the communicator, rank 0 of 2, created with
+ * NCCL's non-blocking config (common/moed_nccl.h) so that no wait below outlasts its timeout or
+ * its stop flag. The link's calls come from one thread; moed_backend_link_abort from any. */
+typedef struct moed_backend_link moed_backend_link;
+
+/* The CUDA ordinal of device i (device_info's numbering, as LayerInfo.home_device); MOED_HOST_MEM
+ * on a backend without GPUs. */
+int moed_backend_device_ordinal(moed_backend *b, int i);
+
+/* Creates a link on GPU `device` (a CUDA ordinal, as regions number GPUs; one the backend computes
+ * on: the caller checks it with moed_backend_device_ordinal) with room for payload_bytes and
+ * reply_bytes, gets an NCCL unique id into unique_id (what the caller joins with) and starts the
+ * communicator's creation (moed_backend_link_ready finishes it). MOED_EUNSUPPORTED on a backend
+ * without links (the cpu backend: the message says to start moed with the cuda backend) or where
+ * NCCL does not load (the loader's message); MOED_ENOMEM naming the bytes of a buffer that does
+ * not fit; NCCL's own failures by moed_nccl_fail. */
+int moed_backend_link_create(moed_backend *b, int device, uint64_t payload_bytes,
+                             uint64_t reply_bytes, uint8_t unique_id[MOED_NCCL_UNIQUE_ID_BYTES],
+                             moed_backend_link **out, moed_error *err);
+
+/* Waits until the caller joined: 0; MOED_EDEADLINE after timeout_ms (-1: none), MOED_ECANCELLED
+ * once *stop is set, or NCCL's failure. */
+int moed_backend_link_ready(moed_backend_link *l, int64_t timeout_ms, const _Atomic bool *stop,
+                            moed_error *err);
+
+/* Receives `bytes` from the caller into the buffer at `offset`, or sends `bytes` of the buffer from
+ * `offset` to it, and waits for it to be done, as moed_backend_link_ready waits. MOED_EINVAL when
+ * the range is not within the buffer. */
+int moed_backend_link_recv(moed_backend_link *l, uint64_t offset, uint64_t bytes,
+                           int64_t timeout_ms, const _Atomic bool *stop, moed_error *err);
+int moed_backend_link_send(moed_backend_link *l, uint64_t offset, uint64_t bytes,
+                           int64_t timeout_ms, const _Atomic bool *stop, moed_error *err);
+
+/* Small synchronous copies between host memory and the buffer (a call's header to the host, a
+ * reply's header to the device), on the link's stream. MOED_EINVAL outside the buffer. */
+int moed_backend_link_read(moed_backend_link *l, void *dst, uint64_t offset, size_t bytes,
+                           moed_error *err);
+int moed_backend_link_write(moed_backend_link *l, uint64_t offset, const void *src, size_t bytes,
+                            moed_error *err);
+
+/* The buffer: its device address, its GPU, its size, and where its reply area starts (payload_bytes
+ * rounded up to MOED_LINK_ALIGN). */
+void *moed_backend_link_mem(const moed_backend_link *l);
+int moed_backend_link_device(const moed_backend_link *l);
+uint64_t moed_backend_link_bytes(const moed_backend_link *l);
+uint64_t moed_backend_link_reply_at(const moed_backend_link *l);
+
+/* Aborts the communicator (ncclCommAbort): a wait in progress, and every later one, fails at once.
+ * Thread-safe and idempotent. */
+void moed_backend_link_abort(moed_backend_link *l);
+
+/* Aborts if need be and frees everything; l may be NULL. No call of l may be in progress. */
+void moed_backend_link_destroy(moed_backend_link *l);
 
 /* Frees everything; b may be NULL. */
 void moed_backend_destroy(moed_backend *b);

@@ -8,7 +8,8 @@
  * (NULL), with the default moed_backend.c supplies: host_alloc/host_free (64-byte aligned host
  * memory), exec_accepts (every slot runs every layer), host_register/host_unregister (nothing to
  * do), map_device/unmap_device/read_device/device_uuid (no devices: FAILED_PRECONDITION),
- * replace_layer (every layer whole: FAILED_PRECONDITION).
+ * replace_layer (every layer whole: FAILED_PRECONDITION), device_ordinal (no GPUs: MOED_HOST_MEM),
+ * links (none: UNSUPPORTED; a table of links fills every slot).
  *
  * forward and router_logits always see job->parts: moed_backend.c turns a job with n_parts == 0
  * into its one part before calling them. forward sees a part with device routing (moed_part.route)
@@ -19,6 +20,25 @@
 #define MOED_BACKEND_IMPL_H
 
 #include "moed_backend.h"
+
+enum { MOED_LINK_WAIT_READY, MOED_LINK_WAIT_RECV, MOED_LINK_WAIT_SEND }; /* link_wait's what */
+
+/* Links (moed_backend.h). moed_backend.c allocates the handle and sets its common fields, checks
+ * every range against the buffer, and frees the handle after destroy. create allocates l->bytes of
+ * device memory on GPU l->device into l->mem and its own state into l->ctx (on failure it leaves
+ * nothing behind); wait waits for the caller's join (MOED_LINK_WAIT_READY) or receives / sends the
+ * buffer's [offset, offset + bytes); copy is a synchronous copy between the buffer's offset and
+ * host memory; abort and destroy as moed_backend_link_abort / _destroy. */
+typedef struct moed_backend_link_ops {
+    int (*create)(moed_backend *b, moed_backend_link *l,
+                  uint8_t unique_id[MOED_NCCL_UNIQUE_ID_BYTES], moed_error *err);
+    int (*wait)(moed_backend_link *l, int what, uint64_t offset, uint64_t bytes, int64_t timeout_ms,
+                const _Atomic bool *stop, moed_error *err);
+    int (*copy)(moed_backend_link *l, bool to_host, void *host, uint64_t offset, size_t bytes,
+                moed_error *err);
+    void (*abort)(moed_backend_link *l);
+    void (*destroy)(moed_backend_link *l);
+} moed_backend_link_ops;
 
 typedef struct moed_backend_ops {
     const char *name;
@@ -48,9 +68,20 @@ typedef struct moed_backend_ops {
     int (*read_device)(moed_backend *b, void *dst, const void *src, int dev, size_t bytes,
                        moed_error *err);
     void (*device_uuid)(moed_backend *b, int dev, char out[48]);
+    int (*device_ordinal)(moed_backend *b, int i);
+    const moed_backend_link_ops *links;
     /* Frees the implementation's state and b itself. */
     void (*destroy)(moed_backend *b);
 } moed_backend_ops;
+
+struct moed_backend_link {
+    moed_backend *backend;
+    int device;
+    uint64_t bytes;    /* the buffer's: payload area, then the reply area */
+    uint64_t reply_at; /* where the reply area starts */
+    void *mem;         /* the buffer's device address (link_create's) */
+    void *ctx;         /* the implementation's own state */
+};
 
 struct moed_backend {
     const moed_backend_ops *ops;

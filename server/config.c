@@ -338,6 +338,9 @@ static const moed_opt options[] = {
     MOED_OPT_I64_ROW("max-rings", F(max_rings), "N", 0, 1 << 16, "16", NULL, NULL,
                      "doorbell rings (same-host calls through shared memory: docs/doorbell.md) one "
                      "principal may have open; 0: no doorbell"),
+    MOED_OPT_I64_ROW("max-links", F(max_links), "N", 0, 1 << 10, "8", NULL, NULL,
+                     "NCCL links (Forwards whose tensors move over NCCL, cuda backend) one "
+                     "principal may have open; 0: no links"),
     MOED_OPT_BYTES_ROW("staging-pool", F(staging_pool), "BYTES", 0, (double)((int64_t)1 << 40), "0",
                        NULL, NULL,
                        "host memory (pinned for cuda) taken at start for inline requests' rows and "

@@ -75,6 +75,7 @@ typedef struct moed_config {
     int64_t max_region_bytes; /* registered per principal */
     int64_t max_region_bytes_total; /* registered in all */
     int64_t max_rings;              /* doorbell rings open per principal; 0: no doorbell */
+    int64_t max_links;              /* NCCL links open per principal; 0: no links */
     int64_t staging_pool;           /* bytes of the inline path's buffers; 0: derived */
     const char *metrics_listen;     /* --metrics-listen ADDR: /metrics and /healthz; NULL: off */
     const char *metrics_token_file; /* --metrics-token-file FILE: /metrics needs the token */

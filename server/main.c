@@ -17,6 +17,7 @@
  */
 #include "config.h"
 #include "doorbell.h"
+#include "link.h"
 #include "expert_load.h"
 #include "http.h"
 #include "loading.h"
@@ -63,6 +64,7 @@ typedef struct moed_daemon {
     moed_bufpool *pool;
     moed_sched *sched;
     moed_doorbell *doorbell;   /* NULL: regions off or --max-rings 0 */
+    moed_links *links;         /* NULL: regions off or --max-links 0 */
     moed_rebalance *rebalance; /* re-placing split layers by measured load (--rebalance) */
     moed_rpc *rpc;
     moed_security security;
@@ -448,6 +450,21 @@ static int start_doorbell(moed_daemon *d)
     return 0;
 }
 
+/* NCCL links, opened by Regions sessions: a registry only until a session opens one. */
+static int start_links(moed_daemon *d)
+{
+    moed_error err = { 0 };
+    if (!d->regions || !d->cfg.max_links) return 0;
+    moed_links_config lc = { .served = &d->served,
+                             .backend = d->backend,
+                             .sched = d->sched,
+                             .metrics = d->metrics,
+                             .max_links = d->cfg.max_links };
+    if (moed_links_create(&lc, &d->links, &err)) return fail("links", &err);
+    moed_log_info("links", "max_links=%lld", (long long)d->cfg.max_links);
+    return 0;
+}
+
 static int start_rpc(moed_daemon *d)
 {
     moed_error err = { 0 };
@@ -510,7 +527,7 @@ static int start_rebalance(moed_daemon *d)
  * ready. */
 static int serve_calls(moed_daemon *d)
 {
-    moed_rpc_loaded(d->rpc, d->sched, d->doorbell);
+    moed_rpc_loaded(d->rpc, d->sched, d->doorbell, d->links);
     moed_loading_end();
     return 0;
 }
@@ -547,7 +564,8 @@ static void metrics_page(moed_daemon *d, moed_http_reply *out)
                               .http_refused = hs.refused,
                               .staging_pool_used = moed_bufpool_used(d->pool),
                               .staging_pool_bytes = moed_bufpool_size(d->pool),
-                              .rings = moed_doorbell_rings(d->doorbell) };
+                              .rings = moed_doorbell_rings(d->doorbell),
+                              .links = moed_links_count(d->links) };
     moed_regions_stats rs_;
     moed_regions_get_stats(d->regions, &rs_);
     for (int k = 0; k < 2; k++) {
@@ -670,6 +688,7 @@ static void on_stop_signal(uv_signal_t *h, int signum)
                 "in %d s)",
                 sig, (unsigned long long)rs.active_calls, d->cfg.drain_timeout_s);
     moed_doorbell_drain(d->doorbell);  /* before the sessions end: what rings hold is taken */
+    moed_links_drain(d->links);        /* likewise: links stay, answering UNAVAILABLE */
     moed_rebalance_stop(d->rebalance); /* none starts now; one in progress ends in teardown */
     moed_rpc_drain(d->rpc, on_rpc_drained, d);
     uv_timer_start(&d->drain_timer, on_drain_timeout, (uint64_t)d->cfg.drain_timeout_s * 1000u, 0);
@@ -762,7 +781,7 @@ static void start_steps(uv_work_t *w)
     d->start_status = open_backend(d) || begin_load(d) || create_metrics(d) ||
                       derive_rpc_limits(d) || start_rpc(d) || load_weights(d) || load_layers(d) ||
                       derive_limits(d) || start_data_plane(d) || start_scheduler(d) ||
-                      start_doorbell(d) || start_rebalance(d) || serve_calls(d);
+                      start_doorbell(d) || start_links(d) || start_rebalance(d) || serve_calls(d);
     if (d->start_status) moed_loading_end();
 }
 
@@ -834,6 +853,7 @@ static void teardown(moed_daemon *d)
     if (d->sched) moed_sched_drain(d->sched); /* nothing is left once every call is answered */
     moed_rpc_destroy(d->rpc);                 /* every session closed: rings left are the drain's */
     moed_doorbell_destroy(d->doorbell);       /* before the scheduler it submits to */
+    moed_links_destroy(d->links);             /* likewise */
     moed_sched_destroy(d->sched);
     moed_bufpool_destroy(d->pool);    /* every call is gone: no reply holds a buffer */
     moed_regions_destroy(d->regions); /* every session closed with its call */

@@ -25,7 +25,16 @@
 #define SHARDS      16
 #define MAX_BUCKETS 20
 
-enum { H_REQUEST, H_DOORBELL, H_QUEUE, H_COMPUTE, H_BATCH_TOKENS, H_BATCH_REQUESTS, H_COUNT };
+enum {
+    H_REQUEST,
+    H_DOORBELL,
+    H_LINK,
+    H_QUEUE,
+    H_COMPUTE,
+    H_BATCH_TOKENS,
+    H_BATCH_REQUESTS,
+    H_COUNT
+};
 
 typedef struct hist_def {
     const char *name, *help;
@@ -53,6 +62,10 @@ static const hist_def hists[H_COUNT] = {
                             10000000, 25000000, 50000000, 100000000, 250000000, 1000000000,
                             10000000000),
                      1e-9 },
+    [H_LINK] = { "moed_link_request_duration_seconds",
+                 "NCCL link calls: time from the server having a call's payload to its reply "
+                 "sent, in seconds.",
+                 DURATION_BOUNDS },
     [H_QUEUE] = { "moed_queue_duration_seconds",
                   "Forward requests: time waiting in the scheduler's queue before a launch, in "
                   "seconds.",
@@ -75,6 +88,7 @@ typedef struct hist {
 typedef struct shard {
     _Alignas(64) _Atomic uint64_t requests[MOED_METHOD_COUNT][MOED_GRPC_STATUS_COUNT];
     _Atomic uint64_t doorbell[MOED_GRPC_STATUS_COUNT];
+    _Atomic uint64_t link[MOED_GRPC_STATUS_COUNT];
     _Atomic uint64_t forwards, tokens, request_bytes, response_bytes;
     hist h[H_COUNT];
 } shard;
@@ -182,6 +196,15 @@ void moed_metrics_doorbell(moed_metrics *m, int grpc_status, uint64_t duration_n
     observe(s, H_DOORBELL, duration_ns);
 }
 
+void moed_metrics_link(moed_metrics *m, int grpc_status, uint64_t duration_ns)
+{
+    if (!m) return;
+    if (grpc_status < 0 || grpc_status >= MOED_GRPC_STATUS_COUNT) grpc_status = 2; /* UNKNOWN */
+    shard *s = my_shard(m);
+    add(&s->link[grpc_status], 1);
+    observe(s, H_LINK, duration_ns);
+}
+
 void moed_metrics_queue_wait(moed_metrics *m, uint64_t queue_ns)
 {
     if (m) observe(my_shard(m), H_QUEUE, queue_ns);
@@ -264,7 +287,10 @@ void moed_metrics_get_totals(const moed_metrics *m, moed_metrics_totals *out)
     for (int i = 0; i < MOED_METHOD_COUNT; i++)
         for (int c = 0; c < MOED_GRPC_STATUS_COUNT; c++)
             out->requests[i][c] = SUM(m, requests[i][c]);
-    for (int c = 0; c < MOED_GRPC_STATUS_COUNT; c++) out->doorbell[c] = SUM(m, doorbell[c]);
+    for (int c = 0; c < MOED_GRPC_STATUS_COUNT; c++) {
+        out->doorbell[c] = SUM(m, doorbell[c]);
+        out->link[c] = SUM(m, link[c]);
+    }
     out->forwards = SUM(m, forwards);
     out->tokens = SUM(m, tokens);
     out->request_bytes = SUM(m, request_bytes);
@@ -379,16 +405,16 @@ static void requests(text *t, const moed_metrics *m)
         }
 }
 
-static void doorbell(text *t, const moed_metrics *m)
+/* A transport's calls by status (OK always listed, so rate() has a series from the first scrape);
+ * counts[c] is shard 0's counter of code c. */
+static void transport_calls(text *t, const moed_metrics *m, const char *name, const char *help,
+                            const _Atomic uint64_t *counts)
 {
-    family(t, "moed_doorbell_requests_total", "counter",
-           "Doorbell calls (same-host calls through a ring in shared memory) answered, by status "
-           "code.");
+    family(t, name, "counter", help);
     for (int c = 0; c < MOED_GRPC_STATUS_COUNT; c++) {
-        uint64_t v = SUM(m, doorbell[c]);
+        uint64_t v = sum_of(m, &counts[c]);
         if (v || c == 0)
-            put(t, "moed_doorbell_requests_total{code=\"%s\"} %llu\n", moed_grpc_status_name(c),
-                (unsigned long long)v);
+            put(t, "%s{code=\"%s\"} %llu\n", name, moed_grpc_status_name(c), (unsigned long long)v);
     }
 }
 
@@ -490,7 +516,14 @@ char *moed_metrics_render(const moed_metrics *m, const moed_metrics_gauges *g, s
     gauge(&t, "moed_serving", "1 while the health status is SERVING, 0 before and while draining.",
           g->serving);
     requests(&t, m);
-    doorbell(&t, m);
+    transport_calls(&t, m, "moed_doorbell_requests_total",
+                    "Doorbell calls (same-host calls through a ring in shared memory) answered, by "
+                    "status code.",
+                    m->shards[0].doorbell);
+    transport_calls(&t, m, "moed_link_requests_total",
+                    "NCCL link calls (Forwards whose tensors move over NCCL) answered, by status "
+                    "code.",
+                    m->shards[0].link);
     counter(&t, "moed_tokens_total", "Tokens computed (rows of hidden, over every launch).",
             SUM(m, tokens));
     expert_tokens(&t, m);
@@ -515,6 +548,7 @@ char *moed_metrics_render(const moed_metrics *m, const moed_metrics_gauges *g, s
     regions(&t, g);
     gauge(&t, "moed_rings_open", "Doorbell rings open (registered and not closed).",
           (double)g->rings);
+    gauge(&t, "moed_links_open", "NCCL links open (opened and not closed).", (double)g->links);
     gauge(&t, "moed_staging_pool_used_bytes",
           "Bytes of the staging pool (--staging-pool) holding requests' rows and replies now.",
           (double)g->staging_pool_used);

@@ -55,6 +55,10 @@ void moed_metrics_forward(moed_metrics *m, uint64_t duration_ns, uint64_t reques
  * to its completion: moed_doorbell_requests_total, moed_doorbell_request_duration_seconds. */
 void moed_metrics_doorbell(moed_metrics *m, int grpc_status, uint64_t duration_ns);
 
+/* One answered NCCL link call (link.h): its status and its duration from the server having its
+ * payload to its reply sent: moed_link_requests_total, moed_link_request_duration_seconds. */
+void moed_metrics_link(moed_metrics *m, int grpc_status, uint64_t duration_ns);
+
 /* A request left its queue for a launch after waiting queue_ns. */
 void moed_metrics_queue_wait(moed_metrics *m, uint64_t queue_ns);
 
@@ -107,6 +111,7 @@ typedef struct moed_metrics_gauges {
     uint64_t regions[2], region_bytes[2]; /* registered now: host, cuda */
     uint64_t staging_pool_used, staging_pool_bytes;
     uint64_t rings; /* doorbell rings open */
+    uint64_t links; /* NCCL links open */
 } moed_metrics_gauges;
 
 /* The exposition text (malloc'd, *len bytes, NUL-terminated), or NULL when out of memory. */
@@ -117,6 +122,7 @@ typedef struct moed_metrics_totals {
     uint64_t requests[MOED_METHOD_COUNT][MOED_GRPC_STATUS_COUNT];
     uint64_t forwards, tokens, request_bytes, response_bytes, launches, queue_waits;
     uint64_t doorbell[MOED_GRPC_STATUS_COUNT]; /* doorbell calls by status */
+    uint64_t link[MOED_GRPC_STATUS_COUNT];     /* NCCL link calls by status */
 } moed_metrics_totals;
 
 void moed_metrics_get_totals(const moed_metrics *m, moed_metrics_totals *out);

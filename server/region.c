@@ -43,6 +43,10 @@ struct moed_region {
     _Atomic bool broken;
     int refs;  /* under the registry's lock */
     int rings; /* open doorbell rings in it (under the lock): it cannot be unregistered meanwhile */
+    /* Adopted (a link's buffer): the server's memory, let go by release(release_arg) instead of
+     * unmapped, counted against no cap, and never unregistered by the client. */
+    void (*release)(void *arg);
+    void *release_arg;
     uint8_t challenge[MOED_REGION_CHALLENGE];
     moed_list by_id, in_session;
 };
@@ -197,6 +201,11 @@ static void unreserve(moed_regions *r, moed_principal principal, uint64_t bytes)
 /* Lets go of the memory and the reservation (outside the lock, but for the reservation). */
 static void unmap(moed_regions *r, moed_region *g)
 {
+    if (g->release) {
+        g->release(g->release_arg);
+        free(g);
+        return;
+    }
     if (g->kind == MOED_REGION_HOST) {
         if (g->pinned) moed_backend_host_unregister(r->cfg.backend, g->mem);
         munmap(g->mem, (size_t)g->bytes);
@@ -292,13 +301,18 @@ int moed_regions_unregister(moed_regions *r, moed_region_session *s, uint64_t id
     pthread_mutex_lock(&r->lock);
     moed_region *g = own(s, id);
     const int rings = g ? g->rings : 0;
+    const bool adopted = g && g->release;
     bool last = false;
-    if (g && !rings) {
+    if (g && !rings && !adopted) {
         info_of(g, out);
         last = leave(r, g);
     }
     pthread_mutex_unlock(&r->lock);
     if (!g) return not_own(id, err);
+    if (adopted)
+        return moed_fail(err, MOED_EPRECOND,
+                         "region %llu is the buffer of an open NCCL link: close_link the link",
+                         (unsigned long long)id);
     if (rings)
         return moed_fail(err, MOED_EPRECOND,
                          "region %llu holds %d open doorbell ring%s: unregister_ring %s first",
@@ -514,6 +528,45 @@ void moed_region_unring(moed_regions *r, moed_region *g)
     pthread_mutex_lock(&r->lock);
     g->rings--;
     pthread_mutex_unlock(&r->lock);
+}
+
+/* ---- adopted memory -------------------------------------------------------------------------- */
+
+moed_region *moed_regions_adopt(moed_regions *r, moed_region_session *s, void *mem, uint64_t bytes,
+                                int dev, void (*release)(void *arg), void *arg, moed_error *err)
+{
+    moed_region *g = calloc(1, sizeof *g);
+    if (!g) {
+        moed_fail(err, MOED_ENOMEM, "no memory for a region");
+        return NULL;
+    }
+    *g = (moed_region){ .kind = MOED_REGION_CUDA,
+                        .bytes = bytes,
+                        .mem = mem,
+                        .device = dev,
+                        .ready = true,
+                        .release = release,
+                        .release_arg = arg };
+    snprintf(g->name, sizeof g->name, "nccl link");
+    pthread_mutex_lock(&r->lock);
+    enter(r, s, g);
+    g->refs++; /* the adopter's */
+    pthread_mutex_unlock(&r->lock);
+    return g;
+}
+
+uint64_t moed_region_id(const moed_region *g)
+{
+    return g->id;
+}
+
+void moed_region_disown(moed_regions *r, moed_region *g)
+{
+    pthread_mutex_lock(&r->lock);
+    if (g->listed) leave(r, g); /* the table's reference: the adopter's is still held */
+    bool last = --g->refs == 0;
+    pthread_mutex_unlock(&r->lock);
+    if (last) unmap(r, g);
 }
 
 /* ---- requests ------------------------------------------------------------------------------ */

@@ -20,7 +20,12 @@
  *              page-lock the memory and make the region usable;
  *   faults     every CPU access to a host region is a guarded copy (guard.h); one that faults marks
  *              the region broken, and every later use fails the same way;
- *   caps       regions and bytes per principal, bytes in all.
+ *   caps       regions and bytes per principal, bytes in all;
+ *   adopted    the server's own device memory (an NCCL link's buffer, link.h) made a CUDA region of
+ *              a session: usable and direct at once, counted against no cap (--max-links bounds
+ *              links), refused to moed_regions_unregister while adopted, listed under its
+ *              principal like any other; once its adopter disowned it and the last request holding
+ *              it let go, the adopter's release function frees the memory.
  *
  * Thread-safe: one mutex over the table; mapping, unmapping and the backend's calls happen outside
  * it.
@@ -151,6 +156,23 @@ int moed_region_broken(moed_region *g, moed_error *err);
 moed_region *moed_regions_hold_ring(moed_regions *r, moed_region_session *s, uint64_t id,
                                     void **mem, uint64_t *bytes, moed_error *err);
 void moed_region_unring(moed_regions *r, moed_region *g);
+
+/* ---- adopted memory (links: link.h) ---- */
+
+/* Makes server-owned device memory [mem, mem + bytes) of GPU dev (CUDA ordinal) a CUDA region of
+ * session s, named "nccl link": usable at once, direct (moed_region_direct), counted against no
+ * cap, and held by the adopter (a reference) until moed_region_disown; moed_regions_unregister
+ * refuses it (FAILED_PRECONDITION) meanwhile. The session's end takes it out of the table as any
+ * of its regions; the memory is the adopter's until release(arg) runs, after the adopter disowned
+ * it and no request holds it. NULL and MOED_ENOMEM when out of memory (release is not called). */
+moed_region *moed_regions_adopt(moed_regions *r, moed_region_session *s, void *mem, uint64_t bytes,
+                                int dev, void (*release)(void *arg), void *arg, moed_error *err);
+/* Ends the adoption: the region's id is unknown at once, and release runs once no request holds
+ * it (maybe now, on this thread). */
+void moed_region_disown(moed_regions *r, moed_region *g);
+
+/* The region's id. */
+uint64_t moed_region_id(const moed_region *g);
 
 /* ---- listings ---- */
 

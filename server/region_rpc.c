@@ -5,7 +5,8 @@
  * call's completion-queue thread; mapping a region is a few system calls, or a CUDA IPC open) and
  * answered by one RegionEvent, in order, one send at a time. The stream is the regions' lease:
  * whenever it ends — the client closes its side, cancels, dies, its connection drops, or the
- * server drains — the session is closed, which closes its doorbell rings (doorbell.h) and releases
+ * server drains — the session is closed, which closes its doorbell rings (doorbell.h) and NCCL
+ * links (link.h) and releases
  * every region registered on it (region.h: unknown at once, unmapped after the last request that
  * holds it).
  *
@@ -62,10 +63,17 @@ static moed_doorbell *doorbell(const rpc_call *c)
     return c->rpc->cfg.doorbell;
 }
 
-/* Ends the lease (under the call's lock): every ring and region of the session is released. */
+static moed_links *links(const rpc_call *c)
+{
+    return c->rpc->cfg.links;
+}
+
+/* Ends the lease (under the call's lock): every ring, link and region of the session is
+ * released. */
 static void end_session(regions_call *rc)
 {
     moed_doorbell_close_session(doorbell(&rc->base), rc->session);
+    moed_links_close_session(links(&rc->base), rc->session);
     moed_regions_close_session(registry(&rc->base), rc->session);
     rc->session = NULL;
 }
@@ -135,9 +143,10 @@ static grpc_byte_buffer *answer(regions_call *rc, grpc_byte_buffer *bb, int *sta
         grpc_byte_buffer_reader_destroy(&rd);
     }
     size_t len;
-    uint8_t *ev = moed_region_command(
-        registry(&rc->base), doorbell(&rc->base), rc->session, GRPC_SLICE_START_PTR(all),
-        n <= MOED_REGION_CMD_MAX ? GRPC_SLICE_LENGTH(all) : n, &len, status);
+    uint8_t *ev =
+        moed_region_command(registry(&rc->base), doorbell(&rc->base), links(&rc->base), rc->session,
+                            GRPC_SLICE_START_PTR(all),
+                            n <= MOED_REGION_CMD_MAX ? GRPC_SLICE_LENGTH(all) : n, &len, status);
     grpc_slice_unref(all);
     if (!ev) return NULL;
     grpc_slice sl = grpc_slice_new(ev, len, free);

@@ -831,12 +831,13 @@ static void tell_drain(rpc_call *c, int unused)
     if (c->method->drain) c->method->drain(c);
 }
 
-void moed_rpc_loaded(moed_rpc *r, moed_sched *sched, moed_doorbell *doorbell)
+void moed_rpc_loaded(moed_rpc *r, moed_sched *sched, moed_doorbell *doorbell, moed_links *links)
 {
     r->cfg.sched = sched;
     r->cfg.doorbell = doorbell;
-    atomic_store(&r->loaded, true); /* publishes cfg.sched, cfg.doorbell and *served to the queue
-                                       threads */
+    r->cfg.links = links;
+    atomic_store(&r->loaded, true); /* publishes cfg.sched, cfg.doorbell, cfg.links and *served to
+                                       the queue threads */
 }
 
 void moed_rpc_set_serving(moed_rpc *r, bool serving)

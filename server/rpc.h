@@ -33,6 +33,7 @@
 #define MOED_RPC_H
 
 #include "doorbell.h"
+#include "link.h"
 #include "metrics.h"
 #include "moed_backend.h"
 #include "moed_err.h"
@@ -60,6 +61,7 @@ typedef struct moed_rpc_config {
     moed_metrics *metrics;         /* requests, durations and bytes are recorded here; or NULL */
     moed_doorbell *doorbell;       /* the Regions stream's rings (NULL until moed_rpc_loaded, and
                                       NULL after it when the doorbell is off) */
+    moed_links *links;             /* the Regions stream's NCCL links (likewise; NULL: links off) */
 } moed_rpc_config;
 
 typedef struct moed_rpc_stats {
@@ -80,9 +82,10 @@ int moed_rpc_start(const moed_rpc_config *cfg, moed_rpc **out, moed_error *err);
 const char *moed_rpc_address(const moed_rpc *r);
 
 /* The weights are resident and *served is whole: Forward, ForwardStream, Regions and ListRegions
- * are served from now on, through sched, and rings through doorbell (NULL: no doorbell); before,
+ * are served from now on, through sched, rings through doorbell and links through links (NULL:
+ * none); before,
  * they are answered UNAVAILABLE. */
-void moed_rpc_loaded(moed_rpc *r, moed_sched *sched, moed_doorbell *doorbell);
+void moed_rpc_loaded(moed_rpc *r, moed_sched *sched, moed_doorbell *doorbell, moed_links *links);
 
 /* Health status of "" and "moed.v1.Moed": SERVING or NOT_SERVING; Watch streams are told. */
 void moed_rpc_set_serving(moed_rpc *r, bool serving);

@@ -93,6 +93,12 @@ static void cuda_destroy(moed_backend *b)
     free(b);
 }
 
+static int cuda_device_ordinal(moed_backend *b, int i)
+{
+    const cuda_ctx *c = b->ctx;
+    return i >= 0 && i < c->n_dev ? c->dev[i] : MOED_HOST_MEM;
+}
+
 static const moed_backend_ops cuda_ops = {
     .name = "cuda",
     .host_dma = true,
@@ -112,6 +118,8 @@ static const moed_backend_ops cuda_ops = {
     .unmap_device = cuda_unmap_device,
     .read_device = cuda_read_device,
     .device_uuid = cuda_device_uuid,
+    .device_ordinal = cuda_device_ordinal,
+    .links = &cuda_link_ops,
     .destroy = cuda_destroy,
 };
 

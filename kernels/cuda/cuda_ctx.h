@@ -236,4 +236,7 @@ int cuda_read_device(moed_backend *b, void *dst, const void *src, int dev, size_
                      moed_error *err);
 void cuda_enable_peers(cuda_ctx *c, int gpu);
 
+/* cuda_link.c: the ops table's links. */
+extern const moed_backend_link_ops cuda_link_ops;
+
 #endif

@@ -113,7 +113,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         size -= n;
         size_t len;
         int status;
-        uint8_t *ev = moed_region_command(registry, doorbell, s, cmd, n, &len, &status);
+        uint8_t *ev = moed_region_command(registry, doorbell, NULL, s, cmd, n, &len, &status);
         if (!ev) die("no event");
         Moed__V1__RegionEvent *e = moed__v1__region_event__unpack(NULL, len, ev);
         Moed__V1__RegionCommand *plain = moed__v1__region_command__unpack(NULL, n, cmd), *c;

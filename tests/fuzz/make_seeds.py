@@ -1,5 +1,5 @@
-"""Writes the seed corpus of one fuzzer (tests/fuzz/run.sh): KIND is request, region, ring, http,
-safetensors, npy or expert_load.
+"""Writes the seed corpus of one fuzzer (tests/fuzz/run.sh): KIND is request, region, ring, link,
+http, safetensors, npy or expert_load.
 
 request: ForwardRequests encoded by the Python client (as callers send them) for the fuzzer's served
 model (fuzz_request.c: layers 0 and 1 with d=8 and 8 experts,
@@ -196,6 +196,28 @@ def ring_seeds():
     }
 
 
+def link_seeds():
+    """fuzz_link's inputs (its comment has the format): good calls (a header, then its payload),
+    several in a row, a wrong key, a refused layer, a payload of the wrong size, a header whose
+    magic or seq is wrong, T over the link's max_tokens."""
+    def rec(kind, b=b""):
+        return bytes([kind]) + len(b).to_bytes(2, "little") + b
+
+    def call(layer=0, dtype=0, T=2, k=2, xor=b"", payload=b"\x00\x00\x00\x00"):
+        return rec(0, bytes([layer, dtype, T - 1, k - 1]) + xor) + rec(2, payload)
+
+    return {
+        "good": b"\x00" + call(),
+        "three": b"\x00" + call(T=1) + call(dtype=1, T=8, k=4) + call(dtype=2, T=3, k=1),
+        "wrong-key": b"\x01" + call(),
+        "refused-layer": b"\x00" + call(layer=1) + call(),
+        "short-payload": b"\x00" + rec(0, bytes(4)) + rec(1, b"\x00" * 16) + call(),
+        "bad-magic": b"\x00" + rec(0, bytes(4) + b"\x01"),
+        "bad-seq": b"\x00" + rec(0, bytes(4) + bytes(8) + b"\x02"),
+        "over-max-tokens": b"\x00" + rec(0, bytes(4) + bytes(24) + b"\x08"),
+    }
+
+
 def http_seeds():
     token = "Authorization: Bearer " + "ab" * 32 + "\r\n"
     heads = {
@@ -293,7 +315,8 @@ def expert_load_seeds():
     return {name: text.encode() for name, text in texts.items()}
 
 
-KINDS = {"request": lambda: seeds(), "region": region_seeds, "ring": ring_seeds, "http": http_seeds,
+KINDS = {"request": lambda: seeds(), "region": region_seeds, "ring": ring_seeds, "link": link_seeds,
+         "http": http_seeds,
          "safetensors": safetensors_seeds, "npy": npy_seeds, "expert_load": expert_load_seeds}
 
 

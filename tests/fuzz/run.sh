@@ -2,8 +2,8 @@
 # Builds the fuzzers with clang (-fsanitize=fuzzer,address,undefined) and runs each for a bounded
 # time; exits non-zero if one finds a crash, a sanitizer report or a broken invariant.
 #
-#   tests/fuzz/run.sh [SECONDS]        default 60: fuzz_request runs SECONDS, region, ring and
-#                                      expert_load a quarter of it, the others half
+#   tests/fuzz/run.sh [SECONDS]        default 60: fuzz_request runs SECONDS, region, ring, link
+#                                      and expert_load a quarter of it, the others half
 #
 # The targets — everything that reaches moed from outside and is parsed before anything else:
 #   fuzz_request       a Forward request's decoding and validation (server/wire.c, request.c),
@@ -12,6 +12,8 @@
 #                      doorbell.c's rings)
 #   fuzz_ring          a doorbell ring's header check and call descriptors as the poller takes
 #                      them (common/moed_ring.c, server/request.c)
+#   fuzz_link          an NCCL link's messages as its thread receives them (server/link.c,
+#                      common/moed_link.c, server/request.c) over faked links
 #   fuzz_http          the metrics endpoint's request parser (server/http_parse.c)
 #   fuzz_safetensors   a checkpoint file's header (server/safetensors.c)
 #   fuzz_npy           the .npy files moectl and moed-load read (client/c/npy.c)
@@ -19,7 +21,7 @@
 #
 # Environment: FUZZ_BUILD_DIR (default build-fuzz), FUZZ_JOBS (parallel fuzzing processes per
 # target, default 1), FUZZ_PARALLEL (targets run at once, default the number of cores),
-# FUZZ_TARGETS (default all seven). Each target's working corpus persists in
+# FUZZ_TARGETS (default all eight). Each target's working corpus persists in
 # $FUZZ_BUILD_DIR/corpus-NAME between runs (it starts from the seeds make_seeds.py writes); a
 # crashing input is saved as $FUZZ_BUILD_DIR/artifacts/NAME-crash-* and reproduces with
 # `$FUZZ_BUILD_DIR/NAME FILE`.
@@ -28,7 +30,7 @@ cd "$(dirname "$0")/../.."
 secs=${1:-60}
 build=${FUZZ_BUILD_DIR:-build-fuzz}
 jobs=${FUZZ_JOBS:-1}
-targets=(${FUZZ_TARGETS:-request region ring http safetensors npy expert_load})
+targets=(${FUZZ_TARGETS:-request region ring link http safetensors npy expert_load})
 
 # clang and libFuzzer's runtime (libclang-rt-14-dev on Debian 12) if missing.
 if ! command -v clang >/dev/null || ! ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1; then
@@ -63,6 +65,12 @@ sources_ring() {
     echo server/bufpool.c kernels/moed_backend.c common/*.c
 }
 libs_ring() { pkg-config --cflags --libs grpc libprotobuf-c; }
+sources_link() {
+    echo server/link.c server/request.c server/wire.c server/shard.c server/region.c server/guard.c
+    echo server/bufpool.c server/scheduler.c server/metrics.c server/log.c kernels/moed_backend.c
+    echo common/*.c
+}
+libs_link() { echo -Itests/unit; pkg-config --cflags --libs grpc libprotobuf-c; }
 # Inputs up to 8 KiB reach every field and limit of a request, a header and a .npy; an HTTP head
 # is refused past 8 KiB, so its inputs go a little further.
 maxlen() { [ "$1" = http ] && echo 10240 || echo 8192; }
@@ -99,6 +107,7 @@ fuzz_one() {
     [ "$t" = request ] || run=$((secs / 2))
     [ "$t" = region ] && run=$((secs / 4))
     [ "$t" = ring ] && run=$((secs / 4))
+    [ "$t" = link ] && run=$((secs / 4))
     [ "$t" = expert_load ] && run=$((secs / 4))
     echo "fuzz: running $name for ${run}s (jobs=$jobs)"
     # -timeout: one input must never take seconds; a leak is a failure too (detect_leaks is on

@@ -169,8 +169,11 @@ static void test_buckets(void)
         if (!strncmp(line, "# TYPE ", 7)) types++;
         CHECK(line[0] == '#' || (line[0] >= 'a' && line[0] <= 'z'));
     }
-    CHECK_EQ_INT(helps, 33);
-    CHECK_EQ_INT(types, 33);
+    CHECK_NEAR(sample(text, "moed_link_requests_total{code=\"OK\"}"), 0, 0); /* links' own */
+    CHECK(strstr(text, "# TYPE moed_link_request_duration_seconds histogram") != NULL);
+    CHECK(strstr(text, "# TYPE moed_links_open gauge") != NULL);
+    CHECK_EQ_INT(helps, 36);
+    CHECK_EQ_INT(types, 36);
     /* the data plane's gauges, by region kind */
     CHECK_NEAR(sample(text, "moed_regions{kind=\"host\"}"), 2, 0);
     CHECK_NEAR(sample(text, "moed_regions{kind=\"cuda\"}"), 1, 0);

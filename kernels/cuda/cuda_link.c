@@ -1,0 +1,203 @@
+/*
+ * cuda_link — the ops table's link calls (moed_backend.h, "links"): a buffer of device memory, a
+ * non-blocking stream and a two-rank NCCL communicator, this process rank 0, created with NCCL's
+ * non-blocking config so that nothing here blocks in NCCL: every wait polls the stream and the
+ * communicator's asynchronous error, and returns on its timeout, its stop flag or an abort.
+ *
+ * The link's calls come from its one thread; abort from any. The lock orders them around the
+ * communicator: abort runs ncclCommAbort under it and clears comm, and every other use of comm
+ * takes the lock and finds it either whole or gone, never being freed.
+ */
+#include "cuda_ctx.h"
+
+#include "moed_link.h"
+#include "moed_nccl.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* A wait spins (yielding the core) this long, for the next call comes back to back with the last;
+ * then it sleeps SLEEP_MIN_NS, doubling up to SLEEP_MAX_NS: an idle link costs little. */
+#define SPIN_NS      2000000u
+#define SLEEP_MIN_NS 50000u
+#define SLEEP_MAX_NS 1000000u
+
+typedef struct cuda_link {
+    const moed_nccl *nccl;
+    pthread_mutex_t lock; /* comm, against abort */
+    moed_nccl_comm comm;  /* NULL once aborted */
+    cudaStream_t stream;
+    _Atomic bool aborted;
+} cuda_link;
+
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static int aborted(moed_error *err)
+{
+    return moed_fail(err, MOED_ECANCELLED, "the link was closed (its communicator aborted)");
+}
+
+/* The communicator's asynchronous state under the lock: NCCL's result, or -1 once aborted. */
+static int async_state(cuda_link *k)
+{
+    int state = -1;
+    pthread_mutex_lock(&k->lock);
+    if (k->comm && k->nccl->comm_get_async_error(k->comm, &state) != MOED_NCCL_SUCCESS)
+        state = MOED_NCCL_INVALID_ARGUMENT;
+    pthread_mutex_unlock(&k->lock);
+    return state;
+}
+
+/* Polls until the communicator is ready and (with `stream`) the stream's work is done. */
+static int wait_done(cuda_link *k, const moed_nccl *n, bool stream, int64_t timeout_ms,
+                     const _Atomic bool *stop, const char *what, moed_error *err)
+{
+    const uint64_t t0 = mono_ns();
+    uint64_t sleep_ns = SLEEP_MIN_NS;
+    for (;;) {
+        const int state = async_state(k);
+        if (state < 0 || atomic_load(&k->aborted)) return aborted(err);
+        if (state != MOED_NCCL_SUCCESS && state != MOED_NCCL_IN_PROGRESS)
+            return moed_nccl_fail(n, state, what, err);
+        if (state == MOED_NCCL_SUCCESS) {
+            cudaError_t e = stream ? cudaStreamQuery(k->stream) : cudaSuccess;
+            if (e == cudaSuccess) return 0;
+            if (e != cudaErrorNotReady) return cuda_fail(err, e, what);
+        }
+        if (stop && atomic_load(stop))
+            return moed_fail(err, MOED_ECANCELLED, "%s: the link is closing", what);
+        const uint64_t waited = mono_ns() - t0;
+        if (timeout_ms >= 0 && waited >= (uint64_t)timeout_ms * 1000000u)
+            return moed_fail(err, MOED_EDEADLINE, "%s: nothing came in %lld ms", what,
+                             (long long)timeout_ms);
+        if (waited < SPIN_NS) {
+            sched_yield();
+            continue;
+        }
+        struct timespec ts = { 0, (long)sleep_ns };
+        nanosleep(&ts, NULL);
+        if (sleep_ns < SLEEP_MAX_NS) sleep_ns *= 2;
+    }
+}
+
+static int cuda_link_wait(moed_backend_link *l, int what, uint64_t offset, uint64_t bytes,
+                          int64_t timeout_ms, const _Atomic bool *stop, moed_error *err)
+{
+    cuda_link *k = l->ctx;
+    const moed_nccl *n = k->nccl;
+    if (what == MOED_LINK_WAIT_READY)
+        return wait_done(k, n, false, timeout_ms, stop, "ncclCommInitRankConfig", err);
+    const char *call = what == MOED_LINK_WAIT_SEND ? "ncclSend" : "ncclRecv";
+    void *p = (char *)l->mem + offset;
+    int r = -1;
+    cudaError_t e = cudaSetDevice(l->device);
+    if (e != cudaSuccess) return cuda_fail(err, e, "cudaSetDevice");
+    pthread_mutex_lock(&k->lock);
+    if (k->comm)
+        r = what == MOED_LINK_WAIT_SEND
+                ? n->send(p, (size_t)bytes, MOED_NCCL_UINT8, 1, k->comm, k->stream)
+                : n->recv(p, (size_t)bytes, MOED_NCCL_UINT8, 1, k->comm, k->stream);
+    pthread_mutex_unlock(&k->lock);
+    if (r < 0) return aborted(err);
+    if (r != MOED_NCCL_SUCCESS && r != MOED_NCCL_IN_PROGRESS)
+        return moed_nccl_fail(n, r, call, err);
+    return wait_done(k, n, true, timeout_ms, stop, call, err);
+}
+
+static int cuda_link_copy(moed_backend_link *l, bool to_host, void *host, uint64_t offset,
+                          size_t bytes, moed_error *err)
+{
+    cuda_link *k = l->ctx;
+    char *dev = (char *)l->mem + offset;
+    int rc = 0;
+    CU(cudaSetDevice(l->device), "cudaSetDevice");
+    CU(cudaMemcpyAsync(to_host ? host : dev, to_host ? dev : host, bytes,
+                       to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, k->stream),
+       "cudaMemcpyAsync (a link's header)");
+    CU(cudaStreamSynchronize(k->stream), "cudaStreamSynchronize (a link's header)");
+err:
+    return rc;
+}
+
+static void cuda_link_abort(moed_backend_link *l)
+{
+    cuda_link *k = l->ctx;
+    pthread_mutex_lock(&k->lock);
+    atomic_store(&k->aborted, true);
+    if (k->comm) k->nccl->comm_abort(k->comm);
+    k->comm = NULL;
+    pthread_mutex_unlock(&k->lock);
+}
+
+static void cuda_link_destroy(moed_backend_link *l)
+{
+    cuda_link *k = l->ctx;
+    if (!k) return;
+    cuda_link_abort(l); /* ends whatever the stream still waits for */
+    cudaSetDevice(l->device);
+    if (k->stream && cudaStreamSynchronize(k->stream) != cudaSuccess) cudaGetLastError();
+    if (k->stream) cudaStreamDestroy(k->stream);
+    if (l->mem && cudaFree(l->mem) != cudaSuccess) cudaGetLastError();
+    pthread_mutex_destroy(&k->lock);
+    free(k);
+    l->ctx = NULL;
+}
+
+static int cuda_link_create(moed_backend *b, moed_backend_link *l,
+                            uint8_t unique_id[MOED_NCCL_UNIQUE_ID_BYTES], moed_error *err)
+{
+    (void)b;
+    const moed_nccl *n = moed_nccl_api(err);
+    if (!n) return err->code;
+    cuda_link *k = calloc(1, sizeof *k);
+    if (!k) return moed_fail(err, MOED_ENOMEM, "no memory for a link");
+    k->nccl = n;
+    pthread_mutex_init(&k->lock, NULL);
+    l->ctx = k;
+    int rc = 0;
+    moed_nccl_unique_id id;
+    CU(cudaSetDevice(l->device), "cudaSetDevice");
+    cudaError_t e = cudaMalloc(&l->mem, (size_t)l->bytes);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        l->mem = NULL;
+        rc = moed_fail(err, MOED_ENOMEM,
+                       "a link's buffer of %llu bytes does not fit on GPU %d (%s): open it with a "
+                       "smaller max_tokens",
+                       (unsigned long long)l->bytes, l->device, cudaGetErrorString(e));
+        goto err;
+    }
+    CU(cudaStreamCreateWithFlags(&k->stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    int r = n->get_unique_id(&id);
+    if (r != MOED_NCCL_SUCCESS) {
+        rc = moed_nccl_fail(n, r, "ncclGetUniqueId", err);
+        goto err;
+    }
+    moed_nccl_config cfg = moed_nccl_config_nonblocking();
+    r = n->comm_init_rank_config(&k->comm, 2, id, 0, &cfg);
+    if (r != MOED_NCCL_SUCCESS && r != MOED_NCCL_IN_PROGRESS) {
+        k->comm = NULL;
+        rc = moed_nccl_fail(n, r, "ncclCommInitRankConfig", err);
+        goto err;
+    }
+    memcpy(unique_id, id.internal, sizeof id.internal);
+    return 0;
+err:
+    cuda_link_destroy(l);
+    return rc;
+}
+
+const moed_backend_link_ops cuda_link_ops = { .create = cuda_link_create,
+                                              .wait = cuda_link_wait,
+                                              .copy = cuda_link_copy,
+                                              .abort = cuda_link_abort,
+                                              .destroy = cuda_link_destroy };
