@@ -83,6 +83,12 @@
 #             FP8, MODEL_LAYERS (default 40) layers over the four GPUs, load time and memory per GPU,
 #             a decode step through every layer from one caller at T = 8, 64, 512). Tables in
 #             four-gpu.md: about 9 minutes on 4 x H200.
+#   links     fleets over NCCL links (skipped, exit 77, with fewer than 2 GPUs): the GPU tests
+#             (tests/e2e/test_links_gpu.py: links against gRPC and one daemon, every dtype, the
+#             socket transport, a shard killed under load, the Python client with torch), then
+#             bench/daemon/bench_links.py (DeepSeek-V3's layer over 2 and 3 GPUs from a caller on
+#             GPU 0, beside gRPC and one daemon, NVLink and sockets) into links.json. NCCL is torch's
+#             (MOED_NCCL_LIB, found from the nvidia-nccl wheel torch depends on).
 #   other-gpu CUDA regions on a GPU moed does not compute on (skipped, exit 77, with fewer than two
 #             GPUs): test_cuda_parts (the backend on GPU 0, parts and expert choices on GPU 1, the
 #             copies staged through host memory, then with peer access), test_ipc two-gpu (moed
@@ -131,7 +137,7 @@ export PATH=$PATH:/usr/local/cuda/bin
 OUT=${OUT:-/tmp/moed-out}
 RAW=$OUT/raw # JSON and long logs; packed into raw.tgz at the end (the device tool returns 8 files)
 STAGES=(tests sanitize bench sonic peers e2e merge pytest fp8 fp8-bench sparse dataplane python router generate
-    droute split two-gpu four-gpu other-gpu doorbell torch-op)
+    droute split two-gpu four-gpu links other-gpu doorbell torch-op)
 PEERS=${MOED_PEERS_SITE:-/tmp/moed-peers}
 # Real models' MoE layers as d,ff,E,k (bench/kernels/torch_ref.py's MODELS, which a CI test keeps
 # equal to this): gpt-oss-120b, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, Phi-3.5-MoE, DBRX.
@@ -421,6 +427,19 @@ stage_two-gpu() {
     logged "$RAW/multi.md" timeout 420 "$PY" bench/daemon/bench_daemon.py --bin "$B" --suite multi \
         --duration 4 --json "$RAW/multi.json" --logs "$RAW"
     cat "$RAW/multi.md" >>"$md"
+}
+
+stage_links() {
+    step gpus_at_least 2
+    [ "$stage_rc" -eq 0 ] || return
+    local nccl
+    nccl=$("$PY" -c 'import nvidia.nccl, os; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null)
+    export MOED_NCCL_LIB=${MOED_NCCL_LIB:-$nccl/lib/libnccl.so.2}
+    echo "links: NCCL from $MOED_NCCL_LIB"
+    MOED_BIN=$B/moed MOED_TEST_COMPUTE=bf16 logged "$OUT/pytest-links.log" timeout 420 \
+        "$PY" -m pytest -q -rfEsxX -p no:cacheprovider tests/e2e/test_links_gpu.py
+    logged "$OUT/links-bench.log" timeout 540 "$PY" bench/daemon/bench_links.py --bin "$B" \
+        --json "$OUT/links.json" --logs "$RAW"
 }
 
 stage_four-gpu() {

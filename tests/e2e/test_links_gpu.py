@@ -1,0 +1,155 @@
+"""Links on GPUs (docs/fleets.md, "Over NCCL"): only on a GPU run (MOED_TEST_COMPUTE, tools/gpu/run-on-gpu.sh
+links), with the CUDA build's tests/gpu/link_driver beside MOED_BIN (or at MOED_LINK_DRIVER).
+
+The caller is on GPU 0 and the daemons on the others (GPU 1, 2, 3; with fewer GPUs they share them):
+- one daemon, and fleets of two and three expert shards, in f32, f16 and bf16 and T = 1, 37, 300:
+  every call's output over links the same bits as over gRPC for the same daemons, deterministic
+  from call to call, and within the fleet's bound of one daemon holding every expert;
+- the three-shard fleet with NCCL's socket transport forced in every process (the path two hosts
+  take): the same bits;
+- a shard killed with SIGKILL while a caller calls as fast as it can: with a replica of that shard,
+  calls go on over the replica and none answers wrong; without one, every call after the kill fails
+  UNAVAILABLE naming the daemon killed, none answers wrong, and none hangs;
+- the Python client (moed.Links) with torch tensors on the current stream: the same bits as the
+  gRPC fleet, and the output left alone by a call that fails.
+"""
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import CUDA_MODE, MOED_BIN
+
+SPEC = "layers=2,d=512,ff=256,experts=16,topk=4,act=swiglu,shared=1,shared_ff=256,dtype=bf16,seed=5"
+DRIVER = Path(os.environ.get("MOED_LINK_DRIVER", MOED_BIN.parent / "link_driver"))
+SOCKET = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+# per token, the fleet's rounding per shard beside one daemon's (docs/fleets.md, Numerics): u (S + 2)
+UNIT = {"f32": 2.0 ** -23, "f16": 2.0 ** -11, "bf16": 2.0 ** -8}
+
+pytestmark = pytest.mark.skipif(not CUDA_MODE or not DRIVER.exists(),
+                                reason="needs a GPU run (MOED_TEST_COMPUTE) and tests/gpu/link_driver")
+
+
+def gpus():
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    return max(1, sum(1 for line in out.splitlines() if line.startswith("GPU ")))
+
+
+def gpu(i):
+    """The daemon GPU for the i-th daemon: 1, 2, 3 ... leaving GPU 0 to the caller where there are more."""
+    n = gpus()
+    return 1 + i % (n - 1) if n > 1 else 0
+
+
+def shards(n, experts=16):
+    return [f"{i * experts // n}-{(i + 1) * experts // n - 1}" for i in range(n)]
+
+
+def start(daemon, i, experts=None, env=None):
+    args = ["--synthetic", SPEC, "--backend", "cuda", "--devices", str(gpu(i))]
+    if experts:
+        args += ["--experts", experts]
+    return daemon(*args, env=env)
+
+
+def drive(targets, *args, env=None, timeout=240):
+    cmd = [str(DRIVER), "--target", ",".join(d.address for d in targets), "--device", "0", *map(str, args)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})},
+                       timeout=timeout)
+    assert p.stdout.strip(), f"link_driver printed nothing (exit {p.returncode}): {p.stderr[-3000:]}"
+    return p.returncode, json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_links_match_grpc_and_one_daemon(daemon, n):
+    whole = start(daemon, 0)
+    fleet = [whole] if n == 1 else [start(daemon, i, e) for i, e in enumerate(shards(n))]
+    for dtype in ("bf16", "f32", "f16"):
+        for T in (1, 37, 300):
+            rc, r, err = drive(fleet, "--tokens", T, "--top-k", 4, "--dtype", dtype, "--calls", 5,
+                               "--warmup", 1, "--grpc", "--ref", whole.address, "--layer", T % 2)
+            where = f"{n} daemon(s), {dtype}, T={T}: {r} {err[-2000:]}"
+            assert rc == 0 and r["links"]["ok"] == 5 and r["links"]["wrong"] == 0, where
+            assert r["same_bits"] is True, where
+            assert r["ref_worst_token"] <= UNIT[dtype] * (n + 2) * 4, where
+
+
+def test_links_over_sockets(daemon):
+    whole = start(daemon, 0)
+    fleet = [start(daemon, i, e, env=SOCKET) for i, e in enumerate(shards(3))]
+    rc, r, err = drive(fleet, "--tokens", 300, "--top-k", 4, "--dtype", "bf16", "--calls", 5,
+                       "--grpc", "--ref", whole.address, env=SOCKET)
+    assert rc == 0 and r["same_bits"] is True and r["links"]["wrong"] == 0, (r, err[-2000:])
+    assert r["ref_worst_token"] <= UNIT["bf16"] * 5 * 4, r
+
+
+def kill_under_load(daemon, fleet, victim, calls, timeout_s):
+    """Runs the driver flat out over fleet, SIGKILLs victim a second in; the driver's report."""
+    cmd = [str(DRIVER), "--target", ",".join(d.address for d in fleet), "--device", "0", "--tokens", "64",
+           "--top-k", "4", "--calls", str(calls), "--warmup", "3", "--keep-going", "--timeout", str(timeout_s)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait()
+    out, err = p.communicate(timeout=300)
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
+def test_shard_killed_fails_over_to_its_replica(daemon):
+    cut = shards(2)
+    first = start(daemon, 0, cut[0])
+    replicas = [start(daemon, 1, cut[1]), start(daemon, 2, cut[1])]
+    r, err = kill_under_load(daemon, [first, *replicas], replicas[0], 4000, 5)
+    links = r["links"]
+    assert links["wrong"] == 0, (r, err[-2000:])
+    assert links["ok"] > 0, r
+    # a call in flight when the daemon died may fail, naming it; the calls after go to the replica
+    for status, f in links["failed"].items():
+        assert status == "UNAVAILABLE" and replicas[0].address in f["first"], r
+    assert sum(f["count"] for f in links["failed"].values()) <= 3, r
+
+
+def test_shard_killed_without_replica_fails_naming_it(daemon):
+    fleet = [start(daemon, i, e) for i, e in enumerate(shards(2))]
+    t0 = time.monotonic()
+    r, err = kill_under_load(daemon, fleet, fleet[1], 400, 3)
+    links = r["links"]
+    assert links["wrong"] == 0 and links["ok"] > 0, (r, err[-2000:])
+    assert set(links["failed"]) == {"UNAVAILABLE"}, r
+    assert fleet[1].address in links["failed"]["UNAVAILABLE"]["first"], r
+    assert time.monotonic() - t0 < 240, "calls to a dead shard must fail, not hang"
+
+
+def test_python_links_with_torch(daemon):
+    torch = pytest.importorskip("torch")
+    import moed
+
+    fleet = [start(daemon, i, e) for i, e in enumerate(shards(2))]
+    targets = [d.address for d in fleet]
+    g = torch.Generator(device="cuda:0").manual_seed(3)
+    with torch.cuda.device(0):
+        x = torch.randn(37, 512, device="cuda:0", generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(16, device="cuda:0", generator=g)[:4] for _ in range(37)]).int()
+        w = torch.rand(37, 4, device="cuda:0", generator=g) + 0.05
+        with moed.Links(targets, device=0, max_tokens=64, max_top_k=4) as links:
+            assert "nccl" in links.describe()
+            y = links.forward(1, x, ids, w)
+            torch.cuda.synchronize()
+            bad = torch.full_like(x, 7.0)
+            with pytest.raises(moed.MoEError) as e:  # layer 9 is not served: refused by the daemons
+                links.forward(9, x, ids, w, out=bad)
+            assert e.value.code == "INVALID_ARGUMENT" or "layer" in str(e.value), e.value
+            assert bool((bad == 7.0).all()), "a failed call wrote its output"
+            again = links.forward(1, x, ids, w)  # the links go on after a refused call
+        assert torch.equal(y, again)
+    import ml_dtypes
+
+    with moed.connect(targets) as c:  # the gRPC fleet, the same inputs from the host
+        want = c.forward(1, x.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16),
+                         expert_ids=ids.cpu().numpy(), expert_weights=w.cpu().numpy())
+    assert np.array_equal(y.cpu().view(torch.int16).numpy(), np.asarray(want).view(np.int16))
