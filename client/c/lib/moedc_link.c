@@ -156,20 +156,23 @@ static int settle(moedc_links *L, link *k, double until, const char *what, moedc
     }
 }
 
-/* Waits for stream st of ours, watching k's communicator. */
+/* Waits for work NCCL queued on our stream `watch` for k: first for NCCL to have queued it (with
+ * the non-blocking config an NCCL call may return before its kernels are on the stream, which
+ * until then looks idle), then for the stream. */
 static int drain_watch(moedc_links *L, link *k, double until, const char *what, moedc_error *err)
 {
-    for (unsigned i = 0;; i++) {
+    int rc = settle(L, k, until, what, err);
+    for (unsigned i = 0; !rc; i++) {
         int q = L->cu->cuStreamQuery(L->watch);
         if (q == 0) return 0;
         if (q != MOEDC_CU_ERROR_NOT_READY) return moedc_cuda_fail(L->cu, q, what, err);
-        int rc = settle(L, k, until, what, err);
-        if (rc) return rc;
+        if ((rc = settle(L, k, until, what, err))) break;
         if (now_s() > until)
             return moedc_fail(err, MOEDC_EUNAVAIL, "daemon %s: %s not done within %.0f s", k->name,
                               what, L->o.timeout_s);
         nap(i);
     }
+    return rc;
 }
 
 /* The caller's device current on this thread (the driver loaded the first time), until leave. */
