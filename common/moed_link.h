@@ -5,8 +5,11 @@
  * plain functions, no I/O. All fields are little-endian.
  *
  * A link is a two-rank NCCL communicator: the server rank 0, the caller rank 1. After the caller
- * joins it sends the link's 32-byte key; then each call is three messages, every one bytes
- * (ncclUint8):
+ * joins it sends the link's 32-byte key, and the server answers with a moed_link_reply of seq 0
+ * and status 0 (the hello): NCCL connects each direction at its first message with both ranks
+ * taking part, so both are connected before the first call, whose messages (header, payload, and
+ * the reply's receive) the caller posts together. Then each call is three messages, every one
+ * bytes (ncclUint8):
  *   caller -> server  a moed_link_call (MOED_LINK_HEADER_BYTES);
  *   caller -> server  the payload, call.payload_bytes: hidden [T, d_model] of dtype at 0, then
  *                     expert_ids [T, k] int32 and expert_weights [T, k] float32, each at the next

@@ -159,7 +159,10 @@ static int serve_call(link *k, uint64_t seq, moed_error *err)
     return rc;
 }
 
-/* The caller's join and its key. */
+/* The caller's join and its key; then a reply of seq 0 (status OK), so that the communicator is
+ * connected both ways before the first call: NCCL connects a direction at its first message, with
+ * both ranks taking part, and a caller's first call (header, payload and the reply's receive in one
+ * group) would otherwise wait on our reply's connection while we wait on its header. */
 static int admit(link *k, moed_error *err)
 {
     const int64_t ms = wait_ms(k->lk->cfg.join_ms);
@@ -173,7 +176,11 @@ static int admit(link *k, moed_error *err)
     if (diff)
         return moed_fail(err, MOED_EUNAUTH,
                          "the first message was not the link's key: nothing more is read");
-    return 0;
+    const uint64_t reply_at = moed_backend_link_reply_at(k->bl);
+    moed_link_reply hello;
+    moed_link_reply_init(&hello, 0, 0, "", 0, 0, 0, 0);
+    rc = moed_backend_link_write(k->bl, reply_at, &hello, sizeof hello, err);
+    return rc ? rc : moed_backend_link_send(k->bl, reply_at, sizeof hello, ms, &k->stop, err);
 }
 
 static void *link_main(void *arg)

@@ -9,7 +9,8 @@ gRPC (the fleet client's inline path), and whether the two gave the same bits. T
 one daemon holding every expert (tokens/s of one GPU), and the 3-shard fleet again with NCCL's socket
 transport forced (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 in every process: the path two hosts take).
 
-usage: python3 bench_links.py --bin .gpu/bin [--tokens 8,128,4096] [--calls 200] [--json FILE] [--logs DIR]
+usage: python3 bench_links.py --bin .gpu/bin [--tokens 8,128,4096] [--calls 200] [--fleets 2,3] [--json FILE]
+       [--logs DIR]
 """
 import argparse
 import json
@@ -80,6 +81,7 @@ def main():
     ap.add_argument("--bin", required=True)
     ap.add_argument("--tokens", default="8,128,4096")
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--fleets", default="2,3", help="shard counts of the NVLink fleets (the socket one is 3)")
     ap.add_argument("--json", default="links.json")
     ap.add_argument("--logs", default=".")
     a = ap.parse_args()
@@ -97,7 +99,7 @@ def main():
                   f"{row['links']['tokens_per_s']:.0f} tok/s", flush=True)
     finally:
         one.stop()
-    for n in (2, 3):
+    for n in [int(f) for f in a.fleets.split(",")]:
         fleet_rows(a, n, None, "nvlink", results)
     fleet_rows(a, 3, {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}, "socket", results)
     with open(a.json, "w") as f:

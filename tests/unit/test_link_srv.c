@@ -85,6 +85,10 @@ static uint64_t open_joined(moed_region_session *s, uint32_t max_tokens, fake_li
     CHECK(info.max_payload_bytes >= (uint64_t)max_tokens * D * 4);
     fake_join(*f);
     fake_put(*f, info.key, sizeof info.key);
+    size_t n = 0; /* the hello: a reply of seq 0, status 0, before any call */
+    moed_link_reply *hello = fake_get(*f, &n, 2000);
+    CHECK(hello && n == sizeof *hello && moed_link_reply_matches(hello, 0) && hello->status == 0);
+    free(hello);
     return info.id;
 }
 

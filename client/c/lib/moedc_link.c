@@ -250,7 +250,21 @@ static int join(moedc_links *L, link *k, const moedc_link_grant *g, moedc_error 
     r = L->nccl->send((const void *)(uintptr_t)k->d_head, MOED_LINK_KEY_BYTES, MOED_NCCL_UINT8, 0,
                       k->comm, L->watch);
     if (r && r != MOED_NCCL_IN_PROGRESS) return nccl_fail(L, k, r, "ncclSend (the key)", err);
-    return drain_watch(L, k, until, "sending the link's key", err);
+    if ((rc = drain_watch(L, k, until, "sending the link's key", err))) return rc;
+    /* the daemon's reply of seq 0 connects its direction now, not inside the first call's group
+     * (moed_link.h) */
+    r = L->nccl->recv((void *)(uintptr_t)k->d_reply, MOED_LINK_HEADER_BYTES, MOED_NCCL_UINT8, 0,
+                      k->comm, L->watch);
+    if (r && r != MOED_NCCL_IN_PROGRESS) return nccl_fail(L, k, r, "ncclRecv (the hello)", err);
+    if ((rc = drain_watch(L, k, until, "receiving the link's hello", err))) return rc;
+    if ((rc = L->cu->cuMemcpyDtoH(k->h_reply, k->d_reply, MOED_LINK_HEADER_BYTES)))
+        return moedc_cuda_fail(L->cu, rc, "cuMemcpyDtoH (the link's hello)", err);
+    if (!moed_link_reply_matches(k->h_reply, 0) || k->h_reply->status)
+        return moedc_fail(err, MOEDC_EFORMAT,
+                          "daemon %s: its first message on the link is not the "
+                          "reply of seq 0 the link's layout begins with",
+                          k->name);
+    return 0;
 }
 
 /* A link to daemon `name` (session, open_link, join), or the daemon's refusal naming it. The CUDA
