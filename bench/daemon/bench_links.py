@@ -41,8 +41,15 @@ def driver(a, targets, tokens, env=None, extra=()):
     return json.loads(r.stdout)
 
 
-def start(a, gpus, experts, name, env=None):
-    args = ["--synthetic", DEEPSEEK, "--backend", "cuda", "--devices", str(gpus)]
+def gpu_count():
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    return max(1, sum(1 for line in out.splitlines() if line.startswith("GPU ")))
+
+
+def start(a, i, experts, name, env=None):
+    """Daemon i on GPU 1 + i, or sharing GPUs 1 .. n-1 where there are fewer (GPU 0 is the caller's)."""
+    n = gpu_count()
+    args = ["--synthetic", DEEPSEEK, "--backend", "cuda", "--devices", str(1 + i % (n - 1) if n > 1 else 0)]
     if experts:
         args += ["--experts", experts]
     log = os.path.join(a.logs, f"moed-{name}.log")
@@ -61,7 +68,7 @@ def start(a, gpus, experts, name, env=None):
 
 
 def fleet_rows(a, n, env, label, results):
-    daemons = [start(a, 1 + i, c, f"{label}-{n}-{i}", env) for i, c in enumerate(cuts(n))]
+    daemons = [start(a, i, c, f"{label}-{n}-{i}", env) for i, c in enumerate(cuts(n))]
     try:
         for t in a.tokens:
             row = driver(a, [d.addr for d in daemons], t, env, ["--grpc"])
@@ -81,27 +88,30 @@ def main():
     ap.add_argument("--bin", required=True)
     ap.add_argument("--tokens", default="8,128,4096")
     ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--fleets", default="2,3", help="shard counts of the NVLink fleets (the socket one is 3)")
+    ap.add_argument("--fleets", default="2,3", help="shard counts of the NVLink fleets")
+    ap.add_argument("--socket", type=int, default=3, help="shards of the socket-transport fleet (0: none)")
     ap.add_argument("--json", default="links.json")
     ap.add_argument("--logs", default=".")
     a = ap.parse_args()
     a.tokens = [int(t) for t in a.tokens.split(",")]
     os.makedirs(a.logs, exist_ok=True)
     results = []
-    one = start(a, 1, None, "one")
+    one = start(a, 0, None, "one")
     try:
         for t in a.tokens:
-            row = driver(a, [one.addr], t)
+            row = driver(a, [one.addr], t, extra=["--grpc"])
             row.update(fleet=1, transport="nvlink", tokens=t)
             results.append(row)
             print(f"links to one daemon T={t}: p50 {row['links']['p50_us']:.0f} us "
                   f"(compute p50 {row['links']['compute_p50_us']:.0f} us), "
-                  f"{row['links']['tokens_per_s']:.0f} tok/s", flush=True)
+                  f"{row['links']['tokens_per_s']:.0f} tok/s; grpc p50 {row['grpc']['p50_us']:.0f} us; "
+                  f"same bits {row['same_bits']}", flush=True)
     finally:
         one.stop()
-    for n in [int(f) for f in a.fleets.split(",")]:
+    for n in [int(f) for f in a.fleets.split(",") if f]:
         fleet_rows(a, n, None, "nvlink", results)
-    fleet_rows(a, 3, {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}, "socket", results)
+    if a.socket:
+        fleet_rows(a, a.socket, {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}, "socket", results)
     with open(a.json, "w") as f:
         json.dump(results, f, indent=1)
 

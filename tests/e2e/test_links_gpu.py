@@ -88,15 +88,18 @@ def test_links_over_sockets(daemon):
     assert r["ref_worst_token"] <= UNIT["bf16"] * 5 * 4, r
 
 
-def kill_under_load(daemon, fleet, victim, calls, timeout_s):
-    """Runs the driver flat out over fleet, SIGKILLs victim a second in; the driver's report."""
+def kill_under_load(daemon, fleet, victim, timeout_s):
+    """Runs the driver flat out over fleet for 8 s, SIGKILLs victim 4 s in (its links open by then);
+    the driver's report."""
     cmd = [str(DRIVER), "--target", ",".join(d.address for d in fleet), "--device", "0", "--tokens", "64",
-           "--top-k", "4", "--calls", str(calls), "--warmup", "3", "--keep-going", "--timeout", str(timeout_s)]
+           "--top-k", "4", "--calls", "1000000", "--duration", "8", "--warmup", "3", "--keep-going",
+           "--timeout", str(timeout_s)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)
+    time.sleep(4)
     victim.proc.send_signal(signal.SIGKILL)
-    victim.proc.wait()
-    out, err = p.communicate(timeout=300)
+    victim.returncode = victim.proc.wait()  # the fixture stops only the daemons still running
+    out, err = p.communicate(timeout=120)
+    assert out.strip(), f"link_driver printed nothing (exit {p.returncode}): {err[-3000:]}"
     return json.loads(out.strip().splitlines()[-1]), err
 
 
@@ -104,7 +107,7 @@ def test_shard_killed_fails_over_to_its_replica(daemon):
     cut = shards(2)
     first = start(daemon, 0, cut[0])
     replicas = [start(daemon, 1, cut[1]), start(daemon, 2, cut[1])]
-    r, err = kill_under_load(daemon, [first, *replicas], replicas[0], 4000, 5)
+    r, err = kill_under_load(daemon, [first, *replicas], replicas[0], 2)
     links = r["links"]
     assert links["wrong"] == 0, (r, err[-2000:])
     assert links["ok"] > 0, r
@@ -117,12 +120,12 @@ def test_shard_killed_fails_over_to_its_replica(daemon):
 def test_shard_killed_without_replica_fails_naming_it(daemon):
     fleet = [start(daemon, i, e) for i, e in enumerate(shards(2))]
     t0 = time.monotonic()
-    r, err = kill_under_load(daemon, fleet, fleet[1], 400, 3)
+    r, err = kill_under_load(daemon, fleet, fleet[1], 2)
     links = r["links"]
     assert links["wrong"] == 0 and links["ok"] > 0, (r, err[-2000:])
     assert set(links["failed"]) == {"UNAVAILABLE"}, r
     assert fleet[1].address in links["failed"]["UNAVAILABLE"]["first"], r
-    assert time.monotonic() - t0 < 240, "calls to a dead shard must fail, not hang"
+    assert time.monotonic() - t0 < 100, "calls to a dead shard must fail, not hang"
 
 
 def test_python_links_with_torch(daemon):

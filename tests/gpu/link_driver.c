@@ -17,7 +17,8 @@
  * - with --ref TARGET (one daemon holding the layer's every expert), the largest per-token error of
  *   the links' output against that daemon's, over the token's largest magnitude.
  * --keep-going carries on after a failed call (the tests kill a daemon under it); without it the
- * first failure ends the run. Exit status: 0, or 1 for a failure, a wrong answer, or different
+ * first failure ends the run. --duration bounds the links' calls in time (`calls` then counts
+ * the calls made). Exit status: 0, or 1 for a failure, a wrong answer, or different
  * bits between the transports.
  */
 #include "moed_dtype.h"
@@ -37,7 +38,7 @@ typedef struct opts {
     const char *target, *ref, *dtype, *json;
     int64_t device, layer, tokens, top_k, seed, calls, warmup;
     int grpc, keep_going;
-    double timeout;
+    double timeout, duration;
 } opts;
 
 #define F(member) offsetof(opts, member)
@@ -57,6 +58,8 @@ static const moed_opt options[] = {
     MOED_OPT_I64_ROW("warmup", F(warmup), "N", 0, 1 << 20, "5", NULL, NULL, "untimed calls first"),
     MOED_OPT_FLAG_ROW("grpc", F(grpc), 1, NULL, "the same calls over gRPC, and their bits"),
     MOED_OPT_FLAG_ROW("keep-going", F(keep_going), 1, NULL, "go on after a failed call"),
+    MOED_OPT_NUM_ROW("duration", F(duration), "S", 0, 3600, "0", NULL, NULL,
+                     "stop the links' calls after S seconds (0: after --calls)"),
     MOED_OPT_NUM_ROW("timeout", F(timeout), "S", 0, 3600, "0", NULL, NULL,
                      "the links' timeout (moedc_links_opts.timeout_s; 0: its default)"),
     MOED_OPT_STR_ROW("json", F(json), "FILE", NULL, NULL, "the figures there, not on stdout"),
@@ -255,7 +258,9 @@ int main(int argc, char **argv)
     failures lf = { 0 };
     int ok = 0, wrong = 0, have_first = 0;
     double busy = 0;
+    const double t_calls = now_s();
     for (int i = -(int)o.warmup; i < N; i++) {
+        if (o.duration > 0 && now_s() - t_calls > o.duration) break;
         moedc_timings tm = { 0 };
         const double t0 = now_s();
         rc = moedc_links_forward(l, &call, &tm, &err);
@@ -287,7 +292,7 @@ int main(int argc, char **argv)
     fprintf(out,
             ", \"daemons\": %d, \"tokens\": %lld, \"d_model\": %lld, \"k\": %d, \"dtype\": \"%s\", "
             "\"open_s\": %.3f, \"links\": {\"calls\": %d, \"ok\": %d, \"wrong\": %d, \"failed\": ",
-            n_targets, (long long)T, (long long)d, k, o.dtype, t_open, N, ok, wrong);
+            n_targets, (long long)T, (long long)d, k, o.dtype, t_open, ok + lf.total, ok, wrong);
     json_failures(out, &lf);
     fprintf(out,
             ", \"p50_us\": %.1f, \"p90_us\": %.1f, \"p99_us\": %.1f, \"compute_p50_us\": %.1f, "

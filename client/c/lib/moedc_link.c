@@ -648,40 +648,47 @@ static int stage(moedc_links *L, const moedc_link_call *c, part *p, moedc_cu_ptr
     return drc ? moedc_cuda_fail(L->cu, drc, "staging a link call's header", err) : 0;
 }
 
-/* The call's NCCL group: each part's header and payload sent, its reply received. */
+/* One NCCL operation on part k's communicator, settled (a non-blocking communicator takes its next
+ * operation only once the last one is queued). */
+static int op(moedc_links *L, link *k, int r, double until, const char *what, moedc_error *err)
+{
+    if (r && r != MOED_NCCL_IN_PROGRESS) return nccl_fail(L, k, r, what, err);
+    return settle(L, k, until, what, err);
+}
+
+/* The call's messages on the caller's stream: every part's header and payload sent, then every
+ * reply received, so that the daemons compute at once. One NCCL operation at a time, not a group:
+ * on H200s a group of a link's header, payload and reply never completed (the daemon receives the
+ * header alone first, to learn the payload's size), while the same operations one by one do. */
 static int exchange(moedc_links *L, const moedc_link_call *c, part *parts, int n, double until,
                     moedc_error *err)
 {
     const moed_nccl *x = L->nccl;
     const size_t elem = moed_dtype_size(c->dtype);
-    int r = x->group_start();
-    if (r) return nccl_fail(L, parts[0].k, r, "ncclGroupStart", err);
-    for (int j = 0; j < n && !r; j++) {
+    int rc = 0;
+    for (int j = 0; j < n && !rc; j++) {
+        link *k = parts[j].k;
+        k->seq++; /* the call is the link's now: a failure from here on leaves it out of step */
+        rc = op(L, k,
+                x->send((const void *)(uintptr_t)k->d_head, MOED_LINK_HEADER_BYTES, MOED_NCCL_UINT8,
+                        0, k->comm, c->stream),
+                until, "ncclSend (a call's header)", err);
+        if (!rc)
+            rc = op(L, k,
+                    x->send((const void *)(uintptr_t)k->d_payload, parts[j].pay.total,
+                            MOED_NCCL_UINT8, 0, k->comm, c->stream),
+                    until, "ncclSend (a call's payload)", err);
+    }
+    for (int j = 0; j < n && !rc; j++) {
         link *k = parts[j].k;
         const uint64_t reply =
             moed_link_reply_bytes((uint64_t)parts[j].n_rows, (uint64_t)c->d_model, elem);
-        r = x->send((const void *)(uintptr_t)k->d_head, MOED_LINK_HEADER_BYTES, MOED_NCCL_UINT8, 0,
-                    k->comm, c->stream);
-        if (!r || r == MOED_NCCL_IN_PROGRESS)
-            r = x->send((const void *)(uintptr_t)k->d_payload, parts[j].pay.total, MOED_NCCL_UINT8,
-                        0, k->comm, c->stream);
-        if (!r || r == MOED_NCCL_IN_PROGRESS)
-            r = x->recv((void *)(uintptr_t)k->d_reply, reply, MOED_NCCL_UINT8, 0, k->comm,
-                        c->stream);
-        if (r == MOED_NCCL_IN_PROGRESS) r = 0;
-        if (r) {
-            x->group_end();
-            return nccl_fail(L, k, r, "ncclSend / ncclRecv", err);
-        }
+        rc = op(
+            L, k,
+            x->recv((void *)(uintptr_t)k->d_reply, reply, MOED_NCCL_UINT8, 0, k->comm, c->stream),
+            until, "ncclRecv (a call's reply)", err);
     }
-    r = x->group_end();
-    for (int j = 0; j < n; j++) parts[j].k->seq++; /* the calls are the links' now */
-    if (r && r != MOED_NCCL_IN_PROGRESS) return nccl_fail(L, parts[0].k, r, "ncclGroupEnd", err);
-    for (int j = 0; j < n; j++) {
-        int rc = settle(L, parts[j].k, until, "ncclGroupEnd", err);
-        if (rc) return rc;
-    }
-    return 0;
+    return rc;
 }
 
 /* Which replies arrived, read on our own stream (the caller's may be held by a link that will not
