@@ -37,7 +37,16 @@ int moed_dtype_is_float(int dtype);
 /* True for the types expert weights may have: the activation types and FP8. */
 int moed_dtype_is_weight(int dtype);
 
-static inline float moed_bf16_to_f32(uint16_t h)
+/* The 16-bit conversions are inline and, under nvcc, device functions too: libmoedclient's link
+ * kernels (compiled to PTX) round a fleet's sum with these very functions, so a link's output and
+ * the gRPC fleet's have the same bits. */
+#if defined(__CUDACC__)
+#define MOED_DTYPE_FN static inline __host__ __device__
+#else
+#define MOED_DTYPE_FN static inline
+#endif
+
+MOED_DTYPE_FN float moed_bf16_to_f32(uint16_t h)
 {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -45,7 +54,7 @@ static inline float moed_bf16_to_f32(uint16_t h)
     return f;
 }
 
-static inline uint16_t moed_f32_to_bf16(float f)
+MOED_DTYPE_FN uint16_t moed_f32_to_bf16(float f)
 {
     uint32_t u;
     memcpy(&u, &f, 4);
@@ -54,8 +63,56 @@ static inline uint16_t moed_f32_to_bf16(float f)
     return (uint16_t)(u >> 16);
 }
 
-float moed_f16_to_f32(uint16_t h);
-uint16_t moed_f32_to_f16(float f);
+MOED_DTYPE_FN float moed_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    uint32_t u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13); /* inf or NaN */
+    } else if (exp != 0) {
+        u = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        u = sign;
+    } else { /* subnormal: normalise */
+        int e = -1;
+        do {
+            man <<= 1;
+            e++;
+        } while (!(man & 0x400u));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* to nearest, ties to even */
+MOED_DTYPE_FN uint16_t moed_f32_to_f16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t abs = u & 0x7fffffffu;
+    if (abs > 0x7f800000u) return sign | 0x7e00u;  /* NaN */
+    if (abs >= 0x477ff000u) return sign | 0x7c00u; /* rounds to inf (>= 65520) */
+    if (abs >= 0x38800000u) {                      /* normal in f16 */
+        uint32_t r = abs - 0x38000000u;            /* rebias exponent 127 -> 15 */
+        r += 0xfffu + ((r >> 13) & 1u);            /* round to nearest even */
+        return sign | (uint16_t)(r >> 13);
+    }
+    if (abs < 0x33000000u) return sign; /* below half the smallest subnormal */
+    /* subnormal in f16: shift the implicit-1 mantissa into place, rounding to nearest even */
+    uint32_t e = abs >> 23;
+    uint32_t man = (abs & 0x7fffffu) | 0x800000u;
+    uint32_t shift = 126u - e; /* 14..24 */
+    uint32_t q = man >> shift;
+    uint32_t rem = man & ((1u << shift) - 1u);
+    uint32_t half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (q & 1u))) q++;
+    return sign | (uint16_t)q;
+}
 
 /* e4m3 to float32: exact (every e4m3 value is a float32); the NaN codes give NaN. */
 static inline float moed_e4m3_to_f32(uint8_t q)

@@ -2,7 +2,7 @@
 
 DeepSeek-V3's layer (d 7168, ff 2048, 256 experts, top 8, one shared expert, bf16) sharded by experts
 over daemons on GPUs 1 .. N (N = 2 and 3: --experts cut evenly, the shard holding expert 0 adding the
-shared expert), one caller on GPU 0 (tests/gpu/link_driver, C), and the whole layer in one daemon on
+shared expert), one caller on GPU 0 (link-bench, bench/daemon/link_bench.c), and the whole layer in one daemon on
 GPU 1 as the reference. For each fleet and T: the links' p50 / p90 latency and tokens/s, the slowest
 shard's compute time as its daemon reports it (the kernel the call waited for), the same calls over
 gRPC (the fleet client's inline path), and whether the two gave the same bits. Then the links to the
@@ -30,14 +30,14 @@ def cuts(n):
 
 def driver(a, targets, tokens, env=None, extra=()):
     calls = a.calls if tokens < 4096 else max(a.calls // 4, 20)
-    cmd = [os.path.join(a.bin, "link_driver"), "--target", ",".join(targets), "--device", "0",
+    cmd = [os.path.join(a.bin, "link-bench"), "--target", ",".join(targets), "--device", "0",
            "--tokens", str(tokens), "--top-k", "8", "--dtype", "bf16", "--calls", str(calls),
            "--warmup", "10", "--seed", "7", *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})},
                        timeout=300)
     sys.stderr.write(r.stderr[-2000:])
     if r.returncode != 0:
-        raise RuntimeError(f"link_driver exited {r.returncode}: {r.stdout[-2000:]} {r.stderr[-2000:]}")
+        raise RuntimeError(f"link-bench exited {r.returncode}: {r.stdout[-2000:]} {r.stderr[-2000:]}")
     return json.loads(r.stdout)
 
 

@@ -19,7 +19,7 @@ CLIENT = {
     "moed-load": BUILD / "client" / "c" / "moed-load",
     "libmoedclient.so": BUILD / "client" / "c" / "libmoedclient.so",
 }
-BENCHES = [BUILD / "bench" / "moe-bench", BUILD / "bench" / "moe-split-bench"]
+BENCHES = [BUILD / "bench" / "moe-bench", BUILD / "bench" / "moe-split-bench", BUILD / "bench" / "link-bench"]
 CUDA_LIBS = re.compile(r"^lib(cuda|cudart|cublas|cublasLt|nvidia-\w+)\.so")
 # The CUDA runtime's and driver's functions, as a program that links them defines them.
 CUDA_SYMBOLS = re.compile(r"^(cuda[A-Z]\w*|__cuda\w+|cu[A-Z]\w*)$")

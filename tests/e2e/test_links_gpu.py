@@ -1,5 +1,5 @@
 """Links on GPUs (docs/fleets.md, "Over NCCL"): only on a GPU run (MOED_TEST_COMPUTE, tools/gpu/run-on-gpu.sh
-links), with the CUDA build's tests/gpu/link_driver beside MOED_BIN (or at MOED_LINK_DRIVER).
+links), with the CUDA build's link-bench (bench/daemon/link_bench.c) beside MOED_BIN (or at MOED_LINK_BENCH).
 
 The caller is on GPU 0 and the daemons on the others (GPU 1, 2, 3; with fewer GPUs they share them):
 - one daemon, and fleets of two and three expert shards, in f32, f16 and bf16 and T = 1, 37, 300:
@@ -26,13 +26,13 @@ import pytest
 from conftest import CUDA_MODE, MOED_BIN
 
 SPEC = "layers=2,d=512,ff=256,experts=16,topk=4,act=swiglu,shared=1,shared_ff=256,dtype=bf16,seed=5"
-DRIVER = Path(os.environ.get("MOED_LINK_DRIVER", MOED_BIN.parent / "link_driver"))
+DRIVER = Path(os.environ.get("MOED_LINK_BENCH", MOED_BIN.parent / "link-bench"))
 SOCKET = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
 # per token, the fleet's rounding per shard beside one daemon's (docs/fleets.md, Numerics): u (S + 2)
 UNIT = {"f32": 2.0 ** -23, "f16": 2.0 ** -11, "bf16": 2.0 ** -8}
 
 pytestmark = pytest.mark.skipif(not CUDA_MODE or not DRIVER.exists(),
-                                reason="needs a GPU run (MOED_TEST_COMPUTE) and tests/gpu/link_driver")
+                                reason="needs a GPU run (MOED_TEST_COMPUTE) and link-bench")
 
 
 def gpus():
@@ -61,7 +61,7 @@ def drive(targets, *args, env=None, timeout=240):
     cmd = [str(DRIVER), "--target", ",".join(d.address for d in targets), "--device", "0", *map(str, args)]
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})},
                        timeout=timeout)
-    assert p.stdout.strip(), f"link_driver printed nothing (exit {p.returncode}): {p.stderr[-3000:]}"
+    assert p.stdout.strip(), f"link-bench printed nothing (exit {p.returncode}): {p.stderr[-3000:]}"
     return p.returncode, json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
 
 
@@ -99,7 +99,7 @@ def kill_under_load(daemon, fleet, victim, timeout_s):
     victim.proc.send_signal(signal.SIGKILL)
     victim.returncode = victim.proc.wait()  # the fixture stops only the daemons still running
     out, err = p.communicate(timeout=120)
-    assert out.strip(), f"link_driver printed nothing (exit {p.returncode}): {err[-3000:]}"
+    assert out.strip(), f"link-bench printed nothing (exit {p.returncode}): {err[-3000:]}"
     return json.loads(out.strip().splitlines()[-1]), err
 
 

@@ -4,8 +4,7 @@
  *   test_moedc_link           the combine's sum (moedc_link_sum.h, the code the kernel runs) equal
  *                             bit for bit to the gRPC fleet's (moedc_plan_sum) over
  *                             $MOED_TEST_DATA/fleet_scenarios.json's sums, parts of some tokens
- *                             included; its conversions equal to common/moed_dtype's; a missing,
- *                             stale or refused reply stops the combine
+ *                             included; a missing, stale or refused reply stops the combine
  *   test_moedc_link no-nccl   (MOED_NCCL_LIB naming no library) moedc_links_open fails
  *                             MOEDC_EUNSUPPORTED naming MOED_NCCL_LIB before asking any daemon (its
  *                             target has none: asking would fail UNAVAILABLE)
@@ -85,29 +84,6 @@ static void test_scenario(const cJSON *sc)
     for (int i = 0; i < n; i++) free(replies[i]);
 }
 
-/* The conversions the kernel uses against moed_dtype's: every 16-bit pattern to float32, and
- * float32 patterns across the whole range (every 61st, and each power of two's neighbours) back. */
-static void test_conversions(void)
-{
-    for (uint32_t h = 0; h < 0x10000; h++) {
-        const float a = moedc_link_f16_to_f32((uint16_t)h), b = moed_f16_to_f32((uint16_t)h);
-        CHECK_MSG(moedc_link_bits(a) == moedc_link_bits(b), "f16 0x%04x", h);
-        const float c = moedc_link_load(MOED_BF16, &(uint16_t){ (uint16_t)h }, 0);
-        CHECK_MSG(moedc_link_bits(c) == moedc_link_bits(moed_bf16_to_f32((uint16_t)h)),
-                  "bf16 0x%04x", h);
-    }
-    unsigned bad = 0;
-    for (uint64_t u = 0; u <= UINT32_MAX; u += 61) {
-        for (int e = -1; e <= 1; e++) {
-            const uint32_t v = (uint32_t)(u + (uint64_t)e) ^ (e ? 0x80000000u : 0);
-            const float f = moedc_link_float(v);
-            bad += moedc_link_f32_to_f16(f) != moed_f32_to_f16(f);
-            bad += moedc_link_f32_to_bf16(f) != moed_f32_to_bf16(f);
-        }
-    }
-    CHECK_MSG(bad == 0, "%u float32 patterns convert otherwise than moed_dtype", bad);
-}
-
 /* The combine writes nothing unless every reply is its call's and OK. */
 static void test_replies(void)
 {
@@ -159,7 +135,6 @@ int main(int argc, char **argv)
     const cJSON *sums = get(root, "sums");
     for (int i = 0; i < cJSON_GetArraySize(sums); i++) test_scenario(cJSON_GetArrayItem(sums, i));
     CHECK(cJSON_GetArraySize(sums) >= 5);
-    test_conversions();
     test_replies();
     cJSON_Delete(root);
     return check_status("test_moedc_link");

@@ -5,9 +5,8 @@
  * that got tokens added in float32 in the order of each shard's lowest expert, starting at -0.0
  * for a token every such shard got and +0.0 otherwise, rounded once to the dtype. A layer of one
  * shard answers that shard's reply verbatim, as the gRPC fleet does. tests/unit/test_moedc_link.c
- * proves the result equal to moedc_plan_sum's over tests/data/fleet_scenarios.json's sums, and the
- * conversions below equal to common/moed_dtype's (the device cannot call those: they are host
- * functions).
+ * proves the result equal to moedc_plan_sum's over tests/data/fleet_scenarios.json's sums; the
+ * roundings are common/moed_dtype.h's own (host and device functions under nvcc).
  *
  * A part is one shard's reply as the link received it (moed_link.h: a 256-byte header, then
  * [rows, d_model] of dtype) and row_of, the reply's row of each token of the call or -1.
@@ -23,7 +22,6 @@
 #if defined(__CUDACC__)
 #define MOEDC_LINK_FN static inline __host__ __device__
 #else
-#include <string.h>
 #define MOEDC_LINK_FN static inline
 #endif
 
@@ -33,76 +31,11 @@ typedef struct moedc_link_part {
     uint64_t seq;               /* the call's on this link */
 } moedc_link_part;
 
-MOEDC_LINK_FN uint32_t moedc_link_bits(float f)
-{
-#if defined(__CUDA_ARCH__)
-    return __float_as_uint(f);
-#else
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-#endif
-}
-
-MOEDC_LINK_FN float moedc_link_float(uint32_t u)
-{
-#if defined(__CUDA_ARCH__)
-    return __uint_as_float(u);
-#else
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-#endif
-}
-
-/* moed_f16_to_f32 */
-MOEDC_LINK_FN float moedc_link_f16_to_f32(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    if (exp == 0x1f) return moedc_link_float(sign | 0x7f800000u | (man << 13));
-    if (exp) return moedc_link_float(sign | ((exp + 112u) << 23) | (man << 13));
-    if (!man) return moedc_link_float(sign);
-    int e = -1;
-    do {
-        man <<= 1;
-        e++;
-    } while (!(man & 0x400u));
-    return moedc_link_float(sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13));
-}
-
-/* moed_f32_to_f16: to nearest, ties to even */
-MOEDC_LINK_FN uint16_t moedc_link_f32_to_f16(float f)
-{
-    uint32_t u = moedc_link_bits(f), abs = u & 0x7fffffffu;
-    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
-    if (abs > 0x7f800000u) return sign | 0x7e00u;
-    if (abs >= 0x477ff000u) return sign | 0x7c00u;
-    if (abs >= 0x38800000u) {
-        uint32_t r = abs - 0x38000000u;
-        r += 0xfffu + ((r >> 13) & 1u);
-        return sign | (uint16_t)(r >> 13);
-    }
-    if (abs < 0x33000000u) return sign;
-    uint32_t man = (abs & 0x7fffffu) | 0x800000u, shift = 126u - (abs >> 23);
-    uint32_t q = man >> shift, rem = man & ((1u << shift) - 1u), half = 1u << (shift - 1u);
-    if (rem > half || (rem == half && (q & 1u))) q++;
-    return sign | (uint16_t)q;
-}
-
-/* moed_f32_to_bf16: to nearest, ties to even; NaN quieted */
-MOEDC_LINK_FN uint16_t moedc_link_f32_to_bf16(float f)
-{
-    uint32_t u = moedc_link_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 MOEDC_LINK_FN float moedc_link_load(int dtype, const void *p, int64_t i)
 {
     if (dtype == MOED_F32) return ((const float *)p)[i];
     const uint16_t h = ((const uint16_t *)p)[i];
-    return dtype == MOED_F16 ? moedc_link_f16_to_f32(h) : moedc_link_float((uint32_t)h << 16);
+    return dtype == MOED_F16 ? moed_f16_to_f32(h) : moed_bf16_to_f32(h);
 }
 
 MOEDC_LINK_FN void moedc_link_store(int dtype, void *p, int64_t i, float v)
@@ -110,8 +43,7 @@ MOEDC_LINK_FN void moedc_link_store(int dtype, void *p, int64_t i, float v)
     if (dtype == MOED_F32)
         ((float *)p)[i] = v;
     else
-        ((uint16_t *)p)[i] =
-            dtype == MOED_F16 ? moedc_link_f32_to_f16(v) : moedc_link_f32_to_bf16(v);
+        ((uint16_t *)p)[i] = dtype == MOED_F16 ? moed_f32_to_f16(v) : moed_f32_to_bf16(v);
 }
 
 /* Whether every part's reply is the answer to its call, and OK: moed_link_reply_matches, which the

@@ -1,8 +1,8 @@
 /*
- * link_driver — a caller of links on a GPU machine: the same inputs over links and over gRPC for
+ * link-bench — a caller of links on a GPU machine: the same inputs over links and over gRPC for
  * the same daemons, and against a reference daemon, with the figures as JSON. The GPU tests
  * (tests/e2e/test_links_gpu.py) and the links benchmark (bench/daemon/bench_links.py) run it
- * against daemons they start; `link_driver --help` lists its options.
+ * against daemons they start; `link-bench --help` lists its options.
  *
  * It makes random hidden [T, d_model] and k distinct experts per token (every third token's last
  * pair padding) from --seed, puts them on --device, and makes --calls calls over links
@@ -67,11 +67,11 @@ static const moed_opt options[] = {
 };
 
 static const moed_opt_cmd tool = {
-    .head = "usage: link_driver --target ADDRS [options]\n\nCalls a daemon or a fleet over NCCL "
+    .head = "usage: link-bench --target ADDRS [options]\n\nCalls a daemon or a fleet over NCCL "
             "links from a GPU, beside gRPC and a reference.\n",
 };
 
-static const moed_opt_spec command_line = MOED_OPT_TOOL_SPEC("link_driver", options, tool);
+static const moed_opt_spec command_line = MOED_OPT_TOOL_SPEC("link-bench", options, tool);
 
 static opts o;
 
@@ -107,7 +107,7 @@ static double uniform(void) /* splitmix64 */
 
 static int die(const char *what, const char *why)
 {
-    fprintf(stderr, "link_driver: %s: %s\n", what, why);
+    fprintf(stderr, "link-bench: %s: %s\n", what, why);
     printf("{\"error\": \"%s\"}\n", what);
     return 1;
 }
