@@ -169,8 +169,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             uint8_t p[4] = { 0 };
             memcpy(p, b, len < 4 ? len : 4);
             const uint32_t dtypes[3] = { MOED_F32, MOED_F16, MOED_BF16 };
-            if (moed_link_call_init(&h, ++seq, p[0] % 2, dtypes[p[1] % 3], 1 + p[2] % 8,
-                                    1 + p[3] % 4, 16, 0, seq, &err))
+            seq++;
+            if (moed_link_call_init(&h, seq, p[0] % 2, dtypes[p[1] % 3], 1 + p[2] % 8, 1 + p[3] % 4,
+                                    16, 0, seq, &err))
                 abort();
             for (size_t i = 4; i < len && i - 4 < sizeof h; i++) ((uint8_t *)&h)[i - 4] ^= b[i];
             if (n_want < 64)

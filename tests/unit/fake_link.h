@@ -275,7 +275,7 @@ static void *fake_get(fake_link *f, size_t *n, int64_t timeout_ms)
 }
 
 /* Whether the link was aborted within timeout_ms. */
-static bool fake_aborted(fake_link *f, int64_t timeout_ms)
+static inline bool fake_aborted(fake_link *f, int64_t timeout_ms)
 {
     const uint64_t t0 = fake_now_ms();
     pthread_mutex_lock(&f->lock);
