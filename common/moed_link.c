@@ -4,6 +4,7 @@
 #include "moed_link.h"
 
 #include "moed_dtype.h"
+#include "moed_model.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -83,11 +84,12 @@ int moed_link_check_call(const moed_link_call *c, uint64_t expect_seq, uint32_t 
     if (c->seq != expect_seq)
         return moed_fail(err, MOED_EFORMAT, "call seq %llu where %llu was next",
                          (unsigned long long)c->seq, (unsigned long long)expect_seq);
-    if (c->flags || c->reserved)
+    if ((c->flags & ~(uint32_t)MOED_LINK_EXPECT) || c->reserved || c->expect_adds_shared > 1)
         return moed_fail(err, MOED_EFORMAT,
-                         "call flags 0x%x, reserved %u: no flag is defined in link version %d; "
-                         "write 0",
-                         c->flags, c->reserved, MOED_LINK_VERSION);
+                         "call flags 0x%x, reserved %u, expect_adds_shared %u: link version %d "
+                         "defines only flag 0x%x (MOED_LINK_EXPECT), reserved 0 and a 0 or 1",
+                         c->flags, c->reserved, c->expect_adds_shared, MOED_LINK_VERSION,
+                         MOED_LINK_EXPECT);
     size_t elem = moed_dtype_size((int)c->dtype);
     if (!moed_dtype_is_float((int)c->dtype) || !elem)
         return moed_fail(err, MOED_EFORMAT, "call dtype %u is not F32, F16 or BF16", c->dtype);
@@ -159,6 +161,23 @@ int moed_link_call_init(moed_link_call *c, uint64_t seq, uint32_t layer, uint32_
     c->tag = tag;
     c->payload_bytes = p.total;
     return 0;
+}
+
+void moed_link_call_expect(moed_link_call *c, uint64_t model, const uint32_t *first,
+                           const uint32_t *last, uint32_t n, bool adds_shared)
+{
+    c->flags |= MOED_LINK_EXPECT;
+    c->expect_model = model;
+    c->expect_n_ranges = n;
+    c->expect_adds_shared = adds_shared;
+    c->expect_ranges_hash = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        c->expect_ranges_hash = moed_ranges_fold(c->expect_ranges_hash, first[i], last[i]);
+        if (i < MOED_LINK_SHOWN_RANGES) {
+            c->expect_first[i] = first[i];
+            c->expect_last[i] = last[i];
+        }
+    }
 }
 
 void moed_link_reply_init(moed_link_reply *r, uint64_t seq, int32_t status, const char *message,

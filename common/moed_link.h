@@ -21,8 +21,9 @@
  * agree on a message's size), so a header that breaks the layout (moed_link_check_call) ends the
  * link: after it the messages can no longer be read in step. Everything else about a call (the
  * layer, T against the limits, ids, weights) is a Forward's rules, checked by the daemon as for a
- * doorbell call (moed_link_to_ring gives the ring descriptor the call stands for), and a call that
- * breaks them is answered with its status; the link goes on.
+ * doorbell call (moed_link_to_ring gives the ring descriptor the call stands for), with the
+ * header's expectation as ForwardRequest.expect, and a call that breaks them is answered with its
+ * status; the link goes on.
  */
 #ifndef MOED_LINK_H
 #define MOED_LINK_H
@@ -30,6 +31,7 @@
 #include "moed_err.h"
 #include "moed_ring.h"
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #define MOED_LINK_MAGIC         0x4b4c444du /* "MDLK" */
@@ -40,6 +42,10 @@
 #define MOED_LINK_KEY_BYTES     32
 #define MOED_LINK_MAX_TOP_K     64
 #define MOED_LINK_MESSAGE_BYTES 192
+#define MOED_LINK_SHOWN_RANGES  8 /* an expectation's ranges carried for messages */
+
+/* moed_link_call.flags */
+enum { MOED_LINK_EXPECT = 1 }; /* the expect_ fields are set */
 
 typedef struct moed_link_call {
     uint32_t magic;         /* MOED_LINK_MAGIC */
@@ -51,12 +57,20 @@ typedef struct moed_link_call {
     uint32_t tokens;        /* T, >= 1 */
     uint32_t top_k;         /* k, 1 .. MOED_LINK_MAX_TOP_K */
     uint32_t d_model;       /* columns of hidden and of the output */
-    uint32_t flags;         /* reserved: 0 */
+    uint32_t flags;         /* MOED_LINK_EXPECT or 0 */
     uint32_t deadline_us;   /* from when the server has the payload; 0: none */
     uint32_t reserved;      /* 0 */
     uint64_t tag;           /* the caller's, echoed in the server's logs */
     uint64_t payload_bytes; /* moed_link_layout's total */
-    uint8_t pad[192];
+    /* With MOED_LINK_EXPECT, what the caller takes the daemon to be, as ForwardRequest.expect: a
+     * daemon restarted as another shard or model refuses the call (FAILED_PRECONDITION) rather
+     * than answer a partial that no longer fits the fleet's sum. */
+    uint64_t expect_model;       /* ModelInfo.model_fingerprint; 0: not checked */
+    uint64_t expect_ranges_hash; /* moed_ranges_fold over every range, from 0 */
+    uint32_t expect_n_ranges;    /* the layer's experts_held ranges; 0: not checked */
+    uint32_t expect_adds_shared; /* 0 or 1 (checked with the ranges) */
+    uint32_t expect_first[MOED_LINK_SHOWN_RANGES], expect_last[MOED_LINK_SHOWN_RANGES];
+    uint8_t pad[104];
 } moed_link_call;
 
 typedef struct moed_link_reply {
@@ -101,7 +115,8 @@ uint64_t moed_link_reply_bytes(uint64_t tokens, uint64_t d_model, uint64_t elem_
 int moed_link_capacity(uint64_t max_tokens, uint64_t max_top_k, uint64_t d_model,
                        uint64_t elem_bytes, uint64_t *payload, uint64_t *reply, moed_error *err);
 
-/* The header's own layout: magic, version, header_bytes, seq == expect_seq, flags and reserved 0,
+/* The header's own layout: magic, version, header_bytes, seq == expect_seq, flags within
+ * MOED_LINK_EXPECT, reserved 0, expect_adds_shared 0 or 1,
  * a dtype with an element size, tokens and top_k within max_tokens / max_top_k, d_model >= 1, and
  * payload_bytes equal to the layout's and at most max_payload. A failure here ends the link; err
  * names the field and what it held. */
@@ -117,6 +132,11 @@ void moed_link_to_ring(const moed_link_call *c, uint64_t region, uint64_t payloa
 int moed_link_call_init(moed_link_call *c, uint64_t seq, uint32_t layer, uint32_t dtype,
                         uint32_t tokens, uint32_t top_k, uint32_t d_model, uint32_t deadline_us,
                         uint64_t tag, moed_error *err);
+
+/* Sets c's expectation (MOED_LINK_EXPECT): the model (0: any) and the layer's n held ranges
+ * [first[i], last[i]] (n 0: any experts), adding the shared experts or not. */
+void moed_link_call_expect(moed_link_call *c, uint64_t model, const uint32_t *first,
+                           const uint32_t *last, uint32_t n, bool adds_shared);
 
 /* A reply's header: status, message (clipped, NUL-terminated) and timings. */
 void moed_link_reply_init(moed_link_reply *r, uint64_t seq, int32_t status, const char *message,

@@ -83,6 +83,22 @@ static void call_done(moed_sched_item *it, const moed_sched_result *res)
     pthread_mutex_unlock(&k->lock);
 }
 
+/* The header's expectation as a ForwardRequest's (wire.h): the ranges by count and hash, the
+ * first few for the message. */
+static void expect_of(const moed_link_call *c, moed_wire_expect *x)
+{
+    x->present = true;
+    x->model = c->expect_model;
+    x->n_ranges = c->expect_n_ranges;
+    x->ranges_hash = c->expect_ranges_hash;
+    x->adds_shared = c->expect_adds_shared;
+    for (uint32_t i = 0;
+         i < c->expect_n_ranges && i < MOED_LINK_SHOWN_RANGES && i < MOED_WIRE_SHOWN_RANGES; i++) {
+        x->first[i] = c->expect_first[i];
+        x->last[i] = c->expect_last[i];
+    }
+}
+
 /* Runs the checked call c (its payload in the buffer) as a Forward: 0, or its error in err. */
 static int forward(link *k, const moed_link_call *c, uint64_t t0, moed_error *err)
 {
@@ -96,6 +112,7 @@ static int forward(link *k, const moed_link_call *c, uint64_t t0, moed_error *er
     memset(&k->timings, 0, sizeof k->timings);
     k->done = false;
     int rc = moed_request_from_ring(s, &d, &q, err);
+    if (!rc && (c->flags & MOED_LINK_EXPECT)) expect_of(c, &q.expect);
     if (!rc) rc = moed_request_validate(s, &who, &q, &k->work, err);
     if (!rc) {
         moed_sched_item *it = &k->work.item;

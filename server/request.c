@@ -120,7 +120,7 @@ static int check_expect(const moed_served *s, const moed_wire_request *q, moed_e
     uint32_t *hi = lo + n;
     if (slot >= 0) moed_served_held(s, slot, lo, hi, n);
     uint64_t hash = 0;
-    for (int i = 0; i < n; i++) hash = moed_wire_range_fold(hash, lo[i], hi[i]);
+    for (int i = 0; i < n; i++) hash = moed_ranges_fold(hash, lo[i], hi[i]);
     /* the shared-experts role changes a reply only where the layer has shared experts */
     const bool shared = slot < 0 || s->layers[slot]->info.n_shared > 0;
     const bool adds = slot >= 0 && moed_served_adds_shared(s, slot);

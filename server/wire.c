@@ -368,11 +368,6 @@ static int decode_batch_gating(rd *r, void *obj)
     return 0;
 }
 
-uint64_t moed_wire_range_fold(uint64_t h, uint32_t first, uint32_t last)
-{
-    return moed_splitmix64(h ^ ((uint64_t)first << 32 | last));
-}
-
 static int decode_range(rd *r, void *obj)
 {
     uint32_t *fl = obj; /* first, last */
@@ -420,7 +415,7 @@ static int decode_expect(rd *r, void *obj)
                 x->first[x->n_ranges] = fl[0];
                 x->last[x->n_ranges] = fl[1];
             }
-            x->ranges_hash = moed_wire_range_fold(x->ranges_hash, fl[0], fl[1]);
+            x->ranges_hash = moed_ranges_fold(x->ranges_hash, fl[0], fl[1]);
             if (x->n_ranges < UINT32_MAX) x->n_ranges++;
         } else if ((rc = skip_field(r, f, wt))) {
             return rc;

@@ -74,7 +74,7 @@ enum {
 };
 
 /* ForwardRequest.expect. The ranges are kept as a count and a hash of them all in order
- * (moed_wire_range_fold from 0), so any number is compared in fixed space; the first few are kept
+ * (moed_ranges_fold from 0), so any number is compared in fixed space; the first few are kept
  * for messages. */
 #define MOED_WIRE_SHOWN_RANGES 8
 typedef struct moed_wire_expect {
@@ -85,9 +85,6 @@ typedef struct moed_wire_expect {
     uint32_t first[MOED_WIRE_SHOWN_RANGES], last[MOED_WIRE_SHOWN_RANGES];
     bool adds_shared;
 } moed_wire_expect;
-
-/* The hash of a list of expert ranges so far, h, with [first, last] appended. */
-uint64_t moed_wire_range_fold(uint64_t h, uint32_t first, uint32_t last);
 
 typedef struct moed_wire_request {
     size_t bytes;         /* the encoded message's size */

@@ -6,6 +6,7 @@
 #include "check.h"
 #include "moed_dtype.h"
 #include "moed_link.h"
+#include "moed_model.h"
 
 #include <stddef.h>
 #include <string.h>
@@ -63,7 +64,8 @@ static void test_check(void)
     REFUSED(c.header_bytes = 128, "header_bytes");
     REFUSED(c.seq = 8, "seq 8");
     REFUSED(c.seq = 6, "seq 6");
-    REFUSED(c.flags = 1, "flags");
+    REFUSED(c.flags = 2, "flags");
+    REFUSED(c.expect_adds_shared = 2, "expect_adds_shared");
     REFUSED(c.reserved = 1, "reserved");
     REFUSED(c.dtype = MOED_I32, "dtype");
     REFUSED(c.dtype = 99, "dtype");
@@ -80,6 +82,25 @@ static void test_check(void)
     /* the caller side refuses what it could not send */
     CHECK_EQ_INT(moed_link_call_init(&ok, 1, 0, MOED_I32, 3, 2, 5, 0, 0, &err), MOED_EINVAL);
     CHECK_EQ_INT(moed_link_call_init(&ok, 1, 0, MOED_F32, 3, 0, 5, 0, 0, &err), MOED_EINVAL);
+}
+
+static void test_expect(void)
+{
+    moed_link_call c = good();
+    moed_error err;
+    const uint32_t first[10] = { 0, 4, 8, 12, 16, 20, 24, 28, 32, 36 };
+    const uint32_t last[10] = { 1, 5, 9, 13, 17, 21, 25, 29, 33, 37 };
+    moed_link_call_expect(&c, 0xabcu, first, last, 10, true);
+    CHECK_EQ_INT(moed_link_check_call(&c, 7, 16, 8, 4096, &err), 0);
+    CHECK(c.flags == MOED_LINK_EXPECT && c.expect_model == 0xabcu && c.expect_n_ranges == 10);
+    CHECK(c.expect_adds_shared == 1);
+    uint64_t h = 0; /* every range in the hash, the first eight in the header */
+    for (int i = 0; i < 10; i++) h = moed_ranges_fold(h, first[i], last[i]);
+    CHECK(c.expect_ranges_hash == h);
+    CHECK(c.expect_first[7] == 28 && c.expect_last[7] == 29);
+    moed_link_call d = good();
+    moed_link_call_expect(&d, 0xabcu, first, last, 9, true);
+    CHECK(d.expect_ranges_hash != h);
 }
 
 static void test_to_ring(void)
@@ -115,6 +136,7 @@ int main(void)
 {
     test_layout();
     test_check();
+    test_expect();
     test_to_ring();
     test_reply();
     return check_status("test_link");

@@ -3,10 +3,11 @@
  * test plays the caller over the fake communicator. A good call's output is the bits of the CPU
  * backend's Forward of the same inputs; a wrong key ends the link; a header that breaks the layout
  * ends it and the log says why; refused calls (a layer not served, ids out of range) are answered
- * with their status and message and the next call works; T over the link's max_tokens breaks the
- * layout's check (moed_link_check_call), so it ends the link; after the drain calls are answered
- * UNAVAILABLE; closing during a call returns at once; the principal cap; the link's buffer is a
- * region its client cannot unregister; the plain cpu backend answers UNIMPLEMENTED.
+ * with their status and message and the next call works (a call expecting another daemon too); T
+ * over the link's max_tokens breaks the layout's check (moed_link_check_call), so it ends the link;
+ * after the drain calls are answered UNAVAILABLE; closing during a call returns at once; the
+ * principal cap; the link's buffer is a region its client cannot unregister; the plain cpu backend
+ * answers UNIMPLEMENTED.
  */
 #include "check.h"
 #include "cpu_backend.h"
@@ -56,7 +57,8 @@ static void setup(void)
                             .n_layers = 1,
                             .max_batch_tokens = 64,
                             .max_message_bytes = 1 << 26,
-                            .regions = regions };
+                            .regions = regions,
+                            .fingerprint = 0x5eedu };
     moed_sched_config sc = { .backend = be,
                              .layers = layers,
                              .n_layers = 1,
@@ -205,6 +207,24 @@ static void test_calls(void)
     expect_refused(f, &bad, 3, "expert_ids");
     free(bad.payload);
     expect_ok(f, 5, 3);
+    /* A call stating what it expects of the daemon (as a fleet's do): another expert set or
+     * another model is refused, naming both, and the link goes on; the right one is answered. */
+    uint32_t lo = 0, hi = 1; /* experts 0-1: the daemon holds 0-3 */
+    call other = make_call(6, 0, 2, -1);
+    moed_link_call_expect(&other.h, 0x5eedu, &lo, &hi, 1, false);
+    expect_refused(f, &other, 9, "experts 0-1");
+    free(other.payload);
+    hi = 3;
+    other = make_call(7, 0, 2, -1);
+    moed_link_call_expect(&other.h, 0xbadu, &lo, &hi, 1, false);
+    expect_refused(f, &other, 9, "model 0000000000000bad");
+    free(other.payload);
+    other = make_call(8, 0, 2, -1);
+    moed_link_call_expect(&other.h, 0x5eedu, &lo, &hi, 1, false);
+    moed_link_reply *r = send_call(f, &other);
+    CHECK_MSG(r && r->status == 0, "the expected daemon refused: %s", r ? r->message : "");
+    free(r);
+    free(other.payload);
     /* The buffer is a region of the session, which its client cannot unregister. */
     moed_region_info *list = NULL;
     int n = 0;
@@ -217,7 +237,7 @@ static void test_calls(void)
     }
     free(list);
     /* T over max_tokens: the header's check fails, and the link ends, saying why. */
-    call big = make_call(6, 0, 9, -1);
+    call big = make_call(9, 0, 9, -1);
     fake_put(f, &big.h, sizeof big.h);
     CHECK(fake_aborted(f, WAIT));
     free(big.payload);

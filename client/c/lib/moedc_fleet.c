@@ -867,6 +867,7 @@ static int fleet_layout(moedc *c, int layer, moedc_layout *out, moedc_error *err
     const moedc_layer_plan *pl = moedc_plan_for(&f->p, layer, &none);
     int rc = pl->rc ? moedc_fail(err, pl->rc, "%s", pl->msg) : 0;
     if (!rc) rc = moedc_plan_copy(pl, &out->plan, err);
+    out->fingerprint = f->p.fingerprint ? f->p.fingerprint : f->p.agreed;
     out->n_daemons = rc ? 0 : f->p.n;
     out->daemons = rc ? NULL : calloc((size_t)f->p.n, sizeof *out->daemons);
     out->names = rc ? NULL : calloc((size_t)f->p.n, sizeof *out->names);

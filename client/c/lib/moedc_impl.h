@@ -37,6 +37,7 @@ typedef struct moedc_start {
  * valid until moedc_close(c). Free with moedc_layout_free. */
 typedef struct moedc_layout {
     moedc_layer_plan plan;
+    uint64_t fingerprint; /* the model the daemons serve (what each call expects), 0: not known */
     moedc **daemons;
     const char **names;
     int n_daemons;

@@ -396,6 +396,7 @@ static int single_layout(moedc *c, int layer, moedc_layout *out, moedc_error *er
         rc = moedc_fail(err, MOEDC_ENOMEM, "out of memory planning a link call");
     else
         rc = moedc_plan_copy(&pl, &out->plan, err);
+    out->fingerprint = info.model_fingerprint;
     moedc_model_info_free(&info);
     if (rc) {
         moedc_layout_free(out);
@@ -611,8 +612,8 @@ static int gather(const moedc_links *L, moedc_cu_ptr src, moedc_cu_ptr dst, size
 }
 
 /* Writes part p's payload, header and zeroed reply header on the stream (its rows at d_rows). */
-static int stage(moedc_links *L, const moedc_link_call *c, part *p, moedc_cu_ptr d_rows,
-                 moedc_error *err)
+static int stage(moedc_links *L, const layer_links *ll, const moedc_link_call *c, part *p,
+                 moedc_cu_ptr d_rows, moedc_error *err)
 {
     link *k = p->k;
     const size_t elem = moed_dtype_size(c->dtype);
@@ -632,6 +633,18 @@ static int stage(moedc_links *L, const moedc_link_call *c, part *p, moedc_cu_ptr
                           k->name, (unsigned long long)pay->total,
                           (unsigned long long)(k->max_payload < k->payload_cap ? k->max_payload
                                                                                : k->payload_cap));
+    /* what this daemon must be for its partial to fit the sum: a daemon restarted as another
+     * shard or model since the plan refuses the call (moed_link.h) */
+    const moedc_layer_info *li = ll->lay.plan.shards[p->shard].li;
+    const uint32_t n_held = li->n_held > 0 ? (uint32_t)li->n_held : 0;
+    uint32_t *first = malloc(sizeof *first * (2 * (size_t)n_held + 1)), *last = first + n_held;
+    if (!first) return moedc_fail(err, MOEDC_ENOMEM, "out of memory staging a link call");
+    for (uint32_t i = 0; i < n_held; i++) {
+        first[i] = (uint32_t)li->held[i].first;
+        last[i] = (uint32_t)li->held[i].last;
+    }
+    moed_link_call_expect(k->h_head, ll->lay.fingerprint, first, last, n_held, li->adds_shared);
+    free(first);
     const moedc_cu_ptr rows = p->rows ? d_rows : 0;
     void *st = c->stream;
     int rc = gather(L, (moedc_cu_ptr)(uintptr_t)c->hidden, k->d_payload + pay->hidden,
@@ -859,7 +872,7 @@ static int forward(moedc_links *L, const moedc_link_call *c, moedc_timings *t, m
                                             c->stream)))
         rc = moedc_cuda_fail(cu, drc, "cuMemcpyHtoDAsync (the call's index)", err);
     for (int j = 0; !rc && j < n; j++)
-        rc = stage(L, c, &parts[j], L->d_index + rows_at + (size_t)j * T * 4, err);
+        rc = stage(L, ll, c, &parts[j], L->d_index + rows_at + (size_t)j * T * 4, err);
     if (!rc && (rc = exchange(L, c, parts, n, until, err))) {
         for (int j = 0; j < n; j++) parts[j].late = true; /* out of step with their daemons */
         char cause[sizeof err->msg];
