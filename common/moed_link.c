@@ -4,7 +4,7 @@
 #include "moed_link.h"
 
 #include "moed_dtype.h"
-#include "moed_model.h"
+#include "moed_synth.h"
 
 #include <stdio.h>
 #include <string.h>

@@ -5,7 +5,6 @@
 
 #include "moed_dtype.h"
 #include "moed_fp8.h"
-#include "moed_synth.h"
 
 #include <string.h>
 
@@ -92,9 +91,4 @@ moed_act moed_act_parse(const char *name)
         if (!strcmp(name, act_names[a])) return (moed_act)a;
     if (!strcmp(name, "silu")) return MOED_ACT_SWIGLU;
     return MOED_ACT_NONE;
-}
-
-uint64_t moed_ranges_fold(uint64_t h, uint32_t first, uint32_t last)
-{
-    return moed_splitmix64(h ^ ((uint64_t)first << 32 | last));
 }

@@ -117,9 +117,4 @@ uint64_t moed_layer_bytes(const moed_layer_info *li);
 const char *moed_act_name(moed_act act);
 moed_act moed_act_parse(const char *name);
 
-/* The hash of a list of expert ranges so far, h, with [first, last] appended (from h = 0): how a
- * caller's expectation of the experts a daemon holds (ForwardRequest.expect, a link call's
- * header) is compared in fixed space, however many ranges there are. */
-uint64_t moed_ranges_fold(uint64_t h, uint32_t first, uint32_t last);
-
 #endif

@@ -257,6 +257,11 @@ uint64_t moed_splitmix64(uint64_t x)
     return z ^ (z >> 31);
 }
 
+uint64_t moed_ranges_fold(uint64_t h, uint32_t first, uint32_t last)
+{
+    return moed_splitmix64(h ^ ((uint64_t)first << 32 | last));
+}
+
 /* Element i of the tensor whose key is `key`, before rounding to the weight dtype. */
 static inline float synth_value(uint64_t key, uint64_t i, double scale)
 {

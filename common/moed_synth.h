@@ -64,6 +64,11 @@ void moed_synth_format(const moed_synth_spec *s, char *buf, size_t n);
 
 uint64_t moed_splitmix64(uint64_t x);
 
+/* The hash of a list of expert ranges so far, h, with [first, last] appended (from h = 0): how a
+ * caller's expectation of the experts a daemon holds (ForwardRequest.expect, a link call's
+ * header) is compared in fixed space, however many ranges there are. */
+uint64_t moed_ranges_fold(uint64_t h, uint32_t first, uint32_t last);
+
 /* Fills n elements (flat indices first .. first+n-1) of one tensor, in dtype (F32, F16, BF16: the
  * unscaled types). */
 void moed_synth_fill(uint64_t seed, int layer, int tensor, int expert, int fan_in, int dtype,

@@ -12,6 +12,7 @@
 #include "request.h"
 
 #include "moed_dtype.h"
+#include "moed_synth.h"
 
 #include <math.h>
 #include <stdbool.h>

@@ -6,7 +6,7 @@
 #include "check.h"
 #include "moed_dtype.h"
 #include "moed_link.h"
-#include "moed_model.h"
+#include "moed_synth.h"
 
 #include <stddef.h>
 #include <string.h>
