@@ -9,7 +9,7 @@
 #   fuzz_request       a Forward request's decoding and validation (server/wire.c, request.c),
 #                      region references included (server/region.c)
 #   fuzz_region        a Regions stream's commands (server/region_cmd.c, wire.c, region.c,
-#                      doorbell.c's rings)
+#                      doorbell.c's rings, link.c's links: off here, so refused)
 #   fuzz_ring          a doorbell ring's header check and call descriptors as the poller takes
 #                      them (common/moed_ring.c, server/request.c)
 #   fuzz_link          an NCCL link's messages as its thread receives them (server/link.c,
@@ -21,7 +21,7 @@
 #
 # Environment: FUZZ_BUILD_DIR (default build-fuzz), FUZZ_JOBS (parallel fuzzing processes per
 # target, default 1), FUZZ_PARALLEL (targets run at once, default the number of cores),
-# FUZZ_TARGETS (default all eight). Each target's working corpus persists in
+# FUZZ_TARGETS (default all nine). Each target's working corpus persists in
 # $FUZZ_BUILD_DIR/corpus-NAME between runs (it starts from the seeds make_seeds.py writes); a
 # crashing input is saved as $FUZZ_BUILD_DIR/artifacts/NAME-crash-* and reproduces with
 # `$FUZZ_BUILD_DIR/NAME FILE`.
@@ -56,8 +56,9 @@ sources_request() {
 libs_request() { pkg-config --cflags --libs grpc libprotobuf-c; }
 sources_region() {
     echo server/region_cmd.c server/region.c server/wire.c server/guard.c server/log.c
-    echo server/doorbell.c server/request.c server/scheduler.c server/metrics.c server/shard.c
-    echo server/bufpool.c "$build/proto/moed/v1/moed.pb-c.c" kernels/moed_backend.c common/*.c
+    echo server/doorbell.c server/link.c server/request.c server/scheduler.c server/metrics.c
+    echo server/shard.c server/bufpool.c "$build/proto/moed/v1/moed.pb-c.c" kernels/moed_backend.c
+    echo common/*.c
 }
 libs_region() { pkg-config --cflags --libs grpc libprotobuf-c; }
 sources_ring() {
