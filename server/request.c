@@ -473,7 +473,7 @@ static int route_from_choice(const moed_served *s, const moed_caller *c, const m
     moed_sched_item *it = &w->item;
     const moed_layer_info *li = &it->layer->info;
     char hint[160];
-    uint64_t n_ids, n_wt;
+    uint64_t n_ids = 0, n_wt = 0; /* set by check_matrix before use; gcc -O2 cannot see it */
     snprintf(hint, sizeof hint, "[T = %lld, k] I32 expert ids, k >= 1", (long long)it->T);
     int rc =
         check_matrix(&q->expert_ids, "experts.expert_ids", MOED_I32, it->T, -1, hint, &n_ids, err);

@@ -112,8 +112,22 @@ def main():
         fleet_rows(a, n, None, "nvlink", results)
     if a.socket:
         fleet_rows(a, a.socket, {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}, "socket", results)
+    verdicts(results)
     with open(a.json, "w") as f:
         json.dump(results, f, indent=1)
+
+
+def verdicts(results):
+    """The targets docs/fleets.md measures links by, per fleet row: the call's cost over the slowest
+    daemon's compute (p50 - compute p50, against 80 us over NVLink at T <= 128) and tokens/s over
+    the one daemon's at the same T (against 2.5x at T >= 4096)."""
+    one = {r["tokens"]: r["links"]["tokens_per_s"] for r in results if r["fleet"] == 1 and r["transport"] == "nvlink"}
+    for r in results:
+        over = r["links"]["p50_us"] - r["links"]["compute_p50_us"]
+        ratio = r["links"]["tokens_per_s"] / one[r["tokens"]] if one.get(r["tokens"]) else None
+        r["over_compute_us"], r["vs_one_daemon"] = over, ratio
+        print(f"{r['fleet']} daemon(s) {r['transport']} T={r['tokens']}: {over:.0f} us over the slowest "
+              f"compute" + (f", {ratio:.2f}x one daemon's tokens/s" if ratio else ""), flush=True)
 
 
 if __name__ == "__main__":
