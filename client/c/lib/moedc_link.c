@@ -324,14 +324,11 @@ static void link_drop(moedc_links *L, link *k)
     link_free(L, k);
 }
 
-/* The experts of a shard, "a-b, c-d" (and "+ shared"), for messages. */
+/* The experts of a shard, "0-3,6" (and " + shared"), for messages: the planner's own text. */
 static void experts_text(const moedc_layer_info *li, char *buf, size_t n)
 {
-    size_t used = 0;
-    buf[0] = 0;
-    for (int r = 0; r < li->n_held && used < n; r++)
-        used += (size_t)snprintf(buf + used, n - used, "%s%d-%d", r ? ", " : "", li->held[r].first,
-                                 li->held[r].last);
+    moedc_plan_ranges_text(li->held, li->n_held, buf, n);
+    const size_t used = strlen(buf);
     if (li->adds_shared && li->n_shared > 0 && used < n)
         snprintf(buf + used, n - used, " + shared");
 }

@@ -29,8 +29,7 @@ static void append(char *buf, size_t n, const char *fmt, ...)
     va_end(ap);
 }
 
-/* "0-3,6" */
-static void ranges_text(const moedc_expert_range *r, int n, char *buf, size_t size)
+void moedc_plan_ranges_text(const moedc_expert_range *r, int n, char *buf, size_t size)
 {
     buf[0] = 0;
     for (int i = 0; i < n; i++)
@@ -125,7 +124,7 @@ static void members_text(const moedc_planner *p, char *buf, size_t size)
         if (!m->have_info || m->foreign) append(buf, size, "%s", m->error);
         for (int j = 0; m->have_info && !m->foreign && j < m->info.n_layers; j++) {
             char r[96];
-            ranges_text(m->info.layers[j].held, m->info.layers[j].n_held, r, sizeof r);
+            moedc_plan_ranges_text(m->info.layers[j].held, m->info.layers[j].n_held, r, sizeof r);
             append(buf, size, "%s%d:%s", j ? " " : "layer:experts ", m->info.layers[j].index, r);
         }
         append(buf, size, ")");
@@ -137,7 +136,7 @@ static void share_text(const moedc_planner *p, const moedc_expert_range *held, i
                        const int *replicas, int n, char *buf, size_t size)
 {
     char r[160];
-    ranges_text(held, n_held, r, sizeof r);
+    moedc_plan_ranges_text(held, n_held, r, sizeof r);
     snprintf(buf, size, "experts %s on ", r);
     for (int i = 0; i < n; i++) append(buf, size, "%s%s", i ? ", " : "", p->m[replicas[i]]->target);
 }

@@ -146,6 +146,8 @@ int moedc_plan_sum(int dtype, const void *const *parts, const int64_t *const *ro
  * msg too. MOEDC_ENOMEM. Free with moedc_plan_copy_free. */
 int moedc_plan_copy(const moedc_layer_plan *pl, moedc_layer_plan *out, moedc_error *err);
 void moedc_plan_copy_free(moedc_layer_plan *pl);
+/* n expert ranges as "0-3,6", for messages (clipped to size). */
+void moedc_plan_ranges_text(const moedc_expert_range *r, int n, char *buf, size_t size);
 /* The fleet's ModelInfo: each layer once, holding what the members that answered hold between
  * them; the smallest limits; every device. MOEDC_EUNAVAIL when none answered. */
 int moedc_plan_info(const moedc_planner *p, moedc_model_info *out, moedc_error *err);
