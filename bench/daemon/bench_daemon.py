@@ -47,11 +47,12 @@ def free_port():
 
 
 class Moed:
-    def __init__(self, bin_dir, args, log_path, start_timeout=180):
+    def __init__(self, bin_dir, args, log_path, start_timeout=180, env=None):
         self.addr = f"127.0.0.1:{free_port()}"
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen([os.path.join(bin_dir, "moed"), "--listen", self.addr, *args],
-                                     stderr=self.log, stdout=subprocess.DEVNULL)
+                                     stderr=self.log, stdout=subprocess.DEVNULL,
+                                     env={**os.environ, **(env or {})})
         deadline = time.time() + start_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:

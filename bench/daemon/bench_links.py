@@ -52,19 +52,7 @@ def start(a, i, experts, name, env=None):
     args = ["--synthetic", DEEPSEEK, "--backend", "cuda", "--devices", str(1 + i % (n - 1) if n > 1 else 0)]
     if experts:
         args += ["--experts", experts]
-    log = os.path.join(a.logs, f"moed-{name}.log")
-    if env:
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-    try:
-        return Moed(a.bin, args, log, start_timeout=300)
-    finally:
-        if env:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    return Moed(a.bin, args, os.path.join(a.logs, f"moed-{name}.log"), start_timeout=300, env=env)
 
 
 def fleet_rows(a, n, env, label, results):
