@@ -4,12 +4,20 @@
  * daemon's link thread, libmoedclient), so they cannot disagree on a byte; it is pure layout and
  * plain functions, no I/O. All fields are little-endian.
  *
- * A link is a two-rank NCCL communicator: the server rank 0, the caller rank 1. After the caller
- * joins it sends the link's 32-byte key, and the server answers with a moed_link_reply of seq 0
- * and status 0 (the hello): NCCL connects each direction at its first message with both ranks
- * taking part, so both are connected before the first call, whose messages (header, payload, and
- * the reply's receive) the caller posts together. Then each call is three messages, every one
- * bytes (ncclUint8):
+ * A link is a two-rank NCCL communicator: the server rank 0, the caller rank 1, both joining it
+ * non-blocking (so that a join that never comes times out and is aborted). After the caller joins
+ * it sends the link's 32-byte key, and the server answers with a moed_link_reply of seq 0 and
+ * status 0 (the hello): NCCL connects each direction at its first message with both ranks taking
+ * part, so both are connected before the first call.
+ *
+ * Communicators. Once the hello is through, both ranks split the communicator (ncclCommSplit,
+ * color 0, key its rank) into a blocking one that shares its connections (splitShare 1), and every
+ * call goes over that one: NCCL runs each operation on a non-blocking communicator from a thread
+ * it starts for it, and a blocking operation on a connected communicator only enqueues. Each side
+ * posts one operation at a time (a group of a call's header, payload and reply never completed on
+ * H200s, the server receiving the header alone to learn the payload's size).
+ *
+ * Then each call is three messages, every one bytes (ncclUint8):
  *   caller -> server  a moed_link_call (MOED_LINK_HEADER_BYTES);
  *   caller -> server  the payload, call.payload_bytes: hidden [T, d_model] of dtype at 0, then
  *                     expert_ids [T, k] int32 and expert_weights [T, k] float32, each at the next
@@ -36,7 +44,7 @@
 
 #define MOED_LINK_MAGIC         0x4b4c444du /* "MDLK" */
 #define MOED_LINK_REPLY_MAGIC   0x524c444du /* "MDLR" */
-#define MOED_LINK_VERSION       1
+#define MOED_LINK_VERSION       2           /* 2: the split after the hello */
 #define MOED_LINK_HEADER_BYTES  256
 #define MOED_LINK_ALIGN         256
 #define MOED_LINK_KEY_BYTES     32

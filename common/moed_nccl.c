@@ -71,14 +71,13 @@ static void load(void)
         { "ncclCommDestroy", offsetof(moed_nccl, comm_destroy) },
         { "ncclSend", offsetof(moed_nccl, send) },
         { "ncclRecv", offsetof(moed_nccl, recv) },
-        { "ncclGroupStart", offsetof(moed_nccl, group_start) },
-        { "ncclGroupEnd", offsetof(moed_nccl, group_end) },
+        { "ncclCommSplit", offsetof(moed_nccl, comm_split) },
     };
     for (size_t i = 0; i < sizeof entries / sizeof entries[0]; i++) {
         void *fn = dlsym(lib, entries[i].name);
         if (!fn) {
             snprintf(why, sizeof why,
-                     "NCCL at %s has no %s: it is older than 2.14, which links need", table.path,
+                     "NCCL at %s has no %s: it is older than 2.18, which links need", table.path,
                      entries[i].name);
             dlclose(lib);
             return;
@@ -90,10 +89,10 @@ static void load(void)
         dlclose(lib);
         return;
     }
-    if (table.version < 21400) {
+    if (table.version < 21800) {
         char v[32];
         moed_nccl_version_string(table.version, v, sizeof v);
-        snprintf(why, sizeof why, "NCCL at %s is %s: links need 2.14 or newer", table.path, v);
+        snprintf(why, sizeof why, "NCCL at %s is %s: links need 2.18 or newer", table.path, v);
         dlclose(lib);
         return;
     }
@@ -110,18 +109,18 @@ const moed_nccl *moed_nccl_api(moed_error *err)
     return &table;
 }
 
-moed_nccl_config moed_nccl_config_nonblocking(void)
+moed_nccl_config moed_nccl_config_make(int blocking, int split_share)
 {
     moed_nccl_config c = {
         .size = sizeof c,
         .magic = MOED_NCCL_CONFIG_MAGIC,
         .version = MOED_NCCL_CONFIG_VERSION,
-        .blocking = 0,
+        .blocking = blocking,
         .cga_cluster_size = MOED_NCCL_UNDEF_INT,
         .min_ctas = MOED_NCCL_UNDEF_INT,
         .max_ctas = MOED_NCCL_UNDEF_INT,
         .net_name = NULL,
-        .split_share = MOED_NCCL_UNDEF_INT,
+        .split_share = split_share,
     };
     return c;
 }

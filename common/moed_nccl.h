@@ -43,23 +43,26 @@ typedef struct {
     char internal[MOED_NCCL_UNIQUE_ID_BYTES];
 } moed_nccl_unique_id; /* ncclUniqueId */
 
-/* The prefix of ncclConfig_t that NCCL 2.14 defined; NCCL reads a config by its size and version
+/* The prefix of ncclConfig_t that NCCL 2.18 defined; NCCL reads a config by its size and version
  * and fills every later field with its default, so this is a complete config for any NCCL since. */
 typedef struct moed_nccl_config {
     size_t size;      /* sizeof(moed_nccl_config) */
     unsigned magic;   /* MOED_NCCL_CONFIG_MAGIC */
     unsigned version; /* MOED_NCCL_CONFIG_VERSION */
-    int blocking;     /* 0: ncclCommInitRankConfig returns at once (poll moed_nccl.async_error) */
+    int blocking;     /* 0: every call returns at once (poll comm_get_async_error) */
     int cga_cluster_size, min_ctas, max_ctas; /* MOED_NCCL_UNDEF_INT: NCCL's defaults */
     const char *net_name;                     /* NULL: NCCL's default */
-    int split_share;                          /* MOED_NCCL_UNDEF_INT */
+    int split_share; /* 1: a communicator split from another uses its connections */
 } moed_nccl_config;
 #define MOED_NCCL_CONFIG_MAGIC   0xcafebeefu
-#define MOED_NCCL_CONFIG_VERSION 21400 /* NCCL_VERSION(2, 14, 0) */
+#define MOED_NCCL_CONFIG_VERSION 21800 /* NCCL_VERSION(2, 18, 0) */
 #define MOED_NCCL_UNDEF_INT      (-2147483647 - 1)
 
-/* A non-blocking config (moed_nccl_config with blocking 0, the rest NCCL's defaults). */
-moed_nccl_config moed_nccl_config_nonblocking(void);
+/* A config: blocking (0 or 1) and split_share as given, the rest NCCL's defaults. A link's
+ * communicator is made non-blocking, so that its join can time out and be aborted, and split once
+ * connected into a blocking one sharing its connections for the calls: NCCL runs each call on a
+ * non-blocking communicator through a thread of its own (moed_link.h). */
+moed_nccl_config moed_nccl_config_make(int blocking, int split_share);
 
 typedef struct moed_nccl {
     int (*get_version)(int *version);
@@ -73,8 +76,8 @@ typedef struct moed_nccl {
     int (*send)(const void *buf, size_t count, int datatype, int peer, moed_nccl_comm comm,
                 void *stream);
     int (*recv)(void *buf, size_t count, int datatype, int peer, moed_nccl_comm comm, void *stream);
-    int (*group_start)(void);
-    int (*group_end)(void);
+    int (*comm_split)(moed_nccl_comm comm, int color, int key, moed_nccl_comm *newcomm,
+                      moed_nccl_config *config);
     int version;    /* get_version's answer, e.g. 22703 for 2.27.3 */
     char path[256]; /* the library opened, for logs */
 } moed_nccl;

@@ -151,14 +151,9 @@ static int serve_call(link *k, uint64_t seq, moed_error *err)
     if (!rc)
         rc = moed_link_check_call(&c, seq, k->max_tokens, k->max_top_k, k->info.max_payload_bytes,
                                   err);
-    if (!rc)
-        moed_log_debug("link call header", "link=%016llx seq=%llu tokens=%u payload=%llu",
-                       (unsigned long long)k->info.id, (unsigned long long)seq, c.tokens,
-                       (unsigned long long)c.payload_bytes);
+    const uint64_t t_head = moed_now_ns();
     if (!rc) rc = moed_backend_link_recv(k->bl, 0, c.payload_bytes, ms, &k->stop, err);
     if (rc) return rc;
-    moed_log_debug("link call payload", "link=%016llx seq=%llu", (unsigned long long)k->info.id,
-                   (unsigned long long)seq);
     const uint64_t t0 = moed_now_ns();
     moed_error cerr = { 0 };
     int code = atomic_load(&lk->draining)
@@ -176,12 +171,20 @@ static int serve_call(link *k, uint64_t seq, moed_error *err)
                        (unsigned long long)k->info.id, (unsigned long long)seq,
                        (unsigned long long)c.tag, status, cerr.msg);
     const uint64_t n = moed_link_reply_bytes(c.tokens, c.d_model, moed_dtype_size((int)c.dtype));
-    moed_log_debug("link call computed", "link=%016llx seq=%llu status=%d reply=%llu",
-                   (unsigned long long)k->info.id, (unsigned long long)seq, status,
-                   (unsigned long long)n);
+    const uint64_t t_done = moed_now_ns();
     rc = moed_backend_link_write(k->bl, reply_at, &r, sizeof r, err);
     if (!rc) rc = moed_backend_link_send(k->bl, reply_at, n, ms, &k->stop, err);
-    moed_metrics_link(lk->cfg.metrics, status, moed_now_ns() - t0);
+    const uint64_t t_sent = moed_now_ns();
+    moed_metrics_link(lk->cfg.metrics, status, t_sent - t0);
+    /* where a call's time goes on this side (docs/fleets.md, "Where a call's time goes") */
+    moed_log_debug(
+        "link call",
+        "link=%016llx seq=%llu tokens=%u status=%d payload_us=%llu forward_us=%llu "
+        "queue_us=%llu compute_us=%llu reply_us=%llu reply_bytes=%llu",
+        (unsigned long long)k->info.id, (unsigned long long)seq, c.tokens, status,
+        (unsigned long long)((t0 - t_head) / 1000), (unsigned long long)((t_done - t0) / 1000),
+        (unsigned long long)k->timings.queue_us, (unsigned long long)k->timings.compute_us,
+        (unsigned long long)((t_sent - t_done) / 1000), (unsigned long long)n);
     return rc;
 }
 

@@ -1,13 +1,16 @@
 """A fleet over NCCL links beside the same fleet over gRPC, on the GPU machine (tools/gpu/run-on-gpu.sh links).
 
 DeepSeek-V3's layer (d 7168, ff 2048, 256 experts, top 8, one shared expert, bf16) sharded by experts
-over daemons on GPUs 1 .. N (N = 2 and 3: --experts cut evenly, the shard holding expert 0 adding the
-shared expert), one caller on GPU 0 (link-bench, bench/daemon/link_bench.c), and the whole layer in one daemon on
+over daemons on GPUs 1 .. N (N = 2 and 3: --experts cut for equal work at large T, the shard holding
+expert 0 adding the shared expert: cuts()), one caller on GPU 0 (link-bench, bench/daemon/link_bench.c), and the whole layer in one daemon on
 GPU 1 as the reference. For each fleet and T: the links' p50 / p90 latency and tokens/s, the slowest
 shard's compute time as its daemon reports it (the kernel the call waited for), the same calls over
 gRPC (the fleet client's inline path), and whether the two gave the same bits. Then the links to the
 one daemon holding every expert (tokens/s of one GPU), and the 3-shard fleet again with NCCL's socket
 transport forced (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 in every process: the path two hosts take).
+Each row also says where a call's time goes on the daemons' side: the medians of their debug log's
+`link call` lines for its calls (header to payload in, the forward with its queue and compute, the
+reply's send); the rest of the p50 is the caller's side and NCCL's messages.
 
 usage: python3 bench_links.py --bin .gpu/bin [--tokens 8,128,4096] [--calls 200] [--fleets 2,3] [--json FILE]
        [--logs DIR]
@@ -15,8 +18,11 @@ usage: python3 bench_links.py --bin .gpu/bin [--tokens 8,128,4096] [--calls 200]
 import argparse
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_daemon import DEEPSEEK, Moed  # noqa: E402
@@ -24,8 +30,17 @@ from bench_daemon import DEEPSEEK, Moed  # noqa: E402
 EXPERTS = 256
 
 
+TOP_K, SHARED = 8, 1
+
+
 def cuts(n):
-    return [f"{i * EXPERTS // n}-{(i + 1) * EXPERTS // n - 1}" for i in range(n)]
+    """Expert ranges of n shards with equal expected work at large T: a token brings TOP_K routed
+    pairs and SHARED shared ones, and the shard holding expert 0 adds the shared expert, so it holds
+    fewer routed experts (DeepSeek-V3 over 3: 0-63 and the shared, 64-159, 160-255)."""
+    per = (TOP_K + SHARED) / n
+    first = max(1, round((per - SHARED) / TOP_K * EXPERTS)) if n > 1 else EXPERTS
+    bounds = [0, first] + [first + round(i * (EXPERTS - first) / (n - 1)) for i in range(1, n)]
+    return [f"{bounds[i]}-{bounds[i + 1] - 1}" for i in range(n)]
 
 
 def driver(a, targets, tokens, env=None, extra=()):
@@ -52,20 +67,71 @@ def start(a, i, experts, name, env=None):
     args = ["--synthetic", DEEPSEEK, "--backend", "cuda", "--devices", str(1 + i % (n - 1) if n > 1 else 0)]
     if experts:
         args += ["--experts", experts]
-    return Moed(a.bin, args, os.path.join(a.logs, f"moed-{name}.log"), start_timeout=300, env=env)
+    d = Moed(a.bin, [*args, "--log-level", "debug"], os.path.join(a.logs, f"moed-{name}.log"),
+             start_timeout=300, env=env)
+    d.log_path = os.path.join(a.logs, f"moed-{name}.log")
+    return d
+
+
+STAGES = ("payload_us", "forward_us", "queue_us", "compute_us", "reply_us")
+
+
+def log_marks(daemons):
+    return [os.path.getsize(d.log_path) for d in daemons]
+
+
+def daemon_side(daemons, marks):
+    """The medians of each stage over the `link call` lines the daemons logged since marks, the
+    slowest daemon's (by forward) for a fleet."""
+    worst = None
+    for d, at in zip(daemons, marks):
+        with open(d.log_path, "rb") as f:
+            f.seek(at)
+            lines = [ln for ln in f.read().decode(errors="replace").splitlines() if 'msg="link call"' in ln]
+        vals = {k: [int(m.group(1)) for ln in lines if (m := re.search(rf"\b{k}=(\d+)", ln))] for k in STAGES}
+        if not vals["forward_us"]:
+            continue
+        med = {k: statistics.median(v) for k, v in vals.items() if v}
+        if worst is None or med["forward_us"] > worst["forward_us"]:
+            worst = med
+    return worst
+
+
+def side_text(side, p50):
+    if not side:
+        return "daemon side: no link call lines"
+    rest = p50 - side["payload_us"] - side["forward_us"] - side["reply_us"]
+    return (f"daemon side p50s: payload {side['payload_us']:.0f} us, forward {side['forward_us']:.0f} "
+            f"(queue {side['queue_us']:.0f}, compute {side['compute_us']:.0f}), reply {side['reply_us']:.0f}; "
+            f"caller and messages {rest:.0f} us")
+
+
+def start_all(a, n, env, label):
+    """The fleet's daemons, started at once (each loads its weights for tens of seconds)."""
+    with ThreadPoolExecutor(n) as ex:
+        futures = [ex.submit(start, a, i, c, f"{label}-{n}-{i}", env) for i, c in enumerate(cuts(n))]
+    failed = [f.exception() for f in futures if f.exception()]
+    if failed:
+        for f in futures:
+            if not f.exception():
+                f.result().stop()
+        raise failed[0]
+    return [f.result() for f in futures]
 
 
 def fleet_rows(a, n, env, label, results):
-    daemons = [start(a, i, c, f"{label}-{n}-{i}", env) for i, c in enumerate(cuts(n))]
+    daemons = start_all(a, n, env, label)
     try:
         for t in a.tokens:
+            marks = log_marks(daemons)
             row = driver(a, [d.addr for d in daemons], t, env, ["--grpc"])
-            row.update(fleet=n, transport=label, tokens=t)
+            row.update(fleet=n, transport=label, tokens=t, daemon_side=daemon_side(daemons, marks))
             results.append(row)
             print(f"links {label} {n} shards T={t}: p50 {row['links']['p50_us']:.0f} us "
                   f"(slowest shard's compute p50 {row['links']['compute_p50_us']:.0f} us), "
                   f"{row['links']['tokens_per_s']:.0f} tok/s; grpc p50 {row['grpc']['p50_us']:.0f} us, "
-                  f"{row['grpc']['tokens_per_s']:.0f} tok/s; same bits {row['same_bits']}", flush=True)
+                  f"{row['grpc']['tokens_per_s']:.0f} tok/s; same bits {row['same_bits']}; "
+                  f"{side_text(row['daemon_side'], row['links']['p50_us'])}", flush=True)
     finally:
         for d in daemons:
             d.stop()
@@ -87,13 +153,15 @@ def main():
     one = start(a, 0, None, "one")
     try:
         for t in a.tokens:
+            marks = log_marks([one])
             row = driver(a, [one.addr], t, extra=["--grpc"])
-            row.update(fleet=1, transport="nvlink", tokens=t)
+            row.update(fleet=1, transport="nvlink", tokens=t, daemon_side=daemon_side([one], marks))
             results.append(row)
             print(f"links to one daemon T={t}: p50 {row['links']['p50_us']:.0f} us "
                   f"(compute p50 {row['links']['compute_p50_us']:.0f} us), "
                   f"{row['links']['tokens_per_s']:.0f} tok/s; grpc p50 {row['grpc']['p50_us']:.0f} us; "
-                  f"same bits {row['same_bits']}", flush=True)
+                  f"same bits {row['same_bits']}; {side_text(row['daemon_side'], row['links']['p50_us'])}",
+                  flush=True)
     finally:
         one.stop()
     for n in [int(f) for f in a.fleets.split(",") if f]:

@@ -7,6 +7,12 @@
  * The link's calls come from its one thread; abort from any. The lock orders them around the
  * communicator: abort runs ncclCommAbort under it and clears comm, and every other use of comm
  * takes the lock and finds it either whole or gone, never being freed.
+ *
+ * Once the hello (the link's first send) is done, the communicator is split into a blocking one
+ * sharing its connections, which every call uses: on a non-blocking communicator NCCL launches each
+ * operation from a thread it starts for it (moed_link.h, "Communicators"). A blocking call only
+ * enqueues once both directions are connected (the key and the hello connected them); it would wait
+ * on the host only for NCCL's own queue to the GPU, which one call at a time never fills.
  */
 #include "cuda_ctx.h"
 
@@ -20,16 +26,20 @@
 #include <string.h>
 #include <time.h>
 
-/* A wait spins (yielding the core) this long, for the next call comes back to back with the last;
- * then it sleeps SLEEP_MIN_NS, doubling up to SLEEP_MAX_NS: an idle link costs little. */
-#define SPIN_NS      2000000u
+/* A wait spins (yielding the core) this long, for a caller's next call comes within a step of its
+ * model (and a benchmark's within its check of the last output); then it sleeps SLEEP_MIN_NS,
+ * doubling up to SLEEP_MAX_NS: an idle link costs little. */
+#define SPIN_NS      20000000u
 #define SLEEP_MIN_NS 50000u
 #define SLEEP_MAX_NS 1000000u
 
 typedef struct cuda_link {
     const moed_nccl *nccl;
-    pthread_mutex_t lock; /* comm, against abort */
-    moed_nccl_comm comm;  /* NULL once aborted */
+    pthread_mutex_t lock;  /* the communicators, against abort */
+    moed_nccl_comm comm;   /* the calls': joined, then split; NULL once aborted */
+    moed_nccl_comm joined; /* the non-blocking one the caller joined */
+    moed_nccl_comm split;  /* the blocking one split from it (NCCL writes it when done) */
+    bool split_tried;      /* the link's thread's: whether the hello went and split ran */
     cudaStream_t stream;
     _Atomic bool aborted;
 } cuda_link;
@@ -89,6 +99,29 @@ static int wait_done(cuda_link *k, const moed_nccl *n, bool stream, int64_t time
     }
 }
 
+/* The blocking communicator the calls use, split from the joined one (both ranks split at once: the
+ * caller once it received the hello). */
+static int split(cuda_link *k, int64_t timeout_ms, const _Atomic bool *stop, moed_error *err)
+{
+    const moed_nccl *n = k->nccl;
+    moed_nccl_config cfg = moed_nccl_config_make(1, 1);
+    int r = -1;
+    k->split_tried = true;
+    pthread_mutex_lock(&k->lock);
+    if (k->comm) r = n->comm_split(k->comm, 0, 0, &k->split, &cfg);
+    pthread_mutex_unlock(&k->lock);
+    if (r < 0) return aborted(err);
+    if (r != MOED_NCCL_SUCCESS && r != MOED_NCCL_IN_PROGRESS)
+        return moed_nccl_fail(n, r, "ncclCommSplit", err);
+    int rc = wait_done(k, n, false, timeout_ms, stop, "ncclCommSplit", err);
+    if (rc) return rc;
+    pthread_mutex_lock(&k->lock);
+    if (k->comm && k->split) k->comm = k->split;
+    const bool ok = k->comm && k->comm == k->split;
+    pthread_mutex_unlock(&k->lock);
+    return ok ? 0 : moed_fail(err, MOED_EDEVICE, "ncclCommSplit gave no communicator");
+}
+
 static int cuda_link_wait(moed_backend_link *l, int what, uint64_t offset, uint64_t bytes,
                           int64_t timeout_ms, const _Atomic bool *stop, moed_error *err)
 {
@@ -110,7 +143,9 @@ static int cuda_link_wait(moed_backend_link *l, int what, uint64_t offset, uint6
     if (r < 0) return aborted(err);
     if (r != MOED_NCCL_SUCCESS && r != MOED_NCCL_IN_PROGRESS)
         return moed_nccl_fail(n, r, call, err);
-    return wait_done(k, n, true, timeout_ms, stop, call, err);
+    int rc = wait_done(k, n, true, timeout_ms, stop, call, err);
+    if (!rc && what == MOED_LINK_WAIT_SEND && !k->split_tried) rc = split(k, timeout_ms, stop, err);
+    return rc;
 }
 
 static int cuda_link_copy(moed_backend_link *l, bool to_host, void *host, uint64_t offset,
@@ -133,8 +168,10 @@ static void cuda_link_abort(moed_backend_link *l)
     cuda_link *k = l->ctx;
     pthread_mutex_lock(&k->lock);
     atomic_store(&k->aborted, true);
-    if (k->comm) k->nccl->comm_abort(k->comm);
-    k->comm = NULL;
+    /* the joined one first: NCCL ends a split in flight with it, so split is final after */
+    if (k->joined) k->nccl->comm_abort(k->joined);
+    if (k->split) k->nccl->comm_abort(k->split);
+    k->comm = k->joined = k->split = NULL;
     pthread_mutex_unlock(&k->lock);
 }
 
@@ -182,10 +219,11 @@ static int cuda_link_create(moed_backend *b, moed_backend_link *l,
         rc = moed_nccl_fail(n, r, "ncclGetUniqueId", err);
         goto err;
     }
-    moed_nccl_config cfg = moed_nccl_config_nonblocking();
-    r = n->comm_init_rank_config(&k->comm, 2, id, 0, &cfg);
+    moed_nccl_config cfg = moed_nccl_config_make(0, MOED_NCCL_UNDEF_INT);
+    r = n->comm_init_rank_config(&k->joined, 2, id, 0, &cfg);
+    k->comm = k->joined;
     if (r != MOED_NCCL_SUCCESS && r != MOED_NCCL_IN_PROGRESS) {
-        k->comm = NULL;
+        k->comm = k->joined = NULL;
         rc = moed_nccl_fail(n, r, "ncclCommInitRankConfig", err);
         goto err;
     }

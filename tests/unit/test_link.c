@@ -60,7 +60,7 @@ static void test_check(void)
     CHECK_EQ_INT(moed_link_check_call(&ok, 7, 16, 8, 4096, &err), 0);
     CHECK(ok.payload_bytes == 536);
     REFUSED(c.magic ^= 1, "magic");
-    REFUSED(c.version = 2, "version");
+    REFUSED(c.version = MOED_LINK_VERSION + 1, "version");
     REFUSED(c.header_bytes = 128, "header_bytes");
     REFUSED(c.seq = 8, "seq 8");
     REFUSED(c.seq = 6, "seq 6");

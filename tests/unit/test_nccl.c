@@ -2,7 +2,7 @@
  * test_nccl — moed_nccl's loader: the version arithmetic, and the library as this machine has it.
  * With MOED_NCCL_LIB pointing nowhere the loader must say why, naming the variable; with the
  * wheel's libnccl.so.2 (the build's, the last place it looks) it must resolve every entry point
- * and answer a version of 2.14 or newer, and a unique id (which needs no GPU).
+ * and answer a version of 2.18 or newer, and a unique id (which needs no GPU).
  */
 #include "check.h"
 #include "moed_nccl.h"
@@ -22,8 +22,10 @@ int main(int argc, char **argv)
     CHECK(!moed_nccl_versions_match(22703, 22803));
     CHECK(moed_nccl_versions_match(2804, 2807));
     CHECK(!moed_nccl_versions_match(2804, 20904));
-    moed_nccl_config c = moed_nccl_config_nonblocking();
+    moed_nccl_config c = moed_nccl_config_make(0, MOED_NCCL_UNDEF_INT);
     CHECK(c.size == sizeof c && c.magic == MOED_NCCL_CONFIG_MAGIC && c.blocking == 0);
+    c = moed_nccl_config_make(1, 1);
+    CHECK(c.blocking == 1 && c.split_share == 1 && c.min_ctas == MOED_NCCL_UNDEF_INT);
 
     moed_error err = { 0 };
     const moed_nccl *n = moed_nccl_api(&err);
@@ -45,7 +47,7 @@ int main(int argc, char **argv)
 #endif
     CHECK_MSG(n != NULL, "%s", err.msg);
     if (n) {
-        CHECK(n->version >= 21400);
+        CHECK(n->version >= 21800);
         moed_nccl_unique_id id;
         memset(&id, 0, sizeof id);
         int rc = n->get_unique_id(&id);

@@ -20,7 +20,7 @@ _Static_assert((int)MOED_NCCL_SUCCESS == (int)ncclSuccess &&
                "results");
 _Static_assert((int)MOED_NCCL_UINT8 == (int)ncclUint8, "datatype");
 _Static_assert(MOED_NCCL_UNDEF_INT == NCCL_CONFIG_UNDEF_INT, "undefined int");
-_Static_assert(MOED_NCCL_CONFIG_VERSION == NCCL_VERSION(2, 14, 0), "config version");
+_Static_assert(MOED_NCCL_CONFIG_VERSION == NCCL_VERSION(2, 18, 0), "config version");
 #define SAME_FIELD(ours, theirs)                                                                   \
     _Static_assert(offsetof(moed_nccl_config, ours) == offsetof(ncclConfig_t, theirs) &&           \
                        sizeof(((moed_nccl_config *)0)->ours) ==                                    \
@@ -43,18 +43,20 @@ int main(void)
     ncclResult_t (*send)(const void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t) =
         ncclSend;
     ncclResult_t (*recv)(void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t) = ncclRecv;
+    ncclResult_t (*split)(ncclComm_t, int, int, ncclComm_t *, ncclConfig_t *) = ncclCommSplit;
     (void)send;
     (void)recv;
+    (void)split;
     CHECK(sizeof(ncclComm_t) == sizeof(moed_nccl_comm));
     CHECK(sizeof(cudaStream_t) == sizeof(void *));
     CHECK(sizeof(ncclResult_t) == sizeof(int) && sizeof(ncclDataType_t) == sizeof(int));
     /* NCCL reads the config's prefix by its size: ours must not be longer than theirs */
     CHECK(sizeof(moed_nccl_config) <= sizeof(ncclConfig_t));
     ncclConfig_t theirs = NCCL_CONFIG_INITIALIZER;
-    moed_nccl_config ours = moed_nccl_config_nonblocking();
+    moed_nccl_config ours = moed_nccl_config_make(0, theirs.splitShare);
     CHECK(ours.magic == theirs.magic); /* NCCL_API_MAGIC, which older headers spell only here */
     CHECK(ours.cga_cluster_size == theirs.cgaClusterSize && ours.min_ctas == theirs.minCTAs &&
-          ours.max_ctas == theirs.maxCTAs && ours.split_share == theirs.splitShare);
+          ours.max_ctas == theirs.maxCTAs);
     return check_status("test_nccl_abi");
 }
 #else

@@ -44,6 +44,9 @@ extern const unsigned char moedc_link_ptx[]; /* NUL-terminated, as cuModuleLoadD
 
 #define DEFAULT_TIMEOUT_S 30.0
 #define DRAIN_S           10.0 /* after aborting, how long the caller's stream gets to drain */
+#define SPIN_S            0.020
+#define NAP_MIN_S         50e-6
+#define NAP_MAX_S         1e-3
 #define THREADS           256
 #define MAX_BLOCKS        4096
 
@@ -51,8 +54,10 @@ typedef struct link {
     moedc *daemon;
     const char *name;
     moedc_session *s;
-    moed_nccl_comm comm;
-    uint64_t seq; /* of the last call sent */
+    moed_nccl_comm comm;   /* the calls': joined, then split (NULL once aborted) */
+    moed_nccl_comm joined; /* the non-blocking one, joined with a timeout */
+    moed_nccl_comm split;  /* the blocking one split from it once connected (moed_nccl.h) */
+    uint64_t seq;          /* of the last call sent */
     uint64_t max_payload, payload_cap, reply_cap;
     moedc_cu_ptr d_head, d_payload, d_reply;
     moed_link_call *h_head;
@@ -93,15 +98,19 @@ static double now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* Between two polls of the watchdog: a yield first (the reply often is a few microseconds off),
- * then short sleeps, so a 2-core caller's other threads run. */
-static void nap(unsigned i)
+/* Between two polls of a wait that began at `since`: yields for SPIN_S, longer than a layer's
+ * kernels, so the reply is seen when it lands and a 2-core caller's other threads still run; then
+ * sleeps NAP_MIN_S, doubling to NAP_MAX_S, as a ring's waiter does (docs/doorbell.md). */
+static void nap(double since)
 {
-    if (i < 64) {
+    const double waited = now_s() - since;
+    if (waited < SPIN_S) {
         sched_yield();
         return;
     }
-    struct timespec ts = { 0, 20000 };
+    double s = NAP_MIN_S;
+    for (double over = waited - SPIN_S; s < NAP_MAX_S && over > s; over -= s) s *= 2;
+    struct timespec ts = { 0, (long)(s * 1e9) };
     nanosleep(&ts, NULL);
 }
 
@@ -125,10 +134,19 @@ static int nccl_fail(const moedc_links *L, const link *k, int result, const char
 
 /* ---- links ---- */
 
+/* Aborts k's communicators (never blocks, whatever the peer does): the joined one first, which
+ * ends a split in flight, so that split is final after it. */
+static void link_abort(moedc_links *L, link *k)
+{
+    if (k->joined) L->nccl->comm_abort(k->joined);
+    if (k->split) L->nccl->comm_abort(k->split);
+    k->comm = k->joined = k->split = NULL;
+}
+
 static void link_free(moedc_links *L, link *k)
 {
     if (!k) return;
-    if (k->comm) L->nccl->comm_abort(k->comm); /* never blocks, whatever the peer does */
+    link_abort(L, k);
     const moedc_cuda_table *cu = L->cu;
     if (cu) {
         if (k->d_head) cu->cuMemFree(k->d_head);
@@ -144,7 +162,8 @@ static void link_free(moedc_links *L, link *k)
 /* Polls k's communicator until its operation in progress is done (0), fails, or `until` passes. */
 static int settle(moedc_links *L, link *k, double until, const char *what, moedc_error *err)
 {
-    for (unsigned i = 0;; i++) {
+    const double since = now_s();
+    for (;;) {
         int async = 0, r = L->nccl->comm_get_async_error(k->comm, &async);
         if (r) return nccl_fail(L, k, r, "ncclCommGetAsyncError", err);
         if (async == MOED_NCCL_SUCCESS) return 0;
@@ -152,7 +171,7 @@ static int settle(moedc_links *L, link *k, double until, const char *what, moedc
         if (now_s() > until)
             return moedc_fail(err, MOEDC_EUNAVAIL, "daemon %s: %s not done within %.0f s", k->name,
                               what, L->o.timeout_s);
-        nap(i);
+        nap(since);
     }
 }
 
@@ -162,7 +181,7 @@ static int settle(moedc_links *L, link *k, double until, const char *what, moedc
 static int drain_watch(moedc_links *L, link *k, double until, const char *what, moedc_error *err)
 {
     int rc = settle(L, k, until, what, err);
-    for (unsigned i = 0; !rc; i++) {
+    for (const double since = now_s(); !rc;) {
         int q = L->cu->cuStreamQuery(L->watch);
         if (q == 0) return 0;
         if (q != MOEDC_CU_ERROR_NOT_READY) return moedc_cuda_fail(L->cu, q, what, err);
@@ -170,7 +189,7 @@ static int drain_watch(moedc_links *L, link *k, double until, const char *what, 
         if (now_s() > until)
             return moedc_fail(err, MOEDC_EUNAVAIL, "daemon %s: %s not done within %.0f s", k->name,
                               what, L->o.timeout_s);
-        nap(i);
+        nap(since);
     }
     return rc;
 }
@@ -236,10 +255,11 @@ static int join(moedc_links *L, link *k, const moedc_link_grant *g, moedc_error 
     const double until = now_s() + L->o.timeout_s;
     moed_nccl_unique_id id;
     memcpy(id.internal, g->unique_id, sizeof id.internal);
-    moed_nccl_config cfg = moed_nccl_config_nonblocking();
-    int r = L->nccl->comm_init_rank_config(&k->comm, 2, id, 1, &cfg);
+    moed_nccl_config cfg = moed_nccl_config_make(0, MOED_NCCL_UNDEF_INT);
+    int r = L->nccl->comm_init_rank_config(&k->joined, 2, id, 1, &cfg);
+    k->comm = k->joined;
     if (r && r != MOED_NCCL_IN_PROGRESS) {
-        k->comm = NULL;
+        k->comm = k->joined = NULL;
         return nccl_fail(L, k, r, "ncclCommInitRankConfig", err);
     }
     int rc = settle(L, k, until, "joining the link (ncclCommInitRankConfig)", err);
@@ -264,6 +284,16 @@ static int join(moedc_links *L, link *k, const moedc_link_grant *g, moedc_error 
                           "daemon %s: its first message on the link is not the "
                           "reply of seq 0 the link's layout begins with",
                           k->name);
+    /* both directions connected: the daemon splits now too (moed_link.h, "Communicators") */
+    cfg = moed_nccl_config_make(1, 1);
+    r = L->nccl->comm_split(k->comm, 0, 1, &k->split, &cfg);
+    if (r && r != MOED_NCCL_IN_PROGRESS) return nccl_fail(L, k, r, "ncclCommSplit", err);
+    if ((rc = settle(L, k, until, "splitting the link's communicator (ncclCommSplit)", err)))
+        return rc;
+    if (!k->split)
+        return moedc_fail(err, MOEDC_EINTERNAL, "daemon %s: ncclCommSplit gave no communicator",
+                          k->name);
+    k->comm = k->split;
     return 0;
 }
 
@@ -733,13 +763,12 @@ static int fail_late(moedc_links *L, const moedc_link_call *c, layer_links *ll, 
         if (used < sizeof who)
             used += (size_t)snprintf(who + used, sizeof who - used, "%s%s (experts %s)",
                                      used ? ", " : "", parts[j].k->name, experts);
-        L->nccl->comm_abort(parts[j].k->comm);
-        parts[j].k->comm = NULL;
+        link_abort(L, parts[j].k);
     }
-    const double until = now_s() + DRAIN_S;
-    for (unsigned i = 0; L->cu->cuStreamQuery(c->stream) == MOEDC_CU_ERROR_NOT_READY; i++) {
+    const double since = now_s(), until = since + DRAIN_S;
+    while (L->cu->cuStreamQuery(c->stream) == MOEDC_CU_ERROR_NOT_READY) {
         if (now_s() > until) break; /* say so below: the caller must not reuse the buffers yet */
-        nap(i);
+        nap(since);
     }
     const bool drained = L->cu->cuStreamQuery(c->stream) == 0;
     for (int j = 0; j < n; j++)
@@ -757,7 +786,7 @@ static int fail_late(moedc_links *L, const moedc_link_call *c, layer_links *ll, 
 static int watch_call(moedc_links *L, const moedc_link_call *c, layer_links *ll, part *parts, int n,
                       double until, moedc_error *err)
 {
-    for (unsigned i = 0;; i++) {
+    for (const double since = now_s();;) {
         int q = L->cu->cuStreamQuery(c->stream);
         if (q == 0) return 0;
         if (q != MOEDC_CU_ERROR_NOT_READY)
@@ -783,7 +812,7 @@ static int watch_call(moedc_links *L, const moedc_link_call *c, layer_links *ll,
             snprintf(what, sizeof what, "%s within %.1f s", cause, L->o.timeout_s);
             return fail_late(L, c, ll, parts, n, what, err);
         }
-        nap(i);
+        nap(since);
     }
 }
 
@@ -812,6 +841,26 @@ static int answers(moedc_links *L, part *parts, int n, moedc_timings *t, moedc_e
     return 0;
 }
 
+/* The call's expert choices on the host, once the caller's work that made them is done: a fleet's
+ * plan needs them (one daemon takes every token, and the call never waits on the host). */
+static int read_choices(moedc_links *L, const moedc_link_call *c, moedc_error *err)
+{
+    const moedc_cuda_table *cu = L->cu;
+    const size_t pairs = (size_t)c->tokens * (size_t)c->k * 4,
+                 cap = (size_t)L->o.max_tokens * L->o.max_top_k * 4;
+    int rc = 0;
+    if (!L->h_ids && (rc = cu->cuMemHostAlloc((void **)&L->h_ids, cap, 0)))
+        return moedc_cuda_fail(cu, rc, "cuMemHostAlloc (a call's expert choices)", err);
+    if (!L->h_w && (rc = cu->cuMemHostAlloc((void **)&L->h_w, cap, 0)))
+        return moedc_cuda_fail(cu, rc, "cuMemHostAlloc (a call's expert choices)", err);
+    rc = cu->cuMemcpyDtoHAsync(L->h_ids, (moedc_cu_ptr)(uintptr_t)c->expert_ids, pairs, c->stream);
+    if (!rc)
+        rc = cu->cuMemcpyDtoHAsync(L->h_w, (moedc_cu_ptr)(uintptr_t)c->expert_weights, pairs,
+                                   c->stream);
+    if (!rc) rc = cu->cuStreamSynchronize(c->stream);
+    return rc ? moedc_cuda_fail(cu, rc, "copying the call's expert choices", err) : 0;
+}
+
 /* The call, the caller's device current and L locked. */
 static int forward(moedc_links *L, const moedc_link_call *c, moedc_timings *t, moedc_error *err)
 {
@@ -822,21 +871,8 @@ static int forward(moedc_links *L, const moedc_link_call *c, moedc_timings *t, m
     if (rc) return rc;
     const int S = ll->lay.plan.n_shards;
     const int64_t T = c->tokens;
-    const size_t pairs = (size_t)T * (size_t)c->k * 4;
-    if (!L->h_ids && (rc = cu->cuMemHostAlloc((void **)&L->h_ids,
-                                              (size_t)L->o.max_tokens * L->o.max_top_k * 4, 0)))
-        return moedc_cuda_fail(cu, rc, "cuMemHostAlloc (a call's expert choices)", err);
-    if (!L->h_w && (rc = cu->cuMemHostAlloc((void **)&L->h_w,
-                                            (size_t)L->o.max_tokens * L->o.max_top_k * 4, 0)))
-        return moedc_cuda_fail(cu, rc, "cuMemHostAlloc (a call's expert choices)", err);
-    /* the plan needs the choices on the host, once the caller's work that made them is done */
-    int drc =
-        cu->cuMemcpyDtoHAsync(L->h_ids, (moedc_cu_ptr)(uintptr_t)c->expert_ids, pairs, c->stream);
-    if (!drc)
-        drc = cu->cuMemcpyDtoHAsync(L->h_w, (moedc_cu_ptr)(uintptr_t)c->expert_weights, pairs,
-                                    c->stream);
-    if (!drc) drc = cu->cuStreamSynchronize(c->stream);
-    if (drc) return moedc_cuda_fail(cu, drc, "copying the call's expert choices", err);
+    if (S > 1 && (rc = read_choices(L, c, err))) return rc;
+    int drc;
     int64_t **rows = calloc((size_t)S, sizeof *rows), *n_rows = calloc((size_t)S, sizeof *n_rows);
     part *parts = calloc((size_t)S, sizeof *parts);
     rc = rows && n_rows && parts
