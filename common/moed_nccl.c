@@ -125,6 +125,16 @@ moed_nccl_config moed_nccl_config_make(int blocking, int split_share)
     return c;
 }
 
+void moed_nccl_abort_pair(const moed_nccl *n, moed_nccl_comm *split, moed_nccl_comm *parent)
+{
+    if (*split) n->comm_abort(*split);
+    *split = NULL;
+    if (*parent) n->comm_abort(*parent); /* NCCL joins a split in flight before it frees */
+    *parent = NULL;
+    if (*split) n->comm_abort(*split); /* NCCL wrote it as the split completed */
+    *split = NULL;
+}
+
 int moed_nccl_fail(const moed_nccl *n, int result, const char *call, moed_error *err)
 {
     const char *text = n && n->get_error_string ? n->get_error_string(result) : NULL;

@@ -82,6 +82,12 @@ typedef struct moed_nccl {
     char path[256]; /* the library opened, for logs */
 } moed_nccl;
 
+/* Aborts a communicator split with shared resources and the one it was split from, each NULLed:
+ * the split one first (its kernels may be waiting on a peer that is gone; its abort ends them and
+ * frees it before its parent goes), then the parent, which ends a split still in flight; a split
+ * that completed meanwhile is aborted last. */
+void moed_nccl_abort_pair(const moed_nccl *n, moed_nccl_comm *split, moed_nccl_comm *parent);
+
 /* The table, or NULL (err: MOED_EUNSUPPORTED, why). Thread-safe; opened once. */
 const moed_nccl *moed_nccl_api(moed_error *err);
 

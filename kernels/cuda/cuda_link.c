@@ -168,10 +168,8 @@ static void cuda_link_abort(moed_backend_link *l)
     cuda_link *k = l->ctx;
     pthread_mutex_lock(&k->lock);
     atomic_store(&k->aborted, true);
-    /* the joined one first: NCCL ends a split in flight with it, so split is final after */
-    if (k->joined) k->nccl->comm_abort(k->joined);
-    if (k->split) k->nccl->comm_abort(k->split);
-    k->comm = k->joined = k->split = NULL;
+    moed_nccl_abort_pair(k->nccl, &k->split, &k->joined);
+    k->comm = NULL;
     pthread_mutex_unlock(&k->lock);
 }
 

@@ -134,13 +134,11 @@ static int nccl_fail(const moedc_links *L, const link *k, int result, const char
 
 /* ---- links ---- */
 
-/* Aborts k's communicators (never blocks, whatever the peer does): the joined one first, which
- * ends a split in flight, so that split is final after it. */
+/* Aborts k's communicators (moed_nccl_abort_pair: whatever the peer does, its kernels end). */
 static void link_abort(moedc_links *L, link *k)
 {
-    if (k->joined) L->nccl->comm_abort(k->joined);
-    if (k->split) L->nccl->comm_abort(k->split);
-    k->comm = k->joined = k->split = NULL;
+    moed_nccl_abort_pair(L->nccl, &k->split, &k->joined);
+    k->comm = NULL;
 }
 
 static void link_free(moedc_links *L, link *k)
