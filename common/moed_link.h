@@ -11,11 +11,13 @@
  * part, so both are connected before the first call.
  *
  * Communicators. Once the hello is through, both ranks split the communicator (ncclCommSplit,
- * color 0, key its rank) into a blocking one that shares its connections (splitShare 1), and every
- * call goes over that one: NCCL runs each operation on a non-blocking communicator from a thread
- * it starts for it, and a blocking operation on a connected communicator only enqueues. Each side
- * posts one operation at a time (a group of a call's header, payload and reply never completed on
- * H200s, the server receiving the header alone to learn the payload's size).
+ * color 0, key its rank, blocking, splitShare 0), and every call goes over the split one: NCCL
+ * runs each operation on a non-blocking communicator from a thread it starts for it, and a blocking
+ * operation on a connected communicator only enqueues. The split one's first two messages connect
+ * it both ways: the server's hello again, then the caller's answer (MOED_LINK_HEADER_BYTES, which
+ * the server ignores). Each side posts one operation at a time (a group of a call's header,
+ * payload and reply never completed on H200s, the server receiving the header alone to learn the
+ * payload's size).
  *
  * Then each call is three messages, every one bytes (ncclUint8):
  *   caller -> server  a moed_link_call (MOED_LINK_HEADER_BYTES);

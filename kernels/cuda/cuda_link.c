@@ -8,11 +8,13 @@
  * communicator: abort runs ncclCommAbort under it and clears comm, and every other use of comm
  * takes the lock and finds it either whole or gone, never being freed.
  *
- * Once the hello (the link's first send) is done, the communicator is split into a blocking one
- * sharing its connections, which every call uses: on a non-blocking communicator NCCL launches each
- * operation from a thread it starts for it (moed_link.h, "Communicators"). A blocking call only
- * enqueues once both directions are connected (the key and the hello connected them); it would wait
- * on the host only for NCCL's own queue to the GPU, which one call at a time never fills.
+ * Once the hello (the link's first send) is done, the communicator is split into a blocking one,
+ * which every call uses: on a non-blocking communicator NCCL launches each operation from a thread
+ * it starts for it (moed_link.h, "Communicators"). A blocking call only enqueues once both
+ * directions are connected (split's first two messages connect them); it would wait on the host
+ * only for NCCL's own queue to the GPU, which one call at a time never fills. While those two
+ * connect, the blocking calls hold the lock: a caller that stalls inside them (authenticated by
+ * then) holds its own link's close until it goes on or its process ends.
  */
 #include "cuda_ctx.h"
 
@@ -99,12 +101,40 @@ static int wait_done(cuda_link *k, const moed_nccl *n, bool stream, int64_t time
     }
 }
 
-/* The blocking communicator the calls use, split from the joined one (both ranks split at once: the
- * caller once it received the hello). */
-static int split(cuda_link *k, int64_t timeout_ms, const _Atomic bool *stop, moed_error *err)
+/* One message of `bytes` at `offset` of the buffer, sent to or received from the caller, waited
+ * for as wait_done waits. */
+static int xfer(moed_backend_link *l, bool send, uint64_t offset, uint64_t bytes,
+                int64_t timeout_ms, const _Atomic bool *stop, moed_error *err)
 {
+    cuda_link *k = l->ctx;
     const moed_nccl *n = k->nccl;
-    moed_nccl_config cfg = moed_nccl_config_make(1, 1);
+    const char *call = send ? "ncclSend" : "ncclRecv";
+    void *p = (char *)l->mem + offset;
+    int r = -1;
+    cudaError_t e = cudaSetDevice(l->device);
+    if (e != cudaSuccess) return cuda_fail(err, e, "cudaSetDevice");
+    pthread_mutex_lock(&k->lock);
+    if (k->comm)
+        r = send ? n->send(p, (size_t)bytes, MOED_NCCL_UINT8, 1, k->comm, k->stream)
+                 : n->recv(p, (size_t)bytes, MOED_NCCL_UINT8, 1, k->comm, k->stream);
+    pthread_mutex_unlock(&k->lock);
+    if (r < 0) return aborted(err);
+    if (r != MOED_NCCL_SUCCESS && r != MOED_NCCL_IN_PROGRESS)
+        return moed_nccl_fail(n, r, call, err);
+    return wait_done(k, n, true, timeout_ms, stop, call, err);
+}
+
+/* The blocking communicator the calls use, split from the joined one once the hello went (the
+ * caller splits once it received it), with connections of its own: over a split sharing the joined
+ * one's, a message's round trip measured 141 us on H200s against 40 us (docs/fleets.md,
+ * "Communicators"). Its first two messages connect it both ways while the caller takes part: the
+ * hello again, then the caller's answer (header-sized, read into the payload area and ignored). */
+static int split(moed_backend_link *l, int64_t timeout_ms, const _Atomic bool *stop,
+                 moed_error *err)
+{
+    cuda_link *k = l->ctx;
+    const moed_nccl *n = k->nccl;
+    moed_nccl_config cfg = moed_nccl_config_make(1, 0);
     int r = -1;
     k->split_tried = true;
     pthread_mutex_lock(&k->lock);
@@ -119,32 +149,20 @@ static int split(cuda_link *k, int64_t timeout_ms, const _Atomic bool *stop, moe
     if (k->comm && k->split) k->comm = k->split;
     const bool ok = k->comm && k->comm == k->split;
     pthread_mutex_unlock(&k->lock);
-    return ok ? 0 : moed_fail(err, MOED_EDEVICE, "ncclCommSplit gave no communicator");
+    if (!ok) return moed_fail(err, MOED_EDEVICE, "ncclCommSplit gave no communicator");
+    rc = xfer(l, true, l->reply_at, MOED_LINK_HEADER_BYTES, timeout_ms, stop, err);
+    return rc ? rc : xfer(l, false, 0, MOED_LINK_HEADER_BYTES, timeout_ms, stop, err);
 }
 
 static int cuda_link_wait(moed_backend_link *l, int what, uint64_t offset, uint64_t bytes,
                           int64_t timeout_ms, const _Atomic bool *stop, moed_error *err)
 {
     cuda_link *k = l->ctx;
-    const moed_nccl *n = k->nccl;
     if (what == MOED_LINK_WAIT_READY)
-        return wait_done(k, n, false, timeout_ms, stop, "ncclCommInitRankConfig", err);
-    const char *call = what == MOED_LINK_WAIT_SEND ? "ncclSend" : "ncclRecv";
-    void *p = (char *)l->mem + offset;
-    int r = -1;
-    cudaError_t e = cudaSetDevice(l->device);
-    if (e != cudaSuccess) return cuda_fail(err, e, "cudaSetDevice");
-    pthread_mutex_lock(&k->lock);
-    if (k->comm)
-        r = what == MOED_LINK_WAIT_SEND
-                ? n->send(p, (size_t)bytes, MOED_NCCL_UINT8, 1, k->comm, k->stream)
-                : n->recv(p, (size_t)bytes, MOED_NCCL_UINT8, 1, k->comm, k->stream);
-    pthread_mutex_unlock(&k->lock);
-    if (r < 0) return aborted(err);
-    if (r != MOED_NCCL_SUCCESS && r != MOED_NCCL_IN_PROGRESS)
-        return moed_nccl_fail(n, r, call, err);
-    int rc = wait_done(k, n, true, timeout_ms, stop, call, err);
-    if (!rc && what == MOED_LINK_WAIT_SEND && !k->split_tried) rc = split(k, timeout_ms, stop, err);
+        return wait_done(k, k->nccl, false, timeout_ms, stop, "ncclCommInitRankConfig", err);
+    const bool send = what == MOED_LINK_WAIT_SEND;
+    int rc = xfer(l, send, offset, bytes, timeout_ms, stop, err);
+    if (!rc && send && !k->split_tried) rc = split(l, timeout_ms, stop, err);
     return rc;
 }
 

@@ -282,8 +282,9 @@ static int join(moedc_links *L, link *k, const moedc_link_grant *g, moedc_error 
                           "daemon %s: its first message on the link is not the "
                           "reply of seq 0 the link's layout begins with",
                           k->name);
-    /* both directions connected: the daemon splits now too (moed_link.h, "Communicators") */
-    cfg = moed_nccl_config_make(1, 1);
+    /* the daemon splits now too, and connects the split communicator both ways with its first
+     * two messages: the hello again, and our answer (moed_link.h, "Communicators") */
+    cfg = moed_nccl_config_make(1, 0);
     r = L->nccl->comm_split(k->comm, 0, 1, &k->split, &cfg);
     if (r && r != MOED_NCCL_IN_PROGRESS) return nccl_fail(L, k, r, "ncclCommSplit", err);
     if ((rc = settle(L, k, until, "splitting the link's communicator (ncclCommSplit)", err)))
@@ -292,7 +293,14 @@ static int join(moedc_links *L, link *k, const moedc_link_grant *g, moedc_error 
         return moedc_fail(err, MOEDC_EINTERNAL, "daemon %s: ncclCommSplit gave no communicator",
                           k->name);
     k->comm = k->split;
-    return 0;
+    r = L->nccl->recv((void *)(uintptr_t)k->d_reply, MOED_LINK_HEADER_BYTES, MOED_NCCL_UINT8, 0,
+                      k->comm, L->watch);
+    if (r) return nccl_fail(L, k, r, "ncclRecv (the hello, split)", err);
+    if ((rc = drain_watch(L, k, until, "receiving the split link's hello", err))) return rc;
+    r = L->nccl->send((const void *)(uintptr_t)k->d_head, MOED_LINK_HEADER_BYTES, MOED_NCCL_UINT8,
+                      0, k->comm, L->watch);
+    if (r) return nccl_fail(L, k, r, "ncclSend (the answer to the hello, split)", err);
+    return drain_watch(L, k, until, "answering the split link's hello", err);
 }
 
 /* A link to daemon `name` (session, open_link, join), or the daemon's refusal naming it. The CUDA
