@@ -275,8 +275,10 @@ int moed_backend_link_recv(moed_backend_link *l, uint64_t offset, uint64_t bytes
 int moed_backend_link_send(moed_backend_link *l, uint64_t offset, uint64_t bytes,
                            int64_t timeout_ms, const _Atomic bool *stop, moed_error *err);
 
-/* Small synchronous copies between host memory and the buffer (a call's header to the host, a
- * reply's header to the device), on the link's stream. MOED_EINVAL outside the buffer. */
+/* Small copies between host memory and the buffer, on the link's stream: read (a call's header to
+ * the host) is done when it returns; write (a reply's header to the device) may be queued, src
+ * reusable at once, and is done before the link's next send or receive is. MOED_EINVAL outside
+ * the buffer. */
 int moed_backend_link_read(moed_backend_link *l, void *dst, uint64_t offset, size_t bytes,
                            moed_error *err);
 int moed_backend_link_write(moed_backend_link *l, uint64_t offset, const void *src, size_t bytes,

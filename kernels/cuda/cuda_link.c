@@ -43,6 +43,7 @@ typedef struct cuda_link {
     moed_nccl_comm split;  /* the blocking one split from it (NCCL writes it when done) */
     bool split_tried;      /* the link's thread's: whether the hello went and split ran */
     cudaStream_t stream;
+    void *staging; /* page-locked, MOED_LINK_HEADER_BYTES: a header on its way to the device */
     _Atomic bool aborted;
 } cuda_link;
 
@@ -173,6 +174,14 @@ static int cuda_link_copy(moed_backend_link *l, bool to_host, void *host, uint64
     char *dev = (char *)l->mem + offset;
     int rc = 0;
     CU(cudaSetDevice(l->device), "cudaSetDevice");
+    if (!to_host && bytes <= MOED_LINK_HEADER_BYTES) {
+        /* a reply's header: queued ahead of the send that carries it, which is waited for before
+         * the next write reuses the page-locked copy (no synchronisation of its own) */
+        memcpy(k->staging, host, bytes);
+        CU(cudaMemcpyAsync(dev, k->staging, bytes, cudaMemcpyHostToDevice, k->stream),
+           "cudaMemcpyAsync (a link's header)");
+        return 0;
+    }
     CU(cudaMemcpyAsync(to_host ? host : dev, to_host ? dev : host, bytes,
                        to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, k->stream),
        "cudaMemcpyAsync (a link's header)");
@@ -200,6 +209,7 @@ static void cuda_link_destroy(moed_backend_link *l)
     if (k->stream && cudaStreamSynchronize(k->stream) != cudaSuccess) cudaGetLastError();
     if (k->stream) cudaStreamDestroy(k->stream);
     if (l->mem && cudaFree(l->mem) != cudaSuccess) cudaGetLastError();
+    if (k->staging && cudaFreeHost(k->staging) != cudaSuccess) cudaGetLastError();
     pthread_mutex_destroy(&k->lock);
     free(k);
     l->ctx = NULL;
@@ -230,6 +240,7 @@ static int cuda_link_create(moed_backend *b, moed_backend_link *l,
         goto err;
     }
     CU(cudaStreamCreateWithFlags(&k->stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    CU(cudaHostAlloc(&k->staging, MOED_LINK_HEADER_BYTES, cudaHostAllocDefault), "cudaHostAlloc");
     int r = n->get_unique_id(&id);
     if (r != MOED_NCCL_SUCCESS) {
         rc = moed_nccl_fail(n, r, "ncclGetUniqueId", err);
