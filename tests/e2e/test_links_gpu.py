@@ -156,3 +156,51 @@ def test_python_links_with_torch(daemon):
         want = c.forward(1, x.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16),
                          expert_ids=ids.cpu().numpy(), expert_weights=w.cpu().numpy())
     assert np.array_equal(y.cpu().view(torch.int16).numpy(), np.asarray(want).view(np.int16))
+
+
+def test_links_captured_in_a_cuda_graph(daemon):
+    """A call captured by torch.cuda.graph, replayed with new inputs, gives the blocking call's bits
+    on the same inputs (host calls between replays keep the links in step); a shard killed between
+    replays makes the next replay end (not hang), counted, its output untouched."""
+    torch = pytest.importorskip("torch")
+    import moed
+
+    fleet = [start(daemon, i, e) for i, e in enumerate(shards(2))]
+    g = torch.Generator(device="cuda:0").manual_seed(11)
+
+    def inputs(T=37):
+        x = torch.randn(T, 512, device="cuda:0", generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(16, device="cuda:0", generator=g)[:4] for _ in range(T)]).int()
+        return x, ids, torch.rand(T, 4, device="cuda:0", generator=g) + 0.05
+
+    with torch.cuda.device(0):
+        x, ids, w = inputs()
+        out = torch.empty_like(x)
+        links = moed.Links([d.address for d in fleet], device=0, max_tokens=64, max_top_k=4)
+        links.forward(1, x, ids, w)  # outside the capture first, as torch's own warm-up does
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            links.forward(1, x, ids, w, out=out)
+        for _ in range(3):
+            nx, nids, nw = inputs()
+            x.copy_(nx), ids.copy_(nids), w.copy_(nw)
+            graph.replay()
+            torch.cuda.synchronize()
+            want = links.forward(1, nx, nids, nw)  # planned, each shard only its tokens
+            assert torch.equal(out, want), "a replay's output is not the blocking call's"
+        assert links.failures() == 0
+        fleet[1].proc.send_signal(signal.SIGKILL)
+        fleet[1].returncode = fleet[1].proc.wait()
+        out.fill_(7.0)
+        graph.replay()
+        done = torch.cuda.Event()
+        done.record()
+        t0 = time.monotonic()
+        while not done.query():
+            assert time.monotonic() - t0 < 60, "a replay waited on a daemon that is gone"
+            time.sleep(0.01)
+        assert bool((out == 7.0).all()), "a failed replay wrote its output"
+        assert links.failures() >= 1
+        del graph  # before close: NCCL releases the communicators only then
+        torch.cuda.synchronize()
+        links.close()

@@ -54,6 +54,7 @@ static void test_scenario(const cJSON *sc)
     const int64_t *row_ptrs[MAX_PARTS];
     const void *outs[MAX_PARTS];
     moedc_link_part lp[MAX_PARTS];
+    static const uint64_t seven = 7;
     for (int i = 0; i < n; i++) {
         const cJSON *list = rows ? cJSON_GetArrayItem(rows, i) : NULL;
         n_rows[i] = list ? cJSON_GetArraySize(list) : T;
@@ -67,7 +68,7 @@ static void test_scenario(const cJSON *sc)
         moed_link_reply_init((moed_link_reply *)replies[i], 7, 0, NULL, 0, 0, 0, 0);
         bits_of(cJSON_GetArrayItem(parts, i), size, replies[i] + MOED_LINK_HEADER_BYTES);
         outs[i] = replies[i] + MOED_LINK_HEADER_BYTES;
-        lp[i] = (moedc_link_part){ replies[i], row_of[i], 7 };
+        lp[i] = (moedc_link_part){ replies[i], rows || i % 2 ? row_of[i] : NULL, &seven };
     }
     bits_of(want, size, expect);
     CHECK(moedc_link_replies_ok(lp, n));
@@ -89,7 +90,8 @@ static void test_replies(void)
 {
     static unsigned char a[MOED_LINK_HEADER_BYTES + 4], b[MOED_LINK_HEADER_BYTES + 4];
     int32_t map[1] = { 0 };
-    moedc_link_part lp[2] = { { a, map, 3 }, { b, map, 5 } };
+    static const uint64_t three = 3, five = 5;
+    moedc_link_part lp[2] = { { a, map, &three }, { b, NULL, &five } };
     moed_link_reply_init((moed_link_reply *)a, 3, 0, NULL, 0, 0, 0, 0);
     moed_link_reply_init((moed_link_reply *)b, 5, 0, NULL, 0, 0, 0, 0);
     CHECK(moedc_link_replies_ok(lp, 2));

@@ -512,9 +512,24 @@ typedef struct moedc_link_call {
     void *stream; /* the caller's CUstream / cudaStream_t; NULL: the legacy default stream */
 } moedc_link_call;
 /* Blocking: returns once the output is written (work the caller queued on `stream` before is done
- * first). t (may be NULL): the slowest shard's timings, total_us the call's. */
+ * first). t (may be NULL): the slowest shard's timings, total_us the call's.
+ *
+ * Captured: when `stream` is being captured into a CUDA graph, the call is recorded and returns at
+ * once (t zeroed), and each replay of the graph makes it again: each link counts its calls on the
+ * device, so every replay is a call of its own to the daemons, answered as any other. A captured
+ * call sends every shard every token (the choices of a replay are not known at capture; the sum,
+ * and so the output's bits, are the same), and needs the layer's links open (a call of the layer
+ * outside the capture opens them again after a failure). A replay whose reply is missing, refused
+ * or out of step writes no output and is counted in moedc_links_failures; a watchdog thread aborts
+ * the links of a daemon whose session ended, so a replay never waits on a daemon that is gone.
+ * Calls on one moedc_links must be ordered with each other (one stream, or synchronised): they
+ * share each link's messages. Destroy the graphs before moedc_links_close, which waits for NCCL to
+ * release their communicators and then frees the buffers they use. */
 MOEDC_EXTERN int moedc_links_forward(moedc_links *l, const moedc_link_call *call, moedc_timings *t,
                                      moedc_error *err);
+/* Calls whose output was not written (captured replays and blocking calls alike), since open; read
+ * after synchronising the stream that ran them. */
+MOEDC_EXTERN int moedc_links_failures(moedc_links *l, uint64_t *count, moedc_error *err);
 /* A line for logs: "nccl 2.27.3: 3 links (daemons a, b, c)", or why links are not used. */
 MOEDC_EXTERN const char *moedc_links_describe(const moedc_links *l);
 /* Closes every link (close_link, the communicator aborted) and frees l; NULL is a no-op. */

@@ -9,14 +9,24 @@
  * and the reply's header. Links are kept by daemon (its moedc), so a daemon serving several
  * layers has one; each layer remembers which link serves each of its shards.
  *
- * A call, all on the caller's stream: the expert choices copied to the host (the plan needs them:
- * moedc_plan_rows, the gRPC fleet's own rule), each shard's rows gathered into its payload (the
- * gather kernel; plain copies for a shard with every token), its header written and its reply's
- * header zeroed; one NCCL group of every shard's sends and receive; the combine kernel
- * (moedc_link_sum.h), which writes the output only when every reply arrived and is OK; each
- * reply's header copied back. Then the watchdog polls the stream and each communicator until the
- * stream is done, an NCCL error shows, or the time is up; a link that did not answer is aborted
- * (its kernels then end, freeing the stream) and dropped, to be linked again by a later call.
+ * A call, all on the caller's stream: for a fleet, the expert choices copied to the host (the plan
+ * needs them: moedc_plan_rows, the gRPC fleet's own rule); each shard's rows gathered into its
+ * payload (the gather kernel; plain copies for a shard with every token), its header stamped with
+ * the link's next seq by a counter on the device (moedc_link_stamp) and its reply's header zeroed;
+ * every shard's sends, then every reply's receive; the combine kernel (moedc_link_sum.h, the parts
+ * by value), which writes the output only when every reply arrived and is OK and counts the call
+ * in the failures otherwise; each reply's header and its link's counter copied back. Then the
+ * call's watch polls the stream and each communicator until the stream is done, an NCCL error
+ * shows, or the time is up; a link that did not answer is aborted (its kernels then end, freeing
+ * the stream) and dropped, to be linked again by a later call.
+ *
+ * A call made while its stream is being captured is the same work, recorded: every shard gets
+ * every token (no host read), nothing is waited for, and the replays carry no host state (seq on
+ * the device, the parts in the combine's parameters). Its links are marked captured: the
+ * links' watchdog thread aborts one whose daemon's session ended (its kernels end, so a replay
+ * finishes, counted in the failures), an abort that NCCL completes only once the graphs holding it
+ * are destroyed, so it runs on a thread of its own (joined by close), and a dropped captured link's
+ * buffers are kept until close, for graphs may still use them.
  *
  * The kernels are link_kernels.cu compiled to PTX at build time (MOEDC_HAVE_LINK_PTX; a build
  * without nvcc has none and refuses links), loaded on the first join.
@@ -47,6 +57,8 @@ extern const unsigned char moedc_link_ptx[]; /* NUL-terminated, as cuModuleLoadD
 #define SPIN_S            0.020
 #define NAP_MIN_S         50e-6
 #define NAP_MAX_S         1e-3
+#define WATCH_S           0.002 /* how often the watchdog looks at captured links' sessions */
+#define SEQ_AT            MOED_LINK_HEADER_BYTES /* the call counter, after the header */
 #define THREADS           256
 #define MAX_BLOCKS        4096
 
@@ -57,11 +69,12 @@ typedef struct link {
     moed_nccl_comm comm;   /* the calls': joined, then split (NULL once aborted) */
     moed_nccl_comm joined; /* the non-blocking one, joined with a timeout */
     moed_nccl_comm split;  /* the blocking one split from it once connected (moed_nccl.h) */
-    uint64_t seq;          /* of the last call sent */
     uint64_t max_payload, payload_cap, reply_cap;
-    moedc_cu_ptr d_head, d_payload, d_reply;
+    moedc_cu_ptr d_head; /* a call's header, then (SEQ_AT) the link's call counter */
+    moedc_cu_ptr d_payload, d_reply;
     moed_link_call *h_head;
-    moed_link_reply *h_reply;
+    moed_link_reply *h_reply; /* a reply's header, then (SEQ_AT) a copy of the counter */
+    bool captured;            /* a call over it was captured: graphs may hold its buffers */
 } link;
 
 typedef struct layer_links {
@@ -75,7 +88,8 @@ struct moedc_links {
     moedc_links_opts o;
     const moed_nccl *nccl;
     const moedc_cuda_table *cu; /* once a link joined */
-    void *module, *k_gather, *k_combine;
+    void *module, *k_gather, *k_stamp, *k_combine;
+    moedc_cu_ptr d_failures; /* calls whose output the combine did not write */
     void *watch; /* a stream of ours: the key's send, and replies read while the caller's waits */
     pthread_mutex_t mu;
     link **links;
@@ -88,6 +102,13 @@ struct moedc_links {
     unsigned char *h_index; /* a call's parts, row lists and row maps, and their device copy */
     moedc_cu_ptr d_index;
     size_t index_cap;
+    bool watching, stopping; /* the watchdog (started by the first captured call) */
+    pthread_t watchdog;
+    pthread_cond_t wake;
+    pthread_t *aborters; /* aborting captured links' communicators; joined by close */
+    int n_aborters;
+    link **retired; /* dropped captured links: their buffers, freed by close */
+    int n_retired;
     char line[512];
 };
 
@@ -134,17 +155,42 @@ static int nccl_fail(const moedc_links *L, const link *k, int result, const char
 
 /* ---- links ---- */
 
-/* Aborts k's communicators (moed_nccl_abort_pair: whatever the peer does, its kernels end). */
+typedef struct aborting {
+    const moed_nccl *nccl;
+    moed_nccl_comm split, joined;
+} aborting;
+
+static void *abort_main(void *arg)
+{
+    aborting *a = arg;
+    moed_nccl_abort_pair(a->nccl, &a->split, &a->joined);
+    free(a);
+    return NULL;
+}
+
+/* Aborts k's communicators (moed_nccl_abort_pair: whatever the peer does, its kernels end): at
+ * once, or for a captured link on a thread of its own, NCCL waiting there for the graphs that hold
+ * the communicator (their kernels end at once all the same). */
 static void link_abort(moedc_links *L, link *k)
 {
+    aborting *a = k->captured && (k->split || k->joined) ? malloc(sizeof *a) : NULL;
+    pthread_t *grown = a ? realloc(L->aborters, sizeof *grown * (size_t)(L->n_aborters + 1)) : NULL;
+    if (grown) L->aborters = grown;
+    if (a && grown) {
+        *a = (aborting){ L->nccl, k->split, k->joined };
+        if (!pthread_create(&L->aborters[L->n_aborters], NULL, abort_main, a)) {
+            L->n_aborters++;
+            k->split = k->joined = k->comm = NULL;
+            return;
+        }
+    }
+    free(a);
     moed_nccl_abort_pair(L->nccl, &k->split, &k->joined);
     k->comm = NULL;
 }
 
-static void link_free(moedc_links *L, link *k)
+static void link_buffers_free(moedc_links *L, link *k)
 {
-    if (!k) return;
-    link_abort(L, k);
     const moedc_cuda_table *cu = L->cu;
     if (cu) {
         if (k->d_head) cu->cuMemFree(k->d_head);
@@ -153,8 +199,25 @@ static void link_free(moedc_links *L, link *k)
         if (k->h_head) cu->cuMemFreeHost(k->h_head);
         if (k->h_reply) cu->cuMemFreeHost(k->h_reply);
     }
-    moedc_session_close(k->s); /* the server closes the link with its session */
     free(k);
+}
+
+/* Aborts k, closes its session (the server closes the link with it) and frees it, or retires it
+ * until close when graphs may still use its buffers. */
+static void link_free(moedc_links *L, link *k)
+{
+    if (!k) return;
+    link_abort(L, k);
+    moedc_session_close(k->s);
+    k->s = NULL;
+    if (!k->captured) {
+        link_buffers_free(L, k);
+        return;
+    }
+    link **grown = realloc(L->retired, sizeof *grown * (size_t)(L->n_retired + 1));
+    if (!grown) return; /* kept all the same (lost to close): a graph may still use it */
+    L->retired = grown;
+    L->retired[L->n_retired++] = k;
 }
 
 /* Polls k's communicator until its operation in progress is done (0), fails, or `until` passes. */
@@ -213,8 +276,13 @@ static int load_kernels(moedc_links *L, moedc_error *err)
     int rc = cu->cuModuleLoadData(&L->module, moedc_link_ptx);
     if (rc) return moedc_cuda_fail(cu, rc, "cuModuleLoadData (the link kernels' PTX)", err);
     if ((rc = cu->cuModuleGetFunction(&L->k_gather, L->module, "moedc_link_gather")) ||
+        (rc = cu->cuModuleGetFunction(&L->k_stamp, L->module, "moedc_link_stamp")) ||
         (rc = cu->cuModuleGetFunction(&L->k_combine, L->module, "moedc_link_combine")))
         return moedc_cuda_fail(cu, rc, "cuModuleGetFunction", err);
+    const uint64_t zero = 0;
+    if ((rc = cu->cuMemAlloc(&L->d_failures, sizeof zero)) ||
+        (rc = cu->cuMemcpyHtoD(L->d_failures, &zero, sizeof zero)))
+        return moedc_cuda_fail(cu, rc, "allocating the links' failure count", err);
     if ((rc = cu->cuStreamCreate(&L->watch, MOEDC_CU_STREAM_NON_BLOCKING)))
         return moedc_cuda_fail(cu, rc, "cuStreamCreate", err);
     return 0;
@@ -236,13 +304,16 @@ static int alloc_buffers(moedc_links *L, link *k, moedc_error *err)
                           "links of %u tokens, top_k %u and d_model %u are too large to lay out",
                           L->o.max_tokens, L->o.max_top_k, L->d_model);
     const char *what = "cuMemAlloc (a link's header)";
-    if (!(rc = cu->cuMemAlloc(&k->d_head, MOED_LINK_HEADER_BYTES)) &&
+    const uint64_t zero = 0; /* the hello was seq 0: the first call is 1 */
+    if (!(rc = cu->cuMemAlloc(&k->d_head, SEQ_AT + sizeof zero)) &&
+        (what = "cuMemcpyHtoD (a link's call counter)") &&
+        !(rc = cu->cuMemcpyHtoD(k->d_head + SEQ_AT, &zero, sizeof zero)) &&
         (what = "cuMemAlloc (a link's payload)") &&
         !(rc = cu->cuMemAlloc(&k->d_payload, k->payload_cap)) &&
         (what = "cuMemAlloc (a link's reply)") &&
         !(rc = cu->cuMemAlloc(&k->d_reply, k->reply_cap)) && (what = "cuMemHostAlloc") &&
         !(rc = cu->cuMemHostAlloc((void **)&k->h_head, MOED_LINK_HEADER_BYTES, 0)))
-        rc = cu->cuMemHostAlloc((void **)&k->h_reply, MOED_LINK_HEADER_BYTES, 0);
+        rc = cu->cuMemHostAlloc((void **)&k->h_reply, SEQ_AT + sizeof(uint64_t), 0);
     return rc ? moedc_cuda_fail(cu, rc, what, err) : 0;
 }
 
@@ -485,9 +556,20 @@ static void describe(moedc_links *L)
 void moedc_links_close(moedc_links *L)
 {
     if (!L) return;
+    if (L->watching) {
+        pthread_mutex_lock(&L->mu);
+        L->stopping = true;
+        pthread_cond_signal(&L->wake);
+        pthread_mutex_unlock(&L->mu);
+        pthread_join(L->watchdog, NULL);
+    }
     moedc_error ignored;
     const bool entered = L->cu && !enter(L, &ignored);
     while (L->n_links) link_drop(L, L->links[0]);
+    /* NCCL frees a captured link's communicators once the graphs holding them are destroyed, and
+     * only then may their buffers go (moedclient.h: destroy them before closing) */
+    for (int i = 0; i < L->n_aborters; i++) pthread_join(L->aborters[i], NULL);
+    for (int i = 0; i < L->n_retired; i++) link_buffers_free(L, L->retired[i]);
     for (int i = 0; i < L->n_layers; i++) {
         moedc_layout_free(&L->layers[i].lay);
         free(L->layers[i].by_shard);
@@ -497,12 +579,16 @@ void moedc_links_close(moedc_links *L)
         if (L->h_w) L->cu->cuMemFreeHost(L->h_w);
         if (L->h_index) L->cu->cuMemFreeHost(L->h_index);
         if (L->d_index) L->cu->cuMemFree(L->d_index);
+        if (L->d_failures) L->cu->cuMemFree(L->d_failures);
         if (L->watch) L->cu->cuStreamDestroy(L->watch);
         if (L->module) L->cu->cuModuleUnload(L->module);
     }
     if (entered) leave(L);
     free(L->links);
     free(L->layers);
+    free(L->aborters);
+    free(L->retired);
+    pthread_cond_destroy(&L->wake);
     pthread_mutex_destroy(&L->mu);
     free(L);
 }
@@ -550,6 +636,7 @@ int moedc_links_open(moedc *c, const moedc_links_opts *o, moedc_links **out, moe
     if (!(L->o.timeout_s > 0)) L->o.timeout_s = DEFAULT_TIMEOUT_S;
     L->nccl = nccl;
     pthread_mutex_init(&L->mu, NULL);
+    pthread_cond_init(&L->wake, NULL);
     int rc = open_all(L, err);
     if (rc) {
         moedc_links_close(L);
@@ -597,13 +684,11 @@ static int check_call(const moedc_links *L, const moedc_link_call *c, moedc_erro
     return 0;
 }
 
-/* The index area of a call of S parts and T tokens: the parts, then S row lists of T, then S row
- * maps of T; grown (page-locked and on the device) when a call needs more. */
-static int index_area(moedc_links *L, int S, int64_t T, size_t *rows_at, size_t *map_at,
-                      moedc_error *err)
+/* The index area of a planned call of S parts and T tokens: S row lists of T, then S row maps of
+ * T; grown (page-locked and on the device) when a call needs more. */
+static int index_area(moedc_links *L, int S, int64_t T, size_t *map_at, moedc_error *err)
 {
-    *rows_at = round_up(sizeof(moedc_link_part) * (size_t)S);
-    *map_at = *rows_at + round_up((size_t)S * (size_t)T * 4);
+    *map_at = round_up((size_t)S * (size_t)T * 4);
     const size_t need = *map_at + (size_t)S * (size_t)T * 4;
     if (need <= L->index_cap) return 0;
     const moedc_cuda_table *cu = L->cu;
@@ -644,7 +729,8 @@ static int gather(const moedc_links *L, moedc_cu_ptr src, moedc_cu_ptr dst, size
     return launch(L, L->k_gather, count * units, stream, params, "cuLaunchKernel (gather)", err);
 }
 
-/* Writes part p's payload, header and zeroed reply header on the stream (its rows at d_rows). */
+/* Writes part p's payload, header (stamped with the link's next seq on the device) and zeroed
+ * reply header on the stream (its rows at d_rows). */
 static int stage(moedc_links *L, const layer_links *ll, const moedc_link_call *c, part *p,
                  moedc_cu_ptr d_rows, moedc_error *err)
 {
@@ -655,9 +741,9 @@ static int stage(moedc_links *L, const layer_links *ll, const moedc_link_call *c
     const double us = L->o.timeout_s * 1e6;
     const uint32_t deadline_us = us >= (double)UINT32_MAX ? UINT32_MAX : (uint32_t)us;
     moed_link_payload *pay = &p->pay;
-    if (moed_link_call_init(k->h_head, k->seq + 1, c->layer, (uint32_t)c->dtype,
-                            (uint32_t)p->n_rows, (uint32_t)c->k, (uint32_t)c->d_model, deadline_us,
-                            0, &e) ||
+    moed_link_call head;
+    if (moed_link_call_init(&head, 0, c->layer, (uint32_t)c->dtype, (uint32_t)p->n_rows,
+                            (uint32_t)c->k, (uint32_t)c->d_model, deadline_us, 0, &e) ||
         moed_link_layout((uint64_t)p->n_rows, (uint64_t)c->k, (uint64_t)c->d_model, elem, pay, &e))
         return moedc_fail(err, e.code, "daemon %s: %s", k->name, e.msg);
     if (pay->total > k->max_payload || pay->total > k->payload_cap)
@@ -676,7 +762,7 @@ static int stage(moedc_links *L, const layer_links *ll, const moedc_link_call *c
         first[i] = (uint32_t)li->held[i].first;
         last[i] = (uint32_t)li->held[i].last;
     }
-    moed_link_call_expect(k->h_head, ll->lay.fingerprint, first, last, n_held, li->adds_shared);
+    moed_link_call_expect(&head, ll->lay.fingerprint, first, last, n_held, li->adds_shared);
     free(first);
     const moedc_cu_ptr rows = p->rows ? d_rows : 0;
     void *st = c->stream;
@@ -689,9 +775,11 @@ static int stage(moedc_links *L, const layer_links *ll, const moedc_link_call *c
         rc = gather(L, (moedc_cu_ptr)(uintptr_t)c->expert_weights, k->d_payload + pay->weights,
                     (size_t)c->k * 4, rows, p->n_rows, st, err);
     if (rc) return rc;
-    int drc = L->cu->cuMemcpyHtoDAsync(k->d_head, k->h_head, MOED_LINK_HEADER_BYTES, st);
-    if (!drc) drc = L->cu->cuMemsetD8Async(k->d_reply, 0, MOED_LINK_HEADER_BYTES, st);
-    return drc ? moedc_cuda_fail(L->cu, drc, "staging a link call's header", err) : 0;
+    moedc_cu_ptr dst = k->d_head, counter = k->d_head + SEQ_AT;
+    void *params[] = { &head, &dst, &counter };
+    if ((rc = launch(L, L->k_stamp, 1, st, params, "cuLaunchKernel (stamp)", err))) return rc;
+    int drc = L->cu->cuMemsetD8Async(k->d_reply, 0, MOED_LINK_HEADER_BYTES, st);
+    return drc ? moedc_cuda_fail(L->cu, drc, "zeroing a link's reply header", err) : 0;
 }
 
 /* One NCCL operation on part k's communicator, settled (a non-blocking communicator takes its next
@@ -714,7 +802,6 @@ static int exchange(moedc_links *L, const moedc_link_call *c, part *parts, int n
     int rc = 0;
     for (int j = 0; j < n && !rc; j++) {
         link *k = parts[j].k;
-        k->seq++; /* the call is the link's now: a failure from here on leaves it out of step */
         rc = op(L, k,
                 x->send((const void *)(uintptr_t)k->d_head, MOED_LINK_HEADER_BYTES, MOED_NCCL_UINT8,
                         0, k->comm, c->stream),
@@ -737,6 +824,23 @@ static int exchange(moedc_links *L, const moedc_link_call *c, part *parts, int n
     return rc;
 }
 
+/* The seq of k's last call, as read back with its reply (read_reply). */
+static uint64_t seq_of(const link *k)
+{
+    uint64_t seq;
+    memcpy(&seq, (const unsigned char *)k->h_reply + SEQ_AT, sizeof seq);
+    return seq;
+}
+
+/* Queues the copy of k's reply header and call counter to the host on `stream`. */
+static int read_reply(moedc_links *L, link *k, void *stream)
+{
+    int rc = L->cu->cuMemcpyDtoHAsync(k->h_reply, k->d_reply, MOED_LINK_HEADER_BYTES, stream);
+    return rc ? rc
+              : L->cu->cuMemcpyDtoHAsync((unsigned char *)k->h_reply + SEQ_AT, k->d_head + SEQ_AT,
+                                         sizeof(uint64_t), stream);
+}
+
 /* Which replies arrived, read on our own stream (the caller's may be held by a link that will not
  * answer): parts whose reply header is not their call's are late. */
 static int find_late(moedc_links *L, part *parts, int n, moedc_error *err)
@@ -744,10 +848,10 @@ static int find_late(moedc_links *L, part *parts, int n, moedc_error *err)
     int late = 0;
     for (int j = 0; j < n; j++) {
         link *k = parts[j].k;
-        int rc = L->cu->cuMemcpyDtoHAsync(k->h_reply, k->d_reply, MOED_LINK_HEADER_BYTES, L->watch);
+        int rc = read_reply(L, k, L->watch);
         if (!rc) rc = L->cu->cuStreamSynchronize(L->watch);
         if (rc) return moedc_cuda_fail(L->cu, rc, "reading a link's reply header", err);
-        parts[j].late = !moed_link_reply_matches(k->h_reply, k->seq);
+        parts[j].late = !moed_link_reply_matches(k->h_reply, seq_of(k));
         late += parts[j].late;
     }
     return late;
@@ -828,11 +932,11 @@ static int answers(moedc_links *L, part *parts, int n, moedc_timings *t, moedc_e
     for (int j = 0; j < n; j++) {
         const link *k = parts[j].k;
         const moed_link_reply *r = k->h_reply;
-        if (!moed_link_reply_matches(r, k->seq))
+        if (!moed_link_reply_matches(r, seq_of(k)))
             return moedc_fail(err, MOEDC_EFORMAT,
                               "daemon %s: its reply to call %llu is not one (the link is out of "
                               "step)",
-                              k->name, (unsigned long long)k->seq);
+                              k->name, (unsigned long long)seq_of(k));
         if (r->status) {
             char msg[MOED_LINK_MESSAGE_BYTES + 1];
             snprintf(msg, sizeof msg, "%s", r->message);
@@ -867,77 +971,173 @@ static int read_choices(moedc_links *L, const moedc_link_call *c, moedc_error *e
     return rc ? moedc_cuda_fail(cu, rc, "copying the call's expert choices", err) : 0;
 }
 
-/* The call, the caller's device current and L locked. */
+/* Drops the links the watchdog aborted (their daemons' sessions ended): later calls link again. */
+static void drop_dead(moedc_links *L)
+{
+    for (int i = 0; i < L->n_links;)
+        if (!L->links[i]->comm)
+            link_drop(L, L->links[i]); /* the last link moved to i */
+        else
+            i++;
+}
+
+/* ---- the watchdog of captured calls ---- */
+
+static void *watch_main(void *arg)
+{
+    moedc_links *L = arg;
+    pthread_mutex_lock(&L->mu);
+    while (!L->stopping) {
+        for (int i = 0; i < L->n_links; i++) {
+            link *k = L->links[i];
+            if (k->captured && k->comm && moedc_session_ended(k->s)) link_abort(L, k);
+        }
+        struct timespec at;
+        clock_gettime(CLOCK_REALTIME, &at);
+        at.tv_nsec += (long)(WATCH_S * 1e9);
+        if (at.tv_nsec >= 1000000000L) {
+            at.tv_sec++;
+            at.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&L->wake, &L->mu, &at);
+    }
+    pthread_mutex_unlock(&L->mu);
+    return NULL;
+}
+
+static int start_watchdog(moedc_links *L, moedc_error *err)
+{
+    if (L->watching) return 0;
+    if (pthread_create(&L->watchdog, NULL, watch_main, L))
+        return moedc_fail(err, MOEDC_ENOMEM, "could not start the links' watchdog thread");
+    L->watching = true;
+    return 0;
+}
+
+/* ---- a call ---- */
+
+/* The call, the caller's device current and L locked; captured when its stream is capturing. */
 static int forward(moedc_links *L, const moedc_link_call *c, moedc_timings *t, moedc_error *err)
 {
     const double start = now_s(), until = start + L->o.timeout_s;
     const moedc_cuda_table *cu = L->cu;
+    if (t) memset(t, 0, sizeof *t);
+    int capture = 0;
+    int rc = cu->cuStreamIsCapturing(c->stream, &capture);
+    if (rc) return moedc_cuda_fail(cu, rc, "cuStreamIsCapturing", err);
+    const bool captured = capture == MOEDC_CU_STREAM_CAPTURE_ACTIVE;
+    if (!captured) drop_dead(L); /* frees buffers: not while capturing */
     layer_links *ll;
-    int rc = layer_of(L, (int)c->layer, &ll, err);
-    if (rc) return rc;
+    if ((rc = layer_of(L, (int)c->layer, &ll, err))) return rc;
     const int S = ll->lay.plan.n_shards;
+    if (S > MOEDC_LINK_MAX_PARTS)
+        return moedc_fail(err, MOEDC_EUNSUPPORTED,
+                          "layer %u is served by %d shards; a link call reaches at most %d",
+                          c->layer, S, MOEDC_LINK_MAX_PARTS);
     const int64_t T = c->tokens;
-    if (S > 1 && (rc = read_choices(L, c, err))) return rc;
-    int drc;
+    if (S > 1 && !captured && (rc = read_choices(L, c, err))) return rc;
     int64_t **rows = calloc((size_t)S, sizeof *rows), *n_rows = calloc((size_t)S, sizeof *n_rows);
     part *parts = calloc((size_t)S, sizeof *parts);
-    rc = rows && n_rows && parts
-             ? moedc_plan_rows(&ll->lay.plan, L->h_ids, L->h_w, T, c->k, rows, n_rows, err)
-             : moedc_fail(err, MOEDC_ENOMEM, "out of memory planning a call");
+    if (!rows || !n_rows || !parts)
+        rc = moedc_fail(err, MOEDC_ENOMEM, "out of memory planning a call");
+    else if (captured) /* a replay's choices are not known now: every shard gets every token */
+        for (int s = 0; s < S; s++) n_rows[s] = T;
+    else
+        rc = moedc_plan_rows(&ll->lay.plan, L->h_ids, L->h_w, T, c->k, rows, n_rows, err);
     int n = 0;
+    bool planned = false;
     for (int s = 0; !rc && s < S; s++) {
         if (!n_rows[s]) continue;
-        rc = link_shard(L, ll, s, err);
-        parts[n] = (part){ .k = ll->by_shard[s], .shard = s, .rows = rows[s], .n_rows = n_rows[s] };
-        n++;
-    }
-    size_t rows_at = 0, map_at = 0;
-    if (!rc) rc = index_area(L, n, T, &rows_at, &map_at, err);
-    for (int j = 0; !rc && j < n; j++) {
-        int32_t *list = (int32_t *)(L->h_index + rows_at) + (size_t)j * (size_t)T;
-        int32_t *map = (int32_t *)(L->h_index + map_at) + (size_t)j * (size_t)T;
-        for (int64_t i = 0; i < T; i++) map[i] = parts[j].rows ? -1 : (int32_t)i;
-        for (int64_t i = 0; parts[j].rows && i < parts[j].n_rows; i++) {
-            list[i] = (int32_t)parts[j].rows[i];
-            map[parts[j].rows[i]] = (int32_t)i;
+        if (captured && !(ll->by_shard[s] && ll->by_shard[s]->comm)) {
+            char experts[96];
+            experts_text(ll->lay.plan.shards[s].li, experts, sizeof experts);
+            rc = moedc_fail(err, MOEDC_EPRECOND,
+                            "layer %u, experts %s: no link is open to a daemon holding them (its "
+                            "last failed), and a captured call cannot open one: make a call of the "
+                            "layer outside the capture first",
+                            c->layer, experts);
+        } else {
+            rc = link_shard(L, ll, s, err);
         }
-        ((moedc_link_part *)L->h_index)[j] = (moedc_link_part){
-            .reply = (const unsigned char *)(uintptr_t)parts[j].k->d_reply,
-            .row_of = (const int32_t *)(uintptr_t)(L->d_index + map_at + (size_t)j * T * 4),
-            .seq = parts[j].k->seq + 1
-        };
+        if (rc) break;
+        parts[n++] =
+            (part){ .k = ll->by_shard[s], .shard = s, .rows = rows[s], .n_rows = n_rows[s] };
+        planned |= rows[s] != NULL;
+        ll->by_shard[s]->captured |= captured;
     }
-    if (!rc && (drc = cu->cuMemcpyHtoDAsync(L->d_index, L->h_index, map_at + (size_t)n * T * 4,
-                                            c->stream)))
+    size_t map_at = 0;
+    if (!rc && planned) rc = index_area(L, n, T, &map_at, err);
+    moedc_link_parts P;
+    for (int j = 0; !rc && j < n; j++) {
+        moedc_cu_ptr row_of = 0;
+        if (parts[j].rows) {
+            int32_t *list = (int32_t *)L->h_index + (size_t)j * (size_t)T;
+            int32_t *map = (int32_t *)(L->h_index + map_at) + (size_t)j * (size_t)T;
+            for (int64_t i = 0; i < T; i++) map[i] = -1;
+            for (int64_t i = 0; i < parts[j].n_rows; i++) {
+                list[i] = (int32_t)parts[j].rows[i];
+                map[parts[j].rows[i]] = (int32_t)i;
+            }
+            row_of = L->d_index + map_at + (size_t)j * (size_t)T * 4;
+        }
+        const link *k = parts[j].k;
+        P.p[j] = (moedc_link_part){ .reply = (const unsigned char *)(uintptr_t)k->d_reply,
+                                    .row_of = (const int32_t *)(uintptr_t)row_of,
+                                    .seq = (const uint64_t *)(uintptr_t)(k->d_head + SEQ_AT) };
+    }
+    int drc;
+    if (!rc && planned &&
+        (drc =
+             cu->cuMemcpyHtoDAsync(L->d_index, L->h_index, map_at + (size_t)n * T * 4, c->stream)))
         rc = moedc_cuda_fail(cu, drc, "cuMemcpyHtoDAsync (the call's index)", err);
     for (int j = 0; !rc && j < n; j++)
-        rc = stage(L, ll, c, &parts[j], L->d_index + rows_at + (size_t)j * T * 4, err);
+        rc = stage(L, ll, c, &parts[j], L->d_index + (size_t)j * T * 4, err);
     if (!rc && (rc = exchange(L, c, parts, n, until, err))) {
         for (int j = 0; j < n; j++) parts[j].late = true; /* out of step with their daemons */
         char cause[sizeof err->msg];
         snprintf(cause, sizeof cause, "%s", err->msg);
-        rc = fail_late(L, c, ll, parts, n, cause, err);
+        if (captured) { /* nothing to wait for: the capture is the caller's to discard */
+            for (int j = 0; j < n; j++) link_abort(L, parts[j].k);
+        } else {
+            rc = fail_late(L, c, ll, parts, n, cause, err);
+        }
     } else if (!rc) {
-        moedc_cu_ptr d_parts = L->d_index;
         int verbatim = S == 1, dtype = c->dtype;
         long long tokens = T, d = c->d_model;
-        moedc_cu_ptr out = (moedc_cu_ptr)(uintptr_t)c->output;
-        void *params[] = { &d_parts, &n, &verbatim, &dtype, &tokens, &d, &out };
+        moedc_cu_ptr out = (moedc_cu_ptr)(uintptr_t)c->output, failures = L->d_failures;
+        void *params[] = { &P, &n, &verbatim, &dtype, &tokens, &d, &out, &failures };
         rc =
             launch(L, L->k_combine, tokens * d, c->stream, params, "cuLaunchKernel (combine)", err);
     }
-    for (int j = 0; !rc && j < n; j++)
-        if ((drc = cu->cuMemcpyDtoHAsync(parts[j].k->h_reply, parts[j].k->d_reply,
-                                         MOED_LINK_HEADER_BYTES, c->stream)))
-            rc = moedc_cuda_fail(cu, drc, "cuMemcpyDtoHAsync (a reply's header)", err);
-    if (!rc) rc = watch_call(L, c, ll, parts, n, until, err);
-    if (t) memset(t, 0, sizeof *t);
-    if (!rc) rc = answers(L, parts, n, t, err);
-    if (t) t->total_us = (uint64_t)((now_s() - start) * 1e6);
+    if (captured) {
+        if (!rc) rc = start_watchdog(L, err);
+    } else {
+        for (int j = 0; !rc && j < n; j++)
+            if ((drc = read_reply(L, parts[j].k, c->stream)))
+                rc = moedc_cuda_fail(cu, drc, "cuMemcpyDtoHAsync (a reply's header)", err);
+        if (!rc) rc = watch_call(L, c, ll, parts, n, until, err);
+        if (!rc) rc = answers(L, parts, n, t, err);
+        if (t) t->total_us = (uint64_t)((now_s() - start) * 1e6);
+    }
     for (int s = 0; rows && s < S; s++) free(rows[s]);
     free(rows);
     free(n_rows);
     free(parts);
+    return rc;
+}
+
+int moedc_links_failures(moedc_links *L, uint64_t *count, moedc_error *err)
+{
+    if (!L || !count) return moedc_fail(err, MOEDC_EINVAL, "no links or no count given");
+    *count = 0;
+    pthread_mutex_lock(&L->mu);
+    int rc = 0;
+    if (L->d_failures && !(rc = enter(L, err))) {
+        int drc = L->cu->cuMemcpyDtoH(count, L->d_failures, sizeof *count);
+        if (drc) rc = moedc_cuda_fail(L->cu, drc, "reading the links' failure count", err);
+        leave(L);
+    }
+    pthread_mutex_unlock(&L->mu);
     return rc;
 }
 

@@ -9,7 +9,10 @@
  * roundings are common/moed_dtype.h's own (host and device functions under nvcc).
  *
  * A part is one shard's reply as the link received it (moed_link.h: a 256-byte header, then
- * [rows, d_model] of dtype) and row_of, the reply's row of each token of the call or -1.
+ * [rows, d_model] of dtype), row_of, the reply's row of each token of the call or -1 (NULL: the
+ * shard got every token, in order), and the link's call counter, the seq the reply must carry.
+ * A call's parts travel by value, as the combine kernel's parameter (moedc_link_parts): a captured
+ * call's replays then read no memory that a later call rewrites.
  */
 #ifndef MOEDC_LINK_SUM_H
 #define MOEDC_LINK_SUM_H
@@ -25,11 +28,22 @@
 #define MOEDC_LINK_FN static inline
 #endif
 
+#define MOEDC_LINK_MAX_PARTS 128 /* shards of a layer a link call reaches: 3 KiB of parameters */
+
 typedef struct moedc_link_part {
     const unsigned char *reply; /* the header, then the rows */
-    const int32_t *row_of;      /* [tokens] */
-    uint64_t seq;               /* the call's on this link */
+    const int32_t *row_of;      /* [tokens], or NULL: row t is token t */
+    const uint64_t *seq;        /* the link's call counter (moedc_link_stamp's) */
 } moedc_link_part;
+
+typedef struct moedc_link_parts {
+    moedc_link_part p[MOEDC_LINK_MAX_PARTS];
+} moedc_link_parts;
+
+MOEDC_LINK_FN int32_t moedc_link_row(const moedc_link_part *part, int64_t t)
+{
+    return part->row_of ? part->row_of[t] : (int32_t)t;
+}
 
 MOEDC_LINK_FN float moedc_link_load(int dtype, const void *p, int64_t i)
 {
@@ -54,7 +68,7 @@ MOEDC_LINK_FN int moedc_link_replies_ok(const moedc_link_part *parts, int n)
     for (int s = 0; s < n; s++) {
         const moed_link_reply *r = (const moed_link_reply *)parts[s].reply;
         if (r->magic != MOED_LINK_REPLY_MAGIC || r->version != MOED_LINK_VERSION ||
-            r->header_bytes != MOED_LINK_HEADER_BYTES || r->seq != parts[s].seq || r->status)
+            r->header_bytes != MOED_LINK_HEADER_BYTES || r->seq != *parts[s].seq || r->status)
             return 0;
     }
     return 1;
@@ -67,7 +81,7 @@ MOEDC_LINK_FN void moedc_link_sum_element(int dtype, const moedc_link_part *part
 {
     if (verbatim) {
         const unsigned char *rows = parts[0].reply + MOED_LINK_HEADER_BYTES;
-        const int64_t at = (int64_t)parts[0].row_of[t] * d + c;
+        const int64_t at = (int64_t)moedc_link_row(&parts[0], t) * d + c;
         if (dtype == MOED_F32)
             ((uint32_t *)out)[t * d + c] = ((const uint32_t *)rows)[at];
         else
@@ -75,10 +89,10 @@ MOEDC_LINK_FN void moedc_link_sum_element(int dtype, const moedc_link_part *part
         return;
     }
     int held = 0;
-    for (int s = 0; s < n; s++) held += parts[s].row_of[t] >= 0;
+    for (int s = 0; s < n; s++) held += moedc_link_row(&parts[s], t) >= 0;
     float acc = held == n ? -0.0f : 0.0f; /* a part without t would have answered +0.0 */
     for (int s = 0; s < n; s++) {
-        const int32_t r = parts[s].row_of[t];
+        const int32_t r = moedc_link_row(&parts[s], t);
         if (r >= 0)
             acc +=
                 moedc_link_load(dtype, parts[s].reply + MOED_LINK_HEADER_BYTES, (int64_t)r * d + c);

@@ -112,6 +112,7 @@ _PROTOS = {
     "moedc_links_open": (c_int, [_P, POINTER(LinksOpts), POINTER(_P), _ERR]),
     "moedc_links_forward": (c_int, [_P, POINTER(LinkCall), POINTER(Timings), _ERR]),
     "moedc_links_describe": (c_char_p, [_P]),
+    "moedc_links_failures": (c_int, [_P, POINTER(c_uint64), _ERR]),
     "moedc_links_close": (None, [_P]),
 }
 

@@ -12,6 +12,12 @@ daemons. hidden is f32, f16 or bf16 [T, d_model] on the links' device; topk_ids 
 itself) is written in place, else a new tensor is returned. A failed call raises MoEError with its
 status (UNAVAILABLE naming the daemons that did not answer) and never writes the output.
 
+Captured: a call made while torch captures a CUDA graph (torch.cuda.graph) is recorded, and each
+replay makes it again with the tensors' contents at that time (every shard gets every token; the
+bits are the same). A replay that fails writes no output and is counted in failures(); a watchdog
+aborts the links of a daemon that is gone, so replays never hang. Destroy the graphs before
+close(). moedclient.h (moedc_links_forward) has the rules.
+
 Which transport is used is logged on the "moed.links" logger: "links: nccl 2.27.3: 2 links
 (daemons ...)", or why links are not used and calls go over gRPC.
 """
@@ -104,6 +110,17 @@ class Links:
         with self._lock:
             L.check(self._lib.moedc_links_forward(self._l, ctypes.byref(call), None, ctypes.byref(err)), err)
         return out
+
+    def failures(self) -> int:
+        """Calls whose output was not written, captured replays included, since the links opened
+        (synchronise the stream that ran them first)."""
+        if not self._l:
+            raise MoEError("FAILED_PRECONDITION", "these links are closed")
+        n = ctypes.c_uint64()
+        err = L.Error()
+        with self._lock:
+            L.check(self._lib.moedc_links_failures(self._l, ctypes.byref(n), ctypes.byref(err)), err)
+        return int(n.value)
 
     def close(self) -> None:
         with self._lock:
