@@ -5,7 +5,8 @@ over daemons on GPUs 1 .. N (N = 2 and 3: --experts cut for equal work at large 
 expert 0 adding the shared expert: cuts()), one caller on GPU 0 (link-bench, bench/daemon/link_bench.c), and the whole layer in one daemon on
 GPU 1 as the reference. For each fleet and T: the links' p50 / p90 latency and tokens/s, the slowest
 shard's compute time as its daemon reports it (the kernel the call waited for), the same calls over
-gRPC (the fleet client's inline path), and whether the two gave the same bits. Then the links to the
+gRPC (the fleet client's inline path), whether the two gave the same bits, and one call captured in a
+CUDA graph and replayed (link-bench --graph). Then the links to the
 one daemon holding every expert (tokens/s of one GPU), and the 3-shard fleet again with NCCL's socket
 transport forced (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 in every process: the path two hosts take).
 Each row also says where a call's time goes on the daemons' side: the medians of their debug log's
@@ -124,13 +125,14 @@ def fleet_rows(a, n, env, label, results):
     try:
         for t in a.tokens:
             marks = log_marks(daemons)
-            row = driver(a, [d.addr for d in daemons], t, env, ["--grpc"])
+            row = driver(a, [d.addr for d in daemons], t, env, ["--grpc", "--graph"])
             row.update(fleet=n, transport=label, tokens=t, daemon_side=daemon_side(daemons, marks))
             results.append(row)
             print(f"links {label} {n} shards T={t}: p50 {row['links']['p50_us']:.0f} us "
                   f"(slowest shard's compute p50 {row['links']['compute_p50_us']:.0f} us), "
                   f"{row['links']['tokens_per_s']:.0f} tok/s; grpc p50 {row['grpc']['p50_us']:.0f} us, "
                   f"{row['grpc']['tokens_per_s']:.0f} tok/s; same bits {row['same_bits']}; "
+                  f"captured in a graph p50 {row['graph']['p50_us']:.0f} us; "
                   f"{side_text(row['daemon_side'], row['links']['p50_us'])}", flush=True)
     finally:
         for d in daemons:
@@ -154,13 +156,14 @@ def main():
     try:
         for t in a.tokens:
             marks = log_marks([one])
-            row = driver(a, [one.addr], t, extra=["--grpc"])
+            row = driver(a, [one.addr], t, extra=["--grpc", "--graph"])
             row.update(fleet=1, transport="nvlink", tokens=t, daemon_side=daemon_side([one], marks))
             results.append(row)
             print(f"links to one daemon T={t}: p50 {row['links']['p50_us']:.0f} us "
                   f"(compute p50 {row['links']['compute_p50_us']:.0f} us), "
                   f"{row['links']['tokens_per_s']:.0f} tok/s; grpc p50 {row['grpc']['p50_us']:.0f} us; "
-                  f"same bits {row['same_bits']}; {side_text(row['daemon_side'], row['links']['p50_us'])}",
+                  f"same bits {row['same_bits']}; captured in a graph p50 {row['graph']['p50_us']:.0f} us; "
+                  f"{side_text(row['daemon_side'], row['links']['p50_us'])}",
                   flush=True)
     finally:
         one.stop()

@@ -16,6 +16,10 @@
  *   latency, and whether the two transports gave the same bits;
  * - with --ref TARGET (one daemon holding the layer's every expert), the largest per-token error of
  *   the links' output against that daemon's, over the token's largest magnitude.
+ * - with --graph, one call captured in a CUDA graph on the links' stream and replayed --calls
+ *   times (after --warmup): the replays' p50 / p90 latency (launch to the stream done), `wrong`
+ *   (a replay's output differing in any bit from the first blocking call's: a captured call sends
+ *   every shard every token, and the sum rule gives the same bits) and the links' failure count.
  * --keep-going carries on after a failed call (the tests kill a daemon under it); without it the
  * first failure ends the run. --duration bounds the links' calls in time (`calls` then counts
  * the calls made). Exit status: 0, or 1 for a failure, a wrong answer, or different
@@ -37,7 +41,7 @@
 typedef struct opts {
     const char *target, *ref, *dtype, *json;
     int64_t device, layer, tokens, top_k, seed, calls, warmup;
-    int grpc, keep_going;
+    int grpc, keep_going, graph;
     double timeout, duration;
 } opts;
 
@@ -58,6 +62,7 @@ static const moed_opt options[] = {
     MOED_OPT_I64_ROW("warmup", F(warmup), "N", 0, 1 << 20, "5", NULL, NULL, "untimed calls first"),
     MOED_OPT_FLAG_ROW("grpc", F(grpc), 1, NULL, "the same calls over gRPC, and their bits"),
     MOED_OPT_FLAG_ROW("keep-going", F(keep_going), 1, NULL, "go on after a failed call"),
+    MOED_OPT_FLAG_ROW("graph", F(graph), 1, NULL, "one call captured in a CUDA graph, replayed"),
     MOED_OPT_NUM_ROW("duration", F(duration), "S", 0, 3600, "0", NULL, NULL,
                      "stop the links' calls after S seconds (0: after --calls)"),
     MOED_OPT_NUM_ROW("timeout", F(timeout), "S", 0, 3600, "0", NULL, NULL,
@@ -326,6 +331,37 @@ int main(int argc, char **argv)
                 pct(lat, g_ok, 0.5) * 1e6, pct(lat, g_ok, 0.9) * 1e6,
                 g_busy > 0 ? (double)T * g_ok / g_busy : 0.0, same ? "true" : "false");
     }
+    int g_wrong = 0;
+    uint64_t g_failed = 0;
+    if (o.graph && have_first) {
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal))
+            return die("CUDA", cudaGetErrorString(cudaGetLastError()));
+        rc = moedc_links_forward(l, &call, NULL, &err);
+        if (cudaStreamEndCapture(st, &graph) || rc || cudaGraphInstantiate(&exec, graph, 0))
+            return die("capturing a link call",
+                       rc ? err.msg : cudaGetErrorString(cudaGetLastError()));
+        int g_n = 0;
+        for (int i = -(int)o.warmup; i < N; i++) {
+            const double t0 = now_s();
+            if (cudaGraphLaunch(exec, st) || cudaStreamSynchronize(st))
+                return die("CUDA", cudaGetErrorString(cudaGetLastError()));
+            const double dt = now_s() - t0;
+            if (cudaMemcpy(y_link, dy, hb, cudaMemcpyDeviceToHost))
+                return die("CUDA", cudaGetErrorString(cudaGetLastError()));
+            g_wrong += memcmp(y_first, y_link, hb) != 0;
+            if (i >= 0) lat[g_n++] = dt;
+        }
+        if (moedc_links_failures(l, &g_failed, &err)) return die("moedc_links_failures", err.msg);
+        fprintf(out,
+                ", \"graph\": {\"replays\": %d, \"p50_us\": %.1f, \"p90_us\": %.1f, \"wrong\": %d, "
+                "\"failures\": %llu}",
+                g_n, pct(lat, g_n, 0.5) * 1e6, pct(lat, g_n, 0.9) * 1e6, g_wrong,
+                (unsigned long long)g_failed);
+        cudaGraphExecDestroy(exec); /* before the links close: NCCL waits for it */
+        cudaGraphDestroy(graph);
+    }
     if (o.ref && have_first) {
         moedc *r;
         if (moedc_connect(o.ref, NULL, &r, &err) || grpc_call(r, &req, y_other, hb, &err))
@@ -339,5 +375,5 @@ int main(int argc, char **argv)
     if (o.json) fclose(out);
     moedc_links_close(l);
     moedc_close(c);
-    return lf.total || wrong || !same ? 1 : 0;
+    return lf.total || wrong || !same || g_wrong || g_failed ? 1 : 0;
 }
