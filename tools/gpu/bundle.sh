@@ -32,7 +32,7 @@ cp build-gpu/server/moed build-gpu/client/c/moectl build-gpu/bench/moe-bench \
    build-gpu/bench/moe-split-bench build-gpu/tests/gpu/test_cuda_backend build-gpu/tests/gpu/test_cuda_parts \
    build-gpu/tests/gpu/test_ipc build-gpu/tests/gpu/test_split build-gpu/tests/gpu/test_dev_route \
    build-gpu/tests/gpu/test_route_pack build-gpu/tests/gpu/test_ring_stream build-gpu/bench/doorbell-graph \
-   build-gpu/bench/link-bench \
+   build-gpu/bench/link-bench build-gpu/tests/gpu/test_link_kernels \
    .gpu/bin/
 [ -x build-gpu/client/c/moed-load ] && cp build-gpu/client/c/moed-load .gpu/bin/
 # The Python client with libmoedclient inside (the doorbell's, moed.RingClient): this build's copy,
