@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, over a copy of the tree with .gpu/ carried (tools/gpu/bundle.sh builds it):
 # the stages named as arguments, in order, each logging to $OUT.
-#   tests     the CUDA-vs-CPU suite (tests/gpu/test_cuda_backend), every case
+#   tests     the CUDA-vs-CPU suite (tests/gpu/test_cuda_backend), every case, and the links' kernels
+#             against the host (tests/gpu/test_link_kernels)
 #   sanitize  compute-sanitizer memcheck and racecheck on the quick cases
 #   bench     the kernel benchmark (moe-bench) and the torch._grouped_mm reference, same run, and the
 #             merged table (bench/kernels/report.py)
@@ -192,6 +193,7 @@ stage_device() {
 
 stage_tests() {
     logged "$OUT/gpu-tests.log" "$B/test_cuda_backend"
+    logged "$OUT/gpu-link-kernels.log" "$B/test_link_kernels"
 }
 
 stage_sanitize() {
