@@ -6,10 +6,11 @@
  * counted, and the stamp counting a link's calls on the device.
  */
 #include "check.h"
-extern "C" { /* C headers, C functions (moed_common): included first, so link_kernels.cu's are too
-              */
+/* C headers of C functions (moed_common), first, so that link_kernels.cu's includes are these */
+extern "C" {
 #include "moed_dtype.h"
 #include "moed_link.h"
+#include "moed_synth.h"
 }
 #include "link_kernels.cu"
 
@@ -17,13 +18,10 @@ extern "C" { /* C headers, C functions (moed_common): included first, so link_ke
 #include <stdlib.h>
 #include <string.h>
 
-static uint64_t rng = 0x9e3779b97f4a7c15ull;
+static uint64_t counter;
 static uint64_t next(void)
 {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return rng;
+    return moed_splitmix64(++counter);
 }
 static float uniform(void)
 {
