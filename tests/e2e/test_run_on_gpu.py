@@ -1,5 +1,5 @@
 """tools/gpu/run-on-gpu.sh, the GPU machine's test run, checked here without a GPU: its stages run
-against stand-in programs (MOED_GPU_DIR: a test_cuda_backend that exits as told, an nvidia-smi and
+against stand-in programs (MOED_GPU_DIR: the tests stage's programs exiting as told, an nvidia-smi and
 a compute-sanitizer on PATH) so that a failing, skipping or missing program must show in the summary
 and the exit status; and its pytest stage against the real daemon, which serves on the CPU here, so
 that a CUDA run that fell back to the CPU must fail.
@@ -14,6 +14,7 @@ import pytest
 from conftest import MOED_BIN, ROOT
 
 SCRIPT = ROOT / "tools" / "gpu" / "run-on-gpu.sh"
+TESTS_STAGE = ("test_cuda_backend", "test_link_kernels")  # the programs its tests stage runs
 
 
 def fake(path, rc, out=""):
@@ -24,14 +25,14 @@ def fake(path, rc, out=""):
 @pytest.fixture
 def gpu(tmp_path):
     """Runs the script with stand-ins: gpu(stages, tests=rc, smi=rc, sanitizer=rc) -> (exit status,
-    output, summary lines); tests=None leaves test_cuda_backend out of the bundle."""
+    output, summary lines); tests=None leaves the tests stage's programs out of the bundle."""
 
     def run(*stages, tests=0, smi=0, sanitizer=None, packed=False):
         bundle, tools, out = tmp_path / "gpu", tmp_path / "tools", tmp_path / "out"
         for d in (bundle / "bin", bundle / "lib", bundle / "py", tools):
             d.mkdir(parents=True, exist_ok=True)
-        if tests is not None:
-            fake(bundle / "bin" / "test_cuda_backend", tests)
+        for name in TESTS_STAGE if tests is not None else ():
+            fake(bundle / "bin" / name, tests)
         (bundle / "bin" / "moed").unlink(missing_ok=True)
         (bundle / "bin" / "moed").symlink_to(MOED_BIN)
         fake(tools / "nvidia-smi", smi, "name, memory.total\nStand-in GPU, 80 GiB")
@@ -42,7 +43,8 @@ def gpu(tmp_path):
         (tools / "compute-sanitizer").chmod(0o755)
         if packed:  # as bundle.sh leaves it, beside a stale bin/ that the archive must replace
             subprocess.run(["tar", "czf", "bundle.tgz", "bin", "lib", "py"], cwd=bundle, check=True)
-            fake(bundle / "bin" / "test_cuda_backend", 1)
+            for name in TESTS_STAGE:
+                fake(bundle / "bin" / name, 1)
         env = {**os.environ, "OUT": str(out), "MOED_GPU_DIR": str(bundle),
                "MOED_GPU_PYTHON": sys.executable, "PATH": f"{tools}:{os.environ['PATH']}"}
         p = subprocess.run(["bash", str(SCRIPT), *stages], capture_output=True, text=True, env=env,

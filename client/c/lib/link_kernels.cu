@@ -19,7 +19,8 @@ extern "C" __global__ void moedc_link_gather(const uint16_t *src, uint16_t *dst,
 }
 
 /* A call's header: head with its seq the link's next, counted on the device, so that each replay
- * of a captured call is a call of its own on the link (the first thread; the launch has a block). */
+ * of a captured call is a call of its own on the link (the first thread; the launch has a block).
+ */
 extern "C" __global__ void moedc_link_stamp(moed_link_call head, moed_link_call *dst,
                                             unsigned long long *counter)
 {
