@@ -527,8 +527,10 @@ typedef struct moedc_link_call {
  * release their communicators and then frees the buffers they use. */
 MOEDC_EXTERN int moedc_links_forward(moedc_links *l, const moedc_link_call *call, moedc_timings *t,
                                      moedc_error *err);
-/* Calls whose output was not written (captured replays and blocking calls alike), since open; read
- * after synchronising the stream that ran them. */
+/* Calls, captured replays and blocking calls alike, whose output was not written because a reply
+ * was missing, refused or out of step when they were combined (a blocking call that failed before
+ * its messages were posted is not among them), since open; read after synchronising the stream
+ * that ran them. */
 MOEDC_EXTERN int moedc_links_failures(moedc_links *l, uint64_t *count, moedc_error *err);
 /* A line for logs: "nccl 2.27.3: 3 links (daemons a, b, c)", or why links are not used. */
 MOEDC_EXTERN const char *moedc_links_describe(const moedc_links *l);
