@@ -18,6 +18,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,6 +27,7 @@
 
 #define DEFAULT_WAIT_MS 30000 /* the join and key, a payload after its header, a reply */
 #define ELEM_BYTES      4     /* links are sized for float32, the widest dtype a call may send */
+#define DONE_SPIN_NS    20000000ull
 
 typedef struct link link;
 
@@ -43,7 +45,7 @@ struct link {
     /* the call being computed */
     pthread_mutex_t lock;
     pthread_cond_t cond;
-    bool done;
+    _Atomic bool done; /* set under lock, read without it while the thread spins */
     int status;
     moed_error err;
     moed_timings timings;
@@ -78,7 +80,7 @@ static void call_done(moed_sched_item *it, const moed_sched_result *res)
         k->err = *res->err;
     else
         k->timings = res->timings;
-    k->done = true;
+    atomic_store(&k->done, true);
     pthread_cond_signal(&k->cond);
     pthread_mutex_unlock(&k->lock);
 }
@@ -110,7 +112,7 @@ static int forward(link *k, const moed_link_call *c, uint64_t t0, moed_error *er
     moed_link_to_ring(c, moed_region_id(k->region), 0, moed_backend_link_reply_at(k->bl), &d);
     memset(&k->work, 0, sizeof k->work);
     memset(&k->timings, 0, sizeof k->timings);
-    k->done = false;
+    atomic_store(&k->done, false);
     int rc = moed_request_from_ring(s, &d, &q, err);
     if (!rc && (c->flags & MOED_LINK_EXPECT)) expect_of(c, &q.expect);
     if (!rc) rc = moed_request_validate(s, &who, &q, &k->work, err);
@@ -124,8 +126,14 @@ static int forward(link *k, const moed_link_call *c, uint64_t t0, moed_error *er
         rc = moed_sched_submit(lk->cfg.sched, it, err);
     }
     if (!rc) {
+        /* the caller waits on this answer: spin (yielding, so a compute thread on this core goes
+         * first) while a layer's kernels could run, then sleep, rather than put a wake-up through
+         * the condition on every call's path */
+        for (const uint64_t spin = moed_now_ns();
+             !atomic_load(&k->done) && moed_now_ns() - spin < DONE_SPIN_NS;)
+            sched_yield();
         pthread_mutex_lock(&k->lock);
-        while (!k->done) pthread_cond_wait(&k->cond, &k->lock);
+        while (!atomic_load(&k->done)) pthread_cond_wait(&k->cond, &k->lock);
         rc = k->status;
         if (rc) *err = k->err;
         pthread_mutex_unlock(&k->lock);
