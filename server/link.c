@@ -155,6 +155,7 @@ static int serve_call(link *k, uint64_t seq, moed_error *err)
     const uint64_t reply_at = moed_backend_link_reply_at(k->bl);
     moed_link_call c;
     int rc = moed_backend_link_recv(k->bl, 0, sizeof c, -1, &k->stop, err);
+    const uint64_t t_in = moed_now_ns();
     if (!rc) rc = moed_backend_link_read(k->bl, &c, 0, sizeof c, err);
     if (!rc)
         rc = moed_link_check_call(&c, seq, k->max_tokens, k->max_top_k, k->info.max_payload_bytes,
@@ -187,12 +188,13 @@ static int serve_call(link *k, uint64_t seq, moed_error *err)
     /* where a call's time goes on this side (docs/fleets.md, "Where a call's time goes") */
     moed_log_debug(
         "link call",
-        "link=%016llx seq=%llu tokens=%u status=%d payload_us=%llu forward_us=%llu "
-        "queue_us=%llu compute_us=%llu reply_us=%llu reply_bytes=%llu",
+        "link=%016llx seq=%llu tokens=%u status=%d header_us=%llu payload_us=%llu "
+        "forward_us=%llu queue_us=%llu compute_us=%llu reply_us=%llu reply_bytes=%llu",
         (unsigned long long)k->info.id, (unsigned long long)seq, c.tokens, status,
-        (unsigned long long)((t0 - t_head) / 1000), (unsigned long long)((t_done - t0) / 1000),
-        (unsigned long long)k->timings.queue_us, (unsigned long long)k->timings.compute_us,
-        (unsigned long long)((t_sent - t_done) / 1000), (unsigned long long)n);
+        (unsigned long long)((t_head - t_in) / 1000), (unsigned long long)((t0 - t_head) / 1000),
+        (unsigned long long)((t_done - t0) / 1000), (unsigned long long)k->timings.queue_us,
+        (unsigned long long)k->timings.compute_us, (unsigned long long)((t_sent - t_done) / 1000),
+        (unsigned long long)n);
     return rc;
 }
 
