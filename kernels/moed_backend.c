@@ -363,6 +363,18 @@ int moed_backend_link_send(moed_backend_link *l, uint64_t offset, uint64_t bytes
                                              stop, err);
 }
 
+int moed_backend_link_recv_header(moed_backend_link *l, void *dst, size_t bytes, int64_t timeout_ms,
+                                  const _Atomic bool *stop, moed_error *err)
+{
+    if (bytes > MOED_LINK_HEADER_BYTES)
+        return moed_fail(err, MOED_EINVAL, "a header of %zu bytes: at most %d", bytes,
+                         MOED_LINK_HEADER_BYTES);
+    const moed_backend_link_ops *o = l->backend->ops->links;
+    if (o->recv_host) return o->recv_host(l, dst, bytes, timeout_ms, stop, err);
+    int rc = moed_backend_link_recv(l, 0, bytes, timeout_ms, stop, err);
+    return rc ? rc : moed_backend_link_read(l, dst, 0, bytes, err);
+}
+
 int moed_backend_link_read(moed_backend_link *l, void *dst, uint64_t offset, size_t bytes,
                            moed_error *err)
 {

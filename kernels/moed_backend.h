@@ -275,6 +275,14 @@ int moed_backend_link_recv(moed_backend_link *l, uint64_t offset, uint64_t bytes
 int moed_backend_link_send(moed_backend_link *l, uint64_t offset, uint64_t bytes,
                            int64_t timeout_ms, const _Atomic bool *stop, moed_error *err);
 
+/* Receives the caller's next message, of `bytes` (at most MOED_LINK_HEADER_BYTES: a call's header),
+ * into dst on the host, waiting as moed_backend_link_recv does. The CUDA backend has NCCL receive
+ * it into page-locked host memory, so it needs no copy and no synchronisation; a backend without
+ * that receives it at offset 0 of the buffer and reads it back. MOED_EINVAL for a larger message.
+ */
+int moed_backend_link_recv_header(moed_backend_link *l, void *dst, size_t bytes, int64_t timeout_ms,
+                                  const _Atomic bool *stop, moed_error *err);
+
 /* Small copies between host memory and the buffer, on the link's stream: read (a call's header to
  * the host) is done when it returns; write (a reply's header to the device) may be queued, src
  * reusable at once, and is done before the link's next send or receive is. MOED_EINVAL outside

@@ -36,6 +36,9 @@ typedef struct moed_backend_link_ops {
                 const _Atomic bool *stop, moed_error *err);
     int (*copy)(moed_backend_link *l, bool to_host, void *host, uint64_t offset, size_t bytes,
                 moed_error *err);
+    /* optional (moed_backend_link_recv_header): a message received into host memory */
+    int (*recv_host)(moed_backend_link *l, void *dst, size_t bytes, int64_t timeout_ms,
+                     const _Atomic bool *stop, moed_error *err);
     void (*abort)(moed_backend_link *l);
     void (*destroy)(moed_backend_link *l);
 } moed_backend_link_ops;

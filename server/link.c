@@ -154,9 +154,8 @@ static int serve_call(link *k, uint64_t seq, moed_error *err)
     const int64_t ms = wait_ms(lk->cfg.payload_ms);
     const uint64_t reply_at = moed_backend_link_reply_at(k->bl);
     moed_link_call c;
-    int rc = moed_backend_link_recv(k->bl, 0, sizeof c, -1, &k->stop, err);
+    int rc = moed_backend_link_recv_header(k->bl, &c, sizeof c, -1, &k->stop, err);
     const uint64_t t_in = moed_now_ns();
-    if (!rc) rc = moed_backend_link_read(k->bl, &c, 0, sizeof c, err);
     if (!rc)
         rc = moed_link_check_call(&c, seq, k->max_tokens, k->max_top_k, k->info.max_payload_bytes,
                                   err);
