@@ -27,7 +27,7 @@
 
 #define DEFAULT_WAIT_MS 30000 /* the join and key, a payload after its header, a reply */
 #define ELEM_BYTES      4     /* links are sized for float32, the widest dtype a call may send */
-#define DONE_SPIN_NS    20000000ull
+#define DONE_SPIN_NS    20000000ull /* how long a call's answer is spun for (forward) */
 
 typedef struct link link;
 
@@ -184,7 +184,7 @@ static int serve_call(link *k, uint64_t seq, moed_error *err)
     if (!rc) rc = moed_backend_link_send(k->bl, reply_at, n, ms, &k->stop, err);
     const uint64_t t_sent = moed_now_ns();
     moed_metrics_link(lk->cfg.metrics, status, t_sent - t0);
-    /* where a call's time goes on this side (docs/fleets.md, "Where a call's time goes") */
+    /* where a call's time goes on this side (docs/fleets.md, "Metrics and logs") */
     moed_log_debug(
         "link call",
         "link=%016llx seq=%llu tokens=%u status=%d header_us=%llu payload_us=%llu "

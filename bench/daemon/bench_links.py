@@ -10,8 +10,8 @@ CUDA graph and replayed (link-bench --graph). Then the links to the
 one daemon holding every expert (tokens/s of one GPU), and the 3-shard fleet again with NCCL's socket
 transport forced (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 in every process: the path two hosts take).
 Each row also says where a call's time goes on the daemons' side: the medians of their debug log's
-`link call` lines for its calls (the header's read to the host, then to the payload in, the forward
-with its queue and compute, the reply's send); the rest of the p50 is the caller's side and NCCL's
+`link call` lines for its calls (the header's check, then to the payload in, the forward with its
+queue and compute, the reply's send); the rest of the p50 is the caller's side and NCCL's
 messages.
 
 usage: python3 bench_links.py --bin .gpu/bin [--tokens 8,128,4096] [--calls 200] [--fleets 2,3] [--json FILE]
@@ -103,7 +103,7 @@ def side_text(side, p50):
     if not side:
         return "daemon side: no link call lines"
     rest = p50 - side["header_us"] - side["payload_us"] - side["forward_us"] - side["reply_us"]
-    return (f"daemon side p50s: header read {side['header_us']:.0f} us, payload {side['payload_us']:.0f} us, "
+    return (f"daemon side p50s: header {side['header_us']:.0f} us, payload {side['payload_us']:.0f} us, "
             f"forward {side['forward_us']:.0f} "
             f"(queue {side['queue_us']:.0f}, compute {side['compute_us']:.0f}), reply {side['reply_us']:.0f}; "
             f"caller and messages {rest:.0f} us")
