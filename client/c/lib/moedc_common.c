@@ -15,6 +15,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <time.h>
 
 #define MOEDC_SAME(name, value, text)                                                              \
     _Static_assert((int)MOEDC_##name == (int)MOED_##name,                                          \
@@ -93,4 +94,32 @@ int moedc_code_from_grpc(int grpc_status)
     if (grpc_status < 0 || grpc_status >= (int)(sizeof codes / sizeof codes[0]))
         return MOEDC_EINTERNAL;
     return codes[grpc_status];
+}
+
+void moedc_watch_cond_init(pthread_cond_t *cv)
+{
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(cv, &ca);
+    pthread_condattr_destroy(&ca);
+}
+
+void moedc_watch_wait(pthread_cond_t *cv, pthread_mutex_t *mu, int64_t ns)
+{
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    ns += until.tv_nsec;
+    until.tv_sec += ns / 1000000000;
+    until.tv_nsec = ns % 1000000000;
+    pthread_cond_timedwait(cv, mu, &until);
+}
+
+void moedc_watch_stop(pthread_mutex_t *mu, pthread_cond_t *cv, bool *stop, pthread_t thread)
+{
+    pthread_mutex_lock(mu);
+    *stop = true;
+    pthread_cond_signal(cv);
+    pthread_mutex_unlock(mu);
+    pthread_join(thread, NULL);
 }

@@ -5,9 +5,10 @@
  * A link is one daemon's: a region session of its own (the link closes with it, so dropping a link
  * is aborting its communicator and closing its session), the communicator joined as rank 1, and
  * its buffers on the caller's device: the call header, the payload, the reply (moed_link_capacity
- * for the widest layer in float32, the widest dtype), and page-locked host copies of the header
- * and the reply's header. Links are kept by daemon (its moedc), so a daemon serving several
- * layers has one; each layer remembers which link serves each of its shards.
+ * for the widest layer in float32, the widest dtype), and page-locked host copies of the key (the
+ * link's first message) and of the reply's header with the link's call counter. Links are kept by
+ * daemon (its moedc), so a daemon serving several layers has one; each layer remembers which link
+ * serves each of its shards.
  *
  * A call, all on the caller's stream: for a fleet, the expert choices copied to the host (the plan
  * needs them: moedc_plan_rows, the gRPC fleet's own rule); each shard's rows gathered into its
@@ -57,7 +58,7 @@ extern const unsigned char moedc_link_ptx[]; /* NUL-terminated, as cuModuleLoadD
 #define SPIN_S            0.020
 #define NAP_MIN_S         50e-6
 #define NAP_MAX_S         1e-3
-#define WATCH_S           0.002 /* how often the watchdog looks at captured links' sessions */
+#define WATCH_NS          2000000LL /* how often the watchdog looks at captured links' sessions */
 #define SEQ_AT            MOED_LINK_HEADER_BYTES /* the call counter, after the header */
 #define THREADS           256
 #define MAX_BLOCKS        4096
@@ -72,7 +73,7 @@ typedef struct link {
     uint64_t max_payload, payload_cap, reply_cap;
     moedc_cu_ptr d_head; /* a call's header, then (SEQ_AT) the link's call counter */
     moedc_cu_ptr d_payload, d_reply;
-    moed_link_call *h_head;
+    moed_link_call *h_head;   /* the key on its way to d_head (the link's first message) */
     moed_link_reply *h_reply; /* a reply's header, then (SEQ_AT) a copy of the counter */
     bool captured;            /* a call over it was captured: graphs may hold its buffers */
 } link;
@@ -556,13 +557,7 @@ static void describe(moedc_links *L)
 void moedc_links_close(moedc_links *L)
 {
     if (!L) return;
-    if (L->watching) {
-        pthread_mutex_lock(&L->mu);
-        L->stopping = true;
-        pthread_cond_signal(&L->wake);
-        pthread_mutex_unlock(&L->mu);
-        pthread_join(L->watchdog, NULL);
-    }
+    if (L->watching) moedc_watch_stop(&L->mu, &L->wake, &L->stopping, L->watchdog);
     moedc_error ignored;
     const bool entered = L->cu && !enter(L, &ignored);
     while (L->n_links) link_drop(L, L->links[0]);
@@ -636,7 +631,7 @@ int moedc_links_open(moedc *c, const moedc_links_opts *o, moedc_links **out, moe
     if (!(L->o.timeout_s > 0)) L->o.timeout_s = DEFAULT_TIMEOUT_S;
     L->nccl = nccl;
     pthread_mutex_init(&L->mu, NULL);
-    pthread_cond_init(&L->wake, NULL);
+    moedc_watch_cond_init(&L->wake);
     int rc = open_all(L, err);
     if (rc) {
         moedc_links_close(L);
@@ -992,14 +987,7 @@ static void *watch_main(void *arg)
             link *k = L->links[i];
             if (k->captured && k->comm && moedc_session_ended(k->s)) link_abort(L, k);
         }
-        struct timespec at;
-        clock_gettime(CLOCK_REALTIME, &at);
-        at.tv_nsec += (long)(WATCH_S * 1e9);
-        if (at.tv_nsec >= 1000000000L) {
-            at.tv_sec++;
-            at.tv_nsec -= 1000000000L;
-        }
-        pthread_cond_timedwait(&L->wake, &L->mu, &at);
+        moedc_watch_wait(&L->wake, &L->mu, WATCH_NS);
     }
     pthread_mutex_unlock(&L->mu);
     return NULL;

@@ -294,12 +294,7 @@ static void *watch(void *arg)
     pthread_mutex_lock(&r->watch_mu);
     while (!r->stop) {
         int dead = __atomic_load_n(&r->dead, __ATOMIC_ACQUIRE);
-        struct timespec until;
-        clock_gettime(CLOCK_MONOTONIC, &until);
-        int64_t ns = until.tv_nsec + (dead ? DEAD_WATCH_NS : WATCH_NS);
-        until.tv_sec += ns / 1000000000;
-        until.tv_nsec = ns % 1000000000;
-        pthread_cond_timedwait(&r->watch_cv, &r->watch_mu, &until);
+        moedc_watch_wait(&r->watch_cv, &r->watch_mu, dead ? DEAD_WATCH_NS : WATCH_NS);
         if (r->stop) break;
         pthread_mutex_unlock(&r->watch_mu);
         int now = moedc_session_ended(r->s)                          ? SESSION_ENDED
@@ -422,11 +417,7 @@ int moedc_ring_open(moedc_session *s, uint32_t slots, moedc_ring **out, moedc_er
     pthread_mutex_init(&r->mu, NULL);
     pthread_mutex_init(&r->watch_mu, NULL);
     pthread_mutex_init(&r->cuda_mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&r->watch_cv, &ca);
-    pthread_condattr_destroy(&ca);
+    moedc_watch_cond_init(&r->watch_cv);
     const size_t page = (size_t)sysconf(_SC_PAGESIZE);
     const size_t bytes = (size_t)moed_ring_bytes(slots) + (size_t)slots * sizeof *r->passed;
     int rc = moedc_region_create_host(s, (bytes + page - 1) / page * page, 0, &r->region, err);
@@ -464,13 +455,7 @@ int moedc_ring_open(moedc_session *s, uint32_t slots, moedc_ring **out, moedc_er
 void moedc_ring_close(moedc_ring *r)
 {
     if (!r) return;
-    if (r->watching) {
-        pthread_mutex_lock(&r->watch_mu);
-        r->stop = true;
-        pthread_cond_signal(&r->watch_cv);
-        pthread_mutex_unlock(&r->watch_mu);
-        pthread_join(r->watchdog, NULL);
-    }
+    if (r->watching) moedc_watch_stop(&r->watch_mu, &r->watch_cv, &r->stop, r->watchdog);
     moedc_session_remove_ring(r->s, r);
     moedc_error ignored;
     if (r->id) command_ring(r, r->id, &ignored);
