@@ -3,7 +3,9 @@
  * loads as PTX) against the host running the same moedc_link_sum.h: the combine's output bit for
  * bit over random parts (every dtype, one to five shards, tokens a shard got or all of them, the
  * verbatim layer of one shard), a reply out of step or refused leaving the output untouched and
- * counted, and the stamp counting a link's calls on the device.
+ * counted, the stamp counting a link's calls on the device and zeroing the reply's header, and
+ * the gather copying a payload's rows (chosen rows or every one; rows whose width or address
+ * allows 16-, 4- or 2-byte units) as the host indexes them.
  */
 #include "check.h"
 /* C headers of C functions (moed_common), first, so that link_kernels.cu's includes are these */
@@ -76,7 +78,9 @@ static void one_case(int dtype, int n, int64_t T, int64_t d, int verbatim, int o
     CUDA_OK(cudaMalloc(&d_out, out_bytes));
     CUDA_OK(cudaMemset(d_out, 0x5a, out_bytes));
     CUDA_OK(cudaMemcpy(&before, d_failures, sizeof before, cudaMemcpyDeviceToHost));
-    moedc_link_combine<<<7, 128>>>(dev, n, verbatim, dtype, T, d, d_out, d_failures);
+    /* fewer rows of blocks than tokens: the launch strides */
+    moedc_link_combine<<<dim3((unsigned)((d + 127) / 128), 5), 128>>>(dev, n, verbatim, dtype, T, d,
+                                                                      d_out, d_failures);
     CUDA_OK(cudaDeviceSynchronize());
     CUDA_OK(cudaMemcpy(got, d_out, out_bytes, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(&after, d_failures, sizeof after, cudaMemcpyDeviceToHost));
@@ -93,24 +97,97 @@ static void one_case(int dtype, int n, int64_t T, int64_t d, int verbatim, int o
     free(want), free(got);
 }
 
-/* The stamp: each launch the next seq, in the header it writes and in the counter. */
+/* The stamp: each launch the next seq, in the header it writes and in the counter, and the
+ * reply's header zeroed (the bytes after it untouched). */
 static void test_stamp(void)
 {
     moed_link_call head, *d_head, got;
     moed_error e;
     CHECK_EQ_INT(moed_link_call_init(&head, 0, 3, MOED_BF16, 5, 2, 64, 0, 9, &e), 0);
     unsigned long long *counter, c = 41;
+    uint32_t *d_reply;
+    unsigned char reply[MOED_LINK_HEADER_BYTES + 4];
     CUDA_OK(cudaMalloc(&d_head, sizeof head));
     CUDA_OK(cudaMalloc(&counter, sizeof c));
+    CUDA_OK(cudaMalloc(&d_reply, sizeof reply));
+    CUDA_OK(cudaMemset(d_reply, 0xa5, sizeof reply));
     CUDA_OK(cudaMemcpy(counter, &c, sizeof c, cudaMemcpyHostToDevice));
-    for (int i = 0; i < 3; i++) moedc_link_stamp<<<1, 256>>>(head, d_head, counter);
+    for (int i = 0; i < 3; i++) moedc_link_stamp<<<1, 256>>>(head, d_head, counter, d_reply);
     CUDA_OK(cudaMemcpy(&got, d_head, sizeof got, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(&c, counter, sizeof c, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(reply, d_reply, sizeof reply, cudaMemcpyDeviceToHost));
     CHECK_MSG(c == 44 && got.seq == 44, "counter %llu, header seq %llu", c,
               (unsigned long long)got.seq);
     got.seq = 0;
     CHECK(!memcmp(&got, &head, sizeof head)); /* the rest as the host wrote it */
-    cudaFree(d_head), cudaFree(counter);
+    int zeroed = 1;
+    for (int i = 0; i < MOED_LINK_HEADER_BYTES; i++) zeroed &= reply[i] == 0;
+    CHECK_MSG(zeroed, "the reply's header was not zeroed");
+    CHECK(reply[MOED_LINK_HEADER_BYTES] == 0xa5 && reply[MOED_LINK_HEADER_BYTES + 3] == 0xa5);
+    cudaFree(d_head), cudaFree(counter), cudaFree(d_reply);
+}
+
+/* The gather of n of R rows (every row when all) of three tensors of the given row widths, the
+ * sources `shift` bytes past an allocation's start: each destination row the host's choice. */
+static long long gather_blocks = 4096; /* moedc_link.c's cap */
+static void gather_case(int64_t R, int64_t n, int all, const long long bytes[3], int shift)
+{
+    int32_t *h_rows = (int32_t *)malloc(sizeof(int32_t) * (size_t)(n ? n : 1)), *d_rows = NULL;
+    for (int64_t j = 0; j < n; j++) h_rows[j] = all ? (int32_t)j : (int32_t)(next() % R);
+    moedc_link_copies copies;
+    unsigned char *h_src[3], *d_src[3], *d_dst[3];
+    for (int i = 0; i < 3; i++) {
+        const size_t sb = (size_t)(R * bytes[i]) + (size_t)shift, db = (size_t)(n * bytes[i]) + 1;
+        h_src[i] = (unsigned char *)malloc(sb);
+        for (size_t b = 0; b < sb; b++) h_src[i][b] = (unsigned char)next();
+        CUDA_OK(cudaMalloc(&d_src[i], sb));
+        CUDA_OK(cudaMalloc(&d_dst[i], db));
+        CUDA_OK(cudaMemcpy(d_src[i], h_src[i], sb, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemset(d_dst[i], 0, db));
+        copies.t[i] = (moedc_link_copy){ d_src[i] + shift, d_dst[i], bytes[i] };
+    }
+    if (!all) {
+        CUDA_OK(cudaMalloc(&d_rows, sizeof(int32_t) * (size_t)(n ? n : 1)));
+        CUDA_OK(cudaMemcpy(d_rows, h_rows, sizeof(int32_t) * (size_t)n, cudaMemcpyHostToDevice));
+    }
+    const long long warps = n < 1 ? 1 : n, blocks = (warps * 32 + 255) / 256;
+    moedc_link_gather<<<(unsigned)(blocks > gather_blocks ? gather_blocks : blocks), 256>>>(
+        copies, d_rows, n);
+    CUDA_OK(cudaDeviceSynchronize());
+    for (int i = 0; i < 3; i++) {
+        const size_t db = (size_t)(n * bytes[i]);
+        unsigned char *got = (unsigned char *)malloc(db + 1);
+        CUDA_OK(cudaMemcpy(got, d_dst[i], db + 1, cudaMemcpyDeviceToHost));
+        int same = got[db] == 0; /* nothing past the last row */
+        for (int64_t j = 0; j < n && same; j++)
+            same = !memcmp(got + j * bytes[i], h_src[i] + shift + h_rows[j] * bytes[i],
+                           (size_t)bytes[i]);
+        CHECK_MSG(same, "gather: %lld of %lld rows (all %d), tensor %d of %lld bytes, shift %d",
+                  (long long)n, (long long)R, all, i, bytes[i], shift);
+        free(got), free(h_src[i]);
+        cudaFree(d_src[i]), cudaFree(d_dst[i]);
+    }
+    cudaFree(d_rows);
+    free(h_rows);
+}
+
+static void test_gather(void)
+{
+    const long long wide[3] = { 7168 * 2, 8 * 4, 8 * 4 }, odd[3] = { 6, 2, 12 },
+                    mixed[3] = { 5 * 4, 3 * 4, 64 * 2 };
+    const int64_t sizes[][2] = { { 1, 1 }, { 9, 5 }, { 300, 257 }, { 40, 0 } };
+    for (int s = 0; s < 4; s++)
+        for (int all = 0; all < 2; all++) {
+            const int64_t R = sizes[s][0], n = all ? R : sizes[s][1];
+            gather_case(R, n, all, wide, 0);
+            gather_case(R, n, all, odd, 0);
+            gather_case(R, n, all, mixed, 0);
+            gather_case(R, n, all, wide, 4); /* 4-byte units where rows allow 16 */
+            gather_case(R, n, all, wide, 2);
+        }
+    gather_blocks = 7; /* more rows than the launch has warps */
+    gather_case(5000, 4500, 0, wide, 0);
+    gather_case(5000, 4500, 0, odd, 2);
 }
 
 int main(void)
@@ -123,6 +200,7 @@ int main(void)
     CUDA_OK(cudaMalloc(&d_failures, sizeof(unsigned long long)));
     CUDA_OK(cudaMemset(d_failures, 0, sizeof(unsigned long long)));
     test_stamp();
+    test_gather();
     const int dtypes[] = { MOED_F32, MOED_F16, MOED_BF16 };
     const int64_t Ts[] = { 1, 7, 64 }, ds[] = { 3, 128 };
     for (int a = 0; a < 3; a++)

@@ -7,9 +7,12 @@
  * that each retained context is released and each push popped.
  *
  * Streams are threads that run their memory operations in order: a write stores the value, a wait
- * polls its word until it equals the value (as cuStreamWaitValue32 with EQ). A device pointer of
- * host memory is the host address. So a test can make the ring's stream calls on a machine without
- * a GPU, against a daemon on the CPU backend, and capture and replay them (fake_cuda_capture).
+ * polls its word until it equals the value (as cuStreamWaitValue32 with EQ). An event is a word
+ * too: recording it queues a write of its next count, and a stream waiting on it polls until the
+ * word reaches the count recorded last (as cuStreamWaitEvent orders one stream after another). A
+ * device pointer of host memory is the host address. So a test can make the ring's stream calls on
+ * a machine without a GPU, against a daemon on the CPU backend, and capture and replay them
+ * (fake_cuda_capture).
  */
 #include "fake_libcuda.h"
 
@@ -200,7 +203,7 @@ int cuMemHostGetDevicePointer_v2(uint64_t *dev, void *p, unsigned flags)
 /* ---- streams ---- */
 
 typedef struct op {
-    int wait; /* 0: store value; 1: poll until *addr == value */
+    int wait; /* 0: store value; 1: poll until *addr == value; 2: until *addr reaches value */
     uint32_t *addr;
     uint32_t value;
 } op;
@@ -242,7 +245,8 @@ static void *stream_main(void *arg)
         if (!x.wait) {
             __atomic_store_n(x.addr, x.value, __ATOMIC_RELEASE);
         } else {
-            while (__atomic_load_n(x.addr, __ATOMIC_ACQUIRE) != x.value) {
+            for (uint32_t v; (v = __atomic_load_n(x.addr, __ATOMIC_ACQUIRE)) != x.value &&
+                             (x.wait == 1 || (int32_t)(v - x.value) < 0);) {
                 struct timespec ts = { 0, 20000 };
                 nanosleep(&ts, NULL);
             }
@@ -400,6 +404,41 @@ int cuStreamWriteValue32_v2(void *stream_, uint64_t addr, uint32_t value, unsign
 int cuStreamWaitValue32_v2(void *stream_, uint64_t addr, uint32_t value, unsigned flags)
 {
     return flags != 1 ? INVALID_VALUE : enqueue(stream_, addr, value, 1); /* EQ only */
+}
+
+/* ---- events ---- */
+
+typedef struct event {
+    uint32_t word, recorded;
+} event;
+
+int cuEventCreate(void **out, unsigned flags)
+{
+    if (flags & ~2u) return INVALID_VALUE; /* CU_EVENT_DISABLE_TIMING only */
+    event *e = calloc(1, sizeof *e);
+    if (!e) return INVALID_VALUE;
+    *out = e;
+    return 0;
+}
+
+int cuEventDestroy_v2(void *event_)
+{
+    free(event_);
+    return event_ ? 0 : INVALID_VALUE;
+}
+
+int cuEventRecord(void *event_, void *stream_)
+{
+    event *e = event_;
+    if (!e) return INVALID_VALUE;
+    return enqueue(stream_, (uintptr_t)&e->word, ++e->recorded, 0);
+}
+
+int cuStreamWaitEvent(void *stream_, void *event_, unsigned flags)
+{
+    event *e = event_;
+    if (!e || flags) return INVALID_VALUE;
+    return enqueue(stream_, (uintptr_t)&e->word, e->recorded, 2);
 }
 
 void fake_cuda_capture(void *stream_, int on)

@@ -67,6 +67,10 @@ int cuMemcpyDtoDAsync_v2(uint64_t dst, uint64_t src, size_t bytes, void *stream)
 int cuMemsetD8Async(uint64_t dst, unsigned char value, size_t bytes, void *stream);
 int cuMemHostAlloc(void **p, size_t bytes, unsigned flags);
 int cuMemFreeHost(void *p);
+int cuEventCreate(void **event, unsigned flags);
+int cuEventDestroy_v2(void *event);
+int cuEventRecord(void *event, void *stream);
+int cuStreamWaitEvent(void *stream, void *event, unsigned flags);
 int cuStreamWriteValue32_v2(void *stream, uint64_t addr, uint32_t value, unsigned flags);
 int cuStreamWaitValue32_v2(void *stream, uint64_t addr, uint32_t value, unsigned flags);
 

@@ -1,36 +1,63 @@
 /*
  * link_kernels — the device side of a link call (moedc_link.c): gathering a shard's rows into its
- * payload, its header, and adding the shards' replies into the caller's output. libmoedclient links
- * no CUDA library, so this file is compiled to PTX at build time (nvcc -ptx, embedded in the
- * library) and loaded through the driver (cuModuleLoadData) at the first link open; the entry
- * points are extern "C" so cuModuleGetFunction finds them by these names.
+ * payload, its header (and zeroing its reply's), and adding the shards' replies into the caller's
+ * output. libmoedclient links no CUDA library, so this file is compiled to PTX at build time (nvcc
+ * -ptx, embedded in the library) and loaded through the driver (cuModuleLoadData) at the first link
+ * open; the entry points are extern "C" so cuModuleGetFunction finds them by these names.
  */
 #include "moedc_link_sum.h"
 
-/* dst[j] = src[rows[j]], rows of `units` 16-bit units (every tensor of a call is a whole number of
- * them: f16/bf16/f32 rows, int32 ids, float32 weights). */
-extern "C" __global__ void moedc_link_gather(const uint16_t *src, uint16_t *dst,
-                                             const int32_t *rows, long long n, long long units)
+/* One tensor's rows, a warp a row, in units V (16, 4 or 2 bytes: the widest that src, dst and
+ * the row's bytes allow). */
+template <typename V>
+__device__ void gather_rows(const moedc_link_copy &c, const int32_t *rows, long long n)
 {
-    const long long total = n * units;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x)
-        dst[i] = src[(long long)rows[i / units] * units + i % units];
+    const long long units = c.bytes / (long long)sizeof(V);
+    const long long warps = (long long)gridDim.x * blockDim.x / 32;
+    for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32; r < n; r += warps) {
+        const V *__restrict__ src = (const V *)(c.src + (rows ? (long long)rows[r] : r) * c.bytes);
+        V *__restrict__ dst = (V *)(c.dst + r * c.bytes);
+#pragma unroll 4
+        for (long long u = threadIdx.x % 32; u < units; u += 32) dst[u] = src[u];
+    }
+}
+
+/* A shard's payload: the call's tensors' rows `rows` (every row where NULL), n of them; the launch
+ * has n warps or fewer. */
+extern "C" __global__ void moedc_link_gather(moedc_link_copies copies, const int32_t *rows,
+                                             long long n)
+{
+    for (int i = 0; i < MOEDC_LINK_TENSORS; i++) {
+        const moedc_link_copy c = copies.t[i];
+        const unsigned long long align =
+            (unsigned long long)c.src | (unsigned long long)c.dst | (unsigned long long)c.bytes;
+        if (align % 16 == 0)
+            gather_rows<uint4>(c, rows, n);
+        else if (align % 4 == 0)
+            gather_rows<uint32_t>(c, rows, n);
+        else
+            gather_rows<uint16_t>(c, rows, n);
+    }
 }
 
 /* A call's header: head with its seq the link's next, counted on the device, so that each replay
- * of a captured call is a call of its own on the link (the first thread; the launch has a block).
+ * of a captured call is a call of its own on the link (the first thread; the launch has a block);
+ * and the reply's header zeroed, so that a reply that never lands is not taken for the last one.
  */
 extern "C" __global__ void moedc_link_stamp(moed_link_call head, moed_link_call *dst,
-                                            unsigned long long *counter)
+                                            unsigned long long *counter, uint32_t *reply)
 {
-    if (blockIdx.x || threadIdx.x) return;
+    if (blockIdx.x) return;
+    for (unsigned i = threadIdx.x; i < MOED_LINK_HEADER_BYTES / 4; i += blockDim.x) reply[i] = 0;
+    if (threadIdx.x) return;
     head.seq = ++*counter;
     *dst = head;
 }
 
 /* out [tokens, d] from the n parts (moedc_link_sum.h), or nothing when a reply is missing or not
- * OK: then the call is counted in *failures (once, by block 0). */
+ * OK: then the call is counted in *failures (once, by block 0). Columns along x, tokens along y
+ * (strided): an element's token and column without a 64-bit division, which bounded this kernel
+ * when it indexed elements in one dimension. The launch covers d columns. */
 extern "C" __global__ void moedc_link_combine(moedc_link_parts parts, int n, int verbatim,
                                               int dtype, long long tokens, long long d, void *out,
                                               unsigned long long *failures)
@@ -39,11 +66,11 @@ extern "C" __global__ void moedc_link_combine(moedc_link_parts parts, int n, int
     if (threadIdx.x == 0) ok = moedc_link_replies_ok(parts.p, n);
     __syncthreads();
     if (!ok) {
-        if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(failures, 1ull);
+        if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) atomicAdd(failures, 1ull);
         return;
     }
-    const long long total = tokens * d;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x)
-        moedc_link_sum_element(dtype, parts.p, n, verbatim, i / d, d, i % d, out);
+    const long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= d) return;
+    for (long long t = blockIdx.y; t < tokens; t += gridDim.y)
+        moedc_link_sum_element(dtype, parts.p, n, verbatim, t, d, c, out);
 }

@@ -79,6 +79,10 @@ static const struct {
     ENTRY(cuMemsetD8Async, "cuMemsetD8Async"),
     ENTRY(cuMemHostAlloc, "cuMemHostAlloc"),
     ENTRY(cuMemFreeHost, "cuMemFreeHost"),
+    ENTRY(cuEventCreate, "cuEventCreate"),
+    ENTRY(cuEventDestroy, "cuEventDestroy_v2"),
+    ENTRY(cuEventRecord, "cuEventRecord"),
+    ENTRY(cuStreamWaitEvent, "cuStreamWaitEvent"),
     OPTIONAL(cuStreamWriteValue32, "cuStreamWriteValue32_v2"),
     OPTIONAL(cuStreamWaitValue32, "cuStreamWaitValue32_v2"),
 #undef OPTIONAL

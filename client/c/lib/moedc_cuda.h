@@ -79,6 +79,11 @@ typedef struct moedc_cuda_table {
     int (*cuMemsetD8Async)(moedc_cu_ptr dst, unsigned char value, size_t bytes, void *stream);
     int (*cuMemHostAlloc)(void **p, size_t bytes, unsigned flags);
     int (*cuMemFreeHost)(void *p);
+    /* a fleet's call forks from the caller's stream into its links' and joins back */
+    int (*cuEventCreate)(void **event, unsigned flags);
+    int (*cuEventDestroy)(void *event);
+    int (*cuEventRecord)(void *event, void *stream);
+    int (*cuStreamWaitEvent)(void *stream, void *event, unsigned flags);
     /* the stream memory operations: NULL from a driver older than CUDA 11.7 */
     int (*cuStreamWriteValue32)(void *stream, moedc_cu_ptr addr, uint32_t value, unsigned flags);
     int (*cuStreamWaitValue32)(void *stream, moedc_cu_ptr addr, uint32_t value, unsigned flags);
@@ -89,6 +94,7 @@ typedef struct moedc_cuda_table {
 #define MOEDC_CU_STREAM_WAIT_VALUE_EQ      0x1
 #define MOEDC_CU_STREAM_CAPTURE_ACTIVE     1 /* CUstreamCaptureStatus */
 #define MOEDC_CU_STREAM_NON_BLOCKING       0x1
+#define MOEDC_CU_EVENT_DISABLE_TIMING      0x2
 #define MOEDC_CU_ERROR_NOT_READY           600 /* cuStreamQuery: work still queued */
 
 const moedc_cuda_table *moedc_cuda_api(moedc_error *err);

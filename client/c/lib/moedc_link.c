@@ -10,13 +10,18 @@
  * daemon (its moedc), so a daemon serving several layers has one; each layer remembers which link
  * serves each of its shards.
  *
- * A call, all on the caller's stream: for a fleet, the expert choices copied to the host (the plan
- * needs them: moedc_plan_rows, the gRPC fleet's own rule); each shard's rows gathered into its
- * payload (the gather kernel; plain copies for a shard with every token), its header stamped with
- * the link's next seq by a counter on the device (moedc_link_stamp) and its reply's header zeroed;
- * every shard's sends, then every reply's receive; the combine kernel (moedc_link_sum.h, the parts
- * by value), which writes the output only when every reply arrived and is OK and counts the call
- * in the failures otherwise; each reply's header and its link's counter copied back. Then the
+ * A call, ordered on the caller's stream: for a fleet, the expert choices copied to the host (the
+ * plan needs them: moedc_plan_rows, the gRPC fleet's own rule); each shard's rows gathered into its
+ * payload (one gather kernel for its three tensors), its header stamped with
+ * the link's next seq by a counter on the device (moedc_link_stamp) and its reply's header zeroed,
+ * its header and payload sent; then every reply's receive; the combine kernel (moedc_link_sum.h,
+ * the parts by value), which writes the output only when every reply arrived and is OK and counts
+ * the call in the failures otherwise; each reply's header and its link's counter copied back. A
+ * fleet's parts run on their links' own streams, forked from the caller's stream by an event and
+ * joined back before the combine: NCCL's kernels of different communicators on one stream run one
+ * after another, so one stream would send to the shards in turn and wait for each reply in turn
+ * (on four H200s, three shards' T = 4096 calls spent 1.4 ms so, docs/fleets.md "Measured"); one
+ * daemon's call stays on the caller's stream. Then the
  * call's watch polls the stream and each communicator until the stream is done, an NCCL error
  * shows, or the time is up; a link that did not answer is aborted (its kernels then end, freeing
  * the stream) and dropped, to be linked again by a later call.
@@ -62,6 +67,7 @@ extern const unsigned char moedc_link_ptx[]; /* NUL-terminated, as cuModuleLoadD
 #define SEQ_AT            MOED_LINK_HEADER_BYTES /* the call counter, after the header */
 #define THREADS           256
 #define MAX_BLOCKS        4096
+#define COMBINE_ROWS      1024 /* the combine's rows of blocks: tokens beyond stride */
 
 typedef struct link {
     moedc *daemon;
@@ -75,6 +81,7 @@ typedef struct link {
     moedc_cu_ptr d_payload, d_reply;
     moed_link_call *h_head;   /* the key on its way to d_head (the link's first message) */
     moed_link_reply *h_reply; /* a reply's header, then (SEQ_AT) a copy of the counter */
+    void *stream, *done;      /* its part of a fleet's call, and the event that joins it back */
     bool captured;            /* a call over it was captured: graphs may hold its buffers */
 } link;
 
@@ -91,6 +98,7 @@ struct moedc_links {
     const moedc_cuda_table *cu; /* once a link joined */
     void *module, *k_gather, *k_stamp, *k_combine;
     moedc_cu_ptr d_failures; /* calls whose output the combine did not write */
+    void *forked;            /* where a fleet's call leaves the caller's stream */
     void *watch; /* a stream of ours: the key's send, and replies read while the caller's waits */
     pthread_mutex_t mu;
     link **links;
@@ -199,6 +207,8 @@ static void link_buffers_free(moedc_links *L, link *k)
         if (k->d_reply) cu->cuMemFree(k->d_reply);
         if (k->h_head) cu->cuMemFreeHost(k->h_head);
         if (k->h_reply) cu->cuMemFreeHost(k->h_reply);
+        if (k->stream) cu->cuStreamDestroy(k->stream);
+        if (k->done) cu->cuEventDestroy(k->done);
     }
     free(k);
 }
@@ -286,6 +296,8 @@ static int load_kernels(moedc_links *L, moedc_error *err)
         return moedc_cuda_fail(cu, rc, "allocating the links' failure count", err);
     if ((rc = cu->cuStreamCreate(&L->watch, MOEDC_CU_STREAM_NON_BLOCKING)))
         return moedc_cuda_fail(cu, rc, "cuStreamCreate", err);
+    if ((rc = cu->cuEventCreate(&L->forked, MOEDC_CU_EVENT_DISABLE_TIMING)))
+        return moedc_cuda_fail(cu, rc, "cuEventCreate", err);
     return 0;
 #else
     (void)L;
@@ -313,8 +325,12 @@ static int alloc_buffers(moedc_links *L, link *k, moedc_error *err)
         !(rc = cu->cuMemAlloc(&k->d_payload, k->payload_cap)) &&
         (what = "cuMemAlloc (a link's reply)") &&
         !(rc = cu->cuMemAlloc(&k->d_reply, k->reply_cap)) && (what = "cuMemHostAlloc") &&
-        !(rc = cu->cuMemHostAlloc((void **)&k->h_head, MOED_LINK_HEADER_BYTES, 0)))
-        rc = cu->cuMemHostAlloc((void **)&k->h_reply, SEQ_AT + sizeof(uint64_t), 0);
+        !(rc = cu->cuMemHostAlloc((void **)&k->h_head, MOED_LINK_HEADER_BYTES, 0)) &&
+        !(rc = cu->cuMemHostAlloc((void **)&k->h_reply, SEQ_AT + sizeof(uint64_t), 0)) &&
+        (what = "cuStreamCreate (a link's stream)") &&
+        !(rc = cu->cuStreamCreate(&k->stream, MOEDC_CU_STREAM_NON_BLOCKING)) &&
+        (what = "cuEventCreate (a link's join)"))
+        rc = cu->cuEventCreate(&k->done, MOEDC_CU_EVENT_DISABLE_TIMING);
     return rc ? moedc_cuda_fail(cu, rc, what, err) : 0;
 }
 
@@ -576,6 +592,7 @@ void moedc_links_close(moedc_links *L)
         if (L->d_index) L->cu->cuMemFree(L->d_index);
         if (L->d_failures) L->cu->cuMemFree(L->d_failures);
         if (L->watch) L->cu->cuStreamDestroy(L->watch);
+        if (L->forked) L->cu->cuEventDestroy(L->forked);
         if (L->module) L->cu->cuModuleUnload(L->module);
     }
     if (entered) leave(L);
@@ -652,10 +669,12 @@ const char *moedc_links_describe(const moedc_links *L)
 /* A shard of the call: its link, its tokens (rows, NULL: every one) and its payload's layout. */
 typedef struct part {
     link *k;
+    void *stream; /* its link's for a fleet's call, else the caller's */
     int shard;
     int64_t *rows, n_rows;
     moed_link_payload pay;
-    bool late; /* its reply did not arrive */
+    moed_link_call head; /* its header, stamped with its link's next seq on the device */
+    bool late;           /* its reply did not arrive */
 } part;
 
 static int check_call(const moedc_links *L, const moedc_link_call *c, moedc_error *err)
@@ -710,24 +729,10 @@ static int launch(const moedc_links *L, void *fn, int64_t total, void *stream, v
     return rc ? moedc_cuda_fail(L->cu, rc, what, err) : 0;
 }
 
-/* rows[0..n-1] of the [*, row_bytes] matrix src into dst, on the stream; a plain copy for every
- * row (rows NULL). */
-static int gather(const moedc_links *L, moedc_cu_ptr src, moedc_cu_ptr dst, size_t row_bytes,
-                  moedc_cu_ptr rows, int64_t n, void *stream, moedc_error *err)
-{
-    if (!rows) {
-        int rc = L->cu->cuMemcpyDtoDAsync(dst, src, row_bytes * (size_t)n, stream);
-        return rc ? moedc_cuda_fail(L->cu, rc, "cuMemcpyDtoDAsync (a shard's payload)", err) : 0;
-    }
-    long long count = n, units = (long long)(row_bytes / 2);
-    void *params[] = { &src, &dst, &rows, &count, &units };
-    return launch(L, L->k_gather, count * units, stream, params, "cuLaunchKernel (gather)", err);
-}
-
-/* Writes part p's payload, header (stamped with the link's next seq on the device) and zeroed
- * reply header on the stream (its rows at d_rows). */
-static int stage(moedc_links *L, const layer_links *ll, const moedc_link_call *c, part *p,
-                 moedc_cu_ptr d_rows, moedc_error *err)
+/* Part p's header and payload layout, or the call's refusal: before any of the call's work is
+ * queued, so that a refused call leaves its links in step. */
+static int prepare(moedc_links *L, const layer_links *ll, const moedc_link_call *c, part *p,
+                   moedc_error *err)
 {
     link *k = p->k;
     const size_t elem = moed_dtype_size(c->dtype);
@@ -736,8 +741,8 @@ static int stage(moedc_links *L, const layer_links *ll, const moedc_link_call *c
     const double us = L->o.timeout_s * 1e6;
     const uint32_t deadline_us = us >= (double)UINT32_MAX ? UINT32_MAX : (uint32_t)us;
     moed_link_payload *pay = &p->pay;
-    moed_link_call head;
-    if (moed_link_call_init(&head, 0, c->layer, (uint32_t)c->dtype, (uint32_t)p->n_rows,
+    moed_link_call *head = &p->head;
+    if (moed_link_call_init(head, 0, c->layer, (uint32_t)c->dtype, (uint32_t)p->n_rows,
                             (uint32_t)c->k, (uint32_t)c->d_model, deadline_us, 0, &e) ||
         moed_link_layout((uint64_t)p->n_rows, (uint64_t)c->k, (uint64_t)c->d_model, elem, pay, &e))
         return moedc_fail(err, e.code, "daemon %s: %s", k->name, e.msg);
@@ -757,24 +762,35 @@ static int stage(moedc_links *L, const layer_links *ll, const moedc_link_call *c
         first[i] = (uint32_t)li->held[i].first;
         last[i] = (uint32_t)li->held[i].last;
     }
-    moed_link_call_expect(&head, ll->lay.fingerprint, first, last, n_held, li->adds_shared);
+    moed_link_call_expect(head, ll->lay.fingerprint, first, last, n_held, li->adds_shared);
     free(first);
-    const moedc_cu_ptr rows = p->rows ? d_rows : 0;
-    void *st = c->stream;
-    int rc = gather(L, (moedc_cu_ptr)(uintptr_t)c->hidden, k->d_payload + pay->hidden,
-                    (size_t)c->d_model * elem, rows, p->n_rows, st, err);
-    if (!rc)
-        rc = gather(L, (moedc_cu_ptr)(uintptr_t)c->expert_ids, k->d_payload + pay->ids,
-                    (size_t)c->k * 4, rows, p->n_rows, st, err);
-    if (!rc)
-        rc = gather(L, (moedc_cu_ptr)(uintptr_t)c->expert_weights, k->d_payload + pay->weights,
-                    (size_t)c->k * 4, rows, p->n_rows, st, err);
-    if (rc) return rc;
-    moedc_cu_ptr dst = k->d_head, counter = k->d_head + SEQ_AT;
-    void *params[] = { &head, &dst, &counter };
-    if ((rc = launch(L, L->k_stamp, 1, st, params, "cuLaunchKernel (stamp)", err))) return rc;
-    int drc = L->cu->cuMemsetD8Async(k->d_reply, 0, MOED_LINK_HEADER_BYTES, st);
-    return drc ? moedc_cuda_fail(L->cu, drc, "zeroing a link's reply header", err) : 0;
+    return 0;
+}
+
+/* Writes part p's payload, header (stamped with the link's next seq on the device) and zeroed
+ * reply header on its stream (its rows at d_rows). */
+static int stage(moedc_links *L, const moedc_link_call *c, part *p, moedc_cu_ptr d_rows,
+                 moedc_error *err)
+{
+    link *k = p->k;
+    const size_t elem = moed_dtype_size(c->dtype);
+    const moed_link_payload *pay = &p->pay;
+    moedc_cu_ptr rows = p->rows ? d_rows : 0;
+    const size_t row_bytes[MOEDC_LINK_TENSORS] = { (size_t)c->d_model * elem, (size_t)c->k * 4,
+                                                   (size_t)c->k * 4 };
+    const void *src[MOEDC_LINK_TENSORS] = { c->hidden, c->expert_ids, c->expert_weights };
+    const uint64_t at[MOEDC_LINK_TENSORS] = { pay->hidden, pay->ids, pay->weights };
+    moedc_link_copies copies;
+    for (int i = 0; i < MOEDC_LINK_TENSORS; i++)
+        copies.t[i] = (moedc_link_copy){ .src = src[i],
+                                         .dst = (unsigned char *)(uintptr_t)(k->d_payload + at[i]),
+                                         .bytes = (long long)row_bytes[i] };
+    long long n = p->n_rows;
+    void *gparams[] = { &copies, &rows, &n };
+    int rc = launch(L, L->k_gather, n * 32, p->stream, gparams, "cuLaunchKernel (gather)", err);
+    moedc_cu_ptr dst = k->d_head, counter = k->d_head + SEQ_AT, reply = k->d_reply;
+    void *params[] = { &p->head, &dst, &counter, &reply };
+    return rc ? rc : launch(L, L->k_stamp, 1, p->stream, params, "cuLaunchKernel (stamp)", err);
 }
 
 /* One NCCL operation on part k's communicator, settled (a non-blocking communicator takes its next
@@ -785,38 +801,57 @@ static int op(moedc_links *L, link *k, int r, double until, const char *what, mo
     return settle(L, k, until, what, err);
 }
 
-/* The call's messages on the caller's stream: every part's header and payload sent, then every
- * reply received, so that the daemons compute at once. One NCCL operation at a time, not a group:
- * on H200s a group of a link's header, payload and reply never completed (the daemon receives the
+/* Part p's header and payload sent on its stream. One NCCL operation at a time, not a group: on
+ * H200s a group of a link's header, payload and reply never completed (the daemon receives the
  * header alone first, to learn the payload's size), while the same operations one by one do. */
-static int exchange(moedc_links *L, const moedc_link_call *c, part *parts, int n, double until,
-                    moedc_error *err)
+static int send_part(moedc_links *L, const part *p, double until, moedc_error *err)
 {
     const moed_nccl *x = L->nccl;
-    const size_t elem = moed_dtype_size(c->dtype);
-    int rc = 0;
-    for (int j = 0; j < n && !rc; j++) {
-        link *k = parts[j].k;
-        rc = op(L, k,
+    link *k = p->k;
+    int rc = op(L, k,
                 x->send((const void *)(uintptr_t)k->d_head, MOED_LINK_HEADER_BYTES, MOED_NCCL_UINT8,
-                        0, k->comm, c->stream),
+                        0, k->comm, p->stream),
                 until, "ncclSend (a call's header)", err);
-        if (!rc)
-            rc = op(L, k,
-                    x->send((const void *)(uintptr_t)k->d_payload, parts[j].pay.total,
-                            MOED_NCCL_UINT8, 0, k->comm, c->stream),
-                    until, "ncclSend (a call's payload)", err);
-    }
-    for (int j = 0; j < n && !rc; j++) {
+    return rc ? rc
+              : op(L, k,
+                   x->send((const void *)(uintptr_t)k->d_payload, p->pay.total, MOED_NCCL_UINT8, 0,
+                           k->comm, p->stream),
+                   until, "ncclSend (a call's payload)", err);
+}
+
+/* Part p's reply received on its stream: posted after every part's sends, so that no shard's call
+ * waits behind another's answer. */
+static int recv_part(moedc_links *L, const moedc_link_call *c, const part *p, double until,
+                     moedc_error *err)
+{
+    link *k = p->k;
+    const uint64_t reply =
+        moed_link_reply_bytes((uint64_t)p->n_rows, (uint64_t)c->d_model, moed_dtype_size(c->dtype));
+    return op(
+        L, k,
+        L->nccl->recv((void *)(uintptr_t)k->d_reply, reply, MOED_NCCL_UINT8, 0, k->comm, p->stream),
+        until, "ncclRecv (a call's reply)", err);
+}
+
+/* The parts' streams leave the caller's (fork) or rejoin it (join; whatever each was given, so a
+ * capture ends joined and a failed call's drain of the caller's stream covers them); nothing for a
+ * part on the caller's stream. */
+static int fork_join(moedc_links *L, const moedc_link_call *c, part *parts, int n, bool fork,
+                     moedc_error *err)
+{
+    const moedc_cuda_table *cu = L->cu;
+    int rc =
+        fork && n > 0 && parts[0].stream != c->stream ? cu->cuEventRecord(L->forked, c->stream) : 0;
+    for (int j = 0; !rc && j < n; j++) {
+        if (parts[j].stream == c->stream) continue;
         link *k = parts[j].k;
-        const uint64_t reply =
-            moed_link_reply_bytes((uint64_t)parts[j].n_rows, (uint64_t)c->d_model, elem);
-        rc = op(
-            L, k,
-            x->recv((void *)(uintptr_t)k->d_reply, reply, MOED_NCCL_UINT8, 0, k->comm, c->stream),
-            until, "ncclRecv (a call's reply)", err);
+        rc = fork ? cu->cuStreamWaitEvent(k->stream, L->forked, 0)
+                  : cu->cuEventRecord(k->done, k->stream);
+        if (!rc && !fork) rc = cu->cuStreamWaitEvent(c->stream, k->done, 0);
     }
-    return rc;
+    return rc ? moedc_cuda_fail(cu, rc, fork ? "forking a fleet's call" : "joining a fleet's call",
+                                err)
+              : 0;
 }
 
 /* The seq of k's last call, as read back with its reply (read_reply). */
@@ -1050,6 +1085,7 @@ static int forward(moedc_links *L, const moedc_link_call *c, moedc_timings *t, m
         if (rc) break;
         parts[n++] =
             (part){ .k = ll->by_shard[s], .shard = s, .rows = rows[s], .n_rows = n_rows[s] };
+        parts[n - 1].stream = S > 1 ? ll->by_shard[s]->stream : c->stream;
         planned |= rows[s] != NULL;
         ll->by_shard[s]->captured |= captured;
     }
@@ -1078,9 +1114,24 @@ static int forward(moedc_links *L, const moedc_link_call *c, moedc_timings *t, m
         (drc =
              cu->cuMemcpyHtoDAsync(L->d_index, L->h_index, map_at + (size_t)n * T * 4, c->stream)))
         rc = moedc_cuda_fail(cu, drc, "cuMemcpyHtoDAsync (the call's index)", err);
+    for (int j = 0; !rc && j < n; j++) rc = prepare(L, ll, c, &parts[j], err);
+    /* from here a failure leaves the links out of step with their daemons: each part's call goes
+     * out as soon as it is staged, the replies' receives after every send */
+    bool begun = false;
+    if (!rc) begun = !(rc = fork_join(L, c, parts, n, true, err));
     for (int j = 0; !rc && j < n; j++)
-        rc = stage(L, ll, c, &parts[j], L->d_index + (size_t)j * T * 4, err);
-    if (!rc && (rc = exchange(L, c, parts, n, until, err))) {
+        if (!(rc = stage(L, c, &parts[j], L->d_index + (size_t)j * T * 4, err)))
+            rc = send_part(L, &parts[j], until, err);
+    for (int j = 0; !rc && j < n; j++) rc = recv_part(L, c, &parts[j], until, err);
+    if (begun) {
+        moedc_error jerr;
+        int jrc = fork_join(L, c, parts, n, false, &jerr);
+        if (!rc && jrc) {
+            *err = jerr;
+            rc = jrc;
+        }
+    }
+    if (rc && begun) {
         for (int j = 0; j < n; j++) parts[j].late = true; /* out of step with their daemons */
         char cause[sizeof err->msg];
         snprintf(cause, sizeof cause, "%s", err->msg);
@@ -1094,8 +1145,11 @@ static int forward(moedc_links *L, const moedc_link_call *c, moedc_timings *t, m
         long long tokens = T, d = c->d_model;
         moedc_cu_ptr out = (moedc_cu_ptr)(uintptr_t)c->output, failures = L->d_failures;
         void *params[] = { &P, &n, &verbatim, &dtype, &tokens, &d, &out, &failures };
-        rc =
-            launch(L, L->k_combine, tokens * d, c->stream, params, "cuLaunchKernel (combine)", err);
+        const unsigned gx = (unsigned)((d + THREADS - 1) / THREADS),
+                       gy = (unsigned)(tokens < COMBINE_ROWS ? tokens : COMBINE_ROWS);
+        if ((drc = cu->cuLaunchKernel(L->k_combine, gx, gy, 1, THREADS, 1, 1, 0, c->stream, params,
+                                      NULL)))
+            rc = moedc_cuda_fail(cu, drc, "cuLaunchKernel (combine)", err);
     }
     if (captured) {
         if (!rc) rc = start_watchdog(L, err);

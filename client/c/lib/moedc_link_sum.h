@@ -40,6 +40,21 @@ typedef struct moedc_link_parts {
     moedc_link_part p[MOEDC_LINK_MAX_PARTS];
 } moedc_link_parts;
 
+/* A shard's payload gathered in one launch (moedc_link_gather, its parameter): each tensor a
+ * [*, bytes] matrix whose dst row j is src row rows[j] (row j itself where the launch has no rows),
+ * bytes a whole number of 16-bit units (dtype rows, int32 ids, float32 weights). */
+#define MOEDC_LINK_TENSORS 3 /* the hidden rows, the expert ids, the expert weights */
+
+typedef struct moedc_link_copy {
+    const unsigned char *src;
+    unsigned char *dst;
+    long long bytes;
+} moedc_link_copy;
+
+typedef struct moedc_link_copies {
+    moedc_link_copy t[MOEDC_LINK_TENSORS];
+} moedc_link_copies;
+
 MOEDC_LINK_FN int32_t moedc_link_row(const moedc_link_part *part, int64_t t)
 {
     return part->row_of ? part->row_of[t] : (int32_t)t;
