@@ -15,6 +15,7 @@ The caller is on GPU 0 and the daemons on the others (GPU 1, 2, 3; with fewer GP
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -57,12 +58,31 @@ def start(daemon, i, experts=None, env=None):
     return daemon(*args, env=env)
 
 
+def stacks(pid):
+    """Every thread's stack of process pid, by cuda-gdb (the GPU machine has no gdb), for a hang's report."""
+    debugger = shutil.which("cuda-gdb") or shutil.which("gdb")
+    if not debugger:
+        return "(no debugger to show its stacks)"
+    r = subprocess.run([debugger, "-batch", "-p", str(pid), "-ex", "thread apply all bt"],
+                       capture_output=True, text=True, timeout=120)
+    return r.stdout[-12000:] + r.stderr[-2000:]
+
+
 def drive(targets, *args, env=None, timeout=240):
     cmd = [str(DRIVER), "--target", ",".join(d.address for d in targets), "--device", "0", *map(str, args)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})},
-                       timeout=timeout)
-    assert p.stdout.strip(), f"link-bench printed nothing (exit {p.returncode}): {p.stderr[-3000:]}"
-    return p.returncode, json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, **(env or {})})
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # a hang's report: where it waits, and what the daemons saw
+        where = stacks(p.pid)
+        p.kill()
+        err = p.communicate()[1]
+        logs = "\n".join(f"--- {d.address}:\n{d.log()[-3000:]}" for d in targets)
+        pytest.fail(f"link-bench did not end in {timeout} s: {' '.join(cmd)}\nits stacks:\n{where}\n"
+                    f"its stderr:\n{err[-3000:]}\nthe daemons' logs:\n{logs}")
+    assert out.strip(), f"link-bench printed nothing (exit {p.returncode}): {err[-3000:]}"
+    return p.returncode, json.loads(out.strip().splitlines()[-1]), err
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])

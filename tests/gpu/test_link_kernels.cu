@@ -129,7 +129,7 @@ static void test_stamp(void)
 
 /* The gather of n of R rows (every row when all) of three tensors of the given row widths, the
  * sources `shift` bytes past an allocation's start: each destination row the host's choice. */
-static long long gather_blocks = 4096; /* moedc_link.c's cap */
+static unsigned gather_rows_of_blocks = 1024; /* moedc_link.c's GRID_ROWS */
 static void gather_case(int64_t R, int64_t n, int all, const long long bytes[3], int shift)
 {
     int32_t *h_rows = (int32_t *)malloc(sizeof(int32_t) * (size_t)(n ? n : 1)), *d_rows = NULL;
@@ -150,9 +150,10 @@ static void gather_case(int64_t R, int64_t n, int all, const long long bytes[3],
         CUDA_OK(cudaMalloc(&d_rows, sizeof(int32_t) * (size_t)(n ? n : 1)));
         CUDA_OK(cudaMemcpy(d_rows, h_rows, sizeof(int32_t) * (size_t)n, cudaMemcpyHostToDevice));
     }
-    const long long warps = n < 1 ? 1 : n, blocks = (warps * 32 + 255) / 256;
-    moedc_link_gather<<<(unsigned)(blocks > gather_blocks ? gather_blocks : blocks), 256>>>(
-        copies, d_rows, n);
+    /* as moedc_link.c launches it: the hidden row in 16-byte units along x, rows along y */
+    const unsigned gx = (unsigned)((bytes[0] / 16 + 255) / 256),
+                   gy = (unsigned)(n < gather_rows_of_blocks ? (n ? n : 1) : gather_rows_of_blocks);
+    moedc_link_gather<<<dim3(gx ? gx : 1, gy), 256>>>(copies, d_rows, n);
     CUDA_OK(cudaDeviceSynchronize());
     for (int i = 0; i < 3; i++) {
         const size_t db = (size_t)(n * bytes[i]);
@@ -185,7 +186,7 @@ static void test_gather(void)
             gather_case(R, n, all, wide, 4); /* 4-byte units where rows allow 16 */
             gather_case(R, n, all, wide, 2);
         }
-    gather_blocks = 7; /* more rows than the launch has warps */
+    gather_rows_of_blocks = 7; /* more rows than the launch has rows of blocks */
     gather_case(5000, 4500, 0, wide, 0);
     gather_case(5000, 4500, 0, odd, 2);
 }

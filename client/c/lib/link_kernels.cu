@@ -7,23 +7,24 @@
  */
 #include "moedc_link_sum.h"
 
-/* One tensor's rows, a warp a row, in units V (16, 4 or 2 bytes: the widest that src, dst and
- * the row's bytes allow). */
+/* One tensor's rows in units V (16, 4 or 2 bytes: the widest that src, dst and the row's bytes
+ * allow): a unit a thread, along x over a row (strided where the launch is narrower than the row
+ * in these units), rows along y (strided). */
 template <typename V>
 __device__ void gather_rows(const moedc_link_copy &c, const int32_t *rows, long long n)
 {
     const long long units = c.bytes / (long long)sizeof(V);
-    const long long warps = (long long)gridDim.x * blockDim.x / 32;
-    for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32; r < n; r += warps) {
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x,
+                    stride = (long long)gridDim.x * blockDim.x;
+    for (long long r = blockIdx.y; r < n && first < units; r += gridDim.y) {
         const V *__restrict__ src = (const V *)(c.src + (rows ? (long long)rows[r] : r) * c.bytes);
         V *__restrict__ dst = (V *)(c.dst + r * c.bytes);
-#pragma unroll 4
-        for (long long u = threadIdx.x % 32; u < units; u += 32) dst[u] = src[u];
+        for (long long u = first; u < units; u += stride) dst[u] = src[u];
     }
 }
 
-/* A shard's payload: the call's tensors' rows `rows` (every row where NULL), n of them; the launch
- * has n warps or fewer. */
+/* A shard's payload: the call's tensors' rows `rows` (every row where NULL), n of them. The launch
+ * is sized for the widest tensor's row in 16-byte units (x) and the rows (y). */
 extern "C" __global__ void moedc_link_gather(moedc_link_copies copies, const int32_t *rows,
                                              long long n)
 {

@@ -66,8 +66,7 @@ extern const unsigned char moedc_link_ptx[]; /* NUL-terminated, as cuModuleLoadD
 #define WATCH_NS          2000000LL /* how often the watchdog looks at captured links' sessions */
 #define SEQ_AT            MOED_LINK_HEADER_BYTES /* the call counter, after the header */
 #define THREADS           256
-#define MAX_BLOCKS        4096
-#define COMBINE_ROWS      1024 /* the combine's rows of blocks: tokens beyond stride */
+#define GRID_ROWS         1024 /* a gather's or combine's rows of blocks: rows beyond stride */
 
 typedef struct link {
     moedc *daemon;
@@ -718,14 +717,14 @@ static int index_area(moedc_links *L, int S, int64_t T, size_t *map_at, moedc_er
     return 0;
 }
 
-static int launch(const moedc_links *L, void *fn, int64_t total, void *stream, void **params,
-                  const char *what, moedc_error *err)
+/* A launch of a kernel over rows (y, GRID_ROWS of blocks at most, the kernel striding past them)
+ * of `columns` threads (x, at least one block). */
+static int grid(const moedc_links *L, void *fn, int64_t columns, int64_t rows, void *stream,
+                void **params, const char *what, moedc_error *err)
 {
-    int64_t blocks = (total + THREADS - 1) / THREADS;
-    if (blocks > MAX_BLOCKS) blocks = MAX_BLOCKS;
-    if (blocks < 1) blocks = 1;
-    int rc =
-        L->cu->cuLaunchKernel(fn, (unsigned)blocks, 1, 1, THREADS, 1, 1, 0, stream, params, NULL);
+    const unsigned gx = columns > THREADS ? (unsigned)((columns + THREADS - 1) / THREADS) : 1,
+                   gy = (unsigned)(rows < GRID_ROWS ? (rows > 0 ? rows : 1) : GRID_ROWS);
+    int rc = L->cu->cuLaunchKernel(fn, gx, gy, 1, THREADS, 1, 1, 0, stream, params, NULL);
     return rc ? moedc_cuda_fail(L->cu, rc, what, err) : 0;
 }
 
@@ -787,10 +786,11 @@ static int stage(moedc_links *L, const moedc_link_call *c, part *p, moedc_cu_ptr
                                          .bytes = (long long)row_bytes[i] };
     long long n = p->n_rows;
     void *gparams[] = { &copies, &rows, &n };
-    int rc = launch(L, L->k_gather, n * 32, p->stream, gparams, "cuLaunchKernel (gather)", err);
+    int rc = grid(L, L->k_gather, (int64_t)(row_bytes[0] / 16), n, p->stream, gparams,
+                  "cuLaunchKernel (gather)", err);
     moedc_cu_ptr dst = k->d_head, counter = k->d_head + SEQ_AT, reply = k->d_reply;
     void *params[] = { &p->head, &dst, &counter, &reply };
-    return rc ? rc : launch(L, L->k_stamp, 1, p->stream, params, "cuLaunchKernel (stamp)", err);
+    return rc ? rc : grid(L, L->k_stamp, 1, 1, p->stream, params, "cuLaunchKernel (stamp)", err);
 }
 
 /* One NCCL operation on part k's communicator, settled (a non-blocking communicator takes its next
@@ -1145,11 +1145,7 @@ static int forward(moedc_links *L, const moedc_link_call *c, moedc_timings *t, m
         long long tokens = T, d = c->d_model;
         moedc_cu_ptr out = (moedc_cu_ptr)(uintptr_t)c->output, failures = L->d_failures;
         void *params[] = { &P, &n, &verbatim, &dtype, &tokens, &d, &out, &failures };
-        const unsigned gx = (unsigned)((d + THREADS - 1) / THREADS),
-                       gy = (unsigned)(tokens < COMBINE_ROWS ? tokens : COMBINE_ROWS);
-        if ((drc = cu->cuLaunchKernel(L->k_combine, gx, gy, 1, THREADS, 1, 1, 0, c->stream, params,
-                                      NULL)))
-            rc = moedc_cuda_fail(cu, drc, "cuLaunchKernel (combine)", err);
+        rc = grid(L, L->k_combine, d, tokens, c->stream, params, "cuLaunchKernel (combine)", err);
     }
     if (captured) {
         if (!rc) rc = start_watchdog(L, err);
