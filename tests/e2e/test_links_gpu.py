@@ -68,21 +68,27 @@ def stacks(pid):
     return r.stdout[-12000:] + r.stderr[-2000:]
 
 
-def drive(targets, *args, env=None, timeout=240):
-    cmd = [str(DRIVER), "--target", ",".join(d.address for d in targets), "--device", "0", *map(str, args)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, **(env or {})})
+def finish(p, targets, timeout):
+    """link-bench p's report (its exit code, its last JSON line, its stderr) once it ends; a test failure
+    with its threads' stacks and the daemons' logs if it has not ended in timeout s."""
     try:
         out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:  # a hang's report: where it waits, and what the daemons saw
+    except subprocess.TimeoutExpired:
         where = stacks(p.pid)
         p.kill()
         err = p.communicate()[1]
         logs = "\n".join(f"--- {d.address}:\n{d.log()[-3000:]}" for d in targets)
-        pytest.fail(f"link-bench did not end in {timeout} s: {' '.join(cmd)}\nits stacks:\n{where}\n"
+        pytest.fail(f"link-bench did not end in {timeout} s: {' '.join(p.args)}\nits stacks:\n{where}\n"
                     f"its stderr:\n{err[-3000:]}\nthe daemons' logs:\n{logs}")
     assert out.strip(), f"link-bench printed nothing (exit {p.returncode}): {err[-3000:]}"
     return p.returncode, json.loads(out.strip().splitlines()[-1]), err
+
+
+def drive(targets, *args, env=None, timeout=240):
+    cmd = [str(DRIVER), "--target", ",".join(d.address for d in targets), "--device", "0", *map(str, args)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, **(env or {})})
+    return finish(p, targets, timeout)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
@@ -118,9 +124,8 @@ def kill_under_load(daemon, fleet, victim, timeout_s):
     time.sleep(4)
     victim.proc.send_signal(signal.SIGKILL)
     victim.returncode = victim.proc.wait()  # the fixture stops only the daemons still running
-    out, err = p.communicate(timeout=120)
-    assert out.strip(), f"link-bench printed nothing (exit {p.returncode}): {err[-3000:]}"
-    return json.loads(out.strip().splitlines()[-1]), err
+    _, r, err = finish(p, fleet, 120)
+    return r, err
 
 
 def test_shard_killed_fails_over_to_its_replica(daemon):

@@ -438,8 +438,10 @@ stage_links() {
     nccl=$("$PY" -c 'import nvidia.nccl, os; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null)
     export MOED_NCCL_LIB=${MOED_NCCL_LIB:-$nccl/lib/libnccl.so.2}
     echo "links: NCCL from $MOED_NCCL_LIB"
+    # a test that runs past 200 s dumps its threads' Python stacks (a call that never returns)
     MOED_BIN=$B/moed MOED_TEST_COMPUTE=bf16 logged "$OUT/pytest-links.log" timeout 420 \
-        "$PY" -m pytest -q -rfEsxX -p no:cacheprovider tests/e2e/test_links_gpu.py
+        "$PY" -m pytest -q -rfEsxX -p no:cacheprovider -o faulthandler_timeout=200 \
+        tests/e2e/test_links_gpu.py
     logged "$OUT/links-bench.log" timeout 540 "$PY" bench/daemon/bench_links.py --bin "$B" \
         --json "$OUT/links.json" --logs "$RAW"
 }
