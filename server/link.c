@@ -13,12 +13,12 @@
 #include "link.h"
 
 #include "log.h"
+#include "moed_backoff.h"
 #include "moed_dtype.h"
 #include "moed_list.h"
 
 #include <errno.h>
 #include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,7 +27,6 @@
 
 #define DEFAULT_WAIT_MS 30000 /* the join and key, a payload after its header, a reply */
 #define ELEM_BYTES      4     /* links are sized for float32, the widest dtype a call may send */
-#define DONE_SPIN_NS    20000000ull /* how long a call's answer is spun for (forward) */
 
 typedef struct link link;
 
@@ -126,12 +125,12 @@ static int forward(link *k, const moed_link_call *c, uint64_t t0, moed_error *er
         rc = moed_sched_submit(lk->cfg.sched, it, err);
     }
     if (!rc) {
-        /* the caller waits on this answer: spin (yielding, so a compute thread on this core goes
-         * first) while a layer's kernels could run, then sleep, rather than put a wake-up through
-         * the condition on every call's path */
-        for (const uint64_t spin = moed_now_ns();
-             !atomic_load(&k->done) && moed_now_ns() - spin < DONE_SPIN_NS;)
-            sched_yield();
+        /* the caller waits on this answer: spin (moed_backoff.h: a compute thread on this core
+         * goes first) while a layer's kernels could run, then sleep on the condition, rather than
+         * put a wake-up through it on every call's path */
+        moed_backoff b;
+        for (moed_backoff_start(&b); !atomic_load(&k->done) && moed_backoff_spinning(&b);)
+            moed_backoff_pause(&b, 0);
         pthread_mutex_lock(&k->lock);
         while (!atomic_load(&k->done)) pthread_cond_wait(&k->cond, &k->lock);
         rc = k->status;

@@ -18,22 +18,14 @@
  */
 #include "cuda_ctx.h"
 
+#include "moed_backoff.h"
 #include "moed_link.h"
 #include "moed_nccl.h"
 
 #include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-
-/* A wait spins (yielding the core) this long, for a caller's next call comes within a step of its
- * model (and a benchmark's within its check of the last output); then it sleeps SLEEP_MIN_NS,
- * doubling up to SLEEP_MAX_NS: an idle link costs little. */
-#define SPIN_NS      20000000u
-#define SLEEP_MIN_NS 50000u
-#define SLEEP_MAX_NS 1000000u
 
 typedef struct cuda_link {
     const moed_nccl *nccl;
@@ -47,13 +39,6 @@ typedef struct cuda_link {
     void *inbox;   /* page-locked and mapped, MOED_LINK_HEADER_BYTES: a call's header, from NCCL */
     _Atomic bool aborted;
 } cuda_link;
-
-static uint64_t mono_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 static int aborted(moed_error *err)
 {
@@ -75,8 +60,10 @@ static int async_state(cuda_link *k)
 static int wait_done(cuda_link *k, const moed_nccl *n, bool stream, int64_t timeout_ms,
                      const _Atomic bool *stop, const char *what, moed_error *err)
 {
-    const uint64_t t0 = mono_ns();
-    uint64_t sleep_ns = SLEEP_MIN_NS;
+    /* a caller's next call comes within a step of its model (moed_backoff.h): an idle link's waits
+     * sleep, a busy one's spin */
+    moed_backoff b;
+    moed_backoff_start(&b);
     for (;;) {
         const int state = async_state(k);
         if (state < 0 || atomic_load(&k->aborted)) return aborted(err);
@@ -89,17 +76,11 @@ static int wait_done(cuda_link *k, const moed_nccl *n, bool stream, int64_t time
         }
         if (stop && atomic_load(stop))
             return moed_fail(err, MOED_ECANCELLED, "%s: the link is closing", what);
-        const uint64_t waited = mono_ns() - t0;
-        if (timeout_ms >= 0 && waited >= (uint64_t)timeout_ms * 1000000u)
+        const uint64_t until = timeout_ms >= 0 ? b.start_ns + (uint64_t)timeout_ms * 1000000u : 0;
+        if (until && moed_backoff_now_ns() >= until)
             return moed_fail(err, MOED_EDEADLINE, "%s: nothing came in %lld ms", what,
                              (long long)timeout_ms);
-        if (waited < SPIN_NS) {
-            sched_yield();
-            continue;
-        }
-        struct timespec ts = { 0, (long)sleep_ns };
-        nanosleep(&ts, NULL);
-        if (sleep_ns < SLEEP_MAX_NS) sleep_ns *= 2;
+        moed_backoff_pause(&b, until);
     }
 }
 

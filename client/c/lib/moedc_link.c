@@ -43,12 +43,12 @@
 #include "moedc_link_sum.h"
 #include "moedc_session.h"
 
+#include "moed_backoff.h"
 #include "moed_dtype.h"
 #include "moed_link.h"
 #include "moed_nccl.h"
 
 #include <pthread.h>
-#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,10 +59,7 @@ extern const unsigned char moedc_link_ptx[]; /* NUL-terminated, as cuModuleLoadD
 #endif
 
 #define DEFAULT_TIMEOUT_S 30.0
-#define DRAIN_S           10.0 /* after aborting, how long the caller's stream gets to drain */
-#define SPIN_S            0.020
-#define NAP_MIN_S         50e-6
-#define NAP_MAX_S         1e-3
+#define DRAIN_S           10.0      /* after aborting, how long the caller's stream gets to drain */
 #define WATCH_NS          2000000LL /* how often the watchdog looks at captured links' sessions */
 #define SEQ_AT            MOED_LINK_HEADER_BYTES /* the call counter, after the header */
 #define THREADS           256
@@ -125,22 +122,6 @@ static double now_s(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-/* Between two polls of a wait that began at `since`: yields for SPIN_S, longer than a layer's
- * kernels, so the reply is seen when it lands and a 2-core caller's other threads still run; then
- * sleeps NAP_MIN_S, doubling to NAP_MAX_S, as a ring's waiter does (docs/doorbell.md). */
-static void nap(double since)
-{
-    const double waited = now_s() - since;
-    if (waited < SPIN_S) {
-        sched_yield();
-        return;
-    }
-    double s = NAP_MIN_S;
-    for (double over = waited - SPIN_S; s < NAP_MAX_S && over > s; over -= s) s *= 2;
-    struct timespec ts = { 0, (long)(s * 1e9) };
-    nanosleep(&ts, NULL);
 }
 
 static size_t round_up(size_t x)
@@ -233,7 +214,8 @@ static void link_free(moedc_links *L, link *k)
 /* Polls k's communicator until its operation in progress is done (0), fails, or `until` passes. */
 static int settle(moedc_links *L, link *k, double until, const char *what, moedc_error *err)
 {
-    const double since = now_s();
+    moed_backoff b;
+    moed_backoff_start(&b);
     for (;;) {
         int async = 0, r = L->nccl->comm_get_async_error(k->comm, &async);
         if (r) return nccl_fail(L, k, r, "ncclCommGetAsyncError", err);
@@ -242,7 +224,7 @@ static int settle(moedc_links *L, link *k, double until, const char *what, moedc
         if (now_s() > until)
             return moedc_fail(err, MOEDC_EUNAVAIL, "daemon %s: %s not done within %.0f s", k->name,
                               what, L->o.timeout_s);
-        nap(since);
+        moed_backoff_pause(&b, 0);
     }
 }
 
@@ -252,7 +234,8 @@ static int settle(moedc_links *L, link *k, double until, const char *what, moedc
 static int drain_watch(moedc_links *L, link *k, double until, const char *what, moedc_error *err)
 {
     int rc = settle(L, k, until, what, err);
-    for (const double since = now_s(); !rc;) {
+    moed_backoff b;
+    for (moed_backoff_start(&b); !rc;) {
         int q = L->cu->cuStreamQuery(L->watch);
         if (q == 0) return 0;
         if (q != MOEDC_CU_ERROR_NOT_READY) return moedc_cuda_fail(L->cu, q, what, err);
@@ -260,7 +243,7 @@ static int drain_watch(moedc_links *L, link *k, double until, const char *what, 
         if (now_s() > until)
             return moedc_fail(err, MOEDC_EUNAVAIL, "daemon %s: %s not done within %.0f s", k->name,
                               what, L->o.timeout_s);
-        nap(since);
+        moed_backoff_pause(&b, 0);
     }
     return rc;
 }
@@ -905,10 +888,12 @@ static int fail_late(moedc_links *L, const moedc_link_call *c, layer_links *ll, 
                                      used ? ", " : "", parts[j].k->name, experts);
         link_abort(L, parts[j].k);
     }
-    const double since = now_s(), until = since + DRAIN_S;
+    const double until = now_s() + DRAIN_S;
+    moed_backoff b;
+    moed_backoff_start(&b);
     while (L->cu->cuStreamQuery(c->stream) == MOEDC_CU_ERROR_NOT_READY) {
         if (now_s() > until) break; /* say so below: the caller must not reuse the buffers yet */
-        nap(since);
+        moed_backoff_pause(&b, 0);
     }
     const bool drained = L->cu->cuStreamQuery(c->stream) == 0;
     for (int j = 0; j < n; j++)
@@ -926,7 +911,8 @@ static int fail_late(moedc_links *L, const moedc_link_call *c, layer_links *ll, 
 static int watch_call(moedc_links *L, const moedc_link_call *c, layer_links *ll, part *parts, int n,
                       double until, moedc_error *err)
 {
-    for (const double since = now_s();;) {
+    moed_backoff b;
+    for (moed_backoff_start(&b);;) {
         int q = L->cu->cuStreamQuery(c->stream);
         if (q == 0) return 0;
         if (q != MOEDC_CU_ERROR_NOT_READY)
@@ -952,7 +938,7 @@ static int watch_call(moedc_links *L, const moedc_link_call *c, layer_links *ll,
             snprintf(what, sizeof what, "%s within %.1f s", cause, L->o.timeout_s);
             return fail_late(L, c, ll, parts, n, what, err);
         }
-        nap(since);
+        moed_backoff_pause(&b, 0);
     }
 }
 

@@ -25,6 +25,7 @@
  * session ended (its daemon may be gone; a closed ring's live server finishes its calls itself),
  * and once: a stream that had not rung it yet then finds its completion waiting and moves on.
  */
+#include "moed_backoff.h"
 #include "moed_dtype.h"
 #include "moed_ring.h"
 #include "moedc_common.h"
@@ -32,19 +33,15 @@
 #include "moedc_session.h"
 
 #include <pthread.h>
-#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
 
-#define WATCH_NS      2000000LL  /* how often the watchdog looks at a live ring */
-#define DEAD_WATCH_NS 1000000LL  /* and answers a dead ring's calls */
-#define SPIN_NS       20000000LL /* a waiter spins this long (longer than the layers' kernels) */
-#define NAP_MIN_NS    50000LL    /* then sleeps, doubling up to NAP_MAX_NS */
-#define NAP_MAX_NS    1000000LL
-#define UNAVAILABLE   14 /* google.rpc.Code */
+#define WATCH_NS      2000000LL /* how often the watchdog looks at a live ring */
+#define DEAD_WATCH_NS 1000000LL /* and answers a dead ring's calls */
+#define UNAVAILABLE   14        /* google.rpc.Code */
 #define FIRST_TICKET  (UINT32_MAX - 3)
 
 enum { SLOT_FREE, SLOT_HOST, SLOT_STREAM, SLOT_CAPTURED };
@@ -84,15 +81,6 @@ static int64_t now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-static void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
 }
 
 static moed_ring_slot *slot_of(const moedc_ring *r, uint32_t i)
@@ -499,23 +487,12 @@ int moedc_ring_wait(moedc_ring *r, const moedc_ring_ticket *t, double timeout_s,
     int rc = check_ticket(r, t, SLOT_HOST, "a host call in flight", err);
     if (rc) return rc;
     const uint32_t *done = &slot_of(r, t->slot)->done.done;
-    const int64_t start = now_ns();
-    const int64_t until = timeout_s < 0 ? INT64_MAX : start + (int64_t)(timeout_s * 1e9);
-    int64_t nap = NAP_MIN_NS, now = start;
-    for (unsigned it = 0; moed_ring_load(done) != t->ticket; it++) {
-        if (it % 64 == 0 && (now = now_ns()) >= until) return 0;
-        if (now - start < SPIN_NS) {
-            if (it < 512)
-                cpu_relax();
-            else
-                sched_yield(); /* a machine with fewer cores than spinners runs the others */
-            continue;
-        }
-        int64_t ns = nap < until - now ? nap : until - now;
-        struct timespec ts = { ns / 1000000000, ns % 1000000000 };
-        nanosleep(&ts, NULL);
-        nap = nap * 2 < NAP_MAX_NS ? nap * 2 : NAP_MAX_NS;
-        it = 63; /* read the clock after each sleep */
+    moed_backoff b;
+    moed_backoff_start(&b);
+    const uint64_t until = timeout_s < 0 ? 0 : b.start_ns + (uint64_t)(timeout_s * 1e9);
+    while (moed_ring_load(done) != t->ticket) {
+        if (until && moed_backoff_now_ns() >= until) return 0;
+        moed_backoff_pause(&b, until);
     }
     read_result(r, t->slot, res);
     res->timings.total_us = (uint64_t)(now_ns() - r->book[t->slot].t0) / 1000;
