@@ -4,7 +4,11 @@
  * A link is on lk->links from its opening to its close; whoever takes it off the list (close_link,
  * the session's end, destroy) closes it: sets stop, aborts the communicator (every wait of the
  * thread returns), joins the thread, and disowns the region, whose release destroys the backend's
- * link once no request holds it. The thread never frees the link: it only ends.
+ * link once no request holds it. The thread never frees the link: it only ends. A command or a
+ * session's end (on a completion-queue thread) hands the close to a thread of its own: NCCL's
+ * abort of a communicator with a receive pending on a peer that died takes about a second
+ * (docs/fleets.md, "Communicators"), which would hold that thread, and with it other clients'
+ * calls, as long; destroy waits for every close still running.
  *
  * A call is the doorbell's (doorbell.c, submit): the ring descriptor moed_link_to_ring gives,
  * turned into a request by moed_request_from_ring and validated by moed_request_validate with the
@@ -40,6 +44,7 @@ struct link {
     moed_backend_link *bl;
     moed_region *region; /* the buffer, adopted */
     pthread_t thread;
+    const char *why; /* a close handed to its own thread: the reason it logs */
     _Atomic bool stop;
     /* the call being computed */
     pthread_mutex_t lock;
@@ -53,10 +58,12 @@ struct link {
 
 struct moed_links {
     moed_links_config cfg;
-    pthread_mutex_t lock; /* the list and drain */
+    pthread_mutex_t lock; /* the list, drain and the closes running */
     moed_list links;
     uint64_t n_links;
     _Atomic bool draining;
+    int closing;         /* closes running on threads of their own */
+    pthread_cond_t idle; /* closing came to 0 */
 };
 
 /* ---- a call -------------------------------------------------------------------------------------
@@ -255,6 +262,34 @@ static void close_link(link *k, const char *why)
     free(k);
 }
 
+static void *closer_main(void *arg)
+{
+    link *k = arg;
+    moed_links *lk = k->lk;
+    close_link(k, k->why);
+    pthread_mutex_lock(&lk->lock);
+    if (--lk->closing == 0) pthread_cond_broadcast(&lk->idle);
+    pthread_mutex_unlock(&lk->lock);
+    return NULL;
+}
+
+/* Closes k (taken off the list) on a thread of its own, or here when none starts. */
+static void close_later(link *k, const char *why)
+{
+    moed_links *lk = k->lk;
+    pthread_attr_t attr;
+    pthread_t t;
+    k->why = why;
+    pthread_mutex_lock(&lk->lock);
+    lk->closing++;
+    pthread_mutex_unlock(&lk->lock);
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    const bool started = !pthread_create(&t, &attr, closer_main, k);
+    pthread_attr_destroy(&attr);
+    if (!started) closer_main(k);
+}
+
 int moed_links_create(const moed_links_config *cfg, moed_links **out, moed_error *err)
 {
     *out = NULL;
@@ -262,6 +297,7 @@ int moed_links_create(const moed_links_config *cfg, moed_links **out, moed_error
     if (!lk) return moed_fail(err, MOED_ENOMEM, "no memory for the links");
     lk->cfg = *cfg;
     pthread_mutex_init(&lk->lock, NULL);
+    pthread_cond_init(&lk->idle, NULL);
     moed_list_init(&lk->links);
     *out = lk;
     return 0;
@@ -275,6 +311,8 @@ void moed_links_destroy(moed_links *lk)
         moed_list_remove(&k->node);
         close_link(k, "the server exits");
     }
+    moed_links_wait_closes(lk);
+    pthread_cond_destroy(&lk->idle);
     pthread_mutex_destroy(&lk->lock);
     free(lk);
 }
@@ -467,7 +505,7 @@ int moed_links_close(moed_links *lk, moed_region_session *s, uint64_t id, moed_l
                          "link %llu is not an open link of this session (a link belongs to the "
                          "Regions stream that opened it)",
                          (unsigned long long)id);
-    close_link(k, "close_link");
+    close_later(k, "close_link");
     return 0;
 }
 
@@ -490,8 +528,16 @@ void moed_links_close_session(moed_links *lk, moed_region_session *s)
     while (!moed_list_empty(&gone)) {
         link *k = moed_list_data(moed_list_head(&gone), link, node);
         moed_list_remove(&k->node);
-        close_link(k, "the session ended");
+        close_later(k, "the session ended");
     }
+}
+
+void moed_links_wait_closes(moed_links *lk)
+{
+    if (!lk) return;
+    pthread_mutex_lock(&lk->lock);
+    while (lk->closing) pthread_cond_wait(&lk->idle, &lk->lock);
+    pthread_mutex_unlock(&lk->lock);
 }
 
 void moed_links_drain(moed_links *lk)

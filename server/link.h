@@ -25,6 +25,9 @@
  * Closing (close_link, the session's end, moed_links_destroy) aborts the communicator, joins the
  * thread (a call being computed finishes first; its reply is not sent), and disowns the region:
  * the buffer is freed once no request holds it. A caller that dies mid-call costs nothing more.
+ * close_link and the session's end take the link off the registry at once (it counts no more
+ * against --max-links) and close it on a thread of their own, returning before NCCL's abort ends;
+ * moed_links_destroy waits for those closes too.
  * During the drain a session's end leaves its links open, answering UNAVAILABLE, until the exit.
  *
  * Thread-safe: commands come on completion-queue threads; each link has its thread.
@@ -85,6 +88,9 @@ void moed_links_close_session(moed_links *lk, moed_region_session *s);
 
 /* SIGTERM: every call from now on is answered UNAVAILABLE; no link opens. */
 void moed_links_drain(moed_links *lk);
+/* Waits until every close handed to a thread of its own (close_link, a session's end) has ended:
+ * the links' communicators aborted and their buffers disowned. */
+void moed_links_wait_closes(moed_links *lk);
 
 /* Links open now, for the metrics; 0 for lk NULL. */
 uint64_t moed_links_count(moed_links *lk);

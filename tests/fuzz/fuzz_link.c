@@ -191,6 +191,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         drain_replies(f, want, &n_want);
     }
     moed_links_close_session(lk, s);
+    moed_links_wait_closes(lk); /* the next input's link never meets this one's close */
     moed_regions_close_session(regions, s);
     return 0;
 }

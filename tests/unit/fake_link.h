@@ -10,6 +10,8 @@
  *   fake_put (caller -> server) and fake_get (server -> caller). A receive takes the next message
  *   and fails (MOED_EUNAVAIL) when its size is not the one posted, as two NCCL ranks out of step
  *   would; abort fails every wait at once, and fake_aborted tells the test it happened.
+ *   fake_abort_ms makes each abort take that long first, as NCCL's does with a receive pending
+ *   on a peer that died (about a second on H200s).
  * fake_link_backend takes over an opened CPU backend's handle. One translation unit includes this
  * header.
  */
@@ -40,7 +42,10 @@ typedef struct fake_link {
 } fake_link;
 
 #define FAKE_MAX_LINKS 64
-static fake_link *fake_links[FAKE_MAX_LINKS]; /* by creation, NULL once destroyed */
+/* by creation, NULL once destroyed (a close's own thread destroys: fake_links_lock) */
+static fake_link *fake_links[FAKE_MAX_LINKS];
+static pthread_mutex_t fake_links_lock = PTHREAD_MUTEX_INITIALIZER;
+static _Atomic int fake_abort_ms;
 static int fake_n_links;
 static const moed_layer *const *fake_layers; /* by slot: the experts a device route is read for */
 static moed_backend_ops fake_link_ops_all;
@@ -97,7 +102,9 @@ static int fake_create(moed_backend *b, moed_backend_link *l,
     f->device = l->device;
     memset(unique_id, 0x5a, MOED_NCCL_UNIQUE_ID_BYTES);
     l->ctx = f;
+    pthread_mutex_lock(&fake_links_lock);
     fake_links[fake_n_links++] = f;
+    pthread_mutex_unlock(&fake_links_lock);
     return 0;
 }
 
@@ -156,6 +163,11 @@ static int fake_copy(moed_backend_link *l, bool to_host, void *host, uint64_t of
 static void fake_abort(moed_backend_link *l)
 {
     fake_link *f = l->ctx;
+    const int ms = atomic_load(&fake_abort_ms);
+    if (ms) {
+        struct timespec ts = { ms / 1000, (long)(ms % 1000) * 1000000L };
+        nanosleep(&ts, NULL);
+    }
     pthread_mutex_lock(&f->lock);
     f->aborted = true;
     pthread_cond_broadcast(&f->cond);
@@ -174,8 +186,10 @@ static void fake_drop(moed_list *q)
 static void fake_destroy(moed_backend_link *l)
 {
     fake_link *f = l->ctx;
+    pthread_mutex_lock(&fake_links_lock);
     for (int i = 0; i < fake_n_links; i++)
         if (fake_links[i] == f) fake_links[i] = NULL;
+    pthread_mutex_unlock(&fake_links_lock);
     fake_drop(&f->to_server);
     fake_drop(&f->to_caller);
     pthread_cond_destroy(&f->cond);

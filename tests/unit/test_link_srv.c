@@ -5,7 +5,8 @@
  * ends it and the log says why; refused calls (a layer not served, ids out of range) are answered
  * with their status and message and the next call works (a call expecting another daemon too); T
  * over the link's max_tokens breaks the layout's check (moed_link_check_call), so it ends the link;
- * after the drain calls are answered UNAVAILABLE; closing during a call returns at once; the
+ * after the drain calls are answered UNAVAILABLE; closing during a call returns at once, and so do
+ * close_link and a session's end whose abort takes long (the close runs on its own thread); the
  * principal cap; the link's buffer is a region its client cannot unregister; the plain cpu backend
  * answers UNIMPLEMENTED.
  */
@@ -191,6 +192,40 @@ static bool log_has(const char *a, const char *b)
     return found;
 }
 
+/* Lines of the log with a and b. */
+static int log_count(const char *a, const char *b)
+{
+    FILE *fp = fopen(log_path, "r");
+    char line[2048];
+    int n = 0;
+    while (fp && fgets(line, sizeof line, fp)) n += strstr(line, a) && strstr(line, b);
+    if (fp) fclose(fp);
+    return n;
+}
+
+/* Whether the log holds more than `before` lines with a and b within WAIT ms: a close runs on a
+ * thread of its own. */
+static bool log_grows(const char *a, const char *b, int before)
+{
+    for (const uint64_t t0 = fake_now_ms(); fake_now_ms() - t0 < WAIT; usleep(1000))
+        if (log_count(a, b) > before) return true;
+    return false;
+}
+
+/* The regions the principal holds, once they number `want` (within WAIT ms) or at the end. */
+static int regions_held(int want)
+{
+    int n = -1;
+    for (const uint64_t t0 = fake_now_ms(); fake_now_ms() - t0 < WAIT; usleep(1000)) {
+        moed_region_info *list = NULL;
+        moed_error err;
+        if (moed_regions_list(regions, PRINC, &list, &n, &err)) return -1;
+        free(list);
+        if (n == want) break;
+    }
+    return n;
+}
+
 static void test_calls(void)
 {
     moed_region_session *s = moed_regions_open_session(regions, PRINC);
@@ -246,9 +281,7 @@ static void test_calls(void)
     CHECK_EQ_INT(moed_links_close(lk, s, id, &info, &err), 0);
     CHECK_EQ_INT(moed_links_close(lk, s, id, &info, &err), MOED_ENOTFOUND);
     CHECK_EQ_INT(moed_links_count(lk), 0);
-    CHECK_EQ_INT(moed_regions_list(regions, PRINC, &list, &n, &err), 0);
-    CHECK_EQ_INT(n, 0); /* disowned and freed */
-    free(list);
+    CHECK_EQ_INT(regions_held(0), 0); /* disowned and freed by the close's thread */
 
     /* A header that breaks the layout (its magic) ends the link; the log says why. */
     id = open_joined(s, 4, &f);
@@ -310,13 +343,52 @@ static void test_close_mid_call(void)
     fake_put(f, &c.h, sizeof c.h); /* and no payload: the link waits for it */
     usleep(20000);
     const uint64_t t0 = fake_now_ms();
+    const int closed = log_count("link closed", "close_link");
     moed_link_info info;
     CHECK_EQ_INT(moed_links_close(lk, s, id, &info, &err), 0);
     CHECK_MSG(fake_now_ms() - t0 < 1000, "close_link took %llu ms",
               (unsigned long long)(fake_now_ms() - t0));
-    CHECK(log_has("link closed", "close_link"));
+    CHECK(log_grows("link closed", "close_link", closed));
     free(c.payload);
     moed_regions_close_session(regions, s);
+}
+
+/* A close whose abort takes long (NCCL's, a receive pending on a peer that died) holds neither
+ * the session's end nor close_link, which run on the completion-queue threads: the link is off
+ * the registry at once, another session's link opens and answers meanwhile, and the close ends
+ * later on its own thread. */
+static void test_slow_abort(void)
+{
+    moed_region_session *s = moed_regions_open_session(regions, PRINC);
+    fake_link *f = NULL;
+    moed_error err = { 0 };
+    open_joined(s, 4, &f);
+    expect_ok(f, 1, 2);
+    const uint64_t id = open_joined(s, 4, &f);
+    expect_ok(f, 1, 1);
+    const int ended = log_count("link closed", "the session ended"),
+              commanded = log_count("link closed", "close_link");
+    atomic_store(&fake_abort_ms, 1500);
+    uint64_t t0 = fake_now_ms();
+    moed_link_info info;
+    CHECK_EQ_INT(moed_links_close(lk, s, id, &info, &err), 0);
+    moed_links_close_session(lk, s);
+    CHECK_MSG(fake_now_ms() - t0 < 500, "close_link and the session's end took %llu ms",
+              (unsigned long long)(fake_now_ms() - t0));
+    CHECK_EQ_INT(moed_links_count(lk), 0);
+    moed_regions_close_session(regions, s);
+    moed_region_session *s2 = moed_regions_open_session(regions, PRINC);
+    fake_link *f2 = NULL;
+    open_joined(s2, 4, &f2);
+    expect_ok(f2, 1, 3);
+    CHECK_MSG(fake_now_ms() - t0 < 1500, "a new link waited for the closes (%llu ms)",
+              (unsigned long long)(fake_now_ms() - t0));
+    CHECK(log_grows("link closed", "the session ended", ended));
+    CHECK(log_grows("link closed", "close_link", commanded));
+    atomic_store(&fake_abort_ms, 0);
+    moed_links_close_session(lk, s2);
+    moed_regions_close_session(regions, s2);
+    CHECK_EQ_INT(regions_held(0), 0);
 }
 
 static void test_caps_and_refusals(void)
@@ -390,6 +462,7 @@ int main(void)
     test_calls();
     test_key_and_join();
     test_close_mid_call();
+    test_slow_abort();
     test_caps_and_refusals();
     test_drain();
     moed_sched_drain(sched);
