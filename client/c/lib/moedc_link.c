@@ -12,19 +12,19 @@
  *
  * A call, ordered on the caller's stream: for a fleet, the expert choices copied to the host (the
  * plan needs them: moedc_plan_rows, the gRPC fleet's own rule); each shard's rows gathered into its
- * payload (one gather kernel for its three tensors), its header stamped with
- * the link's next seq by a counter on the device (moedc_link_stamp) and its reply's header zeroed,
- * its header and payload sent; then every reply's receive; the combine kernel (moedc_link_sum.h,
- * the parts by value), which writes the output only when every reply arrived and is OK and counts
- * the call in the failures otherwise; each reply's header and its link's counter copied back. A
- * fleet's parts run on their links' own streams, forked from the caller's stream by an event and
- * joined back before the combine: NCCL's kernels of different communicators on one stream run one
- * after another, so one stream would send to the shards in turn and wait for each reply in turn
- * (on four H200s, three shards' T = 4096 calls spent 1.4 ms so, docs/fleets.md "Measured"); one
- * daemon's call stays on the caller's stream. Then the
- * call's watch polls the stream and each communicator until the stream is done, an NCCL error
- * shows, or the time is up; a link that did not answer is aborted (its kernels then end, freeing
- * the stream) and dropped, to be linked again by a later call.
+ * payload (one gather kernel for its three tensors), its header stamped with the link's next seq
+ * by a counter on the device (moedc_link_stamp, which zeroes its reply's header too), its header
+ * and payload sent; then every reply's receive; the combine kernel (moedc_link_sum.h, the parts by
+ * value), which writes the output only when every reply arrived and is OK and counts the call in
+ * the failures otherwise; each reply's header and its link's counter copied back. A fleet's parts
+ * run on their links' own streams, forked from the caller's stream by an event and joined back
+ * before the combine: NCCL's kernels of different communicators on one stream run one after
+ * another, so one stream would send to the shards in turn and wait for each reply in turn (on four
+ * H200s, three shards' T = 4096 calls spent 1.4 ms so, docs/fleets.md "Measured"); one daemon's
+ * call stays on the caller's stream. Then the call's watch polls the stream and each communicator
+ * until the stream is done, an NCCL error shows, or the time is up; a link that did not answer is
+ * aborted (its kernels then end, freeing the stream) and dropped, to be linked again by a later
+ * call.
  *
  * A call made while its stream is being captured is the same work, recorded: every shard gets
  * every token (no host read), nothing is waited for, and the replays carry no host state (seq on
