@@ -7,7 +7,11 @@
  * pointer moves; the work — copies, gating, compute — happens outside it); one condition variable
  * that idle workers wait on, with a timeout when a merge window is open. Wake-ups are broadcasts:
  * with several GPUs a worker runs only the layers resident on its own (backend exec_accepts), so
- * waking one arbitrary worker could leave the right one asleep.
+ * waking one arbitrary worker could leave the right one asleep. A condition's wake-up costs a
+ * request tens of microseconds (a link call's queue time on H200s: docs/fleets.md, "Measured"),
+ * so one idle worker at a time that ran a launch within the wait policy's spin (moed_backoff.h)
+ * spins instead, watching a count of the wake-ups (every broadcast adds one), and takes the next
+ * request as it comes: a caller calling once per layer per step finds a worker awake.
  *
  * A launch never splits a request and never lets one request's bad data spoil the others: a
  * request whose copy-in fails, or whose server-side gating fails (NaN logits from its own hidden
@@ -22,6 +26,7 @@
  */
 #include "scheduler.h"
 
+#include "moed_backoff.h"
 #include "moed_dtype.h"
 
 #include <math.h>
@@ -81,7 +86,9 @@ struct moed_sched {
     int n_queues, cap_queues;
     moed_list active; /* of queue.active_node: the non-empty queues */
     int64_t queued;
-    uint64_t seq; /* arrivals so far: moed_sched_item.seq */
+    uint64_t seq;           /* arrivals so far: moed_sched_item.seq */
+    bool spinner;           /* an idle worker spins (worker_main) */
+    _Atomic uint64_t wakes; /* broadcasts of wake so far: what a spinning worker watches */
     bool draining;
     bool flushing; /* merge windows are closed: see moed_sched_flush */
     worker *workers;
@@ -92,6 +99,13 @@ struct moed_sched {
     _Atomic uint64_t submitted, rejected, cancelled, expired, failed, completed, batches,
         batch_tokens, compute_us, running;
 };
+
+/* Wakes the idle workers, waiting or spinning (under s->lock). */
+static void wake_all(moed_sched *s)
+{
+    atomic_fetch_add(&s->wakes, 1);
+    pthread_cond_broadcast(&s->wake);
+}
 
 /* ---- queues (all under s->lock) -------------------------------------------------------------- */
 
@@ -617,7 +631,7 @@ static void run_batch(worker *w, queue *q, int n, uint64_t t_launch)
     int rc = compute(w, &l, &err);
     pthread_mutex_lock(&s->lock);
     q->in_flight--;
-    if (s->queued) pthread_cond_broadcast(&s->wake);
+    if (s->queued) wake_all(s);
     pthread_mutex_unlock(&s->lock);
     if (rc)
         fail_launch(w, &l, rc, &err);
@@ -630,6 +644,7 @@ static void *worker_main(void *arg)
 {
     worker *w = arg;
     moed_sched *s = w->s;
+    uint64_t last_launch = 0; /* when this worker's last launch ended; 0: none in its spin */
     pthread_mutex_lock(&s->lock);
     for (;;) {
         uint64_t now = moed_now_ns(), wake_at;
@@ -639,19 +654,34 @@ static void *worker_main(void *arg)
             moed_list_init(&expired);
             int n = take_batch(s, q, now, w->items, &expired);
             if (n) q->in_flight++;
-            if (s->queued)
-                pthread_cond_broadcast(&s->wake); /* more may be ready for another worker */
+            if (s->queued) wake_all(s); /* more may be ready for another worker */
             pthread_mutex_unlock(&s->lock);
             finish_expired(s, &expired);
             if (n) {
                 atomic_fetch_add(&s->running, 1);
                 run_batch(w, q, n, now); /* releases q's in-flight slot when the device is done */
                 atomic_fetch_sub(&s->running, 1);
+                last_launch = moed_now_ns();
             }
             pthread_mutex_lock(&s->lock);
             continue;
         }
         if (s->draining && !s->queued) break;
+        if (!wake_at && last_launch && !s->spinner) {
+            /* the spin counts from the last launch: an idle daemon's workers all sleep */
+            moed_backoff b;
+            moed_backoff_start(&b);
+            b.start_ns = last_launch;
+            const uint64_t seen = atomic_load(&s->wakes);
+            s->spinner = true;
+            pthread_mutex_unlock(&s->lock);
+            while (atomic_load(&s->wakes) == seen && moed_backoff_spinning(&b))
+                moed_backoff_pause(&b, 0);
+            pthread_mutex_lock(&s->lock);
+            s->spinner = false;
+            if (!moed_backoff_spinning(&b)) last_launch = 0;
+            continue;
+        }
         if (!wake_at) {
             pthread_cond_wait(&s->wake, &s->lock);
         } else {
@@ -772,7 +802,7 @@ int moed_sched_submit(moed_sched *s, moed_sched_item *it, moed_error *err)
         it->t_enqueued_ns = moed_now_ns();
         it->state = ST_QUEUED;
         push(s, q, it);
-        pthread_cond_broadcast(&s->wake);
+        wake_all(s);
     }
     pthread_mutex_unlock(&s->lock);
     atomic_fetch_add(rc ? &s->rejected : &s->submitted, 1);
@@ -807,7 +837,7 @@ void moed_sched_flush(moed_sched *s)
 {
     pthread_mutex_lock(&s->lock);
     s->flushing = true;
-    pthread_cond_broadcast(&s->wake);
+    wake_all(s);
     pthread_mutex_unlock(&s->lock);
 }
 
@@ -815,7 +845,7 @@ void moed_sched_drain(moed_sched *s)
 {
     pthread_mutex_lock(&s->lock);
     s->draining = true;
-    pthread_cond_broadcast(&s->wake);
+    wake_all(s);
     pthread_mutex_unlock(&s->lock);
     for (int i = 0; i < s->n_workers; i++)
         if (s->workers[i].started) {

@@ -3,7 +3,8 @@
  * what is queued when a worker becomes free: merging, the token bound, the merge window, the queue
  * bound, cancellation, deadlines, ordering across queues, merge keys, server-side routing with a
  * request that fails alone, a request whose copy-in fails, batch-level gating, drain, one launch
- * per queue at a time, and owners (connections) taking turns.
+ * per queue at a time, owners (connections) taking turns, and a worker's spin after a launch
+ * losing no request on its way to sleep.
  *
  * The fake computes y[t][j] = sum over the token's pairs of w * ((e + 1) * x[t][j] + e), so every
  * output names the experts and weights its token was routed to; the test computes the same from
@@ -11,6 +12,7 @@
  */
 #include "check.h"
 #include "moed_backend_impl.h" /* the fake is a backend: it fills the table the wrappers call */
+#include "moed_backoff.h"
 #include "moed_dtype.h"
 #include "scheduler.h"
 
@@ -811,6 +813,36 @@ static void test_route_reuse(void)
     moed_sched_destroy(s);
 }
 
+/* A worker that ran a launch spins for the next request (moed_backoff.h's spin), then sleeps on
+ * the condition: a request right after a launch, one after the spin has ended, and one to a worker
+ * woken by another's launch ending (two slots, one queue: the second launch waits for the first)
+ * are each taken, none lost between the spin and the sleep. */
+static void test_spin_then_sleep(void)
+{
+    moed_sched *s = start(2, 16, 0, 64);
+    req *q[5];
+    for (int i = 0; i < 5; i++) q[i] = make_req(0, 2, 60 + i);
+    submit_ok(s, q[0]);
+    wait_done(1);
+    submit_ok(s, q[1]); /* a worker spins now */
+    wait_done(2);
+    usleep((useconds_t)(MOED_BACKOFF_SPIN_NS / 1000 + 10000)); /* its spin is over: both sleep */
+    submit_ok(s, q[2]);
+    wait_done(3);
+    hold(1);
+    submit_ok(s, q[3]);
+    wait_in_forward(1);
+    submit_ok(s, q[4]); /* one launch per queue: it waits for q[3]'s to end */
+    usleep((useconds_t)(MOED_BACKOFF_SPIN_NS / 1000 + 10000));
+    hold(0);
+    wait_done(5);
+    for (int i = 0; i < 5; i++) {
+        expect_ok(q[i]);
+        free_req(q[i]);
+    }
+    moed_sched_destroy(s);
+}
+
 /* Two execution slots run two launches at once. */
 static void test_two_slots(void)
 {
@@ -1224,6 +1256,7 @@ int main(void)
     test_batch_gating();
     test_drain();
     test_route_reuse();
+    test_spin_then_sleep();
     test_two_slots();
     test_one_launch_per_queue();
     test_min_requests();
