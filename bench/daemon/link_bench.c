@@ -36,7 +36,8 @@
 #include <string.h>
 #include <time.h>
 
-#define MAX_TARGETS 64
+#define MAX_TARGETS    64
+#define GRPC_TIMEOUT_S 120.0 /* a gRPC call of the benchmark (T = 4096 over a fleet: 0.5 s) */
 
 typedef struct opts {
     const char *target, *ref, *dtype, *json;
@@ -201,7 +202,10 @@ int main(int argc, char **argv)
     rng_state = (uint64_t)o.seed;
     moedc *c;
     moedc_error err;
-    if (moedc_connect_many(targets, n_targets, NULL, &c, &err)) return die("connect", err.msg);
+    /* every gRPC call here ends within GRPC_TIMEOUT_S: a daemon that stops answering fails the run,
+     * naming the call, instead of holding it (a test's driver) for ever */
+    const moedc_opts co = { .timeout_s = GRPC_TIMEOUT_S };
+    if (moedc_connect_many(targets, n_targets, &co, &c, &err)) return die("connect", err.msg);
     moedc_model_info info;
     if (moedc_info(c, &info, &err)) return die("GetModel", err.msg);
     int64_t d = 0;
@@ -364,7 +368,7 @@ int main(int argc, char **argv)
     }
     if (o.ref && have_first) {
         moedc *r;
-        if (moedc_connect(o.ref, NULL, &r, &err) || grpc_call(r, &req, y_other, hb, &err))
+        if (moedc_connect(o.ref, &co, &r, &err) || grpc_call(r, &req, y_other, hb, &err))
             return die("--ref", err.msg);
         moedc_close(r);
         moed_to_f32(dtype, y_first, a, n);
