@@ -1,7 +1,8 @@
 /*
  * moed_backoff — how a thread waits for what another process or a GPU does next: a link's or a
- * ring's answer, a communicator's operation, a call's completion on a compute thread. One policy
- * for every such wait, the daemon's and the client's (docs/doorbell.md, "Host calls"):
+ * ring's answer, a communicator's operation, a call's completion on a compute thread, a scheduler
+ * worker's next request. One policy for every such wait, the daemon's and the client's
+ * (docs/doorbell.md, "Host calls"; docs/operations.md, "CPU while serving"):
  *
  * - for MOED_BACKOFF_SPIN_NS from the wait's start it spins: MOED_BACKOFF_RELAX pauses of the core
  *   (the lowest latency for an answer that is microseconds away), then yields it, so that a
