@@ -64,6 +64,7 @@ static int wait_done(cuda_link *k, const moed_nccl *n, bool stream, int64_t time
      * sleep, a busy one's spin */
     moed_backoff b;
     moed_backoff_start(&b);
+    const uint64_t until = timeout_ms >= 0 ? b.start_ns + (uint64_t)timeout_ms * 1000000u : 0;
     for (;;) {
         const int state = async_state(k);
         if (state < 0 || atomic_load(&k->aborted)) return aborted(err);
@@ -76,7 +77,6 @@ static int wait_done(cuda_link *k, const moed_nccl *n, bool stream, int64_t time
         }
         if (stop && atomic_load(stop))
             return moed_fail(err, MOED_ECANCELLED, "%s: the link is closing", what);
-        const uint64_t until = timeout_ms >= 0 ? b.start_ns + (uint64_t)timeout_ms * 1000000u : 0;
         if (until && moed_backoff_now_ns() >= until)
             return moed_fail(err, MOED_EDEADLINE, "%s: nothing came in %lld ms", what,
                              (long long)timeout_ms);
