@@ -82,6 +82,11 @@ typedef struct moed_layer {
      * of the expected uniform load; NULL for none. */
     const double *expert_load;
     double expert_launches;
+    /* An expert shard's view (moed --experts): for each of the whole layer's router_experts, its
+     * id among the n_experts held, or -1; NULL for a whole layer. A job's host route comes in the
+     * held numbering; a part's device routing (moed_backend.h) in the whole one, which the backend
+     * renumbers by this map where the choice lies. */
+    const int32_t *local_of;
 } moed_layer;
 
 /* The experts of a layer a daemon holding an expert shard loads (moed --experts): ids in

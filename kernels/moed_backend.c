@@ -127,8 +127,8 @@ int moed_backend_forward(moed_backend *b, int exec, const moed_job *job, moed_er
 
 /* Reads part p's device choice (rows x k) to the host and checks it: its own route in *r, with no
  * pair when it fails (its status in p->route->err either way). */
-static int read_choice(moed_backend *b, const moed_part *p, int n_experts, moed_route *r,
-                       moed_error *err)
+static int read_choice(moed_backend *b, const moed_part *p, int n_experts, const int32_t *local_of,
+                       moed_route *r, moed_error *err)
 {
     moed_part_route *pr = p->route;
     const size_t n = (size_t)p->rows * (size_t)pr->k;
@@ -145,6 +145,8 @@ static int read_choice(moed_backend *b, const moed_part *p, int n_experts, moed_
                      : moed_route_from_choice(r, ids, w, p->rows, pr->k, n_experts, err))
             rc = moed_fail(err, MOED_ENOMEM, "no memory for the route of a part of %lld tokens",
                            (long long)p->rows);
+        else if (local_of)
+            moed_route_localize(r, local_of);
     }
     free(ids);
     free(w);
@@ -165,8 +167,8 @@ static void route_append_tokens(moed_route *out, int64_t *t, const moed_route *s
     }
 }
 
-int moed_backend_host_route(moed_backend *b, const moed_job *job, int n_experts, moed_route *out,
-                            moed_error *err)
+int moed_backend_host_route(moed_backend *b, const moed_job *job, int n_experts,
+                            const int32_t *local_of, moed_route *out, moed_error *err)
 {
     moed_job j;
     moed_part one;
@@ -179,7 +181,8 @@ int moed_backend_host_route(moed_backend *b, const moed_job *job, int n_experts,
     int64_t pairs = j.route->off[j.T];
     if (!own) rc = moed_fail(err, MOED_ENOMEM, "no memory for the job's route");
     for (int i = 0; i < j.n_parts && !rc; i++)
-        if (j.parts[i].route && !(rc = read_choice(b, &j.parts[i], n_experts, &own[i], err)))
+        if (j.parts[i].route &&
+            !(rc = read_choice(b, &j.parts[i], n_experts, local_of, &own[i], err)))
             pairs += own[i].off[j.parts[i].rows];
     if (!rc && moed_route_init(out, j.T, pairs))
         rc = moed_fail(err, MOED_ENOMEM, "no memory for a route of %lld pairs", (long long)pairs);

@@ -30,8 +30,10 @@
  * its part alone, and every other part's output is the same bits as without it. A backend without
  * devices (CPU) refuses such a part (MOED_EPRECOND): its callers give host routes. A layer split
  * over devices reads the choice to the host first (moed_backend_host_route) and runs as with a host
- * route. An expert shard's route is renumbered on the host (moed_route_localize), so a caller that
- * serves a shard reads device routing to the host itself, with moed_backend_host_route.
+ * route. On an expert shard's view (moed_layer.local_of) the job's host route is in the held
+ * experts' numbering (the caller renumbers it, moed_route_localize) and device routing in the
+ * whole layer's: its ids are checked against router_experts and each pair of an expert not held
+ * counts as padding, exactly as if the caller had renumbered it.
  */
 #ifndef MOED_BACKEND_H
 #define MOED_BACKEND_H
@@ -144,13 +146,14 @@ int moed_backend_n_devices(const moed_backend *b);
 int moed_backend_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err);
 
 /* The job's route with the pairs of its parts' device routing read to the host (read_device) and
- * checked there by the rules forward applies, for ids numbered [0, n_experts): into *out (which
+ * checked there by the rules forward applies, for ids numbered [0, n_experts), then renumbered by
+ * local_of when it is not NULL (an expert shard's map, moed_layer.local_of): into *out (which
  * the caller frees with moed_route_free), job->T tokens; each such part's err set as forward sets
  * it, a failed part's tokens left with no pair. The caller then runs the job on *out with those
  * parts' route set to NULL (a failed part's rows of y being unspecified, as with forward).
  * MOED_EPRECOND on a backend without devices, MOED_ENOMEM, or read_device's error. */
-int moed_backend_host_route(moed_backend *b, const moed_job *job, int n_experts, moed_route *out,
-                            moed_error *err);
+int moed_backend_host_route(moed_backend *b, const moed_job *job, int n_experts,
+                            const int32_t *local_of, moed_route *out, moed_error *err);
 
 /* logits [T, n_experts] float32 (host memory) = x [T, d_model] @ router^T of the job's layer, x
  * being the job's parts (their y and the route are not used), accumulated in float32 from x and

@@ -455,58 +455,14 @@ static void compact(worker *w, launch *l, bool logits)
     l->T = row;
 }
 
-/* The request's device routing read to the host (moed_backend_host_route) and checked there: its
- * route then holds the pairs, and its part brings none. */
-static int route_to_host(worker *w, moed_sched_item *it, moed_error *err)
-{
-    moed_part part = it->mem;
-    part.rows = it->T;
-    moed_job job = { .slot = it->slot,
-                     .dtype = it->dtype,
-                     .T = it->T,
-                     .parts = &part,
-                     .n_parts = 1,
-                     .route = &it->route };
-    moed_route host;
-    int rc =
-        moed_backend_host_route(w->s->cfg.backend, &job, it->layer->info.n_experts, &host, err);
-    if (!rc && it->mem.route->err.code) {
-        *err = it->mem.route->err;
-        rc = err->code;
-    }
-    if (rc) {
-        if (!err->code)
-            moed_fail(err, rc, "reading the request's expert choice to the host failed");
-        moed_route_free(&host);
-        return rc;
-    }
-    moed_route_free(&it->route);
-    it->route = host;
-    it->mem.route = NULL;
-    return 0;
-}
-
-/* An expert shard's backend holds some experts only: each request's route in its numbering,
- * renumbered on the host, so device routing is read to the host first; a request whose choice is
- * refused there is answered and leaves the launch (items[i] = NULL). Returns how many left. */
-static int localize(worker *w, const launch *l)
+/* An expert shard's backend holds some experts only: each host route in its numbering (a device
+ * route the backend renumbers where it lies, moed_layer.local_of). */
+static void localize(worker *w, const launch *l)
 {
     const moed_shard *sh = w->s->cfg.shards ? &w->s->cfg.shards[l->slot] : NULL;
-    int gone = 0;
-    if (!sh || moed_shard_all_experts(sh)) return 0;
-    for (int i = 0; i < l->n; i++) {
-        moed_sched_item *it = w->items[i];
-        moed_error err = { 0 };
-        int rc = it->mem.route ? route_to_host(w, it, &err) : 0;
-        if (rc) {
-            finish_error(w->s, it, rc, &err);
-            w->items[i] = NULL;
-            gone++;
-            continue;
-        }
-        moed_shard_localize(sh, &it->route);
-    }
-    return gone;
+    if (!sh || moed_shard_all_experts(sh)) return;
+    for (int i = 0; i < l->n; i++)
+        if (!w->items[i]->mem.route) moed_shard_localize(sh, &w->items[i]->route);
 }
 
 /* The merged route: batch gating over the launch's logits, or the requests' routes end to end. */
@@ -550,7 +506,7 @@ static int compute(worker *w, launch *l, moed_error *err)
     int dropped = drop_gone(w, l); /* the server router may have taken a while */
     if (server || l->k_batch) route_requests(w, l);
     if (dropped || server || l->k_batch) compact(w, l, server || l->k_batch);
-    if (localize(w, l)) compact(w, l, false);
+    localize(w, l);
     if (!l->n || (rc = merge_routes(w, l, err))) return rc;
     set_parts(w, l);
     job.T = l->T;

@@ -21,9 +21,9 @@
  * output from it. Each item is one part of the backend's job (moed_part). An item whose expert
  * choice stays in device memory names it in mem.route (its route then has T tokens and no pair):
  * the backend checks it where it lies and a refused one fails that item alone (INVALID_ARGUMENT
- * with the backend's message); for an expert shard, whose routes are renumbered on the host, the
- * worker reads it to the host first (moed_backend_host_route). Each such item counts T x k pairs
- * toward the launch. So where hidden lives (in a message's slices, a pinned buffer, shared or GPU
+ * with the backend's message), also on an expert shard, whose backend renumbers it there (the
+ * worker renumbers host routes, moed_shard_localize). Each such item counts T x k pairs toward the
+ * launch. So where hidden lives (in a message's slices, a pinned buffer, shared or GPU
  * memory) and where the output goes is the submitter's business alone.
  *
  * Threads: submit and cancel come from the gRPC completion-queue threads and the doorbell's poller

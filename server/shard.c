@@ -32,6 +32,7 @@ static int make_maps(moed_shard *s, const moed_expert_subset *held, moed_error *
         s->held_w[k++] = s->full->experts[e];
     }
     s->view.experts = s->held_w;
+    s->view.local_of = s->local_of;
     s->view.info.n_experts = s->n_held;
     s->view.info.router_experts = E;
     return 0;

@@ -6,9 +6,11 @@
  * expert, the server router keeps its every row, so each shard of a fleet computes the same route.
  * The backend speaks only the shard's: it is given `view`, a layer holding just the held experts
  * (local ids 0 .. n_held-1, in increasing global order), the whole router (router_experts) and the
- * shared experts when this daemon adds them. Between the two, moed_shard_localize turns a route
- * into the backend's: the pairs of experts held, in their order, renumbered; the rest contribute
- * nothing, so the reply is the held experts' partial sum.
+ * shared experts when this daemon adds them. Between the two, moed_shard_localize turns a host
+ * route into the backend's: the pairs of experts held, in their order, renumbered; the rest
+ * contribute nothing, so the reply is the held experts' partial sum. Device routing (a doorbell's
+ * or a link's call) is renumbered by the backend where it lies, by the same map (view.local_of):
+ * such a call reads nothing to the host on a shard either.
  *
  * A daemon without --experts holds every expert of every layer (and adds the shared ones): its
  * shards are whole, view is the layer itself, and nothing is renumbered.

@@ -72,6 +72,11 @@ typedef struct cuda_layer {
     uint32_t *w13_meta, *w2_meta;                       /* 2:4 sparse layers */
     void *router; /* [E][d] in router_dtype, as the checkpoint stores it; NULL if none */
     int router_dtype;
+    /* An expert shard's map (moed_layer.local_of, [router_experts]) on the home GPU, which the
+     * device routing's check applies where the choice lies, and the layer's own on the host, for
+     * a choice read to the host; both NULL for a whole layer. */
+    int32_t *local_of;
+    const int32_t *local_of_host;
 } cuda_layer;
 
 /* Small batches replay a captured graph of the pipeline instead of launching its kernels one by

@@ -116,11 +116,18 @@ static void stage_route(cuda_exec *x, int h, const moed_cuda_route_src *src, int
     cudaEventRecord(x->routed[h], x->stream);
 }
 
+/* The range a device choice's ids are checked against: the layer's experts, or on an expert
+ * shard the whole layer's (moed_backend.h), which L->local_of renumbers. */
+static int choice_ids(const cuda_layer *L)
+{
+    return L->local_of ? moed_layer_router_experts(&L->info) : L->info.n_experts;
+}
+
 /* Each device run's tokens of [t0, t1), checked and packed into the slots of the route just
  * uploaded (x->r): read where they lie on the slot's GPU, or first copied into those very slots
  * from another GPU. Run i's refusals go to status word i. */
-static int stage_choices(cuda_exec *x, const moed_cuda_route_src *src, int64_t t0, int64_t t1,
-                         int E)
+static int stage_choices(cuda_exec *x, const cuda_layer *L, const moed_cuda_route_src *src,
+                         int64_t t0, int64_t t1)
 {
     int rc = 0;
     for (int i = 0; i < src->n_runs && !rc; i++) {
@@ -133,7 +140,9 @@ static int stage_choices(cuda_exec *x, const moed_cuda_route_src *src, int64_t t
                                 .row0 = lo - u->t0,
                                 .rows = hi - lo,
                                 .k = u->k,
-                                .E = E,
+                                .E = L->info.n_experts,
+                                .n_ids = choice_ids(L),
+                                .local_of = L->local_of,
                                 .tok0 = (int32_t)(lo - t0),
                                 .pair0 = (int32_t)(src->lay[lo] - src->lay[t0]),
                                 .bad = x->bad + i };
@@ -152,9 +161,10 @@ static int stage_choices(cuda_exec *x, const moed_cuda_route_src *src, int64_t t
 }
 
 /* Count of experts with pairs in tokens [t0, t1), for choosing the tile before staging. A device
- * run's experts are unknown here: each of its slots counts as one more (up to E), the most they can
- * add, which only steers the tile's shape. */
-static int active_experts(const moed_cuda_route_src *src, int64_t t0, int64_t t1, int E)
+ * run's experts are unknown here: each of its slots counts as one more, up to `most`, which only
+ * steers the tile's shape: E, or on an expert shard the whole layer's experts, over which its
+ * slots spread, held or not (so the rows an expert come out as the held ones get them). */
+static int active_experts(const moed_cuda_route_src *src, int64_t t0, int64_t t1, int E, int most)
 {
     static _Thread_local uint8_t seen[4096];
     int n = 0;
@@ -165,7 +175,7 @@ static int active_experts(const moed_cuda_route_src *src, int64_t t0, int64_t t1
             n++;
         }
     const int64_t dev = (src->lay[t1] - src->lay[t0]) - (src->off[t1] - src->off[t0]);
-    return n + dev < E ? (int)(n + dev) : E;
+    return n + dev < most ? (int)(n + dev) : most;
 }
 
 /* The slot's graph for this key, captured on first use (evicting the least recently used); NULL if
@@ -217,7 +227,7 @@ static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_
 {
     const int E = L->info.n_experts;
     const int64_t T = t1 - t0, P = src->lay[t1] - src->lay[t0];
-    const int n_act = active_experts(src, t0, t1, E);
+    const int n_act = active_experts(src, t0, t1, E, choice_ids(L));
     const int sm = c->sm[cuda_dev_index(c, x->device)];
     stage_route(x, chunk & 1, src, t0, t1, E,
                 moed_cuda_tile_bm(sm, P, n_act, moed_cuda_routed_wfmt(&L->k), c->force_kernel),
@@ -225,7 +235,7 @@ static int run_chunk(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const moed_
     x->r.null_row = cuda_null_row(c, L->k.d_pad);
     const void *xin = io->x_direct ? io->x_direct : (char *)x->x_in + (size_t)t0 * io->rb;
     void *out = io->y_direct ? io->y_direct : (char *)x->out + (size_t)t0 * io->rb;
-    int rc = stage_choices(x, src, t0, t1, E);
+    int rc = stage_choices(x, L, src, t0, t1);
     cudaGraphExec_t graph = NULL;
     if (!rc && P <= GRAPH_MAX_PAIRS && !io->x_direct && !io->y_direct) {
         graph_key k;
@@ -264,7 +274,7 @@ static int run_part(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, int i, int c
     if (!Tp) return 0; /* no pair here: nothing to wait for either */
     const moed_cuda_route_src src = host_src(&q->sub);
     const int64_t P = src.lay[Tp];
-    const int sm = c->sm[pt->entry], n_act = active_experts(&src, 0, Tp, pt->k.E);
+    const int sm = c->sm[pt->entry], n_act = active_experts(&src, 0, Tp, pt->k.E, pt->k.E);
     const bool here = q->device == x->device,
                peer = c->direct[pt->entry][cuda_dev_index(c, x->device)];
     const char *xin = (const char *)x->x_in + (size_t)t0 * rb;
@@ -396,7 +406,7 @@ static int job_route(moed_backend *b, cuda_exec *x, const cuda_layer *L, const m
     bool any = false;
     for (int i = 0; i < job->n_parts; i++) any |= job->parts[i].route != NULL;
     if (any && L->sp.parts) {
-        int rc = moed_backend_host_route(b, job, L->info.n_experts, host, err);
+        int rc = moed_backend_host_route(b, job, choice_ids(L), L->local_of_host, host, err);
         if (rc) return rc;
         rt = host;
         any = false;
@@ -480,8 +490,7 @@ int cuda_forward(moed_backend *b, int exec, const moed_job *job, moed_error *err
     if (src.n_runs)
         cudaMemcpyAsync(x->h_bad, x->bad, sizeof *x->bad * (size_t)src.n_runs,
                         cudaMemcpyDeviceToHost, x->stream);
-    if (!(rc = finish(x, rc, "forward", err)) && src.n_runs)
-        part_statuses(x, job, L->info.n_experts);
+    if (!(rc = finish(x, rc, "forward", err)) && src.n_runs) part_statuses(x, job, choice_ids(L));
 out:
     pthread_rwlock_unlock(L->lock);
     moed_route_free(&host);

@@ -304,7 +304,7 @@ void cuda_layer_free(cuda_layer *L)
     cuda_split_free(&L->sp);
     cudaSetDevice(L->device);
     void *p[] = { L->w13,       L->w2,       L->s13,      L->s2,      L->w13_scale, L->w2_scale,
-                  L->s13_scale, L->s2_scale, L->w13_meta, L->w2_meta, L->router };
+                  L->s13_scale, L->s2_scale, L->w13_meta, L->w2_meta, L->router,    L->local_of };
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) cudaFree(p[i]);
     if (L->lock) pthread_rwlock_destroy(L->lock);
     free(L->lock);
@@ -478,6 +478,12 @@ static int upload_home(cuda_layer *L, const moed_layer *l, void *stage, float *t
     if (router_bytes(L, l)) {
         CU(cudaMalloc(&L->router, router_bytes(L, l)), "router allocation");
         rc = upload(L->router, l->router, router_bytes(L, l), err);
+    }
+    if (!rc && l->local_of) {
+        const size_t bytes = sizeof *l->local_of * (size_t)moed_layer_router_experts(&l->info);
+        CU(cudaMalloc((void **)&L->local_of, bytes), "expert map allocation");
+        rc = upload(L->local_of, l->local_of, bytes, err);
+        L->local_of_host = l->local_of;
     }
 err:
     return rc;

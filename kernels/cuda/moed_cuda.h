@@ -291,20 +291,25 @@ void moed_cuda_route_layout(moed_cuda_route_dev *r, int32_t *dev, int64_t T, int
 
 /* A run's rows [row0, row0 + rows) as they land in a packed route (route_choice.cu): ids and w
  * point at row row0 (the client's memory, or the packed route's own slots where they were copied
- * to), the rows are tokens tok0 .. of the batch and fill its slots from pair0 on. */
+ * to), the rows are tokens tok0 .. of the batch and fill its slots from pair0 on. Ids are checked
+ * against n_ids; with local_of (an expert shard's map in device memory, [n_ids], moed_layer's)
+ * each is then renumbered, and a pair of an expert not held is a null pair. Without it n_ids is
+ * E. */
 typedef struct moed_cuda_choice {
     const int32_t *ids;
     const float *w;
     int64_t row0, rows;
-    int32_t k, E, tok0, pair0;
+    int32_t k, E, n_ids, tok0, pair0;
+    const int32_t *local_of;
     unsigned long long *bad; /* the part's status word: UINT64_MAX, or a refusal's code */
 } moed_cuda_choice;
 
 /* Writes the choice's slots of the packed route r (its inputs, laid out by moed_cuda_route_layout):
- * pair_tok, and pair_exp, pair_w = the id and the weight, or E and 0 (a null pair) for padding and
- * for a pair moed_choice_rule refuses; and lowers *bad to the code (moed_choice_check's, the
- * position counted from the part's row 0) of each refused pair, so it ends as the first. ids and w
- * may be the slots themselves: each is read before it is written. */
+ * pair_tok, and pair_exp, pair_w = the (renumbered) id and the weight, or E and 0 (a null pair) for
+ * padding, for an expert not held and for a pair moed_choice_rule refuses; and lowers *bad to the
+ * code (moed_choice_check's, the position counted from the part's row 0) of each refused pair, so
+ * it ends as the first. ids and w may be the slots themselves: each is read before it is written.
+ */
 int moed_cuda_route_choice(const moed_cuda_choice *c, const moed_cuda_route_dev *r,
                            moed_cuda_stream s);
 

@@ -6,7 +6,9 @@
  * (moed_choice_check's), so the word ends as the first refusal in row-major order whatever order
  * the threads ran in; the host reads the words back with the batch's outputs and words the messages
  * (moed_choice_fail). The rules are moed_choice_rule's, applied in its order, so host and device
- * agree on every pair.
+ * agree on every pair. On an expert shard the ids are the whole layer's, checked against its
+ * count and renumbered by the shard's map (a pair of an expert not held a null pair, as
+ * moed_route_localize drops it).
  */
 #include "moed_cuda.h"
 
@@ -28,11 +30,12 @@ __global__ void choice_kernel(moed_cuda_choice c, int32_t *pair_tok, int32_t *pa
          i += (int64_t)gridDim.x * blockDim.x) {
         const int32_t id = c.ids[i];
         const float w = c.w[i];
-        const int rule = moed_choice_rule(id, w, c.E);
+        const int rule = moed_choice_rule(id, w, c.n_ids);
         const int64_t p = c.pair0 + i;
+        const int32_t e = rule != MOED_CHOICE_VALID ? -1 : c.local_of ? c.local_of[id] : id;
         pair_tok[p] = c.tok0 + (int32_t)(i / c.k);
-        pair_exp[p] = rule == MOED_CHOICE_VALID ? id : c.E;
-        pair_w[p] = rule == MOED_CHOICE_VALID ? w : 0.0f;
+        pair_exp[p] = e >= 0 ? e : c.E;
+        pair_w[p] = e >= 0 ? w : 0.0f;
         if (rule > MOED_CHOICE_PADDING)
             atomicMin(c.bad,
                       (unsigned long long)(c.row0 * c.k + i) << MOED_CHOICE_RULE_BITS | rule);

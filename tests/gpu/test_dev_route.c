@@ -16,7 +16,10 @@
  * pairs (chunks, a refusal only in a later chunk), route prep's three-launch path, 4096 experts
  * (the null id is then 4096, and id 4096 itself must be refused), a lone device part read and
  * written in place, a layer split over two placements on GPU 0 (its choices read to the host
- * first), and choices on a GPU the layer is not on (where there is one). Exits 77 (skipped) without
+ * first), an expert shard's view, whole and split (the choices in the whole layer's numbering,
+ * renumbered by the backend: the same bits as the host route renumbered by moed_route_localize,
+ * the refusals worded against the whole layer), and choices on a GPU the layer is not on (where
+ * there is one). Exits 77 (skipped) without
  * a GPU. MOED_GPU_TEST_QUICK=1 runs the cases of at most 64 tokens (for compute-sanitizer).
  */
 #include "check.h"
@@ -40,9 +43,10 @@ typedef struct lcase {
     int64_t max_tokens;
     const char *kernel; /* MOED_CUDA_KERNEL while the backend opens, or NULL */
     bool split;         /* expert parallelism over two placements on GPU 0 */
+    bool shard;         /* an expert shard's view: the odd experts held (shard_view) */
 } lcase;
 
-enum { L_BF16, L_F16, L_FP8, L_FP8_PORTABLE, L_WIDE, L_SPLIT, L_COUNT };
+enum { L_BF16, L_F16, L_FP8, L_FP8_PORTABLE, L_WIDE, L_SPLIT, L_SHARD, L_SHARD_SPLIT, L_COUNT };
 
 static const lcase layers[L_COUNT] = {
     [L_BF16] = { "bf16 e8", "layers=1,d=256,ff=384,experts=8,topk=2,act=swiglu,dtype=bf16,seed=5",
@@ -62,6 +66,12 @@ static const lcase layers[L_COUNT] = {
     [L_SPLIT] = { "bf16 e8 split",
                   "layers=1,d=256,ff=384,experts=8,topk=2,act=swiglu,dtype=bf16,seed=5", 512, NULL,
                   true },
+    [L_SHARD] = { "bf16 shard 4/8",
+                  "layers=1,d=256,ff=384,experts=8,topk=2,act=swiglu,dtype=bf16,seed=9", 512, NULL,
+                  false, true },
+    [L_SHARD_SPLIT] = { "bf16 shard split",
+                        "layers=1,d=256,ff=384,experts=8,topk=2,act=swiglu,dtype=bf16,seed=9", 512,
+                        NULL, true, true },
 };
 
 /* A launch: its parts as letters and rows ("H5 D17 O9": 5 tokens routed on the host, 17 by a
@@ -105,11 +115,16 @@ static const dcase cases[] = {
     { "4096 experts: id 4096 refused", L_WIDE, MOED_BF16, 2, 10, "D20 O10 H10", false, true },
     { "split: host path", L_SPLIT, MOED_BF16, 2, 20, "H7 D9 O5 D3", false, true },
     { "split: chunks", L_SPLIT, MOED_BF16, 8, 25, "D100 H50 N250", false, false },
+    { "shard: the whole numbering, graph", L_SHARD, MOED_BF16, 2, 20, "D6 H3 O4 D5", false, true },
+    { "shard: chunks", L_SHARD, MOED_F32, 8, 10, "D300 H100 M50", false, false },
+    { "shard: lone device part in place", L_SHARD, MOED_BF16, 2, 0, "D400", true, false },
+    { "shard split: host path", L_SHARD_SPLIT, MOED_BF16, 2, 20, "H7 D9 O5 D3", false, true },
 };
 
 /* A layer on its backend: every layer of the table lives on GPU 0. */
 typedef struct layer_run {
     moed_layer layer;
+    moed_layer synth; /* a shard's: the synthetic layer whole, put back before it is freed */
     moed_backend *b;
     int exec; /* an execution slot that runs the layer */
 } layer_run;
@@ -125,6 +140,26 @@ static uint64_t next(void)
 static double urand(void)
 {
     return (double)(next() >> 11) / 9007199254740992.0;
+}
+
+/* An expert shard's view of l, as moed --experts makes it (server/shard.c): the odd experts held,
+ * renumbered 0, 1, ...; the router and the choices keep the whole layer's numbering. */
+static void shard_view(layer_run *lr)
+{
+    moed_layer *l = &lr->layer;
+    const int E = l->info.n_experts;
+    int32_t *local_of = malloc(sizeof *local_of * (size_t)E);
+    moed_expert_w *held = malloc(sizeof *held * (size_t)E);
+    int n = 0;
+    for (int e = 0; e < E; e++) {
+        local_of[e] = e % 2 ? n : -1;
+        if (e % 2) held[n++] = l->experts[e];
+    }
+    lr->synth = *l;
+    l->experts = held;
+    l->local_of = local_of;
+    l->info.router_experts = E;
+    l->info.n_experts = n;
 }
 
 static layer_run *open_layer(int l)
@@ -143,6 +178,7 @@ static layer_run *open_layer(int l)
     if (lc->kernel) setenv("MOED_CUDA_KERNEL", lc->kernel, 1);
     int rc = moed_synth_parse(lc->spec, &spec, &err);
     if (!rc) rc = moed_synth_layer(&spec, 0, &lr->layer, &err);
+    if (!rc && lc->shard) shard_view(lr);
     if (!rc) rc = moed_backend_cuda_open(&cfg, &lr->b, &err);
     if (!rc) rc = moed_backend_load_layer(lr->b, 0, &lr->layer, &err);
     if (!rc) rc = moed_backend_start(lr->b, &err);
@@ -186,8 +222,9 @@ static void break_rule(part *p, int64_t i, char kind, int E)
     p->w[i] = w[j];
 }
 
-/* A fresh choice for p (k a token, E experts), uploaded where the part is device-routed. */
-static void make_choice(part *p, int k, int E, int pad_pct)
+/* A fresh choice for p (k a token, ids of E experts; its host route renumbered by local_of where
+ * that is not NULL), uploaded where the part is device-routed. */
+static void make_choice(part *p, int k, int E, const int32_t *local_of, int pad_pct)
 {
     const int64_t n = p->rows * k;
     for (int64_t i = 0; i < n; i++) {
@@ -204,6 +241,7 @@ static void make_choice(part *p, int k, int E, int pad_pct)
     if (!refused(p->kind)) {
         moed_error err;
         CHECK(moed_route_from_choice(&p->r, p->ids, p->w, p->rows, k, E, &err) == 0);
+        if (local_of) moed_route_localize(&p->r, local_of);
     }
     if (on_device(p->kind)) {
         cudaMemcpy(p->d_ids, p->ids, sizeof(int32_t) * (size_t)n, cudaMemcpyHostToDevice);
@@ -305,7 +343,8 @@ static void run_case(const dcase *dc)
     layer_run *lr = open_layer(dc->layer);
     if (!lr) return;
     const moed_layer_info *li = &lr->layer.info;
-    const int E = li->n_experts, d = li->d_model;
+    const int E = moed_layer_router_experts(li), d = li->d_model; /* the choices' numbering */
+    const int32_t *local_of = lr->layer.local_of;
     part p[32];
     const int n = parse_parts(dc->parts, p, 32);
     const int64_t T = p[n - 1].t0 + p[n - 1].rows;
@@ -325,14 +364,14 @@ static void run_case(const dcase *dc)
             CHECK(cudaMalloc(&p[i].d_ids, sizeof(int32_t) * nk) == cudaSuccess);
             CHECK(cudaMalloc(&p[i].d_w, sizeof(float) * nk) == cudaSuccess);
         }
-        make_choice(&p[i], dc->k, E, dc->pad_pct);
+        make_choice(&p[i], dc->k, E, local_of, dc->pad_pct);
         all[i] = true;
         accepted[i] = !refused(p[i].kind);
     }
     for (int round = 0; round < (dc->twice ? 2 : 1); round++) {
         if (round) /* the same shapes, so the same graph; other choices in the same buffers */
             for (int i = 0; i < n; i++)
-                if (on_device(p[i].kind)) make_choice(&p[i], dc->k, E, dc->pad_pct);
+                if (on_device(p[i].kind)) make_choice(&p[i], dc->k, E, local_of, dc->pad_pct);
         moed_error err;
         memset(got, 0xff, (size_t)T * rb);
         memset(want, 0xff, (size_t)T * rb);
@@ -481,6 +520,11 @@ int main(void)
     test_other_gpu();
     for (int l = 0; l < L_COUNT; l++) {
         moed_backend_destroy(runs[l].b);
+        if (runs[l].layer.local_of) { /* the shard's view put back to the synthetic layer */
+            free(runs[l].layer.experts);
+            free((int32_t *)runs[l].layer.local_of);
+            runs[l].layer = runs[l].synth;
+        }
         if (runs[l].b) moed_synth_free_layer(&runs[l].layer);
     }
     return check_status("test_dev_route");

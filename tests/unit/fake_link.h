@@ -223,7 +223,9 @@ static int fake_forward(moed_backend *b, int exec, const moed_job *job, moed_err
     moed_part parts[64];
     moed_route rt;
     if (job->n_parts > 64) return moed_fail(err, MOED_EINVAL, "fake: too many parts");
-    int rc = moed_backend_host_route(b, job, fake_layers[job->slot]->info.n_experts, &rt, err);
+    const moed_layer *L = fake_layers[job->slot];
+    int rc =
+        moed_backend_host_route(b, job, moed_layer_router_experts(&L->info), L->local_of, &rt, err);
     if (rc) return rc;
     for (int i = 0; i < job->n_parts; i++) {
         parts[i] = job->parts[i];

@@ -72,7 +72,7 @@ static void test_cpu_refuses(void)
     moed_job job = { .dtype = MOED_F32, .T = 4, .parts = parts, .n_parts = 2, .route = &r };
     CHECK_EQ_INT(moed_backend_forward(cpu, 0, &job, &err), MOED_EPRECOND);
     CHECK_MSG(strstr(err.msg, "cpu backend") != NULL, "%s", err.msg);
-    CHECK_EQ_INT(moed_backend_host_route(cpu, &job, 4, &out, &err), MOED_EPRECOND);
+    CHECK_EQ_INT(moed_backend_host_route(cpu, &job, 4, NULL, &out, &err), MOED_EPRECOND);
     parts[1].route = NULL; /* the same job with a host route runs */
     CHECK_EQ_INT(moed_backend_forward(cpu, 0, &job, &err), 0);
     moed_route_free(&r);
@@ -181,7 +181,7 @@ static void test_host_route(void)
     moed_job job = { .T = T, .parts = parts, .n_parts = 5, .route = &job_r };
     for (int i = 0; i < 3; i++) memset(&pr[i].err, 0x5a, sizeof pr[i].err);
     moed_backend fake = { .ops = &fake_ops, .n_exec = 1 };
-    CHECK_EQ_INT(moed_backend_host_route(&fake, &job, 5, &got, &err), 0);
+    CHECK_EQ_INT(moed_backend_host_route(&fake, &job, 5, NULL, &got, &err), 0);
     int32_t wi[T * K];
     float ww[T * K];
     memcpy(wi, ids, sizeof ids);
@@ -204,9 +204,39 @@ static void test_host_route(void)
     CHECK(strstr(pr[1].err.msg, "expert_weights[1][1]") != NULL); /* the part's own row */
     moed_route_free(&got);
 
+    /* On an expert shard's view (holding experts 1, 3 and 4 of 5): the device parts' pairs
+     * renumbered as moed_route_localize does, the host parts' (already in its numbering) as they
+     * are, the refusal the same. */
+    static const int32_t local_of[5] = { -1, 0, -1, 1, 2 };
+    moed_route piece[5], want_shard;
+    CHECK(moed_route_from_choice(&piece[1], ids + 2 * K, w + 2 * K, 3, K, 5, &err) == 0);
+    CHECK(moed_route_from_choice(&piece[4], ids + 8 * K, w + 8 * K, 1, K, 5, &err) == 0);
+    moed_route_localize(&piece[1], local_of);
+    moed_route_localize(&piece[4], local_of);
+    piece[0] = hp[0];
+    piece[2] = e2;
+    piece[3] = hp[1];
+    CHECK(moed_route_init(&want_shard, T, want.off[T]) == 0);
+    CHECK(moed_route_concat(
+              &want_shard,
+              (const moed_route *[]){ &piece[0], &piece[1], &piece[2], &piece[3], &piece[4] },
+              5) == 0);
+    CHECK_EQ_INT(moed_backend_host_route(&fake, &job, 5, local_of, &got, &err), 0);
+    CHECK(!memcmp(got.off, want_shard.off, sizeof(int64_t) * (T + 1)));
+    CHECK(!memcmp(got.expert, want_shard.expert, sizeof(int32_t) * (size_t)got.off[T]));
+    CHECK(!memcmp(got.weight, want_shard.weight, sizeof(float) * (size_t)got.off[T]));
+    CHECK_MSG(pr[1].err.code == MOED_EINVAL && !strcmp(pr[1].err.msg, want_err.msg), "'%s'",
+              pr[1].err.msg);
+    /* token 4's ids 0, 2, 3: expert 3 alone is held, as id 1 */
+    CHECK(got.off[5] - got.off[4] == 1 && got.expert[got.off[4]] == 1);
+    moed_route_free(&got);
+    moed_route_free(&want_shard);
+    moed_route_free(&piece[1]);
+    moed_route_free(&piece[4]);
+
     /* A read that fails fails the call, with the backend's message. */
     unreadable = pr[1].weights;
-    CHECK_EQ_INT(moed_backend_host_route(&fake, &job, 5, &got, &err), MOED_EDEVICE);
+    CHECK_EQ_INT(moed_backend_host_route(&fake, &job, 5, NULL, &got, &err), MOED_EDEVICE);
     CHECK(strstr(err.msg, "the fake device failed a read") != NULL && got.off == NULL);
     unreadable = NULL;
     moed_route_free(&want);
