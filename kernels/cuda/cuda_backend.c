@@ -21,8 +21,20 @@ int cuda_fail(moed_error *err, cudaError_t e, const char *what)
                      cudaGetErrorString(e));
 }
 
+/* Every kernel loaded when the process first touches CUDA (unless the environment says otherwise):
+ * a kernel loaded lazily, at its first launch, waits for every kernel running on the GPU, and a
+ * link's receive runs until its caller's next message comes (docs/fleets.md, "What waits for an
+ * idle link"), which may wait on this very launch: measured on an H200, a first launch beside a
+ * spinning kernel returned only when that kernel ended. Called before the first CUDA call of the
+ * backend's entry points, when the driver reads the setting. */
+static void load_kernels_eagerly(void)
+{
+    setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+}
+
 int moed_backend_cuda_available(void)
 {
+    load_kernels_eagerly();
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess) {
         cudaGetLastError();
@@ -87,6 +99,8 @@ static void cuda_destroy(moed_backend *b)
     cuda_ctx *c = b->ctx;
     for (int i = 0; i < c->n_exec; i++) cuda_exec_free(c, &c->execs[i]);
     for (int i = 0; i < c->n_layers; i++) cuda_layer_free(&c->layers[i]);
+    cuda_link_headers_free(c);
+    pthread_mutex_destroy(&c->link_lock);
     free(c->execs);
     free(c->layers);
     free(c);
@@ -129,6 +143,7 @@ int moed_backend_cuda_open(const moed_backend_config *cfg, moed_backend **out, m
     cuda_ctx *c = NULL;
     moed_backend *b = NULL;
     *out = NULL;
+    load_kernels_eagerly();
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess || n == 0) {
         cudaGetLastError();
@@ -142,6 +157,8 @@ int moed_backend_cuda_open(const moed_backend_config *cfg, moed_backend **out, m
         goto err;
     }
     c->cfg = *cfg;
+    pthread_mutex_init(&c->link_lock, NULL);
+    moed_list_init(&c->link_headers);
     c->max_tokens = cfg->max_tokens > 0 ? cfg->max_tokens : 8192;
     c->force_kernel = moed_cuda_kernel_parse(getenv("MOED_CUDA_KERNEL"));
     const char *no_peer = getenv("MOED_CUDA_NO_PEER");
@@ -193,6 +210,7 @@ int moed_backend_cuda_open(const moed_backend_config *cfg, moed_backend **out, m
     *out = b;
     return 0;
 err:
+    if (c) pthread_mutex_destroy(&c->link_lock);
     free(c);
     free(b);
     return rc;

@@ -10,6 +10,7 @@
 
 #include "moed_backend_impl.h"
 #include "moed_cuda.h"
+#include "moed_list.h"
 #include "moed_place.h"
 
 #include <cuda_runtime_api.h>
@@ -158,6 +159,12 @@ typedef struct cuda_ctx {
     cudaUUID_t gpu_uuid[MAX_GPUS];
     bool no_peer;                  /* MOED_CUDA_NO_PEER=1: no peer access is ever enabled */
     _Atomic bool peered[MAX_GPUS]; /* peer access with GPU g was set up (cuda_enable_peers) */
+    /* Closed links' page-locked headers, for the next link (cuda_link.c): freed only with the
+     * backend, as cudaFreeHost waits for every kernel on the GPU, an open link's receive among
+     * them, and holds off every other thread's CUDA calls meanwhile (docs/fleets.md, "What waits
+     * for an idle link"). */
+    pthread_mutex_t link_lock;
+    moed_list link_headers;
 } cuda_ctx;
 
 /* Rows of the widest layer that a slot's Y holds past the max_pairs rows batches write: zeros,
@@ -241,7 +248,9 @@ int cuda_read_device(moed_backend *b, void *dst, const void *src, int dev, size_
                      moed_error *err);
 void cuda_enable_peers(cuda_ctx *c, int gpu);
 
-/* cuda_link.c: the ops table's links. */
+/* cuda_link.c: the ops table's links, and the release of the headers they kept (with the
+ * backend, once no link is left). */
 extern const moed_backend_link_ops cuda_link_ops;
+void cuda_link_headers_free(cuda_ctx *c);
 
 #endif

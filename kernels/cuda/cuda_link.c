@@ -20,6 +20,7 @@
 
 #include "moed_backoff.h"
 #include "moed_link.h"
+#include "moed_list.h"
 #include "moed_nccl.h"
 
 #include <pthread.h>
@@ -27,7 +28,21 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* A link's two page-locked headers, mapped (NCCL writes the inbox through the mapping), each
+ * MOED_LINK_HEADER_BYTES at a multiple of it; node links a closed link's pair into the backend's
+ * list for the next link (cuda_ctx.h says why they are not freed). */
+typedef struct link_headers {
+    union {
+        moed_list node;
+        uint8_t first[MOED_LINK_HEADER_BYTES];
+    } u;
+    uint8_t staging[MOED_LINK_HEADER_BYTES];
+    uint8_t inbox[MOED_LINK_HEADER_BYTES];
+} link_headers;
+
 typedef struct cuda_link {
+    cuda_ctx *c;
+    link_headers *headers; /* staging and inbox point into it */
     const moed_nccl *nccl;
     pthread_mutex_t lock;  /* the communicators, against abort */
     moed_nccl_comm comm;   /* the calls': joined, then split; NULL once aborted */
@@ -194,6 +209,45 @@ static void cuda_link_abort(moed_backend_link *l)
     pthread_mutex_unlock(&k->lock);
 }
 
+/* A pair of headers: a closed link's, or new ones. */
+static link_headers *headers_take(cuda_ctx *c)
+{
+    link_headers *h = NULL;
+    pthread_mutex_lock(&c->link_lock);
+    if (!moed_list_empty(&c->link_headers)) {
+        moed_list *q = moed_list_head(&c->link_headers);
+        moed_list_remove(q);
+        h = moed_list_data(q, link_headers, u.node);
+    }
+    pthread_mutex_unlock(&c->link_lock);
+    if (!h && cudaHostAlloc((void **)&h, sizeof *h, cudaHostAllocMapped) != cudaSuccess) {
+        cudaGetLastError();
+        h = NULL;
+    }
+    return h;
+}
+
+static void headers_give(cuda_ctx *c, link_headers *h)
+{
+    pthread_mutex_lock(&c->link_lock);
+    moed_list_insert_head(&c->link_headers, &h->u.node);
+    pthread_mutex_unlock(&c->link_lock);
+}
+
+void cuda_link_headers_free(cuda_ctx *c)
+{
+    while (!moed_list_empty(&c->link_headers)) {
+        moed_list *q = moed_list_head(&c->link_headers);
+        moed_list_remove(q);
+        cudaFreeHost(moed_list_data(q, link_headers, u.node));
+    }
+}
+
+/* Nothing here waits for other links' kernels while holding off other threads: the buffer's
+ * cudaFree waits for them (this thread alone: measured on an H200, a launch from another thread
+ * meanwhile went through) and the headers are kept (cuda_ctx.h). NCCL's own teardown inside the
+ * abort frees page-locked memory with cudaFreeHost, which is beyond this file (docs/fleets.md,
+ * "What waits for an idle link"). */
 static void cuda_link_destroy(moed_backend_link *l)
 {
     cuda_link *k = l->ctx;
@@ -203,8 +257,7 @@ static void cuda_link_destroy(moed_backend_link *l)
     if (k->stream && cudaStreamSynchronize(k->stream) != cudaSuccess) cudaGetLastError();
     if (k->stream) cudaStreamDestroy(k->stream);
     if (l->mem && cudaFree(l->mem) != cudaSuccess) cudaGetLastError();
-    if (k->staging && cudaFreeHost(k->staging) != cudaSuccess) cudaGetLastError();
-    if (k->inbox && cudaFreeHost(k->inbox) != cudaSuccess) cudaGetLastError();
+    if (k->headers) headers_give(k->c, k->headers);
     pthread_mutex_destroy(&k->lock);
     free(k);
     l->ctx = NULL;
@@ -213,11 +266,11 @@ static void cuda_link_destroy(moed_backend_link *l)
 static int cuda_link_create(moed_backend *b, moed_backend_link *l,
                             uint8_t unique_id[MOED_NCCL_UNIQUE_ID_BYTES], moed_error *err)
 {
-    (void)b;
     const moed_nccl *n = moed_nccl_api(err);
     if (!n) return err->code;
     cuda_link *k = calloc(1, sizeof *k);
     if (!k) return moed_fail(err, MOED_ENOMEM, "no memory for a link");
+    k->c = b->ctx;
     k->nccl = n;
     pthread_mutex_init(&k->lock, NULL);
     l->ctx = k;
@@ -235,8 +288,12 @@ static int cuda_link_create(moed_backend *b, moed_backend_link *l,
         goto err;
     }
     CU(cudaStreamCreateWithFlags(&k->stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-    CU(cudaHostAlloc(&k->staging, MOED_LINK_HEADER_BYTES, cudaHostAllocDefault), "cudaHostAlloc");
-    CU(cudaHostAlloc(&k->inbox, MOED_LINK_HEADER_BYTES, cudaHostAllocMapped), "cudaHostAlloc");
+    if (!(k->headers = headers_take(k->c))) {
+        rc = moed_fail(err, MOED_ENOMEM, "no page-locked memory for a link's headers");
+        goto err;
+    }
+    k->staging = k->headers->staging;
+    k->inbox = k->headers->inbox;
     int r = n->get_unique_id(&id);
     if (r != MOED_NCCL_SUCCESS) {
         rc = moed_nccl_fail(n, r, "ncclGetUniqueId", err);

@@ -1,0 +1,127 @@
+/*
+ * idle_wait_probe — which CUDA calls wait for a kernel that runs until someone else acts, as an
+ * idle link's NCCL receive runs until its caller's next header (docs/fleets.md, "What waits for an
+ * idle link"). A kernel spins on one stream until the host releases it 1.5 s later; meanwhile a
+ * second thread makes the call under test, and a third launches a loaded kernel and waits for it:
+ * each line says how long the call took and whether the third thread was held off. Run on the GPU
+ * machine, once as it is and once with CUDA_MODULE_LOADING=EAGER:
+ *   nvcc -O2 -arch=sm_90 -o idle_wait_probe tools/gpu/idle_wait_probe.cu -lpthread
+ */
+#include <cuda_runtime.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+static double now(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+__global__ void spin(volatile int *flag)
+{
+    while (!*flag) {
+    }
+}
+template <int N> __global__ void fresh(int *p)
+{
+    p[0] += N;
+}
+__global__ void loaded(int *p)
+{
+    p[0] += 1;
+}
+
+static volatile int *h_flag;
+static int *d_flag, *d_p;
+static const char *what;
+
+/* The call under test, on a stream of its own. */
+static void *call(void *)
+{
+    cudaStream_t s;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    void *p = NULL;
+    if (!strcmp(what, "cudaFree")) cudaMalloc(&p, 1 << 20);
+    if (!strcmp(what, "cudaFreeHost")) cudaHostAlloc(&p, 256, cudaHostAllocMapped);
+    if (!strcmp(what, "cudaHostUnregister")) {
+        p = aligned_alloc(4096, 4096);
+        cudaHostRegister(p, 4096, cudaHostRegisterMapped);
+    }
+    const double t = now();
+    if (!strcmp(what, "first launch of a kernel")) fresh<7><<<1, 1, 0, s>>>(d_p);
+    if (!strcmp(what, "cudaFree")) cudaFree(p);
+    if (!strcmp(what, "cudaFreeHost")) cudaFreeHost(p);
+    if (!strcmp(what, "cudaHostUnregister")) cudaHostUnregister(p);
+    if (!strcmp(what, "cudaMalloc")) cudaMalloc(&p, 1 << 20);
+    if (!strcmp(what, "cudaHostAlloc")) cudaHostAlloc(&p, 256, cudaHostAllocMapped);
+    if (!strcmp(what, "graph capture, instantiate, launch")) {
+        cudaGraph_t g;
+        cudaGraphExec_t e;
+        cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+        loaded<<<1, 1, 0, s>>>(d_p);
+        cudaStreamEndCapture(s, &g);
+        cudaGraphInstantiate(&e, g, 0);
+        cudaGraphLaunch(e, s);
+    }
+    cudaStreamSynchronize(s);
+    printf("  %-36s %.3f s\n", what, now() - t);
+    return NULL;
+}
+
+/* A loaded kernel launched and waited for from a third thread while the call runs. */
+static void *other(void *)
+{
+    cudaStream_t s;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    usleep(100000);
+    const double t = now();
+    loaded<<<1, 1, 0, s>>>(d_p);
+    cudaStreamSynchronize(s);
+    printf("  %-36s %.3f s\n", "  another thread's launch meanwhile", now() - t);
+    return NULL;
+}
+
+int main(void)
+{
+    const char *calls[] = { "first launch of a kernel",
+                            "cudaFree",
+                            "cudaFreeHost",
+                            "cudaHostUnregister",
+                            "cudaMalloc",
+                            "cudaHostAlloc",
+                            "graph capture, instantiate, launch" };
+    const char *env = getenv("CUDA_MODULE_LOADING");
+    if (cudaHostAlloc((void **)&h_flag, 4, cudaHostAllocMapped) != cudaSuccess) {
+        fprintf(stderr, "idle_wait_probe: no CUDA device\n");
+        return 1;
+    }
+    cudaHostGetDevicePointer((void **)&d_flag, (void *)h_flag, 0);
+    cudaMalloc((void **)&d_p, 4096);
+    loaded<<<1, 1>>>(d_p);
+    cudaDeviceSynchronize();
+    printf("CUDA_MODULE_LOADING=%s; a kernel spins for 1.5 s beside each call:\n",
+           env ? env : "(unset)");
+    for (size_t i = 0; i < sizeof calls / sizeof calls[0]; i++) {
+        what = calls[i];
+        *h_flag = 0;
+        cudaStream_t s;
+        cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+        spin<<<1, 1, 0, s>>>(d_flag);
+        usleep(50000);
+        pthread_t a, b;
+        pthread_create(&a, NULL, call, NULL);
+        pthread_create(&b, NULL, other, NULL);
+        usleep(1500000);
+        *h_flag = 1;
+        pthread_join(a, NULL);
+        pthread_join(b, NULL);
+        cudaStreamSynchronize(s);
+        cudaStreamDestroy(s);
+    }
+    return 0;
+}
