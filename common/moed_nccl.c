@@ -84,6 +84,8 @@ static void load(void)
         }
         memcpy((char *)&table + entries[i].at, &fn, sizeof fn);
     }
+    void *revoke = dlsym(lib, "ncclCommRevoke"); /* optional: cuda_link.c does without */
+    memcpy(&table.comm_revoke, &revoke, sizeof revoke);
     if (table.get_version(&table.version) != 0 || table.version <= 0) {
         snprintf(why, sizeof why, "NCCL at %s did not answer ncclGetVersion", table.path);
         dlclose(lib);

@@ -78,6 +78,9 @@ typedef struct moed_nccl {
     int (*recv)(void *buf, size_t count, int datatype, int peer, moed_nccl_comm comm, void *stream);
     int (*comm_split)(moed_nccl_comm comm, int color, int key, moed_nccl_comm *newcomm,
                       moed_nccl_config *config);
+    /* ncclCommRevoke (NCCL 2.28 and newer; NULL before): ends the communicator's operations in
+     * flight and frees nothing, so that its abort can come later (flags 0). */
+    int (*comm_revoke)(moed_nccl_comm comm, int flags);
     int version;    /* get_version's answer, e.g. 22703 for 2.27.3 */
     char path[256]; /* the library opened, for logs */
 } moed_nccl;

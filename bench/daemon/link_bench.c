@@ -22,7 +22,8 @@
  *   every shard every token, and the sum rule gives the same bits) and the links' failure count.
  * --keep-going carries on after a failed call (the tests kill a daemon under it); without it the
  * first failure ends the run. --duration bounds the links' calls in time (`calls` then counts
- * the calls made). Exit status: 0, or 1 for a failure, a wrong answer, or different
+ * the calls made). --hold keeps the links open and idle a while after the calls (a test closes
+ * another link meanwhile). Exit status: 0, or 1 for a failure, a wrong answer, or different
  * bits between the transports.
  */
 #include "moed_dtype.h"
@@ -43,7 +44,7 @@ typedef struct opts {
     const char *target, *ref, *dtype, *json;
     int64_t device, layer, tokens, top_k, seed, calls, warmup;
     int grpc, keep_going, graph;
-    double timeout, duration;
+    double timeout, duration, hold;
 } opts;
 
 #define F(member) offsetof(opts, member)
@@ -68,6 +69,8 @@ static const moed_opt options[] = {
                      "stop the links' calls after S seconds (0: after --calls)"),
     MOED_OPT_NUM_ROW("timeout", F(timeout), "S", 0, 3600, "0", NULL, NULL,
                      "the links' timeout (moedc_links_opts.timeout_s; 0: its default)"),
+    MOED_OPT_NUM_ROW("hold", F(hold), "S", 0, 3600, "0", NULL, NULL,
+                     "keep the links open and idle S seconds after the calls"),
     MOED_OPT_STR_ROW("json", F(json), "FILE", NULL, NULL, "the figures there, not on stdout"),
     MOED_OPT_HELP_ROW("this text"),
 };
@@ -114,7 +117,7 @@ static double uniform(void) /* splitmix64 */
 static int die(const char *what, const char *why)
 {
     fprintf(stderr, "link-bench: %s: %s\n", what, why);
-    printf("{\"error\": \"%s\"}\n", what);
+    printf("\n{\"error\": \"%s\"}\n", what); /* on a line of its own, after a report begun */
     return 1;
 }
 
@@ -293,6 +296,11 @@ int main(int argc, char **argv)
         comp[ok] = (double)tm.compute_us * 1e-6;
         busy += dt;
         ok++;
+    }
+    if (o.hold > 0) { /* the daemons wait for these links' next headers meanwhile */
+        const struct timespec hold = { (time_t)o.hold,
+                                       (long)((o.hold - (double)(time_t)o.hold) * 1e9) };
+        nanosleep(&hold, NULL);
     }
     FILE *out = o.json ? fopen(o.json, "w") : stdout;
     if (!out) return die("--json", "cannot be written");

@@ -99,7 +99,7 @@ static void cuda_destroy(moed_backend *b)
     cuda_ctx *c = b->ctx;
     for (int i = 0; i < c->n_exec; i++) cuda_exec_free(c, &c->execs[i]);
     for (int i = 0; i < c->n_layers; i++) cuda_layer_free(&c->layers[i]);
-    cuda_link_headers_free(c);
+    cuda_links_free(c);
     pthread_mutex_destroy(&c->link_lock);
     free(c->execs);
     free(c->layers);
@@ -159,6 +159,7 @@ int moed_backend_cuda_open(const moed_backend_config *cfg, moed_backend **out, m
     c->cfg = *cfg;
     pthread_mutex_init(&c->link_lock, NULL);
     moed_list_init(&c->link_headers);
+    moed_list_init(&c->link_graves);
     c->max_tokens = cfg->max_tokens > 0 ? cfg->max_tokens : 8192;
     c->force_kernel = moed_cuda_kernel_parse(getenv("MOED_CUDA_KERNEL"));
     const char *no_peer = getenv("MOED_CUDA_NO_PEER");

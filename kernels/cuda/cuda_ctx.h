@@ -159,12 +159,17 @@ typedef struct cuda_ctx {
     cudaUUID_t gpu_uuid[MAX_GPUS];
     bool no_peer;                  /* MOED_CUDA_NO_PEER=1: no peer access is ever enabled */
     _Atomic bool peered[MAX_GPUS]; /* peer access with GPU g was set up (cuda_enable_peers) */
-    /* Closed links' page-locked headers, for the next link (cuda_link.c): freed only with the
-     * backend, as cudaFreeHost waits for every kernel on the GPU, an open link's receive among
-     * them, and holds off every other thread's CUDA calls meanwhile (docs/fleets.md, "What waits
-     * for an idle link"). */
+    /* Links (cuda_link.c), under link_lock. A free waits for every kernel on the GPU, an open
+     * link's receive among them, and may hold off every other thread's CUDA calls meanwhile
+     * (docs/fleets.md, "What waits for an idle link"), so a closed link frees nothing while
+     * another may have an operation in flight: its page-locked headers go to the next link (freed
+     * with the backend), and a stopped link's communicators, buffer and stream wait in
+     * link_graves until no link is live (created and not yet stopped). */
     pthread_mutex_t link_lock;
     moed_list link_headers;
+    moed_list link_graves;
+    int n_graves;
+    int links_live;
 } cuda_ctx;
 
 /* Rows of the widest layer that a slot's Y holds past the max_pairs rows batches write: zeros,
@@ -248,9 +253,9 @@ int cuda_read_device(moed_backend *b, void *dst, const void *src, int dev, size_
                      moed_error *err);
 void cuda_enable_peers(cuda_ctx *c, int gpu);
 
-/* cuda_link.c: the ops table's links, and the release of the headers they kept (with the
+/* cuda_link.c: the ops table's links, and the release of what closed links kept (with the
  * backend, once no link is left). */
 extern const moed_backend_link_ops cuda_link_ops;
-void cuda_link_headers_free(cuda_ctx *c);
+void cuda_links_free(cuda_ctx *c);
 
 #endif

@@ -5,8 +5,10 @@
  * communicator's asynchronous error, and returns on its timeout, its stop flag or an abort.
  *
  * The link's calls come from its one thread; abort from any. The lock orders them around the
- * communicator: abort runs ncclCommAbort under it and clears comm, and every other use of comm
- * takes the lock and finds it either whole or gone, never being freed.
+ * communicator: abort stops it under the lock (stop: revoked, or aborted) and clears comm, and
+ * every other use of comm takes the lock and finds it either whole or gone, never being freed.
+ * A closed link frees nothing while another may have an NCCL operation in flight (cuda_ctx.h,
+ * "Links"): a revoked link's resources wait in a grave until no link is live.
  *
  * Once the hello (the link's first send) is done, the communicator is split into a blocking one,
  * which every call uses: on a non-blocking communicator NCCL launches each operation from a thread
@@ -40,9 +42,24 @@ typedef struct link_headers {
     uint8_t inbox[MOED_LINK_HEADER_BYTES];
 } link_headers;
 
+/* A stopped link's resources, freed once no link is live (cuda_ctx.h). */
+typedef struct link_grave {
+    moed_list node;
+    moed_nccl_comm split, joined;
+    cudaStream_t stream;
+    void *mem;
+    int device;
+} link_grave;
+
+/* A link's graves wait at most this many: past it the oldest is freed at once, with a free's
+ * wait (cuda_ctx.h). Each holds two communicators' connections and a link's buffer. */
+#define MAX_GRAVES 16
+
 typedef struct cuda_link {
     cuda_ctx *c;
     link_headers *headers; /* staging and inbox point into it */
+    bool live;             /* counted in c->links_live (until stopped) */
+    bool revoked;          /* stopped by revoke: its resources go to a grave */
     const moed_nccl *nccl;
     pthread_mutex_t lock;  /* the communicators, against abort */
     moed_nccl_comm comm;   /* the calls': joined, then split; NULL once aborted */
@@ -199,14 +216,64 @@ err:
     return rc;
 }
 
+/* Frees the graves (under c->link_lock, which holds off new links meanwhile); with `oldest`, only
+ * the oldest one. */
+static void reap(cuda_ctx *c, const moed_nccl *n, bool oldest)
+{
+    while (!moed_list_empty(&c->link_graves)) {
+        moed_list *q = c->link_graves.prev; /* graves go in at the head */
+        link_grave *g = moed_list_data(q, link_grave, node);
+        moed_list_remove(q);
+        c->n_graves--;
+        cudaSetDevice(g->device);
+        moed_nccl_abort_pair(n, &g->split, &g->joined);
+        if (cudaStreamDestroy(g->stream) != cudaSuccess) cudaGetLastError();
+        if (g->mem && cudaFree(g->mem) != cudaSuccess) cudaGetLastError();
+        free(g);
+        if (oldest) return;
+    }
+}
+
+/* Stops the link's operations in flight, under k->lock. A connected link (its calls on the split
+ * communicator) is revoked where NCCL can: its kernels end and nothing is freed, so its
+ * communicators can wait for a grave; otherwise, or when the revoke fails or the link's stream
+ * has not drained 2 s after it, both communicators are aborted now (which frees). */
+static void stop(cuda_link *k)
+{
+    const moed_nccl *n = k->nccl;
+    if (n->comm_revoke && k->split && k->comm == k->split &&
+        n->comm_revoke(k->split, 0) == MOED_NCCL_SUCCESS) {
+        moed_backoff b;
+        moed_backoff_start(&b);
+        const uint64_t until = b.start_ns + 2000000000u;
+        cudaError_t e;
+        while ((e = cudaStreamQuery(k->stream)) == cudaErrorNotReady &&
+               moed_backoff_now_ns() < until)
+            moed_backoff_pause(&b, until);
+        k->revoked = e == cudaSuccess;
+        if (e != cudaSuccess) cudaGetLastError();
+    }
+    if (!k->revoked) moed_nccl_abort_pair(n, &k->split, &k->joined);
+}
+
 static void cuda_link_abort(moed_backend_link *l)
 {
     cuda_link *k = l->ctx;
     pthread_mutex_lock(&k->lock);
     atomic_store(&k->aborted, true);
-    moed_nccl_abort_pair(k->nccl, &k->split, &k->joined);
+    const bool was_live = k->live;
+    if (k->comm) {
+        cudaSetDevice(l->device);
+        stop(k);
+    }
     k->comm = NULL;
+    k->live = false;
     pthread_mutex_unlock(&k->lock);
+    if (!was_live) return;
+    cuda_ctx *c = k->c;
+    pthread_mutex_lock(&c->link_lock);
+    if (--c->links_live == 0) reap(c, k->nccl, false);
+    pthread_mutex_unlock(&c->link_lock);
 }
 
 /* A pair of headers: a closed link's, or new ones. */
@@ -234,8 +301,11 @@ static void headers_give(cuda_ctx *c, link_headers *h)
     pthread_mutex_unlock(&c->link_lock);
 }
 
-void cuda_link_headers_free(cuda_ctx *c)
+void cuda_links_free(cuda_ctx *c)
 {
+    moed_error err;
+    const moed_nccl *n = moed_list_empty(&c->link_graves) ? NULL : moed_nccl_api(&err);
+    if (n) reap(c, n, false); /* a grave means NCCL was loaded */
     while (!moed_list_empty(&c->link_headers)) {
         moed_list *q = moed_list_head(&c->link_headers);
         moed_list_remove(q);
@@ -243,21 +313,34 @@ void cuda_link_headers_free(cuda_ctx *c)
     }
 }
 
-/* Nothing here waits for other links' kernels while holding off other threads: the buffer's
- * cudaFree waits for them (this thread alone: measured on an H200, a launch from another thread
- * meanwhile went through) and the headers are kept (cuda_ctx.h). NCCL's own teardown inside the
- * abort frees page-locked memory with cudaFreeHost, which is beyond this file (docs/fleets.md,
- * "What waits for an idle link"). */
+/* A revoked link's communicators, buffer and stream go to a grave, freed at once when no link is
+ * live; an aborted one's are freed here (its abort freed its communicators already). */
 static void cuda_link_destroy(moed_backend_link *l)
 {
     cuda_link *k = l->ctx;
     if (!k) return;
     cuda_link_abort(l); /* ends whatever the stream still waits for */
     cudaSetDevice(l->device);
-    if (k->stream && cudaStreamSynchronize(k->stream) != cudaSuccess) cudaGetLastError();
-    if (k->stream) cudaStreamDestroy(k->stream);
-    if (l->mem && cudaFree(l->mem) != cudaSuccess) cudaGetLastError();
-    if (k->headers) headers_give(k->c, k->headers);
+    cuda_ctx *c = k->c;
+    link_grave *g = k->revoked ? malloc(sizeof *g) : NULL;
+    if (g) {
+        *g = (link_grave){ .split = k->split,
+                           .joined = k->joined,
+                           .stream = k->stream,
+                           .mem = l->mem,
+                           .device = l->device };
+        pthread_mutex_lock(&c->link_lock);
+        moed_list_insert_head(&c->link_graves, &g->node);
+        c->n_graves++;
+        if (!c->links_live || c->n_graves > MAX_GRAVES) reap(c, k->nccl, c->links_live > 0);
+        pthread_mutex_unlock(&c->link_lock);
+    } else {
+        if (k->revoked) moed_nccl_abort_pair(k->nccl, &k->split, &k->joined); /* no memory */
+        if (k->stream && cudaStreamSynchronize(k->stream) != cudaSuccess) cudaGetLastError();
+        if (k->stream) cudaStreamDestroy(k->stream);
+        if (l->mem && cudaFree(l->mem) != cudaSuccess) cudaGetLastError();
+    }
+    if (k->headers) headers_give(c, k->headers);
     pthread_mutex_destroy(&k->lock);
     free(k);
     l->ctx = NULL;
@@ -270,8 +353,13 @@ static int cuda_link_create(moed_backend *b, moed_backend_link *l,
     if (!n) return err->code;
     cuda_link *k = calloc(1, sizeof *k);
     if (!k) return moed_fail(err, MOED_ENOMEM, "no memory for a link");
-    k->c = b->ctx;
+    cuda_ctx *c = k->c = b->ctx;
     k->nccl = n;
+    pthread_mutex_lock(&c->link_lock);
+    if (!c->links_live) reap(c, n, false); /* nothing in flight now: free what waits */
+    c->links_live++;
+    k->live = true;
+    pthread_mutex_unlock(&c->link_lock);
     pthread_mutex_init(&k->lock, NULL);
     l->ctx = k;
     int rc = 0;

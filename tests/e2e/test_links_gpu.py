@@ -105,6 +105,39 @@ def test_links_match_grpc_and_one_daemon(daemon, n):
             assert r["ref_worst_token"] <= UNIT[dtype] * (n + 2) * 4, where
 
 
+def wait_logged(d, msg, count, timeout):
+    """Waits until daemon d's log holds `count` lines of msg; a test failure with its log if not."""
+    deadline = time.monotonic() + timeout
+    while d.log().count(f'msg="{msg}"') < count:
+        if time.monotonic() > deadline:
+            pytest.fail(f"{d.address} did not log {count} x {msg!r} in {timeout} s:\n{d.log()[-3000:]}")
+        time.sleep(0.1)
+
+
+def test_a_close_while_another_link_idles_holds_off_nothing(daemon):
+    """A link that closes while another one idles (its daemon waiting on the GPU for that link's next
+    header) frees nothing then (docs/fleets.md, "What waits for an idle link"): its close is logged at
+    once, and a third caller's link and gRPC calls are answered while the idle link still waits. Freed
+    at once (NCCL's abort), the close waited for the idle link's next call, and could hold off the
+    daemon's other CUDA calls as long."""
+    d = start(daemon, 0)
+    idle = subprocess.Popen([str(DRIVER), "--target", d.address, "--device", "0", "--tokens", "8",
+                             "--top-k", "4", "--calls", "2", "--warmup", "0", "--hold", "40"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_logged(d, "link opened", 1, 60)
+    time.sleep(2)  # its calls made: the daemon waits for its next header
+    rc, r, err = drive([d], "--tokens", 8, "--top-k", 4, "--calls", 3, "--warmup", 0, timeout=60)
+    assert rc == 0 and r["links"]["ok"] == 3, (r, err[-2000:])
+    wait_logged(d, "link closed", 1, 15)
+    rc, r, err = drive([d], "--tokens", 8, "--top-k", 4, "--calls", 3, "--warmup", 0, "--grpc",
+                       timeout=25)
+    assert rc == 0 and r["links"]["ok"] == 3 and r["same_bits"] is True, (r, err[-2000:])
+    assert idle.poll() is None, "the idle link ended before the others were checked: --hold too short"
+    rc, r, err = finish(idle, [d], 60)
+    assert rc == 0 and r["links"]["ok"] == 2, (r, err[-2000:])
+    wait_logged(d, "link closed", 3, 15)
+
+
 def test_links_over_sockets(daemon):
     whole = start(daemon, 0)
     fleet = [start(daemon, i, e, env=SOCKET) for i, e in enumerate(shards(3))]

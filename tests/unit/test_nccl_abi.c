@@ -47,6 +47,10 @@ int main(void)
     (void)send;
     (void)recv;
     (void)split;
+#if NCCL_VERSION_CODE >= 22800
+    ncclResult_t (*revoke)(ncclComm_t, int) = ncclCommRevoke;
+    (void)revoke;
+#endif
     CHECK(sizeof(ncclComm_t) == sizeof(moed_nccl_comm));
     CHECK(sizeof(cudaStream_t) == sizeof(void *));
     CHECK(sizeof(ncclResult_t) == sizeof(int) && sizeof(ncclDataType_t) == sizeof(int));
