@@ -51,8 +51,8 @@ typedef struct link_grave {
     int device;
 } link_grave;
 
-/* A link's graves wait at most this many: past it the oldest is freed at once, with a free's
- * wait (cuda_ctx.h). Each holds two communicators' connections and a link's buffer. */
+/* The most graves that wait: past it the oldest is freed at once, waiting as a free does
+ * (cuda_ctx.h). Each holds two communicators' connections and a link's buffer. */
 #define MAX_GRAVES 16
 
 typedef struct cuda_link {
