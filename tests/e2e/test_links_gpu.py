@@ -5,6 +5,9 @@ The caller is on GPU 0 and the daemons on the others (GPU 1, 2, 3; with fewer GP
 - one daemon, and fleets of two and three expert shards, in f32, f16 and bf16 and T = 1, 37, 300:
   every call's output over links the same bits as over gRPC for the same daemons, deterministic
   from call to call, and within the fleet's bound of one daemon holding every expert;
+- a link that closes while another idles (its daemon waiting on the GPU for that link's next
+  header): the close is logged at once, and a third caller's link and gRPC calls are answered while
+  the idle one still waits;
 - the three-shard fleet with NCCL's socket transport forced in every process (the path two hosts
   take): the same bits;
 - a shard killed with SIGKILL while a caller calls as fast as it can: with a replica of that shard,

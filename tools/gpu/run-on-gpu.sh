@@ -85,8 +85,9 @@
 #             a decode step through every layer from one caller at T = 8, 64, 512). Tables in
 #             four-gpu.md: about 9 minutes on 4 x H200.
 #   links     fleets over NCCL links (skipped, exit 77, with fewer than 2 GPUs): the GPU tests
-#             (tests/e2e/test_links_gpu.py: links against gRPC and one daemon, every dtype, the
-#             socket transport, a shard killed under load, the Python client with torch), then
+#             (tests/e2e/test_links_gpu.py: links against gRPC and one daemon, every dtype, a close
+#             while another link idles, the socket transport, a shard killed under load, the Python
+#             client with torch), then
 #             bench/daemon/bench_links.py (DeepSeek-V3's layer over 2 and 3 GPUs from a caller on
 #             GPU 0, beside gRPC and one daemon, NVLink and sockets) into links.json. NCCL is torch's
 #             (MOED_NCCL_LIB, found from the nvidia-nccl wheel torch depends on).
