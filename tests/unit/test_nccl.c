@@ -2,7 +2,8 @@
  * test_nccl — moed_nccl's loader: the version arithmetic, and the library as this machine has it.
  * With MOED_NCCL_LIB pointing nowhere the loader must say why, naming the variable; with the
  * wheel's libnccl.so.2 (the build's, the last place it looks) it must resolve every entry point
- * and answer a version of 2.18 or newer, and a unique id (which needs no GPU).
+ * (ncclCommRevoke exactly from 2.28) and answer a version of 2.18 or newer, and a unique id (which
+ * needs no GPU).
  */
 #include "check.h"
 #include "moed_nccl.h"
@@ -48,6 +49,9 @@ int main(int argc, char **argv)
     CHECK_MSG(n != NULL, "%s", err.msg);
     if (n) {
         CHECK(n->version >= 21800);
+        /* ncclCommRevoke, which a link's close uses where it exists, exists from 2.28 */
+        CHECK_MSG((n->comm_revoke != NULL) == (n->version >= 22800), "version %d, revoke %s",
+                  n->version, n->comm_revoke ? "found" : "missing");
         moed_nccl_unique_id id;
         memset(&id, 0, sizeof id);
         int rc = n->get_unique_id(&id);
