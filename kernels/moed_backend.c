@@ -277,6 +277,14 @@ int moed_backend_map_device(moed_backend *b, const void *handle, size_t handle_l
                               base, err);
 }
 
+void moed_backend_when_quiet(moed_backend *b, void (*fn)(void *arg), void *arg)
+{
+    if (b->ops->when_quiet)
+        b->ops->when_quiet(b, fn, arg);
+    else
+        fn(arg);
+}
+
 void moed_backend_unmap_device(moed_backend *b, void *base, int dev)
 {
     if (b->ops->unmap_device) b->ops->unmap_device(b, base, dev);

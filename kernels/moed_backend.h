@@ -233,6 +233,13 @@ int moed_backend_map_device(moed_backend *b, const void *handle, size_t handle_l
                             void **ptr, int *dev, void **base, moed_error *err);
 void moed_backend_unmap_device(moed_backend *b, void *base, int dev);
 
+/* Runs fn(arg) once nothing of the backend waits on a peer: now, or later on another thread (CUDA:
+ * once no link is live, by the thread that stops the last one, or at destroy). For what would wait
+ * for every kernel on the GPU, a link's pending receive among them (which runs until its caller
+ * sends): host_unregister and unmap_device (docs/fleets.md, "What waits for an idle link").
+ * Backends without links run it now. */
+void moed_backend_when_quiet(moed_backend *b, void (*fn)(void *arg), void *arg);
+
 /* Copies bytes from device memory (of GPU dev: the backend's own, or mapped by map_device) to host
  * memory, synchronously: routing tensors that a client keeps on its GPU. */
 int moed_backend_read_device(moed_backend *b, void *dst, const void *src, int dev, size_t bytes,

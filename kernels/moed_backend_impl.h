@@ -9,7 +9,7 @@
  * memory), exec_accepts (every slot runs every layer), host_register/host_unregister (nothing to
  * do), map_device/unmap_device/read_device/device_uuid (no devices: FAILED_PRECONDITION),
  * replace_layer (every layer whole: FAILED_PRECONDITION), device_ordinal (no GPUs: MOED_HOST_MEM),
- * links (none: UNSUPPORTED; a table of links fills every slot).
+ * links (none: UNSUPPORTED; a table of links fills every slot), when_quiet (runs it now).
  *
  * forward and router_logits always see job->parts: moed_backend.c turns a job with n_parts == 0
  * into its one part before calling them. forward sees a part with device routing (moed_part.route)
@@ -68,6 +68,7 @@ typedef struct moed_backend_ops {
                       const char *device_uuid, int device, uint64_t bytes, uint64_t offset,
                       void **ptr, int *dev, void **base, moed_error *err);
     void (*unmap_device)(moed_backend *b, void *base, int dev);
+    void (*when_quiet)(moed_backend *b, void (*fn)(void *arg), void *arg);
     int (*read_device)(moed_backend *b, void *dst, const void *src, int dev, size_t bytes,
                        moed_error *err);
     void (*device_uuid)(moed_backend *b, int dev, char out[48]);

@@ -47,6 +47,7 @@ struct moed_region {
      * unmapped, counted against no cap, and never unregistered by the client. */
     void (*release)(void *arg);
     void *release_arg;
+    moed_backend *backend; /* set when it is let go (let_go) */
     uint8_t challenge[MOED_REGION_CHALLENGE];
     moed_list by_id, in_session;
 };
@@ -198,7 +199,22 @@ static void unreserve(moed_regions *r, moed_principal principal, uint64_t bytes)
     usage_trim(u);
 }
 
-/* Lets go of the memory and the reservation (outside the lock, but for the reservation). */
+/* The memory of a region no one holds any more, unpinned and unmapped. */
+static void let_go(void *arg)
+{
+    moed_region *g = arg;
+    if (g->kind == MOED_REGION_HOST) {
+        if (g->pinned) moed_backend_host_unregister(g->backend, g->mem);
+        munmap(g->mem, (size_t)g->bytes);
+    } else {
+        moed_backend_unmap_device(g->backend, g->cuda_base, g->device);
+    }
+    free(g);
+}
+
+/* Lets go of the reservation at once, and of the memory (outside the lock) once the backend is
+ * quiet: unpinning or unmapping waits for every kernel on a GPU, an idle link's receive among them
+ * (moed_backend_when_quiet). Meanwhile the mapping outlives its reservation. */
 static void unmap(moed_regions *r, moed_region *g)
 {
     if (g->release) {
@@ -206,16 +222,11 @@ static void unmap(moed_regions *r, moed_region *g)
         free(g);
         return;
     }
-    if (g->kind == MOED_REGION_HOST) {
-        if (g->pinned) moed_backend_host_unregister(r->cfg.backend, g->mem);
-        munmap(g->mem, (size_t)g->bytes);
-    } else {
-        moed_backend_unmap_device(r->cfg.backend, g->cuda_base, g->device);
-    }
     pthread_mutex_lock(&r->lock);
     unreserve(r, g->principal, g->bytes);
     pthread_mutex_unlock(&r->lock);
-    free(g);
+    g->backend = r->cfg.backend;
+    moed_backend_when_quiet(g->backend, let_go, g);
 }
 
 /* A new region of the session with a fresh random id, entered into the table (under the lock). */

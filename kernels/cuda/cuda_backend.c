@@ -134,6 +134,7 @@ static const moed_backend_ops cuda_ops = {
     .device_uuid = cuda_device_uuid,
     .device_ordinal = cuda_device_ordinal,
     .links = &cuda_link_ops,
+    .when_quiet = cuda_when_quiet,
     .destroy = cuda_destroy,
 };
 
@@ -160,6 +161,7 @@ int moed_backend_cuda_open(const moed_backend_config *cfg, moed_backend **out, m
     pthread_mutex_init(&c->link_lock, NULL);
     moed_list_init(&c->link_headers);
     moed_list_init(&c->link_graves);
+    moed_list_init(&c->quiet_calls);
     c->max_tokens = cfg->max_tokens > 0 ? cfg->max_tokens : 8192;
     c->force_kernel = moed_cuda_kernel_parse(getenv("MOED_CUDA_KERNEL"));
     const char *no_peer = getenv("MOED_CUDA_NO_PEER");

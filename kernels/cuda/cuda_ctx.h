@@ -163,12 +163,14 @@ typedef struct cuda_ctx {
      * link's receive among them, and may hold off every other thread's CUDA calls meanwhile
      * (docs/fleets.md, "What waits for an idle link"), so a closed link frees nothing while
      * another may have an operation in flight: its page-locked headers go to the next link (freed
-     * with the backend), and a stopped link's communicators, buffer and stream wait in
-     * link_graves until no link is live (created and not yet stopped). */
+     * with the backend), a stopped link's communicators, buffer and stream wait in link_graves,
+     * and what moed_backend_when_quiet is handed in quiet_calls, until no link is live (created
+     * and not yet stopped). */
     pthread_mutex_t link_lock;
     moed_list link_headers;
     moed_list link_graves;
-    int n_graves;
+    moed_list quiet_calls;
+    int n_graves, n_quiet_calls;
     int links_live;
 } cuda_ctx;
 
@@ -257,5 +259,6 @@ void cuda_enable_peers(cuda_ctx *c, int gpu);
  * backend, once no link is left). */
 extern const moed_backend_link_ops cuda_link_ops;
 void cuda_links_free(cuda_ctx *c);
+void cuda_when_quiet(moed_backend *b, void (*fn)(void *arg), void *arg);
 
 #endif

@@ -51,9 +51,18 @@ typedef struct link_grave {
     int device;
 } link_grave;
 
-/* The most graves that wait: past it the oldest is freed at once, waiting as a free does
- * (cuda_ctx.h). Each holds two communicators' connections and a link's buffer. */
-#define MAX_GRAVES 16
+/* A call moed_backend_when_quiet put off until no link is live. */
+typedef struct quiet_call {
+    moed_list node;
+    void (*fn)(void *arg);
+    void *arg;
+} quiet_call;
+
+/* The most graves, and calls put off, that wait: past it the oldest runs at once, waiting as a
+ * free does (cuda_ctx.h). A grave holds two communicators' connections and a link's buffer; a
+ * call, a region's mapping. */
+#define MAX_GRAVES      16
+#define MAX_QUIET_CALLS 64
 
 typedef struct cuda_link {
     cuda_ctx *c;
@@ -234,6 +243,36 @@ static void reap(cuda_ctx *c, const moed_nccl *n, bool oldest)
     }
 }
 
+/* Runs the calls put off (under c->link_lock, as reap); with `oldest`, only the oldest one. */
+static void run_quiet_calls(cuda_ctx *c, bool oldest)
+{
+    while (!moed_list_empty(&c->quiet_calls)) {
+        moed_list *q = c->quiet_calls.prev; /* calls go in at the head */
+        quiet_call *call = moed_list_data(q, quiet_call, node);
+        moed_list_remove(q);
+        c->n_quiet_calls--;
+        call->fn(call->arg);
+        free(call);
+        if (oldest) return;
+    }
+}
+
+void cuda_when_quiet(moed_backend *b, void (*fn)(void *arg), void *arg)
+{
+    cuda_ctx *c = b->ctx;
+    quiet_call *call = malloc(sizeof *call);
+    pthread_mutex_lock(&c->link_lock);
+    if (c->links_live && call) {
+        *call = (quiet_call){ .fn = fn, .arg = arg };
+        moed_list_insert_head(&c->quiet_calls, &call->node);
+        if (++c->n_quiet_calls > MAX_QUIET_CALLS) run_quiet_calls(c, true);
+    } else {
+        fn(arg); /* nothing in flight (or no memory to put it off) */
+        free(call);
+    }
+    pthread_mutex_unlock(&c->link_lock);
+}
+
 /* Stops the link's operations in flight, under k->lock. A connected link (its calls on the split
  * communicator) is revoked where NCCL can: its kernels end and nothing is freed, so its
  * communicators can wait for a grave; otherwise, or when the revoke fails or the link's stream
@@ -272,7 +311,10 @@ static void cuda_link_abort(moed_backend_link *l)
     if (!was_live) return;
     cuda_ctx *c = k->c;
     pthread_mutex_lock(&c->link_lock);
-    if (--c->links_live == 0) reap(c, k->nccl, false);
+    if (--c->links_live == 0) {
+        reap(c, k->nccl, false);
+        run_quiet_calls(c, false);
+    }
     pthread_mutex_unlock(&c->link_lock);
 }
 
@@ -306,6 +348,7 @@ void cuda_links_free(cuda_ctx *c)
     moed_error err;
     const moed_nccl *n = moed_list_empty(&c->link_graves) ? NULL : moed_nccl_api(&err);
     if (n) reap(c, n, false); /* a grave means NCCL was loaded */
+    run_quiet_calls(c, false);
     while (!moed_list_empty(&c->link_headers)) {
         moed_list *q = moed_list_head(&c->link_headers);
         moed_list_remove(q);

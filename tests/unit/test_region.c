@@ -6,12 +6,15 @@
  * unknown one; bounds with overflow,
  * alignment and length; a region shrunk under the registry (the copy fails, the region is broken
  * for good, the process lives); references outliving an unregister and a session's end; caps and
- * their release; CUDA regions refused; the pool's first fit, coalescing and exhaustion.
+ * their release; a region let go while the backend is not quiet (moed_backend_when_quiet: its
+ * reservation back at once, its memory unpinned later); CUDA regions refused; the pool's first
+ * fit, coalescing and exhaustion.
  */
 #include "bufpool.h"
 #include "check.h"
 #include "cpu_backend.h"
 #include "guard.h"
+#include "moed_backend_impl.h" /* test_let_go_when_quiet's backend fills the table */
 #include "region.h"
 
 #include <fcntl.h>
@@ -286,6 +289,78 @@ static void test_uid_and_token_principals(void)
     moed_regions_destroy(r);
 }
 
+/* A backend whose when_quiet puts every call off (as CUDA's does while a link is live) and which
+ * counts its host_unregister calls: the CPU backend's table otherwise. */
+static struct {
+    void (*fn)(void *arg);
+    void *arg;
+    int put_off, unregistered;
+} quiet;
+
+static void put_off(moed_backend *b, void (*fn)(void *arg), void *arg)
+{
+    (void)b;
+    CHECK(quiet.fn == NULL); /* the test runs each before the next */
+    quiet.fn = fn;
+    quiet.arg = arg;
+    quiet.put_off++;
+}
+
+static void count_unregister(moed_backend *b, void *p)
+{
+    (void)b;
+    (void)p;
+    quiet.unregistered++;
+}
+
+static void run_put_off(void)
+{
+    void (*fn)(void *arg) = quiet.fn;
+    quiet.fn = NULL;
+    if (fn) fn(quiet.arg);
+}
+
+/* A region let go while the backend is not quiet: its reservation comes back at once (a cap of one
+ * region takes the next), its memory stays pinned and mapped until the backend runs the call. */
+static void test_let_go_when_quiet(void)
+{
+    moed_backend_ops ops = *cpu->ops;
+    ops.when_quiet = put_off;
+    ops.host_unregister = count_unregister;
+    moed_backend fake = *cpu;
+    fake.ops = &ops;
+    moed_regions_config c = { .backend = &fake,
+                              .mode = MOED_REGIONS_LOCAL,
+                              .max_regions = 1,
+                              .max_bytes = 1 << 20,
+                              .max_total_bytes = 1 << 20 };
+    moed_regions *r;
+    moed_error err;
+    CHECK_EQ_INT(moed_regions_create(&c, &r, &err), 0);
+    moed_region_session *s = moed_regions_open_session(r, 1);
+    char name[2][64];
+    unsigned char *map[2];
+    make_shm(20, 4096, name[0], sizeof name[0], &map[0]);
+    make_shm(21, 4096, name[1], sizeof name[1], &map[1]);
+    moed_region_info info;
+    const uint64_t first = host(r, s, name[0], 4096, map[0]);
+    CHECK_EQ_INT(moed_regions_unregister(r, s, first, &info, &err), 0);
+    CHECK(quiet.put_off == 1 && quiet.unregistered == 0);
+    const uint64_t second = host(r, s, name[1], 4096, map[1]); /* the cap of one: freed at once */
+    run_put_off();
+    CHECK_EQ_INT(quiet.unregistered, 1);
+    moed_regions_close_session(r, s); /* the second, put off in turn */
+    CHECK(quiet.put_off == 2 && quiet.unregistered == 1);
+    run_put_off();
+    CHECK_EQ_INT(quiet.unregistered, 2);
+    (void)second;
+    moed_regions_destroy(r);
+    for (int i = 0; i < 2; i++) {
+        munmap(map[i], 4096);
+        shm_unlink(name[i]);
+    }
+}
+
 static void test_pool(void)
 {
     moed_bufpool *p;
@@ -324,6 +399,7 @@ int main(void)
     test_shrunk();
     test_caps_and_sessions();
     test_uid_and_token_principals();
+    test_let_go_when_quiet();
     test_pool();
     moed_backend_destroy(cpu);
     return check_status("test_region");
