@@ -4,21 +4,14 @@
 #include <sched.h>
 #include <time.h>
 
-uint64_t moed_backoff_now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 void moed_backoff_start(moed_backoff *b)
 {
-    *b = (moed_backoff){ .start_ns = moed_backoff_now_ns(), .nap_ns = MOED_BACKOFF_NAP_MIN_NS };
+    *b = (moed_backoff){ .start_ns = moed_now_ns(), .nap_ns = MOED_BACKOFF_NAP_MIN_NS };
 }
 
 bool moed_backoff_spinning(const moed_backoff *b)
 {
-    return moed_backoff_now_ns() - b->start_ns < MOED_BACKOFF_SPIN_NS;
+    return moed_now_ns() - b->start_ns < MOED_BACKOFF_SPIN_NS;
 }
 
 static void relax(void)
@@ -39,7 +32,7 @@ uint64_t moed_backoff_sleep_ns(const moed_backoff *b, uint64_t now_ns, uint64_t 
 
 void moed_backoff_pause(moed_backoff *b, uint64_t until_ns)
 {
-    const uint64_t now = moed_backoff_now_ns();
+    const uint64_t now = moed_now_ns();
     if (now - b->start_ns < MOED_BACKOFF_SPIN_NS) {
         if (b->relaxed < MOED_BACKOFF_RELAX) {
             b->relaxed++;

@@ -14,12 +14,14 @@
  *
  * Contract: moed_backoff_start begins a wait; each moed_backoff_pause is one step of it (the
  * caller checks its condition between steps), never sleeping past `until_ns` (CLOCK_MONOTONIC
- * nanoseconds, moed_backoff_now_ns; 0 for no bound); moed_backoff_spinning says whether the wait
+ * nanoseconds, moed_now_ns; 0 for no bound); moed_backoff_spinning says whether the wait
  * is still in its spin (for a wait that sleeps on a condition of its own after it). Nothing is
  * shared: a moed_backoff belongs to the waiting thread.
  */
 #ifndef MOED_BACKOFF_H
 #define MOED_BACKOFF_H
+
+#include "moed_time.h"
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -34,7 +36,6 @@ typedef struct moed_backoff {
     unsigned relaxed;
 } moed_backoff;
 
-uint64_t moed_backoff_now_ns(void);
 void moed_backoff_start(moed_backoff *b);
 bool moed_backoff_spinning(const moed_backoff *b);
 void moed_backoff_pause(moed_backoff *b, uint64_t until_ns);

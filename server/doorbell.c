@@ -154,11 +154,6 @@ static void ring_fault(ring *r)
     if (listed) ring_unref(r);
 }
 
-static uint64_t now_ns(void)
-{
-    return moed_now_ns();
-}
-
 /* ---- completions ----------------------------------------------------------------------------- */
 
 typedef struct complete_args {
@@ -198,7 +193,7 @@ static void complete(call *c, int code, const moed_error *err, const moed_sched_
     if (code) memcpy(done.message, err->msg, strnlen(err->msg, sizeof done.message - 1));
     complete_args a = { r, c, &done, code != 0 };
     if (!atomic_load(&r->faulted) && moed_guard_run(write_completion, &a)) ring_fault(r);
-    moed_metrics_doorbell(db->cfg.metrics, status, now_ns() - c->t_taken_ns);
+    moed_metrics_doorbell(db->cfg.metrics, status, moed_now_ns() - c->t_taken_ns);
     if (code && code != MOED_EDRAINING && moed_log_enabled(MOED_LOG_DEBUG))
         moed_log_debug("doorbell call failed",
                        "ring=%016llx slot=%u tag=%llu code=%d status=%d reason=\"%s\"",
@@ -207,7 +202,7 @@ static void complete(call *c, int code, const moed_error *err, const moed_sched_
     moed_work_free(&c->work);
     atomic_store(&c->busy, false);
     atomic_store(&r->rescan, true);
-    atomic_store(&db->last_done_ns, now_ns());
+    atomic_store(&db->last_done_ns, moed_now_ns());
     atomic_fetch_sub(&db->running, 1);
     ring_unref(r); /* the call's */
 }
@@ -245,7 +240,7 @@ static void submit(moed_doorbell *db, ring *r, call *c, bool draining)
     int rc;
     ring_ref(r); /* the call's */
     atomic_fetch_add(&db->running, 1);
-    c->t_taken_ns = now_ns();
+    c->t_taken_ns = moed_now_ns();
     memset(&c->work, 0, sizeof c->work);
     if (draining)
         rc = moed_fail(&err, MOED_EDRAINING,
@@ -304,7 +299,7 @@ static void *poller_main(void *arg)
     moed_doorbell *db = arg;
     ring **held = NULL;
     size_t cap = 0;
-    uint64_t last_call = now_ns(), sleep_ns = SLEEP_MIN_NS;
+    uint64_t last_call = moed_now_ns(), sleep_ns = SLEEP_MIN_NS;
     pthread_mutex_lock(&db->lock);
     while (!db->stop) {
         const int drain = db->drain;
@@ -329,7 +324,7 @@ static void *poller_main(void *arg)
             if (drain == 1) ring_set_state(held[i], MOED_RING_DRAINING);
             ring_unref(held[i]);
         }
-        const uint64_t done = atomic_load(&db->last_done_ns), now = now_ns();
+        const uint64_t done = atomic_load(&db->last_done_ns), now = moed_now_ns();
         if (taken) last_call = now;
         if (done > last_call) last_call = done;
         /* A caller rings again as soon as its call completes: the poller is there while calls

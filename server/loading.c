@@ -2,6 +2,7 @@
  * moed_loading — the progress of the weights' load (loading.h).
  */
 #include "loading.h"
+#include "moed_time.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -18,13 +19,6 @@ static struct {
     double t0, t_phase;
 } load = { .mu = PTHREAD_MUTEX_INITIALIZER, .s = { .phase = "", .layer = -1 } };
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 void moed_loading_begin(const char *what, int phases)
 {
     pthread_mutex_lock(&load.mu);
@@ -34,7 +28,7 @@ void moed_loading_begin(const char *what, int phases)
     load.s.phase = "";
     load.s.phases = phases;
     load.s.layer = -1;
-    load.t0 = load.t_phase = now_s();
+    load.t0 = load.t_phase = moed_now_s();
     pthread_mutex_unlock(&load.mu);
 }
 
@@ -48,7 +42,7 @@ void moed_loading_phase(const char *phase, int layers, uint64_t bytes)
     load.s.layers_total = layers;
     load.s.bytes_done = 0;
     load.s.bytes_total = bytes;
-    load.t_phase = now_s();
+    load.t_phase = moed_now_s();
     pthread_mutex_unlock(&load.mu);
 }
 
@@ -97,7 +91,7 @@ void moed_loading_get(moed_loading_state *out)
 {
     pthread_mutex_lock(&load.mu);
     *out = load.s;
-    const double t = now_s();
+    const double t = moed_now_s();
     out->elapsed_s = t - load.t0;
     out->phase_elapsed_s = t - load.t_phase;
     pthread_mutex_unlock(&load.mu);

@@ -41,6 +41,7 @@
 #include "moed_route.h"
 #include "shard.h"
 #include "timings.h"
+#include "moed_time.h"
 
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -135,13 +136,6 @@ typedef struct moed_sched_stats {
     uint64_t running;    /* now: workers (execution slots) running a launch */
     uint64_t compute_us; /* summed over launches */
 } moed_sched_stats;
-
-static inline uint64_t moed_now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 /* Allocates each worker's staging (backend host_alloc: max_batch_tokens x the largest d_model x 4
  * bytes, in and out) and starts the workers. MOED_ENOMEM names the bytes. */

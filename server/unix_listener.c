@@ -5,6 +5,7 @@
 #include "unix_listener.h"
 
 #include "log.h"
+#include "moed_time.h"
 
 #include <errno.h>
 #include <grpc/grpc_posix.h>
@@ -154,9 +155,7 @@ bool moed_unix_uid(moed_unix *u, const char *peer, uint32_t *uid, uint64_t *seq)
 
 static uint64_t now_ms(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+    return moed_now_ns() / 1000000u;
 }
 
 /* A connection that has sent its first bytes goes to gRPC, which owns its descriptor from now. */

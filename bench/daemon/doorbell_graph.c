@@ -23,6 +23,7 @@
 #include "moed_dtype.h"
 #include "moed_opt.h"
 #include "moedclient.h"
+#include "moed_time.h"
 
 #include <cuda_runtime_api.h>
 #include <pthread.h>
@@ -92,9 +93,7 @@ static void fail(const char *fmt, ...)
 
 static double now_us(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
+    return (double)moed_now_ns() * 1e-3;
 }
 
 static int by_value(const void *a, const void *b)

@@ -29,6 +29,7 @@
 #include "moed_dtype.h"
 #include "moed_opt.h"
 #include "moedclient.h"
+#include "moed_time.h"
 
 #include <cuda_runtime_api.h>
 #include <math.h>
@@ -83,13 +84,6 @@ static const moed_opt_cmd tool = {
 static const moed_opt_spec command_line = MOED_OPT_TOOL_SPEC("link-bench", options, tool);
 
 static opts o;
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static int cmp_double(const void *a, const void *b)
 {
@@ -253,9 +247,9 @@ int main(int argc, char **argv)
                             .max_tokens = (uint32_t)T,
                             .max_top_k = (uint32_t)k,
                             .timeout_s = o.timeout };
-    double t_open = now_s();
+    double t_open = moed_now_s();
     if (moedc_links_open(c, &lo, &l, &err)) return die("moedc_links_open", err.msg);
-    t_open = now_s() - t_open;
+    t_open = moed_now_s() - t_open;
     moedc_link_call call = { .layer = (uint32_t)o.layer,
                              .dtype = dtype,
                              .tokens = T,
@@ -270,13 +264,13 @@ int main(int argc, char **argv)
     failures lf = { 0 };
     int ok = 0, wrong = 0, have_first = 0;
     double busy = 0;
-    const double t_calls = now_s();
+    const double t_calls = moed_now_s();
     for (int i = -(int)o.warmup; i < N; i++) {
-        if (o.duration > 0 && now_s() - t_calls > o.duration) break;
+        if (o.duration > 0 && moed_now_s() - t_calls > o.duration) break;
         moedc_timings tm = { 0 };
-        const double t0 = now_s();
+        const double t0 = moed_now_s();
         rc = moedc_links_forward(l, &call, &tm, &err);
-        const double dt = now_s() - t0;
+        const double dt = moed_now_s() - t0;
         if (rc) {
             if (i < 0 && !o.keep_going) return die("moedc_links_forward (warm-up)", err.msg);
             if (i >= 0) failed(&lf, &err);
@@ -330,10 +324,10 @@ int main(int argc, char **argv)
         int g_ok = 0;
         double g_busy = 0;
         for (int i = -(int)o.warmup; i < N; i++) {
-            const double t0 = now_s();
+            const double t0 = moed_now_s();
             if (grpc_call(c, &req, y_other, hb, &err)) return die("moedc_forward", err.msg);
             if (i < 0) continue;
-            lat[g_ok] = now_s() - t0;
+            lat[g_ok] = moed_now_s() - t0;
             g_busy += lat[g_ok++];
         }
         same = have_first && !memcmp(y_first, y_other, hb);
@@ -356,10 +350,10 @@ int main(int argc, char **argv)
                        rc ? err.msg : cudaGetErrorString(cudaGetLastError()));
         int g_n = 0;
         for (int i = -(int)o.warmup; i < N; i++) {
-            const double t0 = now_s();
+            const double t0 = moed_now_s();
             if (cudaGraphLaunch(exec, st) || cudaStreamSynchronize(st))
                 return die("CUDA", cudaGetErrorString(cudaGetLastError()));
-            const double dt = now_s() - t0;
+            const double dt = moed_now_s() - t0;
             if (cudaMemcpy(y_link, dy, hb, cudaMemcpyDeviceToHost))
                 return die("CUDA", cudaGetErrorString(cudaGetLastError()));
             g_wrong += memcmp(y_first, y_link, hb) != 0;

@@ -31,6 +31,7 @@
 #include "moed_dtype.h"
 #include "moed_route.h"
 #include "moed_synth.h"
+#include "moed_time.h"
 
 #include <cuda_runtime_api.h>
 #include <math.h>
@@ -92,9 +93,7 @@ static const moed_opt_spec command_line = MOED_OPT_TOOL_SPEC("moe-split-bench", 
 
 static double now_ms(void)
 {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return 1e3 * (double)t.tv_sec + 1e-6 * (double)t.tv_nsec;
+    return (double)moed_now_ns() * 1e-6;
 }
 
 static int cmp_double(const void *a, const void *b)

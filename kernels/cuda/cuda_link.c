@@ -118,7 +118,7 @@ static int wait_done(cuda_link *k, const moed_nccl *n, bool stream, int64_t time
         }
         if (stop && atomic_load(stop))
             return moed_fail(err, MOED_ECANCELLED, "%s: the link is closing", what);
-        if (until && moed_backoff_now_ns() >= until)
+        if (until && moed_now_ns() >= until)
             return moed_fail(err, MOED_EDEADLINE, "%s: nothing came in %lld ms", what,
                              (long long)timeout_ms);
         moed_backoff_pause(&b, until);
@@ -286,8 +286,7 @@ static void stop(cuda_link *k)
         moed_backoff_start(&b);
         const uint64_t until = b.start_ns + 2000000000u;
         cudaError_t e;
-        while ((e = cudaStreamQuery(k->stream)) == cudaErrorNotReady &&
-               moed_backoff_now_ns() < until)
+        while ((e = cudaStreamQuery(k->stream)) == cudaErrorNotReady && moed_now_ns() < until)
             moed_backoff_pause(&b, until);
         k->revoked = e == cudaSuccess;
         if (e != cudaSuccess) cudaGetLastError();

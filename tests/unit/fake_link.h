@@ -20,6 +20,7 @@
 
 #include "moed_backend_impl.h"
 #include "moed_list.h"
+#include "moed_time.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -53,9 +54,7 @@ static const moed_backend_ops *fake_cpu_ops;
 
 static uint64_t fake_now_ms(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+    return moed_now_ns() / 1000000u;
 }
 
 /* Waits (under f->lock) one step of at most 1 ms. */

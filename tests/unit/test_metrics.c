@@ -12,6 +12,7 @@
 #include "check.h"
 #include "http.h"
 #include "metrics.h"
+#include "moed_time.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -370,9 +371,7 @@ static int idle(int port, int src)
 
 static long long now_ns(void)
 {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1000000000ll + t.tv_nsec;
+    return (long long)moed_now_ns();
 }
 
 /* Waits (60 s at most) until `want` of the n connections have been told something: st[i] stays 0

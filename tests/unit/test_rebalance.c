@@ -16,6 +16,7 @@
 #include "moed_backend_impl.h" /* the fake is a backend: it fills the table the wrappers call */
 #include "moed_synth.h"
 #include "rebalance.h"
+#include "moed_time.h"
 
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -220,13 +221,6 @@ static void test_apply(void)
     moed_rebalance_destroy(r);
 }
 
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
 static void test_thread(void)
 {
     moed_error err = { 0 };
@@ -236,8 +230,8 @@ static void test_thread(void)
     CHECK_EQ_INT(moed_rebalance_start(r, &err), 0);
     const int calls = fake.calls;
     count(0, 3, 0, 0, 0);
-    const double t0 = now_s();
-    while (fake.calls == calls && now_s() - t0 < 5) {
+    const double t0 = moed_now_s();
+    while (fake.calls == calls && moed_now_s() - t0 < 5) {
         struct timespec ts = { 0, 1000000 };
         nanosleep(&ts, NULL);
     }
@@ -248,9 +242,9 @@ static void test_thread(void)
     count(0, 3, 0, 0, 0);
     struct timespec ts = { 1, 200000000 };
     nanosleep(&ts, NULL);
-    const double t1 = now_s();
+    const double t1 = moed_now_s();
     moed_rebalance_destroy(r);
-    CHECK_MSG(now_s() - t1 < 1.0, "destroy took %.2f s", now_s() - t1);
+    CHECK_MSG(moed_now_s() - t1 < 1.0, "destroy took %.2f s", moed_now_s() - t1);
     const int after = fake.calls;
     nanosleep(&ts, NULL);
     CHECK_EQ_INT(fake.calls, after);

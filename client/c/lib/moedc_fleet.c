@@ -25,6 +25,7 @@
 #include "moedc_plan.h"
 
 #include "moed_dtype.h"
+#include "moed_time.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -93,13 +94,6 @@ struct fleet_call {
 };
 
 static const moedc_ops fleet_ops;
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static member *member_at(const fleet *f, int i)
 {
@@ -207,7 +201,7 @@ static bool wanted(const char *const *targets, int n)
 static void learn(fleet *f)
 {
     pthread_mutex_lock(&f->mu);
-    const bool again = moedc_plan_recheck_due(&f->p, now_s());
+    const bool again = moedc_plan_recheck_due(&f->p, moed_now_s());
     pthread_mutex_unlock(&f->mu);
     for (int i = 0;; i++) {
         pthread_mutex_lock(&f->mu); /* members may join meanwhile (regroup): the array moves */
@@ -216,7 +210,7 @@ static void learn(fleet *f)
             return;
         }
         member *m = member_at(f, i);
-        const double now = now_s();
+        const double now = moed_now_s();
         const bool ask = moedc_plan_to_ask(&m->pl, again, now);
         if (ask) m->pl.asked_at = now;
         pthread_mutex_unlock(&f->mu);
@@ -237,9 +231,9 @@ static void learn(fleet *f)
             char why[200];
             snprintf(why, sizeof why, "%s: %.160s", moedc_grpc_status_name(moedc_code_to_grpc(rc)),
                      err.msg);
-            moedc_plan_unanswered(&f->p, &m->pl, why, now_s());
+            moedc_plan_unanswered(&f->p, &m->pl, why, moed_now_s());
         } else {
-            moedc_plan_learnt(&f->p, &m->pl, &info, now_s());
+            moedc_plan_learnt(&f->p, &m->pl, &info, moed_now_s());
         }
         pthread_mutex_unlock(&f->mu);
     }
@@ -337,7 +331,7 @@ int moedc_connect_many(const char *const *targets, int n, const moedc_opts *opts
     if (!opts) opts = &none;
     f->base = (moedc){ .ops = &fleet_ops, .timeout_s = opts->timeout_s };
     pthread_mutex_init(&f->mu, NULL);
-    f->resolved_at = now_s();
+    f->resolved_at = moed_now_s();
     int rc = keep_opts(f, opts, err);
     for (int i = 0; i < n && !rc && f->p.n < MOEDC_PLAN_MAX_MEMBERS; i++)
         rc = add_target(f, targets[i], err);
@@ -384,7 +378,7 @@ static bool regroup_name(fleet *f, const char *name, char **list, int k)
 static bool regroup(fleet *f)
 {
     pthread_mutex_lock(&f->mu);
-    const double now = now_s();
+    const double now = moed_now_s();
     const bool due = f->n_names && now >= f->resolved_at + MOEDC_PLAN_RESOLVE_EVERY_S;
     if (due) f->resolved_at = now;
     pthread_mutex_unlock(&f->mu);
@@ -400,7 +394,7 @@ static bool regroup(fleet *f)
     }
     if (changed) {
         pthread_mutex_lock(&f->mu);
-        moedc_plan_rebuild(&f->p, now_s());
+        moedc_plan_rebuild(&f->p, moed_now_s());
         pthread_mutex_unlock(&f->mu);
     }
     return changed;
@@ -411,7 +405,7 @@ static bool regroup(fleet *f)
 static int pick(const fleet *f, const part *p)
 {
     return moedc_plan_pick(&f->p, p->layer, &p->expect, p->replicas, p->n_replicas, p->tried,
-                           p->turn, now_s());
+                           p->turn, moed_now_s());
 }
 
 static int exhausted(const fleet_call *fc, const part *p, moedc_error *err)
@@ -434,7 +428,7 @@ static int start_part(fleet_call *fc, part *p, moedc_error *err)
     p->tried[at] = 1;
     moedc_request req = p->req;
     if (fc->deadline) {
-        const double left = fc->deadline - now_s();
+        const double left = fc->deadline - moed_now_s();
         req.timeout_s = left > 1e-3 ? left : 1e-3;
     }
     const moedc_start how = { .expect = &p->expect, .done = part_done, .done_arg = p };
@@ -470,7 +464,8 @@ static moedc_call *part_done(moedc_call *sub, void *arg)
     pthread_mutex_unlock(&f->mu);
     int rc = moedc_call_finish(sub, &res, &err);
     pthread_mutex_lock(&f->mu);
-    const bool next_replica = moedc_plan_done(&member_at(f, p->member)->pl, rc, err.msg, now_s());
+    const bool next_replica =
+        moedc_plan_done(&member_at(f, p->member)->pl, rc, err.msg, moed_now_s());
     if (!rc) {
         p->res = res;
         p->done = true;
@@ -548,7 +543,7 @@ static int keep_request(fleet_call *fc, const moedc_request *req, moedc_error *e
     fc->req.logits = fc->lg;
     fc->req.request_id = fc->request_id;
     const double t = req->timeout_s == 0 ? fc->f->base.timeout_s : req->timeout_s;
-    fc->deadline = t > 0 ? now_s() + t : 0;
+    fc->deadline = t > 0 ? moed_now_s() + t : 0;
     return 0;
 }
 
@@ -672,7 +667,7 @@ static bool wait_for_chance(fleet *f, double deadline)
     const double at = moedc_plan_next_chance(&f->p);
     pthread_mutex_unlock(&f->mu);
     if (!at) return false;
-    const double until = deadline && deadline < at ? deadline : at, left = until - now_s();
+    const double until = deadline && deadline < at ? deadline : at, left = until - moed_now_s();
     if (left > 0) {
         struct timespec ts = { .tv_sec = (time_t)left,
                                .tv_nsec = (long)((left - (double)(time_t)left) * 1e9) };

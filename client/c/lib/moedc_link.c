@@ -47,6 +47,7 @@
 #include "moed_dtype.h"
 #include "moed_link.h"
 #include "moed_nccl.h"
+#include "moed_time.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -116,13 +117,6 @@ struct moedc_links {
     int n_retired;
     char line[512];
 };
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static size_t round_up(size_t x)
 {
@@ -221,7 +215,7 @@ static int settle(moedc_links *L, link *k, double until, const char *what, moedc
         if (r) return nccl_fail(L, k, r, "ncclCommGetAsyncError", err);
         if (async == MOED_NCCL_SUCCESS) return 0;
         if (async != MOED_NCCL_IN_PROGRESS) return nccl_fail(L, k, async, what, err);
-        if (now_s() > until)
+        if (moed_now_s() > until)
             return moedc_fail(err, MOEDC_EUNAVAIL, "daemon %s: %s not done within %.0f s", k->name,
                               what, L->o.timeout_s);
         moed_backoff_pause(&b, 0);
@@ -240,7 +234,7 @@ static int drain_watch(moedc_links *L, link *k, double until, const char *what, 
         if (q == 0) return 0;
         if (q != MOEDC_CU_ERROR_NOT_READY) return moedc_cuda_fail(L->cu, q, what, err);
         if ((rc = settle(L, k, until, what, err))) break;
-        if (now_s() > until)
+        if (moed_now_s() > until)
             return moedc_fail(err, MOEDC_EUNAVAIL, "daemon %s: %s not done within %.0f s", k->name,
                               what, L->o.timeout_s);
         moed_backoff_pause(&b, 0);
@@ -320,7 +314,7 @@ static int alloc_buffers(moedc_links *L, link *k, moedc_error *err)
  * takes the current device for its rank). */
 static int join(moedc_links *L, link *k, const moedc_link_grant *g, moedc_error *err)
 {
-    const double until = now_s() + L->o.timeout_s;
+    const double until = moed_now_s() + L->o.timeout_s;
     moed_nccl_unique_id id;
     memcpy(id.internal, g->unique_id, sizeof id.internal);
     moed_nccl_config cfg = moed_nccl_config_make(0, MOED_NCCL_UNDEF_INT);
@@ -888,11 +882,12 @@ static int fail_late(moedc_links *L, const moedc_link_call *c, layer_links *ll, 
                                      used ? ", " : "", parts[j].k->name, experts);
         link_abort(L, parts[j].k);
     }
-    const double until = now_s() + DRAIN_S;
+    const double until = moed_now_s() + DRAIN_S;
     moed_backoff b;
     moed_backoff_start(&b);
     while (L->cu->cuStreamQuery(c->stream) == MOEDC_CU_ERROR_NOT_READY) {
-        if (now_s() > until) break; /* say so below: the caller must not reuse the buffers yet */
+        if (moed_now_s() > until)
+            break; /* say so below: the caller must not reuse the buffers yet */
         moed_backoff_pause(&b, 0);
     }
     const bool drained = L->cu->cuStreamQuery(c->stream) == 0;
@@ -917,7 +912,7 @@ static int watch_call(moedc_links *L, const moedc_link_call *c, layer_links *ll,
         if (q == 0) return 0;
         if (q != MOEDC_CU_ERROR_NOT_READY)
             return moedc_cuda_fail(L->cu, q, "the call's stream", err);
-        const char *cause = now_s() > until ? "no answer in time" : NULL;
+        const char *cause = moed_now_s() > until ? "no answer in time" : NULL;
         char why[200] = "";
         for (int j = 0; j < n && !cause; j++) {
             int async = 0;
@@ -932,7 +927,8 @@ static int watch_call(moedc_links *L, const moedc_link_call *c, layer_links *ll,
         if (cause) {
             int late = find_late(L, parts, n, err);
             if (late < 0) return late;
-            if (!late && now_s() <= until) continue; /* every reply is in: the stream is ending */
+            if (!late && moed_now_s() <= until)
+                continue; /* every reply is in: the stream is ending */
             for (int j = 0; !late && j < n; j++) parts[j].late = true; /* which one holds it? */
             char what[240];
             snprintf(what, sizeof what, "%s within %.1f s", cause, L->o.timeout_s);
@@ -1028,7 +1024,7 @@ static int start_watchdog(moedc_links *L, moedc_error *err)
 /* The call, the caller's device current and L locked; captured when its stream is capturing. */
 static int forward(moedc_links *L, const moedc_link_call *c, moedc_timings *t, moedc_error *err)
 {
-    const double start = now_s(), until = start + L->o.timeout_s;
+    const double start = moed_now_s(), until = start + L->o.timeout_s;
     const moedc_cuda_table *cu = L->cu;
     if (t) memset(t, 0, sizeof *t);
     int capture = 0;
@@ -1141,7 +1137,7 @@ static int forward(moedc_links *L, const moedc_link_call *c, moedc_timings *t, m
                 rc = moedc_cuda_fail(cu, drc, "cuMemcpyDtoHAsync (a reply's header)", err);
         if (!rc) rc = watch_call(L, c, ll, parts, n, until, err);
         if (!rc) rc = answers(L, parts, n, t, err);
-        if (t) t->total_us = (uint64_t)((now_s() - start) * 1e6);
+        if (t) t->total_us = (uint64_t)((moed_now_s() - start) * 1e6);
     }
     for (int s = 0; rows && s < S; s++) free(rows[s]);
     free(rows);

@@ -31,6 +31,7 @@
 #include "moedc_common.h"
 #include "moedc_cuda.h"
 #include "moedc_session.h"
+#include "moed_time.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -75,13 +76,6 @@ struct moedc_ring {
     void *dev_ctx;           /* the context dev_base is valid in */
     moedc_cu_ptr dev_base;
 };
-
-static int64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 static moed_ring_slot *slot_of(const moedc_ring *r, uint32_t i)
 {
@@ -185,7 +179,7 @@ static int take_slot(moedc_ring *r, int state, uint32_t *slot, uint32_t *ticket,
         b->state = state;
         b->ticket = moed_ring_next_ticket(b->ticket);
         b->answered = false;
-        b->t0 = now_ns();
+        b->t0 = (int64_t)moed_now_ns();
         r->cursor = i + 1;
         *slot = i;
         *ticket = b->ticket;
@@ -491,11 +485,11 @@ int moedc_ring_wait(moedc_ring *r, const moedc_ring_ticket *t, double timeout_s,
     moed_backoff_start(&b);
     const uint64_t until = timeout_s < 0 ? 0 : b.start_ns + (uint64_t)(timeout_s * 1e9);
     while (moed_ring_load(done) != t->ticket) {
-        if (until && moed_backoff_now_ns() >= until) return 0;
+        if (until && moed_now_ns() >= until) return 0;
         moed_backoff_pause(&b, until);
     }
     read_result(r, t->slot, res);
-    res->timings.total_us = (uint64_t)(now_ns() - r->book[t->slot].t0) / 1000;
+    res->timings.total_us = (moed_now_ns() - (uint64_t)r->book[t->slot].t0) / 1000;
     give_back(r, t->slot);
     return 1;
 }

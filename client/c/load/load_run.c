@@ -20,6 +20,7 @@
 #include "load_progress.h"
 #include "load_regions.h"
 #include "moed_dtype.h"
+#include "moed_time.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -52,11 +53,9 @@ static double cpu_seconds(void)
            (double)(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
 }
 
-static int64_t now_ns(void)
+static int64_t now_ns(void) /* signed: the pacing subtracts times either way */
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+    return (int64_t)moed_now_ns();
 }
 
 /* The times of a level, shared by its workers. */
