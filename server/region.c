@@ -212,9 +212,12 @@ static void let_go(void *arg)
     free(g);
 }
 
-/* Lets go of the reservation at once, and of the memory (outside the lock) once the backend is
- * quiet: unpinning or unmapping waits for every kernel on a GPU, an idle link's receive among them
- * (moed_backend_when_quiet). Meanwhile the mapping outlives its reservation. */
+/* Lets go of the reservation and (outside the lock) of the memory. Page-locked host memory is
+ * let go once the backend is quiet: unpinning it waits for every kernel on the GPU, an idle link's
+ * receive among them (moed_backend_when_quiet), so its mapping may outlive the reservation a while;
+ * nothing reads or writes it meanwhile. A CUDA region is closed at once: the client may free its
+ * allocation as soon as the region is let go, and CUDA leaves a free before the importer's close
+ * undefined. */
 static void unmap(moed_regions *r, moed_region *g)
 {
     if (g->release) {
@@ -226,7 +229,10 @@ static void unmap(moed_regions *r, moed_region *g)
     unreserve(r, g->principal, g->bytes);
     pthread_mutex_unlock(&r->lock);
     g->backend = r->cfg.backend;
-    moed_backend_when_quiet(g->backend, let_go, g);
+    if (g->kind == MOED_REGION_HOST && g->pinned)
+        moed_backend_when_quiet(g->backend, let_go, g);
+    else
+        let_go(g);
 }
 
 /* A new region of the session with a fresh random id, entered into the table (under the lock). */

@@ -14,9 +14,9 @@
  *   references a request takes a region with moed_regions_acquire and lets go with
  *              moed_region_release; unregistering (or a session's end) makes the id unknown at
  *              once, and whoever drops the last reference — never while a request holds it —
- *              frees its reservation and has the memory unmapped (munmap, cudaHostUnregister,
- *              cudaIpcCloseMemHandle) once the backend is quiet (moed_backend_when_quiet: not
- *              while a link waits for its caller on the GPU, which that would wait for);
+ *              frees its reservation and unmaps the memory (cudaIpcCloseMemHandle at once;
+ *              cudaHostUnregister and munmap once the backend is quiet, moed_backend_when_quiet:
+ *              not while a link waits for its caller on the GPU, which unpinning would wait for);
  *   host       registration is two steps: map the object by name and answer a random challenge,
  *              then, once the client wrote it at offset 0, read it back (guarded) and only then
  *              page-lock the memory and make the region usable;
