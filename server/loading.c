@@ -2,6 +2,7 @@
  * moed_loading — the progress of the weights' load (loading.h).
  */
 #include "loading.h"
+
 #include "moed_time.h"
 
 #include <pthread.h>

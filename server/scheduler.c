@@ -35,6 +35,7 @@
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 enum { ST_NEW = 0, ST_QUEUED, ST_RUNNING, ST_DONE };
 

@@ -39,14 +39,13 @@
 #include "moed_list.h"
 #include "moed_model.h"
 #include "moed_route.h"
+#include "moed_time.h"
 #include "shard.h"
 #include "timings.h"
-#include "moed_time.h"
 
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
-#include <time.h>
 
 typedef struct moed_sched moed_sched;
 typedef struct moed_sched_item moed_sched_item;

@@ -22,8 +22,8 @@
  */
 #include "moed_dtype.h"
 #include "moed_opt.h"
-#include "moedclient.h"
 #include "moed_time.h"
+#include "moedclient.h"
 
 #include <cuda_runtime_api.h>
 #include <pthread.h>

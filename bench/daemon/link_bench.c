@@ -28,8 +28,8 @@
  */
 #include "moed_dtype.h"
 #include "moed_opt.h"
-#include "moedclient.h"
 #include "moed_time.h"
+#include "moedclient.h"
 
 #include <cuda_runtime_api.h>
 #include <math.h>

@@ -16,7 +16,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 static int load(moed_config *cfg, moed_error *err, FILE *out, int argc, char **argv)

@@ -15,8 +15,8 @@
 #include "metrics.h"
 #include "moed_backend_impl.h" /* the fake is a backend: it fills the table the wrappers call */
 #include "moed_synth.h"
-#include "rebalance.h"
 #include "moed_time.h"
+#include "rebalance.h"
 
 #include <stdatomic.h>
 #include <stdlib.h>

@@ -53,7 +53,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #ifdef MOEDC_HAVE_LINK_PTX
 extern const unsigned char moedc_link_ptx[]; /* NUL-terminated, as cuModuleLoadData reads it */

@@ -28,16 +28,15 @@
 #include "moed_backoff.h"
 #include "moed_dtype.h"
 #include "moed_ring.h"
+#include "moed_time.h"
 #include "moedc_common.h"
 #include "moedc_cuda.h"
 #include "moedc_session.h"
-#include "moed_time.h"
 
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #define WATCH_NS      2000000LL /* how often the watchdog looks at a live ring */
@@ -52,7 +51,7 @@ typedef struct slot_book {
     int state;
     uint32_t ticket; /* of the slot's current or last call */
     bool answered;   /* a dead ring's taken call, completed here already */
-    int64_t t0;      /* a host call: when it was rung */
+    uint64_t t0;     /* a host call: when it was rung (moed_now_ns) */
 } slot_book;
 
 struct moedc_ring {
@@ -179,7 +178,7 @@ static int take_slot(moedc_ring *r, int state, uint32_t *slot, uint32_t *ticket,
         b->state = state;
         b->ticket = moed_ring_next_ticket(b->ticket);
         b->answered = false;
-        b->t0 = (int64_t)moed_now_ns();
+        b->t0 = moed_now_ns();
         r->cursor = i + 1;
         *slot = i;
         *ticket = b->ticket;
@@ -489,7 +488,7 @@ int moedc_ring_wait(moedc_ring *r, const moedc_ring_ticket *t, double timeout_s,
         moed_backoff_pause(&b, until);
     }
     read_result(r, t->slot, res);
-    res->timings.total_us = (moed_now_ns() - (uint64_t)r->book[t->slot].t0) / 1000;
+    res->timings.total_us = (moed_now_ns() - r->book[t->slot].t0) / 1000;
     give_back(r, t->slot);
     return 1;
 }
