@@ -165,13 +165,14 @@ typedef struct cuda_ctx {
      * another may have an operation in flight: its page-locked headers go to the next link (freed
      * with the backend), a stopped link's communicators, buffer and stream wait in link_graves,
      * and what moed_backend_when_quiet is handed in quiet_calls, until no link is live (created
-     * and not yet stopped). */
+     * and not yet stopped). A graph's instantiation can wait so too, so a batch captures no new
+     * graph while a link is live (cuda_forward.c, graph_for). */
     pthread_mutex_t link_lock;
     moed_list link_headers;
     moed_list link_graves;
     moed_list quiet_calls;
     int n_graves, n_quiet_calls;
-    int links_live;
+    _Atomic int links_live; /* changed under link_lock; graph_for reads it without */
 } cuda_ctx;
 
 /* Rows of the widest layer that a slot's Y holds past the max_pairs rows batches write: zeros,

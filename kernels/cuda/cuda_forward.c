@@ -179,7 +179,11 @@ static int active_experts(const moed_cuda_route_src *src, int64_t t0, int64_t t1
 }
 
 /* The slot's graph for this key, captured on first use (evicting the least recently used); NULL if
- * capture fails, and the caller launches directly. */
+ * capture fails, and the caller launches directly. While a link is live a key without a graph
+ * gets none: an instantiation can wait for every kernel on the GPU, and an idle link's receive
+ * runs until its caller's next call, which may wait for this batch (seen on H200s: a worker's
+ * cudaGraphInstantiate of a new shape returned only once the link's caller stopped waiting;
+ * docs/fleets.md, "What waits for an idle link"). */
 static cudaGraphExec_t graph_for(cuda_ctx *c, cuda_exec *x, const cuda_layer *L, const graph_key *k)
 {
     graph_entry *victim = &x->graphs[0];
@@ -191,6 +195,7 @@ static cudaGraphExec_t graph_for(cuda_ctx *c, cuda_exec *x, const cuda_layer *L,
         }
         if (g->used < victim->used) victim = g;
     }
+    if (atomic_load_explicit(&c->links_live, memory_order_relaxed)) return NULL;
     cudaGraph_t graph = NULL;
     cudaGraphExec_t exec = NULL;
     if (cudaStreamBeginCapture(x->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess)

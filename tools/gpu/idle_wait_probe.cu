@@ -3,8 +3,10 @@
  * idle link's NCCL receive runs until its caller's next header (docs/fleets.md, "What waits for an
  * idle link"). A kernel spins on one stream until the host releases it 1.5 s later; meanwhile a
  * second thread makes the call under test, and a third launches a loaded kernel and waits for it:
- * each line says how long the call took and whether the third thread was held off. Run on the GPU
- * machine, once as it is and once with CUDA_MODULE_LOADING=EAGER:
+ * each line says how long the call took and whether the third thread was held off. The graph
+ * calls act on a one-kernel graph made and run before (in the daemon, instantiating a batch's graph
+ * did wait: docs/fleets.md). Run on the GPU machine, once as it is and once with
+ * CUDA_MODULE_LOADING=EAGER:
  *   nvcc -O2 -arch=sm_90 -o idle_wait_probe tools/gpu/idle_wait_probe.cu -lpthread
  */
 #include <cuda_runtime.h>
@@ -40,12 +42,31 @@ static volatile int *h_flag;
 static int *d_flag, *d_p;
 static const char *what;
 
+/* A one-kernel graph (blocks wide), captured on s, instantiated and launched. */
+static cudaGraphExec_t graph_run(cudaStream_t s, int blocks, cudaGraph_t *g)
+{
+    cudaGraphExec_t e;
+    cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+    loaded<<<blocks, 1, 0, s>>>(d_p);
+    cudaStreamEndCapture(s, g);
+    cudaGraphInstantiate(&e, *g, 0);
+    cudaGraphLaunch(e, s);
+    return e;
+}
+
 /* The call under test, on a stream of its own. */
 static void *call(void *)
 {
     cudaStream_t s;
     cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
     void *p = NULL;
+    cudaGraph_t g = NULL, g2 = NULL;
+    cudaGraphExec_t e = NULL;
+    if (!strncmp(what, "cudaGraph", 9)) { /* graphs made and run before the call */
+        e = graph_run(s, 1, &g);
+        cudaGraphExecDestroy(graph_run(s, 2, &g2));
+        cudaStreamSynchronize(s);
+    }
     if (!strcmp(what, "cudaFree")) cudaMalloc(&p, 1 << 20);
     if (!strcmp(what, "cudaFreeHost")) cudaHostAlloc(&p, 256, cudaHostAllocMapped);
     if (!strcmp(what, "cudaHostUnregister")) {
@@ -59,15 +80,17 @@ static void *call(void *)
     if (!strcmp(what, "cudaHostUnregister")) cudaHostUnregister(p);
     if (!strcmp(what, "cudaMalloc")) cudaMalloc(&p, 1 << 20);
     if (!strcmp(what, "cudaHostAlloc")) cudaHostAlloc(&p, 256, cudaHostAllocMapped);
-    if (!strcmp(what, "graph capture, instantiate, launch")) {
-        cudaGraph_t g;
-        cudaGraphExec_t e;
-        cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
-        loaded<<<1, 1, 0, s>>>(d_p);
-        cudaStreamEndCapture(s, &g);
-        cudaGraphInstantiate(&e, g, 0);
-        cudaGraphLaunch(e, s);
+    if (!strcmp(what, "cudaGraphExecDestroy")) cudaGraphExecDestroy(e);
+    if (!strcmp(what, "cudaGraphDestroy")) cudaGraphDestroy(g);
+    if (!strcmp(what, "cudaGraphExecUpdate")) {
+        cudaGraphExecUpdateResultInfo info;
+        cudaGraphExecUpdate(e, g2, &info);
     }
+    if (!strcmp(what, "cudaMemcpy to the host")) {
+        int v;
+        cudaMemcpy(&v, d_p, sizeof v, cudaMemcpyDeviceToHost);
+    }
+    if (!strcmp(what, "graph capture, instantiate, launch")) graph_run(s, 1, &g);
     cudaStreamSynchronize(s);
     printf("  %-36s %.3f s\n", what, now() - t);
     return NULL;
@@ -94,7 +117,11 @@ int main(void)
                             "cudaHostUnregister",
                             "cudaMalloc",
                             "cudaHostAlloc",
-                            "graph capture, instantiate, launch" };
+                            "graph capture, instantiate, launch",
+                            "cudaGraphExecDestroy",
+                            "cudaGraphDestroy",
+                            "cudaGraphExecUpdate",
+                            "cudaMemcpy to the host" };
     const char *env = getenv("CUDA_MODULE_LOADING");
     if (cudaHostAlloc((void **)&h_flag, 4, cudaHostAllocMapped) != cudaSuccess) {
         fprintf(stderr, "idle_wait_probe: no CUDA device\n");
