@@ -33,14 +33,22 @@ EXPERTS = 256
 
 
 TOP_K, SHARED = 8, 1
+# What a token's shared-expert row costs against a routed pair's at T = 4096: the shared expert's
+# GEMMs run on every token at once, a routed expert's on about 128 rows. Measured on four H200s
+# (docs/benchmarks.md, "2026-11-28 (sixth)"): with the shared row counted as a whole pair the
+# shard adding it (0-63) computed 2.51 ms against 2.81 and 2.98 for 96 experts; at 0-74 2.85
+# against 2.66 and 2.68. Three quarters of a pair evens them out (0-68).
+SHARED_COST = 0.75
 
 
 def cuts(n):
     """Expert ranges of n shards with equal expected work at large T: a token brings TOP_K routed
-    pairs and SHARED shared ones, and the shard holding expert 0 adds the shared expert, so it holds
-    fewer routed experts (DeepSeek-V3 over 3: 0-63 and the shared, 64-159, 160-255)."""
-    per = (TOP_K + SHARED) / n
-    first = max(1, round((per - SHARED) / TOP_K * EXPERTS)) if n > 1 else EXPERTS
+    pairs and SHARED shared ones (each SHARED_COST of a pair's work), and the shard holding expert 0
+    adds the shared expert, so it holds fewer routed experts (DeepSeek-V3 over 3: 0-68 and the
+    shared, 69-162, 163-255)."""
+    shared = SHARED * SHARED_COST
+    per = (TOP_K + shared) / n
+    first = max(1, round((per - shared) / TOP_K * EXPERTS)) if n > 1 else EXPERTS
     bounds = [0, first] + [first + round(i * (EXPERTS - first) / (n - 1)) for i in range(1, n)]
     return [f"{bounds[i]}-{bounds[i + 1] - 1}" for i in range(n)]
 

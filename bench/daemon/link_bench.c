@@ -42,7 +42,7 @@
 #define GRPC_TIMEOUT_S 120.0 /* a gRPC call of the benchmark (T = 4096 over a fleet: 0.5 s) */
 
 typedef struct opts {
-    const char *target, *ref, *dtype, *json;
+    const char *target, *ref, *dtype, *send, *json;
     int64_t device, layer, tokens, top_k, seed, calls, warmup;
     int grpc, keep_going, graph;
     double timeout, duration, hold;
@@ -60,6 +60,8 @@ static const moed_opt options[] = {
     MOED_OPT_I64_ROW("tokens", F(tokens), "T", 1, 1 << 20, "128", NULL, NULL, "tokens per call"),
     MOED_OPT_I64_ROW("top-k", F(top_k), "K", 1, 64, "8", NULL, NULL, "experts per token"),
     MOED_OPT_CHOICE_ROW("dtype", F(dtype), "f32|f16|bf16", "bf16", NULL, "hidden's dtype"),
+    MOED_OPT_CHOICE_ROW("send", F(send), "auto|chosen|all", "auto", NULL,
+                        "which tokens each shard gets (moedc_links_opts.send)"),
     MOED_OPT_I64_ROW("seed", F(seed), "S", 0, INT64_MAX, "1", NULL, NULL, "the inputs' seed"),
     MOED_OPT_I64_ROW("calls", F(calls), "N", 1, 1 << 24, "100", NULL, NULL, "timed calls"),
     MOED_OPT_I64_ROW("warmup", F(warmup), "N", 0, 1 << 20, "5", NULL, NULL, "untimed calls first"),
@@ -246,7 +248,10 @@ int main(int argc, char **argv)
     moedc_links_opts lo = { .device = (int)o.device,
                             .max_tokens = (uint32_t)T,
                             .max_top_k = (uint32_t)k,
-                            .timeout_s = o.timeout };
+                            .timeout_s = o.timeout,
+                            .send = !strcmp(o.send, "chosen") ? MOEDC_LINKS_SEND_CHOSEN
+                                    : !strcmp(o.send, "all")  ? MOEDC_LINKS_SEND_ALL
+                                                              : MOEDC_LINKS_SEND_AUTO };
     double t_open = moed_now_s();
     if (moedc_links_open(c, &lo, &l, &err)) return die("moedc_links_open", err.msg);
     t_open = moed_now_s() - t_open;
@@ -302,8 +307,10 @@ int main(int argc, char **argv)
     json_string(out, moedc_links_describe(l));
     fprintf(out,
             ", \"daemons\": %d, \"tokens\": %lld, \"d_model\": %lld, \"k\": %d, \"dtype\": \"%s\", "
-            "\"open_s\": %.3f, \"links\": {\"calls\": %d, \"ok\": %d, \"wrong\": %d, \"failed\": ",
-            n_targets, (long long)T, (long long)d, k, o.dtype, t_open, ok + lf.total, ok, wrong);
+            "\"send\": \"%s\", \"open_s\": %.3f, \"links\": {\"calls\": %d, \"ok\": %d, "
+            "\"wrong\": %d, \"failed\": ",
+            n_targets, (long long)T, (long long)d, k, o.dtype, o.send, t_open, ok + lf.total, ok,
+            wrong);
     json_failures(out, &lf);
     fprintf(out,
             ", \"p50_us\": %.1f, \"p90_us\": %.1f, \"p99_us\": %.1f, \"compute_p50_us\": %.1f, "

@@ -40,6 +40,9 @@ def test_bad_arguments_refused_before_asking():
     with pytest.raises(MoEError) as e:
         moed.Links("127.0.0.1:1", device=0, max_tokens=64, max_top_k=65)
     assert e.value.code_name == "INVALID_ARGUMENT" and "max_top_k 1 .. 64" in e.value.message
+    with pytest.raises(MoEError) as e:
+        moed.Links("127.0.0.1:1", device=0, send="some")
+    assert e.value.code_name == "INVALID_ARGUMENT" and "auto, chosen, all" in e.value.message
 
 
 def test_no_nccl_names_the_variable(shared_daemon):

@@ -94,15 +94,18 @@ def drive(targets, *args, env=None, timeout=240):
     return finish(p, targets, timeout)
 
 
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_links_match_grpc_and_one_daemon(daemon, n):
+# send: "auto" sends these fleets' shards every token (they would skip a tenth of the tokens on
+# average), "chosen" each shard only its tokens: both must give the gRPC fleet's bits
+@pytest.mark.parametrize("n,send", [(1, "auto"), (2, "chosen"), (3, "auto"), (3, "chosen")])
+def test_links_match_grpc_and_one_daemon(daemon, n, send):
     whole = start(daemon, 0)
     fleet = [whole] if n == 1 else [start(daemon, i, e) for i, e in enumerate(shards(n))]
     for dtype in ("bf16", "f32", "f16"):
         for T in (1, 37, 300):
             rc, r, err = drive(fleet, "--tokens", T, "--top-k", 4, "--dtype", dtype, "--calls", 5,
-                               "--warmup", 1, "--grpc", "--ref", whole.address, "--layer", T % 2)
-            where = f"{n} daemon(s), {dtype}, T={T}: {r} {err[-2000:]}"
+                               "--warmup", 1, "--grpc", "--ref", whole.address, "--layer", T % 2,
+                               "--send", send)
+            where = f"{n} daemon(s), send {send}, {dtype}, T={T}: {r} {err[-2000:]}"
             assert rc == 0 and r["links"]["ok"] == 5 and r["links"]["wrong"] == 0, where
             assert r["same_bits"] is True, where
             assert r["ref_worst_token"] <= UNIT[dtype] * (n + 2) * 4, where
@@ -237,7 +240,8 @@ def test_links_captured_in_a_cuda_graph(daemon):
     with torch.cuda.device(0):
         x, ids, w = inputs()
         out = torch.empty_like(x)
-        links = moed.Links([d.address for d in fleet], device=0, max_tokens=64, max_top_k=4)
+        # "chosen": the blocking calls below plan each shard's tokens, the replays send all
+        links = moed.Links([d.address for d in fleet], device=0, max_tokens=64, max_top_k=4, send="chosen")
         links.forward(1, x, ids, w)  # outside the capture first, as torch's own warm-up does
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

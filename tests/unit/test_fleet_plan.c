@@ -389,13 +389,20 @@ static void test_sum(const cJSON *sc)
     free(bytes);
 }
 
+/* Layer 0's plan for the fleet a scenario describes (checked to be one). */
+static const moedc_layer_plan *layer0_plan(fleet *f, const cJSON *sc, moedc_layer_plan *none)
+{
+    fleet_of(f, sc, NULL);
+    const moedc_layer_plan *pl = moedc_plan_for(&f->p, 0, none);
+    CHECK_MSG(!pl->rc, "%s: %s", name_of(sc), pl->msg);
+    return pl;
+}
+
 static void test_slices(const cJSON *sc)
 {
     fleet f;
-    fleet_of(&f, sc, NULL);
     moedc_layer_plan none;
-    const moedc_layer_plan *pl = moedc_plan_for(&f.p, 0, &none);
-    CHECK_MSG(!pl->rc, "%s: %s", name_of(sc), pl->msg);
+    const moedc_layer_plan *pl = layer0_plan(&f, sc, &none);
     const cJSON *ids = get(sc, "ids"), *w = get(sc, "weights"), *k_given = get(sc, "k");
     const int T = cJSON_GetArraySize(ids);
     const int k = T ? cJSON_GetArraySize(cJSON_GetArrayItem(ids, 0)) : k_given->valueint;
@@ -421,6 +428,17 @@ static void test_slices(const cJSON *sc)
                   (long long)n_rows[s]);
         free(rows[s]);
     }
+    fleet_free(&f);
+}
+
+static void test_sends(const cJSON *sc)
+{
+    fleet f;
+    moedc_layer_plan none;
+    const moedc_layer_plan *pl = layer0_plan(&f, sc, &none);
+    const bool want = cJSON_IsTrue(get(sc, "sends_all"));
+    CHECK_MSG(moedc_plan_sends_all(pl, get(sc, "k")->valueint) == want, "%s: sends %s", name_of(sc),
+              want ? "the chosen tokens, not all" : "all, not the chosen tokens");
     fleet_free(&f);
 }
 
@@ -511,8 +529,8 @@ int main(void)
     }
     test_constants();
     int n = run("plans", test_plan) + run("picks", test_pick) + run("asks", test_ask) +
-            run("sums", test_sum) + run("slices", test_slices) + run("exhausted", test_exhausted) +
-            run("health", test_health);
+            run("sums", test_sum) + run("slices", test_slices) + run("sends", test_sends) +
+            run("exhausted", test_exhausted) + run("health", test_health);
     test_downs();
     test_rechecks();
     fprintf(stderr, "test_fleet_plan: %d scenarios\n", n);

@@ -110,7 +110,10 @@ static void test_no_nccl(void)
     moedc_links *l = NULL;
     moedc_error err = { 0 };
     CHECK_EQ_INT(moedc_connect("127.0.0.1:1", NULL, &c, &err), 0);
-    moedc_links_opts o = { .device = 0, .max_tokens = 16, .max_top_k = 2 };
+    moedc_links_opts o = { .device = 0, .max_tokens = 16, .max_top_k = 2, .send = 7 };
+    CHECK_EQ_INT(moedc_links_open(c, &o, &l, &err), MOEDC_EINVAL); /* before NCCL is looked for */
+    CHECK_MSG(strstr(err.msg, "send 7") && strstr(err.msg, "MOEDC_LINKS_SEND_ALL"), "%s", err.msg);
+    o.send = MOEDC_LINKS_SEND_ALL;
     CHECK_EQ_INT(moedc_links_open(c, &o, &l, &err), MOEDC_EUNSUPPORTED);
     CHECK_MSG(strstr(err.msg, "MOED_NCCL_LIB") != NULL, "%s", err.msg);
     CHECK(l == NULL);

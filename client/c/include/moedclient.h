@@ -473,10 +473,11 @@ MOEDC_EXTERN void moedc_ring_close(moedc_ring *r);
  * daemon rank 0, this process rank 1 on opts.device) and buffers on that device.
  *
  * A call (moedc_links_forward) routes its tokens as the fleet does (the caller's expert choices:
- * each shard gets the tokens with a pair on an expert it holds, moedc_connect_many), sends each
- * shard its rows and adds the shards' partial outputs on the GPU by the fleet's rule, so the output
- * is bit for bit the one moedc_forward gives for the same daemons. Everything runs on the caller's
- * stream after the work queued there before; the call blocks until the output is written.
+ * each shard gets the tokens with a pair on an expert it holds, moedc_connect_many; or every token,
+ * opts.send), sends each shard its rows and adds the shards' partial outputs on the GPU by the
+ * fleet's rule, so the output is bit for bit the one moedc_forward gives for the same daemons.
+ * Everything runs on the caller's stream after the work queued there before; the call blocks until
+ * the output is written.
  *
  * Failures: a call not answered within opts.timeout_s fails MOEDC_EUNAVAIL naming each daemon that
  * did not answer and its experts; those links are aborted (which frees the stream) and linked
@@ -497,7 +498,16 @@ typedef struct moedc_links_opts {
     uint32_t max_top_k;  /* the largest k (<= 64) */
     double timeout_s; /* a call not answered within it fails UNAVAILABLE naming the daemons that did
                          not answer; 0: 30 */
+    int send;         /* which tokens a fleet's call sends each shard: MOEDC_LINKS_SEND_* */
 } moedc_links_opts;
+/* opts.send. CHOSEN: each shard only the tokens with a pair on an expert it holds, which needs the
+ * call's expert choices on the host: the call waits for the caller's stream to reach it, reads
+ * them and plans (at T = 4096 over three shards on H200s, 0.55 ms of the call). ALL: every shard
+ * every token (a shard's partial for a token it holds no expert of is +0.0, so the output's bits
+ * are the same), nothing read on the host. AUTO (0): ALL where the bytes CHOSEN would save are
+ * few, CHOSEN otherwise (moedc_plan_sends_all: when the layer's shards, under uniform routing,
+ * would skip under a quarter of the tokens on average). A captured call always sends ALL. */
+enum { MOEDC_LINKS_SEND_AUTO = 0, MOEDC_LINKS_SEND_CHOSEN = 1, MOEDC_LINKS_SEND_ALL = 2 };
 MOEDC_EXTERN int moedc_links_open(moedc *c, const moedc_links_opts *o, moedc_links **out,
                                   moedc_error *err);
 typedef struct moedc_link_call {

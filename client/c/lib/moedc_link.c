@@ -10,21 +10,22 @@
  * daemon (its moedc), so a daemon serving several layers has one; each layer remembers which link
  * serves each of its shards.
  *
- * A call, ordered on the caller's stream: for a fleet, the expert choices copied to the host (the
- * plan needs them: moedc_plan_rows, the gRPC fleet's own rule); each shard's rows gathered into its
- * payload (one gather kernel for its three tensors), its header stamped with the link's next seq
- * by a counter on the device (moedc_link_stamp, which zeroes its reply's header too), its header
- * and payload sent; then every reply's receive; the combine kernel (moedc_link_sum.h, the parts by
- * value), which writes the output only when every reply arrived and is OK and counts the call in
- * the failures otherwise; each reply's header and its link's counter copied back. A fleet's parts
- * run on their links' own streams, forked from the caller's stream by an event and joined back
- * before the combine: NCCL's kernels of different communicators on one stream run one after
- * another, so one stream would send to the shards in turn and wait for each reply in turn (on four
- * H200s, three shards' T = 4096 calls spent 1.4 ms so, docs/fleets.md "Measured"); one daemon's
- * call stays on the caller's stream. Then the call's watch polls the stream and each communicator
- * until the stream is done, an NCCL error shows, or the time is up; a link that did not answer is
- * aborted (its kernels then end, freeing the stream) and dropped, to be linked again by a later
- * call.
+ * A call, ordered on the caller's stream: for a fleet that sends each shard only its tokens
+ * (moedc_links_opts.send), the expert choices copied to the host (the plan needs them:
+ * moedc_plan_rows, the gRPC fleet's own rule); each shard's rows gathered into its payload (one
+ * gather kernel for its three tensors), its header stamped with the link's next seq by a counter
+ * on the device (moedc_link_stamp, which zeroes its reply's header too), its header and payload
+ * sent, the slowest shard's first (send_in_turn); then every reply's receive; the combine kernel
+ * (moedc_link_sum.h, the parts by value), which writes the output only when every reply arrived and
+ * is OK and counts the call in the failures otherwise; each reply's header and its link's counter
+ * copied back. A fleet's parts run on their links' own streams, forked from the caller's stream by
+ * an event and joined back before the combine: NCCL's kernels of different communicators on one
+ * stream run one after another, so one stream would send to the shards in turn and wait for each
+ * reply in turn (on four H200s, three shards' T = 4096 calls spent 1.4 ms so, docs/fleets.md
+ * "Measured"); one daemon's call stays on the caller's stream. Then the call's watch polls the
+ * stream and each communicator until the stream is done, an NCCL error shows, or the time is up; a
+ * link that did not answer is aborted (its kernels then end, freeing the stream) and dropped, to be
+ * linked again by a later call.
  *
  * A call made while its stream is being captured is the same work, recorded: every shard gets
  * every token (no host read), nothing is waited for, and the replays carry no host state (seq on
@@ -78,6 +79,7 @@ typedef struct link {
     moed_link_call *h_head;   /* the key on its way to d_head (the link's first message) */
     moed_link_reply *h_reply; /* a reply's header, then (SEQ_AT) a copy of the counter */
     void *stream, *done;      /* its part of a fleet's call, and the event that joins it back */
+    uint32_t compute_us;      /* its daemon's compute in its last reply: the slowest sends first */
     bool captured;            /* a call over it was captured: graphs may hold its buffers */
 } link;
 
@@ -613,6 +615,11 @@ int moedc_links_open(moedc *c, const moedc_links_opts *o, moedc_links **out, moe
                           "links need max_tokens >= 1, max_top_k 1 .. %d and timeout_s >= 0 (got "
                           "%u, %u, %g)",
                           MOED_LINK_MAX_TOP_K, o->max_tokens, o->max_top_k, o->timeout_s);
+    if (o->send < MOEDC_LINKS_SEND_AUTO || o->send > MOEDC_LINKS_SEND_ALL)
+        return moedc_fail(err, MOEDC_EINVAL,
+                          "send %d: use MOEDC_LINKS_SEND_AUTO, MOEDC_LINKS_SEND_CHOSEN or "
+                          "MOEDC_LINKS_SEND_ALL",
+                          o->send);
     moed_error e;
     const moed_nccl *nccl = moed_nccl_api(&e); /* before any daemon is asked anything */
     if (!nccl) return from_moed(&e, err);
@@ -795,6 +802,30 @@ static int send_part(moedc_links *L, const part *p, double until, moedc_error *e
                    until, "ncclSend (a call's payload)", err);
 }
 
+/* The parts' calls, staged and sent, the slowest shard's (as its last reply said) first: its
+ * gather and messages are queued first. (Its payload would also arrive first if each send waited
+ * for the one before: measured on four H200s, a T = 4096 call 0.1 ms faster over NVLink but much
+ * slower over NCCL's sockets, where connections side by side add up, and the client cannot tell
+ * which transport NCCL chose: docs/fleets.md, "A call".) */
+static int send_in_turn(moedc_links *L, const moedc_link_call *c, part *parts, int n, double until,
+                        moedc_error *err)
+{
+    int order[MOEDC_LINK_MAX_PARTS];
+    for (int i = 0; i < n; i++) {
+        int j = i;
+        for (; j > 0 && parts[order[j - 1]].k->compute_us < parts[i].k->compute_us; j--)
+            order[j] = order[j - 1];
+        order[j] = i;
+    }
+    int rc = 0;
+    for (int i = 0; !rc && i < n; i++) {
+        part *p = &parts[order[i]];
+        rc = stage(L, c, p, L->d_index + (size_t)order[i] * (size_t)c->tokens * 4, err);
+        if (!rc) rc = send_part(L, p, until, err);
+    }
+    return rc;
+}
+
 /* Part p's reply received on its stream: posted after every part's sends, so that no shard's call
  * waits behind another's answer. */
 static int recv_part(moedc_links *L, const moedc_link_call *c, const part *p, double until,
@@ -941,7 +972,7 @@ static int watch_call(moedc_links *L, const moedc_link_call *c, layer_links *ll,
 static int answers(moedc_links *L, part *parts, int n, moedc_timings *t, moedc_error *err)
 {
     for (int j = 0; j < n; j++) {
-        const link *k = parts[j].k;
+        link *k = parts[j].k;
         const moed_link_reply *r = k->h_reply;
         if (!moed_link_reply_matches(r, seq_of(k)))
             return moedc_fail(err, MOEDC_EFORMAT,
@@ -953,6 +984,7 @@ static int answers(moedc_links *L, part *parts, int n, moedc_timings *t, moedc_e
             snprintf(msg, sizeof msg, "%s", r->message);
             return moedc_fail(err, moedc_code_from_grpc(r->status), "daemon %s: %s", k->name, msg);
         }
+        k->compute_us = r->compute_us;
         if (t && r->queue_us + r->compute_us >= t->queue_us + t->compute_us)
             *t = (moedc_timings){ .queue_us = r->queue_us,
                                   .compute_us = r->compute_us,
@@ -1039,12 +1071,16 @@ static int forward(moedc_links *L, const moedc_link_call *c, moedc_timings *t, m
                           "layer %u is served by %d shards; a link call reaches at most %d",
                           c->layer, S, MOEDC_LINK_MAX_PARTS);
     const int64_t T = c->tokens;
-    if (S > 1 && !captured && (rc = read_choices(L, c, err))) return rc;
+    /* a replay's choices are not known now, and AUTO's saving may not pay for the read */
+    const bool every =
+        captured || S < 2 || L->o.send == MOEDC_LINKS_SEND_ALL ||
+        (L->o.send == MOEDC_LINKS_SEND_AUTO && moedc_plan_sends_all(&ll->lay.plan, c->k));
+    if (!every && (rc = read_choices(L, c, err))) return rc;
     int64_t **rows = calloc((size_t)S, sizeof *rows), *n_rows = calloc((size_t)S, sizeof *n_rows);
     part *parts = calloc((size_t)S, sizeof *parts);
     if (!rows || !n_rows || !parts)
         rc = moedc_fail(err, MOEDC_ENOMEM, "out of memory planning a call");
-    else if (captured) /* a replay's choices are not known now: every shard gets every token */
+    else if (every)
         for (int s = 0; s < S; s++) n_rows[s] = T;
     else
         rc = moedc_plan_rows(&ll->lay.plan, L->h_ids, L->h_w, T, c->k, rows, n_rows, err);
@@ -1100,9 +1136,7 @@ static int forward(moedc_links *L, const moedc_link_call *c, moedc_timings *t, m
      * out as soon as it is staged, the replies' receives after every send */
     bool begun = false;
     if (!rc) begun = !(rc = fork_join(L, c, parts, n, true, err));
-    for (int j = 0; !rc && j < n; j++)
-        if (!(rc = stage(L, c, &parts[j], L->d_index + (size_t)j * T * 4, err)))
-            rc = send_part(L, &parts[j], until, err);
+    if (!rc) rc = send_in_turn(L, c, parts, n, until, err);
     for (int j = 0; !rc && j < n; j++) rc = recv_part(L, c, &parts[j], until, err);
     if (begun) {
         moedc_error jerr;

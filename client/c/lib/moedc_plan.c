@@ -570,6 +570,27 @@ int moedc_plan_rows(const moedc_layer_plan *pl, const int32_t *ids, const float 
     return ok ? 0 : moedc_fail(err, MOEDC_ENOMEM, "out of memory planning a call's shards");
 }
 
+bool moedc_plan_sends_all(const moedc_layer_plan *pl, int k)
+{
+    const int S = pl->n_shards;
+    if (S < 2) return true;
+    const int E = pl->shards[0].li->n_experts;
+    double skipped = 0;
+    for (int s = 0; s < S; s++) {
+        const moedc_layer_info *li = pl->shards[s].li;
+        if (li->adds_shared && li->n_shared > 0) continue;
+        int held = 0;
+        for (int r = 0; r < li->n_held; r++) held += li->held[r].last - li->held[r].first + 1;
+        /* a token skips the shard when each of its k distinct experts is one of the E - held
+         * others: C(E - held, k) / C(E, k) */
+        double q = 1;
+        for (int i = 0; i < k && q > 0; i++)
+            q *= E - held - i > 0 ? (double)(E - held - i) / (E - i) : 0;
+        skipped += q;
+    }
+    return skipped < MOEDC_PLAN_SKIP_MIN * S;
+}
+
 int moedc_plan_sum(int dtype, const void *const *parts, const int64_t *const *rows,
                    const int64_t *n_rows, int n, int64_t tokens, int64_t d, void *out,
                    moedc_error *err)

@@ -132,6 +132,12 @@ int moedc_plan_exhausted(const moedc_planner *p, int layer, const moedc_expect *
  * as before. MOEDC_ENOMEM. */
 int moedc_plan_rows(const moedc_layer_plan *pl, const int32_t *ids, const float *w, int64_t T,
                     int k, int64_t **rows, int64_t *n_rows, moedc_error *err);
+/* Whether a call of k choices a token had better send every shard of pl every token than read the
+ * choices to plan each shard's (moedc_links_opts.send, AUTO): when, with each token's k experts
+ * distinct and uniform, the shards would skip fewer than MOEDC_PLAN_SKIP_MIN of the tokens on
+ * average (a shard adding the shared experts skips none). A layer of one shard: true. */
+#define MOEDC_PLAN_SKIP_MIN 0.25
+bool moedc_plan_sends_all(const moedc_layer_plan *pl, int k);
 /* The parts' outputs, lowest expert first, added in float32 in that order and rounded once to
  * dtype, into out (tokens x d elements; it may be a part holding every token). Part i holds the
  * tokens rows[i] lists (increasing, n_rows[i] of them: its rows, in that order), or every token

@@ -72,7 +72,7 @@ class RingResult(Structure):
 
 class LinksOpts(Structure):
     _fields_ = [("device", c_int), ("max_tokens", c_uint32), ("max_top_k", c_uint32),
-                ("timeout_s", c_double)]
+                ("timeout_s", c_double), ("send", c_int)]
 
 
 class LinkCall(Structure):

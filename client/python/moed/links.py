@@ -12,6 +12,11 @@ daemons. hidden is f32, f16 or bf16 [T, d_model] on the links' device; topk_ids 
 itself) is written in place, else a new tensor is returned. A failed call raises MoEError with its
 status (UNAVAILABLE naming the daemons that did not answer) and never writes the output.
 
+send= chooses which tokens a fleet's call sends each shard: "chosen", only those with an expert it
+holds (the call reads the choices to the host first, waiting for the stream to reach it); "all",
+every token, nothing read on the host (the same bits); "auto" (the default), "all" where "chosen"
+would save few bytes (moedclient.h, moedc_links_opts.send).
+
 Captured: a call made while torch captures a CUDA graph (torch.cuda.graph) is recorded, and each
 replay makes it again with the tensors' contents at that time (every shard gets every token; the
 bits are the same). A replay that fails writes no output and is counted in failures(); a watchdog
@@ -43,13 +48,19 @@ def _targets(target: Union[str, Sequence[str]]) -> list:
     return [str(t) for t in target]
 
 
+# moedc_links_opts.send, in the order of its values: which tokens a fleet's call sends each shard
+_SENDS = ("auto", "chosen", "all")
+
+
 class Links:
     """Links to the daemons `target` names (one, a list, or a dns: name of several): see the module.
     Raises MoEError when links cannot be used (no NCCL, no GPU, a daemon that refuses them)."""
 
     def __init__(self, target: Union[str, Sequence[str]] = "127.0.0.1:50051", *, device: Optional[int] = None,
                  max_tokens: int = 4096, max_top_k: int = 8, timeout: float = 30.0,
-                 token: Optional[str] = None):
+                 token: Optional[str] = None, send: str = "auto"):
+        if send not in _SENDS:
+            raise MoEError("INVALID_ARGUMENT", f"send={send!r}: use one of {', '.join(_SENDS)}")
         self._lib = L.load()
         self._lock = threading.Lock()
         self._c = ctypes.c_void_p()
@@ -65,7 +76,7 @@ class Links:
         L.check(self._lib.moedc_connect_many(arr, len(names), ctypes.byref(opts), ctypes.byref(self._c),
                                              ctypes.byref(err)), err)
         o = L.LinksOpts(device=self.device, max_tokens=int(max_tokens), max_top_k=int(max_top_k),
-                        timeout_s=float(timeout))
+                        timeout_s=float(timeout), send=_SENDS.index(send))
         rc = self._lib.moedc_links_open(self._c, ctypes.byref(o), ctypes.byref(self._l), ctypes.byref(err))
         if rc < 0:
             self._lib.moedc_close(self._c)
