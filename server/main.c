@@ -32,6 +32,7 @@
 #include "scheduler.h"
 #include "security.h"
 #include "shard.h"
+#include "stacks.h"
 #include "prune.h"
 #include "rebalance.h"
 #include "weights.h"
@@ -72,7 +73,7 @@ typedef struct moed_daemon {
     moed_http *http;
     double start_time_s;
     uv_loop_t loop;
-    uv_signal_t sigterm, sigint, sighup;
+    uv_signal_t sigterm, sigint, sighup, sigusr2;
     uv_async_t drained;
     uv_timer_t stats, drain_timer, load_timer;
     uv_work_t start;
@@ -702,6 +703,12 @@ static void on_hup(uv_signal_t *h, int signum)
         moed_log_info("log reopened", NULL);
 }
 
+/* An operator's SIGUSR2: every thread's stack in the log (stacks.h). */
+static void on_usr2(uv_signal_t *h, int signum)
+{
+    moed_stacks_log();
+}
+
 static void on_stats(uv_timer_t *t)
 {
     moed_daemon *d = t->data;
@@ -722,8 +729,8 @@ static void on_stats(uv_timer_t *t)
                    (unsigned long long)s.compute_us);
 }
 
-/* Blocks (how = SIG_BLOCK) or restores the signals that stop moed or reopen its log, in this
- * thread; *old gets the mask before. */
+/* Blocks (how = SIG_BLOCK) or restores the signals the loop takes (they stop moed, reopen its log
+ * or dump its threads' stacks), in this thread; *old gets the mask before. */
 static void mask_stop_signals(int how, sigset_t *old)
 {
     sigset_t stop;
@@ -731,6 +738,7 @@ static void mask_stop_signals(int how, sigset_t *old)
     sigaddset(&stop, SIGTERM);
     sigaddset(&stop, SIGINT);
     sigaddset(&stop, SIGHUP);
+    sigaddset(&stop, SIGUSR2);
     pthread_sigmask(how, &stop, old);
 }
 
@@ -762,15 +770,16 @@ static void on_drained(uv_async_t *h)
 /* The loop takes the signals from here on: before READY=1 goes out, so a supervisor that stops
  * moed as soon as it is ready finds the drain in place (a signal that comes before the loop runs
  * waits for it). Until then SIGTERM and SIGINT end a start that has nothing to drain, and SIGHUP
- * is ignored (see main). */
+ * and SIGUSR2 are ignored (see main). */
 static void watch_signals(moed_daemon *d)
 {
-    uv_signal_t *sigs[3] = { &d->sigterm, &d->sigint, &d->sighup };
-    int nums[3] = { SIGTERM, SIGINT, SIGHUP };
-    for (int i = 0; i < 3; i++) {
+    uv_signal_t *sigs[4] = { &d->sigterm, &d->sigint, &d->sighup, &d->sigusr2 };
+    int nums[4] = { SIGTERM, SIGINT, SIGHUP, SIGUSR2 };
+    uv_signal_cb cbs[4] = { on_stop_signal, on_stop_signal, on_hup, on_usr2 };
+    for (int i = 0; i < 4; i++) {
         uv_signal_init(&d->loop, sigs[i]);
         sigs[i]->data = d;
-        uv_signal_start(sigs[i], nums[i] == SIGHUP ? on_hup : on_stop_signal, nums[i]);
+        uv_signal_start(sigs[i], cbs[i], nums[i]);
     }
 }
 
@@ -867,7 +876,7 @@ static void teardown(moed_daemon *d)
     free(d->resident);
     /* After a failed start the endpoint may be open; its handles close on one more turn. */
     moed_http_close(d->http);
-    /* Closing the signal handles gives the three signals their default action back, and a moed
+    /* Closing the signal handles gives the loop's signals their default action back, and a moed
      * about to exit 0 must not die of one: they are held (every other thread is gone or blocks
      * them) until ignored, which drops any that came meanwhile. */
     mask_stop_signals(SIG_BLOCK, NULL);
@@ -876,6 +885,7 @@ static void teardown(moed_daemon *d)
     signal(SIGTERM, SIG_IGN);
     signal(SIGINT, SIG_IGN);
     signal(SIGHUP, SIG_IGN);
+    signal(SIGUSR2, SIG_IGN);
     if (uv_loop_close(&d->loop)) moed_log_warn("the event loop closed with handles open", NULL);
     moed_metrics_destroy(d->metrics);
     moed_security_free(&d->security);
@@ -885,8 +895,11 @@ static void teardown(moed_daemon *d)
 int main(int argc, char **argv)
 {
     /* First: `systemctl reload` sends SIGHUP, whose default action would kill a moed still
-     * loading its weights. The loop's handler (log reopening) replaces this once it runs. */
+     * loading its weights. The loop's handler (log reopening) replaces this once it runs; so for
+     * SIGUSR2 (the threads' stacks, moed_stacks). */
     signal(SIGHUP, SIG_IGN);
+    signal(SIGUSR2, SIG_IGN);
+    moed_stacks_install();
     static moed_daemon d;
     moed_error err = { 0 };
     int rc = moed_config_load(&d.cfg, argc, argv, stdout, &err);

@@ -6,7 +6,7 @@
   GOAWAY, which callers see as UNAVAILABLE), the log says how many, the exit status is 0, and
   calls answered before the timeout are correct. Given in a config file here. (/healthz while
   draining: test_drain.py.)
-- SIGHUP reopens --log-file, so logrotate can move it away.
+- SIGHUP reopens --log-file, so logrotate can move it away; SIGUSR2 logs every thread's stack.
 - Config-file values are checked like flags (a bad one names the file and line, exit 2).
 """
 
@@ -228,6 +228,27 @@ def test_sighup_reopens_the_log_file(daemon, tmp_path):
         assert c.health() == "SERVING"  # still serving after the signal
     assert d.stop() == 0
     assert '"stopped"' in log.read_text()
+
+
+def test_sigusr2_logs_every_threads_stack(daemon):
+    """SIGUSR2: a line per thread with its frames (moed_stacks), twice, and the daemon serves on.
+    The loop's own line runs through uv_run in main."""
+    d = daemon("--synthetic", DEFAULT_SPEC, "--threads", "2")
+    with d.client(timeout=5) as c:
+        for n in (1, 2):
+            d.send_signal(signal.SIGUSR2)
+            deadline = time.monotonic() + 30
+            while d.log().count('msg="thread stacks"') < n and time.monotonic() < deadline:
+                time.sleep(0.05)
+            log = d.log()
+            summaries = re.findall(r'msg="thread stacks" threads=(\d+) answered=(\d+)', log)
+            assert len(summaries) == n, log[-3000:]
+            threads, answered = map(int, summaries[-1])
+            lines = [ln for ln in log.splitlines() if 'msg="thread stack"' in ln]
+            assert threads >= 3 and answered == threads and len(lines) == n * threads, log[-3000:]
+            assert any("uv_run" in ln and "moed(+0x" in ln for ln in lines), lines[:3]
+            assert c.health() == "SERVING"  # it goes on serving
+    assert d.stop() == 0
 
 
 @pytest.mark.parametrize("line, says", [

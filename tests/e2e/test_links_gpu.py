@@ -71,6 +71,18 @@ def stacks(pid):
     return r.stdout[-12000:] + r.stderr[-2000:]
 
 
+def daemon_stacks(d):
+    """The thread stacks daemon d logged last (SIGUSR2)."""
+    lines = d.log().splitlines()
+    last = max((i for i, ln in enumerate(lines) if 'msg="thread stacks"' in ln), default=None)
+    if last is None:
+        return "(none logged)"
+    first = last
+    while first > 0 and 'msg="thread stack"' in lines[first - 1]:
+        first -= 1
+    return "\n".join(lines[first:last + 1])[-12000:]
+
+
 def finish(p, targets, timeout):
     """link-bench p's report (its exit code, its last JSON line, its stderr) once it ends; a test failure
     with its threads' stacks and the daemons' logs if it has not ended in timeout s."""
@@ -80,7 +92,12 @@ def finish(p, targets, timeout):
         where = stacks(p.pid)
         p.kill()
         err = p.communicate()[1]
-        logs = "\n".join(f"--- {d.address}:\n{d.log()[-3000:]}" for d in targets)
+        for d in targets:  # each daemon logs its threads' stacks (moed_stacks, docs/operations.md)
+            if d.proc.poll() is None:
+                d.send_signal(signal.SIGUSR2)
+        time.sleep(3)
+        logs = "\n".join(f"--- {d.address}:\n{d.log()[-3000:]}\nits threads:\n{daemon_stacks(d)}"
+                         for d in targets)
         pytest.fail(f"link-bench did not end in {timeout} s: {' '.join(p.args)}\nits stacks:\n{where}\n"
                     f"its stderr:\n{err[-3000:]}\nthe daemons' logs:\n{logs}")
     assert out.strip(), f"link-bench printed nothing (exit {p.returncode}): {err[-3000:]}"
