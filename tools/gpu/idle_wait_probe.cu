@@ -37,6 +37,14 @@ __global__ void loaded(int *p)
 {
     p[0] += 1;
 }
+/* never launched before its graph: 96 KiB of dynamic shared memory, as the daemon's GEMMs take */
+__global__ void wide(int *p)
+{
+    extern __shared__ int smem[];
+    smem[threadIdx.x] = p[0];
+    __syncthreads();
+    p[1] = smem[0];
+}
 
 static volatile int *h_flag;
 static int *d_flag, *d_p;
@@ -91,6 +99,18 @@ static void *call(void *)
         cudaMemcpy(&v, d_p, sizeof v, cudaMemcpyDeviceToHost);
     }
     if (!strcmp(what, "graph capture, instantiate, launch")) graph_run(s, 1, &g);
+    if (!strcmp(what, "graph instantiate, a wide kernel's first")) {
+        cudaGraphExec_t x;
+        cudaFuncSetAttribute(wide, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 << 10);
+        cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+        wide<<<1, 32, 96 << 10, s>>>(d_p);
+        cudaStreamEndCapture(s, &g);
+        cudaGraphInstantiate(&x, g, 0);
+    }
+    if (!strcmp(what, "cudaMemGetInfo")) {
+        size_t free_b, total_b;
+        cudaMemGetInfo(&free_b, &total_b);
+    }
     cudaStreamSynchronize(s);
     printf("  %-36s %.3f s\n", what, now() - t);
     return NULL;
@@ -121,7 +141,9 @@ int main(void)
                             "cudaGraphExecDestroy",
                             "cudaGraphDestroy",
                             "cudaGraphExecUpdate",
-                            "cudaMemcpy to the host" };
+                            "cudaMemcpy to the host",
+                            "graph instantiate, a wide kernel's first",
+                            "cudaMemGetInfo" };
     const char *env = getenv("CUDA_MODULE_LOADING");
     if (cudaHostAlloc((void **)&h_flag, 4, cudaHostAllocMapped) != cudaSuccess) {
         fprintf(stderr, "idle_wait_probe: no CUDA device\n");
