@@ -938,7 +938,11 @@ void moed_rpc_destroy(moed_rpc *r)
     pthread_mutex_destroy(&r->live_lock);
     pthread_cond_destroy(&r->shut_cond);
     free(r);
-    grpc_shutdown();
+    /* Blocking: grpc_shutdown leaves its clean-up to a thread of its own, whose executor may still
+     * destroy a call's stream, and with it a reply slice whose destroy callback hands a buffer back
+     * to the staging pool, after teardown freed that pool (seen under ASan: a drain cut short,
+     * moed_bufpool_put on the freed pool). Once this returns no gRPC code runs. */
+    grpc_shutdown_blocking();
 }
 
 void moed_rpc_get_stats(moed_rpc *r, moed_rpc_stats *out)
