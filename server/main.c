@@ -731,7 +731,7 @@ static void on_stats(uv_timer_t *t)
 
 /* Blocks (how = SIG_BLOCK) or restores the signals the loop takes (they stop moed, reopen its log
  * or dump its threads' stacks), in this thread; *old gets the mask before. */
-static void mask_stop_signals(int how, sigset_t *old)
+static void mask_loop_signals(int how, sigset_t *old)
 {
     sigset_t stop;
     sigemptyset(&stop);
@@ -844,10 +844,10 @@ static int run_loop(moed_daemon *d)
     uv_timer_start(&d->load_timer, on_load_tick, LOAD_LOG_MS, LOAD_LOG_MS);
     d->start.data = d;
     /* The pool's threads, created here, and the ones the steps start inherit a mask that keeps
-     * the stop signals out of them: the loop's thread takes those, and teardown holds them there
+     * the loop's signals out of them: the loop's thread takes those, and teardown holds them there
      * until they are ignored, while the pool's threads live on to the exit. */
     sigset_t old;
-    mask_stop_signals(SIG_BLOCK, &old);
+    mask_loop_signals(SIG_BLOCK, &old);
     uv_queue_work(&d->loop, &d->start, start_steps, started);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     uv_run(&d->loop, UV_RUN_DEFAULT);
@@ -879,7 +879,7 @@ static void teardown(moed_daemon *d)
     /* Closing the signal handles gives the loop's signals their default action back, and a moed
      * about to exit 0 must not die of one: they are held (every other thread is gone or blocks
      * them) until ignored, which drops any that came meanwhile. */
-    mask_stop_signals(SIG_BLOCK, NULL);
+    mask_loop_signals(SIG_BLOCK, NULL);
     uv_walk(&d->loop, close_handle, NULL);
     uv_run(&d->loop, UV_RUN_DEFAULT);
     signal(SIGTERM, SIG_IGN);
