@@ -31,7 +31,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 typedef struct opts {
     const char *target, *mode, *layers, *json;
@@ -392,9 +391,7 @@ static int run_idle(void)
     } else {
         printf("idle: %d rings open\n", n);
         fflush(stdout);
-        struct timespec ts = { (time_t)o.seconds,
-                               (long)((o.seconds - (double)(time_t)o.seconds) * 1e9) };
-        nanosleep(&ts, NULL);
+        moed_sleep_s(o.seconds);
     }
     for (int i = 0; i < n; i++) moedc_session_close(s[i]); /* and their rings */
     free(s);

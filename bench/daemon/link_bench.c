@@ -36,7 +36,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #define MAX_TARGETS    64
 #define GRPC_TIMEOUT_S 120.0 /* a gRPC call of the benchmark (T = 4096 over a fleet: 0.5 s) */
@@ -296,11 +295,7 @@ int main(int argc, char **argv)
         busy += dt;
         ok++;
     }
-    if (o.hold > 0) { /* the daemons wait for these links' next headers meanwhile */
-        const struct timespec hold = { (time_t)o.hold,
-                                       (long)((o.hold - (double)(time_t)o.hold) * 1e9) };
-        nanosleep(&hold, NULL);
-    }
+    moed_sleep_s(o.hold); /* the daemons wait for these links' next headers meanwhile */
     FILE *out = o.json ? fopen(o.json, "w") : stdout;
     if (!out) return die("--json", "cannot be written");
     fprintf(out, "{\"transport\": ");

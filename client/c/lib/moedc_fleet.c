@@ -28,14 +28,12 @@
 #include "moed_time.h"
 
 #include <arpa/inet.h>
-#include <errno.h>
 #include <netdb.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <time.h>
 
 typedef struct member {
     moedc_member pl; /* first: the planner's array points here */
@@ -668,12 +666,7 @@ static bool wait_for_chance(fleet *f, double deadline)
     pthread_mutex_unlock(&f->mu);
     if (!at) return false;
     const double until = deadline && deadline < at ? deadline : at, left = until - moed_now_s();
-    if (left > 0) {
-        struct timespec ts = { .tv_sec = (time_t)left,
-                               .tv_nsec = (long)((left - (double)(time_t)left) * 1e9) };
-        while (nanosleep(&ts, &ts) && errno == EINTR) {
-        }
-    }
+    moed_sleep_s(left);
     return until == at;
 }
 
