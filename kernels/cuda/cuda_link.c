@@ -42,21 +42,23 @@ typedef struct link_headers {
     uint8_t inbox[MOED_LINK_HEADER_BYTES];
 } link_headers;
 
-/* A stopped link's resources, freed once no link is live (cuda_ctx.h). */
-typedef struct link_grave {
-    moed_list node;
-    moed_nccl_comm split, joined;
-    cudaStream_t stream;
-    void *mem;
-    int device;
-} link_grave;
-
-/* A call moed_backend_when_quiet put off until no link is live. */
+/* Something put off until no link is live (cuda_ctx.h): a call moed_backend_when_quiet was
+ * handed, or a stopped link's grave. */
 typedef struct quiet_call {
     moed_list node;
     void (*fn)(void *arg);
     void *arg;
 } quiet_call;
+
+/* A stopped link's resources, freed by its call (bury). */
+typedef struct link_grave {
+    quiet_call call; /* first: freeing the call frees the grave */
+    const moed_nccl *nccl;
+    moed_nccl_comm split, joined;
+    cudaStream_t stream;
+    void *mem;
+    int device;
+} link_grave;
 
 /* The most graves, and calls put off, that wait: past it the oldest runs at once, waiting as a
  * free does (cuda_ctx.h). A grave holds two communicators' connections and a link's buffer; a
@@ -225,32 +227,24 @@ err:
     return rc;
 }
 
-/* Frees the graves (under c->link_lock, which holds off new links meanwhile); with `oldest`, only
- * the oldest one. */
-static void reap(cuda_ctx *c, const moed_nccl *n, bool oldest)
+static void bury(void *arg)
 {
-    while (!moed_list_empty(&c->link_graves)) {
-        moed_list *q = c->link_graves.prev; /* graves go in at the head */
-        link_grave *g = moed_list_data(q, link_grave, node);
-        moed_list_remove(q);
-        c->n_graves--;
-        cudaSetDevice(g->device);
-        moed_nccl_abort_pair(n, &g->split, &g->joined);
-        if (cudaStreamDestroy(g->stream) != cudaSuccess) cudaGetLastError();
-        if (g->mem && cudaFree(g->mem) != cudaSuccess) cudaGetLastError();
-        free(g);
-        if (oldest) return;
-    }
+    link_grave *g = arg;
+    cudaSetDevice(g->device);
+    moed_nccl_abort_pair(g->nccl, &g->split, &g->joined);
+    if (cudaStreamDestroy(g->stream) != cudaSuccess) cudaGetLastError();
+    if (g->mem && cudaFree(g->mem) != cudaSuccess) cudaGetLastError();
 }
 
-/* Runs the calls put off (under c->link_lock, as reap); with `oldest`, only the oldest one. */
-static void run_quiet_calls(cuda_ctx *c, bool oldest)
+/* Runs what waits in `list` (graves or calls put off, counted in *n), the oldest first, under
+ * c->link_lock, which holds off new links meanwhile; with `oldest`, only the oldest one. */
+static void run_waiting(moed_list *list, int *n, bool oldest)
 {
-    while (!moed_list_empty(&c->quiet_calls)) {
-        moed_list *q = c->quiet_calls.prev; /* calls go in at the head */
+    while (!moed_list_empty(list)) {
+        moed_list *q = list->prev; /* they go in at the head */
         quiet_call *call = moed_list_data(q, quiet_call, node);
         moed_list_remove(q);
-        c->n_quiet_calls--;
+        (*n)--;
         call->fn(call->arg);
         free(call);
         if (oldest) return;
@@ -265,7 +259,8 @@ void cuda_when_quiet(moed_backend *b, void (*fn)(void *arg), void *arg)
     if (c->links_live && call) {
         *call = (quiet_call){ .fn = fn, .arg = arg };
         moed_list_insert_head(&c->quiet_calls, &call->node);
-        if (++c->n_quiet_calls > MAX_QUIET_CALLS) run_quiet_calls(c, true);
+        if (++c->n_quiet_calls > MAX_QUIET_CALLS)
+            run_waiting(&c->quiet_calls, &c->n_quiet_calls, true);
     } else {
         fn(arg); /* nothing in flight (or no memory to put it off) */
         free(call);
@@ -311,8 +306,8 @@ static void cuda_link_abort(moed_backend_link *l)
     cuda_ctx *c = k->c;
     pthread_mutex_lock(&c->link_lock);
     if (--c->links_live == 0) {
-        reap(c, k->nccl, false);
-        run_quiet_calls(c, false);
+        run_waiting(&c->link_graves, &c->n_graves, false);
+        run_waiting(&c->quiet_calls, &c->n_quiet_calls, false);
     }
     pthread_mutex_unlock(&c->link_lock);
 }
@@ -344,10 +339,8 @@ static void headers_give(cuda_ctx *c, link_headers *h)
 
 void cuda_links_free(cuda_ctx *c)
 {
-    moed_error err;
-    const moed_nccl *n = moed_list_empty(&c->link_graves) ? NULL : moed_nccl_api(&err);
-    if (n) reap(c, n, false); /* a grave means NCCL was loaded */
-    run_quiet_calls(c, false);
+    run_waiting(&c->link_graves, &c->n_graves, false);
+    run_waiting(&c->quiet_calls, &c->n_quiet_calls, false);
     while (!moed_list_empty(&c->link_headers)) {
         moed_list *q = moed_list_head(&c->link_headers);
         moed_list_remove(q);
@@ -366,15 +359,18 @@ static void cuda_link_destroy(moed_backend_link *l)
     cuda_ctx *c = k->c;
     link_grave *g = k->revoked ? malloc(sizeof *g) : NULL;
     if (g) {
-        *g = (link_grave){ .split = k->split,
+        *g = (link_grave){ .call = { .fn = bury, .arg = g },
+                           .nccl = k->nccl,
+                           .split = k->split,
                            .joined = k->joined,
                            .stream = k->stream,
                            .mem = l->mem,
                            .device = l->device };
         pthread_mutex_lock(&c->link_lock);
-        moed_list_insert_head(&c->link_graves, &g->node);
+        moed_list_insert_head(&c->link_graves, &g->call.node);
         c->n_graves++;
-        if (!c->links_live || c->n_graves > MAX_GRAVES) reap(c, k->nccl, c->links_live > 0);
+        if (!c->links_live || c->n_graves > MAX_GRAVES)
+            run_waiting(&c->link_graves, &c->n_graves, c->links_live > 0);
         pthread_mutex_unlock(&c->link_lock);
     } else {
         if (k->revoked) moed_nccl_abort_pair(k->nccl, &k->split, &k->joined); /* no memory */
@@ -398,7 +394,8 @@ static int cuda_link_create(moed_backend *b, moed_backend_link *l,
     cuda_ctx *c = k->c = b->ctx;
     k->nccl = n;
     pthread_mutex_lock(&c->link_lock);
-    if (!c->links_live) reap(c, n, false); /* nothing in flight now: free what waits */
+    if (!c->links_live) /* nothing in flight now: free what waits */
+        run_waiting(&c->link_graves, &c->n_graves, false);
     c->links_live++;
     k->live = true;
     pthread_mutex_unlock(&c->link_lock);
