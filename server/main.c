@@ -729,17 +729,18 @@ static void on_stats(uv_timer_t *t)
                    (unsigned long long)s.compute_us);
 }
 
-/* Blocks (how = SIG_BLOCK) or restores the signals the loop takes (they stop moed, reopen its log
- * or dump its threads' stacks), in this thread; *old gets the mask before. */
+/* The signals the loop takes: they stop moed, reopen its log or dump its threads' stacks. */
+#define N_LOOP_SIGNALS 4
+static const int loop_signals[N_LOOP_SIGNALS] = { SIGTERM, SIGINT, SIGHUP, SIGUSR2 };
+
+/* Blocks (how = SIG_BLOCK) or restores the loop's signals in this thread; *old gets the mask
+ * before. */
 static void mask_loop_signals(int how, sigset_t *old)
 {
-    sigset_t stop;
-    sigemptyset(&stop);
-    sigaddset(&stop, SIGTERM);
-    sigaddset(&stop, SIGINT);
-    sigaddset(&stop, SIGHUP);
-    sigaddset(&stop, SIGUSR2);
-    pthread_sigmask(how, &stop, old);
+    sigset_t set;
+    sigemptyset(&set);
+    for (int i = 0; i < N_LOOP_SIGNALS; i++) sigaddset(&set, loop_signals[i]);
+    pthread_sigmask(how, &set, old);
 }
 
 /* uv_walk callback: closes a handle; with a non-NULL arg, every handle but the signal handles. */
@@ -773,13 +774,12 @@ static void on_drained(uv_async_t *h)
  * and SIGUSR2 are ignored (see main). */
 static void watch_signals(moed_daemon *d)
 {
-    uv_signal_t *sigs[4] = { &d->sigterm, &d->sigint, &d->sighup, &d->sigusr2 };
-    int nums[4] = { SIGTERM, SIGINT, SIGHUP, SIGUSR2 };
-    uv_signal_cb cbs[4] = { on_stop_signal, on_stop_signal, on_hup, on_usr2 };
-    for (int i = 0; i < 4; i++) {
+    uv_signal_t *sigs[N_LOOP_SIGNALS] = { &d->sigterm, &d->sigint, &d->sighup, &d->sigusr2 };
+    uv_signal_cb cbs[N_LOOP_SIGNALS] = { on_stop_signal, on_stop_signal, on_hup, on_usr2 };
+    for (int i = 0; i < N_LOOP_SIGNALS; i++) {
         uv_signal_init(&d->loop, sigs[i]);
         sigs[i]->data = d;
-        uv_signal_start(sigs[i], cbs[i], nums[i]);
+        uv_signal_start(sigs[i], cbs[i], loop_signals[i]);
     }
 }
 
@@ -882,10 +882,7 @@ static void teardown(moed_daemon *d)
     mask_loop_signals(SIG_BLOCK, NULL);
     uv_walk(&d->loop, close_handle, NULL);
     uv_run(&d->loop, UV_RUN_DEFAULT);
-    signal(SIGTERM, SIG_IGN);
-    signal(SIGINT, SIG_IGN);
-    signal(SIGHUP, SIG_IGN);
-    signal(SIGUSR2, SIG_IGN);
+    for (int i = 0; i < N_LOOP_SIGNALS; i++) signal(loop_signals[i], SIG_IGN);
     if (uv_loop_close(&d->loop)) moed_log_warn("the event loop closed with handles open", NULL);
     moed_metrics_destroy(d->metrics);
     moed_security_free(&d->security);
