@@ -7,7 +7,8 @@
  *
  * A tile is BF = 256 features (weight rows) x BT = 128 token rows (bm 128), a stage BK = 128 of K:
  * the weights' 64 kept values a row (one 128-byte swizzled row, by TMA), their metadata (16 bytes a
- * row, in moed_cuda.h's layout: the one device format gemm_sp_sm80.cu reads too) and each token
+ * row, in moed_cuda.h's layout: the one device format gemm_sp_sm80.cu reads too; by TMA, as a
+ * matrix of a row of 256 bytes a K-stage for each 16-row block) and each token
  * row's 128 values as two 128-byte swizzled halves, gathered by the producer warpgroup with
  * cp.async exactly as the dense Hopper kernel gathers them (zero-filled past the expert's rows),
  * or, when they are in order (the down GEMM's H rows, or rows the table had pre-permuted), by TMA
@@ -82,9 +83,10 @@ template <typename T, int MC>
 struct sp_ring : moed_cuda_sm90_ring<T, 2 * BT, BF, STAGES, CONSUMERS, false, MC> {
     using base_ring = moed_cuda_sm90_ring<T, 2 * BT, BF, STAGES, CONSUMERS, false, MC>;
     static constexpr int META_STAGE = BF / 16 * META_BLOCK_BYTES;
-    static constexpr int META_AT = base_ring::END;
+    /* TMA writes shared memory from 128-byte aligned addresses */
+    static constexpr int META_AT = (base_ring::END + 127) / 128 * 128;
     static constexpr int BYTES = base_ring::ALIGN + META_AT + STAGES * META_STAGE;
-    static_assert(META_AT % 16 == 0, "cp.async destinations are 16-byte aligned");
+    static_assert(META_STAGE % 128 == 0, "each stage's metadata on a TMA alignment");
     static_assert(BYTES <= MOED_CUDA_SM90_SMEM,
                   "over the 227 KiB of shared memory a Hopper block may have");
 
@@ -108,22 +110,23 @@ constexpr int THREADS = sp_ring<__nv_bfloat16, 1>::THREADS;
 /* ---- the producer ---------------------------------------------------------------------------- */
 
 /* Warpgroup 0: one thread brings each stage's kept values by TMA (in a cluster whose m-tiles are
- * of one expert, BF/MC rows of them, multicast to every CTA of it, as producer_sm90.cuh does);
+ * of one expert, BF/MC rows of them, multicast to every CTA of it, as producer_sm90.cuh does) and
+ * its metadata by TMA (rows past n: the next expert's, or TMA's zeros; their features are never
+ * stored); without GATHER it brings the token rows by TMA too and the others return; with GATHER
  * every thread gathers its chunks of the token rows (chunk kc of both halves of rows tid/8 + 16i)
- * and of the metadata with cp.async, and signals a stage LAG stages later (producer_sm90.cuh
- * explains the lag). */
+ * with cp.async and signals a stage LAG stages later (producer_sm90.cuh explains the lag). */
 template <class R, bool GATHER>
-__device__ __forceinline__ void produce(const R &rg, const moed_cuda_gemm &g,
-                                        const CUtensorMap *tm_w, const CUtensorMap *tm_x,
-                                        moed_cuda_sm90_walk<R::MC> &w, int ktiles, int tid)
+__device__ __forceinline__ void
+produce(const R &rg, const moed_cuda_gemm &g, const CUtensorMap *tm_w, const CUtensorMap *tm_x,
+        const CUtensorMap *tm_m, moed_cuda_sm90_walk<R::MC> &w, int ktiles, int tid)
 {
     using E = typename R::elem;
     constexpr int MC = R::MC;
     constexpr int LAG = 1, CHUNK = MOED_CUDA_SM90_CHUNK;
     constexpr int ROWS_PER_PASS = MOED_CUDA_SM90_ROWS_PER_PASS, PASSES = BT / ROWS_PER_PASS;
-    constexpr int META_CHUNKS = R::META_STAGE / CHUNK, META_WORDS = META_BLOCK_BYTES / 4;
+    constexpr int META_WORDS = META_BLOCK_BYTES / 4;
     static_assert(LAG >= 0 && LAG + 2 <= STAGES, "a stage is signalled before it must be free");
-    static_assert(META_CHUNKS % MOED_CUDA_SM90_WG == 0 && BT % ROWS_PER_PASS == 0, "load split");
+    static_assert(BT % ROWS_PER_PASS == 0, "whole gather passes");
     auto signal_last = [&](int it, int n) {
         ptx::cp_async_wait<0>();
         ptx::fence_proxy_async();
@@ -131,6 +134,7 @@ __device__ __forceinline__ void produce(const R &rg, const moed_cuda_gemm &g,
     };
 
     ptx::setmaxnreg_dec<MOED_CUDA_SM90_PRODUCER_REGS>();
+    if (!GATHER && tid != 0) return; /* TMA alone: one thread issues everything */
     const int kc = tid & (MOED_CUDA_SM90_ROW_CHUNKS - 1);
     const int row_in_pass = tid >> MOED_CUDA_SM90_CHUNK_SHIFT;
     int it = 0;
@@ -143,13 +147,13 @@ __device__ __forceinline__ void produce(const R &rg, const moed_cuda_gemm &g,
                     moed_cuda_sm90_a_source(g, w.cur, w.cur.row0 + row_in_pass + ROWS_PER_PASS * i);
         }
         const int w_row = w.cur.e * g.n + w.cur.nt * BF;
-        const uint32_t *meta = g.b_meta + (int64_t)w.cur.e * g.n * (g.k / 32) +
-                               (int64_t)w.cur.nt * (BF / 16) * ktiles * META_WORDS;
         for (int kt = 0; kt < ktiles; kt++, it++) {
             const int s = it % STAGES;
             rg.wait_empty(it);
             if (tid == 0) {
-                ptx::mbar_arrive_expect_tx(rg.full_at(s), R::B_STAGE + (GATHER ? 0 : R::A_STAGE));
+                ptx::mbar_arrive_expect_tx(rg.full_at(s),
+                                           R::B_STAGE + R::META_STAGE + (GATHER ? 0 : R::A_STAGE));
+                ptx::tma_load_2d(rg.meta_at(s), tm_m, rg.full_at(s), kt * META_WORDS, w_row / 16);
                 if (MC == 1 || !w.cur.shared_b) /* the whole tile, for this CTA alone */
                     for (int j = 0; j < MC; j++)
                         ptx::tma_load_2d(rg.b_at(s) + j * R::B_SLICE, tm_w, rg.full_at(s),
@@ -174,25 +178,17 @@ __device__ __forceinline__ void produce(const R &rg, const moed_cuda_gemm &g,
                     ptx::cp_async16(rg.x_at(s, h) + moed_cuda_swz128(row, kc),
                                     src_row + h * (BK / 2), src[i] < 0 ? 0 : CHUNK);
             }
-#pragma unroll
-            for (int c = tid; c < META_CHUNKS; c += MOED_CUDA_SM90_WG) {
-                const int rb = c / (META_BLOCK_BYTES / CHUNK), q = c % (META_BLOCK_BYTES / CHUNK);
-                const bool ok = w.cur.nt * BF + rb * 16 < g.n; /* none past n (a half tile) */
-                ptx::cp_async16(rg.meta_at(s) + c * CHUNK,
-                                ok ? meta + ((int64_t)rb * ktiles + kt) * META_WORDS +
-                                         q * (CHUNK / 4)
-                                   : g.b_meta,
-                                ok ? CHUNK : 0);
-            }
-            ptx::cp_async_commit();
-            if (kt >= LAG) {
-                ptx::cp_async_wait<LAG>();
-                ptx::fence_proxy_async();
-                ptx::mbar_arrive(rg.full_at((it - LAG) % STAGES));
+            if constexpr (GATHER) {
+                ptx::cp_async_commit();
+                if (kt >= LAG) {
+                    ptx::cp_async_wait<LAG>();
+                    ptx::fence_proxy_async();
+                    ptx::mbar_arrive(rg.full_at((it - LAG) % STAGES));
+                }
             }
             if (kt == 0) w.fetch_next();
         }
-        signal_last(it, ktiles < LAG ? ktiles : LAG);
+        if constexpr (GATHER) signal_last(it, ktiles < LAG ? ktiles : LAG);
         w.advance();
     }
     /* The CTA must outlive the other CTAs' arrivals on its barriers: wait until the last use of
@@ -206,7 +202,8 @@ __device__ __forceinline__ void produce(const R &rg, const moed_cuda_gemm &g,
 template <typename T, int EPI, int MC, bool GATHER>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_sp_sm90_kernel(const __grid_constant__ CUtensorMap tm_w,
-                        const __grid_constant__ CUtensorMap tm_x, const moed_cuda_gemm g, int num_n,
+                        const __grid_constant__ CUtensorMap tm_x,
+                        const __grid_constant__ CUtensorMap tm_m, const moed_cuda_gemm g, int num_n,
                         int total)
 {
 #ifdef MOED_CUDA_SM90A
@@ -218,11 +215,11 @@ __global__ void __launch_bounds__(THREADS, 1)
     R rg(smem_raw);
     const int tid = threadIdx.x, wg = tid >> MOED_CUDA_SM90_WG_SHIFT;
     const int ktiles = g.k / BK;
-    rg.template init<true>(tid);
+    rg.template init<GATHER>(tid);
 
     moed_cuda_sm90_walk<MC> w(g, num_n, total, rg.rank);
     if (wg == 0) {
-        produce<R, GATHER>(rg, g, &tm_w, &tm_x, w, ktiles, tid);
+        produce<R, GATHER>(rg, g, &tm_w, &tm_x, &tm_m, w, ktiles, tid);
         return;
     }
 
@@ -352,9 +349,16 @@ int launch(const moed_cuda_gemm *g, moed_cuda_stream s)
     using R = sp_ring<T, MC>;
     constexpr auto kern = gemm_sp_sm90_kernel<T, EPI, MC, GATHER>;
     const int tm = g->cdtype == MOED_BF16 ? MOED_CUDA_TM_BF16 : MOED_CUDA_TM_F16;
-    CUtensorMap tm_w, tm_x;
+    CUtensorMap tm_w, tm_x, tm_m;
     int rc = moed_cuda_tensor_map(&tm_w, tm, g->b, (int64_t)g->b_experts * g->n, g->k / 2, g->k / 2,
                                   BK / 2, BF / MC, 1);
+    /* the metadata as [16-row blocks][K-stages x 64 words], each read as a box of a stage's 64
+     * words of the tile's BF/16 blocks (the words are copied as they are) */
+    const int64_t meta_cols = (int64_t)(g->k / BK) * (META_BLOCK_BYTES / 4);
+    if (!rc)
+        rc = moed_cuda_tensor_map(&tm_m, MOED_CUDA_TM_F32, g->b_meta,
+                                  (int64_t)g->b_experts * g->n / 16, meta_cols, meta_cols,
+                                  META_BLOCK_BYTES / 4, BF / 16, 0);
     if (rc) return rc;
     if (GATHER)
         tm_x = tm_w; /* not read */
@@ -371,7 +375,8 @@ int launch(const moed_cuda_gemm *g, moed_cuda_stream s)
     moed_cuda_shape sh = { dim3(), dim3(R::THREADS), (size_t)R::BYTES, MC };
     const int resident = moed_cuda_resident_clusters<kern>(sh);
     sh.grid = dim3((unsigned)((units < resident ? units : resident) * MC));
-    return moed_cuda_launch(kern, sh, (cudaStream_t)s, false, tm_w, tm_x, *g, num_n, (int)units);
+    return moed_cuda_launch(kern, sh, (cudaStream_t)s, false, tm_w, tm_x, tm_m, *g, num_n,
+                            (int)units);
 }
 
 template <typename T> int dispatch(const moed_cuda_gemm *g, int cluster, moed_cuda_stream s)
