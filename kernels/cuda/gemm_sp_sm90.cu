@@ -114,7 +114,9 @@ constexpr int THREADS = sp_ring<__nv_bfloat16, 1>::THREADS;
  * its metadata by TMA (rows past n: the next expert's, or TMA's zeros; their features are never
  * stored); without GATHER it brings the token rows by TMA too and the others return; with GATHER
  * every thread gathers its chunks of the token rows (chunk kc of both halves of rows tid/8 + 16i)
- * with cp.async and signals a stage LAG stages later (producer_sm90.cuh explains the lag). */
+ * with cp.async, whose completion arrives on the stage's barrier (cp_async_mbar_arrive): no thread
+ * waits for its copies, so every stage of the ring is in flight, as with TMA; the consumers fence
+ * the proxies after their wait. */
 template <class R, bool GATHER>
 __device__ __forceinline__ void
 produce(const R &rg, const moed_cuda_gemm &g, const CUtensorMap *tm_w, const CUtensorMap *tm_x,
@@ -122,16 +124,10 @@ produce(const R &rg, const moed_cuda_gemm &g, const CUtensorMap *tm_w, const CUt
 {
     using E = typename R::elem;
     constexpr int MC = R::MC;
-    constexpr int LAG = 1, CHUNK = MOED_CUDA_SM90_CHUNK;
+    constexpr int CHUNK = MOED_CUDA_SM90_CHUNK;
     constexpr int ROWS_PER_PASS = MOED_CUDA_SM90_ROWS_PER_PASS, PASSES = BT / ROWS_PER_PASS;
     constexpr int META_WORDS = META_BLOCK_BYTES / 4;
-    static_assert(LAG >= 0 && LAG + 2 <= STAGES, "a stage is signalled before it must be free");
     static_assert(BT % ROWS_PER_PASS == 0, "whole gather passes");
-    auto signal_last = [&](int it, int n) {
-        ptx::cp_async_wait<0>();
-        ptx::fence_proxy_async();
-        for (int j = it - n; j < it; j++) ptx::mbar_arrive(rg.full_at(j % STAGES));
-    };
 
     ptx::setmaxnreg_dec<MOED_CUDA_SM90_PRODUCER_REGS>();
     if (!GATHER && tid != 0) return; /* TMA alone: one thread issues everything */
@@ -178,18 +174,14 @@ produce(const R &rg, const moed_cuda_gemm &g, const CUtensorMap *tm_w, const CUt
                     ptx::cp_async16(rg.x_at(s, h) + moed_cuda_swz128(row, kc),
                                     src_row + h * (BK / 2), src[i] < 0 ? 0 : CHUNK);
             }
-            if constexpr (GATHER) {
-                ptx::cp_async_commit();
-                if (kt >= LAG) {
-                    ptx::cp_async_wait<LAG>();
-                    ptx::fence_proxy_async();
-                    ptx::mbar_arrive(rg.full_at((it - LAG) % STAGES));
-                }
-            }
+            if constexpr (GATHER) ptx::cp_async_mbar_arrive(rg.full_at(s));
             if (kt == 0) w.fetch_next();
         }
-        if constexpr (GATHER) signal_last(it, ktiles < LAG ? ktiles : LAG);
         w.advance();
+    }
+    if constexpr (GATHER) { /* no thread leaves copies in flight */
+        ptx::cp_async_commit();
+        ptx::cp_async_wait<0>();
     }
     /* The CTA must outlive the other CTAs' arrivals on its barriers: wait until the last use of
      * every stage has been released by the whole cluster. */
@@ -244,6 +236,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         auto kstep = [&](int kt, uint32_t(&e)[WORDS][PER_CONSUMER]) {
             const int s = it % STAGES;
             rg.wait_full(it);
+            if constexpr (GATHER) ptx::fence_proxy_async(); /* cp.async's rows, read by wgmma */
             const uint2 *ms = reinterpret_cast<const uint2 *>(meta_p + s * R::META_STAGE);
             const uint2 mg = ms[meta_gate * MOED_CUDA_SM90_WARP + lane];
             const uint2 mu = ms[meta_up * MOED_CUDA_SM90_WARP + lane];

@@ -1,7 +1,7 @@
 /*
  * ptx/cp_async — sm_80's asynchronous copies: 16 bytes from global to shared memory per thread,
  * bypassing L1 (.cg), or 4 (one float: a row's scale; only .ca takes that size), collected into
- * groups that a thread commits and later waits for.
+ * groups that a thread commits and later waits for, or whose completion arrives on an mbarrier.
  */
 #ifndef MOED_PTX_CP_ASYNC_CUH
 #define MOED_PTX_CP_ASYNC_CUH
@@ -38,6 +38,14 @@ template <int N> __device__ __forceinline__ void cp_async_wait()
 {
     static_assert(N >= 0 && N <= 7, "cp.async.wait_group takes 0 to 7");
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+/* Once every cp.async this thread issued so far has landed, an arrival on the mbarrier at bar (as
+ * one of its expected arrivals: .noinc), without the thread waiting. A reader in another proxy
+ * (wgmma, TMA) fences after its wait for the barrier (fence_proxy_async). */
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar)
+{
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
 } // namespace moed::ptx
