@@ -8,15 +8,18 @@
  * A tile is BF = 256 features (weight rows) x BT = 128 token rows (bm 128), a stage BK = 128 of K:
  * the weights' 64 kept values a row (one 128-byte swizzled row, by TMA), their metadata (16 bytes a
  * row, in moed_cuda.h's layout: the one device format gemm_sp_sm80.cu reads too; by TMA, as a
- * matrix of a row of 256 bytes a K-stage for each 16-row block) and each token
- * row's 128 values as two 128-byte swizzled halves, gathered by the producer warpgroup with
- * cp.async exactly as the dense Hopper kernel gathers them (zero-filled past the expert's rows),
- * or, when they are in order (the down GEMM's H rows, or rows the table had pre-permuted), by TMA
- * as two boxes of BT rows: rows past the expert's are then the next expert's (or TMA's zeros), and,
- * being other token columns of the product, never stored. In clusters of two (tile_config.c) the
- * two CTAs' m-tiles share the weight tile by multicast, as in gemm_sm90.cu. The last n-tile may be
- * half a tile (n a multiple of 128, not 256: the down GEMM of d 2880): its rows past n are computed
- * from whatever follows them (or TMA's zeros) and never stored.
+ * matrix of a row of 256 bytes a K-stage for each 16-row block) and each token row's 128 values as
+ * two 128-byte swizzled halves, gathered by the producer warpgroup with cp.async into the layout
+ * the dense Hopper kernel gathers (zero-filled past the expert's rows), each thread's copies
+ * arriving on the stage's barrier once landed, so that every stage is in flight as with TMA (the
+ * dense kernels' producer signals a stage behind: docs/kernels-notes.md, "2:4 sparse experts on
+ * wgmma.sp", says why they differ), or, when they are in order (the down GEMM's H rows, or rows the
+ * table had pre-permuted), by TMA as two boxes of BT rows: rows past the expert's are then the next
+ * expert's (or TMA's zeros), and, being other token columns of the product, never stored. In
+ * clusters of two (tile_config.c) the two CTAs' m-tiles share the weight tile by multicast, as in
+ * gemm_sm90.cu. The last n-tile may be half a tile (n a multiple of 128, not 256: the down GEMM of
+ * d 2880): its rows past n are computed from whatever follows them (or TMA's zeros) and never
+ * stored.
  *
  * The SwiGLU pairing without leaving registers: wgmma's 64 rows are 8 groups of 8, and a warp's
  * accumulators hold groups 2w and 2w+1. Each wgmma.sp here reads every fourth 8-row group of the
