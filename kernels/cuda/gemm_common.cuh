@@ -85,17 +85,23 @@ __device__ __forceinline__ float moed_cuda_act(int epi, float a)
     return a;
 }
 
-/* Stores two adjacent columns of one row. */
-template <typename T> __device__ __forceinline__ void moed_cuda_store2(T *p, float v0, float v1);
-template <>
-__device__ __forceinline__ void moed_cuda_store2<__nv_bfloat16>(__nv_bfloat16 *p, float v0,
-                                                                float v1)
+/* Two adjacent columns of one row as they are stored: the 32 bits of a T pair. */
+template <typename T> __device__ __forceinline__ uint32_t moed_cuda_pack2(float v0, float v1);
+template <> __device__ __forceinline__ uint32_t moed_cuda_pack2<__nv_bfloat16>(float v0, float v1)
 {
-    *reinterpret_cast<__nv_bfloat162 *>(p) = __floats2bfloat162_rn(v0, v1);
+    const __nv_bfloat162 b = __floats2bfloat162_rn(v0, v1);
+    return *reinterpret_cast<const uint32_t *>(&b);
 }
-template <> __device__ __forceinline__ void moed_cuda_store2<__half>(__half *p, float v0, float v1)
+template <> __device__ __forceinline__ uint32_t moed_cuda_pack2<__half>(float v0, float v1)
 {
-    *reinterpret_cast<__half2 *>(p) = __floats2half2_rn(v0, v1);
+    const __half2 b = __floats2half2_rn(v0, v1);
+    return *reinterpret_cast<const uint32_t *>(&b);
+}
+
+/* Stores two adjacent columns of one row. */
+template <typename T> __device__ __forceinline__ void moed_cuda_store2(T *p, float v0, float v1)
+{
+    *reinterpret_cast<uint32_t *>(p) = moed_cuda_pack2<T>(v0, v1);
 }
 
 /* The column of H that gate column n of the up projection (n % (2 * MOED_CUDA_GLU_BLOCK) <
@@ -112,18 +118,29 @@ __host__ __device__ constexpr int moed_cuda_glu_col(int n)
  * W13 interleaves gate and up blocks of MOED_CUDA_GLU_BLOCK rows). Callers pass only gate columns
  * for SwiGLU. EPI is a template parameter: each kernel carries only its own epilogue (a runtime
  * switch in a fully unrolled epilogue made the Hopper kernels too large for the instruction cache).
+ * moed_cuda_epilogue_pack2 gives the pair's values as stored, moed_cuda_epilogue_col the column of
+ * C they go to (consecutive for consecutive gate columns of one block), moed_cuda_epilogue2 stores
+ * them; a kernel that gathers several pairs into a wider store uses the first two.
  */
+template <typename T, int EPI>
+__device__ __forceinline__ uint32_t moed_cuda_epilogue_pack2(float v0, float v1, float u0, float u1)
+{
+    if constexpr (EPI == MOED_CUDA_EPI_SWIGLU)
+        return moed_cuda_pack2<T>(moed_cuda_silu(v0) * u0, moed_cuda_silu(v1) * u1);
+    else
+        return moed_cuda_pack2<T>(moed_cuda_act(EPI, v0), moed_cuda_act(EPI, v1));
+}
+template <int EPI> __device__ __forceinline__ int moed_cuda_epilogue_col(int n)
+{
+    return EPI == MOED_CUDA_EPI_SWIGLU ? moed_cuda_glu_col(n) : n;
+}
 template <typename T, int EPI>
 __device__ __forceinline__ void moed_cuda_epilogue2(const moed_cuda_gemm &g, int64_t row, int n,
                                                     float v0, float v1, float u0, float u1)
 {
-    if constexpr (EPI == MOED_CUDA_EPI_SWIGLU) {
-        moed_cuda_store2<T>(static_cast<T *>(g.c) + row * g.ldc + moed_cuda_glu_col(n),
-                            moed_cuda_silu(v0) * u0, moed_cuda_silu(v1) * u1);
-    } else {
-        moed_cuda_store2<T>(static_cast<T *>(g.c) + row * g.ldc + n, moed_cuda_act(EPI, v0),
-                            moed_cuda_act(EPI, v1));
-    }
+    *reinterpret_cast<uint32_t *>(static_cast<T *>(g.c) + row * g.ldc +
+                                  moed_cuda_epilogue_col<EPI>(n)) =
+        moed_cuda_epilogue_pack2<T, EPI>(v0, v1, u0, u1);
 }
 
 /* Calls f.template operator()<EPI>() for the runtime epilogue kind: the one place the kinds are

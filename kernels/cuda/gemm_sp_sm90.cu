@@ -192,6 +192,33 @@ produce(const R &rg, const moed_cuda_gemm &g, const CUtensorMap *tm_w, const CUt
         for (int j = 0; j < STAGES; j++, it++) rg.wait_empty(it);
 }
 
+/* ---- the epilogue's transpose ------------------------------------------------------------------
+ */
+
+/* Among the four lanes q = lane / 8 = 0..3 of the same lane % 8, slot k of lane q (a 32-bit word
+ * of item k, piece q) becomes piece k of item q: after two exchanges, with the lanes 8 apart (q's
+ * bit 0) and 16 apart (bit 1), each swapping the slots whose bit differs from the lane's, lane q
+ * holds item q's four pieces in order. Selects, not indexing by q, keep v in registers. */
+__device__ __forceinline__ void transpose4(uint32_t (&v)[4], int q)
+{
+#pragma unroll
+    for (int bit = 0; bit < 2; bit++) {
+        const int m = 1 << bit;
+        const bool up = q & m;
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            /* the slot pair (lo, lo | m) of this exchange: the lane sends the one whose bit
+             * differs from its own and takes the partner's other in its place */
+            const int lo = bit == 0 ? 2 * j : j;
+            const uint32_t got = __shfl_xor_sync(0xffffffffu, up ? v[lo] : v[lo | m], 8 * m);
+            if (up)
+                v[lo] = got;
+            else
+                v[lo | m] = got;
+        }
+    }
+}
+
 /* ---- the kernel ------------------------------------------------------------------------------ */
 
 template <typename T, int EPI, int MC, bool GATHER>
@@ -309,30 +336,36 @@ __global__ void __launch_bounds__(THREADS, 1)
                 else
                     c1 = other;
             }
+        /* Then the epilogue's values, packed as stored, are moved so that a lane holds 16 bytes
+         * of one token: the four lanes 8 apart (q = lane / 8) hold features 2q, 2q+1 of the same
+         * token for each (c8, oo); in groups of c8 pairs, they transpose (transpose4) so that lane
+         * q holds all eight features of (c8 = 2g8 + q/2, oo = q%2), and lanes q and q^1 the two
+         * halves of 16 consecutive features (slices o and o + 1 are adjacent 8-row groups): each
+         * store instruction writes whole 32-byte sectors, where pairs of features wrote halves
+         * (docs/kernels-notes.md, "2:4 sparse experts on wgmma.sp"). */
+        static_assert(PER_CONSUMER == 2, "a lane pair's 32 bytes are its consumer's two slices");
+        const int q = lane >> 3;
         const moed_cuda_tile &t = w.cur;
+        T *const c = static_cast<T *>(g.c);
 #pragma unroll
-        for (int c8 = 0; c8 < BT / 8; c8++) {
-            const int r = t.row0 + 8 * c8 + 2 * (lane & 3) + odd;
-            if (r >= t.row_end) continue;
+        for (int g8 = 0; g8 < BT / 16; g8++)
 #pragma unroll
-            for (int oo = 0; oo < PER_CONSUMER; oo++) {
-                const int o = cw * PER_CONSUMER + oo;
+            for (int h = 0; h < (EPI == MOED_CUDA_EPI_SWIGLU ? 1 : 2); h++) {
+                uint32_t v[4]; /* slot k: (c8 = 2g8 + k/2, oo = k%2) */
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int n = t.nt * BF + GROUP_ROWS * (o + 2 * SLICES * wq + SLICES * h) +
-                                  ((lane >> 2) & ~1);
-                    if (n >= g.n) continue; /* a half tile's rows past n */
-                    const float v0 = acc[oo][4 * c8 + 2 * h], v1 = acc[oo][4 * c8 + 2 * h + 1];
-                    if constexpr (EPI == MOED_CUDA_EPI_SWIGLU) {
-                        if (h == 0)
-                            moed_cuda_epilogue2<T, EPI>(g, r, n, v0, v1, acc[oo][4 * c8 + 2],
-                                                        acc[oo][4 * c8 + 3]);
-                    } else {
-                        moed_cuda_epilogue2<T, EPI>(g, r, n, v0, v1, 0.0f, 0.0f);
-                    }
+                for (int k = 0; k < 4; k++) {
+                    const float *a = acc[k & 1] + 4 * (2 * g8 + (k >> 1));
+                    v[k] = moed_cuda_epilogue_pack2<T, EPI>(a[2 * h], a[2 * h + 1], a[2], a[3]);
                 }
+                transpose4(v, q);
+                const int r = t.row0 + 8 * (2 * g8 + (q >> 1)) + 2 * (lane & 3) + odd;
+                const int n = t.nt * BF + GROUP_ROWS * (cw * PER_CONSUMER + (q & 1) +
+                                                        2 * SLICES * wq + SLICES * h);
+                if (r < t.row_end && n < g.n) /* rows of the tile, none past n (a half tile) */
+                    *reinterpret_cast<uint4 *>(c + (int64_t)r * g.ldc +
+                                               moed_cuda_epilogue_col<EPI>(n)) =
+                        make_uint4(v[0], v[1], v[2], v[3]);
             }
-        }
         w.advance();
     }
 #endif
@@ -397,7 +430,9 @@ extern "C" int moed_cuda_gemm_sp_sm90(const moed_cuda_gemm *g, int cluster, moed
     /* n a multiple of 128: a half last tile, except for SwiGLU (n_up a multiple of 256) */
     if (!g->b_meta || g->bm != BT || (uintptr_t)g->a % 16 || g->n % (BF / 2) ||
         (g->epi == MOED_CUDA_EPI_SWIGLU && g->n % BF) || g->k % BK || g->lda % 8 || g->a_scale ||
-        g->b_scale || g->b_estride != (int64_t)g->n * (g->k / 2) || (cluster != 1 && cluster != 2))
+        g->b_scale || g->b_estride != (int64_t)g->n * (g->k / 2) ||
+        (cluster != 1 && cluster != 2) || (uintptr_t)g->c % 16 ||
+        g->ldc % 8) /* the epilogue's 16-byte stores */
         return MOED_EINVAL;
     if (g->cdtype == MOED_BF16) return dispatch<__nv_bfloat16>(g, cluster, s);
     if (g->cdtype == MOED_F16) return dispatch<__half>(g, cluster, s);
