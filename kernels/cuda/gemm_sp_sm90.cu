@@ -192,8 +192,7 @@ produce(const R &rg, const moed_cuda_gemm &g, const CUtensorMap *tm_w, const CUt
         for (int j = 0; j < STAGES; j++, it++) rg.wait_empty(it);
 }
 
-/* ---- the epilogue's transpose ------------------------------------------------------------------
- */
+/* ---- the epilogue's transpose ---------------------------------------------------------------- */
 
 /* Among the four lanes q = lane / 8 = 0..3 of the same lane % 8, slot k of lane q (a 32-bit word
  * of item k, piece q) becomes piece k of item q: after two exchanges, with the lanes 8 apart (q's
