@@ -5,7 +5,8 @@
  * kernel's business. This header includes them all.
  *
  *   smem.cuh        shared-memory addresses as the instructions take them
- *   cp_async.cuh    16-byte asynchronous global→shared copies and their groups (sm_80)
+ *   cp_async.cuh    16-byte asynchronous global→shared copies, their groups, and an mbarrier
+ *                   arrival once they land (sm_80)
  *   mma_sm80.cuh    ldmatrix and mma.sync m16n8k16 (sm_80)
  *   mma_sp_sm80.cuh mma.sp m16n8k32 on the Sparse Tensor Cores, 2:4 sparse A (sm_80)
  *   mbarrier.cuh    shared-memory transaction barriers (sm_90)
