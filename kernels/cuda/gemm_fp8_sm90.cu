@@ -72,7 +72,7 @@ using ring = moed_cuda_sm90_ring<uint8_t, BM, BN, tile_cfg<BM>::STAGES, tile_cfg
                                  tile_cfg<BM>::STAGED, 1>;
 static_assert(ring<64>::BK == BK && ring<128>::BK == BK, "the ring's rows are one scale block");
 
-template <int BM, bool GATHER, int EPI>
+template <int BM, bool GATHER, int POLICY, int EPI>
 __global__ void __launch_bounds__(ring<BM>::THREADS, 1)
     gemm_fp8_sm90_kernel(const __grid_constant__ CUtensorMap tm_b,
                          const __grid_constant__ CUtensorMap tm_a,
@@ -91,16 +91,11 @@ __global__ void __launch_bounds__(ring<BM>::THREADS, 1)
     const int tid = threadIdx.x, wg = tid >> MOED_CUDA_SM90_WG_SHIFT;
     const int lane = tid & (MOED_CUDA_SM90_WARP - 1);
     const int ktiles = g.k / BK;
-    /* Stages a gathering thread keeps in flight before it waits for the oldest and signals it: all
-     * but two of the ring, since a stage is half as much work as the bf16 kernel's and its copies
-     * still need a memory round trip's time to land. Counted across tiles, so a tile's first
-     * stages never wait for the last ones of the tile before. */
-    constexpr int LAG = STAGES - 2;
     rg.template init<GATHER>(tid);
 
     moed_cuda_sm90_walk<1> w(g, num_n, total, 0);
     if (wg == 0) {
-        moed_cuda_sm90_produce<R, GATHER, LAG, true>(rg, g, &tm_b, &tm_a, w, ktiles, tid);
+        moed_cuda_sm90_produce<R, GATHER, POLICY>(rg, g, &tm_b, &tm_a, w, ktiles, tid);
         return;
     }
 
@@ -140,7 +135,7 @@ __global__ void __launch_bounds__(ring<BM>::THREADS, 1)
             for (int i = 0; i < 2 + B_GROUPS; i++) sc[i] = next[i];
             if (kt + 1 < ktiles) scales(kt + 1, next); /* in flight during this block */
             const int s = it % STAGES;
-            rg.wait_full(it);
+            rg.template wait_full<POLICY>(it);
             ptx::wgmma_fence_operands(acc);
             ptx::wgmma_fence();
 #pragma unroll
@@ -182,22 +177,23 @@ __global__ void __launch_bounds__(ring<BM>::THREADS, 1)
 #endif
 }
 
-template <int BM> int dispatch(const moed_cuda_gemm *g, moed_cuda_stream s)
+template <int BM> int dispatch(const moed_cuda_gemm *g, int policy, moed_cuda_stream s)
 {
-    return moed_cuda_sm90_dispatch(g, [&]<bool GATHER, int EPI>() -> int {
-        return moed_cuda_sm90_launch<gemm_fp8_sm90_kernel<BM, GATHER, EPI>, ring<BM>, GATHER,
-                                     tile_cfg<BM>::STAGED>(g, MOED_CUDA_TM_E4M3, s);
-    });
+    return moed_cuda_sm90_dispatch<MOED_CUDA_GATHER_LAG_RUN>(
+        g, policy, [&]<bool GATHER, int POLICY, int EPI>() -> int {
+            return moed_cuda_sm90_launch<gemm_fp8_sm90_kernel<BM, GATHER, POLICY, EPI>, ring<BM>,
+                                         GATHER, tile_cfg<BM>::STAGED>(g, MOED_CUDA_TM_E4M3, s);
+        });
 }
 
 } // namespace
 
-extern "C" int moed_cuda_gemm_fp8_sm90(const moed_cuda_gemm *g, moed_cuda_stream s)
+extern "C" int moed_cuda_gemm_fp8_sm90(const moed_cuda_gemm *g, int policy, moed_cuda_stream s)
 {
     if (!g->a_scale || !g->b_scale || g->cdtype != MOED_BF16 || g->n % BN || g->k % BK ||
         g->lda % 16 || !moed_cuda_epi_c_ok(g))
         return MOED_EINVAL;
-    if (g->bm == 128) return dispatch<128>(g, s);
-    if (g->bm == 64) return dispatch<64>(g, s);
+    if (g->bm == 128) return dispatch<128>(g, policy, s);
+    if (g->bm == 64) return dispatch<64>(g, policy, s);
     return MOED_EINVAL;
 }

@@ -46,7 +46,7 @@ using ring = moed_cuda_sm90_ring<T, BM, BN, STAGES, CONSUMERS, true, MC>;
 constexpr int THREADS = ring<__nv_bfloat16, 128, 1>::THREADS;
 static_assert(ring<__nv_bfloat16, 128, 1>::BK == BK, "the ring's rows are the kernel's");
 
-template <typename T, int BN, bool GATHER, int EPI, int MC>
+template <typename T, int BN, bool GATHER, int POLICY, int EPI, int MC>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_sm90_kernel(const __grid_constant__ CUtensorMap tm_b,
                      const __grid_constant__ CUtensorMap tm_a,
@@ -63,14 +63,11 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int tid = threadIdx.x, wg = tid >> MOED_CUDA_SM90_WG_SHIFT;
     const int lane = tid & (MOED_CUDA_SM90_WARP - 1);
     const int ktiles = g.k / BK;
-    /* Stages a gathering producer thread keeps in flight before it signals the oldest; each tile's
-     * last ones are signalled at the tile's end. */
-    constexpr int LAG = 2;
     rg.template init<GATHER>(tid);
 
     moed_cuda_sm90_walk<MC> w(g, num_n, total, rg.rank);
     if (wg == 0) {
-        moed_cuda_sm90_produce<R, GATHER, LAG, false>(rg, g, &tm_b, &tm_a, w, ktiles, tid);
+        moed_cuda_sm90_produce<R, GATHER, POLICY>(rg, g, &tm_b, &tm_a, w, ktiles, tid);
         return;
     }
 
@@ -85,7 +82,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int i = 0; i < NACC; i++) acc[i] = 0.0f;
         for (int kt = 0; kt < ktiles; kt++, it++) {
             const int s = it % STAGES;
-            rg.wait_full(it);
+            rg.template wait_full<POLICY>(it);
             ptx::wgmma_fence_operands(acc);
             ptx::wgmma_fence();
 #pragma unroll
@@ -113,31 +110,35 @@ __global__ void __launch_bounds__(THREADS, 1)
 #endif
 }
 
-template <typename T, int BN, int MC> int dispatch_bn(const moed_cuda_gemm *g, moed_cuda_stream s)
+template <typename T, int BN, int MC>
+int dispatch_bn(const moed_cuda_gemm *g, int policy, moed_cuda_stream s)
 {
     const int tm = g->cdtype == MOED_BF16 ? MOED_CUDA_TM_BF16 : MOED_CUDA_TM_F16;
-    return moed_cuda_sm90_dispatch(g, [&]<bool GATHER, int EPI>() -> int {
-        return moed_cuda_sm90_launch<gemm_sm90_kernel<T, BN, GATHER, EPI, MC>, ring<T, BN, MC>,
-                                     GATHER, true>(g, tm, s);
-    });
+    return moed_cuda_sm90_dispatch<MOED_CUDA_GATHER_LAG_TILE, MOED_CUDA_GATHER_ARRIVE>(
+        g, policy, [&]<bool GATHER, int POLICY, int EPI>() -> int {
+            return moed_cuda_sm90_launch<gemm_sm90_kernel<T, BN, GATHER, POLICY, EPI, MC>,
+                                         ring<T, BN, MC>, GATHER, true>(g, tm, s);
+        });
 }
 
 /* Clusters only at bn 256: at bn 128 they measured slower, and the table never asks for them. */
-template <typename T> int dispatch(const moed_cuda_gemm *g, int bn, int mc, moed_cuda_stream s)
+template <typename T>
+int dispatch(const moed_cuda_gemm *g, int bn, int mc, int policy, moed_cuda_stream s)
 {
-    if (mc == 2) return dispatch_bn<T, 256, 2>(g, s);
-    return bn == 256 ? dispatch_bn<T, 256, 1>(g, s) : dispatch_bn<T, 128, 1>(g, s);
+    if (mc == 2) return dispatch_bn<T, 256, 2>(g, policy, s);
+    return bn == 256 ? dispatch_bn<T, 256, 1>(g, policy, s) : dispatch_bn<T, 128, 1>(g, policy, s);
 }
 
 } // namespace
 
-extern "C" int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, int cluster, moed_cuda_stream s)
+extern "C" int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, int cluster, int policy,
+                                   moed_cuda_stream s)
 {
     /* TMA reads A and B and writes C: 16-byte aligned rows */
     if (g->bm != BM || (bn != 128 && bn != 256) || g->n % bn || g->k % BK || g->lda % 8 ||
         !moed_cuda_epi_c_ok(g) || (cluster != 1 && !(cluster == 2 && bn == 256)))
         return MOED_EINVAL;
-    if (g->cdtype == MOED_BF16) return dispatch<__nv_bfloat16>(g, bn, cluster, s);
-    if (g->cdtype == MOED_F16) return dispatch<__half>(g, bn, cluster, s);
+    if (g->cdtype == MOED_BF16) return dispatch<__nv_bfloat16>(g, bn, cluster, policy, s);
+    if (g->cdtype == MOED_F16) return dispatch<__half>(g, bn, cluster, policy, s);
     return MOED_EINVAL;
 }

@@ -264,8 +264,7 @@ __global__ void __launch_bounds__(THREADS, 1)
          * asynchronous wgmma.sp reads its metadata register in flight), then its wgmma.sp group. */
         auto kstep = [&](int kt, uint32_t(&e)[WORDS][PER_CONSUMER]) {
             const int s = it % STAGES;
-            rg.wait_full(it);
-            if constexpr (GATHER) ptx::fence_proxy_async(); /* cp.async's rows, read by wgmma */
+            rg.template wait_full<GATHER ? MOED_CUDA_GATHER_ARRIVE : MOED_CUDA_GATHER_LAG_TILE>(it);
             const uint2 *ms = reinterpret_cast<const uint2 *>(meta_p + s * R::META_STAGE);
             const uint2 mg = ms[meta_gate * MOED_CUDA_SM90_WARP + lane];
             const uint2 mu = ms[meta_up * MOED_CUDA_SM90_WARP + lane];

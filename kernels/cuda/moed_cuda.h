@@ -198,9 +198,24 @@ typedef struct moed_cuda_tile_cfg {
     int kernel; /* MOED_CUDA_KERNEL_SM80 (mma.sync), _SM90 (wgmma + TMA), _SM90_FP8 (e4m3 wgmma),
                  * _SM80_SP (mma.sp on 2:4 sparse weights), _SM90_SP (wgmma.sp on them) */
     int bm, bn;
-    int gather;  /* up projection: gather token rows in the A load (1) or pre-permute them (0) */
+    int gather; /* up projection: gather token rows in the A load (1) or pre-permute them (0) */
+    int gather_policy; /* the Hopper kernels' gathered rows: MOED_CUDA_GATHER_* */
     int cluster; /* _SM90: CTAs a cluster along M (1 or 2), sharing weight tiles by multicast */
 } moed_cuda_tile_cfg;
+/* How a Hopper kernel's gathering producer thread (producer_sm90.cuh) completes a stage with its
+ * cp.async copies:
+ *   LAG_TILE  it waits for its copies STAGES - 2 stages after issuing them, fences the proxies and
+ *             arrives on the stage's barrier; a tile's last stages at the tile's end
+ *   LAG_RUN   the same lag counted across tiles, so a tile's first stages never wait for the last
+ *             ones of the tile before
+ *   ARRIVE    the copies arrive on the barrier once landed (cp.async.mbarrier.arrive.noinc): no
+ *             thread waits, every stage of the ring is in flight as with TMA, and each consumer
+ *             fences the proxies after its wait instead (cp.async writes through the generic
+ *             proxy, wgmma reads through the async one)
+ * The bf16 kernel has LAG_TILE and ARRIVE (the table picks by rows an expert;
+ * MOED_CUDA_GATHER_POLICY=tile|arrive pins it, for tests and measurements), the FP8 kernel
+ * LAG_RUN. */
+enum { MOED_CUDA_GATHER_LAG_TILE, MOED_CUDA_GATHER_LAG_RUN, MOED_CUDA_GATHER_ARRIVE };
 enum {
     MOED_CUDA_KERNEL_SM80 = 80,
     MOED_CUDA_KERNEL_SM80_SP = 81,
@@ -236,10 +251,12 @@ int moed_cuda_gemm_sp_sm80(const moed_cuda_gemm *g, moed_cuda_stream s);
 /* The same on wgmma.sp (sm_90a): bm 128, n a multiple of 256, the same bits as the above; cluster
  * 1, or 2 (two m-tiles share the weight tile by multicast). */
 int moed_cuda_gemm_sp_sm90(const moed_cuda_gemm *g, int cluster, moed_cuda_stream s);
-/* bn 128 or 256; cluster 1, or 2 at bn 256. */
-int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, int cluster, moed_cuda_stream s);
-/* FP8 A and B (both scales set), bf16 C, bm 64 or 128, bn 128. */
-int moed_cuda_gemm_fp8_sm90(const moed_cuda_gemm *g, moed_cuda_stream s);
+/* bn 128 or 256; cluster 1, or 2 at bn 256; gathered rows completed by `policy`
+ * (MOED_CUDA_GATHER_*). */
+int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, int cluster, int policy,
+                        moed_cuda_stream s);
+/* FP8 A and B (both scales set), bf16 C, bm 64 or 128, bn 128; `policy` as above. */
+int moed_cuda_gemm_fp8_sm90(const moed_cuda_gemm *g, int policy, moed_cuda_stream s);
 /* Dispatches on cfg->kernel. */
 int moed_cuda_gemm_run(const moed_cuda_gemm *g, const moed_cuda_tile_cfg *cfg, moed_cuda_stream s);
 

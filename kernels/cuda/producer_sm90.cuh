@@ -16,9 +16,9 @@
  *   tile, and (for the up projection) all its threads gather the token rows of A with 16-byte
  *   cp.async straight from X[token(row)] — Hopper's TMA cannot gather rows, and a permuted copy of
  *   X would cost a full extra pass over the activations. cp.async writes through the generic proxy
- *   and wgmma reads through the async proxy, so each producer thread waits for its copies of a
- *   stage (LAG stages behind the newest), fences the proxies, and only then arrives on the stage's
- *   barrier. Without gather (the down projection reads its A rows in order) A also comes by TMA.
+ *   and wgmma reads through the async proxy; how a thread's copies of a stage complete it is the
+ *   batch's gather policy (moed_cuda.h, MOED_CUDA_GATHER_*). Without gather (the down projection
+ *   reads its A rows in order) A also comes by TMA.
  *   warpgroups 1 .. CONSUMERS, the consumers, wait for a stage to be full, run wgmma over their 64
  *   rows of it, and release it; then run the epilogue.
  * Shared rows are 128 bytes (BK elements of the kernel's type), 128-byte swizzled: the layout TMA
@@ -182,10 +182,14 @@ struct moed_cuda_sm90_ring {
     }
 
     /* Use `it` of the ring (k-steps counted across tiles): its stage, and the parity of the phase
-     * that fills it (a producer waits for the phase before it to be released). */
+     * that fills it (a producer waits for the phase before it to be released). A consumer of
+     * stages gathered under POLICY ARRIVE then fences the proxies: cp.async wrote them through the
+     * generic proxy, and wgmma reads through the async one. */
+    template <int POLICY = MOED_CUDA_GATHER_LAG_TILE>
     __device__ __forceinline__ void wait_full(int it) const
     {
         moed::ptx::mbar_wait(full_at(it % STAGES), (it / STAGES) & 1);
+        if constexpr (POLICY == MOED_CUDA_GATHER_ARRIVE) moed::ptx::fence_proxy_async();
     }
     __device__ __forceinline__ void wait_empty(int it) const
     {
@@ -257,10 +261,9 @@ __device__ __forceinline__ int moed_cuda_sm90_a_source(const moed_cuda_gemm &g,
  * for every tile of walk w, ktiles k-steps a tile, counting k-steps across tiles so stage and phase
  * carry over and the next tile's first stages fill while the consumers run this tile's epilogue.
  * Without GATHER one thread issues every copy and the others return at once. With GATHER each
- * thread signals a stage LAG stages after it issued its copies of it; LAG_ACROSS_TILES counts that
- * lag across tiles, where otherwise each tile's last stages are signalled at the tile's end.
+ * thread's copies of a stage complete it by POLICY (MOED_CUDA_GATHER_*).
  */
-template <class R, bool GATHER, int LAG, bool LAG_ACROSS_TILES>
+template <class R, bool GATHER, int POLICY>
 __device__ __forceinline__ void
 moed_cuda_sm90_produce(const R &ring, const moed_cuda_gemm &g, const CUtensorMap *tm_b,
                        const CUtensorMap *tm_a, moed_cuda_sm90_walk<R::MC> &w, int ktiles, int tid)
@@ -270,9 +273,12 @@ moed_cuda_sm90_produce(const R &ring, const moed_cuda_gemm &g, const CUtensorMap
     constexpr int STAGES = R::STAGES, MC = R::MC, BK = R::BK, BN = R::BN;
     constexpr int CHUNK = MOED_CUDA_SM90_CHUNK, ROWS_PER_PASS = MOED_CUDA_SM90_ROWS_PER_PASS;
     constexpr int A_PASSES = R::BM / ROWS_PER_PASS;
-    /* A gathering thread signals stage i - LAG once it may fill stage i, which waits for use
+    /* A lagging thread signals stage i - LAG once it may fill stage i, which waits for use
      * i - STAGES to be released; a consumer may release a use only once the next one is full. So
      * LAG = STAGES - 1 could wait in a circle. */
+    constexpr int LAG = STAGES - 2;
+    constexpr bool ARRIVE = POLICY == MOED_CUDA_GATHER_ARRIVE;
+    constexpr bool LAG_ACROSS_TILES = POLICY == MOED_CUDA_GATHER_LAG_RUN;
     static_assert(LAG >= 0 && LAG + 2 <= STAGES, "a stage is signalled before it must be free");
     /* The last LAG stages of the gathering threads: once every copy has landed. */
     auto signal_last = [&](int it, int n) {
@@ -319,19 +325,28 @@ moed_cuda_sm90_produce(const R &ring, const moed_cuda_gemm &g, const CUtensorMap
                                     a + (int64_t)(src[i] < 0 ? 0 : src[i]) * g.lda,
                                     src[i] < 0 ? 0 : CHUNK);
                 }
-                ptx::cp_async_commit();
-                if ((LAG_ACROSS_TILES ? it : kt) >= LAG) {
-                    ptx::cp_async_wait<LAG>();
-                    ptx::fence_proxy_async();
-                    ptx::mbar_arrive(ring.full_at((it - LAG) % STAGES));
+                if constexpr (ARRIVE) {
+                    ptx::cp_async_mbar_arrive(ring.full_at(s));
+                } else {
+                    ptx::cp_async_commit();
+                    if ((LAG_ACROSS_TILES ? it : kt) >= LAG) {
+                        ptx::cp_async_wait<LAG>();
+                        ptx::fence_proxy_async();
+                        ptx::mbar_arrive(ring.full_at((it - LAG) % STAGES));
+                    }
                 }
             }
             if (kt == 0) w.fetch_next();
         }
-        if constexpr (GATHER && !LAG_ACROSS_TILES) signal_last(it, ktiles < LAG ? ktiles : LAG);
+        if constexpr (GATHER && POLICY == MOED_CUDA_GATHER_LAG_TILE)
+            signal_last(it, ktiles < LAG ? ktiles : LAG);
         w.advance();
     }
     if constexpr (GATHER && LAG_ACROSS_TILES) signal_last(it, it < LAG ? it : LAG);
+    if constexpr (GATHER && ARRIVE) { /* no thread leaves copies in flight */
+        ptx::cp_async_commit();
+        ptx::cp_async_wait<0>();
+    }
     /* The CTA must outlive the other CTAs' arrivals on its barriers: wait until the last use of
      * every stage has been released by the whole cluster. */
     if (MC > 1 && tid == 0)
@@ -388,17 +403,25 @@ int moed_cuda_sm90_launch(const moed_cuda_gemm *g, int tm, moed_cuda_stream s)
                             (int)units);
 }
 
-/* Calls f.template operator()<GATHER, EPI>() for g's epilogue kind: gathered A (g->a_rows set)
- * only for the up projection's epilogues. */
-template <typename F> int moed_cuda_sm90_dispatch(const moed_cuda_gemm *g, F &&f)
+/* Calls f.template operator()<GATHER, POLICY, EPI>() for g's epilogue kind: gathered A (g->a_rows
+ * set) only for the up projection's epilogues, completed by the gather policy `policy`
+ * (MOED_CUDA_GATHER_*), one of the kernel's POLICIES (another is MOED_EINVAL). */
+template <int... POLICIES, typename F>
+int moed_cuda_sm90_dispatch(const moed_cuda_gemm *g, int policy, F &&f)
 {
     const bool gather = g->a_rows != nullptr;
+    constexpr int NONE = MOED_CUDA_GATHER_LAG_TILE; /* rows by TMA: no policy applies */
     return moed_cuda_epi_dispatch(g->epi, [&]<int EPI>() -> int {
-        if constexpr (EPI == MOED_CUDA_EPI_STORE)
-            return gather ? MOED_EINVAL : f.template operator()<false, EPI>();
-        else
-            return gather ? f.template operator()<true, EPI>()
-                          : f.template operator()<false, EPI>();
+        if constexpr (EPI == MOED_CUDA_EPI_STORE) {
+            return gather ? MOED_EINVAL : f.template operator()<false, NONE, EPI>();
+        } else {
+            if (!gather) return f.template operator()<false, NONE, EPI>();
+            int rc = MOED_EINVAL;
+            (void)((policy == POLICIES &&
+                    (rc = f.template operator()<true, POLICIES, EPI>(), true)) ||
+                   ...);
+            return rc;
+        }
     });
 }
 

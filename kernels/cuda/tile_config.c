@@ -24,6 +24,14 @@
  * bn 128 for sm90 when N is not a multiple of 256. Both GEMMs of a batch share bm (route prep lays
  * the tiles out once).
  *
+ * sm90's gathered rows (moed_cuda.h, MOED_CUDA_GATHER_*) complete a stage by arriving on its
+ * barrier once landed (ARRIVE) from 256 rows an expert, which only the d 2048-2880 layers gather
+ * (gpt-oss T=16384 7.25-7.31 -> 6.86-6.99 ms, Qwen1.5 T=16384 2.06-2.09 -> 2.00; at 256 rows and
+ * up never slower beyond the runs' noise); below, each thread signals its copies two stages late
+ * (LAG_TILE), which was as fast or faster at 64-128 rows an expert on some layers (mixtral T=512).
+ * The FP8 kernel counts that lag across tiles (LAG_RUN): ARRIVE measured mixed there (DBRX
+ * T=16384 6% slower).
+ *
  * sm90 at bn 256 runs in clusters of two CTAs that share the weight tile (deepseek-v3 T=4096: 12%
  * faster, other layers at T >= 4096 within -2%..+4%); at bn 128 alone (gpt-oss's down GEMM, N =
  * 2944, was 12% slower in clusters).
@@ -122,6 +130,22 @@ static int rows_per_expert_at_least(int64_t P, int n_active, int64_t rows)
     return P >= rows * n_active;
 }
 
+/* The bf16 Hopper kernel's gather policy for P pairs over n_active experts: the table's (above),
+ * unless MOED_CUDA_GATHER_POLICY=tile|arrive pins it, for tests and measurements. */
+static int sm90_gather_policy(int64_t P, int n_active)
+{
+    static int v = -2; /* every thread computes the same value, so the race is benign */
+    if (v == -2) {
+        const char *e = getenv("MOED_CUDA_GATHER_POLICY");
+        v = e && !strcmp(e, "tile")     ? MOED_CUDA_GATHER_LAG_TILE
+            : e && !strcmp(e, "arrive") ? MOED_CUDA_GATHER_ARRIVE
+                                        : -1;
+    }
+    if (v >= 0) return v;
+    return rows_per_expert_at_least(P, n_active, 256) ? MOED_CUDA_GATHER_ARRIVE
+                                                      : MOED_CUDA_GATHER_LAG_TILE;
+}
+
 int moed_cuda_kernel_parse(const char *name)
 {
     if (!name) return 0;
@@ -158,6 +182,7 @@ moed_cuda_tile_cfg moed_cuda_tile_choose(int sm, int64_t P, int n_active, int n,
     c.bm = moed_cuda_tile_bm(sm, P, n_active, wdtype, force_kernel);
     const int hopper = moed_cuda_fp8_native(sm, force_kernel); /* the Hopper kernels run */
     c.gather = 1;
+    c.gather_policy = MOED_CUDA_GATHER_LAG_TILE;
     c.cluster = 1;
     if (wdtype == MOED_CUDA_SP24) {
         const int forced = sp24_forced();
@@ -169,12 +194,14 @@ moed_cuda_tile_cfg moed_cuda_tile_choose(int sm, int64_t P, int n_active, int n,
     } else if (wdtype == MOED_FP8 && hopper) {
         c.kernel = MOED_CUDA_KERNEL_SM90_FP8;
         c.bn = 128;
+        c.gather_policy = MOED_CUDA_GATHER_LAG_RUN;
     } else if (hopper && c.bm == 128) {
         c.kernel = MOED_CUDA_KERNEL_SM90;
         c.bn = n % 256 == 0 ? 256 : 128;
         c.gather = force_kernel ? force_kernel == MOED_CUDA_KERNEL_SM90
                                 : !(k >= 4096 && rows_per_expert_at_least(P, n_active, 192));
         c.cluster = c.bn == 256 && !clusters_off() ? 2 : 1;
+        c.gather_policy = sm90_gather_policy(P, n_active);
     } else {
         c.kernel = MOED_CUDA_KERNEL_SM80;
         c.bn = 128;
@@ -187,8 +214,9 @@ int moed_cuda_gemm_run(const moed_cuda_gemm *g, const moed_cuda_tile_cfg *cfg, m
     if (cfg->bm != g->bm) return MOED_EINVAL;
     if (cfg->kernel == MOED_CUDA_KERNEL_SM80_SP) return moed_cuda_gemm_sp_sm80(g, s);
     if (cfg->kernel == MOED_CUDA_KERNEL_SM90_SP) return moed_cuda_gemm_sp_sm90(g, cfg->cluster, s);
-    if (cfg->kernel == MOED_CUDA_KERNEL_SM90_FP8) return moed_cuda_gemm_fp8_sm90(g, s);
+    if (cfg->kernel == MOED_CUDA_KERNEL_SM90_FP8)
+        return moed_cuda_gemm_fp8_sm90(g, cfg->gather_policy, s);
     if (cfg->kernel == MOED_CUDA_KERNEL_SM90)
-        return moed_cuda_gemm_sm90(g, cfg->bn, cfg->cluster, s);
+        return moed_cuda_gemm_sm90(g, cfg->bn, cfg->cluster, cfg->gather_policy, s);
     return moed_cuda_gemm_sm80(g, cfg->bn, s);
 }

@@ -1,8 +1,8 @@
 /*
  * test_tile_config — the heuristic table (kernels/cuda/tile_config.c) at each of its boundaries:
- * kernel family, bm, bn, gathered or pre-permuted rows, and clusters, for a batch described by its
- * pairs, active experts and GEMM shape, on Hopper and on an Ampere-class device, chosen or forced,
- * for bf16, FP8 and 2:4 sparse weights.
+ * kernel family, bm, bn, gathered or pre-permuted rows (and how gathered rows complete a stage),
+ * and clusters, for a batch described by its pairs, active experts and GEMM shape, on Hopper and on
+ * an Ampere-class device, chosen or forced, for bf16, FP8 and 2:4 sparse weights.
  * Needs no GPU: the table is arithmetic on the batch's figures. Every GEMM of a batch must share
  * bm, so the test also checks that moed_cuda_tile_bm agrees with moed_cuda_tile_choose.
  */
@@ -66,8 +66,29 @@ static const tcase cases[] = {
     { "sp24 sm80 forced at 96 rows", 90, 96, 8, 28672, 4096, SP, S80, S90S, 128, 256, 0, 2 },
 };
 
+/* How the Hopper kernels' gathered rows complete a stage (MOED_CUDA_GATHER_*): bf16 arrives on the
+ * barrier from 256 rows an expert and lags below, FP8 lags across tiles. */
+typedef struct pcase {
+    const char *name;
+    int rows, n_active, n, k, wdtype;
+    int policy; /* expected */
+} pcase;
+
+enum { TILE = MOED_CUDA_GATHER_LAG_TILE, RUN = MOED_CUDA_GATHER_LAG_RUN };
+enum { ARRIVE = MOED_CUDA_GATHER_ARRIVE };
+
+static const pcase policy_cases[] = {
+    { "qwen3 256 rows", 256, 128, 1536, 2048, BF, ARRIVE },
+    { "qwen3 255 rows", 255, 128, 1536, 2048, BF, TILE },
+    { "mixtral 128 rows (gathered at d 4096)", 128, 8, 28672, 4096, BF, TILE },
+    { "gpt-oss 1024 rows", 1024, 128, 5888, 2944, BF, ARRIVE },
+    { "fp8 4096 rows", 4096, 8, 28672, 4096, F8, RUN },
+    { "fp8 64 rows", 64, 8, 28672, 4096, F8, RUN },
+};
+
 int main(void)
 {
+    unsetenv("MOED_CUDA_GATHER_POLICY");
     unsetenv("MOED_CUDA_NO_CLUSTER");  /* the table's own choice of clusters */
     unsetenv("MOED_CUDA_SP24_KERNEL"); /* and of the 2:4 kernels */
     unsetenv("MOED_CUDA_SP24_PREPERMUTE");
@@ -85,6 +106,16 @@ int main(void)
         CHECK_MSG(moed_cuda_tile_bm(c->sm, P, c->n_active, c->wdtype, c->force) == g.bm,
                   "%s: moed_cuda_tile_bm disagrees with moed_cuda_tile_choose", c->name);
     }
-    printf("test_tile_config: %d cases\n", n);
+    const int np = (int)(sizeof policy_cases / sizeof policy_cases[0]);
+    for (int i = 0; i < np; i++) {
+        const pcase *c = &policy_cases[i];
+        const int64_t P = (int64_t)c->rows * c->n_active;
+        const moed_cuda_tile_cfg g =
+            moed_cuda_tile_choose(90, P, c->n_active, c->n, c->k, c->wdtype, 0);
+        CHECK_MSG(g.gather && g.gather_policy == c->policy,
+                  "%s: gather %d policy %d, expected gathered rows and policy %d", c->name,
+                  g.gather, g.gather_policy, c->policy);
+    }
+    printf("test_tile_config: %d cases, %d gather policies\n", n, np);
     return check_status("test_tile_config");
 }

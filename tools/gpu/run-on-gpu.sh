@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, over a copy of the tree with .gpu/ carried (tools/gpu/bundle.sh builds it):
 # the stages named as arguments, in order, each logging to $OUT.
-#   tests     the CUDA-vs-CPU suite (tests/gpu/test_cuda_backend), every case, and the links' kernels
-#             against the host (tests/gpu/test_link_kernels)
+#   tests     the CUDA-vs-CPU suite (tests/gpu/test_cuda_backend), every case, then the quick cases
+#             under each gather policy of the bf16 Hopper kernel (MOED_CUDA_GATHER_POLICY), and the
+#             links' kernels against the host (tests/gpu/test_link_kernels)
 #   sanitize  compute-sanitizer memcheck and racecheck on the quick cases
 #   bench     the kernel benchmark (moe-bench) and the torch._grouped_mm reference, same run, and the
 #             merged table (bench/kernels/report.py)
@@ -147,9 +148,10 @@ PEERS=${MOED_PEERS_SITE:-/tmp/moed-peers}
 MODEL_SHAPES=(2880,2880,128,4 2048,1408,60,4 2048,1024,64,8 4096,6400,16,2 6144,10752,16,4)
 PEER_TOKENS=8,64,512,4096,16384
 # The sparse stage's real layers beside the standard shapes: Qwen1.5-MoE-A2.7B (E not a power of
-# two) and gpt-oss-120b (d and ff 2880, padded).
+# two), gpt-oss-120b (d and ff 2880, padded) and OLMoE-1B-7B (which the sparse kernels were never
+# tuned on).
 # shellcheck disable=SC2054  # each element is one d,ff,E,k
-SPARSE_SHAPES=(2048,1408,60,4 2880,2880,128,4)
+SPARSE_SHAPES=(2048,1408,60,4 2880,2880,128,4 2048,1024,64,8)
 
 # The stage running and the worst exit of its commands so far (0, 77, or a failure's code).
 stage_name="" stage_rc=0
@@ -194,6 +196,13 @@ stage_device() {
 
 stage_tests() {
     logged "$OUT/gpu-tests.log" "$B/test_cuda_backend"
+    # the bf16 Hopper kernel's two gather policies on every gathered case, whatever the table picks
+    local p
+    for p in tile arrive; do
+        MOED_CUDA_GATHER_POLICY=$p MOED_GPU_TEST_QUICK=1 quiet "$RAW/gpu-tests-gather-$p.log" \
+            "$B/test_cuda_backend"
+        tail -1 "$RAW/gpu-tests-gather-$p.log"
+    done
     logged "$OUT/gpu-link-kernels.log" "$B/test_link_kernels"
 }
 
