@@ -14,8 +14,15 @@ Each row also says where a call's time goes on the daemons' side: the medians of
 queue and compute, the reply's send); the rest of the p50 is the caller's side and NCCL's
 messages.
 
+With --callers N (N >= 2), at each T >= 4096 the one daemon and every NVLink fleet also serve N
+callers at once: N link-bench processes on GPU 0, each with links of its own, timing one window
+(--start-at) of back-to-back calls; tokens/s is every caller's tokens over the window from the
+first call's start to the last one's end, the throughput an engine with N micro-batches in flight
+would see (the daemons merge or overlap the callers' calls; a single caller's calls leave the
+shards idle while its payloads and replies cross GPU 0's NVLink).
+
 usage: python3 bench_links.py --bin .gpu/bin [--tokens 8,128,4096] [--calls 200] [--fleets 2,3] [--json FILE]
-       [--logs DIR]
+       [--logs DIR] [--callers N]
 """
 import argparse
 import json
@@ -24,6 +31,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -64,6 +72,32 @@ def driver(a, targets, tokens, env=None, extra=()):
     if r.returncode != 0:
         raise RuntimeError(f"link-bench exited {r.returncode}: {r.stdout[-2000:]} {r.stderr[-2000:]}")
     return json.loads(r.stdout)
+
+
+def callers(a, targets, tokens, n):
+    """n link-bench processes at once on GPU 0 against targets, timing one window: every caller's
+    tokens over it, each caller's p50, and their calls' failures and wrong answers."""
+    calls = max(a.calls, 40)  # a window long against the callers' start skew (under 10 ms)
+    start_at = time.monotonic() + 25  # every caller's links opened and warmed up by then
+    cmd = [os.path.join(a.bin, "link-bench"), "--target", ",".join(targets), "--device", "0",
+           "--tokens", str(tokens), "--top-k", "8", "--dtype", "bf16", "--calls", str(calls),
+           "--warmup", "5", "--seed", "7", "--start-at", f"{start_at:.3f}"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(n)]
+    rows = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        sys.stderr.write(err[-2000:])
+        if p.returncode != 0:
+            raise RuntimeError(f"link-bench (one of {n} callers) exited {p.returncode}: {out[-2000:]}")
+        rows.append(json.loads(out)["links"])
+    begin = min(r["window_s"][0] for r in rows)
+    end = max(r["window_s"][1] for r in rows)
+    late = max(r["window_s"][0] for r in rows) - begin
+    if late > 0.01:
+        raise RuntimeError(f"the callers' windows began {late * 1e3:.0f} ms apart: raise the start margin")
+    return {"callers": n, "tokens_per_s": tokens * sum(r["ok"] for r in rows) / (end - begin),
+            "p50_us": statistics.median(r["p50_us"] for r in rows),
+            "failed": sum(r["calls"] - r["ok"] for r in rows), "wrong": sum(r["wrong"] for r in rows)}
 
 
 def gpu_count():
@@ -137,6 +171,8 @@ def fleet_rows(a, n, env, label, results):
             marks = log_marks(daemons)
             row = driver(a, [d.addr for d in daemons], t, env, ["--grpc", "--graph"])
             row.update(fleet=n, transport=label, tokens=t, daemon_side=daemon_side(daemons, marks))
+            if a.callers > 1 and label == "nvlink" and t >= 4096:
+                row["concurrent"] = callers(a, [d.addr for d in daemons], t, a.callers)
             results.append(row)
             print(f"links {label} {n} shards T={t}: p50 {row['links']['p50_us']:.0f} us "
                   f"(slowest shard's compute p50 {row['links']['compute_p50_us']:.0f} us), "
@@ -158,6 +194,8 @@ def main():
     ap.add_argument("--socket", type=int, default=3, help="shards of the socket-transport fleet (0: none)")
     ap.add_argument("--json", default="links.json")
     ap.add_argument("--logs", default=".")
+    ap.add_argument("--callers", type=int, default=1,
+                    help="at T >= 4096 also N callers at once (tokens/s over one window)")
     a = ap.parse_args()
     a.tokens = [int(t) for t in a.tokens.split(",")]
     os.makedirs(a.logs, exist_ok=True)
@@ -168,6 +206,8 @@ def main():
             marks = log_marks([one])
             row = driver(a, [one.addr], t, extra=["--grpc", "--graph"])
             row.update(fleet=1, transport="nvlink", tokens=t, daemon_side=daemon_side([one], marks))
+            if a.callers > 1 and t >= 4096:
+                row["concurrent"] = callers(a, [one.addr], t, a.callers)
             results.append(row)
             print(f"links to one daemon T={t}: p50 {row['links']['p50_us']:.0f} us "
                   f"(compute p50 {row['links']['compute_p50_us']:.0f} us), "
@@ -189,14 +229,25 @@ def main():
 def verdicts(results):
     """The targets docs/fleets.md measures links by, per fleet row: the call's cost over the slowest
     daemon's compute (p50 - compute p50, against 80 us over NVLink at T <= 128) and tokens/s over
-    the one daemon's at the same T (against 2.5x at T >= 4096)."""
-    one = {r["tokens"]: r["links"]["tokens_per_s"] for r in results if r["fleet"] == 1 and r["transport"] == "nvlink"}
+    the one daemon's at the same T (against 2.5x at T >= 4096), for one caller and, where measured,
+    for several at once against the one daemon serving as many."""
+    ones = [r for r in results if r["fleet"] == 1 and r["transport"] == "nvlink"]
+    one = {r["tokens"]: r["links"]["tokens_per_s"] for r in ones}
+    one_n = {r["tokens"]: r["concurrent"]["tokens_per_s"] for r in ones if "concurrent" in r}
     for r in results:
         over = r["links"]["p50_us"] - r["links"]["compute_p50_us"]
         ratio = r["links"]["tokens_per_s"] / one[r["tokens"]] if one.get(r["tokens"]) else None
         r["over_compute_us"], r["vs_one_daemon"] = over, ratio
-        print(f"{r['fleet']} daemon(s) {r['transport']} T={r['tokens']}: {over:.0f} us over the slowest "
-              f"compute" + (f", {ratio:.2f}x one daemon's tokens/s" if ratio else ""), flush=True)
+        line = (f"{r['fleet']} daemon(s) {r['transport']} T={r['tokens']}: {over:.0f} us over the slowest "
+                f"compute" + (f", {ratio:.2f}x one daemon's tokens/s" if ratio else ""))
+        if "concurrent" in r and one_n.get(r["tokens"]):
+            c = r["concurrent"]
+            c["vs_one_daemon"] = c["tokens_per_s"] / one_n[r["tokens"]]
+            line += (f"; {c['callers']} callers at once {c['tokens_per_s']:.0f} tok/s "
+                     f"({c['tokens_per_s'] / r['links']['tokens_per_s']:.2f}x one caller's), "
+                     f"{c['vs_one_daemon']:.2f}x the one daemon's with as many, p50 {c['p50_us']:.0f} us, "
+                     f"{c['failed']} failed, {c['wrong']} wrong")
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

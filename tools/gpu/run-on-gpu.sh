@@ -90,7 +90,8 @@
 #             while another link idles, the socket transport, a shard killed under load, the Python
 #             client with torch), then
 #             bench/daemon/bench_links.py (DeepSeek-V3's layer over 2 and 3 GPUs from a caller on
-#             GPU 0, beside gRPC and one daemon, NVLink and sockets) into links.json. NCCL is torch's
+#             GPU 0, beside gRPC and one daemon, NVLink and sockets; at T = 4096 two callers at
+#             once too) into links.json. NCCL is torch's
 #             (MOED_NCCL_LIB, found from the nvidia-nccl wheel torch depends on).
 #   other-gpu CUDA regions on a GPU moed does not compute on (skipped, exit 77, with fewer than two
 #             GPUs): test_cuda_parts (the backend on GPU 0, parts and expert choices on GPU 1, the
@@ -453,7 +454,7 @@ stage_links() {
         "$PY" -m pytest -q -rfEsxX -p no:cacheprovider -o faulthandler_timeout=200 \
         tests/e2e/test_links_gpu.py
     logged "$OUT/links-bench.log" timeout 540 "$PY" bench/daemon/bench_links.py --bin "$B" \
-        --json "$OUT/links.json" --logs "$RAW"
+        --callers 2 --json "$OUT/links.json" --logs "$RAW"
 }
 
 stage_four-gpu() {
