@@ -197,7 +197,7 @@ stage_device() {
 
 stage_tests() {
     logged "$OUT/gpu-tests.log" "$B/test_cuda_backend"
-    # the bf16 Hopper kernel's two gather policies on every gathered case, whatever the table picks
+    # the quick cases under each gather policy of the bf16 Hopper kernel, whatever the table picks
     local p
     for p in tile arrive; do
         MOED_CUDA_GATHER_POLICY=$p MOED_GPU_TEST_QUICK=1 quiet "$RAW/gpu-tests-gather-$p.log" \
