@@ -61,11 +61,16 @@ def cuts(n):
     return [f"{bounds[i]}-{bounds[i + 1] - 1}" for i in range(n)]
 
 
+def link_bench(a, targets, tokens, calls, warmup, extra=()):
+    """The command line of a caller on GPU 0: DeepSeek-V3's bf16 calls of `tokens` tokens, top 8."""
+    return [os.path.join(a.bin, "link-bench"), "--target", ",".join(targets), "--device", "0",
+            "--tokens", str(tokens), "--top-k", "8", "--dtype", "bf16", "--calls", str(calls),
+            "--warmup", str(warmup), "--seed", "7", *extra]
+
+
 def driver(a, targets, tokens, env=None, extra=()):
     calls = a.calls if tokens < 4096 else max(a.calls // 4, 20)
-    cmd = [os.path.join(a.bin, "link-bench"), "--target", ",".join(targets), "--device", "0",
-           "--tokens", str(tokens), "--top-k", "8", "--dtype", "bf16", "--calls", str(calls),
-           "--warmup", "10", "--seed", "7", *extra]
+    cmd = link_bench(a, targets, tokens, calls, 10, extra)
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})},
                        timeout=300)
     sys.stderr.write(r.stderr[-2000:])
@@ -79,9 +84,7 @@ def callers(a, targets, tokens, n):
     tokens over it, each caller's p50, and their calls' failures and wrong answers."""
     calls = max(a.calls, 40)  # a window long against the callers' start skew (under 10 ms)
     start_at = time.monotonic() + 25  # every caller's links opened and warmed up by then
-    cmd = [os.path.join(a.bin, "link-bench"), "--target", ",".join(targets), "--device", "0",
-           "--tokens", str(tokens), "--top-k", "8", "--dtype", "bf16", "--calls", str(calls),
-           "--warmup", "5", "--seed", "7", "--start-at", f"{start_at:.3f}"]
+    cmd = link_bench(a, targets, tokens, calls, 5, ["--start-at", f"{start_at:.3f}"])
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(n)]
     rows = []
     for p in procs:
