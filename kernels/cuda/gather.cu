@@ -6,6 +6,9 @@
  * heuristic table, tile_config.c, decides from measurements); and a split layer's part, which
  * takes only the rows of its own tokens from the home GPU's x (over peer access). The widest
  * copies the row length and addresses allow (16 bytes for every compute-type row).
+ *
+ * FP8 rows carry their scales in a table of one column per row ([groups][ld], moed_cuda.h), so
+ * pre-permuting them gathers that table's columns by the same index.
  */
 #include "moed_cuda.h"
 
@@ -36,7 +39,28 @@ int launch(void *dst, const void *src, const int32_t *idx, int n, size_t row_byt
     return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;
 }
 
+__global__ void gather_cols_kernel(float *dst, int64_t dst_ld, const float *src, int64_t src_ld,
+                                   const int32_t *idx, int n, int64_t total)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t c = i / n, s = i - c * n;
+        dst[c * dst_ld + s] = src[c * src_ld + idx[s]];
+    }
+}
+
 } // namespace
+
+extern "C" int moed_cuda_gather_cols(float *dst, int64_t dst_ld, const float *src, int64_t src_ld,
+                                     const int32_t *idx, int n, int groups, moed_cuda_stream s)
+{
+    const int64_t total = (int64_t)n * groups;
+    if (total <= 0) return 0;
+    const int64_t want = (total + 255) / 256;
+    gather_cols_kernel<<<(int)(want < 65536 ? want : 65536), 256, 0, (cudaStream_t)s>>>(
+        dst, dst_ld, src, src_ld, idx, n, total);
+    return cudaGetLastError() == cudaSuccess ? 0 : MOED_EDEVICE;
+}
 
 extern "C" int moed_cuda_gather_rows(void *dst, const void *src, const int32_t *idx, int n,
                                      size_t row_bytes, moed_cuda_stream s)

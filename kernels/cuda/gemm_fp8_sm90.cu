@@ -22,7 +22,8 @@
  * four column groups') straight from the tables in global memory, one K block ahead, so shared
  * memory holds only what the Tensor Cores read and no ordinary load races the producer's copies. BM
  * is 64 (batches of few rows per expert: the kernel streams weights, one consumer, eight stages
- * deep) or 128 (two consumers, whose wgmma and promotion interleave). A stage's rows are 128 e4m3
+ * deep) or 128 (two consumers, whose wgmma and promotion interleave; launched in clusters of two
+ * CTAs that share the weight tile where the table asks). A stage's rows are 128 e4m3
  * bytes, swizzled like the bf16 kernel's 64 two-byte elements, so the same descriptors and the same
  * 32-byte K step serve.
  */
@@ -66,14 +67,15 @@ template <int BM> struct tile_cfg {
 };
 
 /* The ring: A and B stages of e4m3 bytes, the consumers' staging where the epilogue is staged,
- * the barriers. No clusters: the table never asks for them. */
-template <int BM>
+ * the barriers, for clusters of MC CTAs. */
+template <int BM, int MC>
 using ring = moed_cuda_sm90_ring<uint8_t, BM, BN, tile_cfg<BM>::STAGES, tile_cfg<BM>::CONSUMERS,
-                                 tile_cfg<BM>::STAGED, 1>;
-static_assert(ring<64>::BK == BK && ring<128>::BK == BK, "the ring's rows are one scale block");
+                                 tile_cfg<BM>::STAGED, MC>;
+static_assert(ring<64, 1>::BK == BK && ring<128, 1>::BK == BK,
+              "the ring's rows are one scale block");
 
-template <int BM, bool GATHER, int POLICY, int EPI>
-__global__ void __launch_bounds__(ring<BM>::THREADS, 1)
+template <int BM, int MC, bool GATHER, int POLICY, int EPI>
+__global__ void __launch_bounds__(ring<BM, MC>::THREADS, 1)
     gemm_fp8_sm90_kernel(const __grid_constant__ CUtensorMap tm_b,
                          const __grid_constant__ CUtensorMap tm_a,
                          const __grid_constant__ CUtensorMap tm_c, const moed_cuda_gemm g,
@@ -81,7 +83,7 @@ __global__ void __launch_bounds__(ring<BM>::THREADS, 1)
 {
 #ifdef MOED_CUDA_SM90A
     using C = tile_cfg<BM>;
-    using R = ring<BM>;
+    using R = ring<BM, MC>;
     constexpr int NACC = WGMMA_M * BN / MOED_CUDA_SM90_WG; /* fp32 accumulators a consumer thread */
     constexpr int STAGES = C::STAGES, WG_WARPS = MOED_CUDA_SM90_WG_WARPS;
     constexpr int B_GROUPS = BN / MOED_CUDA_FP8_SROWS; /* weight scales of a tile per K block */
@@ -93,7 +95,7 @@ __global__ void __launch_bounds__(ring<BM>::THREADS, 1)
     const int ktiles = g.k / BK;
     rg.template init<GATHER>(tid);
 
-    moed_cuda_sm90_walk<1> w(g, num_n, total, 0);
+    moed_cuda_sm90_walk<MC> w(g, num_n, total, rg.rank);
     if (wg == 0) {
         moed_cuda_sm90_produce<R, GATHER, POLICY>(rg, g, &tm_b, &tm_a, w, ktiles, tid);
         return;
@@ -177,23 +179,27 @@ __global__ void __launch_bounds__(ring<BM>::THREADS, 1)
 #endif
 }
 
-template <int BM> int dispatch(const moed_cuda_gemm *g, int policy, moed_cuda_stream s)
+template <int BM, int MC> int dispatch(const moed_cuda_gemm *g, int policy, moed_cuda_stream s)
 {
     return moed_cuda_sm90_dispatch<MOED_CUDA_GATHER_LAG_RUN>(
         g, policy, [&]<bool GATHER, int POLICY, int EPI>() -> int {
-            return moed_cuda_sm90_launch<gemm_fp8_sm90_kernel<BM, GATHER, POLICY, EPI>, ring<BM>,
-                                         GATHER, tile_cfg<BM>::STAGED>(g, MOED_CUDA_TM_E4M3, s);
+            return moed_cuda_sm90_launch<gemm_fp8_sm90_kernel<BM, MC, GATHER, POLICY, EPI>,
+                                         ring<BM, MC>, GATHER, tile_cfg<BM>::STAGED>(
+                g, MOED_CUDA_TM_E4M3, s);
         });
 }
 
 } // namespace
 
-extern "C" int moed_cuda_gemm_fp8_sm90(const moed_cuda_gemm *g, int policy, moed_cuda_stream s)
+/* Clusters only at bm 128: at bm 64 (few rows an expert) two m-tiles rarely share an expert. */
+extern "C" int moed_cuda_gemm_fp8_sm90(const moed_cuda_gemm *g, int cluster, int policy,
+                                       moed_cuda_stream s)
 {
     if (!g->a_scale || !g->b_scale || g->cdtype != MOED_BF16 || g->n % BN || g->k % BK ||
-        g->lda % 16 || !moed_cuda_epi_c_ok(g))
+        g->lda % 16 || !moed_cuda_epi_c_ok(g) || (cluster != 1 && !(cluster == 2 && g->bm == 128)))
         return MOED_EINVAL;
-    if (g->bm == 128) return dispatch<128>(g, policy, s);
-    if (g->bm == 64) return dispatch<64>(g, policy, s);
+    if (g->bm == 128)
+        return cluster == 2 ? dispatch<128, 2>(g, policy, s) : dispatch<128, 1>(g, policy, s);
+    if (g->bm == 64) return dispatch<64, 1>(g, policy, s);
     return MOED_EINVAL;
 }

@@ -255,8 +255,9 @@ int moed_cuda_gemm_sp_sm90(const moed_cuda_gemm *g, int cluster, moed_cuda_strea
  * (MOED_CUDA_GATHER_*). */
 int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, int cluster, int policy,
                         moed_cuda_stream s);
-/* FP8 A and B (both scales set), bf16 C, bm 64 or 128, bn 128; `policy` as above. */
-int moed_cuda_gemm_fp8_sm90(const moed_cuda_gemm *g, int policy, moed_cuda_stream s);
+/* FP8 A and B (both scales set), bf16 C, bm 64 or 128, bn 128; cluster 1, or 2 at bm 128; `policy`
+ * as above. */
+int moed_cuda_gemm_fp8_sm90(const moed_cuda_gemm *g, int cluster, int policy, moed_cuda_stream s);
 /* Dispatches on cfg->kernel. */
 int moed_cuda_gemm_run(const moed_cuda_gemm *g, const moed_cuda_tile_cfg *cfg, moed_cuda_stream s);
 
@@ -341,6 +342,10 @@ int moed_cuda_quant_fp8(const void *x, int dtype, int64_t R, int cols, int64_t l
  * peer access is enabled). */
 int moed_cuda_gather_rows(void *dst, const void *src, const int32_t *idx, int n, size_t row_bytes,
                           moed_cuda_stream s);
+/* The same for the columns of a table [groups][ld] (FP8 rows' scales): dst[c * dst_ld + s] =
+ * src[c * src_ld + idx[s]] for c < groups, s < n. */
+int moed_cuda_gather_cols(float *dst, int64_t dst_ld, const float *src, int64_t src_ld,
+                          const int32_t *idx, int n, int groups, moed_cuda_stream s);
 
 struct moed_expert_w;
 /* An FP8 expert's up matrix (W1, or W1|W3 interleaved for SwiGLU: glu) as e4m3 codes [n_up, d_pad]

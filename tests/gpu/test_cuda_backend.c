@@ -734,6 +734,10 @@ static const tcase fp8_cases[] = {
       "layers=1,d=7168,ff=2048,experts=256,topk=8,act=swiglu,dtype=fp8,seed=13,shared=1,"
       "shared_ff=2048,rule=deepseek,groups=8,topk_groups=4,scale=2.5",
       1000, R_TOPK, MOED_BF16, NULL, 16 },
+    /* both ways the up GEMM reads its rows at bm 128 whatever the table picks: gathered in the
+     * load, pre-permuted with their scales (each in clusters of two) */
+    { "fp8 deepseek-s shared T=4096 sm90", DSV38_S, 4096, R_TOPK, MOED_BF16, "sm90", 0 },
+    { "fp8 mixtral-s T=1000 sm90p", MIX8_S, 1000, R_TOPK, MOED_BF16, "sm90p", 0 },
 };
 
 /* The cases MOED_GPU_TEST_QUICK runs (by name: the table grows). */

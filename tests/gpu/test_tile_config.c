@@ -48,9 +48,16 @@ static const tcase cases[] = {
     { "sm80 forced on Hopper", 90, 56, 128, 1536, 2048, BF, S80, S80, 64, 128, 1, 1 },
     { "sm90 forced at 1 row", 90, 1, 128, 1536, 2048, BF, S90, S90, 128, 256, 1, 2 },
     { "sm90p forced at 1 row", 90, 1, 128, 1536, 2048, BF, S90P, S90, 128, 256, 0, 2 },
-    /* FP8 weights on Hopper: the FP8 kernel, bm 128 from 96 rows */
-    { "fp8 96 rows", 90, 96, 8, 28672, 4096, F8, 0, S90F, 128, 128, 1, 1 },
-    { "fp8 95 rows", 90, 95, 8, 28672, 4096, F8, 0, S90F, 64, 128, 1, 1 },
+    /* FP8 weights on Hopper: the FP8 kernel, bm 128 in clusters of two from 96 rows, its rows
+     * pre-permuted; at bm 64 pre-permuted only at d >= 4096 from 16 rows and 1024 pairs */
+    { "fp8 96 rows", 90, 96, 8, 28672, 4096, F8, 0, S90F, 128, 128, 0, 2 },
+    { "fp8 96 rows (d 2048)", 90, 96, 128, 1536, 2048, F8, 0, S90F, 128, 128, 0, 2 },
+    { "fp8 95 rows (760 pairs)", 90, 95, 8, 28672, 4096, F8, 0, S90F, 64, 128, 1, 1 },
+    { "fp8 deepseek 16 rows", 90, 16, 256, 4096, 7168, F8, 0, S90F, 64, 128, 0, 1 },
+    { "fp8 deepseek 15 rows", 90, 15, 256, 4096, 7168, F8, 0, S90F, 64, 128, 1, 1 },
+    { "fp8 95 rows (d 2048)", 90, 95, 128, 1536, 2048, F8, 0, S90F, 64, 128, 1, 1 },
+    { "fp8 sm90 forced at 96 rows", 90, 96, 8, 28672, 4096, F8, S90, S90F, 128, 128, 1, 2 },
+    { "fp8 sm90p forced at 1 row", 90, 1, 8, 28672, 4096, F8, S90P, S90F, 64, 128, 0, 1 },
     { "fp8 on sm80", 80, 96, 8, 28672, 4096, F8, 0, S80, 128, 128, 1, 1 },
     /* 2:4 sparse routed experts: on Hopper wgmma.sp (bm 128, 256 features, clusters of two) from
      * 32 rows an expert, mma.sp below and elsewhere; pre-permuted rows at K >= 4096; a half last
@@ -67,7 +74,8 @@ static const tcase cases[] = {
 };
 
 /* How the Hopper kernels' gathered rows complete a stage (MOED_CUDA_GATHER_*): bf16 arrives on the
- * barrier from 256 rows an expert and lags below, FP8 lags across tiles. */
+ * barrier from 256 rows an expert and lags below, FP8 (gathered only at bm 64) lags across tiles.
+ */
 typedef struct pcase {
     const char *name;
     int rows, n_active, n, k, wdtype;
@@ -82,7 +90,7 @@ static const pcase policy_cases[] = {
     { "qwen3 255 rows", 255, 128, 1536, 2048, BF, TILE },
     { "mixtral 128 rows (gathered at d 4096)", 128, 8, 28672, 4096, BF, TILE },
     { "gpt-oss 1024 rows", 1024, 128, 5888, 2944, BF, ARRIVE },
-    { "fp8 4096 rows", 4096, 8, 28672, 4096, F8, RUN },
+    { "fp8 95 rows (d 2048)", 95, 128, 1536, 2048, F8, RUN },
     { "fp8 64 rows", 64, 8, 28672, 4096, F8, RUN },
 };
 
