@@ -95,17 +95,16 @@ static int expert_gemms(const moed_cuda_layer_dev *L, const moed_cuda_route_dev 
                        : MOED_CUDA_OVERLAP_WEIGHTS;
     int rc = 0;
     if (r && !cfg.gather) { /* rows pre-permuted into y (free until the down GEMM), A by TMA */
-        if (fp8) { /* e4m3 rows in y's first P * d_pad bytes (of its 2 * P * d_pad), the scales
-                    * after them */
+        rc = moed_cuda_gather_rows(es->y, x, r->slot_tok, r->P,
+                                   fp8 ? (size_t)L->d_pad : moed_cuda_cbytes(L->d_pad), s);
+        if (fp8) { /* e4m3 rows take y's first P * d_pad bytes (of its 2 * P * d_pad): their
+                    * scales after them */
             float *ps = (float *)((uint8_t *)es->y + P * L->d_pad);
-            rc = moed_cuda_gather_rows(es->y, x, r->slot_tok, r->P, (size_t)L->d_pad, s);
             if (!rc)
                 rc = moed_cuda_gather_cols(ps, P, w->xs, w->xs_ld, r->slot_tok, r->P,
                                            L->d_pad / MOED_CUDA_FP8_K, s);
             g.a_scale = ps;
             g.a_scale_ld = P;
-        } else {
-            rc = moed_cuda_gather_rows(es->y, x, r->slot_tok, r->P, moed_cuda_cbytes(L->d_pad), s);
         }
         g.a = es->y;
         g.a_rows = NULL;
