@@ -452,18 +452,10 @@ static bool from_peer(const char *peer, sock_addr *out)
     return inet_pton(out->family, host, out->a) == 1;
 }
 
-int moed_peers_disconnect(const char *addr, int port)
+/* The TCP connections of this process whose local port is `port` and, with `want`, whose peer is
+ * it; each reset when `reset`. Returns how many it found (reset: how many it reset). */
+static int scan_connections(const sock_addr *want, int port, bool reset)
 {
-    sock_addr want, peer, local;
-    if (addr && !strncmp(addr, "fd:", 3)) { /* "fd:N/SEQ": moed's own unix listener handed gRPC this
-                                       descriptor, which stays open while a call of its connection
-                                       is alive */
-        char *stop;
-        long fd = strtol(addr + 3, &stop, 10);
-        return (!*stop || *stop == '/') && fd >= 0 && fd <= INT_MAX &&
-               shutdown((int)fd, SHUT_RDWR) == 0;
-    }
-    if (addr && !from_peer(addr, &want)) return 0;
     DIR *d = opendir("/proc/self/fd");
     if (!d) return 0;
     int n = 0, self = dirfd(d);
@@ -476,16 +468,22 @@ int moed_peers_disconnect(const char *addr, int port)
         socklen_t ll = sizeof ls;
         if (getsockname((int)fd, (struct sockaddr *)&ls, &ll)) continue;
         socklen_t pl = ll;
+        sock_addr peer, local;
         /* SO_PEERNAME, not getpeername: it also names the peer of a connection the peer has
          * already reset, which getpeername refuses (ENOTCONN). Linux keeps what such a connection
          * had sent readable, and gRPC would parse all of it (megabytes of a flood's streams, for
          * seconds each, with a reading thread held) unless the reset here drops it. It takes a
-         * length no longer than the address (else EINVAL): the local one's, of the same family. */
+         * length no longer than the address (else EINVAL): the local one's, of the same family.
+         * A listening socket has no peer. */
         if (getsockopt((int)fd, SOL_SOCKET, SO_PEERNAME, &ps, &pl) || !from_sockaddr(&ps, &peer) ||
             !from_sockaddr(&ls, &local) || local.port != port ||
-            (addr && (peer.port != want.port || peer.family != want.family ||
-                      memcmp(peer.a, want.a, sizeof peer.a))))
+            (want && (peer.port != want->port || peer.family != want->family ||
+                      memcmp(peer.a, want->a, sizeof peer.a))))
             continue;
+        if (!reset) {
+            n++;
+            continue;
+        }
         /* Checked and reset back to back: gRPC could close this descriptor between the two, and a
          * new connection take its number, only if the peer went at that very moment. */
         struct sockaddr unspec = { .sa_family = AF_UNSPEC };
@@ -493,6 +491,26 @@ int moed_peers_disconnect(const char *addr, int port)
     }
     closedir(d);
     return n;
+}
+
+int moed_peers_disconnect(const char *addr, int port)
+{
+    sock_addr want;
+    if (addr && !strncmp(addr, "fd:", 3)) { /* "fd:N/SEQ": moed's own unix listener handed gRPC this
+                                       descriptor, which stays open while a call of its connection
+                                       is alive */
+        char *stop;
+        long fd = strtol(addr + 3, &stop, 10);
+        return (!*stop || *stop == '/') && fd >= 0 && fd <= INT_MAX &&
+               shutdown((int)fd, SHUT_RDWR) == 0;
+    }
+    if (addr && !from_peer(addr, &want)) return 0;
+    return scan_connections(addr ? &want : NULL, port, true);
+}
+
+int moed_peers_connections(int port)
+{
+    return scan_connections(NULL, port, false);
 }
 
 bool moed_peer_is_local(const char *peer)

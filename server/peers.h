@@ -118,6 +118,10 @@ int moed_peers_waiting(moed_peers *p);
  * reading threads are free to shut down). Returns how many it reset. */
 int moed_peers_disconnect(const char *addr, int port);
 
+/* How many TCP connections of this process have local port `port` (accepted ones: a listening
+ * socket has no peer), as moed_peers_disconnect finds them with addr NULL. */
+int moed_peers_connections(int port);
+
 /* Whether a gRPC peer address ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:/path", ...) is on
  * this host: loopback (127.0.0.0/8, ::1, ::ffff:127.x) or a unix socket ("fd:N" too: a connection
  * moed accepted on its own unix socket). */

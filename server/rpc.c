@@ -876,11 +876,15 @@ static void shutdown_now(moed_rpc *r)
 /* The second half waits for no call in flight and none arriving for DRAIN_QUIET_NS: a call on its
  * way when gRPC core shuts down is cancelled by it, and its caller would see CANCELLED. Callers
  * told UNAVAILABLE (and watchers told NOT_SERVING) stop sending; those that never do are cut short
- * by --drain-timeout. */
+ * by --drain-timeout. With no connection open on a TCP listener no call can be on its way (one on a
+ * connection not yet accepted fails UNAVAILABLE at its client), so the wait ends there too: a
+ * supervisor stopping a daemon its clients have left waits for nothing. A unix listener's
+ * connections are not counted, and always wait. */
 static void maybe_shutdown(moed_rpc *r)
 {
     if (atomic_load(&r->active) == 0 &&
-        moed_now_ns() - atomic_load(&r->last_call_ns) >= DRAIN_QUIET_NS)
+        (moed_now_ns() - atomic_load(&r->last_call_ns) >= DRAIN_QUIET_NS ||
+         (r->port > 0 && moed_peers_connections(r->port) == 0)))
         shutdown_now(r);
 }
 
