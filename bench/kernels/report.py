@@ -9,7 +9,13 @@ usage: python3 report.py torch.json moe.json [moe-graph.json ...] [--peer sonic.
                          [--out report.md]
        python3 report.py --fp8 moe.json [moe-graph.json ...] [--out report.md]
        python3 report.py --sparse moe.json [moe-graph.json ...] [--peer torch-sp24.json] [--out sparse.md]
+       python3 report.py --ab base1.json base2.json ... --vs new1.json new2.json ... [--out ab.md]
 --brief prints one short line per row and target instead of the markdown (which --out still gets).
+
+--ab: one change timed against the build before it, moe-bench run by each in turn on the same
+GPU several times (run-on-gpu.sh's ab stage): per row the median of each side, their ratio, the
+up and down GEMMs' medians' ratios, and each side's spread, since a single alternation reads 3-5%
+noise on an H200 as an effect (docs/kernels-notes.md).
 
 --fp8: moe-bench runs with bf16 and FP8 weights side by side (--weights bf16,fp8), as the FP8
 table and the FP8 targets: at T <= 64 FP8 weight bytes at >= 85% of copy bandwidth; at
@@ -21,6 +27,7 @@ T <= 64, >= 1.4x at T >= 4096 (an aim for a wgmma.sp kernel; mma.sp is not expec
 import argparse
 import json
 import re
+import statistics
 
 
 def weights_report(paths, kind, peer=None):
@@ -169,6 +176,56 @@ def bf16_report(torch_path, moe_paths, peer_path):
     return "\n".join(lines), "\n".join(brief)
 
 
+def ab_report(base_paths, new_paths):
+    """(markdown, brief lines) of one build's moe-bench runs (new) against another's (base), row by
+    row: medians over the runs, base over new (> 1: the change is faster), and spreads."""
+    def rows(paths):
+        out = {}
+        for f in paths:
+            for r in json.load(open(f))["runs"]:
+                out.setdefault((r["shape"], r["weights"], r["T"], r["routing"], r["kernel"]), []).append(r)
+        return out
+
+    def spread(rs):
+        ms = [r["ms"] for r in rs]
+        return (max(ms) - min(ms)) / statistics.median(ms)
+
+    def stage(rs, name):
+        return statistics.median([r.get("stages_ms", {}).get(name, 0.0) for r in rs])
+
+    base, new = rows(base_paths), rows(new_paths)
+    head = json.load(open(new_paths[0]))
+    lines = [f"Device: {head['device']} (sm_{head['sm']}). {len(base_paths)} runs of the base build and "
+             f"{len(new_paths)} of the new, taken in turn; medians; x: base ms over new ms (the new "
+             "build faster > 1); spread: (max - min) / median of a side's runs.", "",
+             "| shape | weights | T | routing | kernel | base ms | new ms | x | x up | x down | "
+             "spread base | spread new |", "|" + "---|" * 12]
+    brief, ratios = [], []
+    for key in list(base) + [k for k in new if k not in base]:
+        b, n = base.get(key), new.get(key)
+        bm, nm = (statistics.median([r["ms"] for r in rs]) if rs else None for rs in (b, n))
+        if not (b and n):
+            cells = " | ".join(f"{v:.3f}" if v else "-" for v in (bm, nm))
+            lines.append("| " + " | ".join(map(str, key)) + f" | {cells} | not in the "
+                         f"{'new' if b else 'base'} runs | | | | |")
+            continue
+        x = bm / nm
+        ratios.append(x)
+        xs = [stage(b, s) / stage(n, s) if stage(n, s) > 0 else None for s in ("up", "down")]
+        cells = [f"{v:.3f}x" if v else "-" for v in xs]
+        lines.append("| " + " | ".join(map(str, key)) + f" | {bm:.3f} | {nm:.3f} | {x:.3f}x | {cells[0]} | "
+                     f"{cells[1]} | {100 * spread(b):.1f}% | {100 * spread(n):.1f}% |")
+        brief.append(f"{key[0][:18]:18s} {key[1]:8s} {key[2]:6d} {key[4]:6s} {bm:8.3f} {nm:8.3f} {x:6.3f}x "
+                     f"up {cells[0]:>7s} down {cells[1]:>7s}")
+    if ratios:
+        geo = statistics.geometric_mean(ratios)
+        faster, slower = sum(x >= 1.02 for x in ratios), sum(x <= 1 / 1.02 for x in ratios)
+        lines += ["", f"Rows: {len(ratios)}; the new build 2% or more faster on {faster}, 2% or more "
+                  f"slower on {slower}; geometric mean {geo:.3f}x."]
+        brief.append(lines[-1])
+    return "\n".join(lines), "\n".join(brief)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--fp8", action="store_true", help="the FP8-beside-bf16 table (no torch file)")
@@ -178,10 +235,17 @@ def main():
     ap.add_argument("moe", nargs="*")
     ap.add_argument("--peer", help="sonic_ref.py's JSON of the same run: SonicMoE's columns and targets"
                     " (with --sparse: torch_sparse_ref.py's)")
+    ap.add_argument("--ab", action="store_true",
+                    help="the base build's moe-bench runs (the files) against the new build's (--vs)")
+    ap.add_argument("--vs", nargs="+", help="with --ab: the new build's moe-bench runs")
     ap.add_argument("--brief", action="store_true", help="print one line per row and target")
     ap.add_argument("--out")
     a = ap.parse_args()
-    if a.fp8 or a.sparse:
+    if a.ab != bool(a.vs):
+        ap.error("--ab and --vs go together: report.py --ab BASE.json ... --vs NEW.json ...")
+    if a.ab:
+        text, brief = ab_report([a.torch] + a.moe, a.vs)
+    elif a.fp8 or a.sparse:
         text = brief = weights_report([a.torch] + a.moe, "fp8" if a.fp8 else "sp24", a.peer)
     else:
         text, brief = bf16_report(a.torch, a.moe, a.peer)

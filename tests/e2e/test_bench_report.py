@@ -97,6 +97,33 @@ def test_a_peer_that_did_not_run_is_not_judged_met(report, sonic):
     assert "Targets met: 1 of 2." in md
 
 
+def test_ab_takes_medians_of_each_build_and_names_rows_one_side_lacks(tmp_path):
+    """--ab: a change's runs against the build before it's, taken in turn: per row the median of
+    each side (an outlier run moves neither), base over new, the GEMMs' own ratios, the spreads; a
+    row one side did not run is listed as such and left out of the summary."""
+    def run(name, ms, up, down, extra=()):
+        rows = [dict(moe_row("mixtral", 4096, ms), stages_ms={"up": up, "down": down}), *extra]
+        (tmp_path / name).write_text(json.dumps({"device": "Stand-in GPU", "sm": 90, "matmul_tflops": MM,
+                                                 "fp8_matmul_tflops": 0, "copy_gbs": COPY, "runs": rows}))
+        return str(tmp_path / name)
+
+    gone = moe_row("qwen3-30b-a3b", 16384, 3.0)
+    base = [run(f"b{i}.json", ms, 0.6, 0.4, [gone]) for i, ms in enumerate((1.0, 1.1, 0.5))]
+    new = [run(f"n{i}.json", ms, 0.5, 0.4) for i, ms in enumerate((0.8, 0.85, 2.0))]
+    out = tmp_path / "ab.md"
+    brief = subprocess.run([sys.executable, str(BENCH / "report.py"), "--ab", *base, "--vs", *new, "--out", str(out),
+                            "--brief"], capture_output=True, text=True, check=True).stdout
+    md = out.read_text()
+    row = next(l for l in md.splitlines() if l.startswith("| mixtral | bf16 | 4096 "))
+    assert "| 1.000 | 0.850 | 1.176x | 1.200x | 1.000x | 60.0% | 141.2% |" in row, row
+    assert "| qwen3-30b-a3b | bf16 | 16384 | uniform | auto | 3.000 | - | not in the new runs |" in md, md
+    assert "Rows: 1; the new build 2% or more faster on 1, 2% or more slower on 0; geometric mean 1.176x." in md
+    assert re.search(r"mixtral\s+bf16\s+4096 auto\s+1\.000\s+0\.850\s+1\.176x up\s+1\.200x down\s+1\.000x",
+                     brief), brief
+    lone = subprocess.run([sys.executable, str(BENCH / "report.py"), "--ab", *base], capture_output=True, text=True)
+    assert lone.returncode == 2 and "--ab and --vs go together" in lone.stderr, lone.stderr
+
+
 def test_run_on_gpu_benchmarks_the_models_torch_ref_names():
     tree = ast.parse((BENCH / "torch_ref.py").read_text())
     models = next(ast.literal_eval(n.value) for n in tree.body

@@ -29,6 +29,11 @@
 #   fp8       FP8 weights: the suite's FP8 cases (every shape class on the FP8 Tensor
 #             Cores and on the portable path, against the CPU; FP8 against bf16 on one model),
 #             compute-sanitizer memcheck and racecheck on the quick FP8 cases
+#   ab        a change timed against the build before it: moe-bench of the base build (.gpu/base.tgz,
+#             from tools/gpu/bundle.sh --base REV) and of this one, in turn, AB_REPS times (default
+#             3), on AB_ARGS (default the standard shapes and MODEL_SHAPES at T = 512, 4096, 16384),
+#             and report.py --ab's table of medians, ratios and spreads in ab.md (one line a row on
+#             stdout): about 4 minutes on an H200 with the defaults
 #   fp8-bench moe-bench with bf16 and FP8 weights side by side (standard shapes, T = 8 .. 16384,
 #             graph-replayed small batches, two padded --shape ones) with both matmul ceilings
 #   sparse    2:4 sparse experts on the Sparse Tensor Cores: the suite's sparse cases
@@ -140,7 +145,7 @@ export PYTHONUNBUFFERED=1
 export PATH=$PATH:/usr/local/cuda/bin
 OUT=${OUT:-/tmp/moed-out}
 RAW=$OUT/raw # JSON and long logs; packed into raw.tgz at the end (the device tool returns 8 files)
-STAGES=(tests sanitize bench sonic peers e2e merge pytest fp8 fp8-bench sparse dataplane python router generate
+STAGES=(tests sanitize bench ab sonic peers e2e merge pytest fp8 fp8-bench sparse dataplane python router generate
     droute split two-gpu four-gpu links other-gpu doorbell torch-op)
 PEERS=${MOED_PEERS_SITE:-/tmp/moed-peers}
 # Real models' MoE layers as d,ff,E,k (bench/kernels/torch_ref.py's MODELS, which a CI test keeps
@@ -231,6 +236,37 @@ stage_bench() {
         --out "$OUT/report.md"
     step "$PY" bench/kernels/report.py "$RAW/torch-skew.json" "$RAW/moe-skew.json" \
         --out "$OUT/report-skew.md"
+}
+
+# Single runs of one build against another's read 3-5% noise on an H200 as effects
+# (docs/kernels-notes.md): the two take turns, several times, and the table gives medians.
+stage_ab() {
+    local base=$GPU/base rep args=()
+    if [ ! -f "$GPU/base.tgz" ]; then
+        echo "run-on-gpu: ab: no $GPU/base.tgz: make it with tools/gpu/bundle.sh --base REV (after bundle.sh)"
+        count 2 ab
+        return
+    fi
+    rm -rf "$base"
+    mkdir -p "$base"
+    if ! tar xzf "$GPU/base.tgz" -C "$base"; then
+        count 2 tar
+        return
+    fi
+    if [ -n "${AB_ARGS:-}" ]; then
+        read -ra args <<<"$AB_ARGS"
+    else
+        mapfile -t args < <(model_args)
+        # shellcheck disable=SC2054  # one list of sizes
+        args+=(--tokens 512,4096,16384 --min-ms 60)
+    fi
+    for rep in $(seq "${AB_REPS:-3}"); do
+        LD_LIBRARY_PATH=$base/lib:$LD_LIBRARY_PATH quiet "$RAW/ab-base$rep.txt" timeout 300 \
+            "$base/bin/moe-bench" "${args[@]}" --json "$RAW/ab-base$rep.json"
+        quiet "$RAW/ab-new$rep.txt" timeout 300 "$B/moe-bench" "${args[@]}" --json "$RAW/ab-new$rep.json"
+    done
+    step "$PY" bench/kernels/report.py --ab "$RAW"/ab-base*.json --vs "$RAW"/ab-new*.json \
+        --out "$OUT/ab.md" --brief
 }
 
 # The standard shapes and a --shape for each of MODEL_SHAPES, for moe-bench, torch_ref.py and
