@@ -34,7 +34,8 @@ bundle_libs() {
 
 # --base REV: the build a change is timed against (run-on-gpu.sh's ab stage): REV checked out in
 # build-gpu-base/src, built beside it, and its moe-bench with the libraries it needs packed as
-# .gpu/base.tgz (about 10 MB), next to the bundle made before (this leaves that one alone).
+# .gpu/base.tgz (about 7 MB: it needs none the GPU machine lacks), next to the bundle made before
+# (this leaves that one alone).
 if [ "${1:-}" = --base ]; then
     rev=${2:?usage: tools/gpu/bundle.sh --base REV}
     src=build-gpu-base/src
