@@ -179,10 +179,10 @@ def bf16_report(torch_path, moe_paths, peer_path):
 def ab_report(base_paths, new_paths):
     """(markdown, brief lines) of one build's moe-bench runs (new) against another's (base), row by
     row: medians over the runs, base over new (> 1: the change is faster), and spreads."""
-    def rows(paths):
+    def rows(docs):
         out = {}
-        for f in paths:
-            for r in json.load(open(f))["runs"]:
+        for doc in docs:
+            for r in doc["runs"]:
                 out.setdefault((r["shape"], r["weights"], r["T"], r["routing"], r["kernel"]), []).append(r)
         return out
 
@@ -193,8 +193,9 @@ def ab_report(base_paths, new_paths):
     def stage(rs, name):
         return statistics.median([r.get("stages_ms", {}).get(name, 0.0) for r in rs])
 
-    base, new = rows(base_paths), rows(new_paths)
-    head = json.load(open(new_paths[0]))
+    new_docs = [json.load(open(f)) for f in new_paths]
+    base, new = rows(json.load(open(f)) for f in base_paths), rows(new_docs)
+    head = new_docs[0]
     lines = [f"Device: {head['device']} (sm_{head['sm']}). {len(base_paths)} runs of the base build and "
              f"{len(new_paths)} of the new, taken in turn; medians; x: base ms over new ms (the new "
              "build faster > 1); spread: (max - min) / median of a side's runs.", "",
@@ -211,8 +212,8 @@ def ab_report(base_paths, new_paths):
             continue
         x = bm / nm
         ratios.append(x)
-        xs = [stage(b, s) / stage(n, s) if stage(n, s) > 0 else None for s in ("up", "down")]
-        cells = [f"{v:.3f}x" if v else "-" for v in xs]
+        pairs = ((stage(b, s), stage(n, s)) for s in ("up", "down"))
+        cells = [f"{sb / sn:.3f}x" if sb and sn else "-" for sb, sn in pairs]
         lines.append("| " + " | ".join(map(str, key)) + f" | {bm:.3f} | {nm:.3f} | {x:.3f}x | {cells[0]} | "
                      f"{cells[1]} | {100 * spread(b):.1f}% | {100 * spread(n):.1f}% |")
         brief.append(f"{key[0][:18]:18s} {key[1]:8s} {key[2]:6d} {key[4]:6s} {bm:8.3f} {nm:8.3f} {x:6.3f}x "

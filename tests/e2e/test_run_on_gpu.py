@@ -26,8 +26,8 @@ def fake(path, rc, out=""):
 @pytest.fixture
 def gpu(tmp_path):
     """Runs the script with stand-ins: gpu(stages, tests=rc, smi=rc, sanitizer=rc, setup=fn) -> (exit
-    status, output, summary lines, $OUT); tests=None leaves the tests stage's programs out of the
-    bundle; setup(bundle folder) adds to it."""
+    status, output, summary lines), $OUT being tmp_path / "out"; tests=None leaves the tests stage's
+    programs out of the bundle; setup(bundle folder) adds to it."""
 
     def run(*stages, tests=0, smi=0, sanitizer=None, packed=False, setup=None):
         bundle, tools, out = tmp_path / "gpu", tmp_path / "tools", tmp_path / "out"
@@ -55,7 +55,7 @@ def gpu(tmp_path):
                            timeout=300)
         summary = (out / "summary.txt").read_text().splitlines() if (out / "summary.txt").exists() else []
         (out / "summary.txt").unlink(missing_ok=True)
-        return p.returncode, p.stdout + p.stderr, summary, out
+        return p.returncode, p.stdout + p.stderr, summary
 
     return run
 
@@ -68,13 +68,13 @@ def result(summary, stage):
 
 @pytest.mark.parametrize("tests_rc,want,status", [(0, "passed", 0), (1, "FAILED", 1), (77, "skipped", 77)])
 def test_a_stage_result_is_its_programs(gpu, tests_rc, want, status):
-    code, out, summary, _ = gpu("tests", tests=tests_rc)
+    code, out, summary = gpu("tests", tests=tests_rc)
     assert code == status, out
     assert result(summary, "device") == "passed" and result(summary, "tests") == want, summary
 
 
 def test_a_packed_bundle_is_unpacked_afresh(gpu):
-    code, out, summary, _ = gpu("tests", tests=0, packed=True)
+    code, out, summary = gpu("tests", tests=0, packed=True)
     assert code == 0 and result(summary, "tests") == "passed", out
 
 
@@ -89,7 +89,7 @@ def stand_in_bench(path, ms):
     path.chmod(0o755)
 
 
-def test_ab_times_the_base_build_against_this_one(gpu):
+def test_ab_times_the_base_build_against_this_one(gpu, tmp_path):
     """The ab stage runs the base bundle's moe-bench and this one's in turn and tables the medians;
     without a base bundle it fails saying how to make one."""
     def both(bundle):
@@ -98,19 +98,19 @@ def test_ab_times_the_base_build_against_this_one(gpu):
         (bundle / "base-src" / "lib").mkdir(exist_ok=True)
         subprocess.run(["tar", "czf", str(bundle / "base.tgz"), "bin", "lib"], cwd=bundle / "base-src", check=True)
 
-    code, out, summary, outdir = gpu("ab", setup=both)
+    code, out, summary = gpu("ab", setup=both)
     assert code == 0 and result(summary, "ab") == "passed", out
-    md = (outdir / "ab.md").read_text()
+    md = (tmp_path / "out" / "ab.md").read_text()
     assert "3 runs of the base build and 3 of the new" in md, md
     assert "| mixtral | bf16 | 4096 | uniform | auto | 1.250 | 1.000 | 1.250x | 1.250x | 1.250x | 0.0% | 0.0% |" in md, md
 
-    code, out, summary, _ = gpu("ab", setup=lambda bundle: (bundle / "base.tgz").unlink())
+    code, out, summary = gpu("ab", setup=lambda bundle: (bundle / "base.tgz").unlink())
     assert code == 1 and result(summary, "ab") == "FAILED", out
     assert "tools/gpu/bundle.sh --base REV" in out, out
 
 
 def test_a_failed_stage_fails_the_run_and_the_others_still_run(gpu):
-    code, out, summary, _ = gpu("sanitize", "tests", sanitizer=9)
+    code, out, summary = gpu("sanitize", "tests", sanitizer=9)
     assert code == 1, out
     assert result(summary, "sanitize") == "FAILED" and result(summary, "tests") == "passed", summary
     assert "FAILED (exit 9)" in "\n".join(summary)
@@ -118,38 +118,38 @@ def test_a_failed_stage_fails_the_run_and_the_others_still_run(gpu):
 
 def test_the_sanitizer_stage_counts_its_program(gpu):
     assert gpu("sanitize", tests=77)[0] == 77
-    code, out, summary, _ = gpu("sanitize", tests=3)
+    code, out, summary = gpu("sanitize", tests=3)
     assert code == 1 and result(summary, "sanitize") == "FAILED", out
 
 
 def test_no_device_fails_even_when_every_stage_skips(gpu):
-    code, out, summary, _ = gpu("tests", tests=77, smi=9)
+    code, out, summary = gpu("tests", tests=77, smi=9)
     assert code == 1, out
     assert result(summary, "device") == "FAILED" and result(summary, "tests") == "skipped", summary
 
 
 def test_a_missing_program_fails_its_stage(gpu):
-    code, out, summary, _ = gpu("tests", tests=None)
+    code, out, summary = gpu("tests", tests=None)
     assert code == 1 and result(summary, "tests") == "FAILED", out
     assert "exit 127" in "\n".join(summary)
 
 
 def test_an_unknown_stage_runs_nothing(gpu):
-    code, out, summary, _ = gpu("tests", "bogus")
+    code, out, summary = gpu("tests", "bogus")
     assert code == 2 and "unknown stage 'bogus'" in out and summary == [], out
     assert "== tests" not in out
 
 
 def test_pytest_stage_fails_on_a_daemon_that_fell_back_to_the_cpu(gpu):
     """moed built here serves on the CPU: in the GPU run's CUDA mode every test must fail."""
-    code, out, summary, _ = gpu("pytest")
+    code, out, summary = gpu("pytest")
     assert code == 1 and result(summary, "pytest") == "FAILED", out
     assert "moed serves on the cpu backend" in out, out[-3000:]
 
 
 def test_python_stage_skips_where_torch_or_a_gpu_is_missing(gpu):
     """CI has neither: the stage says skipped and measures nothing."""
-    code, out, summary, _ = gpu("python")
+    code, out, summary = gpu("python")
     assert code == 77 and result(summary, "python") == "skipped", out
     assert "test_python_torch: skipped" in out and "bench_dataplane" not in out, out
 
@@ -157,7 +157,7 @@ def test_python_stage_skips_where_torch_or_a_gpu_is_missing(gpu):
 def test_generate_stage_fails_on_a_daemon_that_fell_back_to_the_cpu(gpu):
     """The replayed generations must come from a CUDA daemon; the run with the model on cuda skips
     itself without torch and a GPU (CI has neither)."""
-    code, out, summary, _ = gpu("generate")
+    code, out, summary = gpu("generate")
     assert code == 1 and result(summary, "generate") == "FAILED", out
     assert "moed serves on the cpu backend" in out, out[-3000:]
     assert "generate: skipped (needs torch and transformers" in out, out[-3000:]
