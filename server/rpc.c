@@ -28,6 +28,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <zlib.h>
 
 /* The drain's wait for callers to go quiet (maybe_shutdown), and how often it looks. */
@@ -38,6 +39,8 @@
 #define KEEPALIVE_TIMEOUT_MS 20000
 /* How often queue 0's thread looks for connections that take no reply (moed_peers_stalled). */
 #define STALL_POLL_NS ((uint64_t)1000000000)
+/* How long moed_rpc_destroy waits for the transports of connections a drain reset to be gone. */
+#define GRPC_GONE_WAIT_NS ((uint64_t)10 * 1000000000)
 
 /* Calls requested in advance per method and queue: enough for a burst of callers to be taken
  * without waiting for a re-arm. */
@@ -942,11 +945,21 @@ void moed_rpc_destroy(moed_rpc *r)
     pthread_mutex_destroy(&r->live_lock);
     pthread_cond_destroy(&r->shut_cond);
     free(r);
-    /* Blocking: grpc_shutdown leaves its clean-up to a thread of its own, whose executor may still
-     * destroy a call's stream, and with it a reply slice whose destroy callback hands a buffer back
-     * to the staging pool, after teardown freed that pool (seen under ASan: a drain cut short,
-     * moed_bufpool_put on the freed pool). Once this returns no gRPC code runs. */
+    /* Once this returns no gRPC code may run: its executor destroys a call's stream, and with it a
+     * reply slice whose destroy callback hands a buffer back to the staging pool, which teardown
+     * frees next (seen under ASan: moed_bufpool_put on the freed pool). grpc_shutdown_blocking
+     * drops moed's reference to gRPC, but every connection's server-side channel holds one of its
+     * own until its transport is gone, which after a drain cut short (connections reset) can
+     * outlive the server: the last channel then shuts gRPC down on a thread of its own, later.
+     * So wait for that too: grpc_is_initialized takes the lock the clean-up holds throughout. */
     grpc_shutdown_blocking();
+    const uint64_t until = moed_now_ns() + GRPC_GONE_WAIT_NS;
+    while (grpc_is_initialized() && moed_now_ns() < until)
+        nanosleep(&(struct timespec){ 0, 1000000 }, NULL);
+    if (grpc_is_initialized())
+        moed_log_warn("grpc still running",
+                      "why=\"a connection's transport outlived the server by %d s\"",
+                      (int)(GRPC_GONE_WAIT_NS / 1000000000));
 }
 
 void moed_rpc_get_stats(moed_rpc *r, moed_rpc_stats *out)
