@@ -8,7 +8,8 @@
 #
 #   tests/asan-e2e.sh [PYTEST ARGS...]      e.g. tests/asan-e2e.sh -x -k forward
 #
-# Environment: ASAN_BUILD_DIR (default build-asan), JOBS (default: the number of cores).
+# Environment: ASAN_BUILD_DIR (default build-asan), JOBS (default: the number of cores: the build's
+# jobs and the suite's workers, tests/e2e/run.sh).
 # CUDA is left out: there is no GPU to run it on in CI, and ASan's shadow memory and the CUDA
 # driver's address-space reservations do not mix.
 set -uo pipefail
@@ -26,7 +27,7 @@ mkdir -p "$REPORTS"
 # detect_leaks: LeakSanitizer at exit; a leak gives exit status 23.
 export ASAN_OPTIONS="abort_on_error=1:halt_on_error=1:detect_leaks=1:strict_string_checks=1:check_initialization_order=1:strict_init_order=1:log_path=$REPORTS/asan"
 export UBSAN_OPTIONS="abort_on_error=1:halt_on_error=1:print_stacktrace=1:log_path=$REPORTS/ubsan"
-MOED_BUILD_DIR="$PWD/$BUILD_DIR" .venv/bin/python -m pytest -q -rfEsxX -p no:cacheprovider tests/e2e "$@"
+WORKERS="${JOBS:-$(nproc)}" MOED_BUILD_DIR="$PWD/$BUILD_DIR" bash tests/e2e/run.sh "$@"
 rc=$?
 
 shopt -s nullglob

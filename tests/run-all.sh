@@ -15,9 +15,9 @@
 # after them can run; a failing test stage is recorded and the others still run, so one run shows
 # every failure. The exit status is 0 only when every stage passed.
 #
-# Environment: BUILD_DIR (default build), JOBS (default: the number of cores), CMAKE_ARGS (extra
-# arguments for the configure step, e.g. -DMOED_WITH_CUDA=OFF), PYTEST_ARGS (extra pytest
-# arguments, e.g. "-x -k forward").
+# Environment: BUILD_DIR (default build), JOBS (default: the number of cores: the build's jobs and
+# the end-to-end suites' workers, tests/e2e/run.sh), CMAKE_ARGS (extra arguments for the configure
+# step, e.g. -DMOED_WITH_CUDA=OFF), PYTEST_ARGS (extra pytest arguments, e.g. "-x -k forward").
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -69,8 +69,9 @@ stage_unit() {
 }
 
 stage_e2e() {
+    # JOBS processes side by side, then the tests that must run alone (tests/e2e/run.sh).
     # shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
-    MOED_BUILD_DIR="$PWD/$BUILD_DIR" $PY -m pytest -q -rfEsxX -p no:cacheprovider tests/e2e ${PYTEST_ARGS:-}
+    WORKERS="$JOBS" MOED_BUILD_DIR="$PWD/$BUILD_DIR" bash tests/e2e/run.sh ${PYTEST_ARGS:-}
 }
 
 stage_python() {

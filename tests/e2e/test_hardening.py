@@ -179,6 +179,7 @@ def test_a_compressed_flag_without_an_algorithm_is_internal(daemon, accept):
     forward_ok(d.address)
 
 
+@pytest.mark.serial
 def test_open_health_service_is_bounded_by_the_quota(daemon):
     """Health answers without a token, so its requests are read for anyone: gRPC's resource quota
     (--max-grpc-memory) is what bounds them. Past it gRPC resets streams; the daemon stays up."""
@@ -235,6 +236,7 @@ def test_late_settings_are_answered(daemon):
     assert (status, message) == (0, ""), (status, message)
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("variant", ("open", "reset", "token"))
 def test_stream_flood_leaves_callers_answered(daemon, tmp_path, variant):
     """Before: 8 connections opening Forward streams (HEADERS + an empty DATA frame, 100 per
