@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The end-to-end suite as tests/run-all.sh and tests/asan-e2e.sh run it: first in WORKERS
-# processes side by side (pytest-xdist; each test file on one worker, so a file's module fixtures
-# start once), then the tests marked `serial` one at a time with nothing beside them: they load the
-# machine on purpose and their callers' deadlines assume the cores are theirs (conftest.py). Most
-# of the suite waits on daemons, timers and sockets (on CI's two cores it kept 0.6 of a core busy),
-# so two workers there take the e2e stage from about 285 s to about 170.
+# processes side by side (pytest-xdist, each test to the next free worker; a module's fixtures
+# start once in each worker that runs its tests), then the tests marked `serial` one at a time with
+# nothing beside them: they load the machine on purpose and their callers' deadlines assume the
+# cores are theirs (conftest.py). Most of the suite waits on daemons, timers and sockets (on CI's
+# two cores one process kept 0.6 of a core busy), so two workers there take the e2e stage from
+# about 285 s to about 175. (A file a worker was slower: 205 s, the longest files last.)
 #
 #   tests/e2e/run.sh [PYTEST ARGS...]     e.g. tests/e2e/run.sh -x -k forward
 #
@@ -18,7 +19,7 @@ workers=${WORKERS:-$(nproc)}
 common=(-q -rfEsxX -p no:cacheprovider tests/e2e)
 [ "$workers" -gt 1 ] || exec "$PY" -m pytest "${common[@]}" "$@"
 
-"$PY" -m pytest "${common[@]}" -n "$workers" --dist loadfile -m "not serial" "$@"
+"$PY" -m pytest "${common[@]}" -n "$workers" --dist load -m "not serial" "$@"
 side_by_side=$?
 "$PY" -m pytest "${common[@]}" -m serial "$@"
 alone=$?
