@@ -34,8 +34,8 @@ def pytest_configure(config):
     # A thread that dies of an exception fails the test it ran in (pytest only warns by default):
     # tests hand work to threads, and one that died would leave the others' results to pass.
     config.addinivalue_line("filterwarnings", "error::pytest.PytestUnhandledThreadExceptionWarning")
-    # tests/run-all.sh runs the suite in WORKERS processes (pytest-xdist), then these alone.
-    config.addinivalue_line("markers", "serial: runs with no other test beside it (tests/run-all.sh): "
+    # tests/e2e/run.sh runs the suite in WORKERS processes (pytest-xdist), then these alone.
+    config.addinivalue_line("markers", "serial: runs with no other test beside it (tests/e2e/run.sh): "
                                        "it loads the machine on purpose, and its callers' deadlines "
                                        "assume the cores are its own")
 
@@ -49,9 +49,10 @@ def free_port():
     """A port nothing listens on, never the same one twice in this process: the kernel may hand a
     port just closed out again, and a daemon given it for both gRPC and metrics fails to start.
     Nor one another worker of the same run can give (pytest-xdist: worker i of n takes the ports p
-    with p // 2 equal to i modulo n; not p itself, since Linux's bind gives odd ports). Free on every address (a port free on loopback may be in use on another,
-    which a daemon listening on 0.0.0.0 would find). Only until another process takes it: where a
-    test can, it lets the daemon pick (port 0; conftest's Daemon, prod.ANY_METRICS_PORT)."""
+    with p // 2 equal to i modulo n; not p itself, since Linux's bind gives odd ports). Free on
+    every address (a port free on loopback may be in use on another, which a daemon listening on
+    0.0.0.0 would find). Only until another process takes it: where a test can, it lets the daemon
+    pick (port 0; conftest's Daemon, prod.ANY_METRICS_PORT)."""
     while True:
         with socket.socket() as s:
             s.bind(("0.0.0.0", 0))
