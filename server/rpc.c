@@ -28,7 +28,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <zlib.h>
 
 /* The drain's wait for callers to go quiet (maybe_shutdown), and how often it looks. */
@@ -39,8 +38,10 @@
 #define KEEPALIVE_TIMEOUT_MS 20000
 /* How often queue 0's thread looks for connections that take no reply (moed_peers_stalled). */
 #define STALL_POLL_NS ((uint64_t)1000000000)
-/* How long moed_rpc_destroy waits for the transports of connections a drain reset to be gone. */
+/* How long moed_rpc_destroy waits for the transports of connections a drain reset to be gone, and
+ * how often it looks. */
 #define GRPC_GONE_WAIT_NS ((uint64_t)10 * 1000000000)
+#define GRPC_GONE_POLL_S  1e-3
 
 /* Calls requested in advance per method and queue: enough for a burst of callers to be taken
  * without waiting for a re-arm. */
@@ -954,12 +955,15 @@ void moed_rpc_destroy(moed_rpc *r)
      * So wait for that too: grpc_is_initialized takes the lock the clean-up holds throughout. */
     grpc_shutdown_blocking();
     const uint64_t until = moed_now_ns() + GRPC_GONE_WAIT_NS;
-    while (grpc_is_initialized() && moed_now_ns() < until)
-        nanosleep(&(struct timespec){ 0, 1000000 }, NULL);
-    if (grpc_is_initialized())
-        moed_log_warn("grpc still running",
-                      "why=\"a connection's transport outlived the server by %d s\"",
-                      (int)(GRPC_GONE_WAIT_NS / 1000000000));
+    while (grpc_is_initialized()) {
+        if (moed_now_ns() >= until) {
+            moed_log_warn("grpc still running",
+                          "why=\"a connection's transport outlived the server by %d s\"",
+                          (int)(GRPC_GONE_WAIT_NS / 1000000000));
+            break;
+        }
+        moed_sleep_s(GRPC_GONE_POLL_S);
+    }
 }
 
 void moed_rpc_get_stats(moed_rpc *r, moed_rpc_stats *out)
