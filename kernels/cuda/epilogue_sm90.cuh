@@ -118,7 +118,7 @@ moed_cuda_staged_epilogue(const moed_cuda_gemm &g, const CUtensorMap *tm_c, cons
     const int row0 = t.row0 + cw * ROWS;
     const int rows = min(t.row_end - row0, ROWS);
     if (rows <= 0) return; /* a cluster's spare rank, or consumer 1 of a tile of <= 64 rows */
-    const int col0 = t.nt * OUT;
+    const int col0 = t.nt * OUT, width = EPI == MOED_CUDA_EPI_SWIGLU ? g.n / 2 : g.n;
     const int r = (wt >> 5) * 16 + ((wt & 31) >> 2); /* this thread's h = 0 row */
 #pragma unroll
     for (int round = 0; round < ROUNDS; round++) {
@@ -143,10 +143,11 @@ moed_cuda_staged_epilogue(const moed_cuda_gemm &g, const CUtensorMap *tm_c, cons
                                       row0);
                 ptx::bulk_commit();
             }
-        } else {
+        } else { /* stopping at the C map's width, as the TMA store does (a clipped n-tile) */
+            const int c8s = min(RCOLS, width - c_round) / 8;
             T *c = static_cast<T *>(g.c) + (int64_t)row0 * g.ldc + c_round;
-            for (int i = wt; i < rows * R_C8; i += THREADS) {
-                const int ri = i / R_C8, ci = i % R_C8;
+            for (int i = wt; i < rows * c8s; i += THREADS) {
+                const int ri = i / c8s, ci = i % c8s;
                 *reinterpret_cast<uint4 *>(c + (int64_t)ri * g.ldc + 8 * ci) =
                     *reinterpret_cast<const uint4 *>(stp + (ci / BOX_C8) * MOED_CUDA_EPI_BOX_BYTES +
                                                      moed_cuda_swz128(ri, ci % BOX_C8));

@@ -9,7 +9,9 @@
  * over its rows, keeps one wgmma group in flight, releases a stage once the group that read it has
  * finished, and runs the epilogue of epilogue_sm90.cuh: through a staging buffer of its own, out by
  * TMA store. Each output element is one fixed-order sum over K, independent of the tile's other
- * rows.
+ * rows. N is a multiple of 128: at BN = 256 the last n-tile may be half of one, whose other half
+ * reads the next expert's weight rows (TMA's zeros after the last) into columns never stored (the
+ * epilogue stops at N).
  */
 #include "producer_sm90.cuh"
 
@@ -135,7 +137,7 @@ extern "C" int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, int cluster,
                                    moed_cuda_stream s)
 {
     /* TMA reads A and B and writes C: 16-byte aligned rows */
-    if (g->bm != BM || (bn != 128 && bn != 256) || g->n % bn || g->k % BK || g->lda % 8 ||
+    if (g->bm != BM || (bn != 128 && bn != 256) || g->n % 128 || g->k % BK || g->lda % 8 ||
         !moed_cuda_epi_c_ok(g) || (cluster != 1 && !(cluster == 2 && bn == 256)))
         return MOED_EINVAL;
     if (g->cdtype == MOED_BF16) return dispatch<__nv_bfloat16>(g, bn, cluster, policy, s);

@@ -392,7 +392,7 @@ int moed_cuda_sm90_launch(const moed_cuda_gemm *g, int tm, moed_cuda_stream s)
     if (cudaFuncSetAttribute(KERN, cudaFuncAttributeMaxDynamicSharedMemorySize, R::BYTES) !=
         cudaSuccess)
         return MOED_EDEVICE;
-    const int num_n = g->n / R::BN;
+    const int num_n = (g->n + R::BN - 1) / R::BN; /* the last may be clipped (gemm_sm90.cu) */
     const int64_t units = (int64_t)num_n * ((g->max_tiles + R::MC - 1) / R::MC);
     if (units <= 0) return 0;
     if (units > 0x7fffffff) return MOED_EINVAL;

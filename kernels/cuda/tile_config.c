@@ -21,7 +21,8 @@
  *                                      (bn 64, one warp and twice the CTAs: up to 12% slower at
  *                                      T=8)
  *
- * bn 128 for sm90 when N is not a multiple of 256. Both GEMMs of a batch share bm (route prep lays
+ * sm90 is bn 256 throughout: where N is a multiple of 128 but not of 256 its last n-tile is a half
+ * (gemm_sm90.cu; NOT YET MEASURED against bn 128). Both GEMMs of a batch share bm (route prep lays
  * the tiles out once).
  *
  * sm90's gathered rows (moed_cuda.h, MOED_CUDA_GATHER_*) complete a stage by arriving on its
@@ -210,7 +211,7 @@ moed_cuda_tile_cfg moed_cuda_tile_choose(int sm, int64_t P, int n_active, int n,
         c.gather_policy = MOED_CUDA_GATHER_LAG_RUN;
     } else if (hopper && c.bm == 128) {
         c.kernel = MOED_CUDA_KERNEL_SM90;
-        c.bn = n % 256 == 0 ? 256 : 128;
+        c.bn = 256;
         c.gather = force_kernel ? force_kernel == MOED_CUDA_KERNEL_SM90
                                 : !(k >= 4096 && rows_per_expert_at_least(P, n_active, 192));
         c.cluster = c.bn == 256 && !clusters_off() ? 2 : 1;

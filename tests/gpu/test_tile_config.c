@@ -38,8 +38,8 @@ static const tcase cases[] = {
     { "mixtral 191 rows", 90, 191, 8, 28672, 4096, BF, 0, S90, 128, 256, 1, 2 },
     { "deepseek 128 rows", 90, 128, 256, 4096, 7168, BF, 0, S90, 128, 256, 1, 2 },
     { "gpt-oss 1024 rows (d 2944)", 90, 1024, 128, 5888, 2944, BF, 0, S90, 128, 256, 1, 2 },
-    /* N not a multiple of 256: bn 128, one CTA a cluster (gpt-oss's down GEMM) */
-    { "gpt-oss down", 90, 512, 128, 2944, 2944, BF, 0, S90, 128, 128, 1, 1 },
+    /* N not a multiple of 256: bn 256 with a half last n-tile, in clusters (gpt-oss's down GEMM) */
+    { "gpt-oss down", 90, 512, 128, 2944, 2944, BF, 0, S90, 128, 256, 1, 2 },
     /* other GPUs: the portable kernel, bm 128 only from 96 rows */
     { "sm80 56 rows", 80, 56, 128, 1536, 2048, BF, 0, S80, 64, 128, 1, 1 },
     { "sm80 95 rows", 80, 95, 128, 1536, 2048, BF, 0, S80, 64, 128, 1, 1 },
