@@ -3,15 +3,16 @@
  * shared memory, on the skeleton of producer_sm90.cuh (persistent, warp-specialised, weight tiles
  * by TMA, token rows gathered by cp.async or, in order, by TMA).
  *
- * Tiles of BM x BN = 128 x 128 or 128 x 256, STAGES = 4 stages of BK = 64 two-byte elements, two
- * consumer warpgroups of 64 rows each. Launched in clusters of MC = 2 CTAs at BN = 256 (the table
- * in tile_config.c), which share the weight tile by multicast. Each consumer runs m64nBNk16 wgmma
- * over its rows, keeps one wgmma group in flight, releases a stage once the group that read it has
- * finished, and runs the epilogue of epilogue_sm90.cuh: through a staging buffer of its own, out by
- * TMA store. Each output element is one fixed-order sum over K, independent of the tile's other
- * rows. N is a multiple of 128: at BN = 256 the last n-tile may be half of one, whose other half
- * reads the next expert's weight rows (TMA's zeros after the last) into columns never stored (the
- * epilogue stops at N).
+ * Tiles of BM x BN = 128 x 256, STAGES = 4 stages of BK = 64 two-byte elements, two consumer
+ * warpgroups of 64 rows each. Launched in clusters of MC = 2 CTAs (the table in tile_config.c; one
+ * where clusters are turned off), which share the weight tile by multicast. Each consumer runs
+ * m64n256k16 wgmma over its rows, keeps one wgmma group in flight, releases a stage once the group
+ * that read it has finished, and runs the epilogue of epilogue_sm90.cuh: through a staging buffer
+ * of its own, out by TMA store. Each output element is one fixed-order sum over K, independent of
+ * the tile's other rows. N is a multiple of 128: the last n-tile may be half of one, whose other
+ * half reads the next expert's weight rows (TMA's zeros after the last) into columns never stored
+ * (the epilogue stops at N). That half tile measured faster than a whole layer at BN = 128, which
+ * moves 1.33x the bytes per FLOP and ran without clusters (docs/kernels-notes.md, step 15).
  */
 #include "producer_sm90.cuh"
 
@@ -26,6 +27,7 @@ namespace ptx = moed::ptx;
 /* ---- the tile, the warpgroups and their budgets --------------------------------------------- */
 
 constexpr int BM = 128;               /* rows of a tile */
+constexpr int BN = 256;               /* columns of a tile */
 constexpr int STAGES = 4;             /* shared-memory stages in the producer/consumer ring */
 constexpr int ELEM = MOED_CUDA_CSIZE; /* bytes of a bf16 or f16 element */
 constexpr int BK = (int)ptx::sw128_row_bytes / ELEM; /* k of a stage: one 128-byte swizzle row */
@@ -35,7 +37,7 @@ static_assert(BM == CONSUMERS * WGMMA_M, "each consumer warpgroup owns 64 rows o
 static_assert(WGMMA_M == MOED_CUDA_EPI_ROWS, "the epilogue's rows");
 static_assert(BK % WGMMA_K == 0, "whole wgmma k-steps per stage");
 
-/* A consumer holds BN/2 fp32 accumulators (128 at BN = 256) plus the epilogue's temporaries. */
+/* A consumer holds BN/2 = 128 fp32 accumulators plus the epilogue's temporaries. */
 constexpr int CONSUMER_REGS = 224;
 static_assert(moed::ptx::valid_maxnreg<CONSUMER_REGS> &&
                   moed_cuda_sm90_regs_fit(CONSUMERS, CONSUMER_REGS),
@@ -43,12 +45,12 @@ static_assert(moed::ptx::valid_maxnreg<CONSUMER_REGS> &&
 
 /* The ring: A and B stages, each consumer's epilogue staging, the barriers. Kernel and launcher
  * both read it here. */
-template <typename T, int BN, int MC>
+template <typename T, int MC>
 using ring = moed_cuda_sm90_ring<T, BM, BN, STAGES, CONSUMERS, true, MC>;
-constexpr int THREADS = ring<__nv_bfloat16, 128, 1>::THREADS;
-static_assert(ring<__nv_bfloat16, 128, 1>::BK == BK, "the ring's rows are the kernel's");
+constexpr int THREADS = ring<__nv_bfloat16, 1>::THREADS;
+static_assert(ring<__nv_bfloat16, 1>::BK == BK, "the ring's rows are the kernel's");
 
-template <typename T, int BN, bool GATHER, int POLICY, int EPI, int MC>
+template <typename T, bool GATHER, int POLICY, int EPI, int MC>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_sm90_kernel(const __grid_constant__ CUtensorMap tm_b,
                      const __grid_constant__ CUtensorMap tm_a,
@@ -56,7 +58,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                      int total)
 {
 #ifdef MOED_CUDA_SM90A
-    using R = ring<T, BN, MC>;
+    using R = ring<T, MC>;
     static_assert(sizeof(T) == ELEM, "two-byte elements");
     constexpr int NACC = WGMMA_M * BN / MOED_CUDA_SM90_WG; /* fp32 accumulators a consumer thread */
 
@@ -112,35 +114,32 @@ __global__ void __launch_bounds__(THREADS, 1)
 #endif
 }
 
-template <typename T, int BN, int MC>
-int dispatch_bn(const moed_cuda_gemm *g, int policy, moed_cuda_stream s)
+template <typename T, int MC>
+int dispatch_mc(const moed_cuda_gemm *g, int policy, moed_cuda_stream s)
 {
     const int tm = g->cdtype == MOED_BF16 ? MOED_CUDA_TM_BF16 : MOED_CUDA_TM_F16;
     return moed_cuda_sm90_dispatch<MOED_CUDA_GATHER_LAG_TILE, MOED_CUDA_GATHER_ARRIVE>(
         g, policy, [&]<bool GATHER, int POLICY, int EPI>() -> int {
-            return moed_cuda_sm90_launch<gemm_sm90_kernel<T, BN, GATHER, POLICY, EPI, MC>,
-                                         ring<T, BN, MC>, GATHER, true>(g, tm, s);
+            return moed_cuda_sm90_launch<gemm_sm90_kernel<T, GATHER, POLICY, EPI, MC>, ring<T, MC>,
+                                         GATHER, true>(g, tm, s);
         });
 }
 
-/* Clusters only at bn 256: at bn 128 they measured slower, and the table never asks for them. */
-template <typename T>
-int dispatch(const moed_cuda_gemm *g, int bn, int mc, int policy, moed_cuda_stream s)
+template <typename T> int dispatch(const moed_cuda_gemm *g, int mc, int policy, moed_cuda_stream s)
 {
-    if (mc == 2) return dispatch_bn<T, 256, 2>(g, policy, s);
-    return bn == 256 ? dispatch_bn<T, 256, 1>(g, policy, s) : dispatch_bn<T, 128, 1>(g, policy, s);
+    return mc == 2 ? dispatch_mc<T, 2>(g, policy, s) : dispatch_mc<T, 1>(g, policy, s);
 }
 
 } // namespace
 
-extern "C" int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, int cluster, int policy,
+extern "C" int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int cluster, int policy,
                                    moed_cuda_stream s)
 {
     /* TMA reads A and B and writes C: 16-byte aligned rows */
-    if (g->bm != BM || (bn != 128 && bn != 256) || g->n % 128 || g->k % BK || g->lda % 8 ||
-        !moed_cuda_epi_c_ok(g) || (cluster != 1 && !(cluster == 2 && bn == 256)))
+    if (g->bm != BM || g->n % (BN / 2) || g->k % BK || g->lda % 8 || !moed_cuda_epi_c_ok(g) ||
+        (cluster != 1 && cluster != 2))
         return MOED_EINVAL;
-    if (g->cdtype == MOED_BF16) return dispatch<__nv_bfloat16>(g, bn, cluster, policy, s);
-    if (g->cdtype == MOED_F16) return dispatch<__half>(g, bn, cluster, policy, s);
+    if (g->cdtype == MOED_BF16) return dispatch<__nv_bfloat16>(g, cluster, policy, s);
+    if (g->cdtype == MOED_F16) return dispatch<__half>(g, cluster, policy, s);
     return MOED_EINVAL;
 }

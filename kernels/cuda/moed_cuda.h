@@ -251,10 +251,9 @@ int moed_cuda_gemm_sp_sm80(const moed_cuda_gemm *g, moed_cuda_stream s);
 /* The same on wgmma.sp (sm_90a): bm 128, n a multiple of 256, the same bits as the above; cluster
  * 1, or 2 (two m-tiles share the weight tile by multicast). */
 int moed_cuda_gemm_sp_sm90(const moed_cuda_gemm *g, int cluster, moed_cuda_stream s);
-/* bn 128 or 256, n a multiple of 128 (at bn 256 the last n-tile may be a half); cluster 1, or 2
- * at bn 256; gathered rows completed by `policy` (MOED_CUDA_GATHER_*). */
-int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int bn, int cluster, int policy,
-                        moed_cuda_stream s);
+/* bm 128, bn 256, n a multiple of 128 (the last n-tile may be a half); cluster 1 or 2; gathered
+ * rows completed by `policy` (MOED_CUDA_GATHER_*). */
+int moed_cuda_gemm_sm90(const moed_cuda_gemm *g, int cluster, int policy, moed_cuda_stream s);
 /* FP8 A and B (both scales set), bf16 C, bm 64 or 128, bn 128; cluster 1, or 2 at bm 128; `policy`
  * as above. */
 int moed_cuda_gemm_fp8_sm90(const moed_cuda_gemm *g, int cluster, int policy, moed_cuda_stream s);

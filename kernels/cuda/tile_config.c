@@ -22,8 +22,9 @@
  *                                      T=8)
  *
  * sm90 is bn 256 throughout: where N is a multiple of 128 but not of 256 its last n-tile is a half
- * (gemm_sm90.cu; NOT YET MEASURED against bn 128). Both GEMMs of a batch share bm (route prep lays
- * the tiles out once).
+ * (gemm_sm90.cu), in clusters, faster than the whole GEMM at bn 128 alone (gpt-oss's down GEMM, N =
+ * 2944, at T=16384 1.05x, a d 2688 layer's 1.02-1.09x). Both GEMMs of a batch share bm (route prep
+ * lays the tiles out once).
  *
  * sm90's gathered rows (moed_cuda.h, MOED_CUDA_GATHER_*) complete a stage by arriving on its
  * barrier once landed (ARRIVE) from 256 rows an expert, which only the d 2048-2880 layers gather
@@ -33,9 +34,8 @@
  * The FP8 kernel counts that lag across tiles (LAG_RUN): ARRIVE measured mixed there (DBRX
  * T=16384 6% slower).
  *
- * sm90 at bn 256 runs in clusters of two CTAs that share the weight tile (deepseek-v3 T=4096: 12%
- * faster, other layers at T >= 4096 within -2%..+4%); at bn 128 alone (gpt-oss's down GEMM, N =
- * 2944, was 12% slower in clusters).
+ * sm90 runs in clusters of two CTAs that share the weight tile (deepseek-v3 T=4096: 12% faster,
+ * other layers at T >= 4096 within -2%..+4%).
  *
  * The runs behind each line, dated: docs/kernels-notes.md, "The heuristic table".
  *
@@ -44,7 +44,8 @@
  *
  *   rows/expert   kernel     bm    bn    why
  *   >= 96         sm90 fp8   128   128   compute-bound: two consumer warpgroups interleave wgmma
- *                                        and promotion; bn 128 keeps acc + sums in registers. The
+ *                                        and promotion; bn 128 keeps acc + sums in registers (bn
+ *                                        192, at 232 registers a consumer, 0.87-1.06x). The
  *                                        up GEMM's rows pre-permuted with their scales (A by TMA:
  *                                        mixtral T=16384 up GEMM 11% faster, every layer measured
  *                                        at 128 rows an expert and up 0.88-1.02x), and clusters of
@@ -231,6 +232,6 @@ int moed_cuda_gemm_run(const moed_cuda_gemm *g, const moed_cuda_tile_cfg *cfg, m
     if (cfg->kernel == MOED_CUDA_KERNEL_SM90_FP8)
         return moed_cuda_gemm_fp8_sm90(g, cfg->cluster, cfg->gather_policy, s);
     if (cfg->kernel == MOED_CUDA_KERNEL_SM90)
-        return moed_cuda_gemm_sm90(g, cfg->bn, cfg->cluster, cfg->gather_policy, s);
+        return moed_cuda_gemm_sm90(g, cfg->cluster, cfg->gather_policy, s);
     return moed_cuda_gemm_sm80(g, cfg->bn, s);
 }
