@@ -128,7 +128,8 @@
 # bundle.sh assembles them, or its bundle.tgz of them), MOED_GPU_PYTHON (default python3),
 # DATAPLANE_ARGS (more arguments for bench_dataplane.py, e.g. --shapes mixtral; the python stage's
 # run too), MOED_PEERS_SITE (default /tmp/moed-peers: where .whl/peers.tar.xz is unpacked),
-# SONIC_JSON (peers: SonicMoE's rows from this file where it cannot run here).
+# SONIC_JSON (peers: SonicMoE's rows from this file where it cannot run here), PEER_TOKENS (the
+# sonic and peers stages' batch sizes, default 8,64,512,4096,16384).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 GPU=${MOED_GPU_DIR:-$PWD/.gpu}
@@ -149,10 +150,12 @@ STAGES=(tests sanitize bench ab sonic peers e2e merge pytest fp8 fp8-bench spars
     droute split two-gpu four-gpu links other-gpu doorbell torch-op)
 PEERS=${MOED_PEERS_SITE:-/tmp/moed-peers}
 # Real models' MoE layers as d,ff,E,k (bench/kernels/torch_ref.py's MODELS, which a CI test keeps
-# equal to this): gpt-oss-120b, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, Phi-3.5-MoE, DBRX.
+# equal to this): gpt-oss-120b, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, Phi-3.5-MoE, DBRX, then four the
+# kernels' table was never tuned on: Mixtral-8x22B, Qwen2-57B-A14B, Qwen3-235B-A22B, Llama-4-Scout.
 # shellcheck disable=SC2054  # each element is one d,ff,E,k
-MODEL_SHAPES=(2880,2880,128,4 2048,1408,60,4 2048,1024,64,8 4096,6400,16,2 6144,10752,16,4)
-PEER_TOKENS=8,64,512,4096,16384
+MODEL_SHAPES=(2880,2880,128,4 2048,1408,60,4 2048,1024,64,8 4096,6400,16,2 6144,10752,16,4
+    6144,16384,8,2 3584,2560,64,8 4096,1536,128,8 5120,8192,16,1)
+PEER_TOKENS=${PEER_TOKENS:-8,64,512,4096,16384}
 # The sparse stage's real layers beside the standard shapes: Qwen1.5-MoE-A2.7B (E not a power of
 # two), gpt-oss-120b (d and ff 2880, padded) and OLMoE-1B-7B (which the sparse kernels were never
 # tuned on).
