@@ -39,8 +39,8 @@ static_assert(MOED_CUDA_EPI_COLS % MOED_CUDA_EPI_BOX == 0, "a round stages whole
 static inline int moed_cuda_epi_tensor_map(CUtensorMap *m, const moed_cuda_gemm *g)
 {
     return moed_cuda_tensor_map(m, g->cdtype == MOED_BF16 ? MOED_CUDA_TM_BF16 : MOED_CUDA_TM_F16,
-                                g->c, g->c_rows, g->epi == MOED_CUDA_EPI_SWIGLU ? g->n / 2 : g->n,
-                                g->ldc, MOED_CUDA_EPI_BOX, MOED_CUDA_EPI_ROWS, 1);
+                                g->c, g->c_rows, moed_cuda_epi_cols(g->epi, g->n), g->ldc,
+                                MOED_CUDA_EPI_BOX, MOED_CUDA_EPI_ROWS, 1);
 }
 
 /* What the launchers check of C before they build that map: 16-byte aligned rows. */
@@ -88,7 +88,7 @@ template <typename T, int EPI, int BN>
 __device__ __forceinline__ void moed_cuda_direct_epilogue(const moed_cuda_gemm &g, const float *acc,
                                                           int rbase, int row_end, int n0, int lane)
 {
-    T *c = static_cast<T *>(g.c) + (EPI == MOED_CUDA_EPI_SWIGLU ? n0 / 2 : n0) + 2 * (lane & 3);
+    T *c = static_cast<T *>(g.c) + moed_cuda_epi_cols(EPI, n0) + 2 * (lane & 3);
     moed_cuda_wgmma_pairs<EPI, BN>(acc, [&](int h, int c8, float v0, float v1) {
         const int r = rbase + 8 * h;
         if (r < row_end) moed_cuda_store2<T>(c + (int64_t)r * g.ldc + 8 * c8, v0, v1);
@@ -110,7 +110,7 @@ moed_cuda_staged_epilogue(const moed_cuda_gemm &g, const CUtensorMap *tm_c, cons
 {
     namespace ptx = moed::ptx;
     constexpr int ROWS = MOED_CUDA_EPI_ROWS, BOX = MOED_CUDA_EPI_BOX, THREADS = 128;
-    constexpr int OUT = EPI == MOED_CUDA_EPI_SWIGLU ? BN / 2 : BN;
+    constexpr int OUT = moed_cuda_epi_cols(EPI, BN);
     constexpr int RCOLS = OUT < MOED_CUDA_EPI_COLS ? OUT : MOED_CUDA_EPI_COLS, ROUNDS = OUT / RCOLS;
     constexpr int R_C8 = RCOLS / 8, BOX_C8 = BOX / 8;
     static_assert(sizeof(T) == MOED_CUDA_EPI_ELEM, "2-byte output elements");
@@ -118,7 +118,7 @@ moed_cuda_staged_epilogue(const moed_cuda_gemm &g, const CUtensorMap *tm_c, cons
     const int row0 = t.row0 + cw * ROWS;
     const int rows = min(t.row_end - row0, ROWS);
     if (rows <= 0) return; /* a cluster's spare rank, or consumer 1 of a tile of <= 64 rows */
-    const int col0 = t.nt * OUT, width = EPI == MOED_CUDA_EPI_SWIGLU ? g.n / 2 : g.n;
+    const int col0 = t.nt * OUT, width = moed_cuda_epi_cols(EPI, g.n);
     const int r = (wt >> 5) * 16 + ((wt & 31) >> 2); /* this thread's h = 0 row */
 #pragma unroll
     for (int round = 0; round < ROUNDS; round++) {

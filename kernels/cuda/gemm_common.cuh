@@ -112,6 +112,13 @@ __host__ __device__ constexpr int moed_cuda_glu_col(int n)
     return n / (2 * MOED_CUDA_GLU_BLOCK) * MOED_CUDA_GLU_BLOCK + n % (2 * MOED_CUDA_GLU_BLOCK);
 }
 
+/* The columns of C that the first n columns of the GEMM give under epilogue epi: half of them
+ * under SwiGLU (a gate and an up column make one), else all. */
+__host__ __device__ constexpr int moed_cuda_epi_cols(int epi, int n)
+{
+    return epi == MOED_CUDA_EPI_SWIGLU ? n / 2 : n;
+}
+
 /*
  * The epilogue of one accumulator pair: columns n, n+1 (global, even) of tile row `row`, with
  * (u0, u1) the same row's columns n + MOED_CUDA_GLU_BLOCK for SwiGLU (the matching up projection:

@@ -215,7 +215,7 @@ moed_cuda_tile_cfg moed_cuda_tile_choose(int sm, int64_t P, int n_active, int n,
         c.bn = 256;
         c.gather = force_kernel ? force_kernel == MOED_CUDA_KERNEL_SM90
                                 : !(k >= 4096 && rows_per_expert_at_least(P, n_active, 192));
-        c.cluster = c.bn == 256 && !clusters_off() ? 2 : 1;
+        c.cluster = clusters_off() ? 1 : 2;
         c.gather_policy = sm90_gather_policy(P, n_active);
     } else {
         c.kernel = MOED_CUDA_KERNEL_SM80;
